@@ -1,0 +1,46 @@
+"""The ``diloco-async`` command line.
+
+Subcommands import lazily so that ``diloco-async --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _train(args: argparse.Namespace) -> int:
+    from flows.train import run_train_cli
+
+    return run_train_cli(args.config, overrides=args.set or [])
+
+
+def _simulate(argv: list[str]) -> int:
+    from diloco_async.sim.cli import main as sim_main
+
+    return sim_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `simulate` owns its own flags; hand the rest of the line to it untouched.
+    if argv and argv[0] == "simulate":
+        return _simulate(argv[1:])
+    parser = argparse.ArgumentParser(prog="diloco-async", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="run a training job (Prefect flow `train`)")
+    p_train.add_argument("--config", default="configs/default.toml", help="recipe file (TOML)")
+    p_train.add_argument(
+        "--set", action="append", metavar="KEY=VALUE",
+        help="override a config field, e.g. --set learners.count=2 (repeatable)",
+    )
+    p_train.set_defaults(func=_train)
+    sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

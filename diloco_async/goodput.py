@@ -1,0 +1,135 @@
+"""Goodput definitions (DESIGN §7, paper §5.1). Pure: no I/O, no clock.
+
+One definition shared by the real runs (synchronizer ledger), the chaos harness and the simulator:
+
+* compute goodput = useful learner-seconds / provisioned learner-seconds;
+* token goodput   = tokens merged / tokens processed;
+* uptime          = share of wall time in which the global model advanced, where a gap between
+  two merges longer than ``max_gap_s`` counts as down for the part beyond ``max_gap_s``.
+
+A learner-second is *useful* when it was spent on inner steps whose contribution was merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+__all__ = [
+    "LearnerLedger",
+    "compute_goodput",
+    "token_goodput",
+    "uptime",
+]
+
+
+def compute_goodput(useful_s: float, provisioned_s: float) -> float:
+    """Useful over provisioned learner-seconds, in [0, 1]; 0 when nothing was provisioned.
+
+    Raises:
+        ValueError: a negative input, or ``useful_s`` larger than ``provisioned_s`` by more than
+            rounding (1e-9 relative).
+    """
+    if useful_s < 0 or provisioned_s < 0:
+        raise ValueError(f"seconds must be >= 0, got useful={useful_s}, provisioned={provisioned_s}")
+    if provisioned_s == 0:
+        return 0.0
+    if useful_s > provisioned_s * (1 + 1e-9):
+        raise ValueError(f"useful_s={useful_s} exceeds provisioned_s={provisioned_s}")
+    return min(1.0, useful_s / provisioned_s)
+
+
+def token_goodput(tokens_merged: float, tokens_processed: float) -> float:
+    """Tokens merged over tokens processed, in [0, 1]; 0 when nothing was processed."""
+    if tokens_merged < 0 or tokens_processed < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens_merged}, {tokens_processed}")
+    if tokens_processed == 0:
+        return 0.0
+    return min(1.0, tokens_merged / tokens_processed)
+
+
+def uptime(merge_times_s: Iterable[float], start_s: float, end_s: float, max_gap_s: float) -> float:
+    """Share of ``[start_s, end_s]`` in which the global model advanced (DESIGN §7).
+
+    Every gap between consecutive events (start, each merge, end) longer than ``max_gap_s``
+    contributes its excess over ``max_gap_s`` as downtime. Times are seconds on one clock.
+
+    Raises:
+        ValueError: ``end_s < start_s`` or ``max_gap_s < 0``.
+    """
+    if end_s < start_s:
+        raise ValueError(f"end_s={end_s} is before start_s={start_s}")
+    if max_gap_s < 0:
+        raise ValueError(f"max_gap_s must be >= 0, got {max_gap_s}")
+    span = end_s - start_s
+    if span == 0:
+        return 1.0
+    points = [start_s] + sorted(t for t in merge_times_s if start_s <= t <= end_s) + [end_s]
+    down = sum(max(0.0, b - a - max_gap_s) for a, b in zip(points, points[1:]))
+    return max(0.0, 1.0 - down / span)
+
+
+@dataclass
+class LearnerLedger:
+    """Per-learner accounting kept by the synchronizer.
+
+    ``useful_s`` and ``tokens_merged`` grow when a contribution is merged, by the compute seconds
+    and tokens it covers times the fragment's share of the parameters (a step updates every
+    fragment, so each fragment owns its numel share of the step). ``provisioned_s`` is set from
+    the learner's process start to the end of the run (or now), including any time it was down.
+    """
+
+    provisioned_s: float = 0.0
+    useful_s: float = 0.0
+    tokens_processed: int = 0
+    tokens_merged: float = 0.0
+    contributions: dict[str, int] = field(default_factory=dict)
+
+    def count(self, outcome: str) -> None:
+        self.contributions[outcome] = self.contributions.get(outcome, 0) + 1
+
+    @property
+    def compute_goodput(self) -> float:
+        return compute_goodput(min(self.useful_s, self.provisioned_s), self.provisioned_s)
+
+    @property
+    def token_goodput(self) -> float:
+        return token_goodput(min(self.tokens_merged, self.tokens_processed), self.tokens_processed)
+
+    def to_json(self) -> dict:
+        return {
+            "provisioned_s": self.provisioned_s,
+            "useful_s": self.useful_s,
+            "tokens_processed": self.tokens_processed,
+            "tokens_merged": self.tokens_merged,
+            "contributions": dict(self.contributions),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "LearnerLedger":
+        return cls(
+            provisioned_s=float(d["provisioned_s"]),
+            useful_s=float(d["useful_s"]),
+            tokens_processed=int(d["tokens_processed"]),
+            tokens_merged=float(d["tokens_merged"]),
+            contributions=dict(d.get("contributions", {})),
+        )
+
+
+def totals(ledgers: Mapping[str, LearnerLedger]) -> dict[str, float]:
+    """Run-wide compute and token goodput over all learners' ledgers."""
+    useful = sum(min(l.useful_s, l.provisioned_s) for l in ledgers.values())
+    prov = sum(l.provisioned_s for l in ledgers.values())
+    merged = sum(min(l.tokens_merged, l.tokens_processed) for l in ledgers.values())
+    processed = sum(l.tokens_processed for l in ledgers.values())
+    return {
+        "compute_goodput": compute_goodput(useful, prov),
+        "token_goodput": token_goodput(merged, processed),
+        "useful_s": useful,
+        "provisioned_s": prov,
+        "tokens_merged": merged,
+        "tokens_processed": processed,
+    }
+
+
+__all__.append("totals")
