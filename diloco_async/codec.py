@@ -1,0 +1,276 @@
+"""Wire encoding of outer gradients (DESIGN §6).
+
+A learner encodes the outer gradient of one fragment with one codec; the synchronizer decodes it
+to float32 before anchoring. The encoded form is a flat ``dict[str, Tensor]`` saved with
+safetensors (no pickle), so it can be stored as one object.
+
+Codecs and encoded entries, per tensor ``name`` with ``n`` elements:
+
+========  ==============================  ============================================
+codec     ``name``                        ``name::scale``
+========  ==============================  ============================================
+fp32      float32, original shape         —
+bf16      bfloat16, original shape        —
+int8      int8, shape ``(n,)``, in ±127   float32, shape ``(ceil(n / block_size),)``
+int4      uint8, shape ``(ceil(n/2),)``   float32, shape ``(ceil(n / block_size),)``
+========  ==============================  ============================================
+
+``int8``/``int4`` are blockwise absmax quantization over the flattened tensor: block ``k`` holds
+elements ``[k·B, (k+1)·B)`` (the last block may be short), ``scale_k = absmax_k / q`` with
+``q = 127`` (int8) or ``q = 7`` (int4), and each value is ``round(x / scale_k)`` clamped to
+``[-q, q]``; a block of zeros has scale 0. ``int4`` packs two signed 4-bit values per byte, element
+``2i`` in the low nibble and ``2i+1`` in the high nibble (two's complement; an odd ``n`` pads one
+zero nibble). The round-trip error is at most ``scale_k / 2`` per element, i.e. ``absmax_k / 254``
+(int8) and ``absmax_k / 14`` (int4). Non-finite inputs stay non-finite after a round trip (NaN/Inf
+poison their block's scale), so the receiver's finiteness check still rejects them.
+
+In bytes (:func:`encode_to_bytes`), the safetensors metadata holds the caller's string metadata plus
+``codec`` and ``block_size``. Names may not contain ``::``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Mapping
+
+import safetensors.torch
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_BLOCK_SIZE",
+    "SCALE_SUFFIX",
+    "encode",
+    "decode",
+    "encode_to_bytes",
+    "decode_from_bytes",
+]
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+DEFAULT_BLOCK_SIZE = 64
+SCALE_SUFFIX = "::scale"
+"""Suffix of the per-block float32 scales of a quantized tensor (``name::scale``)."""
+
+_QMAX = {"int8": 127, "int4": 7}
+_RESERVED_METADATA = ("codec", "block_size")
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+
+
+def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(n,)``; float32 scales)."""
+    flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    n = flat.numel()
+    nblocks = math.ceil(n / block_size)
+    padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
+    padded[:n] = flat
+    blocks = padded.view(nblocks, block_size)
+    scale = blocks.abs().amax(dim=1) / qmax
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax)
+    q = torch.nan_to_num(q, nan=0.0)  # NaN/Inf blocks carry a non-finite scale instead
+    return q.reshape(-1)[:n].to(torch.int8), scale.contiguous()
+
+
+def _dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
+    nblocks = scale.numel()
+    padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
+    padded[:n] = q.to(torch.float32)
+    return (padded.view(nblocks, block_size) * scale[:, None]).reshape(-1)[:n]
+
+
+def _pack_int4(q: Tensor) -> Tensor:
+    """int8 values in ``[-7, 7]``, shape ``(n,)`` → uint8, shape ``(ceil(n/2),)``."""
+    n = q.numel()
+    nib = q.to(torch.int16) & 0xF
+    if n % 2:
+        nib = torch.cat([nib, torch.zeros(1, dtype=torch.int16)])
+    pairs = nib.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+
+
+def _unpack_int4(packed: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`_pack_int4`: uint8 ``(ceil(n/2),)`` → int16 values, shape ``(n,)``."""
+    b = packed.to(torch.int16)
+    nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:n]
+    return torch.where(nib >= 8, nib - 16, nib)
+
+
+def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Tensor]:
+    """Encode outer gradients for the wire (DESIGN §6); layout in the module docstring.
+
+    Args:
+        tensors: name → floating tensor of any shape and device.
+        codec: one of :data:`CODECS`.
+        block_size: elements per quantization block (int8/int4 only), ≥ 1.
+
+    Returns:
+        A flat dict of contiguous CPU tensors that share no memory, ready for
+        ``safetensors.torch.save``.
+
+    Raises:
+        ValueError: for an unknown codec, a bad block size, or a name containing ``::``.
+        TypeError: for a non-floating tensor.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        if "::" in name:
+            raise ValueError(f"tensor name {name!r} may not contain '::' (reserved for {SCALE_SUFFIX})")
+        if not t.is_floating_point():
+            raise TypeError(f"tensor {name!r} must be floating point to encode, got dtype {t.dtype}")
+        if codec == "fp32":
+            out[name] = t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        elif codec == "bf16":
+            out[name] = t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True).contiguous()
+        else:
+            q, scale = _quantize(t, _QMAX[codec], block_size)
+            out[name] = _pack_int4(q) if codec == "int4" else q
+            out[name + SCALE_SUFFIX] = scale
+    return out
+
+
+def _entry(encoded: Mapping[str, Tensor], key: str, dtype: torch.dtype, numel: int, codec: str) -> Tensor:
+    if key not in encoded:
+        raise ValueError(f"{codec} payload is missing tensor {key!r}")
+    t = encoded[key]
+    if t.dtype != dtype:
+        raise ValueError(f"{codec} payload: {key!r} has dtype {t.dtype}, expected {dtype}")
+    if t.numel() != numel:
+        raise ValueError(f"{codec} payload: {key!r} has {t.numel()} elements, expected {numel}")
+    return t
+
+
+def decode(
+    encoded: dict[str, Tensor],
+    codec: str,
+    specs: dict[str, tuple[int, ...]],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> dict[str, Tensor]:
+    """Decode what :func:`encode` produced back to float32 tensors (DESIGN §6).
+
+    Args:
+        encoded: the flat dict of encoded entries.
+        codec: the codec announced for this payload, one of :data:`CODECS`.
+        specs: name → expected shape of every tensor; the payload must hold exactly these.
+        block_size: the block size the payload was encoded with (int8/int4 only).
+
+    Returns:
+        name → float32 CPU tensor of the announced shape, in the order of ``specs``.
+
+    Raises:
+        ValueError: for an unknown codec or bad block size, a missing or unexpected entry, or an
+            entry whose dtype, element count or (fp32/bf16) shape does not fit the spec.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    expected_keys = set()
+    out: dict[str, Tensor] = {}
+    for name, shape in specs.items():
+        shape = tuple(int(s) for s in shape)
+        n = math.prod(shape)
+        if codec in ("fp32", "bf16"):
+            t = _entry(encoded, name, torch.float32 if codec == "fp32" else torch.bfloat16, n, codec)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{codec} payload: {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            out[name] = t.to(torch.float32, copy=True)
+            expected_keys.add(name)
+        else:
+            scale_key = name + SCALE_SUFFIX
+            scale = _entry(encoded, scale_key, torch.float32, math.ceil(n / block_size), codec)
+            if codec == "int8":
+                q = _entry(encoded, name, torch.int8, n, codec).reshape(-1)
+            else:
+                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n)
+            out[name] = _dequantize(q, scale.reshape(-1), n, block_size).reshape(shape)
+            expected_keys.update((name, scale_key))
+    unexpected = sorted(set(encoded) - expected_keys)
+    if unexpected:
+        raise ValueError(f"{codec} payload has entries not in the announced specs: {unexpected}")
+    return out
+
+
+def encode_to_bytes(
+    tensors: dict[str, Tensor],
+    codec: str,
+    metadata: dict[str, str] | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> bytes:
+    """Encode outer gradients and serialize them with ``safetensors.torch.save``.
+
+    Args:
+        tensors, codec, block_size: as :func:`encode`.
+        metadata: string key → string value stored in the safetensors header, next to ``codec``
+            and ``block_size``, which this function sets.
+
+    Returns:
+        The safetensors bytes.
+
+    Raises:
+        ValueError: as :func:`encode`; also if ``metadata`` sets ``codec`` or ``block_size`` to a
+            different value, or holds a non-string key or value.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValueError(f"metadata must map str to str, got {k!r}: {v!r}")
+    for k, v in (("codec", codec), ("block_size", str(block_size))):
+        if k in meta and meta[k] != v:
+            raise ValueError(f"metadata {k}={meta[k]!r} conflicts with the encoding's {k}={v!r}")
+        meta[k] = v
+    return safetensors.torch.save(encode(tensors, codec, block_size), metadata=meta)
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob that has already deserialized cleanly."""
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    return dict(header.get("__metadata__") or {})
+
+
+def decode_from_bytes(
+    data: bytes, codec: str, specs: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Deserialize and decode bytes written by :func:`encode_to_bytes`.
+
+    Args:
+        data: safetensors bytes.
+        codec: the codec announced for this payload (e.g. in the contribution's manifest); it must
+            equal the codec recorded in the bytes.
+        specs: name → expected shape, as :func:`decode`.
+
+    Returns:
+        (name → float32 tensor of the announced shape, the header metadata including ``codec``
+        and ``block_size``).
+
+    Raises:
+        ValueError: for corrupted or truncated bytes, missing or mismatched ``codec`` /
+            ``block_size`` metadata, and everything :func:`decode` raises.
+    """
+    _check_codec(codec)
+    try:
+        encoded = safetensors.torch.load(bytes(data))
+        meta = _header_metadata(data)
+    except Exception as e:  # safetensors raises SafetensorError (or others) on malformed input
+        raise ValueError(f"cannot read safetensors payload ({len(data)} bytes): {e}") from e
+    if meta.get("codec") != codec:
+        raise ValueError(f"payload was encoded with codec {meta.get('codec')!r}, announced {codec!r}")
+    try:
+        block_size = int(meta.get("block_size", ""))
+    except ValueError:
+        raise ValueError(f"payload metadata has no valid block_size: {meta.get('block_size')!r}") from None
+    return decode(encoded, codec, specs, block_size=block_size), meta
