@@ -1,0 +1,33 @@
+"""Goodput simulator at paper scale (paper §5-6): pure, seeded, no I/O.
+
+``simulate(Scenario(...), load_calibration())`` answers one question; ``paper_table1_scenarios()``
+and ``heterogeneity_scenarios(cal)`` are the paper's grids. The command line is
+``diloco-async simulate`` (:mod:`diloco_async.sim.cli`).
+"""
+
+from diloco_async.sim.calibration import Calibration, load_calibration
+from diloco_async.sim.simulator import (
+    METHODS,
+    PAPER_TABLE1,
+    TABLE1_CHIPS,
+    CellResult,
+    Scenario,
+    heterogeneity_scenarios,
+    paper_table1_scenarios,
+    simulate,
+    simulate_many,
+)
+
+__all__ = [
+    "Calibration",
+    "load_calibration",
+    "METHODS",
+    "PAPER_TABLE1",
+    "TABLE1_CHIPS",
+    "CellResult",
+    "Scenario",
+    "heterogeneity_scenarios",
+    "paper_table1_scenarios",
+    "simulate",
+    "simulate_many",
+]
