@@ -12,6 +12,10 @@ __all__ = ["main"]
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
+    if os.environ.get("PREFECT_HOME"):
+        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     from flows.train import run_train_cli
 
     return run_train_cli(args.config, overrides=args.set or [])

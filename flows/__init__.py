@@ -1,0 +1,1 @@
+"""Prefect flows and deployments; thin wrappers around the library."""

@@ -1,0 +1,112 @@
+"""MLflow sink: one writer per run, buffered, errors counted and never raised into training.
+
+Metric points come from the synchronizer's metric stream (``GET /metrics``); learners never
+talk to MLflow themselves, so there is no concurrent-writer problem on the tracking store.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from diloco_async.config import TrackingConfig
+
+__all__ = ["MlflowSink", "flatten_params"]
+
+log = logging.getLogger("diloco.tracking")
+
+
+def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}} -> {"a.b": "1"}``; values cut to MLflow's 6000-character limit."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten_params(v, key + "."))
+        else:
+            out[key] = str(v)[:6000]
+    return out
+
+
+def _resolve_uri(uri: str) -> str:
+    """Make a relative ``sqlite:///path`` absolute and create its folder."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = Path(uri[len(prefix):]).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(path)
+    return uri
+
+
+class MlflowSink:
+    """Logs params, metric points and artifacts of one training run to MLflow.
+
+    Args:
+        cfg: tracking section of the config.
+    """
+
+    def __init__(self, cfg: TrackingConfig) -> None:
+        self.uri = _resolve_uri(cfg.mlflow_uri)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        exp = self.client.get_experiment_by_name(cfg.experiment)
+        if exp is None:
+            location = cfg.artifact_location
+            if "://" not in location:
+                Path(location).mkdir(parents=True, exist_ok=True)
+                location = Path(location).resolve().as_uri()
+            self.experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=location)
+        else:
+            self.experiment_id = exp.experiment_id
+        self.run_id: Optional[str] = None
+        self.errors = 0
+        self._last_step: dict[str, int] = {}
+
+    def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
+        self.run_id = run.info.run_id
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self._call(self.client.log_batch, self.run_id, params=items[i:i + 100])
+        return self.run_id
+
+    def _call(self, fn, *args, **kwargs) -> None:
+        for attempt in range(3):
+            try:
+                fn(*args, **kwargs)
+                return
+            except Exception as err:  # the tracking store must never stop training
+                self.errors += 1
+                log.warning("MLflow call %s failed (attempt %d): %s", fn.__name__, attempt + 1, err)
+                time.sleep(0.2 * (attempt + 1))
+
+    def log_points(self, points: Iterable[Mapping[str, Any]]) -> int:
+        """Log metric points ``{key, value, step, timestamp_ms}``; non-finite values are skipped.
+        Returns how many were logged."""
+        metrics = []
+        for pt in points:
+            value = float(pt["value"])
+            if not math.isfinite(value):
+                continue
+            metrics.append(Metric(pt["key"], value, int(pt["timestamp_ms"]), int(pt["step"])))
+        for i in range(0, len(metrics), 1000):
+            self._call(self.client.log_batch, self.run_id, metrics=metrics[i:i + 1000])
+        return len(metrics)
+
+    def log_metric(self, key: str, value: float, step: int = 0) -> None:
+        self.log_points([{"key": key, "value": value, "step": step, "timestamp_ms": int(time.time() * 1000)}])
+
+    def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
+        self._call(self.client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def log_dict(self, obj: Any, name: str) -> None:
+        self._call(self.client.log_dict, self.run_id, obj, name)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.run_id is not None:
+            self._call(self.client.set_terminated, self.run_id, status)

@@ -1,0 +1,252 @@
+"""Prefect flow ``train``: a whole Decoupled DiLoCo run on this machine.
+
+Starts the synchronizer and M learner processes through a launcher, pulls the synchronizer's
+metric stream into MLflow while they train, evaluates the final global model on held-out text
+and prints a summary. Cancelling or failing the flow stops every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from prefect import flow, get_run_logger, task
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from diloco_async.config import Config, config_hash, load_config
+from diloco_async.data import corpus_urls
+from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+from diloco_async.model import ByteGPT
+from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
+from diloco_async.synchronizer import initial_parameters, new_run_id
+from flows.launcher import LocalProcess, LocalProcessLauncher, wait_for_ready_file
+from flows.tracking import MlflowSink, flatten_params
+from storage.checkpoint import latest_checkpoint
+from storage.store import ObjectStore
+
+__all__ = ["train", "run_train_cli", "TrainingRun"]
+
+log = logging.getLogger("diloco.flows.train")
+
+
+def _get_json(url: str, token: Optional[str] = None, timeout_s: float = 5.0) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+@task(name="prepare-corpus", retries=2, retry_delay_seconds=5)
+def prepare_corpus(cfg: Config) -> list[str]:
+    """Make sure the corpus is on disk (downloads Shakespeare once) before learners start."""
+    return corpus_urls(cfg.data)
+
+
+@task(name="evaluate")
+def evaluate(cfg: Config, model: ByteGPT) -> float:
+    return heldout_loss(model, heldout_batches(cfg))
+
+
+class TrainingRun:
+    """The processes, metric stream and MLflow run of one training run."""
+
+    def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str]) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = overrides
+        self.run_id = new_run_id()
+        self.token = secrets.token_urlsafe(32)
+        self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
+        self.launcher = LocalProcessLauncher(self.workdir / "logs")
+        self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options)}
+        self.sync: Optional[LocalProcess] = None
+        self.learners: dict[str, LocalProcess] = {}
+        self.sync_url: Optional[str] = None
+        self.metrics_next = 0
+
+    def _config_args(self) -> list[str]:
+        args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
+        for item in self.overrides:
+            args += ["--set", item]
+        return args
+
+    def start_synchronizer(self) -> str:
+        ready = self.workdir / "synchronizer.ready.json"
+        argv = ["-m", "diloco_async.server", *self._config_args(), "--run-id", self.run_id,
+                "--ready-file", str(ready)]
+        self.sync = self.launcher.start("synchronizer", argv, self.env)
+        self.sync_url = wait_for_ready_file(ready, self.sync)["url"]
+        return self.sync_url
+
+    def start_learner(self, index: int, incarnation: int = 0) -> LocalProcess:
+        lid = f"learner-{index}"
+        argv = ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(index),
+                "--sync-url", str(self.sync_url), "--store", self.store.url, "--incarnation", str(incarnation)]
+        self.learners[lid] = self.launcher.start(lid, argv, self.env)
+        return self.learners[lid]
+
+    def pull_metrics(self) -> list[dict]:
+        """New metric points from the synchronizer; [] when it is not answering."""
+        points: list[dict] = []
+        while True:
+            try:
+                body = _get_json(f"{self.sync_url}/metrics?since={self.metrics_next}", self.token)
+            except (urllib.error.URLError, OSError, ValueError):
+                return points
+            points.extend(body["metrics"])
+            self.metrics_next = body["next"] if body["metrics"] else self.metrics_next
+            if not body["metrics"] or self.metrics_next >= body["next"]:
+                return points
+
+    def status(self) -> Optional[dict]:
+        try:
+            return _get_json(f"{self.sync_url}/status")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def remaining_metrics_from_store(self) -> list[dict]:
+        """Metric points the final poll missed, from the synchronizer's metrics.jsonl."""
+        try:
+            lines = self.store.get_unverified(f"{self.run_id}/metrics.jsonl").decode().splitlines()
+        except FileNotFoundError:
+            return []
+        rest = [json.loads(line) for line in lines[self.metrics_next:] if line.strip()]
+        self.metrics_next = len(lines)
+        return rest
+
+    def stop_all(self) -> None:
+        for handle in list(self.learners.values()) + ([self.sync] if self.sync else []):
+            handle.terminate(grace_s=10.0)
+
+
+def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
+    """Pull metrics into MLflow until the synchronizer exits; show progress."""
+    cfg = run.cfg
+    total_tokens = cfg.budget.tokens
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                  transient=False, disable=not console.is_terminal) as progress:
+        tokens_bar = progress.add_task("tokens", total=total_tokens, info="")
+        merges_bar = progress.add_task("merges", total=None, info="")
+        last_print = 0.0
+        while run.sync is not None and run.sync.poll() is None:
+            sink.log_points(run.pull_metrics())
+            st = run.status()
+            if st is not None:
+                progress.update(tokens_bar, completed=st["tokens_processed"],
+                                info=f"goodput {st['compute_goodput']:.2f}")
+                live = sum(1 for v in st["learners"].values() if v["live"])
+                progress.update(merges_bar, completed=st["merges"],
+                                info=f"{live} live learners, versions {min(st['versions'].values())}+")
+                if not console.is_terminal and time.monotonic() - last_print > 15:
+                    last_print = time.monotonic()
+                    print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
+                          f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
+            time.sleep(cfg.tracking.poll_s)
+    sink.log_points(run.pull_metrics())
+
+
+def _summary_table(summary: dict) -> Table:
+    table = Table(title=f"diloco-async run {summary['run_id']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("eval loss, initial (nats/byte)", f"{summary['eval_loss_initial']:.4f}"),
+        ("eval loss, final (nats/byte)", f"{summary['eval_loss_final']:.4f}"),
+        ("wall time (s)", f"{summary['wall_s']:.1f}"),
+        ("merges", str(summary["merges"])),
+        ("contributions merged / late / rejected",
+         f"{summary['contributions_merged']} / {summary['contributions_late']} / {summary['contributions_rejected']}"),
+        ("compute goodput", f"{summary['compute_goodput']:.3f}"),
+        ("token goodput", f"{summary['token_goodput']:.3f}"),
+        ("uptime", f"{summary['uptime']:.3f}"),
+        ("tokens processed", str(summary["tokens_processed"])),
+        ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
+        ("stop reason", str(summary["stop_reason"])),
+        ("MLflow run", summary["mlflow_run_id"]),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+@flow(name="train", log_prints=True)
+def train(config: Optional[str] = "configs/default.toml", overrides: Optional[list[str]] = None) -> dict:
+    """Run one training job end to end and return its summary (also logged to MLflow).
+
+    Args:
+        config: path of a TOML recipe (None: built-in defaults).
+        overrides: ``section.field=value`` strings applied on top of the recipe.
+    """
+    logger = get_run_logger()
+    overrides = list(overrides or [])
+    cfg = load_config(config, overrides)
+    prepare_corpus(cfg)
+    run = TrainingRun(cfg, config, overrides)
+    console = Console(stderr=False)
+    sink = MlflowSink(cfg.tracking)
+    sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
+               {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
+                "diloco.store": run.store.url})
+    status = "FAILED"
+    t0 = time.monotonic()
+    try:
+        params, _ = initial_parameters(cfg)
+        model0 = ByteGPT(cfg.model)
+        model0.load_state_dict(params, strict=False)
+        eval_initial = evaluate(cfg, model0)
+        sink.log_metric("eval/loss", eval_initial, 0)
+        logger.info("run %s: initial held-out loss %.4f nats/byte", run.run_id, eval_initial)
+        url = run.start_synchronizer()
+        logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
+        for i in range(cfg.learners.count):
+            run.start_learner(i)
+        _watch(run, sink, console)
+        code = run.sync.wait() if run.sync else None  # type: ignore[union-attr]
+        if code != 0:
+            raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path}")
+        sink.log_points(run.remaining_metrics_from_store())
+        summary = run.store.get_json(f"{run.run_id}/summary.json")
+        ckpt = latest_checkpoint(run.store, run.run_id)
+        if ckpt is None:
+            raise RuntimeError("no verified checkpoint at the end of the run")
+        eval_final = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
+        summary.update(eval_loss_initial=eval_initial, eval_loss_final=eval_final,
+                       flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
+                       checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"))
+        sink.log_metric("eval/loss", eval_final, int(summary["merges"]))
+        sink.log_metric("eval/final_loss", eval_final, int(summary["merges"]))
+        sink.log_metric("goodput/uptime", summary["uptime"], int(summary["merges"]))
+        sink.log_dict(summary, "summary.json")
+        sink.log_dict(cfg.public_dict(), "config.json")
+        sink.log_dict(run.store.get_json(f"{run.run_id}/plan.json"), "plan.json")
+        console.print(_summary_table(summary))
+        logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",
+                    run.run_id, eval_initial, eval_final, summary["compute_goodput"])
+        status = "FINISHED"
+        return summary
+    finally:
+        run.stop_all()
+        sink.end(status)
+
+
+def run_train_cli(config: Optional[str], overrides: list[str]) -> int:
+    """Entry of ``diloco-async train``: run the flow, print where to look, exit code 0 on success."""
+    try:
+        summary = train(config=config, overrides=overrides)
+    except Exception as err:
+        print(f"training failed: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final", "wall_s",
+                                              "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
+    return 0

@@ -1,0 +1,37 @@
+import pytest
+
+from diloco_async.config import config_hash, load_config
+
+
+def test_default_recipe_is_complete_and_valid():
+    cfg = load_config("configs/default.toml")
+    assert cfg.learners.count == 4 and cfg.synchronizer.min_quorum == 1
+    assert cfg.data.source == "shakespeare"
+
+
+def test_unknown_field_is_named(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[learners]\ncount = 2\ncuont = 3\n")
+    with pytest.raises(ValueError, match=r"learners\.cuont: unknown field"):
+        load_config(p)
+
+
+def test_bad_literal_names_field_and_value():
+    with pytest.raises(ValueError, match=r"learners\.adopt.*'replace'"):
+        load_config(None, ["learners.adopt=replace"])
+
+
+def test_overrides_and_cross_checks():
+    cfg = load_config(None, ["learners.count=2", "synchronizer.merge=mean"])
+    assert cfg.learners.count == 2 and cfg.synchronizer.merge == "mean"
+    with pytest.raises(ValueError, match="min_quorum"):
+        load_config(None, ["learners.count=2", "synchronizer.min_quorum=3"])
+    with pytest.raises(ValueError, match="override"):
+        load_config(None, ["nonsense"])
+
+
+def test_hash_ignores_secrets_and_local_paths():
+    a = load_config(None, ["run.workdir=/tmp/a"])
+    b = load_config(None, ["run.workdir=/tmp/b"])
+    assert config_hash(a) == config_hash(b)
+    assert config_hash(a) != config_hash(load_config(None, ["learners.lr=0.01"]))

@@ -1,0 +1,32 @@
+import pytest
+
+from diloco_async.goodput import LearnerLedger, compute_goodput, token_goodput, totals, uptime
+
+
+def test_scripted_two_learners():
+    # 2 learners for 100 s. Learner A computes the whole time, all merged. Learner B is down
+    # 0-20 s, then computes; one 1-second step of its work is thrown away (late contribution).
+    a = LearnerLedger(provisioned_s=100.0, useful_s=100.0, tokens_processed=1000, tokens_merged=1000)
+    b = LearnerLedger(provisioned_s=100.0, useful_s=80.0 - 1.0, tokens_processed=800, tokens_merged=790)
+    t = totals({"a": a, "b": b})
+    assert t["compute_goodput"] == pytest.approx(179.0 / 200.0)
+    assert t["token_goodput"] == pytest.approx(1790 / 1800)
+    assert b.compute_goodput == pytest.approx(0.79)
+
+
+def test_compute_goodput_edges():
+    assert compute_goodput(0, 0) == 0.0
+    assert compute_goodput(5, 10) == 0.5
+    with pytest.raises(ValueError):
+        compute_goodput(11, 10)
+    with pytest.raises(ValueError):
+        compute_goodput(-1, 10)
+    assert token_goodput(0, 0) == 0.0
+
+
+def test_uptime_gaps_beyond_bound_count_as_down():
+    # merges every 1 s from 0 to 10 except a 5 s gap (3..8); bound 2 s -> 3 s down of 10.
+    merges = [1, 2, 3, 8, 9, 10]
+    assert uptime(merges, 0.0, 10.0, 2.0) == pytest.approx(0.7)
+    assert uptime([], 0.0, 10.0, 20.0) == 1.0
+    assert uptime([], 0.0, 10.0, 0.0) == 0.0
