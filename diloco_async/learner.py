@@ -173,6 +173,12 @@ class Learner:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.joined.is_set() and self.fatal is None:
+                # Last word: final counters, and the synchronizer learns we heard the stop.
+                try:
+                    await asyncio.wait_for(self._post(session, "/heartbeat", self._heartbeat_body()), 2.0)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError):
+                    pass
 
     cfg_request_timeout_s = 10.0
     cfg_heartbeat_s = 0.25

@@ -47,6 +47,14 @@ class LocalProcess:
     def poll(self) -> Optional[int]:
         return self.proc.poll()
 
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait for the process to exit and return its exit code.
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout`` seconds.
+        """
+        return self.proc.wait(timeout=timeout)
+
     def _signal_group(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
