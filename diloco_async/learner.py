@@ -124,7 +124,10 @@ class Learner:
         self.joined = threading.Event()
         self.join_response: Optional[JoinResponse] = None
         self.fatal: Optional[str] = None
-        self.open_rounds: dict[tuple[int, int], float] = {}  # (fragment, round) -> when heard of
+        # (fragment, round) -> (version the round builds on, when heard of)
+        self.open_rounds: dict[tuple[int, int], tuple[int, float]] = {}
+        # outcomes of our contributions, for the training thread: (fragment, round, status)
+        self.outcomes: "queue.Queue[tuple[int, int, str]]" = queue.Queue()
         self.adopt_queue: "queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]]" = queue.Queue()
         self.upload_queue: "queue.Queue[_UploadJob]" = queue.Queue()
         self.base: dict[int, int] = {}
@@ -205,11 +208,11 @@ class Learner:
                     continue
                 now = time.monotonic()
                 with self.lock:
-                    listed = {(r.fragment, r.round_n) for r in resp.open_rounds}
+                    listed = {(r.fragment, r.round_n): r.version for r in resp.open_rounds}
                     # Keep rounds just pushed over the WebSocket that this response predates.
-                    self.open_rounds = {k: t for k, t in self.open_rounds.items() if k in listed or now - t < 1.0}
-                    for k in listed:
-                        self.open_rounds.setdefault(k, now)
+                    self.open_rounds = {k: vt for k, vt in self.open_rounds.items() if k in listed or now - vt[1] < 1.0}
+                    for k, version in listed.items():
+                        self.open_rounds.setdefault(k, (version, now))
                 for v in resp.versions:
                     self._maybe_download(v)
                 if resp.stop:
@@ -256,7 +259,8 @@ class Learner:
                         kind = event.pop("type", None)
                         if kind == "round_open":
                             with self.lock:
-                                self.open_rounds.setdefault((event["fragment"], event["round_n"]), time.monotonic())
+                                self.open_rounds.setdefault((event["fragment"], event["round_n"]),
+                                                            (event["version"], time.monotonic()))
                         elif kind == "version":
                             self._maybe_download(VersionInfo.model_validate(event))
                         elif kind == "stop":
@@ -318,6 +322,7 @@ class Learner:
         except Exception as err:  # nothing was published under the key; nothing is announced
             log.warning("%s upload of fragment %d round %d failed: %s", self.learner_id, job.fragment,
                         job.round_n, err)
+            self.outcomes.put((job.fragment, job.round_n, "failed"))
             return
         with self.lock:
             self.stats.bytes_up += ref.nbytes
@@ -333,11 +338,13 @@ class Learner:
                 level = logging.INFO if ack.status in ("accepted", "duplicate") else logging.WARNING
                 log.log(level, "%s fragment %d round %d: %s (%s)", self.learner_id, job.fragment,
                         job.round_n, ack.status, ack.reason)
+                self.outcomes.put((job.fragment, job.round_n, ack.status))
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
                 log.warning("%s announce failed (%s); retrying with the same update id", self.learner_id, err)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+        self.outcomes.put((job.fragment, job.round_n, "failed"))
 
     # ------------------------------------------------------------------ training thread ------
 
@@ -396,7 +403,9 @@ class Learner:
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
         gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + self.index * 1009 + self.incarnation)
         c_steps, c_tokens, c_secs = [0] * P, [0] * P, [0.0] * P
-        snapshot: dict[int, tuple[dict[str, torch.Tensor], int, int, float]] = {}
+        # fragment -> (round, parameters at the snapshot, c_steps, c_tokens, c_secs) of a contribution
+        # in flight; cleared on adoption, or when it is known that it will not be merged.
+        snapshot: dict[int, tuple[int, dict[str, torch.Tensor], int, int, float]] = {}
         answered: set[tuple[int, int]] = set()
         tokens_per_step = lc.batch_size * cfg.model.context
         ema_alpha = cfg.synchronizer.ema_alpha
@@ -419,28 +428,40 @@ class Learner:
                         elif lc.adopt == "mix":
                             params[n].mul_(1 - lc.mix_alpha).add_(val, alpha=lc.mix_alpha)
                         else:  # rebase: keep the local progress made since the snapshot (or the base)
-                            ref = snap[0][n] if snap else base_tensors[p][n]
+                            ref = snap[1][n] if snap else base_tensors[p][n]
                             params[n].add_(val - ref)
                 if lc.adopt == "rebase" and snap:
-                    c_steps[p] -= snap[1]
-                    c_tokens[p] -= snap[2]
-                    c_secs[p] -= snap[3]
+                    c_steps[p] -= snap[2]
+                    c_tokens[p] -= snap[3]
+                    c_secs[p] -= snap[4]
                 elif lc.adopt != "rebase":
                     c_steps[p], c_tokens[p], c_secs[p] = 0, 0, 0.0
                 base_tensors[p] = new
                 with self.lock:
                     self.base[p] = v.version
                 log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
+            while True:
+                try:
+                    p, n, status = self.outcomes.get_nowait()
+                except queue.Empty:
+                    break
+                if status not in ("accepted", "duplicate") and p in snapshot and snapshot[p][0] == n:
+                    del snapshot[p]  # nothing of it will be merged: the progress stays in θ for the next round
             with self.lock:
-                rounds = sorted(set(self.open_rounds) - answered)
-            for p, n in rounds:
+                rounds = sorted((k, vt[0]) for k, vt in self.open_rounds.items() if k not in answered)
+            for (p, n), round_version in rounds:
+                if round_version < self.base[p]:
+                    answered.add((p, n))  # that round already published a version we adopted
+                    continue
+                if p in snapshot and snapshot[p][0] < n and round_version == self.base[p]:
+                    del snapshot[p]  # our round closed without a new version (abandoned)
                 if c_steps[p] < 1 or p in snapshot:
                     continue
                 answered.add((p, n))
                 with torch.no_grad():
                     snap_t = {name: params[name].detach().clone() for name in self.plan.names(p)}
                     delta = {name: base_tensors[p][name] - snap_t[name] for name in snap_t}
-                snapshot[p] = (snap_t, c_steps[p], c_tokens[p], c_secs[p])
+                snapshot[p] = (n, snap_t, c_steps[p], c_tokens[p], c_secs[p])
                 self.upload_queue.put(_UploadJob(p, n, self.base[p], c_steps[p], c_tokens[p], c_secs[p], delta))
             # -- one inner step --
             t0 = time.perf_counter()

@@ -73,6 +73,7 @@ class Heartbeat(_Msg):
 class RoundOpen(_Msg):
     fragment: int
     round_n: int
+    version: int = Field(ge=0, description="Current version of the fragment; the round publishes version + 1.")
 
 
 class HeartbeatResponse(_Msg):

@@ -374,7 +374,7 @@ class Synchronizer:
             for (p, n), rnd in sorted(self.rounds.items()):
                 if rnd.state.stage is RoundStage.OPEN or rnd.state.stage is RoundStage.GRACE:
                     if lid not in rnd.state.entries:
-                        opens.append(RoundOpen(fragment=p, round_n=n))
+                        opens.append(RoundOpen(fragment=p, round_n=n, version=self.fragments[p].version))
         stop = self.stopping is not None
         if stop:
             info.stop_sent = True
@@ -692,7 +692,7 @@ class Synchronizer:
             f.next_round = n + 1
             self.rounds[(p, n)] = _Round(RoundState(p, n, now, self.sc.min_quorum))
             self.counters["rounds_opened"] += 1
-            self.push.publish({"type": "round_open", "fragment": p, "round_n": n})
+            self.push.publish({"type": "round_open", "fragment": p, "round_n": n, "version": f.version})
             log.info("round open: fragment %d round %d (g=%d, live=%d)", p, n, g, len(self._live()))
 
     def _slowest_step_s(self) -> Optional[float]:
