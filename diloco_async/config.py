@@ -27,6 +27,7 @@ __all__ = [
     "load_config",
     "apply_overrides",
     "config_hash",
+    "config_differences",
 ]
 
 
@@ -226,9 +227,45 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raise ValueError(_format_error(err, source)) from None
 
 
+def _training_dict(d: dict) -> dict:
+    """The part of a public config dict that defines the training itself: no budget (a resumed
+    run may extend it), no tracking, no local paths, no store location."""
+    d = json.loads(json.dumps(d))
+    for key in ("budget", "tracking"):
+        d.pop(key, None)
+    for section, fields in _OPERATIONAL.items():
+        for key in fields:
+            d.get(section, {}).pop(key, None)
+    return d
+
+
+# Fields that change how a run is operated, not what it computes: they may differ on resume.
+_OPERATIONAL = {
+    "run": ("workdir", "store", "name", "storage_options"),
+    "data": ("cache_dir",),
+    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads"),
+    "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "storage_timeout_s",
+                     "client_max_size_bytes"),
+}
+
+
 def config_hash(cfg: Config) -> str:
-    """sha256 (hex) of the canonical JSON of the config without secrets or local paths."""
-    d = cfg.public_dict()
-    d.pop("tracking", None)
-    d["run"].pop("workdir", None)
+    """sha256 (hex) of the canonical JSON of the training-defining config (see ``config_differences``)."""
+    d = _training_dict(cfg.public_dict())
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    """Fields of two public config dicts that change the training, as ``section.field: old -> new``."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(_training_dict(old)), flat(_training_dict(new))
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]

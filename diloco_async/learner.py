@@ -134,6 +134,8 @@ class Learner:
         self._downloading: dict[int, int] = {}
         self._bg: set[asyncio.Task] = set()
         self.ready = threading.Event()  # plan known: versions can be decoded
+        self.epoch: Optional[str] = None  # the synchronizer's; a change means it restarted
+        self.epoch_changed = threading.Event()
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._comms_thread = threading.Thread(target=self._comms_main, name=f"{learner_id}-comms", daemon=True)
@@ -198,10 +200,19 @@ class Learner:
             try:
                 if not self.joined.is_set():
                     self.join_response = await self._join(session)
+                    self.epoch = self.join_response.epoch
                     self.joined.set()
                     log.info("%s joined run %s", self.learner_id, self.join_response.run_id)
                 resp = HeartbeatResponse.model_validate(await self._post(session, "/heartbeat", self._heartbeat_body()))
                 last_ok, backoff = time.monotonic(), 0.1
+                if resp.epoch != self.epoch:
+                    log.warning("%s: the synchronizer restarted (epoch %s -> %s); resetting round state",
+                                self.learner_id, self.epoch, resp.epoch)
+                    self.epoch = resp.epoch
+                    with self.lock:
+                        self.open_rounds.clear()
+                    self._downloading.clear()
+                    self.epoch_changed.set()
                 if not resp.known:
                     log.warning("%s unknown to the synchronizer; rejoining", self.learner_id)
                     await self._join(session)
@@ -440,6 +451,10 @@ class Learner:
                 with self.lock:
                     self.base[p] = v.version
                 log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
+            if self.epoch_changed.is_set():
+                self.epoch_changed.clear()
+                answered.clear()  # round numbers may be reused by the restarted synchronizer
+                snapshot.clear()  # contributions in flight will not be merged
             while True:
                 try:
                     p, n, status = self.outcomes.get_nowait()

@@ -54,6 +54,7 @@ class JoinResponse(_Msg):
     plan: dict
     schema_hash: str
     versions: list[VersionInfo]
+    epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
 
 
 class Heartbeat(_Msg):
@@ -81,6 +82,7 @@ class HeartbeatResponse(_Msg):
     versions: list[VersionInfo]
     stop: bool = False
     known: bool = Field(True, description="False: the synchronizer does not know this learner; rejoin.")
+    epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
 
 
 class Announcement(_Msg):

@@ -5,6 +5,7 @@ Routes (JSON bodies, pydantic-validated):
 * ``POST /join``, ``POST /heartbeat``, ``POST /announce``, ``GET /metrics?since=N`` and the
   WebSocket ``GET /ws`` (pushes ``round_open``, ``version`` and ``stop`` events) — need the
   run's secret token as ``Authorization: Bearer <token>``; without it: 401, logged and counted.
+* ``POST /checkpoint`` — write a checkpoint now (answers when written); needs the token.
 * ``GET /status`` (run figures, learners, open rounds) and ``GET /health`` — open, read-only.
 
 The token comes from the environment (``DILOCO_RUN_TOKEN``) and is never logged.
@@ -25,12 +26,16 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import ValidationError
 
-from diloco_async.config import Config, load_config
+from typing import Optional
+
+from diloco_async.config import Config, apply_overrides, load_config
 from diloco_async.messages import Announcement, Heartbeat, JoinRequest
 from diloco_async.synchronizer import Synchronizer
-from storage.store import ObjectStore
+from storage import keys
+from storage.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint
+from storage.store import IntegrityError, ObjectStore
 
-__all__ = ["make_app", "serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV"]
+__all__ = ["make_app", "serve", "main", "open_checkpoint", "TOKEN_ENV", "STORAGE_OPTIONS_ENV"]
 
 log = logging.getLogger("diloco.server")
 
@@ -104,23 +109,35 @@ def make_app(sync: Synchronizer, token: str) -> web.Application:
             reader.cancel()
         return ws
 
+    async def checkpoint(_request: web.Request) -> web.Response:
+        """Write a checkpoint now; answers once it is written (or failed)."""
+        result = await sync.request("checkpoint", None)
+        return web.json_response(result, status=200 if result["ok"] else 500)
+
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "run_id": sync.run_id})
 
     app = web.Application(middlewares=[auth], client_max_size=sync.sc.client_max_size_bytes)
     app.add_routes([web.post("/join", join), web.post("/heartbeat", heartbeat), web.post("/announce", announce),
-                    web.get("/status", status), web.get("/metrics", metrics), web.get("/health", health), web.get("/ws", push)])
+                    web.get("/status", status), web.get("/metrics", metrics), web.get("/health", health), web.get("/ws", push),
+                    web.post("/checkpoint", checkpoint)])
     return app
 
 
-async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None) -> dict:
+async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None,
+                resume: Optional[Checkpoint] = None) -> dict:
     """Run a synchronizer until its budget is spent; returns the run summary.
+
+    With ``resume``, the outer state comes from that verified checkpoint of the same run.
 
     Writes ``{"url", "run_id", "pid"}`` to ``ready_file`` (atomically) once the server listens.
     SIGTERM and SIGINT start a clean stop (final checkpoint, learners told to stop).
     """
     sync = Synchronizer(cfg, store, run_id)
-    await asyncio.to_thread(sync.publish_initial)
+    if resume is None:
+        await asyncio.to_thread(sync.publish_initial)
+    else:
+        await asyncio.to_thread(sync.restore, resume)
     runner = web.AppRunner(make_app(sync, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port)
@@ -150,24 +167,69 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diloco_async.server", description="Run the synchronizer.")
     ap.add_argument("--config", default=None, help="recipe file (TOML); defaults when omitted")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--run-id", default=None, help="id of a new run (not with --resume)")
+    ap.add_argument("--resume", default=None, metavar="CHECKPOINT_URL",
+                    help="continue a run: {store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
     ap.add_argument("--ready-file", default=None)
     args = ap.parse_args(argv)
+    if (args.run_id is None) == (args.resume is None):
+        ap.error("give exactly one of --run-id (new run) or --resume (continue a run)")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s synchronizer %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         print(f"error: {TOKEN_ENV} is not set; the synchronizer needs the run's secret token", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, args.set)
-    options = dict(cfg.run.storage_options)
-    options.update(json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}")))
-    store = ObjectStore(cfg.run.store, options)
     import torch
 
     torch.set_num_threads(1)
-    asyncio.run(serve(cfg, store, args.run_id, token, args.ready_file))
+    env_options = json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}"))
+    try:
+        if args.resume:
+            cfg, store, run_id, ckpt = open_checkpoint(args.resume, args.config, args.set, env_options)
+        else:
+            cfg = load_config(args.config, args.set)
+            store = ObjectStore(cfg.run.store, {**cfg.run.storage_options, **env_options})
+            run_id, ckpt = args.run_id, None
+        asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt))
+    except ValueError as err:
+        log.error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
+
+
+def open_checkpoint(url: str, config_path: Optional[str], overrides: list[str],
+                    storage_options: dict) -> tuple[Config, ObjectStore, str, Checkpoint]:
+    """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
+
+    The config is the given recipe, or the run's own ``config.json`` from the store when none
+    is given; overrides apply on top (a budget may be extended; training fields must match).
+
+    Raises:
+        ValueError: nothing verifies at that URL, or the URL is malformed.
+    """
+    root, run_id, seq = keys.split_checkpoint_url(url)
+    if config_path is None:
+        stored = ObjectStore(root, storage_options).get_json(keys.config_key(run_id))
+        raw = apply_overrides(stored, overrides)
+        raw["run"]["store"] = root
+        cfg = Config.model_validate(raw)
+    else:
+        cfg = load_config(config_path, [*overrides, f"run.store={root}"])
+    store = ObjectStore(root, {**cfg.run.storage_options, **storage_options})
+    if seq is None:
+        ckpt = latest_checkpoint(store, run_id)
+        if ckpt is None:
+            raise ValueError(f"no verified checkpoint under {root}/{run_id}")
+    else:
+        try:
+            ckpt = load_checkpoint(store, run_id, seq)
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint {seq} of run {run_id} is incomplete or missing (no manifest)") from None
+        except IntegrityError as err:
+            raise ValueError(f"checkpoint {seq} of run {run_id} does not verify: {err}") from None
+    return cfg, store, run_id, ckpt
 
 
 if __name__ == "__main__":

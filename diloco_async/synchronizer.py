@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from diloco_async import codec as wire
-from diloco_async.config import Config, config_hash
+from diloco_async.config import Config, config_differences, config_hash
 from diloco_async.fragments import FragmentPlan, fragment_offset, plan_fragments, specs_of
 from diloco_async.goodput import LearnerLedger, totals, uptime
 from diloco_async.merge import OuterOptimizer, merge_outer_gradients, token_weight
@@ -39,7 +39,7 @@ from diloco_async.messages import (
 from diloco_async.model import ByteGPT, embedding_names
 from diloco_async.policy import Ema, GraceDecision, RoundStage, RoundState, global_step, grace_window, round_due_step
 from storage import keys
-from storage.checkpoint import tensor_key, write_checkpoint
+from storage.checkpoint import Checkpoint, list_checkpoint_seqs, tensor_key, write_checkpoint
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["Synchronizer", "Broadcaster", "initial_parameters", "new_run_id"]
@@ -97,6 +97,7 @@ class _FragmentState:
     sync_ema: Ema
     next_round: int = 1
     busy: bool = False
+    outer_steps: int = 0
 
 
 @dataclass
@@ -157,6 +158,7 @@ class _Merged:
     rejected: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     quorum_wait_s: float = 0.0
+    outer_steps: int = 0
 
 
 @dataclass
@@ -199,6 +201,9 @@ class Synchronizer:
         self.finished = asyncio.Event()
         self.final_summary: Optional[dict] = None
         self._tasks: set[asyncio.Task] = set()
+        self.epoch = uuid.uuid4().hex[:12]  # changes at every (re)start: learners reset round state
+        self.resumed_from: Optional[int] = None
+        self._checkpoint_waiters: list[asyncio.Future] = []
         self._checkpoint_seq = 0
         self._checkpoint_in_flight = False
         self._merges_at_checkpoint = -1
@@ -231,6 +236,79 @@ class Synchronizer:
             f.refs[0] = self._put_version(f.p, 0, f.current)
         log.info("synchronizer run=%s: %d fragments, schema %s…", self.run_id,
                  self.plan.num_fragments, self.plan.schema_hash[:12])
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
+
+        Restores every fragment's value, momentum and outer-step count, versions, round
+        counters, the learner registry and the goodput ledgers, so the next outer step equals
+        the one an uninterrupted run would take. Versions published after the checkpoint (by a
+        synchronizer that died before checkpointing again) are superseded: the checkpoint's
+        value is re-published under the next free version number, so learners adopt it.
+
+        Raises:
+            ValueError: the checkpoint belongs to another run, or its config or fragment plan
+                differs from this one (the message names the differing fields).
+        """
+        m = ckpt.manifest
+        if m.get("run_id") != self.run_id:
+            raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {self.run_id!r}")
+        if m["config_hash"] != config_hash(self.cfg):
+            diffs = config_differences(m.get("config", {}), self.cfg.public_dict())
+            raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
+        if m["schema_hash"] != self.plan.schema_hash:
+            raise ValueError(f"fragment plan differs from checkpoint {ckpt.seq}'s "
+                             f"(schema {m['schema_hash'][:12]} vs {self.plan.schema_hash[:12]})")
+        for f in self.fragments:
+            key = str(f.p)
+            params = {n: ckpt.tensors[tensor_key(f.p, "param", n)].clone() for n in f.names}
+            mom = {n: ckpt.tensors[tensor_key(f.p, "momentum", n)].clone() for n in f.names}
+            steps = int(m["outer_steps"][key])
+            f.optimizer.load_state(params, mom if steps > 0 else None, steps_taken=steps)
+            f.current, f.momentum, f.outer_steps = params, mom, steps
+            f.version, f.next_round = int(m["versions"][key]), int(m["next_round"][key])
+            f.refs = {int(v): ObjectRef.from_json(r) for v, r in m["version_refs"][key].items()}
+            f.history = {f.version: params}
+            for v, ref in sorted(f.refs.items()):
+                if v != f.version:
+                    try:
+                        f.history[v], _ = wire.decode_from_bytes(self.store.get(ref), "fp32", f.shapes)
+                    except (FileNotFoundError, IntegrityError, ValueError) as err:
+                        log.warning("fragment %d: version %d unavailable after resume (%s)", f.p, v, err)
+            f.refs = {v: r for v, r in f.refs.items() if v in f.history}
+            self._supersede_orphans(f)
+        now = self.clock()
+        self.ledgers = {lid: LearnerLedger.from_json(d) for lid, d in m["ledgers"].items()}
+        for lid, d in m["learners"].items():
+            info = _LearnerInfo(lid, int(d["incarnation"]), now - self.ledgers[lid].provisioned_s, now, live=False,
+                                step=int(d["step"]), tokens_seen=int(d.get("tokens_seen", 0)),
+                                bytes_down_seen=int(d.get("bytes_down_seen", 0)))
+            self.learners[lid] = info
+        self.counters = Counter(m["counters"])
+        self._checkpoint_seq = max([ckpt.seq, *list_checkpoint_seqs(self.store, self.run_id)])
+        self._merges_at_checkpoint = self.counters["merges"]
+        self.resumed_from = ckpt.seq
+        log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", self.run_id, ckpt.seq,
+                 {f.p: f.version for f in self.fragments}, {f.p: f.next_round for f in self.fragments})
+
+    def _supersede_orphans(self, f: _FragmentState) -> None:
+        prefix = f"{self.run_id}/globals/p{f.p:03d}/"
+        published = [int(k.rsplit("/v", 1)[1].split(".")[0]) for k in self.store.list(prefix) if "/v" in k]
+        newest = max(published, default=f.version)
+        if newest <= f.version:
+            return
+        v = newest + 1
+        while True:
+            try:
+                ref = self._put_version(f.p, v, f.current)
+                break
+            except FileExistsError:  # a listing can be stale: take the next number
+                v += 1
+        log.warning("fragment %d: versions %d..%d were published after the checkpoint and are superseded; "
+                    "the checkpoint's value is version %d", f.p, f.version + 1, newest, v)
+        f.history[v] = f.current
+        f.refs[v] = ref
+        f.version = v
 
     def _put_version(self, p: int, v: int, tensors: dict[str, torch.Tensor]) -> ObjectRef:
         data = wire.encode_to_bytes(tensors, "fp32", {"fragment": str(p), "version": str(v)})
@@ -271,6 +349,11 @@ class Synchronizer:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, _Req):
             if msg.reply.cancelled():
+                return
+            if msg.kind == "checkpoint":  # answered when the checkpoint is written
+                self._checkpoint_waiters.append(msg.reply)
+                if not self._checkpoint_in_flight:
+                    self._start_checkpoint()
                 return
             handler = {"join": self._on_join, "heartbeat": self._on_heartbeat,
                        "announce": self._on_announce, "status": self._on_status,
@@ -343,13 +426,14 @@ class Synchronizer:
         self._metric(f"learner/{req.learner_id}/alive", 1.0)
         return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
                             plan=self.plan.to_json(), schema_hash=self.plan.schema_hash,
-                            versions=self._version_infos())
+                            versions=self._version_infos(), epoch=self.epoch)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         now = self.clock()
         info = self.learners.get(hb.learner_id)
         if info is None or info.incarnation != hb.incarnation:
-            return HeartbeatResponse(open_rounds=[], versions=[], stop=self.stopping is not None, known=False)
+            return HeartbeatResponse(open_rounds=[], versions=[], stop=self.stopping is not None, known=False,
+                                     epoch=self.epoch)
         if not info.live:
             log.info("learner %s is back", hb.learner_id)
             self._metric(f"learner/{hb.learner_id}/alive", 1.0)
@@ -378,7 +462,7 @@ class Synchronizer:
         stop = self.stopping is not None
         if stop:
             info.stop_sent = True
-        return HeartbeatResponse(open_rounds=opens, versions=self._version_infos(), stop=stop)
+        return HeartbeatResponse(open_rounds=opens, versions=self._version_infos(), stop=stop, epoch=self.epoch)
 
     def _on_announce(self, ann: Announcement) -> AnnouncementAck:
         now = self.clock()
@@ -498,11 +582,15 @@ class Synchronizer:
         before_params, before_mom, steps = f.optimizer.params(), f.optimizer.momentum(), f.optimizer.steps_taken
         try:
             new = f.optimizer.step(g)
+            bad = [k for k, t in new.items() if not bool(torch.isfinite(t).all())]
+            if bad:
+                raise ValueError(f"non-finite values after the outer step in {bad}")
             ref = self._put_version(p, f.version + 1, new)
         except Exception as err:
             f.optimizer.load_state(before_params, before_mom if steps else None, steps_taken=steps)
             return _Merged(p, n, False, f"{type(err).__name__}: {err}")
         return _Merged(p, n, True, "published", new=new, momentum=f.optimizer.momentum(), ref=ref,
+                       outer_steps=f.optimizer.steps_taken,
                        merged=[c.ann.learner_id for c in contribs], seconds=time.perf_counter() - t0,
                        quorum_wait_s=quorum_wait_s)
 
@@ -533,7 +621,7 @@ class Synchronizer:
         rnd.state.finish()
         now = self.clock()
         f.version += 1
-        f.current, f.momentum = res.new, res.momentum
+        f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
         f.history[f.version] = res.new
         f.refs[f.version] = res.ref
         for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
@@ -579,17 +667,23 @@ class Synchronizer:
             for name in f.names:
                 tensors[tensor_key(f.p, "param", name)] = f.current[name]
                 tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
+        open_round = {p: n for (p, n) in self.rounds}
         manifest = {
             "config_hash": config_hash(self.cfg),
+            "config": self.cfg.public_dict(),
             "schema_hash": self.plan.schema_hash,
             "versions": {str(f.p): f.version for f in self.fragments},
-            "next_round": {str(f.p): f.next_round for f in self.fragments},
-            "version_refs": {str(f.p): f.refs[f.version].to_json() for f in self.fragments},
+            "outer_steps": {str(f.p): f.outer_steps for f in self.fragments},
+            # a round in flight is not in this checkpoint: a resumed run opens it again
+            "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in self.fragments},
+            "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in self.fragments},
             "global_step": self._g,
             "ledgers": {lid: l.to_json() for lid, l in self.ledgers.items()},
-            "learners": {lid: {"incarnation": i.incarnation, "step": i.step} for lid, i in self.learners.items()},
+            "learners": {lid: {"incarnation": i.incarnation, "step": i.step, "tokens_seen": i.tokens_seen,
+                               "bytes_down_seen": i.bytes_down_seen} for lid, i in self.learners.items()},
             "counters": dict(self.counters),
             "wall_s": self.clock() - self.started_s,
+            "epoch": self.epoch,
         }
         return tensors, manifest
 
@@ -612,6 +706,12 @@ class Synchronizer:
 
     def _on_checkpoint_done(self, msg: _CheckpointDone) -> None:
         self._checkpoint_in_flight = False
+        waiters, self._checkpoint_waiters = self._checkpoint_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result({"seq": msg.seq, "ok": msg.ok, "reason": msg.reason})
+        if not msg.ok:
+            self._merges_at_checkpoint = -1  # try again at the next period
         if msg.ok:
             self.counters["checkpoints"] += 1
             self.last_checkpoint_seq = msg.seq

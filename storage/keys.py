@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
+__all__ = ["split_checkpoint_url", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
            "checkpoint_state_key", "checkpoint_manifest_key", "learner_prefix"]
 
 
@@ -36,3 +36,27 @@ def checkpoint_manifest_key(run_id: str, seq: int) -> str:
 
 def learner_prefix(run_id: str, learner: str) -> str:
     return f"{run_id}/learners/{learner}"
+
+
+def split_checkpoint_url(url: str) -> tuple[str, str, int | None]:
+    """Split ``{root}/{run_id}/checkpoints/{seq}`` (or ``{root}/{run_id}``, meaning the newest
+    verified checkpoint) into (root URL, run id, seq or None).
+
+    Raises:
+        ValueError: the URL names neither a run nor one of its checkpoints.
+    """
+    url = url.rstrip("/")
+    if url.endswith("/manifest.json"):
+        url = url.rsplit("/", 1)[0]
+    if "/checkpoints/" in url:
+        head, seq = url.rsplit("/checkpoints/", 1)
+        if not seq.isdigit():
+            raise ValueError(f"{url!r}: checkpoint sequence {seq!r} is not a number")
+        root, _, run_id = head.rpartition("/")
+        return root, run_id, int(seq)
+    if url.endswith("/checkpoints"):
+        url = url[: -len("/checkpoints")]
+    root, _, run_id = url.rpartition("/")
+    if not root or not run_id or root.endswith(":/"):
+        raise ValueError(f"{url!r} does not name a run ({{root}}/{{run_id}}) or a checkpoint")
+    return root, run_id, None

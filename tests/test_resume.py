@@ -1,0 +1,216 @@
+"""Bit-exact resume of the synchronizer from a checkpoint after SIGKILL (DESIGN §5, case C02).
+
+A scripted learner drives a real synchronizer process over HTTP. Run A makes 3 outer steps
+without interruption. Run B makes 2, checkpoints, is killed with SIGKILL, resumes from the
+checkpoint in another process and makes step 3: Θ and the momentum equal run A's bit for bit,
+and the version number continues (3, not 1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_async import codec as wire
+from diloco_async.config import load_config
+from storage import keys
+from storage.checkpoint import load_checkpoint
+from storage.store import ObjectRef, ObjectStore
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "resume-token"
+OVERRIDES = [
+    "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=1",
+    "synchronizer.num_fragments=1", "synchronizer.sync_every=4", "synchronizer.grace_initial_s=0.0",
+    "synchronizer.checkpoint_every_s=100000", "synchronizer.heartbeat_timeout_s=60", "budget.wall_s=600",
+]
+
+
+def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{url}{path}", data=data, method="GET" if body is None and path != "/checkpoint" else "POST",
+                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+class SyncProcess:
+    def __init__(self, tmp: Path, store_url: str, args: list[str]) -> None:
+        self.ready = tmp / f"ready-{uuid.uuid4().hex[:6]}.json"
+        sets = [a for o in OVERRIDES + [f"run.store={store_url}"] for a in ("--set", o)]
+        env = {"DILOCO_RUN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+        self.log = open(tmp / f"sync-{uuid.uuid4().hex[:6]}.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sets, *args,
+                                      "--ready-file", str(self.ready)], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not self.ready.exists():
+            assert self.proc.poll() is None, f"synchronizer exited: {self.proc.returncode}"
+            assert time.monotonic() < deadline, "synchronizer not ready"
+            time.sleep(0.05)
+        self.url = json.loads(self.ready.read_text())["url"]
+
+    def status(self) -> dict:
+        return call(self.url, "/status")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+class ScriptedLearner:
+    """Joins, reports steps, and contributes fixed outer gradients to fragment 0."""
+
+    def __init__(self, sync: SyncProcess, store: ObjectStore) -> None:
+        self.store = store
+        self.attach(sync)
+
+    def attach(self, sync: SyncProcess) -> None:
+        self.sync = sync
+        jr = call(sync.url, "/join", {"learner_id": "scripted", "incarnation": 0})
+        self.run_id = jr["run_id"]
+        self.shapes = {s["name"]: tuple(s["shape"]) for s in jr["plan"]["fragments"][0]}
+
+    def delta(self, r: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + r)
+        return {n: torch.randn(shape, generator=g) * 0.05 for n, shape in sorted(self.shapes.items())}
+
+    def outer_step(self, r: int) -> None:
+        """Round r of fragment 0: report step 4r, wait for the round, contribute, wait for version r."""
+        call(self.sync.url, "/heartbeat", {"learner_id": "scripted", "step": 4 * r})
+        deadline = time.monotonic() + 20
+        while not any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"]):
+            assert time.monotonic() < deadline, f"round {r} did not open"
+            call(self.sync.url, "/heartbeat", {"learner_id": "scripted", "step": 4 * r})
+            time.sleep(0.05)
+        data = wire.encode_to_bytes(self.delta(r), "fp32", {})
+        ref = self.store.put(keys.contribution_key(self.run_id, 0, r, "scripted", uuid.uuid4().hex[:8]), data)
+        ack = call(self.sync.url, "/announce", {
+            "learner_id": "scripted", "fragment": 0, "round_n": r, "base_version": r - 1, "c_steps": 4,
+            "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
+            "codec": "fp32", "update_id": f"u{r}"})
+        assert ack["status"] == "accepted", ack
+        while self.sync.status()["versions"]["0"] < r:
+            assert time.monotonic() < deadline, f"version {r} not published"
+            time.sleep(0.05)
+
+
+def fragment_state(store: ObjectStore, run_id: str, seq: int) -> tuple[dict, dict, dict]:
+    ck = load_checkpoint(store, run_id, seq)
+    params = {k: v for k, v in ck.tensors.items() if "/param/" in k}
+    mom = {k: v for k, v in ck.tensors.items() if "/momentum/" in k}
+    return params, mom, ck.manifest
+
+
+@pytest.fixture(params=["file"])
+def store_url(request, tmp_path):
+    return f"file://{tmp_path}/store"
+
+
+def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, store_url):
+    store = ObjectStore(store_url)
+    # Run A: three outer steps, no interruption.
+    a = SyncProcess(tmp_path, store_url, ["--run-id", "runA"])
+    try:
+        la = ScriptedLearner(a, store)
+        for r in (1, 2, 3):
+            la.outer_step(r)
+        seq_a = call(a.url, "/checkpoint")["seq"]
+    finally:
+        a.stop()
+    params_a, mom_a, man_a = fragment_state(store, "runA", seq_a)
+    assert man_a["versions"] == {"0": 3}
+
+    # Run B: two steps, checkpoint, SIGKILL, resume, step three.
+    b = SyncProcess(tmp_path, store_url, ["--run-id", "runB"])
+    lb = ScriptedLearner(b, store)
+    lb.outer_step(1)
+    lb.outer_step(2)
+    seq_b = call(b.url, "/checkpoint")["seq"]
+    b.proc.kill()
+    b.proc.wait(10)
+    b.log.close()
+    saved_params, saved_mom, saved = fragment_state(store, "runB", seq_b)
+    assert saved["versions"] == {"0": 2} and saved["outer_steps"] == {"0": 2}
+
+    c = SyncProcess(tmp_path, store_url, ["--resume", f"{store_url}/runB/checkpoints/{seq_b:08d}"])
+    try:
+        lb.attach(c)
+        assert c.status()["versions"] == {"0": 2}
+        # right after the restore, a checkpoint holds exactly the saved state
+        seq_r = call(c.url, "/checkpoint")["seq"]
+        assert seq_r > seq_b
+        p_r, m_r, man_r = fragment_state(store, "runB", seq_r)
+        assert all(torch.equal(m_r[k], saved_mom[k]) for k in saved_mom)
+        assert all(torch.equal(p_r[k], saved_params[k]) for k in saved_params)
+        assert man_r["next_round"] == {"0": 3}
+        lb.outer_step(3)
+        assert c.status()["versions"] == {"0": 3}  # continues at 3, not 1
+        seq_c = call(c.url, "/checkpoint")["seq"]
+    finally:
+        c.stop()
+    params_b, mom_b, man_b = fragment_state(store, "runB", seq_c)
+    assert man_b["versions"] == {"0": 3} and man_b["outer_steps"] == {"0": 3}
+    for k in params_a:
+        assert torch.equal(params_a[k], params_b[k]), f"{k} differs after resume"
+        assert torch.equal(mom_a[k.replace('/param/', '/momentum/')], mom_b[k.replace('/param/', '/momentum/')])
+    # the published version 3 of both runs holds the same tensors
+    shapes = {k.split("/param/")[1]: tuple(v.shape) for k, v in params_a.items()}
+    va, _ = wire.decode_from_bytes(store.get(ObjectRef.from_json(man_a["version_refs"]["0"]["3"])), "fp32", shapes)
+    vb, _ = wire.decode_from_bytes(store.get(ObjectRef.from_json(man_b["version_refs"]["0"]["3"])), "fp32", shapes)
+    assert all(torch.equal(va[n], vb[n]) for n in shapes)
+
+
+def test_resume_skips_a_checkpoint_torn_by_a_crash(tmp_path, store_url):
+    store = ObjectStore(store_url)
+    b = SyncProcess(tmp_path, store_url, ["--run-id", "runT"])
+    lb = ScriptedLearner(b, store)
+    lb.outer_step(1)
+    seq = call(b.url, "/checkpoint")["seq"]
+    b.proc.kill()
+    b.proc.wait(10)
+    b.log.close()
+    # a synchronizer killed in the middle of its next checkpoint: state half written, no manifest
+    store.put(keys.checkpoint_state_key("runT", seq + 1), b"\x00" * 100)
+    c = SyncProcess(tmp_path, store_url, ["--resume", f"{store_url}/runT"])  # newest that verifies
+    try:
+        st = c.status()
+        assert st["versions"] == {"0": 1}
+        lb.attach(c)
+        lb.outer_step(2)
+        assert call(c.url, "/checkpoint")["seq"] == seq + 2  # the torn seq is never reused
+    finally:
+        c.stop()
+    log = Path(c.log.name).read_text()
+    assert f"skipping incomplete checkpoint {seq + 1}" in log
+
+
+def test_resume_refuses_a_different_config(tmp_path, store_url):
+    store = ObjectStore(store_url)
+    b = SyncProcess(tmp_path, store_url, ["--run-id", "runC"])
+    try:
+        ScriptedLearner(b, store).outer_step(1)
+        seq = call(b.url, "/checkpoint")["seq"]
+    finally:
+        b.stop()
+    sets = [a for o in OVERRIDES + [f"run.store={store_url}", "synchronizer.outer_lr=0.5"] for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "diloco_async.server", *sets, "--config", "configs/default.toml",
+                           "--resume", f"{store_url}/runC/checkpoints/{seq:08d}"],
+                          env={"DILOCO_RUN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "synchronizer.outer_lr: 0.7 -> 0.5" in proc.stderr
