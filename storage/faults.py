@@ -1,0 +1,270 @@
+"""Fault injection through the real store interface (STYLE habit 7; bug cases C08, C10, C11).
+
+:class:`FaultyStore` is an :class:`~storage.store.ObjectStore` built from a real one. It keeps
+the real store's URL, policy (timeouts, retries) and code paths, and puts a faulty layer *under*
+them, around the backend: so the product's own retries, timeouts, aborts and digest checks are
+what the tests exercise, and product code has no test branches.
+
+Faults, by explicit toggles on ``store.faults`` (a :class:`FaultPlan`) or by a seeded schedule:
+
+* ``fail(op)``: the next call raises a transient error (``ConnectionError`` by default);
+* ``hang(op)``: the next call blocks until :meth:`FaultPlan.release` (then fails as a dead
+  connection would) or for ``hold_s``;
+* ``slow(op, delay_s)``: the next call takes ``delay_s`` longer;
+* ``tear(after_nbytes)``: the next write crashes after ``after_nbytes`` went through the real
+  write path (temp file, multipart or resumable upload) and leaves the upload as a killed
+  process would: not completed, not aborted;
+* ``corrupt()``: the next read returns one flipped byte;
+* ``FaultyStore.freeze_listings()``: listings return the snapshot taken at that moment.
+
+Operations (``op``): ``put begin send commit abort read size exists delete find``.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from typing import Any
+
+from storage.backends import Backend, Upload
+from storage.store import ObjectStore
+
+__all__ = ["FaultPlan", "FaultyStore", "SimulatedCrash", "OPS"]
+
+OPS = ("put", "begin", "send", "commit", "abort", "read", "size", "exists", "delete", "find")
+
+
+class SimulatedCrash(Exception):
+    """The writer 'died' in the middle of a write (a torn write). Not transient: never retried."""
+
+
+class FaultPlan:
+    """What to inject, and a record of what was injected.
+
+    Args:
+        seed: seeds the random schedule (same seed, same faults for the same calls).
+        p_transient, p_hang, p_slow: per-call probabilities of each fault, for ``ops``.
+        slow_s: delay of a random slow call.
+        hold_s: how long a random hang blocks (None: until :meth:`release`).
+        ops: the operations the random schedule applies to.
+    """
+
+    def __init__(self, seed: int = 0, p_transient: float = 0.0, p_hang: float = 0.0, p_slow: float = 0.0,
+                 slow_s: float = 0.05, hold_s: float | None = None, ops: tuple[str, ...] = OPS) -> None:
+        unknown = set(ops) - set(OPS)
+        if unknown:
+            raise ValueError(f"unknown operations {sorted(unknown)}; known: {OPS}")
+        if min(p_transient, p_hang, p_slow) < 0 or p_transient + p_hang + p_slow > 1:
+            raise ValueError(f"fault probabilities must be >= 0 and sum to <= 1, got "
+                             f"{p_transient}, {p_hang}, {p_slow}")
+        self.rng = random.Random(seed)
+        self.p_transient, self.p_hang, self.p_slow = p_transient, p_hang, p_slow
+        self.slow_s, self.hold_s, self.ops = slow_s, hold_s, tuple(ops)
+        self._queued: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self._tear_after: int | None = None
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+        self.snapshot: dict[str, int] | None = None
+        #: faults injected so far, by kind ("transient", "hang", "slow", "tear", "corrupt", "stale_list")
+        self.injected: collections.Counter[str] = collections.Counter()
+        #: calls seen so far, by operation
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    # -- toggles ---------------------------------------------------------------------------------
+
+    def fail(self, op: str, times: int = 1, error: BaseException | None = None) -> None:
+        """The next ``times`` calls of ``op`` raise ``error`` (default: ``ConnectionError``)."""
+        self._queue(op, times, ("error", error))
+
+    def hang(self, op: str, times: int = 1, hold_s: float | None = None) -> None:
+        """The next ``times`` calls of ``op`` block until :meth:`release` or for ``hold_s``."""
+        self._released.clear()
+        self._queue(op, times, ("hang", hold_s))
+
+    def slow(self, op: str, delay_s: float, times: int = 1) -> None:
+        self._queue(op, times, ("slow", delay_s))
+
+    def corrupt(self, times: int = 1) -> None:
+        """The next ``times`` reads return the object with one byte flipped."""
+        self._queue("read", times, ("corrupt", None))
+
+    def tear(self, after_nbytes: int) -> None:
+        """The next write (``put`` or upload) crashes once ``after_nbytes`` are written."""
+        if after_nbytes < 0:
+            raise ValueError(f"after_nbytes must be >= 0, got {after_nbytes}")
+        with self._lock:
+            self._tear_after = after_nbytes
+
+    def release(self) -> None:
+        """Wake every hung call (now and later); each then fails with ``ConnectionError``."""
+        self._released.set()
+
+    def _queue(self, op: str, times: int, fault: tuple) -> None:
+        if op not in OPS:
+            raise ValueError(f"unknown operation {op!r}; known: {OPS}")
+        with self._lock:
+            self._queued[op].extend([fault] * times)
+
+    # -- used by the faulty backend ----------------------------------------------------------------
+
+    def take_tear(self) -> int | None:
+        with self._lock:
+            after, self._tear_after = self._tear_after, None
+        return after
+
+    def before(self, op: str, what: str) -> str | None:
+        """Apply the fault due for this call of ``op``; returns "corrupt" for a read to spoil."""
+        with self._lock:
+            self.calls[op] += 1
+            fault = self._queued[op].popleft() if self._queued[op] else self._draw(op)
+        if fault is None:
+            return None
+        kind, arg = fault
+        if kind == "error":
+            self.injected["transient"] += 1
+            raise arg if arg is not None else ConnectionError(f"injected transient error: {op} {what}")
+        if kind == "hang":
+            self.injected["hang"] += 1
+            self._released.wait(arg)
+            raise ConnectionError(f"injected hang ended (connection reset): {op} {what}")
+        if kind == "slow":
+            self.injected["slow"] += 1
+            time.sleep(arg)
+            return None
+        self.injected["corrupt"] += 1
+        return "corrupt"
+
+    def _draw(self, op: str) -> tuple | None:
+        if op not in self.ops or not (self.p_transient or self.p_hang or self.p_slow):
+            return None
+        r = self.rng.random()
+        if r < self.p_transient:
+            return ("error", None)
+        if r < self.p_transient + self.p_hang:
+            return ("hang", self.hold_s)
+        if r < self.p_transient + self.p_hang + self.p_slow:
+            return ("slow", self.slow_s)
+        return None
+
+
+class _FaultyBackend(Backend):
+    def __init__(self, inner: Backend, plan: FaultPlan) -> None:
+        super().__init__(inner.fs)
+        self.inner, self.plan = inner, plan
+        self.multipart, self.parallel_parts = inner.multipart, inner.parallel_parts
+        self.resend_parts, self.part_quantum = inner.resend_parts, inner.part_quantum
+
+    def put(self, path: str, data: bytes) -> None:
+        after = self.plan.take_tear()
+        if after is not None:  # a single PUT torn: bytes go out through a real upload, then death
+            if not data:
+                self.plan.injected["tear"] += 1
+                raise SimulatedCrash("crashed before writing")
+            _FaultyUpload(self.inner.begin(path), self, after).send(1, 0, data, True)
+        self.plan.before("put", path)
+        self.inner.put(path, data)
+
+    def begin(self, path: str) -> Upload:
+        self.plan.before("begin", path)
+        return _FaultyUpload(self.inner.begin(path), self, self.plan.take_tear())
+
+    def read(self, path: str, start: int | None, end: int | None) -> bytes:
+        spoil = self.plan.before("read", path)
+        data = self.inner.read(path, start, end)
+        if spoil and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    def size(self, path: str) -> int:
+        self.plan.before("size", path)
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        self.plan.before("exists", path)
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.plan.before("delete", path)
+        self.inner.delete(path)
+
+    def find(self, path: str) -> dict[str, int]:
+        self.plan.before("find", path)
+        snapshot = self.plan.snapshot
+        if snapshot is None:
+            return self.inner.find(path)
+        self.plan.injected["stale_list"] += 1
+        base = path.strip("/")
+        return {p: n for p, n in snapshot.items() if p.strip("/") == base or p.lstrip("/").startswith(base + "/")}
+
+
+class _FaultyUpload:
+    """Forwards to a real upload; when torn, sends the bytes up to the tear through it, then
+    raises :class:`SimulatedCrash` and from then on ignores commit and abort (a dead process
+    completes nothing and cleans nothing up)."""
+
+    def __init__(self, inner: Upload, backend: _FaultyBackend, tear_after: int | None) -> None:
+        self.inner, self.backend, self.plan = inner, backend, backend.plan
+        self.tear_after = tear_after
+        self.crashed = False
+        self._sent = 0
+        self._lock = threading.Lock()
+
+    def send(self, number: int, offset: int, data: bytes, last: bool) -> None:
+        self.plan.before("send", f"part {number}")
+        with self._lock:
+            if self.crashed:
+                raise SimulatedCrash("the writer is dead")
+            # the last part always tears: sending it whole could publish the object (GCS)
+            torn = self.tear_after is not None and (last or self._sent + len(data) > self.tear_after)
+            if torn:
+                self.crashed = True
+            else:
+                self._sent += len(data)
+        if torn:
+            quantum = self.backend.part_quantum
+            cut = min(max(self.tear_after - offset, 0), len(data) - 1)
+            cut = (cut // quantum) * quantum
+            if cut:
+                self.inner.send(number, offset, bytes(data[:cut]), False)
+            self.plan.injected["tear"] += 1
+            raise SimulatedCrash(f"crashed after writing {offset + cut} bytes")
+        self.inner.send(number, offset, data, last)
+
+    def commit(self) -> None:
+        if self.crashed or self.tear_after is not None:
+            self.crashed = True
+            raise SimulatedCrash("the writer is dead")
+        self.plan.before("commit", "")
+        self.inner.commit()
+
+    def abort(self) -> None:
+        if self.crashed:
+            return
+        self.plan.before("abort", "")
+        self.inner.abort()
+
+
+class FaultyStore(ObjectStore):
+    """A real store with faults injected under its retry, timeout and commit logic.
+
+    Args:
+        inner: the real store (any backend); its policy and counters are shared.
+        faults: the plan to follow; by default a new :class:`FaultPlan` made from ``schedule``.
+        **schedule: :class:`FaultPlan` arguments (``seed``, ``p_transient``, ...).
+    """
+
+    def __init__(self, inner: ObjectStore, faults: FaultPlan | None = None, **schedule: Any) -> None:
+        vars(self).update(vars(inner))
+        self.inner = inner
+        self.faults = faults if faults is not None else FaultPlan(**schedule)
+        self._backend = _FaultyBackend(inner._backend, self.faults)
+
+    def freeze_listings(self) -> None:
+        """From now on listings return what the store held at this moment (stale listings)."""
+        self.faults.snapshot = None
+        self.faults.snapshot = self.inner._backend.find(self.root)
+
+    def thaw_listings(self) -> None:
+        self.faults.snapshot = None
