@@ -21,6 +21,16 @@ def _train(args: argparse.Namespace) -> int:
     return run_train_cli(args.config, overrides=args.set or [])
 
 
+def _resume(args: argparse.Namespace) -> int:
+    import os
+
+    if os.environ.get("PREFECT_HOME"):
+        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+    from flows.train import run_resume_cli
+
+    return run_resume_cli(args.checkpoint_url, args.config, overrides=args.set or [])
+
+
 def _simulate(argv: list[str]) -> int:
     from diloco_async.sim.cli import main as sim_main
 
@@ -41,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field, e.g. --set learners.count=2 (repeatable)",
     )
     p_train.set_defaults(func=_train)
+    p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")
+    p_resume.add_argument("checkpoint_url", help="{store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
+    p_resume.add_argument("--config", default=None, help="recipe (default: the run's own config from the store)")
+    p_resume.add_argument("--set", action="append", metavar="KEY=VALUE",
+                          help="override a field, e.g. --set budget.tokens=12000000 to extend the run")
+    p_resume.set_defaults(func=_resume)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -420,7 +420,9 @@ class Learner:
         answered: set[tuple[int, int]] = set()
         tokens_per_step = lc.batch_size * cfg.model.context
         ema_alpha = cfg.synchronizer.ema_alpha
-        step = 0
+        step = self.join_response.start_step if self.join_response else 0  # a restarted slot continues
+        with self.lock:
+            self.stats.step = step
         while not self.stop_event.is_set():
             # -- step boundary: adopt, then answer open rounds --
             while True:
@@ -481,7 +483,7 @@ class Learner:
             # -- one inner step --
             t0 = time.perf_counter()
             x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, gen)
-            lr = lc.lr * min(1.0, (step + 1) / max(1, lc.warmup_steps))
+            lr = lc.lr * min(1.0, (step + 1) / max(1, lc.warmup_steps))  # no second warm-up after a restart
             for group in opt.param_groups:
                 group["lr"] = lr
             loss = model.loss(x, y)

@@ -55,6 +55,7 @@ class JoinResponse(_Msg):
     schema_hash: str
     versions: list[VersionInfo]
     epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
+    start_step: int = Field(0, ge=0, description="Local step a restarted learner slot continues from.")
 
 
 class Heartbeat(_Msg):

@@ -130,7 +130,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
 
     With ``resume``, the outer state comes from that verified checkpoint of the same run.
 
-    Writes ``{"url", "run_id", "pid"}`` to ``ready_file`` (atomically) once the server listens.
+    Writes ``{"url", "run_id", "pid", "epoch"}`` to ``ready_file`` (atomically) once the server listens.
     SIGTERM and SIGINT start a clean stop (final checkpoint, learners told to stop).
     """
     sync = Synchronizer(cfg, store, run_id)
@@ -153,7 +153,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
             pass
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch}))
         tmp.replace(ready_file)
     try:
         summary = await sync.run()

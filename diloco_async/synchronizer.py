@@ -412,12 +412,14 @@ class Synchronizer:
     def _on_join(self, req: JoinRequest) -> JoinResponse:
         now = self.clock()
         info = self.learners.get(req.learner_id)
+        start_step = info.step if info is not None else 0
         if info is None or req.incarnation != info.incarnation:
             started = now - req.uptime_s
             if info is not None:
                 started = info.started_s  # the slot was provisioned since its first start
-                log.info("learner %s rejoined (incarnation %d -> %d)", req.learner_id, info.incarnation, req.incarnation)
-            self.learners[req.learner_id] = _LearnerInfo(req.learner_id, req.incarnation, started, now)
+                log.info("learner %s rejoined (incarnation %d -> %d) at step %d", req.learner_id, info.incarnation,
+                         req.incarnation, start_step)
+            self.learners[req.learner_id] = _LearnerInfo(req.learner_id, req.incarnation, started, now, step=start_step)
             self.ledgers.setdefault(req.learner_id, LearnerLedger())
         else:
             info.last_seen_s = now
@@ -426,7 +428,7 @@ class Synchronizer:
         self._metric(f"learner/{req.learner_id}/alive", 1.0)
         return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
                             plan=self.plan.to_json(), schema_hash=self.plan.schema_hash,
-                            versions=self._version_infos(), epoch=self.epoch)
+                            versions=self._version_infos(), epoch=self.epoch, start_step=start_step)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         now = self.clock()
@@ -560,8 +562,7 @@ class Synchronizer:
             rnd.state.settle(msg.learner, False)
             rnd.contributions.pop(msg.learner, None)
             return
-        self.counters["bytes_in"] += msg.nbytes
-        self._metric("net/bytes_in", self.counters["bytes_in"])
+        self.counters["bytes_in"] += msg.nbytes  # logged with each merge
         if contrib is not None:
             contrib.delta = msg.delta
         rnd.state.settle(msg.learner, True)
@@ -853,8 +854,8 @@ class Synchronizer:
     async def _write_final(self) -> None:
         body = "\n".join(json.dumps(m) for m in self.metrics).encode()
         try:
-            await asyncio.to_thread(self.store.put, f"{self.run_id}/metrics.jsonl", body)
-            await asyncio.to_thread(self.store.put_json, f"{self.run_id}/summary.json", self.final_summary)
+            await asyncio.to_thread(self.store.put, keys.metrics_log_key(self.run_id, self.epoch), body)
+            await asyncio.to_thread(self.store.put_json, keys.summary_key(self.run_id, self.epoch), self.final_summary)
         except Exception as err:
             log.error("could not write the final summary: %s", err)
         self._final_written = True
@@ -876,6 +877,8 @@ class Synchronizer:
         max_gap = max(4 * (self._slowest_step_s() or 1.0) * self.sc.sync_every / max(1, len(self.fragments)), 5.0)
         return {
             "run_id": self.run_id,
+            "epoch": self.epoch,
+            "resumed_from": self.resumed_from,
             "stop_reason": self.stopping,
             "wall_s": now - self.started_s,
             **tot,

@@ -75,6 +75,24 @@ class MlflowSink:
             self._call(self.client.log_batch, self.run_id, params=items[i:i + 100])
         return self.run_id
 
+    def resume(self, diloco_run_id: str) -> bool:
+        """Log into the existing MLflow run of a resumed training run (found by its
+        ``diloco.run_id`` tag); set it RUNNING again. Points at or below the last logged step of a
+        metric are skipped afterwards, so a replayed step never appears twice. Returns False
+        when there is no such run."""
+        found = self.client.search_runs([self.experiment_id], f"tags.`diloco.run_id` = '{diloco_run_id}'",
+                                        max_results=1)
+        if not found:
+            return False
+        self.run_id = found[0].info.run_id
+        self._call(self.client.update_run, self.run_id, status="RUNNING")
+        for key in found[0].data.metrics:
+            history = self.client.get_metric_history(self.run_id, key)
+            if history:
+                self._last_step[key] = max(m.step for m in history)
+        log.info("resuming MLflow run %s (%d metric series)", self.run_id, len(self._last_step))
+        return True
+
     def _call(self, fn, *args, **kwargs) -> None:
         for attempt in range(3):
             try:
@@ -93,6 +111,9 @@ class MlflowSink:
             value = float(pt["value"])
             if not math.isfinite(value):
                 continue
+            last = self._last_step.get(pt["key"])
+            if last is not None and int(pt["step"]) <= last:
+                continue  # already logged by the run before the resume
             metrics.append(Metric(pt["key"], value, int(pt["timestamp_ms"]), int(pt["step"])))
         for i in range(0, len(metrics), 1000):
             self._call(self.client.log_batch, self.run_id, metrics=metrics[i:i + 1000])

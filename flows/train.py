@@ -30,10 +30,12 @@ from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
 from diloco_async.synchronizer import initial_parameters, new_run_id
 from flows.launcher import LocalProcess, LocalProcessLauncher, wait_for_ready_file
 from flows.tracking import MlflowSink, flatten_params
-from storage.checkpoint import latest_checkpoint
+from diloco_async.server import open_checkpoint
+from storage import keys
+from storage.checkpoint import Checkpoint, latest_checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["train", "run_train_cli", "TrainingRun"]
+__all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]
 
 log = logging.getLogger("diloco.flows.train")
 
@@ -58,11 +60,14 @@ def evaluate(cfg: Config, model: ByteGPT) -> float:
 class TrainingRun:
     """The processes, metric stream and MLflow run of one training run."""
 
-    def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str]) -> None:
+    def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str],
+                 run_id: Optional[str] = None, resume_url: Optional[str] = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
-        self.run_id = new_run_id()
+        self.run_id = run_id or new_run_id()
+        self.resume_url = resume_url
+        self.epoch: Optional[str] = None
         self.token = secrets.token_urlsafe(32)
         self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -82,10 +87,12 @@ class TrainingRun:
 
     def start_synchronizer(self) -> str:
         ready = self.workdir / "synchronizer.ready.json"
-        argv = ["-m", "diloco_async.server", *self._config_args(), "--run-id", self.run_id,
-                "--ready-file", str(ready)]
+        ready.unlink(missing_ok=True)
+        which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
+        argv = ["-m", "diloco_async.server", *self._config_args(), *which, "--ready-file", str(ready)]
         self.sync = self.launcher.start("synchronizer", argv, self.env)
-        self.sync_url = wait_for_ready_file(ready, self.sync)["url"]
+        info = wait_for_ready_file(ready, self.sync)
+        self.sync_url, self.epoch = info["url"], info["epoch"]
         return self.sync_url
 
     def start_learner(self, index: int, incarnation: int = 0) -> LocalProcess:
@@ -117,7 +124,7 @@ class TrainingRun:
     def remaining_metrics_from_store(self) -> list[dict]:
         """Metric points the final poll missed, from the synchronizer's metrics.jsonl."""
         try:
-            lines = self.store.get_unverified(f"{self.run_id}/metrics.jsonl").decode().splitlines()
+            lines = self.store.get_unverified(keys.metrics_log_key(self.run_id, str(self.epoch))).decode().splitlines()
         except FileNotFoundError:
             return []
         rest = [json.loads(line) for line in lines[self.metrics_next:] if line.strip()]
@@ -180,6 +187,40 @@ def _summary_table(summary: dict) -> Table:
     return table
 
 
+def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations: dict[int, int]) -> dict:
+    """Start the synchronizer and the learners, watch them, evaluate the final model."""
+    logger = get_run_logger()
+    cfg = run.cfg
+    console = Console(stderr=False)
+    t0 = time.monotonic()
+    url = run.start_synchronizer()
+    logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
+    for i in range(cfg.learners.count):
+        run.start_learner(i, incarnations.get(i, 0))
+    _watch(run, sink, console)
+    code = run.sync.wait() if run.sync else None
+    if code != 0:
+        raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path if run.sync else '?'}")
+    sink.log_points(run.remaining_metrics_from_store())
+    summary = run.store.get_json(keys.summary_key(run.run_id, str(run.epoch)))
+    ckpt = latest_checkpoint(run.store, run.run_id)
+    if ckpt is None:
+        raise RuntimeError("no verified checkpoint at the end of the run")
+    eval_final = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
+    summary.update(eval_loss_initial=eval_start, eval_loss_final=eval_final,
+                   flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
+                   checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"))
+    step = int(summary["merges"])
+    sink.log_metric("eval/loss", eval_final, step)
+    sink.log_metric("eval/final_loss", eval_final, step)
+    sink.log_metric("goodput/uptime", summary["uptime"], step)
+    sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
+    console.print(_summary_table(summary))
+    logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",
+                run.run_id, eval_start, eval_final, summary["compute_goodput"])
+    return summary
+
+
 @flow(name="train", log_prints=True)
 def train(config: Optional[str] = "configs/default.toml", overrides: Optional[list[str]] = None) -> dict:
     """Run one training job end to end and return its summary (also logged to MLflow).
@@ -193,13 +234,11 @@ def train(config: Optional[str] = "configs/default.toml", overrides: Optional[li
     cfg = load_config(config, overrides)
     prepare_corpus(cfg)
     run = TrainingRun(cfg, config, overrides)
-    console = Console(stderr=False)
     sink = MlflowSink(cfg.tracking)
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
     status = "FAILED"
-    t0 = time.monotonic()
     try:
         params, _ = initial_parameters(cfg)
         model0 = ByteGPT(cfg.model)
@@ -207,37 +246,65 @@ def train(config: Optional[str] = "configs/default.toml", overrides: Optional[li
         eval_initial = evaluate(cfg, model0)
         sink.log_metric("eval/loss", eval_initial, 0)
         logger.info("run %s: initial held-out loss %.4f nats/byte", run.run_id, eval_initial)
-        url = run.start_synchronizer()
-        logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
-        for i in range(cfg.learners.count):
-            run.start_learner(i)
-        _watch(run, sink, console)
-        code = run.sync.wait() if run.sync else None  # type: ignore[union-attr]
-        if code != 0:
-            raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path}")
-        sink.log_points(run.remaining_metrics_from_store())
-        summary = run.store.get_json(f"{run.run_id}/summary.json")
-        ckpt = latest_checkpoint(run.store, run.run_id)
-        if ckpt is None:
-            raise RuntimeError("no verified checkpoint at the end of the run")
-        eval_final = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
-        summary.update(eval_loss_initial=eval_initial, eval_loss_final=eval_final,
-                       flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
-                       checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"))
-        sink.log_metric("eval/loss", eval_final, int(summary["merges"]))
-        sink.log_metric("eval/final_loss", eval_final, int(summary["merges"]))
-        sink.log_metric("goodput/uptime", summary["uptime"], int(summary["merges"]))
-        sink.log_dict(summary, "summary.json")
         sink.log_dict(cfg.public_dict(), "config.json")
-        sink.log_dict(run.store.get_json(f"{run.run_id}/plan.json"), "plan.json")
-        console.print(_summary_table(summary))
-        logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",
-                    run.run_id, eval_initial, eval_final, summary["compute_goodput"])
+        summary = _execute(run, sink, eval_initial, {})
+        sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
         status = "FINISHED"
         return summary
     finally:
         run.stop_all()
         sink.end(status)
+
+
+@flow(name="resume", log_prints=True)
+def resume(checkpoint_url: str, config: Optional[str] = None, overrides: Optional[list[str]] = None) -> dict:
+    """Continue a run from a checkpoint in any store (file://, s3://, gs://) and return its summary.
+
+    Args:
+        checkpoint_url: ``{store}/{run_id}/checkpoints/{seq}``, or ``{store}/{run_id}`` for the
+            newest checkpoint that verifies.
+        config: a recipe; by default the run's own config from the store. Training fields must
+            match the checkpoint's (a budget may be extended with overrides).
+        overrides: ``section.field=value`` strings.
+    """
+    logger = get_run_logger()
+    overrides = list(overrides or [])
+    cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, config, overrides, {})
+    prepare_corpus(cfg)
+    run = TrainingRun(cfg, config, overrides, run_id=run_id,
+                      resume_url=f"{store.url}/{run_id}/checkpoints/{ckpt.seq:08d}")
+    sink = MlflowSink(cfg.tracking)
+    if not sink.resume(run_id):
+        sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),
+                   {"diloco.run_id": run_id, "diloco.config_hash": config_hash(cfg), "diloco.store": store.url})
+    status = "FAILED"
+    try:
+        eval_start = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
+        logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/byte", run_id, ckpt.seq, eval_start)
+        incarnations = {int(lid.rsplit("-", 1)[1]) : int(d["incarnation"]) + 1
+                        for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
+        summary = _execute(run, sink, eval_start, incarnations)
+        status = "FINISHED"
+        return summary
+    finally:
+        run.stop_all()
+        sink.end(status)
+
+
+def _report(summary: dict) -> None:
+    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final", "wall_s",
+                                              "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
+
+
+def run_resume_cli(checkpoint_url: str, config: Optional[str], overrides: list[str]) -> int:
+    """Entry of ``diloco-async resume``."""
+    try:
+        summary = resume(checkpoint_url=checkpoint_url, config=config, overrides=overrides)
+    except Exception as err:
+        print(f"resume failed: {err}", file=sys.stderr)
+        return 1
+    _report(summary)
+    return 0
 
 
 def run_train_cli(config: Optional[str], overrides: list[str]) -> int:
@@ -247,6 +314,5 @@ def run_train_cli(config: Optional[str], overrides: list[str]) -> int:
     except Exception as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
-    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final", "wall_s",
-                                              "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
+    _report(summary)
     return 0

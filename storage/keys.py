@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["split_checkpoint_url", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
+__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
            "checkpoint_state_key", "checkpoint_manifest_key", "learner_prefix"]
 
 
@@ -32,6 +32,15 @@ def checkpoint_state_key(run_id: str, seq: int) -> str:
 
 def checkpoint_manifest_key(run_id: str, seq: int) -> str:
     return f"{run_id}/checkpoints/{seq:08d}/manifest.json"
+
+
+def summary_key(run_id: str, epoch: str) -> str:
+    """Final figures written by one synchronizer process (an epoch) of the run."""
+    return f"{run_id}/epochs/{epoch}/summary.json"
+
+
+def metrics_log_key(run_id: str, epoch: str) -> str:
+    return f"{run_id}/epochs/{epoch}/metrics.jsonl"
 
 
 def learner_prefix(run_id: str, learner: str) -> str:

@@ -45,3 +45,29 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1] == round(summary["eval_loss_final"], 4)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json"} <= artifacts
+
+
+def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):
+    from flows.train import resume
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    common = [f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art", "tracking.poll_s=0.5",
+              f"run.workdir={tmp_path}/runs"]
+    first = train(config="configs/default.toml", overrides=[
+        f"run.store=file://{tmp_path}/store", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+        "model.context=32", "learners.count=2", "learners.batch_size=8", "synchronizer.num_fragments=3",
+        "synchronizer.sync_every=12", "synchronizer.checkpoint_every_s=5", "budget.tokens=100000",
+        "budget.wall_s=120", *common])
+    again = resume(checkpoint_url=f"file://{tmp_path}/store/{first['run_id']}",
+                   overrides=["budget.tokens=200000", *common])
+    assert again["run_id"] == first["run_id"]
+    assert again["mlflow_run_id"] == first["mlflow_run_id"]
+    assert again["resumed_from"] == first["checkpoint_seq"]
+    assert again["merges"] > first["merges"]
+    assert min(again["versions"].values()) > min(first["versions"].values())
+    assert again["eval_loss_final"] < first["eval_loss_initial"]
+    client = MlflowClient(uri)
+    assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
+    for key in ("sync/merges", "sync/quorum_size", "net/bytes_in"):
+        steps = [m.step for m in client.get_metric_history(first["mlflow_run_id"], key)]
+        assert len(steps) == len(set(steps)), f"{key} has duplicate steps after resume"

@@ -100,7 +100,8 @@ def test_sigkill_one_of_three_learners(tmp_path):
     assert alive[-1] == 0.0
     assert any(m["key"] == "sync/live_learners" and m["value"] == 2.0 for m in metrics)
     store = ObjectStore(f"file://{tmp_path}/store")
-    summary = store.get_json("itest/summary.json")
+    epoch = json.loads((tmp_path / "ready.json").read_text())["epoch"]
+    summary = store.get_json(f"itest/epochs/{epoch}/summary.json")
     assert summary["learners"]["learner-2"]["live"] is False
     assert summary["learners"]["learner-0"]["live"] is True
     merged_after = [m for m in metrics if m["key"] == "sync/quorum_size" and m["timestamp_ms"] > 0]
