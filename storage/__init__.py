@@ -1,5 +1,13 @@
-"""Object-store layer over fsspec: immutable keys, verified reads, checkpoints (DESIGN §5)."""
+"""Object-store layer over fsspec: immutable keys, verified reads, checkpoints (DESIGN §5).
 
-from storage.store import IntegrityError, ObjectRef, ObjectStore, sha256_hex
+* :mod:`storage.store`: :class:`ObjectStore` chosen by URL (``file://``, ``memory://``,
+  ``s3://``, ``gs://``), exclusive create, streamed parts, timeouts and retries;
+* :mod:`storage.backends`: one backend per protocol (single requests, no policy);
+* :mod:`storage.keys` and :mod:`storage.checkpoint`: the run layout and its checkpoints;
+* :mod:`storage.gc`: garbage collection behind the newest verified checkpoint;
+* :mod:`storage.faults`: :class:`~storage.faults.FaultyStore` for fault-injection tests.
+"""
 
-__all__ = ["IntegrityError", "ObjectRef", "ObjectStore", "sha256_hex"]
+from storage.store import IntegrityError, ObjectRef, ObjectStore, ObjectWriter, is_transient, sha256_hex
+
+__all__ = ["IntegrityError", "ObjectRef", "ObjectStore", "ObjectWriter", "is_transient", "sha256_hex"]

@@ -116,6 +116,7 @@ class _LocalUpload:
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._busy = 0
         self._lock = threading.Lock()
+        self.committed = False
 
     def send(self, number: int, offset: int, data: bytes, last: bool) -> None:
         with self._lock:
@@ -132,12 +133,15 @@ class _LocalUpload:
                 self._busy -= 1
 
     def commit(self) -> None:
-        assert self.fd is not None, "commit after abort"
+        if self.fd is None:  # committed (or aborted) already: the name is taken or was never ours
+            raise FileExistsError(f"object exists: file://{self.path}") if self.committed else \
+                OSError(f"upload of {self.path} was aborted")
         os.fsync(self.fd)
         try:
             os.link(self.tmp, self.path)
         except FileExistsError:
             raise FileExistsError(f"object exists: file://{self.path}") from None
+        self.committed = True
         _fsync_dir(os.path.dirname(self.path))
         self.abort()  # the temp name goes; the published name stays
 

@@ -14,6 +14,8 @@ Faults, by explicit toggles on ``store.faults`` (a :class:`FaultPlan`) or by a s
 * ``tear(after_nbytes)``: the next write crashes after ``after_nbytes`` went through the real
   write path (temp file, multipart or resumable upload) and leaves the upload as a killed
   process would: not completed, not aborted;
+* ``lose_reply(op)``: the next call reaches the store, then its answer is lost (the caller sees
+  ``ConnectionError`` although the write landed);
 * ``corrupt()``: the next read returns one flipped byte;
 * ``FaultyStore.freeze_listings()``: listings return the snapshot taken at that moment.
 
@@ -64,6 +66,7 @@ class FaultPlan:
         self.slow_s, self.hold_s, self.ops = slow_s, hold_s, tuple(ops)
         self._queued: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self._tear_after: int | None = None
+        self._tear_skip = 0
         self._released = threading.Event()
         self._lock = threading.Lock()
         self.snapshot: dict[str, int] | None = None
@@ -86,16 +89,21 @@ class FaultPlan:
     def slow(self, op: str, delay_s: float, times: int = 1) -> None:
         self._queue(op, times, ("slow", delay_s))
 
+    def lose_reply(self, op: str, times: int = 1) -> None:
+        """The next ``times`` calls of ``op`` take effect, then fail with ``ConnectionError``."""
+        self._queue(op, times, ("lose_reply", None))
+
     def corrupt(self, times: int = 1) -> None:
         """The next ``times`` reads return the object with one byte flipped."""
         self._queue("read", times, ("corrupt", None))
 
-    def tear(self, after_nbytes: int) -> None:
-        """The next write (``put`` or upload) crashes once ``after_nbytes`` are written."""
-        if after_nbytes < 0:
-            raise ValueError(f"after_nbytes must be >= 0, got {after_nbytes}")
+    def tear(self, after_nbytes: int, skip: int = 0) -> None:
+        """A write (``put`` or upload) crashes once ``after_nbytes`` of it are written: the next
+        one, or the one after ``skip`` complete writes."""
+        if after_nbytes < 0 or skip < 0:
+            raise ValueError(f"after_nbytes and skip must be >= 0, got {after_nbytes}, {skip}")
         with self._lock:
-            self._tear_after = after_nbytes
+            self._tear_after, self._tear_skip = after_nbytes, skip
 
     def release(self) -> None:
         """Wake every hung call (now and later); each then fails with ``ConnectionError``."""
@@ -110,12 +118,19 @@ class FaultPlan:
     # -- used by the faulty backend ----------------------------------------------------------------
 
     def take_tear(self) -> int | None:
+        """The tear point if this write is the one to tear (called once per write)."""
         with self._lock:
+            if self._tear_after is None:
+                return None
+            if self._tear_skip:
+                self._tear_skip -= 1
+                return None
             after, self._tear_after = self._tear_after, None
         return after
 
     def before(self, op: str, what: str) -> str | None:
-        """Apply the fault due for this call of ``op``; returns "corrupt" for a read to spoil."""
+        """Apply the fault due for this call of ``op``; returns what to do after the real call
+        ("corrupt" the data read, or "lose_reply")."""
         with self._lock:
             self.calls[op] += 1
             fault = self._queued[op].popleft() if self._queued[op] else self._draw(op)
@@ -133,8 +148,8 @@ class FaultPlan:
             self.injected["slow"] += 1
             time.sleep(arg)
             return None
-        self.injected["corrupt"] += 1
-        return "corrupt"
+        self.injected[kind] += 1
+        return kind
 
     def _draw(self, op: str) -> tuple | None:
         if op not in self.ops or not (self.p_transient or self.p_hang or self.p_slow):
@@ -163,40 +178,43 @@ class _FaultyBackend(Backend):
                 self.plan.injected["tear"] += 1
                 raise SimulatedCrash("crashed before writing")
             _FaultyUpload(self.inner.begin(path), self, after).send(1, 0, data, True)
-        self.plan.before("put", path)
-        self.inner.put(path, data)
+        self._do("put", path, self.inner.put, path, data)
 
     def begin(self, path: str) -> Upload:
-        self.plan.before("begin", path)
-        return _FaultyUpload(self.inner.begin(path), self, self.plan.take_tear())
+        upload = self._do("begin", path, self.inner.begin, path)
+        return _FaultyUpload(upload, self, self.plan.take_tear())
 
     def read(self, path: str, start: int | None, end: int | None) -> bytes:
-        spoil = self.plan.before("read", path)
-        data = self.inner.read(path, start, end)
-        if spoil and data:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
-        return data
+        return self._do("read", path, self.inner.read, path, start, end)
 
     def size(self, path: str) -> int:
-        self.plan.before("size", path)
-        return self.inner.size(path)
+        return self._do("size", path, self.inner.size, path)
 
     def exists(self, path: str) -> bool:
-        self.plan.before("exists", path)
-        return self.inner.exists(path)
+        return self._do("exists", path, self.inner.exists, path)
 
     def delete(self, path: str) -> None:
-        self.plan.before("delete", path)
-        self.inner.delete(path)
+        self._do("delete", path, self.inner.delete, path)
 
     def find(self, path: str) -> dict[str, int]:
-        self.plan.before("find", path)
         snapshot = self.plan.snapshot
         if snapshot is None:
-            return self.inner.find(path)
+            return self._do("find", path, self.inner.find, path)
+        self.plan.before("find", path)
         self.plan.injected["stale_list"] += 1
         base = path.strip("/")
         return {p: n for p, n in snapshot.items() if p.strip("/") == base or p.lstrip("/").startswith(base + "/")}
+
+    def _do(self, op: str, what: str, fn: Any, *args: Any) -> Any:
+        return _finish(self.plan.before(op, what), op, what, fn(*args))
+
+
+def _finish(after: str | None, op: str, what: str, out: Any) -> Any:
+    if after == "lose_reply":
+        raise ConnectionError(f"injected: {op} {what} landed but its answer was lost")
+    if after == "corrupt" and isinstance(out, bytes) and out:
+        return bytes([out[0] ^ 0xFF]) + out[1:]
+    return out
 
 
 class _FaultyUpload:
@@ -212,7 +230,7 @@ class _FaultyUpload:
         self._lock = threading.Lock()
 
     def send(self, number: int, offset: int, data: bytes, last: bool) -> None:
-        self.plan.before("send", f"part {number}")
+        after = self.plan.before("send", f"part {number}")
         with self._lock:
             if self.crashed:
                 raise SimulatedCrash("the writer is dead")
@@ -230,20 +248,18 @@ class _FaultyUpload:
                 self.inner.send(number, offset, bytes(data[:cut]), False)
             self.plan.injected["tear"] += 1
             raise SimulatedCrash(f"crashed after writing {offset + cut} bytes")
-        self.inner.send(number, offset, data, last)
+        _finish(after, "send", f"part {number}", self.inner.send(number, offset, data, last))
 
     def commit(self) -> None:
         if self.crashed or self.tear_after is not None:
             self.crashed = True
             raise SimulatedCrash("the writer is dead")
-        self.plan.before("commit", "")
-        self.inner.commit()
+        _finish(self.plan.before("commit", ""), "commit", "", self.inner.commit())
 
     def abort(self) -> None:
         if self.crashed:
             return
-        self.plan.before("abort", "")
-        self.inner.abort()
+        _finish(self.plan.before("abort", ""), "abort", "", self.inner.abort())
 
 
 class FaultyStore(ObjectStore):

@@ -428,8 +428,9 @@ class ObjectStore:
         return sorted(self.sizes(prefix))
 
     def sizes(self, prefix: str) -> dict[str, int]:
-        """``{key: nbytes}`` of the objects under ``prefix`` (as :meth:`list`)."""
-        found = self._call(f"list {self._where(prefix)}", self._backend.find, self._path(prefix))
+        """``{key: nbytes}`` of the objects under ``prefix`` (as :meth:`list`; ``""``: all)."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        found = self._call(f"list {self._where(prefix)}", self._backend.find, base)
         root = self.root.lstrip("/")
         out = {}
         for p, nbytes in found.items():

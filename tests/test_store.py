@@ -102,3 +102,73 @@ def test_checkpoint_refuses_non_finite(store):
         write_checkpoint(store, "run", 1, bad, {})
     assert latest_checkpoint(store, "run") is None
     assert store.list("run") == []
+
+
+# -- garbage collection (storage/gc.py) ----------------------------------------------------------
+
+from storage import keys  # noqa: E402
+from storage.gc import collect_garbage  # noqa: E402
+
+
+def _run_layout(store, run="run"):
+    """Versions 1..5 of fragments 0 and 1, contributions of rounds 1..5, checkpoints 1..4 (4 is
+    the newest complete one: p0 at v4, p1 at v3, next rounds 5 and 4) and 5 in progress."""
+    store.put_json(keys.plan_key(run), {"plan": 1})
+    store.put(f"{run}/learners/A/inner.safetensors", b"inner")
+    for p in (0, 1):
+        for v in range(1, 6):
+            store.put(keys.version_key(run, p, v), b"v" * (10 + v))
+        for n in range(1, 6):
+            for learner in ("A", "B"):
+                store.put(keys.contribution_key(run, p, n, learner, "n0"), b"c" * n)
+    for seq in range(1, 5):
+        manifest = {"versions": {"0": seq, "1": max(seq - 1, 1)}, "next_round": {"0": seq + 1, "1": seq},
+                    "version_refs": {"0": {str(v): {} for v in range(max(seq - 1, 1), seq + 1)},
+                                     "1": {str(max(seq - 1, 1)): {}}}}
+        write_checkpoint(store, run, seq, _tensors(float(seq)), manifest)
+    store.put(keys.checkpoint_state_key(run, 5), b"half a checkpoint")
+
+
+def test_gc_deletes_behind_the_newest_verified_checkpoint(store):
+    _run_layout(store)
+    before = store.sizes("run")
+    dry = collect_garbage(store, "run", keep_checkpoints=2, dry_run=True)
+    assert store.sizes("run") == before
+    report = collect_garbage(store, "run", keep_checkpoints=2)
+    assert (report.deleted, report.deleted_nbytes) == (dry.deleted, dry.deleted_nbytes)
+    assert report.checkpoint == 4 and report.deleted_checkpoints == [1, 2] and report.kept_checkpoints == [3, 4, 5]
+    left = set(store.list("run"))
+    assert {keys.version_key("run", 0, v) for v in (3, 4, 5)} | {keys.version_key("run", 1, v) for v in (3, 4, 5)} <= left
+    assert not {keys.version_key("run", p, v) for p in (0, 1) for v in (1, 2)} & left
+    kept_rounds = {0: range(4, 6), 1: range(3, 6)}  # next_round - 1 and later
+    for p in (0, 1):
+        for n in range(1, 6):
+            assert (keys.contribution_key("run", p, n, "A", "n0") in left) == (n in kept_rounds[p])
+    assert {keys.plan_key("run"), "run/learners/A/inner.safetensors", keys.checkpoint_state_key("run", 5)} <= left
+    assert report.deleted == {"globals": 4, "contrib": 10, "checkpoints": 4}
+    assert report.nbytes == sum(before.values()) - sum(store.sizes("run").values())
+    assert latest_checkpoint(store, "run").seq == 4
+    again = collect_garbage(store, "run", keep_checkpoints=2)
+    assert again.objects == 0
+
+
+def test_gc_keeps_at_least_the_newest_verified_checkpoint(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/s")
+    _run_layout(store)
+    # checkpoint 4's state rots behind its manifest: 3 is now the newest that verifies
+    path = tmp_path / "s" / "run" / "checkpoints" / "00000004" / "state.safetensors"
+    path.write_bytes(path.read_bytes()[:-1])
+    report = collect_garbage(store, "run", keep_checkpoints=1)
+    assert report.checkpoint == 3 and report.kept_checkpoints == [3, 4, 5] and report.deleted_checkpoints == [1, 2]
+    assert latest_checkpoint(store, "run").seq == 3
+    assert store.exists(keys.version_key("run", 0, 2))  # checkpoint 3 still names v2 of p0
+
+
+def test_gc_without_a_verified_checkpoint_deletes_nothing(store):
+    store.put(keys.version_key("run", 0, 1), b"v1")
+    store.put(keys.checkpoint_state_key("run", 1), b"no manifest")
+    report = collect_garbage(store, "run")
+    assert report.checkpoint is None and report.objects == 0 and "nothing deleted" in report.reason
+    assert len(store.list("run")) == 2
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        collect_garbage(store, "run", keep_checkpoints=0)

@@ -1,0 +1,144 @@
+"""Garbage collection of a run behind its newest verified checkpoint (DESIGN §5).
+
+What a resume needs is the newest checkpoint that verifies (the one :func:`latest_checkpoint`
+picks) and what its manifest names. Behind it:
+
+* global versions ``globals/p{p}/v{v}`` older than both the manifest's current version of ``p``
+  and every version its ``version_refs`` still name are deleted;
+* contributions ``contrib/p{p}/r{n}/...`` of rounds before ``next_round[p] - 1`` are deleted
+  (the round just before the next one is kept, to be conservative);
+* checkpoints older than it, beyond the ``keep_checkpoints - 1`` newest complete ones, are
+  deleted manifest first (so a half-deleted checkpoint never counts).
+
+Never deleted: the newest verified checkpoint, any checkpoint newer than it (it may be in
+progress), ``plan.json``/``config.json``, learners' own state, keys this module cannot parse, and
+anything of a fragment the manifest does not mention. A listing that lags behind only makes
+collection delete less.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+from dataclasses import dataclass, field
+
+from storage import keys
+from storage.checkpoint import latest_checkpoint
+from storage.store import ObjectStore
+
+__all__ = ["GcReport", "collect_garbage"]
+
+log = logging.getLogger("diloco.storage.gc")
+
+_VERSION = re.compile(r"^globals/p(\d+)/v(\d+)\b")
+_CONTRIB = re.compile(r"^contrib/p(\d+)/r(\d+)/")
+_CHECKPOINT = re.compile(r"^checkpoints/(\d+)/(.+)$")
+
+
+@dataclass
+class GcReport:
+    """What one collection did (or would do, with ``dry_run``).
+
+    Attributes:
+        checkpoint: the newest verified checkpoint (protected), or None (nothing deleted).
+        reason: why collection stopped where it did, in words.
+        deleted: objects deleted by kind (``contrib``, ``globals``, ``checkpoints``).
+        deleted_nbytes: bytes deleted by kind.
+        deleted_checkpoints: sequence numbers of the checkpoints removed.
+        kept_checkpoints: sequence numbers of the checkpoints left.
+    """
+
+    run_id: str
+    checkpoint: int | None
+    reason: str
+    dry_run: bool = False
+    deleted: dict[str, int] = field(default_factory=lambda: collections.Counter())
+    deleted_nbytes: dict[str, int] = field(default_factory=lambda: collections.Counter())
+    deleted_checkpoints: list[int] = field(default_factory=list)
+    kept_checkpoints: list[int] = field(default_factory=list)
+
+    @property
+    def objects(self) -> int:
+        return sum(self.deleted.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.deleted_nbytes.values())
+
+
+def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 2,
+                    dry_run: bool = False) -> GcReport:
+    """Delete what no resume from the newest verified checkpoint can need.
+
+    Args:
+        store: the store holding the run.
+        run_id: the run under ``{store}/{run_id}/``.
+        keep_checkpoints: complete checkpoints to keep, counting the newest verified one (>= 1).
+        dry_run: report without deleting.
+
+    Raises:
+        ValueError: ``keep_checkpoints`` < 1.
+    """
+    if keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
+    newest = latest_checkpoint(store, run_id)
+    if newest is None:
+        return GcReport(run_id, None, "no verified checkpoint: nothing deleted", dry_run)
+    report = GcReport(run_id, newest.seq, f"behind verified checkpoint {newest.seq}", dry_run)
+    manifest = newest.manifest
+    version_floor = _version_floors(manifest)
+    round_floor = {p: int(n) - 1 for p, n in manifest.get("next_round", {}).items()}
+
+    doomed: list[tuple[str, str, int]] = []  # (kind, key, nbytes), in deletion order
+    doomed += _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)
+    for kind, pattern, floors in (("globals", _VERSION, version_floor), ("contrib", _CONTRIB, round_floor)):
+        for key, nbytes in sorted(store.sizes(f"{run_id}/{kind}").items()):
+            m = pattern.match(key[len(run_id) + 1:])
+            if m is None:
+                continue
+            p, n = str(int(m.group(1))), int(m.group(2))
+            if p in floors and n < floors[p]:
+                doomed.append((kind, key, nbytes))
+
+    for kind, key, nbytes in doomed:
+        if not dry_run:
+            store.delete(key)
+        report.deleted[kind] += 1
+        report.deleted_nbytes[kind] += nbytes
+    log.info("gc %s: %s; %s %d objects, %d bytes (%s); checkpoints kept %s",
+             run_id, report.reason, "would delete" if dry_run else "deleted", report.objects, report.nbytes,
+             dict(report.deleted), report.kept_checkpoints)
+    return report
+
+
+def _version_floors(manifest: dict) -> dict[str, int]:
+    """Per fragment, the oldest version the checkpoint may still need."""
+    floors = {}
+    refs = manifest.get("version_refs", {})
+    for p, v in manifest.get("versions", {}).items():
+        named = [int(x) for x in refs.get(p, {})]
+        floors[str(int(p))] = min([int(v), *named])
+    return floors
+
+
+def _old_checkpoints(store: ObjectStore, run_id: str, protected: int, keep: int,
+                     report: GcReport) -> list[tuple[str, str, int]]:
+    prefix = keys.checkpoint_prefix(run_id)
+    files: dict[int, dict[str, int]] = collections.defaultdict(dict)
+    for key, nbytes in store.sizes(prefix).items():
+        m = _CHECKPOINT.match(key[len(run_id) + 1:])
+        if m:
+            files[int(m.group(1))][key] = nbytes
+    manifest_name = keys.checkpoint_manifest_key(run_id, 0).rsplit("/", 1)[-1]
+    older_complete = [s for s in sorted(files, reverse=True)
+                      if s < protected and any(k.endswith("/" + manifest_name) for k in files[s])]
+    keep_seqs = {s for s in files if s >= protected} | set(older_complete[: keep - 1])
+    report.kept_checkpoints = sorted(keep_seqs)
+    doomed = []
+    for seq in sorted(set(files) - keep_seqs):
+        report.deleted_checkpoints.append(seq)
+        # the manifest goes first: from then on the checkpoint no longer counts
+        for key in sorted(files[seq], key=lambda k: (not k.endswith("/" + manifest_name), k)):
+            doomed.append(("checkpoints", key, files[seq][key]))
+    return doomed

@@ -1,0 +1,320 @@
+"""Fault injection through the real store (storage/faults.py): transient errors are retried,
+hung calls time out (C08), an error mid-upload publishes nothing (C11), a torn checkpoint is
+skipped (C10), stale listings never hide or spoil an exact key, corrupt reads are caught."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
+from storage.faults import FaultPlan, FaultyStore, SimulatedCrash
+from storage.gc import collect_garbage
+from storage.store import IntegrityError, ObjectStore
+from storage_servers import make_bucket
+
+KiB, MiB = 1 << 10, 1 << 20
+PART = 256 * KiB
+
+
+def blob(nbytes: int, seed: int = 0) -> bytes:
+    return hashlib.shake_256(f"fault-{seed}".encode()).digest(nbytes)
+
+
+def local_store(kind: str, tmp_path, **policy) -> ObjectStore:
+    policy = {"part_nbytes": PART, "timeout_s": 5.0, "retries": 3, "backoff_s": 0.01, **policy}
+    if kind == "memory":
+        return ObjectStore(f"memory://faults-{uuid.uuid4().hex}", **policy)
+    return ObjectStore(f"file://{tmp_path}/store", **policy)
+
+
+@pytest.fixture(params=["memory", "file"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def released():
+    """Plans whose hung calls are woken at teardown, so no test leaves a thread blocked."""
+    plans: list[FaultPlan] = []
+    yield plans.append
+    for plan in plans:
+        plan.release()
+
+
+# -- transient errors ------------------------------------------------------------------------------
+
+
+def test_transient_errors_are_retried(kind, tmp_path):
+    store = local_store(kind, tmp_path)
+    faulty = FaultyStore(store)
+    for op in ["put", "read", "exists", "find", "delete"]:
+        faulty.faults.fail(op, times=2)
+    ref = faulty.put("a/b", b"payload")
+    assert faulty.get(ref) == b"payload"
+    assert faulty.exists("a/b") and faulty.list("a") == ["a/b"]
+    faulty.delete("a/b")
+    assert faulty.faults.injected["transient"] == 10
+    assert store.counters["retries"] == 10
+
+
+def test_transient_errors_in_parts_are_retried(kind, tmp_path):
+    faulty = FaultyStore(local_store(kind, tmp_path))
+    faulty.faults.fail("send", times=2)
+    faulty.faults.fail("commit", times=1)
+    data = blob(3 * PART + 1)
+    with faulty.open_writer("big") as w:
+        w.write(data)
+    assert faulty.get(w.ref) == data
+
+
+def test_retries_stop_at_the_policy_and_publish_nothing(kind, tmp_path):
+    faulty = FaultyStore(local_store(kind, tmp_path, retries=2))
+    faulty.faults.fail("put", times=3)
+    with pytest.raises(ConnectionError):
+        faulty.put("k", b"x")
+    assert faulty.faults.calls["put"] == 3
+    assert not faulty.exists("k")
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError("gone"), FileExistsError("taken"), PermissionError("no"),
+                                   ValueError("bad argument")])
+def test_permanent_errors_are_not_retried(error, tmp_path):
+    faulty = FaultyStore(local_store("memory", tmp_path))
+    faulty.faults.fail("read", error=error)
+    with pytest.raises(type(error)):
+        faulty.get_unverified("k")
+    assert faulty.faults.calls["read"] == 1 and faulty.counters["retries"] == 0
+
+
+def test_corrupt_read_is_detected_and_not_retried(kind, tmp_path):
+    faulty = FaultyStore(local_store(kind, tmp_path))
+    small, large = faulty.put("s", b"abc"), faulty.put("l", blob(2 * PART + 3))
+    for ref in (small, large):
+        faulty.faults.corrupt()
+        with pytest.raises(IntegrityError, match="sha256"):
+            faulty.get(ref)
+    assert faulty.counters["retries"] == 0
+    assert faulty.get(large) == blob(2 * PART + 3)  # the object itself is fine
+
+
+def test_answer_lost_after_the_write_landed(kind, tmp_path):
+    """The PUT (or the multipart completion) reached the store but its answer did not: the retry
+    meets the object it wrote itself and accepts it, because the bytes are identical."""
+    faulty = FaultyStore(local_store(kind, tmp_path))
+    faulty.faults.lose_reply("put")
+    ref = faulty.put("k", b"once")
+    assert faulty.get(ref) == b"once"
+    faulty.faults.lose_reply("commit")
+    with faulty.open_writer("big") as w:
+        w.write(blob(2 * PART + 1))
+    assert faulty.get(w.ref) == blob(2 * PART + 1)
+    with pytest.raises(FileExistsError):  # someone else's bytes are still refused
+        faulty.put("k", b"other")
+
+
+def test_seeded_schedule_is_reproducible_and_survived(tmp_path):
+    def run(seed: int) -> tuple:
+        faulty = FaultyStore(local_store("memory", tmp_path, retries=8), seed=seed,
+                             p_transient=0.25, p_slow=0.1, slow_s=0.001)
+        refs = [faulty.put(f"k/{i}", blob(100 + i, i)) for i in range(20)]
+        assert [faulty.get(r) for r in refs] == [blob(100 + i, i) for i in range(20)]
+        return dict(faulty.faults.injected), faulty.counters["retries"]
+
+    first = run(7)
+    assert first[0]["transient"] > 0 and first[0]["slow"] > 0
+    assert run(7) == first
+
+
+# -- hangs and slow calls (C08) ----------------------------------------------------------------------
+
+
+def test_hung_put_times_out_within_bound(kind, tmp_path, released):
+    faulty = FaultyStore(local_store(kind, tmp_path, timeout_s=0.3, retries=0))
+    released(faulty.faults)
+    faulty.faults.hang("put")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        faulty.put("k", b"x")
+    assert time.monotonic() - t0 < 0.3 + 1.0
+    assert faulty.counters["timeouts"] == 1
+    assert not faulty.exists("k")
+
+
+def test_hung_part_upload_times_out_then_retries(kind, tmp_path, released):
+    """C08: the second part's upload blocks forever; the call times out within the bound and
+    the part is sent again; the object is whole."""
+    faulty = FaultyStore(local_store(kind, tmp_path, timeout_s=0.3, retries=2))
+    released(faulty.faults)
+    faulty.faults.slow("send", 0.0)  # part 1 goes through ...
+    faulty.faults.hang("send")  # ... part 2 hangs until the end of the test
+    data = blob(4 * PART + 10)
+    t0 = time.monotonic()
+    with faulty.open_writer("frag") as w:
+        w.write(data[:PART + 1])  # part 1 is sent (and hangs), part 2 waits in the buffer
+        w.write(data[PART + 1:])
+    assert time.monotonic() - t0 < 0.3 * 2 + 2.0
+    assert faulty.counters["timeouts"] == 1
+    assert faulty.get(w.ref) == data
+
+
+def test_hung_upload_that_never_recovers_is_aborted(kind, tmp_path, released):
+    faulty = FaultyStore(local_store(kind, tmp_path, timeout_s=0.2, retries=1, backoff_s=0.01))
+    released(faulty.faults)
+    faulty.faults.hang("send", times=10)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        faulty.put_from_file("frag", _file(tmp_path, blob(3 * PART)))
+    assert time.monotonic() - t0 < 2 * 0.2 + 2.0
+    assert faulty.counters["aborted_uploads"] == 1
+    assert not faulty.exists("frag") and faulty.list("") == []
+
+
+def test_hung_s3_part_upload_is_aborted_and_cleaned_up(s3_endpoint, released):
+    """C08 on S3: after the timeout the multipart upload is aborted; no parts linger."""
+    bucket = make_bucket("s3", s3_endpoint.storage_options)
+    store = ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, part_nbytes=5 * MiB,
+                        timeout_s=0.5, retries=0)
+    faulty = FaultyStore(store)
+    released(faulty.faults)
+    faulty.faults.slow("send", 0.0)  # part 1 passes
+    faulty.faults.hang("send")  # part 2 hangs
+    with pytest.raises(TimeoutError):
+        faulty.put("frag", blob(11 * MiB))
+    assert not store.exists("frag")
+    assert store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+
+
+def test_slow_calls(kind, tmp_path):
+    faulty = FaultyStore(local_store(kind, tmp_path, timeout_s=0.3, retries=1))
+    faulty.faults.slow("put", 0.05)
+    ref = faulty.put("k", b"x")  # slow but in time
+    faulty.faults.slow("read", 1.0)  # slower than the timeout: the retry answers
+    assert faulty.get(ref) == b"x"
+    assert faulty.counters["timeouts"] == 1 and faulty.faults.injected["slow"] == 2
+
+
+def test_deadline_bounds_all_retries(tmp_path, released):
+    faulty = FaultyStore(local_store("memory", tmp_path, timeout_s=0.2, retries=50, backoff_s=0.05,
+                                     deadline_s=0.8))
+    released(faulty.faults)
+    faulty.faults.hang("read", times=100)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        faulty.get_unverified("k")
+    assert time.monotonic() - t0 < 0.8 + 0.5
+
+
+# -- torn writes and exceptions mid-upload (C11, C10) --------------------------------------------------
+
+
+def test_exception_mid_upload_publishes_nothing_then_retry_matches(kind, tmp_path):
+    """C11: the serializer raises after ~60 %; nothing at the key, no temp visible; the retry
+    publishes the whole fragment and its digest is the one a signal would carry."""
+    store = local_store(kind, tmp_path)
+    data = blob(8 * PART)
+
+    def chunks():
+        for i in range(0, len(data), PART // 2):
+            if i >= 0.6 * len(data):
+                raise RuntimeError("serializer failed")
+            yield data[i:i + PART // 2]
+
+    with pytest.raises(RuntimeError):
+        with store.open_writer("contrib/frag") as w:
+            for chunk in chunks():
+                w.write(chunk)
+    assert w.ref is None and not store.exists("contrib/frag") and store.list("") == []
+    if kind == "file":
+        assert list((tmp_path / "store").rglob(".tmp-*")) == []
+    ref = store.put("contrib/frag", data)
+    assert ref.sha256 == hashlib.sha256(data).hexdigest()
+    assert store.get(ref) == data
+
+
+def test_torn_write_is_not_retried_and_leaves_no_object(kind, tmp_path):
+    store = local_store(kind, tmp_path)
+    faulty = FaultyStore(store)
+    faulty.faults.tear(after_nbytes=PART + 100)
+    with pytest.raises(SimulatedCrash):
+        faulty.put_from_file("frag", _file(tmp_path, blob(3 * PART)))
+    assert store.counters["retries"] == 0
+    assert not store.exists("frag") and store.list("") == []
+
+
+def _tensors(value: float) -> dict[str, torch.Tensor]:
+    return {"p000/param/w": torch.full((64, 64), value), "p000/momentum/w": torch.zeros(64, 64)}
+
+
+@pytest.mark.parametrize("torn", ["state", "manifest"])
+def test_torn_checkpoint_is_skipped_and_never_collected(kind, tmp_path, torn, caplog):
+    """C10: checkpoint 3 dies mid-write (state torn, or state whole and manifest torn). Resume
+    takes checkpoint 2, logs why when there is something to skip, and GC keeps 2 and the partial 3."""
+    store = local_store(kind, tmp_path)
+    for seq in (1, 2):
+        write_checkpoint(store, "run", seq, _tensors(float(seq)), {"versions": {"0": seq}, "next_round": {"0": seq + 1}})
+    faulty = FaultyStore(store)
+    faulty.faults.tear(after_nbytes=1000, skip=0 if torn == "state" else 1)
+    with pytest.raises(SimulatedCrash):
+        write_checkpoint(faulty, "run", 3, _tensors(3.0), {"versions": {"0": 3}, "next_round": {"0": 4}})
+    with caplog.at_level(logging.WARNING, logger="diloco.checkpoint"):
+        ck = latest_checkpoint(store, "run")
+    assert ck.seq == 2 and torch.equal(ck.tensors["p000/param/w"], torch.full((64, 64), 2.0))
+    if torn == "manifest":
+        assert "skipping incomplete checkpoint 3" in caplog.text
+    report = collect_garbage(store, "run", keep_checkpoints=1)
+    assert report.checkpoint == 2 and report.deleted_checkpoints == [1]
+    assert latest_checkpoint(store, "run").seq == 2
+
+
+# -- stale listings --------------------------------------------------------------------------------
+
+
+def test_stale_listing_never_hides_or_spoils_an_exact_key(kind, tmp_path):
+    store = local_store(kind, tmp_path)
+    faulty = FaultyStore(store)
+    write_checkpoint(faulty, "run", 1, _tensors(1.0), {"versions": {"0": 1}})
+    faulty.freeze_listings()
+    ref = faulty.put("run/globals/p000/v00000002.safetensors", b"v2")
+    write_checkpoint(faulty, "run", 2, _tensors(2.0), {"versions": {"0": 2}})
+    assert faulty.list("run/globals") == []  # the listing lags ...
+    assert faulty.exists(ref.key) and faulty.get(ref) == b"v2"  # ... exact keys do not
+    assert load_checkpoint(faulty, "run", 2).manifest["versions"] == {"0": 2}
+    assert latest_checkpoint(faulty, "run").seq == 1  # an older but valid one, never a wrong one
+    assert faulty.faults.injected["stale_list"] >= 2
+    faulty.thaw_listings()
+    assert latest_checkpoint(faulty, "run").seq == 2
+
+
+def test_hang_is_released_as_a_dead_connection(tmp_path):
+    plan = FaultPlan()
+    faulty = FaultyStore(local_store("memory", tmp_path, timeout_s=None, retries=0), plan)
+    plan.hang("exists")
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_raises(lambda: faulty.exists("k"))))
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive()
+    plan.release()
+    t.join(2)
+    assert out and isinstance(out[0], ConnectionError)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - returned for the assertion
+        return err
+    return None
+
+
+def _file(tmp_path, data: bytes):
+    path = tmp_path / f"src-{uuid.uuid4().hex}.bin"
+    path.write_bytes(data)
+    return path
