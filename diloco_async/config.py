@@ -98,6 +98,9 @@ class LearnerConfig(_Section):
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
     request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
+    checkpoint_every_s: float = Field(
+        30.0, ge=0, description="Period of the learner's own inner-state checkpoints (0: never)."
+    )
 
 
 class SynchronizerConfig(_Section):
@@ -243,7 +246,7 @@ def _training_dict(d: dict) -> dict:
 _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options"),
     "data": ("cache_dir",),
-    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads"),
+    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "storage_timeout_s",
                      "client_max_size_bytes"),
 }

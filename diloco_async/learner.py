@@ -36,9 +36,13 @@ from diloco_async import codec as wire
 from diloco_async.config import Config, config_hash
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.inner_state import InnerState
+from diloco_async.inner_state import capture as capture_inner
+from diloco_async.inner_state import restore as restore_inner
 from diloco_async.messages import AnnouncementAck, HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.model import ByteGPT, embedding_names
 from storage import keys
+from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Learner", "main"]
@@ -129,7 +133,7 @@ class Learner:
         # outcomes of our contributions, for the training thread: (fragment, round, status)
         self.outcomes: "queue.Queue[tuple[int, int, str]]" = queue.Queue()
         self.adopt_queue: "queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]]" = queue.Queue()
-        self.upload_queue: "queue.Queue[_UploadJob]" = queue.Queue()
+        self.upload_queue: "queue.Queue[_UploadJob | InnerState]" = queue.Queue()
         self.base: dict[int, int] = {}
         self._downloading: dict[int, int] = {}
         self._bg: set[asyncio.Task] = set()
@@ -320,7 +324,22 @@ class Learner:
                 job = await asyncio.to_thread(self.upload_queue.get, True, 0.2)
             except queue.Empty:
                 continue
-            await self._upload_and_announce(session, job)
+            if isinstance(job, InnerState):
+                await self._save_inner_state(job)
+            else:
+                await self._upload_and_announce(session, job)
+
+    async def _save_inner_state(self, state: InnerState) -> None:
+        self._state_seq += 1
+        seq = self._state_seq
+        try:
+            await asyncio.wait_for(asyncio.to_thread(write_state, self.store, self._state_prefix, seq, state.tensors,
+                                                     {"inner": state.meta, "learner": self.learner_id,
+                                                      "incarnation": self.incarnation}),
+                                   self.storage_timeout_s)
+            log.info("%s saved its inner state as checkpoint %d (step %d)", self.learner_id, seq, state.meta["step"])
+        except Exception as err:  # counted in the log; training goes on, the next period retries
+            log.warning("%s could not save its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
 
     async def _upload_and_announce(self, session: aiohttp.ClientSession, job: _UploadJob) -> None:
         run_id = self.join_response.run_id  # type: ignore[union-attr]
@@ -385,20 +404,37 @@ class Learner:
                                 f"synchronizer's {jr.schema_hash[:12]}")
         self.plan: FragmentPlan = plan
         self._shapes = {p: {s.name: s.shape for s in plan.fragments[p]} for p in range(plan.num_fragments)}
-        base_tensors: dict[int, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for v in jr.versions:
-                t = self._fetch_version(v)
-                for n, val in t.items():
-                    params[n].copy_(val)
-                base_tensors[v.fragment] = t
-                self.base[v.fragment] = v.version
+        lc = cfg.learners
+        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + self.index * 1009 + self.incarnation)
+        self._state_prefix = keys.learner_prefix(jr.run_id, self.learner_id)
+        saved = latest_state(self.store, self._state_prefix) if lc.checkpoint_every_s > 0 else None
+        self._state_seq = max(list_state_seqs(self.store, self._state_prefix), default=0)
+        counters: dict[int, tuple[int, int, float]] = {}
+        start_step = jr.start_step
+        if saved is not None:
+            # The base copies come from the saved state, never from the weights present now (C03).
+            local_step, base_tensors, versions, counters = restore_inner(
+                InnerState(saved.tensors, saved.manifest["inner"]), params, opt, gen)
+            self.base.update(versions)
+            start_step = max(start_step, local_step)
+            log.info("%s restored its inner state from checkpoint %d (step %d, bases %s)", self.learner_id,
+                     saved.seq, local_step, versions)
+        else:
+            base_tensors = {}
+            with torch.no_grad():
+                for v in jr.versions:
+                    t = self._fetch_version(v)
+                    for n, val in t.items():
+                        params[n].copy_(val)
+                    base_tensors[v.fragment] = t
+                    self.base[v.fragment] = v.version
         self.ready.set()
         corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
         shard = corpus.shard(self.index, cfg.learners.count)
         log.info("%s ready: shard %d/%d of %d bytes, %d parameters, versions %s", self.learner_id, self.index,
                  cfg.learners.count, len(shard), sum(p.numel() for p in params.values()), self.base)
-        self._train(cfg, model, params, base_tensors, shard)
+        self._train(cfg, model, params, opt, gen, base_tensors, counters, start_step, shard)
         self.stop_event.set()
         self._comms_thread.join(timeout=10)
         if self.fatal:
@@ -408,19 +444,21 @@ class Learner:
         return 0
 
     def _train(self, cfg: Config, model: ByteGPT, params: dict[str, torch.nn.Parameter],
-               base_tensors: dict[int, dict[str, torch.Tensor]], shard: torch.Tensor) -> None:
+               opt: torch.optim.AdamW, gen: torch.Generator, base_tensors: dict[int, dict[str, torch.Tensor]],
+               counters: dict[int, tuple[int, int, float]], start_step: int, shard: torch.Tensor) -> None:
         lc = cfg.learners
         P = self.plan.num_fragments
-        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
-        gen = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + self.index * 1009 + self.incarnation)
-        c_steps, c_tokens, c_secs = [0] * P, [0] * P, [0.0] * P
+        c_steps = [counters.get(p, (0, 0, 0.0))[0] for p in range(P)]
+        c_tokens = [counters.get(p, (0, 0, 0.0))[1] for p in range(P)]
+        c_secs = [counters.get(p, (0, 0, 0.0))[2] for p in range(P)]
+        last_state_s = time.monotonic()
         # fragment -> (round, parameters at the snapshot, c_steps, c_tokens, c_secs) of a contribution
         # in flight; cleared on adoption, or when it is known that it will not be merged.
         snapshot: dict[int, tuple[int, dict[str, torch.Tensor], int, int, float]] = {}
         answered: set[tuple[int, int]] = set()
         tokens_per_step = lc.batch_size * cfg.model.context
         ema_alpha = cfg.synchronizer.ema_alpha
-        step = self.join_response.start_step if self.join_response else 0  # a restarted slot continues
+        step = start_step  # a restarted slot continues its step count
         with self.lock:
             self.stats.step = step
         while not self.stop_event.is_set():
@@ -480,6 +518,11 @@ class Learner:
                     delta = {name: base_tensors[p][name] - snap_t[name] for name in snap_t}
                 snapshot[p] = (n, snap_t, c_steps[p], c_tokens[p], c_secs[p])
                 self.upload_queue.put(_UploadJob(p, n, self.base[p], c_steps[p], c_tokens[p], c_secs[p], delta))
+            if lc.checkpoint_every_s > 0 and time.monotonic() - last_state_s >= lc.checkpoint_every_s:
+                last_state_s = time.monotonic()
+                counters_now = {p: (c_steps[p], c_tokens[p], c_secs[p]) for p in range(P)}
+                self.upload_queue.put(capture_inner(params, opt, gen, step=step, base_tensors=base_tensors,
+                                                    base_versions=dict(self.base), counters=counters_now))
             # -- one inner step --
             t0 = time.perf_counter()
             x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, gen)

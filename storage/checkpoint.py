@@ -20,7 +20,8 @@ from safetensors.torch import save as st_save
 from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
-__all__ = ["Checkpoint", "write_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoint_seqs"]
+__all__ = ["Checkpoint", "write_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoint_seqs",
+           "write_state", "load_state", "latest_state", "list_state_seqs", "tensor_key"]
 
 log = logging.getLogger("diloco.checkpoint")
 
@@ -39,28 +40,27 @@ def tensor_key(fragment: int, kind: str, name: str) -> str:
     return f"p{fragment:03d}/{kind}/{name}"
 
 
-def write_checkpoint(
-    store: ObjectStore, run_id: str, seq: int, tensors: Mapping[str, torch.Tensor], manifest: dict[str, Any]
-) -> ObjectRef:
-    """Write state then manifest (publish, then mark). Returns the manifest's ref.
+def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str, torch.Tensor],
+                manifest: dict[str, Any]) -> ObjectRef:
+    """Write ``{prefix}/{seq:08d}/state.safetensors``, then ``manifest.json`` naming its size and
+    sha256 (publish, then mark). Returns the manifest's ref.
 
     Raises:
         ValueError: a tensor holds NaN or Inf (nothing is written).
-        FileExistsError: checkpoint ``seq`` already exists.
+        FileExistsError: ``seq`` already exists under ``prefix``.
     """
-    bad = [k for k, t in tensors.items() if not bool(torch.isfinite(t).all())]
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise ValueError(f"refusing to checkpoint non-finite tensors: {bad[:5]}")
     data = st_save({k: t.contiguous() for k, t in tensors.items()})
-    state_ref = store.put(keys.checkpoint_state_key(run_id, seq), data)
-    body = dict(manifest, seq=seq, run_id=run_id, state=state_ref.to_json())
-    return store.put_json(keys.checkpoint_manifest_key(run_id, seq), body)
+    state_ref = store.put(f"{prefix}/{seq:08d}/state.safetensors", data)
+    body = dict(manifest, seq=seq, state=state_ref.to_json())
+    return store.put_json(f"{prefix}/{seq:08d}/manifest.json", body)
 
 
-def list_checkpoint_seqs(store: ObjectStore, run_id: str) -> list[int]:
-    """Sequence numbers that have any object, ascending (complete or not)."""
+def list_state_seqs(store: ObjectStore, prefix: str) -> list[int]:
+    """Sequence numbers under ``prefix`` that have any object, ascending (complete or not)."""
     seqs = set()
-    prefix = keys.checkpoint_prefix(run_id)
     for key in store.list(prefix):
         part = key[len(prefix):].strip("/").split("/", 1)[0]
         if part.isdigit():
@@ -68,27 +68,31 @@ def list_checkpoint_seqs(store: ObjectStore, run_id: str) -> list[int]:
     return sorted(seqs)
 
 
-def load_checkpoint(store: ObjectStore, run_id: str, seq: int) -> Checkpoint:
-    """Load and verify checkpoint ``seq``.
+def load_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
+    """Load and verify ``{prefix}/{seq:08d}``.
 
     Raises:
-        FileNotFoundError: no manifest (incomplete checkpoint).
-        IntegrityError: the state file is missing a byte, has the wrong digest, or holds
-            non-finite values.
+        FileNotFoundError: no manifest (incomplete).
+        IntegrityError: the state file is short, has the wrong digest, or holds non-finite values.
     """
-    manifest = store.get_json(keys.checkpoint_manifest_key(run_id, seq))
+    manifest = store.get_json(f"{prefix}/{seq:08d}/manifest.json")
     ref = ObjectRef.from_json(manifest["state"])
-    tensors = st_load(store.get(ref))
-    if any(not bool(torch.isfinite(t).all()) for t in tensors.values()):
-        raise IntegrityError(f"checkpoint {seq} holds non-finite values")
+    try:
+        tensors = st_load(store.get(ref))
+    except IntegrityError:
+        raise
+    except Exception as err:  # safetensors' parse error on a corrupt file
+        raise IntegrityError(f"{ref.key}: unreadable ({err})") from None
+    if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
+        raise IntegrityError(f"{prefix}/{seq:08d} holds non-finite values")
     return Checkpoint(seq=seq, manifest=manifest, tensors=tensors)
 
 
-def latest_checkpoint(store: ObjectStore, run_id: str) -> Checkpoint | None:
-    """The newest checkpoint whose manifest exists and whose state verifies, or None."""
-    for seq in reversed(list_checkpoint_seqs(store, run_id)):
+def latest_state(store: ObjectStore, prefix: str) -> Checkpoint | None:
+    """The newest state under ``prefix`` whose manifest exists and whose data verifies, or None."""
+    for seq in reversed(list_state_seqs(store, prefix)):
         try:
-            return load_checkpoint(store, run_id, seq)
+            return load_state(store, prefix, seq)
         except FileNotFoundError:
             log.warning("skipping incomplete checkpoint %d (no manifest)", seq)
         except (IntegrityError, ValueError, KeyError) as err:
@@ -96,5 +100,23 @@ def latest_checkpoint(store: ObjectStore, run_id: str) -> Checkpoint | None:
     return None
 
 
-def is_finite_number(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+def write_checkpoint(
+    store: ObjectStore, run_id: str, seq: int, tensors: Mapping[str, torch.Tensor], manifest: dict[str, Any]
+) -> ObjectRef:
+    """Write synchronizer checkpoint ``seq`` of a run (see :func:`write_state`)."""
+    return write_state(store, keys.checkpoint_prefix(run_id), seq, tensors, dict(manifest, run_id=run_id))
+
+
+def list_checkpoint_seqs(store: ObjectStore, run_id: str) -> list[int]:
+    """Checkpoint sequence numbers of a run that have any object, ascending."""
+    return list_state_seqs(store, keys.checkpoint_prefix(run_id))
+
+
+def load_checkpoint(store: ObjectStore, run_id: str, seq: int) -> Checkpoint:
+    """Load and verify synchronizer checkpoint ``seq`` (see :func:`load_state`)."""
+    return load_state(store, keys.checkpoint_prefix(run_id), seq)
+
+
+def latest_checkpoint(store: ObjectStore, run_id: str) -> Checkpoint | None:
+    """The newest synchronizer checkpoint of a run that verifies, or None."""
+    return latest_state(store, keys.checkpoint_prefix(run_id))

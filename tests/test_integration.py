@@ -113,3 +113,43 @@ def test_sigkill_one_of_three_learners(tmp_path):
     assert min(int(v) for v in ckpt.manifest["versions"].values()) >= versions_at_kill + 3
     # contributions, versions and checkpoints are objects in the store
     assert store.list("itest/contrib") and store.list("itest/globals") and store.list("itest/checkpoints")
+
+
+def test_restarted_learner_restores_its_inner_state(tmp_path):
+    recipe = tiny_recipe(tmp_path, learners=2, wall_s=300)
+    recipe.write_text(recipe.read_text().replace("batch_size = 8", "batch_size = 8\ncheckpoint_every_s = 1.0"))
+    launcher = LocalProcessLauncher(tmp_path / "logs")
+    env = {"DILOCO_RUN_TOKEN": TOKEN}
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(recipe),
+                                           "--run-id", "rtest", "--ready-file", str(tmp_path / "ready.json")], env)
+    procs = []
+
+    def learner(i: int, incarnation: int):
+        proc = launcher.start(f"learner-{i}.{incarnation}", [
+            "-m", "diloco_async.learner", "--learner-id", f"learner-{i}", "--index", str(i), "--sync-url", url,
+            "--store", f"file://{tmp_path}/store", "--incarnation", str(incarnation)], env)
+        procs.append(proc)
+        return proc
+
+    try:
+        url = wait_for_ready_file(tmp_path / "ready.json", sync, timeout_s=60)["url"]
+        learner(0, 0)
+        first = learner(1, 0)
+        log1 = tmp_path / "logs" / "learner-1.0.log"
+        wait_until(lambda: "saved its inner state" in log1.read_text(), 60, "a learner checkpoint")
+        first.kill()
+        merged_before = get(f"{url}/status")["learners"]["learner-1"]["contributions"].get("merged", 0)
+        learner(1, 1)
+        log2 = tmp_path / "logs" / "learner-1.1.log"
+        wait_until(lambda: "restored its inner state" in log2.read_text(), 60, "the restore")
+        wait_until(lambda: get(f"{url}/status")["learners"]["learner-1"]["contributions"].get("merged", 0)
+                   > merged_before + 2, 60, "merged contributions after the restart")
+        st = get(f"{url}/status")
+        assert st["learners"]["learner-1"]["incarnation"] == 1 and st["learners"]["learner-1"]["live"]
+        os.kill(sync.pid, signal.SIGTERM)
+        assert sync.proc.wait(timeout=90) == 0
+    finally:
+        for p in procs + [sync]:
+            p.terminate(grace_s=5)
+    restored_step = int(log2.read_text().split("restored its inner state from checkpoint ")[1].split("(step ")[1].split(",")[0])
+    assert restored_step > 0

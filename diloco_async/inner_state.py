@@ -1,0 +1,87 @@
+"""A learner's own inner state, for an exact restore after a restart (DESIGN §5, cases C02, C03).
+
+Captured: parameters θ, AdamW state (``exp_avg``, ``exp_avg_sq`` and ``step`` of every
+parameter), the data sampler's RNG state, the base copy Θ^base of every fragment with its version,
+and the per-fragment counters (steps, tokens, compute seconds) since each base. Restoring writes
+AdamW's per-parameter state entries explicitly: AdamW creates them lazily, so a restore that only
+copied into existing entries of a fresh optimizer would silently drop the moments (C02).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["InnerState", "capture", "restore"]
+
+
+@dataclass
+class InnerState:
+    """Everything a learner needs to continue exactly where it stopped.
+
+    Attributes:
+        tensors: flat name → tensor map (safetensors-ready): ``param/{n}``, ``exp_avg/{n}``,
+            ``exp_avg_sq/{n}``, ``adam_step/{n}`` (float32 scalars), ``base/{p}/{n}`` and ``rng``
+            (uint8 generator state).
+        meta: JSON-ready: ``step`` (local step), ``base_versions`` {p: v}, ``counters``
+            {p: [c_steps, c_tokens, c_secs]}.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: torch.Generator, *,
+            step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],
+            counters: dict[int, tuple[int, int, float]]) -> InnerState:
+    """Copy the inner state (clones: training may go on while it is written)."""
+    t: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        t[f"param/{name}"] = p.detach().clone()
+        st = opt.state.get(p, {})
+        if st:
+            t[f"exp_avg/{name}"] = st["exp_avg"].detach().clone()
+            t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach().clone()
+            t[f"adam_step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
+    for p_idx, tensors in base_tensors.items():
+        for name, value in tensors.items():
+            t[f"base/{p_idx}/{name}"] = value.detach().clone()
+    t["rng"] = gen.get_state().clone()
+    meta = {"step": int(step), "base_versions": {str(k): int(v) for k, v in base_versions.items()},
+            "counters": {str(k): [int(c[0]), int(c[1]), float(c[2])] for k, c in counters.items()}}
+    return InnerState(t, meta)
+
+
+def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW,
+            gen: torch.Generator) -> tuple[int, dict[int, dict[str, torch.Tensor]], dict[int, int],
+                                              dict[int, tuple[int, int, float]]]:
+    """Write a captured state back into the model, the optimizer and the generator.
+
+    Returns:
+        (local step, base tensors by fragment, base versions by fragment, counters by fragment).
+
+    Raises:
+        ValueError: a parameter is missing or has another shape.
+    """
+    t = state.tensors
+    with torch.no_grad():
+        for name, p in params.items():
+            value = t.get(f"param/{name}")
+            if value is None or value.shape != p.shape:
+                raise ValueError(f"inner state lacks parameter {name} of shape {tuple(p.shape)}")
+            p.copy_(value)
+            if f"exp_avg/{name}" in t:
+                step_value = t[f"adam_step/{name}"].clone().to(torch.float32)
+                opt.state[p] = {"step": step_value, "exp_avg": t[f"exp_avg/{name}"].clone(),
+                                "exp_avg_sq": t[f"exp_avg_sq/{name}"].clone()}
+    gen.set_state(t["rng"].clone())
+    base_tensors: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in t.items():
+        if key.startswith("base/"):
+            _, p_idx, name = key.split("/", 2)
+            base_tensors.setdefault(int(p_idx), {})[name] = value.clone()
+    m = state.meta
+    versions = {int(k): int(v) for k, v in m["base_versions"].items()}
+    counters = {int(k): (int(c[0]), int(c[1]), float(c[2])) for k, c in m["counters"].items()}
+    return int(m["step"]), base_tensors, versions, counters
