@@ -1,0 +1,108 @@
+"""Storage faults on the learner side, end to end (cases C08 and C11).
+
+Real learners (their training and comms threads, in this process) and a real synchronizer behind
+its HTTP server on loopback share one in-memory store; one learner's store injects faults through
+the real store interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+
+from diloco_async import codec as wire
+from diloco_async.config import load_config
+from diloco_async.learner import Learner
+from diloco_async.server import make_app
+from diloco_async.synchronizer import Synchronizer
+from storage.faults import FaultyStore
+from storage.store import ObjectStore
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "fault-token"
+
+
+def config(**extra):
+    overrides = [
+        "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=16", "learners.count=3",
+        "learners.batch_size=4", "learners.storage_timeout_s=1.0", "learners.checkpoint_every_s=0",
+        "learners.heartbeat_s=0.1", "synchronizer.num_fragments=1", "synchronizer.sync_every=8",
+        "synchronizer.min_quorum=2", "synchronizer.grace_initial_s=0.2", "synchronizer.grace_cap_s=0.5",
+        "synchronizer.heartbeat_timeout_s=30", "synchronizer.checkpoint_every_s=1000", "budget.wall_s=600",
+    ]
+    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+
+
+async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronizer:
+    """Start the synchronizer and one learner per store; stop when ``until(sync)`` holds."""
+    from aiohttp import web
+
+    store = next(iter(stores.values()))
+    sync = Synchronizer(cfg, ObjectStore(store.url), "frun")
+    await asyncio.to_thread(sync.publish_initial)
+    runner = web.AppRunner(make_app(sync, TOKEN))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    actor = asyncio.create_task(sync.run())
+    learners = [Learner(lid, i, url, st, TOKEN, give_up_after_s=30) for i, (lid, st) in enumerate(stores.items())]
+    threads = [threading.Thread(target=l.run, daemon=True) for l in learners]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(1200):
+            if until(sync):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"condition not reached; status: {sync.status()}")
+    finally:
+        await sync.request("stop", "test over")
+        await asyncio.wait_for(actor, 60)
+        for l in learners:
+            l.stop_event.set()
+        for t in threads:
+            await asyncio.to_thread(t.join, 20)
+        await runner.cleanup()
+    return sync
+
+
+async def test_hung_upload_times_out_and_rounds_close_on_quorum_plus_grace():
+    mem = f"memory://faults-{uuid.uuid4().hex}"
+    hung = FaultyStore(ObjectStore(mem, timeout_s=1.0, retries=0))
+    hung.faults.hang("put", times=1000)  # every upload of learner c blocks
+    hung.faults.hang("begin", times=1000)
+    stores = {"a": ObjectStore(mem), "b": ObjectStore(mem), "c": hung}
+    try:
+        sync = await run_cluster(config(), stores, lambda s: s.fragments[0].version >= 4)
+    finally:
+        hung.faults.release()
+    st = sync.status()
+    assert sync.fragments[0].version >= 4
+    assert st["learners"]["c"]["contributions"] == {}  # nothing announced, nothing merged
+    assert hung.faults.injected["hang"] >= 1
+    assert sync.counters["contributions_rejected"] == 0
+    # every merge closed on a quorum of the two healthy learners
+    assert all(m["value"] == 2.0 for m in sync.metrics if m["key"] == "sync/quorum_size")
+    # no object of learner c was ever published
+    assert not [k for k in ObjectStore(mem).list("frun/contrib") if "/c-" in k]
+
+
+async def test_exception_mid_upload_publishes_and_announces_nothing():
+    mem = f"memory://faults-{uuid.uuid4().hex}"
+    torn = FaultyStore(ObjectStore(mem, retries=0))
+    torn.faults.tear(after_nbytes=64)  # learner c's first upload dies after 64 bytes
+    stores = {"a": ObjectStore(mem), "b": ObjectStore(mem), "c": torn}
+    sync = await run_cluster(config(**{"synchronizer.min_quorum": 1}), stores,
+                             lambda s: s.ledgers.get("c") is not None and s.ledgers["c"].contributions.get("merged", 0) >= 2)
+    assert torn.faults.injected["tear"] == 1
+    assert sync.counters["contributions_rejected"] == 0  # nothing partial was ever announced
+    shapes = sync.fragments[0].shapes
+    store = ObjectStore(mem)
+    for key in store.list("frun/contrib"):  # every published contribution is whole
+        wire.decode_from_bytes(store.get_unverified(key), "bf16", shapes)
