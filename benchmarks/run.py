@@ -15,6 +15,7 @@ import uuid
 
 import torch
 
+from benchmarks.storage import bench_storage
 from diloco_async import codec as wire
 from diloco_async.merge import rda, weighted_mean
 from storage.store import ObjectStore
@@ -81,6 +82,7 @@ def main() -> int:
     bench_merge()
     bench_codecs()
     bench_store()
+    bench_storage()
     return 0
 
 

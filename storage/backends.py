@@ -5,6 +5,8 @@ A backend works on full paths (``bucket/key``, ``/abs/path``) and offers:
 * ``put(path, data)``: one exclusive-create request (``FileExistsError`` if the key exists);
 * ``begin(path) -> Upload``: a multi-part upload that publishes nothing until ``commit`` and
   that ``abort`` drops: S3 multipart upload, GCS resumable upload, a local temporary file;
+* ``open_stream(path, start, end) -> Stream``: sequential reads of ``[start, end)`` in chunks
+  (S3: one streaming GET; elsewhere one ranged read per chunk);
 * ``read``, ``size``, ``exists``, ``delete``, ``find``.
 
 ``Upload.send(number, offset, data, last)`` sends part ``number`` (1-based) that starts at byte
@@ -21,8 +23,9 @@ import uuid
 from typing import Any, Protocol
 
 import fsspec
+from fsspec.asyn import sync
 
-__all__ = ["Backend", "Upload", "make_backend", "PROTOCOLS", "PART_QUANTUM", "TEMP_PREFIX"]
+__all__ = ["Backend", "Upload", "Stream", "make_backend", "PROTOCOLS", "PART_QUANTUM", "TEMP_PREFIX"]
 
 PROTOCOLS = ("file", "memory", "s3", "gs")
 #: GCS resumable uploads take non-final parts in multiples of 256 KiB
@@ -35,6 +38,11 @@ class Upload(Protocol):
     def send(self, number: int, offset: int, data: bytes, last: bool) -> None: ...
     def commit(self) -> None: ...
     def abort(self) -> None: ...
+
+
+class Stream(Protocol):
+    def read(self, nbytes: int) -> bytes: ...  # up to nbytes; b"" at the end
+    def close(self) -> None: ...
 
 
 class Backend:
@@ -61,6 +69,9 @@ class Backend:
     def read(self, path: str, start: int | None, end: int | None) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
 
+    def open_stream(self, path: str, start: int, end: int) -> Stream:
+        return _RangeStream(self, path, start, end)
+
     def size(self, path: str) -> int:
         self.fs.invalidate_cache(path)
         return int(self.fs.size(path))
@@ -84,6 +95,23 @@ class Backend:
         except FileNotFoundError:
             return {}
         return {p: int(info.get("size") or 0) for p, info in found.items() if info.get("type", "file") == "file"}
+
+
+class _RangeStream:
+    """One ranged read per chunk, up to ``end`` (the size the caller expects)."""
+
+    def __init__(self, backend: Backend, path: str, start: int, end: int) -> None:
+        self.backend, self.path, self.pos, self.end = backend, path, start, end
+
+    def read(self, nbytes: int) -> bytes:
+        if self.pos >= self.end:
+            return b""
+        data = self.backend.read(self.path, self.pos, min(self.pos + nbytes, self.end))
+        self.pos += len(data)
+        return data
+
+    def close(self) -> None:
+        pass
 
 
 # -- local files --------------------------------------------------------------------------------
@@ -221,6 +249,46 @@ class S3Backend(Backend):
     def begin(self, path: str) -> Upload:
         return _S3Upload(self.fs, path)
 
+    def read(self, path: str, start: int | None, end: int | None) -> bytes:
+        if start is not None or end is not None:
+            return self.fs.cat_file(path, start=start, end=end)
+        stream = _S3Stream(self.fs, path, 0)  # one GET (s3fs's cat_file adds a HEAD first)
+        try:
+            return stream.read(-1)
+        finally:
+            stream.close()
+
+    def open_stream(self, path: str, start: int, end: int) -> Stream:
+        return _S3Stream(self.fs, path, start)
+
+
+class _S3Stream:
+    """One GET from ``start`` to the end of the object, read in chunks on s3fs's event loop."""
+
+    def __init__(self, fs: Any, path: str, start: int) -> None:
+        self.fs = fs
+        bucket, key, _ = fs.split_path(path)
+        kw = {"Range": f"bytes={start}-"} if start else {}
+        self.body = fs.call_s3("get_object", Bucket=bucket, Key=key, **kw)["Body"]
+
+    def read(self, nbytes: int) -> bytes:
+        return sync(self.fs.loop, self._read, nbytes)
+
+    async def _read(self, nbytes: int) -> bytes:
+        if nbytes < 0:
+            return await self.body.read()
+        pieces, got = [], 0
+        while got < nbytes:
+            piece = await self.body.read(nbytes - got)
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def close(self) -> None:
+        self.body.close()
+
 
 class _S3Upload:
     def __init__(self, fs: Any, path: str) -> None:
@@ -275,7 +343,6 @@ class _GcsUpload:
     the object is finalized."""
 
     def __init__(self, fs: Any, path: str) -> None:
-        from fsspec.asyn import sync
         from gcsfs.core import initiate_upload
 
         self.fs, self.path = fs, path

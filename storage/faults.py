@@ -19,7 +19,8 @@ Faults, by explicit toggles on ``store.faults`` (a :class:`FaultPlan`) or by a s
 * ``corrupt()``: the next read returns one flipped byte;
 * ``FaultyStore.freeze_listings()``: listings return the snapshot taken at that moment.
 
-Operations (``op``): ``put begin send commit abort read size exists delete find``.
+Operations (``op``): ``put begin send commit abort open read size exists delete find``
+(``open`` starts a streamed read; ``read`` is a whole read or one chunk of a stream).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import threading
 import time
 from typing import Any
 
-from storage.backends import Backend, Upload
+from storage.backends import Backend, Stream, Upload
 from storage.store import ObjectStore
 
 __all__ = ["FaultPlan", "FaultyStore", "SimulatedCrash", "OPS"]
 
-OPS = ("put", "begin", "send", "commit", "abort", "read", "size", "exists", "delete", "find")
+OPS = ("put", "begin", "send", "commit", "abort", "open", "read", "size", "exists", "delete", "find")
 
 
 class SimulatedCrash(Exception):
@@ -187,6 +188,9 @@ class _FaultyBackend(Backend):
     def read(self, path: str, start: int | None, end: int | None) -> bytes:
         return self._do("read", path, self.inner.read, path, start, end)
 
+    def open_stream(self, path: str, start: int, end: int) -> Stream:
+        return _FaultyStream(self._do("open", path, self.inner.open_stream, path, start, end), self.plan, path)
+
     def size(self, path: str) -> int:
         return self._do("size", path, self.inner.size, path)
 
@@ -215,6 +219,17 @@ def _finish(after: str | None, op: str, what: str, out: Any) -> Any:
     if after == "corrupt" and isinstance(out, bytes) and out:
         return bytes([out[0] ^ 0xFF]) + out[1:]
     return out
+
+
+class _FaultyStream:
+    def __init__(self, inner: Stream, plan: FaultPlan, path: str) -> None:
+        self.inner, self.plan, self.path = inner, plan, path
+
+    def read(self, nbytes: int) -> bytes:
+        return _finish(self.plan.before("read", self.path), "read", self.path, self.inner.read(nbytes))
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class _FaultyUpload:

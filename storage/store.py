@@ -6,7 +6,8 @@
   on the multipart completion; GCS uses ``ifGenerationMatch=0``; ``memory://`` checks under a lock.
 * Large objects stream in parts of ``part_nbytes`` (S3 multipart upload, GCS resumable upload,
   local temp file): memory stays at a few parts, and an error in the middle aborts the upload so
-  nothing appears under the final key (bug case C11).
+  nothing appears under the final key (bug case C11). Large reads stream too, hashed on the way
+  while the next chunk is read; a read that fails resumes where it stopped.
 * ``get`` takes an :class:`ObjectRef` (key, size, sha256) and verifies size and digest of what it
   read; a mismatch raises :class:`IntegrityError`. Readers trust only what an announcement or a
   manifest names, and read exact keys, never a listing.
@@ -145,9 +146,10 @@ class ObjectStore:
         backoff_s: wait before the first retry; doubles each time, up to ``max_backoff_s``,
             with jitter.
         deadline_s: bound on one call including all its retries.
-        part_nbytes: size of one upload part / download range. Objects larger than this stream
-            in parts. A multiple of 256 KiB, and at least 5 MiB on S3.
-        max_concurrency: parts in flight at once per upload or download (S3, local files).
+        part_nbytes: size of one upload part and of one chunk read. Objects larger than this
+            stream in parts. A multiple of 256 KiB, and at least 5 MiB on S3.
+        max_concurrency: parts in flight at once per upload (S3, local files). Reads stream
+            with the next chunk prefetched.
 
     Raises:
         ValueError: an unknown protocol or an invalid setting.
@@ -334,7 +336,7 @@ class ObjectStore:
     # -- reads --------------------------------------------------------------------------------
 
     def get(self, ref: ObjectRef) -> bytes:
-        """Read and verify one object; large ones are read in parallel ranges.
+        """Read and verify one object (large ones stream, hashed on the way).
 
         Raises:
             FileNotFoundError: no object under ``ref.key``.
@@ -382,32 +384,43 @@ class ObjectStore:
         if size != ref.nbytes:
             raise IntegrityError(f"{ref.key}: size {size} bytes, expected {ref.nbytes}")
         hasher = hashlib.sha256()
-        starts = range(0, ref.nbytes, self.part_nbytes)
+        nbytes = 0
+        for chunk in self._stream(path, where, ref.nbytes):
+            hasher.update(chunk)  # while the next chunk is on its way
+            sink(chunk)
+            nbytes += len(chunk)
+        _check(ref, nbytes, hasher.hexdigest())
 
-        def read(start: int) -> bytes:
-            end = min(start + self.part_nbytes, ref.nbytes)
-            return self._call(f"read {where} [{start}:{end}]", self._backend.read, path, start, end)
-
-        workers = 1 if len(starts) <= 1 else self.max_concurrency
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="storage-read") as pool:
-            pending: collections.deque = collections.deque()
-            it = iter(starts)
+    def _stream(self, path: str, where: str, nbytes: int) -> Iterator[bytes]:
+        """Chunks of ``[0, nbytes)`` of one object, the next one prefetched. Each chunk read is
+        bounded by ``timeout_s``; after a transient error the stream reopens where it stopped."""
+        pos, failures, delay = 0, 0, self.backoff_s
+        while pos < nbytes:
+            reader = None
             try:
-                for start in it:
-                    pending.append(pool.submit(read, start))
-                    if len(pending) >= workers:
-                        break
-                while pending:
-                    chunk = pending.popleft().result()
-                    nxt = next(it, None)
-                    if nxt is not None:
-                        pending.append(pool.submit(read, nxt))
-                    hasher.update(chunk)
-                    sink(chunk)
+                stream = self._call(f"open {where} at {pos}", self._backend.open_stream, path, pos, nbytes)
+                reader = _Prefetch(stream, self.part_nbytes)
+                while pos < nbytes:
+                    chunk = reader.next(self.timeout_s, f"read {where} at {pos}")
+                    if not chunk:
+                        raise IntegrityError(f"{where}: size {pos} bytes, expected {nbytes} (ended early)")
+                    pos += len(chunk)
+                    failures, delay = 0, self.backoff_s
+                    yield chunk
+            except Exception as err:
+                if isinstance(err, TimeoutError):
+                    self._count("timeouts")
+                if not is_transient(err) or failures >= self.retries:
+                    raise
+                failures += 1
+                self._count("retries")
+                log.warning("read %s: %s: %s at byte %d, reopening (retry %d of %d)",
+                            where, type(err).__name__, err, pos, failures, self.retries)
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, self.max_backoff_s)
             finally:
-                for fut in pending:
-                    fut.cancel()
-        _check(ref, ref.nbytes, hasher.hexdigest())
+                if reader is not None:
+                    reader.close()
 
     def get_unverified(self, key: str) -> bytes:
         """Read an object that carries its own integrity data (a manifest, a plan)."""
@@ -438,6 +451,40 @@ class ObjectStore:
             if rel and not rel.rsplit("/", 1)[-1].startswith(backends.TEMP_PREFIX):
                 out[rel] = nbytes
         return out
+
+
+class _Prefetch:
+    """Reads the next chunk of a stream in a worker thread while the caller uses the last one."""
+
+    def __init__(self, stream: backends.Stream, chunk_nbytes: int) -> None:
+        self.stream, self.chunk_nbytes = stream, chunk_nbytes
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="storage-stream")
+        self.future: concurrent.futures.Future | None = self.pool.submit(stream.read, chunk_nbytes)
+
+    def next(self, timeout_s: float | None, what: str) -> bytes:
+        assert self.future is not None
+        try:
+            chunk = self.future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.3g} s") from None
+        self.future = self.pool.submit(self.stream.read, self.chunk_nbytes) if chunk else None
+        return chunk
+
+    def close(self) -> None:
+        """Close the stream once no read is running on it (a hung read keeps it until it ends)."""
+        future, self.future = self.future, None
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if future is None or future.cancel() or future.done():
+            _close_quietly(self.stream)
+        else:
+            future.add_done_callback(lambda _: _close_quietly(self.stream))
+
+
+def _close_quietly(stream: backends.Stream) -> None:
+    try:
+        stream.close()
+    except Exception as err:  # the stream is dropped either way
+        log.debug("closing a read stream: %s: %s", type(err).__name__, err)
 
 
 def _check(ref: ObjectRef, nbytes: int, digest: str) -> None:

@@ -191,6 +191,27 @@ def test_hung_s3_part_upload_is_aborted_and_cleaned_up(s3_endpoint, released):
     assert store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
 
 
+def test_streamed_read_resumes_where_it_stopped(kind, tmp_path, released):
+    """A chunk read hangs, then the reopened stream fails once: the read times out, reopens at
+    the byte where it stopped, and the object still verifies."""
+    faulty = FaultyStore(local_store(kind, tmp_path, timeout_s=0.3, retries=2))
+    released(faulty.faults)
+    data = blob(5 * PART + 3)
+    ref = faulty.put("big", data)
+    faulty.faults.slow("read", 0.0, times=2)  # two chunks arrive ...
+    faulty.faults.hang("read")  # ... the third hangs
+    faulty.faults.fail("read")  # ... and the first read after reopening fails
+    t0 = time.monotonic()
+    assert faulty.get(ref) == data
+    assert time.monotonic() - t0 < 0.3 + 2.0
+    assert faulty.counters["timeouts"] == 1 and faulty.counters["retries"] == 2
+    assert faulty.faults.calls["open"] == 3
+    faulty.faults.corrupt()
+    with pytest.raises(IntegrityError):
+        faulty.get_to_file(ref, tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
+
+
 def test_slow_calls(kind, tmp_path):
     faulty = FaultyStore(local_store(kind, tmp_path, timeout_s=0.3, retries=1))
     faulty.faults.slow("put", 0.05)
