@@ -257,8 +257,9 @@ class ObjectStore:
             path = self._path(key)
             payload = data if isinstance(data, bytes) else bytes(view)
             hasher = _Hasher(payload)  # hashes in parallel with the upload
-            self._put_single(key, path, payload, hasher.ref_for(key, len(payload)))
-            return hasher.ref_for(key, len(payload))
+            ref = lambda: hasher.ref_for(key, len(payload))  # noqa: E731
+            self._put_single(key, path, payload, ref)
+            return ref()
         return self._upload(key, lambda: iter([view]))
 
     def put_json(self, key: str, obj: Any) -> ObjectRef:
@@ -306,7 +307,8 @@ class ObjectStore:
                 self._count("upload_restarts")
                 log.warning("%s: upload failed (%s: %s), starting it again", self._where(key), type(err).__name__, err)
 
-    def _put_single(self, key: str, path: str, data: bytes, ref: ObjectRef) -> None:
+    def _put_single(self, key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
+        """One exclusive PUT, retried; ``ref()`` names the bytes (asked only if needed)."""
         attempts = [0]
 
         def attempt() -> None:
@@ -316,7 +318,7 @@ class ObjectStore:
         try:
             self._call(f"put {self._where(key)}", attempt)
         except FileExistsError:
-            if attempts[0] > 1 and self._holds(ref):
+            if attempts[0] > 1 and self._holds(ref()):
                 return  # an earlier attempt that timed out did land: same bytes, done
             raise FileExistsError(f"object exists: {self._where(key)}") from None
 
@@ -398,7 +400,8 @@ class ObjectStore:
         while pos < nbytes:
             reader = None
             try:
-                stream = self._call(f"open {where} at {pos}", self._backend.open_stream, path, pos, nbytes)
+                stream = self._call(f"open {where} at {pos}", self._backend.open_stream, path, pos, nbytes,
+                                    retry=False)  # retried by this loop
                 reader = _Prefetch(stream, self.part_nbytes)
                 while pos < nbytes:
                     chunk = reader.next(self.timeout_s, f"read {where} at {pos}")
@@ -622,7 +625,7 @@ class ObjectWriter:
                 self._hash.update(data)
                 self._nbytes += len(data)
                 self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
-                self.store._put_single(self.key, self._path, data, self.ref)
+                self.store._put_single(self.key, self._path, data, lambda: self.ref)
             else:
                 self._send(bytes(self._buf), last=True)
                 self._buf = bytearray()
@@ -647,10 +650,13 @@ class ObjectWriter:
 
         try:
             store._call(f"complete upload {self._where}", attempt)
-        except (FileExistsError, FileNotFoundError):
+        except (FileExistsError, FileNotFoundError) as err:
+            # after a lost answer the retry finds its own object (or no upload left to complete)
             if attempts[0] > 1 and store._holds(self.ref):
                 return
-            raise FileExistsError(f"object exists: {self._where}") from None
+            if isinstance(err, FileExistsError):
+                raise FileExistsError(f"object exists: {self._where}") from None
+            raise
 
     def abort(self) -> None:
         """Drop the upload: nothing is published. Safe to call more than once."""
