@@ -11,24 +11,128 @@ import sys
 __all__ = ["main"]
 
 
-def _train(args: argparse.Namespace) -> int:
+# Quiet, project-local defaults for the embedded Prefect server and MLflow (the Makefile sets the
+# same); an explicit environment variable wins.
+_ENV_DEFAULTS = {
+    "PREFECT_HOME": ".local/prefect",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_CLIENT_MAX_RETRIES": "1",  # after Ctrl-C has also stopped the temporary server: exit soon
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+}
+
+
+def _prepare_environment() -> None:
+    """Set the embedded defaults and make SIGTERM a clean exit (so Prefect's temporary server and
+    every process the flow started are stopped, not orphaned)."""
+    import os
+    import signal
+
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    os.environ["PREFECT_HOME"] = os.path.abspath(os.environ["PREFECT_HOME"])
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGINT, _on_interrupt)
+
+
+_INTERRUPTS = 0
+
+
+def _children() -> list[tuple[int, str]]:
+    """(pid, command line) of this process's direct children (Linux /proc)."""
     import os
 
-    if os.environ.get("PREFECT_HOME"):
-        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            if ppid == me:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    out.append((int(entry), fh.read().replace(b"\0", b" ").decode(errors="replace")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _on_interrupt(_signum, _frame) -> None:
+    """First Ctrl-C: stop the run cleanly (the synchronizer writes its final checkpoint and tells
+    the learners to stop; the flow then reports as usual). Second Ctrl-C: stop everything now."""
+    import os
+    import signal
+
+    global _INTERRUPTS
+    _INTERRUPTS += 1
+    if _INTERRUPTS == 1:
+        print("\ninterrupt: stopping the run cleanly (final checkpoint); Ctrl-C again to stop at once",
+              file=sys.stderr, flush=True)
+        for pid, cmd in _children():
+            if "diloco_async.server" in cmd:
+                os.kill(pid, signal.SIGTERM)
+        return
+    _stop_children_and_exit(130)
+
+
+def _stop_children_and_exit(code: int) -> None:
+    """Stop every child (the flow's processes, Prefect's temporary server) and exit at once,
+    instead of waiting for Prefect to flush events to a server that Ctrl-C may have killed."""
+    import os
+    import signal
+
+    for pid, _cmd in _children():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _check_config(path: str | None, overrides: list[str]) -> bool:
+    """Validate the recipe before anything starts; print the error (no traceback) if it is bad."""
+    from diloco_async.config import load_config
+
+    try:
+        load_config(path, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return False
+    return True
+
+
+def _train(args: argparse.Namespace) -> int:
+    if not _check_config(args.config, args.set or []):
+        return 2
+    _prepare_environment()
     from flows.train import run_train_cli
 
-    return run_train_cli(args.config, overrides=args.set or [])
+    try:
+        code = run_train_cli(args.config, overrides=args.set or [])
+    except KeyboardInterrupt:
+        code = 130
+    if _INTERRUPTS:
+        _stop_children_and_exit(130)
+    return code
 
 
 def _resume(args: argparse.Namespace) -> int:
-    import os
-
-    if os.environ.get("PREFECT_HOME"):
-        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+    if args.config is not None and not _check_config(args.config, args.set or []):
+        return 2
+    _prepare_environment()
     from flows.train import run_resume_cli
 
-    return run_resume_cli(args.checkpoint_url, args.config, overrides=args.set or [])
+    try:
+        code = run_resume_cli(args.checkpoint_url, args.config, overrides=args.set or [])
+    except KeyboardInterrupt:
+        code = 130
+    if _INTERRUPTS:
+        _stop_children_and_exit(130)
+    return code
 
 
 def _simulate(argv: list[str]) -> int:

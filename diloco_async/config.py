@@ -223,6 +223,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if path is not None:
         source = str(path)
         raw = tomllib.loads(Path(path).read_text())
+    if overrides:
+        source += f" with --set {' '.join(overrides)}"
     raw = apply_overrides(raw, overrides or [])
     try:
         return Config.model_validate(raw)

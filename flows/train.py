@@ -311,6 +311,8 @@ def run_train_cli(config: Optional[str], overrides: list[str]) -> int:
     """Entry of ``diloco-async train``: run the flow, print where to look, exit code 0 on success."""
     try:
         summary = train(config=config, overrides=overrides)
+    except KeyboardInterrupt:
+        raise
     except Exception as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
