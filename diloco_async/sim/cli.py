@@ -84,7 +84,15 @@ def scenarios_from_args(args: argparse.Namespace, cal: Calibration) -> list[Scen
     if args.grid == "paper-table1" or not args.chips:
         return paper_table1_scenarios(mtbi_years=mtbi)
     questions: list[tuple[str, int, int, int]] = []  # method, chips, learners, quorum
+    per_slice = cal.slices.chips_per_slice
+    for m in args.learners or [8]:
+        if m < 1:
+            raise ValueError(f"--learners must be >= 1, got {m}")
     for chips in args.chips:
+        smallest = per_slice * max(args.learners or [8]) if args.method in ("diloco", "all") else per_slice
+        if chips < smallest:
+            raise ValueError(f"--chips {chips} is too few: every learner needs at least one slice of "
+                             f"{per_slice} chips ({smallest} for the learners asked)")
         if args.method in ("dp", "all"):
             questions.append(("dp", chips, 1, 1))
         if args.method in ("dp-elastic", "all"):
