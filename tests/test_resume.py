@@ -9,6 +9,7 @@ and the version number continues (3, not 1).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from diloco_async.config import load_config
 from storage import keys
 from storage.checkpoint import load_checkpoint
 from storage.store import ObjectRef, ObjectStore
+from storage_servers import make_bucket
 
 pytestmark = pytest.mark.integration
 
@@ -44,10 +46,11 @@ def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0):
 
 
 class SyncProcess:
-    def __init__(self, tmp: Path, store_url: str, args: list[str]) -> None:
+    def __init__(self, tmp: Path, store_url: str, args: list[str], options: dict | None = None) -> None:
         self.ready = tmp / f"ready-{uuid.uuid4().hex[:6]}.json"
         sets = [a for o in OVERRIDES + [f"run.store={store_url}"] for a in ("--set", o)]
-        env = {"DILOCO_RUN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+        env = {"DILOCO_RUN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin", "DILOCO_STORAGE_OPTIONS": json.dumps(options or {}),
+               **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
         self.log = open(tmp / f"sync-{uuid.uuid4().hex[:6]}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sets, *args,
                                       "--ready-file", str(self.ready)], env=env, stdout=self.log,
@@ -116,15 +119,26 @@ def fragment_state(store: ObjectStore, run_id: str, seq: int) -> tuple[dict, dic
     return params, mom, ck.manifest
 
 
-@pytest.fixture(params=["file"])
-def store_url(request, tmp_path):
+@pytest.fixture
+def store_url(tmp_path):
     return f"file://{tmp_path}/store"
 
 
-def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, store_url):
-    store = ObjectStore(store_url)
+@pytest.fixture(params=["file", "s3"])
+def any_store(request, tmp_path):
+    """(root URL, storage options): a local folder, or a bucket on moto's S3 server on loopback."""
+    if request.param == "file":
+        return f"file://{tmp_path}/store", {}
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = make_bucket("s3", endpoint.storage_options)
+    return f"s3://{bucket}/runs", endpoint.storage_options
+
+
+def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
+    store_url, options = any_store
+    store = ObjectStore(store_url, options)
     # Run A: three outer steps, no interruption.
-    a = SyncProcess(tmp_path, store_url, ["--run-id", "runA"])
+    a = SyncProcess(tmp_path, store_url, ["--run-id", "runA"], options)
     try:
         la = ScriptedLearner(a, store)
         for r in (1, 2, 3):
@@ -136,7 +150,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, store_url):
     assert man_a["versions"] == {"0": 3}
 
     # Run B: two steps, checkpoint, SIGKILL, resume, step three.
-    b = SyncProcess(tmp_path, store_url, ["--run-id", "runB"])
+    b = SyncProcess(tmp_path, store_url, ["--run-id", "runB"], options)
     lb = ScriptedLearner(b, store)
     lb.outer_step(1)
     lb.outer_step(2)
@@ -147,7 +161,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, store_url):
     saved_params, saved_mom, saved = fragment_state(store, "runB", seq_b)
     assert saved["versions"] == {"0": 2} and saved["outer_steps"] == {"0": 2}
 
-    c = SyncProcess(tmp_path, store_url, ["--resume", f"{store_url}/runB/checkpoints/{seq_b:08d}"])
+    c = SyncProcess(tmp_path, store_url, ["--resume", f"{store_url}/runB/checkpoints/{seq_b:08d}"], options)
     try:
         lb.attach(c)
         assert c.status()["versions"] == {"0": 2}
