@@ -536,7 +536,8 @@ class ObjectWriter:
         self._part = store.part_nbytes
         self._hash = hashlib.sha256()
         self._nbytes = 0
-        self._buf = bytearray()
+        self._held: collections.deque[memoryview] = collections.deque()  # written, not yet sent
+        self._held_nbytes = 0
         self._upload: backends.Upload | None = None
         self._parts = 0
         self._offset = 0
@@ -555,28 +556,45 @@ class ObjectWriter:
             self.abort()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Append ``data``; returns its length. Raises what a part upload raised."""
+        """Append ``data``; returns its length. Raises what a part upload raised.
+
+        Read-only buffers (``bytes``) are kept by reference until sent (a part that is exactly
+        one ``bytes`` object goes out without a copy); writable ones are copied, since the
+        caller may reuse them.
+        """
         if self._state != "open":
             raise ValueError(f"{self._where}: writer is {self._state}")
         view = memoryview(data).cast("B")
         n = len(view)
-        pos = 0
+        if not n:
+            return 0
         try:
-            if self._buf:
-                take = min(self._part - len(self._buf), n)
-                self._buf += view[:take]
-                pos = take
-                if len(self._buf) == self._part and pos < n:
-                    self._send(bytes(self._buf), last=False)
-                    self._buf = bytearray()
-            while n - pos > self._part:
-                self._send(bytes(view[pos:pos + self._part]), last=False)
-                pos += self._part
-            self._buf += view[pos:]
+            self._held.append(view if view.readonly else memoryview(bytes(view)))
+            self._held_nbytes += n
+            while self._held_nbytes > self._part:  # keep the last part back for close()
+                self._send(self._take(self._part), last=False)
         except BaseException:
             self.abort()
             raise
         return n
+
+    def _take(self, nbytes: int) -> bytes:
+        """The first ``nbytes`` held, as one ``bytes`` (copied only if they span or split pieces)."""
+        first = self._held[0]
+        if len(first) == nbytes and isinstance(first.obj, bytes) and len(first.obj) == nbytes:
+            self._held.popleft()
+            self._held_nbytes -= nbytes
+            return first.obj
+        out = bytearray()
+        while len(out) < nbytes:
+            piece = self._held.popleft()
+            need = nbytes - len(out)
+            if len(piece) > need:
+                self._held.appendleft(piece[need:])
+                piece = piece[:need]
+            out += piece
+        self._held_nbytes -= nbytes
+        return bytes(out)
 
     def _send(self, chunk: bytes, last: bool) -> None:
         """Start uploading one part; hash it while it travels."""
@@ -620,15 +638,13 @@ class ObjectWriter:
             raise ValueError(f"{self._where}: writer is {self._state}")
         try:
             if self._upload is None:
-                data = bytes(self._buf)
-                self._buf = bytearray()
+                data = self._take(self._held_nbytes) if self._held_nbytes else b""
                 self._hash.update(data)
                 self._nbytes += len(data)
                 self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
                 self.store._put_single(self.key, self._path, data, lambda: self.ref)
             else:
-                self._send(bytes(self._buf), last=True)
-                self._buf = bytearray()
+                self._send(self._take(self._held_nbytes), last=True)
                 while self._pending:
                     self._pending.popleft().result()
                 self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
@@ -669,7 +685,8 @@ class ObjectWriter:
         if running:  # let parts on the wire land first, so the abort is the last word
             concurrent.futures.wait(running, timeout=self.store.timeout_s)
         self._pending.clear()
-        self._buf = bytearray()
+        self._held.clear()
+        self._held_nbytes = 0
         if self._upload is not None:
             self.store._count("aborted_uploads")
             try:

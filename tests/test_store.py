@@ -172,3 +172,24 @@ def test_gc_without_a_verified_checkpoint_deletes_nothing(store):
     assert len(store.list("run")) == 2
     with pytest.raises(ValueError, match="keep_checkpoints"):
         collect_garbage(store, "run", keep_checkpoints=0)
+
+
+def test_writer_copies_reused_buffers_and_straddles_parts():
+    store = ObjectStore(f"memory://writer-{uuid.uuid4().hex}", part_nbytes=256 << 10)
+    buf, expected = bytearray(100_000), b""
+    with store.open_writer("w") as w:
+        for i in range(10):  # the caller reuses one buffer: what was written must not change
+            buf[:] = bytes([i]) * len(buf)
+            w.write(buf)
+            expected += bytes(buf)
+        w.write(b"")
+        w.write(memoryview(b"tail"))
+        expected += b"tail"
+    assert w.ref.nbytes == len(expected) and store.get(w.ref) == expected
+    exact = [os.urandom(256 << 10) for _ in range(3)]  # parts that are whole bytes objects
+    with store.open_writer("x") as w2:
+        for part in exact:
+            w2.write(part)
+    assert store.get(w2.ref) == b"".join(exact)
+    with pytest.raises(ValueError, match="closed"):
+        w2.write(b"more")
