@@ -84,6 +84,20 @@ def test_exclusive_create_refused_for_large_object(store):
     assert store.list("k") == ["k/big"]
 
 
+def test_racing_writers_exactly_one_wins(store):
+    """Writers racing on one key: one publishes, the others get FileExistsError, and the key
+    holds exactly the winner's bytes (no mix, no overwrite)."""
+    import concurrent.futures
+
+    payloads = [blob(1000, seed=i) for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(store.put, "race/k", p) for p in payloads]
+    won = [f.result() for f in futures if f.exception() is None]
+    lost = [f.exception() for f in futures if f.exception() is not None]
+    assert len(won) == 1 and len(lost) == 3 and all(isinstance(e, FileExistsError) for e in lost)
+    assert store.get(won[0]) in payloads
+
+
 def test_digest_and_size_mismatch_detected(store):
     ref = store.put("k/y", b"payload")
     with pytest.raises(IntegrityError, match="sha256"):
