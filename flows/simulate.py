@@ -16,6 +16,7 @@ from typing import Sequence
 
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.simulator import CellResult
+from flows.tracking import resolve_uri
 
 __all__ = ["plot_goodput", "log_results", "cell_key", "DEFAULT_TRACKING_URI", "DEFAULT_ARTIFACTS"]
 
@@ -23,16 +24,6 @@ DEFAULT_TRACKING_URI = "sqlite:///.local/mlflow.db"
 """Used when neither ``tracking_uri`` nor ``MLFLOW_TRACKING_URI`` is given (as ``make ui``)."""
 DEFAULT_ARTIFACTS = ".local/mlartifacts"
 """Artifact root of an experiment this module creates (relative to the working directory)."""
-
-
-def _resolve_uri(uri: str) -> str:
-    """A relative ``sqlite:///path`` made absolute, its folder created."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = Path(uri[len(prefix):]).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return prefix + str(path)
-    return uri
 
 
 def cell_key(r: CellResult) -> str:
@@ -106,7 +97,7 @@ def log_results(
     """
     import mlflow
 
-    uri = _resolve_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+    uri = resolve_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)

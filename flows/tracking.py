@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from diloco_async.config import TrackingConfig
 
-__all__ = ["MlflowSink", "flatten_params"]
+__all__ = ["MlflowSink", "flatten_params", "resolve_uri"]
 
 log = logging.getLogger("diloco.tracking")
 
@@ -34,7 +34,7 @@ def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _resolve_uri(uri: str) -> str:
+def resolve_uri(uri: str) -> str:
     """Make a relative ``sqlite:///path`` absolute and create its folder."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
@@ -52,7 +52,7 @@ class MlflowSink:
     """
 
     def __init__(self, cfg: TrackingConfig) -> None:
-        self.uri = _resolve_uri(cfg.mlflow_uri)
+        self.uri = resolve_uri(cfg.mlflow_uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(cfg.experiment)
         if exp is None:
