@@ -122,6 +122,10 @@ class SynchronizerConfig(_Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="A learner silent this long is lost.")
     checkpoint_every_s: float = Field(60.0, gt=0, description="Period of outer-state checkpoints.")
+    keep_checkpoints: int = Field(
+        3, ge=0, description="After each checkpoint, collect garbage behind the newest verified one, keeping "
+        "this many complete checkpoints (0: never collect)."
+    )
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
     client_max_size_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted HTTP body.")
     ema_alpha: float = Field(0.3, gt=0, le=1, description="Smoothing of step and sync time estimates.")
@@ -249,7 +253,7 @@ _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options"),
     "data": ("cache_dir",),
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s"),
-    "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "storage_timeout_s",
+    "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints", "storage_timeout_s",
                      "client_max_size_bytes"),
 }
 

@@ -40,6 +40,7 @@ from diloco_async.model import ByteGPT, embedding_names
 from diloco_async.policy import Ema, GraceDecision, RoundStage, RoundState, global_step, grace_window, round_due_step
 from storage import keys
 from storage.checkpoint import Checkpoint, list_checkpoint_seqs, tensor_key, write_checkpoint
+from storage.gc import collect_garbage
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["Synchronizer", "Broadcaster", "initial_parameters", "new_run_id"]
@@ -206,6 +207,7 @@ class Synchronizer:
         self._checkpoint_waiters: list[asyncio.Future] = []
         self._checkpoint_seq = 0
         self._checkpoint_in_flight = False
+        self._gc_in_flight = False
         self._merges_at_checkpoint = -1
         self._last_checkpoint_s = self.started_s
         self._stop_since_s: Optional[float] = None
@@ -718,9 +720,26 @@ class Synchronizer:
             self.last_checkpoint_seq = msg.seq
             log.info("checkpoint %d written", msg.seq)
             self._metric("sync/checkpoints", self.counters["checkpoints"])
+            if self.sc.keep_checkpoints and not self._gc_in_flight:
+                self._gc_in_flight = True
+                self._spawn(self._collect_garbage())
         else:
             self.counters["checkpoints_failed"] += 1
             log.error("checkpoint %d failed: %s", msg.seq, msg.reason)
+
+    async def _collect_garbage(self) -> None:
+        """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py)."""
+        try:
+            report = await asyncio.to_thread(collect_garbage, self.store, self.run_id,
+                                             keep_checkpoints=self.sc.keep_checkpoints)
+            self.counters["gc_deleted_objects"] += report.objects
+            self.counters["gc_deleted_bytes"] += report.nbytes
+            self._metric("storage/gc_deleted_bytes", self.counters["gc_deleted_bytes"])
+        except Exception as err:  # collection is an optimisation: count, log, go on
+            self.counters["gc_failures"] += 1
+            log.warning("garbage collection failed: %s: %s", type(err).__name__, err)
+        finally:
+            self._gc_in_flight = False
 
     # -- the clock-driven part ----------------------------------------------------------------
 
@@ -836,7 +855,7 @@ class Synchronizer:
                     self._spawn(self._merge_task(self.fragments[p], rnd, quorum_wait))
 
     def _progress_stop(self, now: float) -> None:
-        if self.rounds or self._checkpoint_in_flight:
+        if self.rounds or self._checkpoint_in_flight or self._gc_in_flight:
             return
         if self.final_summary is None and not getattr(self, "_final_checkpoint_started", False):
             self._final_checkpoint_started = True
