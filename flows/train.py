@@ -32,7 +32,7 @@ from flows.launcher import LocalProcess, LocalProcessLauncher, wait_for_ready_fi
 from flows.tracking import MlflowSink, flatten_params
 from diloco_async.server import open_checkpoint
 from storage import keys
-from storage.checkpoint import Checkpoint, latest_checkpoint
+from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
 
 __all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]

@@ -9,7 +9,6 @@ and sha256. A checkpoint without a manifest, or whose state does not verify, doe
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 

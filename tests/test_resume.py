@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from diloco_async import codec as wire
-from diloco_async.config import load_config
 from storage import keys
 from storage.checkpoint import load_checkpoint
 from storage.store import ObjectRef, ObjectStore

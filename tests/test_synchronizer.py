@@ -23,7 +23,7 @@ from diloco_async.server import make_app
 from diloco_async.synchronizer import Synchronizer
 from storage import keys
 from storage.checkpoint import latest_checkpoint
-from storage.store import ObjectRef, ObjectStore
+from storage.store import ObjectStore
 
 TOKEN = "test-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
