@@ -73,7 +73,7 @@ def _on_interrupt(_signum, _frame) -> None:
               file=sys.stderr, flush=True)
         for pid, cmd in _children():
             if "diloco_async.server" in cmd:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGINT)  # the synchronizer's clean stop; its stop reason says SIGINT
         return
     _stop_children_and_exit(130)
 
@@ -121,7 +121,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    if args.config is not None and not _check_config(args.config, args.set or []):
+    import json
+    import os
+
+    from diloco_async.server import STORAGE_OPTIONS_ENV, open_checkpoint
+
+    try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
+        open_checkpoint(args.checkpoint_url, args.config, args.set or [],
+                        json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}")))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     _prepare_environment()
     from flows.train import run_resume_cli

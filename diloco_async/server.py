@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from typing import Optional
 
-from diloco_async.config import Config, apply_overrides, load_config
+from diloco_async.config import Config, apply_overrides, config_differences, config_hash, load_config
 from diloco_async.messages import Announcement, Heartbeat, JoinRequest
 from diloco_async.synchronizer import Synchronizer
 from storage import keys
@@ -229,6 +229,9 @@ def open_checkpoint(url: str, config_path: Optional[str], overrides: list[str],
             raise ValueError(f"checkpoint {seq} of run {run_id} is incomplete or missing (no manifest)") from None
         except IntegrityError as err:
             raise ValueError(f"checkpoint {seq} of run {run_id} does not verify: {err}") from None
+    if ckpt.manifest.get("config_hash") != config_hash(cfg):
+        diffs = config_differences(ckpt.manifest.get("config", {}), cfg.public_dict())
+        raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
     return cfg, store, run_id, ckpt
 
 

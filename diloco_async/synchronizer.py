@@ -684,7 +684,7 @@ class Synchronizer:
             "ledgers": {lid: l.to_json() for lid, l in self.ledgers.items()},
             "learners": {lid: {"incarnation": i.incarnation, "step": i.step, "tokens_seen": i.tokens_seen,
                                "bytes_down_seen": i.bytes_down_seen} for lid, i in self.learners.items()},
-            "counters": dict(self.counters),
+            "counters": dict(self.counters, checkpoints=self.counters["checkpoints"] + 1),  # this one included
             "wall_s": self.clock() - self.started_s,
             "epoch": self.epoch,
         }

@@ -170,7 +170,7 @@ def _summary_table(summary: dict) -> Table:
     rows = [
         ("eval loss, initial (nats/byte)", f"{summary['eval_loss_initial']:.4f}"),
         ("eval loss, final (nats/byte)", f"{summary['eval_loss_final']:.4f}"),
-        ("wall time (s)", f"{summary['wall_s']:.1f}"),
+        ("wall time of this synchronizer (s)", f"{summary['wall_s']:.1f}"),
         ("merges", str(summary["merges"])),
         ("contributions merged / late / rejected",
          f"{summary['contributions_merged']} / {summary['contributions_late']} / {summary['contributions_rejected']}"),
@@ -191,7 +191,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     """Start the synchronizer and the learners, watch them, evaluate the final model."""
     logger = get_run_logger()
     cfg = run.cfg
-    console = Console(stderr=False)
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 110)
     t0 = time.monotonic()
     url = run.start_synchronizer()
     logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
