@@ -38,10 +38,14 @@ test: data
 bench: data
 	$(PY) -m benchmarks.run
 
-## ui: MLflow UI over the embedded tracking database
+## ui: MLflow UI (sqlite .local/mlflow.db, artifacts .local/mlartifacts) and the Prefect UI; Ctrl-C stops both
 ui: setup
-	@echo "MLflow UI on http://127.0.0.1:5000 (Ctrl-C to stop)"
-	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/.local/mlflow.db \
+	@mkdir -p .local/prefect .local/mlartifacts
+	@echo "MLflow UI:  http://127.0.0.1:5000"
+	@echo "Prefect UI: http://127.0.0.1:4200  (runs of a train started with PREFECT_API_URL=http://127.0.0.1:4200/api)"
+	@trap 'kill 0' INT TERM EXIT; \
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 > .local/prefect-server.log 2>&1 & \
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/.local/mlflow.db \
 	    --default-artifact-root $(CURDIR)/.local/mlartifacts --host 127.0.0.1 --port 5000 --workers 1
 
 clean:

@@ -144,6 +144,12 @@ def _resume(args: argparse.Namespace) -> int:
     return code
 
 
+def _status(args: argparse.Namespace) -> int:
+    from diloco_async.status_view import main as status_main
+
+    return status_main(args.sync_url, watch=args.watch)
+
+
 def _simulate(argv: list[str]) -> int:
     from diloco_async.sim.cli import main as sim_main
 
@@ -170,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     p_resume.add_argument("--set", action="append", metavar="KEY=VALUE",
                           help="override a field, e.g. --set budget.tokens=12000000 to extend the run")
     p_resume.set_defaults(func=_resume)
+    p_status = sub.add_parser("status", help="show a running synchronizer's learners and rounds")
+    p_status.add_argument("sync_url", help="e.g. http://127.0.0.1:40929 (printed by train)")
+    p_status.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
+    p_status.set_defaults(func=_status)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from diloco_async.config import ModelConfig
 
-__all__ = ["ByteGPT", "embedding_names", "evaluate_loss"]
+__all__ = ["ByteGPT", "embedding_names", "evaluate_loss", "generate"]
 
 
 class _Block(nn.Module):
@@ -97,3 +97,26 @@ def evaluate_loss(model: ByteGPT, batches: list[tuple[torch.Tensor, torch.Tensor
         count += y.numel()
     model.train(was_training)
     return total / max(count, 1)
+
+
+@torch.no_grad()
+def generate(model: ByteGPT, prompt: bytes, n_bytes: int, temperature: float = 0.8,
+             generator: torch.Generator | None = None) -> bytes:
+    """Sample ``n_bytes`` bytes after ``prompt`` (the last ``context`` bytes condition each step).
+
+    Raises:
+        ValueError: an empty prompt or a temperature <= 0.
+    """
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    was_training = model.training
+    model.eval()
+    idx = torch.tensor(list(prompt), dtype=torch.long)[None, :]
+    for _ in range(n_bytes):
+        logits = model(idx[:, -model.cfg.context:])[0, -1] / temperature
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt[None, :]], dim=1)
+    model.train(was_training)
+    return bytes(idx[0, len(prompt):].tolist())

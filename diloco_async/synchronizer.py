@@ -523,7 +523,8 @@ class Synchronizer:
 
     def _on_metrics(self, since: int) -> dict:
         since = max(0, int(since))
-        return {"next": len(self.metrics), "metrics": self.metrics[since:since + 5000]}
+        batch = self.metrics[since:since + 5000]
+        return {"next": since + len(batch), "total": len(self.metrics), "metrics": batch}
 
     # -- verification and merge (worker threads) ----------------------------------------------
 

@@ -28,6 +28,7 @@ from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_ch
 from diloco_async.model import ByteGPT
 from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
 from diloco_async.synchronizer import initial_parameters, new_run_id
+from flows.artifacts import log_run_artifacts
 from flows.launcher import LocalProcess, LocalProcessLauncher, wait_for_ready_file
 from flows.tracking import MlflowSink, flatten_params
 from diloco_async.server import open_checkpoint
@@ -111,8 +112,8 @@ class TrainingRun:
             except (urllib.error.URLError, OSError, ValueError):
                 return points
             points.extend(body["metrics"])
-            self.metrics_next = body["next"] if body["metrics"] else self.metrics_next
-            if not body["metrics"] or self.metrics_next >= body["next"]:
+            self.metrics_next = body["next"]
+            if self.metrics_next >= body["total"]:
                 return points
 
     def status(self) -> Optional[dict]:
@@ -206,7 +207,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     ckpt = latest_checkpoint(run.store, run.run_id)
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
-    eval_final = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
+    final_model = model_from_checkpoint(cfg, ckpt)
+    eval_final = evaluate(cfg, final_model)
     summary.update(eval_loss_initial=eval_start, eval_loss_final=eval_final,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
                    checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"))
@@ -214,6 +216,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     sink.log_metric("eval/loss", eval_final, step)
     sink.log_metric("eval/final_loss", eval_final, step)
     sink.log_metric("goodput/uptime", summary["uptime"], step)
+    summary["model_uri"] = log_run_artifacts(sink, final_model)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",

@@ -44,7 +44,20 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     history = client.get_metric_history(run.info.run_id, "eval/loss")
     assert [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1] == round(summary["eval_loss_final"], 4)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"summary.json", "config.json", "plan.json"} <= artifacts
+    assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
+            "global_model.safetensors"} <= artifacts
+    png = client.download_artifacts(run.info.run_id, "loss_curve.png", str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # the logged torch model loads back and gives the same held-out loss
+    import mlflow
+
+    from diloco_async.config import load_config
+    from diloco_async.evaluation import heldout_batches, heldout_loss
+
+    mlflow.set_tracking_uri(uri)
+    loaded = mlflow.pytorch.load_model(summary["model_uri"])
+    cfg = load_config("configs/default.toml", overrides)
+    assert heldout_loss(loaded, heldout_batches(cfg)) == pytest.approx(summary["eval_loss_final"], abs=1e-6)
 
 
 def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):

@@ -248,3 +248,22 @@ async def test_quorum_not_met_when_only_bad_contributions():
         await contribute(client, store, "c", fragment_delta(sync, 3))
         await wait_version(sync, 0, 1)
         assert sync.counters["contributions_merged"] == 2
+
+
+async def test_status_view_renders_a_live_synchronizer():
+    from rich.console import Console
+
+    from diloco_async.status_view import render_status
+
+    async with running(small_config()) as (sync, client, store):
+        await join_all(client)
+        await open_first_round(client, sync)
+        await contribute(client, store, "a", fragment_delta(sync, 1))
+        st = await (await client.get("/status")).json()
+        console = Console(record=True, width=160)
+        console.print(render_status(st))
+        text = console.export_text()
+        assert "learners" in text and "open rounds" in text
+        for lid in LEARNERS:
+            assert lid in text
+        assert "p0: v0" in text

@@ -1,0 +1,70 @@
+"""`diloco-async status <sync-url>`: the synchronizer's /status as tables (learners, rounds)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+__all__ = ["fetch_status", "render_status", "main"]
+
+
+def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
+    """GET ``{url}/status`` (an open, read-only route).
+
+    Raises:
+        urllib.error.URLError: the synchronizer does not answer.
+    """
+    with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def render_status(st: dict) -> Group:
+    """Tables of the run figures, the learners and the open rounds."""
+    head = Table(title=f"run {st['run_id']} — {'stopping: ' + st['stopping'] if st.get('stopping') else 'training'}")
+    for col in ("wall s", "global step", "merges", "merged / late / rejected", "compute goodput", "token goodput"):
+        head.add_column(col, justify="right")
+    head.add_row(f"{st['wall_s']:.0f}", str(st.get("global_step")), str(st["merges"]),
+                 f"{st['contributions_merged']} / {st['contributions_late']} / {st['contributions_rejected']}",
+                 f"{st['compute_goodput']:.3f}", f"{st['token_goodput']:.3f}")
+    learners = Table(title="learners")
+    for col in ("learner", "state", "step", "incarnation", "tokens", "merged", "late", "rejected", "goodput"):
+        learners.add_column(col, justify="right" if col not in ("learner", "state") else "left")
+    for lid, info in sorted(st["learners"].items()):
+        c = info.get("contributions", {})
+        learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", str(info["step"]), str(info["incarnation"]),
+                         str(info["tokens_processed"]), str(c.get("merged", 0)), str(c.get("late", 0)),
+                         str(c.get("rejected", 0)), f"{info['compute_goodput']:.3f}")
+    rounds = Table(title="open rounds")
+    for col in ("fragment", "round", "stage", "announced", "verified"):
+        rounds.add_column(col)
+    for r in st.get("rounds", []):
+        rounds.add_row(str(r["fragment"]), str(r["round"]), r["stage"], ", ".join(r["announced"]), ", ".join(r["verified"]))
+    versions = ", ".join(f"p{p}: v{v}" for p, v in sorted(st["versions"].items(), key=lambda kv: int(kv[0])))
+    return Group(head, learners, rounds, f"versions  {versions}")
+
+
+def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
+    console = Console()
+    try:
+        st = fetch_status(url)
+    except OSError as err:
+        console.print(f"[red]error:[/red] no answer from {url}/status ({err})")
+        return 2
+    if not watch:
+        console.print(render_status(st))
+        return 0
+    with Live(render_status(st), console=console, refresh_per_second=4) as live:
+        while not st.get("finished"):
+            time.sleep(interval_s)
+            try:
+                st = fetch_status(url)
+            except OSError:
+                console.print("synchronizer gone")
+                return 0
+            live.update(render_status(st))
+    return 0
