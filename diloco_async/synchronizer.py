@@ -803,7 +803,10 @@ class Synchronizer:
             off = fragment_offset(f.p, len(self.fragments), self.sc.sync_every)
             queued = any(q == f.p for q, _ in self.due)
             if not f.busy and not queued and g >= round_due_step(off, f.next_round, self.sc.sync_every):
-                self.due.append((f.p, f.next_round))
+                # If the learners ran ahead (slow merges, a resume), open the newest due round
+                # instead of replaying every missed one H steps apart in quick succession.
+                newest_due = max(f.next_round, (g - off) // self.sc.sync_every)
+                self.due.append((f.p, newest_due))
         self.due.sort(key=lambda pn: (round_due_step(fragment_offset(pn[0], len(self.fragments), self.sc.sync_every),
                                                       pn[1], self.sc.sync_every), pn[0]))
         while self.due and len(self.rounds) < self.sc.max_open_rounds:
