@@ -66,6 +66,7 @@ class MlflowSink:
         self.run_id: Optional[str] = None
         self.errors = 0
         self._last_step: dict[str, int] = {}
+        self.children: dict[str, str] = {}  # learner id -> nested MLflow run id
 
     def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
@@ -74,6 +75,21 @@ class MlflowSink:
         for i in range(0, len(items), 100):
             self._call(self.client.log_batch, self.run_id, params=items[i:i + 100])
         return self.run_id
+
+    def start_children(self, learner_ids: Iterable[str]) -> None:
+        """One nested run per learner (``mlflow.parentRunId``); learner metrics go there too, without
+        the ``learner/<id>/`` prefix. Existing children (after a resume) are reused."""
+        assert self.run_id is not None, "start() or resume() first"
+        existing = {r.data.tags.get("diloco.learner_id"): r.info.run_id for r in self.client.search_runs(
+            [self.experiment_id], f"tags.`mlflow.parentRunId` = '{self.run_id}'")}
+        for lid in learner_ids:
+            if lid in existing:
+                self.children[lid] = existing[lid]
+                self._call(self.client.update_run, existing[lid], status="RUNNING")
+                continue
+            run = self.client.create_run(self.experiment_id, run_name=lid, tags={
+                "mlflow.parentRunId": self.run_id, "diloco.learner_id": lid})
+            self.children[lid] = run.info.run_id
 
     def resume(self, diloco_run_id: str) -> bool:
         """Log into the existing MLflow run of a resumed training run (found by its
@@ -107,6 +123,7 @@ class MlflowSink:
         """Log metric points ``{key, value, step, timestamp_ms}``; non-finite values are skipped.
         Returns how many were logged."""
         metrics = []
+        per_child: dict[str, list[Metric]] = {}
         for pt in points:
             value = float(pt["value"])
             if not math.isfinite(value):
@@ -114,9 +131,16 @@ class MlflowSink:
             last = self._last_step.get(pt["key"])
             if last is not None and int(pt["step"]) <= last:
                 continue  # already logged by the run before the resume
-            metrics.append(Metric(pt["key"], value, int(pt["timestamp_ms"]), int(pt["step"])))
+            metric = Metric(pt["key"], value, int(pt["timestamp_ms"]), int(pt["step"]))
+            metrics.append(metric)
+            parts = pt["key"].split("/", 2)
+            if len(parts) == 3 and parts[0] == "learner" and parts[1] in self.children:
+                per_child.setdefault(parts[1], []).append(Metric(parts[2], value, metric.timestamp, metric.step))
         for i in range(0, len(metrics), 1000):
             self._call(self.client.log_batch, self.run_id, metrics=metrics[i:i + 1000])
+        for lid, items in per_child.items():
+            for i in range(0, len(items), 1000):
+                self._call(self.client.log_batch, self.children[lid], metrics=items[i:i + 1000])
         return len(metrics)
 
     def log_metric(self, key: str, value: float, step: int = 0) -> None:
@@ -129,5 +153,7 @@ class MlflowSink:
         self._call(self.client.log_dict, self.run_id, obj, name)
 
     def end(self, status: str = "FINISHED") -> None:
+        for child in self.children.values():
+            self._call(self.client.set_terminated, child, status)
         if self.run_id is not None:
             self._call(self.client.set_terminated, self.run_id, status)

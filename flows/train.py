@@ -194,6 +194,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     cfg = run.cfg
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 110)
     t0 = time.monotonic()
+    sink.start_children(f"learner-{i}" for i in range(cfg.learners.count))
     url = run.start_synchronizer()
     logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
     for i in range(cfg.learners.count):

@@ -40,6 +40,10 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     missing = EXPECTED_METRICS - set(run.data.metrics)
     assert not missing, f"metrics missing from MLflow: {sorted(missing)}"
     assert run.data.params["learners.count"] == "2"
+    children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert sorted(c.data.tags["diloco.learner_id"] for c in children) == ["learner-0", "learner-1"]
+    assert all({"train_loss", "tokens_per_s", "step_time_s"} <= set(c.data.metrics) for c in children)
+    assert all(c.info.status == "FINISHED" for c in children)
     assert "storage_options" not in " ".join(run.data.params)
     history = client.get_metric_history(run.info.run_id, "eval/loss")
     assert [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1] == round(summary["eval_loss_final"], 4)
@@ -81,6 +85,9 @@ def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):
     assert again["eval_loss_final"] < first["eval_loss_initial"]
     client = MlflowClient(uri)
     assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
+    exp = client.get_run(first["mlflow_run_id"]).info.experiment_id
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{first['mlflow_run_id']}'")
+    assert len(children) == 2  # the resume reused the learners' nested runs
     for key in ("sync/merges", "sync/quorum_size", "net/bytes_in"):
         steps = [m.step for m in client.get_metric_history(first["mlflow_run_id"], key)]
         assert len(steps) == len(set(steps)), f"{key} has duplicate steps after resume"
