@@ -105,19 +105,24 @@ def _check_config(path: str | None, overrides: list[str]) -> bool:
     return True
 
 
-def _train(args: argparse.Namespace) -> int:
-    if not _check_config(args.config, args.set or []):
-        return 2
+def _run_flow(entry, *args, **kwargs) -> int:
+    """Run a flow entry point with the embedded defaults and the Ctrl-C behaviour."""
     _prepare_environment()
-    from flows.train import run_train_cli
-
     try:
-        code = run_train_cli(args.config, overrides=args.set or [])
+        code = entry(*args, **kwargs)
     except KeyboardInterrupt:
         code = 130
     if _INTERRUPTS:
         _stop_children_and_exit(130)
     return code
+
+
+def _train(args: argparse.Namespace) -> int:
+    if not _check_config(args.config, args.set or []):
+        return 2
+    from flows.train import run_train_cli
+
+    return _run_flow(run_train_cli, args.config, overrides=args.set or [])
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -132,16 +137,9 @@ def _resume(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    _prepare_environment()
     from flows.train import run_resume_cli
 
-    try:
-        code = run_resume_cli(args.checkpoint_url, args.config, overrides=args.set or [])
-    except KeyboardInterrupt:
-        code = 130
-    if _INTERRUPTS:
-        _stop_children_and_exit(130)
-    return code
+    return _run_flow(run_resume_cli, args.checkpoint_url, args.config, overrides=args.set or [])
 
 
 def _status(args: argparse.Namespace) -> int:
