@@ -570,10 +570,10 @@ class Synchronizer:
             contrib.delta = msg.delta
         rnd.state.settle(msg.learner, True)
 
-    def _merge_and_publish(self, f: _FragmentState, rnd: _Round, quorum_wait_s: float) -> _Merged:
+    def _merge_and_publish(self, f: _FragmentState, round_n: int, contribs: list[_Contribution],
+                           quorum_wait_s: float) -> _Merged:
         t0 = time.perf_counter()
-        p, n = f.p, rnd.state.round_n
-        contribs = [c for c in rnd.contributions.values() if c.delta is not None]
+        p, n = f.p, round_n
         weights = [token_weight(c.ann.c_tokens, c.ann.c_steps) for c in contribs]
         anchored = []
         for c in contribs:
@@ -604,7 +604,9 @@ class Synchronizer:
         while rnd.state.pending and self.clock() < deadline:
             await asyncio.sleep(0.01)
         try:
-            result = await asyncio.to_thread(self._merge_and_publish, f, rnd, quorum_wait_s)
+            # the contributions are fixed here, on the actor's loop: the worker thread gets its own list
+            contribs = [c for c in rnd.contributions.values() if c.delta is not None]
+            result = await asyncio.to_thread(self._merge_and_publish, f, rnd.state.round_n, contribs, quorum_wait_s)
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, rnd.state.round_n)
             result = _Merged(f.p, rnd.state.round_n, False, f"{type(err).__name__}: {err}")
