@@ -141,14 +141,12 @@ class Learner:
         self.epoch: Optional[str] = None  # the synchronizer's; a change means it restarted
         self.epoch_changed = threading.Event()
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._comms_thread = threading.Thread(target=self._comms_main, name=f"{learner_id}-comms", daemon=True)
 
     # ------------------------------------------------------------------ comms thread --------
 
     def _comms_main(self) -> None:
         loop = asyncio.new_event_loop()
-        self._loop = loop
         try:
             loop.run_until_complete(self._comms())
         finally:

@@ -206,6 +206,7 @@ class Synchronizer:
         self.resumed_from: Optional[int] = None
         self._checkpoint_waiters: list[asyncio.Future] = []
         self._checkpoint_seq = 0
+        self.last_checkpoint_seq: Optional[int] = None  # newest checkpoint this process wrote
         self._checkpoint_in_flight = False
         self._gc_in_flight = False
         self._merges_at_checkpoint = -1
@@ -920,6 +921,7 @@ class Synchronizer:
             "bytes_in": self.counters["bytes_in"],
             "bytes_out": self.counters["bytes_out"],
             "checkpoints": self.counters["checkpoints"],
+            "last_checkpoint_seq": self.last_checkpoint_seq,
             "global_step": self._g,
             "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                                **self.ledgers[lid].to_json(),
