@@ -1,0 +1,8 @@
+"""Baselines measured in the same harness as Decoupled DiLoCo (DESIGN §8).
+
+* :mod:`diloco_async.baselines.ddp`: one rank of synchronous data-parallel training
+  (``torch.distributed``, gloo, gradients all-reduced every step, ``torchrun``-style
+  checkpoints) and the helpers that read its checkpoints back.
+* :mod:`diloco_async.baselines.ddp_group`: :class:`DdpGroup`, which starts, signals and stops
+  the M rank processes of one incarnation.
+"""

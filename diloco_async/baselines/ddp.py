@@ -1,0 +1,439 @@
+"""Data-parallel baseline (DESIGN §8): one rank of synchronous training with ``torch.distributed``.
+
+Run one process per rank::
+
+    python -m diloco_async.baselines.ddp --rank R --world-size M --master-port PORT --run-id ID \\
+        --store URL --timeline PATH --incarnation I [--config FILE] [--set section.field=value ...] \\
+        [--speed F] [--jitter J] [--checkpoint-every-steps N] [--stop-at-unix T] [--max-steps N] \\
+        [--gloo-timeout-s S] [--init-timeout-s S]
+
+Rank r trains the same model (:class:`~diloco_async.model.ByteGPT`, ``cfg.model``) on the same
+data shard as learner r (``Corpus.shard(r, M)``, windows drawn by ``Corpus.sample``), with the
+learners' AdamW settings (``learners.lr``, ``weight_decay``, ``warmup_steps``, ``grad_clip``) and
+batch size per rank (``learners.batch_size``). One step: sample, forward, backward, sleep to
+emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``), all-reduce the averaged
+gradients (one flat fp32 buffer whose last element is the stop flag), clip, AdamW step.
+
+Checkpoints are ``torchrun``-style: every ``--checkpoint-every-steps`` steps rank 0 writes the
+parameters, the AdamW state, the step and the tokens committed under
+``{run_id}/ddp/checkpoints/{seq:08d}/`` (``storage.checkpoint.write_state``: state file, then the
+manifest that names its digest). At start every rank loads the newest verified checkpoint, or
+starts from the seeded model of ``synchronizer.initial_parameters`` (the same Θ^0 as the DiLoCo
+runs). Work done since the last checkpoint is lost when any rank fails: the caller kills the whole
+group and starts the next incarnation (:class:`~diloco_async.baselines.ddp_group.DdpGroup`).
+
+Stopping: SIGTERM, ``--stop-at-unix`` or ``--max-steps``. A stop request travels with the next
+gradient all-reduce, so every rank stops after the same step; rank 0 then writes a final
+checkpoint (unless one exists for that step) and every rank exits 0. A lost peer (gloo error or
+timeout) makes a rank exit with code 4 at once; a failed rendezvous exits with code 5.
+
+Timeline (one JSON object per line, appended to ``--timeline``, flushed per line; every line also
+carries ``rank`` and ``incarnation``; times are unix seconds):
+
+* ``{"kind": "start", "t": <process start>, "incarnation": I}``
+* ``{"kind": "ready", "t": ..., "step": <restored step>}`` just before the first step
+* ``{"kind": "step", "t0": ..., "t1": ..., "wait_s": <s in the all-reduce>, "step": <global step
+  after it>, "tokens": <batch*context of this rank>, "loss": <local train loss, nats/byte>}``
+* ``{"kind": "checkpoint", "t": <commit time>, "step": s, "tokens_committed": n, "dur_s": ...,
+  "key": <manifest key>}`` (rank 0 only); ``checkpoint_failed`` with ``error`` if a write failed
+* ``{"kind": "stopped", "t": ..., "step": s, "reason": "signal"|"stop_at"|"max_steps",
+  "param_sha256": ...}``
+* ``{"kind": "error", "t": ..., "step": s, "error": "..."}`` before a non-zero exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from diloco_async.config import Config, config_hash, load_config
+from diloco_async.data import Corpus, corpus_urls, load_corpus
+from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.learner import STORAGE_OPTIONS_ENV, process_uptime_s
+from diloco_async.model import ByteGPT
+from diloco_async.synchronizer import initial_parameters
+from storage.checkpoint import latest_state, list_state_seqs, load_state, write_state
+from storage.store import ObjectStore
+
+__all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "DdpCheckpointInfo", "checkpoint_prefix",
+           "data_generator", "emulated_delay_s", "tokens_per_step", "param_sha256", "ddp_checkpoints",
+           "select_checkpoint", "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
+
+log = logging.getLogger("diloco.ddp")
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_PEER_LOST = 4
+EXIT_RENDEZVOUS = 5
+
+
+# ------------------------------------------------------------------ pure helpers -------------
+
+def checkpoint_prefix(run_id: str) -> str:
+    """Store prefix of the data-parallel checkpoints of a run: ``{run_id}/ddp/checkpoints``."""
+    return f"{run_id}/ddp/checkpoints"
+
+
+def data_generator(seed: int, rank: int, incarnation: int) -> torch.Generator:
+    """The window sampler's generator of rank ``rank``: seeded exactly like learner ``rank``'s
+    (``diloco_async.learner.Learner.run``), so both draw the same windows of the same shard."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + incarnation)
+
+
+def emulated_delay_s(dt_s: float, speed: float, jitter: float, rng: random.Random) -> float:
+    """Extra seconds a step of compute time ``dt_s`` sleeps on hardware of relative ``speed``.
+
+    ``dt_s * (1/speed - 1) + dt_s * jitter * |N(0, 1)|``, never negative (a speed above 1 cannot
+    make a step faster than the real compute). ``rng`` is drawn once per call, also when
+    ``jitter`` is 0, so a schedule does not depend on whether jitter is on.
+
+    Raises:
+        ValueError: ``speed`` <= 0 or ``jitter`` < 0.
+    """
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    if jitter < 0:
+        raise ValueError(f"jitter must be >= 0, got {jitter}")
+    noise = abs(rng.gauss(0.0, 1.0))
+    return max(0.0, dt_s * (1.0 / speed - 1.0)) + dt_s * jitter * noise
+
+
+def tokens_per_step(world_size: int, batch_size: int, context: int) -> int:
+    """Tokens one step of the whole group commits: ``M * batch * context``."""
+    return world_size * batch_size * context
+
+
+def param_sha256(params: Mapping[str, torch.Tensor]) -> str:
+    """sha256 (hex) of the parameters' bytes, in sorted name order (equal models, equal digests)."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class DdpCheckpointInfo(NamedTuple):
+    """One committed data-parallel checkpoint: ``step`` (group steps done), ``tokens_committed``
+    (tokens of all ranks in those steps), ``wall_unix`` (commit time, unix s), ``key`` (its
+    manifest's key in the store)."""
+
+    step: int
+    tokens_committed: int
+    wall_unix: float
+    key: str
+
+
+def select_checkpoint(checkpoints: list[DdpCheckpointInfo], *, max_tokens: Optional[int] = None,
+                      max_wall_unix: Optional[float] = None) -> Optional[DdpCheckpointInfo]:
+    """The newest checkpoint with ``tokens_committed <= max_tokens`` and ``wall_unix <=
+    max_wall_unix`` (a bound left None does not apply), or None when none qualifies."""
+    ok = [c for c in checkpoints
+          if (max_tokens is None or c.tokens_committed <= max_tokens)
+          and (max_wall_unix is None or c.wall_unix <= max_wall_unix)]
+    return max(ok, key=lambda c: (c.step, c.wall_unix), default=None)
+
+
+# ------------------------------------------------------------------ reading checkpoints ------
+
+def ddp_checkpoints(store: ObjectStore, run_id: str) -> list[DdpCheckpointInfo]:
+    """The committed (manifest present) data-parallel checkpoints of a run, by step ascending.
+
+    Only manifests are read: the state files are verified when loaded (:func:`load_ddp_params`).
+    """
+    prefix = checkpoint_prefix(run_id)
+    out = []
+    for seq in list_state_seqs(store, prefix):
+        key = f"{prefix}/{seq:08d}/manifest.json"
+        try:
+            m = store.get_json(key)
+        except FileNotFoundError:
+            continue
+        out.append(DdpCheckpointInfo(int(m["step"]), int(m["tokens_committed"]), float(m["wall_unix"]), key))
+    return sorted(out, key=lambda c: (c.step, c.wall_unix))
+
+
+def _split_manifest_key(key: str) -> tuple[str, int]:
+    parts = key.rstrip("/").split("/")
+    if parts[-1] == "manifest.json":
+        parts = parts[:-1]
+    if not parts[-1].isdigit():
+        raise ValueError(f"{key!r} names no checkpoint (expected .../{{seq:08d}}[/manifest.json])")
+    return "/".join(parts[:-1]), int(parts[-1])
+
+
+def load_ddp_params(store: ObjectStore, key: str | DdpCheckpointInfo) -> dict[str, torch.Tensor]:
+    """The parameters (name -> fp32 tensor, ``model.named_parameters()`` names) of one checkpoint.
+
+    Args:
+        key: a manifest key as listed by :func:`ddp_checkpoints` (or the info itself).
+
+    Raises:
+        FileNotFoundError: no manifest under the key.
+        storage.store.IntegrityError: the state file does not verify.
+        ValueError: the key names no checkpoint.
+    """
+    prefix, seq = _split_manifest_key(key.key if isinstance(key, DdpCheckpointInfo) else key)
+    ck = load_state(store, prefix, seq)
+    return {k[len("param/"):]: t for k, t in ck.tensors.items() if k.startswith("param/")}
+
+
+def _model_from(cfg: Config, params: Mapping[str, torch.Tensor]) -> ByteGPT:
+    model = ByteGPT(cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = params.get(name)
+            if value is None or value.shape != p.shape:
+                raise ValueError(f"checkpoint lacks parameter {name} of shape {tuple(p.shape)}")
+            p.copy_(value)
+    return model
+
+
+def load_ddp_model(cfg: Config, store: ObjectStore, key: str | DdpCheckpointInfo) -> ByteGPT:
+    """A :class:`ByteGPT` of ``cfg.model`` holding the parameters of one checkpoint.
+
+    Raises:
+        FileNotFoundError, storage.store.IntegrityError: see :func:`load_ddp_params`.
+        ValueError: the checkpoint does not fit ``cfg.model``.
+    """
+    return _model_from(cfg, load_ddp_params(store, key))
+
+
+def load_final_ddp_model(cfg: Config, store: ObjectStore, run_id: str) -> ByteGPT:
+    """The model of the newest verified data-parallel checkpoint of a run.
+
+    Raises:
+        FileNotFoundError: the run has no verified data-parallel checkpoint.
+        ValueError: the checkpoint does not fit ``cfg.model``.
+    """
+    ck = latest_state(store, checkpoint_prefix(run_id))
+    if ck is None:
+        raise FileNotFoundError(f"no verified data-parallel checkpoint under {checkpoint_prefix(run_id)}")
+    return _model_from(cfg, {k[len("param/"):]: t for k, t in ck.tensors.items() if k.startswith("param/")})
+
+
+# ------------------------------------------------------------------ the rank process ---------
+
+class _Timeline:
+    """Append-only JSON-lines file of one rank; each line flushed as written."""
+
+    def __init__(self, path: str | os.PathLike, rank: int, incarnation: int) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "a", buffering=1)
+        self.extra = {"rank": rank, "incarnation": incarnation}
+
+    def write(self, kind: str, **fields: Any) -> None:
+        self.fh.write(json.dumps({"kind": kind, **fields, **self.extra}) + "\n")
+        self.fh.flush()
+
+
+class _Stop:
+    """Why this rank wants to stop (set by the SIGTERM handler or the clock)."""
+
+    reason: Optional[str] = None
+
+
+class _Rank:
+    def __init__(self, args: argparse.Namespace, cfg: Config, timeline: _Timeline, stop: _Stop) -> None:
+        self.args = args
+        self.cfg = cfg
+        self.timeline = timeline
+        self.stop = stop
+        self.rank = args.rank
+        self.world = args.world_size
+        self.step = 0
+
+    def fail(self, what: str, err: BaseException, code: int) -> None:
+        """Log and leave at once: after a lost peer, gloo teardown may block."""
+        msg = f"{what}: {type(err).__name__}: {err}"
+        log.error("rank %d %s", self.rank, msg)
+        self.timeline.write("error", t=time.time(), step=self.step, error=msg[:2000])
+        sys.stderr.flush()
+        os._exit(code)
+
+    def run(self) -> int:
+        a, cfg, lc = self.args, self.cfg, self.cfg.learners
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the master is on loopback
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=self.rank,
+                                    world_size=self.world,
+                                    timeout=datetime.timedelta(seconds=a.init_timeout_s))
+            # Collectives run in a group with the short timeout: a lost peer ends this rank quickly.
+            pg = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=a.gloo_timeout_s),
+                                backend="gloo")
+        except Exception as err:  # rendezvous failed: a peer or the master never came
+            self.fail("rendezvous failed", err, EXIT_RENDEZVOUS)
+        store = ObjectStore(a.store, json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}")))
+        prefix = checkpoint_prefix(a.run_id)
+
+        params0, _ = initial_parameters(cfg)
+        model = _model_from(cfg, params0)
+        params = dict(model.named_parameters())
+        plist = list(params.values())
+        opt = torch.optim.AdamW(plist, lr=lc.lr, weight_decay=lc.weight_decay)
+        per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context)
+        saved = latest_state(store, prefix)
+        tokens_committed = 0
+        if saved is not None:
+            self.step = restore(InnerState(saved.tensors, saved.manifest["inner"]), params, opt,
+                                torch.Generator())[0]
+            tokens_committed = int(saved.manifest["tokens_committed"])
+            log.info("rank %d restored checkpoint %d (step %d)", self.rank, saved.seq, self.step)
+        last_ckpt_step = self.step
+        next_seq = max(list_state_seqs(store, prefix), default=0) + 1 if self.rank == 0 else 0
+        agree = torch.tensor([float(self.step), -float(self.step)], dtype=torch.float64)
+        try:
+            dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=pg)
+        except Exception as err:
+            self.fail("lost a peer", err, EXIT_PEER_LOST)
+        if agree[0].item() != -agree[1].item():
+            self.fail("ranks restored different steps", RuntimeError(f"{-agree[1].item()}..{agree[0].item()}"),
+                      EXIT_PEER_LOST)
+
+        corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+        shard = corpus.shard(self.rank, self.world)
+        gen = data_generator(cfg.run.seed, self.rank, a.incarnation)
+        jitter_rng = random.Random(f"ddp-jitter/{cfg.run.seed}/{self.rank}/{a.incarnation}")
+        numels = [p.numel() for p in plist]
+        chash = config_hash(cfg)
+
+        def checkpoint() -> None:
+            nonlocal next_seq, last_ckpt_step
+            c0 = time.time()
+            state = capture(params, opt, gen, step=self.step, base_tensors={}, base_versions={}, counters={})
+            manifest = {"kind": "ddp", "step": self.step, "tokens_committed": tokens_committed,
+                        "wall_unix": time.time(), "world_size": self.world, "incarnation": a.incarnation,
+                        "batch_size": lc.batch_size, "context": cfg.model.context, "config_hash": chash,
+                        "param_sha256": param_sha256(params), "inner": state.meta}
+            try:
+                ref = write_state(store, prefix, next_seq, state.tensors, manifest)
+            except Exception as err:  # training goes on; the next period tries again
+                log.warning("rank 0 could not write checkpoint %d: %s", next_seq, err)
+                self.timeline.write("checkpoint_failed", t=time.time(), step=self.step,
+                                    error=f"{type(err).__name__}: {err}"[:2000])
+                next_seq += 1
+                return
+            next_seq += 1
+            last_ckpt_step = self.step
+            self.timeline.write("checkpoint", t=time.time(), step=self.step, tokens_committed=tokens_committed,
+                                dur_s=time.time() - c0, key=ref.key)
+
+        log.info("rank %d/%d ready at step %d: shard of %d bytes, %d parameters", self.rank, self.world,
+                 self.step, len(shard), sum(numels))
+        self.timeline.write("ready", t=time.time(), step=self.step)
+        reason: Optional[str] = None
+        while True:
+            if a.max_steps is not None and self.step >= a.max_steps:
+                reason = "max_steps"  # every rank has the same step: no agreement needed
+                break
+            if a.stop_at_unix is not None and self.stop.reason is None and time.time() >= a.stop_at_unix:
+                self.stop.reason = "stop_at"
+            t0 = time.time()
+            c0 = time.perf_counter()
+            x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, gen)
+            lr = lc.lr * min(1.0, (self.step + 1) / max(1, lc.warmup_steps))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = model.loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            delay = emulated_delay_s(time.perf_counter() - c0, a.speed, a.jitter, jitter_rng)
+            if delay > 0:
+                time.sleep(delay)
+            flag = torch.tensor([1.0 if self.stop.reason else 0.0])
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in plist]
+                             + [flag])
+            w0 = time.perf_counter()
+            try:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+            except Exception as err:
+                self.fail("lost a peer", err, EXIT_PEER_LOST)
+            wait_s = time.perf_counter() - w0
+            stop_now = flat[-1].item() > 0
+            flat = flat[:-1].div_(self.world)
+            with torch.no_grad():
+                for p, g in zip(plist, flat.split(numels)):
+                    p.grad = g.view_as(p)
+            torch.nn.utils.clip_grad_norm_(plist, lc.grad_clip)
+            opt.step()
+            self.step += 1
+            tokens_committed += per_step
+            self.timeline.write("step", t0=t0, t1=time.time(), wait_s=wait_s, step=self.step,
+                                tokens=lc.batch_size * cfg.model.context, loss=float(loss.detach()))
+            if self.rank == 0 and a.checkpoint_every_steps > 0 and self.step % a.checkpoint_every_steps == 0:
+                checkpoint()
+            if stop_now:
+                reason = self.stop.reason or "signal"  # a peer asked; its reason is not carried
+                break
+        if self.rank == 0 and last_ckpt_step != self.step:
+            checkpoint()
+        self.timeline.write("stopped", t=time.time(), step=self.step, reason=reason,
+                            param_sha256=param_sha256(params))
+        log.info("rank %d stopped at step %d (%s)", self.rank, self.step, reason)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer that already left: nothing to tear down with it
+            pass
+        return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m diloco_async.baselines.ddp",
+                                 description="One rank of the data-parallel baseline (gloo, torchrun-style restarts).")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True, help="M, the number of ranks")
+    ap.add_argument("--master-port", type=int, required=True, help="rank 0 listens on 127.0.0.1:PORT")
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--store", required=True, help="object store root URL")
+    ap.add_argument("--timeline", required=True, help="JSON-lines file this rank appends to")
+    ap.add_argument("--incarnation", type=int, default=0, help="restart count of the group")
+    ap.add_argument("--config", default=None, help="TOML recipe (defaults when omitted)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--speed", type=float, default=1.0, help="relative hardware speed (0.5: half speed)")
+    ap.add_argument("--jitter", type=float, default=0.0, help="per-step jitter, fraction of the step time")
+    ap.add_argument("--checkpoint-every-steps", type=int, default=0, help="0: only the final checkpoint")
+    ap.add_argument("--stop-at-unix", type=float, default=None, help="stop (all ranks) at this unix time")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop when the group step reaches this")
+    ap.add_argument("--gloo-timeout-s", type=float, default=30.0, help="timeout of one collective")
+    ap.add_argument("--init-timeout-s", type=float, default=120.0, help="timeout of the rendezvous")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s ddp rank {args.rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    timeline = _Timeline(args.timeline, args.rank, args.incarnation)
+    timeline.write("start", t=time.time() - process_uptime_s(), incarnation=args.incarnation)
+    stop = _Stop()
+
+    def on_term(signum: int, frame: Any) -> None:
+        stop.reason = stop.reason or "signal"
+
+    signal.signal(signal.SIGTERM, on_term)
+    if not 0 <= args.rank < args.world_size or args.speed <= 0 or args.jitter < 0:
+        print("error: need 0 <= rank < world-size, speed > 0, jitter >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        cfg = load_config(args.config, args.set)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return _Rank(args, cfg, timeline, stop).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Start, signal and stop the M rank processes of the data-parallel baseline.
+
+:class:`DdpGroup` runs one incarnation at a time: ``start(i)`` launches the ranks of incarnation
+``i`` (a fresh rendezvous port each time) through :class:`flows.launcher.LocalProcessLauncher`,
+each rank in its own process group. ``torchrun`` semantics are the caller's: when any rank dies,
+kill the rest (:meth:`DdpGroup.kill_all`), wait until every slot is available again, then
+``start(i + 1)``; the new incarnation resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from flows.launcher import LocalProcess, LocalProcessLauncher
+
+__all__ = ["DdpGroup", "free_port"]
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"  # read by the rank (diloco_async.learner.STORAGE_OPTIONS_ENV)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DdpGroup:
+    """The rank processes of one data-parallel run.
+
+    Args:
+        config: TOML recipe path, or None for the defaults.
+        overrides: ``section.field=value`` strings applied on top (``--set``).
+        world_size: M, the number of ranks.
+        run_id: checkpoints go to ``{store}/{run_id}/ddp/checkpoints/``.
+        store: object store root URL (absolute ``file://`` paths recommended: the ranks run in
+            this process's working directory).
+        workdir: ``timeline/ddp-rank-{r}.jsonl`` (appended over incarnations) and ``logs/`` go here.
+        speeds: relative speed per rank (len M; None: all 1.0).
+        jitter: per-step jitter as a fraction of the step time.
+        checkpoint_every_steps: rank 0 checkpoints every this many steps (0: only at the stop).
+        stop_at_unix: every rank stops at this unix time (None: on SIGTERM or ``max_steps`` only).
+        max_steps: the group stops when its step reaches this (None: no limit).
+        gloo_timeout_s: timeout of one collective; a rank whose peer is gone exits after at most this.
+        init_timeout_s: timeout of the rendezvous.
+        storage_options: fsspec options of the store (passed in the environment, never on the command line).
+        env: extra environment of the ranks.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or ``speeds`` of another length.
+    """
+
+    def __init__(self, config: Optional[str | os.PathLike], overrides: Sequence[str], world_size: int, run_id: str,
+                 store: str, workdir: str | os.PathLike, speeds: Optional[Sequence[float]] = None,
+                 jitter: float = 0.0, checkpoint_every_steps: int = 0, stop_at_unix: Optional[float] = None,
+                 max_steps: Optional[int] = None, gloo_timeout_s: float = 30.0, init_timeout_s: float = 120.0,
+                 storage_options: Optional[dict[str, Any]] = None, env: Optional[dict[str, str]] = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        speeds = list(speeds) if speeds is not None else [1.0] * world_size
+        if len(speeds) != world_size:
+            raise ValueError(f"speeds has {len(speeds)} entries for {world_size} ranks")
+        self.config = str(Path(config).resolve()) if config is not None else None
+        self.overrides = list(overrides)
+        self.world_size = world_size
+        self.run_id = run_id
+        self.store = store
+        self.workdir = Path(workdir)
+        self.speeds = speeds
+        self.jitter = jitter
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.stop_at_unix = stop_at_unix
+        self.max_steps = max_steps
+        self.gloo_timeout_s = gloo_timeout_s
+        self.init_timeout_s = init_timeout_s
+        self.launcher = LocalProcessLauncher(self.workdir / "logs")
+        pythonpath = os.pathsep.join(p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {"PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo",
+                    _STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
+        self.handles: dict[int, LocalProcess] = {}
+        self.incarnation: Optional[int] = None
+        self.port: Optional[int] = None
+
+    def timeline_path(self, rank: int) -> Path:
+        """``workdir/timeline/ddp-rank-{rank}.jsonl``."""
+        return self.workdir / "timeline" / f"ddp-rank-{rank}.jsonl"
+
+    def argv(self, rank: int, incarnation: int, port: int) -> list[str]:
+        """The command line (after the interpreter) of one rank."""
+        argv = ["-m", "diloco_async.baselines.ddp", "--rank", str(rank), "--world-size", str(self.world_size),
+                "--master-port", str(port), "--run-id", self.run_id, "--store", self.store,
+                "--timeline", str(self.timeline_path(rank)), "--incarnation", str(incarnation),
+                "--speed", repr(float(self.speeds[rank])), "--jitter", repr(float(self.jitter)),
+                "--checkpoint-every-steps", str(self.checkpoint_every_steps),
+                "--gloo-timeout-s", repr(float(self.gloo_timeout_s)),
+                "--init-timeout-s", repr(float(self.init_timeout_s))]
+        if self.config is not None:
+            argv += ["--config", self.config]
+        for item in self.overrides:
+            argv += ["--set", item]
+        if self.stop_at_unix is not None:
+            argv += ["--stop-at-unix", repr(float(self.stop_at_unix))]
+        if self.max_steps is not None:
+            argv += ["--max-steps", str(self.max_steps)]
+        return argv
+
+    def start(self, incarnation: int) -> None:
+        """Launch the M ranks of ``incarnation`` on a fresh rendezvous port.
+
+        Raises:
+            RuntimeError: a rank of the previous incarnation is still running.
+        """
+        running = [r for r, code in self.poll().items() if code is None]
+        if running:
+            raise RuntimeError(f"ranks {running} of incarnation {self.incarnation} are still running")
+        self.timeline_path(0).parent.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.handles = {r: self.launcher.start(f"ddp-rank-{r}", self.argv(r, incarnation, port), self.env)
+                        for r in range(self.world_size)}
+        self.incarnation, self.port = incarnation, port
+
+    def poll(self) -> dict[int, Optional[int]]:
+        """rank -> exit code, or None while it runs (empty before the first start)."""
+        return {r: h.poll() for r, h in self.handles.items()}
+
+    def _signal(self, rank: int, sig: int) -> None:
+        h = self.handles[rank]
+        if h.poll() is None:
+            try:
+                os.killpg(h.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL one rank's process group and reap it. Raises KeyError: no such rank started."""
+        self.handles[rank].kill()
+
+    def kill_all(self) -> None:
+        """SIGKILL every rank's process group (stopped ones too) and reap them."""
+        for h in self.handles.values():
+            h.kill()
+
+    def stop_rank(self, rank: int) -> None:
+        """Freeze one rank (SIGSTOP to its process group); its peers time out after ``gloo_timeout_s``."""
+        self._signal(rank, signal.SIGSTOP)
+
+    def cont_rank(self, rank: int) -> None:
+        """Resume a frozen rank (SIGCONT to its process group)."""
+        self._signal(rank, signal.SIGCONT)
+
+    def terminate_all(self, grace_s: float = 30.0) -> dict[int, Optional[int]]:
+        """SIGTERM every rank (all stop after the same step; rank 0 writes a final checkpoint), wait
+        up to ``grace_s`` in all, SIGKILL what is left. Returns rank -> exit code."""
+        for r in self.handles:
+            self._signal(r, signal.SIGCONT)  # a frozen rank could not act on SIGTERM
+            self._signal(r, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for h in self.handles.values():
+            h.terminate(grace_s=max(0.0, deadline - time.monotonic()))
+        return self.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> dict[int, Optional[int]]:
+        """Wait until every rank has exited or ``timeout`` seconds have passed (None: forever).
+        Returns rank -> exit code, None for a rank still running."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(code is None for code in self.poll().values()):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return self.poll()
+
+    def wait_any_exit(self, timeout: Optional[float] = None) -> Optional[int]:
+        """The first rank seen exited (lowest rank among those exited), or None after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            exited = [r for r, code in self.poll().items() if code is not None]
+            if exited:
+                return exited[0]
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
