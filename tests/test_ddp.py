@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from diloco_async.baselines.ddp import (DdpCheckpointInfo, _split_manifest_key, checkpoint_prefix, data_generator,
-                                        ddp_checkpoints, emulated_delay_s, load_ddp_model, load_ddp_params,
-                                        load_final_ddp_model, param_sha256, select_checkpoint, tokens_per_step)
+                                        ddp_checkpoints, emulated_delay_s, jitter_random, load_ddp_model,
+                                        load_ddp_params, load_final_ddp_model, param_sha256, rank_jitter, rank_speed,
+                                        select_checkpoint, tokens_per_step)
 from diloco_async.baselines.ddp_group import DdpGroup
 from diloco_async.config import load_config
 from diloco_async.model import evaluate_loss
@@ -39,6 +40,18 @@ def test_emulated_delay():
         emulated_delay_s(0.1, 0.0, 0.0, rng)
     with pytest.raises(ValueError):
         emulated_delay_s(0.1, 1.0, -1.0, rng)
+
+
+def test_speed_and_jitter_defaults_come_from_the_config():
+    cfg = load_config(None, TINY)
+    assert rank_speed(cfg, 1, None) == 1.0 and rank_speed(cfg, 1, 0.25) == 0.25
+    assert rank_jitter(cfg, None) == 0.0 and rank_jitter(cfg, 0.3) == 0.3
+    if "speed_factors" in type(cfg.learners).model_fields:  # chaos fields of the learner config
+        cfg2 = load_config(None, TINY + ["learners.speed_factors=[1.0, 0.5]", "learners.step_jitter=0.2"])
+        assert rank_speed(cfg2, 1, None) == 0.5 and rank_speed(cfg2, 0, None) == 1.0
+        assert rank_jitter(cfg2, None) == 0.2
+    # the learners' jitter RNG (diloco_async.learner: seed * 65537 + index * 257 + incarnation)
+    assert jitter_random(3, 2, 1).random() == random.Random(3 * 65537 + 2 * 257 + 1).random()
 
 
 def test_select_checkpoint_and_helpers():
@@ -78,6 +91,9 @@ def test_group_argv_and_validation(tmp_path):
                  f"--timeline {tmp_path / 'timeline' / 'ddp-rank-1.jsonl'}"]:
         assert part in s, part
     assert "--config" not in argv
+    plain = DdpGroup("configs/default.toml", [], 2, "rid", "memory://x", tmp_path).argv(0, 0, 1)
+    assert "--speed" not in plain and "--jitter" not in plain and "--stop-at-unix" not in plain
+    assert plain[plain.index("--config") + 1] == str(Path("configs/default.toml").resolve())
     assert g.poll() == {}
     with pytest.raises(ValueError):
         DdpGroup(None, [], 2, "rid", "memory://x", tmp_path, speeds=[1.0])
@@ -167,10 +183,10 @@ def test_two_ranks_train_checkpoint_and_agree(tmp_path, group_factory):
 
 @pytest.mark.integration
 def test_kill_rank_then_restart_resumes_from_last_checkpoint(tmp_path, group_factory):
-    g = group_factory(checkpoint_every_steps=10, gloo_timeout_s=10.0, speeds=[1.0, 0.5])
+    g = group_factory(checkpoint_every_steps=5, gloo_timeout_s=10.0, speeds=[1.0, 0.5])
     store = ObjectStore(f"file://{tmp_path}/store")
     g.start(0)
-    wait_until(lambda: any(c.step >= 20 for c in ddp_checkpoints(store, "ddp-test")), 40, "checkpoint at step 20")
+    wait_until(lambda: any(c.step >= 10 for c in ddp_checkpoints(store, "ddp-test")), 40, "checkpoint at step 10")
     g.kill_rank(1)
     killed_at = time.monotonic()
     code = wait_until(lambda: g.poll()[0] is not None and (g.poll()[0],), 15, "rank 0 to exit")[0]
@@ -213,7 +229,7 @@ def test_kill_rank_then_restart_resumes_from_last_checkpoint(tmp_path, group_fac
 @pytest.mark.integration
 def test_stop_at_unix_and_sigterm_write_a_final_checkpoint(tmp_path, group_factory):
     # No periodic checkpoints: the only one is written at the stop.
-    g = group_factory(checkpoint_every_steps=0, stop_at_unix=time.time() + 8.0)
+    g = group_factory(checkpoint_every_steps=0, stop_at_unix=time.time() + 6.0)
     g.start(0)
     codes = g.wait(40)
     assert codes == {0: 0, 1: 0}, [h.log_path.read_text()[-2000:] for h in g.handles.values()]

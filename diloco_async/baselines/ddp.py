@@ -11,7 +11,9 @@ Rank r trains the same model (:class:`~diloco_async.model.ByteGPT`, ``cfg.model`
 data shard as learner r (``Corpus.shard(r, M)``, windows drawn by ``Corpus.sample``), with the
 learners' AdamW settings (``learners.lr``, ``weight_decay``, ``warmup_steps``, ``grad_clip``) and
 batch size per rank (``learners.batch_size``). One step: sample, forward, backward, sleep to
-emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``), all-reduce the averaged
+emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``; ``--speed``/``--jitter``
+default to ``learners.speed_factors[r]``/``learners.step_jitter``; the jitter RNG is seeded like
+learner r's), all-reduce the averaged
 gradients (one flat fp32 buffer whose last element is the stop flag), clip, AdamW step.
 
 Checkpoints are ``torchrun``-style: every ``--checkpoint-every-steps`` steps rank 0 writes the
@@ -69,7 +71,7 @@ from storage.checkpoint import latest_state, list_state_seqs, load_state, write_
 from storage.store import ObjectStore
 
 __all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "DdpCheckpointInfo", "checkpoint_prefix",
-           "data_generator", "emulated_delay_s", "tokens_per_step", "param_sha256", "ddp_checkpoints",
+           "data_generator", "jitter_random", "rank_speed", "rank_jitter", "emulated_delay_s", "tokens_per_step", "param_sha256", "ddp_checkpoints",
            "select_checkpoint", "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
 
 log = logging.getLogger("diloco.ddp")
@@ -91,6 +93,25 @@ def data_generator(seed: int, rank: int, incarnation: int) -> torch.Generator:
     """The window sampler's generator of rank ``rank``: seeded exactly like learner ``rank``'s
     (``diloco_async.learner.Learner.run``), so both draw the same windows of the same shard."""
     return torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + incarnation)
+
+
+def jitter_random(seed: int, rank: int, incarnation: int) -> random.Random:
+    """The per-step jitter RNG of rank ``rank``: seeded like learner ``rank``'s (one draw per step
+    there too), so a jitter schedule is the same for every method."""
+    return random.Random(seed * 65537 + rank * 257 + incarnation)
+
+
+def rank_speed(cfg: Config, rank: int, speed: Optional[float]) -> float:
+    """``speed`` when given, else ``learners.speed_factors[rank]`` of the config (1.0 when unset)."""
+    if speed is not None:
+        return float(speed)
+    factors = list(getattr(cfg.learners, "speed_factors", []) or [])
+    return float(factors[rank]) if rank < len(factors) else 1.0
+
+
+def rank_jitter(cfg: Config, jitter: Optional[float]) -> float:
+    """``jitter`` when given, else ``learners.step_jitter`` of the config (0.0 when unset)."""
+    return float(jitter) if jitter is not None else float(getattr(cfg.learners, "step_jitter", 0.0) or 0.0)
 
 
 def emulated_delay_s(dt_s: float, speed: float, jitter: float, rng: random.Random) -> float:
@@ -305,7 +326,8 @@ class _Rank:
         corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
         shard = corpus.shard(self.rank, self.world)
         gen = data_generator(cfg.run.seed, self.rank, a.incarnation)
-        jitter_rng = random.Random(f"ddp-jitter/{cfg.run.seed}/{self.rank}/{a.incarnation}")
+        jitter_rng = jitter_random(cfg.run.seed, self.rank, a.incarnation)
+        speed, jitter = rank_speed(cfg, self.rank, a.speed), rank_jitter(cfg, a.jitter)
         numels = [p.numel() for p in plist]
         chash = config_hash(cfg)
 
@@ -349,7 +371,7 @@ class _Rank:
             loss = model.loss(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            delay = emulated_delay_s(time.perf_counter() - c0, a.speed, a.jitter, jitter_rng)
+            delay = emulated_delay_s(time.perf_counter() - c0, speed, jitter, jitter_rng)
             if delay > 0:
                 time.sleep(delay)
             flag = torch.tensor([1.0 if self.stop.reason else 0.0])
@@ -377,6 +399,7 @@ class _Rank:
             if stop_now:
                 reason = self.stop.reason or "signal"  # a peer asked; its reason is not carried
                 break
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already; a late SIGTERM must not kill the exit
         if self.rank == 0 and last_ckpt_step != self.step:
             checkpoint()
         self.timeline.write("stopped", t=time.time(), step=self.step, reason=reason,
@@ -401,8 +424,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--incarnation", type=int, default=0, help="restart count of the group")
     ap.add_argument("--config", default=None, help="TOML recipe (defaults when omitted)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    ap.add_argument("--speed", type=float, default=1.0, help="relative hardware speed (0.5: half speed)")
-    ap.add_argument("--jitter", type=float, default=0.0, help="per-step jitter, fraction of the step time")
+    ap.add_argument("--speed", type=float, default=None,
+                    help="relative hardware speed (0.5: half speed); default learners.speed_factors[rank] or 1.0")
+    ap.add_argument("--jitter", type=float, default=None,
+                    help="per-step jitter, fraction of the step time; default learners.step_jitter or 0.0")
     ap.add_argument("--checkpoint-every-steps", type=int, default=0, help="0: only the final checkpoint")
     ap.add_argument("--stop-at-unix", type=float, default=None, help="stop (all ranks) at this unix time")
     ap.add_argument("--max-steps", type=int, default=None, help="stop when the group step reaches this")
@@ -424,13 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         stop.reason = stop.reason or "signal"
 
     signal.signal(signal.SIGTERM, on_term)
-    if not 0 <= args.rank < args.world_size or args.speed <= 0 or args.jitter < 0:
-        print("error: need 0 <= rank < world-size, speed > 0, jitter >= 0", file=sys.stderr)
-        return EXIT_USAGE
     try:
         cfg = load_config(args.config, args.set)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if (not 0 <= args.rank < args.world_size or rank_speed(cfg, args.rank, args.speed) <= 0
+            or rank_jitter(cfg, args.jitter) < 0):
+        print("error: need 0 <= rank < world-size, speed > 0, jitter >= 0", file=sys.stderr)
         return EXIT_USAGE
     return _Rank(args, cfg, timeline, stop).run()
 

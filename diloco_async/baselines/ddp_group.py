@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -43,8 +44,9 @@ class DdpGroup:
         store: object store root URL (absolute ``file://`` paths recommended: the ranks run in
             this process's working directory).
         workdir: ``timeline/ddp-rank-{r}.jsonl`` (appended over incarnations) and ``logs/`` go here.
-        speeds: relative speed per rank (len M; None: all 1.0).
-        jitter: per-step jitter as a fraction of the step time.
+        speeds: relative speed per rank (len M; None: the ranks take ``learners.speed_factors``
+            of the config, 1.0 where unset).
+        jitter: per-step jitter as a fraction of the step time (None: ``learners.step_jitter``).
         checkpoint_every_steps: rank 0 checkpoints every this many steps (0: only at the stop).
         stop_at_unix: every rank stops at this unix time (None: on SIGTERM or ``max_steps`` only).
         max_steps: the group stops when its step reaches this (None: no limit).
@@ -59,13 +61,13 @@ class DdpGroup:
 
     def __init__(self, config: Optional[str | os.PathLike], overrides: Sequence[str], world_size: int, run_id: str,
                  store: str, workdir: str | os.PathLike, speeds: Optional[Sequence[float]] = None,
-                 jitter: float = 0.0, checkpoint_every_steps: int = 0, stop_at_unix: Optional[float] = None,
+                 jitter: Optional[float] = None, checkpoint_every_steps: int = 0, stop_at_unix: Optional[float] = None,
                  max_steps: Optional[int] = None, gloo_timeout_s: float = 30.0, init_timeout_s: float = 120.0,
                  storage_options: Optional[dict[str, Any]] = None, env: Optional[dict[str, str]] = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        speeds = list(speeds) if speeds is not None else [1.0] * world_size
-        if len(speeds) != world_size:
+        speeds = list(speeds) if speeds is not None else None
+        if speeds is not None and len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for {world_size} ranks")
         self.config = str(Path(config).resolve()) if config is not None else None
         self.overrides = list(overrides)
@@ -97,10 +99,13 @@ class DdpGroup:
         argv = ["-m", "diloco_async.baselines.ddp", "--rank", str(rank), "--world-size", str(self.world_size),
                 "--master-port", str(port), "--run-id", self.run_id, "--store", self.store,
                 "--timeline", str(self.timeline_path(rank)), "--incarnation", str(incarnation),
-                "--speed", repr(float(self.speeds[rank])), "--jitter", repr(float(self.jitter)),
                 "--checkpoint-every-steps", str(self.checkpoint_every_steps),
                 "--gloo-timeout-s", repr(float(self.gloo_timeout_s)),
                 "--init-timeout-s", repr(float(self.init_timeout_s))]
+        if self.speeds is not None:
+            argv += ["--speed", repr(float(self.speeds[rank]))]
+        if self.jitter is not None:
+            argv += ["--jitter", repr(float(self.jitter))]
         if self.config is not None:
             argv += ["--config", self.config]
         for item in self.overrides:
@@ -163,7 +168,11 @@ class DdpGroup:
             self._signal(r, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for h in self.handles.values():
-            h.terminate(grace_s=max(0.0, deadline - time.monotonic()))
+            try:  # one SIGTERM only: a second could land while the rank's interpreter shuts down
+                h.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            h.kill()  # what is left, and any descendant of a rank that exited
         return self.poll()
 
     def wait(self, timeout: Optional[float] = None) -> dict[int, Optional[int]]:
