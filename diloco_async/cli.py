@@ -148,6 +148,20 @@ def _status(args: argparse.Namespace) -> int:
     return status_main(args.sync_url, watch=args.watch)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from diloco_async.chaos import load_scenario
+
+    try:
+        load_scenario(args.scenario)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from flows.chaos import run_chaos_cli
+
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    return _run_flow(run_chaos_cli, args.scenario, methods, args.json)
+
+
 def _simulate(argv: list[str]) -> int:
     from diloco_async.sim.cli import main as sim_main
 
@@ -178,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("sync_url", help="e.g. http://127.0.0.1:40929 (printed by train)")
     p_status.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
     p_status.set_defaults(func=_status)
+    p_chaos = sub.add_parser("chaos", help="run DDP, synchronous and Decoupled DiLoCo under one fault schedule")
+    p_chaos.add_argument("--scenario", required=True, help="scenario file, e.g. configs/chaos/storm.toml")
+    p_chaos.add_argument("--methods", default=None, help="comma-separated subset of ddp,sync-diloco,decoupled")
+    p_chaos.add_argument("--json", action="store_true", help="print the table as a JSON list (one object per method)")
+    p_chaos.set_defaults(func=_chaos)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -47,6 +47,32 @@ class RunConfig(_Section):
         default_factory=dict, description="fsspec storage options (endpoint, profile). Never logged."
     )
     workdir: str = Field(".local/runs", description="Local folder for process logs of a run.")
+    launcher: Literal["local", "deployments"] = Field(
+        "local",
+        description="How the train flow starts learners: 'local' runs each as a subprocess of the flow run (the "
+        "embedded default); 'deployments' creates one flow run of the Prefect deployment "
+        "`learner_deployment` per learner, on its region's work pool (needs a Prefect server, workers and "
+        "`prefect deploy`, see README).",
+    )
+    regions: list[str] = Field(
+        default_factory=lambda: ["region-a", "region-b"],
+        description="Regions (Prefect work pools) of the learners with launcher='deployments': learner i runs in "
+        "regions[i % len(regions)].",
+    )
+    learner_deployment: str = Field(
+        "learner/{region}",
+        description="Deployment that runs one learner ('flow name/deployment name'); '{region}' is replaced by "
+        "the learner's region.",
+    )
+
+    @model_validator(mode="after")
+    def _deployment_fields(self) -> "RunConfig":
+        if not self.regions or any(not r.strip() for r in self.regions):
+            raise ValueError("run.regions must list at least one non-empty region name")
+        if "/" not in self.learner_deployment:
+            raise ValueError(f"run.learner_deployment={self.learner_deployment!r} must look like "
+                             "'flow name/deployment name', e.g. 'learner/{region}'")
+        return self
 
 
 class DataConfig(_Section):
@@ -101,6 +127,35 @@ class LearnerConfig(_Section):
     checkpoint_every_s: float = Field(
         30.0, ge=0, description="Period of the learner's own inner-state checkpoints (0: never)."
     )
+    restart_delay_s: float = Field(
+        1.0, ge=0, description="Wait this long (seconds) before the train flow restarts a learner whose process "
+        "exited non-zero or whose flow run crashed or failed, as a new incarnation."
+    )
+    max_restarts: int = Field(10, ge=0, description="Restarts per learner slot before the flow gives up on it.")
+    barrier: bool = Field(
+        False, description="Wait after each contribution until its round published (synchronous DiLoCo baseline)."
+    )
+    speed_factors: list[float] = Field(
+        default_factory=list,
+        description="Emulated hardware speed per learner index (1.0 = as fast as this machine; 0.5 = half "
+                    "speed); missing indexes run at 1.0. Chaos scenarios set it.",
+    )
+    step_jitter: float = Field(0.0, ge=0, description="Relative per-step slowdown noise, |N(0, jitter)| x step time.")
+    control_drop_prob: float = Field(
+        0.0, ge=0, lt=1, description="Chance that a control message (heartbeat, announce) is dropped before sending."
+    )
+    control_delay_s: float = Field(0.0, ge=0, description="Mean extra delay of a control message (exponential), seconds.")
+    storage_faults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="FaultPlan arguments (p_transient, p_hang, p_slow, slow_s, hold_s, ops) for the learners' store.",
+    )
+
+    @model_validator(mode="after")
+    def _check_speeds(self) -> "LearnerConfig":
+        bad = [s for s in self.speed_factors if not 0 < s <= 1]
+        if bad:
+            raise ValueError(f"learners.speed_factors must be in (0, 1], got {bad}")
+        return self
 
 
 class SynchronizerConfig(_Section):
@@ -250,9 +305,11 @@ def _training_dict(d: dict) -> dict:
 
 # Fields that change how a run is operated, not what it computes: they may differ on resume.
 _OPERATIONAL = {
-    "run": ("workdir", "store", "name", "storage_options"),
+    "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
     "data": ("cache_dir",),
-    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s"),
+    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
+                 "restart_delay_s", "max_restarts",
+                 "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints", "storage_timeout_s",
                      "client_max_size_bytes"),
 }

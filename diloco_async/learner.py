@@ -22,12 +22,13 @@ import logging
 import math
 import os
 import queue
+import random
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import aiohttp
 import torch
@@ -35,14 +36,16 @@ import torch
 from diloco_async import codec as wire
 from diloco_async.config import Config, config_hash
 from diloco_async.data import Corpus, corpus_urls, load_corpus
-from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.fragments import FragmentPlan, fragment_offset, plan_fragments, specs_of
 from diloco_async.inner_state import InnerState
 from diloco_async.inner_state import capture as capture_inner
 from diloco_async.inner_state import restore as restore_inner
 from diloco_async.messages import AnnouncementAck, HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.timeline import Recorder
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs, write_state
+from storage.faults import FaultyStore
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Learner", "main"]
@@ -51,6 +54,8 @@ log = logging.getLogger("diloco.learner")
 
 TOKEN_ENV = "DILOCO_RUN_TOKEN"
 STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"
+#: Folder for per-learner timeline records (``{dir}/{learner_id}.jsonl``); unset: none written.
+TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
 
 
 def process_uptime_s() -> float:
@@ -113,8 +118,11 @@ class Learner:
     """
 
     def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
-                 incarnation: int = 0, give_up_after_s: float = 120.0) -> None:
+                 incarnation: int = 0, give_up_after_s: float = 120.0,
+                 recorder: Optional[Recorder] = None) -> None:
         self.learner_id = learner_id
+        self.recorder = recorder or Recorder(None)
+        self.control_drops = 0
         self.index = index
         self.sync_url = sync_url.rstrip("/")
         self.store = store
@@ -141,6 +149,7 @@ class Learner:
         self.epoch: Optional[str] = None  # the synchronizer's; a change means it restarted
         self.epoch_changed = threading.Event()
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+        self.newest_versions: dict[int, VersionInfo] = {}  # from the latest heartbeat
         self._comms_thread = threading.Thread(target=self._comms_main, name=f"{learner_id}-comms", daemon=True)
 
     # ------------------------------------------------------------------ comms thread --------
@@ -155,7 +164,19 @@ class Learner:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
+    async def _control_faults(self, path: str) -> None:
+        """Chaos: delay a control message, or drop it before it is sent (learners.control_*)."""
+        lc = getattr(self, "cfg", None) and self.cfg.learners
+        if not lc or (lc.control_delay_s == 0 and lc.control_drop_prob == 0):
+            return
+        if lc.control_delay_s > 0:
+            await asyncio.sleep(self._chaos_rng.expovariate(1.0 / lc.control_delay_s))
+        if self._chaos_rng.random() < lc.control_drop_prob:
+            self.control_drops += 1
+            raise aiohttp.ClientConnectionError(f"chaos: {path} dropped before sending")
+
     async def _post(self, session: aiohttp.ClientSession, path: str, body: dict) -> dict:
+        await self._control_faults(path)
         async with session.post(f"{self.sync_url}{path}", json=body, headers=self._headers()) as resp:
             if resp.status in (401, 403, 413):
                 raise ProtocolError(f"{path}: HTTP {resp.status} {await resp.text()}")
@@ -227,6 +248,7 @@ class Learner:
                     for k, version in listed.items():
                         self.open_rounds.setdefault(k, (version, now))
                 for v in resp.versions:
+                    self.newest_versions[v.fragment] = v
                     self._maybe_download(v)
                 if resp.stop:
                     log.info("%s told to stop", self.learner_id)
@@ -389,6 +411,12 @@ class Learner:
         if config_hash(cfg) != jr.config_hash:
             raise ProtocolError("config hash from the synchronizer does not match its config")
         self.cfg = cfg
+        self._chaos_rng = random.Random(cfg.run.seed * 7919 + self.index * 104729 + self.incarnation)
+        if cfg.learners.storage_faults:
+            plan = dict(cfg.learners.storage_faults)
+            plan.setdefault("seed", cfg.run.seed * 31 + self.index * 1_000_003 + self.incarnation)
+            self.store = FaultyStore(self.store, **plan)
+            log.warning("%s: storage faults injected: %s", self.learner_id, plan)
         self.codec = cfg.learners.codec
         self.storage_timeout_s = cfg.learners.storage_timeout_s
         self.cfg_heartbeat_s = cfg.learners.heartbeat_s
@@ -422,7 +450,7 @@ class Learner:
             base_tensors = {}
             with torch.no_grad():
                 for v in jr.versions:
-                    t = self._fetch_version(v)
+                    t, v = self._fetch_initial(v)
                     for n, val in t.items():
                         params[n].copy_(val)
                     base_tensors[v.fragment] = t
@@ -432,6 +460,7 @@ class Learner:
         shard = corpus.shard(self.index, cfg.learners.count)
         log.info("%s ready: shard %d/%d of %d bytes, %d parameters, versions %s", self.learner_id, self.index,
                  cfg.learners.count, len(shard), sum(p.numel() for p in params.values()), self.base)
+        self.recorder.record("ready", step=start_step)
         self._train(cfg, model, params, opt, gen, base_tensors, counters, start_step, shard)
         self.stop_event.set()
         self._comms_thread.join(timeout=10)
@@ -440,6 +469,46 @@ class Learner:
             return 3
         log.info("%s finished after %d steps, %d tokens", self.learner_id, self.stats.step, self.stats.tokens_total)
         return 0
+
+    def _block(self, why: str, ready: Callable[[], bool]) -> None:
+        """Synchronous-DiLoCo barrier (``learners.barrier``): hold the training thread until
+        ``ready()`` (called under the lock), a stop or a synchronizer restart, and record the
+        blocked time in the timeline."""
+        t0 = time.time()
+        while not (self.stop_event.is_set() or self.epoch_changed.is_set()):
+            with self.lock:
+                if ready():
+                    break
+            time.sleep(0.005)
+            if time.time() - t0 >= 1.0:  # in pieces, so that a kill loses at most one second of it
+                t1 = time.time()
+                self.recorder.record("blocked", t0=t0, t1=t1, why=why)
+                t0 = t1
+        t1 = time.time()
+        if t1 - t0 > 0.001:
+            self.recorder.record("blocked", t0=t0, t1=t1, why=why)
+
+    def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[dict[str, torch.Tensor], VersionInfo]:
+        """Download the version named at join; if garbage collection removed it meanwhile (the
+        run moved on while this process was starting), take the newest one a heartbeat names.
+
+        Raises:
+            FileNotFoundError: no listed version of the fragment could be read after ``attempts``.
+        """
+        for _ in range(attempts):
+            try:
+                return self._fetch_version(v), v
+            except FileNotFoundError:
+                log.warning("%s: fragment %d version %d is gone (collected); taking a newer one",
+                            self.learner_id, v.fragment, v.version)
+                deadline = time.monotonic() + 10 * self.cfg_heartbeat_s + 5
+                while time.monotonic() < deadline:
+                    newer = self.newest_versions.get(v.fragment)
+                    if newer is not None and newer.version > v.version:
+                        v = newer
+                        break
+                    time.sleep(self.cfg_heartbeat_s)
+        raise FileNotFoundError(f"no readable version of fragment {v.fragment} (last tried {v.version})")
 
     def _train(self, cfg: Config, model: ByteGPT, params: dict[str, torch.nn.Parameter],
                opt: torch.optim.AdamW, gen: torch.Generator, base_tensors: dict[int, dict[str, torch.Tensor]],
@@ -457,6 +526,11 @@ class Learner:
         tokens_per_step = lc.batch_size * cfg.model.context
         ema_alpha = cfg.synchronizer.ema_alpha
         step = start_step  # a restarted slot continues its step count
+        H = cfg.synchronizer.sync_every
+        offsets = [fragment_offset(p, P, H) for p in range(P)]
+        next_n = [max(1, -(-(step - offsets[p]) // H)) for p in range(P)]  # next round each fragment owes
+        speed = lc.speed_factors[self.index] if self.index < len(lc.speed_factors) else 1.0
+        jitter_rng = random.Random(cfg.run.seed * 65537 + self.index * 257 + self.incarnation)
         with self.lock:
             self.stats.step = step
         while not self.stop_event.is_set():
@@ -505,17 +579,40 @@ class Learner:
             for (p, n), round_version in rounds:
                 if round_version < self.base[p]:
                     answered.add((p, n))  # that round already published a version we adopted
+                    next_n[p] = max(next_n[p], n + 1)
                     continue
                 if p in snapshot and snapshot[p][0] < n and round_version == self.base[p]:
                     del snapshot[p]  # our round closed without a new version (abandoned)
                 if c_steps[p] < 1 or p in snapshot:
                     continue
                 answered.add((p, n))
+                next_n[p] = max(next_n[p], n + 1)
                 with torch.no_grad():
                     snap_t = {name: params[name].detach().clone() for name in self.plan.names(p)}
                     delta = {name: base_tensors[p][name] - snap_t[name] for name in snap_t}
                 snapshot[p] = (n, snap_t, c_steps[p], c_tokens[p], c_secs[p])
-                self.upload_queue.put(_UploadJob(p, n, self.base[p], c_steps[p], c_tokens[p], c_secs[p], delta))
+                job = _UploadJob(p, n, self.base[p], c_steps[p], c_tokens[p], c_secs[p], delta)
+                self.recorder.record("contribution", fragment=p, round=n, last_step=step, c_steps=c_steps[p],
+                                     update_id=job.update_id)
+                self.upload_queue.put(job)
+            if lc.barrier and snapshot:
+                # wait for the round we contributed to: a version to adopt, an outcome, or a newer
+                # round on the version we hold (ours was abandoned)
+                self._block("merge", lambda: not self.adopt_queue.empty() or not self.outcomes.empty() or any(
+                    n > snapshot[p][0] and vt[0] == self.base.get(p)
+                    for (p, n), vt in self.open_rounds.items() if p in snapshot))
+                continue  # adopt what arrived before the next step
+            if lc.barrier:
+                # never step past the due step of a round that is not open yet: every learner does
+                # exactly H steps per round and waits for the slowest (synchronous DiLoCo)
+                def is_open(p: int) -> bool:
+                    return any(q == p and n >= next_n[p] for (q, n) in self.open_rounds)
+
+                with self.lock:
+                    waiting = [p for p in range(P) if step >= offsets[p] + next_n[p] * H and not is_open(p)]
+                if waiting:
+                    self._block("round", lambda: all(is_open(p) for p in waiting))
+                    continue  # answer the round at this step boundary
             if lc.checkpoint_every_s > 0 and time.monotonic() - last_state_s >= lc.checkpoint_every_s:
                 last_state_s = time.monotonic()
                 counters_now = {p: (c_steps[p], c_tokens[p], c_secs[p]) for p in range(P)}
@@ -523,6 +620,7 @@ class Learner:
                                                     base_versions=dict(self.base), counters=counters_now))
             # -- one inner step --
             t0 = time.perf_counter()
+            t0_unix = time.time()
             x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, gen)
             lr = lc.lr * min(1.0, (step + 1) / max(1, lc.warmup_steps))  # no second warm-up after a restart
             for group in opt.param_groups:
@@ -532,8 +630,12 @@ class Learner:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip)
             opt.step()
+            if speed < 1.0 or lc.step_jitter > 0:  # emulated slower or noisy hardware (chaos)
+                dt = time.perf_counter() - t0
+                time.sleep(dt * (1.0 / speed - 1.0) + dt * abs(jitter_rng.gauss(0.0, lc.step_jitter)))
             dt = time.perf_counter() - t0
             step += 1
+            self.recorder.record("step", t0=t0_unix, t1=time.time(), step=step, tokens=tokens_per_step)
             for p in range(P):
                 c_steps[p] += 1
                 c_tokens[p] += tokens_per_step
@@ -565,13 +667,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {TOKEN_ENV} is not set", file=sys.stderr)
         return 2
     options: dict[str, Any] = json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}"))
+    tl_dir = os.environ.get(TIMELINE_DIR_ENV)
+    recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
+    recorder.record("start")
     learner = Learner(args.learner_id, args.index, args.sync_url, ObjectStore(args.store, options), token,
-                      incarnation=args.incarnation, give_up_after_s=args.give_up_after_s)
+                      incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder)
     try:
-        return learner.run()
+        code = learner.run()
     except ProtocolError as err:
         log.error("%s: %s", args.learner_id, err)
-        return 3
+        code = 3
+    recorder.record("stopped", code=code)
+    recorder.close()
+    return code
 
 
 if __name__ == "__main__":

@@ -197,6 +197,9 @@ class Synchronizer:
         self.metrics: list[dict] = []
         self.settled: dict[tuple[str, int, int], str] = {}  # (learner, fragment, round) -> key
         self.merge_times_s: list[float] = []
+        # one record per merge (unix time, fragment, round, version, merged update ids): the
+        # chaos harness joins it with learner timelines to find which steps were merged
+        self.merge_log: list[dict] = []
         self.started_s = clock()
         self.stopping: Optional[str] = None
         self.finished = asyncio.Event()
@@ -640,6 +643,8 @@ class Synchronizer:
         self.counters["merges"] += 1
         self.counters["contributions_merged"] += len(res.merged)
         self.merge_times_s.append(now)
+        self.merge_log.append({"t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version,
+                               "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged]})
         staleness = []
         for lid in res.merged:
             c = rnd.contributions[lid]
@@ -882,6 +887,8 @@ class Synchronizer:
         try:
             await asyncio.to_thread(self.store.put, keys.metrics_log_key(self.run_id, self.epoch), body)
             await asyncio.to_thread(self.store.put_json, keys.summary_key(self.run_id, self.epoch), self.final_summary)
+            merges = "\n".join(json.dumps(m) for m in self.merge_log).encode()
+            await asyncio.to_thread(self.store.put, keys.merge_log_key(self.run_id, self.epoch), merges)
         except Exception as err:
             log.error("could not write the final summary: %s", err)
         self._final_written = True

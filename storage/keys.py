@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
+__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "merge_log_key", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
            "checkpoint_state_key", "checkpoint_manifest_key", "learner_prefix"]
 
 
@@ -41,6 +41,11 @@ def summary_key(run_id: str, epoch: str) -> str:
 
 def metrics_log_key(run_id: str, epoch: str) -> str:
     return f"{run_id}/epochs/{epoch}/metrics.jsonl"
+
+
+def merge_log_key(run_id: str, epoch: str) -> str:
+    """JSON lines, one per merge: unix time, fragment, round, version, merged update ids."""
+    return f"{run_id}/epochs/{epoch}/merges.jsonl"
 
 
 def learner_prefix(run_id: str, learner: str) -> str:

@@ -1,0 +1,227 @@
+"""Chaos scenarios and their seeded fault schedules (issue 4). Pure: no I/O besides reading a
+scenario file, no clock.
+
+A scenario (TOML, ``configs/chaos/*.toml``) names the training recipe, the number of learner
+slots M, how long every method runs, and the faults: per-slot failures as a Poisson process
+(mean time between failures, counted in up-time) with recovery delays from a distribution,
+persistent stragglers (speed factors) and per-step jitter, stalls (SIGSTOP, later SIGCONT),
+dropped or delayed control messages, and storage faults. :func:`make_schedule` turns it into the
+exact same list of timed events for every method, given the seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides"]
+
+#: The methods of DESIGN §8, in table order.
+METHODS = ("ddp", "sync-diloco", "decoupled")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FailureModel(_Section):
+    mtbf_s: Optional[float] = Field(None, gt=0, description="Mean up-time between failures of one slot (None: none).")
+    recovery: Literal["fixed", "exponential", "lognormal"] = Field(
+        "fixed", description="Distribution of the time a failed slot stays down.")
+    recovery_mean_s: float = Field(30.0, ge=0, description="Mean time down after a failure, seconds.")
+    recovery_sigma: float = Field(0.5, gt=0, description="Sigma of log(time down), lognormal only.")
+    min_uptime_s: float = Field(0.0, ge=0, description="No failure in a slot's first seconds after it (re)starts.")
+
+
+class StragglerModel(_Section):
+    speed: dict[str, float] = Field(default_factory=dict,
+                                    description="Slot index -> speed factor in (0, 1]; others run at 1.0.")
+    jitter: float = Field(0.0, ge=0, description="Relative per-step slowdown noise.")
+
+
+class StallModel(_Section):
+    mtbs_s: Optional[float] = Field(None, gt=0, description="Mean time between stalls of one slot (None: none).")
+    duration_s: float = Field(5.0, gt=0, description="How long a stalled (SIGSTOPped) slot stays frozen.")
+
+
+class ControlFaults(_Section):
+    drop_prob: float = Field(0.0, ge=0, lt=1, description="Chance a heartbeat/announce is dropped.")
+    delay_s: float = Field(0.0, ge=0, description="Mean extra delay of a control message, seconds.")
+
+
+class StorageFaults(_Section):
+    p_transient: float = Field(0.0, ge=0, le=1)
+    p_slow: float = Field(0.0, ge=0, le=1)
+    slow_s: float = Field(0.05, ge=0)
+
+
+class DdpSettings(_Section):
+    checkpoint_every_steps: int = Field(25, ge=1, description="torchrun-style checkpoint period of the DDP baseline.")
+
+
+class ScenarioSection(_Section):
+    name: str
+    seed: int = 0
+    slots: int = Field(ge=1, description="M, learner slots (DDP ranks).")
+    wall_s: float = Field(gt=0, description="Each method runs this long: equal wall time.")
+    eval_tokens: int = Field(ge=1, description="Tokens in the global model at which 'eval loss at equal tokens' is read.")
+    methods: list[Literal["ddp", "sync-diloco", "decoupled"]] = Field(default_factory=lambda: list(METHODS))
+    config: str = Field("configs/chaos/base.toml", description="The training recipe all methods share.")
+    overrides: list[str] = Field(default_factory=list, description="section.field=value on top of the recipe.")
+    snapshot_every_s: float = Field(5.0, gt=0, description="Period of the checkpoints used for equal-token evaluation.")
+
+
+class Scenario(_Section):
+    """A validated scenario file. Unknown keys are rejected."""
+
+    scenario: ScenarioSection
+    failures: FailureModel = FailureModel()
+    stragglers: StragglerModel = StragglerModel()
+    stalls: StallModel = StallModel()
+    control: ControlFaults = ControlFaults()
+    storage: StorageFaults = StorageFaults()
+    ddp: DdpSettings = DdpSettings()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Scenario":
+        for k, v in self.stragglers.speed.items():
+            if not k.isdigit() or int(k) >= self.scenario.slots:
+                raise ValueError(f"stragglers.speed: slot {k!r} is not in 0..{self.scenario.slots - 1}")
+            if not 0 < v <= 1:
+                raise ValueError(f"stragglers.speed[{k}] must be in (0, 1], got {v}")
+        return self
+
+    def speed_factors(self) -> list[float]:
+        """Speed factor of every slot, index order."""
+        return [float(self.stragglers.speed.get(str(i), 1.0)) for i in range(self.scenario.slots)]
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a TOML syntax error, or a field that is unknown or out of range (named).
+    """
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: {err}") from None
+    try:
+        return Scenario.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"{path}: {problems}") from None
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """At ``t_s`` seconds after the start, slot ``slot`` fails (down for ``duration_s``) or
+    stalls (frozen for ``duration_s``)."""
+
+    t_s: float
+    slot: int
+    kind: Literal["fail", "stall"]
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    events: tuple[FaultEvent, ...]
+    wall_s: float
+    slots: int
+
+    def down_intervals(self) -> dict[int, list[tuple[float, float]]]:
+        """Slot -> planned ``(t0, t1)`` down intervals (seconds from the start)."""
+        out: dict[int, list[tuple[float, float]]] = {i: [] for i in range(self.slots)}
+        for e in self.events:
+            if e.kind == "fail":
+                out[e.slot].append((e.t_s, e.t_s + e.duration_s))
+        return out
+
+    def availability(self) -> float:
+        """Mean planned share of the wall time each slot is up."""
+        down = self.down_intervals()
+        shares = [1.0 - sum(max(0.0, min(b, self.wall_s) - a) for a, b in ivs) / self.wall_s for ivs in down.values()]
+        return sum(shares) / len(shares)
+
+
+def _recovery(rng: random.Random, f: FailureModel) -> float:
+    if f.recovery == "fixed":
+        return f.recovery_mean_s
+    if f.recovery == "exponential":
+        return rng.expovariate(1.0 / f.recovery_mean_s) if f.recovery_mean_s > 0 else 0.0
+    mu = math.log(max(f.recovery_mean_s, 1e-9)) - f.recovery_sigma ** 2 / 2  # mean of the lognormal = recovery_mean_s
+    return rng.lognormvariate(mu, f.recovery_sigma)
+
+
+def make_schedule(sc: Scenario) -> Schedule:
+    """The seeded fault schedule of a scenario: the same events for the same file.
+
+    Each slot has its own random stream. Failures: up-time to the next failure is exponential
+    with mean ``mtbf_s`` (plus ``min_uptime_s``), then the slot is down for a recovery delay.
+    Stalls: a Poisson process with mean gap ``mtbs_s``; a stall that would overlap a planned
+    down interval is dropped. Events are sorted by time.
+    """
+    s = sc.scenario
+    events: list[FaultEvent] = []
+    for slot in range(s.slots):
+        rng = random.Random(f"{s.seed}/{slot}/failures")
+        down: list[tuple[float, float]] = []
+        if sc.failures.mtbf_s:
+            t = 0.0
+            while True:
+                t += sc.failures.min_uptime_s + rng.expovariate(1.0 / sc.failures.mtbf_s)
+                if t >= s.wall_s:
+                    break
+                d = _recovery(rng, sc.failures)
+                events.append(FaultEvent(t, slot, "fail", d))
+                down.append((t, t + d))
+                t += d
+        if sc.stalls.mtbs_s:
+            rng = random.Random(f"{s.seed}/{slot}/stalls")
+            t = 0.0
+            while True:
+                t += rng.expovariate(1.0 / sc.stalls.mtbs_s)
+                if t >= s.wall_s:
+                    break
+                d = sc.stalls.duration_s
+                if not any(a - d <= t <= b for a, b in down):
+                    events.append(FaultEvent(t, slot, "stall", d))
+                t += d
+    events.sort(key=lambda e: (e.t_s, e.slot))
+    return Schedule(tuple(events), s.wall_s, s.slots)
+
+
+def method_overrides(sc: Scenario, method: str) -> list[str]:
+    """Config overrides (``section.field=value``) that make the shared recipe run ``method``
+    under this scenario's learner-side faults (speeds, jitter, control and storage faults).
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    s = sc.scenario
+    speeds = ",".join(repr(v) for v in sc.speed_factors())
+    out = [*s.overrides, f"learners.count={s.slots}", f"learners.speed_factors=[{speeds}]",
+           f"learners.step_jitter={sc.stragglers.jitter}",
+           f"learners.control_drop_prob={sc.control.drop_prob}", f"learners.control_delay_s={sc.control.delay_s}",
+           f"synchronizer.checkpoint_every_s={s.snapshot_every_s}", "synchronizer.keep_checkpoints=0",
+           f"budget.wall_s={s.wall_s + 600}", "budget.tokens=1000000000000"]
+    st = sc.storage
+    if st.p_transient or st.p_slow:
+        out.append("learners.storage_faults={p_transient=%r, p_slow=%r, slow_s=%r}"
+                   % (st.p_transient, st.p_slow, st.slow_s))
+    if method == "sync-diloco":
+        out += [f"synchronizer.min_quorum={s.slots}", "synchronizer.grace_enabled=false", "learners.barrier=true"]
+    elif method == "decoupled":
+        out += ["synchronizer.min_quorum=1", "synchronizer.grace_enabled=true", "learners.barrier=false"]
+    return out

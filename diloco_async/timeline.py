@@ -1,0 +1,356 @@
+"""Per-learner timelines and the goodput accounting built on them (DESIGN §7, paper §5.1).
+
+A :class:`Timeline` holds, for every learner slot of one run, what it was doing when:
+
+* *state intervals*: ``down`` (process dead, waiting for its machine), ``restarting`` (process
+  started, not yet stepping: imports, join, downloads), ``stalled`` (frozen, e.g. SIGSTOP) and
+  ``blocked`` (waiting on the synchronizer or on peers);
+* *steps*: one inner step each, with its tokens and the share of it that ended up in the global
+  model (``useful`` in [0, 1]: 1 = merged, 0 = thrown away, a fraction when only some fragments
+  of the step were merged);
+* *merge times* of the global model.
+
+:func:`account` turns it into compute goodput, token goodput and uptime per learner and in total,
+using the definitions of :mod:`diloco_async.goodput`. Every slot is provisioned for the whole run,
+so time spent down counts against goodput. All times are seconds on one clock (unix time for
+real runs). Pure: no I/O. :func:`plot_timeline` draws it (matplotlib) and :class:`Recorder`
+appends the learner-side records to a JSON-lines file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
+
+from diloco_async.goodput import compute_goodput, token_goodput, uptime
+
+__all__ = ["STATES", "Interval", "Step", "Timeline", "LearnerAccount", "Accounting", "account",
+           "availability", "plot_timeline", "Recorder", "read_records", "diloco_timeline_steps"]
+
+#: States a slot can be in besides stepping. Time in none of them and in no step is overhead
+#: (communication, adoption, idle waiting between steps).
+STATES = ("down", "restarting", "stalled", "blocked")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """``learner`` was in ``state`` (one of :data:`STATES`) from ``t0`` to ``t1`` seconds."""
+
+    learner: str
+    state: str
+    t0: float
+    t1: float
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"unknown state {self.state!r}; known: {STATES}")
+        if self.t1 < self.t0:
+            raise ValueError(f"interval ends ({self.t1}) before it starts ({self.t0})")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One inner step of ``learner`` from ``t0`` to ``t1`` seconds.
+
+    Args:
+        tokens: tokens the step processed.
+        useful: share of the step that reached the global model, in [0, 1].
+        wait_s: seconds inside the step not spent computing (e.g. an all-reduce waiting for peers);
+            counted as blocked, never as useful.
+    """
+
+    learner: str
+    t0: float
+    t1: float
+    tokens: int
+    useful: float = 1.0
+    wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.t1 < self.t0:
+            raise ValueError(f"step ends ({self.t1}) before it starts ({self.t0})")
+        if not 0.0 <= self.useful <= 1.0 + 1e-9:
+            raise ValueError(f"useful must be in [0, 1], got {self.useful}")
+        if self.wait_s < 0 or self.tokens < 0:
+            raise ValueError(f"wait_s and tokens must be >= 0, got {self.wait_s}, {self.tokens}")
+
+
+@dataclass
+class Timeline:
+    """Everything :func:`account` and :func:`plot_timeline` need about one run of one method."""
+
+    learners: list[str]
+    start_s: float
+    end_s: float
+    intervals: list[Interval] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    merges_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LearnerAccount:
+    """Seconds by state and tokens of one slot; goodputs as properties."""
+
+    provisioned_s: float
+    useful_s: float = 0.0
+    thrown_away_s: float = 0.0
+    down_s: float = 0.0
+    restarting_s: float = 0.0
+    stalled_s: float = 0.0
+    blocked_s: float = 0.0
+    tokens_processed: int = 0
+    tokens_merged: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Provisioned time in no state and no step computation (comms, adoption, idle)."""
+        busy = (self.useful_s + self.thrown_away_s + self.down_s + self.restarting_s + self.stalled_s
+                + self.blocked_s)
+        return max(0.0, self.provisioned_s - busy)
+
+    @property
+    def compute_goodput(self) -> float:
+        return compute_goodput(min(self.useful_s, self.provisioned_s), self.provisioned_s)
+
+    @property
+    def token_goodput(self) -> float:
+        return token_goodput(min(self.tokens_merged, self.tokens_processed), self.tokens_processed)
+
+    @property
+    def availability(self) -> float:
+        """Share of the provisioned time the slot was not down."""
+        return 0.0 if self.provisioned_s == 0 else max(0.0, 1.0 - self.down_s / self.provisioned_s)
+
+    def to_json(self) -> dict:
+        return {**{k: getattr(self, k) for k in ("provisioned_s", "useful_s", "thrown_away_s", "down_s",
+                                                   "restarting_s", "stalled_s", "blocked_s", "tokens_processed",
+                                                   "tokens_merged")},
+                "overhead_s": self.overhead_s, "compute_goodput": self.compute_goodput,
+                "token_goodput": self.token_goodput, "availability": self.availability}
+
+
+@dataclass
+class Accounting:
+    """Per-learner accounts and the run totals of one timeline."""
+
+    learners: dict[str, LearnerAccount]
+    uptime: float
+    wall_s: float
+
+    def _sum(self, name: str) -> float:
+        return sum(getattr(a, name) for a in self.learners.values())
+
+    @property
+    def compute_goodput(self) -> float:
+        return compute_goodput(min(self._sum("useful_s"), self._sum("provisioned_s")), self._sum("provisioned_s"))
+
+    @property
+    def token_goodput(self) -> float:
+        return token_goodput(min(self._sum("tokens_merged"), self._sum("tokens_processed")),
+                             self._sum("tokens_processed"))
+
+    @property
+    def availability(self) -> float:
+        """Mean availability of the slots: the compute goodput no method can beat."""
+        accts = list(self.learners.values())
+        return sum(a.availability for a in accts) / len(accts) if accts else 0.0
+
+    def to_json(self) -> dict:
+        return {"compute_goodput": self.compute_goodput, "token_goodput": self.token_goodput,
+                "uptime": self.uptime, "availability": self.availability, "wall_s": self.wall_s,
+                "useful_s": self._sum("useful_s"), "provisioned_s": self._sum("provisioned_s"),
+                "tokens_processed": self._sum("tokens_processed"), "tokens_merged": self._sum("tokens_merged"),
+                "learners": {k: a.to_json() for k, a in self.learners.items()}}
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def account(tl: Timeline, max_gap_s: float) -> Accounting:
+    """Compute goodput, token goodput and uptime of ``tl`` (DESIGN §7).
+
+    * provisioned = ``end_s - start_s`` for every slot;
+    * useful = Σ over steps of (compute seconds) × ``useful``, where a step's compute seconds are
+      its duration minus ``wait_s`` minus any overlap with the slot's ``down``/``stalled``
+      intervals; the rest of a step's compute is *thrown away*;
+    * tokens merged = Σ tokens × ``useful``;
+    * uptime: merge gaps longer than ``max_gap_s`` count as down beyond ``max_gap_s``.
+
+    Everything is clipped to ``[start_s, end_s]``.
+
+    Raises:
+        ValueError: ``end_s < start_s``, or an interval or step names a learner not in
+            ``tl.learners``.
+    """
+    if tl.end_s < tl.start_s:
+        raise ValueError(f"end_s={tl.end_s} is before start_s={tl.start_s}")
+    span = tl.end_s - tl.start_s
+    accts = {lid: LearnerAccount(provisioned_s=span) for lid in tl.learners}
+    frozen: dict[str, list[tuple[float, float]]] = {lid: [] for lid in tl.learners}
+    for iv in tl.intervals:
+        if iv.learner not in accts:
+            raise ValueError(f"interval of unknown learner {iv.learner!r}")
+        secs = _overlap(iv.t0, iv.t1, tl.start_s, tl.end_s)
+        a = accts[iv.learner]
+        setattr(a, f"{iv.state}_s", getattr(a, f"{iv.state}_s") + secs)
+        if iv.state in ("down", "stalled"):
+            frozen[iv.learner].append((iv.t0, iv.t1))
+    for st in tl.steps:
+        if st.learner not in accts:
+            raise ValueError(f"step of unknown learner {st.learner!r}")
+        t0, t1 = max(st.t0, tl.start_s), min(st.t1, tl.end_s)
+        if t1 <= t0:
+            continue
+        share = (t1 - t0) / (st.t1 - st.t0) if st.t1 > st.t0 else 1.0
+        frozen_s = sum(_overlap(t0, t1, f0, f1) for f0, f1 in frozen[st.learner])
+        wait = min(st.wait_s * share, t1 - t0 - frozen_s)
+        compute = max(0.0, t1 - t0 - frozen_s - wait)
+        a = accts[st.learner]
+        a.blocked_s += max(0.0, wait)
+        a.useful_s += compute * st.useful
+        a.thrown_away_s += compute * (1.0 - st.useful)
+        a.tokens_processed += st.tokens
+        a.tokens_merged += st.tokens * st.useful
+    up = uptime(tl.merges_s, tl.start_s, tl.end_s, max_gap_s)
+    return Accounting(learners=accts, uptime=up, wall_s=span)
+
+
+def availability(down: Mapping[str, Sequence[tuple[float, float]]], start_s: float, end_s: float) -> float:
+    """Mean share of ``[start_s, end_s]`` in which each slot was not down (its down intervals
+    given as ``(t0, t1)`` pairs, possibly overlapping the window's ends)."""
+    if end_s <= start_s or not down:
+        return 1.0
+    span = end_s - start_s
+    shares = [1.0 - sum(_overlap(a, b, start_s, end_s) for a, b in ivs) / span for ivs in down.values()]
+    return sum(shares) / len(shares)
+
+
+_COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "restarting": "#e67e22",
+            "stalled": "#8e44ad", "blocked": "#95a5a6"}
+
+
+def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "") -> None:
+    """Draw each slot's states over time and the merges of the global model into a PNG.
+
+    One row per learner: useful steps green, thrown-away steps red, down dark grey, restarting
+    orange, stalled purple, blocked light grey; merges are ticks on a row of their own at the top.
+    Times are shown in seconds from ``tl.start_s``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = list(tl.learners)
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * (len(rows) + 1)), dpi=100)
+    t0 = tl.start_s
+    for i, lid in enumerate(rows):
+        y = len(rows) - i
+        bars: dict[str, list[tuple[float, float]]] = {k: [] for k in _COLOURS}
+        for iv in tl.intervals:
+            if iv.learner == lid:
+                bars[iv.state].append((iv.t0 - t0, iv.t1 - iv.t0))
+        for st in tl.steps:
+            if st.learner != lid:
+                continue
+            dur = st.t1 - st.t0
+            if st.useful > 0:
+                bars["useful"].append((st.t0 - t0, dur * st.useful))
+            if st.useful < 1:
+                bars["thrown away"].append((st.t0 - t0 + dur * st.useful, dur * (1 - st.useful)))
+        for state in ("useful", "thrown away", "blocked", "restarting", "stalled", "down"):
+            if bars[state]:
+                ax.broken_barh(bars[state], (y - 0.35, 0.7), facecolors=_COLOURS[state], linewidth=0)
+    top = len(rows) + 1
+    if tl.merges_s:
+        ax.vlines([m - t0 for m in tl.merges_s], top - 0.35, top + 0.35, colors="#1f4e79", linewidth=0.6)
+    ax.set_yticks(list(range(1, top + 1)), list(reversed(rows)) + ["merges"])
+    ax.set_xlim(0, max(1e-9, tl.end_s - t0))
+    ax.set_xlabel("seconds since start")
+    ax.set_title(title or "learner timeline")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.18 if len(rows) > 3 else -0.3), ncol=len(_COLOURS), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class Recorder:
+    """Appends timeline records (one JSON object per line, ``t*`` fields in unix seconds) to a
+    file; thread-safe; every line is flushed so a SIGKILL loses at most the line being written.
+    A recorder without a path records nothing."""
+
+    def __init__(self, path: Optional[str | os.PathLike], **fixed: object) -> None:
+        self.fixed = fixed
+        self._lock = threading.Lock()
+        self._fh = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "a", buffering=1)
+
+    def record(self, kind: str, **fields: object) -> None:
+        if self._fh is None:
+            return
+        fields.setdefault("t", time.time())
+        line = json.dumps({"kind": kind, **self.fixed, **fields})
+        with self._lock:
+            self._fh.write(line + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """Records of a :class:`Recorder` file; a last line cut by a crash is skipped."""
+    out = []
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return out
+
+
+def diloco_timeline_steps(learner: str, records: Iterable[dict], merged_update_ids: set[str],
+                          fragment_shares: Sequence[float]) -> list[Step]:
+    """Steps of one DiLoCo learner with the share of each that was merged.
+
+    ``records`` are the learner's own (kinds ``ready``, ``step``, ``contribution``; each with its
+    incarnation ``inc``). A contribution of fragment p with update id u covers the ``c_steps``
+    steps up to ``last_step``; when u was merged, each of those steps gains ``fragment_shares[p]``
+    of usefulness. A restarted incarnation that resumed its inner state at step s continues from
+    s, so a step number up to s belongs to the newest earlier incarnation that ran it.
+    """
+    recs = list(records)
+    starts: dict[int, int] = {}
+    steps: dict[tuple[int, int], dict] = {}
+    for r in recs:
+        if r["kind"] == "ready":
+            starts[int(r["inc"])] = int(r["step"])
+        elif r["kind"] == "step":
+            steps[(int(r["inc"]), int(r["step"]))] = r
+    useful: dict[tuple[int, int], float] = {}
+    incs = sorted(starts)
+    for r in recs:
+        if r["kind"] != "contribution" or r["update_id"] not in merged_update_ids:
+            continue
+        inc, last, c = int(r["inc"]), int(r["last_step"]), int(r["c_steps"])
+        share = float(fragment_shares[int(r["fragment"])])
+        for s in range(last - c + 1, last + 1):
+            owner = next((i for i in reversed(incs) if i <= inc and starts[i] < s), None)
+            if owner is not None and (owner, s) in steps:
+                useful[(owner, s)] = useful.get((owner, s), 0.0) + share
+    return [Step(learner, float(r["t0"]), float(r["t1"]), int(r["tokens"]), min(1.0, useful.get(k, 0.0)))
+            for k, r in sorted(steps.items(), key=lambda kv: kv[1]["t0"])]

@@ -1,0 +1,167 @@
+"""Goodput accounting on scripted timelines with answers computed by hand (DESIGN §7), the
+DiLoCo step attribution, the timeline plot, and the chaos scenario files and schedules."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_overrides
+from diloco_async.config import load_config
+from diloco_async.timeline import (Interval, Recorder, Step, Timeline, account, availability,
+                                   diloco_timeline_steps, plot_timeline, read_records)
+
+
+def _steps(lid: str, t0: float, t1: float, dur: float = 1.0, tokens: int = 100, thrown: tuple[int, ...] = ()):
+    n = int(round((t1 - t0) / dur))
+    return [Step(lid, t0 + i * dur, t0 + (i + 1) * dur, tokens, 0.0 if i in thrown else 1.0) for i in range(n)]
+
+
+def test_two_learners_one_down_and_one_step_thrown_away():
+    # A computes 100 one-second steps, all merged. B is down 0-20 s, then computes 80 steps of which
+    # one is thrown away. Useful: 100 + 79 = 179 learner-seconds of 200 provisioned.
+    tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0)],
+                  steps=_steps("a", 0, 100) + _steps("b", 20, 100, thrown=(5,)),
+                  merges_s=[float(t) for t in range(5, 100, 5)])
+    acc = account(tl, max_gap_s=10.0)
+    assert acc.compute_goodput == pytest.approx(179 / 200)
+    assert acc.learners["a"].compute_goodput == pytest.approx(1.0)
+    assert acc.learners["b"].compute_goodput == pytest.approx(79 / 100)
+    assert acc.learners["b"].down_s == pytest.approx(20.0)
+    assert acc.learners["b"].thrown_away_s == pytest.approx(1.0)
+    assert acc.token_goodput == pytest.approx((100 + 79) * 100 / (180 * 100))
+    assert acc.availability == pytest.approx((1.0 + 0.8) / 2)
+    assert acc.uptime == pytest.approx(1.0)
+
+
+def test_stalls_waits_and_partial_merges():
+    # One learner, 10 s. Steps of 2 s: [0,2] merged; [2,4] with 0.5 s waiting on peers; [4,6]
+    # spans a stall 5-6 s; [6,8] only half merged (fragments); restarting 8-10 s.
+    steps = [Step("a", 0, 2, 10, 1.0), Step("a", 2, 4, 10, 1.0, wait_s=0.5), Step("a", 4, 6, 10, 1.0),
+             Step("a", 6, 8, 10, 0.5)]
+    tl = Timeline(["a"], 0.0, 10.0, steps=steps,
+                  intervals=[Interval("a", "stalled", 5.0, 6.0), Interval("a", "restarting", 8.0, 10.0)],
+                  merges_s=[2.0, 4.0, 6.0, 8.0])
+    a = account(tl, max_gap_s=1.0).learners["a"]
+    # useful: 2 + 1.5 + 1 (stall removed) + 1 = 5.5 ; thrown: 1 ; blocked: 0.5 ; stalled 1 ; restarting 2
+    assert a.useful_s == pytest.approx(5.5)
+    assert a.thrown_away_s == pytest.approx(1.0)
+    assert a.blocked_s == pytest.approx(0.5)
+    assert a.stalled_s == pytest.approx(1.0)
+    assert a.restarting_s == pytest.approx(2.0)
+    assert a.overhead_s == pytest.approx(0.0)
+    assert a.compute_goodput == pytest.approx(0.55)
+    assert a.tokens_merged == pytest.approx(35.0)
+    # uptime: gaps 2,2,2,2,2 each exceed 1 s by 1 s -> 5 s of 10 down
+    assert account(tl, max_gap_s=1.0).uptime == pytest.approx(0.5)
+
+
+def test_account_clips_to_the_window_and_rejects_bad_input():
+    tl = Timeline(["a"], 10.0, 20.0, steps=[Step("a", 8.0, 12.0, 4)], intervals=[Interval("a", "down", 0.0, 11.0)])
+    a = account(tl, 100.0).learners["a"]
+    assert a.down_s == pytest.approx(1.0)
+    assert a.useful_s == pytest.approx(1.0)  # 10-12 inside the window, minus 10-11 down
+    with pytest.raises(ValueError, match="unknown learner"):
+        account(Timeline(["a"], 0, 1, steps=[Step("b", 0, 1, 1)]), 1.0)
+    with pytest.raises(ValueError, match="unknown state"):
+        Interval("a", "sleeping", 0, 1)
+    with pytest.raises(ValueError, match="before it starts"):
+        Step("a", 2, 1, 1)
+    with pytest.raises(ValueError, match="before start_s"):
+        account(Timeline(["a"], 5, 1), 1.0)
+
+
+def test_availability_of_down_intervals():
+    assert availability({"a": [(0, 25)], "b": []}, 0, 100) == pytest.approx(0.875)
+    assert availability({"a": [(-10, 10), (90, 120)]}, 0, 100) == pytest.approx(0.8)
+
+
+def test_diloco_steps_follow_merged_contributions_across_a_restart(tmp_path):
+    rec0 = Recorder(tmp_path / "l.jsonl", inc=0)
+    rec0.record("ready", step=0)
+    for s in range(1, 9):
+        rec0.record("step", t0=float(s), t1=s + 0.5, step=s, tokens=10)
+    rec0.record("contribution", fragment=0, round=1, last_step=4, c_steps=4, update_id="u1")  # merged
+    rec0.record("contribution", fragment=1, round=1, last_step=6, c_steps=6, update_id="u2")  # late
+    rec0.close()
+    rec1 = Recorder(tmp_path / "l.jsonl", inc=1)  # restarted from an inner checkpoint at step 5
+    rec1.record("ready", step=5)
+    for s in range(6, 9):
+        rec1.record("step", t0=20.0 + s, t1=20.5 + s, step=s, tokens=10)
+    rec1.record("contribution", fragment=0, round=2, last_step=8, c_steps=4, update_id="u3")  # merged: 5..8
+    rec1.close()
+    with open(tmp_path / "l.jsonl", "a") as fh:
+        fh.write('{"kind": "step", "t0": 1')  # a line cut by a SIGKILL is skipped
+    recs = read_records(tmp_path / "l.jsonl")
+    steps = diloco_timeline_steps("x", recs, {"u1", "u3"}, [0.25, 0.75])
+    useful = {(st.t0 >= 20, round(st.t0) - (20 if st.t0 >= 20 else 0)): st.useful for st in steps}
+    assert useful[(False, 1)] == useful[(False, 4)] == pytest.approx(0.25)  # u1 only
+    assert useful[(False, 5)] == pytest.approx(0.25)  # owned by incarnation 0, merged through u3
+    assert useful[(False, 6)] == useful[(False, 8)] == 0.0  # lost in the crash (u2 was not merged)
+    assert useful[(True, 6)] == useful[(True, 8)] == pytest.approx(0.25)
+    assert len(steps) == 11
+
+
+def test_plot_timeline_writes_a_png(tmp_path):
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0),
+                                                      Interval("b", "restarting", 20.0, 25.0)],
+                  steps=_steps("a", 0, 100) + _steps("b", 25, 100, thrown=(3, 4)), merges_s=[10.0, 20.0, 30.0])
+    path = tmp_path / "t.png"
+    plot_timeline(tl, path, title="test")
+    img = mpimg.imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 500
+    assert len(np.unique((img[..., :3] * 255).astype(int).reshape(-1, 3), axis=0)) > 5
+
+
+def test_scenario_files_load_and_schedules_repeat():
+    for path in sorted(Path("configs/chaos").glob("*.toml")):
+        sc = load_scenario(path)
+        s1, s2 = make_schedule(sc), make_schedule(sc)
+        assert s1 == s2, path
+        for m in sc.scenario.methods:
+            load_config(sc.scenario.config, method_overrides(sc, m))  # every method's recipe is valid
+    storm = load_scenario("configs/chaos/storm.toml")
+    assert storm.scenario.slots == 8 and storm.failures.mtbf_s == 120 and storm.failures.recovery_mean_s == 30
+    assert storm.speed_factors().count(0.5) == 1
+
+
+def test_schedule_statistics_match_the_failure_model():
+    raw = {"scenario": {"name": "x", "slots": 200, "wall_s": 3000.0, "eval_tokens": 1, "seed": 3},
+           "failures": {"mtbf_s": 120.0, "recovery": "exponential", "recovery_mean_s": 30.0}}
+    sched = make_schedule(Scenario.model_validate(raw))
+    fails = [e for e in sched.events if e.kind == "fail"]
+    mean_down = sum(e.duration_s for e in fails) / len(fails)
+    assert mean_down == pytest.approx(30.0, rel=0.1)
+    assert sched.availability() == pytest.approx(120 / 150, abs=0.02)
+    other = make_schedule(Scenario.model_validate({**raw, "scenario": {**raw["scenario"], "seed": 4}}))
+    assert other != sched
+
+
+def test_bad_scenarios_name_the_field(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 10\neval_tokens = 5\n[stragglers]\nspeed = { "5" = 0.5 }\n')
+    with pytest.raises(ValueError, match="slot '5'"):
+        load_scenario(p)
+    p.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 10\neval_tokens = 5\nmethods = ["ddp", "magic"]\n')
+    with pytest.raises(ValueError, match="scenario.methods"):
+        load_scenario(p)
+    p.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 10\neval_tokens = 5\n[failures]\nmtbf = 3\n')
+    with pytest.raises(ValueError, match="failures.mtbf"):
+        load_scenario(p)
+    with pytest.raises(ValueError, match="unknown method"):
+        method_overrides(load_scenario("configs/chaos/storm.toml"), "allreduce")
+
+
+def test_recorder_lines_are_json(tmp_path):
+    r = Recorder(tmp_path / "x" / "r.jsonl", inc=2)
+    r.record("step", t0=1.0, t1=2.0, step=1, tokens=3)
+    r.close()
+    line = json.loads((tmp_path / "x" / "r.jsonl").read_text())
+    assert line["kind"] == "step" and line["inc"] == 2 and math.isfinite(line["t"])
+    Recorder(None).record("step")  # records nothing, raises nothing
