@@ -162,7 +162,9 @@ class DdpGroup:
 
     def terminate_all(self, grace_s: float = 30.0) -> dict[int, Optional[int]]:
         """SIGTERM every rank (all stop after the same step; rank 0 writes a final checkpoint), wait
-        up to ``grace_s`` in all, SIGKILL what is left. Returns rank -> exit code."""
+        up to ``grace_s`` in all, SIGKILL what is left. Returns rank -> exit code: 0 for a clean
+        stop; -15 for a rank still importing (its handler not installed yet; it had done no step);
+        4 for a rank whose peer died first."""
         for r in self.handles:
             self._signal(r, signal.SIGCONT)  # a frozen rank could not act on SIGTERM
             self._signal(r, signal.SIGTERM)
