@@ -145,6 +145,11 @@ class LearnerConfig(_Section):
         0.0, ge=0, lt=1, description="Chance that a control message (heartbeat, announce) is dropped before sending."
     )
     control_delay_s: float = Field(0.0, ge=0, description="Mean extra delay of a control message (exponential), seconds.")
+    nice_after_ready: int = Field(
+        0, ge=0, le=19,
+        description="Lower the process priority by this much once ready to train (chaos runs that emulate many "
+                    "machines on one host: a restarting learner's start-up is then not slowed by the others' training).",
+    )
     storage_faults: dict[str, Any] = Field(
         default_factory=dict,
         description="FaultPlan arguments (p_transient, p_hang, p_slow, slow_s, hold_s, ops) for the learners' store.",
@@ -309,7 +314,8 @@ _OPERATIONAL = {
     "data": ("cache_dir",),
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
                  "restart_delay_s", "max_restarts",
-                 "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults"),
+                 "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
+                 "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints", "storage_timeout_s",
                      "client_max_size_bytes"),
 }

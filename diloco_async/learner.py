@@ -438,12 +438,14 @@ class Learner:
         self._state_seq = max(list_state_seqs(self.store, self._state_prefix), default=0)
         counters: dict[int, tuple[int, int, float]] = {}
         start_step = jr.start_step
+        restored_step = 0  # steps up to here are in the restored inner state (timeline attribution)
         if saved is not None:
             # The base copies come from the saved state, never from the weights present now (C03).
             local_step, base_tensors, versions, counters = restore_inner(
                 InnerState(saved.tensors, saved.manifest["inner"]), params, opt, gen)
             self.base.update(versions)
             start_step = max(start_step, local_step)
+            restored_step = local_step
             log.info("%s restored its inner state from checkpoint %d (step %d, bases %s)", self.learner_id,
                      saved.seq, local_step, versions)
         else:
@@ -460,7 +462,9 @@ class Learner:
         shard = corpus.shard(self.index, cfg.learners.count)
         log.info("%s ready: shard %d/%d of %d bytes, %d parameters, versions %s", self.learner_id, self.index,
                  cfg.learners.count, len(shard), sum(p.numel() for p in params.values()), self.base)
-        self.recorder.record("ready", step=start_step)
+        if cfg.learners.nice_after_ready:
+            os.nice(cfg.learners.nice_after_ready)
+        self.recorder.record("ready", step=start_step, restored=restored_step)
         self._train(cfg, model, params, opt, gen, base_tensors, counters, start_step, shard)
         self.stop_event.set()
         self._comms_thread.join(timeout=10)

@@ -420,6 +420,9 @@ class Synchronizer:
         info = self.learners.get(req.learner_id)
         start_step = info.step if info is not None else 0
         if info is None or req.incarnation != info.incarnation:
+            # A (re)starting learner takes the newest versions, so it continues at the global step
+            # at least: behind it, it would hold the schedule back once the learners ahead are gone.
+            start_step = max(start_step, self._g or 0)
             started = now - req.uptime_s
             if info is not None:
                 started = info.started_s  # the slot was provisioned since its first start

@@ -328,29 +328,53 @@ def diloco_timeline_steps(learner: str, records: Iterable[dict], merged_update_i
     """Steps of one DiLoCo learner with the share of each that was merged.
 
     ``records`` are the learner's own (kinds ``ready``, ``step``, ``contribution``; each with its
-    incarnation ``inc``). A contribution of fragment p with update id u covers the ``c_steps``
-    steps up to ``last_step``; when u was merged, each of those steps gains ``fragment_shares[p]``
-    of usefulness. A restarted incarnation that resumed its inner state at step s continues from
-    s, so a step number up to s belongs to the newest earlier incarnation that ran it.
+    incarnation ``inc``). Incarnation j numbers its steps from its ``ready`` record's ``step``
+    (exclusive); its inner state may have been restored at step ``restored`` (default: ``step``),
+    so the progress it starts from is that of the earlier incarnations' steps up to ``restored``.
+    A contribution of fragment p with update id u carries the ``c_steps`` steps up to
+    ``last_step``: the newest of them run by this incarnation, the rest restored ones. When u was
+    merged, each of those steps gains ``fragment_shares[p]`` of usefulness.
     """
     recs = list(records)
     starts: dict[int, int] = {}
+    restored: dict[int, int] = {}
     steps: dict[tuple[int, int], dict] = {}
     for r in recs:
         if r["kind"] == "ready":
             starts[int(r["inc"])] = int(r["step"])
+            restored[int(r["inc"])] = int(r.get("restored", r["step"]))
         elif r["kind"] == "step":
             steps[(int(r["inc"]), int(r["step"]))] = r
-    useful: dict[tuple[int, int], float] = {}
     incs = sorted(starts)
+
+    def previous(j: int) -> Optional[int]:
+        earlier = [i for i in incs if i < j]
+        return earlier[-1] if earlier else None
+
+    def owner(s: int, j: Optional[int]) -> Optional[int]:
+        """The incarnation whose step s is part of incarnation j's progress (None: not part)."""
+        while j is not None:
+            if s > starts[j]:
+                return j if (j, s) in steps else None
+            if s > restored[j]:
+                return None  # numbered past by a restart, never run on this lineage
+            j = previous(j)
+        return None
+
+    useful: dict[tuple[int, int], float] = {}
     for r in recs:
         if r["kind"] != "contribution" or r["update_id"] not in merged_update_ids:
             continue
-        inc, last, c = int(r["inc"]), int(r["last_step"]), int(r["c_steps"])
+        j, last, c = int(r["inc"]), int(r["last_step"]), int(r["c_steps"])
+        if j not in starts:
+            continue
         share = float(fragment_shares[int(r["fragment"])])
-        for s in range(last - c + 1, last + 1):
-            owner = next((i for i in reversed(incs) if i <= inc and starts[i] < s), None)
-            if owner is not None and (owner, s) in steps:
-                useful[(owner, s)] = useful.get((owner, s), 0.0) + share
+        first_new = max(starts[j], last - c)
+        covered = [(j, s) for s in range(first_new + 1, last + 1) if (j, s) in steps]
+        n_old = c - (last - first_new)
+        covered += [(o, s) for s in range(restored[j] - n_old + 1, restored[j] + 1)
+                    if (o := owner(s, previous(j))) is not None]
+        for key in covered:
+            useful[key] = useful.get(key, 0.0) + share
     return [Step(learner, float(r["t0"]), float(r["t1"]), int(r["tokens"]), min(1.0, useful.get(k, 0.0)))
             for k, r in sorted(steps.items(), key=lambda kv: kv[1]["t0"])]

@@ -149,11 +149,17 @@ class _Snapshot:
     load: Callable[[], ByteGPT]
 
 
+def _initial_model(cfg: Config) -> ByteGPT:
+    from diloco_async.synchronizer import initial_parameters
+
+    model = ByteGPT(cfg.model)
+    model.load_state_dict(initial_parameters(cfg)[0], strict=False)
+    return model
+
+
 def _eval_at(snaps: list[_Snapshot], cfg: Config, batches, eval_tokens: int) -> tuple[float, Optional[float]]:
     """Loss of the last snapshot (equal wall time) and at ``eval_tokens`` tokens, linearly
     interpolated in tokens between the two snapshots around it (None if never reached)."""
-    if not snaps:
-        raise RuntimeError("no checkpoint to evaluate")
     cache: dict[int, float] = {}
 
     def loss(i: int) -> float:
@@ -296,7 +302,9 @@ def _restarting_intervals(lid: str, launches: list[float], recs: list[dict], int
 # ---------------------------------------------------------------- DDP baseline -------------------
 
 def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[Timeline, list[_Snapshot], Config, _Slots]:
-    from diloco_async.baselines.ddp import DdpGroup, ddp_checkpoints, load_ddp_model
+    from diloco_async.baselines.ddp import ddp_checkpoints, load_ddp_model
+    from diloco_async.baselines.ddp_group import DdpGroup
+    from storage.store import ObjectStore
     from diloco_async.synchronizer import new_run_id
 
     s = sc.scenario
@@ -304,9 +312,11 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
     cfg = load_config(s.config, overrides)
     run_id = new_run_id()
     workdir = Path(cfg.run.workdir).resolve() / run_id
-    group = DdpGroup(config=s.config, overrides=overrides, world_size=s.slots, run_id=run_id, store_url=cfg.run.store,
+    store = ObjectStore(cfg.run.store, cfg.run.storage_options)
+    group = DdpGroup(config=s.config, overrides=overrides, world_size=s.slots, run_id=run_id, store=store.url,
                      workdir=workdir, speeds=sc.speed_factors(), jitter=sc.stragglers.jitter,
-                     checkpoint_every_steps=sc.ddp.checkpoint_every_steps)
+                     checkpoint_every_steps=sc.ddp.checkpoint_every_steps,
+                     storage_options=cfg.run.storage_options)
     slots = _Slots(s.slots)
     state = {"running": False, "incarnation": 0}
     up_at = {i: 0.0 for i in range(s.slots)}
@@ -395,17 +405,16 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
         group.kill_all()
     # -- timeline: a step survives if the next incarnation resumed from a checkpoint at or after it
     steps: list[Step] = []
-    ckpts = ddp_checkpoints(group.store, run_id)
-    final_step = max((c[0] for c in ckpts), default=0)
+    ckpts = ddp_checkpoints(store, run_id)
+    final_step = max((c.step for c in ckpts), default=0)
     for i in range(s.slots):
         recs = read_records(workdir / "timeline" / f"ddp-rank-{i}.jsonl")
         by_inc: dict[int, list[dict]] = {}
         readies: dict[int, int] = {}
         inc = -1
         for r in recs:
-            if r["kind"] == "start":
-                inc = int(r["incarnation"])
-            elif r["kind"] == "ready":
+            inc = int(r.get("incarnation", inc))
+            if r["kind"] == "ready":
                 readies[inc] = int(r["step"])
             elif r["kind"] == "step":
                 by_inc.setdefault(inc, []).append(r)
@@ -422,8 +431,8 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
     merges = sorted(st.t1 for st in steps if st.learner == "slot-0" and st.useful > 0)
     tl = Timeline(learners=[f"slot-{i}" for i in range(s.slots)], start_s=t_start, end_s=t_end,
                   intervals=list(slots.intervals), steps=steps, merges_s=merges)
-    snaps = [_Snapshot(t_unix, float(tokens), lambda step=step: load_ddp_model(cfg, group.store, run_id, step))
-             for step, tokens, t_unix, _key in ckpts]
+    snaps = [_Snapshot(c.wall_unix, float(c.tokens_committed), lambda c=c: load_ddp_model(cfg, store, c))
+             for c in ckpts]
     return tl, snaps, cfg, slots
 
 
@@ -447,6 +456,7 @@ def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: Mlf
         typical = sorted(step_s)[len(step_s) // 2] if step_s else 1.0
         max_gap = max(5.0, 4 * typical * cfg.synchronizer.sync_every / max(1, cfg.synchronizer.num_fragments))
         acc = account(tl, max_gap)
+        snaps = [_Snapshot(tl.start_s, 0.0, lambda: _initial_model(cfg))] + snaps  # Θ^0, the same for all
         eq_time, eq_tokens = _eval_at(snaps, cfg, batches, s.eval_tokens)
         png = outdir / f"timeline-{method}.png"
         plot_timeline(tl, png, title=f"{s.name}: {method} (compute goodput {acc.compute_goodput:.3f})")

@@ -165,3 +165,25 @@ def test_recorder_lines_are_json(tmp_path):
     line = json.loads((tmp_path / "x" / "r.jsonl").read_text())
     assert line["kind"] == "step" and line["inc"] == 2 and math.isfinite(line["t"])
     Recorder(None).record("step")  # records nothing, raises nothing
+
+
+def test_diloco_steps_after_a_restore_and_a_jump_to_the_global_step(tmp_path):
+    # incarnation 0 ran steps 1..10 and saved its inner state at step 6; it was killed; the
+    # restart resumed that state but continues numbering at the global step 20.
+    rec = Recorder(tmp_path / "l.jsonl", inc=0)
+    rec.record("ready", step=0, restored=0)
+    for s in range(1, 11):
+        rec.record("step", t0=float(s), t1=s + 0.5, step=s, tokens=10)
+    rec.close()
+    rec = Recorder(tmp_path / "l.jsonl", inc=1)
+    rec.record("ready", step=20, restored=6)
+    for s in range(21, 25):
+        rec.record("step", t0=100.0 + s, t1=100.5 + s, step=s, tokens=10)
+    # 6 restored steps (1..6 of incarnation 0) + 4 new ones (21..24)
+    rec.record("contribution", fragment=0, round=3, last_step=24, c_steps=10, update_id="u")
+    rec.close()
+    steps = diloco_timeline_steps("x", read_records(tmp_path / "l.jsonl"), {"u"}, [1.0])
+    useful = {round(st.t0): st.useful for st in steps}
+    assert [useful[s] for s in range(1, 7)] == [1.0] * 6
+    assert [useful[s] for s in range(7, 11)] == [0.0] * 4  # lost: after the saved state
+    assert [useful[100 + s] for s in range(21, 25)] == [1.0] * 4

@@ -354,6 +354,8 @@ class _Rank:
 
         log.info("rank %d/%d ready at step %d: shard of %d bytes, %d parameters", self.rank, self.world,
                  self.step, len(shard), sum(numels))
+        if cfg.learners.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
+            os.nice(cfg.learners.nice_after_ready)
         self.timeline.write("ready", t=time.time(), step=self.step)
         reason: Optional[str] = None
         while True:
