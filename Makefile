@@ -12,7 +12,29 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION ?= false
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT ?= false
 
-.PHONY: setup data run test bench ui clean
+# make ui / make ui-screenshot: the tracking database `make run` logs to (tracking.mlflow_uri) and the
+# artifact root of experiments created in the UI (runs keep the artifact location they recorded)
+MLFLOW_DB        ?= .local/mlflow.db
+MLFLOW_ARTIFACTS ?= .local/store/mlartifacts
+MLFLOW_PORT      ?= 5000
+PREFECT_PORT     ?= 4200
+MLFLOW_ARTIFACTS_URI = $(if $(findstring ://,$(MLFLOW_ARTIFACTS)),$(MLFLOW_ARTIFACTS),file://$(abspath $(MLFLOW_ARTIFACTS)))
+
+# waits until every URL answers (180 s at most)
+define WAIT_HTTP
+import sys, time, urllib.request
+deadline = time.time() + 180
+for url in sys.argv[1:]:
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).read(); break
+        except Exception:
+            if time.time() > deadline: sys.exit(f"no answer from {url}; see .local/*-server.log")
+            time.sleep(0.5)
+endef
+export WAIT_HTTP
+
+.PHONY: setup data run test bench ui ui-screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -38,15 +60,28 @@ test: data
 bench: data
 	$(PY) -m benchmarks.run
 
-## ui: MLflow UI (sqlite .local/mlflow.db, artifacts .local/mlartifacts) and the Prefect UI; Ctrl-C stops both
+## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
+##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both
 ui: setup
-	@mkdir -p .local/prefect .local/mlartifacts
-	@echo "MLflow UI:  http://127.0.0.1:5000"
-	@echo "Prefect UI: http://127.0.0.1:4200  (runs of a train started with PREFECT_API_URL=http://127.0.0.1:4200/api)"
+	@mkdir -p $(PREFECT_HOME) $(dir $(MLFLOW_DB)) $(if $(findstring ://,$(MLFLOW_ARTIFACTS)),,$(MLFLOW_ARTIFACTS))
 	@trap 'kill 0' INT TERM EXIT; \
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 > .local/prefect-server.log 2>&1 & \
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/.local/mlflow.db \
-	    --default-artifact-root $(CURDIR)/.local/mlartifacts --host 127.0.0.1 --port 5000 --workers 1
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > .local/prefect-server.log 2>&1 & \
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
+	    --backend-store-uri sqlite:///$(abspath $(MLFLOW_DB)) \
+	    --default-artifact-root $(MLFLOW_ARTIFACTS_URI) --artifacts-destination $(MLFLOW_ARTIFACTS_URI) \
+	    --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1 > .local/mlflow-server.log 2>&1 & \
+	$(PY) -c "$$WAIT_HTTP" http://127.0.0.1:$(MLFLOW_PORT)/health http://127.0.0.1:$(PREFECT_PORT)/api/health || exit 1; \
+	echo "MLflow UI:  http://127.0.0.1:$(MLFLOW_PORT)  (experiment diloco-async; sqlite $(MLFLOW_DB), artifacts $(MLFLOW_ARTIFACTS); log .local/mlflow-server.log)"; \
+	echo "Prefect UI: http://127.0.0.1:$(PREFECT_PORT)  (flow runs of make run; log .local/prefect-server.log)"; \
+	echo "Ctrl-C stops both."; \
+	wait
+
+## ui-screenshot: headless Chromium screenshots of the newest run's page and its metric charts, in
+##     .local/screenshots (MLFLOW_URL=http://127.0.0.1:5000 to use a running `make ui`; RUN_ID=... for one run)
+ui-screenshot: setup
+	$(PY) scripts/mlflow_screenshot.py --out .local/screenshots --expect eval/loss --expect goodput/compute \
+	    $(if $(MLFLOW_URL),--url $(MLFLOW_URL),--db $(MLFLOW_DB) --artifact-root $(MLFLOW_ARTIFACTS)) \
+	    $(if $(RUN_ID),--run-id $(RUN_ID))
 
 clean:
 	rm -rf .local
