@@ -1,8 +1,13 @@
-"""Prefect flow ``train``: a whole Decoupled DiLoCo run on this machine.
+"""Prefect flow ``train``: a whole Decoupled DiLoCo run.
 
-Starts the synchronizer and M learner processes through a launcher, pulls the synchronizer's
-metric stream into MLflow while they train, evaluates the final global model on held-out text
-and prints a summary. Cancelling or failing the flow stops every process it started.
+Starts the synchronizer (a subprocess of the flow run) and M learners through a launcher, pulls
+the synchronizer's metric stream into MLflow while they train, restarts learners that die
+(supervision), evaluates the final global model on held-out text and prints a summary.
+
+Launchers (``run.launcher``): ``local`` (default) runs each learner as a subprocess of this flow
+run; ``deployments`` creates one flow run of the ``learner/{region}`` deployment per learner on
+its region's work pool (see prefect.yaml). Cancelling or failing the flow stops every process it
+started and cancels every learner flow run it created.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from diloco_async.model import ByteGPT
 from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
 from diloco_async.synchronizer import initial_parameters, new_run_id
 from flows.artifacts import log_run_artifacts
-from flows.launcher import LocalProcess, LocalProcessLauncher, wait_for_ready_file
+from flows.launcher import (DeploymentLauncher, LocalProcess, LocalProcessLauncher, Restart, Supervisor,
+                            wait_for_ready_file)
 from flows.tracking import MlflowSink, flatten_params
 from diloco_async.server import open_checkpoint
 from storage import keys
@@ -76,9 +82,28 @@ class TrainingRun:
         self.launcher = LocalProcessLauncher(self.workdir / "logs")
         self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options)}
         self.sync: Optional[LocalProcess] = None
-        self.learners: dict[str, LocalProcess] = {}
+        self.learners: dict[str, Any] = {}  # learner id -> LocalProcess or FlowRunHandle (newest incarnation)
+        self.retired: list[Any] = []  # handles of earlier incarnations
         self.sync_url: Optional[str] = None
         self.metrics_next = 0
+        self.finished_cleanly = False
+        self.deployer: Optional[DeploymentLauncher] = None
+        if cfg.run.launcher == "deployments":
+            from prefect.runtime import flow_run
+
+            tags = ["diloco", f"diloco-run:{self.run_id}"]
+            if flow_run.id:
+                tags.append(f"train-flow-run:{flow_run.id}")
+            self.deployer = DeploymentLauncher(cfg.run.learner_deployment, cfg.run.regions, self.env, tags)
+        self.supervisor = Supervisor(start=self._spawn_learner, restart_delay_s=cfg.learners.restart_delay_s,
+                                     max_restarts=cfg.learners.max_restarts, log=self._log)
+
+    @staticmethod
+    def _log(line: str) -> None:
+        try:
+            get_run_logger().warning("%s", line)
+        except Exception:  # noqa: BLE001 - outside a flow run
+            log.warning("%s", line)
 
     def _config_args(self) -> list[str]:
         args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
@@ -96,12 +121,34 @@ class TrainingRun:
         self.sync_url, self.epoch = info["url"], info["epoch"]
         return self.sync_url
 
-    def start_learner(self, index: int, incarnation: int = 0) -> LocalProcess:
+    def _spawn_learner(self, index: int, incarnation: int) -> Any:
         lid = f"learner-{index}"
-        argv = ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(index),
-                "--sync-url", str(self.sync_url), "--store", self.store.url, "--incarnation", str(incarnation)]
-        self.learners[lid] = self.launcher.start(lid, argv, self.env)
-        return self.learners[lid]
+        if lid in self.learners:
+            self.retired.append(self.learners[lid])
+        if self.deployer is not None:
+            handle = self.deployer.start_learner(index, incarnation, {
+                "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id})
+        else:
+            argv = ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(index),
+                    "--sync-url", str(self.sync_url), "--store", self.store.url, "--incarnation", str(incarnation)]
+            handle = self.launcher.start(lid, argv, self.env)
+        self.learners[lid] = handle
+        return handle
+
+    def start_learner(self, index: int, incarnation: int = 0) -> Any:
+        """Start learner ``index`` (a subprocess, or a flow run with ``run.launcher = "deployments"``)
+        and supervise it: if it dies while the synchronizer runs it is restarted (see :meth:`supervise`).
+
+        Raises:
+            RuntimeError: with the deployments launcher, the learner deployment does not exist.
+        """
+        return self.supervisor.launch(index, incarnation)
+
+    def supervise(self) -> list[Restart]:
+        """Restart learners that died (non-zero exit, signal, crashed or failed flow run) after
+        ``learners.restart_delay_s`` seconds, as their next incarnation. Call it while the
+        synchronizer runs; returns the restarts made by this call."""
+        return self.supervisor.check()
 
     def pull_metrics(self) -> list[dict]:
         """New metric points from the synchronizer; [] when it is not answering."""
@@ -133,12 +180,44 @@ class TrainingRun:
         return rest
 
     def stop_all(self) -> None:
+        """Stop every learner and the synchronizer.
+
+        After a clean end (the synchronizer exited 0) learners get up to 30 s to finish on their
+        own; otherwise (failure, cancellation) learner flow runs are cancelled at once, then the
+        synchronizer gets SIGTERM (final checkpoint) and 10 s before SIGKILL."""
+        handles = self.retired + list(self.learners.values())
+        if self.finished_cleanly:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and any(h.poll() is None for h in handles):
+                time.sleep(0.5)
+        for handle in handles:  # cancel every learner flow run first: their workers stop them in parallel
+            if hasattr(handle, "request_cancel"):
+                handle.request_cancel()
         for handle in list(self.learners.values()) + ([self.sync] if self.sync else []):
+            if hasattr(handle, "request_cancel"):
+                continue  # a flow run is stopped by its worker; nothing to wait for here
             handle.terminate(grace_s=10.0)
+
+    def learner_flow_runs(self) -> list[dict]:
+        """Every learner flow run this run created (deployments launcher), oldest first."""
+        out = []
+        for h in self.retired + list(self.learners.values()):
+            if hasattr(h, "flow_run_id"):
+                out.append({"learner_id": h.name, "incarnation": h.incarnation, "flow_run_id": str(h.flow_run_id),
+                            "flow_run_name": h.flow_run_name, "deployment": h.deployment, "state": h.refresh()})
+        return out
+
+
+def _log_restarts(run: TrainingRun, sink: MlflowSink, restarts: list[Restart]) -> None:
+    for r in restarts:
+        n = len(run.supervisor.restarts)
+        sink.log_metric("flow/learner_restarts", n, n)
+        get_run_logger().warning("learner-%d restarted as incarnation %d (%s); %d restarts so far",
+                                 r.index, r.incarnation, r.reason, n)
 
 
 def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
-    """Pull metrics into MLflow until the synchronizer exits; show progress."""
+    """Pull metrics into MLflow until the synchronizer exits; restart learners that die; show progress."""
     cfg = run.cfg
     total_tokens = cfg.budget.tokens
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -160,7 +239,13 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
                     last_print = time.monotonic()
                     print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
                           f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
-            time.sleep(cfg.tracking.poll_s)
+            if run.sync.poll() is None:  # supervise only while the synchronizer is still running
+                _log_restarts(run, sink, run.supervise())
+            pause = cfg.tracking.poll_s
+            due = run.supervisor.next_due()
+            if due is not None:
+                pause = min(pause, max(0.05, due - time.monotonic()))
+            time.sleep(pause)
     sink.log_points(run.pull_metrics())
 
 
@@ -201,6 +286,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
         run.start_learner(i, incarnations.get(i, 0))
     _watch(run, sink, console)
     code = run.sync.wait() if run.sync else None
+    run.finished_cleanly = code == 0
     if code != 0:
         raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path if run.sync else '?'}")
     sink.log_points(run.remaining_metrics_from_store())
@@ -212,7 +298,10 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     eval_final = evaluate(cfg, final_model)
     summary.update(eval_loss_initial=eval_start, eval_loss_final=eval_final,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
-                   checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"))
+                   checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"), launcher=cfg.run.launcher,
+                   learner_restarts=len(run.supervisor.restarts),
+                   restarts=[{"learner": f"learner-{r.index}", "incarnation": r.incarnation, "reason": r.reason}
+                             for r in run.supervisor.restarts])
     step = int(summary["merges"])
     sink.log_metric("eval/loss", eval_final, step)
     sink.log_metric("eval/final_loss", eval_final, step)
@@ -222,6 +311,13 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     console.print(_summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",
                 run.run_id, eval_start, eval_final, summary["compute_goodput"])
+    return summary
+
+
+def _with_flow_runs(run: TrainingRun, summary: dict) -> dict:
+    """Add the learner flow runs (deployments launcher) and their final states to a summary."""
+    if run.deployer is not None:
+        summary["learner_flow_runs"] = run.learner_flow_runs()
     return summary
 
 
@@ -254,10 +350,14 @@ def train(config: Optional[str] = "configs/default.toml", overrides: Optional[li
         summary = _execute(run, sink, eval_initial, {})
         sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
         status = "FINISHED"
-        return summary
+    except BaseException as err:
+        if not isinstance(err, Exception):  # cancelled (TerminationSignal), Ctrl-C, SystemExit
+            status = "KILLED"
+        raise
     finally:
         run.stop_all()
         sink.end(status)
+    return _with_flow_runs(run, summary)
 
 
 @flow(name="resume", log_prints=True)
@@ -289,10 +389,14 @@ def resume(checkpoint_url: str, config: Optional[str] = None, overrides: Optiona
                         for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
         summary = _execute(run, sink, eval_start, incarnations)
         status = "FINISHED"
-        return summary
+    except BaseException as err:
+        if not isinstance(err, Exception):
+            status = "KILLED"
+        raise
     finally:
         run.stop_all()
         sink.end(status)
+    return _with_flow_runs(run, summary)
 
 
 def _report(summary: dict) -> None:
