@@ -14,7 +14,7 @@ batch size per rank (``learners.batch_size``). One step: sample, forward, backwa
 emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``; ``--speed``/``--jitter``
 default to ``learners.speed_factors[r]``/``learners.step_jitter``; the jitter RNG is seeded like
 learner r's), all-reduce the averaged
-gradients (one flat fp32 buffer whose last element is the stop flag), clip, AdamW step.
+gradients (one flat fp32 buffer whose last two elements are the stop flags), clip, AdamW step.
 
 Checkpoints are ``torchrun``-style: every ``--checkpoint-every-steps`` steps rank 0 writes the
 parameters, the AdamW state, the step and the tokens committed under
@@ -376,7 +376,8 @@ class _Rank:
             delay = emulated_delay_s(time.perf_counter() - c0, speed, jitter, jitter_rng)
             if delay > 0:
                 time.sleep(delay)
-            flag = torch.tensor([1.0 if self.stop.reason else 0.0])
+            # stop flags travel with the gradients: [asked by a signal, asked by the clock]
+            flag = torch.tensor([float(self.stop.reason == "signal"), float(self.stop.reason == "stop_at")])
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in plist]
                              + [flag])
             w0 = time.perf_counter()
@@ -385,8 +386,8 @@ class _Rank:
             except Exception as err:
                 self.fail("lost a peer", err, EXIT_PEER_LOST)
             wait_s = time.perf_counter() - w0
-            stop_now = flat[-1].item() > 0
-            flat = flat[:-1].div_(self.world)
+            by_signal, by_clock = flat[-2].item() > 0, flat[-1].item() > 0
+            flat = flat[:-2].div_(self.world)
             with torch.no_grad():
                 for p, g in zip(plist, flat.split(numels)):
                     p.grad = g.view_as(p)
@@ -398,8 +399,8 @@ class _Rank:
                                 tokens=lc.batch_size * cfg.model.context, loss=float(loss.detach()))
             if self.rank == 0 and a.checkpoint_every_steps > 0 and self.step % a.checkpoint_every_steps == 0:
                 checkpoint()
-            if stop_now:
-                reason = self.stop.reason or "signal"  # a peer asked; its reason is not carried
+            if by_signal or by_clock:  # every rank sees the same flags: the same step, the same reason
+                reason = "signal" if by_signal else "stop_at"
                 break
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already; a late SIGTERM must not kill the exit
         if self.rank == 0 and last_ckpt_step != self.step:
