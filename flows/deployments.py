@@ -32,9 +32,13 @@ from typing import Any, Optional
 
 from prefect import flow, get_run_logger
 
-from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
+# Only Prefect at import time: on cancellation the process worker imports this module again in a
+# separate process to run on_cancellation hooks, and the flow run reads Cancelled only after that.
+# torch and the rest load inside the flows.
+TOKEN_ENV = "DILOCO_RUN_TOKEN"  # = diloco_async.server.TOKEN_ENV
+STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"  # = diloco_async.server.STORAGE_OPTIONS_ENV
 
-__all__ = ["learner", "synchronizer", "checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV"]
+__all__ = ["learner", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV"]
 
 SYNC_URL_ENV = "DILOCO_SYNC_URL"
 STORE_URL_ENV = "DILOCO_STORE_URL"
@@ -176,8 +180,8 @@ def _post_json(url: str, token: str, timeout_s: float) -> dict:
         raise RuntimeError(f"POST {url} answered {err.code}: {body}") from None
 
 
-@flow(name="checkpoint", log_prints=True)
-def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, timeout_s: float = 300.0) -> dict:
+def request_checkpoint(sync_url: str, store_url: str, token: str, storage_options: Optional[dict] = None,
+                       timeout_s: float = 300.0) -> dict:
     """Ask a running synchronizer for a checkpoint now, then verify the newest one in the store.
 
     The run id comes from the synchronizer (``GET /health``); the checkpoint is loaded back with
@@ -185,8 +189,10 @@ def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, 
     against the manifest.
 
     Args:
-        sync_url: the synchronizer's base URL; default: ``$DILOCO_SYNC_URL``.
-        store_url: the run's object-store root; default: ``$DILOCO_STORE_URL``.
+        sync_url: the synchronizer's base URL.
+        store_url: the run's object-store root.
+        token: the run's bearer token.
+        storage_options: fsspec options of the store.
         timeout_s: seconds to wait for the synchronizer to write the checkpoint.
 
     Returns:
@@ -194,32 +200,50 @@ def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, 
         newest one that verifies (equal unless a newer one appeared meanwhile).
 
     Raises:
-        ValueError: no synchronizer URL or store URL, or ``DILOCO_RUN_TOKEN`` missing.
-        RuntimeError: the synchronizer refused or failed the checkpoint, or no checkpoint at least
-            as new as the one it reported verifies in the store.
+        RuntimeError: the synchronizer refused or failed the checkpoint (e.g. a wrong token:
+            401), or no checkpoint at least as new as the one it reported verifies in the store.
         urllib.error.URLError: the synchronizer is not reachable.
     """
     from storage.checkpoint import latest_checkpoint
     from storage.store import ObjectStore
 
-    logger = get_run_logger()
-    sync_url = (sync_url or os.environ.get(SYNC_URL_ENV, "")).rstrip("/")
-    store_url = store_url or os.environ.get(STORE_URL_ENV, "")
-    if not sync_url:
-        raise ValueError(f"no synchronizer URL: pass sync_url or set {SYNC_URL_ENV}")
-    if not store_url:
-        raise ValueError(f"no store URL: pass store_url or set {STORE_URL_ENV}")
-    token = _require_token()
+    sync_url = sync_url.rstrip("/")
     with urllib.request.urlopen(f"{sync_url}/health", timeout=10) as resp:
         run_id = json.loads(resp.read())["run_id"]
     result = _post_json(f"{sync_url}/checkpoint", token, timeout_s)
     if not result.get("ok"):
         raise RuntimeError(f"synchronizer of run {run_id} could not write a checkpoint: {result.get('reason')}")
     seq = int(result["seq"])
-    ckpt = latest_checkpoint(ObjectStore(store_url, _storage_options()), run_id)
+    ckpt = latest_checkpoint(ObjectStore(store_url, storage_options or {}), run_id)
     if ckpt is None or ckpt.seq < seq:
         raise RuntimeError(f"checkpoint {seq} of run {run_id} was reported written but the newest verified "
                            f"checkpoint in {store_url} is {None if ckpt is None else ckpt.seq}")
-    versions = ckpt.manifest.get("versions")
-    logger.info("run %s: checkpoint %d written and verified (newest verified: %d)", run_id, seq, ckpt.seq)
-    return {"run_id": run_id, "seq": seq, "verified_seq": ckpt.seq, "versions": versions}
+    return {"run_id": run_id, "seq": seq, "verified_seq": ckpt.seq, "versions": ckpt.manifest.get("versions")}
+
+
+@flow(name="checkpoint", log_prints=True)
+def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, timeout_s: float = 300.0) -> dict:
+    """Ask a running synchronizer for a checkpoint now and verify the newest one in the store
+    (see :func:`request_checkpoint`); the token is ``$DILOCO_RUN_TOKEN``.
+
+    Args:
+        sync_url: the synchronizer's base URL; default: ``$DILOCO_SYNC_URL``.
+        store_url: the run's object-store root; default: ``$DILOCO_STORE_URL``.
+        timeout_s: seconds to wait for the synchronizer to write the checkpoint.
+
+    Raises:
+        ValueError: no synchronizer URL or store URL, or ``DILOCO_RUN_TOKEN`` missing.
+        RuntimeError: the checkpoint failed or does not verify (see :func:`request_checkpoint`).
+        urllib.error.URLError: the synchronizer is not reachable.
+    """
+    logger = get_run_logger()
+    sync_url = sync_url or os.environ.get(SYNC_URL_ENV, "")
+    store_url = store_url or os.environ.get(STORE_URL_ENV, "")
+    if not sync_url:
+        raise ValueError(f"no synchronizer URL: pass sync_url or set {SYNC_URL_ENV}")
+    if not store_url:
+        raise ValueError(f"no store URL: pass store_url or set {STORE_URL_ENV}")
+    out = request_checkpoint(sync_url, store_url, _require_token(), _storage_options(), timeout_s)
+    logger.info("run %s: checkpoint %d written and verified (newest verified: %d)", out["run_id"], out["seq"],
+                out["verified_seq"])
+    return out

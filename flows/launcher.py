@@ -351,8 +351,8 @@ class Supervisor:
     def check(self, now: Optional[float] = None) -> list[Restart]:
         """Look at every slot once: note new failures, start the restarts that are due.
 
-        Returns the restarts made by this call. Errors of ``start`` propagate (the slot's
-        restart stays due and is tried again on the next call).
+        Returns the restarts made by this call. A restart whose ``start`` raises is logged and
+        tried again ``max(restart_delay_s, 1)`` seconds later; nothing is raised.
         """
         now = time.monotonic() if now is None else now
         made: list[Restart] = []
@@ -373,7 +373,13 @@ class Supervisor:
                          f"in {self.restart_delay_s:.1f}s as incarnation {slot.incarnation + 1}")
             if slot.due is not None and now >= slot.due:
                 incarnation = slot.incarnation + 1
-                handle = self.start(index, incarnation)
+                try:
+                    handle = self.start(index, incarnation)
+                except Exception as err:  # noqa: BLE001 - e.g. the Prefect API briefly unreachable
+                    slot.due = now + max(self.restart_delay_s, 1.0)
+                    self.log(f"restart of learner-{index} as incarnation {incarnation} failed ({err}); "
+                             "trying again")
+                    continue
                 restart = Restart(index, incarnation, slot.reason, now)
                 self.slots[index] = _Slot(handle=handle, incarnation=incarnation, restarts=slot.restarts + 1)
                 self.restarts.append(restart)

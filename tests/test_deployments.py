@@ -331,6 +331,15 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     before = {fid: _pids_of_flow_run(fid) for fid in flow_run_ids}
     sync_pids = _pids_with_arg(run_id)
     assert sync_pids and all(before.values()), (before, sync_pids)
+    # while it runs: what the scheduled `checkpoint` deployment does, against the live synchronizer
+    from diloco_async.server import TOKEN_ENV
+    from flows.deployments import request_checkpoint
+
+    token = runs[0].job_variables["env"][TOKEN_ENV]
+    ck = request_checkpoint(runs[0].parameters["sync_url"], runs[0].parameters["store_url"], token)
+    assert ck["run_id"] == runs[0].parameters["run_id"] and ck["verified_seq"] >= ck["seq"] >= 1
+    with pytest.raises(RuntimeError, match="401"):
+        request_checkpoint(runs[0].parameters["sync_url"], runs[0].parameters["store_url"], "wrong-token")
     from prefect.states import Cancelling
 
     with stack.client() as c:  # what `prefect flow-run cancel <id>` does
@@ -354,3 +363,10 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     print(f"cancel: every process of run {run_id} gone after {gone_s:.1f}s; "
           f"all flow runs Cancelled after {time.monotonic() - t0:.1f}s")
     assert not any(left().values())
+
+
+def test_deployment_constants_match_the_server():
+    from diloco_async import server
+    from flows import deployments
+
+    assert (deployments.TOKEN_ENV, deployments.STORAGE_OPTIONS_ENV) == (server.TOKEN_ENV, server.STORAGE_OPTIONS_ENV)

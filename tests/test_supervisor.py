@@ -82,3 +82,31 @@ def test_supervisor_waits_for_the_delay_before_restarting(tmp_path):
     finally:
         for h in sup.handles():
             h.terminate(grace_s=5)
+
+
+def test_supervisor_retries_a_restart_that_failed_to_start(tmp_path):
+    launcher = LocalProcessLauncher(tmp_path / "logs")
+    attempts: list[int] = []
+
+    def start(index: int, incarnation: int):
+        if incarnation == 1:
+            attempts.append(incarnation)
+            if len(attempts) == 1:
+                raise RuntimeError("Prefect API unreachable")
+        return launcher.start(f"l{index}-{incarnation}", ["-c", "import sys; sys.exit(1)" if incarnation == 0 else RUNS], {})
+
+    lines: list[str] = []
+    sup = Supervisor(start=start, restart_delay_s=0.0, max_restarts=3, log=lines.append)
+    try:
+        sup.launch(0)
+        sup.handles()[0].wait(timeout=30)
+        now = time.monotonic()
+        assert sup.check(now) == []  # first attempt raised: logged, tried again a second later
+        assert "failed (Prefect API unreachable)" in lines[-1]
+        assert sup.check(now + 0.5) == []
+        made = sup.check(now + 1.0)
+        assert [(r.index, r.incarnation) for r in made] == [(0, 1)] and attempts == [1, 1]
+        assert sup.slots[0].restarts == 1
+    finally:
+        for h in sup.handles():
+            h.terminate(grace_s=5)
