@@ -189,6 +189,10 @@ class SynchronizerConfig(_Section):
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
     client_max_size_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted HTTP body.")
     ema_alpha: float = Field(0.3, gt=0, le=1, description="Smoothing of step and sync time estimates.")
+    drain_s: float = Field(
+        10.0, ge=0, description="On a stop, first open a last round of every fragment so the learners' progress "
+        "since their last contribution is merged; wait at most this long for those rounds (0: stop at once)."
+    )
 
 
 class BudgetConfig(_Section):
@@ -317,7 +321,7 @@ _OPERATIONAL = {
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
                  "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints", "storage_timeout_s",
-                     "client_max_size_bytes"),
+                     "client_max_size_bytes", "drain_s"),
 }
 
 

@@ -349,6 +349,17 @@ class Learner:
             else:
                 await self._upload_and_announce(session, job)
 
+    def _prune_inner_states(self, newest: int, keep: int = 2) -> None:
+        """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
+        by being just written); a failure is logged and retried after the next save."""
+        try:
+            for key in self.store.list(self._state_prefix):
+                rel = key[len(self._state_prefix):].strip("/").split("/", 1)[0]
+                if rel.isdigit() and int(rel) <= newest - keep:
+                    self.store.delete(key)
+        except Exception as err:
+            log.warning("%s could not prune old inner states (%s: %s)", self.learner_id, type(err).__name__, err)
+
     async def _save_inner_state(self, state: InnerState) -> None:
         self._state_seq += 1
         seq = self._state_seq
@@ -358,6 +369,7 @@ class Learner:
                                                       "incarnation": self.incarnation}),
                                    self.storage_timeout_s)
             log.info("%s saved its inner state as checkpoint %d (step %d)", self.learner_id, seq, state.meta["step"])
+            await asyncio.to_thread(self._prune_inner_states, seq)
         except Exception as err:  # counted in the log; training goes on, the next period retries
             log.warning("%s could not save its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
 

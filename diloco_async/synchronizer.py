@@ -202,6 +202,8 @@ class Synchronizer:
         self.merge_log: list[dict] = []
         self.started_s = clock()
         self.stopping: Optional[str] = None
+        self.draining: Optional[str] = None  # stop reason while the last rounds run
+        self._drain_until_s = 0.0
         self.finished = asyncio.Event()
         self.final_summary: Optional[dict] = None
         self._tasks: set[asyncio.Task] = set()
@@ -521,7 +523,7 @@ class Synchronizer:
         return AnnouncementAck(status="accepted", reason=adm.reason)
 
     def _on_stop(self, reason: str) -> bool:
-        if self.stopping is None:
+        if self.stopping is None:  # a second stop while draining stops at once
             self._begin_stop(str(reason))
         return True
 
@@ -762,12 +764,15 @@ class Synchronizer:
         now = self.clock()
         self._update_liveness(now)
         self._update_ledgers(now)
-        if self.stopping is None:
+        if self.stopping is None and self.draining is None:
             self._check_budget(now)
-        if self.stopping is None:
+        if self.stopping is None and self.draining is None:
             self._schedule(now)
         self._progress_rounds(now)
-        if (self.stopping is None and not self._checkpoint_in_flight
+        if self.draining is not None and self.stopping is None and (not self.rounds or now >= self._drain_until_s):
+            log.info("drain finished (%s)", "every last round closed" if not self.rounds else "timeout")
+            self._begin_stop(self.draining)
+        if (self.stopping is None and self.draining is None and not self._checkpoint_in_flight
                 and self.counters["merges"] > self._merges_at_checkpoint
                 and now - self._last_checkpoint_s >= self.sc.checkpoint_every_s):
             self._start_checkpoint()
@@ -797,6 +802,26 @@ class Synchronizer:
             self._begin_stop(f"wall-time budget reached ({now - self.started_s:.0f}s)")
 
     def _begin_stop(self, reason: str) -> None:
+        """Stop: first drain (a last round of every fragment, at most ``drain_s``), then tell the
+        learners to stop, close the open rounds, write the final checkpoint and the summary."""
+        if self.draining is None and self.sc.drain_s > 0 and self._live():
+            self.draining = reason
+            now = self.clock()
+            self._drain_until_s = now + self.sc.drain_s
+            self.due.clear()
+            opened = []
+            for f in self.fragments:
+                if not f.busy:
+                    n = f.next_round
+                    f.busy, f.next_round = True, n + 1
+                    self.rounds[(f.p, n)] = _Round(RoundState(f.p, n, now, self.sc.min_quorum))
+                    self.counters["rounds_opened"] += 1
+                    self.push.publish({"type": "round_open", **RoundOpen(fragment=f.p, round_n=n,
+                                                                        version=f.version).model_dump()})
+                    opened.append(f"p{f.p} r{n}")
+            log.info("stopping (%s): draining, last rounds %s, at most %.0fs", reason, ", ".join(opened) or "-",
+                     self.sc.drain_s)
+            return
         self.stopping = reason
         self._stop_since_s = self.clock()
         log.info("stopping: %s", reason)

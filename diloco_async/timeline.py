@@ -234,12 +234,13 @@ _COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "r
             "stalled": "#8e44ad", "blocked": "#95a5a6"}
 
 
-def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "") -> None:
+def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: Optional[float] = None) -> None:
     """Draw each slot's states over time and the merges of the global model into a PNG.
 
     One row per learner: useful steps green, thrown-away steps red, down dark grey, restarting
     orange, stalled purple, blocked light grey; merges are ticks on a row of their own at the top.
-    Times are shown in seconds from ``tl.start_s``.
+    Times are shown in seconds from ``tl.start_s``; ``mark_s`` (same clock) draws a dashed line,
+    e.g. where the goodput window starts.
     """
     import matplotlib
 
@@ -270,6 +271,8 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "") -> Non
     top = len(rows) + 1
     if tl.merges_s:
         ax.vlines([m - t0 for m in tl.merges_s], top - 0.35, top + 0.35, colors="#1f4e79", linewidth=0.6)
+    if mark_s is not None:
+        ax.axvline(mark_s - t0, color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(list(range(1, top + 1)), list(reversed(rows)) + ["merges"])
     ax.set_xlim(0, max(1e-9, tl.end_s - t0))
     ax.set_xlabel("seconds since start")

@@ -94,6 +94,7 @@ class _Slots:
         self.down_since: dict[int, float] = {}
         self.stalled_since: dict[int, float] = {}
         self.launched: dict[int, list[float]] = {i: [] for i in range(n)}  # unix launch times
+        self.ended: dict[int, list[float]] = {i: [] for i in range(n)}  # when the harness killed them
         self.failures = 0
         self.restarts = 0
 
@@ -211,6 +212,7 @@ def _run_diloco(sc: Scenario, method: str, events: list[FaultEvent], sink: Mlflo
                 _signal_group(run.learners[f"learner-{slot}"], signal.SIGCONT)
                 slots.close("stalled", slot, now)
             run.learners[f"learner-{slot}"].kill()
+            slots.ended[slot].append(now)
             killed.add(slot)
             slots.open_down(slot, now)
 
@@ -272,7 +274,7 @@ def _run_diloco(sc: Scenario, method: str, events: list[FaultEvent], sink: Mlflo
     for i in range(s.slots):
         recs = read_records(tl_dir / f"learner-{i}.jsonl")
         tl.steps += diloco_timeline_steps(f"slot-{i}", recs, merged_ids, shares)
-        tl.intervals += _restarting_intervals(f"slot-{i}", slots.launched[i], recs, slots.intervals, t_end)
+        tl.intervals += _restarting_intervals(f"slot-{i}", slots.launched[i], recs, slots.ended[i], t_end)
         tl.intervals += [Interval(f"slot-{i}", "blocked", r["t0"], r["t1"]) for r in recs if r["kind"] == "blocked"]
     # -- snapshots: the synchronizer's checkpoints (tokens merged so far) --
     snaps = []
@@ -284,15 +286,14 @@ def _run_diloco(sc: Scenario, method: str, events: list[FaultEvent], sink: Mlflo
     return tl, snaps, cfg, slots
 
 
-def _restarting_intervals(lid: str, launches: list[float], recs: list[dict], intervals: list[Interval],
+def _restarting_intervals(lid: str, launches: list[float], recs: list[dict], ends: list[float],
                           t_end: float) -> list[Interval]:
-    """From each launch of a slot's process to its ``ready`` record (or to its death)."""
+    """From each launch of a slot's process to its ``ready`` record (or to its kill)."""
     readies = sorted(float(r["t"]) for r in recs if r["kind"] == "ready")
-    downs = sorted(iv.t0 for iv in intervals if iv.learner == lid and iv.state == "down")
     out = []
     for t0 in launches:
         ready = next((t for t in readies if t >= t0 - 1e-3), None)
-        death = next((t for t in downs if t > t0), t_end)
+        death = next((t for t in sorted(ends) if t > t0), t_end)
         t1 = min(x for x in (ready, death, t_end) if x is not None)
         if t1 > t0:
             out.append(Interval(lid, "restarting", t0, t1))
@@ -337,6 +338,7 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
         state["running"] = False
         state["incarnation"] += 1
         for i in range(s.slots):
+            slots.ended[i].append(now)
             if i in slots.stalled_since:
                 slots.close("stalled", i, now)
             if i != except_slot and i not in slots.down_since:
@@ -426,7 +428,7 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
                 useful = 1.0 if int(r["step"]) <= survived_to else 0.0
                 steps.append(Step(f"slot-{i}", float(r["t0"]), float(r["t1"]), int(r["tokens"]), useful,
                                   float(r.get("wait_s", 0.0))))
-        slots.intervals += _restarting_intervals(f"slot-{i}", slots.launched[i], recs, slots.intervals, t_end)
+        slots.intervals += _restarting_intervals(f"slot-{i}", slots.launched[i], recs, slots.ended[i], t_end)
     # the global model "advances" when a step survives; merges are the surviving steps of rank 0
     merges = sorted(st.t1 for st in steps if st.learner == "slot-0" and st.useful > 0)
     tl = Timeline(learners=[f"slot-{i}" for i in range(s.slots)], start_s=t_start, end_s=t_end,
@@ -452,6 +454,13 @@ def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: Mlf
             tl, snaps, cfg, slots = _run_ddp(sc, events, sink)
         else:
             tl, snaps, cfg, slots = _run_diloco(sc, method, events, sink)
+        # Goodput is measured from the moment every slot's first process was up (or had failed):
+        # the initial start-up is the same for every method and not part of the comparison;
+        # every restart after a failure is.
+        first_up = [min((iv for iv in tl.intervals if iv.learner == lid and iv.state == "restarting"),
+                        key=lambda iv: iv.t0, default=None) for lid in tl.learners]
+        launched_s = tl.start_s
+        tl.start_s = min(tl.end_s, max([tl.start_s] + [iv.t1 for iv in first_up if iv is not None]))
         step_s = [st.t1 - st.t0 for st in tl.steps]
         typical = sorted(step_s)[len(step_s) // 2] if step_s else 1.0
         max_gap = max(5.0, 4 * typical * cfg.synchronizer.sync_every / max(1, cfg.synchronizer.num_fragments))
@@ -459,7 +468,9 @@ def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: Mlf
         snaps = [_Snapshot(tl.start_s, 0.0, lambda: _initial_model(cfg))] + snaps  # Θ^0, the same for all
         eq_time, eq_tokens = _eval_at(snaps, cfg, batches, s.eval_tokens)
         png = outdir / f"timeline-{method}.png"
-        plot_timeline(tl, png, title=f"{s.name}: {method} (compute goodput {acc.compute_goodput:.3f})")
+        shown = Timeline(tl.learners, launched_s, tl.end_s, tl.intervals, tl.steps, tl.merges_s)
+        plot_timeline(shown, png, mark_s=tl.start_s,
+                      title=f"{s.name}: {method} (compute goodput {acc.compute_goodput:.3f} from the dashed line)")
         res = MethodResult(method=method, compute_goodput=acc.compute_goodput, token_goodput=acc.token_goodput,
                            uptime=acc.uptime, eval_loss_equal_time=eq_time, eval_loss_equal_tokens=eq_tokens,
                            wall_s=acc.wall_s, availability=acc.availability, tokens_merged=acc.to_json()["tokens_merged"],
