@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench ui ui-screenshot clean
+.PHONY: setup data run test bench bench-chaos ui ui-screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,12 @@ test: data
 ## bench: speed and memory benchmarks (ratios against baselines measured in the same run)
 bench: data
 	$(PY) -m benchmarks.run
+
+## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
+## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free
+bench-chaos: data
+	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/storm.toml
+	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/failure-free.toml
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
 ##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both

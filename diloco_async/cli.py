@@ -159,7 +159,7 @@ def _chaos(args: argparse.Namespace) -> int:
     from flows.chaos import run_chaos_cli
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
-    return _run_flow(run_chaos_cli, args.scenario, methods, args.json)
+    return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [])
 
 
 def _simulate(argv: list[str]) -> int:
@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p_chaos.add_argument("--scenario", required=True, help="scenario file, e.g. configs/chaos/storm.toml")
     p_chaos.add_argument("--methods", default=None, help="comma-separated subset of ddp,sync-diloco,decoupled")
     p_chaos.add_argument("--json", action="store_true", help="print the table as a JSON list (one object per method)")
+    p_chaos.add_argument("--set", action="append", metavar="KEY=VALUE",
+                         help="override a field of every method's recipe, e.g. --set run.store=s3://bucket/chaos")
     p_chaos.set_defaults(func=_chaos)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)

@@ -504,12 +504,15 @@ def _table(name: str, rows: list[dict], availability: float) -> Table:
 
 
 @flow(name="chaos", log_prints=True)
-def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[str]] = None) -> list[dict]:
+def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[str]] = None,
+          overrides: Optional[list[str]] = None) -> list[dict]:
     """Run every method of a chaos scenario under its fault schedule; return the table rows.
 
     Args:
         scenario: path of a scenario TOML (``configs/chaos/``).
         methods: a subset of ``ddp``, ``sync-diloco``, ``decoupled`` (default: the scenario's).
+        overrides: ``section.field=value`` applied to every method's recipe after the scenario's
+            own (e.g. where the store, process logs and MLflow runs go).
 
     Returns:
         One dict per method: ``method``, ``compute_goodput``, ``token_goodput``, ``uptime``,
@@ -522,6 +525,9 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
     """
     logger = get_run_logger()
     sc = load_scenario(scenario)
+    if overrides:
+        sc = sc.model_copy(update={"scenario": sc.scenario.model_copy(
+            update={"overrides": [*sc.scenario.overrides, *overrides]})})
     chosen = list(methods or sc.scenario.methods)
     for m in chosen:
         if m not in METHODS:
@@ -559,10 +565,11 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
     return rows
 
 
-def run_chaos_cli(scenario: str, methods: Optional[list[str]], as_json: bool) -> int:
+def run_chaos_cli(scenario: str, methods: Optional[list[str]], as_json: bool,
+                  overrides: Optional[list[str]] = None) -> int:
     """Entry of ``diloco-async chaos``."""
     try:
-        rows = chaos(scenario=scenario, methods=methods)
+        rows = chaos(scenario=scenario, methods=methods, overrides=list(overrides or []))
     except Exception as err:
         print(f"chaos run failed: {err}", file=sys.stderr)
         return 1

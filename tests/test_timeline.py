@@ -187,3 +187,27 @@ def test_diloco_steps_after_a_restore_and_a_jump_to_the_global_step(tmp_path):
     assert [useful[s] for s in range(1, 7)] == [1.0] * 6
     assert [useful[s] for s in range(7, 11)] == [0.0] * 4  # lost: after the saved state
     assert [useful[100 + s] for s in range(21, 25)] == [1.0] * 4
+
+
+def test_timeline_from_records_finds_restarts_and_downtime(tmp_path):
+    from flows.timeline_report import timeline_from_records
+
+    r0 = Recorder(tmp_path / "a.jsonl", inc=0)
+    r0.record("start", t=0.0)
+    r0.record("ready", t=2.0, step=0)
+    for s in range(1, 5):
+        r0.record("step", t=float(s + 2), t0=s + 1.0, t1=s + 2.0, step=s, tokens=10)
+    r0.record("contribution", t=6.0, fragment=0, round=1, last_step=4, c_steps=4, update_id="u1")
+    r0.close()  # killed at ~6 s: no "stopped" record
+    r1 = Recorder(tmp_path / "a.jsonl", inc=1)
+    r1.record("start", t=10.0)
+    r1.record("ready", t=11.0, step=4)
+    r1.record("step", t=12.0, t0=11.0, t1=12.0, step=5, tokens=10)
+    r1.record("stopped", t=12.0, code=0)
+    r1.close()
+    tl = timeline_from_records({"a": read_records(tmp_path / "a.jsonl")}, [{"t": 6.5, "update_ids": ["u1"]}], [1.0])
+    a = account(tl, 100.0).learners["a"]
+    assert (tl.start_s, tl.end_s) == (0.0, 12.0)
+    assert a.restarting_s == pytest.approx(3.0)  # 0-2 and 10-11
+    assert a.down_s == pytest.approx(4.0)  # last record at 6 s, next start at 10 s
+    assert a.useful_s == pytest.approx(4.0) and a.thrown_away_s == pytest.approx(1.0)
