@@ -477,7 +477,7 @@ class Learner:
         if cfg.learners.nice_after_ready:
             os.nice(cfg.learners.nice_after_ready)
         self.recorder.record("ready", step=start_step, restored=restored_step)
-        self._train(cfg, model, params, opt, gen, base_tensors, counters, start_step, shard)
+        self._train(cfg, model, params, opt, gen, base_tensors, counters, start_step, shard, restored=saved is not None)
         self.stop_event.set()
         self._comms_thread.join(timeout=10)
         if self.fatal:
@@ -528,7 +528,8 @@ class Learner:
 
     def _train(self, cfg: Config, model: ByteGPT, params: dict[str, torch.nn.Parameter],
                opt: torch.optim.AdamW, gen: torch.Generator, base_tensors: dict[int, dict[str, torch.Tensor]],
-               counters: dict[int, tuple[int, int, float]], start_step: int, shard: torch.Tensor) -> None:
+               counters: dict[int, tuple[int, int, float]], start_step: int, shard: torch.Tensor,
+               restored: bool = False) -> None:
         lc = cfg.learners
         P = self.plan.num_fragments
         c_steps = [counters.get(p, (0, 0, 0.0))[0] for p in range(P)]
@@ -547,10 +548,16 @@ class Learner:
         next_n = [max(1, -(-(step - offsets[p]) // H)) for p in range(P)]  # next round each fragment owes
         speed = lc.speed_factors[self.index] if self.index < len(lc.speed_factors) else 1.0
         jitter_rng = random.Random(cfg.run.seed * 65537 + self.index * 257 + self.incarnation)
+        # After an inner-state restore, the restored progress on a fragment is contributed (on its
+        # old base, if the synchronizer still keeps it) before a newer version of the fragment is
+        # adopted: an overwrite first would throw that progress away. Held for two rounds at most.
+        hold = {p for p in range(P) if restored and c_steps[p] >= 1}
+        hold_until_step = step + 2 * H
         with self.lock:
             self.stats.step = step
         while not self.stop_event.is_set():
             # -- step boundary: adopt, then answer open rounds --
+            deferred = []
             while True:
                 try:
                     v, new = self.adopt_queue.get_nowait()
@@ -558,6 +565,9 @@ class Learner:
                     break
                 p = v.fragment
                 if v.version <= self.base.get(p, -1):
+                    continue
+                if p in hold and step < hold_until_step:
+                    deferred.append((v, new))
                     continue
                 snap = snapshot.pop(p, None)
                 with torch.no_grad():
@@ -579,6 +589,8 @@ class Learner:
                 with self.lock:
                     self.base[p] = v.version
                 log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
+            for item in deferred:
+                self.adopt_queue.put(item)
             if self.epoch_changed.is_set():
                 self.epoch_changed.clear()
                 answered.clear()  # round numbers may be reused by the restarted synchronizer
@@ -590,6 +602,7 @@ class Learner:
                     break
                 if status not in ("accepted", "duplicate") and p in snapshot and snapshot[p][0] == n:
                     del snapshot[p]  # nothing of it will be merged: the progress stays in θ for the next round
+                    hold.discard(p)
             with self.lock:
                 rounds = sorted((k, vt[0]) for k, vt in self.open_rounds.items() if k not in answered)
             for (p, n), round_version in rounds:
@@ -607,6 +620,7 @@ class Learner:
                     snap_t = {name: params[name].detach().clone() for name in self.plan.names(p)}
                     delta = {name: base_tensors[p][name] - snap_t[name] for name in snap_t}
                 snapshot[p] = (n, snap_t, c_steps[p], c_tokens[p], c_secs[p])
+                hold.discard(p)
                 job = _UploadJob(p, n, self.base[p], c_steps[p], c_tokens[p], c_secs[p], delta)
                 self.recorder.record("contribution", fragment=p, round=n, last_step=step, c_steps=c_steps[p],
                                      update_id=job.update_id)

@@ -31,9 +31,11 @@ from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.model import ByteGPT
+from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
 from diloco_async.synchronizer import initial_parameters, new_run_id
 from flows.artifacts import log_run_artifacts
+from flows.timeline_report import write_run_timeline
 from flows.launcher import (DeploymentLauncher, LocalProcess, LocalProcessLauncher, Restart, Supervisor,
                             wait_for_ready_file)
 from flows.tracking import MlflowSink, flatten_params
@@ -80,7 +82,8 @@ class TrainingRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
         self.launcher = LocalProcessLauncher(self.workdir / "logs")
-        self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options)}
+        self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
+                    TIMELINE_DIR_ENV: str(self.workdir / "timeline")}
         self.sync: Optional[LocalProcess] = None
         self.learners: dict[str, Any] = {}  # learner id -> LocalProcess or FlowRunHandle (newest incarnation)
         self.retired: list[Any] = []  # handles of earlier incarnations
@@ -273,6 +276,23 @@ def _summary_table(summary: dict) -> Table:
     return table
 
 
+def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> None:
+    """The per-learner goodput timeline of this epoch as a PNG and its accounting as JSON, when
+    the learners' records are on this machine (local launcher, or deployments on this host)."""
+    png = run.workdir / f"goodput_timeline-{run.epoch}.png"
+    try:
+        acc = write_run_timeline(run.cfg, run.store, run.run_id, str(run.epoch), run.workdir / "timeline", png,
+                                 float(summary.get("uptime_max_gap_s", 30.0)))
+    except (OSError, ValueError) as err:
+        log.warning("no goodput timeline: %s", err)
+        return
+    if acc is None:
+        return
+    sink.log_artifact(png)
+    sink.log_dict(acc, f"goodput_timeline-{run.epoch}.json")
+    summary["timeline_compute_goodput"] = acc["compute_goodput"]
+
+
 def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations: dict[int, int]) -> dict:
     """Start the synchronizer and the learners, watch them, evaluate the final model."""
     logger = get_run_logger()
@@ -307,6 +327,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     sink.log_metric("eval/final_loss", eval_final, step)
     sink.log_metric("goodput/uptime", summary["uptime"], step)
     summary["model_uri"] = log_run_artifacts(sink, final_model)
+    _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",

@@ -52,6 +52,11 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
             "global_model.safetensors"} <= artifacts
     png = client.download_artifacts(run.info.run_id, "loss_curve.png", str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    timeline = f"goodput_timeline-{summary['epoch']}.png"  # each learner's states over time and the merges
+    assert {timeline, f"goodput_timeline-{summary['epoch']}.json"} <= artifacts
+    png = client.download_artifacts(run.info.run_id, timeline, str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert 0 < summary["timeline_compute_goodput"] <= 1
     # the logged torch model loads back and gives the same held-out loss
     import mlflow
 
