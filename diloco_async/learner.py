@@ -641,7 +641,7 @@ class Learner:
                 with self.lock:
                     waiting = [p for p in range(P) if step >= offsets[p] + next_n[p] * H and not is_open(p)]
                 if waiting:
-                    self._block("round", lambda: all(is_open(p) for p in waiting))
+                    self._block("round", lambda waiting=waiting: all(is_open(p) for p in waiting))
                     continue  # answer the round at this step boundary
             if lc.checkpoint_every_s > 0 and time.monotonic() - last_state_s >= lc.checkpoint_every_s:
                 last_state_s = time.monotonic()

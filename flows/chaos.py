@@ -362,13 +362,11 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
         def on_recover(slot: int) -> None:
             now = time.time()
             slots.close("down", slot, now)
-            if not state["running"] and not slots.down_since:
+            if slots.down_since:
+                blocked_since.setdefault(slot, now)  # up again, waiting for the slots still down
+            elif not state["running"]:
                 slots.restarts += 1
-                launch(now)
-            elif slot not in slots.down_since and not state["running"]:
-                blocked_since.setdefault(slot, now)
-            else:
-                blocked_since.setdefault(slot, now)
+                launch(now)  # every slot is back: the whole group restarts from its checkpoint
 
         def on_stall(slot: int) -> None:
             if state["running"] and slot not in slots.down_since:
@@ -421,7 +419,7 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
             elif r["kind"] == "step":
                 by_inc.setdefault(inc, []).append(r)
         incs = sorted(by_inc)
-        for j, k in enumerate(incs):
+        for k in incs:
             later = [readies[x] for x in sorted(readies) if x > k]
             survived_to = later[0] if later else final_step
             for r in by_inc[k]:
