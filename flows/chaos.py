@@ -45,6 +45,7 @@ from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.model import ByteGPT, embedding_names
 from diloco_async.timeline import (Interval, Step, Timeline, account, diloco_timeline_steps, plot_timeline,
                                    read_records)
+from flows.launcher import ForkServerLauncher
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import TrainingRun, prepare_corpus
 from storage import keys
@@ -53,6 +54,11 @@ from storage.checkpoint import list_checkpoint_seqs, load_checkpoint
 __all__ = ["chaos", "run_chaos_cli", "MethodResult"]
 
 log = logging.getLogger("diloco.flows.chaos")
+
+#: What the fork server imports once, so that (re)starting a learner or a DDP rank costs a fork,
+#: not seconds of imports on a shared CPU (every method gets the same launcher).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "diloco_async.learner", "diloco_async.server",
+           "diloco_async.baselines.ddp"]
 
 TABLE_FIELDS = ("compute_goodput", "token_goodput", "uptime", "eval_loss_equal_time", "eval_loss_equal_tokens",
                 "wall_s")
@@ -193,6 +199,7 @@ def _run_diloco(sc: Scenario, method: str, events: list[FaultEvent], sink: Mlflo
     overrides = method_overrides(sc, method)
     cfg = load_config(s.config, overrides)
     run = TrainingRun(cfg, s.config, overrides)
+    run.launcher = ForkServerLauncher(run.workdir / "logs", PRELOAD)
     tl_dir = run.workdir / "timeline"
     run.env[TIMELINE_DIR_ENV] = str(tl_dir)
     slots = _Slots(s.slots)
@@ -318,6 +325,7 @@ def _run_ddp(sc: Scenario, events: list[FaultEvent], sink: MlflowSink) -> tuple[
                      workdir=workdir, speeds=sc.speed_factors(), jitter=sc.stragglers.jitter,
                      checkpoint_every_steps=sc.ddp.checkpoint_every_steps,
                      storage_options=cfg.run.storage_options)
+    group.launcher = ForkServerLauncher(workdir / "logs", PRELOAD)
     slots = _Slots(s.slots)
     state = {"running": False, "incarnation": 0}
     up_at = {i: 0.0 for i in range(s.slots)}
@@ -535,6 +543,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
     prepare_corpus(cfg)
     batches = heldout_batches(cfg)
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the fork server and every process forked from it
     parent = MlflowSink(cfg.tracking)
     parent.start(f"chaos-{sc.scenario.name}", flatten_params({"scenario": sc.model_dump()}),
                  {"diloco.chaos.scenario": sc.scenario.name})
