@@ -210,7 +210,9 @@ class BudgetConfig(_Section):
 class TrackingConfig(_Section):
     mlflow_uri: str = Field("sqlite:///.local/mlflow.db", description="MLflow tracking URI.")
     experiment: str = Field("diloco-async")
-    artifact_location: str = Field(".local/mlartifacts", description="Artifact root of a new experiment.")
+    artifact_location: str = Field(
+        ".local/store/mlartifacts", description="Artifact root of a new experiment (beside the runs in the default store)."
+    )
     poll_s: float = Field(2.0, gt=0, description="How often the flow pulls metrics from the synchronizer.")
 
 

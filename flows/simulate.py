@@ -22,7 +22,7 @@ __all__ = ["plot_goodput", "log_results", "cell_key", "DEFAULT_TRACKING_URI", "D
 
 DEFAULT_TRACKING_URI = "sqlite:///.local/mlflow.db"
 """Used when neither ``tracking_uri`` nor ``MLFLOW_TRACKING_URI`` is given (as ``make ui``)."""
-DEFAULT_ARTIFACTS = ".local/mlartifacts"
+DEFAULT_ARTIFACTS = ".local/store/mlartifacts"
 """Artifact root of an experiment this module creates (relative to the working directory)."""
 
 

@@ -394,7 +394,7 @@ def test_library_does_not_import_mlflow_or_matplotlib() -> None:
 
 def test_cli_logs_to_mlflow(tmp_path: Path, monkeypatch, capsys) -> None:
     mlflow = pytest.importorskip("mlflow")
-    monkeypatch.chdir(tmp_path)  # artifacts go to ./.local/mlartifacts
+    monkeypatch.chdir(tmp_path)  # artifacts go to ./.local/store/mlartifacts
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     argv = ["--chips", "150000", "300000", "--learners", "8", "--calibration", str(CALIBRATION),
             "--mlflow", "--mlflow-uri", uri, "--experiment", "sim-test"]
@@ -406,4 +406,4 @@ def test_cli_logs_to_mlflow(tmp_path: Path, monkeypatch, capsys) -> None:
     assert run.data.params["elastic.reshard_pause_s"] == "20.0"
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"goodput_vs_chips.png", "results.json", "calibration.toml"} <= names
-    assert list((tmp_path / ".local" / "mlartifacts").rglob("goodput_vs_chips.png"))
+    assert list((tmp_path / ".local" / "store" / "mlartifacts").rglob("goodput_vs_chips.png"))
