@@ -20,7 +20,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides"]
+__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
+           "harness_fields", "check_user_overrides"]
 
 #: The methods of DESIGN §8, in table order.
 METHODS = ("ddp", "sync-diloco", "decoupled")
@@ -72,7 +73,7 @@ class ScenarioSection(_Section):
     wall_s: float = Field(gt=0, description="Each method runs this long: equal wall time.")
     eval_tokens: int = Field(ge=1, description="Tokens in the global model at which 'eval loss at equal tokens' is read.")
     methods: list[Literal["ddp", "sync-diloco", "decoupled"]] = Field(default_factory=lambda: list(METHODS))
-    config: str = Field("configs/chaos/base.toml", description="The training recipe all methods share.")
+    config: str = Field("configs/default.toml", description="The training recipe all methods share.")
     overrides: list[str] = Field(default_factory=list, description="section.field=value on top of the recipe.")
     snapshot_every_s: float = Field(5.0, gt=0, description="Period of the checkpoints used for equal-token evaluation.")
 
@@ -110,6 +111,8 @@ def load_scenario(path: str | Path) -> Scenario:
         ValueError: a TOML syntax error, or a field that is unknown or out of range (named).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give a scenario file such as {path}/storm.toml")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
@@ -117,7 +120,9 @@ def load_scenario(path: str | Path) -> Scenario:
     try:
         return Scenario.model_validate(raw)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(
+            (f"{'.'.join(str(x) for x in e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in err.errors())
         raise ValueError(f"{path}: {problems}") from None
 
 
@@ -198,6 +203,21 @@ def make_schedule(sc: Scenario) -> Schedule:
                 t += d
     events.sort(key=lambda e: (e.t_s, e.slot))
     return Schedule(tuple(events), s.wall_s, s.slots)
+
+
+def harness_fields(sc: Scenario) -> set[str]:
+    """The ``section.field`` names the harness sets for every method (slots, faults, quorum,
+    grace, barrier, checkpoints, budget): a user override of one of them would change what the
+    methods are, so :func:`check_user_overrides` refuses it."""
+    return {o.split("=", 1)[0] for m in METHODS for o in method_overrides(sc, m)[len(sc.scenario.overrides):]}
+
+
+def check_user_overrides(sc: Scenario, overrides: list[str]) -> None:
+    """Raises ValueError naming any override of a field the harness controls."""
+    clash = sorted({o.split("=", 1)[0].strip() for o in overrides if "=" in o} & harness_fields(sc))
+    if clash:
+        raise ValueError(f"the chaos harness sets {', '.join(clash)} itself (from the scenario and the method); "
+                         "change the scenario file instead")
 
 
 def method_overrides(sc: Scenario, method: str) -> list[str]:

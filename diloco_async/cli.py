@@ -149,16 +149,28 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from diloco_async.chaos import load_scenario
+    from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_overrides
+    from diloco_async.config import load_config
 
-    try:
-        load_scenario(args.scenario)
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    try:  # refuse a bad scenario, method or override before starting anything
+        sc = load_scenario(args.scenario)
+        bad = [m for m in methods or [] if m not in METHODS]
+        if bad:
+            raise ValueError(f"unknown method {', '.join(bad)}; known: {', '.join(METHODS)}")
+        check_user_overrides(sc, args.set or [])
+        for m in methods or sc.scenario.methods:
+            try:
+                load_config(sc.scenario.config, [*method_overrides(sc, m), *(args.set or [])])
+            except ValueError as err:  # name the field first, not the harness's own overrides
+                lines = str(err).splitlines()
+                raise ValueError("invalid override: " + "; ".join(x.strip() for x in lines[1:]) if len(lines) > 1
+                                 else str(err)) from None
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from flows.chaos import run_chaos_cli
 
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [])
 
 

@@ -37,7 +37,8 @@ from prefect import flow, get_run_logger
 from rich.console import Console
 from rich.table import Table
 
-from diloco_async.chaos import METHODS, FaultEvent, Scenario, load_scenario, make_schedule, method_overrides
+from diloco_async.chaos import (METHODS, FaultEvent, Scenario, check_user_overrides, load_scenario, make_schedule,
+                                 method_overrides)
 from diloco_async.config import Config, load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.fragments import plan_fragments, specs_of
@@ -531,6 +532,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
     """
     logger = get_run_logger()
     sc = load_scenario(scenario)
+    check_user_overrides(sc, list(overrides or []))
     if overrides:
         sc = sc.model_copy(update={"scenario": sc.scenario.model_copy(
             update={"overrides": [*sc.scenario.overrides, *overrides]})})

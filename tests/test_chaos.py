@@ -102,3 +102,11 @@ def test_chaos_cli_rejects_a_bad_scenario(tmp_path):
     out = subprocess.run([sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "failures.mtbf" in out.stderr
+    # methods, overrides and fields the harness owns are refused before anything starts
+    for args, why in ((["--methods", "decoupled,dp"], "unknown method dp"),
+                      (["--set", "learners.lr=fast"], "learners.lr"),
+                      (["--set", "learners.count=7"], "sets learners.count itself"),
+                      (["--scenario", "configs/chaos"], "is a directory")):
+        cmd = [sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml", *args]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
