@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 __all__ = [
+    "Goodputs",
     "LearnerLedger",
     "compute_goodput",
     "token_goodput",
@@ -69,8 +70,28 @@ def uptime(merge_times_s: Iterable[float], start_s: float, end_s: float, max_gap
     return max(0.0, 1.0 - down / span)
 
 
+class Goodputs:
+    """Compute and token goodput of one learner, as properties; mixed into the per-learner records
+    (``LearnerLedger`` here, ``timeline.LearnerAccount``) that have ``useful_s``,
+    ``provisioned_s`` (seconds), ``tokens_merged`` and ``tokens_processed``. Merged work above
+    what was processed (float rounding of fragment shares) is clamped."""
+
+    useful_s: float
+    provisioned_s: float
+    tokens_merged: float
+    tokens_processed: int
+
+    @property
+    def compute_goodput(self) -> float:
+        return compute_goodput(min(self.useful_s, self.provisioned_s), self.provisioned_s)
+
+    @property
+    def token_goodput(self) -> float:
+        return token_goodput(min(self.tokens_merged, self.tokens_processed), self.tokens_processed)
+
+
 @dataclass
-class LearnerLedger:
+class LearnerLedger(Goodputs):
     """Per-learner accounting kept by the synchronizer.
 
     ``useful_s`` and ``tokens_merged`` grow when a contribution is merged, by the compute seconds
@@ -87,14 +108,6 @@ class LearnerLedger:
 
     def count(self, outcome: str) -> None:
         self.contributions[outcome] = self.contributions.get(outcome, 0) + 1
-
-    @property
-    def compute_goodput(self) -> float:
-        return compute_goodput(min(self.useful_s, self.provisioned_s), self.provisioned_s)
-
-    @property
-    def token_goodput(self) -> float:
-        return token_goodput(min(self.tokens_merged, self.tokens_processed), self.tokens_processed)
 
     def to_json(self) -> dict:
         return {

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
-from diloco_async.goodput import compute_goodput, token_goodput, uptime
+from diloco_async.goodput import Goodputs, compute_goodput, token_goodput, uptime
 
 __all__ = ["STATES", "Interval", "Step", "Timeline", "LearnerAccount", "Accounting", "account",
            "availability", "plot_timeline", "Recorder", "read_records", "diloco_timeline_steps"]
@@ -92,7 +92,7 @@ class Timeline:
 
 
 @dataclass
-class LearnerAccount:
+class LearnerAccount(Goodputs):
     """Seconds by state and tokens of one slot; goodputs as properties."""
 
     provisioned_s: float
@@ -111,14 +111,6 @@ class LearnerAccount:
         busy = (self.useful_s + self.thrown_away_s + self.down_s + self.restarting_s + self.stalled_s
                 + self.blocked_s)
         return max(0.0, self.provisioned_s - busy)
-
-    @property
-    def compute_goodput(self) -> float:
-        return compute_goodput(min(self.useful_s, self.provisioned_s), self.provisioned_s)
-
-    @property
-    def token_goodput(self) -> float:
-        return token_goodput(min(self.tokens_merged, self.tokens_processed), self.tokens_processed)
 
     @property
     def availability(self) -> float:

@@ -20,6 +20,8 @@ from diloco_async.model import evaluate_loss
 from diloco_async.synchronizer import initial_parameters
 from storage.store import ObjectStore
 
+from polling import wait_until
+
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=32", "learners.batch_size=4",
         "learners.count=2", f"data.cache_dir=\"{Path('data').resolve()}\""]
 TOKENS_PER_RANK_STEP = 4 * 32
@@ -107,16 +109,6 @@ def read_timeline(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def check_step_lines(lines: list[dict]) -> None:

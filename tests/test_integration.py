@@ -19,6 +19,8 @@ from flows.launcher import LocalProcessLauncher, wait_for_ready_file
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
 
+from polling import wait_until
+
 pytestmark = pytest.mark.integration
 
 TOKEN = "integration-token"
@@ -55,16 +57,6 @@ def get(url: str, auth: bool = False):
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"} if auth else {})
     with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_sigkill_one_of_three_learners(tmp_path):

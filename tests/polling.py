@@ -1,0 +1,22 @@
+"""Polling helper shared by the tests that watch real processes."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(pred: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.1) -> T:
+    """Call ``pred`` every ``interval_s`` seconds until it returns a truthy value, and return it.
+
+    Raises AssertionError naming ``what`` after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
