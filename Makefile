@@ -62,9 +62,15 @@ bench: data
 
 ## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free
+## (5 minutes each) and one half-speed learner (K = M against K = 1, 90 s each); then the bars as
+## ratios (benchmarks/chaos_bars.py). About 40 minutes.
+BENCH_DIR ?= .local/bench
 bench-chaos: data
-	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/storm.toml
-	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/failure-free.toml
+	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/storm.toml --out $(BENCH_DIR)/chaos-storm.json
+	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/failure-free.toml --out $(BENCH_DIR)/chaos-failure-free.json
+	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/straggler.toml --out $(BENCH_DIR)/chaos-straggler.json
+	$(PY) -m benchmarks.chaos_bars $(BENCH_DIR)/chaos-storm.json $(BENCH_DIR)/chaos-failure-free.json \
+		$(BENCH_DIR)/chaos-straggler.json
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
 ##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both

@@ -171,7 +171,7 @@ def _chaos(args: argparse.Namespace) -> int:
         return 2
     from flows.chaos import run_chaos_cli
 
-    return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [])
+    return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
 
 
 def _simulate(argv: list[str]) -> int:
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p_chaos.add_argument("--json", action="store_true", help="print the table as a JSON list (one object per method)")
     p_chaos.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of every method's recipe, e.g. --set run.store=s3://bucket/chaos")
+    p_chaos.add_argument("--out", default=None, metavar="FILE",
+                         help="also write every row (with availability, tokens and the eval-loss curve) to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)

@@ -83,11 +83,14 @@ class MethodResult:
     accounting: dict = field(repr=False)
     timeline_png: str = ""
     mlflow_run_id: str = ""
+    #: held-out loss of each snapshot of the global model: (seconds, tokens, loss)
+    curve: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
 
     def row(self) -> dict:
         return {"method": self.method, **{k: getattr(self, k) for k in TABLE_FIELDS},
                 "availability": self.availability, "tokens_merged": self.tokens_merged,
-                "failures": self.failures, "restarts": self.restarts, "mlflow_run_id": self.mlflow_run_id}
+                "failures": self.failures, "restarts": self.restarts, "mlflow_run_id": self.mlflow_run_id,
+                "eval_curve": [list(c) for c in self.curve]}
 
 
 # ---------------------------------------------------------------- the fault driver -------------
@@ -165,25 +168,24 @@ def _initial_model(cfg: Config) -> ByteGPT:
     return model
 
 
-def _eval_at(snaps: list[_Snapshot], cfg: Config, batches, eval_tokens: int) -> tuple[float, Optional[float]]:
+def _eval_curve(snaps: list[_Snapshot], batches) -> list[tuple[float, float, float]]:
+    """Held-out loss (nats/byte) of every snapshot: ``(seconds since the first, tokens, loss)``."""
+    t0 = snaps[0].t
+    return [(s.t - t0, s.tokens, heldout_loss(s.load(), batches)) for s in snaps]
+
+
+def _eval_at(curve: list[tuple[float, float, float]], eval_tokens: int) -> tuple[float, Optional[float]]:
     """Loss of the last snapshot (equal wall time) and at ``eval_tokens`` tokens, linearly
     interpolated in tokens between the two snapshots around it (None if never reached)."""
-    cache: dict[int, float] = {}
-
-    def loss(i: int) -> float:
-        if i not in cache:
-            cache[i] = heldout_loss(snaps[i].load(), batches)
-        return cache[i]
-
-    final = loss(len(snaps) - 1)
-    idx = next((i for i, s in enumerate(snaps) if s.tokens >= eval_tokens), None)
+    final = curve[-1][2]
+    idx = next((i for i, c in enumerate(curve) if c[1] >= eval_tokens), None)
     if idx is None:
         return final, None
-    if idx == 0 or snaps[idx].tokens == snaps[idx - 1].tokens:
-        return final, loss(idx)
-    a, b = snaps[idx - 1], snaps[idx]
-    w = (eval_tokens - a.tokens) / (b.tokens - a.tokens)
-    return final, (1 - w) * loss(idx - 1) + w * loss(idx)
+    if idx == 0 or curve[idx][1] == curve[idx - 1][1]:
+        return final, curve[idx][2]
+    (_, ta, la), (_, tb, lb) = curve[idx - 1], curve[idx]
+    w = (eval_tokens - ta) / (tb - ta)
+    return final, (1 - w) * la + w * lb
 
 
 # ---------------------------------------------------------------- DiLoCo methods -----------------
@@ -473,7 +475,11 @@ def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: Mlf
         max_gap = max(5.0, 4 * typical * cfg.synchronizer.sync_every / max(1, cfg.synchronizer.num_fragments))
         acc = account(tl, max_gap)
         snaps = [_Snapshot(tl.start_s, 0.0, lambda: _initial_model(cfg))] + snaps  # Θ^0, the same for all
-        eq_time, eq_tokens = _eval_at(snaps, cfg, batches, s.eval_tokens)
+        curve = _eval_curve(snaps, batches)
+        eq_time, eq_tokens = _eval_at(curve, s.eval_tokens)
+        now_ms = int(time.time() * 1000)  # the loss curve in tokens, one point per snapshot
+        sink.log_points([{"key": "chaos/eval_loss_by_tokens", "value": loss, "step": int(tokens),
+                          "timestamp_ms": now_ms} for _, tokens, loss in curve])
         png = outdir / f"timeline-{method}.png"
         shown = Timeline(tl.learners, launched_s, tl.end_s, tl.intervals, tl.steps, tl.merges_s)
         plot_timeline(shown, png, mark_s=tl.start_s,
@@ -482,7 +488,7 @@ def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: Mlf
                            uptime=acc.uptime, eval_loss_equal_time=eq_time, eval_loss_equal_tokens=eq_tokens,
                            wall_s=acc.wall_s, availability=acc.availability, tokens_merged=acc.to_json()["tokens_merged"],
                            failures=slots.failures, restarts=slots.restarts, accounting=acc.to_json(),
-                           timeline_png=str(png), mlflow_run_id=sink.run_id or "")
+                           timeline_png=str(png), mlflow_run_id=sink.run_id or "", curve=curve)
         for key, value in res.row().items():
             if isinstance(value, (int, float)) and value is not None and math.isfinite(value):
                 sink.log_metric(f"chaos/{key}", float(value))
@@ -512,7 +518,7 @@ def _table(name: str, rows: list[dict], availability: float) -> Table:
 
 @flow(name="chaos", log_prints=True)
 def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[str]] = None,
-          overrides: Optional[list[str]] = None) -> list[dict]:
+          overrides: Optional[list[str]] = None, log_table: bool = True) -> list[dict]:
     """Run every method of a chaos scenario under its fault schedule; return the table rows.
 
     Args:
@@ -520,6 +526,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
         methods: a subset of ``ddp``, ``sync-diloco``, ``decoupled`` (default: the scenario's).
         overrides: ``section.field=value`` applied to every method's recipe after the scenario's
             own (e.g. where the store, process logs and MLflow runs go).
+        log_table: also write the table to the flow run's log (the CLI prints it itself).
 
     Returns:
         One dict per method: ``method``, ``compute_goodput``, ``token_goodput``, ``uptime``,
@@ -568,23 +575,29 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
         status = "FINISHED"
     finally:
         parent.end(status)
-    console = Console(width=140, record=True, file=open(os.devnull, "w"))
-    console.print(_table(sc.scenario.name, rows, schedule.availability()))
-    logger.info("\n%s", console.export_text())
+    if log_table:
+        console = Console(width=140, record=True, file=open(os.devnull, "w"))
+        console.print(_table(sc.scenario.name, rows, schedule.availability()))
+        logger.info("\n%s", console.export_text())
     return rows
 
 
 def run_chaos_cli(scenario: str, methods: Optional[list[str]], as_json: bool,
-                  overrides: Optional[list[str]] = None) -> int:
-    """Entry of ``diloco-async chaos``."""
+                  overrides: Optional[list[str]] = None, out: Optional[str] = None) -> int:
+    """Entry of ``diloco-async chaos``; ``out``: also write the full rows (with ``availability``,
+    ``tokens_merged``, ``failures`` and ``eval_curve``) there as JSON."""
     try:
-        rows = chaos(scenario=scenario, methods=methods, overrides=list(overrides or []))
+        rows = chaos(scenario=scenario, methods=methods, overrides=list(overrides or []), log_table=False)
     except Exception as err:
         print(f"chaos run failed: {err}", file=sys.stderr)
         return 1
-    availability = make_schedule(load_scenario(scenario)).availability()
+    sc = load_scenario(scenario)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"scenario": sc.scenario.name, "availability": make_schedule(sc).availability(),
+                                         "eval_tokens": sc.scenario.eval_tokens, "rows": rows}, indent=1))
     Console(file=sys.stderr if as_json else sys.stdout, width=None if sys.stdout.isatty() else 140).print(
-        _table(load_scenario(scenario).scenario.name, rows, availability))
+        _table(sc.scenario.name, rows, make_schedule(sc).availability()))
     if as_json:
         keys_ = ("method",) + TABLE_FIELDS
         print(json.dumps([{k: r[k] for k in keys_} for r in rows]))

@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from diloco_async.chaos import load_scenario, make_schedule
+from flows.chaos import _eval_at
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +61,11 @@ def test_storm_ci_three_methods_one_schedule(prefect_server, tmp_path):
         assert run.info.status == "FINISHED"
         assert run.data.tags["diloco.chaos.method"] == r["method"]
         assert run.data.metrics["chaos/compute_goodput"] == pytest.approx(r["compute_goodput"])
+        # the loss curve of the global model, one point per snapshot, step = tokens in the model
+        hist = client.get_metric_history(run.info.run_id, "chaos/eval_loss_by_tokens")
+        assert [(int(m.step), m.value) for m in sorted(hist, key=lambda m: m.step)] == pytest.approx(
+            sorted((int(c[1]), c[2]) for c in r["eval_curve"]))
+        assert r["eval_curve"][0][1] == 0 and r["eval_curve"][-1][2] == pytest.approx(r["eval_loss_equal_time"])
         parent = client.get_run(run.data.tags["mlflow.parentRunId"])
         assert parent.info.run_name == "chaos-storm-ci"
         png = client.download_artifacts(run.info.run_id, f"timeline-{r['method']}.png", str(tmp_path))
@@ -78,12 +84,19 @@ def test_storm_ci_three_methods_one_schedule(prefect_server, tmp_path):
             assert sum(a["down_s"] for a in acc["learners"].values()) > 0
 
 
+def test_eval_at_equal_tokens_interpolates_between_snapshots():
+    curve = [(0.0, 0.0, 5.0), (10.0, 100.0, 3.0), (20.0, 200.0, 2.0)]  # (seconds, tokens, loss)
+    assert _eval_at(curve, 150) == (2.0, pytest.approx(2.5))
+    assert _eval_at(curve, 100) == (2.0, 3.0)
+    assert _eval_at(curve, 201) == (2.0, None)  # never reached
+
+
 def test_straggler_ci_cli_json(tmp_path):
     """K = M waits for the half-speed learner at every round; K = 1 with grace does not."""
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1")
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml",
-           "--json"]
+           "--json", "--out", str(tmp_path / "straggler.json")]
     for item in _isolated(tmp_path):
         cmd += ["--set", item]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -94,6 +107,12 @@ def test_straggler_ci_cli_json(tmp_path):
     assert by["decoupled"]["compute_goodput"] >= 0.9
     assert by["sync-diloco"]["compute_goodput"] <= by["decoupled"]["compute_goodput"] - 0.15
     assert "compute goodput" in out.stderr  # the table goes to stderr when --json is asked
+    assert out.stderr.count("mean slot availability") == 1  # the table once, by the CLI (not also by the flow)
+    # --out: the full rows, for benchmarks/chaos_bars.py
+    doc = json.loads((tmp_path / "straggler.json").read_text())
+    assert doc["scenario"] == "straggler-ci" and doc["availability"] == pytest.approx(1.0)
+    assert [r["compute_goodput"] for r in doc["rows"]] == [r["compute_goodput"] for r in rows]
+    assert all(r["eval_curve"][0][1] == 0 and len(r["eval_curve"]) >= 3 for r in doc["rows"])
 
 
 def test_chaos_cli_rejects_a_bad_scenario(tmp_path):
@@ -110,3 +129,29 @@ def test_chaos_cli_rejects_a_bad_scenario(tmp_path):
         cmd = [sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml", *args]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+
+
+def test_chaos_bars_ratios_and_exit_status(tmp_path, capsys):
+    from benchmarks.chaos_bars import main
+
+    def row(method, cg, eq_tokens, curve=()):
+        return {"method": method, "compute_goodput": cg, "eval_loss_equal_tokens": eq_tokens, "eval_curve": list(curve)}
+
+    storm = {"availability": 0.8, "eval_tokens": 150, "rows": [row("ddp", 0.1, None), row("decoupled", 0.76, 2.1)]}
+    ff = {"availability": 1.0, "eval_tokens": 150, "rows": [
+        row("ddp", 0.6, 2.0, [(0, 0, 5.0), (10, 100, 2.2), (20, 200, 1.8)]), row("decoupled", 0.95, 2.05)]}
+    straggler = {"availability": 1.0, "rows": [row("sync-diloco", 0.7, 2.5), row("decoupled", 0.99, 2.4)]}
+    paths = []
+    for name, doc in (("storm", storm), ("ff", ff), ("straggler", straggler)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        paths.append(str(tmp_path / f"{name}.json"))
+    assert main(paths) == 0
+    out = capsys.readouterr().out
+    # 0.76/0.8 = 0.95; 0.76/0.1 = 7.6; 2.05/2.0 = 1.025; storm 2.1 against DDP's 2.0 at 150 tokens = 1.05
+    for figure in ("0.950", "7.600", "1.025", "1.050", "0.990", "0.700"):
+        assert figure in out
+    assert "MISSED" not in out
+    ff["rows"][1]["eval_loss_equal_tokens"] = 2.1  # 5% above DDP: the 3% bar is missed
+    (tmp_path / "ff.json").write_text(json.dumps(ff))
+    assert main(paths[:2]) == 1
+    assert "MISSED" in capsys.readouterr().out
