@@ -21,19 +21,12 @@ import json
 import sys
 from typing import Optional
 
+from flows.chaos import _eval_at
+
 
 def _rows(path: str) -> tuple[dict, dict[str, dict]]:
     doc = json.loads(open(path).read())
     return doc, {r["method"]: r for r in doc["rows"]}
-
-
-def _loss_at(row: dict, tokens: float) -> Optional[float]:
-    """Eval loss of a method's global model at ``tokens``, interpolated on its curve."""
-    curve = row.get("eval_curve") or []
-    for (_, ta, la), (_, tb, lb) in zip(curve, curve[1:]):
-        if ta <= tokens <= tb and tb > ta:
-            return la + (lb - la) * (tokens - ta) / (tb - ta)
-    return None
 
 
 def bars(storm_path: str, ff_path: str, straggler_path: Optional[str] = None) -> list[tuple[str, Optional[float], float, str]]:
@@ -52,7 +45,7 @@ def bars(storm_path: str, ff_path: str, straggler_path: Optional[str] = None) ->
     # the storm's token count, read on the failure-free DDP curve
     tokens = float(storm.get("eval_tokens") or 0) or None
     storm_dec = dec["eval_loss_equal_tokens"]
-    ref = _loss_at(ff["ddp"], tokens) if tokens else None
+    ref = _eval_at(ff["ddp"]["eval_curve"], tokens)[1] if tokens and ff["ddp"].get("eval_curve") else None
     out.append(("storm decoupled / failure-free DDP eval loss, equal tokens",
                 None if storm_dec is None or ref is None else storm_dec / ref, 1.05, "max"))
     if straggler_path:

@@ -592,12 +592,13 @@ def run_chaos_cli(scenario: str, methods: Optional[list[str]], as_json: bool,
         print(f"chaos run failed: {err}", file=sys.stderr)
         return 1
     sc = load_scenario(scenario)
+    availability = make_schedule(sc).availability()
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"scenario": sc.scenario.name, "availability": make_schedule(sc).availability(),
+        Path(out).write_text(json.dumps({"scenario": sc.scenario.name, "availability": availability,
                                          "eval_tokens": sc.scenario.eval_tokens, "rows": rows}, indent=1))
     Console(file=sys.stderr if as_json else sys.stdout, width=None if sys.stdout.isatty() else 140).print(
-        _table(sc.scenario.name, rows, make_schedule(sc).availability()))
+        _table(sc.scenario.name, rows, availability))
     if as_json:
         keys_ = ("method",) + TABLE_FIELDS
         print(json.dumps([{k: r[k] for k in keys_} for r in rows]))
