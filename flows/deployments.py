@@ -7,6 +7,11 @@
 * ``checkpoint`` — asks a running synchronizer for a checkpoint and verifies the newest one in
   the store (deployed with an interval schedule).
 
+And the launch handles of ``run.launcher = "deployments"``: :class:`DeploymentLauncher` starts
+each learner as a flow run of the ``learner/{region}`` deployment on its region's work pool;
+its :class:`FlowRunHandle` follows the flow run's state (the :class:`~diloco_async.procs.ProcessHandle`
+surface that supervision needs), and stopping it cancels the flow run.
+
 Secrets never travel as flow parameters: the run's bearer token (``DILOCO_RUN_TOKEN``) and the
 storage options (``DILOCO_STORAGE_OPTIONS``, JSON) come from the flow run's environment, i.e. the
 ``env`` job variable of the work pool or of the flow run.
@@ -27,6 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,7 +44,8 @@ from prefect import flow, get_run_logger
 TOKEN_ENV = "DILOCO_RUN_TOKEN"  # = diloco_async.server.TOKEN_ENV
 STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"  # = diloco_async.server.STORAGE_OPTIONS_ENV
 
-__all__ = ["learner", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV"]
+__all__ = ["learner", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV",
+           "FlowRunHandle", "DeploymentLauncher"]
 
 SYNC_URL_ENV = "DILOCO_SYNC_URL"
 STORE_URL_ENV = "DILOCO_STORE_URL"
@@ -247,3 +254,146 @@ def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, 
     logger.info("run %s: checkpoint %d written and verified (newest verified: %d)", out["run_id"], out["seq"],
                 out["verified_seq"])
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch handles (run.launcher = "deployments")
+
+_TERMINAL_CODES = {"COMPLETED": 0, "FAILED": 1, "CRASHED": 2, "CANCELLED": 3}
+
+
+class FlowRunHandle:
+    """A learner running as a Prefect flow run of a deployment, followed through the Prefect API.
+
+    ``poll()`` maps the flow run's state to an exit code: None while it is scheduled, pending,
+    running or cancelling; 0 Completed, 1 Failed, 2 Crashed, 3 Cancelled.
+    """
+
+    def __init__(self, name: str, flow_run_id: uuid.UUID, flow_run_name: str, deployment: str,
+                 incarnation: int) -> None:
+        self.name = name
+        self.flow_run_id = flow_run_id
+        self.flow_run_name = flow_run_name
+        self.deployment = deployment
+        self.incarnation = incarnation
+        self.state_type: Optional[str] = "SCHEDULED"
+        self.state_message: Optional[str] = None
+        self._cancel_requested = False
+
+    def refresh(self) -> Optional[str]:
+        """Read the flow run's state from the Prefect API; returns the state type name.
+
+        API errors leave the last known state (a transient API outage is not a learner failure).
+        """
+        from prefect.client.orchestration import get_client
+
+        if self.state_type in _TERMINAL_CODES:
+            return self.state_type
+        try:
+            with get_client(sync_client=True) as client:
+                fr = client.read_flow_run(self.flow_run_id)
+        except Exception:  # noqa: BLE001 - the API may be briefly unreachable; try again next poll
+            return self.state_type
+        if fr.state is not None:
+            self.state_type = fr.state.type.value
+            self.state_message = fr.state.message
+        return self.state_type
+
+    def poll(self) -> Optional[int]:
+        return _TERMINAL_CODES.get(self.refresh() or "")
+
+    def failure(self) -> Optional[str]:
+        """``"flow run CRASHED: <message>"`` when the flow run crashed or failed, else None.
+
+        A cancelled flow run is not a failure: somebody stopped it on purpose."""
+        state = self.refresh()
+        if state in ("CRASHED", "FAILED"):
+            return f"flow run {self.flow_run_name} {state}: {self.state_message or ''}".strip()
+        return None
+
+    def request_cancel(self) -> None:
+        """Ask Prefect to cancel the flow run (state Cancelling, as ``prefect flow-run cancel`` does).
+
+        The work pool's worker then signals the flow run's process group. Does nothing once the
+        flow run is terminal; API errors are swallowed (the Prefect server's cancellation
+        clean-up cancels subflow runs of a cancelled parent anyway)."""
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        if self._cancel_requested or self.refresh() in _TERMINAL_CODES:
+            return
+        try:
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(self.flow_run_id, Cancelling(message="the train flow run stopped"))
+            self._cancel_requested = True
+        except Exception:  # noqa: BLE001
+            pass
+
+    def terminate(self, grace_s: float = 10.0) -> Optional[int]:
+        """Cancel the flow run and wait up to ``grace_s`` seconds for a terminal state.
+
+        Returns the exit code of :meth:`poll`, None when it is still not terminal."""
+        self.request_cancel()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            code = self.poll()
+            if code is not None:
+                return code
+            time.sleep(0.5)
+        return self.poll()
+
+    def kill(self) -> None:
+        """Same as :meth:`terminate` with a short wait: a flow run is only reachable through its worker."""
+        self.terminate(grace_s=2.0)
+
+
+class DeploymentLauncher:
+    """Start learners as flow runs of the ``learner`` deployments, one work pool per region.
+
+    Each call of :meth:`start_learner` is one ``run_deployment(..., timeout=0)``: it returns as
+    soon as the flow run exists (scheduled now); a worker of the region's pool picks it up. Called
+    inside a flow run, the learner's flow run is linked to it as a subflow run.
+
+    Args:
+        deployment_template: ``"flow name/deployment name"`` with ``{region}`` (``learner/{region}``).
+        regions: learner ``i`` runs in ``regions[i % len(regions)]``.
+        env: environment for the learner's flow-run process (the run's token and storage
+            options), passed as the ``env`` job variable.
+        tags: Prefect tags of every learner flow run.
+    """
+
+    def __init__(self, deployment_template: str, regions: list[str], env: dict[str, str],
+                 tags: Optional[list[str]] = None) -> None:
+        if not regions:
+            raise ValueError("DeploymentLauncher needs at least one region")
+        self.deployment_template = deployment_template
+        self.regions = list(regions)
+        self.env = dict(env)
+        self.tags = list(tags or [])
+
+    def region_of(self, index: int) -> str:
+        return self.regions[index % len(self.regions)]
+
+    def start_learner(self, index: int, incarnation: int, parameters: dict[str, Any]) -> FlowRunHandle:
+        """Create the learner's flow run on its region's pool and return its handle.
+
+        Raises:
+            RuntimeError: the deployment does not exist (run ``prefect deploy`` first) or the
+                Prefect API refused the flow run.
+        """
+        from prefect.deployments import run_deployment
+        from prefect.exceptions import ObjectNotFound
+
+        region = self.region_of(index)
+        name = f"learner-{index}"
+        deployment = self.deployment_template.format(region=region)
+        run_name = f"{name}-i{incarnation}-{parameters.get('run_id', '')}".rstrip("-")
+        try:
+            fr = run_deployment(deployment, parameters={**parameters, "region": region, "learner_id": name,
+                                                        "index": index, "incarnation": incarnation},
+                                timeout=0, flow_run_name=run_name, job_variables={"env": self.env},
+                                tags=[*self.tags, name, f"region:{region}"])
+        except ObjectNotFound:
+            raise RuntimeError(f"Prefect deployment {deployment!r} not found: deploy it with "
+                               "`prefect deploy --all` (see prefect.yaml)") from None
+        return FlowRunHandle(name, fr.id, run_name, deployment, incarnation)

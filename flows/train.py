@@ -36,8 +36,9 @@ from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
 from diloco_async.synchronizer import initial_parameters, new_run_id
 from flows.artifacts import log_run_artifacts
 from flows.timeline_report import write_run_timeline
-from flows.launcher import (DeploymentLauncher, LocalProcess, LocalProcessLauncher, Restart, Supervisor,
-                            wait_for_ready_file)
+from diloco_async.procs import LocalProcess, LocalProcessLauncher, wait_for_ready_file
+from diloco_async.supervisor import Restart, Supervisor
+from flows.deployments import DeploymentLauncher
 from flows.tracking import MlflowSink, flatten_params
 from diloco_async.server import open_checkpoint
 from storage import keys

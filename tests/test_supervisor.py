@@ -1,11 +1,12 @@
-"""Supervision of learners (flows.launcher.Supervisor) with real local processes."""
+"""Supervision of learners (diloco_async.supervisor.Supervisor) with real local processes."""
 
 from __future__ import annotations
 
 import signal
 import time
 
-from flows.launcher import LocalProcessLauncher, Supervisor
+from diloco_async.procs import LocalProcessLauncher
+from diloco_async.supervisor import Supervisor
 
 # incarnation 0 of learner 0 fails at once; every later one runs until killed; learner 1 exits cleanly
 SCRIPTS = {(0, 0): "import sys; sys.exit(3)", (1, 0): "pass"}

@@ -1,7 +1,7 @@
 """Start, signal and stop the M rank processes of the data-parallel baseline.
 
 :class:`DdpGroup` runs one incarnation at a time: ``start(i)`` launches the ranks of incarnation
-``i`` (a fresh rendezvous port each time) through :class:`flows.launcher.LocalProcessLauncher`,
+``i`` (a fresh rendezvous port each time) through :class:`diloco_async.procs.LocalProcessLauncher`,
 each rank in its own process group. ``torchrun`` semantics are the caller's: when any rank dies,
 kill the rest (:meth:`DdpGroup.kill_all`), wait until every slot is available again, then
 ``start(i + 1)``; the new incarnation resumes from the newest checkpoint.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from flows.launcher import LocalProcess, LocalProcessLauncher
+from diloco_async.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
 
 __all__ = ["DdpGroup", "free_port"]
 
@@ -86,7 +86,7 @@ class DdpGroup:
         pythonpath = os.pathsep.join(p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.env = {"PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo",
                     _STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
-        self.handles: dict[int, LocalProcess] = {}
+        self.handles: dict[int, LocalProcess | ForkedProcess] = {}
         self.incarnation: Optional[int] = None
         self.port: Optional[int] = None
 
@@ -138,10 +138,7 @@ class DdpGroup:
     def _signal(self, rank: int, sig: int) -> None:
         h = self.handles[rank]
         if h.poll() is None:
-            try:
-                os.killpg(h.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            h.signal_group(sig)
 
     def kill_rank(self, rank: int) -> None:
         """SIGKILL one rank's process group and reap it. Raises KeyError: no such rank started."""
@@ -186,14 +183,3 @@ class DdpGroup:
                 break
             time.sleep(0.05)
         return self.poll()
-
-    def wait_any_exit(self, timeout: Optional[float] = None) -> Optional[int]:
-        """The first rank seen exited (lowest rank among those exited), or None after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            exited = [r for r, code in self.poll().items() if code is not None]
-            if exited:
-                return exited[0]
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
