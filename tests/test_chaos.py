@@ -97,7 +97,7 @@ def test_straggler_ci_cli_json(tmp_path):
     """K = M waits for the half-speed learner at every round; K = 1 with grace does not."""
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1")
     env.pop("PREFECT_API_URL", None)
-    cmd = [sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml",
+    cmd = [sys.executable, "-m", "flows.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml",
            "--json", "--out", str(tmp_path / "straggler.json")]
     for item in _isolated(tmp_path):
         cmd += ["--set", item]
@@ -120,7 +120,7 @@ def test_straggler_ci_cli_json(tmp_path):
 def test_chaos_cli_rejects_a_bad_scenario(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 5\neval_tokens = 1\n[failures]\nmtbf = 1\n')
-    out = subprocess.run([sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", str(bad)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "chaos", "--scenario", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "failures.mtbf" in out.stderr
     # methods, overrides and fields the harness owns are refused before anything starts
@@ -128,7 +128,7 @@ def test_chaos_cli_rejects_a_bad_scenario(tmp_path):
                       (["--set", "learners.lr=fast"], "learners.lr"),
                       (["--set", "learners.count=7"], "sets learners.count itself"),
                       (["--scenario", "configs/chaos"], "is a directory")):
-        cmd = [sys.executable, "-m", "diloco_async.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml", *args]
+        cmd = [sys.executable, "-m", "flows.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml", *args]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 

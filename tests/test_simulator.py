@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from diloco_async.goodput import compute_goodput
 from diloco_async.sim import simulator as sim_mod
 from diloco_async.sim.calibration import Calibration, load_calibration
-from diloco_async.sim.cli import main as simulate_main
+from flows.simulate_cli import main as simulate_main
 from diloco_async.sim.simulator import (
     PAPER_TABLE1,
     TABLE1_CHIPS,
@@ -383,9 +383,9 @@ def test_cli_rejects_bad_flags(capsys) -> None:
     assert "--quorum" in capsys.readouterr().err
 
 
-def test_library_does_not_import_mlflow_or_matplotlib() -> None:
+def test_simulate_command_imports_mlflow_and_matplotlib_only_when_asked() -> None:
     code = (
-        "import sys, diloco_async.sim, diloco_async.sim.cli; "
+        "import sys, diloco_async.sim, flows.simulate_cli; "
         "bad = [m for m in ('mlflow', 'matplotlib', 'prefect') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -253,7 +253,7 @@ async def test_quorum_not_met_when_only_bad_contributions():
 async def test_status_view_renders_a_live_synchronizer():
     from rich.console import Console
 
-    from diloco_async.status_view import render_status
+    from flows.status_view import render_status
 
     async with running(small_config()) as (sync, client, store):
         await join_all(client)

@@ -7,7 +7,8 @@ Examples::
     diloco-async simulate --chips 1200000 --learners 8   # one question, every method
     diloco-async simulate --chips 600000 --learners 4 --method diloco --quorum 2 --mtbi-years 0.5 --json
 
-MLflow and matplotlib are imported only with ``--mlflow`` (``flows/simulate.py``).
+The numbers come from :mod:`diloco_async.sim`; MLflow and matplotlib are imported only with
+``--mlflow`` (``flows/simulate.py``).
 """
 
 from __future__ import annotations

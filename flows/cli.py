@@ -143,7 +143,7 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from diloco_async.status_view import main as status_main
+    from flows.status_view import main as status_main
 
     return status_main(args.sync_url, watch=args.watch)
 
@@ -175,7 +175,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _simulate(argv: list[str]) -> int:
-    from diloco_async.sim.cli import main as sim_main
+    from flows.simulate_cli import main as sim_main
 
     return sim_main(argv)
 
