@@ -13,8 +13,8 @@ A :class:`Timeline` holds, for every learner slot of one run, what it was doing 
 :func:`account` turns it into compute goodput, token goodput and uptime per learner and in total,
 using the definitions of :mod:`diloco_async.goodput`. Every slot is provisioned for the whole run,
 so time spent down counts against goodput. All times are seconds on one clock (unix time for
-real runs). Pure: no I/O. :func:`plot_timeline` draws it (matplotlib) and :class:`Recorder`
-appends the learner-side records to a JSON-lines file.
+real runs). Pure: no I/O. :class:`Recorder` appends the learner-side records to a JSON-lines
+file; ``flows.timeline_report.plot_timeline`` draws a timeline.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 from diloco_async.goodput import Goodputs, compute_goodput, token_goodput, uptime
 
 __all__ = ["STATES", "Interval", "Step", "Timeline", "LearnerAccount", "Accounting", "account",
-           "availability", "plot_timeline", "Recorder", "read_records", "diloco_timeline_steps"]
+           "availability", "Recorder", "read_records", "diloco_timeline_steps"]
 
 #: States a slot can be in besides stepping. Time in none of them and in no step is overhead
 #: (communication, adoption, idle waiting between steps).
@@ -81,7 +81,7 @@ class Step:
 
 @dataclass
 class Timeline:
-    """Everything :func:`account` and :func:`plot_timeline` need about one run of one method."""
+    """Everything :func:`account` (and the plot) need about one run of one method."""
 
     learners: list[str]
     start_s: float
@@ -220,60 +220,6 @@ def availability(down: Mapping[str, Sequence[tuple[float, float]]], start_s: flo
     span = end_s - start_s
     shares = [1.0 - sum(_overlap(a, b, start_s, end_s) for a, b in ivs) / span for ivs in down.values()]
     return sum(shares) / len(shares)
-
-
-_COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "restarting": "#e67e22",
-            "stalled": "#8e44ad", "blocked": "#95a5a6"}
-
-
-def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: Optional[float] = None) -> None:
-    """Draw each slot's states over time and the merges of the global model into a PNG.
-
-    One row per learner: useful steps green, thrown-away steps red, down dark grey, restarting
-    orange, stalled purple, blocked light grey; merges are ticks on a row of their own at the top.
-    Times are shown in seconds from ``tl.start_s``; ``mark_s`` (same clock) draws a dashed line,
-    e.g. where the goodput window starts.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    rows = list(tl.learners)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * (len(rows) + 1)), dpi=100)
-    t0 = tl.start_s
-    for i, lid in enumerate(rows):
-        y = len(rows) - i
-        bars: dict[str, list[tuple[float, float]]] = {k: [] for k in _COLOURS}
-        for iv in tl.intervals:
-            if iv.learner == lid:
-                bars[iv.state].append((iv.t0 - t0, iv.t1 - iv.t0))
-        for st in tl.steps:
-            if st.learner != lid:
-                continue
-            dur = st.t1 - st.t0
-            if st.useful > 0:
-                bars["useful"].append((st.t0 - t0, dur * st.useful))
-            if st.useful < 1:
-                bars["thrown away"].append((st.t0 - t0 + dur * st.useful, dur * (1 - st.useful)))
-        for state in ("useful", "thrown away", "blocked", "restarting", "stalled", "down"):
-            if bars[state]:
-                ax.broken_barh(bars[state], (y - 0.35, 0.7), facecolors=_COLOURS[state], linewidth=0)
-    top = len(rows) + 1
-    if tl.merges_s:
-        ax.vlines([m - t0 for m in tl.merges_s], top - 0.35, top + 0.35, colors="#1f4e79", linewidth=0.6)
-    if mark_s is not None:
-        ax.axvline(mark_s - t0, color="black", linestyle="--", linewidth=0.8)
-    ax.set_yticks(list(range(1, top + 1)), list(reversed(rows)) + ["merges"])
-    ax.set_xlim(0, max(1e-9, tl.end_s - t0))
-    ax.set_xlabel("seconds since start")
-    ax.set_title(title or "learner timeline")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.18 if len(rows) > 3 else -0.3), ncol=len(_COLOURS), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 class Recorder:

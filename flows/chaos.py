@@ -45,8 +45,8 @@ from diloco_async.fragments import plan_fragments, specs_of
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.model import ByteGPT, embedding_names
 from diloco_async.procs import ForkServerLauncher
-from diloco_async.timeline import (Interval, Step, Timeline, account, diloco_timeline_steps, plot_timeline,
-                                   read_records)
+from diloco_async.timeline import Interval, Step, Timeline, account, diloco_timeline_steps, read_records
+from flows.timeline_report import plot_timeline
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import TrainingRun, prepare_corpus
 from storage import keys

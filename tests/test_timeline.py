@@ -12,7 +12,7 @@ import pytest
 from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_overrides
 from diloco_async.config import load_config
 from diloco_async.timeline import (Interval, Recorder, Step, Timeline, account, availability,
-                                   diloco_timeline_steps, plot_timeline, read_records)
+                                   diloco_timeline_steps, read_records)
 
 
 def _steps(lid: str, t0: float, t1: float, dur: float = 1.0, tokens: int = 100, thrown: tuple[int, ...] = ()):
@@ -109,6 +109,8 @@ def test_plot_timeline_writes_a_png(tmp_path):
     import matplotlib.image as mpimg
     import numpy as np
 
+    from flows.timeline_report import plot_timeline
+
     tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0),
                                                       Interval("b", "restarting", 20.0, 25.0)],
                   steps=_steps("a", 0, 100) + _steps("b", 25, 100, thrown=(3, 4)), merges_s=[10.0, 20.0, 30.0])
@@ -190,7 +192,7 @@ def test_diloco_steps_after_a_restore_and_a_jump_to_the_global_step(tmp_path):
 
 
 def test_timeline_from_records_finds_restarts_and_downtime(tmp_path):
-    from flows.timeline_report import timeline_from_records
+    from diloco_async.run_timeline import timeline_from_records
 
     r0 = Recorder(tmp_path / "a.jsonl", inc=0)
     r0.record("start", t=0.0)

@@ -1,0 +1,87 @@
+"""The goodput timeline of an ordinary training run, rebuilt from what the processes recorded.
+
+Every learner process appends its own records (``diloco_async.timeline.Recorder``: start, ready,
+steps, contributions, blocked time, stop) and the synchronizer names the update ids of every
+merge (``merges.jsonl`` in the store). From those alone this module rebuilds each slot's
+timeline: ``restarting`` from a process's start to its first step, ``down`` from the last record
+of a process that did not stop cleanly to the start of the next one, the steps with the share that
+was merged. The chaos harness knows the exact fault times and builds its own; this is the view
+for runs without a fault driver (``train``, ``resume``). ``flows.timeline_report`` draws it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from diloco_async.config import Config
+from diloco_async.fragments import plan_fragments, specs_of
+from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.timeline import Interval, Timeline, diloco_timeline_steps
+from storage import keys
+from storage.store import ObjectStore
+
+__all__ = ["fragment_shares", "read_merges", "timeline_from_records"]
+
+
+def fragment_shares(cfg: Config) -> list[float]:
+    """Numel share of each fragment of the recipe's model (sums to 1)."""
+    model = ByteGPT(cfg.model)
+    plan = plan_fragments(specs_of({n: p.detach() for n, p in model.named_parameters()}),
+                          cfg.synchronizer.num_fragments, embedding_names(model))
+    return [plan.numel_fraction(p) for p in range(plan.num_fragments)]
+
+
+def read_merges(store: ObjectStore, run_id: str, epoch: str) -> list[dict]:
+    """The synchronizer's merge records of one epoch ([] if it wrote none)."""
+    try:
+        body = store.get_unverified(keys.merge_log_key(run_id, epoch)).decode()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def timeline_from_records(records: dict[str, list[dict]], merges: list[dict], shares: list[float],
+                          end_s: Optional[float] = None) -> Timeline:
+    """A :class:`Timeline` of learner slots from their own records and the merge records.
+
+    Args:
+        records: learner id -> its records, in file order (unix times).
+        merges: ``merges.jsonl`` records (``t``, ``update_ids``).
+        shares: numel share per fragment.
+        end_s: end of the window (default: the last record or merge).
+
+    Raises:
+        ValueError: no records at all.
+    """
+    times = [float(r.get("t1", r["t"])) for recs in records.values() for r in recs] + [float(m["t"]) for m in merges]
+    starts = [float(r["t"]) for recs in records.values() for r in recs if r["kind"] == "start"]
+    if not times or not starts:
+        raise ValueError("no timeline records")
+    start_s, end = min(starts), end_s if end_s is not None else max(times)
+    merged = {u for m in merges for u in m["update_ids"]}
+    tl = Timeline(sorted(records), start_s, end, merges_s=[float(m["t"]) for m in merges])
+    for lid, recs in records.items():
+        tl.steps += diloco_timeline_steps(lid, recs, merged, shares)
+        by_inc: dict[int, list[dict]] = {}
+        for r in recs:
+            by_inc.setdefault(int(r["inc"]), []).append(r)
+        incs = sorted(by_inc)
+        for j, inc in enumerate(incs):
+            rs = by_inc[inc]
+            t_start = next((float(r["t"]) for r in rs if r["kind"] == "start"), float(rs[0].get("t0", rs[0]["t"])))
+            t_ready = next((float(r["t"]) for r in rs if r["kind"] == "ready"), None)
+            t_last = max(float(r.get("t1", r["t"])) for r in rs)
+            tl.intervals.append(Interval(lid, "restarting", t_start, max(t_start, t_ready if t_ready else t_last)))
+            tl.intervals += [Interval(lid, "blocked", float(r["t0"]), float(r["t1"])) for r in rs if r["kind"] == "blocked"]
+            clean = any(r["kind"] == "stopped" for r in rs)
+            if not clean and j + 1 < len(incs):
+                nxt = by_inc[incs[j + 1]]
+                t_next = next((float(r["t"]) for r in nxt if r["kind"] == "start"), None)
+                if t_next is not None and t_next > t_last:
+                    tl.intervals.append(Interval(lid, "down", t_last, t_next))
+        first = min(float(r["t"]) for r in recs if r["kind"] == "start") if any(
+            r["kind"] == "start" for r in recs) else start_s
+        if first > start_s:  # the slot's first process started late: not provisioned before
+            tl.intervals.append(Interval(lid, "down", start_s, first))
+    return tl
