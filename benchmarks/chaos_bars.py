@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Optional
 
-from flows.chaos import _eval_at
+from diloco_async.chaos.measure import eval_at
 
 
 def _rows(path: str) -> tuple[dict, dict[str, dict]]:
@@ -45,7 +45,7 @@ def bars(storm_path: str, ff_path: str, straggler_path: Optional[str] = None) ->
     # the storm's token count, read on the failure-free DDP curve
     tokens = float(storm.get("eval_tokens") or 0) or None
     storm_dec = dec["eval_loss_equal_tokens"]
-    ref = _eval_at(ff["ddp"]["eval_curve"], tokens)[1] if tokens and ff["ddp"].get("eval_curve") else None
+    ref = eval_at(ff["ddp"]["eval_curve"], tokens)[1] if tokens and ff["ddp"].get("eval_curve") else None
     out.append(("storm decoupled / failure-free DDP eval loss, equal tokens",
                 None if storm_dec is None or ref is None else storm_dec / ref, 1.05, "max"))
     if straggler_path:

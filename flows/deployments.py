@@ -7,10 +7,8 @@
 * ``checkpoint`` — asks a running synchronizer for a checkpoint and verifies the newest one in
   the store (deployed with an interval schedule).
 
-And the launch handles of ``run.launcher = "deployments"``: :class:`DeploymentLauncher` starts
-each learner as a flow run of the ``learner/{region}`` deployment on its region's work pool;
-its :class:`FlowRunHandle` follows the flow run's state (the :class:`~diloco_async.procs.ProcessHandle`
-surface that supervision needs), and stopping it cancels the flow run.
+With ``run.launcher = "deployments"``, :class:`DeploymentLauncher` starts the ``train`` flow's
+learners as such flow runs; a :class:`FlowRunHandle` follows one (``diloco_async.procs.ProcessHandle``).
 
 Secrets never travel as flow parameters: the run's bearer token (``DILOCO_RUN_TOKEN``) and the
 storage options (``DILOCO_STORAGE_OPTIONS``, JSON) come from the flow run's environment, i.e. the
@@ -112,6 +110,16 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
             "pid": os.getpid()}
 
 
+def _announce_when_listening(ready: Path, done: threading.Event, info: dict[str, Any], logger: Any) -> None:
+    """Log the synchronizer's URL as soon as it writes its ready file (fills ``info`` with it)."""
+    while not done.is_set():
+        if ready.exists():
+            info.update(json.loads(ready.read_text()))
+            logger.info("synchronizer of run %s listening on %s (pid %d)", info["run_id"], info["url"], info["pid"])
+            return
+        time.sleep(0.2)
+
+
 @flow(name="synchronizer", log_prints=True)
 def synchronizer(config: Optional[str] = "configs/default.toml", overrides: Optional[list[str]] = None,
                  run_id: Optional[str] = None, resume_url: Optional[str] = None,
@@ -154,17 +162,8 @@ def synchronizer(config: Optional[str] = "configs/default.toml", overrides: Opti
     args += ["--ready-file", str(ready)]
     done = threading.Event()
     info: dict[str, Any] = {}
-
-    def announce() -> None:  # log the URL as soon as the server listens
-        while not done.is_set():
-            if ready.exists():
-                info.update(json.loads(ready.read_text()))
-                logger.info("synchronizer of run %s listening on %s (pid %d)", info["run_id"], info["url"], info["pid"])
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=announce, name="sync-ready", daemon=True)
-    watcher.start()
+    threading.Thread(target=_announce_when_listening, args=(ready, done, info, logger), name="sync-ready",
+                     daemon=True).start()
     try:
         code = server_main(args)
     finally:

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger, task
@@ -31,29 +27,20 @@ from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.model import ByteGPT
-from diloco_async.learner import TIMELINE_DIR_ENV
-from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
-from diloco_async.synchronizer import initial_parameters, new_run_id
-from flows.artifacts import log_run_artifacts
-from flows.timeline_report import write_run_timeline
-from diloco_async.procs import LocalProcess, LocalProcessLauncher, wait_for_ready_file
-from diloco_async.supervisor import Restart, Supervisor
-from flows.deployments import DeploymentLauncher
-from flows.tracking import MlflowSink, flatten_params
+from diloco_async.run import RunProcesses
 from diloco_async.server import open_checkpoint
+from diloco_async.supervisor import Restart
+from diloco_async.synchronizer import initial_parameters
+from flows.artifacts import log_run_artifacts
+from flows.deployments import DeploymentLauncher
+from flows.timeline_report import write_run_timeline
+from flows.tracking import MlflowSink, flatten_params
 from storage import keys
 from storage.checkpoint import latest_checkpoint
-from storage.store import ObjectStore
 
 __all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]
 
 log = logging.getLogger("diloco.flows.train")
-
-
-def _get_json(url: str, token: Optional[str] = None, timeout_s: float = 5.0) -> Any:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
 
 
 @task(name="prepare-corpus", retries=2, retry_delay_seconds=5)
@@ -67,30 +54,14 @@ def evaluate(cfg: Config, model: ByteGPT) -> float:
     return heldout_loss(model, heldout_batches(cfg))
 
 
-class TrainingRun:
-    """The processes, metric stream and MLflow run of one training run."""
+class TrainingRun(RunProcesses):
+    """The processes of one training run (:class:`~diloco_async.run.RunProcesses`), with learners
+    started as flow runs of the ``learner/{region}`` deployments when ``run.launcher =
+    "deployments"``, and supervision decisions in the flow run's log."""
 
     def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str],
                  run_id: Optional[str] = None, resume_url: Optional[str] = None) -> None:
-        self.cfg = cfg
-        self.config_path = config_path
-        self.overrides = overrides
-        self.run_id = run_id or new_run_id()
-        self.resume_url = resume_url
-        self.epoch: Optional[str] = None
-        self.token = secrets.token_urlsafe(32)
-        self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
-        self.launcher = LocalProcessLauncher(self.workdir / "logs")
-        self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
-                    TIMELINE_DIR_ENV: str(self.workdir / "timeline")}
-        self.sync: Optional[LocalProcess] = None
-        self.learners: dict[str, Any] = {}  # learner id -> LocalProcess or FlowRunHandle (newest incarnation)
-        self.retired: list[Any] = []  # handles of earlier incarnations
-        self.sync_url: Optional[str] = None
-        self.metrics_next = 0
-        self.finished_cleanly = False
+        super().__init__(cfg, config_path, overrides, run_id=run_id, resume_url=resume_url)
         self.deployer: Optional[DeploymentLauncher] = None
         if cfg.run.launcher == "deployments":
             from prefect.runtime import flow_run
@@ -99,108 +70,23 @@ class TrainingRun:
             if flow_run.id:
                 tags.append(f"train-flow-run:{flow_run.id}")
             self.deployer = DeploymentLauncher(cfg.run.learner_deployment, cfg.run.regions, self.env, tags)
-        self.supervisor = Supervisor(start=self._spawn_learner, restart_delay_s=cfg.learners.restart_delay_s,
-                                     max_restarts=cfg.learners.max_restarts, log=self._log)
 
-    @staticmethod
-    def _log(line: str) -> None:
+    def _log(self, line: str) -> None:
         try:
             get_run_logger().warning("%s", line)
         except Exception:  # noqa: BLE001 - outside a flow run
             log.warning("%s", line)
 
-    def _config_args(self) -> list[str]:
-        args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
-        for item in self.overrides:
-            args += ["--set", item]
-        return args
-
-    def start_synchronizer(self) -> str:
-        ready = self.workdir / "synchronizer.ready.json"
-        ready.unlink(missing_ok=True)
-        which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
-        argv = ["-m", "diloco_async.server", *self._config_args(), *which, "--ready-file", str(ready)]
-        self.sync = self.launcher.start("synchronizer", argv, self.env)
-        info = wait_for_ready_file(ready, self.sync)
-        self.sync_url, self.epoch = info["url"], info["epoch"]
-        return self.sync_url
-
-    def _spawn_learner(self, index: int, incarnation: int) -> Any:
-        lid = f"learner-{index}"
-        if lid in self.learners:
-            self.retired.append(self.learners[lid])
-        if self.deployer is not None:
-            handle = self.deployer.start_learner(index, incarnation, {
-                "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id})
-        else:
-            argv = ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(index),
-                    "--sync-url", str(self.sync_url), "--store", self.store.url, "--incarnation", str(incarnation)]
-            handle = self.launcher.start(lid, argv, self.env)
-        self.learners[lid] = handle
-        return handle
-
-    def start_learner(self, index: int, incarnation: int = 0) -> Any:
-        """Start learner ``index`` (a subprocess, or a flow run with ``run.launcher = "deployments"``)
-        and supervise it: if it dies while the synchronizer runs it is restarted (see :meth:`supervise`).
+    def learner_handle(self, index: int, incarnation: int) -> Any:
+        """A subprocess, or a flow run with ``run.launcher = "deployments"``.
 
         Raises:
             RuntimeError: with the deployments launcher, the learner deployment does not exist.
         """
-        return self.supervisor.launch(index, incarnation)
-
-    def supervise(self) -> list[Restart]:
-        """Restart learners that died (non-zero exit, signal, crashed or failed flow run) after
-        ``learners.restart_delay_s`` seconds, as their next incarnation. Call it while the
-        synchronizer runs; returns the restarts made by this call."""
-        return self.supervisor.check()
-
-    def pull_metrics(self) -> list[dict]:
-        """New metric points from the synchronizer; [] when it is not answering."""
-        points: list[dict] = []
-        while True:
-            try:
-                body = _get_json(f"{self.sync_url}/metrics?since={self.metrics_next}", self.token)
-            except (urllib.error.URLError, OSError, ValueError):
-                return points
-            points.extend(body["metrics"])
-            self.metrics_next = body["next"]
-            if self.metrics_next >= body["total"]:
-                return points
-
-    def status(self) -> Optional[dict]:
-        try:
-            return _get_json(f"{self.sync_url}/status")
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
-
-    def remaining_metrics_from_store(self) -> list[dict]:
-        """Metric points the final poll missed, from the synchronizer's metrics.jsonl."""
-        try:
-            lines = self.store.get_unverified(keys.metrics_log_key(self.run_id, str(self.epoch))).decode().splitlines()
-        except FileNotFoundError:
-            return []
-        rest = [json.loads(line) for line in lines[self.metrics_next:] if line.strip()]
-        self.metrics_next = len(lines)
-        return rest
-
-    def stop_all(self) -> None:
-        """Stop every learner and the synchronizer.
-
-        After a clean end (the synchronizer exited 0) learners get up to 30 s to finish on their
-        own; otherwise (failure, cancellation) learner flow runs are cancelled at once, then the
-        synchronizer gets SIGTERM (final checkpoint) and 10 s before SIGKILL."""
-        handles = self.retired + list(self.learners.values())
-        if self.finished_cleanly:
-            deadline = time.monotonic() + 30.0
-            while time.monotonic() < deadline and any(h.poll() is None for h in handles):
-                time.sleep(0.5)
-        for handle in handles:  # cancel every learner flow run first: their workers stop them in parallel
-            if hasattr(handle, "request_cancel"):
-                handle.request_cancel()
-        for handle in list(self.learners.values()) + ([self.sync] if self.sync else []):
-            if hasattr(handle, "request_cancel"):
-                continue  # a flow run is stopped by its worker; nothing to wait for here
-            handle.terminate(grace_s=10.0)
+        if self.deployer is None:
+            return super().learner_handle(index, incarnation)
+        return self.deployer.start_learner(index, incarnation, {
+            "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id})
 
     def learner_flow_runs(self) -> list[dict]:
         """Every learner flow run this run created (deployments launcher), oldest first."""

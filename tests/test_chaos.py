@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from diloco_async.chaos import load_scenario, make_schedule
-from flows.chaos import _eval_at
+from diloco_async.chaos.measure import eval_at
 
 pytestmark = pytest.mark.integration
 
@@ -88,9 +88,9 @@ def test_storm_ci_three_methods_one_schedule(prefect_server, tmp_path):
 
 def test_eval_at_equal_tokens_interpolates_between_snapshots():
     curve = [(0.0, 0.0, 5.0), (10.0, 100.0, 3.0), (20.0, 200.0, 2.0)]  # (seconds, tokens, loss)
-    assert _eval_at(curve, 150) == (2.0, pytest.approx(2.5))
-    assert _eval_at(curve, 100) == (2.0, 3.0)
-    assert _eval_at(curve, 201) == (2.0, None)  # never reached
+    assert eval_at(curve, 150) == (2.0, pytest.approx(2.5))
+    assert eval_at(curve, 100) == (2.0, 3.0)
+    assert eval_at(curve, 201) == (2.0, None)  # never reached
 
 
 def test_straggler_ci_cli_json(tmp_path):

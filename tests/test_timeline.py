@@ -213,3 +213,100 @@ def test_timeline_from_records_finds_restarts_and_downtime(tmp_path):
     assert a.restarting_s == pytest.approx(3.0)  # 0-2 and 10-11
     assert a.down_s == pytest.approx(4.0)  # last record at 6 s, next start at 10 s
     assert a.useful_s == pytest.approx(4.0) and a.thrown_away_s == pytest.approx(1.0)
+
+
+class _FakeClock:
+    """``clock()`` and ``sleep(s)`` of :func:`diloco_async.chaos.driver.drive` without waiting."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+class _Recording:
+    """A fault target that writes down what the driver asked of it, and when."""
+
+    def __init__(self, clock: _FakeClock) -> None:
+        self.clock, self.calls, self.ticks = clock, [], 0
+
+    def on_fail(self, slot, duration_s):
+        self.calls.append((round(self.clock(), 3), "fail", slot))
+
+    def on_recover(self, slot):
+        self.calls.append((round(self.clock(), 3), "recover", slot))
+
+    def on_stall(self, slot):
+        self.calls.append((round(self.clock(), 3), "stall", slot))
+
+    def on_cont(self, slot):
+        self.calls.append((round(self.clock(), 3), "cont", slot))
+
+    def tick(self, now):
+        self.ticks += 1
+
+
+def test_driver_applies_a_schedule_on_a_fake_clock():
+    from diloco_async.chaos.driver import drive
+    from diloco_async.chaos.scenario import FaultEvent
+
+    clock = _FakeClock(1000.0)
+    target = _Recording(clock)
+    events = [FaultEvent(2.0, 1, "stall", 1.0), FaultEvent(1.0, 0, "fail", 5.0), FaultEvent(9.5, 1, "fail", 3.0)]
+    drive(events, 1000.0, 10.0, target, poll_s=0.25, clock=clock, sleep=clock.sleep)
+    # events at their time, in time order; recovery and stall end after their duration; the
+    # failure at 9.5 s recovers after the wall time: never
+    assert target.calls == [(1001.0, "fail", 0), (1002.0, "stall", 1), (1003.0, "cont", 1),
+                            (1006.0, "recover", 0), (1009.5, "fail", 1)]
+    assert target.ticks == 40 and clock() == 1010.0
+
+
+def test_slot_book_closes_open_intervals():
+    from diloco_async.chaos.driver import SlotBook, restarting_intervals
+
+    book = SlotBook(2)
+    book.open_down(0, 10.0)
+    book.open_down(0, 11.0)  # already down: the first time counts
+    book.stalled_since[1] = 12.0
+    book.close("down", 0, 15.0)
+    book.close("down", 1, 15.0)  # nothing open: nothing recorded
+    book.close_all(20.0)
+    assert book.intervals == [Interval("slot-0", "down", 10.0, 15.0), Interval("slot-1", "stalled", 12.0, 20.0)]
+    # launched at 0 (ready at 3), at 10 (killed at 12 before ready), at 20 (ready at 21)
+    recs = [{"kind": "ready", "t": 3.0}, {"kind": "ready", "t": 21.0}]
+    assert restarting_intervals("slot-0", [0.0, 10.0, 20.0], recs, [5.0, 12.0], 30.0) == [
+        Interval("slot-0", "restarting", 0.0, 3.0), Interval("slot-0", "restarting", 10.0, 12.0),
+        Interval("slot-0", "restarting", 20.0, 21.0)]
+
+
+def test_ddp_steps_survive_up_to_the_step_the_next_incarnation_resumed_from():
+    from diloco_async.chaos.targets import ddp_timeline_steps
+
+    recs = [{"kind": "ready", "incarnation": 0, "step": 0}]
+    recs += [{"kind": "step", "step": s, "t0": s - 1.0, "t1": float(s), "tokens": 10, "wait_s": 0.25} for s in (1, 2, 3)]
+    recs += [{"kind": "ready", "incarnation": 1, "step": 2}]  # resumed from the checkpoint at step 2
+    recs += [{"kind": "step", "step": s, "t0": s + 9.0, "t1": s + 10.0, "tokens": 10} for s in (3, 4, 5)]
+    steps = ddp_timeline_steps("slot-0", recs, final_step=4)
+    assert [(st.t1, st.useful) for st in steps] == [(1.0, 1.0), (2.0, 1.0), (3.0, 0.0),
+                                                    (13.0, 1.0), (14.0, 1.0), (15.0, 0.0)]
+    assert steps[0].wait_s == 0.25 and steps[3].wait_s == 0.0
+
+
+def test_goodput_window_starts_when_every_first_process_is_up():
+    from diloco_async.chaos.measure import eval_at, goodput_window_start, uptime_max_gap_s
+
+    tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("a", "restarting", 0.0, 4.0),
+                                                      Interval("b", "restarting", 0.0, 6.0),
+                                                      Interval("b", "restarting", 50.0, 70.0)],
+                  steps=_steps("a", 4, 100, dur=2.0))
+    assert goodput_window_start(tl) == 6.0  # b's first process, not its restart
+    assert goodput_window_start(Timeline(["a"], 0.0, 3.0, intervals=[Interval("a", "restarting", 0.0, 9.0)])) == 3.0
+    cfg = load_config("configs/default.toml", ["synchronizer.sync_every=10", "synchronizer.num_fragments=2"])
+    assert uptime_max_gap_s(tl, cfg) == 4 * 2.0 * 10 / 2
+    assert uptime_max_gap_s(Timeline(["a"], 0.0, 1.0), cfg) == 20.0  # no steps: 1 s per step
+    curve = [(0.0, 0.0, 5.0), (10.0, 100.0, 3.0), (20.0, 200.0, 2.0)]
+    assert eval_at(curve, 0) == (2.0, 5.0)

@@ -49,10 +49,6 @@ class FailureParams(_Section):
         "or blocked chips do not fail). The only clock implemented; stated so the file says it."
     )
 
-    @property
-    def mtbi_chip_s(self) -> float:
-        return self.mtbi_chip_years * self.seconds_per_year
-
 
 class SliceParams(_Section):
     chips_per_slice: int = Field(ge=1, description="Chips per slice, the unit that fails and recovers.")

@@ -1,0 +1,107 @@
+"""What one method achieved under a chaos scenario: goodput from its timeline (DESIGN §7) and the
+held-out loss of its global model at equal wall time and at equal tokens (DESIGN §8).
+
+Goodput is measured from the moment every slot's first process was up (or had failed): the
+initial start-up is the same for every method and not part of the comparison; every restart
+after a failure is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from diloco_async.config import Config
+from diloco_async.evaluation import heldout_loss
+from diloco_async.model import ByteGPT
+from diloco_async.timeline import Accounting, Timeline, account
+
+__all__ = ["Snapshot", "Measurement", "goodput_window_start", "uptime_max_gap_s", "initial_model", "eval_curve",
+           "eval_at", "measure"]
+
+#: one point of a loss curve: (seconds since the first snapshot, tokens in the model, loss in nats/byte)
+CurvePoint = tuple[float, float, float]
+
+
+@dataclass
+class Snapshot:
+    """The global model at unix time ``t`` with ``tokens`` tokens in it; ``load()`` builds it."""
+
+    t: float
+    tokens: float
+    load: Callable[[], ByteGPT]
+
+
+@dataclass
+class Measurement:
+    """Goodput and loss of one method's run.
+
+    Attributes:
+        accounting: goodput accounting over ``[window_start_s, end]``.
+        window_start_s: where the goodput window starts (unix s; the timeline itself starts at
+            the first launch).
+        curve: held-out loss of every snapshot, Θ^0 first (:data:`CurvePoint`).
+        eval_loss_equal_time, eval_loss_equal_tokens: see :func:`eval_at`.
+    """
+
+    accounting: Accounting
+    window_start_s: float
+    curve: list[CurvePoint]
+    eval_loss_equal_time: float
+    eval_loss_equal_tokens: Optional[float]
+
+
+def goodput_window_start(tl: Timeline) -> float:
+    """The end of the latest first ``restarting`` interval over the slots (every slot's first
+    process up or dead), clipped to ``[tl.start_s, tl.end_s]``."""
+    first_up = [min((iv for iv in tl.intervals if iv.learner == lid and iv.state == "restarting"),
+                    key=lambda iv: iv.t0, default=None) for lid in tl.learners]
+    return min(tl.end_s, max([tl.start_s] + [iv.t1 for iv in first_up if iv is not None]))
+
+
+def uptime_max_gap_s(tl: Timeline, cfg: Config) -> float:
+    """Merge gap beyond which the run counts as down: 4 typical rounds of one fragment (median
+    step seconds × H / P), at least 5 s."""
+    step_s = sorted(st.t1 - st.t0 for st in tl.steps)
+    typical = step_s[len(step_s) // 2] if step_s else 1.0
+    return max(5.0, 4 * typical * cfg.synchronizer.sync_every / max(1, cfg.synchronizer.num_fragments))
+
+
+def initial_model(cfg: Config) -> ByteGPT:
+    """Θ^0 of the recipe: the same for every method."""
+    from diloco_async.synchronizer import initial_parameters
+
+    model = ByteGPT(cfg.model)
+    model.load_state_dict(initial_parameters(cfg)[0], strict=False)
+    return model
+
+
+def eval_curve(snaps: Sequence[Snapshot], batches) -> list[CurvePoint]:
+    """Held-out loss (nats/byte) of every snapshot: ``(seconds since the first, tokens, loss)``."""
+    t0 = snaps[0].t
+    return [(s.t - t0, s.tokens, heldout_loss(s.load(), batches)) for s in snaps]
+
+
+def eval_at(curve: Sequence[CurvePoint], eval_tokens: int) -> tuple[float, Optional[float]]:
+    """Loss of the last snapshot (equal wall time) and at ``eval_tokens`` tokens, linearly
+    interpolated in tokens between the two snapshots around it (None if never reached)."""
+    final = curve[-1][2]
+    idx = next((i for i, c in enumerate(curve) if c[1] >= eval_tokens), None)
+    if idx is None:
+        return final, None
+    if idx == 0 or curve[idx][1] == curve[idx - 1][1]:
+        return final, curve[idx][2]
+    (_, ta, la), (_, tb, lb) = curve[idx - 1], curve[idx]
+    w = (eval_tokens - ta) / (tb - ta)
+    return final, (1 - w) * la + w * lb
+
+
+def measure(tl: Timeline, snaps: Sequence[Snapshot], cfg: Config, batches, eval_tokens: int) -> Measurement:
+    """Goodput of ``tl`` from :func:`goodput_window_start`, and the loss curve of Θ^0 (at the
+    window's start, no tokens) followed by ``snaps``."""
+    window = dataclasses.replace(tl, start_s=goodput_window_start(tl))
+    acc = account(window, uptime_max_gap_s(window, cfg))
+    curve = eval_curve([Snapshot(window.start_s, 0.0, lambda: initial_model(cfg)), *snaps], batches)
+    eq_time, eq_tokens = eval_at(curve, eval_tokens)
+    return Measurement(acc, window.start_s, curve, eq_time, eq_tokens)

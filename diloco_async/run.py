@@ -1,0 +1,184 @@
+"""The processes of one run: the synchronizer, the learners, the environment they share and the
+synchronizer's metric stream.
+
+:class:`RunProcesses` starts the synchronizer (``python -m diloco_async.server``) and waits until
+it listens, starts learner ``i`` as incarnation ``j`` (``python -m diloco_async.learner``) under
+a :class:`~diloco_async.supervisor.Supervisor`, reads new metric points and the run's status
+over HTTP, and stops everything. The ``train`` flow (``flows/train.py``) adds MLflow, Prefect
+deployments and the report; the chaos harness (:mod:`diloco_async.chaos.targets`) drives one
+under a fault schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from diloco_async.config import Config
+from diloco_async.learner import TIMELINE_DIR_ENV
+from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
+from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
+from diloco_async.supervisor import Restart, Supervisor
+from diloco_async.synchronizer import new_run_id
+from storage import keys
+from storage.store import ObjectStore
+
+__all__ = ["RunProcesses"]
+
+log = logging.getLogger("diloco.run")
+
+
+def _get_json(url: str, token: Optional[str] = None, timeout_s: float = 5.0) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+class RunProcesses:
+    """The synchronizer and learner processes of one run, started on this machine.
+
+    Args:
+        cfg: the run's recipe.
+        config_path: the recipe file the processes load (None: defaults), with ``overrides``.
+        overrides: ``section.field=value`` strings.
+        run_id: id of a new run (a fresh one when None).
+        resume_url: continue from ``{store}/{run_id}/checkpoints/{seq}`` instead of starting a run.
+        launcher: how processes start (default: subprocesses, logs in ``{workdir}/logs``).
+
+    Attributes:
+        workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines.
+        env: environment of every process (the run's token, storage options, timeline folder).
+        sync: the synchronizer's handle once started.
+        learners: learner id -> handle of its newest incarnation; ``retired``: earlier ones.
+    """
+
+    def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str],
+                 run_id: Optional[str] = None, resume_url: Optional[str] = None,
+                 launcher: Optional[Launcher] = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = overrides
+        self.run_id = run_id or new_run_id()
+        self.resume_url = resume_url
+        self.epoch: Optional[str] = None
+        self.token = secrets.token_urlsafe(32)
+        self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
+        self.launcher = launcher if launcher is not None else LocalProcessLauncher(self.workdir / "logs")
+        self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
+                    TIMELINE_DIR_ENV: str(self.workdir / "timeline")}
+        self.sync: Optional[Any] = None
+        self.learners: dict[str, Any] = {}  # learner id -> process handle (newest incarnation)
+        self.retired: list[Any] = []  # handles of earlier incarnations
+        self.sync_url: Optional[str] = None
+        self.metrics_next = 0
+        self.finished_cleanly = False
+        self.supervisor = Supervisor(start=self._spawn_learner, restart_delay_s=cfg.learners.restart_delay_s,
+                                     max_restarts=cfg.learners.max_restarts, log=self._log)
+
+    def _log(self, line: str) -> None:
+        """One line per supervision decision (subclasses send it elsewhere)."""
+        log.warning("%s", line)
+
+    def _config_args(self) -> list[str]:
+        args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
+        for item in self.overrides:
+            args += ["--set", item]
+        return args
+
+    def start_synchronizer(self) -> str:
+        """Start the synchronizer, wait until it listens and return its URL.
+
+        Raises:
+            RuntimeError: it exited before it was ready. TimeoutError: not ready after 120 s.
+        """
+        ready = self.workdir / "synchronizer.ready.json"
+        ready.unlink(missing_ok=True)
+        which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
+        argv = ["-m", "diloco_async.server", *self._config_args(), *which, "--ready-file", str(ready)]
+        self.sync = self.launcher.start("synchronizer", argv, self.env)
+        info = wait_for_ready_file(ready, self.sync)
+        self.sync_url, self.epoch = info["url"], info["epoch"]
+        return self.sync_url
+
+    def learner_handle(self, index: int, incarnation: int) -> Any:
+        """Start the process of learner ``index`` as ``incarnation`` and return its handle."""
+        lid = f"learner-{index}"
+        argv = ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(index),
+                "--sync-url", str(self.sync_url), "--store", self.store.url, "--incarnation", str(incarnation)]
+        return self.launcher.start(lid, argv, self.env)
+
+    def _spawn_learner(self, index: int, incarnation: int) -> Any:
+        lid = f"learner-{index}"
+        if lid in self.learners:
+            self.retired.append(self.learners[lid])
+        handle = self.learner_handle(index, incarnation)
+        self.learners[lid] = handle
+        return handle
+
+    def start_learner(self, index: int, incarnation: int = 0) -> Any:
+        """Start learner ``index`` and supervise it: if it dies while the synchronizer runs it is
+        restarted (see :meth:`supervise`). Returns its handle."""
+        return self.supervisor.launch(index, incarnation)
+
+    def supervise(self) -> list[Restart]:
+        """Restart learners that died (non-zero exit, signal, crashed or failed flow run) after
+        ``learners.restart_delay_s`` seconds, as their next incarnation. Call it while the
+        synchronizer runs; returns the restarts made by this call."""
+        return self.supervisor.check()
+
+    def pull_metrics(self) -> list[dict]:
+        """New metric points from the synchronizer; [] when it is not answering."""
+        points: list[dict] = []
+        while True:
+            try:
+                body = _get_json(f"{self.sync_url}/metrics?since={self.metrics_next}", self.token)
+            except (urllib.error.URLError, OSError, ValueError):
+                return points
+            points.extend(body["metrics"])
+            self.metrics_next = body["next"]
+            if self.metrics_next >= body["total"]:
+                return points
+
+    def status(self) -> Optional[dict]:
+        """The synchronizer's ``GET /status``, or None when it is not answering."""
+        try:
+            return _get_json(f"{self.sync_url}/status")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def remaining_metrics_from_store(self) -> list[dict]:
+        """Metric points the final poll missed, from the synchronizer's metrics.jsonl."""
+        try:
+            lines = self.store.get_unverified(keys.metrics_log_key(self.run_id, str(self.epoch))).decode().splitlines()
+        except FileNotFoundError:
+            return []
+        rest = [json.loads(line) for line in lines[self.metrics_next:] if line.strip()]
+        self.metrics_next = len(lines)
+        return rest
+
+    def stop_all(self) -> None:
+        """Stop every learner and the synchronizer.
+
+        After a clean end (the synchronizer exited 0) learners get up to 30 s to finish on their
+        own; otherwise (failure, cancellation) learner flow runs are cancelled at once, then the
+        synchronizer gets SIGTERM (final checkpoint) and 10 s before SIGKILL."""
+        handles = self.retired + list(self.learners.values())
+        if self.finished_cleanly:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and any(h.poll() is None for h in handles):
+                time.sleep(0.5)
+        for handle in handles:  # cancel every learner flow run first: their workers stop them in parallel
+            if hasattr(handle, "request_cancel"):
+                handle.request_cancel()
+        for handle in list(self.learners.values()) + ([self.sync] if self.sync else []):
+            if hasattr(handle, "request_cancel"):
+                continue  # a flow run is stopped by its worker; nothing to wait for here
+            handle.terminate(grace_s=10.0)
