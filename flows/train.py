@@ -16,7 +16,8 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from prefect import flow, get_run_logger, task
 from rich.console import Console
@@ -229,6 +230,23 @@ def _with_flow_runs(run: TrainingRun, summary: dict) -> dict:
     return summary
 
 
+@contextmanager
+def _stopping(run: TrainingRun, sink: MlflowSink) -> Iterator[None]:
+    """Whatever happens inside, stop every process of the run and end the MLflow run: FINISHED,
+    FAILED (an error) or KILLED (cancelled: TerminationSignal, Ctrl-C, SystemExit)."""
+    status = "FAILED"
+    try:
+        yield
+        status = "FINISHED"
+    except BaseException as err:
+        if not isinstance(err, Exception):
+            status = "KILLED"
+        raise
+    finally:
+        run.stop_all()
+        sink.end(status)
+
+
 @flow(name="train", log_prints=True)
 def train(config: Optional[str] = "configs/default.toml", overrides: Optional[list[str]] = None) -> dict:
     """Run one training job end to end and return its summary (also logged to MLflow).
@@ -246,8 +264,7 @@ def train(config: Optional[str] = "configs/default.toml", overrides: Optional[li
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
-    status = "FAILED"
-    try:
+    with _stopping(run, sink):
         params, _ = initial_parameters(cfg)
         model0 = ByteGPT(cfg.model)
         model0.load_state_dict(params, strict=False)
@@ -257,14 +274,6 @@ def train(config: Optional[str] = "configs/default.toml", overrides: Optional[li
         sink.log_dict(cfg.public_dict(), "config.json")
         summary = _execute(run, sink, eval_initial, {})
         sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
-        status = "FINISHED"
-    except BaseException as err:
-        if not isinstance(err, Exception):  # cancelled (TerminationSignal), Ctrl-C, SystemExit
-            status = "KILLED"
-        raise
-    finally:
-        run.stop_all()
-        sink.end(status)
     return _with_flow_runs(run, summary)
 
 
@@ -289,21 +298,12 @@ def resume(checkpoint_url: str, config: Optional[str] = None, overrides: Optiona
     if not sink.resume(run_id):
         sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),
                    {"diloco.run_id": run_id, "diloco.config_hash": config_hash(cfg), "diloco.store": store.url})
-    status = "FAILED"
-    try:
+    with _stopping(run, sink):
         eval_start = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
         logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/byte", run_id, ckpt.seq, eval_start)
         incarnations = {int(lid.rsplit("-", 1)[1]) : int(d["incarnation"]) + 1
                         for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
         summary = _execute(run, sink, eval_start, incarnations)
-        status = "FINISHED"
-    except BaseException as err:
-        if not isinstance(err, Exception):
-            status = "KILLED"
-        raise
-    finally:
-        run.stop_all()
-        sink.end(status)
     return _with_flow_runs(run, summary)
 
 
