@@ -32,7 +32,7 @@ from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.model import ByteGPT
 from diloco_async.learner import TIMELINE_DIR_ENV
-from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
+from diloco_async.server import TOKEN_ENV
 from diloco_async.synchronizer import initial_parameters, new_run_id
 from flows.artifacts import log_run_artifacts
 from flows.timeline_report import write_run_timeline
@@ -42,6 +42,7 @@ from flows.tracking import MlflowSink, flatten_params
 from diloco_async.server import open_checkpoint
 from storage import keys
 from storage.checkpoint import latest_checkpoint
+from storage.options import STORAGE_OPTIONS_ENV
 from storage.store import ObjectStore
 
 __all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]

@@ -4,10 +4,13 @@
   ``s3://``, ``gs://``), exclusive create, streamed parts, timeouts and retries;
 * :mod:`storage.backends`: one backend per protocol (single requests, no policy);
 * :mod:`storage.keys` and :mod:`storage.checkpoint`: the run layout and its checkpoints;
+* :mod:`storage.options`: the storage options passed to child processes in the environment;
 * :mod:`storage.gc`: garbage collection behind the newest verified checkpoint;
 * :mod:`storage.faults`: :class:`~storage.faults.FaultyStore` for fault-injection tests.
 """
 
+from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
 from storage.store import IntegrityError, ObjectRef, ObjectStore, ObjectWriter, is_transient, sha256_hex
 
-__all__ = ["IntegrityError", "ObjectRef", "ObjectStore", "ObjectWriter", "is_transient", "sha256_hex"]
+__all__ = ["IntegrityError", "ObjectRef", "ObjectStore", "ObjectWriter", "is_transient", "sha256_hex",
+           "STORAGE_OPTIONS_ENV", "storage_options_from_env"]

@@ -1,5 +1,6 @@
 """Local-store specifics, checkpoint commit rules and garbage collection (the backend contract is test_storage_contract.py)."""
 
+import json
 import os
 import uuid
 
@@ -149,3 +150,27 @@ def test_writer_copies_reused_buffers_and_straddles_parts():
     assert store.get(w2.ref) == b"".join(exact)
     with pytest.raises(ValueError, match="closed"):
         w2.write(b"more")
+
+
+# -- storage options in the environment (storage/options.py) -------------------------------------
+
+from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: E402
+
+
+def test_storage_options_from_env():
+    assert STORAGE_OPTIONS_ENV == "DILOCO_STORAGE_OPTIONS"  # the name child processes are started with
+    assert storage_options_from_env({}) == {} and storage_options_from_env({STORAGE_OPTIONS_ENV: ""}) == {}
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "anon": False}
+    assert storage_options_from_env({STORAGE_OPTIONS_ENV: json.dumps(options)}) == options
+    with pytest.raises(ValueError, match=f"^{STORAGE_OPTIONS_ENV} is not valid JSON") as err:
+        storage_options_from_env({STORAGE_OPTIONS_ENV: '{"key": "secret-value"'})
+    assert "secret-value" not in str(err.value)
+    with pytest.raises(ValueError, match=f"^{STORAGE_OPTIONS_ENV} must be a JSON object, got list"):
+        storage_options_from_env({STORAGE_OPTIONS_ENV: "[1, 2]"})
+
+
+def test_storage_options_from_env_reads_the_process_environment(monkeypatch):
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, '{"anon": true}')
+    assert storage_options_from_env() == {"anon": True}
+    monkeypatch.delenv(STORAGE_OPTIONS_ENV)
+    assert storage_options_from_env() == {}
