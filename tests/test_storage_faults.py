@@ -13,6 +13,7 @@ import uuid
 import pytest
 import torch
 
+from storage import keys
 from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
 from storage.faults import FaultPlan, FaultyStore, SimulatedCrash
 from storage.gc import collect_garbage
@@ -302,9 +303,9 @@ def test_stale_listing_never_hides_or_spoils_an_exact_key(kind, tmp_path):
     faulty = FaultyStore(store)
     write_checkpoint(faulty, "run", 1, _tensors(1.0), {"versions": {"0": 1}})
     faulty.freeze_listings()
-    ref = faulty.put("run/globals/p000/v00000002.safetensors", b"v2")
+    ref = faulty.put(keys.version_key("run", 0, 2), b"v2")
     write_checkpoint(faulty, "run", 2, _tensors(2.0), {"versions": {"0": 2}})
-    assert faulty.list("run/globals") == []  # the listing lags ...
+    assert faulty.list(keys.versions_prefix("run")) == []  # the listing lags ...
     assert faulty.exists(ref.key) and faulty.get(ref) == b"v2"  # ... exact keys do not
     assert load_checkpoint(faulty, "run", 2).manifest["versions"] == {"0": 2}
     assert latest_checkpoint(faulty, "run").seq == 1  # an older but valid one, never a wrong one

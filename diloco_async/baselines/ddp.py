@@ -67,6 +67,7 @@ from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.learner import process_uptime_s
 from diloco_async.model import ByteGPT
 from diloco_async.synchronizer import initial_parameters
+from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs, load_state, write_state
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
@@ -87,7 +88,7 @@ EXIT_RENDEZVOUS = 5
 
 def checkpoint_prefix(run_id: str) -> str:
     """Store prefix of the data-parallel checkpoints of a run: ``{run_id}/ddp/checkpoints``."""
-    return f"{run_id}/ddp/checkpoints"
+    return keys.ddp_checkpoint_prefix(run_id)
 
 
 def data_generator(seed: int, rank: int, incarnation: int) -> torch.Generator:
