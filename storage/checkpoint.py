@@ -2,8 +2,9 @@
 
 A checkpoint is a state folder ``checkpoints/{seq:08d}/`` (:mod:`storage.keys`):
 ``state.safetensors`` (every fragment's parameters and momentum buffers, fp32) plus
-``manifest.json``, written LAST and naming the state file's size and sha256. A checkpoint without a manifest, or whose state does not verify, does not count:
-:func:`latest_checkpoint` skips it and logs why.
+``manifest.json``, written LAST and naming the state file's size and sha256. A checkpoint
+without a manifest, or whose state does not verify, does not count: :func:`latest_checkpoint`
+skips it and logs why.
 """
 
 from __future__ import annotations
