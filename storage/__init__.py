@@ -1,7 +1,9 @@
 """Object-store layer over fsspec: immutable keys, verified reads, checkpoints (DESIGN §5).
 
 * :mod:`storage.store`: :class:`ObjectStore` chosen by URL (``file://``, ``memory://``,
-  ``s3://``, ``gs://``), exclusive create, streamed parts, timeouts and retries;
+  ``s3://``, ``gs://``), exclusive create, streamed parts, timeouts and retries; built from
+  :mod:`storage.refs` (refs, sha256), :mod:`storage.retry` (timeouts, retries),
+  :mod:`storage.writer` (exclusive-create writes) and :mod:`storage.reader` (verified reads);
 * :mod:`storage.backends`: one backend per protocol (single requests, no policy);
 * :mod:`storage.keys` and :mod:`storage.checkpoint`: the run layout and its checkpoints;
 * :mod:`storage.options`: the storage options passed to child processes in the environment;

@@ -32,7 +32,8 @@ __all__ = ["ObjectWriter", "put_bytes", "upload_chunks"]
 
 log = logging.getLogger("diloco.storage")
 
-MiB = 1 << 20
+#: buffers larger than this are hashed in a thread while they upload
+_HASH_IN_THREAD_NBYTES = 1 << 20
 
 
 def put_bytes(store: "ObjectStore", key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
@@ -116,7 +117,7 @@ class _Hasher:
         self._digest: str | None = None
         self._data = data
         self._thread = None
-        if len(data) > MiB:
+        if len(data) > _HASH_IN_THREAD_NBYTES:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         else:
