@@ -46,6 +46,7 @@ from diloco_async.timeline import Recorder
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.faults import FaultyStore
+from storage.options import storage_options_from_env
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Learner", "main"]
@@ -53,7 +54,6 @@ __all__ = ["Learner", "main"]
 log = logging.getLogger("diloco.learner")
 
 TOKEN_ENV = "DILOCO_RUN_TOKEN"
-STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"
 #: Folder for per-learner timeline records (``{dir}/{learner_id}.jsonl``); unset: none written.
 TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
 
@@ -696,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         print(f"error: {TOKEN_ENV} is not set", file=sys.stderr)
         return 2
-    options: dict[str, Any] = json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}"))
+    options: dict[str, Any] = storage_options_from_env()
     tl_dir = os.environ.get(TIMELINE_DIR_ENV)
     recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
     recorder.record("start")

@@ -23,7 +23,8 @@ from typing import Any, Optional
 from diloco_async.config import Config
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
-from diloco_async.server import STORAGE_OPTIONS_ENV, TOKEN_ENV
+from diloco_async.server import TOKEN_ENV
+from storage.options import STORAGE_OPTIONS_ENV
 from diloco_async.supervisor import Restart, Supervisor
 from diloco_async.synchronizer import new_run_id
 from storage import keys

@@ -33,6 +33,7 @@ from diloco_async.messages import Announcement, Heartbeat, JoinRequest
 from diloco_async.synchronizer import Synchronizer
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint
+from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
 from storage.store import IntegrityError, ObjectStore
 
 __all__ = ["make_app", "serve", "main", "open_checkpoint", "TOKEN_ENV", "STORAGE_OPTIONS_ENV"]
@@ -40,7 +41,6 @@ __all__ = ["make_app", "serve", "main", "open_checkpoint", "TOKEN_ENV", "STORAGE
 log = logging.getLogger("diloco.server")
 
 TOKEN_ENV = "DILOCO_RUN_TOKEN"
-STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"
 _OPEN_PATHS = {"/health", "/status"}
 
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    env_options = json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}"))
+    env_options = storage_options_from_env()
     try:
         if args.resume:
             cfg, store, run_id, ckpt = open_checkpoint(args.resume, args.config, args.set, env_options)

@@ -126,14 +126,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    import json
-    import os
-
-    from diloco_async.server import STORAGE_OPTIONS_ENV, open_checkpoint
+    from diloco_async.server import open_checkpoint
+    from storage.options import storage_options_from_env
 
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
         open_checkpoint(args.checkpoint_url, args.config, args.set or [],
-                        json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}")))
+                        storage_options_from_env())
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -36,11 +36,12 @@ from typing import Any, Optional
 
 from prefect import flow, get_run_logger
 
+from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: F401  (STORAGE_OPTIONS_ENV: re-exported; no torch)
+
 # Only Prefect at import time: on cancellation the process worker imports this module again in a
 # separate process to run on_cancellation hooks, and the flow run reads Cancelled only after that.
 # torch and the rest load inside the flows.
 TOKEN_ENV = "DILOCO_RUN_TOKEN"  # = diloco_async.server.TOKEN_ENV
-STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"  # = diloco_async.server.STORAGE_OPTIONS_ENV
 
 __all__ = ["learner", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV",
            "FlowRunHandle", "DeploymentLauncher"]
@@ -55,16 +56,6 @@ def _require_token() -> str:
         raise ValueError(f"{TOKEN_ENV} is not set in this flow run's environment: pass it as the `env` job "
                          "variable of the flow run or of the work pool")
     return token
-
-
-def _storage_options() -> dict[str, Any]:
-    try:
-        options = json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}") or "{}")
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{STORAGE_OPTIONS_ENV} is not valid JSON: {err}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"{STORAGE_OPTIONS_ENV} must be a JSON object")
-    return options
 
 
 @flow(name="learner", log_prints=True)
@@ -95,7 +86,7 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
 
     logger = get_run_logger()
     _require_token()
-    _storage_options()
+    storage_options_from_env()
     logger.info("%s (incarnation %d) of run %s in region %s: pid %d, synchronizer %s, store %s", learner_id,
                 incarnation, run_id or "?", region, os.getpid(), sync_url, store_url)
     t0 = time.monotonic()
@@ -249,7 +240,7 @@ def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, 
         raise ValueError(f"no synchronizer URL: pass sync_url or set {SYNC_URL_ENV}")
     if not store_url:
         raise ValueError(f"no store URL: pass store_url or set {STORE_URL_ENV}")
-    out = request_checkpoint(sync_url, store_url, _require_token(), _storage_options(), timeout_s)
+    out = request_checkpoint(sync_url, store_url, _require_token(), storage_options_from_env(), timeout_s)
     logger.info("run %s: checkpoint %d written and verified (newest verified: %d)", out["run_id"], out["seq"],
                 out["verified_seq"])
     return out

@@ -1,9 +1,10 @@
 """Checkpoints of the synchronizer's outer state (DESIGN §5).
 
-A checkpoint is ``checkpoints/{seq:08d}/state.safetensors`` (every fragment's parameters and
-momentum buffers, fp32) plus ``manifest.json``, written LAST and naming the state file's size
-and sha256. A checkpoint without a manifest, or whose state does not verify, does not count:
-:func:`latest_checkpoint` skips it and logs why.
+A checkpoint is a state folder ``checkpoints/{seq:08d}/`` (:mod:`storage.keys`):
+``state.safetensors`` (every fragment's parameters and momentum buffers, fp32) plus
+``manifest.json``, written LAST and naming the state file's size and sha256. A checkpoint
+without a manifest, or whose state does not verify, does not count: :func:`latest_checkpoint`
+skips it and logs why.
 """
 
 from __future__ import annotations
@@ -52,19 +53,15 @@ def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str,
     if bad:
         raise ValueError(f"refusing to checkpoint non-finite tensors: {bad[:5]}")
     data = st_save({k: t.contiguous() for k, t in tensors.items()})
-    state_ref = store.put(f"{prefix}/{seq:08d}/state.safetensors", data)
+    state_ref = store.put(keys.state_file_key(prefix, seq), data)
     body = dict(manifest, seq=seq, state=state_ref.to_json())
-    return store.put_json(f"{prefix}/{seq:08d}/manifest.json", body)
+    return store.put_json(keys.state_manifest_key(prefix, seq), body)
 
 
 def list_state_seqs(store: ObjectStore, prefix: str) -> list[int]:
     """Sequence numbers under ``prefix`` that have any object, ascending (complete or not)."""
-    seqs = set()
-    for key in store.list(prefix):
-        part = key[len(prefix):].strip("/").split("/", 1)[0]
-        if part.isdigit():
-            seqs.add(int(part))
-    return sorted(seqs)
+    seqs = {keys.state_seq_of(prefix, key) for key in store.list(prefix)}
+    return sorted(seq for seq in seqs if seq is not None)
 
 
 def load_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
@@ -74,7 +71,7 @@ def load_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
         FileNotFoundError: no manifest (incomplete).
         IntegrityError: the state file is short, has the wrong digest, or holds non-finite values.
     """
-    manifest = store.get_json(f"{prefix}/{seq:08d}/manifest.json")
+    manifest = store.get_json(keys.state_manifest_key(prefix, seq))
     ref = ObjectRef.from_json(manifest["state"])
     try:
         tensors = st_load(store.get(ref))
@@ -83,7 +80,7 @@ def load_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
     except Exception as err:  # safetensors' parse error on a corrupt file
         raise IntegrityError(f"{ref.key}: unreadable ({err})") from None
     if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
-        raise IntegrityError(f"{prefix}/{seq:08d} holds non-finite values")
+        raise IntegrityError(f"{keys.state_folder(prefix, seq)} holds non-finite values")
     return Checkpoint(seq=seq, manifest=manifest, tensors=tensors)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 from dataclasses import dataclass, field
 
 from storage import keys
@@ -30,10 +29,6 @@ from storage.store import ObjectStore
 __all__ = ["GcReport", "collect_garbage"]
 
 log = logging.getLogger("diloco.storage.gc")
-
-_VERSION = re.compile(r"^globals/p(\d+)/v(\d+)\b")
-_CONTRIB = re.compile(r"^contrib/p(\d+)/r(\d+)/")
-_CHECKPOINT = re.compile(r"^checkpoints/(\d+)/(.+)$")
 
 
 @dataclass
@@ -92,12 +87,14 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
 
     doomed: list[tuple[str, str, int]] = []  # (kind, key, nbytes), in deletion order
     doomed += _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)
-    for kind, pattern, floors in (("globals", _VERSION, version_floor), ("contrib", _CONTRIB, round_floor)):
-        for key, nbytes in sorted(store.sizes(f"{run_id}/{kind}").items()):
-            m = pattern.match(key[len(run_id) + 1:])
-            if m is None:
+    for kind, prefix, parse, floors in (
+            ("globals", keys.versions_prefix(run_id), keys.parse_version_key, version_floor),
+            ("contrib", keys.contributions_prefix(run_id), keys.parse_contribution_key, round_floor)):
+        for key, nbytes in sorted(store.sizes(prefix).items()):
+            parsed = parse(run_id, key)
+            if parsed is None:
                 continue
-            p, n = str(int(m.group(1))), int(m.group(2))
+            p, n = str(parsed[0]), parsed[1]
             if p in floors and n < floors[p]:
                 doomed.append((kind, key, nbytes))
 
@@ -127,18 +124,18 @@ def _old_checkpoints(store: ObjectStore, run_id: str, protected: int, keep: int,
     prefix = keys.checkpoint_prefix(run_id)
     files: dict[int, dict[str, int]] = collections.defaultdict(dict)
     for key, nbytes in store.sizes(prefix).items():
-        m = _CHECKPOINT.match(key[len(run_id) + 1:])
-        if m:
-            files[int(m.group(1))][key] = nbytes
-    manifest_name = keys.checkpoint_manifest_key(run_id, 0).rsplit("/", 1)[-1]
+        seq = keys.state_seq_of(prefix, key)
+        if seq is not None:
+            files[seq][key] = nbytes
     older_complete = [s for s in sorted(files, reverse=True)
-                      if s < protected and any(k.endswith("/" + manifest_name) for k in files[s])]
+                      if s < protected and keys.checkpoint_manifest_key(run_id, s) in files[s]]
     keep_seqs = {s for s in files if s >= protected} | set(older_complete[: keep - 1])
     report.kept_checkpoints = sorted(keep_seqs)
     doomed = []
     for seq in sorted(set(files) - keep_seqs):
         report.deleted_checkpoints.append(seq)
         # the manifest goes first: from then on the checkpoint no longer counts
-        for key in sorted(files[seq], key=lambda k: (not k.endswith("/" + manifest_name), k)):
+        manifest = keys.checkpoint_manifest_key(run_id, seq)
+        for key in sorted(files[seq], key=lambda k: (k != manifest, k)):
             doomed.append(("checkpoints", key, files[seq][key]))
     return doomed

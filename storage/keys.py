@@ -1,9 +1,36 @@
-"""Key layout of a run (DESIGN §5). Zero-padded numbers keep listing order numeric."""
+"""Key layout of a run (DESIGN §5). Zero-padded numbers keep listing order numeric.
+
+Every object key of a run is built here, and keys read back from a listing are parsed here::
+
+    {run_id}/plan.json, config.json
+    {run_id}/contrib/p{fragment:03d}/r{round:08d}/{learner}-{nonce}.safetensors
+    {run_id}/globals/p{fragment:03d}/v{version:08d}.safetensors
+    {run_id}/checkpoints/{seq:08d}/state.safetensors, manifest.json   (synchronizer)
+    {run_id}/ddp/checkpoints/{seq:08d}/...                             (data-parallel baseline)
+    {run_id}/learners/{learner}/{seq:08d}/...                          (a learner's inner state)
+    {run_id}/epochs/{epoch}/summary.json, metrics.jsonl, merges.jsonl
+
+A *state folder* ``{prefix}/{seq:08d}/`` holds ``state.safetensors`` and its ``manifest.json``
+(:mod:`storage.checkpoint`); checkpoints, DDP checkpoints and learners' inner states are state
+folders under their own prefix.
+"""
 
 from __future__ import annotations
 
-__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "merge_log_key", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
-           "checkpoint_state_key", "checkpoint_manifest_key", "learner_prefix"]
+import re
+
+__all__ = ["plan_key", "config_key",
+           "contributions_prefix", "contribution_round_prefix", "contribution_key", "parse_contribution_key",
+           "versions_prefix", "fragment_versions_prefix", "version_key", "parse_version_key",
+           "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
+           "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
+           "split_checkpoint_url", "ddp_checkpoint_prefix", "learner_prefix",
+           "summary_key", "metrics_log_key", "merge_log_key"]
+
+_CONTRIB, _GLOBALS, _CHECKPOINTS = "contrib", "globals", "checkpoints"
+_STATE_FILE, _MANIFEST = "state.safetensors", "manifest.json"
+_CONTRIB_RE = re.compile(rf"^{_CONTRIB}/p(\d+)/r(\d+)/")
+_VERSION_RE = re.compile(rf"^{_GLOBALS}/p(\d+)/v(\d+)\b")
 
 
 def plan_key(run_id: str) -> str:
@@ -14,24 +41,148 @@ def config_key(run_id: str) -> str:
     return f"{run_id}/config.json"
 
 
+# -- contributions and global versions -------------------------------------------------------
+
+
+def contributions_prefix(run_id: str) -> str:
+    """Every contribution of a run lies under this prefix."""
+    return f"{run_id}/{_CONTRIB}"
+
+
+def contribution_round_prefix(run_id: str, fragment: int, round_n: int) -> str:
+    """The contributions to round ``round_n`` of ``fragment`` lie under ``{this}/``."""
+    return f"{contributions_prefix(run_id)}/p{fragment:03d}/r{round_n:08d}"
+
+
 def contribution_key(run_id: str, fragment: int, round_n: int, learner: str, nonce: str) -> str:
-    return f"{run_id}/contrib/p{fragment:03d}/r{round_n:08d}/{learner}-{nonce}.safetensors"
+    return f"{contribution_round_prefix(run_id, fragment, round_n)}/{learner}-{nonce}.safetensors"
+
+
+def parse_contribution_key(run_id: str, key: str) -> tuple[int, int] | None:
+    """``(fragment, round)`` of a contribution key of ``run_id``; None for any other key."""
+    return _parse(_CONTRIB_RE, run_id, key)
+
+
+def versions_prefix(run_id: str) -> str:
+    """Every global version of a run lies under this prefix."""
+    return f"{run_id}/{_GLOBALS}"
+
+
+def fragment_versions_prefix(run_id: str, fragment: int) -> str:
+    """The global versions of ``fragment`` lie under ``{this}/``."""
+    return f"{versions_prefix(run_id)}/p{fragment:03d}"
 
 
 def version_key(run_id: str, fragment: int, version: int) -> str:
-    return f"{run_id}/globals/p{fragment:03d}/v{version:08d}.safetensors"
+    return f"{fragment_versions_prefix(run_id, fragment)}/v{version:08d}.safetensors"
+
+
+def parse_version_key(run_id: str, key: str) -> tuple[int, int] | None:
+    """``(fragment, version)`` of a global-version key of ``run_id``; None for any other key."""
+    return _parse(_VERSION_RE, run_id, key)
+
+
+def _parse(pattern: re.Pattern, run_id: str, key: str) -> tuple[int, int] | None:
+    if not key.startswith(f"{run_id}/"):
+        return None
+    m = pattern.match(key[len(run_id) + 1:])
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+# -- state folders: checkpoints and inner states ---------------------------------------------
+
+
+def state_folder(prefix: str, seq: int) -> str:
+    """State ``seq`` under ``prefix``: its files lie under ``{this}/``."""
+    return f"{prefix}/{seq:08d}"
+
+
+def state_file_key(prefix: str, seq: int) -> str:
+    return f"{state_folder(prefix, seq)}/{_STATE_FILE}"
+
+
+def state_manifest_key(prefix: str, seq: int) -> str:
+    """Written last; a state folder without it does not count."""
+    return f"{state_folder(prefix, seq)}/{_MANIFEST}"
+
+
+def state_seq_of(prefix: str, key: str) -> int | None:
+    """The sequence number of the state folder under ``prefix`` that holds ``key``, or None
+    (``key`` not under ``prefix``, or not inside a numbered folder)."""
+    prefix = prefix.rstrip("/")
+    if not key.startswith(f"{prefix}/"):
+        return None
+    folder, sep, name = key[len(prefix) + 1:].partition("/")
+    return int(folder) if folder.isdigit() and sep and name else None
+
+
+def split_state_key(key: str) -> tuple[str, int]:
+    """``(prefix, seq)`` of a state folder ``{prefix}/{seq}`` or of its manifest key.
+
+    Raises:
+        ValueError: ``key`` names no state folder.
+    """
+    parts = key.rstrip("/").split("/")
+    if parts[-1] == _MANIFEST:
+        parts = parts[:-1]
+    if len(parts) < 2 or not parts[-1].isdigit():
+        raise ValueError(f"{key!r} names no checkpoint (expected .../{{seq:08d}}[/{_MANIFEST}])")
+    return "/".join(parts[:-1]), int(parts[-1])
 
 
 def checkpoint_prefix(run_id: str) -> str:
-    return f"{run_id}/checkpoints"
+    """The synchronizer's checkpoints of a run are state folders under this prefix."""
+    return f"{run_id}/{_CHECKPOINTS}"
 
 
 def checkpoint_state_key(run_id: str, seq: int) -> str:
-    return f"{run_id}/checkpoints/{seq:08d}/state.safetensors"
+    return state_file_key(checkpoint_prefix(run_id), seq)
 
 
 def checkpoint_manifest_key(run_id: str, seq: int) -> str:
-    return f"{run_id}/checkpoints/{seq:08d}/manifest.json"
+    return state_manifest_key(checkpoint_prefix(run_id), seq)
+
+
+def checkpoint_url(root_url: str, run_id: str, seq: int) -> str:
+    """``{root_url}/{run_id}/checkpoints/{seq:08d}``: what :func:`split_checkpoint_url` reads."""
+    return f"{root_url}/{state_folder(checkpoint_prefix(run_id), seq)}"
+
+
+def split_checkpoint_url(url: str) -> tuple[str, str, int | None]:
+    """Split ``{root}/{run_id}/checkpoints/{seq}`` (or ``{root}/{run_id}``, meaning the newest
+    verified checkpoint) into (root URL, run id, seq or None).
+
+    Raises:
+        ValueError: the URL names neither a run nor one of its checkpoints.
+    """
+    url = url.rstrip("/")
+    if url.endswith(f"/{_MANIFEST}"):
+        url = url.rsplit("/", 1)[0]
+    if f"/{_CHECKPOINTS}/" in url:
+        head, seq = url.rsplit(f"/{_CHECKPOINTS}/", 1)
+        if not seq.isdigit():
+            raise ValueError(f"{url!r}: checkpoint sequence {seq!r} is not a number")
+        root, _, run_id = head.rpartition("/")
+        return root, run_id, int(seq)
+    if url.endswith(f"/{_CHECKPOINTS}"):
+        url = url[: -len(f"/{_CHECKPOINTS}")]
+    root, _, run_id = url.rpartition("/")
+    if not root or not run_id or root.endswith(":/"):
+        raise ValueError(f"{url!r} does not name a run ({{root}}/{{run_id}}) or a checkpoint")
+    return root, run_id, None
+
+
+def ddp_checkpoint_prefix(run_id: str) -> str:
+    """The data-parallel baseline's checkpoints of a run are state folders under this prefix."""
+    return f"{run_id}/ddp/{_CHECKPOINTS}"
+
+
+def learner_prefix(run_id: str, learner: str) -> str:
+    """A learner's own inner states are state folders under this prefix."""
+    return f"{run_id}/learners/{learner}"
+
+
+# -- what one synchronizer process (an epoch) leaves behind ----------------------------------
 
 
 def summary_key(run_id: str, epoch: str) -> str:
@@ -46,31 +197,3 @@ def metrics_log_key(run_id: str, epoch: str) -> str:
 def merge_log_key(run_id: str, epoch: str) -> str:
     """JSON lines, one per merge: unix time, fragment, round, version, merged update ids."""
     return f"{run_id}/epochs/{epoch}/merges.jsonl"
-
-
-def learner_prefix(run_id: str, learner: str) -> str:
-    return f"{run_id}/learners/{learner}"
-
-
-def split_checkpoint_url(url: str) -> tuple[str, str, int | None]:
-    """Split ``{root}/{run_id}/checkpoints/{seq}`` (or ``{root}/{run_id}``, meaning the newest
-    verified checkpoint) into (root URL, run id, seq or None).
-
-    Raises:
-        ValueError: the URL names neither a run nor one of its checkpoints.
-    """
-    url = url.rstrip("/")
-    if url.endswith("/manifest.json"):
-        url = url.rsplit("/", 1)[0]
-    if "/checkpoints/" in url:
-        head, seq = url.rsplit("/checkpoints/", 1)
-        if not seq.isdigit():
-            raise ValueError(f"{url!r}: checkpoint sequence {seq!r} is not a number")
-        root, _, run_id = head.rpartition("/")
-        return root, run_id, int(seq)
-    if url.endswith("/checkpoints"):
-        url = url[: -len("/checkpoints")]
-    root, _, run_id = url.rpartition("/")
-    if not root or not run_id or root.endswith(":/"):
-        raise ValueError(f"{url!r} does not name a run ({{root}}/{{run_id}}) or a checkpoint")
-    return root, run_id, None

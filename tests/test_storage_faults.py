@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 import time
 import uuid
@@ -13,9 +14,11 @@ import uuid
 import pytest
 import torch
 
+from storage import keys
 from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
 from storage.faults import FaultPlan, FaultyStore, SimulatedCrash
 from storage.gc import collect_garbage
+from storage.retry import Backoff, RetryPolicy, call_with_retry, run_with_timeout
 from storage.store import IntegrityError, ObjectStore
 from storage_servers import make_bucket
 
@@ -302,9 +305,9 @@ def test_stale_listing_never_hides_or_spoils_an_exact_key(kind, tmp_path):
     faulty = FaultyStore(store)
     write_checkpoint(faulty, "run", 1, _tensors(1.0), {"versions": {"0": 1}})
     faulty.freeze_listings()
-    ref = faulty.put("run/globals/p000/v00000002.safetensors", b"v2")
+    ref = faulty.put(keys.version_key("run", 0, 2), b"v2")
     write_checkpoint(faulty, "run", 2, _tensors(2.0), {"versions": {"0": 2}})
-    assert faulty.list("run/globals") == []  # the listing lags ...
+    assert faulty.list(keys.versions_prefix("run")) == []  # the listing lags ...
     assert faulty.exists(ref.key) and faulty.get(ref) == b"v2"  # ... exact keys do not
     assert load_checkpoint(faulty, "run", 2).manifest["versions"] == {"0": 2}
     assert latest_checkpoint(faulty, "run").seq == 1  # an older but valid one, never a wrong one
@@ -339,3 +342,90 @@ def _file(tmp_path, data: bytes):
     path = tmp_path / f"src-{uuid.uuid4().hex}.bin"
     path.write_bytes(data)
     return path
+
+
+# -- the retry policy on a fake clock (storage/retry.py) -------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now_s += seconds
+
+
+def failing(errors: list[BaseException]):
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        if errors:
+            raise errors.pop(0)
+        return x * 2
+
+    return fn, calls
+
+
+def test_retry_policy_rejects_bad_settings():
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        RetryPolicy(timeout_s=0)
+    with pytest.raises(ValueError, match="invalid retry policy: retries=-1"):
+        RetryPolicy(retries=-1)
+    with pytest.raises(ValueError, match="deadline_s=0"):
+        RetryPolicy(deadline_s=0)
+    assert ObjectStore("memory://policy", timeout_s=None, retries=0).policy == RetryPolicy(timeout_s=None, retries=0)
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap_and_resets():
+    backoff = Backoff(RetryPolicy(backoff_s=1.0, max_backoff_s=4.0), rng=random.Random(0))
+    pauses = [backoff.next_pause_s() for _ in range(5)]
+    for pause, delay in zip(pauses, [1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
+        assert 0.5 * delay <= pause <= delay
+    backoff.reset()
+    assert 0.5 <= backoff.next_pause_s() <= 1.0
+
+
+def test_call_with_retry_retries_transient_errors_then_gives_up():
+    clock, counted = FakeClock(), []
+    policy = RetryPolicy(timeout_s=None, retries=2, backoff_s=1.0, deadline_s=100.0)
+    fn, calls = failing([ConnectionError("reset"), TimeoutError("slow")])
+    assert call_with_retry(policy, "op", fn, 21, count=counted.append, clock=clock, sleep=clock.sleep) == 42
+    assert calls == [21, 21, 21] and counted == ["retries", "timeouts", "retries"]
+    assert 0.5 <= clock.slept[0] <= 1.0 and 1.0 <= clock.slept[1] <= 2.0
+    fn, calls = failing([ConnectionError("1"), ConnectionError("2"), ConnectionError("3")])
+    with pytest.raises(ConnectionError, match="3"):
+        call_with_retry(policy, "op", fn, 1, clock=clock, sleep=clock.sleep)
+    assert len(calls) == 3
+
+
+def test_call_with_retry_never_retries_permanent_errors_nor_past_the_deadline():
+    clock = FakeClock()
+    policy = RetryPolicy(timeout_s=None, retries=5, backoff_s=1.0, deadline_s=2.5)
+    for err in (FileExistsError("k"), FileNotFoundError("k"), IntegrityError("k"), PermissionError("k")):
+        fn, calls = failing([err])
+        with pytest.raises(type(err)):
+            call_with_retry(policy, "op", fn, 1, clock=clock, sleep=clock.sleep)
+        assert len(calls) == 1
+    fn, calls = failing([ConnectionError("down")] * 10)
+    with pytest.raises(ConnectionError):
+        call_with_retry(policy, "op", fn, 1, clock=clock, sleep=clock.sleep)
+    assert 2 <= len(calls) <= 3 and sum(clock.slept) < 2.5  # pauses 0.5-1, then 1-2: the third would pass 2.5 s
+    fn, calls = failing([ConnectionError("once")])
+    with pytest.raises(ConnectionError):
+        call_with_retry(policy, "op", fn, 1, retry=False, clock=clock, sleep=clock.sleep)
+    assert len(calls) == 1
+
+
+def test_run_with_timeout_raises_timeout_error_and_leaves_the_call_running():
+    gate = threading.Event()
+    with pytest.raises(TimeoutError, match="hung op: no answer within 0.05 s"):
+        run_with_timeout(gate.wait, (5.0,), 0.05, "hung op")
+    gate.set()
+    assert run_with_timeout(lambda a, b: a + b, (1, 2), 1.0, "add") == 3
+    assert run_with_timeout(lambda: "direct", (), None, "untimed") == "direct"

@@ -1,11 +1,13 @@
 """Local-store specifics, checkpoint commit rules and garbage collection (the backend contract is test_storage_contract.py)."""
 
+import json
 import os
 import uuid
 
 import pytest
 import torch
 
+from storage import keys
 from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
 from storage.store import IntegrityError, ObjectStore
 
@@ -33,7 +35,7 @@ def test_checkpoint_manifest_last_and_latest_skips_incomplete(store):
     write_checkpoint(store, "run", 1, _tensors(1.0), {"versions": {"0": 1}})
     write_checkpoint(store, "run", 2, _tensors(2.0), {"versions": {"0": 2}})
     # checkpoint 3: state written, manifest missing (killed mid-write)
-    store.put("run/checkpoints/00000003/state.safetensors", b"partial")
+    store.put(keys.checkpoint_state_key("run", 3), b"partial")
     ck = latest_checkpoint(store, "run")
     assert ck.seq == 2 and ck.manifest["versions"] == {"0": 2}
     assert torch.equal(ck.tensors["p000/param/w"], torch.full((3,), 2.0))
@@ -43,7 +45,7 @@ def test_checkpoint_with_corrupt_state_is_skipped(tmp_path):
     store = ObjectStore(f"file://{tmp_path}/s")
     write_checkpoint(store, "run", 1, _tensors(1.0), {})
     write_checkpoint(store, "run", 2, _tensors(2.0), {})
-    path = tmp_path / "s" / "run" / "checkpoints" / "00000002" / "state.safetensors"
+    path = tmp_path / "s" / keys.checkpoint_state_key("run", 2)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated behind the manifest's back
     with pytest.raises(IntegrityError):
@@ -62,7 +64,6 @@ def test_checkpoint_refuses_non_finite(store):
 
 # -- garbage collection (storage/gc.py) ----------------------------------------------------------
 
-from storage import keys  # noqa: E402
 from storage.gc import collect_garbage  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def _run_layout(store, run="run"):
     """Versions 1..5 of fragments 0 and 1, contributions of rounds 1..5, checkpoints 1..4 (4 is
     the newest complete one: p0 at v4, p1 at v3, next rounds 5 and 4) and 5 in progress."""
     store.put_json(keys.plan_key(run), {"plan": 1})
-    store.put(f"{run}/learners/A/inner.safetensors", b"inner")
+    store.put(keys.state_file_key(keys.learner_prefix(run, "A"), 1), b"inner")
     for p in (0, 1):
         for v in range(1, 6):
             store.put(keys.version_key(run, p, v), b"v" * (10 + v))
@@ -100,7 +101,8 @@ def test_gc_deletes_behind_the_newest_verified_checkpoint(store):
     for p in (0, 1):
         for n in range(1, 6):
             assert (keys.contribution_key("run", p, n, "A", "n0") in left) == (n in kept_rounds[p])
-    assert {keys.plan_key("run"), "run/learners/A/inner.safetensors", keys.checkpoint_state_key("run", 5)} <= left
+    assert {keys.plan_key("run"), keys.state_file_key(keys.learner_prefix("run", "A"), 1),
+            keys.checkpoint_state_key("run", 5)} <= left
     assert report.deleted == {"globals": 4, "contrib": 10, "checkpoints": 4}
     assert report.nbytes == sum(before.values()) - sum(store.sizes("run").values())
     assert latest_checkpoint(store, "run").seq == 4
@@ -112,7 +114,7 @@ def test_gc_keeps_at_least_the_newest_verified_checkpoint(tmp_path):
     store = ObjectStore(f"file://{tmp_path}/s")
     _run_layout(store)
     # checkpoint 4's state rots behind its manifest: 3 is now the newest that verifies
-    path = tmp_path / "s" / "run" / "checkpoints" / "00000004" / "state.safetensors"
+    path = tmp_path / "s" / keys.checkpoint_state_key("run", 4)
     path.write_bytes(path.read_bytes()[:-1])
     report = collect_garbage(store, "run", keep_checkpoints=1)
     assert report.checkpoint == 3 and report.kept_checkpoints == [3, 4, 5] and report.deleted_checkpoints == [1, 2]
@@ -149,3 +151,59 @@ def test_writer_copies_reused_buffers_and_straddles_parts():
     assert store.get(w2.ref) == b"".join(exact)
     with pytest.raises(ValueError, match="closed"):
         w2.write(b"more")
+
+
+# -- storage options in the environment (storage/options.py) -------------------------------------
+
+from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: E402
+
+
+def test_storage_options_from_env():
+    assert STORAGE_OPTIONS_ENV == "DILOCO_STORAGE_OPTIONS"  # the name child processes are started with
+    assert storage_options_from_env({}) == {} and storage_options_from_env({STORAGE_OPTIONS_ENV: ""}) == {}
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "anon": False}
+    assert storage_options_from_env({STORAGE_OPTIONS_ENV: json.dumps(options)}) == options
+    with pytest.raises(ValueError, match=f"^{STORAGE_OPTIONS_ENV} is not valid JSON") as err:
+        storage_options_from_env({STORAGE_OPTIONS_ENV: '{"key": "secret-value"'})
+    assert "secret-value" not in str(err.value)
+    with pytest.raises(ValueError, match=f"^{STORAGE_OPTIONS_ENV} must be a JSON object, got list"):
+        storage_options_from_env({STORAGE_OPTIONS_ENV: "[1, 2]"})
+
+
+def test_storage_options_from_env_reads_the_process_environment(monkeypatch):
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, '{"anon": true}')
+    assert storage_options_from_env() == {"anon": True}
+    monkeypatch.delenv(STORAGE_OPTIONS_ENV)
+    assert storage_options_from_env() == {}
+
+
+# -- key layout (storage/keys.py) -----------------------------------------------------------------
+
+
+def test_keys_layout_and_parsers_round_trip():
+    assert keys.contribution_key("r", 2, 7, "L1", "n0") == "r/contrib/p002/r00000007/L1-n0.safetensors"
+    assert keys.contribution_key("r", 2, 7, "L1", "n0").startswith(keys.contribution_round_prefix("r", 2, 7) + "/")
+    assert keys.version_key("r", 1, 12) == "r/globals/p001/v00000012.safetensors"
+    assert keys.version_key("r", 1, 12).startswith(keys.fragment_versions_prefix("r", 1) + "/")
+    assert keys.parse_version_key("r", keys.version_key("r", 1, 12)) == (1, 12)
+    assert keys.parse_contribution_key("r", keys.contribution_key("r", 2, 7, "L1", "n0")) == (2, 7)
+    for other in ("r/globals/p001/x.bin", "r2/globals/p001/v00000012.safetensors", keys.plan_key("r"),
+                  keys.contribution_key("r", 2, 7, "L1", "n0")):
+        assert keys.parse_version_key("r", other) is None
+    assert keys.parse_contribution_key("r", keys.version_key("r", 1, 12)) is None
+    assert keys.checkpoint_state_key("r", 3) == "r/checkpoints/00000003/state.safetensors"
+    assert keys.checkpoint_manifest_key("r", 3) == "r/checkpoints/00000003/manifest.json"
+    assert keys.ddp_checkpoint_prefix("r") == "r/ddp/checkpoints"
+    prefix = keys.learner_prefix("r", "L1")
+    assert keys.state_seq_of(prefix, keys.state_manifest_key(prefix, 42)) == 42
+    assert keys.state_seq_of(prefix + "/", keys.state_file_key(prefix, 42)) == 42
+    for other in (keys.state_folder(prefix, 42), f"{prefix}/x/state.safetensors", keys.checkpoint_state_key("r", 42)):
+        assert keys.state_seq_of(prefix, other) is None
+    assert keys.split_state_key(keys.state_manifest_key(prefix, 42)) == (prefix, 42)
+    assert keys.split_state_key(keys.state_folder(prefix, 42) + "/") == (prefix, 42)
+    for bad in ("00000042", f"{prefix}/x/manifest.json", keys.state_file_key(prefix, 42)):
+        with pytest.raises(ValueError, match="names no checkpoint"):
+            keys.split_state_key(bad)
+    url = keys.checkpoint_url("s3://bucket/root", "r", 5)
+    assert url == "s3://bucket/root/r/checkpoints/00000005"
+    assert keys.split_checkpoint_url(url) == ("s3://bucket/root", "r", 5)

@@ -64,10 +64,12 @@ import torch.distributed as dist
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.learner import STORAGE_OPTIONS_ENV, process_uptime_s
+from diloco_async.learner import process_uptime_s
 from diloco_async.model import ByteGPT
 from diloco_async.synchronizer import initial_parameters
+from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs, load_state, write_state
+from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
 __all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "DdpCheckpointInfo", "checkpoint_prefix",
@@ -86,7 +88,7 @@ EXIT_RENDEZVOUS = 5
 
 def checkpoint_prefix(run_id: str) -> str:
     """Store prefix of the data-parallel checkpoints of a run: ``{run_id}/ddp/checkpoints``."""
-    return f"{run_id}/ddp/checkpoints"
+    return keys.ddp_checkpoint_prefix(run_id)
 
 
 def data_generator(seed: int, rank: int, incarnation: int) -> torch.Generator:
@@ -296,7 +298,7 @@ class _Rank:
                                 backend="gloo")
         except Exception as err:  # rendezvous failed: a peer or the master never came
             self.fail("rendezvous failed", err, EXIT_RENDEZVOUS)
-        store = ObjectStore(a.store, json.loads(os.environ.get(STORAGE_OPTIONS_ENV, "{}")))
+        store = ObjectStore(a.store, storage_options_from_env())
         prefix = checkpoint_prefix(a.run_id)
 
         params0, _ = initial_parameters(cfg)

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from diloco_async.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
+from storage.options import STORAGE_OPTIONS_ENV
 
 __all__ = ["DdpGroup", "free_port"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"  # read by the rank (diloco_async.learner.STORAGE_OPTIONS_ENV)
 
 
 def free_port() -> int:
@@ -85,7 +85,7 @@ class DdpGroup:
         self.launcher = LocalProcessLauncher(self.workdir / "logs")
         pythonpath = os.pathsep.join(p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.env = {"PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo",
-                    _STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
+                    STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
         self.handles: dict[int, LocalProcess | ForkedProcess] = {}
         self.incarnation: Optional[int] = None
         self.port: Optional[int] = None

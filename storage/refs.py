@@ -1,0 +1,52 @@
+"""Naming and checking one immutable object: :class:`ObjectRef` (key, size, sha256).
+
+Readers trust only what a ref names: :func:`check_ref` compares what was read with it and
+raises :class:`IntegrityError` on any difference (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+__all__ = ["ObjectRef", "IntegrityError", "sha256_hex", "check_ref"]
+
+
+class IntegrityError(ValueError):
+    """An object's size or sha256 does not match the reference that named it."""
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lowercase hex sha256 of ``data`` (64 characters)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """What a reader needs to fetch and verify one immutable object.
+
+    Attributes:
+        key: path relative to the store root, ``/``-separated.
+        nbytes: exact size in bytes.
+        sha256: hex digest of the bytes.
+    """
+
+    key: str
+    nbytes: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "nbytes": self.nbytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ObjectRef":
+        return cls(key=str(d["key"]), nbytes=int(d["nbytes"]), sha256=str(d["sha256"]))
+
+
+def check_ref(ref: ObjectRef, nbytes: int, digest: str) -> None:
+    """Raise :class:`IntegrityError` unless ``nbytes`` bytes with hex sha256 ``digest`` are
+    exactly what ``ref`` names (the size is compared first)."""
+    if nbytes != ref.nbytes:
+        raise IntegrityError(f"{ref.key}: size {nbytes} bytes, expected {ref.nbytes}")
+    if digest != ref.sha256:
+        raise IntegrityError(f"{ref.key}: sha256 {digest[:12]}…, expected {ref.sha256[:12]}…")

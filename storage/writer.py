@@ -1,0 +1,304 @@
+"""Exclusive-create writes, for :class:`~storage.store.ObjectStore` (DESIGN §5, bug case C11).
+
+* :func:`put_bytes`: an object that fits one part (or a backend without parts) goes out in one
+  exclusive PUT, hashed in a thread while it travels; a larger one goes through a writer.
+* :class:`ObjectWriter`: streams one object in parts (S3 multipart upload, GCS resumable
+  upload, a local temporary file) and publishes it only on a clean close; an error in the
+  middle aborts the upload, so nothing appears under the final key.
+* :func:`upload_chunks`: writes a source through a writer, restarting it from the source where
+  the backend cannot resend one part (GCS).
+
+A create retried after a lost answer may find its own object: it is accepted when the object
+there holds exactly the bytes written, refused otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from storage import backends
+from storage.refs import IntegrityError, ObjectRef, sha256_hex
+from storage.retry import is_transient
+
+if TYPE_CHECKING:
+    from storage.store import ObjectStore
+
+__all__ = ["ObjectWriter", "put_bytes", "upload_chunks"]
+
+log = logging.getLogger("diloco.storage")
+
+#: buffers larger than this are hashed in a thread while they upload
+_HASH_IN_THREAD_NBYTES = 1 << 20
+
+
+def put_bytes(store: "ObjectStore", key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+    """Write ``data`` under ``key`` once (see :meth:`ObjectStore.put`)."""
+    view = memoryview(data).cast("B")
+    if len(view) <= store.part_nbytes or not store._backend.multipart:
+        path = store._path(key)
+        payload = data if isinstance(data, bytes) else bytes(view)
+        hasher = _Hasher(payload)  # hashes in parallel with the upload
+        ref = lambda: hasher.ref_for(key, len(payload))  # noqa: E731
+        _put_single(store, key, path, payload, ref)
+        return ref()
+    return upload_chunks(store, key, lambda: iter([view]))
+
+
+def upload_chunks(store: "ObjectStore", key: str, chunks: Callable[[], Iterator[bytes]]) -> ObjectRef:
+    """Stream ``chunks()`` through a writer; restart from the source if the backend cannot
+    resend one part (GCS resumable uploads) and the failure was transient."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with ObjectWriter(store, key) as writer:
+                for chunk in chunks():
+                    writer.write(chunk)
+            return writer.ref
+        except Exception as err:
+            if store._backend.resend_parts or attempt > store.policy.retries or not is_transient(err):
+                raise
+            store._count("upload_restarts")
+            log.warning("%s: upload failed (%s: %s), starting it again", store._where(key), type(err).__name__, err)
+
+
+def _put_single(store: "ObjectStore", key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
+    """One exclusive PUT of ``data`` to ``path`` (that of ``key``), retried; ``ref()`` names
+    the bytes (asked only if needed)."""
+    _create_once(store, "put", key, lambda: store._backend.put(path, data), ref, (FileExistsError,))
+
+
+def _create_once(store: "ObjectStore", verb: str, key: str, create: Callable[[], None],
+                 ref: Callable[[], ObjectRef], ambiguous: tuple[type[Exception], ...]) -> None:
+    """``create()`` (an exclusive create) under the retry policy. When a retry fails with one of
+    ``ambiguous`` (the key exists; for a completion also: no upload left), an earlier attempt
+    may have landed: the object is accepted if it holds exactly ``ref()``.
+
+    Raises:
+        FileExistsError: the key holds something else.
+    """
+    where = store._where(key)
+    attempts = 0
+
+    def attempt() -> None:
+        nonlocal attempts
+        attempts += 1
+        create()
+
+    try:
+        store._call(f"{verb} {where}", attempt)
+    except ambiguous as err:
+        if attempts > 1 and _holds(store, ref()):
+            return  # an earlier attempt that timed out did land: same bytes, done
+        if isinstance(err, FileExistsError):
+            raise FileExistsError(f"object exists: {where}") from None
+        raise
+
+
+def _holds(store: "ObjectStore", ref: ObjectRef) -> bool:
+    """Whether ``ref.key`` holds exactly ``ref`` (after an ambiguous retry)."""
+    try:
+        store.verify(ref)
+        log.info("%s: an earlier attempt landed; identical bytes, accepted", store._where(ref.key))
+        return True
+    except (FileNotFoundError, IntegrityError):
+        return False
+
+
+class _Hasher:
+    """sha256 of one buffer, computed in a thread (hashlib releases the GIL) while it uploads."""
+
+    def __init__(self, data: bytes) -> None:
+        self._digest: str | None = None
+        self._data = data
+        self._thread = None
+        if len(data) > _HASH_IN_THREAD_NBYTES:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        self._digest = sha256_hex(self._data)
+
+    def ref_for(self, key: str, nbytes: int) -> ObjectRef:
+        if self._thread is not None:
+            self._thread.join()
+        assert self._digest is not None
+        return ObjectRef(key=key.strip("/"), nbytes=nbytes, sha256=self._digest)
+
+
+class ObjectWriter:
+    """Streams one immutable object in parts; publishes on :meth:`close`, never on error.
+
+    Parts of ``part_nbytes`` go out as soon as they are full (up to ``max_concurrency`` in
+    flight) while the writer hashes; the last part is held back until ``close`` so that a
+    backend that must mark the final part (GCS) can. An object that fits one part is sent with
+    a single exclusive PUT at close. Use as a context manager; ``ref`` is set after close.
+    """
+
+    def __init__(self, store: "ObjectStore", key: str) -> None:
+        self.store, self.key = store, key.strip("/")
+        self._path = store._path(key)
+        self._where = store._where(key)
+        self._part = store.part_nbytes
+        self._hash = hashlib.sha256()
+        self._nbytes = 0
+        self._held: collections.deque[memoryview] = collections.deque()  # written, not yet sent
+        self._held_nbytes = 0
+        self._upload: backends.Upload | None = None
+        self._parts = 0
+        self._offset = 0
+        self._pending: collections.deque = collections.deque()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._state = "open"
+        self.ref: ObjectRef | None = None
+
+    def __enter__(self) -> "ObjectWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data``; returns its length. Raises what a part upload raised.
+
+        Read-only buffers (``bytes``) are kept by reference until sent (a part that is exactly
+        one ``bytes`` object goes out without a copy); writable ones are copied, since the
+        caller may reuse them.
+        """
+        if self._state != "open":
+            raise ValueError(f"{self._where}: writer is {self._state}")
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if not n:
+            return 0
+        try:
+            self._held.append(view if view.readonly else memoryview(bytes(view)))
+            self._held_nbytes += n
+            while self._held_nbytes > self._part:  # keep the last part back for close()
+                self._send(self._take(self._part), last=False)
+        except BaseException:
+            self.abort()
+            raise
+        return n
+
+    def _take(self, nbytes: int) -> bytes:
+        """The first ``nbytes`` held, as one ``bytes`` (copied only if they span or split pieces)."""
+        first = self._held[0]
+        if len(first) == nbytes and isinstance(first.obj, bytes) and len(first.obj) == nbytes:
+            self._held.popleft()
+            self._held_nbytes -= nbytes
+            return first.obj
+        out = bytearray()
+        while len(out) < nbytes:
+            piece = self._held.popleft()
+            need = nbytes - len(out)
+            if len(piece) > need:
+                self._held.appendleft(piece[need:])
+                piece = piece[:need]
+            out += piece
+        self._held_nbytes -= nbytes
+        return bytes(out)
+
+    def _send(self, chunk: bytes, last: bool) -> None:
+        """Start uploading one part; hash it while it travels."""
+        self._nbytes += len(chunk)
+        store = self.store
+        if self._upload is None:
+            self._upload = store._call(f"begin upload {self._where}", store._backend.begin, self._path)
+            if store._backend.parallel_parts and store.max_concurrency > 1:
+                self._pool = concurrent.futures.ThreadPoolExecutor(store.max_concurrency,
+                                                                   thread_name_prefix="storage-part")
+        self._parts += 1
+        args = (self._parts, self._offset, chunk, last)
+        self._offset += len(chunk)
+        what = f"upload part {self._parts} of {self._where}"
+        resend = store._backend.resend_parts
+        if self._pool is None:
+            self._hash.update(chunk)
+            store._call(what, self._send_part, *args, retry=resend)
+            return
+        while len(self._pending) >= store.max_concurrency:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(store._call, what, self._send_part, *args, retry=resend))
+        self._hash.update(chunk)
+
+    def _send_part(self, number: int, offset: int, data: bytes, last: bool) -> None:
+        if self._state == "aborted":  # stop a part's retries once the upload is dropped
+            raise RuntimeError(f"{self._where}: upload aborted")
+        assert self._upload is not None
+        self._upload.send(number, offset, data, last)
+
+    def close(self) -> ObjectRef:
+        """Send what is left and publish the object (exclusive create).
+
+        Raises:
+            FileExistsError: the key already exists (the upload is aborted, nothing changes).
+        """
+        if self._state == "closed":
+            assert self.ref is not None
+            return self.ref
+        if self._state != "open":
+            raise ValueError(f"{self._where}: writer is {self._state}")
+        try:
+            if self._upload is None:
+                data = self._take(self._held_nbytes) if self._held_nbytes else b""
+                self._hash.update(data)
+                self._nbytes += len(data)
+                self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
+                _put_single(self.store, self.key, self._path, data, lambda: self.ref)
+            else:
+                self._send(self._take(self._held_nbytes), last=True)
+                while self._pending:
+                    self._pending.popleft().result()
+                self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
+                # after a lost answer the retry finds its own object (or no upload left to complete)
+                _create_once(self.store, "complete upload", self.key, self._upload.commit, lambda: self.ref,
+                             (FileExistsError, FileNotFoundError))
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "closed"
+        self._shutdown()
+        return self.ref
+
+    def abort(self) -> None:
+        """Drop the upload: nothing is published. Safe to call more than once."""
+        if self._state in ("closed", "aborted"):
+            return
+        self._state = "aborted"
+        for fut in self._pending:
+            fut.cancel()
+        running = [fut for fut in self._pending if not fut.cancelled()]
+        if running:  # let parts on the wire land first, so the abort is the last word
+            concurrent.futures.wait(running, timeout=self.store.policy.timeout_s)
+        self._pending.clear()
+        self._held.clear()
+        self._held_nbytes = 0
+        if self._upload is not None:
+            self.store._count("aborted_uploads")
+            try:
+                self.store._call(f"abort upload {self._where}", self._upload.abort)
+            except Exception as err:  # the upload stays invisible; lifecycle rules or gc reap it
+                self.store._count("abort_failures")
+                log.warning("%s: could not abort the upload (%s: %s); nothing was published",
+                            self._where, type(err).__name__, err)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __del__(self) -> None:  # never publish from the garbage collector (C11)
+        if getattr(self, "_state", "closed") == "open" and self._upload is not None:
+            log.warning("%s: writer dropped without close(); nothing published", self._where)
