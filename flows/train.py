@@ -293,7 +293,7 @@ def resume(checkpoint_url: str, config: Optional[str] = None, overrides: Optiona
     cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, config, overrides, {})
     prepare_corpus(cfg)
     run = TrainingRun(cfg, config, overrides, run_id=run_id,
-                      resume_url=f"{store.url}/{run_id}/checkpoints/{ckpt.seq:08d}")
+                      resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))
     sink = MlflowSink(cfg.tracking)
     if not sink.resume(run_id):
         sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),
