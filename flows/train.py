@@ -17,8 +17,6 @@ import logging
 import secrets
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from diloco_async.client import ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
@@ -47,12 +46,6 @@ from storage.store import ObjectStore
 __all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]
 
 log = logging.getLogger("diloco.flows.train")
-
-
-def _get_json(url: str, token: Optional[str] = None, timeout_s: float = 5.0) -> Any:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
 
 
 @task(name="prepare-corpus", retries=2, retry_delay_seconds=5)
@@ -158,8 +151,8 @@ class TrainingRun:
         points: list[dict] = []
         while True:
             try:
-                body = _get_json(f"{self.sync_url}/metrics?since={self.metrics_next}", self.token)
-            except (urllib.error.URLError, OSError, ValueError):
+                body = call_blocking(self.sync_url, self.token, "metrics", self.metrics_next, request_timeout_s=5.0)
+            except (OSError, ValueError, ProtocolError):
                 return points
             points.extend(body["metrics"])
             self.metrics_next = body["next"]
@@ -168,8 +161,8 @@ class TrainingRun:
 
     def status(self) -> Optional[dict]:
         try:
-            return _get_json(f"{self.sync_url}/status")
-        except (urllib.error.URLError, OSError, ValueError):
+            return fetch_status(self.sync_url)
+        except (OSError, ValueError):
             return None
 
     def remaining_metrics_from_store(self) -> list[dict]:
