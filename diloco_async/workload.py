@@ -5,9 +5,11 @@
 all-reduces the gradients between backward and clip) both run it.
 
 :class:`Workload` is the seam where another model, device or process group plugs in: the
-learner's training thread only uses its parameters, :meth:`Workload.step`, and the inner-state
-capture and restore. :meth:`Workload.from_config` builds today's one kind (a
-:class:`~diloco_async.model.ByteGPT` with AdamW on CPU, one process).
+learner's training thread only uses its ``params`` (by name, as the fragment plan names them),
+``model`` (for the plan's embedding names), :meth:`Workload.step`, and the inner-state capture
+and restore. :meth:`Workload.from_config` builds today's one kind (a
+:class:`~diloco_async.model.ByteGPT` with AdamW on CPU, one process); a process group would
+all-reduce its gradients in ``inner_step``'s ``after_backward``, as the DDP rank does.
 """
 
 from __future__ import annotations

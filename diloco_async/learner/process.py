@@ -15,7 +15,7 @@ import logging
 import os
 import random
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -53,12 +53,16 @@ class Learner:
         incarnation: restart count of this slot (0 for the first start).
         give_up_after_s: exit when the synchronizer has not answered for this long.
         recorder: where timeline records go (none written by default).
+        make_workload: builds what this learner trains from (run config, index, incarnation);
+            the place where another model, device or process group plugs in.
     """
 
     def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
                  incarnation: int = 0, give_up_after_s: float = 120.0,
-                 recorder: Optional[Recorder] = None) -> None:
+                 recorder: Optional[Recorder] = None,
+                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config) -> None:
         self.learner_id = learner_id
+        self.make_workload = make_workload
         self.index = index
         self.incarnation = incarnation
         self.store = store
@@ -86,7 +90,7 @@ class Learner:
         assert jr is not None
         cfg = self._configure(jr)
         torch.set_num_threads(cfg.learners.threads)
-        workload = Workload.from_config(cfg, self.index, self.incarnation)
+        workload = self.make_workload(cfg, self.index, self.incarnation)
         plan = self._check_plan(cfg, jr, workload)
         loop = self._start_point(cfg, jr, workload, plan)
         sh.ready.set()
