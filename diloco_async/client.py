@@ -20,7 +20,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
@@ -49,16 +50,16 @@ class SyncClient:
             message by raising ``aiohttp.ClientConnectionError``).
     """
 
-    def __init__(self, url: str, token: Optional[str] = None, *,
+    def __init__(self, url: str, token: str | None = None, *,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 before_post: Optional[Callable[[str], Awaitable[None]]] = None) -> None:
+                 before_post: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.request_timeout_s = request_timeout_s
         self.before_post = before_post
-        self._session: Optional[aiohttp.ClientSession] = None
+        self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "SyncClient":
+    async def __aenter__(self) -> SyncClient:
         # no session-wide timeout: each request carries request_timeout_s as it is when sent
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         return self
@@ -71,7 +72,7 @@ class SyncClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def _request(self, method: str, path: str, body: Optional[dict] = None,
+    async def _request(self, method: str, path: str, body: dict | None = None,
                        ok_statuses: tuple[int, ...] = ()) -> Any:
         """Send one request; returns the decoded JSON body of a status < 400 or in ``ok_statuses``."""
         if self._session is None:
@@ -141,7 +142,7 @@ async def _events(ws: aiohttp.ClientWebSocketResponse) -> AsyncIterator[dict]:
         yield json.loads(msg.data)
 
 
-def call_blocking(url: str, token: Optional[str], method: str, *args: Any,
+def call_blocking(url: str, token: str | None, method: str, *args: Any,
                   request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Any:
     """Run one :class:`SyncClient` method to completion from synchronous code, e.g.
     ``call_blocking(url, token, "metrics", 0)``; safe to call from a thread that runs an event loop.
@@ -164,8 +165,8 @@ def call_blocking(url: str, token: Optional[str], method: str, *args: Any,
             return pool.submit(asyncio.run, once()).result()
     except aiohttp.ContentTypeError as err:
         raise ValueError(f"{url}: {method} answered no JSON ({err.message})") from err
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        if isinstance(err, OSError):
+    except aiohttp.ClientError as err:
+        if isinstance(err, OSError):  # ClientOSError, ClientConnectorError (TimeoutError is one already)
             raise
         raise ConnectionError(f"{url}: {method} failed: {type(err).__name__}: {err}") from err
 

@@ -15,7 +15,7 @@ all-reduce its gradients in ``inner_step``'s ``after_backward``, as the DDP rank
 from __future__ import annotations
 
 import random
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +36,7 @@ def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, *, lr: float, grad_clip: float,
-               after_backward: Optional[Callable[[], None]] = None) -> torch.Tensor:
+               after_backward: Callable[[], None] | None = None) -> torch.Tensor:
     """One inner step: set the learning rate, forward and loss, backward, ``after_backward()``
     (e.g. a gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step.
 
@@ -112,10 +112,10 @@ class Workload:
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.batch_size, self.context = batch_size, context
         self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
-        self.shard: Optional[torch.Tensor] = None
+        self.shard: torch.Tensor | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, index: int, incarnation: int) -> "Workload":
+    def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
         """Learner ``index``'s workload of a run: ``ByteGPT(cfg.model)``, AdamW with
         ``learners.lr``/``weight_decay``, and the sampler seeded by (run seed, index, incarnation)."""
         lc = cfg.learners

@@ -141,7 +141,7 @@ def test_inner_step_is_forward_backward_hook_clip_step():
     assert calls == [True]  # the hook runs once, with the gradients computed
     assert torch.equal(loss, loss_b.detach()) and not loss.requires_grad
     assert opt_a.param_groups[0]["lr"] == 0.002
-    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+    for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
         assert torch.equal(pa, pb)
 
 

@@ -15,7 +15,6 @@ import math
 import random
 import threading
 import time
-from typing import Optional
 
 import aiohttp
 import torch
@@ -62,8 +61,8 @@ class Comms:
         self.give_up_after_s = give_up_after_s
         self.heartbeat_s = 0.25  # until the run's config is known
         self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # fragment -> tensor shapes, to decode versions
-        self.epoch: Optional[str] = None  # the synchronizer's; a change means it restarted
-        self.faults: Optional[ControlFaults] = None
+        self.epoch: str | None = None  # the synchronizer's; a change means it restarted
+        self.faults: ControlFaults | None = None
         self.client = SyncClient(sync_url, token, before_post=self._before_post)
         self.uploads = Uploads(learner_id, incarnation, store, shared)
         self._downloading: dict[int, int] = {}
@@ -128,7 +127,7 @@ class Comms:
                 # Last word: final counters, and the synchronizer learns we heard the stop.
                 try:
                     await asyncio.wait_for(self.client.heartbeat(self.heartbeat_body()), 2.0)
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError):
+                except (TimeoutError, aiohttp.ClientError, OSError, ProtocolError):
                     pass
 
     async def _join(self) -> JoinResponse:

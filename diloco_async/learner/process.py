@@ -15,7 +15,7 @@ import logging
 import os
 import random
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -59,7 +59,7 @@ class Learner:
 
     def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
                  incarnation: int = 0, give_up_after_s: float = 120.0,
-                 recorder: Optional[Recorder] = None,
+                 recorder: Recorder | None = None,
                  make_workload: Callable[[Config, int, int], Workload] = Workload.from_config) -> None:
         self.learner_id = learner_id
         self.make_workload = make_workload

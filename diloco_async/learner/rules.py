@@ -10,7 +10,8 @@ Nothing here mutates its arguments; the training thread copies the results into 
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +29,7 @@ class Progress(NamedTuple):
     tokens: int = 0
     compute_s: float = 0.0
 
-    def plus(self, tokens: int, compute_s: float) -> "Progress":
+    def plus(self, tokens: int, compute_s: float) -> Progress:
         """The progress after one more inner step of ``tokens`` tokens and ``compute_s`` seconds."""
         return Progress(self.steps + 1, self.tokens + tokens, self.compute_s + compute_s)
 
@@ -50,8 +51,8 @@ def outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.
 
 
 def adopt(rule: str, params: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
-          mix_alpha: float = 0.5, base: Optional[Mapping[str, torch.Tensor]] = None,
-          snapshot: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+          mix_alpha: float = 0.5, base: Mapping[str, torch.Tensor] | None = None,
+          snapshot: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """θ after adopting the published version Θ^new of a fragment (DESIGN §3.8), for every name of ``new``.
 
     * ``overwrite``: θ ← Θ^new (the paper's rule).
@@ -85,7 +86,7 @@ def adopt(rule: str, params: Mapping[str, torch.Tensor], new: Mapping[str, torch
     raise ValueError(f"unknown adopt rule {rule!r}; expected one of {ADOPT_RULES}")
 
 
-def progress_after_adopt(rule: str, progress: Progress, in_flight: Optional[Progress] = None) -> Progress:
+def progress_after_adopt(rule: str, progress: Progress, in_flight: Progress | None = None) -> Progress:
     """The counters of a fragment after a version of it is adopted (DESIGN §3.8).
 
     ``overwrite`` and ``mix`` reset them. ``rebase`` keeps the progress that the adopted version

@@ -7,7 +7,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import torch
 
@@ -39,7 +38,7 @@ class Stats:
 
     step: int = 0
     tokens_total: int = 0
-    step_time_s: Optional[float] = None
+    step_time_s: float | None = None
     loss_sum: float = 0.0
     loss_count: int = 0
     window_tokens: int = 0
@@ -62,13 +61,13 @@ class Shared:
         self.joined = threading.Event()
         self.ready = threading.Event()  # plan known: versions can be decoded
         self.epoch_changed = threading.Event()  # the synchronizer restarted
-        self.join_response: Optional[JoinResponse] = None
-        self.fatal: Optional[str] = None
+        self.join_response: JoinResponse | None = None
+        self.fatal: str | None = None
         # (fragment, round) -> (version the round builds on, when heard of)
         self.open_rounds: dict[tuple[int, int], tuple[int, float]] = {}
         self.base: dict[int, int] = {}  # fragment -> version adopted
         self.newest_versions: dict[int, VersionInfo] = {}  # from the latest heartbeat
         # outcomes of our contributions, for the training thread: (fragment, round, status)
-        self.outcomes: "queue.Queue[tuple[int, int, str]]" = queue.Queue()
-        self.adopt_queue: "queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]]" = queue.Queue()
-        self.upload_queue: "queue.Queue[Union[UploadJob, InnerState]]" = queue.Queue()
+        self.outcomes: queue.Queue[tuple[int, int, str]] = queue.Queue()
+        self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()
+        self.upload_queue: queue.Queue[UploadJob | InnerState] = queue.Queue()

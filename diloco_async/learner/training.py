@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

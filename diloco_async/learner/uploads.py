@@ -12,7 +12,6 @@ import asyncio
 import logging
 import queue
 import time
-from typing import Optional
 
 import aiohttp
 
@@ -39,7 +38,7 @@ class Uploads:
         self.shared = shared
         self.codec = "bf16"
         self.storage_timeout_s = 60.0
-        self.state_prefix: Optional[str] = None  # where this slot's inner states go
+        self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
 
     def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float) -> None:
@@ -111,7 +110,7 @@ class Uploads:
         while not self.shared.stop_event.is_set() and time.monotonic() < deadline:
             try:
                 ack = AnnouncementAck.model_validate(await client.announce(body))
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            except (TimeoutError, aiohttp.ClientError, OSError) as err:
                 log.warning("%s announce failed (%s); retrying with the same update id", self.learner_id, err)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
