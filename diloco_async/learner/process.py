@@ -82,10 +82,12 @@ class Learner:
         """
         sh = self.shared
         self.comms.start()
-        if not sh.joined.wait(max_wait_join_s):
-            log.error("%s could not join within %.0fs", self.learner_id, max_wait_join_s)
-            sh.stop_event.set()
-            return 3
+        deadline = time.monotonic() + max_wait_join_s
+        while not sh.joined.wait(0.1):
+            if sh.stop_event.is_set() or time.monotonic() >= deadline:  # the comms gave up, or too long
+                log.error("%s could not join (%s)", self.learner_id, sh.fatal or f"no answer in {max_wait_join_s:.0f}s")
+                sh.stop_event.set()
+                return 3
         jr = sh.join_response
         assert jr is not None
         cfg = self._configure(jr)
