@@ -73,7 +73,8 @@ from storage.checkpoint import latest_state, list_state_seqs, load_state, write_
 from storage.store import ObjectStore
 
 __all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "DdpCheckpointInfo", "checkpoint_prefix",
-           "rank_speed", "rank_jitter", "tokens_per_step", "param_sha256", "ddp_checkpoints", "select_checkpoint", "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
+           "rank_speed", "rank_jitter", "tokens_per_step", "param_sha256", "ddp_checkpoints", "select_checkpoint",
+           "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
 
 log = logging.getLogger("diloco.ddp")
 
@@ -242,7 +243,7 @@ class _GradAllReduce:
     sleep to emulate slower hardware, then all-reduce the averaged gradients in one flat fp32
     buffer whose last two elements are the stop flags [asked by a signal, asked by the clock]."""
 
-    def __init__(self, rank: "_Rank", plist: list[torch.nn.Parameter], pg: Any, speed: float, jitter: float,
+    def __init__(self, rank: _Rank, plist: list[torch.nn.Parameter], pg: Any, speed: float, jitter: float,
                  jitter_rng: random.Random) -> None:
         self.rank, self.plist, self.pg = rank, plist, pg
         self.numels = [p.numel() for p in plist]
@@ -268,7 +269,7 @@ class _GradAllReduce:
         self.by_signal, self.by_clock = flat[-2].item() > 0, flat[-1].item() > 0
         flat = flat[:-2].div_(self.rank.world)
         with torch.no_grad():
-            for p, g in zip(self.plist, flat.split(self.numels)):
+            for p, g in zip(self.plist, flat.split(self.numels), strict=True):
                 p.grad = g.view_as(p)
 
 
