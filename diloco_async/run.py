@@ -15,11 +15,10 @@ import json
 import logging
 import secrets
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+from diloco_async.client import ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
@@ -33,12 +32,6 @@ from storage.store import ObjectStore
 __all__ = ["RunProcesses"]
 
 log = logging.getLogger("diloco.run")
-
-
-def _get_json(url: str, token: Optional[str] = None, timeout_s: float = 5.0) -> Any:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
 
 
 class RunProcesses:
@@ -140,8 +133,8 @@ class RunProcesses:
         points: list[dict] = []
         while True:
             try:
-                body = _get_json(f"{self.sync_url}/metrics?since={self.metrics_next}", self.token)
-            except (urllib.error.URLError, OSError, ValueError):
+                body = call_blocking(self.sync_url, self.token, "metrics", self.metrics_next, request_timeout_s=5.0)
+            except (OSError, ValueError, ProtocolError):
                 return points
             points.extend(body["metrics"])
             self.metrics_next = body["next"]
@@ -151,8 +144,8 @@ class RunProcesses:
     def status(self) -> Optional[dict]:
         """The synchronizer's ``GET /status``, or None when it is not answering."""
         try:
-            return _get_json(f"{self.sync_url}/status")
-        except (urllib.error.URLError, OSError, ValueError):
+            return fetch_status(self.sync_url)
+        except (OSError, ValueError):
             return None
 
     def remaining_metrics_from_store(self) -> list[dict]:

@@ -28,8 +28,6 @@ import os
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -166,17 +164,6 @@ def synchronizer(config: Optional[str] = "configs/default.toml", overrides: Opti
     return {"run_id": info.get("run_id", run_id), "url": info.get("url"), "epoch": info.get("epoch")}
 
 
-def _post_json(url: str, token: str, timeout_s: float) -> dict:
-    req = urllib.request.Request(url, data=b"{}", method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        body = err.read().decode(errors="replace")[:500]
-        raise RuntimeError(f"POST {url} answered {err.code}: {body}") from None
-
-
 def request_checkpoint(sync_url: str, store_url: str, token: str, storage_options: Optional[dict] = None,
                        timeout_s: float = 300.0) -> dict:
     """Ask a running synchronizer for a checkpoint now, then verify the newest one in the store.
@@ -198,16 +185,16 @@ def request_checkpoint(sync_url: str, store_url: str, token: str, storage_option
 
     Raises:
         RuntimeError: the synchronizer refused or failed the checkpoint (e.g. a wrong token:
-            401), or no checkpoint at least as new as the one it reported verifies in the store.
-        urllib.error.URLError: the synchronizer is not reachable.
+            ``diloco_async.client.ProtocolError`` with 401), or no checkpoint at least as new as
+            the one it reported verifies in the store.
+        ConnectionError: the synchronizer is not reachable.
     """
+    from diloco_async.client import call_blocking
     from storage.checkpoint import latest_checkpoint
     from storage.store import ObjectStore
 
-    sync_url = sync_url.rstrip("/")
-    with urllib.request.urlopen(f"{sync_url}/health", timeout=10) as resp:
-        run_id = json.loads(resp.read())["run_id"]
-    result = _post_json(f"{sync_url}/checkpoint", token, timeout_s)
+    run_id = call_blocking(sync_url, None, "health")["run_id"]
+    result = call_blocking(sync_url, token, "checkpoint", request_timeout_s=timeout_s)
     if not result.get("ok"):
         raise RuntimeError(f"synchronizer of run {run_id} could not write a checkpoint: {result.get('reason')}")
     seq = int(result["seq"])
@@ -231,7 +218,7 @@ def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, 
     Raises:
         ValueError: no synchronizer URL or store URL, or ``DILOCO_RUN_TOKEN`` missing.
         RuntimeError: the checkpoint failed or does not verify (see :func:`request_checkpoint`).
-        urllib.error.URLError: the synchronizer is not reachable.
+        ConnectionError: the synchronizer is not reachable.
     """
     logger = get_run_logger()
     sync_url = sync_url or os.environ.get(SYNC_URL_ENV, "")

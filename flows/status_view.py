@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from diloco_async.client import fetch_status
+
 __all__ = ["fetch_status", "render_status", "main"]
-
-
-def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
-    """GET ``{url}/status`` (an open, read-only route).
-
-    Raises:
-        urllib.error.URLError: the synchronizer does not answer.
-    """
-    with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=timeout_s) as resp:
-        return json.loads(resp.read())
 
 
 def render_status(st: dict) -> Group:

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_async.baselines.ddp import (DdpCheckpointInfo, _split_manifest_key, checkpoint_prefix, data_generator,
-                                        ddp_checkpoints, emulated_delay_s, jitter_random, load_ddp_model,
-                                        load_ddp_params, load_final_ddp_model, param_sha256, rank_jitter, rank_speed,
-                                        select_checkpoint, tokens_per_step)
+from diloco_async.baselines.ddp import (DdpCheckpointInfo, _split_manifest_key, checkpoint_prefix, ddp_checkpoints,
+                                        load_ddp_model, load_ddp_params, load_final_ddp_model, param_sha256,
+                                        rank_jitter, rank_speed, select_checkpoint, tokens_per_step)
 from diloco_async.baselines.ddp_group import DdpGroup
 from diloco_async.config import load_config
 from diloco_async.model import evaluate_loss
 from diloco_async.synchronizer import initial_parameters
+from diloco_async.workload import data_generator, emulated_delay_s, jitter_random
 from storage.store import ObjectStore
 
 from polling import wait_until
@@ -52,7 +52,7 @@ def test_speed_and_jitter_defaults_come_from_the_config():
         cfg2 = load_config(None, TINY + ["learners.speed_factors=[1.0, 0.5]", "learners.step_jitter=0.2"])
         assert rank_speed(cfg2, 1, None) == 0.5 and rank_speed(cfg2, 0, None) == 1.0
         assert rank_jitter(cfg2, None) == 0.2
-    # the learners' jitter RNG (diloco_async.learner: seed * 65537 + index * 257 + incarnation)
+    # the learners' jitter RNG (diloco_async.workload.jitter_random: seed * 65537 + index * 257 + incarnation)
     assert jitter_random(3, 2, 1).random() == random.Random(3 * 65537 + 2 * 257 + 1).random()
 
 
@@ -77,7 +77,7 @@ def test_select_checkpoint_and_helpers():
     assert param_sha256(p) != param_sha256({"a": torch.ones(3), "b": torch.full((2, 2), 1e-9)})
     g1, g2 = data_generator(0, 1, 0), data_generator(0, 1, 0)
     assert torch.equal(torch.randint(0, 100, (5,), generator=g1), torch.randint(0, 100, (5,), generator=g2))
-    # learner r's seed formula (diloco_async.learner.Learner.run)
+    # learner r's seed formula (diloco_async.workload.data_generator)
     assert torch.equal(torch.randint(0, 100, (5,), generator=data_generator(3, 2, 1)),
                        torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(3 * 1_000_003 + 2 * 1009 + 1)))
 

@@ -22,6 +22,8 @@ from typing import Iterator, Optional
 
 import pytest
 
+from diloco_async.client import fetch_status
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,8 +244,7 @@ def _alive(pid: int) -> bool:
 
 def _sync_status(sync_url: str) -> Optional[dict]:
     try:
-        with urllib.request.urlopen(f"{sync_url}/status", timeout=2) as resp:
-            return json.loads(resp.read())
+        return fetch_status(sync_url, timeout_s=2.0)
     except OSError:
         return None
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from diloco_async.client import call_blocking, fetch_status
 from flows.launcher import LocalProcessLauncher, wait_for_ready_file
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
@@ -52,12 +52,6 @@ wall_s = {wall_s}
     return path
 
 
-def get(url: str, auth: bool = False):
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"} if auth else {})
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
 def test_sigkill_one_of_three_learners(tmp_path):
     recipe = tiny_recipe(tmp_path, learners=3, wall_s=300)
     launcher = LocalProcessLauncher(tmp_path / "logs")
@@ -71,15 +65,15 @@ def test_sigkill_one_of_three_learners(tmp_path):
             procs[i] = launcher.start(f"learner-{i}", ["-m", "diloco_async.learner", "--learner-id", f"learner-{i}",
                                                        "--index", str(i), "--sync-url", url,
                                                        "--store", f"file://{tmp_path}/store"], env)
-        wait_until(lambda: get(f"{url}/status")["merges"] >= 6, 60, "six merges with three learners")
+        wait_until(lambda: fetch_status(url)["merges"] >= 6, 60, "six merges with three learners")
         procs[2].kill()
-        killed_at = get(f"{url}/status")
+        killed_at = fetch_status(url)
         versions_at_kill = min(killed_at["versions"].values())
         # the synchronizer notices the silence and keeps merging with the two others
-        wait_until(lambda: not get(f"{url}/status")["learners"]["learner-2"]["live"], 10, "learner-2 marked lost")
-        wait_until(lambda: min(get(f"{url}/status")["versions"].values()) >= versions_at_kill + 3, 30,
+        wait_until(lambda: not fetch_status(url)["learners"]["learner-2"]["live"], 10, "learner-2 marked lost")
+        wait_until(lambda: min(fetch_status(url)["versions"].values()) >= versions_at_kill + 3, 30,
                    "versions to keep rising after the kill")
-        metrics = get(f"{url}/metrics?since=0", auth=True)["metrics"]
+        metrics = call_blocking(url, TOKEN, "metrics", 0)["metrics"]
         os.kill(sync.pid, signal.SIGTERM)  # a clean stop: final checkpoint, learners told to stop
         assert sync.proc.wait(timeout=90) == 0
         for i in (0, 1):
@@ -129,13 +123,13 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
         log1 = tmp_path / "logs" / "learner-1.0.log"
         wait_until(lambda: "saved its inner state" in log1.read_text(), 60, "a learner checkpoint")
         first.kill()
-        merged_before = get(f"{url}/status")["learners"]["learner-1"]["contributions"].get("merged", 0)
+        merged_before = fetch_status(url)["learners"]["learner-1"]["contributions"].get("merged", 0)
         learner(1, 1)
         log2 = tmp_path / "logs" / "learner-1.1.log"
         wait_until(lambda: "restored its inner state" in log2.read_text(), 60, "the restore")
-        wait_until(lambda: get(f"{url}/status")["learners"]["learner-1"]["contributions"].get("merged", 0)
+        wait_until(lambda: fetch_status(url)["learners"]["learner-1"]["contributions"].get("merged", 0)
                    > merged_before + 2, 60, "merged contributions after the restart")
-        st = get(f"{url}/status")
+        st = fetch_status(url)
         assert st["learners"]["learner-1"]["incarnation"] == 1 and st["learners"]["learner-1"]["live"]
         os.kill(sync.pid, signal.SIGTERM)
         assert sync.proc.wait(timeout=90) == 0

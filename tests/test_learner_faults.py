@@ -106,3 +106,16 @@ async def test_exception_mid_upload_publishes_and_announces_nothing():
     store = ObjectStore(mem)
     for key in store.list("frun/contrib"):  # every published contribution is whole
         wire.decode_from_bytes(store.get_unverified(key), "bf16", shapes)
+
+
+def test_learner_that_cannot_reach_the_synchronizer_exits_3_after_give_up():
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    learner = Learner("lonely", 0, url, ObjectStore(f"memory://lonely-{uuid.uuid4().hex}"), TOKEN, give_up_after_s=0.5)
+    t0 = time.monotonic()
+    assert learner.run(max_wait_join_s=60) == 3
+    assert time.monotonic() - t0 < 30  # gave up with the comms, not after max_wait_join_s

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from diloco_async import codec as wire
+from diloco_async.client import call_blocking, fetch_status, request_checkpoint
 from storage import keys
 from storage.checkpoint import load_checkpoint
 from storage.store import ObjectRef, ObjectStore
@@ -34,14 +34,6 @@ OVERRIDES = [
     "synchronizer.num_fragments=1", "synchronizer.sync_every=4", "synchronizer.grace_initial_s=0.0",
     "synchronizer.checkpoint_every_s=100000", "synchronizer.heartbeat_timeout_s=60", "budget.wall_s=600",
 ]
-
-
-def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}{path}", data=data, method="GET" if body is None and path != "/checkpoint" else "POST",
-                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 class SyncProcess:
@@ -62,7 +54,7 @@ class SyncProcess:
         self.url = json.loads(self.ready.read_text())["url"]
 
     def status(self) -> dict:
-        return call(self.url, "/status")
+        return fetch_status(self.url, timeout_s=30.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -83,7 +75,7 @@ class ScriptedLearner:
 
     def attach(self, sync: SyncProcess) -> None:
         self.sync = sync
-        jr = call(sync.url, "/join", {"learner_id": "scripted", "incarnation": 0})
+        jr = call_blocking(sync.url, TOKEN, "join", {"learner_id": "scripted", "incarnation": 0})
         self.run_id = jr["run_id"]
         self.shapes = {s["name"]: tuple(s["shape"]) for s in jr["plan"]["fragments"][0]}
 
@@ -93,15 +85,15 @@ class ScriptedLearner:
 
     def outer_step(self, r: int) -> None:
         """Round r of fragment 0: report step 4r, wait for the round, contribute, wait for version r."""
-        call(self.sync.url, "/heartbeat", {"learner_id": "scripted", "step": 4 * r})
+        call_blocking(self.sync.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": 4 * r})
         deadline = time.monotonic() + 20
         while not any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"]):
             assert time.monotonic() < deadline, f"round {r} did not open"
-            call(self.sync.url, "/heartbeat", {"learner_id": "scripted", "step": 4 * r})
+            call_blocking(self.sync.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": 4 * r})
             time.sleep(0.05)
         data = wire.encode_to_bytes(self.delta(r), "fp32", {})
         ref = self.store.put(keys.contribution_key(self.run_id, 0, r, "scripted", uuid.uuid4().hex[:8]), data)
-        ack = call(self.sync.url, "/announce", {
+        ack = call_blocking(self.sync.url, TOKEN, "announce", {
             "learner_id": "scripted", "fragment": 0, "round_n": r, "base_version": r - 1, "c_steps": 4,
             "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
             "codec": "fp32", "update_id": f"u{r}"})
@@ -142,7 +134,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
         la = ScriptedLearner(a, store)
         for r in (1, 2, 3):
             la.outer_step(r)
-        seq_a = call(a.url, "/checkpoint")["seq"]
+        seq_a = request_checkpoint(a.url, TOKEN, timeout_s=30.0)["seq"]
     finally:
         a.stop()
     params_a, mom_a, man_a = fragment_state(store, "runA", seq_a)
@@ -153,7 +145,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
     lb = ScriptedLearner(b, store)
     lb.outer_step(1)
     lb.outer_step(2)
-    seq_b = call(b.url, "/checkpoint")["seq"]
+    seq_b = request_checkpoint(b.url, TOKEN, timeout_s=30.0)["seq"]
     b.proc.kill()
     b.proc.wait(10)
     b.log.close()
@@ -165,7 +157,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
         lb.attach(c)
         assert c.status()["versions"] == {"0": 2}
         # right after the restore, a checkpoint holds exactly the saved state
-        seq_r = call(c.url, "/checkpoint")["seq"]
+        seq_r = request_checkpoint(c.url, TOKEN, timeout_s=30.0)["seq"]
         assert seq_r > seq_b
         p_r, m_r, man_r = fragment_state(store, "runB", seq_r)
         assert all(torch.equal(m_r[k], saved_mom[k]) for k in saved_mom)
@@ -173,7 +165,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
         assert man_r["next_round"] == {"0": 3}
         lb.outer_step(3)
         assert c.status()["versions"] == {"0": 3}  # continues at 3, not 1
-        seq_c = call(c.url, "/checkpoint")["seq"]
+        seq_c = request_checkpoint(c.url, TOKEN, timeout_s=30.0)["seq"]
     finally:
         c.stop()
     params_b, mom_b, man_b = fragment_state(store, "runB", seq_c)
@@ -193,7 +185,7 @@ def test_resume_skips_a_checkpoint_torn_by_a_crash(tmp_path, store_url):
     b = SyncProcess(tmp_path, store_url, ["--run-id", "runT"])
     lb = ScriptedLearner(b, store)
     lb.outer_step(1)
-    seq = call(b.url, "/checkpoint")["seq"]
+    seq = request_checkpoint(b.url, TOKEN, timeout_s=30.0)["seq"]
     b.proc.kill()
     b.proc.wait(10)
     b.log.close()
@@ -205,7 +197,7 @@ def test_resume_skips_a_checkpoint_torn_by_a_crash(tmp_path, store_url):
         assert st["versions"] == {"0": 1}
         lb.attach(c)
         lb.outer_step(2)
-        assert call(c.url, "/checkpoint")["seq"] == seq + 2  # the torn seq is never reused
+        assert request_checkpoint(c.url, TOKEN, timeout_s=30.0)["seq"] == seq + 2  # the torn seq is never reused
     finally:
         c.stop()
     log = Path(c.log.name).read_text()
@@ -217,7 +209,7 @@ def test_resume_refuses_a_different_config(tmp_path, store_url):
     b = SyncProcess(tmp_path, store_url, ["--run-id", "runC"])
     try:
         ScriptedLearner(b, store).outer_step(1)
-        seq = call(b.url, "/checkpoint")["seq"]
+        seq = request_checkpoint(b.url, TOKEN, timeout_s=30.0)["seq"]
     finally:
         b.stop()
     sets = [a for o in OVERRIDES + [f"run.store={store_url}", "synchronizer.outer_lr=0.5"] for a in ("--set", o)]

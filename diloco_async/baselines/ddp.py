@@ -64,17 +64,18 @@ import torch.distributed as dist
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.learner import process_uptime_s
 from diloco_async.model import ByteGPT
+from diloco_async.process_clock import process_uptime_s
 from diloco_async.synchronizer import initial_parameters
+from diloco_async.workload import data_generator, emulated_delay_s, inner_step, jitter_random, warmup_lr
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs, load_state, write_state
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
 __all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "DdpCheckpointInfo", "checkpoint_prefix",
-           "data_generator", "jitter_random", "rank_speed", "rank_jitter", "emulated_delay_s", "tokens_per_step", "param_sha256", "ddp_checkpoints",
-           "select_checkpoint", "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
+           "rank_speed", "rank_jitter", "tokens_per_step", "param_sha256", "ddp_checkpoints", "select_checkpoint",
+           "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
 
 log = logging.getLogger("diloco.ddp")
 
@@ -91,18 +92,6 @@ def checkpoint_prefix(run_id: str) -> str:
     return keys.ddp_checkpoint_prefix(run_id)
 
 
-def data_generator(seed: int, rank: int, incarnation: int) -> torch.Generator:
-    """The window sampler's generator of rank ``rank``: seeded exactly like learner ``rank``'s
-    (``diloco_async.learner.Learner.run``), so both draw the same windows of the same shard."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + incarnation)
-
-
-def jitter_random(seed: int, rank: int, incarnation: int) -> random.Random:
-    """The per-step jitter RNG of rank ``rank``: seeded like learner ``rank``'s (one draw per step
-    there too), so a jitter schedule is the same for every method."""
-    return random.Random(seed * 65537 + rank * 257 + incarnation)
-
-
 def rank_speed(cfg: Config, rank: int, speed: Optional[float]) -> float:
     """``speed`` when given, else ``learners.speed_factors[rank]`` of the config (1.0 when unset)."""
     if speed is not None:
@@ -114,24 +103,6 @@ def rank_speed(cfg: Config, rank: int, speed: Optional[float]) -> float:
 def rank_jitter(cfg: Config, jitter: Optional[float]) -> float:
     """``jitter`` when given, else ``learners.step_jitter`` of the config (0.0 when unset)."""
     return float(jitter) if jitter is not None else float(getattr(cfg.learners, "step_jitter", 0.0) or 0.0)
-
-
-def emulated_delay_s(dt_s: float, speed: float, jitter: float, rng: random.Random) -> float:
-    """Extra seconds a step of compute time ``dt_s`` sleeps on hardware of relative ``speed``.
-
-    ``dt_s * (1/speed - 1) + dt_s * jitter * |N(0, 1)|``, never negative (a speed above 1 cannot
-    make a step faster than the real compute). ``rng`` is drawn once per call, also when
-    ``jitter`` is 0, so a schedule does not depend on whether jitter is on.
-
-    Raises:
-        ValueError: ``speed`` <= 0 or ``jitter`` < 0.
-    """
-    if speed <= 0:
-        raise ValueError(f"speed must be > 0, got {speed}")
-    if jitter < 0:
-        raise ValueError(f"jitter must be >= 0, got {jitter}")
-    noise = abs(rng.gauss(0.0, 1.0))
-    return max(0.0, dt_s * (1.0 / speed - 1.0)) + dt_s * jitter * noise
 
 
 def tokens_per_step(world_size: int, batch_size: int, context: int) -> int:
@@ -268,6 +239,41 @@ class _Stop:
     reason: Optional[str] = None
 
 
+class _GradAllReduce:
+    """What a rank does between backward and clip (the ``after_backward`` of :func:`inner_step`):
+    sleep to emulate slower hardware, then all-reduce the averaged gradients in one flat fp32
+    buffer whose last two elements are the stop flags [asked by a signal, asked by the clock]."""
+
+    def __init__(self, rank: _Rank, plist: list[torch.nn.Parameter], pg: Any, speed: float, jitter: float,
+                 jitter_rng: random.Random) -> None:
+        self.rank, self.plist, self.pg = rank, plist, pg
+        self.numels = [p.numel() for p in plist]
+        self.speed, self.jitter, self.jitter_rng = speed, jitter, jitter_rng
+        self.compute_t0 = 0.0  # perf_counter at the start of the step's compute
+        self.wait_s = 0.0
+        self.by_signal = self.by_clock = False
+
+    def __call__(self) -> None:
+        delay = emulated_delay_s(time.perf_counter() - self.compute_t0, self.speed, self.jitter, self.jitter_rng)
+        if delay > 0:
+            time.sleep(delay)
+        reason = self.rank.stop.reason
+        flag = torch.tensor([float(reason == "signal"), float(reason == "stop_at")])
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.plist]
+                         + [flag])
+        w0 = time.perf_counter()
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.pg)
+        except Exception as err:
+            self.rank.fail("lost a peer", err, EXIT_PEER_LOST)
+        self.wait_s = time.perf_counter() - w0
+        self.by_signal, self.by_clock = flat[-2].item() > 0, flat[-1].item() > 0
+        flat = flat[:-2].div_(self.rank.world)
+        with torch.no_grad():
+            for p, g in zip(self.plist, flat.split(self.numels), strict=True):
+                p.grad = g.view_as(p)
+
+
 class _Rank:
     def __init__(self, args: argparse.Namespace, cfg: Config, timeline: _Timeline, stop: _Stop) -> None:
         self.args = args
@@ -277,6 +283,7 @@ class _Rank:
         self.rank = args.rank
         self.world = args.world_size
         self.step = 0
+        self.tokens_committed = 0
 
     def fail(self, what: str, err: BaseException, code: int) -> None:
         """Log and leave at once: after a lost peer, gloo teardown may block."""
@@ -288,34 +295,79 @@ class _Rank:
 
     def run(self) -> int:
         a, cfg, lc = self.args, self.cfg, self.cfg.learners
+        pg = self._rendezvous()
+        self.store = ObjectStore(a.store, storage_options_from_env())
+        self.prefix = checkpoint_prefix(a.run_id)
+        self._restore()
+        self._agree_on_step(pg)
+        corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+        shard = corpus.shard(self.rank, self.world)
+        self.gen = data_generator(cfg.run.seed, self.rank, a.incarnation)
+        plist = list(self.params.values())
+        reduce = _GradAllReduce(self, plist, pg, rank_speed(cfg, self.rank, a.speed), rank_jitter(cfg, a.jitter),
+                                jitter_random(cfg.run.seed, self.rank, a.incarnation))
+        log.info("rank %d/%d ready at step %d: shard of %d bytes, %d parameters", self.rank, self.world,
+                 self.step, len(shard), sum(reduce.numels))
+        if cfg.learners.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
+            os.nice(cfg.learners.nice_after_ready)
+        self.timeline.write("ready", t=time.time(), step=self.step)
+        per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context)
+        reason: Optional[str] = None
+        while True:
+            if a.max_steps is not None and self.step >= a.max_steps:
+                reason = "max_steps"  # every rank has the same step: no agreement needed
+                break
+            if a.stop_at_unix is not None and self.stop.reason is None and time.time() >= a.stop_at_unix:
+                self.stop.reason = "stop_at"
+            t0 = time.time()
+            reduce.compute_t0 = time.perf_counter()
+            x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, self.gen)
+            loss = inner_step(self.model, self.opt, x, y, lr=warmup_lr(lc.lr, self.step, lc.warmup_steps),
+                              grad_clip=lc.grad_clip, after_backward=reduce)
+            self.step += 1
+            self.tokens_committed += per_step
+            self.timeline.write("step", t0=t0, t1=time.time(), wait_s=reduce.wait_s, step=self.step,
+                                tokens=lc.batch_size * cfg.model.context, loss=float(loss))
+            if self.rank == 0 and a.checkpoint_every_steps > 0 and self.step % a.checkpoint_every_steps == 0:
+                self._checkpoint()
+            if reduce.by_signal or reduce.by_clock:  # every rank sees the same flags: the same step, the same reason
+                reason = "signal" if reduce.by_signal else "stop_at"
+                break
+        return self._finish(reason)
+
+    def _rendezvous(self) -> Any:
+        """Join the gloo group; returns the process group whose collectives time out quickly."""
+        a = self.args
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the master is on loopback
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=self.rank,
                                     world_size=self.world,
                                     timeout=datetime.timedelta(seconds=a.init_timeout_s))
             # Collectives run in a group with the short timeout: a lost peer ends this rank quickly.
-            pg = dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=a.gloo_timeout_s),
-                                backend="gloo")
+            return dist.new_group(list(range(self.world)), timeout=datetime.timedelta(seconds=a.gloo_timeout_s),
+                                  backend="gloo")
         except Exception as err:  # rendezvous failed: a peer or the master never came
             self.fail("rendezvous failed", err, EXIT_RENDEZVOUS)
-        store = ObjectStore(a.store, storage_options_from_env())
-        prefix = checkpoint_prefix(a.run_id)
+            raise  # not reached: fail exits
 
+    def _restore(self) -> None:
+        """The model and AdamW: from the newest verified checkpoint, else the seeded Θ^0."""
+        cfg, lc = self.cfg, self.cfg.learners
         params0, _ = initial_parameters(cfg)
-        model = _model_from(cfg, params0)
-        params = dict(model.named_parameters())
-        plist = list(params.values())
-        opt = torch.optim.AdamW(plist, lr=lc.lr, weight_decay=lc.weight_decay)
-        per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context)
-        saved = latest_state(store, prefix)
-        tokens_committed = 0
+        self.model = _model_from(cfg, params0)
+        self.params = dict(self.model.named_parameters())
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lc.lr, weight_decay=lc.weight_decay)
+        saved = latest_state(self.store, self.prefix)
         if saved is not None:
-            self.step = restore(InnerState(saved.tensors, saved.manifest["inner"]), params, opt,
+            self.step = restore(InnerState(saved.tensors, saved.manifest["inner"]), self.params, self.opt,
                                 torch.Generator())[0]
-            tokens_committed = int(saved.manifest["tokens_committed"])
+            self.tokens_committed = int(saved.manifest["tokens_committed"])
             log.info("rank %d restored checkpoint %d (step %d)", self.rank, saved.seq, self.step)
-        last_ckpt_step = self.step
-        next_seq = max(list_state_seqs(store, prefix), default=0) + 1 if self.rank == 0 else 0
+        self.last_ckpt_step = self.step
+        self.next_seq = max(list_state_seqs(self.store, self.prefix), default=0) + 1 if self.rank == 0 else 0
+
+    def _agree_on_step(self, pg: Any) -> None:
+        """Every rank must have restored the same step; exits otherwise."""
         agree = torch.tensor([float(self.step), -float(self.step)], dtype=torch.float64)
         try:
             dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=pg)
@@ -325,90 +377,35 @@ class _Rank:
             self.fail("ranks restored different steps", RuntimeError(f"{-agree[1].item()}..{agree[0].item()}"),
                       EXIT_PEER_LOST)
 
-        corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
-        shard = corpus.shard(self.rank, self.world)
-        gen = data_generator(cfg.run.seed, self.rank, a.incarnation)
-        jitter_rng = jitter_random(cfg.run.seed, self.rank, a.incarnation)
-        speed, jitter = rank_speed(cfg, self.rank, a.speed), rank_jitter(cfg, a.jitter)
-        numels = [p.numel() for p in plist]
-        chash = config_hash(cfg)
+    def _checkpoint(self) -> None:
+        """Rank 0: write a checkpoint of this step (a failure is logged; the next period tries again)."""
+        a, cfg, lc = self.args, self.cfg, self.cfg.learners
+        c0 = time.time()
+        state = capture(self.params, self.opt, self.gen, step=self.step, base_tensors={}, base_versions={},
+                        counters={})
+        manifest = {"kind": "ddp", "step": self.step, "tokens_committed": self.tokens_committed,
+                    "wall_unix": time.time(), "world_size": self.world, "incarnation": a.incarnation,
+                    "batch_size": lc.batch_size, "context": cfg.model.context, "config_hash": config_hash(cfg),
+                    "param_sha256": param_sha256(self.params), "inner": state.meta}
+        try:
+            ref = write_state(self.store, self.prefix, self.next_seq, state.tensors, manifest)
+        except Exception as err:  # training goes on; the next period tries again
+            log.warning("rank 0 could not write checkpoint %d: %s", self.next_seq, err)
+            self.timeline.write("checkpoint_failed", t=time.time(), step=self.step,
+                                error=f"{type(err).__name__}: {err}"[:2000])
+            self.next_seq += 1
+            return
+        self.next_seq += 1
+        self.last_ckpt_step = self.step
+        self.timeline.write("checkpoint", t=time.time(), step=self.step, tokens_committed=self.tokens_committed,
+                            dur_s=time.time() - c0, key=ref.key)
 
-        def checkpoint() -> None:
-            nonlocal next_seq, last_ckpt_step
-            c0 = time.time()
-            state = capture(params, opt, gen, step=self.step, base_tensors={}, base_versions={}, counters={})
-            manifest = {"kind": "ddp", "step": self.step, "tokens_committed": tokens_committed,
-                        "wall_unix": time.time(), "world_size": self.world, "incarnation": a.incarnation,
-                        "batch_size": lc.batch_size, "context": cfg.model.context, "config_hash": chash,
-                        "param_sha256": param_sha256(params), "inner": state.meta}
-            try:
-                ref = write_state(store, prefix, next_seq, state.tensors, manifest)
-            except Exception as err:  # training goes on; the next period tries again
-                log.warning("rank 0 could not write checkpoint %d: %s", next_seq, err)
-                self.timeline.write("checkpoint_failed", t=time.time(), step=self.step,
-                                    error=f"{type(err).__name__}: {err}"[:2000])
-                next_seq += 1
-                return
-            next_seq += 1
-            last_ckpt_step = self.step
-            self.timeline.write("checkpoint", t=time.time(), step=self.step, tokens_committed=tokens_committed,
-                                dur_s=time.time() - c0, key=ref.key)
-
-        log.info("rank %d/%d ready at step %d: shard of %d bytes, %d parameters", self.rank, self.world,
-                 self.step, len(shard), sum(numels))
-        if cfg.learners.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
-            os.nice(cfg.learners.nice_after_ready)
-        self.timeline.write("ready", t=time.time(), step=self.step)
-        reason: Optional[str] = None
-        while True:
-            if a.max_steps is not None and self.step >= a.max_steps:
-                reason = "max_steps"  # every rank has the same step: no agreement needed
-                break
-            if a.stop_at_unix is not None and self.stop.reason is None and time.time() >= a.stop_at_unix:
-                self.stop.reason = "stop_at"
-            t0 = time.time()
-            c0 = time.perf_counter()
-            x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, gen)
-            lr = lc.lr * min(1.0, (self.step + 1) / max(1, lc.warmup_steps))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss = model.loss(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            delay = emulated_delay_s(time.perf_counter() - c0, speed, jitter, jitter_rng)
-            if delay > 0:
-                time.sleep(delay)
-            # stop flags travel with the gradients: [asked by a signal, asked by the clock]
-            flag = torch.tensor([float(self.stop.reason == "signal"), float(self.stop.reason == "stop_at")])
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in plist]
-                             + [flag])
-            w0 = time.perf_counter()
-            try:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
-            except Exception as err:
-                self.fail("lost a peer", err, EXIT_PEER_LOST)
-            wait_s = time.perf_counter() - w0
-            by_signal, by_clock = flat[-2].item() > 0, flat[-1].item() > 0
-            flat = flat[:-2].div_(self.world)
-            with torch.no_grad():
-                for p, g in zip(plist, flat.split(numels)):
-                    p.grad = g.view_as(p)
-            torch.nn.utils.clip_grad_norm_(plist, lc.grad_clip)
-            opt.step()
-            self.step += 1
-            tokens_committed += per_step
-            self.timeline.write("step", t0=t0, t1=time.time(), wait_s=wait_s, step=self.step,
-                                tokens=lc.batch_size * cfg.model.context, loss=float(loss.detach()))
-            if self.rank == 0 and a.checkpoint_every_steps > 0 and self.step % a.checkpoint_every_steps == 0:
-                checkpoint()
-            if by_signal or by_clock:  # every rank sees the same flags: the same step, the same reason
-                reason = "signal" if by_signal else "stop_at"
-                break
+    def _finish(self, reason: Optional[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already; a late SIGTERM must not kill the exit
-        if self.rank == 0 and last_ckpt_step != self.step:
-            checkpoint()
+        if self.rank == 0 and self.last_ckpt_step != self.step:
+            self._checkpoint()
         self.timeline.write("stopped", t=time.time(), step=self.step, reason=reason,
-                            param_sha256=param_sha256(params))
+                            param_sha256=param_sha256(self.params))
         log.info("rank %d stopped at step %d (%s)", self.rank, self.step, reason)
         try:
             dist.destroy_process_group()

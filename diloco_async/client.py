@@ -1,0 +1,190 @@
+"""The one client of the synchronizer's HTTP API (DESIGN §4): async over aiohttp, plus a blocking helper.
+
+Routes (``diloco_async.server``): ``POST /join``, ``/heartbeat``, ``/announce``, ``/checkpoint``
+(bearer token), ``GET /metrics`` (bearer token), ``GET /status`` and ``/health`` (open), and the
+WebSocket push channel ``GET /ws``. Bodies are JSON objects shaped like the models of
+:mod:`diloco_async.messages`; this module sends and returns plain dicts so that it imports
+neither torch nor the learner (the status view and the flows use it).
+
+Errors:
+
+* :class:`ProtocolError` — HTTP 401, 403 or 413: retrying the same request cannot help.
+* ``aiohttp.ClientResponseError`` — any other status >= 400 (async methods).
+* ``aiohttp.ClientError``, ``TimeoutError``, ``OSError`` — the synchronizer did not answer.
+* The blocking helpers raise ``ConnectionError`` (an ``OSError``) for the last two kinds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "SyncClient", "call_blocking", "fetch_status",
+           "request_checkpoint"]
+
+#: Seconds one request may take (the default of ``learners.request_timeout_s``).
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+_FATAL_STATUSES = (401, 403, 413)
+
+
+class ProtocolError(RuntimeError):
+    """The synchronizer answered with something this client cannot work with (HTTP 401, 403, 413)."""
+
+
+class SyncClient:
+    """Async client of one synchronizer; use as ``async with SyncClient(url, token) as client``.
+
+    Args:
+        url: the synchronizer's base URL, e.g. ``http://127.0.0.1:8765``.
+        token: the run's secret token, sent as ``Authorization: Bearer <token>``; None sends no
+            header (enough for the open routes ``/status`` and ``/health``).
+        request_timeout_s: seconds one request (or a WebSocket handshake) may take; an attribute
+            that may be changed while the client is open (``learners.request_timeout_s``).
+        before_post: awaited with the path before every POST (chaos: delay or drop a control
+            message by raising ``aiohttp.ClientConnectionError``).
+    """
+
+    def __init__(self, url: str, token: str | None = None, *,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 before_post: Callable[[str], Awaitable[None]] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.request_timeout_s = request_timeout_s
+        self.before_post = before_post
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SyncClient:
+        # no session-wide timeout: each request carries request_timeout_s as it is when sent
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def _request(self, method: str, path: str, body: dict | None = None,
+                       ok_statuses: tuple[int, ...] = ()) -> Any:
+        """Send one request; returns the decoded JSON body of a status < 400 or in ``ok_statuses``."""
+        if self._session is None:
+            raise RuntimeError("SyncClient used outside 'async with'")
+        if method == "POST" and self.before_post is not None:
+            await self.before_post(path)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        async with self._session.request(method, f"{self.url}{path}", json=body, headers=self._headers(),
+                                         timeout=timeout) as resp:
+            if resp.status in _FATAL_STATUSES:
+                raise ProtocolError(f"{path}: HTTP {resp.status} {await resp.text()}")
+            if resp.status >= 400 and resp.status not in ok_statuses:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=await resp.text())
+            return await resp.json()
+
+    async def join(self, body: dict) -> dict:
+        """``POST /join`` with a ``JoinRequest``; returns a ``JoinResponse``."""
+        return await self._request("POST", "/join", body)
+
+    async def heartbeat(self, body: dict) -> dict:
+        """``POST /heartbeat`` with a ``Heartbeat``; returns a ``HeartbeatResponse``."""
+        return await self._request("POST", "/heartbeat", body)
+
+    async def announce(self, body: dict) -> dict:
+        """``POST /announce`` with an ``Announcement``; returns an ``AnnouncementAck``."""
+        return await self._request("POST", "/announce", body)
+
+    async def checkpoint(self) -> dict:
+        """``POST /checkpoint``: write a checkpoint now. Returns ``{"ok": True, "seq": n, ...}``, or
+        ``{"ok": False, "reason": ...}`` when the synchronizer could not write it (HTTP 500)."""
+        return await self._request("POST", "/checkpoint", {}, ok_statuses=(500,))
+
+    async def status(self) -> dict:
+        """``GET /status`` (open route): run figures, learners, open rounds, versions."""
+        return await self._request("GET", "/status")
+
+    async def metrics(self, since: int = 0) -> dict:
+        """``GET /metrics?since=n``: ``{"metrics": [points from index n], "next": i, "total": t}``."""
+        return await self._request("GET", f"/metrics?since={int(since)}")
+
+    async def health(self) -> dict:
+        """``GET /health`` (open route): ``{"ok": True, "run_id": ...}``."""
+        return await self._request("GET", "/health")
+
+    @contextlib.asynccontextmanager
+    async def push(self, learner_id: str) -> AsyncIterator[AsyncIterator[dict]]:
+        """The WebSocket push channel of ``learner_id``, as ``async with client.push(id) as events:
+        async for event in events: ...``; each event is a dict with ``type`` ``round_open``,
+        ``version`` or ``stop``. The iteration ends when the channel closes; the caller reconnects.
+
+        Raises:
+            aiohttp.ClientError, TimeoutError: the handshake failed or took over ``request_timeout_s``.
+        """
+        if self._session is None:
+            raise RuntimeError("SyncClient used outside 'async with'")
+        connect = self._session.ws_connect(f"{self.url}/ws?learner_id={learner_id}", headers=self._headers(),
+                                           heartbeat=10.0)
+        async with await asyncio.wait_for(connect, self.request_timeout_s) as ws:
+            yield _events(ws)
+
+
+async def _events(ws: aiohttp.ClientWebSocketResponse) -> AsyncIterator[dict]:
+    async for msg in ws:
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            return
+        yield json.loads(msg.data)
+
+
+def call_blocking(url: str, token: str | None, method: str, *args: Any,
+                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Any:
+    """Run one :class:`SyncClient` method to completion from synchronous code, e.g.
+    ``call_blocking(url, token, "metrics", 0)``; safe to call from a thread that runs an event loop.
+
+    Raises:
+        ProtocolError: HTTP 401, 403 or 413.
+        ConnectionError: no answer in time, or another HTTP status >= 400.
+        ValueError: the answer is not JSON.
+    """
+    async def once() -> Any:
+        async with SyncClient(url, token, request_timeout_s=request_timeout_s) as client:
+            return await getattr(client, method)(*args)
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no loop in this thread
+            return asyncio.run(once())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, once()).result()
+    except aiohttp.ContentTypeError as err:
+        raise ValueError(f"{url}: {method} answered no JSON ({err.message})") from err
+    except aiohttp.ClientError as err:
+        if isinstance(err, OSError):  # ClientOSError, ClientConnectorError (TimeoutError is one already)
+            raise
+        raise ConnectionError(f"{url}: {method} failed: {type(err).__name__}: {err}") from err
+
+
+def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
+    """``GET {url}/status`` from synchronous code (open route, no token).
+
+    Raises:
+        ConnectionError (OSError): the synchronizer does not answer.
+    """
+    return call_blocking(url, None, "status", request_timeout_s=timeout_s)
+
+
+def request_checkpoint(url: str, token: str, timeout_s: float = 300.0) -> dict:
+    """``POST {url}/checkpoint`` from synchronous code; see :meth:`SyncClient.checkpoint`.
+
+    Raises:
+        ProtocolError (RuntimeError): a wrong token (HTTP 401).
+        ConnectionError (OSError): the synchronizer does not answer within ``timeout_s``.
+    """
+    return call_blocking(url, token, "checkpoint", request_timeout_s=timeout_s)

@@ -1,0 +1,15 @@
+"""The learner (DESIGN §3): inner steps that never wait for the network.
+
+* :mod:`~diloco_async.learner.process` — :class:`Learner`, one learner and its two threads;
+* :mod:`~diloco_async.learner.training` — the training thread's loop (step boundary, inner steps);
+* :mod:`~diloco_async.learner.comms` and :mod:`~diloco_async.learner.uploads` — the comms thread;
+* :mod:`~diloco_async.learner.rules` — the outer rules as pure functions (outer gradient, adopt);
+* :mod:`~diloco_async.learner.main` — the process entry, ``python -m diloco_async.learner``.
+
+What it trains is a :class:`diloco_async.workload.Workload`.
+"""
+
+from diloco_async.learner.main import TIMELINE_DIR_ENV, main
+from diloco_async.learner.process import Learner
+
+__all__ = ["Learner", "TIMELINE_DIR_ENV", "main"]

@@ -1,0 +1,264 @@
+"""The learner's comms thread: an asyncio loop with one synchronizer client (DESIGN §3).
+
+It joins, sends heartbeats (which bring open rounds, new versions and the stop signal), listens on
+the WebSocket push channel, downloads new versions for the training thread, and runs the upload
+pipeline (:class:`~diloco_async.learner.uploads.Uploads`). If the synchronizer is unreachable the
+learner keeps training and reconnects with exponential backoff; after ``give_up_after_s`` without
+any answer the comms fail with :class:`~diloco_async.client.ProtocolError` (the learner exits 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import threading
+import time
+
+import aiohttp
+import torch
+
+from diloco_async import codec as wire
+from diloco_async.client import ProtocolError, SyncClient
+from diloco_async.config import Config
+from diloco_async.learner.state import Shared
+from diloco_async.learner.uploads import Uploads
+from diloco_async.messages import HeartbeatResponse, JoinResponse, VersionInfo
+from storage.store import ObjectRef, ObjectStore
+
+__all__ = ["Comms", "ControlFaults"]
+
+log = logging.getLogger("diloco.learner")
+
+_UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
+
+
+class ControlFaults:
+    """Chaos (``learners.control_delay_s``, ``control_drop_prob``): delay a control message by an
+    exponential time of mean ``delay_s``, or drop it before it is sent with chance ``drop_prob``."""
+
+    def __init__(self, delay_s: float, drop_prob: float, rng: random.Random) -> None:
+        self.delay_s, self.drop_prob, self.rng = delay_s, drop_prob, rng
+
+    async def __call__(self, path: str) -> None:
+        if self.delay_s > 0:
+            await asyncio.sleep(self.rng.expovariate(1.0 / self.delay_s))
+        if self.rng.random() < self.drop_prob:
+            raise aiohttp.ClientConnectionError(f"chaos: {path} dropped before sending")
+
+
+class Comms:
+    """The comms thread of learner ``learner_id``; :meth:`start` it, then :meth:`configure` it
+    once the run's config is known (the training thread does both)."""
+
+    def __init__(self, learner_id: str, incarnation: int, sync_url: str, token: str, store: ObjectStore,
+                 shared: Shared, started_s: float, give_up_after_s: float) -> None:
+        self.learner_id, self.incarnation = learner_id, incarnation
+        self.store = store
+        self.shared = shared
+        self.started_s = started_s
+        self.give_up_after_s = give_up_after_s
+        self.heartbeat_s = 0.25  # until the run's config is known
+        self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # fragment -> tensor shapes, to decode versions
+        self.epoch: str | None = None  # the synchronizer's; a change means it restarted
+        self.faults: ControlFaults | None = None
+        self.client = SyncClient(sync_url, token, before_post=self._before_post)
+        self.uploads = Uploads(learner_id, incarnation, store, shared)
+        self._downloading: dict[int, int] = {}
+        self._bg: set[asyncio.Task] = set()
+        self._thread = threading.Thread(target=self._main, name=f"{learner_id}-comms", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout=timeout_s)
+
+    def configure(self, cfg: Config, store: ObjectStore, chaos_rng: random.Random) -> None:
+        """Apply the run's config: the store (maybe wrapped with faults), timeouts, heartbeat
+        period, codec and control-message faults."""
+        lc = cfg.learners
+        self.store = store
+        self.uploads.configure(store, lc.codec, lc.storage_timeout_s)
+        self.heartbeat_s = lc.heartbeat_s
+        self.client.request_timeout_s = lc.request_timeout_s
+        if lc.control_delay_s > 0 or lc.control_drop_prob > 0:
+            self.faults = ControlFaults(lc.control_delay_s, lc.control_drop_prob, chaos_rng)
+
+    def fetch_version(self, v: VersionInfo) -> dict[str, torch.Tensor]:
+        """Download and decode a published version (blocking; verifies size and sha256).
+
+        Raises:
+            FileNotFoundError: the version was collected; storage.store.IntegrityError.
+        """
+        data = self.store.get(ObjectRef(v.key, v.nbytes, v.sha256))
+        tensors, _ = wire.decode_from_bytes(data, "fp32", self.shapes[v.fragment])
+        return tensors
+
+    async def _before_post(self, path: str) -> None:
+        if self.faults is not None:
+            await self.faults(path)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._run())
+        finally:
+            loop.close()
+
+    async def _run(self) -> None:
+        sh = self.shared
+        async with self.client:
+            tasks = [asyncio.create_task(self._heartbeat_loop()),
+                     asyncio.create_task(self.uploads.run(self.client)),
+                     asyncio.create_task(self._push_loop())]
+            while not sh.stop_event.is_set():
+                await asyncio.sleep(0.05)
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        sh.fatal = f"{type(t.exception()).__name__}: {t.exception()}"
+                        log.error("%s comms failed: %s", self.learner_id, sh.fatal)
+                        sh.stop_event.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if sh.joined.is_set() and sh.fatal is None:
+                # Last word: final counters, and the synchronizer learns we heard the stop.
+                try:
+                    await asyncio.wait_for(self.client.heartbeat(self.heartbeat_body()), 2.0)
+                except (TimeoutError, aiohttp.ClientError, OSError, ProtocolError):
+                    pass
+
+    async def _join(self) -> JoinResponse:
+        body = {"learner_id": self.learner_id, "incarnation": self.incarnation,
+                "uptime_s": time.monotonic() - self.started_s}
+        return JoinResponse.model_validate(await self.client.join(body))
+
+    async def _heartbeat_loop(self) -> None:
+        sh = self.shared
+        backoff = 0.1
+        last_ok = time.monotonic()
+        while not sh.stop_event.is_set():
+            try:
+                if not sh.joined.is_set():
+                    sh.join_response = await self._join()
+                    self.epoch = sh.join_response.epoch
+                    sh.joined.set()
+                    log.info("%s joined run %s", self.learner_id, sh.join_response.run_id)
+                resp = HeartbeatResponse.model_validate(await self.client.heartbeat(self.heartbeat_body()))
+                last_ok, backoff = time.monotonic(), 0.1
+                if not self._on_heartbeat(resp):
+                    await self._join()  # unknown to the synchronizer
+                    continue
+                if resp.stop:
+                    log.info("%s told to stop", self.learner_id)
+                    sh.stop_event.set()
+                    return
+                await asyncio.sleep(self.heartbeat_s)
+            except ProtocolError:
+                raise
+            except _UNREACHABLE as err:
+                silent = time.monotonic() - last_ok
+                if silent > self.give_up_after_s:
+                    raise ProtocolError(f"synchronizer unreachable for {silent:.0f}s") from err
+                log.warning("%s synchronizer unreachable (%s); retrying in %.1fs, training continues",
+                            self.learner_id, type(err).__name__, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _on_heartbeat(self, resp: HeartbeatResponse) -> bool:
+        """Take in a heartbeat's answer: epoch, open rounds, versions. False: rejoin (the
+        synchronizer does not know this learner), nothing else taken in."""
+        sh = self.shared
+        if resp.epoch != self.epoch:
+            log.warning("%s: the synchronizer restarted (epoch %s -> %s); resetting round state",
+                        self.learner_id, self.epoch, resp.epoch)
+            self.epoch = resp.epoch
+            with sh.lock:
+                sh.open_rounds.clear()
+            self._downloading.clear()
+            sh.epoch_changed.set()
+        if not resp.known:
+            log.warning("%s unknown to the synchronizer; rejoining", self.learner_id)
+            return False
+        now = time.monotonic()
+        with sh.lock:
+            listed = {(r.fragment, r.round_n): r.version for r in resp.open_rounds}
+            # Keep rounds just pushed over the WebSocket that this response predates.
+            sh.open_rounds = {k: vt for k, vt in sh.open_rounds.items() if k in listed or now - vt[1] < 1.0}
+            for k, version in listed.items():
+                sh.open_rounds.setdefault(k, (version, now))
+        for v in resp.versions:
+            sh.newest_versions[v.fragment] = v
+            self._maybe_download(v)
+        return True
+
+    def heartbeat_body(self) -> dict:
+        """The ``Heartbeat`` to send now; restarts the loss and token window."""
+        now = time.monotonic()
+        sh = self.shared
+        with sh.lock:
+            s = sh.stats
+            loss = s.loss_sum / s.loss_count if s.loss_count else None
+            window = now - s.window_start_s
+            tps = s.window_tokens / window if s.loss_count and window > 0 else None
+            body = {"learner_id": self.learner_id, "incarnation": self.incarnation, "step": s.step,
+                    "step_time_s": s.step_time_s, "tokens_total": s.tokens_total, "train_loss": loss,
+                    "tokens_per_s": tps, "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
+                    "uptime_s": now - self.started_s, "base_versions": {str(k): v for k, v in sh.base.items()}}
+            s.loss_sum, s.loss_count, s.window_tokens, s.window_start_s = 0.0, 0, 0, now
+        if loss is not None and not math.isfinite(loss):
+            body["train_loss"] = None
+        return body
+
+    async def _push_loop(self) -> None:
+        """Receive pushed events over the WebSocket; reconnect with backoff; heartbeats cover gaps."""
+        sh = self.shared
+        backoff = 0.1
+        while not sh.stop_event.is_set():
+            if not sh.joined.is_set():
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                async with self.client.push(self.learner_id) as events:
+                    backoff = 0.1
+                    async for event in events:
+                        self._on_push(event)
+            except _UNREACHABLE as err:
+                log.debug("%s push channel down (%s)", self.learner_id, err)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def _on_push(self, event: dict) -> None:
+        sh = self.shared
+        kind = event.pop("type", None)
+        if kind == "round_open":
+            with sh.lock:
+                sh.open_rounds.setdefault((event["fragment"], event["round_n"]), (event["version"], time.monotonic()))
+        elif kind == "version":
+            self._maybe_download(VersionInfo.model_validate(event))
+        elif kind == "stop":
+            log.info("%s told to stop (%s)", self.learner_id, event.get("reason"))
+            sh.stop_event.set()
+
+    def _maybe_download(self, v: VersionInfo) -> None:
+        if not self.shared.ready.is_set():
+            return
+        have = max(self.shared.base.get(v.fragment, -1), self._downloading.get(v.fragment, -1))
+        if v.version > have:
+            self._downloading[v.fragment] = v.version
+            task = asyncio.create_task(self._download(v))
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+
+    async def _download(self, v: VersionInfo) -> None:
+        try:
+            tensors = await asyncio.to_thread(self.fetch_version, v)
+        except Exception as err:  # counted in the log; the next heartbeat retries
+            log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
+            self._downloading.pop(v.fragment, None)  # the next heartbeat retries
+            return
+        with self.shared.lock:
+            self.shared.stats.bytes_down += v.nbytes
+        self.shared.adopt_queue.put((v, tensors))

@@ -1,0 +1,62 @@
+"""``python -m diloco_async.learner``: run one learner process.
+
+Environment: ``DILOCO_RUN_TOKEN`` (required, the run's secret), ``DILOCO_STORAGE_OPTIONS`` (JSON
+fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records).
+Exit codes: 0 stopped by the synchronizer, 2 usage, 3 the synchronizer was lost or refused us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+from diloco_async.client import ProtocolError
+from diloco_async.learner.process import Learner
+from diloco_async.server import TOKEN_ENV
+from storage.options import storage_options_from_env
+from diloco_async.timeline import Recorder
+from storage.store import ObjectStore
+
+__all__ = ["TIMELINE_DIR_ENV", "main"]
+
+log = logging.getLogger("diloco.learner")
+
+#: Folder for per-learner timeline records (``{dir}/{learner_id}.jsonl``); unset: none written.
+TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m diloco_async.learner", description="Run one learner.")
+    ap.add_argument("--learner-id", required=True)
+    ap.add_argument("--index", type=int, required=True, help="data shard index")
+    ap.add_argument("--sync-url", required=True)
+    ap.add_argument("--store", required=True, help="object store root URL")
+    ap.add_argument("--incarnation", type=int, default=0)
+    ap.add_argument("--give-up-after-s", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s learner {args.learner_id} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(f"error: {TOKEN_ENV} is not set", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = storage_options_from_env()
+    tl_dir = os.environ.get(TIMELINE_DIR_ENV)
+    recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
+    recorder.record("start")
+    learner = Learner(args.learner_id, args.index, args.sync_url, ObjectStore(args.store, options), token,
+                      incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder)
+    try:
+        code = learner.run()
+    except ProtocolError as err:
+        log.error("%s: %s", args.learner_id, err)
+        code = 3
+    recorder.record("stopped", code=code)
+    recorder.close()
+    return code

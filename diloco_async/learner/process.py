@@ -1,0 +1,205 @@
+"""One learner: the comms thread, set-up from the synchronizer's answer, then the training loop (DESIGN §3).
+
+Two threads:
+
+* the **training thread** (the caller of :meth:`Learner.run`) builds the workload, loads its
+  starting point (its own saved inner state, else the versions named at join) and runs the
+  :class:`~diloco_async.learner.training.InnerLoop`;
+* the **comms thread** (:class:`~diloco_async.learner.comms.Comms`) talks to the synchronizer
+  and the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from diloco_async.client import ProtocolError
+from diloco_async.config import Config, config_hash
+from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.inner_state import InnerState
+from diloco_async.learner.comms import Comms
+from diloco_async.learner.state import Shared
+from diloco_async.learner.training import InnerLoop
+from diloco_async.messages import JoinResponse, VersionInfo
+from diloco_async.model import embedding_names
+from diloco_async.process_clock import process_uptime_s
+from diloco_async.timeline import Recorder
+from diloco_async.workload import Workload
+from storage import keys
+from storage.checkpoint import latest_state, list_state_seqs
+from storage.faults import FaultyStore
+from storage.store import ObjectStore
+
+__all__ = ["Learner"]
+
+log = logging.getLogger("diloco.learner")
+
+
+class Learner:
+    """One learner.
+
+    Args:
+        learner_id: unique id of the learner slot (``[A-Za-z0-9_.-]``).
+        index: data shard index in ``[0, learners.count)``.
+        sync_url: base URL of the synchronizer, e.g. ``http://127.0.0.1:8765``.
+        store: the run's object store (same root as the synchronizer's).
+        token: the run's secret token.
+        incarnation: restart count of this slot (0 for the first start).
+        give_up_after_s: exit when the synchronizer has not answered for this long.
+        recorder: where timeline records go (none written by default).
+        make_workload: builds what this learner trains from (run config, index, incarnation);
+            the place where another model, device or process group plugs in.
+    """
+
+    def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
+                 incarnation: int = 0, give_up_after_s: float = 120.0,
+                 recorder: Recorder | None = None,
+                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config) -> None:
+        self.learner_id = learner_id
+        self.make_workload = make_workload
+        self.index = index
+        self.incarnation = incarnation
+        self.store = store
+        self.recorder = recorder or Recorder(None)
+        self.shared = Shared()
+        self._restored_step = 0  # steps up to here are in the restored inner state (timeline attribution)
+        self.stop_event = self.shared.stop_event
+        self.comms = Comms(learner_id, incarnation, sync_url.rstrip("/"), token, store, self.shared,
+                           started_s=time.monotonic() - process_uptime_s(), give_up_after_s=give_up_after_s)
+
+    def run(self, max_wait_join_s: float = 120.0) -> int:
+        """Join, load the newest versions, train until told to stop. Returns the exit code
+        (0, or 3 when the synchronizer could not be joined or the comms failed).
+
+        Raises:
+            ProtocolError: the synchronizer's config or fragment plan does not match this learner's.
+        """
+        sh = self.shared
+        self.comms.start()
+        deadline = time.monotonic() + max_wait_join_s
+        while not sh.joined.wait(0.1):
+            if sh.stop_event.is_set() or time.monotonic() >= deadline:  # the comms gave up, or too long
+                log.error("%s could not join (%s)", self.learner_id, sh.fatal or f"no answer in {max_wait_join_s:.0f}s")
+                sh.stop_event.set()
+                return 3
+        jr = sh.join_response
+        assert jr is not None
+        cfg = self._configure(jr)
+        torch.set_num_threads(cfg.learners.threads)
+        workload = self.make_workload(cfg, self.index, self.incarnation)
+        plan = self._check_plan(cfg, jr, workload)
+        loop = self._start_point(cfg, jr, workload, plan)
+        sh.ready.set()
+        shard_bytes = workload.load_data(cfg, self.index)
+        log.info("%s ready: shard %d/%d of %d bytes, %d parameters, versions %s", self.learner_id, self.index,
+                 cfg.learners.count, shard_bytes, sum(p.numel() for p in workload.params.values()), sh.base)
+        if cfg.learners.nice_after_ready:
+            os.nice(cfg.learners.nice_after_ready)
+        self.recorder.record("ready", step=loop.step, restored=self._restored_step)
+        loop.run()
+        sh.stop_event.set()
+        self.comms.join(10)
+        if sh.fatal:
+            log.error("%s stopped: %s", self.learner_id, sh.fatal)
+            return 3
+        log.info("%s finished after %d steps, %d tokens", self.learner_id, sh.stats.step, sh.stats.tokens_total)
+        return 0
+
+    def _configure(self, jr: JoinResponse) -> Config:
+        """The run's config from the join answer; storage and control-message faults wired in.
+
+        Raises:
+            ProtocolError: the config does not hash to the synchronizer's hash.
+        """
+        cfg = Config.model_validate(jr.config)
+        if config_hash(cfg) != jr.config_hash:
+            raise ProtocolError("config hash from the synchronizer does not match its config")
+        chaos_rng = random.Random(cfg.run.seed * 7919 + self.index * 104729 + self.incarnation)
+        if cfg.learners.storage_faults:
+            faults = dict(cfg.learners.storage_faults)
+            faults.setdefault("seed", cfg.run.seed * 31 + self.index * 1_000_003 + self.incarnation)
+            self.store = FaultyStore(self.store, **faults)
+            log.warning("%s: storage faults injected: %s", self.learner_id, faults)
+        self.comms.configure(cfg, self.store, chaos_rng)
+        return cfg
+
+    def _check_plan(self, cfg: Config, jr: JoinResponse, workload: Workload) -> FragmentPlan:
+        """This learner's fragment plan of the workload's parameters.
+
+        Raises:
+            ProtocolError: it differs from the synchronizer's (another model or fragment count).
+        """
+        params = workload.params
+        plan = plan_fragments(specs_of({n: p.detach() for n, p in params.items()}),
+                              cfg.synchronizer.num_fragments, embedding_names(workload.model))
+        if plan.schema_hash != jr.schema_hash:
+            raise ProtocolError(f"fragment plan mismatch: mine {plan.schema_hash[:12]}, "
+                                f"synchronizer's {jr.schema_hash[:12]}")
+        self.comms.shapes = {p: {s.name: s.shape for s in plan.fragments[p]} for p in range(plan.num_fragments)}
+        return plan
+
+    def _start_point(self, cfg: Config, jr: JoinResponse, workload: Workload, plan: FragmentPlan) -> InnerLoop:
+        """The training loop, started from this slot's newest saved inner state, else from the
+        versions named at join."""
+        lc = cfg.learners
+        uploads = self.comms.uploads
+        uploads.state_prefix = keys.learner_prefix(jr.run_id, self.learner_id)
+        saved = latest_state(self.store, uploads.state_prefix) if lc.checkpoint_every_s > 0 else None
+        uploads.state_seq = max(list_state_seqs(self.store, uploads.state_prefix), default=0)
+        counters: dict[int, tuple[int, int, float]] = {}
+        start_step = jr.start_step
+        if saved is not None:
+            # The base copies come from the saved state, never from the weights present now (C03).
+            local_step, base_tensors, versions, counters = workload.restore(
+                InnerState(saved.tensors, saved.manifest["inner"]))
+            self.shared.base.update(versions)
+            start_step = max(start_step, local_step)
+            self._restored_step = local_step
+            log.info("%s restored its inner state from checkpoint %d (step %d, bases %s)", self.learner_id,
+                     saved.seq, local_step, versions)
+        else:
+            base_tensors = self._load_versions(jr.versions, workload)
+        return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id,
+                         index=self.index, incarnation=self.incarnation, base_tensors=base_tensors,
+                         counters=counters, start_step=start_step, restored=saved is not None)
+
+    def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, dict[str, torch.Tensor]]:
+        """Copy the versions named at join into the model; returns them as the base tensors."""
+        base_tensors = {}
+        with torch.no_grad():
+            for v in versions:
+                t, v = self._fetch_initial(v)
+                for n, val in t.items():
+                    workload.params[n].copy_(val)
+                base_tensors[v.fragment] = t
+                self.shared.base[v.fragment] = v.version
+        return base_tensors
+
+    def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[dict[str, torch.Tensor], VersionInfo]:
+        """Download the version named at join; if garbage collection removed it meanwhile (the
+        run moved on while this process was starting), take the newest one a heartbeat names.
+
+        Raises:
+            FileNotFoundError: no listed version of the fragment could be read after ``attempts``.
+        """
+        heartbeat_s = self.comms.heartbeat_s
+        for _ in range(attempts):
+            try:
+                return self.comms.fetch_version(v), v
+            except FileNotFoundError:
+                log.warning("%s: fragment %d version %d is gone (collected); taking a newer one",
+                            self.learner_id, v.fragment, v.version)
+                deadline = time.monotonic() + 10 * heartbeat_s + 5
+                while time.monotonic() < deadline:
+                    newer = self.shared.newest_versions.get(v.fragment)
+                    if newer is not None and newer.version > v.version:
+                        v = newer
+                        break
+                    time.sleep(heartbeat_s)
+        raise FileNotFoundError(f"no readable version of fragment {v.fragment} (last tried {v.version})")

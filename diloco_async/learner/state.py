@@ -1,0 +1,73 @@
+"""What the learner's two threads share: events, queues, open rounds, bases and counters."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco_async.inner_state import InnerState
+from diloco_async.messages import JoinResponse, VersionInfo
+
+__all__ = ["UploadJob", "Stats", "Shared"]
+
+
+@dataclass
+class UploadJob:
+    """One contribution for the comms thread: the outer gradient ``delta`` of ``fragment`` for
+    round ``round_n``, taken against ``base_version``, with the counters it covers."""
+
+    fragment: int
+    round_n: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    compute_s: float
+    delta: dict[str, torch.Tensor]
+    update_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+@dataclass
+class Stats:
+    """Counters for the heartbeat (guarded by :attr:`Shared.lock`); the loss and the token
+    window restart at every heartbeat."""
+
+    step: int = 0
+    tokens_total: int = 0
+    step_time_s: float | None = None
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    window_tokens: int = 0
+    window_start_s: float = field(default_factory=time.monotonic)
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+class Shared:
+    """State of one learner shared by the training thread and the comms thread.
+
+    Under ``lock``: ``stats``, ``open_rounds`` and ``base``. The queues and events are thread-safe;
+    ``join_response``, ``newest_versions`` and ``fatal`` are written by the comms thread only.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stats = Stats()
+        self.stop_event = threading.Event()
+        self.joined = threading.Event()
+        self.ready = threading.Event()  # plan known: versions can be decoded
+        self.epoch_changed = threading.Event()  # the synchronizer restarted
+        self.join_response: JoinResponse | None = None
+        self.fatal: str | None = None
+        # (fragment, round) -> (version the round builds on, when heard of)
+        self.open_rounds: dict[tuple[int, int], tuple[int, float]] = {}
+        self.base: dict[int, int] = {}  # fragment -> version adopted
+        self.newest_versions: dict[int, VersionInfo] = {}  # from the latest heartbeat
+        # outcomes of our contributions, for the training thread: (fragment, round, status)
+        self.outcomes: queue.Queue[tuple[int, int, str]] = queue.Queue()
+        self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()
+        self.upload_queue: queue.Queue[UploadJob | InnerState] = queue.Queue()

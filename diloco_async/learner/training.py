@@ -1,0 +1,241 @@
+"""The learner's training thread: inner steps that never wait for the network (DESIGN §3).
+
+At each step boundary the loop adopts the versions the comms thread downloaded
+(:func:`~diloco_async.learner.rules.adopt`), reads the outcomes of its contributions, and answers
+open rounds by snapshotting the outer gradient of a fragment
+(:func:`~diloco_async.learner.rules.outer_gradient`) for the comms thread to upload. Then it runs
+one inner step of its :class:`~diloco_async.workload.Workload`. With ``learners.barrier`` it waits
+like synchronous DiLoCo instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from diloco_async.config import Config
+from diloco_async.fragments import FragmentPlan, fragment_offset
+from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
+from diloco_async.learner.state import Shared, UploadJob
+from diloco_async.timeline import Recorder
+from diloco_async.workload import Workload, emulated_delay_s, jitter_random
+
+__all__ = ["InnerLoop"]
+
+log = logging.getLogger("diloco.learner")
+
+
+@dataclass
+class _InFlight:
+    """A contribution in flight: its round, the parameters at the snapshot and the progress it covers."""
+
+    round_n: int
+    params: dict[str, torch.Tensor]
+    progress: Progress
+
+
+class InnerLoop:
+    """The training loop of one learner.
+
+    Args:
+        cfg: the run's config.
+        shared: state shared with the comms thread.
+        workload: model, optimizer and data.
+        plan: the fragment plan.
+        base_tensors: Θ^base of every fragment (by fragment, then tensor name); adopted versions replace them.
+        counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
+        start_step: the local step to continue from.
+        restored: the inner state was restored (its progress is contributed before a newer version is adopted).
+    """
+
+    def __init__(self, cfg: Config, shared: Shared, workload: Workload, plan: FragmentPlan, recorder: Recorder, *,
+                 learner_id: str, index: int, incarnation: int, base_tensors: dict[int, dict[str, torch.Tensor]],
+                 counters: dict[int, tuple[int, int, float]], start_step: int, restored: bool) -> None:
+        lc = cfg.learners
+        self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
+        self.learner_id = learner_id
+        self.base_tensors = base_tensors
+        P, H = plan.num_fragments, cfg.synchronizer.sync_every
+        self.P, self.H = P, H
+        self.progress = [Progress(*counters.get(p, (0, 0, 0.0))) for p in range(P)]
+        self.in_flight: dict[int, _InFlight] = {}  # cleared on adoption, or when it will not be merged
+        self.answered: set[tuple[int, int]] = set()
+        self.ema_alpha = cfg.synchronizer.ema_alpha
+        self.step = start_step  # a restarted slot continues its step count
+        self.offsets = [fragment_offset(p, P, H) for p in range(P)]
+        self.next_n = [max(1, -(-(self.step - self.offsets[p]) // H)) for p in range(P)]  # next round each owes
+        self.speed = lc.speed_factors[index] if index < len(lc.speed_factors) else 1.0
+        self.jitter_rng = jitter_random(cfg.run.seed, index, incarnation)
+        # After an inner-state restore, the restored progress on a fragment is contributed (on its
+        # old base, if the synchronizer still keeps it) before a newer version of the fragment is
+        # adopted: an overwrite first would throw that progress away. Held for two rounds at most.
+        self.hold = {p for p in range(P) if restored and self.progress[p].steps >= 1}
+        self.hold_until_step = self.step + 2 * H
+        self.last_state_s = time.monotonic()
+
+    def run(self) -> None:
+        """Train until the stop event is set."""
+        with self.shared.lock:
+            self.shared.stats.step = self.step
+        while not self.shared.stop_event.is_set():
+            self._adopt_arrivals()
+            if self.shared.epoch_changed.is_set():
+                self.shared.epoch_changed.clear()
+                self.answered.clear()  # round numbers may be reused by the restarted synchronizer
+                self.in_flight.clear()  # contributions in flight will not be merged
+            self._read_outcomes()
+            self._answer_rounds()
+            if self.lc.barrier and self._barrier_blocked():
+                continue  # adopt or answer what arrived, at this step boundary
+            self._maybe_save_inner_state()
+            self._inner_step()
+
+    # ------------------------------------------------------------------ step boundary ---------
+
+    def _adopt_arrivals(self) -> None:
+        """Adopt every downloaded version newer than the base (held ones go back to the queue)."""
+        sh, deferred = self.shared, []
+        while True:
+            try:
+                v, new = sh.adopt_queue.get_nowait()
+            except queue.Empty:
+                break
+            p = v.fragment
+            if v.version <= sh.base.get(p, -1):
+                continue
+            if p in self.hold and self.step < self.hold_until_step:
+                deferred.append((v, new))
+                continue
+            snap = self.in_flight.pop(p, None)
+            params = self.workload.params
+            adopted = adopt(self.lc.adopt, params, new, mix_alpha=self.lc.mix_alpha, base=self.base_tensors[p],
+                            snapshot=snap.params if snap else None)
+            with torch.no_grad():
+                for n, val in adopted.items():
+                    params[n].copy_(val)
+            self.progress[p] = progress_after_adopt(self.lc.adopt, self.progress[p], snap.progress if snap else None)
+            self.base_tensors[p] = new
+            with sh.lock:
+                sh.base[p] = v.version
+            log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
+        for item in deferred:
+            sh.adopt_queue.put(item)
+
+    def _read_outcomes(self) -> None:
+        while True:
+            try:
+                p, n, status = self.shared.outcomes.get_nowait()
+            except queue.Empty:
+                break
+            if status not in ("accepted", "duplicate") and p in self.in_flight and self.in_flight[p].round_n == n:
+                del self.in_flight[p]  # nothing of it will be merged: the progress stays in θ for the next round
+                self.hold.discard(p)
+
+    def _answer_rounds(self) -> None:
+        """Contribute to every open round not answered yet, one contribution in flight per fragment."""
+        sh = self.shared
+        with sh.lock:
+            rounds = sorted((k, vt[0]) for k, vt in sh.open_rounds.items() if k not in self.answered)
+        for (p, n), round_version in rounds:
+            if round_version < sh.base[p]:
+                self.answered.add((p, n))  # that round already published a version we adopted
+                self.next_n[p] = max(self.next_n[p], n + 1)
+                continue
+            if p in self.in_flight and self.in_flight[p].round_n < n and round_version == sh.base[p]:
+                del self.in_flight[p]  # our round closed without a new version (abandoned)
+            if self.progress[p].steps < 1 or p in self.in_flight:
+                continue
+            self.answered.add((p, n))
+            self.next_n[p] = max(self.next_n[p], n + 1)
+            self._contribute(p, n)
+
+    def _contribute(self, p: int, n: int) -> None:
+        params = self.workload.params
+        with torch.no_grad():
+            snap = {name: params[name].detach().clone() for name in self.plan.names(p)}
+            delta = outer_gradient(self.base_tensors[p], snap)
+        prog = self.progress[p]
+        self.in_flight[p] = _InFlight(n, snap, prog)
+        self.hold.discard(p)
+        job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, delta)
+        self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
+                             update_id=job.update_id)
+        self.shared.upload_queue.put(job)
+
+    def _barrier_blocked(self) -> bool:
+        """Synchronous DiLoCo (``learners.barrier``): wait here when a contribution is in flight,
+        or when the next step would pass the due step of a round not open yet. True: it waited."""
+        sh, in_flight = self.shared, self.in_flight
+        if in_flight:
+            # the round we contributed to: a version to adopt, an outcome, or a newer round on the
+            # version we hold (ours was abandoned)
+            self._block("merge", lambda: not sh.adopt_queue.empty() or not sh.outcomes.empty() or any(
+                n > in_flight[p].round_n and vt[0] == sh.base.get(p)
+                for (p, n), vt in sh.open_rounds.items() if p in in_flight))
+            return True
+
+        # every learner does exactly H steps per round and waits for the slowest
+        def is_open(p: int) -> bool:
+            return any(q == p and n >= self.next_n[p] for (q, n) in sh.open_rounds)
+
+        with sh.lock:
+            waiting = [p for p in range(self.P) if self.step >= self.offsets[p] + self.next_n[p] * self.H
+                       and not is_open(p)]
+        if waiting:
+            self._block("round", lambda: all(is_open(p) for p in waiting))
+            return True
+        return False
+
+    def _block(self, why: str, ready: Callable[[], bool]) -> None:
+        """Hold the training thread until ``ready()`` (called under the lock), a stop or a
+        synchronizer restart; record the blocked time in the timeline."""
+        sh = self.shared
+        t0 = time.time()
+        while not (sh.stop_event.is_set() or sh.epoch_changed.is_set()):
+            with sh.lock:
+                if ready():
+                    break
+            time.sleep(0.005)
+            if time.time() - t0 >= 1.0:  # in pieces, so that a kill loses at most one second of it
+                t1 = time.time()
+                self.recorder.record("blocked", t0=t0, t1=t1, why=why)
+                t0 = t1
+        t1 = time.time()
+        if t1 - t0 > 0.001:
+            self.recorder.record("blocked", t0=t0, t1=t1, why=why)
+
+    def _maybe_save_inner_state(self) -> None:
+        every_s = self.lc.checkpoint_every_s
+        if every_s > 0 and time.monotonic() - self.last_state_s >= every_s:
+            self.last_state_s = time.monotonic()
+            counters = {p: tuple(self.progress[p]) for p in range(self.P)}
+            self.shared.upload_queue.put(self.workload.capture(
+                step=self.step, base_tensors=self.base_tensors, base_versions=dict(self.shared.base),
+                counters=counters))
+
+    # ------------------------------------------------------------------ one inner step --------
+
+    def _inner_step(self) -> None:
+        lc, tokens = self.lc, self.workload.tokens_per_step
+        t0 = time.perf_counter()
+        t0_unix = time.time()
+        loss = self.workload.step(self.step)
+        if self.speed < 1.0 or lc.step_jitter > 0:  # emulated slower or noisy hardware (chaos)
+            time.sleep(emulated_delay_s(time.perf_counter() - t0, self.speed, lc.step_jitter, self.jitter_rng))
+        dt = time.perf_counter() - t0
+        self.step += 1
+        self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens)
+        self.progress = [prog.plus(tokens, dt) for prog in self.progress]
+        with self.shared.lock:
+            s = self.shared.stats
+            s.step = self.step
+            s.tokens_total += tokens
+            s.window_tokens += tokens
+            s.step_time_s = dt if s.step_time_s is None else self.ema_alpha * dt + (1 - self.ema_alpha) * s.step_time_s
+            s.loss_sum += loss
+            s.loss_count += 1

@@ -1,0 +1,122 @@
+"""The learner's upload pipeline, on the comms thread (DESIGN §3.4 and §5).
+
+A contribution is encoded, uploaded to an immutable key and only then announced (publish, then
+mark); the announcement is retried with the same update id, so it is merged at most once. The
+learner's own inner-state checkpoints travel the same queue and are written with
+:func:`storage.checkpoint.write_state`; the two newest are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+
+import aiohttp
+
+from diloco_async import codec as wire
+from diloco_async.client import SyncClient
+from diloco_async.inner_state import InnerState
+from diloco_async.learner.state import Shared, UploadJob
+from diloco_async.messages import AnnouncementAck
+from storage import keys
+from storage.checkpoint import write_state
+from storage.store import ObjectStore
+
+__all__ = ["Uploads"]
+
+log = logging.getLogger("diloco.learner")
+
+
+class Uploads:
+    """Takes :class:`UploadJob` and :class:`InnerState` items off ``shared.upload_queue``."""
+
+    def __init__(self, learner_id: str, incarnation: int, store: ObjectStore, shared: Shared) -> None:
+        self.learner_id, self.incarnation = learner_id, incarnation
+        self.store = store
+        self.shared = shared
+        self.codec = "bf16"
+        self.storage_timeout_s = 60.0
+        self.state_prefix: str | None = None  # where this slot's inner states go
+        self.state_seq = 0  # the newest inner-state sequence number used
+
+    def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float) -> None:
+        self.store, self.codec, self.storage_timeout_s = store, codec, storage_timeout_s
+
+    async def run(self, client: SyncClient) -> None:
+        """Until the stop: upload and announce contributions, save inner states."""
+        while not self.shared.stop_event.is_set():
+            try:
+                job = await asyncio.to_thread(self.shared.upload_queue.get, True, 0.2)
+            except queue.Empty:
+                continue
+            if isinstance(job, InnerState):
+                await self._save_inner_state(job)
+            else:
+                await self._upload_and_announce(client, job)
+
+    def _prune_inner_states(self, newest: int, keep: int = 2) -> None:
+        """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
+        by being just written); a failure is logged and retried after the next save."""
+        assert self.state_prefix is not None
+        try:
+            for key in self.store.list(self.state_prefix):
+                rel = key[len(self.state_prefix):].strip("/").split("/", 1)[0]
+                if rel.isdigit() and int(rel) <= newest - keep:
+                    self.store.delete(key)
+        except Exception as err:
+            log.warning("%s could not prune old inner states (%s: %s)", self.learner_id, type(err).__name__, err)
+
+    async def _save_inner_state(self, state: InnerState) -> None:
+        self.state_seq += 1
+        seq = self.state_seq
+        manifest = {"inner": state.meta, "learner": self.learner_id, "incarnation": self.incarnation}
+        try:
+            await asyncio.wait_for(asyncio.to_thread(write_state, self.store, self.state_prefix, seq, state.tensors,
+                                                     manifest),
+                                   self.storage_timeout_s)
+            log.info("%s saved its inner state as checkpoint %d (step %d)", self.learner_id, seq, state.meta["step"])
+            await asyncio.to_thread(self._prune_inner_states, seq)
+        except Exception as err:  # counted in the log; training goes on, the next period retries
+            log.warning("%s could not save its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
+
+    async def _upload_and_announce(self, client: SyncClient, job: UploadJob) -> None:
+        run_id = self.shared.join_response.run_id  # type: ignore[union-attr]
+        key = keys.contribution_key(run_id, job.fragment, job.round_n, self.learner_id, job.update_id)
+        meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
+                "base_version": str(job.base_version)}
+        try:
+            data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
+            ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
+        except Exception as err:  # nothing was published under the key; nothing is announced
+            log.warning("%s upload of fragment %d round %d failed: %s", self.learner_id, job.fragment,
+                        job.round_n, err)
+            self.shared.outcomes.put((job.fragment, job.round_n, "failed"))
+            return
+        with self.shared.lock:
+            self.shared.stats.bytes_up += ref.nbytes
+        body = {"learner_id": self.learner_id, "fragment": job.fragment, "round_n": job.round_n,
+                "base_version": job.base_version, "c_steps": job.c_steps, "c_tokens": job.c_tokens,
+                "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
+                "codec": self.codec, "update_id": job.update_id}
+        self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
+
+    async def _announce(self, client: SyncClient, job: UploadJob, body: dict) -> str:
+        """Announce until acknowledged (same update id every time), stopped, or 60 s passed;
+        returns the ack's status, or ``failed``."""
+        backoff = 0.1
+        deadline = time.monotonic() + 60.0
+        while not self.shared.stop_event.is_set() and time.monotonic() < deadline:
+            try:
+                ack = AnnouncementAck.model_validate(await client.announce(body))
+            except (TimeoutError, aiohttp.ClientError, OSError) as err:
+                log.warning("%s announce failed (%s); retrying with the same update id", self.learner_id, err)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            level = logging.INFO if ack.status in ("accepted", "duplicate") else logging.WARNING
+            log.log(level, "%s fragment %d round %d: %s (%s)", self.learner_id, job.fragment, job.round_n,
+                    ack.status, ack.reason)
+            return ack.status
+        return "failed"

@@ -1,0 +1,161 @@
+"""What an inner loop trains: a model, its inner optimizer, its batches, and one inner step (DESIGN §3).
+
+:func:`inner_step` is the one inner training step of the project: the learner
+(:class:`Workload.step`) and the data-parallel baseline (``diloco_async.baselines.ddp``, which
+all-reduces the gradients between backward and clip) both run it.
+
+:class:`Workload` is the seam where another model, device or process group plugs in: the
+learner's training thread only uses its ``params`` (by name, as the fragment plan names them),
+``model`` (for the plan's embedding names), :meth:`Workload.step`, and the inner-state capture
+and restore. :meth:`Workload.from_config` builds today's one kind (a
+:class:`~diloco_async.model.ByteGPT` with AdamW on CPU, one process); a process group would
+all-reduce its gradients in ``inner_step``'s ``after_backward``, as the DDP rank does.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from diloco_async.config import Config
+from diloco_async.data import Corpus, corpus_urls, load_corpus
+from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.model import ByteGPT
+
+__all__ = ["Workload", "inner_step", "warmup_lr", "data_generator", "jitter_random", "emulated_delay_s"]
+
+
+def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
+    """Inner learning rate of the step that follows ``step`` done steps: linear warm-up over
+    ``warmup_steps``, ``base_lr * min(1, (step + 1) / max(1, warmup_steps))``. A restarted learner
+    continues its step count, so it does not warm up a second time."""
+    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+
+
+def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor, *, lr: float, grad_clip: float,
+               after_backward: Callable[[], None] | None = None) -> torch.Tensor:
+    """One inner step: set the learning rate, forward and loss, backward, ``after_backward()``
+    (e.g. a gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step.
+
+    Args:
+        model: has ``loss(inputs, targets)`` returning a scalar loss (nats/byte for ByteGPT).
+        optimizer: the inner optimizer (AdamW) over ``model``'s parameters.
+        inputs, targets: int64 [B, T] token windows and their next tokens.
+        lr: learning rate of every parameter group for this step.
+        grad_clip: max global L2 norm of the gradients.
+        after_backward: called once the gradients are computed, before clipping.
+
+    Returns:
+        The loss, a detached 0-dim float32 tensor.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model.loss(inputs, targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if after_backward is not None:
+        after_backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
+def data_generator(seed: int, index: int, incarnation: int) -> torch.Generator:
+    """The window sampler's generator of learner (or DDP rank) ``index``: both draw the same
+    windows of the same shard."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index * 1009 + incarnation)
+
+
+def jitter_random(seed: int, index: int, incarnation: int) -> random.Random:
+    """The per-step jitter RNG of learner (or DDP rank) ``index``, so a jitter schedule is the
+    same for every method."""
+    return random.Random(seed * 65537 + index * 257 + incarnation)
+
+
+def emulated_delay_s(dt_s: float, speed: float, jitter: float, rng: random.Random) -> float:
+    """Extra seconds a step of compute time ``dt_s`` sleeps on hardware of relative ``speed``.
+
+    ``dt_s * (1/speed - 1) + dt_s * jitter * |N(0, 1)|``, never negative (a speed above 1 cannot
+    make a step faster than the real compute). ``rng`` is drawn once per call, also when
+    ``jitter`` is 0, so a schedule does not depend on whether jitter is on.
+
+    Raises:
+        ValueError: ``speed`` <= 0 or ``jitter`` < 0.
+    """
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    if jitter < 0:
+        raise ValueError(f"jitter must be >= 0, got {jitter}")
+    noise = abs(rng.gauss(0.0, 1.0))
+    return max(0.0, dt_s * (1.0 / speed - 1.0)) + dt_s * jitter * noise
+
+
+class Workload:
+    """A model, its inner optimizer and its data, stepped by the learner's training thread.
+
+    Args:
+        model: the model; ``model.loss(inputs, targets)`` gives the training loss.
+        optimizer: its inner optimizer.
+        generator: the window sampler's RNG (part of the inner state).
+        batch_size, context: windows per step and tokens per window.
+        lr, warmup_steps, grad_clip: inner learning rate, its linear warm-up, gradient clipping.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, *,
+                 batch_size: int, context: int, lr: float, warmup_steps: int, grad_clip: float) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.generator = generator
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self.batch_size, self.context = batch_size, context
+        self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
+        self.shard: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
+        """Learner ``index``'s workload of a run: ``ByteGPT(cfg.model)``, AdamW with
+        ``learners.lr``/``weight_decay``, and the sampler seeded by (run seed, index, incarnation)."""
+        lc = cfg.learners
+        model = ByteGPT(cfg.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size,
+                   context=cfg.model.context, lr=lc.lr, warmup_steps=lc.warmup_steps, grad_clip=lc.grad_clip)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one step trains on: ``batch_size * context``."""
+        return self.batch_size * self.context
+
+    def load_data(self, cfg: Config, index: int) -> int:
+        """Load the corpus and keep shard ``index`` of ``learners.count``; returns its size in bytes."""
+        corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+        self.shard = corpus.shard(index, cfg.learners.count)
+        return len(self.shard)
+
+    def step(self, step: int) -> float:
+        """One inner step on a batch of the shard, the ``step``-th of this learner (it sets the
+        warm-up); returns the training loss (nats/byte).
+
+        Raises:
+            RuntimeError: :meth:`load_data` was not called.
+        """
+        if self.shard is None:
+            raise RuntimeError("Workload.step before load_data")
+        x, y = Corpus.sample(self.shard, self.batch_size, self.context, self.generator)
+        loss = inner_step(self.model, self.optimizer, x, y, lr=warmup_lr(self.lr, step, self.warmup_steps),
+                          grad_clip=self.grad_clip)
+        return float(loss)
+
+    def capture(self, *, step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],
+                counters: dict[int, tuple[int, int, float]]) -> InnerState:
+        """The inner state to save (see :func:`diloco_async.inner_state.capture`)."""
+        return capture(self.params, self.optimizer, self.generator, step=step, base_tensors=base_tensors,
+                       base_versions=base_versions, counters=counters)
+
+    def restore(self, state: InnerState) -> tuple[int, dict[int, dict[str, torch.Tensor]], dict[int, int],
+                                                   dict[int, tuple[int, int, float]]]:
+        """Write a saved inner state back (see :func:`diloco_async.inner_state.restore`)."""
+        return restore(state, self.params, self.optimizer, self.generator)

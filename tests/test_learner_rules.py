@@ -1,0 +1,160 @@
+"""Goldens of the learner's outer rules (outer gradient, adopt, counters) and of the one inner step.
+
+Values are binary fractions, so every expected tensor is exact in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco_async.config import load_config
+from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
+from diloco_async.model import ByteGPT
+from diloco_async.workload import Workload, inner_step, warmup_lr
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_outer_gradient_is_base_minus_params():
+    base = {"w": t(1.5, 1.0), "b": t(0.25)}
+    params = {"w": t(1.25, 0.5), "b": t(0.75)}
+    delta = outer_gradient(base, params)
+    assert set(delta) == {"w", "b"}
+    assert torch.equal(delta["w"], t(0.25, 0.5)) and torch.equal(delta["b"], t(-0.5))
+    assert torch.equal(params["w"], t(1.25, 0.5))  # inputs untouched
+
+
+def test_outer_gradient_design_golden_row():
+    # DESIGN §4 golden table, anchoring row: Θ^base = [1.5, 1], θ = [1.2, 0.9] → local Δ = [0.3, 0.1]
+    delta = outer_gradient({"x": t(1.5, 1.0)}, {"x": t(1.2, 0.9)})
+    assert torch.allclose(delta["x"], t(0.3, 0.1), atol=1e-6)
+
+
+def test_outer_gradient_covers_the_names_of_params_only():
+    delta = outer_gradient({"a": t(1.0), "other": t(2.0)}, {"a": t(0.5)})
+    assert list(delta) == ["a"]
+    with pytest.raises(KeyError):
+        outer_gradient({"a": t(1.0)}, {"missing": t(0.0)})
+
+
+def test_adopt_overwrite_takes_the_new_version():
+    params, new = {"w": t(1.0, 2.0)}, {"w": t(3.0, 4.0)}
+    out = adopt("overwrite", params, new)
+    assert torch.equal(out["w"], t(3.0, 4.0)) and torch.equal(params["w"], t(1.0, 2.0))
+
+
+def test_adopt_mix_weights_the_new_version_by_alpha():
+    params, new = {"w": t(1.0, 2.0)}, {"w": t(3.0, 6.0)}
+    out = adopt("mix", params, new, mix_alpha=0.25)
+    assert torch.equal(out["w"], t(1.5, 3.0))  # 0.75·θ + 0.25·Θ^new
+    assert torch.equal(adopt("mix", params, new, mix_alpha=1.0)["w"], t(3.0, 6.0))
+    assert torch.equal(params["w"], t(1.0, 2.0))
+
+
+def test_adopt_rebase_keeps_progress_since_the_snapshot_or_the_base():
+    params, new = {"w": t(1.5, 2.0)}, {"w": t(3.0, 4.0)}
+    snapshot, base = {"w": t(1.0, 2.5)}, {"w": t(0.5, 0.5)}
+    # θ + (Θ^new − snapshot) = [1.5 + 2.0, 2.0 + 1.5]
+    assert torch.equal(adopt("rebase", params, new, base=base, snapshot=snapshot)["w"], t(3.5, 3.5))
+    # no contribution in flight: θ + (Θ^new − Θ^base) = [1.5 + 2.5, 2.0 + 3.5]
+    assert torch.equal(adopt("rebase", params, new, base=base)["w"], t(4.0, 5.5))
+    assert torch.equal(params["w"], t(1.5, 2.0)) and torch.equal(snapshot["w"], t(1.0, 2.5))
+
+
+def test_adopt_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rebase"):
+        adopt("rebase", {"w": t(1.0)}, {"w": t(2.0)})
+    with pytest.raises(ValueError, match="unknown adopt rule"):
+        adopt("average", {"w": t(1.0)}, {"w": t(2.0)})
+
+
+def test_adopt_on_parameters_is_not_tracked_by_autograd():
+    p = torch.nn.Parameter(t(1.0, 2.0))
+    for rule in ("mix", "rebase"):
+        out = adopt(rule, {"w": p}, {"w": t(3.0, 4.0)}, base={"w": t(0.0, 0.0)})
+        assert not out["w"].requires_grad
+
+
+@pytest.mark.parametrize("rule", ["overwrite", "mix", "rebase"])
+def test_adopt_matches_the_in_place_update_bit_for_bit(rule):
+    """The rules give exactly what the learner's former in-place updates gave."""
+    g = torch.Generator().manual_seed(5)
+    params = {n: torch.nn.Parameter(torch.randn(17, 3, generator=g)) for n in ("a", "b")}
+    new = {n: torch.randn(17, 3, generator=g) for n in params}
+    snap = {n: torch.randn(17, 3, generator=g) for n in params}
+    out = adopt(rule, params, new, mix_alpha=0.3, snapshot=snap)
+    with torch.no_grad():
+        for n, val in new.items():
+            if rule == "overwrite":
+                params[n].copy_(val)
+            elif rule == "mix":
+                params[n].mul_(1 - 0.3).add_(val, alpha=0.3)
+            else:
+                params[n].add_(val - snap[n])
+    for n in params:
+        assert torch.equal(out[n], params[n].detach())
+
+
+def test_progress_after_adopt():
+    now, in_flight = Progress(14, 896, 3.5), Progress(10, 640, 2.5)
+    assert progress_after_adopt("overwrite", now, in_flight) == Progress(0, 0, 0.0)
+    assert progress_after_adopt("mix", now) == Progress(0, 0, 0.0)
+    assert progress_after_adopt("rebase", now, in_flight) == Progress(4, 256, 1.0)
+    assert progress_after_adopt("rebase", now) == now
+    assert Progress(4, 256, 1.0).plus(64, 0.5) == Progress(5, 320, 1.5)
+
+
+def test_warmup_lr():
+    assert warmup_lr(0.5, 0, 4) == 0.125
+    assert warmup_lr(0.5, 1, 4) == 0.25
+    assert warmup_lr(0.5, 3, 4) == 0.5
+    assert warmup_lr(0.5, 10, 4) == 0.5
+    assert warmup_lr(0.5, 0, 0) == 0.5  # no warm-up
+
+
+def _tiny():
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8"])
+    torch.manual_seed(0)
+    model = ByteGPT(cfg.model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def test_inner_step_is_forward_backward_hook_clip_step():
+    batch = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    x, y = batch[:, :-1], batch[:, 1:]
+    model_a, opt_a = _tiny()
+    model_b, opt_b = _tiny()
+    calls = []
+    loss = inner_step(model_a, opt_a, x, y, lr=0.002, grad_clip=0.5,
+                      after_backward=lambda: calls.append(next(model_a.parameters()).grad is not None))
+    # the same step written out
+    for group in opt_b.param_groups:
+        group["lr"] = 0.002
+    loss_b = model_b.loss(x, y)
+    opt_b.zero_grad(set_to_none=True)
+    loss_b.backward()
+    torch.nn.utils.clip_grad_norm_(model_b.parameters(), 0.5)
+    opt_b.step()
+    assert calls == [True]  # the hook runs once, with the gradients computed
+    assert torch.equal(loss, loss_b.detach()) and not loss.requires_grad
+    assert opt_a.param_groups[0]["lr"] == 0.002
+    for pa, pb in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_workload_from_config_steps_its_shard():
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
+                             "learners.batch_size=2", "learners.lr=0.01", "learners.warmup_steps=2"])
+    w = Workload.from_config(cfg, index=1, incarnation=0)
+    assert w.tokens_per_step == 16 and set(w.params) == {n for n, _ in w.model.named_parameters()}
+    with pytest.raises(RuntimeError):
+        w.step(0)
+    w.shard = torch.arange(200, dtype=torch.uint8)
+    before = {n: p.detach().clone() for n, p in w.params.items()}
+    loss = w.step(0)
+    assert isinstance(loss, float) and loss > 0
+    assert w.optimizer.param_groups[0]["lr"] == 0.005  # warm-up: (0 + 1) / 2 of learners.lr
+    assert any(not torch.equal(before[n], p) for n, p in w.params.items())
