@@ -9,18 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from polling import wait_until
 
-from diloco_async.baselines.ddp import (DdpCheckpointInfo, _split_manifest_key, checkpoint_prefix, ddp_checkpoints,
-                                        load_ddp_model, load_ddp_params, load_final_ddp_model, param_sha256,
-                                        rank_jitter, rank_speed, select_checkpoint, tokens_per_step)
+from diloco_async.baselines.ddp import rank_jitter, rank_speed, tokens_per_step
+from diloco_async.baselines.ddp_checkpoints import (
+    DdpCheckpointInfo,
+    checkpoint_prefix,
+    ddp_checkpoints,
+    load_ddp_model,
+    load_ddp_params,
+    load_final_ddp_model,
+    param_sha256,
+    select_checkpoint,
+)
 from diloco_async.baselines.ddp_group import DdpGroup
 from diloco_async.config import load_config
 from diloco_async.model import evaluate_loss
 from diloco_async.synchronizer import initial_parameters
 from diloco_async.workload import data_generator, emulated_delay_s, jitter_random
+from storage import keys
 from storage.store import ObjectStore
-
-from polling import wait_until
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=32", "learners.batch_size=4",
         "learners.count=2", f"data.cache_dir=\"{Path('data').resolve()}\""]
@@ -68,10 +76,10 @@ def test_select_checkpoint_and_helpers():
     assert select_checkpoint([]) is None
     assert tokens_per_step(8, 16, 64) == 8192
     assert checkpoint_prefix("run") == "run/ddp/checkpoints"
-    assert _split_manifest_key("run/ddp/checkpoints/00000012/manifest.json") == ("run/ddp/checkpoints", 12)
-    assert _split_manifest_key("run/ddp/checkpoints/00000012") == ("run/ddp/checkpoints", 12)
+    assert keys.split_state_key("run/ddp/checkpoints/00000012/manifest.json") == ("run/ddp/checkpoints", 12)
+    assert keys.split_state_key("run/ddp/checkpoints/00000012") == ("run/ddp/checkpoints", 12)
     with pytest.raises(ValueError):
-        _split_manifest_key("run/ddp/checkpoints/x/manifest.json")
+        keys.split_state_key("run/ddp/checkpoints/x/manifest.json")
     p = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
     assert param_sha256(p) == param_sha256({"b": torch.zeros(2, 2), "a": torch.ones(3)})
     assert param_sha256(p) != param_sha256({"a": torch.ones(3), "b": torch.full((2, 2), 1e-9)})

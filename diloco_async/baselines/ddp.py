@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -56,20 +55,29 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from diloco_async.baselines.ddp_checkpoints import (  # noqa: F401
+    DdpCheckpointInfo,
+    checkpoint_prefix,
+    ddp_checkpoints,
+    load_ddp_model,
+    load_ddp_params,
+    load_final_ddp_model,
+    model_from_params,
+    param_sha256,
+    select_checkpoint,
+)
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.model import ByteGPT
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.synchronizer import initial_parameters
 from diloco_async.workload import data_generator, emulated_delay_s, inner_step, jitter_random, warmup_lr
-from storage import keys
-from storage.checkpoint import latest_state, list_state_seqs, load_state, write_state
+from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
@@ -87,11 +95,6 @@ EXIT_RENDEZVOUS = 5
 
 # ------------------------------------------------------------------ pure helpers -------------
 
-def checkpoint_prefix(run_id: str) -> str:
-    """Store prefix of the data-parallel checkpoints of a run: ``{run_id}/ddp/checkpoints``."""
-    return keys.ddp_checkpoint_prefix(run_id)
-
-
 def rank_speed(cfg: Config, rank: int, speed: Optional[float]) -> float:
     """``speed`` when given, else ``learners.speed_factors[rank]`` of the config (1.0 when unset)."""
     if speed is not None:
@@ -108,114 +111,6 @@ def rank_jitter(cfg: Config, jitter: Optional[float]) -> float:
 def tokens_per_step(world_size: int, batch_size: int, context: int) -> int:
     """Tokens one step of the whole group commits: ``M * batch * context``."""
     return world_size * batch_size * context
-
-
-def param_sha256(params: Mapping[str, torch.Tensor]) -> str:
-    """sha256 (hex) of the parameters' bytes, in sorted name order (equal models, equal digests)."""
-    h = hashlib.sha256()
-    for name in sorted(params):
-        h.update(name.encode())
-        h.update(params[name].detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-class DdpCheckpointInfo(NamedTuple):
-    """One committed data-parallel checkpoint: ``step`` (group steps done), ``tokens_committed``
-    (tokens of all ranks in those steps), ``wall_unix`` (commit time, unix s), ``key`` (its
-    manifest's key in the store)."""
-
-    step: int
-    tokens_committed: int
-    wall_unix: float
-    key: str
-
-
-def select_checkpoint(checkpoints: list[DdpCheckpointInfo], *, max_tokens: Optional[int] = None,
-                      max_wall_unix: Optional[float] = None) -> Optional[DdpCheckpointInfo]:
-    """The newest checkpoint with ``tokens_committed <= max_tokens`` and ``wall_unix <=
-    max_wall_unix`` (a bound left None does not apply), or None when none qualifies."""
-    ok = [c for c in checkpoints
-          if (max_tokens is None or c.tokens_committed <= max_tokens)
-          and (max_wall_unix is None or c.wall_unix <= max_wall_unix)]
-    return max(ok, key=lambda c: (c.step, c.wall_unix), default=None)
-
-
-# ------------------------------------------------------------------ reading checkpoints ------
-
-def ddp_checkpoints(store: ObjectStore, run_id: str) -> list[DdpCheckpointInfo]:
-    """The committed (manifest present) data-parallel checkpoints of a run, by step ascending.
-
-    Only manifests are read: the state files are verified when loaded (:func:`load_ddp_params`).
-    """
-    prefix = checkpoint_prefix(run_id)
-    out = []
-    for seq in list_state_seqs(store, prefix):
-        key = f"{prefix}/{seq:08d}/manifest.json"
-        try:
-            m = store.get_json(key)
-        except FileNotFoundError:
-            continue
-        out.append(DdpCheckpointInfo(int(m["step"]), int(m["tokens_committed"]), float(m["wall_unix"]), key))
-    return sorted(out, key=lambda c: (c.step, c.wall_unix))
-
-
-def _split_manifest_key(key: str) -> tuple[str, int]:
-    parts = key.rstrip("/").split("/")
-    if parts[-1] == "manifest.json":
-        parts = parts[:-1]
-    if not parts[-1].isdigit():
-        raise ValueError(f"{key!r} names no checkpoint (expected .../{{seq:08d}}[/manifest.json])")
-    return "/".join(parts[:-1]), int(parts[-1])
-
-
-def load_ddp_params(store: ObjectStore, key: str | DdpCheckpointInfo) -> dict[str, torch.Tensor]:
-    """The parameters (name -> fp32 tensor, ``model.named_parameters()`` names) of one checkpoint.
-
-    Args:
-        key: a manifest key as listed by :func:`ddp_checkpoints` (or the info itself).
-
-    Raises:
-        FileNotFoundError: no manifest under the key.
-        storage.store.IntegrityError: the state file does not verify.
-        ValueError: the key names no checkpoint.
-    """
-    prefix, seq = _split_manifest_key(key.key if isinstance(key, DdpCheckpointInfo) else key)
-    ck = load_state(store, prefix, seq)
-    return {k[len("param/"):]: t for k, t in ck.tensors.items() if k.startswith("param/")}
-
-
-def _model_from(cfg: Config, params: Mapping[str, torch.Tensor]) -> ByteGPT:
-    model = ByteGPT(cfg.model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            value = params.get(name)
-            if value is None or value.shape != p.shape:
-                raise ValueError(f"checkpoint lacks parameter {name} of shape {tuple(p.shape)}")
-            p.copy_(value)
-    return model
-
-
-def load_ddp_model(cfg: Config, store: ObjectStore, key: str | DdpCheckpointInfo) -> ByteGPT:
-    """A :class:`ByteGPT` of ``cfg.model`` holding the parameters of one checkpoint.
-
-    Raises:
-        FileNotFoundError, storage.store.IntegrityError: see :func:`load_ddp_params`.
-        ValueError: the checkpoint does not fit ``cfg.model``.
-    """
-    return _model_from(cfg, load_ddp_params(store, key))
-
-
-def load_final_ddp_model(cfg: Config, store: ObjectStore, run_id: str) -> ByteGPT:
-    """The model of the newest verified data-parallel checkpoint of a run.
-
-    Raises:
-        FileNotFoundError: the run has no verified data-parallel checkpoint.
-        ValueError: the checkpoint does not fit ``cfg.model``.
-    """
-    ck = latest_state(store, checkpoint_prefix(run_id))
-    if ck is None:
-        raise FileNotFoundError(f"no verified data-parallel checkpoint under {checkpoint_prefix(run_id)}")
-    return _model_from(cfg, {k[len("param/"):]: t for k, t in ck.tensors.items() if k.startswith("param/")})
 
 
 # ------------------------------------------------------------------ the rank process ---------
@@ -354,7 +249,7 @@ class _Rank:
         """The model and AdamW: from the newest verified checkpoint, else the seeded Θ^0."""
         cfg, lc = self.cfg, self.cfg.learners
         params0, _ = initial_parameters(cfg)
-        self.model = _model_from(cfg, params0)
+        self.model = model_from_params(cfg, params0)
         self.params = dict(self.model.named_parameters())
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=lc.lr, weight_decay=lc.weight_decay)
         saved = latest_state(self.store, self.prefix)

@@ -331,7 +331,7 @@ class DdpTarget(ChaosTarget):
         """A step survives if the next incarnation resumed from a checkpoint at or after it; the
         global model "advances" when a step survives (merges: the surviving steps of rank 0);
         the rank-0 checkpoints are the snapshots."""
-        from diloco_async.baselines.ddp import ddp_checkpoints, load_ddp_model
+        from diloco_async.baselines.ddp_checkpoints import ddp_checkpoints, load_ddp_model
 
         ckpts = ddp_checkpoints(self.store, self.run_id)
         final_step = max((c.step for c in ckpts), default=0)
