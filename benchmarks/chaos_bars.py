@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
 
 from diloco_async.chaos.measure import eval_at
 
@@ -29,11 +28,11 @@ def _rows(path: str) -> tuple[dict, dict[str, dict]]:
     return doc, {r["method"]: r for r in doc["rows"]}
 
 
-def bars(storm_path: str, ff_path: str, straggler_path: Optional[str] = None) -> list[tuple[str, Optional[float], float, str]]:
+def bars(storm_path: str, ff_path: str, straggler_path: str | None = None) -> list[tuple[str, float | None, float, str]]:
     """The bars as ``(name, measured ratio or None, limit, 'min' | 'max')``."""
     storm, st = _rows(storm_path)
     _, ff = _rows(ff_path)
-    out: list[tuple[str, Optional[float], float, str]] = []
+    out: list[tuple[str, float | None, float, str]] = []
     dec, ddp = st["decoupled"], st["ddp"]
     out.append(("storm: decoupled compute goodput / mean availability", dec["compute_goodput"] / storm["availability"],
                 0.9, "min"))

@@ -26,7 +26,7 @@ import time
 import tracemalloc
 import urllib.request
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from storage.store import ObjectStore
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 import safetensors.torch
 import torch

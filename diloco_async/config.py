@@ -11,7 +11,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -66,7 +66,7 @@ class RunConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _deployment_fields(self) -> "RunConfig":
+    def _deployment_fields(self) -> RunConfig:
         if not self.regions or any(not r.strip() for r in self.regions):
             raise ValueError("run.regions must list at least one non-empty region name")
         if "/" not in self.learner_deployment:
@@ -87,7 +87,7 @@ class DataConfig(_Section):
     eval_batches: int = Field(16, ge=1, description="Held-out windows evaluated = eval_batches x batch_size.")
 
     @model_validator(mode="after")
-    def _urls_given(self) -> "DataConfig":
+    def _urls_given(self) -> DataConfig:
         if self.source == "urls" and not self.urls:
             raise ValueError("data.urls must name at least one file when data.source = 'urls'")
         return self
@@ -102,7 +102,7 @@ class ModelConfig(_Section):
     tie_embeddings: bool = Field(True, description="Share the token embedding with the output head.")
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         return self
@@ -156,7 +156,7 @@ class LearnerConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _check_speeds(self) -> "LearnerConfig":
+    def _check_speeds(self) -> LearnerConfig:
         bad = [s for s in self.speed_factors if not 0 < s <= 1]
         if bad:
             raise ValueError(f"learners.speed_factors must be in (0, 1], got {bad}")
@@ -172,7 +172,7 @@ class SynchronizerConfig(_Section):
     min_quorum: int = Field(1, ge=1, description="K, contributions needed before a round may merge.")
     grace_gamma: float = Field(0.8, gt=0, le=1, description="gamma of the grace window (Eq. 3).")
     grace_initial_s: float = Field(0.5, ge=0, description="Grace window before any estimate exists.")
-    grace_cap_s: Optional[float] = Field(
+    grace_cap_s: float | None = Field(
         None, ge=0, description="Upper bound of the grace window; None = one step of the slowest learner."
     )
     grace_enabled: bool = Field(True, description="False merges as soon as the quorum is met (synchronous baseline uses K=M).")
@@ -196,12 +196,12 @@ class SynchronizerConfig(_Section):
 
 
 class BudgetConfig(_Section):
-    tokens: Optional[int] = Field(None, ge=1, description="Stop after this many tokens processed by all learners.")
-    max_steps: Optional[int] = Field(None, ge=1, description="Stop when the global step g reaches this.")
-    wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
+    tokens: int | None = Field(None, ge=1, description="Stop after this many tokens processed by all learners.")
+    max_steps: int | None = Field(None, ge=1, description="Stop when the global step g reaches this.")
+    wall_s: float | None = Field(None, gt=0, description="Stop after this many seconds of training.")
 
     @model_validator(mode="after")
-    def _some_budget(self) -> "BudgetConfig":
+    def _some_budget(self) -> BudgetConfig:
         if self.tokens is None and self.max_steps is None and self.wall_s is None:
             raise ValueError("budget: set at least one of tokens, max_steps, wall_s")
         return self
@@ -226,7 +226,7 @@ class Config(_Section):
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _cross_checks(self) -> Config:
         if self.synchronizer.min_quorum > self.learners.count:
             raise ValueError(
                 f"synchronizer.min_quorum={self.synchronizer.min_quorum} exceeds learners.count={self.learners.count}"

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ class TensorSpec:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "TensorSpec":
+    def from_json(cls, d: Mapping) -> TensorSpec:
         return cls(name=str(d["name"]), shape=tuple(int(s) for s in d["shape"]), dtype=str(d["dtype"]))
 
 
@@ -88,7 +88,7 @@ class FragmentPlan:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "FragmentPlan":
+    def from_json(cls, d: Mapping) -> FragmentPlan:
         frags = tuple(tuple(TensorSpec.from_json(s) for s in frag) for frag in d["fragments"])
         return cls(fragments=frags, embedding_names=frozenset(d.get("embedding_names", [])))
 

@@ -14,7 +14,7 @@ raises ``ValueError`` naming the offending value; non-floating tensors raise ``T
 from __future__ import annotations
 
 import math
-from typing import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor

@@ -6,7 +6,7 @@ live in the object store (DESIGN §2). Unknown fields are rejected.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,10 +62,10 @@ class Heartbeat(_Msg):
     learner_id: str = Field(pattern=LEARNER_ID_PATTERN)
     incarnation: int = Field(0, ge=0)
     step: int = Field(ge=0, description="Local inner steps done.")
-    step_time_s: Optional[float] = Field(None, ge=0, description="EMA of one inner step.")
+    step_time_s: float | None = Field(None, ge=0, description="EMA of one inner step.")
     tokens_total: int = Field(0, ge=0, description="Tokens processed since the process started.")
-    train_loss: Optional[float] = Field(None, description="Mean train loss since the last heartbeat (nats/byte).")
-    tokens_per_s: Optional[float] = Field(None, ge=0)
+    train_loss: float | None = Field(None, description="Mean train loss since the last heartbeat (nats/byte).")
+    tokens_per_s: float | None = Field(None, ge=0)
     bytes_down: int = Field(0, ge=0, description="Bytes of versions downloaded since the process started.")
     bytes_up: int = Field(0, ge=0, description="Bytes of contributions uploaded since the process started.")
     uptime_s: float = Field(0.0, ge=0)

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Protocol
 
 __all__ = ["ProcessHandle", "Launcher", "LocalProcess", "LocalProcessLauncher", "ForkedProcess",
            "ForkServerLauncher", "wait_for_ready_file"]
@@ -33,9 +33,9 @@ class ProcessHandle(Protocol):
 
     name: str
 
-    def poll(self) -> Optional[int]: ...
-    def failure(self) -> Optional[str]: ...
-    def terminate(self, grace_s: float = 10.0) -> Optional[int]: ...
+    def poll(self) -> int | None: ...
+    def failure(self) -> str | None: ...
+    def terminate(self, grace_s: float = 10.0) -> int | None: ...
     def kill(self) -> None: ...
 
 
@@ -53,13 +53,13 @@ class _GroupLeader:
     def pid(self) -> int:
         raise NotImplementedError
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         raise NotImplementedError
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         raise NotImplementedError
 
-    def failure(self) -> Optional[str]:
+    def failure(self) -> str | None:
         """Why the process died (``"exit code N"``, ``"killed by SIGKILL"``), or None while it runs
         or after a clean exit (code 0)."""
         code = self.poll()
@@ -79,7 +79,7 @@ class _GroupLeader:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def terminate(self, grace_s: float = 10.0) -> Optional[int]:
+    def terminate(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL it. Returns the exit code.
 
         Raises:
@@ -116,10 +116,10 @@ class LocalProcess(_GroupLeader):
     def pid(self) -> int:
         return self.proc.pid
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self.proc.poll()
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         """Wait for the process to exit and return its exit code.
 
         Raises:
@@ -195,17 +195,17 @@ class ForkedProcess(_GroupLeader):
     """A process forked from the fork server (its own session / process group) and its log."""
 
     name: str
-    proc: "multiprocessing.process.BaseProcess"
+    proc: multiprocessing.process.BaseProcess
     log_path: Path
 
     @property
     def pid(self) -> int:
         return int(self.proc.pid or 0)
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self.proc.exitcode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         """Wait for the exit code.
 
         Raises:

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from diloco_async.client import ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config
@@ -52,15 +52,15 @@ class RunProcesses:
         learners: learner id -> handle of its newest incarnation; ``retired``: earlier ones.
     """
 
-    def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str],
-                 run_id: Optional[str] = None, resume_url: Optional[str] = None,
-                 launcher: Optional[Launcher] = None) -> None:
+    def __init__(self, cfg: Config, config_path: str | None, overrides: list[str],
+                 run_id: str | None = None, resume_url: str | None = None,
+                 launcher: Launcher | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
         self.run_id = run_id or new_run_id()
         self.resume_url = resume_url
-        self.epoch: Optional[str] = None
+        self.epoch: str | None = None
         self.token = secrets.token_urlsafe(32)
         self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -68,10 +68,10 @@ class RunProcesses:
         self.launcher = launcher if launcher is not None else LocalProcessLauncher(self.workdir / "logs")
         self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
                     TIMELINE_DIR_ENV: str(self.workdir / "timeline")}
-        self.sync: Optional[Any] = None
+        self.sync: Any | None = None
         self.learners: dict[str, Any] = {}  # learner id -> process handle (newest incarnation)
         self.retired: list[Any] = []  # handles of earlier incarnations
-        self.sync_url: Optional[str] = None
+        self.sync_url: str | None = None
         self.metrics_next = 0
         self.finished_cleanly = False
         self.supervisor = Supervisor(start=self._spawn_learner, restart_delay_s=cfg.learners.restart_delay_s,
@@ -141,7 +141,7 @@ class RunProcesses:
             if self.metrics_next >= body["total"]:
                 return points
 
-    def status(self) -> Optional[dict]:
+    def status(self) -> dict | None:
         """The synchronizer's ``GET /status``, or None when it is not answering."""
         try:
             return fetch_status(self.sync_url)

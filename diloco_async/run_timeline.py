@@ -12,7 +12,6 @@ for runs without a fault driver (``train``, ``resume``). ``flows.timeline_report
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from diloco_async.config import Config
 from diloco_async.fragments import plan_fragments, specs_of
@@ -42,7 +41,7 @@ def read_merges(store: ObjectStore, run_id: str, epoch: str) -> list[dict]:
 
 
 def timeline_from_records(records: dict[str, list[dict]], merges: list[dict], shares: list[float],
-                          end_s: Optional[float] = None) -> Timeline:
+                          end_s: float | None = None) -> Timeline:
     """A :class:`Timeline` of learner slots from their own records and the merge records.
 
     Args:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 __all__ = ["Restart", "Supervisor"]
 
@@ -28,7 +29,7 @@ class _Slot:
     handle: Any
     incarnation: int
     restarts: int = 0
-    due: Optional[float] = None  # when a restart is due (monotonic seconds)
+    due: float | None = None  # when a restart is due (monotonic seconds)
     reason: str = ""
     given_up: bool = False
 
@@ -65,12 +66,12 @@ class Supervisor:
     def handles(self) -> list[Any]:
         return [s.handle for s in self.slots.values()]
 
-    def next_due(self) -> Optional[float]:
+    def next_due(self) -> float | None:
         """The earliest pending restart time (monotonic seconds), or None."""
         due = [s.due for s in self.slots.values() if s.due is not None]
         return min(due) if due else None
 
-    def check(self, now: Optional[float] = None) -> list[Restart]:
+    def check(self, now: float | None = None) -> list[Restart]:
         """Look at every slot once: note new failures, start the restarts that are due.
 
         Returns the restarts made by this call. A restart whose ``start`` raises is logged and

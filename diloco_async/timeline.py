@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from diloco_async.goodput import Goodputs, compute_goodput, token_goodput, uptime
 
@@ -227,7 +227,7 @@ class Recorder:
     file; thread-safe; every line is flushed so a SIGKILL loses at most the line being written.
     A recorder without a path records nothing."""
 
-    def __init__(self, path: Optional[str | os.PathLike], **fixed: object) -> None:
+    def __init__(self, path: str | os.PathLike | None, **fixed: object) -> None:
         self.fixed = fixed
         self._lock = threading.Lock()
         self._fh = None
@@ -288,11 +288,11 @@ def diloco_timeline_steps(learner: str, records: Iterable[dict], merged_update_i
             steps[(int(r["inc"]), int(r["step"]))] = r
     incs = sorted(starts)
 
-    def previous(j: int) -> Optional[int]:
+    def previous(j: int) -> int | None:
         earlier = [i for i in incs if i < j]
         return earlier[-1] if earlier else None
 
-    def owner(s: int, j: Optional[int]) -> Optional[int]:
+    def owner(s: int, j: int | None) -> int | None:
         """The incarnation whose step s is part of incarnation j's progress (None: not part)."""
         while j is not None:
             if s > starts[j]:

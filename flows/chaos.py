@@ -27,7 +27,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from prefect import flow, get_run_logger
@@ -60,7 +59,7 @@ class MethodResult:
     token_goodput: float
     uptime: float
     eval_loss_equal_time: float
-    eval_loss_equal_tokens: Optional[float]
+    eval_loss_equal_tokens: float | None
     wall_s: float
     availability: float
     tokens_merged: float
@@ -141,8 +140,8 @@ def _table(name: str, rows: list[dict], availability: float) -> Table:
     return t
 
 
-def _scenario_and_methods(scenario: str, methods: Optional[list[str]],
-                          overrides: Optional[list[str]]) -> tuple[Scenario, list[str]]:
+def _scenario_and_methods(scenario: str, methods: list[str] | None,
+                          overrides: list[str] | None) -> tuple[Scenario, list[str]]:
     """The scenario with the user's ``overrides`` after its own, and the methods to run.
 
     Raises:
@@ -161,8 +160,8 @@ def _scenario_and_methods(scenario: str, methods: Optional[list[str]],
 
 
 @flow(name="chaos", log_prints=True)
-def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[str]] = None,
-          overrides: Optional[list[str]] = None, log_table: bool = True) -> list[dict]:
+def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | None = None,
+          overrides: list[str] | None = None, log_table: bool = True) -> list[dict]:
     """Run every method of a chaos scenario under its fault schedule; return the table rows.
 
     Args:
@@ -218,8 +217,8 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: Optional[list[
     return rows
 
 
-def run_chaos_cli(scenario: str, methods: Optional[list[str]], as_json: bool,
-                  overrides: Optional[list[str]] = None, out: Optional[str] = None) -> int:
+def run_chaos_cli(scenario: str, methods: list[str] | None, as_json: bool,
+                  overrides: list[str] | None = None, out: str | None = None) -> int:
     """Entry of ``diloco-async chaos``; ``out``: also write the full rows (with ``availability``,
     ``tokens_merged``, ``failures`` and ``eval_curve``) there as JSON."""
     try:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -58,7 +58,7 @@ def _require_token() -> str:
 
 @flow(name="learner", log_prints=True)
 def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: str, incarnation: int = 0,
-            run_id: Optional[str] = None, give_up_after_s: float = 120.0) -> dict:
+            run_id: str | None = None, give_up_after_s: float = 120.0) -> dict:
     """Run one learner until the synchronizer tells it to stop; returns what it did.
 
     The learner runs in this flow run's process, so cancelling the flow run (its worker signals
@@ -110,9 +110,9 @@ def _announce_when_listening(ready: Path, done: threading.Event, info: dict[str,
 
 
 @flow(name="synchronizer", log_prints=True)
-def synchronizer(config: Optional[str] = "configs/default.toml", overrides: Optional[list[str]] = None,
-                 run_id: Optional[str] = None, resume_url: Optional[str] = None,
-                 ready_file: Optional[str] = None) -> dict:
+def synchronizer(config: str | None = "configs/default.toml", overrides: list[str] | None = None,
+                 run_id: str | None = None, resume_url: str | None = None,
+                 ready_file: str | None = None) -> dict:
     """Run the synchronizer of one run in this flow run's process until its budget is spent.
 
     Learners reach it at ``http://{synchronizer.host}:{synchronizer.port}`` (set a routable host
@@ -164,7 +164,7 @@ def synchronizer(config: Optional[str] = "configs/default.toml", overrides: Opti
     return {"run_id": info.get("run_id", run_id), "url": info.get("url"), "epoch": info.get("epoch")}
 
 
-def request_checkpoint(sync_url: str, store_url: str, token: str, storage_options: Optional[dict] = None,
+def request_checkpoint(sync_url: str, store_url: str, token: str, storage_options: dict | None = None,
                        timeout_s: float = 300.0) -> dict:
     """Ask a running synchronizer for a checkpoint now, then verify the newest one in the store.
 
@@ -206,7 +206,7 @@ def request_checkpoint(sync_url: str, store_url: str, token: str, storage_option
 
 
 @flow(name="checkpoint", log_prints=True)
-def checkpoint(sync_url: Optional[str] = None, store_url: Optional[str] = None, timeout_s: float = 300.0) -> dict:
+def checkpoint(sync_url: str | None = None, store_url: str | None = None, timeout_s: float = 300.0) -> dict:
     """Ask a running synchronizer for a checkpoint now and verify the newest one in the store
     (see :func:`request_checkpoint`); the token is ``$DILOCO_RUN_TOKEN``.
 
@@ -253,11 +253,11 @@ class FlowRunHandle:
         self.flow_run_name = flow_run_name
         self.deployment = deployment
         self.incarnation = incarnation
-        self.state_type: Optional[str] = "SCHEDULED"
-        self.state_message: Optional[str] = None
+        self.state_type: str | None = "SCHEDULED"
+        self.state_message: str | None = None
         self._cancel_requested = False
 
-    def refresh(self) -> Optional[str]:
+    def refresh(self) -> str | None:
         """Read the flow run's state from the Prefect API; returns the state type name.
 
         API errors leave the last known state (a transient API outage is not a learner failure).
@@ -276,10 +276,10 @@ class FlowRunHandle:
             self.state_message = fr.state.message
         return self.state_type
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return _TERMINAL_CODES.get(self.refresh() or "")
 
-    def failure(self) -> Optional[str]:
+    def failure(self) -> str | None:
         """``"flow run CRASHED: <message>"`` when the flow run crashed or failed, else None.
 
         A cancelled flow run is not a failure: somebody stopped it on purpose."""
@@ -306,7 +306,7 @@ class FlowRunHandle:
         except Exception:  # noqa: BLE001
             pass
 
-    def terminate(self, grace_s: float = 10.0) -> Optional[int]:
+    def terminate(self, grace_s: float = 10.0) -> int | None:
         """Cancel the flow run and wait up to ``grace_s`` seconds for a terminal state.
 
         Returns the exit code of :meth:`poll`, None when it is still not terminal."""
@@ -340,7 +340,7 @@ class DeploymentLauncher:
     """
 
     def __init__(self, deployment_template: str, regions: list[str], env: dict[str, str],
-                 tags: Optional[list[str]] = None) -> None:
+                 tags: list[str] | None = None) -> None:
         if not regions:
             raise ValueError("DeploymentLauncher needs at least one region")
         self.deployment_template = deployment_template

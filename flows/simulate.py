@@ -12,7 +12,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.simulator import CellResult

@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from diloco_async.sim.calibration import Calibration, default_calibration_path, load_calibration
 from diloco_async.sim.simulator import (

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from diloco_async.config import Config
 from diloco_async.run_timeline import fragment_shares, read_merges, timeline_from_records
@@ -21,7 +20,7 @@ _COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "r
             "stalled": "#8e44ad", "blocked": "#95a5a6"}
 
 
-def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: Optional[float] = None) -> None:
+def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: float | None = None) -> None:
     """Draw each slot's states over time and the merges of the global model into a PNG.
 
     One row per learner: useful steps green, thrown-away steps red, down dark grey, restarting
@@ -72,7 +71,7 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
 
 
 def write_run_timeline(cfg: Config, store: ObjectStore, run_id: str, epoch: str, timeline_dir: Path,
-                       png: Path, max_gap_s: float) -> Optional[dict]:
+                       png: Path, max_gap_s: float) -> dict | None:
     """Rebuild the timeline of one synchronizer epoch, draw it to ``png`` and return its
     accounting (``Accounting.to_json``); None when no learner recorded anything."""
     records = {p.stem: read_records(p) for p in sorted(Path(timeline_dir).glob("*.jsonl"))}

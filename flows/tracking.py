@@ -10,7 +10,8 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
@@ -63,7 +64,7 @@ class MlflowSink:
             self.experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=location)
         else:
             self.experiment_id = exp.experiment_id
-        self.run_id: Optional[str] = None
+        self.run_id: str | None = None
         self.errors = 0
         self._last_step: dict[str, int] = {}
         self.children: dict[str, str] = {}  # learner id -> nested MLflow run id
@@ -146,7 +147,7 @@ class MlflowSink:
     def log_metric(self, key: str, value: float, step: int = 0) -> None:
         self.log_points([{"key": key, "value": value, "step": step, "timestamp_ms": int(time.time() * 1000)}])
 
-    def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._call(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def log_dict(self, obj: Any, name: str) -> None:

@@ -17,7 +17,8 @@ import logging
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 from prefect import flow, get_run_logger, task
 from rich.console import Console
@@ -60,10 +61,10 @@ class TrainingRun(RunProcesses):
     started as flow runs of the ``learner/{region}`` deployments when ``run.launcher =
     "deployments"``, and supervision decisions in the flow run's log."""
 
-    def __init__(self, cfg: Config, config_path: Optional[str], overrides: list[str],
-                 run_id: Optional[str] = None, resume_url: Optional[str] = None) -> None:
+    def __init__(self, cfg: Config, config_path: str | None, overrides: list[str],
+                 run_id: str | None = None, resume_url: str | None = None) -> None:
         super().__init__(cfg, config_path, overrides, run_id=run_id, resume_url=resume_url)
-        self.deployer: Optional[DeploymentLauncher] = None
+        self.deployer: DeploymentLauncher | None = None
         if cfg.run.launcher == "deployments":
             from prefect.runtime import flow_run
 
@@ -248,7 +249,7 @@ def _stopping(run: TrainingRun, sink: MlflowSink) -> Iterator[None]:
 
 
 @flow(name="train", log_prints=True)
-def train(config: Optional[str] = "configs/default.toml", overrides: Optional[list[str]] = None) -> dict:
+def train(config: str | None = "configs/default.toml", overrides: list[str] | None = None) -> dict:
     """Run one training job end to end and return its summary (also logged to MLflow).
 
     Args:
@@ -278,7 +279,7 @@ def train(config: Optional[str] = "configs/default.toml", overrides: Optional[li
 
 
 @flow(name="resume", log_prints=True)
-def resume(checkpoint_url: str, config: Optional[str] = None, overrides: Optional[list[str]] = None) -> dict:
+def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] | None = None) -> dict:
     """Continue a run from a checkpoint in any store (file://, s3://, gs://) and return its summary.
 
     Args:
@@ -312,7 +313,7 @@ def _report(summary: dict) -> None:
                                               "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
 
 
-def run_resume_cli(checkpoint_url: str, config: Optional[str], overrides: list[str]) -> int:
+def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:
     """Entry of ``diloco-async resume``."""
     try:
         summary = resume(checkpoint_url=checkpoint_url, config=config, overrides=overrides)
@@ -323,7 +324,7 @@ def run_resume_cli(checkpoint_url: str, config: Optional[str], overrides: list[s
     return 0
 
 
-def run_train_cli(config: Optional[str], overrides: list[str]) -> int:
+def run_train_cli(config: str | None, overrides: list[str]) -> int:
     """Entry of ``diloco-async train``: run the flow, print where to look, exit code 0 on success."""
     try:
         summary = train(config=config, overrides=overrides)

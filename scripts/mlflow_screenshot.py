@@ -38,7 +38,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 EXPERIMENT = "diloco-async"
 ALIAS = "mlflow-ui"  # a host name the MLflow UI does not treat as "local" (no Assistant panel)
@@ -59,13 +59,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str, host: Optional[str] = None, timeout: float = 10.0) -> bytes:
+def _get(url: str, host: str | None = None, timeout: float = 10.0) -> bytes:
     req = urllib.request.Request(url, headers={"Host": host} if host else {})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.read()
 
 
-def _api(base: str, path: str, body: Optional[dict] = None) -> dict:
+def _api(base: str, path: str, body: dict | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"{base}/api/2.0/mlflow/{path}", data=data,
                                  headers={"Content-Type": "application/json"})
@@ -79,7 +79,7 @@ def _as_uri(location: str) -> str:
 
 @contextlib.contextmanager
 def mlflow_server(db: str, artifact_root: str, port: int = 0, startup_timeout_s: float = 90.0,
-                  log_path: Optional[Path] = None) -> Iterator[str]:
+                  log_path: Path | None = None) -> Iterator[str]:
     """An ``mlflow server`` on 127.0.0.1 (one worker, job execution off) for the sqlite file
     ``db``; yields its base URL and stops the whole process group afterwards."""
     port = port or free_port()
@@ -126,7 +126,7 @@ def mlflow_server(db: str, artifact_root: str, port: int = 0, startup_timeout_s:
         log.close()
 
 
-def find_run(base: str, experiment: str, run_id: Optional[str]) -> dict:
+def find_run(base: str, experiment: str, run_id: str | None) -> dict:
     """``{run_id, run_name, experiment_id}`` of ``run_id``, else of the newest top-level run that is a
     training run (tag ``diloco.run_id``), else of the newest top-level run."""
     if run_id:
@@ -146,7 +146,7 @@ def find_run(base: str, experiment: str, run_id: Optional[str]) -> dict:
     return {"run_id": info["run_id"], "run_name": info.get("run_name", ""), "experiment_id": info["experiment_id"]}
 
 
-def find_chromium(explicit: Optional[str] = None) -> str:
+def find_chromium(explicit: str | None = None) -> str:
     for name in ([explicit] if explicit else ["chromium", "chromium-browser", "google-chrome"]):
         path = shutil.which(name) if name else None
         if path:
@@ -154,7 +154,7 @@ def find_chromium(explicit: Optional[str] = None) -> str:
     raise FileNotFoundError("chromium not found (Debian: apt-get install -y --no-install-recommends chromium)")
 
 
-def chromium(binary: str, url: str, mode: list[str], window: str, budget_ms: int, resolver: Optional[str],
+def chromium(binary: str, url: str, mode: list[str], window: str, budget_ms: int, resolver: str | None,
              timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     """One headless Chromium run with a fresh profile; ``mode`` holds ``--screenshot=PATH`` and/or
     ``--dump-dom`` (the DOM comes back on stdout)."""
@@ -167,7 +167,7 @@ def chromium(binary: str, url: str, mode: list[str], window: str, budget_ms: int
                               env=dict(os.environ, HOME=profile), start_new_session=True)
 
 
-def page_base(base: str) -> tuple[str, Optional[str]]:
+def page_base(base: str) -> tuple[str, str | None]:
     """The base URL Chromium loads and its host-resolver rule: ``http://mlflow-ui:<port>`` when the
     server is on this machine's loopback and accepts that host name and origin (a server this
     script starts does), else ``base`` itself."""
@@ -191,10 +191,10 @@ def _rendered(page: str, run: dict, html: str) -> bool:
     return page != "model-metrics" or "scatterlayer" in html
 
 
-def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id: Optional[str] = None,
+def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id: str | None = None,
                    pages: tuple[str, ...] = ("overview", "model-metrics"), window: str = "1600,1200",
                    budget_ms: int = 20000, dump_dom: bool = False, expect: tuple[str, ...] = (),
-                   chromium_path: Optional[str] = None, attempts: int = 3) -> dict:
+                   chromium_path: str | None = None, attempts: int = 3) -> dict:
     """Screenshot (and optionally dump) the pages of one run; returns what was written. A page whose
     DOM shows it still loading is loaded again (fresh profile, longer budget), ``attempts`` at most."""
     binary = find_chromium(chromium_path)
@@ -230,7 +230,7 @@ def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--url", help="a running MLflow server, e.g. http://127.0.0.1:5000 (make ui)")

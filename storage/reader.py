@@ -14,7 +14,8 @@ import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
 
 from storage import backends
 from storage.refs import IntegrityError, ObjectRef, check_ref, sha256_hex
@@ -28,7 +29,7 @@ __all__ = ["read_object", "read_to_file", "read_verified", "stream_range"]
 log = logging.getLogger("diloco.storage")
 
 
-def read_object(store: "ObjectStore", ref: ObjectRef) -> bytes:
+def read_object(store: ObjectStore, ref: ObjectRef) -> bytes:
     """The bytes ``ref`` names, verified (see :meth:`ObjectStore.get`)."""
     if ref.nbytes <= store.part_nbytes:
         data = store.get_unverified(ref.key)
@@ -39,7 +40,7 @@ def read_object(store: "ObjectStore", ref: ObjectRef) -> bytes:
     return b"".join(chunks)
 
 
-def read_to_file(store: "ObjectStore", ref: ObjectRef, local_path: str | os.PathLike) -> None:
+def read_to_file(store: ObjectStore, ref: ObjectRef, local_path: str | os.PathLike) -> None:
     """Stream ``ref`` into a temporary file next to ``local_path``; rename it over
     ``local_path`` once verified, delete it otherwise (see :meth:`ObjectStore.get_to_file`)."""
     local_path = os.fspath(local_path)
@@ -55,7 +56,7 @@ def read_to_file(store: "ObjectStore", ref: ObjectRef, local_path: str | os.Path
             os.unlink(tmp)
 
 
-def read_verified(store: "ObjectStore", ref: ObjectRef, sink: Callable[[bytes], Any]) -> None:
+def read_verified(store: ObjectStore, ref: ObjectRef, sink: Callable[[bytes], Any]) -> None:
     """Hand every chunk of ``ref`` to ``sink``, hashing on the way; raise at the end if what
     went through is not what ``ref`` names (a size mismatch is caught before any chunk).
 
@@ -76,7 +77,7 @@ def read_verified(store: "ObjectStore", ref: ObjectRef, sink: Callable[[bytes], 
     check_ref(ref, nbytes, hasher.hexdigest())
 
 
-def stream_range(store: "ObjectStore", path: str, where: str, nbytes: int) -> Iterator[bytes]:
+def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iterator[bytes]:
     """Chunks of ``[0, nbytes)`` of one object, the next one prefetched. Each chunk read is
     bounded by ``timeout_s``; after a transient error the stream reopens where it stopped
     (``retries`` times in a row at most, with the policy's backoff between)."""

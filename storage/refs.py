@@ -39,7 +39,7 @@ class ObjectRef:
         return {"key": self.key, "nbytes": self.nbytes, "sha256": self.sha256}
 
     @classmethod
-    def from_json(cls, d: dict) -> "ObjectRef":
+    def from_json(cls, d: dict) -> ObjectRef:
         return cls(key=str(d["key"]), nbytes=int(d["nbytes"]), sha256=str(d["sha256"]))
 
 

@@ -14,7 +14,8 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from storage.refs import IntegrityError
 

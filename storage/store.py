@@ -29,7 +29,8 @@ import copy
 import json
 import os
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import fsspec
 
@@ -107,7 +108,7 @@ class ObjectStore:
         """The fsspec filesystem underneath (for tools and tests; product code uses the methods)."""
         return self._backend.fs
 
-    def child(self, prefix: str) -> "ObjectStore":
+    def child(self, prefix: str) -> ObjectStore:
         """A store rooted at ``{root}/{prefix}`` sharing options, policy, backend and counters."""
         other = copy.copy(self)
         other.root = self._path(prefix)

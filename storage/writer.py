@@ -19,7 +19,8 @@ import concurrent.futures
 import hashlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from storage import backends
 from storage.refs import IntegrityError, ObjectRef, sha256_hex
@@ -36,7 +37,7 @@ log = logging.getLogger("diloco.storage")
 _HASH_IN_THREAD_NBYTES = 1 << 20
 
 
-def put_bytes(store: "ObjectStore", key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+def put_bytes(store: ObjectStore, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
     """Write ``data`` under ``key`` once (see :meth:`ObjectStore.put`)."""
     view = memoryview(data).cast("B")
     if len(view) <= store.part_nbytes or not store._backend.multipart:
@@ -49,7 +50,7 @@ def put_bytes(store: "ObjectStore", key: str, data: bytes | bytearray | memoryvi
     return upload_chunks(store, key, lambda: iter([view]))
 
 
-def upload_chunks(store: "ObjectStore", key: str, chunks: Callable[[], Iterator[bytes]]) -> ObjectRef:
+def upload_chunks(store: ObjectStore, key: str, chunks: Callable[[], Iterator[bytes]]) -> ObjectRef:
     """Stream ``chunks()`` through a writer; restart from the source if the backend cannot
     resend one part (GCS resumable uploads) and the failure was transient."""
     attempt = 0
@@ -67,13 +68,13 @@ def upload_chunks(store: "ObjectStore", key: str, chunks: Callable[[], Iterator[
             log.warning("%s: upload failed (%s: %s), starting it again", store._where(key), type(err).__name__, err)
 
 
-def _put_single(store: "ObjectStore", key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
+def _put_single(store: ObjectStore, key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
     """One exclusive PUT of ``data`` to ``path`` (that of ``key``), retried; ``ref()`` names
     the bytes (asked only if needed)."""
     _create_once(store, "put", key, lambda: store._backend.put(path, data), ref, (FileExistsError,))
 
 
-def _create_once(store: "ObjectStore", verb: str, key: str, create: Callable[[], None],
+def _create_once(store: ObjectStore, verb: str, key: str, create: Callable[[], None],
                  ref: Callable[[], ObjectRef], ambiguous: tuple[type[Exception], ...]) -> None:
     """``create()`` (an exclusive create) under the retry policy. When a retry fails with one of
     ``ambiguous`` (the key exists; for a completion also: no upload left), an earlier attempt
@@ -100,7 +101,7 @@ def _create_once(store: "ObjectStore", verb: str, key: str, create: Callable[[],
         raise
 
 
-def _holds(store: "ObjectStore", ref: ObjectRef) -> bool:
+def _holds(store: ObjectStore, ref: ObjectRef) -> bool:
     """Whether ``ref.key`` holds exactly ``ref`` (after an ambiguous retry)."""
     try:
         store.verify(ref)
@@ -142,7 +143,7 @@ class ObjectWriter:
     a single exclusive PUT at close. Use as a context manager; ``ref`` is set after close.
     """
 
-    def __init__(self, store: "ObjectStore", key: str) -> None:
+    def __init__(self, store: ObjectStore, key: str) -> None:
         self.store, self.key = store, key.strip("/")
         self._path = store._path(key)
         self._where = store._where(key)
@@ -159,7 +160,7 @@ class ObjectWriter:
         self._state = "open"
         self.ref: ObjectRef | None = None
 
-    def __enter__(self) -> "ObjectWriter":
+    def __enter__(self) -> ObjectWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

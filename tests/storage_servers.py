@@ -20,7 +20,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

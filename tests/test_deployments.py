@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import pytest
 
@@ -72,7 +72,7 @@ class PrefectStack:
                         PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_AUTO_INSTALL_DEPENDENCIES="false",
                         PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS="5",
                         PREFECT_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="1")
-        self.server: Optional[subprocess.Popen] = None
+        self.server: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
     def _cli(self, *args: str, timeout: float = 120.0) -> str:
@@ -242,7 +242,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _sync_status(sync_url: str) -> Optional[dict]:
+def _sync_status(sync_url: str) -> dict | None:
     try:
         return fetch_status(sync_url, timeout_s=2.0)
     except OSError:

@@ -55,7 +55,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ EXIT_RENDEZVOUS = 5
 
 # ------------------------------------------------------------------ pure helpers -------------
 
-def rank_speed(cfg: Config, rank: int, speed: Optional[float]) -> float:
+def rank_speed(cfg: Config, rank: int, speed: float | None) -> float:
     """``speed`` when given, else ``learners.speed_factors[rank]`` of the config (1.0 when unset)."""
     if speed is not None:
         return float(speed)
@@ -103,7 +103,7 @@ def rank_speed(cfg: Config, rank: int, speed: Optional[float]) -> float:
     return float(factors[rank]) if rank < len(factors) else 1.0
 
 
-def rank_jitter(cfg: Config, jitter: Optional[float]) -> float:
+def rank_jitter(cfg: Config, jitter: float | None) -> float:
     """``jitter`` when given, else ``learners.step_jitter`` of the config (0.0 when unset)."""
     return float(jitter) if jitter is not None else float(getattr(cfg.learners, "step_jitter", 0.0) or 0.0)
 
@@ -131,7 +131,7 @@ class _Timeline:
 class _Stop:
     """Why this rank wants to stop (set by the SIGTERM handler or the clock)."""
 
-    reason: Optional[str] = None
+    reason: str | None = None
 
 
 class _GradAllReduce:
@@ -207,7 +207,7 @@ class _Rank:
             os.nice(cfg.learners.nice_after_ready)
         self.timeline.write("ready", t=time.time(), step=self.step)
         per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context)
-        reason: Optional[str] = None
+        reason: str | None = None
         while True:
             if a.max_steps is not None and self.step >= a.max_steps:
                 reason = "max_steps"  # every rank has the same step: no agreement needed
@@ -295,7 +295,7 @@ class _Rank:
         self.timeline.write("checkpoint", t=time.time(), step=self.step, tokens_committed=self.tokens_committed,
                             dur_s=time.time() - c0, key=ref.key)
 
-    def _finish(self, reason: Optional[str]) -> int:
+    def _finish(self, reason: str | None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already; a late SIGTERM must not kill the exit
         if self.rank == 0 and self.last_ckpt_step != self.step:
             self._checkpoint()

@@ -8,7 +8,8 @@ them here to evaluate the DDP curve at equal tokens or equal time.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple
+from collections.abc import Mapping
 
 import torch
 
@@ -47,8 +48,8 @@ class DdpCheckpointInfo(NamedTuple):
     key: str
 
 
-def select_checkpoint(checkpoints: list[DdpCheckpointInfo], *, max_tokens: Optional[int] = None,
-                      max_wall_unix: Optional[float] = None) -> Optional[DdpCheckpointInfo]:
+def select_checkpoint(checkpoints: list[DdpCheckpointInfo], *, max_tokens: int | None = None,
+                      max_wall_unix: float | None = None) -> DdpCheckpointInfo | None:
     """The newest checkpoint with ``tokens_committed <= max_tokens`` and ``wall_unix <=
     max_wall_unix`` (a bound left None does not apply), or None when none qualifies."""
     ok = [c for c in checkpoints

@@ -16,7 +16,8 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from diloco_async.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
 from storage.options import STORAGE_OPTIONS_ENV
@@ -59,11 +60,11 @@ class DdpGroup:
         ValueError: ``world_size`` < 1 or ``speeds`` of another length.
     """
 
-    def __init__(self, config: Optional[str | os.PathLike], overrides: Sequence[str], world_size: int, run_id: str,
-                 store: str, workdir: str | os.PathLike, speeds: Optional[Sequence[float]] = None,
-                 jitter: Optional[float] = None, checkpoint_every_steps: int = 0, stop_at_unix: Optional[float] = None,
-                 max_steps: Optional[int] = None, gloo_timeout_s: float = 30.0, init_timeout_s: float = 120.0,
-                 storage_options: Optional[dict[str, Any]] = None, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, config: str | os.PathLike | None, overrides: Sequence[str], world_size: int, run_id: str,
+                 store: str, workdir: str | os.PathLike, speeds: Sequence[float] | None = None,
+                 jitter: float | None = None, checkpoint_every_steps: int = 0, stop_at_unix: float | None = None,
+                 max_steps: int | None = None, gloo_timeout_s: float = 30.0, init_timeout_s: float = 120.0,
+                 storage_options: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         speeds = list(speeds) if speeds is not None else None
@@ -87,8 +88,8 @@ class DdpGroup:
         self.env = {"PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo",
                     STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
         self.handles: dict[int, LocalProcess | ForkedProcess] = {}
-        self.incarnation: Optional[int] = None
-        self.port: Optional[int] = None
+        self.incarnation: int | None = None
+        self.port: int | None = None
 
     def timeline_path(self, rank: int) -> Path:
         """``workdir/timeline/ddp-rank-{rank}.jsonl``."""
@@ -131,7 +132,7 @@ class DdpGroup:
                         for r in range(self.world_size)}
         self.incarnation, self.port = incarnation, port
 
-    def poll(self) -> dict[int, Optional[int]]:
+    def poll(self) -> dict[int, int | None]:
         """rank -> exit code, or None while it runs (empty before the first start)."""
         return {r: h.poll() for r, h in self.handles.items()}
 
@@ -157,7 +158,7 @@ class DdpGroup:
         """Resume a frozen rank (SIGCONT to its process group)."""
         self._signal(rank, signal.SIGCONT)
 
-    def terminate_all(self, grace_s: float = 30.0) -> dict[int, Optional[int]]:
+    def terminate_all(self, grace_s: float = 30.0) -> dict[int, int | None]:
         """SIGTERM every rank (all stop after the same step; rank 0 writes a final checkpoint), wait
         up to ``grace_s`` in all, SIGKILL what is left. Returns rank -> exit code: 0 for a clean
         stop; -15 for a rank still importing (its handler not installed yet; it had done no step);
@@ -174,7 +175,7 @@ class DdpGroup:
             h.kill()  # what is left, and any descendant of a rank that exited
         return self.poll()
 
-    def wait(self, timeout: Optional[float] = None) -> dict[int, Optional[int]]:
+    def wait(self, timeout: float | None = None) -> dict[int, int | None]:
         """Wait until every rank has exited or ``timeout`` seconds have passed (None: forever).
         Returns rank -> exit code, None for a rank still running."""
         deadline = None if timeout is None else time.monotonic() + timeout

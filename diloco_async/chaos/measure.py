@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from diloco_async.config import Config
 from diloco_async.evaluation import heldout_loss
@@ -49,7 +49,7 @@ class Measurement:
     window_start_s: float
     curve: list[CurvePoint]
     eval_loss_equal_time: float
-    eval_loss_equal_tokens: Optional[float]
+    eval_loss_equal_tokens: float | None
 
 
 def goodput_window_start(tl: Timeline) -> float:
@@ -83,7 +83,7 @@ def eval_curve(snaps: Sequence[Snapshot], batches) -> list[CurvePoint]:
     return [(s.t - t0, s.tokens, heldout_loss(s.load(), batches)) for s in snaps]
 
 
-def eval_at(curve: Sequence[CurvePoint], eval_tokens: int) -> tuple[float, Optional[float]]:
+def eval_at(curve: Sequence[CurvePoint], eval_tokens: int) -> tuple[float, float | None]:
     """Loss of the last snapshot (equal wall time) and at ``eval_tokens`` tokens, linearly
     interpolated in tokens between the two snapshots around it (None if never reached)."""
     final = curve[-1][2]

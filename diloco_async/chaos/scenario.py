@@ -16,7 +16,7 @@ import random
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -32,7 +32,7 @@ class _Section(BaseModel):
 
 
 class FailureModel(_Section):
-    mtbf_s: Optional[float] = Field(None, gt=0, description="Mean up-time between failures of one slot (None: none).")
+    mtbf_s: float | None = Field(None, gt=0, description="Mean up-time between failures of one slot (None: none).")
     recovery: Literal["fixed", "exponential", "lognormal"] = Field(
         "fixed", description="Distribution of the time a failed slot stays down.")
     recovery_mean_s: float = Field(30.0, ge=0, description="Mean time down after a failure, seconds.")
@@ -47,7 +47,7 @@ class StragglerModel(_Section):
 
 
 class StallModel(_Section):
-    mtbs_s: Optional[float] = Field(None, gt=0, description="Mean time between stalls of one slot (None: none).")
+    mtbs_s: float | None = Field(None, gt=0, description="Mean time between stalls of one slot (None: none).")
     duration_s: float = Field(5.0, gt=0, description="How long a stalled (SIGSTOPped) slot stays frozen.")
 
 
@@ -90,7 +90,7 @@ class Scenario(_Section):
     ddp: DdpSettings = DdpSettings()
 
     @model_validator(mode="after")
-    def _check(self) -> "Scenario":
+    def _check(self) -> Scenario:
         for k, v in self.stragglers.speed.items():
             if not k.isdigit() or int(k) >= self.scenario.slots:
                 raise ValueError(f"stragglers.speed: slot {k!r} is not in 0..{self.scenario.slots - 1}")

@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from diloco_async.chaos.driver import SlotBook, drive, restarting_intervals
 from diloco_async.chaos.measure import Snapshot
@@ -259,7 +259,7 @@ class DdpTarget(ChaosTarget):
         self.group.start(self.incarnation)
         self.running = True
 
-    def _tear_down(self, now: float, except_slot: Optional[int]) -> None:
+    def _tear_down(self, now: float, except_slot: int | None) -> None:
         self.group.kill_all()
         self.running = False
         self.incarnation += 1

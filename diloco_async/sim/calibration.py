@@ -107,7 +107,7 @@ class HeterogeneityParams(_Section):
     with_failures: bool = Field(description="Whether chip failures are simulated in this case.")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "HeterogeneityParams":
+    def _consistent(self) -> HeterogeneityParams:
         if self.slow_learners > self.learners:
             raise ValueError(
                 f"heterogeneity.slow_learners={self.slow_learners} exceeds learners={self.learners}"
@@ -134,7 +134,7 @@ class Calibration(_Section):
     heterogeneity: HeterogeneityParams
 
     @model_validator(mode="after")
-    def _finite(self) -> "Calibration":
+    def _finite(self) -> Calibration:
         for name, section in self:
             for field, value in section:
                 if isinstance(value, float) and not math.isfinite(value):

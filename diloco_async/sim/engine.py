@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.draws import Barrier, Draws

@@ -36,7 +36,7 @@ runs them and re-exports the public names.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
