@@ -28,7 +28,8 @@ def _rows(path: str) -> tuple[dict, dict[str, dict]]:
     return doc, {r["method"]: r for r in doc["rows"]}
 
 
-def bars(storm_path: str, ff_path: str, straggler_path: str | None = None) -> list[tuple[str, float | None, float, str]]:
+def bars(storm_path: str, ff_path: str,
+         straggler_path: str | None = None) -> list[tuple[str, float | None, float, str]]:
     """The bars as ``(name, measured ratio or None, limit, 'min' | 'max')``."""
     storm, st = _rows(storm_path)
     _, ff = _rows(ff_path)

@@ -36,7 +36,8 @@ def bench_merge() -> None:
     weights = [float(i + 1) for i in range(8)]
     t_mean = best_of(lambda: weighted_mean(deltas, weights))
     t_rda = best_of(lambda: rda(deltas, weights))
-    print(f"merge  M=8 x 1Mi fp32   mean {t_mean*1e3:7.2f} ms   rda {t_rda*1e3:7.2f} ms   rda/mean {t_rda/t_mean:5.2f}x")
+    print(f"merge  M=8 x 1Mi fp32   mean {t_mean*1e3:7.2f} ms   rda {t_rda*1e3:7.2f} ms   "
+          f"rda/mean {t_rda/t_mean:5.2f}x")
 
 
 def bench_codecs() -> None:
@@ -46,7 +47,8 @@ def bench_codecs() -> None:
     base = {}
     for codec in wire.CODECS:
         data = wire.encode_to_bytes(tensors, codec, {})
-        t = best_of(lambda: wire.decode_from_bytes(wire.encode_to_bytes(tensors, codec, {}), codec, specs), 3)
+        t = best_of(lambda codec=codec: wire.decode_from_bytes(wire.encode_to_bytes(tensors, codec, {}), codec, specs),
+                    3)
         base.setdefault("size", len(data))
         base.setdefault("time", t)
         print(f"codec  {codec:5s} {len(data)/2**20:7.2f} MiB  size/fp32 {len(data)/base['size']:5.3f}   "

@@ -44,7 +44,8 @@ class MotoProcess:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from moto.server import main; main(sys.argv[1:])",
+        self.proc = subprocess.Popen([sys.executable, "-c",
+                                      "import sys; from moto.server import main; main(sys.argv[1:])",
                                       "-H", "127.0.0.1", "-p", str(port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -52,10 +53,10 @@ class MotoProcess:
             try:
                 with urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1):
                     return
-            except OSError:
+            except OSError as err:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"moto server did not start on {self.url}")
+                    raise RuntimeError(f"moto server did not start on {self.url}") from err
                 time.sleep(0.1)
 
     def stop(self) -> None:
@@ -161,7 +162,8 @@ def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
         ratio = best[f"raw {op}"] / best[f"ours {op}"]
         out[f"{op} ratio"] = ratio
         print(f"storage s3 (moto, same endpoint) {mib} MiB {op}:  raw s3fs {mib / best[f'raw {op}']:7.1f} MiB/s"
-              f"   ObjectStore {mib / best[f'ours {op}']:7.1f} MiB/s   ratio {ratio:5.2f} (goal >= 0.90, best of {repeat})")
+              f"   ObjectStore {mib / best[f'ours {op}']:7.1f} MiB/s   ratio {ratio:5.2f}"
+              f" (goal >= 0.90, best of {repeat})")
 
     def fmt(m: tuple[float, float | None]) -> str:
         rss = f", RSS +{m[1]:6.1f} MiB" if m[1] is not None else ""

@@ -144,11 +144,14 @@ class LearnerConfig(_Section):
     control_drop_prob: float = Field(
         0.0, ge=0, lt=1, description="Chance that a control message (heartbeat, announce) is dropped before sending."
     )
-    control_delay_s: float = Field(0.0, ge=0, description="Mean extra delay of a control message (exponential), seconds.")
+    control_delay_s: float = Field(
+        0.0, ge=0, description="Mean extra delay of a control message (exponential), seconds."
+    )
     nice_after_ready: int = Field(
         0, ge=0, le=19,
         description="Lower the process priority by this much once ready to train (chaos runs that emulate many "
-                    "machines on one host: a restarting learner's start-up is then not slowed by the others' training).",
+                    "machines on one host: a restarting learner's start-up is then not slowed by the others' "
+                    "training).",
     )
     storage_faults: dict[str, Any] = Field(
         default_factory=dict,
@@ -175,7 +178,9 @@ class SynchronizerConfig(_Section):
     grace_cap_s: float | None = Field(
         None, ge=0, description="Upper bound of the grace window; None = one step of the slowest learner."
     )
-    grace_enabled: bool = Field(True, description="False merges as soon as the quorum is met (synchronous baseline uses K=M).")
+    grace_enabled: bool = Field(
+        True, description="False merges as soon as the quorum is met (synchronous baseline uses K=M)."
+    )
     max_staleness: int = Field(4, ge=0, description="S, versions kept; older bases are rejected.")
     merge: Literal["rda", "mean"] = Field("rda", description="Merge of outer gradients (DESIGN §4.4).")
     outer_lr: float = Field(0.7, gt=0)
@@ -211,7 +216,8 @@ class TrackingConfig(_Section):
     mlflow_uri: str = Field("sqlite:///.local/mlflow.db", description="MLflow tracking URI.")
     experiment: str = Field("diloco-async")
     artifact_location: str = Field(
-        ".local/store/mlartifacts", description="Artifact root of a new experiment (beside the runs in the default store)."
+        ".local/store/mlartifacts",
+        description="Artifact root of a new experiment (beside the runs in the default store).",
     )
     poll_s: float = Field(2.0, gt=0, description="How often the flow pulls metrics from the synchronizer.")
 
@@ -322,8 +328,8 @@ _OPERATIONAL = {
                  "restart_delay_s", "max_restarts",
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
                  "nice_after_ready"),
-    "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints", "storage_timeout_s",
-                     "client_max_size_bytes", "drain_s"),
+    "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
+                     "storage_timeout_s", "client_max_size_bytes", "drain_s"),
 }
 
 

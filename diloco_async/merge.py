@@ -125,7 +125,7 @@ def _normalised_weights(deltas: Sequence[Tensor], weights: Sequence[float]) -> l
 
 def _mean(deltas: Sequence[Tensor], probs: Sequence[float]) -> Tensor:
     out = torch.zeros_like(deltas[0])
-    for d, p in zip(deltas, probs):
+    for d, p in zip(deltas, probs, strict=True):
         out.add_(d.to(out.dtype), alpha=p)
     return out
 
@@ -173,7 +173,7 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) 
     dtype = deltas[0].dtype
     radial = torch.zeros((), dtype=dtype, device=deltas[0].device)
     direction = torch.zeros_like(deltas[0])
-    for d, p in zip(deltas, probs):
+    for d, p in zip(deltas, probs, strict=True):
         d = d.to(dtype)
         norm = torch.linalg.vector_norm(d)
         radial.add_(norm, alpha=p)

@@ -72,7 +72,8 @@ def timeline_from_records(records: dict[str, list[dict]], merges: list[dict], sh
             t_ready = next((float(r["t"]) for r in rs if r["kind"] == "ready"), None)
             t_last = max(float(r.get("t1", r["t"])) for r in rs)
             tl.intervals.append(Interval(lid, "restarting", t_start, max(t_start, t_ready if t_ready else t_last)))
-            tl.intervals += [Interval(lid, "blocked", float(r["t0"]), float(r["t1"])) for r in rs if r["kind"] == "blocked"]
+            tl.intervals += [Interval(lid, "blocked", float(r["t0"]), float(r["t1"]))
+                             for r in rs if r["kind"] == "blocked"]
             clean = any(r["kind"] == "stopped" for r in rs)
             if not clean and j + 1 < len(incs):
                 nxt = by_inc[incs[j + 1]]

@@ -63,7 +63,8 @@ def log_run_artifacts(sink: MlflowSink, model: ByteGPT) -> str:
         sink.log_artifact(loss_curve_png(sink, folder / "loss_curve.png"))
         (folder / "samples.txt").write_text(text_samples(model))
         sink.log_artifact(folder / "samples.txt")
-        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(folder / "global_model.safetensors"))
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+                  str(folder / "global_model.safetensors"))
         sink.log_artifact(folder / "global_model.safetensors")
     mlflow.set_tracking_uri(sink.uri)
     with mlflow.start_run(run_id=sink.run_id):

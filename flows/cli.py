@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_train.set_defaults(func=_train)
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")
-    p_resume.add_argument("checkpoint_url", help="{store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
+    p_resume.add_argument("checkpoint_url",
+                          help="{store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
     p_resume.add_argument("--config", default=None, help="recipe (default: the run's own config from the store)")
     p_resume.add_argument("--set", action="append", metavar="KEY=VALUE",
                           help="override a field, e.g. --set budget.tokens=12000000 to extend the run")
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p_chaos.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of every method's recipe, e.g. --set run.store=s3://bucket/chaos")
     p_chaos.add_argument("--out", default=None, metavar="FILE",
-                         help="also write every row (with availability, tokens and the eval-loss curve) to FILE as JSON")
+                         help="also write every row (with availability, tokens and the eval-loss curve) "
+                              "to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)

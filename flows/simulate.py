@@ -51,7 +51,7 @@ def plot_goodput(results: Sequence[CellResult], path: Path, title: str = "") -> 
         ax.plot(chips, [100 * r.goodput for r in cells], "o-", color=color, label=label)
         paper = [(r.scenario.chips, 100 * r.scenario.paper) for r in cells if r.scenario.paper is not None]
         if paper:
-            ax.plot(*zip(*paper), "x--", color=color, alpha=0.6)
+            ax.plot(*zip(*paper, strict=True), "x--", color=color, alpha=0.6)
     if any(r.scenario.paper is not None for r in results):
         ax.plot([], [], "kx--", alpha=0.6, label="paper (dashed)")
     all_chips = sorted({r.scenario.chips for r in results})

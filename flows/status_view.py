@@ -26,14 +26,15 @@ def render_status(st: dict) -> Group:
         learners.add_column(col, justify="right" if col not in ("learner", "state") else "left")
     for lid, info in sorted(st["learners"].items()):
         c = info.get("contributions", {})
-        learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", str(info["step"]), str(info["incarnation"]),
-                         str(info["tokens_processed"]), str(c.get("merged", 0)), str(c.get("late", 0)),
-                         str(c.get("rejected", 0)), f"{info['compute_goodput']:.3f}")
+        learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", str(info["step"]),
+                         str(info["incarnation"]), str(info["tokens_processed"]), str(c.get("merged", 0)),
+                         str(c.get("late", 0)), str(c.get("rejected", 0)), f"{info['compute_goodput']:.3f}")
     rounds = Table(title="open rounds")
     for col in ("fragment", "round", "stage", "announced", "verified"):
         rounds.add_column(col)
     for r in st.get("rounds", []):
-        rounds.add_row(str(r["fragment"]), str(r["round"]), r["stage"], ", ".join(r["announced"]), ", ".join(r["verified"]))
+        rounds.add_row(str(r["fragment"]), str(r["round"]), r["stage"], ", ".join(r["announced"]),
+                       ", ".join(r["verified"]))
     versions = ", ".join(f"p{p}: v{v}" for p, v in sorted(st["versions"].items(), key=lambda kv: int(kv[0])))
     return Group(head, learners, rounds, f"versions  {versions}")
 

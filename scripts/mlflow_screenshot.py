@@ -137,7 +137,7 @@ def find_run(base: str, experiment: str, run_id: str | None) -> dict:
         runs = _api(base, "runs/search", {"experiment_ids": [exp_id], "max_results": 200,
                                           "order_by": ["attributes.start_time DESC"]}).get("runs", [])
         tags = [{t["key"] for t in r["data"].get("tags", [])} for r in runs]
-        top = [r for r, keys in zip(runs, tags) if "mlflow.parentRunId" not in keys]
+        top = [r for r, keys in zip(runs, tags, strict=True) if "mlflow.parentRunId" not in keys]
         if not top:
             raise LookupError(f"experiment {experiment!r} has no top-level run")
         # a training run (tagged with its diloco run id) before any other top-level run

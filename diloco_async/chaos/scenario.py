@@ -71,7 +71,8 @@ class ScenarioSection(_Section):
     seed: int = 0
     slots: int = Field(ge=1, description="M, learner slots (DDP ranks).")
     wall_s: float = Field(gt=0, description="Each method runs this long: equal wall time.")
-    eval_tokens: int = Field(ge=1, description="Tokens in the global model at which 'eval loss at equal tokens' is read.")
+    eval_tokens: int = Field(
+        ge=1, description="Tokens in the global model at which 'eval loss at equal tokens' is read.")
     methods: list[Literal["ddp", "sync-diloco", "decoupled"]] = Field(default_factory=lambda: list(METHODS))
     config: str = Field("configs/default.toml", description="The training recipe all methods share.")
     overrides: list[str] = Field(default_factory=list, description="section.field=value on top of the recipe.")
@@ -238,8 +239,8 @@ def method_overrides(sc: Scenario, method: str) -> list[str]:
            f"budget.wall_s={s.wall_s + 600}", "budget.tokens=1000000000000"]
     st = sc.storage
     if st.p_transient or st.p_slow:
-        out.append("learners.storage_faults={p_transient=%r, p_slow=%r, slow_s=%r}"
-                   % (st.p_transient, st.p_slow, st.slow_s))
+        out.append(f"learners.storage_faults={{p_transient={st.p_transient!r}, p_slow={st.p_slow!r}, "
+                   f"slow_s={st.slow_s!r}}}")
     if method == "sync-diloco":
         out += [f"synchronizer.min_quorum={s.slots}", "synchronizer.grace_enabled=false", "learners.barrier=true"]
     elif method == "decoupled":

@@ -105,7 +105,8 @@ class DilocoTarget(ChaosTarget):
         on_metrics: receives the synchronizer's new metric points every 2 s and at the end.
     """
 
-    def __init__(self, sc: Scenario, method: str, on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
+    def __init__(self, sc: Scenario, method: str,
+                 on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
         super().__init__(sc, method)
         self.procs = RunProcesses(self.cfg, sc.scenario.config, self.overrides)
         self.procs.launcher = ForkServerLauncher(self.procs.workdir / "logs", PRELOAD)
