@@ -109,7 +109,7 @@ def test_bytes_round_trip_with_metadata(codec):
 def test_byte_size_ordering():
     x = {"w": torch.randn(256, 256)}
     sizes = [len(encode_to_bytes(x, c, {})) for c in CODECS]
-    assert sizes[0] > sizes[1] > sizes[2] > sizes[3], dict(zip(CODECS, sizes))
+    assert sizes[0] > sizes[1] > sizes[2] > sizes[3], dict(zip(CODECS, sizes, strict=True))
     n = 256 * 256
     assert sizes[0] >= 4 * n and sizes[3] < n  # int4: 0.5 B/value + 4 B per 64 values
 

@@ -86,8 +86,9 @@ def test_select_checkpoint_and_helpers():
     g1, g2 = data_generator(0, 1, 0), data_generator(0, 1, 0)
     assert torch.equal(torch.randint(0, 100, (5,), generator=g1), torch.randint(0, 100, (5,), generator=g2))
     # learner r's seed formula (diloco_async.workload.data_generator)
+    expected_seed = 3 * 1_000_003 + 2 * 1009 + 1
     assert torch.equal(torch.randint(0, 100, (5,), generator=data_generator(3, 2, 1)),
-                       torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(3 * 1_000_003 + 2 * 1009 + 1)))
+                       torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(expected_seed)))
 
 
 def test_group_argv_and_validation(tmp_path):
@@ -151,7 +152,7 @@ def test_two_ranks_train_checkpoint_and_agree(tmp_path, group_factory):
     cps = ddp_checkpoints(store, "ddp-test")
     assert [c.step for c in cps] == [5, 10, 15, 20]
     assert [c.tokens_committed for c in cps] == [s * 2 * TOKENS_PER_RANK_STEP for s in (5, 10, 15, 20)]
-    assert all(a.wall_unix < b.wall_unix for a, b in zip(cps, cps[1:]))
+    assert all(a.wall_unix < b.wall_unix for a, b in zip(cps, cps[1:], strict=False))
     final = load_ddp_params(store, cps[-1])
     hashes = set()
     for r in range(2):
@@ -205,7 +206,7 @@ def test_kill_rank_then_restart_resumes_from_last_checkpoint(tmp_path, group_fac
         return [ln for ln in read_timeline(g.timeline_path(r)) if ln["kind"] == "ready" and ln["incarnation"] == 1]
 
     for r in range(2):
-        ready = wait_until(lambda: ready_of_1(r), 30, f"rank {r} ready in incarnation 1")
+        ready = wait_until(lambda r=r: ready_of_1(r), 30, f"rank {r} ready in incarnation 1")
         assert ready[0]["step"] == last_ckpt
     wait_until(lambda: any(ln["kind"] == "step" and ln["incarnation"] == 1 and ln["step"] >= last_ckpt + 3
                            for ln in read_timeline(g.timeline_path(1))), 20, "steps after the restart")

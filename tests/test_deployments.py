@@ -263,7 +263,7 @@ def _wait_training(stack: PrefectStack, train_id: str, who: dict[str, int], time
                 return runs
         assert stack.flow_run(train_id).state.type.value not in TERMINAL, stack.logs_tail()
         time.sleep(0.3)
-    raise AssertionError("learners %s not training after %ss\n%s" % (who, timeout_s, stack.logs_tail()))
+    raise AssertionError(f"learners {who} not training after {timeout_s}s\n{stack.logs_tail()}")
 
 
 # Quorum K = 2 with a step budget: the global step g is the smaller of the two learners' steps,

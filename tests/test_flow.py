@@ -46,7 +46,8 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert all(c.info.status == "FINISHED" for c in children)
     assert "storage_options" not in " ".join(run.data.params)
     history = client.get_metric_history(run.info.run_id, "eval/loss")
-    assert [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1] == round(summary["eval_loss_final"], 4)
+    last = [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1]
+    assert last == round(summary["eval_loss_final"], 4)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
             "global_model.safetensors"} <= artifacts

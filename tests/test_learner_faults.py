@@ -51,7 +51,7 @@ async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronize
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     actor = asyncio.create_task(sync.run())
     learners = [Learner(lid, i, url, st, TOKEN, give_up_after_s=30) for i, (lid, st) in enumerate(stores.items())]
-    threads = [threading.Thread(target=l.run, daemon=True) for l in learners]
+    threads = [threading.Thread(target=learner.run, daemon=True) for learner in learners]
     for t in threads:
         t.start()
     try:
@@ -64,8 +64,8 @@ async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronize
     finally:
         await sync.request("stop", "test over")
         await asyncio.wait_for(actor, 60)
-        for l in learners:
-            l.stop_event.set()
+        for learner in learners:
+            learner.stop_event.set()
         for t in threads:
             await asyncio.to_thread(t.join, 20)
         await runner.cleanup()
@@ -99,7 +99,8 @@ async def test_exception_mid_upload_publishes_and_announces_nothing():
     torn.faults.tear(after_nbytes=64)  # learner c's first upload dies after 64 bytes
     stores = {"a": ObjectStore(mem), "b": ObjectStore(mem), "c": torn}
     sync = await run_cluster(config(**{"synchronizer.min_quorum": 1}), stores,
-                             lambda s: s.ledgers.get("c") is not None and s.ledgers["c"].contributions.get("merged", 0) >= 2)
+                             lambda s: s.ledgers.get("c") is not None
+                             and s.ledgers["c"].contributions.get("merged", 0) >= 2)
     assert torn.faults.injected["tear"] == 1
     assert sync.counters["contributions_rejected"] == 0  # nothing partial was ever announced
     shapes = sync.fragments[0].shapes

@@ -220,7 +220,7 @@ def test_rda_keeps_a_common_norm(data, norm):
     deltas = [d + 1e-3 for d in deltas]  # keep every vector away from zero
     deltas = [norm * d / torch.linalg.vector_norm(d) for d in deltas]
     out = rda(deltas, weights)
-    direction = sum(w * d / norm for d, w in zip(deltas, weights)) / sum(weights)
+    direction = sum(w * d / norm for d, w in zip(deltas, weights, strict=True)) / sum(weights)
     if torch.linalg.vector_norm(direction).item() > 1e-9:  # not the cancelling fallback
         assert torch.linalg.vector_norm(out).item() == pytest.approx(norm, rel=1e-9)
 

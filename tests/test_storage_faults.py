@@ -282,7 +282,8 @@ def test_torn_checkpoint_is_skipped_and_never_collected(kind, tmp_path, torn, ca
     takes checkpoint 2, logs why when there is something to skip, and GC keeps 2 and the partial 3."""
     store = local_store(kind, tmp_path)
     for seq in (1, 2):
-        write_checkpoint(store, "run", seq, _tensors(float(seq)), {"versions": {"0": seq}, "next_round": {"0": seq + 1}})
+        write_checkpoint(store, "run", seq, _tensors(float(seq)),
+                         {"versions": {"0": seq}, "next_round": {"0": seq + 1}})
     faulty = FaultyStore(store)
     faulty.faults.tear(after_nbytes=1000, skip=0 if torn == "state" else 1)
     with pytest.raises(SimulatedCrash):

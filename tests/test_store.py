@@ -1,4 +1,7 @@
-"""Local-store specifics, checkpoint commit rules and garbage collection (the backend contract is test_storage_contract.py)."""
+"""Local-store specifics, checkpoint commit rules and garbage collection.
+
+The backend contract is test_storage_contract.py.
+"""
 
 import json
 import os
@@ -95,7 +98,7 @@ def test_gc_deletes_behind_the_newest_verified_checkpoint(store):
     assert (report.deleted, report.deleted_nbytes) == (dry.deleted, dry.deleted_nbytes)
     assert report.checkpoint == 4 and report.deleted_checkpoints == [1, 2] and report.kept_checkpoints == [3, 4, 5]
     left = set(store.list("run"))
-    assert {keys.version_key("run", 0, v) for v in (3, 4, 5)} | {keys.version_key("run", 1, v) for v in (3, 4, 5)} <= left
+    assert {keys.version_key("run", p, v) for p in (0, 1) for v in (3, 4, 5)} <= left
     assert not {keys.version_key("run", p, v) for p in (0, 1) for v in (1, 2)} & left
     kept_rounds = {0: range(4, 6), 1: range(3, 6)}  # next_round - 1 and later
     for p in (0, 1):

@@ -68,7 +68,8 @@ def test_supervisor_waits_for_the_delay_before_restarting(tmp_path):
     launcher = LocalProcessLauncher(tmp_path / "logs")
 
     def start(index: int, incarnation: int):
-        return launcher.start(f"l{index}-{incarnation}", ["-c", "import sys; sys.exit(1)" if incarnation == 0 else RUNS], {})
+        code = "import sys; sys.exit(1)" if incarnation == 0 else RUNS
+        return launcher.start(f"l{index}-{incarnation}", ["-c", code], {})
 
     sup = Supervisor(start=start, restart_delay_s=30.0, max_restarts=1, log=lambda _: None)
     try:
@@ -94,7 +95,8 @@ def test_supervisor_retries_a_restart_that_failed_to_start(tmp_path):
             attempts.append(incarnation)
             if len(attempts) == 1:
                 raise RuntimeError("Prefect API unreachable")
-        return launcher.start(f"l{index}-{incarnation}", ["-c", "import sys; sys.exit(1)" if incarnation == 0 else RUNS], {})
+        code = "import sys; sys.exit(1)" if incarnation == 0 else RUNS
+        return launcher.start(f"l{index}-{incarnation}", ["-c", code], {})
 
     lines: list[str] = []
     sup = Supervisor(start=start, restart_delay_s=0.0, max_restarts=3, log=lines.append)

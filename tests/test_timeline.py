@@ -147,7 +147,8 @@ def test_schedule_statistics_match_the_failure_model():
 
 def test_bad_scenarios_name_the_field(tmp_path):
     p = tmp_path / "bad.toml"
-    p.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 10\neval_tokens = 5\n[stragglers]\nspeed = { "5" = 0.5 }\n')
+    p.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 10\neval_tokens = 5\n'
+                 '[stragglers]\nspeed = { "5" = 0.5 }\n')
     with pytest.raises(ValueError, match="slot '5'"):
         load_scenario(p)
     p.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 10\neval_tokens = 5\nmethods = ["ddp", "magic"]\n')
@@ -287,7 +288,8 @@ def test_ddp_steps_survive_up_to_the_step_the_next_incarnation_resumed_from():
     from diloco_async.chaos.targets import ddp_timeline_steps
 
     recs = [{"kind": "ready", "incarnation": 0, "step": 0}]
-    recs += [{"kind": "step", "step": s, "t0": s - 1.0, "t1": float(s), "tokens": 10, "wait_s": 0.25} for s in (1, 2, 3)]
+    recs += [{"kind": "step", "step": s, "t0": s - 1.0, "t1": float(s), "tokens": 10, "wait_s": 0.25}
+             for s in (1, 2, 3)]
     recs += [{"kind": "ready", "incarnation": 1, "step": 2}]  # resumed from the checkpoint at step 2
     recs += [{"kind": "step", "step": s, "t0": s + 9.0, "t1": s + 10.0, "tokens": 10} for s in (3, 4, 5)]
     steps = ddp_timeline_steps("slot-0", recs, final_step=4)

@@ -53,7 +53,8 @@ def _log_run(tmp_path: Path) -> tuple[str, str, str, Path]:
     points = []
     for step in range(0, 41, 4):  # a falling held-out loss and rising goodput over 40 merges
         points += [
-            {"key": "eval/loss", "value": 5.5 - 3.4 * (1 - np.exp(-step / 12)), "step": step, "timestamp_ms": now + step},
+            {"key": "eval/loss", "value": 5.5 - 3.4 * (1 - np.exp(-step / 12)), "step": step,
+             "timestamp_ms": now + step},
             {"key": "goodput/compute", "value": 0.5 + 0.4 * step / 40, "step": step, "timestamp_ms": now + step},
             {"key": "goodput/token", "value": 0.7 + 0.25 * step / 40, "step": step, "timestamp_ms": now + step},
             {"key": "sync/merges", "value": step, "step": step, "timestamp_ms": now + step},
