@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "merge_log_key", "plan_key", "config_key", "contribution_key", "version_key", "checkpoint_prefix",
+__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "merge_log_key", "plan_key", "config_key", "contribution_prefix", "contribution_key",
+           "versions_prefix", "version_key", "version_of_key", "checkpoint_prefix",
            "checkpoint_state_key", "checkpoint_manifest_key", "learner_prefix"]
 
 
@@ -14,12 +15,30 @@ def config_key(run_id: str) -> str:
     return f"{run_id}/config.json"
 
 
+def contribution_prefix(run_id: str, fragment: int, round_n: int) -> str:
+    """Where every contribution to round ``round_n`` of ``fragment`` lives (ends with "/")."""
+    return f"{run_id}/contrib/p{fragment:03d}/r{round_n:08d}/"
+
+
 def contribution_key(run_id: str, fragment: int, round_n: int, learner: str, nonce: str) -> str:
-    return f"{run_id}/contrib/p{fragment:03d}/r{round_n:08d}/{learner}-{nonce}.safetensors"
+    return f"{contribution_prefix(run_id, fragment, round_n)}{learner}-{nonce}.safetensors"
+
+
+def versions_prefix(run_id: str, fragment: int) -> str:
+    """Where every published version of ``fragment`` lives (ends with "/")."""
+    return f"{run_id}/globals/p{fragment:03d}/"
 
 
 def version_key(run_id: str, fragment: int, version: int) -> str:
-    return f"{run_id}/globals/p{fragment:03d}/v{version:08d}.safetensors"
+    return f"{versions_prefix(run_id, fragment)}v{version:08d}.safetensors"
+
+
+def version_of_key(key: str) -> int | None:
+    """The version number in a :func:`version_key`, or None for any other key."""
+    name = key.rsplit("/", 1)[-1]
+    if not (name.startswith("v") and name.endswith(".safetensors") and name[1:-len(".safetensors")].isdigit()):
+        return None
+    return int(name[1:-len(".safetensors")])
 
 
 def checkpoint_prefix(run_id: str) -> str:
