@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -19,4 +20,15 @@ def wait_until(pred: Callable[[], T], timeout_s: float, what: str, interval_s: f
         if value:
             return value
         time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def await_until(pred: Callable[[], Awaitable[T]], timeout_s: float, what: str, interval_s: float = 0.02) -> T:
+    """Async :func:`wait_until`: await ``pred()`` every ``interval_s`` seconds until it is truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await pred()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}")
