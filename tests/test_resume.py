@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -26,13 +25,16 @@ from storage.checkpoint import load_checkpoint
 from storage.store import ObjectRef, ObjectStore
 from storage_servers import make_bucket
 
+from polling import wait_until
+
 pytestmark = pytest.mark.integration
 
 TOKEN = "resume-token"
 OVERRIDES = [
     "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=1",
     "synchronizer.num_fragments=1", "synchronizer.sync_every=4", "synchronizer.grace_initial_s=0.0",
-    "synchronizer.checkpoint_every_s=100000", "synchronizer.heartbeat_timeout_s=60", "budget.wall_s=600",
+    "synchronizer.checkpoint_every_s=100000", "synchronizer.heartbeat_timeout_s=60", "synchronizer.drain_s=0",
+    "budget.wall_s=600",
 ]
 
 
@@ -54,23 +56,32 @@ class SyncProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sets, *args,
                                       "--ready-file", str(self.ready)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self.ready.exists():
+        def ready() -> bool:
             assert self.proc.poll() is None, f"synchronizer exited: {self.proc.returncode}"
-            assert time.monotonic() < deadline, "synchronizer not ready"
-            time.sleep(0.05)
+            return self.ready.exists()
+        wait_until(ready, 60, "the synchronizer's ready file", interval_s=0.05)
         self.url = json.loads(self.ready.read_text())["url"]
 
     def status(self) -> dict:
         return call(self.url, "/status")
 
     def stop(self) -> None:
+        """SIGTERM (final checkpoint and summary); the scripted learner's heartbeats hear "stop",
+        so the synchronizer need not wait for it. SIGKILL after 20 s."""
         if self.proc.poll() is None:
             self.proc.terminate()
+
+            def gone() -> bool:
+                try:
+                    call(self.url, "/heartbeat", {"learner_id": "scripted", "step": 0}, timeout=2.0)
+                except OSError:  # refused or reset once the server is down
+                    pass
+                return self.proc.poll() is not None
             try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
+                wait_until(gone, 20, "the synchronizer to exit", interval_s=0.1)
+            except AssertionError:
                 self.proc.kill()
+                self.proc.wait(10)
         self.log.close()
 
 
@@ -93,12 +104,10 @@ class ScriptedLearner:
 
     def outer_step(self, r: int) -> None:
         """Round r of fragment 0: report step 4r, wait for the round, contribute, wait for version r."""
-        call(self.sync.url, "/heartbeat", {"learner_id": "scripted", "step": 4 * r})
-        deadline = time.monotonic() + 20
-        while not any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"]):
-            assert time.monotonic() < deadline, f"round {r} did not open"
+        def round_open() -> bool:
             call(self.sync.url, "/heartbeat", {"learner_id": "scripted", "step": 4 * r})
-            time.sleep(0.05)
+            return any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"])
+        wait_until(round_open, 20, f"round {r} to open", interval_s=0.05)
         data = wire.encode_to_bytes(self.delta(r), "fp32", {})
         ref = self.store.put(keys.contribution_key(self.run_id, 0, r, "scripted", uuid.uuid4().hex[:8]), data)
         ack = call(self.sync.url, "/announce", {
@@ -106,9 +115,7 @@ class ScriptedLearner:
             "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
             "codec": "fp32", "update_id": f"u{r}"})
         assert ack["status"] == "accepted", ack
-        while self.sync.status()["versions"]["0"] < r:
-            assert time.monotonic() < deadline, f"version {r} not published"
-            time.sleep(0.05)
+        wait_until(lambda: self.sync.status()["versions"]["0"] >= r, 20, f"version {r} to be published", interval_s=0.05)
 
 
 def fragment_state(store: ObjectStore, run_id: str, seq: int) -> tuple[dict, dict, dict]:
