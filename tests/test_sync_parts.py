@@ -17,7 +17,7 @@ def point(i: int) -> dict:
 
 
 def test_metric_log_memory_stays_flat_over_many_points(tmp_path):
-    log = JsonLinesLog(tmp_path / "metrics.jsonl", tail=500)
+    log = JsonLinesLog(tail=500, spill_dir=tmp_path)
     tracemalloc.start()
     try:
         for i in range(5_000):
@@ -36,13 +36,19 @@ def test_metric_log_memory_stays_flat_over_many_points(tmp_path):
     log.flush()
     assert log.read_spilled(5, 3, upto=len(log)) == [point(5), point(6), point(7)]
     assert log.read_spilled(49_998, 10, upto=len(log)) == [point(49_998), point(49_999)]
+    log.seal()
+    log.append(point(50_000))  # after the seal: in memory only
+    with open(log.source, "rb") as fh:  # what the final upload reads
+        assert sum(1 for _ in fh) == 50_000
     log.close()
-    assert sum(1 for _ in open(tmp_path / "metrics.jsonl")) == 50_000
-    assert list(log)[-1] == point(49_999)  # the tail stays readable after close
+    assert list(log)[-1] == point(50_000)  # the tail stays readable after close
+    assert list(tmp_path.iterdir()) == []  # nothing left on disk
+    with pytest.raises(ValueError):
+        log.read_spilled(0, 1, upto=1)
 
 
 def test_spilled_read_stops_at_the_flushed_count(tmp_path):
-    log = JsonLinesLog(tmp_path / "m.jsonl", tail=2)
+    log = JsonLinesLog(tail=2, spill_dir=tmp_path)
     for i in range(10):
         log.append(point(i))
     log.flush()
@@ -50,6 +56,7 @@ def test_spilled_read_stops_at_the_flushed_count(tmp_path):
     for i in range(10, 15):  # appended after the flush: not part of this answer
         log.append(point(i))
     assert log.read_spilled(8, 100, upto=upto) == [point(8), point(9)]
+    log.close()
 
 
 def test_bounded_map_keeps_the_newest_entries():

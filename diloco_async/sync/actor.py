@@ -34,7 +34,7 @@ from diloco_async.sync import persistence, reporting
 from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle, Phase
-from diloco_async.sync.logs import BoundedMap, JsonLinesLog, SpillDir
+from diloco_async.sync.logs import BoundedMap, JsonLinesLog
 from diloco_async.sync.reporting import METRICS_BATCH, METRICS_TAIL, MERGES_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
 from diloco_async.sync.state import (
@@ -66,7 +66,7 @@ class Synchronizer(RoundDriver, Checkpointing):
         store: the object store; the run lives under ``{store}/{run_id}/``.
         run_id: this run's id.
         clock: monotonic clock in seconds (injectable for tests).
-        spill_dir: parent folder of the metric and merge spill files (default: the temp folder).
+        spill_dir: folder of the metric and merge spill files (default: the temporary folder).
         metrics_tail, merges_tail, settled_cap: records kept in memory (see
             :mod:`~diloco_async.sync.reporting` and :data:`~diloco_async.sync.rounds.SETTLED_CAP`).
     """
@@ -96,8 +96,7 @@ class Synchronizer(RoundDriver, Checkpointing):
         self.resumed_from: Optional[int] = None
         self.checkpoints = CheckpointBook(self.started_s)
         self.g: Optional[int] = None
-        self._spill = SpillDir(prefix=f"diloco-sync-{run_id}-", parent=spill_dir)
-        self.report = Reporter(self.started_s, self._spill, metrics_tail, merges_tail)
+        self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
         params, emb = initial_parameters(cfg)
         self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
         self.fragments = new_fragments(self.plan, params, self.sc)
@@ -171,7 +170,6 @@ class Synchronizer(RoundDriver, Checkpointing):
     def close(self) -> None:
         """Close and delete the spill files (the in-memory tails stay readable)."""
         self.report.close()
-        self._spill.remove()
 
     async def request(self, kind: str, body: Any) -> Any:
         """Enqueue a request for the actor and wait for its reply (used by the HTTP handlers)."""
@@ -350,7 +348,7 @@ class Synchronizer(RoundDriver, Checkpointing):
             self.life.move(Phase.WRITING_SUMMARY)
             self.final_summary = self.summary()
             self.report.goodput_metrics(self.registry.ledgers)
-            self.report.close()  # the spill files are complete: nothing more goes to the store
+            self.report.seal()  # the spill files are complete: nothing more goes to the store
             self._spawn(self._write_final())
         elif phase is Phase.FINISHING and (self.registry.everyone_told_to_stop()
                                            or now - (self.life.stop_since_s or now) > _FINISH_WAIT_S):

@@ -1,22 +1,23 @@
 """Bounded memory for the synchronizer's long-lived records.
 
 A run with 4 learners produces millions of metric points a day. :class:`JsonLinesLog` appends
-every record to a local JSON-lines spill file and keeps only the newest ``tail`` records in
-memory; readers that fell further behind read the file. :class:`BoundedMap` keeps the newest
+every record to a local JSON-lines spill file (on disk, not in memory) and keeps only the newest
+``tail`` records in memory; readers that fell further behind read the file. :class:`BoundedMap` keeps the newest
 ``cap`` entries of a mapping. Memory stays flat over a run of any length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import tempfile
+import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Generic, Hashable, Iterator, Optional, TypeVar
 
-__all__ = ["JsonLinesLog", "BoundedMap", "SpillDir"]
+__all__ = ["JsonLinesLog", "BoundedMap"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -24,46 +25,49 @@ V = TypeVar("V")
 _READ_CHUNK_BYTES = 1 << 20
 
 
-class SpillDir:
-    """A private temporary folder for spill files, removed by :meth:`remove`."""
-
-    def __init__(self, prefix: str, parent: Optional[str | os.PathLike] = None) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
 class JsonLinesLog:
     """An append-only log of JSON records, numbered from 0, with a bounded in-memory tail.
 
-    Every record is written as one line to ``path`` (created empty); the newest ``tail`` records
-    are also kept in memory, encoded. Owned by one task: :meth:`append` and :meth:`read` are not
-    thread-safe with each other; :meth:`read_spilled` is, for lines the owner has flushed.
+    Every record is written as one line to a local spill file; the newest ``tail`` records are
+    also kept in memory, encoded. On Linux the spill file is unlinked at once and lives only as
+    long as it is open (nothing is left behind, even after SIGKILL); :attr:`source` is a path
+    that reads it while the log is open. Owned by one task: :meth:`append`, :meth:`read`,
+    :meth:`flush` and :meth:`seal` are not thread-safe with each other; :meth:`read_spilled` may
+    run in another thread, for lines flushed before it was called.
 
     Args:
-        path: the spill file (local disk).
         tail: records kept in memory (≥ 1).
+        prefix: name prefix of the spill file.
+        spill_dir: its folder (default: the temporary folder).
 
     Raises:
         ValueError: ``tail`` < 1.
     """
 
-    def __init__(self, path: str | os.PathLike, tail: int) -> None:
+    def __init__(self, tail: int, *, prefix: str = "diloco-log-",
+                 spill_dir: Optional[str | os.PathLike] = None) -> None:
         if tail < 1:
             raise ValueError(f"tail must be >= 1, got {tail}")
-        self.path = Path(path)
         self.tail = tail
         self._lines: deque[str] = deque(maxlen=tail)
         self._total = 0
-        self._file = open(self.path, "w", encoding="utf-8")
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=".jsonl", dir=spill_dir)
+        self._file = os.fdopen(fd, "w+b")
+        self._lock = threading.Lock()  # spilled reads against close
+        self._sealed = False
+        proc = Path(f"/proc/self/fd/{fd}")
+        if proc.exists():
+            os.unlink(path)
+            self.source, self._path = proc, None
+        else:
+            self.source, self._path = Path(path), path
 
     def append(self, record: dict) -> None:
         line = json.dumps(record)
         self._lines.append(line)
         self._total += 1
-        if not self._file.closed:
-            self._file.write(line + "\n")
+        if not self._sealed:
+            self._file.write(line.encode() + b"\n")
 
     def __len__(self) -> int:
         """Records appended since the start (not only those in memory)."""
@@ -91,20 +95,32 @@ class JsonLinesLog:
         return [json.loads(self._lines[i]) for i in range(start, min(len(self._lines), start + limit))]
 
     def flush(self) -> None:
-        if not self._file.closed:
+        if not self._sealed:
             self._file.flush()
+
+    def seal(self) -> None:
+        """Flush and stop spilling: the file holds every record appended so far and :attr:`source`
+        can be uploaded; later records stay in memory only."""
+        self.flush()
+        self._sealed = True
 
     def read_spilled(self, since: int, limit: int, upto: int) -> list[dict]:
         """Records ``since`` .. ``min(since + limit, upto) - 1`` read from the spill file.
 
         Blocking (disk); run it in a thread. Call :meth:`flush` first, on the owner's task, and
         pass ``upto = len(log)`` as it was then: only lines flushed by then are read.
+
+        Raises:
+            ValueError: the log is closed.
         """
         stop = min(since + limit, upto)
         out: list[dict] = []
-        with open(self.path, "rb") as fh:
-            n, pending = 0, b""
-            while n < stop and (chunk := fh.read(_READ_CHUNK_BYTES)):
+        with self._lock:
+            if self._file.closed:
+                raise ValueError("the log is closed")
+            fd, offset, n, pending = self._file.fileno(), 0, 0, b""
+            while n < stop and (chunk := os.pread(fd, _READ_CHUNK_BYTES, offset)):
+                offset += len(chunk)
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     if since <= n < stop:
@@ -113,8 +129,13 @@ class JsonLinesLog:
         return out
 
     def close(self) -> None:
-        """Close the spill file (kept on disk); the in-memory tail stays readable."""
-        self._file.close()
+        """Close and delete the spill file; the in-memory tail stays readable."""
+        self.seal()
+        with self._lock:
+            self._file.close()
+        if self._path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
 
 
 class BoundedMap(Generic[K, V]):

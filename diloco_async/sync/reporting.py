@@ -10,12 +10,13 @@ at the end of the run they go to the store as ``metrics.jsonl`` and ``merges.jso
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Optional
 
 from diloco_async.goodput import MergeGaps, totals
-from diloco_async.sync.logs import JsonLinesLog, SpillDir
+from diloco_async.sync.logs import JsonLinesLog
 from storage import keys
 from storage.store import ObjectStore
 
@@ -41,16 +42,17 @@ class Reporter:
 
     Args:
         started_s: the actor's start on its clock (s).
-        spill: folder of the spill files.
+        name: names the spill files (e.g. the run id).
+        spill_dir: folder of the spill files (default: the temporary folder).
         metrics_tail, merges_tail: records of each log kept in memory.
     """
 
-    def __init__(self, started_s: float, spill: SpillDir, metrics_tail: int = METRICS_TAIL,
-                 merges_tail: int = MERGES_TAIL) -> None:
+    def __init__(self, started_s: float, name: str, spill_dir: Optional[str | os.PathLike] = None,
+                 metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL) -> None:
         self.counters: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
-        self.metrics = JsonLinesLog(spill.path / "metrics.jsonl", metrics_tail)
-        self.merge_log = JsonLinesLog(spill.path / "merges.jsonl", merges_tail)
+        self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
+        self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
 
     def metric(self, key: str, value: float, step: Optional[int] = None) -> None:
@@ -84,6 +86,11 @@ class Reporter:
         for lid, led in ledgers.items():
             self.metric(f"learner/{lid}/compute_goodput", led.compute_goodput)
             self.metric(f"learner/{lid}/token_goodput", led.token_goodput)
+
+    def seal(self) -> None:
+        """The spill files hold everything so far and may be uploaded (:func:`write_final`)."""
+        self.metrics.seal()
+        self.merge_log.seal()
 
     def close(self) -> None:
         self.metrics.close()
@@ -147,11 +154,11 @@ def status(sync: "Synchronizer") -> dict:
 
 def write_final(store: ObjectStore, run_id: str, epoch: str, final_summary: dict, rep: Reporter) -> None:
     """Put the epoch's ``metrics.jsonl``, ``summary.json`` and ``merges.jsonl`` (blocking; the
-    reporter's logs closed first, on the actor's task).
+    reporter's logs sealed first, on the actor's task).
 
     Raises:
         OSError, FileExistsError, TimeoutError: the store did not take one of them.
     """
-    store.put_from_file(keys.metrics_log_key(run_id, epoch), rep.metrics.path)
+    store.put_from_file(keys.metrics_log_key(run_id, epoch), rep.metrics.source)
     store.put_json(keys.summary_key(run_id, epoch), final_summary)
-    store.put_from_file(keys.merge_log_key(run_id, epoch), rep.merge_log.path)
+    store.put_from_file(keys.merge_log_key(run_id, epoch), rep.merge_log.source)
