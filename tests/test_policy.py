@@ -155,7 +155,10 @@ def announcement(**kw) -> Announcement:
     return Announcement(**{**body, **kw})
 
 
-def admit(ann, *, now_s=0.0, known=True, fragment=FragmentFacts(0, 2, frozenset({0})), rnd=None, settled=None):
+FRAGMENT_0 = FragmentFacts(version=0, next_round=2, kept_versions=frozenset({0}))
+
+
+def admit(ann, *, now_s=0.0, known=True, fragment=FRAGMENT_0, rnd=None, settled=None):
     return admit_announcement(ann, now_s=now_s, learner_known=known, fragment=fragment, round_state=rnd,
                               settled_key=settled, key_prefix=PREFIX, codecs=("fp32", "bf16"), max_staleness=4)
 

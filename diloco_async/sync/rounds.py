@@ -9,6 +9,7 @@ pure functions of :mod:`diloco_async.policy`; the blocking work is :mod:`diloco_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Callable
@@ -124,6 +125,7 @@ class RoundDriver:
             self.report.count("contributions_late")
             return AnnouncementAck(status="late", reason=adm.reason)
         rnd.contributions[lid] = Contribution(ann)
+        rnd.none_pending.clear()
         self._spawn(self._verify(f, ann))
         return AnnouncementAck(status="accepted", reason=adm.reason)
 
@@ -153,12 +155,14 @@ class RoundDriver:
             self._reject(msg.learner, reason, detail, msg.fragment, msg.round_n)
             rnd.state.settle(msg.learner, False)
             rnd.contributions.pop(msg.learner, None)
-            return
-        self.report.counters["bytes_in"] += msg.nbytes  # logged with each merge
-        contrib = rnd.contributions.get(msg.learner)
-        if contrib is not None:
-            contrib.delta = msg.delta
-        rnd.state.settle(msg.learner, True)
+        else:
+            self.report.counters["bytes_in"] += msg.nbytes  # logged with each merge
+            contrib = rnd.contributions.get(msg.learner)
+            if contrib is not None:
+                contrib.delta = msg.delta
+            rnd.state.settle(msg.learner, True)
+        if not rnd.state.pending:
+            rnd.none_pending.set()
 
     # -- quorum, grace, merge -----------------------------------------------------------------
 
@@ -207,9 +211,9 @@ class RoundDriver:
 
     async def _merge_task(self, f: FragmentState, rnd: Round, quorum_wait_s: float) -> None:
         # Announcements admitted before the merge started are awaited (bounded by the fetch timeout).
-        deadline = self.clock() + self.sc.storage_timeout_s + 1.0
-        while rnd.state.pending and self.clock() < deadline:
-            await asyncio.sleep(0.01)
+        if rnd.state.pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rnd.none_pending.wait(), self.sc.storage_timeout_s + 1.0)
         n = rnd.state.round_n
         try:
             # the contributions are fixed here, on the actor's loop: the worker thread gets its own list

@@ -132,11 +132,13 @@ class Contribution:
 
 @dataclass
 class Round:
-    """An open round: its policy state and the contributions admitted so far (by learner)."""
+    """An open round: its policy state and the contributions admitted so far (by learner).
+    ``none_pending`` is set while no admitted contribution is still being fetched and checked."""
 
     state: RoundState
     contributions: dict[str, Contribution] = field(default_factory=dict)
     last_wait_log_s: float = 0.0
+    none_pending: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 # Internal messages. A request carries the future the HTTP handler waits on.
