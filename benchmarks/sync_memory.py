@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
 
 from diloco_async.config import load_config
 from flows.train import TrainingRun
@@ -73,7 +72,7 @@ def rss_at(samples: list[tuple[float, int]], minute: float) -> int:
     return next(rss for t, rss in samples if t >= minute * 60)
 
 
-def bars(samples: list[tuple[float, int]], minutes: float) -> tuple[float, list[tuple[str, Optional[float], str]]]:
+def bars(samples: list[tuple[float, int]], minutes: float) -> tuple[float, list[tuple[str, float | None, str]]]:
     """(reference minute, rows as (figure, value, goal)); a goal of "" marks a figure shown only."""
     ref_minute = min(5.0, minutes / 4)
     ref, end = rss_at(samples, ref_minute), samples[-1][1]
@@ -85,7 +84,7 @@ def bars(samples: list[tuple[float, int]], minutes: float) -> tuple[float, list[
     ]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sync_memory", description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=20.0, help="length of the sampled run (default 20)")
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between RSS samples (default 5)")

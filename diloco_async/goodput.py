@@ -13,7 +13,7 @@ A learner-second is *useful* when it was spent on inner steps whose contribution
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
 
 __all__ = [
     "Goodputs",
@@ -67,7 +67,7 @@ def uptime(merge_times_s: Iterable[float], start_s: float, end_s: float, max_gap
     if span == 0:
         return 1.0
     points = [start_s] + sorted(t for t in merge_times_s if start_s <= t <= end_s) + [end_s]
-    down = sum(max(0.0, b - a - max_gap_s) for a, b in zip(points, points[1:]))
+    down = sum(max(0.0, b - a - max_gap_s) for a, b in zip(points, points[1:], strict=False))
     return max(0.0, 1.0 - down / span)
 
 
@@ -86,8 +86,8 @@ class MergeGaps:
 
     start_s: float
     min_gap_s: float
-    first_s: Optional[float] = None
-    last_s: Optional[float] = None
+    first_s: float | None = None
+    last_s: float | None = None
     long_gaps: list[tuple[float, float]] = field(default_factory=list)
 
     def record(self, t_s: float) -> None:
@@ -168,7 +168,7 @@ class LearnerLedger(Goodputs):
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "LearnerLedger":
+    def from_json(cls, d: Mapping) -> LearnerLedger:
         return cls(
             provisioned_s=float(d["provisioned_s"]),
             useful_s=float(d["useful_s"]),
@@ -180,10 +180,10 @@ class LearnerLedger(Goodputs):
 
 def totals(ledgers: Mapping[str, LearnerLedger]) -> dict[str, float]:
     """Run-wide compute and token goodput over all learners' ledgers."""
-    useful = sum(min(l.useful_s, l.provisioned_s) for l in ledgers.values())
-    prov = sum(l.provisioned_s for l in ledgers.values())
-    merged = sum(min(l.tokens_merged, l.tokens_processed) for l in ledgers.values())
-    processed = sum(l.tokens_processed for l in ledgers.values())
+    useful = sum(min(led.useful_s, led.provisioned_s) for led in ledgers.values())
+    prov = sum(led.provisioned_s for led in ledgers.values())
+    merged = sum(min(led.tokens_merged, led.tokens_processed) for led in ledgers.values())
+    processed = sum(led.tokens_processed for led in ledgers.values())
     return {
         "compute_goodput": compute_goodput(useful, prov),
         "token_goodput": token_goodput(merged, processed),

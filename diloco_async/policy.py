@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Optional, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from diloco_async.config import BudgetConfig
 from diloco_async.fragments import fragment_offset
@@ -44,12 +44,12 @@ class GraceDecision:
 
 def grace_window(
     *,
-    step_time_s: Optional[float],
+    step_time_s: float | None,
     quorum_wait_s: float,
-    sync_time_s: Optional[float],
+    sync_time_s: float | None,
     tau: int,
     gamma: float,
-    cap_s: Optional[float],
+    cap_s: float | None,
     initial_s: float,
 ) -> GraceDecision:
     """Adaptive grace window, paper Eq. 3 (DESIGN §4.3).
@@ -86,7 +86,7 @@ def grace_window(
     return GraceDecision(grace, why)
 
 
-def global_step(local_steps: Iterable[int], min_quorum: int) -> Optional[int]:
+def global_step(local_steps: Iterable[int], min_quorum: int) -> int | None:
     """The synchronizer's global step g: the K-th largest local step among live learners
     (DESIGN §3.2); None while fewer than K learners are live."""
     steps = sorted(local_steps, reverse=True)
@@ -151,11 +151,12 @@ def schedule_rounds(
     queue.sort(key=lambda pn: (round_due_step(fragment_offset(pn[0], num, sync_every), pn[1], sync_every), pn[0]))
     free = max(0, max_open_rounds - open_count)
     open_now, rest = tuple(queue[:free]), tuple(queue[free:])
-    reason = f"g={g}: {newly} newly due, {len(open_now)} opened, {len(rest)} waiting ({open_count}/{max_open_rounds} open before)"
+    reason = (f"g={g}: {newly} newly due, {len(open_now)} opened, {len(rest)} waiting "
+              f"({open_count}/{max_open_rounds} open before)")
     return ScheduleDecision(open_now, rest, reason)
 
 
-def budget_stop_reason(budget: BudgetConfig, *, tokens: int, g: Optional[int], elapsed_s: float) -> Optional[str]:
+def budget_stop_reason(budget: BudgetConfig, *, tokens: int, g: int | None, elapsed_s: float) -> str | None:
     """Why the run's budget is spent (tokens processed, global step g, wall seconds), or None.
 
     Tokens are checked first, then steps, then wall time; the reason names the figure.
@@ -206,7 +207,7 @@ class Admission:
 class _Entry:
     key: str
     at_s: float
-    verified: Optional[bool] = None  # None: fetching; True: valid; False: rejected
+    verified: bool | None = None  # None: fetching; True: valid; False: rejected
 
 
 @dataclass
@@ -223,9 +224,9 @@ class RoundState:
     opened_s: float
     min_quorum: int
     stage: RoundStage = RoundStage.OPEN
-    quorum_s: Optional[float] = None
-    deadline_s: Optional[float] = None
-    grace: Optional[GraceDecision] = None
+    quorum_s: float | None = None
+    deadline_s: float | None = None
+    grace: GraceDecision | None = None
     entries: dict[str, _Entry] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
 
@@ -271,7 +272,7 @@ class RoundState:
         self.grace = decision
         self.deadline_s = now_s + decision.grace_s
 
-    def should_merge(self, now_s: float, live_learners: Iterable[str]) -> Optional[str]:
+    def should_merge(self, now_s: float, live_learners: Iterable[str]) -> str | None:
         """In the grace stage: the reason to merge now, or None to keep waiting."""
         if self.stage is not RoundStage.GRACE:
             return None
@@ -308,9 +309,9 @@ def admit_announcement(
     *,
     now_s: float,
     learner_known: bool,
-    fragment: Optional[FragmentFacts],
-    round_state: Optional[RoundState],
-    settled_key: Optional[str],
+    fragment: FragmentFacts | None,
+    round_state: RoundState | None,
+    settled_key: str | None,
     key_prefix: str,
     codecs: Collection[str],
     max_staleness: int,
@@ -366,7 +367,7 @@ class Ema:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
-        self.value: Optional[float] = None
+        self.value: float | None = None
 
     def update(self, sample: float) -> float:
         self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value

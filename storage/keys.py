@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "merge_log_key", "plan_key", "config_key", "contribution_prefix", "contribution_key",
-           "versions_prefix", "version_key", "version_of_key", "checkpoint_prefix",
+__all__ = ["split_checkpoint_url", "summary_key", "metrics_log_key", "merge_log_key", "plan_key", "config_key",
+           "contribution_prefix", "contribution_key", "versions_prefix", "version_key", "version_of_key", "checkpoint_prefix",
            "checkpoint_state_key", "checkpoint_manifest_key", "learner_prefix"]
 
 

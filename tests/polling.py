@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Awaitable, Callable
 
 T = TypeVar("T")
 

@@ -144,5 +144,6 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
     finally:
         for p in procs + [sync]:
             p.terminate(grace_s=5)
-    restored_step = int(log2.read_text().split("restored its inner state from checkpoint ")[1].split("(step ")[1].split(",")[0])
+    restored = log2.read_text().split("restored its inner state from checkpoint ")[1]
+    restored_step = int(restored.split("(step ")[1].split(",")[0])
     assert restored_step > 0

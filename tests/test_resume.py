@@ -40,7 +40,8 @@ OVERRIDES = [
 
 def call(url: str, path: str, body: dict | None = None, timeout: float = 30.0):
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}{path}", data=data, method="GET" if body is None and path != "/checkpoint" else "POST",
+    method = "GET" if body is None and path != "/checkpoint" else "POST"
+    req = urllib.request.Request(f"{url}{path}", data=data, method=method,
                                  headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -115,7 +116,8 @@ class ScriptedLearner:
             "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
             "codec": "fp32", "update_id": f"u{r}"})
         assert ack["status"] == "accepted", ack
-        wait_until(lambda: self.sync.status()["versions"]["0"] >= r, 20, f"version {r} to be published", interval_s=0.05)
+        wait_until(lambda: self.sync.status()["versions"]["0"] >= r, 20, f"version {r} to be published",
+                   interval_s=0.05)
 
 
 def fragment_state(store: ObjectStore, run_id: str, seq: int) -> tuple[dict, dict, dict]:

@@ -16,7 +16,8 @@ import os
 import time
 import uuid
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
@@ -72,7 +73,7 @@ class Synchronizer(RoundDriver, Checkpointing):
     """
 
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
-                 clock: Callable[[], float] = time.monotonic, *, spill_dir: Optional[str | os.PathLike] = None,
+                 clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
                  metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL,
                  settled_cap: int = SETTLED_CAP) -> None:
         self.cfg = cfg
@@ -90,12 +91,12 @@ class Synchronizer(RoundDriver, Checkpointing):
         self.life = Lifecycle()
         self._drain_until_s = 0.0
         self.finished = asyncio.Event()
-        self.final_summary: Optional[dict] = None
+        self.final_summary: dict | None = None
         self._tasks: set[asyncio.Task] = set()
         self.epoch = uuid.uuid4().hex[:12]  # changes at every (re)start: learners reset round state
-        self.resumed_from: Optional[int] = None
+        self.resumed_from: int | None = None
         self.checkpoints = CheckpointBook(self.started_s)
-        self.g: Optional[int] = None
+        self.g: int | None = None
         self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
         params, emb = initial_parameters(cfg)
         self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
@@ -124,7 +125,7 @@ class Synchronizer(RoundDriver, Checkpointing):
         return self.registry.ledgers
 
     @property
-    def stop_reason(self) -> Optional[str]:
+    def stop_reason(self) -> str | None:
         return self.life.stop_reason
 
     # -- start-up, reports --------------------------------------------------------------------
@@ -153,7 +154,7 @@ class Synchronizer(RoundDriver, Checkpointing):
             while not self.finished.is_set():
                 try:
                     msg = await asyncio.wait_for(self.inbox.get(), timeout=0.05)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     msg = None
                 if msg is not None:
                     self._dispatch(msg)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from diloco_async.config import SynchronizerConfig
 from diloco_async.sync.persistence import checkpoint_payload
@@ -32,7 +33,7 @@ class CheckpointBook:
 
     def __init__(self, started_s: float) -> None:
         self.seq = 0  # the newest sequence number taken
-        self.last_seq: Optional[int] = None  # newest checkpoint this process wrote
+        self.last_seq: int | None = None  # newest checkpoint this process wrote
         self.in_flight = False
         self.gc_in_flight = False
         self.waiters: list = []  # futures of POST /checkpoint requests
@@ -75,7 +76,7 @@ class Checkpointing:
     run_id: str
     clock: Callable[[], float]
     inbox: asyncio.Queue
-    report: "Reporter"
+    report: Reporter
     checkpoints: CheckpointBook
 
     def _spawn(self, coro) -> None:  # provided by the actor

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from diloco_async.goodput import LearnerLedger
 from diloco_async.messages import Heartbeat, JoinRequest
@@ -27,7 +27,7 @@ class LearnerInfo:
     last_seen_s: float
     live: bool = True
     step: int = 0
-    step_time_s: Optional[float] = None
+    step_time_s: float | None = None
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
     stop_sent: bool = False
@@ -48,18 +48,18 @@ class LearnerRegistry:
     def __contains__(self, learner_id: object) -> bool:
         return learner_id in self.learners
 
-    def get(self, learner_id: str) -> Optional[LearnerInfo]:
+    def get(self, learner_id: str) -> LearnerInfo | None:
         return self.learners.get(learner_id)
 
     def live(self) -> list[LearnerInfo]:
         return [i for i in self.learners.values() if i.live]
 
-    def slowest_step_s(self) -> Optional[float]:
+    def slowest_step_s(self) -> float | None:
         """Step time (s) of the slowest live learner that reported one, or None."""
         times = [i.step_time_s for i in self.live() if i.step_time_s]
         return max(times) if times else None
 
-    def join(self, req: JoinRequest, now_s: float, global_step: Optional[int]) -> int:
+    def join(self, req: JoinRequest, now_s: float, global_step: int | None) -> int:
         """Register a (re)joining learner; returns the local step it continues from.
 
         A new incarnation continues at the global step at least: behind it, it would hold the

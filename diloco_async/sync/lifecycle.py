@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 __all__ = ["Phase", "Lifecycle"]
 
@@ -56,9 +55,9 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.phase = Phase.RUNNING
-        self.drain_reason: Optional[str] = None
-        self.stop_reason: Optional[str] = None
-        self.stop_since_s: Optional[float] = None  # clock seconds
+        self.drain_reason: str | None = None
+        self.stop_reason: str | None = None
+        self.stop_since_s: float | None = None  # clock seconds
 
     def move(self, to: Phase) -> None:
         if to not in _ALLOWED[self.phase]:

@@ -15,7 +15,8 @@ import tempfile
 import threading
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Generic, Hashable, Iterator, Optional, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Hashable, Iterator
 
 __all__ = ["JsonLinesLog", "BoundedMap"]
 
@@ -45,7 +46,7 @@ class JsonLinesLog:
     """
 
     def __init__(self, tail: int, *, prefix: str = "diloco-log-",
-                 spill_dir: Optional[str | os.PathLike] = None) -> None:
+                 spill_dir: str | os.PathLike | None = None) -> None:
         if tail < 1:
             raise ValueError(f"tail must be >= 1, got {tail}")
         self.tail = tail
@@ -86,7 +87,7 @@ class JsonLinesLog:
         """The records held in memory, oldest first."""
         return (json.loads(line) for line in list(self._lines))
 
-    def read(self, since: int, limit: int) -> Optional[list[dict]]:
+    def read(self, since: int, limit: int) -> list[dict] | None:
         """Records ``since`` .. ``since + limit - 1`` from memory; None if some are only on disk."""
         since = max(0, since)
         if since < self.first_in_memory:
@@ -157,7 +158,7 @@ class BoundedMap(Generic[K, V]):
         while len(self._items) > self.cap:
             self._items.popitem(last=False)
 
-    def get(self, key: K, default: Optional[V] = None) -> Optional[V]:
+    def get(self, key: K, default: V | None = None) -> V | None:
         return self._items.get(key, default)
 
     def __contains__(self, key: object) -> bool:

@@ -8,7 +8,7 @@ the blocking ones before serving.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +28,7 @@ __all__ = ["publish_initial", "open_checkpoint", "restore", "checkpoint_payload"
 log = logging.getLogger("diloco.synchronizer")
 
 
-def publish_initial(sync: "Synchronizer") -> None:
+def publish_initial(sync: Synchronizer) -> None:
     """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
     sync.store.put_json(keys.plan_key(sync.run_id), {
         "run_id": sync.run_id, "plan": sync.plan.to_json(), "schema_hash": sync.plan.schema_hash,
@@ -41,7 +41,7 @@ def publish_initial(sync: "Synchronizer") -> None:
              sync.plan.schema_hash[:12])
 
 
-def open_checkpoint(url: str, config_path: Optional[str], overrides: list[str],
+def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
                     storage_options: dict) -> tuple[Config, ObjectStore, str, Checkpoint]:
     """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
 
@@ -77,7 +77,7 @@ def open_checkpoint(url: str, config_path: Optional[str], overrides: list[str],
     return cfg, store, run_id, ckpt
 
 
-def _check_compatible(sync: "Synchronizer", ckpt: Checkpoint) -> None:
+def _check_compatible(sync: Synchronizer, ckpt: Checkpoint) -> None:
     m = ckpt.manifest
     if m.get("run_id") != sync.run_id:
         raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {sync.run_id!r}")
@@ -89,7 +89,7 @@ def _check_compatible(sync: "Synchronizer", ckpt: Checkpoint) -> None:
                          f"(schema {m['schema_hash'][:12]} vs {sync.plan.schema_hash[:12]})")
 
 
-def restore(sync: "Synchronizer", ckpt: Checkpoint) -> None:
+def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
     Restores every fragment's value, momentum and outer-step count, versions, round counters,
@@ -116,7 +116,7 @@ def restore(sync: "Synchronizer", ckpt: Checkpoint) -> None:
              {f.p: f.version for f in sync.fragments}, {f.p: f.next_round for f in sync.fragments})
 
 
-def _restore_fragment(sync: "Synchronizer", f: FragmentState, ckpt: Checkpoint) -> None:
+def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) -> None:
     m, key = ckpt.manifest, str(f.p)
     params = {n: ckpt.tensors[tensor_key(f.p, "param", n)].clone() for n in f.names}
     mom = {n: ckpt.tensors[tensor_key(f.p, "momentum", n)].clone() for n in f.names}
@@ -135,7 +135,7 @@ def _restore_fragment(sync: "Synchronizer", f: FragmentState, ckpt: Checkpoint) 
     f.refs = {v: r for v, r in f.refs.items() if v in f.history}
 
 
-def _supersede_orphans(sync: "Synchronizer", f: FragmentState) -> None:
+def _supersede_orphans(sync: Synchronizer, f: FragmentState) -> None:
     listed = (keys.version_of_key(k) for k in sync.store.list(keys.versions_prefix(sync.run_id, f.p)))
     newest = max((v for v in listed if v is not None), default=f.version)
     if newest <= f.version:
@@ -154,7 +154,7 @@ def _supersede_orphans(sync: "Synchronizer", f: FragmentState) -> None:
     f.version = v
 
 
-def checkpoint_payload(sync: "Synchronizer") -> tuple[dict[str, torch.Tensor], dict]:
+def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, manifest) of a checkpoint of the outer state now: every Θ_p and momentum buffer,
     versions, round counters, version refs, ledgers, learners and counters."""
     tensors: dict[str, torch.Tensor] = {}

@@ -16,7 +16,6 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Optional
 
 from aiohttp import web
 
@@ -36,7 +35,7 @@ STORAGE_OPTIONS_ENV = "DILOCO_STORAGE_OPTIONS"
 
 
 async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None,
-                resume: Optional[Checkpoint] = None) -> dict:
+                resume: Checkpoint | None = None) -> dict:
     """Run a synchronizer until its budget is spent; returns the run summary.
 
     With ``resume``, the outer state comes from that verified checkpoint of the same run.

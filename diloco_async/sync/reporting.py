@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from diloco_async.goodput import MergeGaps, totals
 from diloco_async.sync.logs import JsonLinesLog
@@ -47,7 +47,7 @@ class Reporter:
         metrics_tail, merges_tail: records of each log kept in memory.
     """
 
-    def __init__(self, started_s: float, name: str, spill_dir: Optional[str | os.PathLike] = None,
+    def __init__(self, started_s: float, name: str, spill_dir: str | os.PathLike | None = None,
                  metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL) -> None:
         self.counters: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
@@ -55,7 +55,7 @@ class Reporter:
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
 
-    def metric(self, key: str, value: float, step: Optional[int] = None) -> None:
+    def metric(self, key: str, value: float, step: int | None = None) -> None:
         """One metric point; ``step`` defaults to the number of merges so far."""
         self.metrics.append({"key": key, "value": float(value),
                              "step": int(self.counters["merges"] if step is None else step),
@@ -97,7 +97,7 @@ class Reporter:
         self.merge_log.close()
 
 
-def summary(sync: "Synchronizer") -> dict:
+def summary(sync: Synchronizer) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
     now = sync.clock()
     rep, reg, c = sync.report, sync.registry, sync.report.counters
@@ -133,7 +133,7 @@ def summary(sync: "Synchronizer") -> dict:
     }
 
 
-def status(sync: "Synchronizer") -> dict:
+def status(sync: Synchronizer) -> dict:
     """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners),
     the lifecycle phase and the number of metric points so far."""
     s = summary(sync)

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from diloco_async import codec as wire
 from diloco_async.config import SynchronizerConfig
@@ -55,14 +56,14 @@ class RoundDriver:
     run_id: str
     clock: Callable[[], float]
     inbox: asyncio.Queue
-    push: "Broadcaster"
-    registry: "LearnerRegistry"
-    report: "Reporter"
-    life: "Lifecycle"
+    push: Broadcaster
+    registry: LearnerRegistry
+    report: Reporter
+    life: Lifecycle
     fragments: list[FragmentState]
     rounds: dict[tuple[int, int], Round]
     waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
-    settled: "BoundedMap[tuple[str, int, int], str]"  # (learner, fragment, round) -> key
+    settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
     g: int | None  # the global step
 
     def _spawn(self, coro) -> None:  # provided by the actor
@@ -118,7 +119,8 @@ class RoundDriver:
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n)
         if adm.status == "duplicate":
             self.report.count("duplicates")
-            log.info("duplicate announcement learner=%s fragment=%d round=%d: acknowledged, not merged again", lid, p, n)
+            log.info("duplicate announcement learner=%s fragment=%d round=%d: acknowledged, not merged again",
+                     lid, p, n)
             return AnnouncementAck(status="duplicate", reason=adm.reason)
         if adm.status == "late":
             self.registry.ledgers[lid].count("late")

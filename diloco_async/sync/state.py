@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -127,7 +127,7 @@ class Contribution:
     """An admitted announcement and, once fetched and verified, its decoded outer gradient."""
 
     ann: Announcement
-    delta: Optional[dict[str, torch.Tensor]] = None
+    delta: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -146,7 +146,7 @@ class Round:
 class Request:
     kind: str
     body: Any
-    reply: "asyncio.Future[Any]"
+    reply: asyncio.Future[Any]
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Verified:
     fragment: int
     round_n: int
     learner: str
-    delta: Optional[dict[str, torch.Tensor]]
+    delta: dict[str, torch.Tensor] | None
     reason: str
     nbytes: int
 
@@ -169,9 +169,9 @@ class Merged:
     round_n: int
     ok: bool
     reason: str
-    new: Optional[dict[str, torch.Tensor]] = None
-    momentum: Optional[dict[str, torch.Tensor]] = None
-    ref: Optional[ObjectRef] = None
+    new: dict[str, torch.Tensor] | None = None
+    momentum: dict[str, torch.Tensor] | None = None
+    ref: ObjectRef | None = None
     merged: list[str] = field(default_factory=list)
     seconds: float = 0.0
     quorum_wait_s: float = 0.0
