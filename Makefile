@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-chaos ui ui-screenshot clean
+.PHONY: setup data run test bench bench-chaos bench-sync-memory ui ui-screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -71,6 +71,12 @@ bench-chaos: data
 	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/straggler.toml --out $(BENCH_DIR)/chaos-straggler.json
 	$(PY) -m benchmarks.chaos_bars $(BENCH_DIR)/chaos-storm.json $(BENCH_DIR)/chaos-failure-free.json \
 		$(BENCH_DIR)/chaos-straggler.json
+
+## bench-sync-memory: a real run with 4 learners for MINUTES (default 20); the synchronizer's RSS at
+## minute 5 and at the end must stay within 10% (benchmarks/sync_memory.py)
+MINUTES ?= 20
+bench-sync-memory: data
+	$(PY) -m benchmarks.sync_memory --minutes $(MINUTES)
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
 ##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both

@@ -25,10 +25,12 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "SyncClient", "call_blocking", "fetch_status",
+__all__ = ["TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "SyncClient", "call_blocking", "fetch_status",
            "request_checkpoint"]
 
 #: Seconds one request may take (the default of ``learners.request_timeout_s``).
+#: The environment variable that carries the run's bearer token to every process of a run.
+TOKEN_ENV = "DILOCO_RUN_TOKEN"
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
 _FATAL_STATUSES = (401, 403, 413)
 

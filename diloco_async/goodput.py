@@ -12,12 +12,13 @@ A learner-second is *useful* when it was spent on inner steps whose contribution
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 __all__ = [
     "Goodputs",
     "LearnerLedger",
+    "MergeGaps",
     "compute_goodput",
     "token_goodput",
     "uptime",
@@ -66,8 +67,56 @@ def uptime(merge_times_s: Iterable[float], start_s: float, end_s: float, max_gap
     if span == 0:
         return 1.0
     points = [start_s] + sorted(t for t in merge_times_s if start_s <= t <= end_s) + [end_s]
-    down = sum(max(0.0, b - a - max_gap_s) for a, b in zip(points, points[1:]))
+    down = sum(max(0.0, b - a - max_gap_s) for a, b in zip(points, points[1:], strict=False))
     return max(0.0, 1.0 - down / span)
+
+
+@dataclass
+class MergeGaps:
+    """The merge times that :func:`uptime` needs, kept in memory that grows with outages only.
+
+    A gap between merges no longer than ``min_gap_s`` never counts as down when uptime is asked
+    with ``max_gap_s >= min_gap_s``, so only the first and last merge and the longer gaps are
+    kept. :meth:`uptime` then equals ``uptime(all merge times, ...)`` bit for bit.
+
+    Args:
+        start_s: start of the window (s, the clock of the merge times).
+        min_gap_s: gaps up to this long are not kept (s, ≥ 0).
+    """
+
+    start_s: float
+    min_gap_s: float
+    first_s: float | None = None
+    last_s: float | None = None
+    long_gaps: list[tuple[float, float]] = field(default_factory=list)
+
+    def record(self, t_s: float) -> None:
+        """A merge at ``t_s`` (non-decreasing, ≥ ``start_s``)."""
+        if self.first_s is None:
+            self.first_s = t_s
+        elif t_s - self.last_s > self.min_gap_s:
+            self.long_gaps.append((self.last_s, t_s))
+        self.last_s = t_s
+
+    def uptime(self, end_s: float, max_gap_s: float) -> float:
+        """As :func:`uptime` over every recorded merge.
+
+        Raises:
+            ValueError: ``max_gap_s < min_gap_s``, or as :func:`uptime`.
+        """
+        if max_gap_s < self.min_gap_s:
+            raise ValueError(f"max_gap_s={max_gap_s} is below the kept gaps' bound {self.min_gap_s}")
+        if end_s < self.start_s:
+            raise ValueError(f"end_s={end_s} is before start_s={self.start_s}")
+        span = end_s - self.start_s
+        if span == 0:
+            return 1.0
+        if self.first_s is None:
+            gaps = [(self.start_s, end_s)]
+        else:
+            gaps = [(self.start_s, self.first_s), *self.long_gaps, (self.last_s, end_s)]
+        down = sum(max(0.0, b - a - max_gap_s) for a, b in gaps)
+        return max(0.0, 1.0 - down / span)
 
 
 class Goodputs:
@@ -119,7 +168,7 @@ class LearnerLedger(Goodputs):
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "LearnerLedger":
+    def from_json(cls, d: Mapping) -> LearnerLedger:
         return cls(
             provisioned_s=float(d["provisioned_s"]),
             useful_s=float(d["useful_s"]),
@@ -131,10 +180,10 @@ class LearnerLedger(Goodputs):
 
 def totals(ledgers: Mapping[str, LearnerLedger]) -> dict[str, float]:
     """Run-wide compute and token goodput over all learners' ledgers."""
-    useful = sum(min(l.useful_s, l.provisioned_s) for l in ledgers.values())
-    prov = sum(l.provisioned_s for l in ledgers.values())
-    merged = sum(min(l.tokens_merged, l.tokens_processed) for l in ledgers.values())
-    processed = sum(l.tokens_processed for l in ledgers.values())
+    useful = sum(min(led.useful_s, led.provisioned_s) for led in ledgers.values())
+    prov = sum(led.provisioned_s for led in ledgers.values())
+    merged = sum(min(led.tokens_merged, led.tokens_processed) for led in ledgers.values())
+    processed = sum(led.tokens_processed for led in ledgers.values())
     return {
         "compute_goodput": compute_goodput(useful, prov),
         "token_goodput": token_goodput(merged, processed),

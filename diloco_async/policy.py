@@ -8,19 +8,30 @@ Every decision returns what to do *and* why.
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+
+from diloco_async.config import BudgetConfig
+from diloco_async.fragments import fragment_offset
+from diloco_async.messages import Announcement
 
 __all__ = [
     "GraceDecision",
     "grace_window",
     "global_step",
     "round_due_step",
+    "ScheduleDecision",
+    "schedule_rounds",
+    "budget_stop_reason",
     "RoundStage",
     "Admission",
+    "FragmentFacts",
+    "admit_announcement",
     "RoundState",
     "Ema",
 ]
+
+DUPLICATE_REASON = "already announced; acknowledged once, merged at most once"
 
 
 @dataclass(frozen=True)
@@ -33,12 +44,12 @@ class GraceDecision:
 
 def grace_window(
     *,
-    step_time_s: Optional[float],
+    step_time_s: float | None,
     quorum_wait_s: float,
-    sync_time_s: Optional[float],
+    sync_time_s: float | None,
     tau: int,
     gamma: float,
-    cap_s: Optional[float],
+    cap_s: float | None,
     initial_s: float,
 ) -> GraceDecision:
     """Adaptive grace window, paper Eq. 3 (DESIGN §4.3).
@@ -75,7 +86,7 @@ def grace_window(
     return GraceDecision(grace, why)
 
 
-def global_step(local_steps: Iterable[int], min_quorum: int) -> Optional[int]:
+def global_step(local_steps: Iterable[int], min_quorum: int) -> int | None:
     """The synchronizer's global step g: the K-th largest local step among live learners
     (DESIGN §3.2); None while fewer than K learners are live."""
     steps = sorted(local_steps, reverse=True)
@@ -89,6 +100,74 @@ def round_due_step(offset: int, round_n: int, sync_every: int) -> int:
     if round_n < 1:
         raise ValueError(f"rounds are numbered from 1, got {round_n}")
     return offset + round_n * sync_every
+
+
+@dataclass(frozen=True)
+class ScheduleDecision:
+    """Rounds to open now and rounds still waiting for a free slot, each ``(fragment, round)``
+    in due order, and why."""
+
+    open_now: tuple[tuple[int, int], ...]
+    waiting: tuple[tuple[int, int], ...]
+    reason: str
+
+
+def schedule_rounds(
+    *,
+    g: int,
+    next_rounds: Sequence[int],
+    busy: Collection[int],
+    waiting: Sequence[tuple[int, int]],
+    open_count: int,
+    max_open_rounds: int,
+    sync_every: int,
+) -> ScheduleDecision:
+    """Which rounds become due at global step ``g`` and which of them open now (DESIGN §3.2).
+
+    Fragment p (offset o_p = floor(p·H/P), P = ``len(next_rounds)``) has its round
+    ``next_rounds[p]`` due when g ≥ o_p + n·H. A fragment with a round in flight (``busy``) or
+    already ``waiting`` is skipped. When the learners ran ahead (slow merges, a resume) the newest
+    due round is queued instead of every missed one. Due rounds are ordered by due step, then
+    fragment, and open while fewer than τ = ``max_open_rounds`` rounds are open.
+
+    Args:
+        g: the global step (:func:`global_step`).
+        next_rounds: per fragment, the number of its next round (≥ 1).
+        busy: fragments with a round open or merging.
+        waiting: rounds already due and waiting for a free slot.
+        open_count: rounds open now.
+        max_open_rounds: τ (≥ 1).
+        sync_every: H, inner steps between two rounds of one fragment.
+    """
+    num = len(next_rounds)
+    queue = list(waiting)
+    queued = {p for p, _ in queue}
+    newly = 0
+    for p, n in enumerate(next_rounds):
+        off = fragment_offset(p, num, sync_every)
+        if p not in busy and p not in queued and g >= round_due_step(off, n, sync_every):
+            queue.append((p, max(n, (g - off) // sync_every)))
+            newly += 1
+    queue.sort(key=lambda pn: (round_due_step(fragment_offset(pn[0], num, sync_every), pn[1], sync_every), pn[0]))
+    free = max(0, max_open_rounds - open_count)
+    open_now, rest = tuple(queue[:free]), tuple(queue[free:])
+    reason = (f"g={g}: {newly} newly due, {len(open_now)} opened, {len(rest)} waiting "
+              f"({open_count}/{max_open_rounds} open before)")
+    return ScheduleDecision(open_now, rest, reason)
+
+
+def budget_stop_reason(budget: BudgetConfig, *, tokens: int, g: int | None, elapsed_s: float) -> str | None:
+    """Why the run's budget is spent (tokens processed, global step g, wall seconds), or None.
+
+    Tokens are checked first, then steps, then wall time; the reason names the figure.
+    """
+    if budget.tokens is not None and tokens >= budget.tokens:
+        return f"token budget reached ({tokens} >= {budget.tokens})"
+    if budget.max_steps is not None and g is not None and g >= budget.max_steps:
+        return f"step budget reached (g = {g})"
+    if budget.wall_s is not None and elapsed_s >= budget.wall_s:
+        return f"wall-time budget reached ({elapsed_s:.0f}s)"
+    return None
 
 
 class RoundStage(enum.Enum):
@@ -110,17 +189,25 @@ _ALLOWED = {
 
 @dataclass(frozen=True)
 class Admission:
-    """Outcome of an announcement: ``status`` is accepted, duplicate, late or rejected."""
+    """Outcome of an announcement: ``status`` is accepted, duplicate, late or rejected.
+
+    A rejection's ``reason`` reads ``"<code>: <detail>"``; the code is what gets counted.
+    """
 
     status: str
     reason: str
+
+    @property
+    def code(self) -> str:
+        """The counted reason of a rejection (``too_stale``, ``bad_key``, ...); "" otherwise."""
+        return self.reason.partition(": ")[0] if self.status == "rejected" else ""
 
 
 @dataclass
 class _Entry:
     key: str
     at_s: float
-    verified: Optional[bool] = None  # None: fetching; True: valid; False: rejected
+    verified: bool | None = None  # None: fetching; True: valid; False: rejected
 
 
 @dataclass
@@ -137,9 +224,9 @@ class RoundState:
     opened_s: float
     min_quorum: int
     stage: RoundStage = RoundStage.OPEN
-    quorum_s: Optional[float] = None
-    deadline_s: Optional[float] = None
-    grace: Optional[GraceDecision] = None
+    quorum_s: float | None = None
+    deadline_s: float | None = None
+    grace: GraceDecision | None = None
     entries: dict[str, _Entry] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
 
@@ -164,7 +251,7 @@ class RoundState:
         prev = self.entries.get(learner)
         if prev is not None:
             if prev.key == key:
-                return Admission("duplicate", "already announced; acknowledged once")
+                return Admission("duplicate", DUPLICATE_REASON)
             return Admission("rejected", "duplicate_learner: a different contribution for this round")
         self.entries[learner] = _Entry(key=key, at_s=now_s)
         return Admission("accepted", f"{len(self.entries)} announced")
@@ -185,7 +272,7 @@ class RoundState:
         self.grace = decision
         self.deadline_s = now_s + decision.grace_s
 
-    def should_merge(self, now_s: float, live_learners: Iterable[str]) -> Optional[str]:
+    def should_merge(self, now_s: float, live_learners: Iterable[str]) -> str | None:
         """In the grace stage: the reason to merge now, or None to keep waiting."""
         if self.stage is not RoundStage.GRACE:
             return None
@@ -207,6 +294,72 @@ class RoundState:
         self._move(RoundStage.ABANDONED)
 
 
+@dataclass(frozen=True)
+class FragmentFacts:
+    """What admission needs to know of one fragment: its current version, its next round
+    number and the versions kept as possible bases (the last S + 1)."""
+
+    version: int
+    next_round: int
+    kept_versions: frozenset[int]
+
+
+def admit_announcement(
+    ann: Announcement,
+    *,
+    now_s: float,
+    learner_known: bool,
+    fragment: FragmentFacts | None,
+    round_state: RoundState | None,
+    settled_key: str | None,
+    key_prefix: str,
+    codecs: Collection[str],
+    max_staleness: int,
+) -> Admission:
+    """Admit a contribution's announcement into its round, or say why not (DESIGN §3.4-§3.5, §10).
+
+    Checks, in order: the learner joined; the fragment exists; the round is open (a closed round
+    answers ``duplicate`` for the same key already settled there, ``late`` otherwise; a round
+    never opened is rejected); a repeat of the same key is a duplicate; c_steps ≥ 1; the base
+    version is still kept; the key lies under ``key_prefix`` (the round's contribution prefix);
+    the codec is known. Then :meth:`RoundState.announce` registers it at ``now_s`` (s).
+
+    Args:
+        ann: the announcement.
+        learner_known: the learner has joined.
+        fragment: the facts of fragment ``ann.fragment``; None when it does not exist.
+        round_state: the open round ``(ann.fragment, ann.round_n)``; None when not open.
+        settled_key: the key this learner had settled in that round once it closed, if any.
+        key_prefix: where the round's contributions must live.
+        codecs: the known codecs.
+        max_staleness: S, named in the too-stale reason.
+    """
+    p, n = ann.fragment, ann.round_n
+    if not learner_known:
+        return Admission("rejected", "unknown_learner: join first")
+    if fragment is None:
+        return Admission("rejected", f"bad_fragment: fragment {p} does not exist")
+    if round_state is None:
+        if settled_key == ann.key:
+            return Admission("duplicate", DUPLICATE_REASON)
+        if n < fragment.next_round:  # a replay of an old message, or one that arrived too late
+            return Admission("late", f"round p{p} r{n} is closed")
+        return Admission("rejected", f"unknown_round: round p{p} r{n} is not open")
+    prior = round_state.entries.get(ann.learner_id)
+    if prior is not None and prior.key == ann.key:
+        return Admission("duplicate", DUPLICATE_REASON)
+    if ann.c_steps < 1:
+        return Admission("rejected", "no_progress: c_steps = 0 carries no weight")
+    if ann.base_version not in fragment.kept_versions:
+        return Admission("rejected", f"too_stale: base version {ann.base_version}, current {fragment.version}, "
+                         f"keeping {max_staleness}")
+    if not ann.key.startswith(key_prefix):
+        return Admission("rejected", f"bad_key: key {ann.key!r} is outside this round's prefix")
+    if ann.codec not in codecs:
+        return Admission("rejected", f"bad_codec: {ann.codec}")
+    return round_state.announce(ann.learner_id, ann.key, now_s)
+
+
 class Ema:
     """Exponential moving average of a duration (s); ``value`` is None before the first sample."""
 
@@ -214,7 +367,7 @@ class Ema:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
-        self.value: Optional[float] = None
+        self.value: float | None = None
 
     def update(self, sample: float) -> float:
         self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value

@@ -18,15 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_async.client import ProtocolError, call_blocking, fetch_status
+from diloco_async.client import TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
-from diloco_async.server import TOKEN_ENV
-from storage.options import STORAGE_OPTIONS_ENV
 from diloco_async.supervisor import Restart, Supervisor
-from diloco_async.synchronizer import new_run_id
+from diloco_async.sync import new_run_id
 from storage import keys
+from storage.options import STORAGE_OPTIONS_ENV
 from storage.store import ObjectStore
 
 __all__ = ["RunProcesses"]

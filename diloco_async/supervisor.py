@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
 __all__ = ["Restart", "Supervisor"]
 

@@ -23,8 +23,8 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from diloco_async.goodput import Goodputs, compute_goodput, token_goodput, uptime
 

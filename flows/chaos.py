@@ -34,8 +34,15 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco_async.chaos.measure import Measurement, measure
-from diloco_async.chaos.scenario import (METHODS, FaultEvent, Scenario, check_user_overrides, load_scenario,
-                                         make_schedule, method_overrides)
+from diloco_async.chaos.scenario import (
+    METHODS,
+    FaultEvent,
+    Scenario,
+    check_user_overrides,
+    load_scenario,
+    make_schedule,
+    method_overrides,
+)
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget
 from diloco_async.config import load_config
 from diloco_async.evaluation import heldout_batches

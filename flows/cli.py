@@ -126,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from diloco_async.server import open_checkpoint
+    from diloco_async.sync import open_checkpoint
     from storage.options import storage_options_from_env
 
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything

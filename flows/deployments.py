@@ -34,12 +34,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from diloco_async.client import TOKEN_ENV
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: F401  (STORAGE_OPTIONS_ENV: re-exported; no torch)
 
 # Only Prefect at import time: on cancellation the process worker imports this module again in a
 # separate process to run on_cancellation hooks, and the flow run reads Cancelled only after that.
 # torch and the rest load inside the flows.
-TOKEN_ENV = "DILOCO_RUN_TOKEN"  # = diloco_async.server.TOKEN_ENV
 
 __all__ = ["learner", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV",
            "FlowRunHandle", "DeploymentLauncher"]
@@ -132,8 +132,8 @@ def synchronizer(config: str | None = "configs/default.toml", overrides: list[st
         ValueError: ``DILOCO_RUN_TOKEN`` missing, or both ``run_id`` and ``resume_url`` given.
         RuntimeError: the synchronizer exited with a non-zero code.
     """
-    from diloco_async.server import main as server_main
-    from diloco_async.synchronizer import new_run_id
+    from diloco_async.sync import main as server_main
+    from diloco_async.sync import new_run_id
 
     logger = get_run_logger()
     _require_token()

@@ -11,8 +11,8 @@ import json
 import math
 import os
 import tempfile
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.simulator import CellResult

@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 from diloco_async.sim.calibration import Calibration, default_calibration_path, load_calibration
 from diloco_async.sim.simulator import (

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable, Mapping
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient

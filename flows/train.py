@@ -16,9 +16,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from collections.abc import Iterator
 
 from prefect import flow, get_run_logger, task
 from rich.console import Console
@@ -30,9 +30,8 @@ from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.model import ByteGPT
 from diloco_async.run import RunProcesses
-from diloco_async.server import open_checkpoint
 from diloco_async.supervisor import Restart
-from diloco_async.synchronizer import initial_parameters
+from diloco_async.sync import initial_parameters, open_checkpoint
 from flows.artifacts import log_run_artifacts
 from flows.deployments import DeploymentLauncher
 from flows.timeline_report import write_run_timeline

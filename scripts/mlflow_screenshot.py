@@ -37,8 +37,8 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 EXPERIMENT = "diloco-async"
 ALIAS = "mlflow-ui"  # a host name the MLflow UI does not treat as "local" (no Assistant panel)

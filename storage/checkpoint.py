@@ -10,9 +10,9 @@ skips it and logs why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
 
 import torch
 from safetensors.torch import load as st_load

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["STORAGE_OPTIONS_ENV", "storage_options_from_env"]
 

@@ -14,8 +14,8 @@ import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from storage import backends
 from storage.refs import IntegrityError, ObjectRef, check_ref, sha256_hex

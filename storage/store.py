@@ -29,8 +29,8 @@ import copy
 import json
 import os
 import threading
-from typing import Any
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import fsspec
 

@@ -19,8 +19,8 @@ import concurrent.futures
 import hashlib
 import logging
 import threading
-from typing import TYPE_CHECKING
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from storage import backends
 from storage.refs import IntegrityError, ObjectRef, sha256_hex

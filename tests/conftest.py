@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from storage_servers import gcs_endpoint, s3_endpoint  # noqa: F401  (session fixtures: moto S3, fake GCS)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
-from collections.abc import Callable
 
 T = TypeVar("T")
 
@@ -20,4 +21,15 @@ def wait_until(pred: Callable[[], T], timeout_s: float, what: str, interval_s: f
         if value:
             return value
         time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def await_until(pred: Callable[[], Awaitable[T]], timeout_s: float, what: str, interval_s: float = 0.02) -> T:
+    """Async :func:`wait_until`: await ``pred()`` every ``interval_s`` seconds until it is truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await pred()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}")

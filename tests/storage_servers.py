@@ -19,8 +19,8 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 

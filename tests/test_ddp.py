@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from polling import wait_until
 
 from diloco_async.baselines.ddp import rank_jitter, rank_speed, tokens_per_step
 from diloco_async.baselines.ddp_checkpoints import (
@@ -25,10 +24,12 @@ from diloco_async.baselines.ddp_checkpoints import (
 from diloco_async.baselines.ddp_group import DdpGroup
 from diloco_async.config import load_config
 from diloco_async.model import evaluate_loss
-from diloco_async.synchronizer import initial_parameters
+from diloco_async.sync import initial_parameters
 from diloco_async.workload import data_generator, emulated_delay_s, jitter_random
 from storage import keys
 from storage.store import ObjectStore
+
+from polling import wait_until
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=32", "learners.batch_size=4",
         "learners.count=2", f"data.cache_dir=\"{Path('data').resolve()}\""]

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -333,7 +333,7 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     sync_pids = _pids_with_arg(run_id)
     assert sync_pids and all(before.values()), (before, sync_pids)
     # while it runs: what the scheduled `checkpoint` deployment does, against the live synchronizer
-    from diloco_async.server import TOKEN_ENV
+    from diloco_async.client import TOKEN_ENV
     from flows.deployments import request_checkpoint
 
     token = runs[0].job_variables["env"][TOKEN_ENV]
@@ -366,8 +366,11 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     assert not any(left().values())
 
 
-def test_deployment_constants_match_the_server():
-    from diloco_async import server
-    from flows import deployments
-
-    assert (deployments.TOKEN_ENV, deployments.STORAGE_OPTIONS_ENV) == (server.TOKEN_ENV, server.STORAGE_OPTIONS_ENV)
+def test_deployments_module_loads_no_torch():
+    """A process worker imports flows.deployments again to run cancellation hooks: only Prefect and
+    the light client/options modules may load at import time, never torch."""
+    code = ("import sys, flows.deployments as d; from diloco_async import client; from storage import options; "
+            "assert d.TOKEN_ENV is client.TOKEN_ENV and d.STORAGE_OPTIONS_ENV is options.STORAGE_OPTIONS_ENV; "
+            "print(sorted(m for m in ('torch', 'diloco_async.sync', 'diloco_async.learner') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

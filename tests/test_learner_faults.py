@@ -16,8 +16,7 @@ import pytest
 from diloco_async import codec as wire
 from diloco_async.config import load_config
 from diloco_async.learner import Learner
-from diloco_async.server import make_app
-from diloco_async.synchronizer import Synchronizer
+from diloco_async.sync import Synchronizer, make_app
 from storage.faults import FaultyStore
 from storage.store import ObjectStore
 

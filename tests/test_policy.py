@@ -2,14 +2,20 @@
 
 import pytest
 
+from diloco_async.config import BudgetConfig
+from diloco_async.messages import Announcement
 from diloco_async.policy import (
     Ema,
+    FragmentFacts,
     GraceDecision,
     RoundStage,
     RoundState,
+    admit_announcement,
+    budget_stop_reason,
     global_step,
     grace_window,
     round_due_step,
+    schedule_rounds,
 )
 
 
@@ -136,3 +142,101 @@ def test_ema():
     assert e.value is None
     assert e.update(2.0) == 2.0
     assert e.update(4.0) == 3.0
+
+
+# -- admission of an announcement (pure; the clock is a plain number) ------------------------
+
+PREFIX = "run1/contrib/p000/r00000001/"
+
+
+def announcement(**kw) -> Announcement:
+    body = dict(learner_id="a", fragment=0, round_n=1, base_version=0, c_steps=4, c_tokens=100, compute_s=1.0,
+                key=PREFIX + "a-1.safetensors", nbytes=10, sha256="0" * 64, codec="fp32", update_id="u1")
+    return Announcement(**{**body, **kw})
+
+
+FRAGMENT_0 = FragmentFacts(version=0, next_round=2, kept_versions=frozenset({0}))
+
+
+def admit(ann, *, now_s=0.0, known=True, fragment=FRAGMENT_0, rnd=None, settled=None):
+    return admit_announcement(ann, now_s=now_s, learner_known=known, fragment=fragment, round_state=rnd,
+                              settled_key=settled, key_prefix=PREFIX, codecs=("fp32", "bf16"), max_staleness=4)
+
+
+@pytest.mark.parametrize("kw, code", [
+    (dict(known=False), "unknown_learner"),
+    (dict(fragment=None), "bad_fragment"),
+    (dict(rnd="open", ann=dict(c_steps=0)), "no_progress"),
+    (dict(rnd="open", ann=dict(base_version=3)), "too_stale"),
+    (dict(rnd="open", ann=dict(key="run1/contrib/p000/r00000002/a-1.safetensors")), "bad_key"),
+    (dict(rnd="open", ann=dict(codec="int8")), "bad_codec"),
+    (dict(ann=dict(round_n=5, key="k")), "unknown_round"),
+])
+def test_admission_rejects_with_a_counted_reason(kw, code):
+    rnd = RoundState(0, 1, opened_s=0.0, min_quorum=1) if kw.pop("rnd", None) else None
+    adm = admit(announcement(**kw.pop("ann", {})), rnd=rnd, **kw)
+    assert adm.status == "rejected" and adm.code == code and adm.reason.startswith(code + ": ")
+    assert rnd is None or not rnd.entries  # nothing registered
+
+
+def test_admission_registers_at_the_injected_time_and_acknowledges_repeats_once():
+    rnd = RoundState(0, 1, opened_s=10.0, min_quorum=1)
+    first = admit(announcement(), now_s=10.25, rnd=rnd)
+    assert first.status == "accepted" and first.code == ""
+    assert rnd.entries["a"].at_s == 10.25
+    again = admit(announcement(), now_s=10.5, rnd=rnd)
+    assert again.status == "duplicate" and rnd.entries["a"].at_s == 10.25
+    other = admit(announcement(key=PREFIX + "a-2.safetensors"), now_s=10.5, rnd=rnd)
+    assert (other.status, other.code) == ("rejected", "duplicate_learner")
+    assert other.reason == "duplicate_learner: a different contribution for this round"
+
+
+def test_admission_after_the_round_closed():
+    # round 1 of fragment 0 is over (next round 2): the settled key is a duplicate, anything else late
+    assert admit(announcement(), settled=PREFIX + "a-1.safetensors").status == "duplicate"
+    late = admit(announcement(), settled=None)
+    assert late.status == "late" and late.reason == "round p0 r1 is closed"
+    rnd = RoundState(0, 1, opened_s=0.0, min_quorum=1)
+    rnd.announce("b", "kb", 0.0)
+    rnd.settle("b", True)
+    rnd.start_grace(0.0, GraceDecision(0.0, "none"))
+    rnd.start_merge()
+    merging = admit(announcement(), now_s=0.1, rnd=rnd)
+    assert merging.status == "late" and "merging" in merging.reason and rnd.late == ["a"]
+
+
+# -- due rounds ------------------------------------------------------------------------------
+
+def schedule(g, next_rounds, busy=(), waiting=(), open_count=0, tau=2, h=4):
+    return schedule_rounds(g=g, next_rounds=next_rounds, busy=set(busy), waiting=list(waiting),
+                           open_count=open_count, max_open_rounds=tau, sync_every=h)
+
+
+def test_schedule_follows_the_fragment_offsets():
+    # P = 2, H = 4: offsets 0 and 2; round 1 is due at g = 4 (p0) and g = 6 (p1)
+    assert schedule(3, [1, 1]).open_now == ()
+    d = schedule(4, [1, 1])
+    assert d.open_now == ((0, 1),) and d.waiting == ()
+    assert schedule(6, [2, 1], busy=[0]).open_now == ((1, 1),)
+    assert "opened" in d.reason
+
+
+def test_schedule_orders_by_due_step_and_waits_for_a_free_slot():
+    # tau = 1, one round open: both due rounds wait, ordered by due step (p1 r1 at 6 before p0 r2 at 8)
+    d = schedule(8, [2, 1], open_count=1, tau=1)
+    assert d.open_now == () and d.waiting == ((1, 1), (0, 2))
+    d = schedule(8, [2, 1], waiting=d.waiting, open_count=0, tau=1)
+    assert d.open_now == ((1, 1),) and d.waiting == ((0, 2),)
+
+
+def test_schedule_skips_ahead_to_the_newest_due_round():
+    # the learners ran ahead to g = 40: fragment 0 opens round 10, not round 1
+    assert schedule(40, [1, 1], tau=2).open_now == ((1, 9), (0, 10))
+
+
+def test_budget_stop_reason():
+    assert budget_stop_reason(BudgetConfig(tokens=100), tokens=99, g=5, elapsed_s=1e6) is None
+    assert "token budget" in budget_stop_reason(BudgetConfig(tokens=100), tokens=100, g=None, elapsed_s=0)
+    assert "g = 7" in budget_stop_reason(BudgetConfig(max_steps=7), tokens=0, g=7, elapsed_s=0)
+    assert budget_stop_reason(BudgetConfig(max_steps=7), tokens=0, g=None, elapsed_s=0) is None
+    assert "wall-time" in budget_stop_reason(BudgetConfig(wall_s=2.0), tokens=0, g=None, elapsed_s=2.0)

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,10 +19,13 @@ import pytest
 import torch
 
 from diloco_async import codec as wire
-from diloco_async.client import call_blocking, fetch_status, request_checkpoint
+from diloco_async.client import TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
 from storage import keys
 from storage.checkpoint import load_checkpoint
+from storage.options import STORAGE_OPTIONS_ENV
 from storage.store import ObjectRef, ObjectStore
+
+from polling import wait_until
 from storage_servers import make_bucket
 
 pytestmark = pytest.mark.integration
@@ -32,7 +34,8 @@ TOKEN = "resume-token"
 OVERRIDES = [
     "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=1",
     "synchronizer.num_fragments=1", "synchronizer.sync_every=4", "synchronizer.grace_initial_s=0.0",
-    "synchronizer.checkpoint_every_s=100000", "synchronizer.heartbeat_timeout_s=60", "budget.wall_s=600",
+    "synchronizer.checkpoint_every_s=100000", "synchronizer.heartbeat_timeout_s=60", "synchronizer.drain_s=0",
+    "budget.wall_s=600",
 ]
 
 
@@ -40,29 +43,39 @@ class SyncProcess:
     def __init__(self, tmp: Path, store_url: str, args: list[str], options: dict | None = None) -> None:
         self.ready = tmp / f"ready-{uuid.uuid4().hex[:6]}.json"
         sets = [a for o in OVERRIDES + [f"run.store={store_url}"] for a in ("--set", o)]
-        env = {"DILOCO_RUN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin", "DILOCO_STORAGE_OPTIONS": json.dumps(options or {}),
+        env = {TOKEN_ENV: TOKEN, "PATH": "/usr/bin:/bin", STORAGE_OPTIONS_ENV: json.dumps(options or {}),
                **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
         self.log = open(tmp / f"sync-{uuid.uuid4().hex[:6]}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sets, *args,
                                       "--ready-file", str(self.ready)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self.ready.exists():
+        def ready() -> bool:
             assert self.proc.poll() is None, f"synchronizer exited: {self.proc.returncode}"
-            assert time.monotonic() < deadline, "synchronizer not ready"
-            time.sleep(0.05)
+            return self.ready.exists()
+        wait_until(ready, 60, "the synchronizer's ready file", interval_s=0.05)
         self.url = json.loads(self.ready.read_text())["url"]
 
     def status(self) -> dict:
         return fetch_status(self.url, timeout_s=30.0)
 
     def stop(self) -> None:
+        """SIGTERM (final checkpoint and summary); the scripted learner's heartbeats hear "stop",
+        so the synchronizer need not wait for it. SIGKILL after 20 s."""
         if self.proc.poll() is None:
             self.proc.terminate()
+
+            def gone() -> bool:
+                try:
+                    call_blocking(self.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": 0},
+                                  request_timeout_s=2.0)
+                except OSError:  # refused or reset once the server is down
+                    pass
+                return self.proc.poll() is not None
             try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
+                wait_until(gone, 20, "the synchronizer to exit", interval_s=0.1)
+            except AssertionError:
                 self.proc.kill()
+                self.proc.wait(10)
         self.log.close()
 
 
@@ -85,12 +98,10 @@ class ScriptedLearner:
 
     def outer_step(self, r: int) -> None:
         """Round r of fragment 0: report step 4r, wait for the round, contribute, wait for version r."""
-        call_blocking(self.sync.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": 4 * r})
-        deadline = time.monotonic() + 20
-        while not any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"]):
-            assert time.monotonic() < deadline, f"round {r} did not open"
+        def round_open() -> bool:
             call_blocking(self.sync.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": 4 * r})
-            time.sleep(0.05)
+            return any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"])
+        wait_until(round_open, 20, f"round {r} to open", interval_s=0.05)
         data = wire.encode_to_bytes(self.delta(r), "fp32", {})
         ref = self.store.put(keys.contribution_key(self.run_id, 0, r, "scripted", uuid.uuid4().hex[:8]), data)
         ack = call_blocking(self.sync.url, TOKEN, "announce", {
@@ -98,9 +109,8 @@ class ScriptedLearner:
             "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
             "codec": "fp32", "update_id": f"u{r}"})
         assert ack["status"] == "accepted", ack
-        while self.sync.status()["versions"]["0"] < r:
-            assert time.monotonic() < deadline, f"version {r} not published"
-            time.sleep(0.05)
+        wait_until(lambda: self.sync.status()["versions"]["0"] >= r, 20, f"version {r} to be published",
+                   interval_s=0.05)
 
 
 def fragment_state(store: ObjectStore, run_id: str, seq: int) -> tuple[dict, dict, dict]:
@@ -215,7 +225,7 @@ def test_resume_refuses_a_different_config(tmp_path, store_url):
     sets = [a for o in OVERRIDES + [f"run.store={store_url}", "synchronizer.outer_lr=0.5"] for a in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "diloco_async.server", *sets, "--config", "configs/default.toml",
                            "--resume", f"{store_url}/runC/checkpoints/{seq:08d}"],
-                          env={"DILOCO_RUN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"},
+                          env={TOKEN_ENV: TOKEN, "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "synchronizer.outer_lr: 0.7 -> 0.5" in proc.stderr

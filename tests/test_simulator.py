@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from diloco_async.goodput import compute_goodput
 from diloco_async.sim import simulator as sim_mod
 from diloco_async.sim.calibration import Calibration, load_calibration
-from flows.simulate_cli import main as simulate_main
 from diloco_async.sim.simulator import (
     PAPER_TABLE1,
     TABLE1_CHIPS,
@@ -29,6 +28,7 @@ from diloco_async.sim.simulator import (
     simulate,
     simulate_many,
 )
+from flows.simulate_cli import main as simulate_main
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "configs" / "calibration.toml"

@@ -11,6 +11,7 @@ import pytest
 
 from storage.faults import FaultyStore, SimulatedCrash
 from storage.store import IntegrityError, ObjectRef, ObjectStore
+
 from storage_servers import make_bucket
 
 MiB = 1 << 20

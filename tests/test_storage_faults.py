@@ -20,6 +20,7 @@ from storage.faults import FaultPlan, FaultyStore, SimulatedCrash
 from storage.gc import collect_garbage
 from storage.retry import Backoff, RetryPolicy, call_with_retry, run_with_timeout
 from storage.store import IntegrityError, ObjectStore
+
 from storage_servers import make_bucket
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -2,7 +2,7 @@
 
 Each bad input (NaN, wrong shape, wrong sha256, replay, missing token) is rejected with a reason
 that is logged and counted, the round goes on with the rest, and nothing non-finite is published
-or checkpointed.
+or checkpointed. Assertions read the public surfaces: ``GET /status``, ``/metrics`` and the store.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from diloco_async import codec as wire
 from diloco_async.config import load_config
+from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer, merge_outer_gradients
-from diloco_async.server import make_app
-from diloco_async.synchronizer import Synchronizer
+from diloco_async.sync import Synchronizer, make_app
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
+
+from polling import await_until
 
 TOKEN = "test-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -36,16 +38,29 @@ def small_config(**extra):
         "learners.count=3", "synchronizer.num_fragments=2", "synchronizer.sync_every=4",
         "synchronizer.min_quorum=2", "synchronizer.grace_initial_s=10.0",
         "synchronizer.heartbeat_timeout_s=60", "synchronizer.checkpoint_every_s=1000",
-        "budget.wall_s=600",
+        "synchronizer.drain_s=0", "budget.wall_s=600",
     ]
     overrides += [f"{k}={v}" for k, v in extra.items()]
     return load_config(None, overrides)
 
 
+class FakeClock:
+    """A monotonic clock that moves only when the test says so (seconds)."""
+
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
 @contextlib.asynccontextmanager
-async def running(cfg):
+async def running(cfg, **sync_kw):
     store = ObjectStore(f"memory://sync-{uuid.uuid4().hex}")
-    sync = Synchronizer(cfg, store, "run1")
+    sync = Synchronizer(cfg, store, "run1", **sync_kw)
     await asyncio.to_thread(sync.publish_initial)
     client = TestClient(TestServer(make_app(sync, TOKEN), host="127.0.0.1"))
     await client.start_server()
@@ -54,37 +69,46 @@ async def running(cfg):
         yield sync, client, store
     finally:
         await sync.request("stop", "test over")
-        for lid in list(sync.learners):
+        for lid in list((await status(client))["learners"]):
             await client.post("/heartbeat", json={"learner_id": lid, "step": 0}, headers=AUTH)
         await asyncio.wait_for(task, 30)
         await client.close()
 
 
-async def join_all(client):
+async def status(client) -> dict:
+    r = await client.get("/status")
+    assert r.status == 200
+    return await r.json()
+
+
+async def join_all(client) -> FragmentPlan:
     for lid in LEARNERS:
         r = await client.post("/join", json={"learner_id": lid}, headers=AUTH)
         assert r.status == 200
+    return FragmentPlan.from_json((await r.json())["plan"])
 
 
-async def open_first_round(client, sync):
+def round_of(st: dict, fragment: int, round_n: int):
+    return next((r for r in st["rounds"] if (r["fragment"], r["round"]) == (fragment, round_n)), None)
+
+
+async def open_first_round(client):
     for lid in LEARNERS:
         r = await client.post("/heartbeat", json={"learner_id": lid, "step": 4}, headers=AUTH)
         assert r.status == 200
-    for _ in range(200):
-        if (0, 1) in sync.rounds:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("round (0, 1) did not open")
+
+    async def opened():
+        return round_of(await status(client), 0, 1)
+    await await_until(opened, 5, "round (0, 1) to open")
 
 
-def fragment_delta(sync, seed: float) -> dict[str, torch.Tensor]:
+def fragment_delta(plan: FragmentPlan, seed: float) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(int(seed * 1000))
-    f = sync.fragments[0]
-    return {n: torch.randn(f.shapes[n], generator=g) * 0.01 for n in f.names}
+    return {s.name: torch.randn(s.shape, generator=g) * 0.01 for s in plan.fragments[0]}
 
 
 async def contribute(client, store, lid, delta, *, tokens=1000, steps=4, sha=None, codec="fp32",
-                     shapes_ok=True, update_id=None):
+                     update_id=None):
     data = wire.encode_to_bytes(delta, codec, {})
     key = keys.contribution_key("run1", 0, 1, lid, uuid.uuid4().hex[:8])
     ref = store.put(key, data)
@@ -96,45 +120,44 @@ async def contribute(client, store, lid, delta, *, tokens=1000, steps=4, sha=Non
     return body, await r.json()
 
 
-async def wait_version(sync, fragment, version, timeout_s=15.0):
-    for _ in range(int(timeout_s / 0.02)):
-        if sync.fragments[fragment].version >= version and (fragment, 1) not in sync.rounds:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"fragment {fragment} never reached version {version}; rounds={sync.rounds}")
+async def wait_version(client, fragment, version, timeout_s=15.0) -> dict:
+    """The status once ``fragment`` has reached ``version`` and its round 1 is closed."""
+    async def reached():
+        st = await status(client)
+        return st if st["versions"][str(fragment)] >= version and not round_of(st, fragment, 1) else None
+    return await await_until(reached, timeout_s, f"fragment {fragment} to reach version {version}")
 
 
-def expected_after(sync, deltas, weights):
-    f = sync.fragments[0]
-    opt = OuterOptimizer(f.history[0], lr=0.7, momentum=0.9)
-    emb = [n for n in f.names if n in sync.plan.embedding_names]
-    return opt.step(merge_outer_gradients(deltas, weights, "rda", emb))
-
-
-def published(store, sync, version):
-    ref = sync.fragments[0].refs[version]
-    tensors, _ = wire.decode_from_bytes(store.get(ref), "fp32", sync.fragments[0].shapes)
+def published(store, plan: FragmentPlan, version: int) -> dict[str, torch.Tensor]:
+    shapes = {s.name: s.shape for s in plan.fragments[0]}
+    tensors, _ = wire.decode_from_bytes(store.get_unverified(keys.version_key("run1", 0, version)), "fp32", shapes)
     return tensors
+
+
+def expected_after(store, plan: FragmentPlan, deltas, weights):
+    opt = OuterOptimizer(published(store, plan, 0), lr=0.7, momentum=0.9)
+    emb = [s.name for s in plan.fragments[0] if s.name in plan.embedding_names]
+    return opt.step(merge_outer_gradients(deltas, weights, "rda", emb))
 
 
 async def test_nan_contribution_rejected_round_goes_on(caplog):
     caplog.set_level(logging.WARNING, logger="diloco.synchronizer")
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        da, dc = fragment_delta(sync, 1), fragment_delta(sync, 3)
-        db = fragment_delta(sync, 2)
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        da, dc = fragment_delta(plan, 1), fragment_delta(plan, 3)
+        db = fragment_delta(plan, 2)
         first = next(iter(db))
         db[first].view(-1)[0] = float("nan")
         await contribute(client, store, "b", db)  # the bad one arrives first
         await contribute(client, store, "a", da)
         await contribute(client, store, "c", dc)
-        await wait_version(sync, 0, 1)
-        assert sync.rejected_by_reason["non_finite"] == 1
-        assert sync.counters["contributions_merged"] == 2
+        st = await wait_version(client, 0, 1)
+        assert st["rejected_by_reason"] == {"non_finite": 1}
+        assert st["contributions_merged"] == 2
         assert "non_finite" in caplog.text and "learner=b" in caplog.text
-        got = published(store, sync, 1)
-        want = expected_after(sync, [da, dc], [1000**2 / 4] * 2)
+        got = published(store, plan, 1)
+        want = expected_after(store, plan, [da, dc], [1000**2 / 4] * 2)
         for n in want:
             assert torch.isfinite(got[n]).all()
             assert torch.allclose(got[n], want[n], atol=1e-6)
@@ -144,110 +167,166 @@ async def test_nan_contribution_rejected_round_goes_on(caplog):
 
 
 async def test_wrong_shape_rejected():
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        good_a, good_c = fragment_delta(sync, 1), fragment_delta(sync, 3)
-        bad = fragment_delta(sync, 2)
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        good_a, good_c = fragment_delta(plan, 1), fragment_delta(plan, 3)
+        bad = fragment_delta(plan, 2)
         name = next(iter(bad))
         bad[name] = torch.zeros(bad[name].numel() + 1)
         await contribute(client, store, "b", bad)
         await contribute(client, store, "a", good_a)
         await contribute(client, store, "c", good_c)
-        await wait_version(sync, 0, 1)
-        assert sync.rejected_by_reason["bad_tensor"] == 1
-        assert sync.counters["contributions_merged"] == 2
+        st = await wait_version(client, 0, 1)
+        assert st["rejected_by_reason"] == {"bad_tensor": 1}
+        assert st["contributions_merged"] == 2
 
 
 async def test_sha256_mismatch_rejected():
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        await contribute(client, store, "b", fragment_delta(sync, 2), sha="ab" * 32)
-        await contribute(client, store, "a", fragment_delta(sync, 1))
-        await contribute(client, store, "c", fragment_delta(sync, 3))
-        await wait_version(sync, 0, 1)
-        assert sync.rejected_by_reason["digest_mismatch"] == 1
-        assert sync.counters["contributions_merged"] == 2
-        assert sync.status()["learners"]["b"]["contributions"] == {"rejected": 1}
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        await contribute(client, store, "b", fragment_delta(plan, 2), sha="ab" * 32)
+        await contribute(client, store, "a", fragment_delta(plan, 1))
+        await contribute(client, store, "c", fragment_delta(plan, 3))
+        st = await wait_version(client, 0, 1)
+        assert st["rejected_by_reason"] == {"digest_mismatch": 1}
+        assert st["contributions_merged"] == 2
+        assert st["learners"]["b"]["contributions"] == {"rejected": 1}
 
 
 async def test_replayed_announcement_counted_once():
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        da, db, dc = (fragment_delta(sync, s) for s in (1, 2, 3))
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        da, db, dc = (fragment_delta(plan, s) for s in (1, 2, 3))
         body, ack = await contribute(client, store, "a", da, tokens=3000)
         assert ack["status"] == "accepted"
         again = await client.post("/announce", json=body, headers=AUTH)  # a client retry
         assert (await again.json())["status"] == "duplicate"
         await contribute(client, store, "b", db)
         await contribute(client, store, "c", dc)
-        await wait_version(sync, 0, 1)
+        await wait_version(client, 0, 1)
         late_replay = await client.post("/announce", json=body, headers=AUTH)  # after the merge
         assert (await late_replay.json())["status"] == "duplicate"
-        assert sync.counters["contributions_merged"] == 3
-        assert sync.counters["duplicates"] == 2
-        assert sync.ledgers["a"].tokens_merged == pytest.approx(3000 * sync.fragments[0].share)
-        want = expected_after(sync, [da, db, dc], [3000**2 / 4, 1000**2 / 4, 1000**2 / 4])
-        got = published(store, sync, 1)
+        st = await status(client)
+        assert st["contributions_merged"] == 3
+        assert st["duplicates"] == 2
+        assert st["learners"]["a"]["tokens_merged"] == pytest.approx(3000 * plan.numel_fraction(0))
+        want = expected_after(store, plan, [da, db, dc], [3000**2 / 4, 1000**2 / 4, 1000**2 / 4])
+        got = published(store, plan, 1)
         for n in want:
             assert torch.allclose(got[n], want[n], atol=1e-6)
 
 
 async def test_request_without_token_gets_401_and_is_counted():
-    async with running(small_config()) as (sync, client, _store):
+    async with running(small_config()) as (_sync, client, _store):
         r = await client.post("/join", json={"learner_id": "a"})
         assert r.status == 401
         r = await client.post("/join", json={"learner_id": "a"}, headers={"Authorization": "Bearer wrong"})
         assert r.status == 401
         r = await client.get("/metrics")
         assert r.status == 401
-        assert sync.rejected_by_reason["unauthenticated"] == 3
-        assert "a" not in sync.learners
+        st = await status(client)  # open route
+        assert st["rejected_by_reason"] == {"unauthenticated": 3}
+        assert "a" not in st["learners"]
         assert (await client.get("/health")).status == 200  # open routes stay open
         r = await client.post("/join", json={"learner_id": "a"}, headers=AUTH)
         assert r.status == 200
 
 
 async def test_malformed_message_rejected_with_400():
-    async with running(small_config()) as (sync, client, _store):
+    async with running(small_config()) as (_sync, client, _store):
         r = await client.post("/join", json={"learner_id": "a", "surprise": 1}, headers=AUTH)
         assert r.status == 400
         r = await client.post("/join", data=b"not json", headers=AUTH)
         assert r.status == 400
-        assert sync.rejected_by_reason["bad_request"] == 2
+        assert (await status(client))["rejected_by_reason"] == {"bad_request": 2}
 
 
 async def test_stale_and_unknown_rounds_rejected():
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        body, _ = await contribute(client, store, "a", fragment_delta(sync, 1))
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        body, _ = await contribute(client, store, "a", fragment_delta(plan, 1))
         stale = dict(body, base_version=7, update_id="x1", learner_id="b")
         ack = await (await client.post("/announce", json=stale, headers=AUTH)).json()
         assert ack["status"] == "rejected" and ack["reason"].startswith("too_stale")
         unknown = dict(body, round_n=9, update_id="x2", learner_id="c")
         ack = await (await client.post("/announce", json=unknown, headers=AUTH)).json()
         assert ack["status"] == "rejected" and ack["reason"].startswith("unknown_round")
-        assert sync.rejected_by_reason["too_stale"] == 1 and sync.rejected_by_reason["unknown_round"] == 1
+        assert (await status(client))["rejected_by_reason"] == {"too_stale": 1, "unknown_round": 1}
 
 
 async def test_quorum_not_met_when_only_bad_contributions():
     # K = 2: one good and one NaN contribution must not complete the quorum.
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        bad = fragment_delta(sync, 2)
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        bad = fragment_delta(plan, 2)
         next(iter(bad.values())).view(-1)[0] = float("inf")
-        await contribute(client, store, "a", fragment_delta(sync, 1))
+        await contribute(client, store, "a", fragment_delta(plan, 1))
         await contribute(client, store, "b", bad)
-        await asyncio.sleep(0.5)
-        assert sync.fragments[0].version == 0
-        assert sync.rounds[(0, 1)].state.stage.value == "open"
-        await contribute(client, store, "c", fragment_delta(sync, 3))
-        await wait_version(sync, 0, 1)
-        assert sync.counters["contributions_merged"] == 2
+
+        async def both_settled():  # a verified, b rejected: the quorum decision has been taken
+            rnd = round_of(await status(client), 0, 1)
+            return rnd if rnd["verified"] == ["a"] and rnd["rejected"] == ["b"] else None
+        rnd = await await_until(both_settled, 10, "both contributions to be verified")
+        assert rnd["stage"] == "open" and rnd["pending"] == []
+        assert (await status(client))["versions"]["0"] == 0
+        await contribute(client, store, "c", fragment_delta(plan, 3))
+        st = await wait_version(client, 0, 1)
+        assert st["contributions_merged"] == 2
+
+
+async def test_grace_window_and_liveness_on_a_fake_clock():
+    # K = 2 of 3, no step time reported yet: the grace window is the initial 10 s of the fake clock.
+    clock = FakeClock()
+    async with running(small_config(), clock=clock) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        await contribute(client, store, "a", fragment_delta(plan, 1))
+        await contribute(client, store, "b", fragment_delta(plan, 2))
+
+        async def in_grace():
+            rnd = round_of(await status(client), 0, 1)
+            return rnd if rnd["stage"] == "grace" else None
+        await await_until(in_grace, 10, "the quorum of two to start the grace window")
+        clock.advance(9.9)
+        for _ in range(3):  # each answer follows at least one pass of the actor at the new time
+            st = await status(client)
+        assert round_of(st, 0, 1)["stage"] == "grace" and st["versions"]["0"] == 0
+        clock.advance(0.2)  # past the deadline: the round merges without c
+        st = await wait_version(client, 0, 1)
+        assert st["contributions_merged"] == 2
+        assert all(st["learners"][lid]["live"] for lid in LEARNERS)
+        clock.advance(60.5)  # heartbeat_timeout_s = 60 of silence on the fake clock
+
+        async def all_lost():
+            st = await status(client)
+            return st if not any(st["learners"][lid]["live"] for lid in LEARNERS) else None
+        st = await await_until(all_lost, 10, "every learner to be marked lost")
+        assert st["phase"] == "running"
+
+
+async def test_metrics_since_reads_points_older_than_the_memory_tail():
+    async with running(small_config(), metrics_tail=8) as (sync, client, _store):
+        await join_all(client)
+        for step in range(1, 21):
+            r = await client.post("/heartbeat", json={"learner_id": "a", "step": step, "train_loss": 1.0 / step},
+                                  headers=AUTH)
+            assert r.status == 200
+        points, since = [], 0
+        while True:
+            body = await (await client.get(f"/metrics?since={since}", headers=AUTH)).json()
+            points += body["metrics"]
+            since = body["next"]
+            if since >= body["total"]:
+                break
+        assert len(points) == body["total"] == (await status(client))["metrics_total"] > 8
+        assert sync.metrics.in_memory == 8  # the rest is read from the spill file
+        losses = [m["value"] for m in points if m["key"] == "learner/a/train_loss"]
+        assert losses == [1.0 / step for step in range(1, 21)]
 
 
 async def test_status_view_renders_a_live_synchronizer():
@@ -255,11 +334,11 @@ async def test_status_view_renders_a_live_synchronizer():
 
     from flows.status_view import render_status
 
-    async with running(small_config()) as (sync, client, store):
-        await join_all(client)
-        await open_first_round(client, sync)
-        await contribute(client, store, "a", fragment_delta(sync, 1))
-        st = await (await client.get("/status")).json()
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        await contribute(client, store, "a", fragment_delta(plan, 1))
+        st = await status(client)
         console = Console(record=True, width=160)
         console.print(render_status(st))
         text = console.export_text()

@@ -11,8 +11,16 @@ import pytest
 
 from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_overrides
 from diloco_async.config import load_config
-from diloco_async.timeline import (Interval, Recorder, Step, Timeline, account, availability,
-                                   diloco_timeline_steps, read_records)
+from diloco_async.timeline import (
+    Interval,
+    Recorder,
+    Step,
+    Timeline,
+    account,
+    availability,
+    diloco_timeline_steps,
+    read_records,
+)
 
 
 def _steps(lid: str, t0: float, t1: float, dur: float = 1.0, tokens: int = 100, thrown: tuple[int, ...] = ()):

@@ -75,7 +75,7 @@ from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.process_clock import process_uptime_s
-from diloco_async.synchronizer import initial_parameters
+from diloco_async.sync import initial_parameters
 from diloco_async.workload import data_generator, emulated_delay_s, inner_step, jitter_random, warmup_lr
 from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.options import storage_options_from_env

@@ -8,8 +8,8 @@ them here to evaluate the DDP curve at equal tokens or equal time.
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 

@@ -15,9 +15,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
 
 from diloco_async.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
 from storage.options import STORAGE_OPTIONS_ENV

@@ -13,8 +13,17 @@ The Prefect flow, MLflow logging and the table are ``flows/chaos.py``. Importing
 loads only the scenario module (the command line validates a scenario without torch).
 """
 
-from diloco_async.chaos.scenario import (METHODS, FaultEvent, Scenario, Schedule, check_user_overrides,
-                                         harness_fields, load_scenario, make_schedule, method_overrides)
+from diloco_async.chaos.scenario import (
+                                         METHODS,
+                                         FaultEvent,
+                                         Scenario,
+                                         Schedule,
+                                         check_user_overrides,
+                                         harness_fields,
+                                         load_scenario,
+                                         make_schedule,
+                                         method_overrides,
+)
 
 __all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
            "harness_fields", "check_user_overrides"]

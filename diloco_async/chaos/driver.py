@@ -11,8 +11,8 @@ slots: down and stalled intervals, launches, kills, failure and restart counts.
 from __future__ import annotations
 
 import time
-from typing import Protocol
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from diloco_async.chaos.scenario import FaultEvent
 from diloco_async.timeline import Interval

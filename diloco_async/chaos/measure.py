@@ -9,8 +9,8 @@ after a failure is.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from diloco_async.config import Config
 from diloco_async.evaluation import heldout_loss
@@ -70,7 +70,7 @@ def uptime_max_gap_s(tl: Timeline, cfg: Config) -> float:
 
 def initial_model(cfg: Config) -> ByteGPT:
     """Θ^0 of the recipe: the same for every method."""
-    from diloco_async.synchronizer import initial_parameters
+    from diloco_async.sync import initial_parameters
 
     model = ByteGPT(cfg.model)
     model.load_state_dict(initial_parameters(cfg)[0], strict=False)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Sequence
 
 from diloco_async.chaos.driver import SlotBook, drive, restarting_intervals
 from diloco_async.chaos.measure import Snapshot
@@ -233,7 +233,7 @@ class DdpTarget(ChaosTarget):
 
     def __init__(self, sc: Scenario) -> None:
         from diloco_async.baselines.ddp_group import DdpGroup
-        from diloco_async.synchronizer import new_run_id
+        from diloco_async.sync import new_run_id
         from storage.store import ObjectStore
 
         super().__init__(sc, "ddp")

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from diloco_async.client import ProtocolError
+from diloco_async.client import TOKEN_ENV, ProtocolError
 from diloco_async.learner.process import Learner
-from diloco_async.server import TOKEN_ENV
-from storage.options import storage_options_from_env
 from diloco_async.timeline import Recorder
+from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
 __all__ = ["TIMELINE_DIR_ENV", "main"]

@@ -4,9 +4,9 @@ barrier's per-learner compute shares (paper §4, §5.3). Seeded generators in, n
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from collections.abc import Sequence
 
 import numpy as np
 

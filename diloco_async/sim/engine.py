@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.draws import Barrier, Draws

@@ -44,8 +44,16 @@ from diloco_async.goodput import compute_goodput
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.draws import Draws, expected_max_normal, make_barrier, sample_recovery_s
 from diloco_async.sim.engine import Engine, Jobs
-from diloco_async.sim.scenarios import (METHODS, PAPER_TABLE1, TABLE1_CHIPS, CellResult, Scenario,
-                                        heterogeneity_scenarios, paper_goodput, paper_table1_scenarios)
+from diloco_async.sim.scenarios import (
+    METHODS,
+    PAPER_TABLE1,
+    TABLE1_CHIPS,
+    CellResult,
+    Scenario,
+    heterogeneity_scenarios,
+    paper_goodput,
+    paper_table1_scenarios,
+)
 
 __all__ = [
     "METHODS",

@@ -1,0 +1,39 @@
+"""The synchronizer (DESIGN §2-§5) as a package.
+
+==================  ===================================================================
+``actor``           :class:`Synchronizer`: the inbox, dispatch, learner messages, checkpoints,
+                    the clock-driven part and the lifecycle
+``rounds``          schedule and open rounds, admit and verify contributions, quorum, grace,
+                    merge and apply (mixed into the actor)
+``state``           fragments, rounds, contributions, internal messages, the push channel
+``learners``        the learner registry and goodput ledgers
+``lifecycle``       :class:`Phase` and its allowed transitions
+``work``            blocking work run in threads: fetch and verify, merge and publish
+``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
+``reporting``       counters, metric stream, merge log, summary and status
+``logs``            bounded in-memory logs that spill to local disk
+``http``            the aiohttp application in front of the actor
+``process``         :func:`serve` and the command line (``python -m diloco_async.server``)
+==================  ===================================================================
+"""
+
+from diloco_async.sync.actor import Synchronizer
+from diloco_async.sync.http import make_app
+from diloco_async.sync.lifecycle import Phase
+from diloco_async.sync.persistence import open_checkpoint
+from diloco_async.sync.process import STORAGE_OPTIONS_ENV, TOKEN_ENV, main, serve
+from diloco_async.sync.state import Broadcaster, initial_parameters, new_run_id
+
+__all__ = [
+    "Synchronizer",
+    "Broadcaster",
+    "Phase",
+    "initial_parameters",
+    "new_run_id",
+    "make_app",
+    "serve",
+    "main",
+    "open_checkpoint",
+    "TOKEN_ENV",
+    "STORAGE_OPTIONS_ENV",
+]

@@ -1,0 +1,5 @@
+"""``python -m diloco_async.sync``: the synchronizer process (same as ``python -m diloco_async.server``)."""
+
+from diloco_async.sync.process import main
+
+raise SystemExit(main())

@@ -1,0 +1,367 @@
+"""The synchronizer actor: one asyncio task owns all global state (DESIGN §2-§4).
+
+HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed messages; the
+actor handles each message without awaiting, so every state change is atomic. Blocking work
+(fetching and verifying contributions, merging and publishing, checkpoints) runs in
+``asyncio.to_thread`` and posts its result back to the inbox. Between messages, and at least
+every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness, budgets, due
+rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from diloco_async.config import Config, config_hash
+from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.goodput import LearnerLedger
+from diloco_async.messages import (
+    Heartbeat,
+    HeartbeatResponse,
+    JoinRequest,
+    JoinResponse,
+    RoundOpen,
+    VersionInfo,
+)
+from diloco_async.policy import RoundStage, budget_stop_reason
+from diloco_async.sync import persistence, reporting
+from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
+from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
+from diloco_async.sync.lifecycle import Lifecycle, Phase
+from diloco_async.sync.logs import BoundedMap, JsonLinesLog
+from diloco_async.sync.reporting import MERGES_TAIL, METRICS_BATCH, METRICS_TAIL, Reporter
+from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
+from diloco_async.sync.state import (
+    Broadcaster,
+    CheckpointDone,
+    FinalWritten,
+    Merged,
+    Request,
+    Round,
+    Verified,
+    initial_parameters,
+    new_fragments,
+)
+from storage.checkpoint import Checkpoint
+from storage.store import ObjectStore
+
+__all__ = ["Synchronizer"]
+
+log = logging.getLogger("diloco.synchronizer")
+
+_FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
+
+
+class Synchronizer(RoundDriver, Checkpointing):
+    """The synchronizer of one run.
+
+    Args:
+        cfg: the validated config.
+        store: the object store; the run lives under ``{store}/{run_id}/``.
+        run_id: this run's id.
+        clock: monotonic clock in seconds (injectable for tests).
+        spill_dir: folder of the metric and merge spill files (default: the temporary folder).
+        metrics_tail, merges_tail, settled_cap: records kept in memory (see
+            :mod:`~diloco_async.sync.reporting` and :data:`~diloco_async.sync.rounds.SETTLED_CAP`).
+    """
+
+    def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
+                 clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
+                 metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL,
+                 settled_cap: int = SETTLED_CAP) -> None:
+        self.cfg = cfg
+        self.sc = cfg.synchronizer
+        self.store = store
+        self.run_id = run_id
+        self.clock = clock
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.push = Broadcaster()
+        self.registry = LearnerRegistry()
+        self.rounds: dict[tuple[int, int], Round] = {}
+        self.waiting: list[tuple[int, int]] = []
+        self.settled = BoundedMap(settled_cap)
+        self.started_s = clock()
+        self.life = Lifecycle()
+        self._drain_until_s = 0.0
+        self.finished = asyncio.Event()
+        self.final_summary: dict | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.epoch = uuid.uuid4().hex[:12]  # changes at every (re)start: learners reset round state
+        self.resumed_from: int | None = None
+        self.checkpoints = CheckpointBook(self.started_s)
+        self.g: int | None = None
+        self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
+        params, emb = initial_parameters(cfg)
+        self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
+        self.fragments = new_fragments(self.plan, params, self.sc)
+
+    # -- read-only views (tests and tools read these; the actor writes them) ------------------
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.report.counters
+
+    @property
+    def rejected_by_reason(self) -> Counter[str]:
+        return self.report.rejected_by_reason
+
+    @property
+    def metrics(self) -> JsonLinesLog:
+        return self.report.metrics
+
+    @property
+    def learners(self) -> dict[str, LearnerInfo]:
+        return self.registry.learners
+
+    @property
+    def ledgers(self) -> dict[str, LearnerLedger]:
+        return self.registry.ledgers
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.life.stop_reason
+
+    # -- start-up, reports --------------------------------------------------------------------
+
+    def publish_initial(self) -> None:
+        """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
+        persistence.publish_initial(self)
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Continue from a verified checkpoint of this run; see :func:`persistence.restore`."""
+        persistence.restore(self, ckpt)
+
+    def summary(self) -> dict:
+        """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
+        return reporting.summary(self)
+
+    def status(self) -> dict:
+        """The summary, open rounds and lifecycle phase (``GET /status``)."""
+        return reporting.status(self)
+
+    # -- the actor loop -----------------------------------------------------------------------
+
+    async def run(self) -> dict:
+        """Run until the budget is spent and the final checkpoint is written; returns the summary."""
+        try:
+            while not self.finished.is_set():
+                try:
+                    msg = await asyncio.wait_for(self.inbox.get(), timeout=0.05)
+                except TimeoutError:
+                    msg = None
+                if msg is not None:
+                    self._dispatch(msg)
+                self._advance()
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.close()
+        assert self.final_summary is not None
+        return self.final_summary
+
+    def close(self) -> None:
+        """Close and delete the spill files (the in-memory tails stay readable)."""
+        self.report.close()
+
+    async def request(self, kind: str, body: Any) -> Any:
+        """Enqueue a request for the actor and wait for its reply (used by the HTTP handlers)."""
+        fut = asyncio.get_running_loop().create_future()
+        await self.inbox.put(Request(kind, body, fut))
+        return await fut
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Request):
+            self._on_request(msg)
+        elif isinstance(msg, Verified):
+            self._on_verified(msg)
+        elif isinstance(msg, Merged):
+            self._on_merged(msg)
+        elif isinstance(msg, CheckpointDone):
+            self._on_checkpoint_done(msg)
+        elif isinstance(msg, FinalWritten):
+            self.life.move(Phase.FINISHING)
+
+    def _on_request(self, msg: Request) -> None:
+        if msg.reply.cancelled():
+            return
+        if msg.kind == "checkpoint":  # answered when the checkpoint is written
+            self.checkpoints.waiters.append(msg.reply)
+            if not self.checkpoints.in_flight:
+                self._start_checkpoint()
+            return
+        if msg.kind == "metrics":
+            self._answer_metrics(msg)
+            return
+        handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self._on_announce,
+                   "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
+        try:
+            msg.reply.set_result(handler(msg.body))
+        except Exception as err:  # a handler bug must not kill the actor
+            log.exception("handler %s failed", msg.kind)
+            msg.reply.set_exception(err)
+
+    def _answer_metrics(self, msg: Request) -> None:
+        """Metric points from number ``since`` on; older than the in-memory tail: from the spill file."""
+        since, stream = max(0, int(msg.body)), self.report.metrics
+        total = len(stream)
+        batch = stream.read(since, METRICS_BATCH)
+        if batch is not None:
+            msg.reply.set_result({"next": since + len(batch), "total": total, "metrics": batch})
+            return
+        stream.flush()
+
+        async def from_disk() -> None:
+            try:
+                rows = await asyncio.to_thread(stream.read_spilled, since, METRICS_BATCH, total)
+            except Exception as err:  # the spill file is gone (end of run) or unreadable
+                log.warning("metrics since %d unavailable: %s", since, err)
+                rows = []
+            if not msg.reply.done():
+                msg.reply.set_result({"next": since + len(rows), "total": total, "metrics": rows})
+
+        self._spawn(from_disk())
+
+    # -- counted without a round --------------------------------------------------------------
+
+    def count_unauthenticated(self, remote: str) -> None:
+        """Called by the HTTP layer for a request without the run's token (counted, logged)."""
+        self.rejected_by_reason["unauthenticated"] += 1
+        self.counters["requests_rejected"] += 1
+        log.warning("rejected request from %s: unauthenticated", remote)
+        self.report.metric("sync/rejected/unauthenticated", self.rejected_by_reason["unauthenticated"])
+
+    def count_bad_request(self) -> None:
+        """Called by the HTTP layer for a body that does not validate (it logs it)."""
+        self.rejected_by_reason["bad_request"] += 1
+
+    # -- learner messages ---------------------------------------------------------------------
+
+    def _version_infos(self) -> list[VersionInfo]:
+        out = []
+        for f in self.fragments:
+            ref = f.refs[f.version]
+            out.append(VersionInfo(fragment=f.p, version=f.version, key=ref.key, nbytes=ref.nbytes, sha256=ref.sha256))
+        return out
+
+    def _on_join(self, req: JoinRequest) -> JoinResponse:
+        start_step = self.registry.join(req, self.clock(), self.g)
+        log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
+        self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
+        return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
+                            plan=self.plan.to_json(), schema_hash=self.plan.schema_hash,
+                            versions=self._version_infos(), epoch=self.epoch, start_step=start_step)
+
+    def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
+        lid = hb.learner_id
+        info = self.registry.get(lid)
+        stop = self.life.stopped
+        if info is None or info.incarnation != hb.incarnation:
+            return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.epoch)
+        was_lost, bytes_down = self.registry.heartbeat(hb, self.clock())
+        if was_lost:
+            log.info("learner %s is back", lid)
+            self.report.metric(f"learner/{lid}/alive", 1.0)
+        self.counters["bytes_out"] += bytes_down
+        for key, value in (("train_loss", hb.train_loss), ("tokens_per_s", hb.tokens_per_s),
+                           ("step_time_s", hb.step_time_s)):
+            if value is not None:
+                self.report.metric(f"learner/{lid}/{key}", value, hb.step)
+        opens = []
+        if not stop:
+            for (p, n), rnd in sorted(self.rounds.items()):
+                if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries:
+                    opens.append(RoundOpen(fragment=p, round_n=n, version=self.fragments[p].version))
+        if stop:
+            info.stop_sent = True
+        return HeartbeatResponse(open_rounds=opens, versions=self._version_infos(), stop=stop, epoch=self.epoch)
+
+    def _on_stop(self, reason: str) -> bool:
+        if not self.life.stopped:  # a second stop while draining stops at once
+            self._begin_stop(str(reason))
+        return True
+
+    # -- the clock-driven part ----------------------------------------------------------------
+
+    def _advance(self) -> None:
+        now = self.clock()
+        for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):
+            log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
+            self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
+            self.report.metric("sync/live_learners", len(self.registry.live()))
+        self.registry.update_provisioned(now)
+        if self.life.running:
+            reason = budget_stop_reason(self.cfg.budget, tokens=self.registry.tokens_processed(), g=self.g,
+                                        elapsed_s=now - self.started_s)
+            if reason is not None:
+                self._begin_stop(reason)
+        if self.life.running:
+            self._schedule(now)
+        self._progress_rounds(now)
+        if self.life.phase is Phase.DRAINING and (not self.rounds or now >= self._drain_until_s):
+            log.info("drain finished (%s)", "every last round closed" if not self.rounds else "timeout")
+            self._begin_stop(self.life.drain_reason)
+        if self.life.running and self.checkpoints.due(now, self.counters["merges"], self.sc.checkpoint_every_s):
+            self._start_checkpoint()
+        if self.life.stopped:
+            self._progress_stop(now)
+
+    def _begin_stop(self, reason: str) -> None:
+        """Stop: first drain (a last round of every fragment, at most ``drain_s``), then tell the
+        learners to stop, close the open rounds, write the final checkpoint and the summary."""
+        now = self.clock()
+        if self.life.running and self.sc.drain_s > 0 and self.registry.live():
+            self.life.move(Phase.DRAINING)
+            self.life.drain_reason = reason
+            self._drain_until_s = now + self.sc.drain_s
+            opened = self._open_last_rounds(now)
+            log.info("stopping (%s): draining, last rounds %s, at most %.0fs", reason, ", ".join(opened) or "-",
+                     self.sc.drain_s)
+            return
+        self.life.move(Phase.STOPPING)
+        self.life.stop_reason, self.life.stop_since_s = reason, now
+        log.info("stopping: %s", reason)
+        self.push.publish({"type": "stop", "reason": reason})
+        self.waiting.clear()
+
+    def _progress_stop(self, now: float) -> None:
+        """STOPPING -> final checkpoint -> summary written -> every learner told -> FINISHED."""
+        if self.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
+            return
+        phase = self.life.phase
+        if phase is Phase.STOPPING:
+            self.life.move(Phase.FINAL_CHECKPOINT)
+            self._start_checkpoint()
+        elif phase is Phase.FINAL_CHECKPOINT:
+            self.life.move(Phase.WRITING_SUMMARY)
+            self.final_summary = self.summary()
+            self.report.goodput_metrics(self.registry.ledgers)
+            self.report.seal()  # the spill files are complete: nothing more goes to the store
+            self._spawn(self._write_final())
+        elif phase is Phase.FINISHING and (self.registry.everyone_told_to_stop()
+                                           or now - (self.life.stop_since_s or now) > _FINISH_WAIT_S):
+            self.life.move(Phase.FINISHED)
+            self.finished.set()
+
+    async def _write_final(self) -> None:
+        ok = True
+        try:
+            await asyncio.to_thread(reporting.write_final, self.store, self.run_id, self.epoch,
+                                    self.final_summary, self.report)
+        except Exception as err:
+            log.error("could not write the final summary: %s", err)
+            ok = False
+        await self.inbox.put(FinalWritten(ok))

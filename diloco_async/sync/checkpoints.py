@@ -1,0 +1,125 @@
+"""Checkpoints of the running synchronizer: when one is due, writing it in a thread, answering
+``POST /checkpoint``, and collecting garbage behind it (DESIGN §5).
+
+:class:`CheckpointBook` is the bookkeeping (plain values, the actor's clock); :class:`Checkpointing`
+is the part of the actor that starts checkpoints and takes their outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from diloco_async.config import SynchronizerConfig
+from diloco_async.sync.persistence import checkpoint_payload
+from diloco_async.sync.state import CheckpointDone
+from storage.checkpoint import write_checkpoint
+from storage.gc import collect_garbage
+from storage.store import ObjectStore
+
+if TYPE_CHECKING:
+    from diloco_async.sync.reporting import Reporter
+
+__all__ = ["CheckpointBook", "Checkpointing"]
+
+log = logging.getLogger("diloco.synchronizer")
+
+
+class CheckpointBook:
+    """Which checkpoint is next, whether one (or a garbage collection) is in flight, who waits for
+    it, and when the periodic one is due. Times are seconds on the actor's clock."""
+
+    def __init__(self, started_s: float) -> None:
+        self.seq = 0  # the newest sequence number taken
+        self.last_seq: int | None = None  # newest checkpoint this process wrote
+        self.in_flight = False
+        self.gc_in_flight = False
+        self.waiters: list = []  # futures of POST /checkpoint requests
+        self._merges_at_checkpoint = -1
+        self._last_s = started_s
+
+    def due(self, now_s: float, merges: int, every_s: float) -> bool:
+        """A periodic checkpoint is due: none in flight, a merge since the last, ``every_s`` passed."""
+        return not self.in_flight and merges > self._merges_at_checkpoint and now_s - self._last_s >= every_s
+
+    def begin(self, now_s: float, merges: int) -> int:
+        """Take the next sequence number for a checkpoint starting now."""
+        self.seq += 1
+        self._merges_at_checkpoint = merges
+        self.in_flight = True
+        self._last_s = now_s
+        return self.seq
+
+    def done(self, msg: CheckpointDone) -> list:
+        """Record the outcome; returns the waiters to answer. A failure retries at the next period."""
+        self.in_flight = False
+        waiters, self.waiters = self.waiters, []
+        if msg.ok:
+            self.last_seq = msg.seq
+        else:
+            self._merges_at_checkpoint = -1
+        return waiters
+
+    def resumed(self, seq: int, listed: list[int], merges: int) -> None:
+        """After a resume from ``seq``: never reuse a listed (even torn) sequence number."""
+        self.seq = max([seq, *listed])
+        self._merges_at_checkpoint = merges
+
+
+class Checkpointing:
+    """Starts checkpoints and takes their outcome; mixed into the actor, which owns these."""
+
+    sc: SynchronizerConfig
+    store: ObjectStore
+    run_id: str
+    clock: Callable[[], float]
+    inbox: asyncio.Queue
+    report: Reporter
+    checkpoints: CheckpointBook
+
+    def _spawn(self, coro) -> None:  # provided by the actor
+        raise NotImplementedError
+
+    def _start_checkpoint(self) -> None:
+        seq = self.checkpoints.begin(self.clock(), self.report.counters["merges"])
+        tensors, manifest = checkpoint_payload(self)
+
+        async def write() -> None:
+            try:
+                await asyncio.to_thread(write_checkpoint, self.store, self.run_id, seq, tensors, manifest)
+                await self.inbox.put(CheckpointDone(seq, True, "written"))
+            except Exception as err:
+                await self.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
+
+        self._spawn(write())
+
+    def _on_checkpoint_done(self, msg: CheckpointDone) -> None:
+        for fut in self.checkpoints.done(msg):
+            if not fut.done():
+                fut.set_result({"seq": msg.seq, "ok": msg.ok, "reason": msg.reason})
+        if not msg.ok:
+            self.report.counters["checkpoints_failed"] += 1
+            log.error("checkpoint %d failed: %s", msg.seq, msg.reason)
+            return
+        self.report.counters["checkpoints"] += 1
+        log.info("checkpoint %d written", msg.seq)
+        self.report.metric("sync/checkpoints", self.report.counters["checkpoints"])
+        if self.sc.keep_checkpoints and not self.checkpoints.gc_in_flight:
+            self.checkpoints.gc_in_flight = True
+            self._spawn(self._collect_garbage())
+
+    async def _collect_garbage(self) -> None:
+        """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py)."""
+        try:
+            done = await asyncio.to_thread(collect_garbage, self.store, self.run_id,
+                                             keep_checkpoints=self.sc.keep_checkpoints)
+            self.report.counters["gc_deleted_objects"] += done.objects
+            self.report.counters["gc_deleted_bytes"] += done.nbytes
+            self.report.metric("storage/gc_deleted_bytes", self.report.counters["gc_deleted_bytes"])
+        except Exception as err:  # collection is an optimisation: count, log, go on
+            self.report.counters["gc_failures"] += 1
+            log.warning("garbage collection failed: %s: %s", type(err).__name__, err)
+        finally:
+            self.checkpoints.gc_in_flight = False

@@ -1,0 +1,133 @@
+"""The synchronizer's learner registry: who joined, who is live, their steps and goodput ledgers.
+
+Owned by the actor. Times are seconds on the actor's (injectable) clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from diloco_async.goodput import LearnerLedger
+from diloco_async.messages import Heartbeat, JoinRequest
+
+__all__ = ["LearnerInfo", "LearnerRegistry"]
+
+log = logging.getLogger("diloco.synchronizer")
+
+
+@dataclass
+class LearnerInfo:
+    """One learner slot as the synchronizer sees it (the current incarnation)."""
+
+    learner_id: str
+    incarnation: int
+    started_s: float  # when the slot was first provisioned
+    last_seen_s: float
+    live: bool = True
+    step: int = 0
+    step_time_s: float | None = None
+    tokens_seen: int = 0  # tokens_total reported by the current incarnation
+    bytes_down_seen: int = 0
+    stop_sent: bool = False
+
+    def to_json(self) -> dict:
+        """What a checkpoint keeps of this slot."""
+        return {"incarnation": self.incarnation, "step": self.step, "tokens_seen": self.tokens_seen,
+                "bytes_down_seen": self.bytes_down_seen}
+
+
+class LearnerRegistry:
+    """Learners by id, with their goodput ledgers (DESIGN §7)."""
+
+    def __init__(self) -> None:
+        self.learners: dict[str, LearnerInfo] = {}
+        self.ledgers: dict[str, LearnerLedger] = {}
+
+    def __contains__(self, learner_id: object) -> bool:
+        return learner_id in self.learners
+
+    def get(self, learner_id: str) -> LearnerInfo | None:
+        return self.learners.get(learner_id)
+
+    def live(self) -> list[LearnerInfo]:
+        return [i for i in self.learners.values() if i.live]
+
+    def slowest_step_s(self) -> float | None:
+        """Step time (s) of the slowest live learner that reported one, or None."""
+        times = [i.step_time_s for i in self.live() if i.step_time_s]
+        return max(times) if times else None
+
+    def join(self, req: JoinRequest, now_s: float, global_step: int | None) -> int:
+        """Register a (re)joining learner; returns the local step it continues from.
+
+        A new incarnation continues at the global step at least: behind it, it would hold the
+        schedule back once the learners ahead are gone. Its slot keeps its first start time.
+        """
+        info = self.learners.get(req.learner_id)
+        start_step = info.step if info is not None else 0
+        if info is None or req.incarnation != info.incarnation:
+            start_step = max(start_step, global_step or 0)
+            started = now_s - req.uptime_s
+            if info is not None:
+                started = info.started_s  # the slot was provisioned since its first start
+                log.info("learner %s rejoined (incarnation %d -> %d) at step %d", req.learner_id, info.incarnation,
+                         req.incarnation, start_step)
+            self.learners[req.learner_id] = LearnerInfo(req.learner_id, req.incarnation, started, now_s,
+                                                        step=start_step)
+            self.ledgers.setdefault(req.learner_id, LearnerLedger())
+        else:
+            info.last_seen_s = now_s
+            info.live = True
+        return start_step
+
+    def heartbeat(self, hb: Heartbeat, now_s: float) -> tuple[bool, int]:
+        """Record a heartbeat of a known learner: (was it lost before, new bytes it downloaded)."""
+        info = self.learners[hb.learner_id]
+        was_lost = not info.live
+        info.live, info.last_seen_s, info.step = True, now_s, hb.step
+        info.step_time_s = hb.step_time_s
+        if hb.tokens_total >= info.tokens_seen:
+            self.ledgers[hb.learner_id].tokens_processed += hb.tokens_total - info.tokens_seen
+            info.tokens_seen = hb.tokens_total
+        bytes_down = 0
+        if hb.bytes_down >= info.bytes_down_seen:
+            bytes_down = hb.bytes_down - info.bytes_down_seen
+            info.bytes_down_seen = hb.bytes_down
+        return was_lost, bytes_down
+
+    def mark_lost(self, now_s: float, timeout_s: float) -> list[LearnerInfo]:
+        """Mark learners silent for more than ``timeout_s`` as not live; returns them."""
+        lost = []
+        for info in self.learners.values():
+            if info.live and now_s - info.last_seen_s > timeout_s:
+                info.live = False
+                lost.append(info)
+        return lost
+
+    def update_provisioned(self, now_s: float) -> None:
+        """Provisioned seconds run from a slot's first start to now, down time included."""
+        for lid, info in self.learners.items():
+            self.ledgers[lid].provisioned_s = now_s - info.started_s
+
+    def tokens_processed(self) -> int:
+        return sum(led.tokens_processed for led in self.ledgers.values())
+
+    def everyone_told_to_stop(self) -> bool:
+        return all(i.stop_sent or not i.live for i in self.learners.values())
+
+    def to_manifest(self) -> tuple[dict, dict]:
+        """(ledgers, learners) as a checkpoint manifest keeps them."""
+        return ({lid: led.to_json() for lid, led in self.ledgers.items()},
+                {lid: i.to_json() for lid, i in self.learners.items()})
+
+    def restore(self, ledgers: Mapping[str, Mapping], learners: Mapping[str, Mapping], now_s: float) -> None:
+        """Take the registry of a checkpoint: every learner is not live until it heartbeats again."""
+        self.ledgers = {lid: LearnerLedger.from_json(d) for lid, d in ledgers.items()}
+        self.learners = {}
+        for lid, d in learners.items():
+            self.learners[lid] = LearnerInfo(
+                lid, int(d["incarnation"]), now_s - self.ledgers[lid].provisioned_s, now_s, live=False,
+                step=int(d["step"]), tokens_seen=int(d.get("tokens_seen", 0)),
+                bytes_down_seen=int(d.get("bytes_down_seen", 0)))

@@ -1,0 +1,185 @@
+"""The synchronizer's durable state (DESIGN §5): the initial publish, checkpoint payloads, and
+resume (open a checkpoint URL, restore the actor from it).
+
+The functions here are blocking (store calls) except :func:`checkpoint_payload`; the actor runs
+the blocking ones before serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from diloco_async import codec as wire
+from diloco_async.config import Config, apply_overrides, config_differences, config_hash, load_config
+from diloco_async.sync.state import FragmentState
+from diloco_async.sync.work import put_version
+from storage import keys
+from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
+from storage.store import IntegrityError, ObjectRef, ObjectStore
+
+if TYPE_CHECKING:
+    from diloco_async.sync.actor import Synchronizer
+
+__all__ = ["publish_initial", "open_checkpoint", "restore", "checkpoint_payload"]
+
+log = logging.getLogger("diloco.synchronizer")
+
+
+def publish_initial(sync: Synchronizer) -> None:
+    """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
+    sync.store.put_json(keys.plan_key(sync.run_id), {
+        "run_id": sync.run_id, "plan": sync.plan.to_json(), "schema_hash": sync.plan.schema_hash,
+        "config_hash": config_hash(sync.cfg),
+    })
+    sync.store.put_json(keys.config_key(sync.run_id), sync.cfg.public_dict())
+    for f in sync.fragments:
+        f.refs[0] = put_version(sync.store, sync.run_id, f.p, 0, f.current)
+    log.info("synchronizer run=%s: %d fragments, schema %s…", sync.run_id, sync.plan.num_fragments,
+             sync.plan.schema_hash[:12])
+
+
+def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
+                    storage_options: dict) -> tuple[Config, ObjectStore, str, Checkpoint]:
+    """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
+
+    The config is the given recipe, or the run's own ``config.json`` from the store when none
+    is given; overrides apply on top (a budget may be extended; training fields must match).
+
+    Raises:
+        ValueError: nothing verifies at that URL, or the URL is malformed.
+    """
+    root, run_id, seq = keys.split_checkpoint_url(url)
+    if config_path is None:
+        stored = ObjectStore(root, storage_options).get_json(keys.config_key(run_id))
+        raw = apply_overrides(stored, overrides)
+        raw["run"]["store"] = root
+        cfg = Config.model_validate(raw)
+    else:
+        cfg = load_config(config_path, [*overrides, f"run.store={root}"])
+    store = ObjectStore(root, {**cfg.run.storage_options, **storage_options})
+    if seq is None:
+        ckpt = latest_checkpoint(store, run_id)
+        if ckpt is None:
+            raise ValueError(f"no verified checkpoint under {root}/{run_id}")
+    else:
+        try:
+            ckpt = load_checkpoint(store, run_id, seq)
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint {seq} of run {run_id} is incomplete or missing (no manifest)") from None
+        except IntegrityError as err:
+            raise ValueError(f"checkpoint {seq} of run {run_id} does not verify: {err}") from None
+    if ckpt.manifest.get("config_hash") != config_hash(cfg):
+        diffs = config_differences(ckpt.manifest.get("config", {}), cfg.public_dict())
+        raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
+    return cfg, store, run_id, ckpt
+
+
+def _check_compatible(sync: Synchronizer, ckpt: Checkpoint) -> None:
+    m = ckpt.manifest
+    if m.get("run_id") != sync.run_id:
+        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {sync.run_id!r}")
+    if m["config_hash"] != config_hash(sync.cfg):
+        diffs = config_differences(m.get("config", {}), sync.cfg.public_dict())
+        raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
+    if m["schema_hash"] != sync.plan.schema_hash:
+        raise ValueError(f"fragment plan differs from checkpoint {ckpt.seq}'s "
+                         f"(schema {m['schema_hash'][:12]} vs {sync.plan.schema_hash[:12]})")
+
+
+def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
+    """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
+
+    Restores every fragment's value, momentum and outer-step count, versions, round counters,
+    the learner registry and the goodput ledgers, so the next outer step equals the one an
+    uninterrupted run would take. Versions published after the checkpoint (by a synchronizer
+    that died before checkpointing again) are superseded: the checkpoint's value is re-published
+    under the next free version number, so learners adopt it.
+
+    Raises:
+        ValueError: the checkpoint belongs to another run, or its config or fragment plan
+            differs from this one (the message names the differing fields).
+    """
+    _check_compatible(sync, ckpt)
+    m = ckpt.manifest
+    for f in sync.fragments:
+        _restore_fragment(sync, f, ckpt)
+        _supersede_orphans(sync, f)
+    sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
+    sync.report.counters.clear()
+    sync.report.counters.update(m["counters"])
+    sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.store, sync.run_id), sync.report.counters["merges"])
+    sync.resumed_from = ckpt.seq
+    log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
+             {f.p: f.version for f in sync.fragments}, {f.p: f.next_round for f in sync.fragments})
+
+
+def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) -> None:
+    m, key = ckpt.manifest, str(f.p)
+    params = {n: ckpt.tensors[tensor_key(f.p, "param", n)].clone() for n in f.names}
+    mom = {n: ckpt.tensors[tensor_key(f.p, "momentum", n)].clone() for n in f.names}
+    steps = int(m["outer_steps"][key])
+    f.optimizer.load_state(params, mom if steps > 0 else None, steps_taken=steps)
+    f.current, f.momentum, f.outer_steps = params, mom, steps
+    f.version, f.next_round = int(m["versions"][key]), int(m["next_round"][key])
+    f.refs = {int(v): ObjectRef.from_json(r) for v, r in m["version_refs"][key].items()}
+    f.history = {f.version: params}
+    for v, ref in sorted(f.refs.items()):
+        if v != f.version:
+            try:
+                f.history[v], _ = wire.decode_from_bytes(sync.store.get(ref), "fp32", f.shapes)
+            except (FileNotFoundError, IntegrityError, ValueError) as err:
+                log.warning("fragment %d: version %d unavailable after resume (%s)", f.p, v, err)
+    f.refs = {v: r for v, r in f.refs.items() if v in f.history}
+
+
+def _supersede_orphans(sync: Synchronizer, f: FragmentState) -> None:
+    prefix = keys.fragment_versions_prefix(sync.run_id, f.p)
+    listed = (keys.parse_version_key(sync.run_id, k) for k in sync.store.list(prefix))
+    newest = max((pv[1] for pv in listed if pv is not None and pv[0] == f.p), default=f.version)
+    if newest <= f.version:
+        return
+    v = newest + 1
+    while True:
+        try:
+            ref = put_version(sync.store, sync.run_id, f.p, v, f.current)
+            break
+        except FileExistsError:  # a listing can be stale: take the next number
+            v += 1
+    log.warning("fragment %d: versions %d..%d were published after the checkpoint and are superseded; "
+                "the checkpoint's value is version %d", f.p, f.version + 1, newest, v)
+    f.history[v] = f.current
+    f.refs[v] = ref
+    f.version = v
+
+
+def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, manifest) of a checkpoint of the outer state now: every Θ_p and momentum buffer,
+    versions, round counters, version refs, ledgers, learners and counters."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sync.fragments:
+        for name in f.names:
+            tensors[tensor_key(f.p, "param", name)] = f.current[name]
+            tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
+    open_round = {p: n for (p, n) in sync.rounds}
+    ledgers, learners = sync.registry.to_manifest()
+    counters = sync.report.counters
+    manifest = {
+        "config_hash": config_hash(sync.cfg),
+        "config": sync.cfg.public_dict(),
+        "schema_hash": sync.plan.schema_hash,
+        "versions": {str(f.p): f.version for f in sync.fragments},
+        "outer_steps": {str(f.p): f.outer_steps for f in sync.fragments},
+        # a round in flight is not in this checkpoint: a resumed run opens it again
+        "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in sync.fragments},
+        "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in sync.fragments},
+        "global_step": sync.g,
+        "ledgers": ledgers,
+        "learners": learners,
+        "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included
+        "wall_s": sync.clock() - sync.started_s,
+        "epoch": sync.epoch,
+    }
+    return tensors, manifest

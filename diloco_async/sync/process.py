@@ -1,0 +1,110 @@
+"""The synchronizer process: ``python -m diloco_async.server`` (or ``python -m diloco_async.sync``).
+
+:func:`serve` runs the actor behind its HTTP server until the budget is spent; :func:`main`
+is the command line. The run's secret token comes from the environment (``DILOCO_RUN_TOKEN``)
+and is never logged; extra storage options (JSON) from ``DILOCO_STORAGE_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+
+from aiohttp import web
+
+from diloco_async.client import TOKEN_ENV
+from diloco_async.config import Config, load_config
+from diloco_async.sync.actor import Synchronizer
+from diloco_async.sync.http import make_app
+from diloco_async.sync.persistence import open_checkpoint
+from storage.checkpoint import Checkpoint
+from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
+from storage.store import ObjectStore
+
+__all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV"]
+
+log = logging.getLogger("diloco.server")
+
+
+
+async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None,
+                resume: Checkpoint | None = None) -> dict:
+    """Run a synchronizer until its budget is spent; returns the run summary.
+
+    With ``resume``, the outer state comes from that verified checkpoint of the same run.
+
+    Writes ``{"url", "run_id", "pid", "epoch"}`` to ``ready_file`` (atomically) once the server listens.
+    SIGTERM and SIGINT start a clean stop (final checkpoint, learners told to stop).
+    """
+    sync = Synchronizer(cfg, store, run_id)
+    try:
+        await asyncio.to_thread(sync.publish_initial if resume is None else partial(sync.restore, resume))
+    except BaseException:
+        sync.close()
+        raise
+    runner = web.AppRunner(make_app(sync, token), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://{cfg.synchronizer.host}:{port}"
+    log.info("synchronizer run=%s listening on %s", run_id, url)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
+        except (NotImplementedError, RuntimeError):
+            pass
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch}))
+        tmp.replace(ready_file)
+    try:
+        summary = await sync.run()
+    finally:
+        await runner.cleanup()
+    log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m diloco_async.server", description="Run the synchronizer.")
+    ap.add_argument("--config", default=None, help="recipe file (TOML); defaults when omitted")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--run-id", default=None, help="id of a new run (not with --resume)")
+    ap.add_argument("--resume", default=None, metavar="CHECKPOINT_URL",
+                    help="continue a run: {store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
+    ap.add_argument("--ready-file", default=None)
+    args = ap.parse_args(argv)
+    if (args.run_id is None) == (args.resume is None):
+        ap.error("give exactly one of --run-id (new run) or --resume (continue a run)")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s synchronizer %(levelname)s %(name)s: %(message)s")
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(f"error: {TOKEN_ENV} is not set; the synchronizer needs the run's secret token", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(1)
+    env_options = storage_options_from_env()
+    try:
+        if args.resume:
+            cfg, store, run_id, ckpt = open_checkpoint(args.resume, args.config, args.set, env_options)
+        else:
+            cfg = load_config(args.config, args.set)
+            store = ObjectStore(cfg.run.store, {**cfg.run.storage_options, **env_options})
+            run_id, ckpt = args.run_id, None
+        asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt))
+    except ValueError as err:
+        log.error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

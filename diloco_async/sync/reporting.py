@@ -1,0 +1,164 @@
+"""What the synchronizer reports: counters, the metric stream, the merge log, the run summary and
+the live status (DESIGN §7).
+
+Metric points are ``{"key", "value", "step", "timestamp_ms"}`` with units in the key
+(``sync/grace_s``, ``net/bytes_in``); ``GET /metrics?since=N`` serves them by number and the
+flow forwards them to MLflow. Merge records are ``{"t", "fragment", "round", "version",
+"update_ids"}`` (unix seconds). Both logs keep a bounded tail in memory and spill to local disk;
+at the end of the run they go to the store as ``metrics.jsonl`` and ``merges.jsonl`` of the epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from diloco_async.goodput import MergeGaps, totals
+from diloco_async.sync.logs import JsonLinesLog
+from storage import keys
+from storage.store import ObjectStore
+
+if TYPE_CHECKING:
+    from diloco_async.sync.actor import Synchronizer
+
+__all__ = ["Reporter", "summary", "status", "write_final", "METRICS_TAIL", "MERGES_TAIL", "UPTIME_MIN_GAP_S",
+           "METRICS_BATCH"]
+
+METRICS_TAIL = 10_000
+"""Metric points kept in memory (about 150 bytes each: ~1.5 MB; a run of 4 learners makes about 60 a
+second, the flow pulls every 2 s); older ones are read from the spill file."""
+MERGES_TAIL = 1_000
+"""Merge records kept in memory; all of them are in the spill file."""
+METRICS_BATCH = 5_000
+"""Most metric points one ``GET /metrics`` answer carries."""
+UPTIME_MIN_GAP_S = 5.0
+"""Lower bound of the uptime gap (s): shorter gaps between merges never count as down."""
+
+
+class Reporter:
+    """Counters, rejection reasons, the metric stream and the merge log of one synchronizer.
+
+    Args:
+        started_s: the actor's start on its clock (s).
+        name: names the spill files (e.g. the run id).
+        spill_dir: folder of the spill files (default: the temporary folder).
+        metrics_tail, merges_tail: records of each log kept in memory.
+    """
+
+    def __init__(self, started_s: float, name: str, spill_dir: str | os.PathLike | None = None,
+                 metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL) -> None:
+        self.counters: Counter[str] = Counter()
+        self.rejected_by_reason: Counter[str] = Counter()
+        self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
+        self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
+        self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
+
+    def metric(self, key: str, value: float, step: int | None = None) -> None:
+        """One metric point; ``step`` defaults to the number of merges so far."""
+        self.metrics.append({"key": key, "value": float(value),
+                             "step": int(self.counters["merges"] if step is None else step),
+                             "timestamp_ms": int(time.time() * 1000)})
+
+    def count(self, name: str) -> int:
+        """Add one to counter ``name`` and log it as the metric ``sync/<name>``; returns the count."""
+        self.counters[name] += 1
+        self.metric(f"sync/{name}", self.counters[name])
+        return self.counters[name]
+
+    def reject(self, reason: str) -> None:
+        """Count one rejected contribution under ``reason``."""
+        self.counters["contributions_rejected"] += 1
+        self.rejected_by_reason[reason] += 1
+        self.metric("sync/contributions_rejected", self.counters["contributions_rejected"])
+        self.metric(f"sync/rejected/{reason}", self.rejected_by_reason[reason])
+
+    def merged(self, now_s: float, record: dict) -> None:
+        """Record a merge at ``now_s`` (actor clock) and its merge-log ``record``."""
+        self.merge_gaps.record(now_s)
+        self.merge_log.append(record)
+
+    def goodput_metrics(self, ledgers: dict) -> None:
+        tot = totals(ledgers)
+        self.metric("goodput/compute", tot["compute_goodput"])
+        self.metric("goodput/token", tot["token_goodput"])
+        for lid, led in ledgers.items():
+            self.metric(f"learner/{lid}/compute_goodput", led.compute_goodput)
+            self.metric(f"learner/{lid}/token_goodput", led.token_goodput)
+
+    def seal(self) -> None:
+        """The spill files hold everything so far and may be uploaded (:func:`write_final`)."""
+        self.metrics.seal()
+        self.merge_log.seal()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.merge_log.close()
+
+
+def summary(sync: Synchronizer) -> dict:
+    """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
+    now = sync.clock()
+    rep, reg, c = sync.report, sync.registry, sync.report.counters
+    max_gap = max(4 * (reg.slowest_step_s() or 1.0) * sync.sc.sync_every / max(1, len(sync.fragments)),
+                  UPTIME_MIN_GAP_S)
+    return {
+        "run_id": sync.run_id,
+        "epoch": sync.epoch,
+        "resumed_from": sync.resumed_from,
+        "stop_reason": sync.life.stop_reason,
+        "wall_s": now - sync.started_s,
+        **totals(reg.ledgers),
+        "uptime": rep.merge_gaps.uptime(now, max_gap),
+        "uptime_max_gap_s": max_gap,
+        "merges": c["merges"],
+        "contributions_merged": c["contributions_merged"],
+        "contributions_late": c["contributions_late"],
+        "contributions_rejected": c["contributions_rejected"],
+        "rejected_by_reason": dict(rep.rejected_by_reason),
+        "rounds_abandoned": c["rounds_abandoned"],
+        "duplicates": c["duplicates"],
+        "versions": {f.p: f.version for f in sync.fragments},
+        "bytes_in": c["bytes_in"],
+        "bytes_out": c["bytes_out"],
+        "checkpoints": c["checkpoints"],
+        "last_checkpoint_seq": sync.checkpoints.last_seq,
+        "global_step": sync.g,
+        "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
+                           **reg.ledgers[lid].to_json(),
+                           "compute_goodput": reg.ledgers[lid].compute_goodput,
+                           "token_goodput": reg.ledgers[lid].token_goodput}
+                     for lid, i in reg.learners.items()},
+    }
+
+
+def status(sync: Synchronizer) -> dict:
+    """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners),
+    the lifecycle phase and the number of metric points so far."""
+    s = summary(sync)
+    rounds = []
+    for (p, n), r in sorted(sync.rounds.items()):
+        entries = r.state.entries
+        rounds.append({"fragment": p, "round": n, "stage": r.state.stage.value,
+                       "announced": sorted(entries), "verified": r.state.verified,
+                       "rejected": sorted(lid for lid, e in entries.items() if e.verified is False),
+                       "pending": sorted(r.state.pending), "late": list(r.state.late)})
+    s["rounds"] = rounds
+    s["stopping"] = sync.life.stop_reason
+    s["phase"] = sync.life.phase.value
+    s["finished"] = sync.final_summary is not None
+    s["metrics_total"] = len(sync.report.metrics)
+    return s
+
+
+def write_final(store: ObjectStore, run_id: str, epoch: str, final_summary: dict, rep: Reporter) -> None:
+    """Put the epoch's ``metrics.jsonl``, ``summary.json`` and ``merges.jsonl`` (blocking; the
+    reporter's logs sealed first, on the actor's task).
+
+    Raises:
+        OSError, FileExistsError, TimeoutError: the store did not take one of them.
+    """
+    store.put_from_file(keys.metrics_log_key(run_id, epoch), rep.metrics.source)
+    store.put_json(keys.summary_key(run_id, epoch), final_summary)
+    store.put_from_file(keys.merge_log_key(run_id, epoch), rep.merge_log.source)

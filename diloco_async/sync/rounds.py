@@ -1,0 +1,287 @@
+"""The rounds of the synchronizer actor (DESIGN §3.2-§3.7): schedule and open them, admit and
+verify contributions, close them on quorum and grace, merge and publish, apply the result.
+
+:class:`RoundDriver` is the part of :class:`~diloco_async.sync.actor.Synchronizer` that runs
+rounds; it works on the actor's state and runs on the actor's task only. The decisions are the
+pure functions of :mod:`diloco_async.policy`; the blocking work is :mod:`diloco_async.sync.work`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from diloco_async import codec as wire
+from diloco_async.config import SynchronizerConfig
+from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
+from diloco_async.policy import (
+    GraceDecision,
+    RoundStage,
+    RoundState,
+    admit_announcement,
+    global_step,
+    grace_window,
+    schedule_rounds,
+)
+from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
+from diloco_async.sync.work import fetch_and_verify, merge_and_publish, rejection_reason
+from storage import keys
+from storage.store import ObjectRef, ObjectStore
+
+if TYPE_CHECKING:
+    from diloco_async.sync.learners import LearnerRegistry
+    from diloco_async.sync.lifecycle import Lifecycle
+    from diloco_async.sync.logs import BoundedMap
+    from diloco_async.sync.reporting import Reporter
+    from diloco_async.sync.state import Broadcaster
+
+__all__ = ["RoundDriver", "SETTLED_CAP"]
+
+log = logging.getLogger("diloco.synchronizer")
+
+SETTLED_CAP = 4096
+"""(learner, fragment, round) keys of closed rounds remembered to answer a replay ``duplicate``;
+a replay of an older round is answered ``late`` (neither is merged)."""
+
+
+class RoundDriver:
+    """Rounds of every fragment; mixed into the actor, which owns the attributes below."""
+
+    sc: SynchronizerConfig
+    store: ObjectStore
+    run_id: str
+    clock: Callable[[], float]
+    inbox: asyncio.Queue
+    push: Broadcaster
+    registry: LearnerRegistry
+    report: Reporter
+    life: Lifecycle
+    fragments: list[FragmentState]
+    rounds: dict[tuple[int, int], Round]
+    waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
+    settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
+    g: int | None  # the global step
+
+    def _spawn(self, coro) -> None:  # provided by the actor
+        raise NotImplementedError
+
+    # -- open ---------------------------------------------------------------------------------
+
+    def _open_round(self, f: FragmentState, n: int, now: float) -> None:
+        """Open round n of fragment f and tell every learner (the one place a round opens)."""
+        f.busy, f.next_round = True, n + 1
+        self.rounds[(f.p, n)] = Round(RoundState(f.p, n, now, self.sc.min_quorum))
+        self.report.counters["rounds_opened"] += 1
+        self.push.publish({"type": "round_open", **RoundOpen(fragment=f.p, round_n=n, version=f.version).model_dump()})
+        log.info("round open: fragment %d round %d (g=%s, live=%d)", f.p, n, self.g, len(self.registry.live()))
+
+    def _schedule(self, now: float) -> None:
+        g = global_step([i.step for i in self.registry.live()], self.sc.min_quorum)
+        if g is None:
+            return
+        if g != self.g:
+            self.g = g
+            self.report.metric("sync/global_step", g, g)
+        decision = schedule_rounds(g=g, next_rounds=[f.next_round for f in self.fragments],
+                                   busy={f.p for f in self.fragments if f.busy}, waiting=self.waiting,
+                                   open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
+                                   sync_every=self.sc.sync_every)
+        self.waiting = list(decision.waiting)
+        for p, n in decision.open_now:
+            self._open_round(self.fragments[p], n, now)
+
+    def _open_last_rounds(self, now: float) -> list[str]:
+        """A last round of every fragment that has none in flight (the drain before a stop)."""
+        self.waiting.clear()
+        opened = []
+        for f in self.fragments:
+            if not f.busy:
+                opened.append(f"p{f.p} r{f.next_round}")
+                self._open_round(f, f.next_round, now)
+        return opened
+
+    # -- contributions ------------------------------------------------------------------------
+
+    def _on_announce(self, ann: Announcement) -> AnnouncementAck:
+        lid, p, n = ann.learner_id, ann.fragment, ann.round_n
+        f = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        rnd = self.rounds.get((p, n))
+        adm = admit_announcement(
+            ann, now_s=self.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
+            round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
+            key_prefix=keys.contribution_round_prefix(self.run_id, p, n) + "/", codecs=wire.CODECS,
+            max_staleness=self.sc.max_staleness)
+        if adm.status == "rejected":
+            return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n)
+        if adm.status == "duplicate":
+            self.report.count("duplicates")
+            log.info("duplicate announcement learner=%s fragment=%d round=%d: acknowledged, not merged again",
+                     lid, p, n)
+            return AnnouncementAck(status="duplicate", reason=adm.reason)
+        if adm.status == "late":
+            self.registry.ledgers[lid].count("late")
+            self.report.count("contributions_late")
+            return AnnouncementAck(status="late", reason=adm.reason)
+        rnd.contributions[lid] = Contribution(ann)
+        rnd.none_pending.clear()
+        self._spawn(self._verify(f, ann))
+        return AnnouncementAck(status="accepted", reason=adm.reason)
+
+    def _reject(self, learner: str, reason: str, detail: str, p: int = -1, n: int = -1) -> AnnouncementAck:
+        if learner in self.registry.ledgers:
+            self.registry.ledgers[learner].count("rejected")
+        log.warning("rejected contribution learner=%s fragment=%d round=%d: %s (%s)", learner, p, n, reason, detail)
+        self.report.reject(reason)
+        return AnnouncementAck(status="rejected", reason=f"{reason}: {detail}")
+
+    async def _verify(self, f: FragmentState, ann: Announcement) -> None:
+        ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
+        delta, reason = None, "ok"
+        try:
+            delta = await asyncio.wait_for(asyncio.to_thread(fetch_and_verify, self.store, ref, ann.codec, f.shapes),
+                                           timeout=self.sc.storage_timeout_s)
+        except Exception as err:  # storage errors and bad payloads: counted, never fatal
+            reason = rejection_reason(err, ann.key, self.sc.storage_timeout_s)
+        await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes))
+
+    def _on_verified(self, msg: Verified) -> None:
+        rnd = self.rounds.get((msg.fragment, msg.round_n))
+        if rnd is None:
+            return
+        if msg.delta is None:
+            reason, _, detail = msg.reason.partition(": ")
+            self._reject(msg.learner, reason, detail, msg.fragment, msg.round_n)
+            rnd.state.settle(msg.learner, False)
+            rnd.contributions.pop(msg.learner, None)
+        else:
+            self.report.counters["bytes_in"] += msg.nbytes  # logged with each merge
+            contrib = rnd.contributions.get(msg.learner)
+            if contrib is not None:
+                contrib.delta = msg.delta
+            rnd.state.settle(msg.learner, True)
+        if not rnd.state.pending:
+            rnd.none_pending.set()
+
+    # -- quorum, grace, merge -----------------------------------------------------------------
+
+    def _progress_rounds(self, now: float) -> None:
+        live_ids = [i.learner_id for i in self.registry.live()]
+        for (p, n), rnd in list(self.rounds.items()):
+            st = rnd.state
+            if st.stage is RoundStage.OPEN and not self._progress_open(rnd, now):
+                continue
+            if st.stage is RoundStage.GRACE:
+                why = st.should_merge(now, live_ids)
+                if why is not None:
+                    st.start_merge()
+                    quorum_wait = (st.quorum_s or now) - st.opened_s
+                    if len(st.verified) == 1 and len(live_ids) > 1:
+                        log.info("fragment %d round %d: quorum of one (%s)", p, n, why)
+                    self._spawn(self._merge_task(self.fragments[p], rnd, quorum_wait))
+
+    def _progress_open(self, rnd: Round, now: float) -> bool:
+        """An open round: start its grace window once the quorum is met; abandon it at a stop.
+        Returns False when the round is gone."""
+        st = rnd.state
+        p, n = st.fragment, st.round_n
+        if st.quorum_met():
+            quorum_wait = now - st.opened_s
+            if self.sc.grace_enabled:
+                decision = grace_window(
+                    step_time_s=self.registry.slowest_step_s(), quorum_wait_s=quorum_wait,
+                    sync_time_s=self.fragments[p].sync_ema.value, tau=self.sc.max_open_rounds,
+                    gamma=self.sc.grace_gamma, cap_s=self.sc.grace_cap_s, initial_s=self.sc.grace_initial_s)
+            else:
+                decision = GraceDecision(0.0, "grace window disabled")
+            st.start_grace(now, decision)
+            log.debug("fragment %d round %d quorum %d/%d after %.3fs; grace %.3fs (%s)", p, n,
+                      len(st.verified), st.min_quorum, quorum_wait, decision.grace_s, decision.reason)
+        elif self.life.stopped:
+            st.abandon()
+            self.rounds.pop((p, n))
+            self.fragments[p].busy = False
+            log.info("fragment %d round %d abandoned at stop: quorum %d/%d", p, n, len(st.verified), st.min_quorum)
+            return False
+        elif now - rnd.last_wait_log_s >= 10.0 and now - st.opened_s >= 10.0:
+            rnd.last_wait_log_s = now
+            log.info("fragment %d round %d waiting for quorum (%d/%d)", p, n, len(st.verified), st.min_quorum)
+        return True
+
+    async def _merge_task(self, f: FragmentState, rnd: Round, quorum_wait_s: float) -> None:
+        # Announcements admitted before the merge started are awaited (bounded by the fetch timeout).
+        if rnd.state.pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rnd.none_pending.wait(), self.sc.storage_timeout_s + 1.0)
+        n = rnd.state.round_n
+        try:
+            # the contributions are fixed here, on the actor's loop: the worker thread gets its own list
+            contribs = [c for c in rnd.contributions.values() if c.delta is not None]
+            result = await asyncio.to_thread(merge_and_publish, self.store, self.run_id, f, n, contribs,
+                                             self.sc.merge, quorum_wait_s)
+        except Exception as err:
+            log.exception("merge of fragment %d round %d failed", f.p, n)
+            result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")
+        await self.inbox.put(result)
+
+    def _on_merged(self, res: Merged) -> None:
+        f = self.fragments[res.fragment]
+        rnd = self.rounds.pop((res.fragment, res.round_n))
+        f.busy = False
+        for lid, entry in rnd.state.entries.items():
+            self.settled[(lid, res.fragment, res.round_n)] = entry.key
+        if not res.ok:
+            rnd.state.abandon()
+            log.error("fragment %d round %d abandoned: %s (version stays %d)", f.p, res.round_n, res.reason, f.version)
+            self.report.count("rounds_abandoned")
+            return
+        rnd.state.finish()
+        self._adopt_merge(f, res, rnd)
+        self._report_merge(f, res, rnd)
+
+    def _adopt_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
+        """The new version becomes the fragment's value; learners are told; ledgers credited."""
+        f.version += 1
+        f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
+        f.history[f.version] = res.new
+        f.refs[f.version] = res.ref
+        for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
+            del f.history[old]
+        f.sync_ema.update(res.seconds)
+        self.push.publish({"type": "version", **VersionInfo(
+            fragment=f.p, version=f.version, key=res.ref.key, nbytes=res.ref.nbytes, sha256=res.ref.sha256
+        ).model_dump()})
+        self.report.counters["merges"] += 1
+        self.report.counters["contributions_merged"] += len(res.merged)
+        self.report.merged(self.clock(), {
+            "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version,
+            "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged]})
+        for lid in res.merged:
+            c = rnd.contributions[lid]
+            led = self.registry.ledgers[lid]
+            led.count("merged")
+            led.useful_s += c.ann.compute_s * f.share
+            led.tokens_merged += c.ann.c_tokens * f.share
+
+    def _report_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
+        rep, c = self.report, self.report.counters
+        grace_s = rnd.state.grace.grace_s if rnd.state.grace else 0.0
+        staleness = [f.version - 1 - rnd.contributions[lid].ann.base_version for lid in res.merged]
+        rep.metric("sync/merges", c["merges"])
+        rep.metric("sync/quorum_size", len(res.merged))
+        rep.metric("sync/grace_s", grace_s)
+        rep.metric("sync/quorum_wait_s", res.quorum_wait_s)
+        rep.metric("sync/merge_s", res.seconds)
+        rep.metric("sync/contributions_merged", c["contributions_merged"])
+        rep.metric("sync/contributions_late", c["contributions_late"])
+        rep.metric("sync/contributions_rejected", c["contributions_rejected"])
+        rep.metric("sync/live_learners", len(self.registry.live()))
+        rep.metric("net/bytes_out", c["bytes_out"])
+        rep.metric("net/bytes_in", c["bytes_in"])
+        rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))
+        rep.metric(f"sync/fragment/{f.p}/version", f.version)
+        log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",
+                 f.p, res.round_n, len(res.merged), ",".join(res.merged), f.version, grace_s, len(rnd.state.late))

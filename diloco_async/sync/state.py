@@ -1,0 +1,192 @@
+"""State types of the synchronizer actor (DESIGN §2): fragments, rounds, contributions, and the
+internal messages that worker tasks post back to the actor's inbox.
+
+Everything here is owned by the actor task; worker threads get the fragment of the one round
+they work on (a fragment has at most one round in flight) and report back through a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco_async.config import Config, SynchronizerConfig
+from diloco_async.fragments import FragmentPlan
+from diloco_async.merge import OuterOptimizer
+from diloco_async.messages import Announcement
+from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.policy import Ema, FragmentFacts, RoundState
+from storage.store import ObjectRef
+
+__all__ = [
+    "initial_parameters",
+    "new_run_id",
+    "Broadcaster",
+    "FragmentState",
+    "new_fragments",
+    "Contribution",
+    "Round",
+    "Request",
+    "Verified",
+    "Merged",
+    "CheckpointDone",
+    "FinalWritten",
+]
+
+
+def initial_parameters(cfg: Config) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Θ^0 (fp32 parameters of a freshly seeded model) and the embedding tensor names."""
+    torch.manual_seed(cfg.run.seed)
+    model = ByteGPT(cfg.model)
+    params = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+    return params, embedding_names(model)
+
+
+def new_run_id() -> str:
+    """A sortable, unique run id: UTC time plus a random suffix."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+class Broadcaster:
+    """Push channel to learners (the WebSocket route subscribes one queue per connection).
+
+    Events are small JSON dicts: ``round_open``, ``version`` and ``stop``. Heartbeat responses
+    carry the same information, so a lost push only costs one heartbeat period.
+    """
+
+    def __init__(self, max_queue: int = 256) -> None:
+        self.max_queue = max_queue
+        self.queues: dict[int, asyncio.Queue] = {}
+
+    def subscribe(self) -> tuple[int, asyncio.Queue]:
+        q: asyncio.Queue = asyncio.Queue(self.max_queue)
+        self.queues[id(q)] = q
+        return id(q), q
+
+    def unsubscribe(self, handle: int) -> None:
+        self.queues.pop(handle, None)
+
+    def publish(self, event: dict) -> None:
+        for q in self.queues.values():
+            try:
+                q.put_nowait(event)
+            except asyncio.QueueFull:  # a stuck connection drops pushes; heartbeats cover them
+                pass
+
+
+@dataclass
+class FragmentState:
+    """One fragment p: its current value Θ_p (fp32), outer-optimizer state, kept versions and
+    their store refs, and its round counter. ``busy`` while one of its rounds is open or merging."""
+
+    p: int
+    names: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    share: float  # numel share of the whole model, in (0, 1]
+    version: int
+    current: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    optimizer: OuterOptimizer
+    history: dict[int, dict[str, torch.Tensor]]  # version -> value, the last S + 1 versions
+    refs: dict[int, ObjectRef]
+    sync_ema: Ema  # seconds of fetch + merge + publish
+    embedding_names: list[str] = field(default_factory=list)  # of this fragment, merged with the mean
+    next_round: int = 1
+    busy: bool = False
+    outer_steps: int = 0
+
+    def facts(self) -> FragmentFacts:
+        """What :func:`diloco_async.policy.admit_announcement` needs of this fragment."""
+        return FragmentFacts(self.version, self.next_round, frozenset(self.history))
+
+
+def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: SynchronizerConfig) -> list[FragmentState]:
+    """Version 0 of every fragment of ``plan``, cut from the model's ``params``."""
+    out = []
+    for p in range(plan.num_fragments):
+        cur = plan.fragment_of(params, p)
+        names = plan.names(p)
+        out.append(FragmentState(
+            p=p, names=names, shapes={s.name: s.shape for s in plan.fragments[p]},
+            share=plan.numel_fraction(p), version=0, current=cur,
+            momentum={n: torch.zeros_like(t) for n, t in cur.items()},
+            optimizer=OuterOptimizer(cur, lr=sc.outer_lr, momentum=sc.outer_momentum),
+            history={0: cur}, refs={}, sync_ema=Ema(sc.ema_alpha),
+            embedding_names=[n for n in names if n in plan.embedding_names],
+        ))
+    return out
+
+
+@dataclass
+class Contribution:
+    """An admitted announcement and, once fetched and verified, its decoded outer gradient."""
+
+    ann: Announcement
+    delta: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Round:
+    """An open round: its policy state and the contributions admitted so far (by learner).
+    ``none_pending`` is set while no admitted contribution is still being fetched and checked."""
+
+    state: RoundState
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    last_wait_log_s: float = 0.0
+    none_pending: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# Internal messages. A request carries the future the HTTP handler waits on.
+@dataclass
+class Request:
+    kind: str
+    body: Any
+    reply: asyncio.Future[Any]
+
+
+@dataclass
+class Verified:
+    """A contribution fetched and checked: ``delta`` is None when it failed (``reason`` says why)."""
+
+    fragment: int
+    round_n: int
+    learner: str
+    delta: dict[str, torch.Tensor] | None
+    reason: str
+    nbytes: int
+
+
+@dataclass
+class Merged:
+    """Outcome of merge + outer step + publish of one round; ``ok`` False abandons the round."""
+
+    fragment: int
+    round_n: int
+    ok: bool
+    reason: str
+    new: dict[str, torch.Tensor] | None = None
+    momentum: dict[str, torch.Tensor] | None = None
+    ref: ObjectRef | None = None
+    merged: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    quorum_wait_s: float = 0.0
+    outer_steps: int = 0
+
+
+@dataclass
+class CheckpointDone:
+    seq: int
+    ok: bool
+    reason: str
+
+
+@dataclass
+class FinalWritten:
+    """The final metrics, summary and merge log are in the store (or failed to get there)."""
+
+    ok: bool

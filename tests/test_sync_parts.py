@@ -1,0 +1,103 @@
+"""Parts of the synchronizer package on their own: bounded logs, the uptime ledger, the lifecycle."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+
+from diloco_async.goodput import MergeGaps, uptime
+from diloco_async.sync.lifecycle import Lifecycle, Phase
+from diloco_async.sync.logs import BoundedMap, JsonLinesLog
+
+
+def point(i: int) -> dict:
+    return {"key": f"learner/learner-{i % 4}/train_loss", "value": 1.0 / (i + 1), "step": i, "timestamp_ms": 10**12 + i}
+
+
+def test_metric_log_memory_stays_flat_over_many_points(tmp_path):
+    log = JsonLinesLog(tail=500, spill_dir=tmp_path)
+    tracemalloc.start()
+    try:
+        for i in range(5_000):
+            log.append(point(i))
+        after_5k, _ = tracemalloc.get_traced_memory()
+        for i in range(5_000, 50_000):
+            log.append(point(i))
+        after_50k, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(log) == 50_000 and log.in_memory == 500
+    assert after_50k < after_5k * 1.1 + 16 * 1024, (after_5k, after_50k)
+    # the newest points come from memory, the oldest from the spill file, numbered as appended
+    assert log.read(49_990, 5) == [point(i) for i in range(49_990, 49_995)]
+    assert log.read(5, 5) is None
+    log.flush()
+    assert log.read_spilled(5, 3, upto=len(log)) == [point(5), point(6), point(7)]
+    assert log.read_spilled(49_998, 10, upto=len(log)) == [point(49_998), point(49_999)]
+    log.seal()
+    log.append(point(50_000))  # after the seal: in memory only
+    with open(log.source, "rb") as fh:  # what the final upload reads
+        assert sum(1 for _ in fh) == 50_000
+    log.close()
+    assert list(log)[-1] == point(50_000)  # the tail stays readable after close
+    assert list(tmp_path.iterdir()) == []  # nothing left on disk
+    with pytest.raises(ValueError):
+        log.read_spilled(0, 1, upto=1)
+
+
+def test_spilled_read_stops_at_the_flushed_count(tmp_path):
+    log = JsonLinesLog(tail=2, spill_dir=tmp_path)
+    for i in range(10):
+        log.append(point(i))
+    log.flush()
+    upto = len(log)
+    for i in range(10, 15):  # appended after the flush: not part of this answer
+        log.append(point(i))
+    assert log.read_spilled(8, 100, upto=upto) == [point(8), point(9)]
+    log.close()
+
+
+def test_bounded_map_keeps_the_newest_entries():
+    m: BoundedMap[tuple[str, int, int], str] = BoundedMap(cap=100)
+    for n in range(10_000):
+        m[("a", 0, n)] = f"key-{n}"
+    assert len(m) == 100
+    assert m.get(("a", 0, 9_999)) == "key-9999" and ("a", 0, 9_899) not in m
+    with pytest.raises(ValueError):
+        BoundedMap(cap=0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_gaps_uptime_equals_uptime_over_every_merge(seed):
+    rng = random.Random(seed)
+    start, t, times = 100.0, 100.0, []
+    for _ in range(2_000):
+        t += rng.choice([rng.uniform(0, 2), rng.uniform(0, 2), rng.uniform(3, 40)])
+        times.append(t)
+    gaps = MergeGaps(start, min_gap_s=5.0)
+    for x in times:
+        gaps.record(x)
+    assert len(gaps.long_gaps) < len(times) / 2
+    for end, max_gap in [(t, 5.0), (t + 30, 7.5), (t + 1, 60.0)]:
+        assert gaps.uptime(end, max_gap) == uptime(times, start, end, max_gap)  # bit for bit
+    assert MergeGaps(start, 5.0).uptime(start + 20, 5.0) == uptime([], start, start + 20, 5.0)
+    with pytest.raises(ValueError):
+        gaps.uptime(t, 4.0)
+
+
+def test_lifecycle_moves_only_along_allowed_transitions():
+    life = Lifecycle()
+    assert life.running and not life.stopped
+    with pytest.raises(RuntimeError, match="running -> finished"):
+        life.move(Phase.FINISHED)
+    life.move(Phase.DRAINING)
+    assert not life.running and not life.stopped
+    with pytest.raises(RuntimeError):
+        life.move(Phase.DRAINING)
+    for phase in (Phase.STOPPING, Phase.FINAL_CHECKPOINT, Phase.WRITING_SUMMARY, Phase.FINISHING, Phase.FINISHED):
+        life.move(phase)
+        assert life.stopped
+    with pytest.raises(RuntimeError):
+        life.move(Phase.RUNNING)
