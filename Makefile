@@ -52,9 +52,12 @@ data: setup
 run: data
 	$(VENV)/bin/diloco-async train --config $(CONFIG)
 
-## test: the whole test suite
+## test: lint (ruff, pyproject.toml [tool.ruff]), then the whole test suite in TEST_WORKERS processes
+##       (pytest-xdist; most tests wait on real processes and servers, so 4 workers on 2 cores pay)
+TEST_WORKERS ?= 4
 test: data
-	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 ## bench: speed and memory benchmarks (ratios against baselines measured in the same run)
 bench: data
