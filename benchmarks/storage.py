@@ -17,6 +17,7 @@ Run: ``python -m benchmarks.storage [--mib 256] [--repeat 3]`` (also part of ``m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import time
 import tracemalloc
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from storage.store import ObjectStore
 
@@ -101,14 +102,51 @@ def peak_memory(fn: Callable[[], object]) -> tuple[float, float | None]:
     return (peak - base) / MiB, rss
 
 
-def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
-    """Run the comparison on a fresh moto server; print it and return the figures."""
-    import s3fs
-
+@contextlib.contextmanager
+def _moto_s3() -> Iterator[MotoProcess]:
+    """A fresh moto server with the test credentials in the environment (restored afterwards)."""
     saved = {k: os.environ.get(k) for k in S3_ENV}
     os.environ.update(S3_ENV)
     server = MotoProcess()
     try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _report(mib: int, repeat: int, times: dict[str, list[float]], part_nbytes: int,
+            mems: dict[str, tuple[float, float | None]]) -> dict:
+    """Print the ratios and peak memories; return them as one dict."""
+    best = {k: min(v) for k, v in times.items()}
+    out = {"mib": mib, "part_mib": part_nbytes / MiB, **{f"{k} MiB/s": mib / t for k, t in best.items()}}
+    for op in ("put", "get"):
+        ratio = best[f"raw {op}"] / best[f"ours {op}"]
+        out[f"{op} ratio"] = ratio
+        print(f"storage s3 (moto, same endpoint) {mib} MiB {op}:  raw s3fs {mib / best[f'raw {op}']:7.1f} MiB/s"
+              f"   ObjectStore {mib / best[f'ours {op}']:7.1f} MiB/s   ratio {ratio:5.2f}"
+              f" (goal >= 0.90, best of {repeat})")
+
+    def fmt(m: tuple[float, float | None]) -> str:
+        rss = f", RSS +{m[1]:6.1f} MiB" if m[1] is not None else ""
+        return f"traced +{m[0]:6.1f} MiB ({m[0] / mib:4.2f}x object){rss}"
+
+    print(f"storage s3 {mib} MiB put peak memory beyond the caller's buffer:  ObjectStore.put {fmt(mems['mem_ours'])}")
+    print(f"{'':>55}  ObjectStore.put_from_file {fmt(mems['mem_file'])}")
+    print(f"{'':>55}  raw s3fs pipe_file {fmt(mems['mem_raw'])}")
+    out.update(mems)
+    return out
+
+
+def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
+    """Run the comparison on a fresh moto server; print it and return the figures."""
+    import s3fs
+
+    with _moto_s3() as server:
         options = {"client_kwargs": {"endpoint_url": server.url}}
         raw = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
@@ -141,39 +179,14 @@ def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
             for run in ((run_raw, run_ours) if i % 2 == 0 else (run_ours, run_raw)):
                 run(i)
 
-        mem_ours = peak_memory(lambda: store.put("mem-ours", data))
-        mem_raw = peak_memory(lambda: raw.pipe_file(f"{bucket}/raw/mem", data))
+        mems = {"mem_ours": peak_memory(lambda: store.put("mem-ours", data)),
+                "mem_raw": peak_memory(lambda: raw.pipe_file(f"{bucket}/raw/mem", data))}
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "fragment.bin")
             with open(src, "wb") as fh:
                 fh.write(data)
-            mem_file = peak_memory(lambda: store.put_from_file("mem-file", src))
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    best = {k: min(v) for k, v in times.items()}
-    out = {"mib": mib, "part_mib": store.part_nbytes / MiB, **{f"{k} MiB/s": mib / t for k, t in best.items()}}
-    for op in ("put", "get"):
-        ratio = best[f"raw {op}"] / best[f"ours {op}"]
-        out[f"{op} ratio"] = ratio
-        print(f"storage s3 (moto, same endpoint) {mib} MiB {op}:  raw s3fs {mib / best[f'raw {op}']:7.1f} MiB/s"
-              f"   ObjectStore {mib / best[f'ours {op}']:7.1f} MiB/s   ratio {ratio:5.2f}"
-              f" (goal >= 0.90, best of {repeat})")
-
-    def fmt(m: tuple[float, float | None]) -> str:
-        rss = f", RSS +{m[1]:6.1f} MiB" if m[1] is not None else ""
-        return f"traced +{m[0]:6.1f} MiB ({m[0] / mib:4.2f}x object){rss}"
-
-    print(f"storage s3 {mib} MiB put peak memory beyond the caller's buffer:  ObjectStore.put {fmt(mem_ours)}")
-    print(f"{'':>55}  ObjectStore.put_from_file {fmt(mem_file)}")
-    print(f"{'':>55}  raw s3fs pipe_file {fmt(mem_raw)}")
-    out.update(mem_ours=mem_ours, mem_file=mem_file, mem_raw=mem_raw)
-    return out
+            mems["mem_file"] = peak_memory(lambda: store.put_from_file("mem-file", src))
+    return _report(mib, repeat, times, store.part_nbytes, mems)
 
 
 def main(argv: list[str] | None = None) -> int:

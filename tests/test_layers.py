@@ -111,3 +111,30 @@ def test_no_import_statement_of_the_library_names_the_deployment_layer():
                 found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                           if n.split(".")[0] in FORBIDDEN]
     assert not found, "\n".join(found)
+
+
+# Size limits (STYLE 12): a module owns one idea, a function does one thing. Tests are exempt.
+SIZED_PACKAGES = ("diloco_async", "storage", "flows", "benchmarks", "scripts")
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def sized_sources() -> list[Path]:
+    return sorted(p for package in SIZED_PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def test_no_module_over_the_size_limit():
+    over = [f"{p.relative_to(ROOT)}: {n} lines" for p in sized_sources()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)
+
+
+def test_no_function_over_the_size_limit():
+    over = []
+    for path in sized_sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(over)
