@@ -29,6 +29,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 
+from diloco_async.procs import stop_process
 from storage.store import ObjectStore
 
 __all__ = ["bench_storage", "main"]
@@ -61,13 +62,7 @@ class MotoProcess:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=10)
 
 
 def _rss_kib(field: str) -> int | None:

@@ -2,7 +2,7 @@
 
 Starts a real run of the default recipe (4 learners, the synchronizer and learners as processes,
 through :class:`flows.train.TrainingRun`, as ``make run`` does, without MLflow), pulls the metric
-stream as the flow does, and samples the synchronizer process's RSS (psutil, or /proc) every ``--interval`` seconds
+stream as the flow does, and samples the synchronizer process's RSS (psutil) every ``--interval`` seconds
 for ``--minutes``. Then it stops the run and prints the RSS at the reference minute (5, or a
 quarter of the run when shorter), at the end, their ratio, and one bar:
 
@@ -21,6 +21,8 @@ import signal
 import sys
 import time
 
+import psutil
+
 from diloco_async.config import load_config
 from flows.train import TrainingRun
 
@@ -32,13 +34,7 @@ def _mib(nbytes: float) -> float:
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident set size of process ``pid``: psutil when installed, else Linux's /proc."""
-    try:
-        import psutil
-    except ImportError:
-        with open(f"/proc/{pid}/status") as fh:
-            kib = next(line.split()[1] for line in fh if line.startswith("VmRSS:"))
-        return int(kib) * 1024
+    """Resident set size of process ``pid`` in bytes."""
     return psutil.Process(pid).memory_info().rss
 
 

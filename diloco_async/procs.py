@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 __all__ = ["ProcessHandle", "Launcher", "LocalProcess", "LocalProcessLauncher", "ForkedProcess",
-           "ForkServerLauncher", "wait_for_ready_file"]
+           "ForkServerLauncher", "stop_process", "wait_for_ready_file"]
 
 
 class ProcessHandle(Protocol):
@@ -149,6 +149,19 @@ class LocalProcessLauncher:
             proc = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=full_env, start_new_session=True)
         return LocalProcess(name=name, proc=proc, log_path=log_path)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
+    """SIGTERM one process (not its group), wait up to ``grace_s`` s, then SIGKILL and reap it.
+    Returns its exit code; nothing happens to a process that already exited."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def wait_for_ready_file(path: Path, handle: ProcessHandle, timeout_s: float = 120.0) -> dict:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from diloco_async.procs import stop_process
+
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
           "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -108,13 +110,7 @@ class FakeGcs:
             return ""
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc, grace_s=5)
         self._log.close()
         try:
             os.unlink(self._log.name)

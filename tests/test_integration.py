@@ -16,6 +16,7 @@ import pytest
 
 from diloco_async.client import TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
+from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
 
@@ -88,7 +89,7 @@ def test_sigkill_one_of_three_learners(tmp_path):
     assert any(m["key"] == "sync/live_learners" and m["value"] == 2.0 for m in metrics)
     store = ObjectStore(f"file://{tmp_path}/store")
     epoch = json.loads((tmp_path / "ready.json").read_text())["epoch"]
-    summary = store.get_json(f"itest/epochs/{epoch}/summary.json")
+    summary = store.get_json(keys.summary_key("itest", epoch))
     assert summary["learners"]["learner-2"]["live"] is False
     assert summary["learners"]["learner-0"]["live"] is True
     merged_after = [m for m in metrics if m["key"] == "sync/quorum_size" and m["timestamp_ms"] > killed_ms]
@@ -99,7 +100,8 @@ def test_sigkill_one_of_three_learners(tmp_path):
     assert ckpt is not None and summary["last_checkpoint_seq"] == ckpt.seq  # the final checkpoint
     assert min(int(v) for v in ckpt.manifest["versions"].values()) >= versions_at_kill + 3
     # contributions, versions and checkpoints are objects in the store
-    assert store.list("itest/contrib") and store.list("itest/globals") and store.list("itest/checkpoints")
+    assert store.list(keys.contributions_prefix("itest")) and store.list(keys.versions_prefix("itest"))
+    assert store.list(keys.checkpoint_prefix("itest"))
 
 
 def test_restarted_learner_restores_its_inner_state(tmp_path):

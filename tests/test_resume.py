@@ -162,7 +162,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
     saved_params, saved_mom, saved = fragment_state(store, "runB", seq_b)
     assert saved["versions"] == {"0": 2} and saved["outer_steps"] == {"0": 2}
 
-    c = SyncProcess(tmp_path, store_url, ["--resume", f"{store_url}/runB/checkpoints/{seq_b:08d}"], options)
+    c = SyncProcess(tmp_path, store_url, ["--resume", keys.checkpoint_url(store_url, "runB", seq_b)], options)
     try:
         lb.attach(c)
         assert c.status()["versions"] == {"0": 2}
@@ -224,7 +224,7 @@ def test_resume_refuses_a_different_config(tmp_path, store_url):
         b.stop()
     sets = [a for o in OVERRIDES + [f"run.store={store_url}", "synchronizer.outer_lr=0.5"] for a in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "diloco_async.server", *sets, "--config", "configs/default.toml",
-                           "--resume", f"{store_url}/runC/checkpoints/{seq:08d}"],
+                           "--resume", keys.checkpoint_url(store_url, "runC", seq)],
                           env={TOKEN_ENV: TOKEN, "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
