@@ -1,12 +1,16 @@
 """Control messages between learners and the synchronizer (JSON over HTTP, pydantic-validated).
 
 Bulk data never travels here: messages carry object keys, sizes and sha256 digests; the bytes
-live in the object store (DESIGN §2). Unknown fields are rejected.
+live in the object store (DESIGN §2). Unknown fields are rejected, and every field is bounded
+(issue 14): steps, versions, rounds and incarnations in [0, 2**53] (exact as float64, the metric
+stream's type); tokens and bytes in [0, 2**50] (far inside int64, and c_tokens² still a finite
+float64); seconds in [0, 1e9]; floats finite (no NaN or Infinity); ids from a short charset of at
+most 64 characters; keys at most 1024 characters; at most 4096 fragments.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,30 +25,54 @@ __all__ = [
     "HeartbeatResponse",
     "Announcement",
     "AnnouncementAck",
+    "MetricsQuery",
     "LEARNER_ID_PATTERN",
+    "STEP_MAX",
+    "COUNT_MAX",
+    "SECONDS_MAX",
+    "FRAGMENTS_MAX",
+    "KEY_MAX_CHARS",
 ]
 
 LEARNER_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+STEP_MAX = 2**53
+"""Largest step, version, round number or incarnation: exact as a float64 (metric values are floats)."""
+COUNT_MAX = 2**50
+"""Largest token or byte count (about 1.1e15): within int64, and c_tokens² / c_steps is a finite float64."""
+SECONDS_MAX = 1e9
+"""Largest duration in seconds (about 31 years)."""
+FRAGMENTS_MAX = 4096
+"""Fragment indices lie in [0, FRAGMENTS_MAX); a map by fragment has at most this many entries."""
+KEY_MAX_CHARS = 1024
+"""Longest object key."""
+
+Step = Annotated[int, Field(ge=0, le=STEP_MAX)]
+Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
+Seconds = Annotated[float, Field(ge=0, le=SECONDS_MAX)]
+FragmentIndex = Annotated[int, Field(ge=0, lt=FRAGMENTS_MAX)]
+LearnerId = Annotated[str, Field(pattern=LEARNER_ID_PATTERN)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Key = Annotated[str, Field(min_length=1, max_length=KEY_MAX_CHARS)]
 
 
 class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class VersionInfo(_Msg):
     """Published version ``version`` of fragment ``fragment`` and where its bytes are."""
 
-    fragment: int = Field(ge=0)
-    version: int = Field(ge=0)
-    key: str
-    nbytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    fragment: FragmentIndex
+    version: Step
+    key: Key
+    nbytes: Count
+    sha256: Sha256
 
 
 class JoinRequest(_Msg):
-    learner_id: str = Field(pattern=LEARNER_ID_PATTERN)
-    incarnation: int = Field(0, ge=0, description="Restart count of this learner slot.")
-    uptime_s: float = Field(0.0, ge=0, description="Seconds since the learner process started.")
+    learner_id: LearnerId
+    incarnation: Step = Field(0, description="Restart count of this learner slot.")
+    uptime_s: Seconds = Field(0.0, description="Seconds since the learner process started.")
 
 
 class JoinResponse(_Msg):
@@ -59,23 +87,24 @@ class JoinResponse(_Msg):
 
 
 class Heartbeat(_Msg):
-    learner_id: str = Field(pattern=LEARNER_ID_PATTERN)
-    incarnation: int = Field(0, ge=0)
-    step: int = Field(ge=0, description="Local inner steps done.")
-    step_time_s: float | None = Field(None, ge=0, description="EMA of one inner step.")
-    tokens_total: int = Field(0, ge=0, description="Tokens processed since the process started.")
-    train_loss: float | None = Field(None, description="Mean train loss since the last heartbeat (nats/byte).")
-    tokens_per_s: float | None = Field(None, ge=0)
-    bytes_down: int = Field(0, ge=0, description="Bytes of versions downloaded since the process started.")
-    bytes_up: int = Field(0, ge=0, description="Bytes of contributions uploaded since the process started.")
-    uptime_s: float = Field(0.0, ge=0)
-    base_versions: dict[int, int] = Field(default_factory=dict)
+    learner_id: LearnerId
+    incarnation: Step = 0
+    step: Step = Field(description="Local inner steps done.")
+    step_time_s: float | None = Field(None, ge=0, le=1e6, description="EMA of one inner step.")
+    tokens_total: Count = Field(0, description="Tokens processed since the process started.")
+    train_loss: float | None = Field(None, ge=-1e6, le=1e6,
+                                     description="Mean train loss since the last heartbeat (nats/byte).")
+    tokens_per_s: float | None = Field(None, ge=0, le=1e12)
+    bytes_down: Count = Field(0, description="Bytes of versions downloaded since the process started.")
+    bytes_up: Count = Field(0, description="Bytes of contributions uploaded since the process started.")
+    uptime_s: Seconds = 0.0
+    base_versions: dict[FragmentIndex, Step] = Field(default_factory=dict, max_length=FRAGMENTS_MAX)
 
 
 class RoundOpen(_Msg):
     fragment: int
     round_n: int
-    version: int = Field(ge=0, description="Current version of the fragment; the round publishes version + 1.")
+    version: Step = Field(description="Current version of the fragment; the round publishes version + 1.")
 
 
 class HeartbeatResponse(_Msg):
@@ -89,20 +118,26 @@ class HeartbeatResponse(_Msg):
 class Announcement(_Msg):
     """A contribution uploaded and ready: DESIGN §3.4."""
 
-    learner_id: str = Field(pattern=LEARNER_ID_PATTERN)
-    fragment: int = Field(ge=0)
-    round_n: int = Field(ge=1)
-    base_version: int = Field(ge=0)
-    c_steps: int = Field(ge=0)
-    c_tokens: int = Field(ge=0)
-    compute_s: float = Field(ge=0, description="Inner-step seconds covered by this contribution.")
-    key: str
-    nbytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    learner_id: LearnerId
+    fragment: FragmentIndex
+    round_n: int = Field(ge=1, le=STEP_MAX)
+    base_version: Step
+    c_steps: Step
+    c_tokens: Count
+    compute_s: Seconds = Field(description="Inner-step seconds covered by this contribution.")
+    key: Key
+    nbytes: Count
+    sha256: Sha256
     codec: Literal[CODECS]  # type: ignore[valid-type]
-    update_id: str = Field(min_length=1, max_length=64)
+    update_id: str = Field(pattern=LEARNER_ID_PATTERN)
 
 
 class AnnouncementAck(_Msg):
     status: Literal["accepted", "duplicate", "late", "rejected"]
     reason: str
+
+
+class MetricsQuery(_Msg):
+    """The query of ``GET /metrics``: the number of the first metric point wanted."""
+
+    since: Step = 0

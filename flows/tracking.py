@@ -121,12 +121,12 @@ class MlflowSink:
                 time.sleep(0.2 * (attempt + 1))
 
     def log_points(self, points: Iterable[Mapping[str, Any]]) -> int:
-        """Log metric points ``{key, value, step, timestamp_ms}``; non-finite values are skipped.
-        Returns how many were logged."""
+        """Log metric points ``{key, value, step, timestamp_ms}``; null and non-finite values are
+        skipped. Returns how many were logged."""
         metrics = []
         per_child: dict[str, list[Metric]] = {}
         for pt in points:
-            value = float(pt["value"])
+            value = float("nan") if pt["value"] is None else float(pt["value"])
             if not math.isfinite(value):
                 continue
             last = self._last_step.get(pt["key"])

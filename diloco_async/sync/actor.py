@@ -52,11 +52,19 @@ from diloco_async.sync.state import (
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer"]
+__all__ = ["Synchronizer", "HandlerError"]
 
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
+
+
+class HandlerError(RuntimeError):
+    """The reply to a request whose handling raised inside the actor (the run goes on)."""
+
+
+def _learner_of(body: Any) -> str:
+    return str(getattr(body, "learner_id", "-"))
 
 
 class Synchronizer(RoundDriver, Checkpointing):
@@ -157,7 +165,7 @@ class Synchronizer(RoundDriver, Checkpointing):
                 except TimeoutError:
                     msg = None
                 if msg is not None:
-                    self._dispatch(msg)
+                    self._guarded(self._dispatch, msg)
                 self._advance()
         finally:
             for t in list(self._tasks):
@@ -210,9 +218,23 @@ class Synchronizer(RoundDriver, Checkpointing):
                    "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
         try:
             msg.reply.set_result(handler(msg.body))
-        except Exception as err:  # a handler bug must not kill the actor
-            log.exception("handler %s failed", msg.kind)
-            msg.reply.set_exception(err)
+        except Exception as err:  # an error while handling one message must not kill the actor
+            self.rejected_by_reason["handler_error"] += 1
+            self.counters["requests_rejected"] += 1
+            log.exception("%s of learner=%s failed: handler_error", msg.kind, _learner_of(msg.body))
+            msg.reply.set_exception(HandlerError(f"{msg.kind} failed: {type(err).__name__}"))
+
+    def _guarded(self, part: Callable[[Any], None], arg: Any) -> None:
+        """Run one part of the actor's work; an exception is counted (``actor_errors``) and logged
+        (the first time, then at powers of two), and the actor goes on."""
+        try:
+            part(arg)
+        except Exception:
+            where = getattr(part, "__name__", "actor")
+            self.report.counters[f"actor_errors/{where}"] += 1
+            n = self.report.count("actor_errors")
+            if n & (n - 1) == 0:
+                log.exception("actor error in %s (%d so far); the run goes on", where, n)
 
     def _answer_metrics(self, msg: Request) -> None:
         """Metric points from number ``since`` on; older than the in-memory tail: from the spill file."""
@@ -244,9 +266,11 @@ class Synchronizer(RoundDriver, Checkpointing):
         log.warning("rejected request from %s: unauthenticated", remote)
         self.report.metric("sync/rejected/unauthenticated", self.rejected_by_reason["unauthenticated"])
 
-    def count_bad_request(self) -> None:
-        """Called by the HTTP layer for a body that does not validate (it logs it)."""
+    def count_bad_request(self, reason: str = "invalid") -> None:
+        """Called by the HTTP layer for a request that does not validate (it logs it); ``reason``
+        comes from a bounded set (``json_too_deep``, ``field:step``, ...)."""
         self.rejected_by_reason["bad_request"] += 1
+        self.report.bad_requests[reason] += 1
 
     # -- learner messages ---------------------------------------------------------------------
 
@@ -297,27 +321,34 @@ class Synchronizer(RoundDriver, Checkpointing):
     # -- the clock-driven part ----------------------------------------------------------------
 
     def _advance(self) -> None:
+        """One pass of the clock-driven part; each part is guarded on its own (:meth:`_guarded`)."""
         now = self.clock()
+        for part in (self._liveness, self._check_budget, self._schedule, self._progress_rounds,
+                     self._check_drain, self._checkpoint_if_due, self._progress_stop):
+            self._guarded(part, now)
+
+    def _liveness(self, now: float) -> None:
         for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
         self.registry.update_provisioned(now)
+
+    def _check_budget(self, now: float) -> None:
         if self.life.running:
             reason = budget_stop_reason(self.cfg.budget, tokens=self.registry.tokens_processed(), g=self.g,
                                         elapsed_s=now - self.started_s)
             if reason is not None:
                 self._begin_stop(reason)
-        if self.life.running:
-            self._schedule(now)
-        self._progress_rounds(now)
+
+    def _check_drain(self, now: float) -> None:
         if self.life.phase is Phase.DRAINING and (not self.rounds or now >= self._drain_until_s):
             log.info("drain finished (%s)", "every last round closed" if not self.rounds else "timeout")
             self._begin_stop(self.life.drain_reason)
+
+    def _checkpoint_if_due(self, now: float) -> None:
         if self.life.running and self.checkpoints.due(now, self.counters["merges"], self.sc.checkpoint_every_s):
             self._start_checkpoint()
-        if self.life.stopped:
-            self._progress_stop(now)
 
     def _begin_stop(self, reason: str) -> None:
         """Stop: first drain (a last round of every fragment, at most ``drain_s``), then tell the
@@ -339,7 +370,7 @@ class Synchronizer(RoundDriver, Checkpointing):
 
     def _progress_stop(self, now: float) -> None:
         """STOPPING -> final checkpoint -> summary written -> every learner told -> FINISHED."""
-        if self.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
+        if not self.life.stopped or self.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
             return
         phase = self.life.phase
         if phase is Phase.STOPPING:

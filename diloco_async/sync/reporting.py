@@ -10,6 +10,7 @@ at the end of the run they go to the store as ``metrics.jsonl`` and ``merges.jso
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -51,13 +52,16 @@ class Reporter:
                  metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL) -> None:
         self.counters: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
+        self.bad_requests: Counter[str] = Counter()  # requests answered 400, by reason (a bounded set)
         self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
 
     def metric(self, key: str, value: float, step: int | None = None) -> None:
-        """One metric point; ``step`` defaults to the number of merges so far."""
-        self.metrics.append({"key": key, "value": float(value),
+        """One metric point; ``step`` defaults to the number of merges so far. A non-finite value
+        is logged as null (the stream is standard JSON)."""
+        value = float(value)
+        self.metrics.append({"key": key, "value": value if math.isfinite(value) else None,
                              "step": int(self.counters["merges"] if step is None else step),
                              "timestamp_ms": int(time.time() * 1000)})
 
@@ -117,6 +121,8 @@ def summary(sync: Synchronizer) -> dict:
         "contributions_late": c["contributions_late"],
         "contributions_rejected": c["contributions_rejected"],
         "rejected_by_reason": dict(rep.rejected_by_reason),
+        "bad_requests": dict(rep.bad_requests),
+        "actor_errors": c["actor_errors"],
         "rounds_abandoned": c["rounds_abandoned"],
         "duplicates": c["duplicates"],
         "versions": {f.p: f.version for f in sync.fragments},

@@ -80,6 +80,9 @@ class RoundDriver:
         log.info("round open: fragment %d round %d (g=%s, live=%d)", f.p, n, self.g, len(self.registry.live()))
 
     def _schedule(self, now: float) -> None:
+        """While running: move the global step and open the rounds it makes due."""
+        if not self.life.running:
+            return
         g = global_step([i.step for i in self.registry.live()], self.sc.min_quorum)
         if g is None:
             return
@@ -237,6 +240,8 @@ class RoundDriver:
             rnd.state.abandon()
             log.error("fragment %d round %d abandoned: %s (version stays %d)", f.p, res.round_n, res.reason, f.version)
             self.report.count("rounds_abandoned")
+            for lid in rnd.contributions:  # counted, never lost silently
+                self._reject(lid, "merge_failed", res.reason, f.p, res.round_n)
             return
         rnd.state.finish()
         self._adopt_merge(f, res, rnd)
