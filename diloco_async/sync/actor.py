@@ -36,7 +36,7 @@ from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog
-from diloco_async.sync.reporting import MERGES_TAIL, METRICS_BATCH, METRICS_TAIL, Reporter
+from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
 from diloco_async.sync.state import (
     Broadcaster,
@@ -212,7 +212,7 @@ class Synchronizer(RoundDriver, Checkpointing):
                 self._start_checkpoint()
             return
         if msg.kind == "metrics":
-            self._answer_metrics(msg)
+            self.report.answer_metrics(int(msg.body), msg.reply, self._spawn)
             return
         handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self._on_announce,
                    "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
@@ -229,33 +229,14 @@ class Synchronizer(RoundDriver, Checkpointing):
         (the first time, then at powers of two), and the actor goes on."""
         try:
             part(arg)
-        except Exception:
-            where = getattr(part, "__name__", "actor")
-            self.report.counters[f"actor_errors/{where}"] += 1
-            n = self.report.count("actor_errors")
-            if n & (n - 1) == 0:
-                log.exception("actor error in %s (%d so far); the run goes on", where, n)
-
-    def _answer_metrics(self, msg: Request) -> None:
-        """Metric points from number ``since`` on; older than the in-memory tail: from the spill file."""
-        since, stream = max(0, int(msg.body)), self.report.metrics
-        total = len(stream)
-        batch = stream.read(since, METRICS_BATCH)
-        if batch is not None:
-            msg.reply.set_result({"next": since + len(batch), "total": total, "metrics": batch})
-            return
-        stream.flush()
-
-        async def from_disk() -> None:
-            try:
-                rows = await asyncio.to_thread(stream.read_spilled, since, METRICS_BATCH, total)
-            except Exception as err:  # the spill file is gone (end of run) or unreadable
-                log.warning("metrics since %d unavailable: %s", since, err)
-                rows = []
-            if not msg.reply.done():
-                msg.reply.set_result({"next": since + len(rows), "total": total, "metrics": rows})
-
-        self._spawn(from_disk())
+        except Exception as err:
+            if isinstance(arg, Request) and not arg.reply.done():  # its sender must not wait forever
+                arg.reply.set_exception(HandlerError(f"{arg.kind} failed: {type(err).__name__}"))
+            self.counters["actor_errors"] += 1
+            n = self.counters["actor_errors"]
+            if n & (n - 1) == 0:  # a part that fails at every pass logs log2(n) times, not n
+                self.report.metric("sync/actor_errors", n)
+                log.exception("actor error in %s (%d so far); the run goes on", getattr(part, "__name__", "?"), n)
 
     # -- counted without a round --------------------------------------------------------------
 

@@ -10,11 +10,14 @@ at the end of the run they go to the store as ``metrics.jsonl`` and ``merges.jso
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from diloco_async.goodput import MergeGaps, totals
 from diloco_async.sync.logs import JsonLinesLog
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Reporter", "summary", "status", "write_final", "METRICS_TAIL", "MERGES_TAIL", "UPTIME_MIN_GAP_S",
            "METRICS_BATCH"]
+
+log = logging.getLogger("diloco.synchronizer")
 
 METRICS_TAIL = 10_000
 """Metric points kept in memory (about 150 bytes each: ~1.5 MB; a run of 4 learners makes about 60 a
@@ -77,6 +82,30 @@ class Reporter:
         self.rejected_by_reason[reason] += 1
         self.metric("sync/contributions_rejected", self.counters["contributions_rejected"])
         self.metric(f"sync/rejected/{reason}", self.rejected_by_reason[reason])
+
+    def answer_metrics(self, since: int, reply: asyncio.Future,
+                       spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        """Answer ``reply`` with metric points from number ``since`` on (at most
+        :data:`METRICS_BATCH`); points older than the in-memory tail are read from the spill file
+        in a worker thread started with ``spawn``. Runs on the actor's task."""
+        since, stream = max(0, since), self.metrics
+        total = len(stream)
+        batch = stream.read(since, METRICS_BATCH)
+        if batch is not None:
+            reply.set_result({"next": since + len(batch), "total": total, "metrics": batch})
+            return
+        stream.flush()
+
+        async def from_disk() -> None:
+            try:
+                rows = await asyncio.to_thread(stream.read_spilled, since, METRICS_BATCH, total)
+            except Exception as err:  # the spill file is gone (end of run) or unreadable
+                log.warning("metrics since %d unavailable: %s", since, err)
+                rows = []
+            if not reply.done():
+                reply.set_result({"next": since + len(rows), "total": total, "metrics": rows})
+
+        spawn(from_disk())
 
     def merged(self, now_s: float, record: dict) -> None:
         """Record a merge at ``now_s`` (actor clock) and its merge-log ``record``."""
