@@ -11,51 +11,23 @@ raise and the round's contributions were lost uncounted), 8 (deep JSON, long int
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
 
 import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
-from test_synchronizer import AUTH, LEARNERS, TOKEN, small_config
+from test_synchronizer import AUTH, LEARNERS, running, small_config
 
 from diloco_async import codec as wire
 from diloco_async.fragments import FragmentPlan
-from diloco_async.sync import Synchronizer, make_app
 from storage import keys
-from storage.store import ObjectStore
 
 from polling import await_until
 
 pytestmark = pytest.mark.timeout(120)
 
 STEP = 6  # opens round 1 of both fragments (offsets 0 and 2, H = 4)
-
-
-@contextlib.asynccontextmanager
-async def edge_run(cfg):
-    """The synchronizer behind its HTTP app; unlike ``test_synchronizer.running`` every wait is
-    bounded, so a dead actor fails the test instead of hanging it."""
-    store = ObjectStore(f"memory://edge-{uuid.uuid4().hex}")
-    sync = Synchronizer(cfg, store, "run1")
-    await asyncio.to_thread(sync.publish_initial)
-    client = TestClient(TestServer(make_app(sync, TOKEN), host="127.0.0.1"))
-    await client.start_server()
-    task = asyncio.create_task(sync.run())
-    try:
-        yield sync, client, store
-    finally:
-        try:
-            if not task.done():
-                await asyncio.wait_for(sync.request("stop", "test over"), 5)
-                for lid in sync.registry.learners:
-                    await client.post("/heartbeat", json={"learner_id": lid, "step": 0}, headers=AUTH)
-            await asyncio.wait_for(task, 30)
-        finally:
-            task.cancel()
-            await client.close()
 
 
 def strict_json(text: str):
@@ -137,7 +109,7 @@ def names_field(answer, field: str) -> bool:
 
 async def test_huge_step_rejected_and_actor_survives_a_handler_error(caplog):
     caplog.set_level(logging.WARNING)
-    async with edge_run(small_config()) as (sync, client, store):
+    async with running(small_config()) as (sync, client, store):
         plan = await join_and_step(client)
         for lid in ("a", "b"):  # two of them: the global step (K = 2) would be the huge one
             code, answer = await post(client, "/heartbeat", {"learner_id": lid, "step": 10**400})
@@ -183,7 +155,7 @@ async def test_huge_step_rejected_and_actor_survives_a_handler_error(caplog):
 
 @pytest.mark.parametrize("tokens_total", [10**30, 2**62, 2**63])
 async def test_enormous_tokens_total_rejected(tokens_total):
-    async with edge_run(small_config(**{"budget.tokens": 10**9})) as (sync, client, _store):
+    async with running(small_config(**{"budget.tokens": 10**9})) as (sync, client, _store):
         await join_and_step(client)
         code, answer = await post(client, "/heartbeat", {"learner_id": "a", "step": STEP + 1,
                                                          "tokens_total": tokens_total})
@@ -198,7 +170,7 @@ async def test_enormous_tokens_total_rejected(tokens_total):
 # -- defect 6 ---------------------------------------------------------------------------------
 
 async def test_enormous_c_tokens_rejected_the_others_merge():
-    async with edge_run(small_config()) as (_sync, client, store):
+    async with running(small_config()) as (_sync, client, store):
         plan = await join_and_step(client)
         await wait_open(client, 0, 1)
         for field, value in (("c_tokens", 10**200), ("c_steps", 10**200), ("c_tokens", 2**63)):
@@ -219,7 +191,7 @@ async def test_failed_merge_counts_its_contributions_and_the_run_goes_on(monkeyp
     def broken(*args, **kw):
         raise OverflowError("injected merge failure")
     monkeypatch.setattr(work, "merge_outer_gradients", broken)
-    async with edge_run(small_config()) as (_sync, client, store):
+    async with running(small_config()) as (_sync, client, store):
         plan = await join_and_step(client)
         await wait_open(client, 0, 1)
         for lid in LEARNERS:
@@ -256,7 +228,7 @@ HOSTILE = [
 
 
 async def test_hostile_bodies_get_400_and_the_run_still_merges():
-    async with edge_run(small_config()) as (sync, client, store):
+    async with running(small_config()) as (sync, client, store):
         for what, path, body, headers in HOSTILE:
             code, answer = await post(client, path, body, headers)
             assert code == 400, (what, code, answer)
@@ -319,7 +291,7 @@ async def test_out_of_range_fields_get_400_naming_the_field():
              "/announce": {"learner_id": "a", "fragment": 0, "round_n": 1, "base_version": 0, "c_steps": 4,
                            "c_tokens": 1000, "compute_s": 1.0, "key": "run1/x", "nbytes": 10,
                            "sha256": "0" * 64, "codec": "fp32", "update_id": "u1"}}
-    async with edge_run(small_config()) as (_sync, client, _store):
+    async with running(small_config()) as (_sync, client, _store):
         for path, field, value in OUT_OF_RANGE:
             code, answer = await post(client, path, {**valid[path], field: value})
             assert code == 400 and names_field(answer, field), (path, field, value, answer)

@@ -59,6 +59,8 @@ class FakeClock:
 
 @contextlib.asynccontextmanager
 async def running(cfg, **sync_kw):
+    """The synchronizer behind its HTTP app on a memory store; every wait at the end is bounded, so
+    a dead actor fails the test instead of hanging it."""
     store = ObjectStore(f"memory://sync-{uuid.uuid4().hex}")
     sync = Synchronizer(cfg, store, "run1", **sync_kw)
     await asyncio.to_thread(sync.publish_initial)
@@ -68,11 +70,15 @@ async def running(cfg, **sync_kw):
     try:
         yield sync, client, store
     finally:
-        await sync.request("stop", "test over")
-        for lid in list((await status(client))["learners"]):
-            await client.post("/heartbeat", json={"learner_id": lid, "step": 0}, headers=AUTH)
-        await asyncio.wait_for(task, 30)
-        await client.close()
+        try:
+            if not task.done():
+                await asyncio.wait_for(sync.request("stop", "test over"), 5)
+                for lid in list((await asyncio.wait_for(status(client), 5))["learners"]):
+                    await client.post("/heartbeat", json={"learner_id": lid, "step": 0}, headers=AUTH)
+            await asyncio.wait_for(task, 30)
+        finally:
+            task.cancel()
+            await client.close()
 
 
 async def status(client) -> dict:
