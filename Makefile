@@ -85,7 +85,7 @@ bench-sync-memory: data
 ##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both
 ui: setup
 	@mkdir -p $(PREFECT_HOME) $(dir $(MLFLOW_DB)) $(if $(findstring ://,$(MLFLOW_ARTIFACTS)),,$(MLFLOW_ARTIFACTS))
-	@trap 'kill 0' INT TERM EXIT; \
+	@trap 'trap - INT TERM EXIT; kill 0' INT TERM EXIT; \
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > .local/prefect-server.log 2>&1 & \
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
 	    --backend-store-uri sqlite:///$(abspath $(MLFLOW_DB)) \
