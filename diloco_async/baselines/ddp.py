@@ -60,17 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco_async.baselines.ddp_checkpoints import (  # noqa: F401
-    DdpCheckpointInfo,
-    checkpoint_prefix,
-    ddp_checkpoints,
-    load_ddp_model,
-    load_ddp_params,
-    load_final_ddp_model,
-    model_from_params,
-    param_sha256,
-    select_checkpoint,
-)
+from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
@@ -81,9 +71,8 @@ from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
-__all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "DdpCheckpointInfo", "checkpoint_prefix",
-           "rank_speed", "rank_jitter", "tokens_per_step", "param_sha256", "ddp_checkpoints", "select_checkpoint",
-           "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "main"]
+__all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "rank_speed", "rank_jitter", "tokens_per_step",
+           "main"]
 
 log = logging.getLogger("diloco.ddp")
 
