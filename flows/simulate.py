@@ -14,8 +14,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from diloco_async.sim import CellResult
 from diloco_async.sim.calibration import Calibration
-from diloco_async.sim.simulator import CellResult
 from flows.tracking import resolve_uri
 
 __all__ = ["plot_goodput", "log_results", "cell_key", "DEFAULT_TRACKING_URI", "DEFAULT_ARTIFACTS"]

@@ -20,8 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from diloco_async.sim.calibration import Calibration, default_calibration_path, load_calibration
-from diloco_async.sim.simulator import (
+from diloco_async.sim import (
     METHODS,
     TABLE1_CHIPS,
     CellResult,
@@ -31,6 +30,7 @@ from diloco_async.sim.simulator import (
     paper_table1_scenarios,
     simulate_many,
 )
+from diloco_async.sim.calibration import Calibration, default_calibration_path, load_calibration
 
 __all__ = ["main", "build_parser", "scenarios_from_args", "format_table1", "format_cells"]
 

@@ -15,9 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco_async.goodput import compute_goodput
-from diloco_async.sim import simulator as sim_mod
-from diloco_async.sim.calibration import Calibration, load_calibration
-from diloco_async.sim.simulator import (
+from diloco_async.sim import (
     PAPER_TABLE1,
     TABLE1_CHIPS,
     Scenario,
@@ -28,6 +26,8 @@ from diloco_async.sim.simulator import (
     simulate,
     simulate_many,
 )
+from diloco_async.sim import simulator as sim_mod
+from diloco_async.sim.calibration import Calibration, load_calibration
 from flows.simulate_cli import main as simulate_main
 
 REPO = Path(__file__).resolve().parents[1]

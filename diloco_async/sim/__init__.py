@@ -6,17 +6,18 @@ and ``heterogeneity_scenarios(cal)`` are the paper's grids. The command line is
 """
 
 from diloco_async.sim.calibration import Calibration, load_calibration
-from diloco_async.sim.simulator import (
+from diloco_async.sim.draws import expected_max_normal, sample_recovery_s
+from diloco_async.sim.scenarios import (
     METHODS,
     PAPER_TABLE1,
     TABLE1_CHIPS,
     CellResult,
     Scenario,
     heterogeneity_scenarios,
+    paper_goodput,
     paper_table1_scenarios,
-    simulate,
-    simulate_many,
 )
+from diloco_async.sim.simulator import simulate, simulate_many
 
 __all__ = [
     "Calibration",
@@ -27,7 +28,10 @@ __all__ = [
     "CellResult",
     "Scenario",
     "heterogeneity_scenarios",
+    "paper_goodput",
     "paper_table1_scenarios",
+    "expected_max_normal",
+    "sample_recovery_s",
     "simulate",
     "simulate_many",
 ]

@@ -42,33 +42,15 @@ import numpy as np
 
 from diloco_async.goodput import compute_goodput
 from diloco_async.sim.calibration import Calibration
-from diloco_async.sim.draws import Draws, expected_max_normal, make_barrier, sample_recovery_s
+from diloco_async.sim.draws import Draws, expected_max_normal, make_barrier
 from diloco_async.sim.engine import Engine, Jobs
 from diloco_async.sim.scenarios import (
     METHODS,
-    PAPER_TABLE1,
-    TABLE1_CHIPS,
     CellResult,
     Scenario,
-    heterogeneity_scenarios,
-    paper_goodput,
-    paper_table1_scenarios,
 )
 
-__all__ = [
-    "METHODS",
-    "Scenario",
-    "CellResult",
-    "simulate",
-    "simulate_many",
-    "TABLE1_CHIPS",
-    "PAPER_TABLE1",
-    "paper_table1_scenarios",
-    "paper_goodput",
-    "heterogeneity_scenarios",
-    "expected_max_normal",
-    "sample_recovery_s",
-]
+__all__ = ["simulate", "simulate_many"]
 
 
 def _rng(seed: int, s: Scenario, stream: int) -> np.random.Generator:
