@@ -8,7 +8,7 @@ Every decision returns what to do *and* why.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco_async.config import BudgetConfig
@@ -16,6 +16,7 @@ from diloco_async.fragments import fragment_offset
 from diloco_async.messages import Announcement
 
 __all__ = [
+    "budget_spent_at_checkpoint",
     "GraceDecision",
     "grace_window",
     "global_step",
@@ -167,6 +168,20 @@ def budget_stop_reason(budget: BudgetConfig, *, tokens: int, g: int | None, elap
         return f"step budget reached (g = {g})"
     if budget.wall_s is not None and elapsed_s >= budget.wall_s:
         return f"wall-time budget reached ({elapsed_s:.0f}s)"
+    return None
+
+
+def budget_spent_at_checkpoint(budget: BudgetConfig, manifest: Mapping) -> str | None:
+    """Why a run resumed from a checkpoint ``manifest`` would stop at once, with the override that
+    extends it; None while tokens or steps remain. Wall time counts per synchronizer lifetime, so it
+    is never spent at a checkpoint."""
+    tokens = sum(int(led["tokens_processed"]) for led in manifest.get("ledgers", {}).values())
+    g = manifest.get("global_step")
+    if budget.tokens is not None and tokens >= budget.tokens:
+        return (f"token budget reached ({tokens} >= {budget.tokens}); extend it with "
+                f"--set budget.tokens=<more than {tokens}>")
+    if budget.max_steps is not None and g is not None and int(g) >= budget.max_steps:
+        return f"step budget reached (g = {g}); extend it with --set budget.max_steps=<more than {g}>"
     return None
 
 

@@ -240,3 +240,15 @@ def test_budget_stop_reason():
     assert "g = 7" in budget_stop_reason(BudgetConfig(max_steps=7), tokens=0, g=7, elapsed_s=0)
     assert budget_stop_reason(BudgetConfig(max_steps=7), tokens=0, g=None, elapsed_s=0) is None
     assert "wall-time" in budget_stop_reason(BudgetConfig(wall_s=2.0), tokens=0, g=None, elapsed_s=2.0)
+
+
+def test_budget_spent_at_checkpoint_names_the_figure_and_the_override():
+    from diloco_async.config import BudgetConfig
+    from diloco_async.policy import budget_spent_at_checkpoint
+
+    manifest = {"global_step": 40, "ledgers": {"a": {"tokens_processed": 600}, "b": {"tokens_processed": 500}}}
+    assert budget_spent_at_checkpoint(BudgetConfig(tokens=2000), manifest) is None
+    spent = budget_spent_at_checkpoint(BudgetConfig(tokens=1100), manifest)
+    assert spent.startswith("token budget reached (1100 >= 1100)") and "--set budget.tokens=<more than 1100>" in spent
+    assert "g = 40" in budget_spent_at_checkpoint(BudgetConfig(tokens=None, max_steps=40), manifest)
+    assert budget_spent_at_checkpoint(BudgetConfig(tokens=None, max_steps=41, wall_s=1.0), manifest) is None

@@ -229,3 +229,23 @@ def test_resume_refuses_a_different_config(tmp_path, store_url):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "synchronizer.outer_lr: 0.7 -> 0.5" in proc.stderr
+
+
+def test_resume_of_a_spent_budget_is_refused_at_once_with_the_override_that_extends_it(tmp_path, store_url):
+    store = ObjectStore(store_url)
+    b = SyncProcess(tmp_path, store_url, ["--run-id", "runD"])
+    try:
+        ScriptedLearner(b, store).outer_step(1)  # reports step 4: g = 4 at the checkpoint
+        seq = request_checkpoint(b.url, TOKEN, timeout_s=30.0)["seq"]
+    finally:
+        b.stop()
+    epochs_before = sorted(store.list("runD/epochs"))
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "resume", keys.checkpoint_url(store_url, "runD", seq),
+                           "--set", "budget.max_steps=4"],
+                          env={**os.environ, TOKEN_ENV: TOKEN, "PREFECT_HOME": str(tmp_path / "prefect")},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "step budget reached (g = 4)" in proc.stderr
+    assert "--set budget.max_steps=<more than 4>" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(store.list("runD/epochs")) == epochs_before  # nothing was started

@@ -14,6 +14,7 @@ import torch
 
 from diloco_async import codec as wire
 from diloco_async.config import Config, apply_overrides, config_differences, config_hash, load_config
+from diloco_async.policy import budget_spent_at_checkpoint
 from diloco_async.sync.state import FragmentState
 from diloco_async.sync.work import put_version
 from storage import keys
@@ -49,7 +50,9 @@ def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
     is given; overrides apply on top (a budget may be extended; training fields must match).
 
     Raises:
-        ValueError: nothing verifies at that URL, or the URL is malformed.
+        ValueError: nothing verifies at that URL, the URL is malformed, the config differs from the
+            checkpoint's, or the checkpoint already spent the budget (the message names the override
+            that extends it).
     """
     root, run_id, seq = keys.split_checkpoint_url(url)
     if config_path is None:
@@ -74,6 +77,9 @@ def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
     if ckpt.manifest.get("config_hash") != config_hash(cfg):
         diffs = config_differences(ckpt.manifest.get("config", {}), cfg.public_dict())
         raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
+    spent = budget_spent_at_checkpoint(cfg.budget, ckpt.manifest)
+    if spent is not None:
+        raise ValueError(f"run {run_id} has nothing left to train at checkpoint {ckpt.seq}: {spent}")
     return cfg, store, run_id, ckpt
 
 
