@@ -178,12 +178,36 @@ def _simulate(argv: list[str]) -> int:
     return sim_main(argv)
 
 
+_DESCRIPTION = """Train one model on many independent, unreliable learners with Decoupled DiLoCo:
+learners never wait for each other; a synchronizer merges their outer gradients per fragment
+(minimum quorum, adaptive grace window, token-weighted RDA) and publishes new versions."""
+
+_EPILOG = """examples:
+  diloco-async train                                   the default recipe (configs/default.toml)
+  diloco-async train --set learners.count=2            override any recipe field
+  diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
+  diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
+  diloco-async chaos --scenario configs/chaos/storm.toml
+  diloco-async simulate --help"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("diloco-async")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `simulate` owns its own flags; hand the rest of the line to it untouched.
     if argv and argv[0] == "simulate":
         return _simulate(argv[1:])
-    parser = argparse.ArgumentParser(prog="diloco-async", description=__doc__)
+    parser = argparse.ArgumentParser(prog="diloco-async", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a training job (Prefect flow `train`)")
     p_train.add_argument("--config", default="configs/default.toml", help="recipe file (TOML)")

@@ -40,6 +40,9 @@ def render_status(st: dict) -> Group:
 
 
 def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
+    """``diloco-async status``: print the synchronizer's view once, or with ``watch`` refresh it every
+    ``interval_s`` until the run ends (in place on a terminal; one table per refresh when the output
+    is a pipe or a file). Ctrl-C stops watching with one line and exit status 130."""
     console = Console()
     try:
         st = fetch_status(url)
@@ -49,7 +52,20 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
     if not watch:
         console.print(render_status(st))
         return 0
-    with Live(render_status(st), console=console, refresh_per_second=4) as live:
+    try:
+        return _watch(console, url, st, interval_s)
+    except KeyboardInterrupt:
+        console.print("stopped watching (the run goes on)")
+        return 130
+
+
+def _watch(console: Console, url: str, st: dict, interval_s: float) -> int:
+    live = Live(render_status(st), console=console, refresh_per_second=4) if console.is_terminal else None
+    if live is None:
+        console.print(render_status(st))
+    else:
+        live.start()
+    try:
         while not st.get("finished"):
             time.sleep(interval_s)
             try:
@@ -57,5 +73,11 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
             except OSError:
                 console.print("synchronizer gone")
                 return 0
-            live.update(render_status(st))
+            if live is None:
+                console.print(render_status(st))
+            else:
+                live.update(render_status(st))
+    finally:
+        if live is not None:
+            live.stop()
     return 0

@@ -1,0 +1,60 @@
+"""The terminal commands an operator types, driven as a user would: output to a pipe, Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+from test_synchronizer import running, small_config
+
+
+async def _read_until(stream: asyncio.StreamReader, needle: str, count: int, timeout_s: float) -> str:
+    text = ""
+    deadline = time.monotonic() + timeout_s
+    while text.count(needle) < count:
+        chunk = await asyncio.wait_for(stream.read(4096), max(0.1, deadline - time.monotonic()))
+        assert chunk, f"output ended before {count} x {needle!r}:\n{text}"
+        text += chunk.decode(errors="replace")
+    return text
+
+
+async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_ctrl_c():
+    async with running(small_config()) as (_sync, client, _store):
+        url = str(client.make_url("")).rstrip("/")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "flows.cli", "status", url, "--watch",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
+        try:
+            # not a terminal: one table per refresh (2 s apart), not a single one at exit
+            text = await _read_until(proc.stdout, "open rounds", 2, timeout_s=60)
+            proc.send_signal(signal.SIGINT)
+            sent = time.monotonic()
+            rest = (await asyncio.wait_for(proc.stdout.read(), 10)).decode(errors="replace")
+            code = await asyncio.wait_for(proc.wait(), 10)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+        assert time.monotonic() - sent < 10
+        assert code == 130
+        assert "stopped watching" in rest
+        assert "Traceback" not in text + rest and "KeyboardInterrupt" not in text + rest
+
+
+def test_version_and_top_level_help_speak_to_a_user(capsys):
+    import pytest
+
+    from flows.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("diloco-async ") and out.split()[1][0].isdigit()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Decoupled DiLoCo" in out and "examples:" in out
+    assert "``" not in out and "import lazily" not in out  # no internal docstring markup
