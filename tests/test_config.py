@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from diloco_async.config import config_hash, load_config
@@ -35,3 +37,23 @@ def test_hash_ignores_secrets_and_local_paths():
     b = load_config(None, ["run.workdir=/tmp/b"])
     assert config_hash(a) == config_hash(b)
     assert config_hash(a) != config_hash(load_config(None, ["learners.lr=0.01"]))
+
+
+def test_the_default_recipe_lists_every_field():
+    """configs/default.toml says it lists every field (those without a value commented out)."""
+    import re
+    import tomllib
+
+    from diloco_async.config import Config
+
+    text = Path("configs/default.toml").read_text()
+    raw = tomllib.loads(text)
+    sections = {m.start(): m.group(1) for m in re.finditer(r"^\[([a-z_]+)\]", text, re.M)}
+    commented: dict[str, set[str]] = {}
+    for m in re.finditer(r"^# ([a-z_]+) = ", text, re.M):
+        section = sections[max(pos for pos in sections if pos < m.start())]
+        commented.setdefault(section, set()).add(m.group(1))
+    missing = [f"{name}.{key}" for name, field in Config.model_fields.items()
+               for key in field.annotation.model_fields
+               if key not in raw.get(name, {}) and key not in commented.get(name, set())]
+    assert not missing, f"configs/default.toml does not list: {', '.join(missing)}"
