@@ -306,7 +306,7 @@ def _training_dict(d: dict) -> dict:
 # Fields that change how a run is operated, not what it computes: they may differ on resume.
 _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
-    "data": ("cache_dir",),
+    "data": ("cache_dir", "token_cache_dir"),
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
                  "restart_delay_s", "max_restarts",
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",

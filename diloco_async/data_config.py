@@ -60,15 +60,16 @@ class DataConfig(BaseModel):
                             "gs://) of text, JSONL or Parquet files, read in sorted order per URL.")
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(
         "auto", description="File format; 'auto' goes by the name: .jsonl/.json/.ndjson -> jsonl, "
-        ".parquet/.pq -> parquet, anything else text (a .gz/.bz2/.xz/.zst suffix is decompressed first).",
+        ".parquet/.pq -> parquet, anything else text (a .gz/.bz2/.xz suffix is decompressed first).",
     )
     text_field: str = Field("text", description="JSONL field or Parquet column holding each document's text.")
     tokenizer: str = Field(
         "bytes", description="'bytes' (one token per byte, vocab 256), 'bpe:<vocab size>' (a byte-level BPE "
         "trained once on the training split and cached) or a path/fsspec URL of a Hugging Face tokenizer.json.",
     )
-    cache_dir: str = Field("data", description="Local folder of the Shakespeare corpus, trained tokenizers and "
-                           "token files (shared by every process of this machine).")
+    cache_dir: str = Field("data", description="Where the Shakespeare corpus is cached.")
+    token_cache_dir: str = Field(".local/tokens", description="Local folder of trained tokenizers and token files, "
+                                 "shared by every process of this machine (keyed by content hash).")
     eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share of the bytes (the tail).")
     eval_batches: int = Field(16, ge=1, description="Held-out windows evaluated = eval_batches x batch_size.")
 

@@ -3,7 +3,7 @@ trained once on the training split and cached by content hash.
 
 Every tokenizer here turns corpus bytes into a 1-D numpy array of token ids and has a
 ``vocab_size`` and a ``digest`` (sha256 of its definition: the key of the token files built with
-it). A trained BPE lives in ``{cache_dir}/tokenizers/`` under a name derived from the corpus
+it). A trained BPE lives in ``{token_cache_dir}/tokenizers/`` under a name derived from the corpus
 digest, the vocabulary size and the training settings: the first process to need it trains it
 under a file lock and publishes it with an atomic rename; every other process (learners, the
 evaluator) and every later run loads that file.

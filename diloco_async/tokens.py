@@ -4,7 +4,7 @@
 a training part and a held-out tail (``data.eval_fraction`` of the bytes, moved back to a UTF-8
 character boundary: the same bytes whatever the tokenizer and the learner count), tokenizes both
 with the configured tokenizer (:mod:`diloco_async.tokenizer`) and writes them to
-``{cache_dir}/tokens/{corpus digest}-{tokenizer digest}-{eval_fraction}/`` (``train.bin``,
+``{token_cache_dir}/tokens/{corpus digest}-{tokenizer digest}-{eval_fraction}/`` (``train.bin``,
 ``heldout.bin``, ``meta.json`` last), under a file lock and through a temporary folder renamed
 into place. Every later call, in any process, maps those files read-only (``numpy.memmap``): the
 pages are the OS page cache's, shared by every learner on the machine, never copied.
@@ -205,11 +205,11 @@ def open_corpus(cfg: DataConfig, context: int, model_vocab: int | None = None) -
     def train_text() -> bytes:
         return raw()[:split_point(raw(), cfg.eval_fraction)]
 
-    tok = load_tokenizer(cfg.tokenizer, cache_dir=cfg.cache_dir, corpus_digest=digest,
+    tok = load_tokenizer(cfg.tokenizer, cache_dir=cfg.token_cache_dir, corpus_digest=digest,
                          eval_fraction=cfg.eval_fraction, train_text=train_text)
     if model_vocab is not None:
         check_vocab(tok.vocab_size, model_vocab, tokenizer=cfg.tokenizer)
-    folder = Path(cfg.cache_dir) / "tokens" / f"{digest[:20]}-{tok.digest[:20]}-{cfg.eval_fraction:g}"
+    folder = Path(cfg.token_cache_dir) / "tokens" / f"{digest[:20]}-{tok.digest[:20]}-{cfg.eval_fraction:g}"
     if not (folder / "meta.json").exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder) + ".lock"):

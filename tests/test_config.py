@@ -35,3 +35,15 @@ def test_hash_ignores_secrets_and_local_paths():
     b = load_config(None, ["run.workdir=/tmp/b"])
     assert config_hash(a) == config_hash(b)
     assert config_hash(a) != config_hash(load_config(None, ["learners.lr=0.01"]))
+
+
+def test_data_tokenizer_spec_is_checked_at_load():
+    assert load_config(None, ['data.tokenizer="bpe:4096"']).data.tokenizer == "bpe:4096"
+    assert load_config(None, ['data.tokenizer="s3://bucket/tok/tokenizer.json"']).data.tokenizer.endswith(".json")
+    with pytest.raises(ValueError, match=r"data.tokenizer='wordpiece' is not a known tokenizer"):
+        load_config(None, ['data.tokenizer="wordpiece"'])
+    with pytest.raises(ValueError, match=r"data.format.*'csv'"):
+        load_config(None, ['data.format="csv"'])
+    # the tokenizer changes the training; where its cache lives does not
+    assert config_hash(load_config(None, ['data.tokenizer="bpe:4096"'])) != config_hash(load_config(None))
+    assert config_hash(load_config(None, ['data.token_cache_dir="/tmp/x"'])) == config_hash(load_config(None))

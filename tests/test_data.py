@@ -50,7 +50,7 @@ def text_corpus(folder: Path, n_files: int = 2, n_lines: int = 600) -> str:
 
 
 def data_cfg(urls: str | list[str], cache: Path, **kw) -> DataConfig:
-    return DataConfig(source="urls", urls=[urls] if isinstance(urls, str) else urls, cache_dir=str(cache), **kw)
+    return DataConfig(source="urls", urls=[urls] if isinstance(urls, str) else urls, token_cache_dir=str(cache), **kw)
 
 
 def mem_url(name: str) -> str:
@@ -101,6 +101,17 @@ def test_jsonl_field_by_glob(tmp_path):
     assert bytes(corpus.train) + bytes(corpus.heldout) == "\n".join(docs).encode()
 
 
+def test_compressed_jsonl_by_folder(tmp_path):
+    import gzip
+
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "docs.jsonl.gz").write_bytes(gzip.compress(b'{"text": "' + b"ab " * 300 + b'"}\n'))
+    cfg = data_cfg(f"file://{tmp_path}/z", tmp_path / "c")  # a folder: every file under it
+    files = resolve_sources(cfg)
+    assert [f.format for f in files] == ["jsonl"]
+    assert corpus_bytes(files, "text") == b"ab " * 300
+
+
 def test_parquet_column_by_glob(tmp_path):
     docs = [prose(10 + i, 40) for i in range(6)]
     folder = tmp_path / "pq"
@@ -141,7 +152,7 @@ _CONCURRENT = textwrap.dedent("""
     calls = []
     real = t.train_bpe
     t.train_bpe = lambda text, n: calls.append(1) or real(text, n)
-    cfg = DataConfig(source="urls", urls=[sys.argv[1]], cache_dir=sys.argv[2], tokenizer="bpe:300")
+    cfg = DataConfig(source="urls", urls=[sys.argv[1]], token_cache_dir=sys.argv[2], tokenizer="bpe:300")
     barrier = pathlib.Path(sys.argv[3])  # start together: every process is ready before any opens the corpus
     (barrier / sys.argv[4]).touch()
     while len(list(barrier.iterdir())) < int(sys.argv[5]):
@@ -185,7 +196,7 @@ _MAPPER = textwrap.dedent("""
     import numpy as np, psutil
     from diloco_async.data_config import DataConfig
     from diloco_async.tokens import open_corpus
-    cfg = DataConfig(source="urls", urls=[sys.argv[1]], cache_dir=sys.argv[2])
+    cfg = DataConfig(source="urls", urls=[sys.argv[1]], token_cache_dir=sys.argv[2])
     m = psutil.Process().memory_info()
     before = m.rss - m.shared
     c = open_corpus(cfg, context=16)

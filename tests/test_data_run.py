@@ -29,7 +29,7 @@ def test_two_learners_train_on_a_bpe_tokenizer(tmp_path):
         shutil.copy(Path("data/shakespeare").resolve() / name, texts / name)
     overrides = [
         f"run.store=file://{tmp_path}/store", f"run.workdir={tmp_path}/runs", 'data.source="urls"',
-        f'data.urls=["file://{texts}/*.txt"]', 'data.tokenizer="bpe:512"', f'data.cache_dir="{tmp_path}/cache"',
+        f'data.urls=["file://{texts}/*.txt"]', 'data.tokenizer="bpe:512"', f'data.token_cache_dir="{tmp_path}/cache"',
         "model.vocab_size=512", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=32",
         "learners.count=2", "learners.batch_size=8", "synchronizer.num_fragments=3", "synchronizer.sync_every=12",
         "synchronizer.checkpoint_every_s=2", "budget.tokens=80000", "budget.wall_s=150",
@@ -63,3 +63,20 @@ def test_two_learners_train_on_a_bpe_tokenizer(tmp_path):
     assert final < start - 0.5
     assert split.bits_per_byte(final) == pytest.approx(final * split.tokens / (split.nbytes * 0.6931471805599453))
     assert split.bits_per_byte(final) < split.bits_per_byte(start) - 0.1
+
+
+@pytest.mark.parametrize("bad, error, named", [
+    (['data.source="urls"', 'data.urls=["file:///nonexistent/corpus-*.jsonl"]'], FileNotFoundError,
+     "/nonexistent/corpus-"),
+    (['data.tokenizer="bpe:512"'], ValueError, "data.tokenizer='bpe:512' has 512 tokens but model.vocab_size=256"),
+])
+def test_the_train_flow_refuses_bad_data_before_anything_starts(prefect_server, tmp_path, bad, error, named):
+    from flows.train import train
+
+    overrides = [f"run.store=file://{tmp_path}/store", f"run.workdir={tmp_path}/runs",
+                 f'data.token_cache_dir="{tmp_path}/cache"', f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
+                 *bad]
+    with pytest.raises(error, match=named):
+        train(config="configs/default.toml", overrides=overrides)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "store").exists()  # no process was started
+    assert not (tmp_path / "cache" / "tokenizers").exists()  # nor a BPE trained
