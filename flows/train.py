@@ -27,11 +27,12 @@ from rich.table import Table
 
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
-from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.model import ByteGPT
 from diloco_async.run import RunProcesses
 from diloco_async.supervisor import Restart
 from diloco_async.sync import initial_parameters, open_checkpoint
+from diloco_async.tokens import open_corpus
 from flows.artifacts import log_run_artifacts
 from flows.deployments import DeploymentLauncher
 from flows.timeline_report import write_run_timeline
@@ -50,9 +51,21 @@ def prepare_corpus(cfg: Config) -> list[str]:
     return corpus_urls(cfg.data)
 
 
+@task(name="prepare-tokens")
+def prepare_tokens(cfg: Config) -> dict:
+    """Tokenize the corpus once into the token cache (training a BPE first if needed) and check the
+    tokenizer against the model, before any process starts; bad data input fails here (no retries)."""
+    corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
+    return {"tokenizer": cfg.data.tokenizer, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
+            "heldout_tokens": len(corpus.heldout), "heldout_bytes": corpus.heldout_bytes}
+
+
 @task(name="evaluate")
-def evaluate(cfg: Config, model: ByteGPT) -> float:
-    return heldout_loss(model, heldout_batches(cfg))
+def evaluate(cfg: Config, model: ByteGPT) -> tuple[float, float]:
+    """Held-out loss of ``model``: (nats per token, bits per byte)."""
+    split = heldout_split(cfg)
+    nats = heldout_loss(model, split.batches)
+    return nats, split.bits_per_byte(nats)
 
 
 class TrainingRun(RunProcesses):
@@ -145,8 +158,11 @@ def _summary_table(summary: dict) -> Table:
     table.add_column("figure")
     table.add_column("value", justify="right")
     rows = [
-        ("eval loss, initial (nats/byte)", f"{summary['eval_loss_initial']:.4f}"),
-        ("eval loss, final (nats/byte)", f"{summary['eval_loss_final']:.4f}"),
+        ("eval loss, initial (nats/token)", f"{summary['eval_loss_initial']:.4f}"),
+        ("eval loss, final (nats/token)", f"{summary['eval_loss_final']:.4f}"),
+        ("eval loss, initial (bits/byte)", f"{summary['eval_bits_per_byte_initial']:.4f}"),
+        ("eval loss, final (bits/byte)", f"{summary['eval_bits_per_byte_final']:.4f}"),
+        ("tokenizer", str(summary.get("tokenizer", "bytes"))),
         ("wall time of this synchronizer (s)", f"{summary['wall_s']:.1f}"),
         ("merges", str(summary["merges"])),
         ("contributions merged / late / rejected",
@@ -181,7 +197,8 @@ def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> 
     summary["timeline_compute_goodput"] = acc["compute_goodput"]
 
 
-def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations: dict[int, int]) -> dict:
+def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float],
+             incarnations: dict[int, int]) -> dict:
     """Start the synchronizer and the learners, watch them, evaluate the final model."""
     logger = get_run_logger()
     cfg = run.cfg
@@ -203,8 +220,10 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
     final_model = model_from_checkpoint(cfg, ckpt)
-    eval_final = evaluate(cfg, final_model)
-    summary.update(eval_loss_initial=eval_start, eval_loss_final=eval_final,
+    eval_final, bpb_final = evaluate(cfg, final_model)
+    summary.update(eval_loss_initial=eval_start[0], eval_loss_final=eval_final,
+                   eval_bits_per_byte_initial=eval_start[1], eval_bits_per_byte_final=bpb_final,
+                   tokenizer=cfg.data.tokenizer,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
                    checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"), launcher=cfg.run.launcher,
                    learner_restarts=len(run.supervisor.restarts),
@@ -213,13 +232,14 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     step = int(summary["merges"])
     sink.log_metric("eval/loss", eval_final, step)
     sink.log_metric("eval/final_loss", eval_final, step)
+    sink.log_metric("eval/bits_per_byte", bpb_final, step)
     sink.log_metric("goodput/uptime", summary["uptime"], step)
-    summary["model_uri"] = log_run_artifacts(sink, final_model)
+    summary["model_uri"] = log_run_artifacts(sink, final_model, samples=cfg.data.tokenizer == "bytes")
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
-    logger.info("run %s finished: eval loss %.4f -> %.4f nats/byte, compute goodput %.3f",
-                run.run_id, eval_start, eval_final, summary["compute_goodput"])
+    logger.info("run %s finished: eval loss %.4f -> %.4f nats/token, %.4f -> %.4f bits/byte, compute goodput %.3f",
+                run.run_id, eval_start[0], eval_final, eval_start[1], bpb_final, summary["compute_goodput"])
     return summary
 
 
@@ -259,6 +279,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
     prepare_corpus(cfg)
+    prepare_tokens(cfg)
     run = TrainingRun(cfg, config, overrides)
     sink = MlflowSink(cfg.tracking)
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
@@ -269,8 +290,9 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
         model0 = ByteGPT(cfg.model)
         model0.load_state_dict(params, strict=False)
         eval_initial = evaluate(cfg, model0)
-        sink.log_metric("eval/loss", eval_initial, 0)
-        logger.info("run %s: initial held-out loss %.4f nats/byte", run.run_id, eval_initial)
+        sink.log_metric("eval/loss", eval_initial[0], 0)
+        sink.log_metric("eval/bits_per_byte", eval_initial[1], 0)
+        logger.info("run %s: initial held-out loss %.4f nats/token, %.4f bits/byte", run.run_id, *eval_initial)
         sink.log_dict(cfg.public_dict(), "config.json")
         summary = _execute(run, sink, eval_initial, {})
         sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
@@ -292,6 +314,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     overrides = list(overrides or [])
     cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, config, overrides, {})
     prepare_corpus(cfg)
+    prepare_tokens(cfg)
     run = TrainingRun(cfg, config, overrides, run_id=run_id,
                       resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))
     sink = MlflowSink(cfg.tracking)
@@ -300,7 +323,8 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
                    {"diloco.run_id": run_id, "diloco.config_hash": config_hash(cfg), "diloco.store": store.url})
     with _stopping(run, sink):
         eval_start = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
-        logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/byte", run_id, ckpt.seq, eval_start)
+        logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/token, %.4f bits/byte", run_id,
+                    ckpt.seq, *eval_start)
         incarnations = {int(lid.rsplit("-", 1)[1]) : int(d["incarnation"]) + 1
                         for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
         summary = _execute(run, sink, eval_start, incarnations)
@@ -308,7 +332,8 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
 
 
 def _report(summary: dict) -> None:
-    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final", "wall_s",
+    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final",
+                                              "eval_bits_per_byte_final", "wall_s",
                                               "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
 
 

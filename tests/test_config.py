@@ -57,3 +57,15 @@ def test_the_default_recipe_lists_every_field():
                for key in field.annotation.model_fields
                if key not in raw.get(name, {}) and key not in commented.get(name, set())]
     assert not missing, f"configs/default.toml does not list: {', '.join(missing)}"
+
+
+def test_data_tokenizer_spec_is_checked_at_load():
+    assert load_config(None, ['data.tokenizer="bpe:4096"']).data.tokenizer == "bpe:4096"
+    assert load_config(None, ['data.tokenizer="s3://bucket/tok/tokenizer.json"']).data.tokenizer.endswith(".json")
+    with pytest.raises(ValueError, match=r"data.tokenizer='wordpiece' is not a known tokenizer"):
+        load_config(None, ['data.tokenizer="wordpiece"'])
+    with pytest.raises(ValueError, match=r"data.format.*'csv'"):
+        load_config(None, ['data.format="csv"'])
+    # the tokenizer changes the training; where its cache lives does not
+    assert config_hash(load_config(None, ['data.tokenizer="bpe:4096"'])) != config_hash(load_config(None))
+    assert config_hash(load_config(None, ['data.token_cache_dir="/tmp/x"'])) == config_hash(load_config(None))

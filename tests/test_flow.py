@@ -16,7 +16,7 @@ EXPECTED_METRICS = {
     "learner/learner-1/train_loss", "sync/merges", "sync/quorum_size", "sync/grace_s",
     "sync/contributions_merged", "sync/contributions_late", "sync/contributions_rejected",
     "sync/staleness_versions", "net/bytes_in", "net/bytes_out", "eval/loss", "goodput/compute",
-    "goodput/token", "goodput/uptime", "sync/live_learners",
+    "goodput/token", "goodput/uptime", "sync/live_learners", "eval/bits_per_byte",
 }
 
 
@@ -33,6 +33,9 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     summary = train(config="configs/default.toml", overrides=overrides)
     assert summary["eval_loss_initial"] == pytest.approx(math.log(256), abs=0.15)
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 1.0
+    # the bytes tokenizer: one token per byte, so bits/byte = nats/byte / ln 2
+    assert summary["eval_bits_per_byte_final"] == pytest.approx(summary["eval_loss_final"] / math.log(2))
+    assert summary["eval_bits_per_byte_initial"] == pytest.approx(summary["eval_loss_initial"] / math.log(2))
     assert summary["merges"] > 0 and summary["stop_reason"].startswith("token budget")
     client = MlflowClient(uri)
     run = client.get_run(summary["mlflow_run_id"])
@@ -48,6 +51,9 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     history = client.get_metric_history(run.info.run_id, "eval/loss")
     last = [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1]
     assert last == round(summary["eval_loss_final"], 4)
+    bpb = sorted(client.get_metric_history(run.info.run_id, "eval/bits_per_byte"), key=lambda m: m.step)
+    assert [round(m.value, 4) for m in bpb] == [round(summary["eval_bits_per_byte_initial"], 4),
+                                                 round(summary["eval_bits_per_byte_final"], 4)]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
             "global_model.safetensors"} <= artifacts

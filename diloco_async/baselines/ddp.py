@@ -35,7 +35,7 @@ carries ``rank`` and ``incarnation``; times are unix seconds):
 * ``{"kind": "start", "t": <process start>, "incarnation": I}``
 * ``{"kind": "ready", "t": ..., "step": <restored step>}`` just before the first step
 * ``{"kind": "step", "t0": ..., "t1": ..., "wait_s": <s in the all-reduce>, "step": <global step
-  after it>, "tokens": <batch*context of this rank>, "loss": <local train loss, nats/byte>}``
+  after it>, "tokens": <batch*context of this rank>, "loss": <local train loss, nats/token>}``
 * ``{"kind": "checkpoint", "t": <commit time>, "step": s, "tokens_committed": n, "dur_s": ...,
   "key": <manifest key>}`` (rank 0 only); ``checkpoint_failed`` with ``error`` if a write failed
 * ``{"kind": "stopped", "t": ..., "step": s, "reason": "signal"|"stop_at"|"max_steps",
@@ -62,10 +62,10 @@ import torch.distributed as dist
 
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config import Config, config_hash, load_config
-from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.sync import initial_parameters
+from diloco_async.tokens import Corpus, open_corpus
 from diloco_async.workload import data_generator, emulated_delay_s, inner_step, jitter_random, warmup_lr
 from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.options import storage_options_from_env
@@ -184,13 +184,13 @@ class _Rank:
         self.prefix = checkpoint_prefix(a.run_id)
         self._restore()
         self._agree_on_step(pg)
-        corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+        corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
         shard = corpus.shard(self.rank, self.world)
         self.gen = data_generator(cfg.run.seed, self.rank, a.incarnation)
         plist = list(self.params.values())
         reduce = _GradAllReduce(self, plist, pg, rank_speed(cfg, self.rank, a.speed), rank_jitter(cfg, a.jitter),
                                 jitter_random(cfg.run.seed, self.rank, a.incarnation))
-        log.info("rank %d/%d ready at step %d: shard of %d bytes, %d parameters", self.rank, self.world,
+        log.info("rank %d/%d ready at step %d: shard of %d tokens, %d parameters", self.rank, self.world,
                  self.step, len(shard), sum(reduce.numels))
         if cfg.learners.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
             os.nice(cfg.learners.nice_after_ready)

@@ -96,9 +96,9 @@ class Learner:
         plan = self._check_plan(cfg, jr, workload)
         loop = self._start_point(cfg, jr, workload, plan)
         sh.ready.set()
-        shard_bytes = workload.load_data(cfg, self.index)
-        log.info("%s ready: shard %d/%d of %d bytes, %d parameters, versions %s", self.learner_id, self.index,
-                 cfg.learners.count, shard_bytes, sum(p.numel() for p in workload.params.values()), sh.base)
+        shard_tokens = workload.load_data(cfg, self.index)
+        log.info("%s ready: shard %d/%d of %d tokens, %d parameters, versions %s", self.learner_id, self.index,
+                 cfg.learners.count, shard_tokens, sum(p.numel() for p in workload.params.values()), sh.base)
         if cfg.learners.nice_after_ready:
             os.nice(cfg.learners.nice_after_ready)
         self.recorder.record("ready", step=loop.step, restored=self._restored_step)
