@@ -1,0 +1,48 @@
+"""The API fuzz at test size (issue 14): 1,000 seeded valid, boundary and hostile requests on every
+route of a live synchronizer process on loopback, with three honest scripted learners and a
+poisoner contributing meanwhile. Zero 5xx, every request answered, the process alive and
+answering, honest rounds merging again within 30 s, RSS growth after warm-up under 10 %, nothing
+non-finite published. ``make bench-fuzz`` runs the same harness with 10,000 requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco_async.chaos.fuzz_run import NO_ANSWER, run_api_fuzz
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+REQUESTS = 1_000
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory):
+    return run_api_fuzz(REQUESTS, seed=14, workdir=tmp_path_factory.mktemp("fuzz"), concurrency=8,
+                        time_limit_s=90.0)
+
+
+def test_every_request_answered_without_5xx(fuzzed):
+    assert fuzzed.requests == REQUESTS
+    assert fuzzed.count_5xx == 0, fuzzed.examples_5xx
+    assert fuzzed.by_status[NO_ANSWER] == 0, fuzzed.examples_no_answer
+    assert fuzzed.alive and fuzzed.health_ok, fuzzed.sync_log
+    kinds = {k.split("/")[0] for k in fuzzed.by_kind}
+    assert kinds >= {"join", "heartbeat", "announce", "status", "metrics", "health", "ws", "unknown"}
+
+
+def test_honest_rounds_merge_during_and_after(fuzzed):
+    assert fuzzed.honest_acks["accepted"] > 0
+    assert fuzzed.merge_after_s is not None and fuzzed.merge_after_s <= 30.0, fuzzed.sync_log
+
+
+def test_memory_stays_flat_and_nothing_non_finite_is_published(fuzzed):
+    assert fuzzed.rss_growth < 0.10, (fuzzed.rss_warm_bytes, fuzzed.rss_end_bytes)
+    assert fuzzed.published_read > 0 and fuzzed.published_non_finite == 0
+
+
+@pytest.mark.xfail(strict=True, reason="issue 14 item 3 (update guard, branch 'guard'): a finite outer gradient "
+                   "of norm 1e30 is merged; remove this mark when the guard merges")
+def test_no_norm_outlier_is_published(fuzzed):
+    assert fuzzed.poison_acks, "the poisoner announced nothing"
+    assert fuzzed.published_max_abs <= 100.0
