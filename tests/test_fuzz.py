@@ -46,3 +46,21 @@ def test_memory_stays_flat_and_nothing_non_finite_is_published(fuzzed):
 def test_no_norm_outlier_is_published(fuzzed):
     assert fuzzed.poison_acks, "the poisoner announced nothing"
     assert fuzzed.published_max_abs <= 100.0
+
+
+def test_generator_is_seeded_and_covers_every_route():
+    from diloco_async.chaos.fuzz import RequestGenerator
+
+    def draw(seed):
+        gen = RequestGenerator(seed, "run1", ["f0"], ["h0"], lambda lid: {"Authorization": f"Bearer tok-{lid}"})
+        return [gen.next() for _ in range(2000)]
+    first, again, other = draw(1), draw(1), draw(2)
+    assert first == again and first != other
+    routes = {(r.method if r.method == "WS" else "HTTP", r.kind.split("/")[0]) for r in first}
+    assert {k for _, k in routes} >= {"join", "heartbeat", "announce", "checkpoint", "status", "metrics", "health",
+                                      "ws", "unknown"}
+    mutations = {r.kind.split("/")[1] for r in first if r.kind.split("/")[0] in ("join", "heartbeat", "announce")}
+    assert mutations >= {"valid", "boundary", "wrong_type", "non_finite", "long_int", "deep", "huge_string",
+                         "unknown_key", "missing_key", "other_learner", "replay", "raw"}
+    assert any("bad_auth" in r.kind for r in first) and any("other_token" in r.kind for r in first)
+    assert max(len(r.body or b"") for r in first) > 1 << 20  # over the body cap: 413 expected
