@@ -90,6 +90,7 @@ class RequestGenerator:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.sent: list[tuple[str, bytes]] = []  # valid bodies sent, for replays
+        self.token_owner: str | None = None  # whose token the last headers carry
         self._routes = list(self.weights)
         self._route_weights = [self.weights[r] for r in self._routes]
 
@@ -111,10 +112,12 @@ class RequestGenerator:
     def _headers(self, lid: str | None) -> tuple[dict[str, str], str]:
         """(headers, tag): usually ``lid``'s valid headers; sometimes hostile ones."""
         r = self.rng.random()
+        self.token_owner = lid
         if r < 0.85:
             return dict(self.headers_for(lid)), ""
         if r < 0.90 and self.victim_ids:  # another learner's credentials
-            return dict(self.headers_for(self._pick(self.victim_ids))), "/other_token"
+            self.token_owner = self._pick(self.victim_ids)
+            return dict(self.headers_for(self.token_owner)), "/other_token"
         tok = self.headers_for(lid).get("Authorization", "Bearer x").split(" ", 1)[-1]
         bad = self._pick(_BAD_AUTH)
         return ({} if bad is None else {"Authorization": bad.format(tok=tok)}), "/bad_auth"
@@ -183,8 +186,11 @@ class RequestGenerator:
 
     def _post(self, route: str) -> FuzzRequest:
         lid = self._lid()
-        raw, m = self._mutate(self._valid(route, lid))
+        body = self._valid(route, lid)
+        raw, m = self._mutate(body)
         headers, tag = self._headers(lid)
+        if tag != "/bad_auth" and self.token_owner != body.get("learner_id", self.token_owner):
+            tag += "/impersonation"  # the body names a learner other than the token's
         if self.rng.random() < 0.9:
             headers["Content-Type"] = "application/json"
         return FuzzRequest("POST", f"/{route}", raw, headers, f"{route}/{m}{tag}")

@@ -78,11 +78,18 @@ class FuzzResult:
     honest_acks: Counter = field(default_factory=Counter)
     poison_acks: Counter = field(default_factory=Counter)
     rejected_by_reason: dict = field(default_factory=dict)  # the synchronizer's counters at the end
+    log_tracebacks: int = 0  # tracebacks in the synchronizer's log
     sync_log: str = ""
 
     @property
     def count_5xx(self) -> int:
         return sum(n for s, n in self.by_status.items() if s >= 500)
+
+    @property
+    def impersonations_accepted(self) -> int:
+        """Requests whose body names a learner other than the token's holder, answered 2xx."""
+        return sum(n for kind, statuses in self.by_kind.items() if kind.endswith("/impersonation")
+                   for status, n in statuses.items() if 200 <= status < 300)
 
     @property
     def rss_growth(self) -> float:
@@ -106,6 +113,9 @@ class FuzzResult:
              self.published_non_finite == 0 and self.published_read > 0),
             ("largest |value| in a published version", self.published_max_abs, "<= 100",
              self.published_max_abs <= 100.0),
+            ("requests acting as another learner answered 2xx", self.impersonations_accepted, "== 0",
+             self.impersonations_accepted == 0),
+            ("tracebacks in the synchronizer's log", self.log_tracebacks, "== 0", self.log_tracebacks == 0),
         ]
 
 
@@ -191,7 +201,7 @@ async def _drive(run: RunProcesses, requests: int, seed: int, concurrency: int, 
                  poison: bool, result: FuzzResult) -> FragmentPlan:
     url, pid = str(run.sync_url), run.sync.pid
     stop = asyncio.Event()
-    honest = ScriptedLearners(url, run.run_id, run.token, run.store, HONEST)
+    honest = ScriptedLearners(url, run.run_id, run.token, run.store, HONEST, steps_per_beat=4)
     tasks = [asyncio.create_task(honest.run(stop))]
     poisoner = Poisoner(url, run.run_id, run.token, run.store, POISONER, seed=seed) if poison else None
     gen = RequestGenerator(seed, run.run_id, FUZZ_IDS, HONEST,
@@ -251,4 +261,6 @@ def run_api_fuzz(requests: int, seed: int, workdir: str | os.PathLike, concurren
             with contextlib.suppress(Exception):
                 run.sync.wait(timeout=15)
         run.stop_all()
+    with contextlib.suppress(OSError):
+        result.log_tracebacks = Path(result.sync_log).read_text(errors="replace").count("Traceback (most recent")
     return result
