@@ -13,7 +13,8 @@ merge, and one bar per figure:
 
 Exit status 1 when a bar is missed, 0 otherwise.
 
-Usage: python -m benchmarks.kill_matrix [--learner-kills 50] [--sync-kills 20] [--seed 14] [--workdir DIR]
+Usage: python -m benchmarks.kill_matrix [--learner-kills 50] [--sync-kills 20] [--seed 14] [--checkpoint-every 10]
+       [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-kills", type=int, default=20)
     ap.add_argument("--learners", type=int, default=3)
     ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--checkpoint-every", type=float, default=10.0, help="the synchronizer's checkpoint period (s)")
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("diloco.supervisor").setLevel(logging.ERROR)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-kill-"))
     try:
-        res = KillMatrix(workdir, args.seed, args.learners).run(args.learner_kills, args.sync_kills)
+        res = KillMatrix(workdir, args.seed, args.learners,
+                         checkpoint_every_s=args.checkpoint_every).run(args.learner_kills, args.sync_kills)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -52,16 +52,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def kill_overrides(workdir: Path, learners: int, upload_hold_s: float, port: int) -> list[str]:
-    """A tiny real run: ``learners`` learners, 3 fragments, H = 8, K = 1, checkpoints every 2 s,
-    nothing collected, slow uploads, restarts without limit."""
+def kill_overrides(workdir: Path, learners: int, upload_hold_s: float, port: int,
+                   checkpoint_every_s: float = 10.0) -> list[str]:
+    """A tiny real run: ``learners`` learners, 3 fragments, H = 8, K = 1, a checkpoint every
+    ``checkpoint_every_s`` (so a kill often comes after versions the checkpoint lacks), nothing
+    collected, slow uploads, restarts without limit."""
     return [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs",
             f"data.cache_dir={Path('data').resolve()}", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
             "model.context=32", f"learners.count={learners}", "learners.batch_size=8", "learners.checkpoint_every_s=0",
             "learners.restart_delay_s=0.5", "learners.max_restarts=100000",
             f"learners.storage_faults={{p_slow=1.0, slow_s={upload_hold_s}, ops=[\"put\"]}}",
             f"synchronizer.port={port}", "synchronizer.num_fragments=3", "synchronizer.sync_every=8",
-            "synchronizer.min_quorum=1", "synchronizer.heartbeat_timeout_s=3", "synchronizer.checkpoint_every_s=2",
+            "synchronizer.min_quorum=1", "synchronizer.heartbeat_timeout_s=3",
+            f"synchronizer.checkpoint_every_s={checkpoint_every_s}",
             "synchronizer.keep_checkpoints=0", "synchronizer.drain_s=0", "budget.wall_s=36000"]
 
 
@@ -134,13 +137,17 @@ class KillMatrix:
     Args:
         workdir: store and logs. seed: seeds the moments and the victims.
         learners: learner processes. upload_hold_s: how long every upload is held in flight.
+        checkpoint_every_s: the synchronizer's checkpoint period; each synchronizer kill comes
+            0.5 s to 1.2 periods after the previous restart.
     """
 
-    def __init__(self, workdir: str | Path, seed: int = 14, learners: int = 3, upload_hold_s: float = 1.5) -> None:
+    def __init__(self, workdir: str | Path, seed: int = 14, learners: int = 3, upload_hold_s: float = 1.5,
+                 checkpoint_every_s: float = 10.0) -> None:
         self.workdir = Path(workdir).resolve()
         self.rng = random.Random(seed)
         self.upload_hold_s = upload_hold_s
-        overrides = kill_overrides(self.workdir, learners, upload_hold_s, _free_port())
+        self.checkpoint_every_s = checkpoint_every_s
+        overrides = kill_overrides(self.workdir, learners, upload_hold_s, _free_port(), checkpoint_every_s)
         self.run_procs = RunProcesses(load_config(None, overrides), None, overrides)
         self.run_procs.launcher = ForkServerLauncher(self.run_procs.workdir / "logs", PRELOAD)
         self.learners = learners
@@ -225,7 +232,7 @@ class KillMatrix:
     def _kill_and_resume_sync(self) -> None:
         """One cycle: SIGKILL the synchronizer at a random moment, resume it from its newest checkpoint,
         time until it listens and until the next merge."""
-        self._tick(self.rng.uniform(0.5, 6.0))
+        self._tick(self.rng.uniform(0.5, 1.2 * self.checkpoint_every_s))
         before = self._versions()
         self.run_procs.sync.kill()
         self.run_procs.sync.wait(timeout=30)
