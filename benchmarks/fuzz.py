@@ -8,11 +8,17 @@ bar per figure:
 * requests sent >= ``--requests``; responses 5xx == 0; requests not answered == 0;
 * the synchronizer alive and ``/health`` answering; every fragment merged again <= 30 s after;
 * synchronizer RSS growth from the end of the warm-up (the first tenth) to the end < 10 %;
-* published versions read back: none with a non-finite value, largest |value| <= 100.
+* published versions read back: none with a non-finite value, largest |value| <= 100;
+* no request whose body names a learner other than its token's holder answered 2xx;
+* no traceback in the synchronizer's log;
+* ``--slow-clients`` connections that stall mid-headers or mid-body, opened when the fuzz starts,
+  all closed by the server within ``--slow-limit`` seconds;
+* shown: the honest learners' heartbeat p99 latency before the fuzz and during it.
 
 Exit status 1 when a bar is missed, 0 otherwise.
 
-Usage: python -m benchmarks.fuzz [--requests 10000] [--seed 14] [--concurrency 8] [--workdir .local/bench/fuzz]
+Usage: python -m benchmarks.fuzz [--requests 10000] [--seed 14] [--concurrency 8] [--slow-clients 24]
+       [--slow-limit 90] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -54,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds the fuzz may send for")
+    ap.add_argument("--slow-clients", type=int, default=24, help="stalled connections held open during the fuzz")
+    ap.add_argument("--slow-limit", type=float, default=90.0,
+                    help="seconds the server has to close the stalled connections")
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-fuzz-"))
     t0 = time.monotonic()
     try:
-        result = run_api_fuzz(args.requests, args.seed, workdir, args.concurrency, args.time_limit)
+        result = run_api_fuzz(args.requests, args.seed, workdir, args.concurrency, args.time_limit,
+                              slow_clients=args.slow_clients, slow_limit_s=args.slow_limit)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

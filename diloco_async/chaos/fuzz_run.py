@@ -27,6 +27,7 @@ from yarl import URL
 
 from diloco_async.chaos.fuzz import FuzzRequest, RequestGenerator
 from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, learner_token, published_extremes
+from diloco_async.chaos.slow_clients import SlowClients
 from diloco_async.client import SyncClient
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
@@ -79,6 +80,11 @@ class FuzzResult:
     poison_acks: Counter = field(default_factory=Counter)
     rejected_by_reason: dict = field(default_factory=dict)  # the synchronizer's counters at the end
     log_tracebacks: int = 0  # tracebacks in the synchronizer's log
+    hb_p99_quiet_ms: float = float("nan")  # honest heartbeats' p99 latency before any fuzz
+    hb_p99_fuzz_ms: float = float("nan")  # and during the fuzz
+    slow_clients: int = 0
+    slow_limit_s: float = 0.0
+    slow_closed_s: float | None = None  # until the server closed every slow client (None: not within the limit)
     sync_log: str = ""
 
     @property
@@ -116,7 +122,11 @@ class FuzzResult:
             ("requests acting as another learner answered 2xx", self.impersonations_accepted, "== 0",
              self.impersonations_accepted == 0),
             ("tracebacks in the synchronizer's log", self.log_tracebacks, "== 0", self.log_tracebacks == 0),
-        ]
+            ("honest heartbeat p99 latency before the fuzz (ms)", self.hb_p99_quiet_ms, "shown", True),
+            ("honest heartbeat p99 latency during the fuzz (ms)", self.hb_p99_fuzz_ms, "shown", True),
+        ] + ([(f"seconds until the server closed {self.slow_clients} stalled connections",
+               -1.0 if self.slow_closed_s is None else self.slow_closed_s, f"<= {self.slow_limit_s:g}",
+               self.slow_closed_s is not None)] if self.slow_clients else [])
 
 
 async def send_request(session: aiohttp.ClientSession, base: str, req: FuzzRequest, timeout_s: float = 10.0) -> int:
@@ -197,38 +207,59 @@ def _rss(pid: int) -> int:
         return 0
 
 
-async def _drive(run: RunProcesses, requests: int, seed: int, concurrency: int, time_limit_s: float,
-                 poison: bool, result: FuzzResult) -> FragmentPlan:
-    url, pid = str(run.sync_url), run.sync.pid
+def _p99_ms(latencies, start: float, end: float) -> float:
+    inside = sorted(s for t, s in latencies if start <= t < end)
+    return 1000 * inside[min(len(inside) - 1, int(0.99 * len(inside)))] if inside else float("nan")
+
+
+async def _phases(run: RunProcesses, client: SyncClient, gen: RequestGenerator, honest: ScriptedLearners,
+                  opts: dict, result: FuzzResult) -> None:
+    """Quiet baseline, warm-up fuzz, fuzz (with slow clients), then the checks."""
+    pid, url = run.sync.pid, URL(str(run.sync_url))
+    start, t_quiet = await _merges(client), time.monotonic()
+    if await _wait_merges(client, start, 60.0) is None:
+        raise RuntimeError(f"no honest merge within 60 s before the fuzz; see {run.sync.log_path}")
+    opts["start_poisoner"]()
+    deadline = time.monotonic() + opts["time_limit_s"]
+    warm = max(1, opts["requests"] // 10)
+    t_fuzz = time.monotonic()
+    await _fuzz(str(run.sync_url), gen, warm, opts["concurrency"], deadline, result)
+    result.rss_warm_bytes = _rss(pid)
+    slow = SlowClients(url.host or "127.0.0.1", url.port or 80, opts["slow_clients"], gen.headers_for)
+    slow.open()
+    before, t0 = await _merges(client), time.monotonic()
+    await _fuzz(str(run.sync_url), gen, opts["requests"] - warm, opts["concurrency"], deadline, result)
+    result.elapsed_s = time.monotonic() - t0
+    result.hb_p99_quiet_ms = _p99_ms(honest.latencies, t_quiet, t_fuzz)
+    result.hb_p99_fuzz_ms = _p99_ms(honest.latencies, t_fuzz, time.monotonic())
+    after = await _merges(client)
+    result.merges_during = sum(after.values()) - sum(before.values())
+    result.merge_after_s = await _wait_merges(client, after, 30.0)
+    if opts["slow_clients"]:
+        result.slow_closed_s = await slow.wait_closed(opts["slow_limit_s"])
+    result.rss_end_bytes = _rss(pid)
+    result.alive = psutil.pid_exists(pid) and run.sync.poll() is None
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+        result.health_ok = (await client.health())["ok"] is True
+        result.rejected_by_reason = (await client.status()).get("rejected_by_reason", {})
+
+
+async def _drive(run: RunProcesses, seed: int, poison: bool, opts: dict, result: FuzzResult) -> FragmentPlan:
+    url = str(run.sync_url)
     stop = asyncio.Event()
     honest = ScriptedLearners(url, run.run_id, run.token, run.store, HONEST, steps_per_beat=4)
     tasks = [asyncio.create_task(honest.run(stop))]
     poisoner = Poisoner(url, run.run_id, run.token, run.store, POISONER, seed=seed) if poison else None
+    if poisoner is not None:
+        opts["start_poisoner"] = lambda: tasks.append(asyncio.create_task(poisoner.run(stop)))
+    else:
+        opts["start_poisoner"] = lambda: None
     gen = RequestGenerator(seed, run.run_id, FUZZ_IDS, HONEST,
                            lambda lid: SyncClient(url, learner_token(run.token, run.run_id, lid or "")
                                                   if lid else run.token).auth_headers())
     try:
         async with SyncClient(url, None) as client:
-            start = await _merges(client)
-            if await _wait_merges(client, start, 60.0) is None:
-                raise RuntimeError(f"no honest merge within 60 s before the fuzz; see {run.sync.log_path}")
-            if poisoner is not None:
-                tasks.append(asyncio.create_task(poisoner.run(stop)))
-            deadline = time.monotonic() + time_limit_s
-            warm = max(1, requests // 10)
-            await _fuzz(url, gen, warm, concurrency, deadline, result)
-            result.rss_warm_bytes = _rss(pid)
-            before, t0 = await _merges(client), time.monotonic()
-            await _fuzz(url, gen, requests - warm, concurrency, deadline, result)
-            result.elapsed_s = time.monotonic() - t0
-            after = await _merges(client)
-            result.merges_during = sum(after.values()) - sum(before.values())
-            result.merge_after_s = await _wait_merges(client, after, 30.0)
-            result.rss_end_bytes = _rss(pid)
-            result.alive = psutil.pid_exists(pid) and run.sync.poll() is None
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                result.health_ok = (await client.health())["ok"] is True
-                result.rejected_by_reason = (await client.status()).get("rejected_by_reason", {})
+            await _phases(run, client, gen, honest, opts, result)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -238,8 +269,11 @@ async def _drive(run: RunProcesses, requests: int, seed: int, concurrency: int, 
 
 
 def run_api_fuzz(requests: int, seed: int, workdir: str | os.PathLike, concurrency: int = 8,
-                 time_limit_s: float = 600.0, poison: bool = True) -> FuzzResult:
-    """Fuzz a live synchronizer with ``requests`` requests (fewer if ``time_limit_s`` passes first).
+                 time_limit_s: float = 600.0, poison: bool = True, slow_clients: int = 0,
+                 slow_limit_s: float = 90.0) -> FuzzResult:
+    """Fuzz a live synchronizer with ``requests`` requests (fewer if ``time_limit_s`` passes first),
+    with ``slow_clients`` stalled connections open meanwhile (:class:`SlowClients`; how long the
+    server takes to close them is measured up to ``slow_limit_s``).
 
     Raises:
         RuntimeError: the synchronizer did not start, or honest rounds did not merge before the fuzz.
@@ -247,11 +281,13 @@ def run_api_fuzz(requests: int, seed: int, workdir: str | os.PathLike, concurren
     workdir = Path(workdir).resolve()
     overrides = fuzz_overrides(workdir)
     run = RunProcesses(load_config(None, overrides), None, overrides)
-    result = FuzzResult()
+    result = FuzzResult(slow_clients=slow_clients, slow_limit_s=slow_limit_s)
     try:
         run.start_synchronizer()
         result.sync_log = str(run.sync.log_path)
-        plan = asyncio.run(_drive(run, requests, seed, concurrency, time_limit_s, poison, result))
+        opts = {"requests": requests, "concurrency": concurrency, "time_limit_s": time_limit_s,
+                "slow_clients": slow_clients, "slow_limit_s": slow_limit_s}
+        plan = asyncio.run(_drive(run, seed, poison, opts, result))
         if plan is not None:
             result.published_read, result.published_non_finite, result.published_max_abs = published_extremes(
                 run.store, run.run_id, plan)

@@ -12,8 +12,9 @@ import asyncio
 import hashlib
 import logging
 import random
+import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 
 import aiohttp
 import torch
@@ -49,7 +50,8 @@ class ScriptedLearners:
         steps_per_beat: inner steps reported per heartbeat.
 
     Attributes:
-        acks: announcement answers by status; ``errors``: failed calls by kind.
+        acks: announcement answers by status; ``errors``: failed calls by kind; ``latencies``:
+            ``(monotonic start s, seconds)`` of each heartbeat.
     """
 
     def __init__(self, url: str, run_id: str, run_secret: str, store: ObjectStore, learner_ids: list[str],
@@ -58,6 +60,7 @@ class ScriptedLearners:
         self.ids, self.interval_s, self.steps_per_beat = learner_ids, interval_s, steps_per_beat
         self.acks: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.latencies: deque[tuple[float, float]] = deque(maxlen=100_000)  # (monotonic s, heartbeat s)
         self.plan: FragmentPlan | None = None
         self.rng = torch.Generator().manual_seed(0)
 
@@ -80,8 +83,10 @@ class ScriptedLearners:
                         await self._join(client, lid, incarnation)
                         joined = True
                     step += self.steps_per_beat
+                    t0 = time.monotonic()
                     hb = await client.heartbeat({"learner_id": lid, "incarnation": incarnation, "step": step,
                                                  "step_time_s": 0.05, "tokens_total": step * 64})
+                    self.latencies.append((t0, time.monotonic() - t0))
                     if not hb["known"]:  # evicted (or the synchronizer restarted): join again
                         self.errors["rejoin"] += 1
                         incarnation, joined = incarnation + 1, False
