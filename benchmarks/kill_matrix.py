@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{res.elapsed_s:.0f} s in all; learner kills {res.learner_kills} ({res.mid_upload_kills} in an upload "
           f"window, {res.mid_upload_confirmed} confirmed: key never published), learner restarts "
           f"{res.learner_restarts}; synchronizer kills {res.sync_kills}, resumes finished {res.resumes_finished}")
-    print(f"resume -> listening (s): {ready or '-'}")
+    print(f"resume -> listening (s): {ready or '-'} ({res.resume_retries} failed starts tried again)")
     print(f"restart -> first merge (s): {merges or '-'}")
     print(f"merges at the end: {res.merges}; merged contribution objects checked: {res.merged_checked}, incomplete: "
           f"{res.merged_incomplete[:5]}; published versions read back: {res.published_read}")

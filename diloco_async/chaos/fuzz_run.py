@@ -48,9 +48,11 @@ POISONER = "poisoner-0"
 
 
 def fuzz_overrides(workdir: Path) -> list[str]:
-    """The run the fuzz targets: a tiny model, 2 fragments, H = 4, K = 2, short timeouts."""
+    """The run the fuzz targets: a tiny model, 2 fragments, H = 4, K = 2, short timeouts; 10
+    learner slots, so the honest learners, the poisoner and the fuzz's own ids fit under a learner
+    cap (the fuzz also sends other ids: those may be refused)."""
     return [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs", "model.n_layer=1",
-            "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=3",
+            "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=10",
             "synchronizer.num_fragments=2", "synchronizer.sync_every=4", "synchronizer.min_quorum=2",
             "synchronizer.grace_initial_s=0.2", "synchronizer.grace_cap_s=0.5",
             "synchronizer.heartbeat_timeout_s=3", "synchronizer.checkpoint_every_s=100000",

@@ -79,6 +79,7 @@ class KillMatrixResult:
     sync_kills: int = 0
     resumes_finished: int = 0
     resume_ready_s: list[float] = field(default_factory=list)
+    resume_retries: int = 0  # starts of a resumed synchronizer that failed and were tried again
     restart_to_merge_s: list[float | None] = field(default_factory=list)
     merges: int = 0
     merged_checked: int = 0
@@ -147,6 +148,7 @@ class KillMatrix:
         self.rng = random.Random(seed)
         self.upload_hold_s = upload_hold_s
         self.checkpoint_every_s = checkpoint_every_s
+        self.resume_limit_s = 120.0  # a resume that does not listen within this is a failed resume
         overrides = kill_overrides(self.workdir, learners, upload_hold_s, _free_port(), checkpoint_every_s)
         self.run_procs = RunProcesses(load_config(None, overrides), None, overrides)
         self.run_procs.launcher = ForkServerLauncher(self.run_procs.workdir / "logs", PRELOAD)
@@ -239,10 +241,7 @@ class KillMatrix:
         self.result.sync_kills += 1
         self.run_procs.resume_url = f"{self.run_procs.store.url}/{self.run_procs.run_id}"
         t0 = time.monotonic()
-        try:
-            self.run_procs.start_synchronizer()
-        except (RuntimeError, TimeoutError) as err:
-            log.error("resume %d failed: %s", self.result.sync_kills, err)
+        if not self._resume(t0 + self.resume_limit_s):
             self.result.restart_to_merge_s.append(None)
             return
         self.result.resumes_finished += 1
@@ -252,6 +251,21 @@ class KillMatrix:
         self.result.restart_to_merge_s.append(None if waited is None else time.monotonic() - t0)
         log.info("resume %d: ready after %.1f s, merge %s", self.result.sync_kills, self.result.resume_ready_s[-1],
                  "none within 30 s" if waited is None else f"{time.monotonic() - t0:.1f} s after the restart")
+
+    def _resume(self, deadline: float) -> bool:
+        """Start the resumed synchronizer, again after a failed start (e.g. the dead one's lease
+        not yet expired) until ``deadline``, as a supervising flow would; True once it listens."""
+        while True:
+            try:
+                self.run_procs.start_synchronizer()
+                return True
+            except (RuntimeError, TimeoutError) as err:
+                self.result.resume_retries += 1
+                log.warning("resume %d: start failed (%s)", self.result.sync_kills, err)
+                if time.monotonic() >= deadline:
+                    log.error("resume %d failed for good", self.result.sync_kills)
+                    return False
+                self._tick(1.0)
 
     # -- the run -------------------------------------------------------------------------------
 
