@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-chaos bench-sync-memory ui ui-screenshot clean
+.PHONY: setup data run test bench bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -80,6 +80,22 @@ bench-chaos: data
 MINUTES ?= 20
 bench-sync-memory: data
 	$(PY) -m benchmarks.sync_memory --minutes $(MINUTES)
+
+## bench-fuzz: FUZZ_REQUESTS (default 10,000) seeded valid, boundary and hostile requests on every route of a
+## live synchronizer, honest scripted learners merging meanwhile: zero 5xx, alive, merging, RSS growth < 10%
+## (benchmarks/fuzz.py; about a minute)
+FUZZ_REQUESTS ?= 10000
+bench-fuzz: data
+	$(PY) -m benchmarks.fuzz --requests $(FUZZ_REQUESTS)
+
+## bench-kill: the kill matrix (benchmarks/kill_matrix.py): LEARNER_KILLS (default 50) SIGKILLs of real
+## learners at random moments, some mid-upload, and SYNC_KILLS (default 20) SIGKILL + resume cycles of the
+## synchronizer: every resume finishes, merges resume within 30 s, no partial object merged, nothing
+## non-finite published
+LEARNER_KILLS ?= 50
+SYNC_KILLS ?= 20
+bench-kill: data
+	$(PY) -m benchmarks.kill_matrix --learner-kills $(LEARNER_KILLS) --sync-kills $(SYNC_KILLS)
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
 ##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both

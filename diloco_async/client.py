@@ -74,6 +74,11 @@ class SyncClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
+    def auth_headers(self) -> dict[str, str]:
+        """The headers that authenticate this client's requests (``{}`` without a token); for
+        callers that send a request this client has no method for (the API fuzz's raw bodies)."""
+        return self._headers()
+
     async def _request(self, method: str, path: str, body: dict | None = None,
                        ok_statuses: tuple[int, ...] = ()) -> Any:
         """Send one request; returns the decoded JSON body of a status < 400 or in ``ok_statuses``."""

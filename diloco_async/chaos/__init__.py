@@ -9,6 +9,14 @@ processes of each method, and the goodput and held-out loss each method achieved
   and the snapshots of its global model;
 * :mod:`~diloco_async.chaos.measure`: goodput from a timeline, held-out loss of the snapshots.
 
+Hostile and crash testing of one run (issue 14):
+
+* :mod:`~diloco_async.chaos.fuzz`: a seeded generator of valid, boundary and hostile API requests (pure);
+* :mod:`~diloco_async.chaos.scripted`: honest scripted learners and a poisoner, protocol clients without a model;
+* :mod:`~diloco_async.chaos.fuzz_run`: the API fuzz against a live synchronizer process;
+* :mod:`~diloco_async.chaos.kill_matrix`: SIGKILL of learners (some mid-upload) and of the synchronizer
+  followed by resume, on a real run, and the checks of what the store holds afterwards.
+
 The Prefect flow, MLflow logging and the table are ``flows/chaos.py``. Importing this package
 loads only the scenario module (the command line validates a scenario without torch).
 """

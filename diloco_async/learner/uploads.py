@@ -86,6 +86,8 @@ class Uploads:
         key = keys.contribution_key(run_id, job.fragment, job.round_n, self.learner_id, job.update_id)
         meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
                 "base_version": str(job.base_version)}
+        log.info("%s uploading fragment %d round %d (base v%d) to %s", self.learner_id, job.fragment, job.round_n,
+                 job.base_version, key)
         try:
             data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
             ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
