@@ -91,6 +91,8 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
     """
     if keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
+    if orphan_age_s is not None and orphan_age_s < 0:
+        raise ValueError(f"orphan_age_s must be >= 0 seconds, got {orphan_age_s}")
     newest = latest_checkpoint(store, run_id)
     if newest is None:
         report = GcReport(run_id, None, "no verified checkpoint: nothing deleted but leftover uploads", dry_run)
