@@ -221,7 +221,7 @@ def test_rotated_credentials_renew_the_filesystem(s3_endpoint, monkeypatch):
         with store.open_writer("in-flight", len(data)) as w:
             w.write(data[: 6 * MiB])  # part 1 goes out with key B
             key_c = admin.create_access_key(UserName=user)["AccessKey"]
-            rotate(key_b, key_c)
+            admin = rotate(key_b, key_c)
             w.write(data[6 * MiB:])
         assert store.counters["credentials_refreshed"] == base + 2
         assert store.get(w.ref) == data
@@ -229,6 +229,18 @@ def test_rotated_credentials_renew_the_filesystem(s3_endpoint, monkeypatch):
         fresh = ObjectStore(store.url, s3_endpoint.storage_options, part_nbytes=5 * MiB, retries=0)
         fresh.put("later", b"3")
         assert fresh.counters["credentials_refreshed"] == 0
+
+        # credentials given in the storage options: the store asks refresh_options for new ones
+        def options(key: dict) -> dict:
+            return {**s3_endpoint.storage_options, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+
+        handed_out = [key_c]
+        explicit = ObjectStore(store.url, options(key_c), retries=0, refresh_options=lambda: options(handed_out[-1]))
+        explicit.put("explicit-before", b"4")
+        handed_out.append(admin.create_access_key(UserName=user)["AccessKey"])
+        rotate(key_c, handed_out[-1])
+        explicit.put("explicit-after", b"5")
+        assert explicit.counters["credentials_refreshed"] == 1
     finally:
         _moto_auth(s3_endpoint.url, "inf")
 
