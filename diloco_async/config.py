@@ -175,6 +175,10 @@ class SynchronizerConfig(_Section):
         "this many complete checkpoints (0: never collect)."
     )
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
+    orphan_age_s: float = Field(
+        86400.0, gt=0, description="Garbage collection also removes temporary files and multipart uploads left by "
+        "writers that died, once this old (s); must exceed the longest upload of the run."
+    )
     client_max_size_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted HTTP body.")
     ema_alpha: float = Field(0.3, gt=0, le=1, description="Smoothing of step and sync time estimates.")
     drain_s: float = Field(
@@ -312,7 +316,7 @@ _OPERATIONAL = {
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
                  "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
-                     "storage_timeout_s", "client_max_size_bytes", "drain_s"),
+                     "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s"),
 }
 
 

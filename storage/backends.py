@@ -25,7 +25,8 @@ from typing import Any, Protocol
 import fsspec
 from fsspec.asyn import sync
 
-__all__ = ["Backend", "Upload", "Stream", "make_backend", "PROTOCOLS", "PART_QUANTUM", "TEMP_PREFIX"]
+__all__ = ["Backend", "Upload", "Stream", "make_backend", "new_filesystem", "PROTOCOLS", "PART_QUANTUM",
+           "TEMP_PREFIX"]
 
 PROTOCOLS = ("file", "memory", "s3", "gs")
 #: GCS resumable uploads take non-final parts in multiples of 256 KiB
@@ -247,7 +248,7 @@ class S3Backend(Backend):
         self.fs.invalidate_cache(path)
 
     def begin(self, path: str) -> Upload:
-        return _S3Upload(self.fs, path)
+        return _S3Upload(self, path)
 
     def read(self, path: str, start: int | None, end: int | None) -> bytes:
         if start is not None or end is not None:
@@ -291,12 +292,16 @@ class _S3Stream:
 
 
 class _S3Upload:
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs, self.path = fs, path
-        self.bucket, self.key, _ = fs.split_path(path)
-        out = fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+    def __init__(self, backend: Backend, path: str) -> None:
+        self.backend, self.path = backend, path  # backend.fs may be renewed (fresh credentials) mid-upload
+        self.bucket, self.key, _ = backend.fs.split_path(path)
+        out = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
         self.upload_id: str | None = out["UploadId"]
         self.etags: dict[int, str] = {}
+
+    @property
+    def fs(self) -> Any:
+        return self.backend.fs
 
     def send(self, number: int, offset: int, data: bytes, last: bool) -> None:
         out = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
@@ -387,10 +392,23 @@ class _GcsUpload:
 _BACKENDS = {"file": LocalBackend, "memory": MemoryBackend, "s3": S3Backend, "gs": GcsBackend}
 
 
-def make_backend(protocol: str, storage_options: dict[str, Any]) -> Backend:
-    """The backend for ``protocol``; listing caches are off unless the options say otherwise
-    (a store must see its own writes)."""
+def new_filesystem(protocol: str, storage_options: dict[str, Any],
+                   stale: fsspec.AbstractFileSystem | None = None) -> fsspec.AbstractFileSystem:
+    """The filesystem for ``protocol``, with listing caches off on S3 and GCS unless the options
+    say otherwise (a store must see its own writes). ``stale``: a filesystem whose credentials
+    expired; it is dropped from fsspec's instance cache first, so neither this call nor any
+    later one hands it back, and the new one reads the credentials afresh."""
     options = dict(storage_options)
     if protocol in ("s3", "gs"):
         options.setdefault("use_listings_cache", False)
-    return _BACKENDS[protocol](fsspec.filesystem(protocol, **options))
+    if stale is not None:
+        cache = getattr(type(stale), "_cache", {})
+        token = getattr(stale, "_fs_token_", None)
+        if cache.get(token) is stale:
+            cache.pop(token, None)
+    return fsspec.filesystem(protocol, **options)
+
+
+def make_backend(protocol: str, storage_options: dict[str, Any]) -> Backend:
+    """The backend for ``protocol`` on a :func:`new_filesystem`."""
+    return _BACKENDS[protocol](new_filesystem(protocol, storage_options))

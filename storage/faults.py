@@ -17,6 +17,8 @@ Faults, by explicit toggles on ``store.faults`` (a :class:`FaultPlan`) or by a s
 * ``lose_reply(op)``: the next call reaches the store, then its answer is lost (the caller sees
   ``ConnectionError`` although the write landed);
 * ``corrupt()``: the next read returns one flipped byte;
+* ``truncate(nbytes)``: the next write is published ``nbytes`` short (its final part, or the
+  single PUT, loses its tail on the way) while the writer believes it went through whole;
 * ``FaultyStore.freeze_listings()``: listings return the snapshot taken at that moment.
 
 Operations (``op``): ``put begin send commit abort open read size exists delete find``
@@ -68,6 +70,7 @@ class FaultPlan:
         self._queued: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self._tear_after: int | None = None
         self._tear_skip = 0
+        self._truncate_nbytes = 0
         self._released = threading.Event()
         self._lock = threading.Lock()
         self.snapshot: dict[str, int] | None = None
@@ -105,6 +108,21 @@ class FaultPlan:
             raise ValueError(f"after_nbytes and skip must be >= 0, got {after_nbytes}, {skip}")
         with self._lock:
             self._tear_after, self._tear_skip = after_nbytes, skip
+
+    def truncate(self, nbytes: int = 1) -> None:
+        """The next write (``put`` or upload) is published ``nbytes`` short of what was sent."""
+        if nbytes < 1:
+            raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+        with self._lock:
+            self._truncate_nbytes = nbytes
+
+    def take_truncate(self, data: bytes) -> bytes:
+        """``data`` short of its tail if a truncation is due (called for a final part or a PUT)."""
+        with self._lock:
+            cut, self._truncate_nbytes = self._truncate_nbytes, 0
+        if cut:
+            self.injected["truncate"] += 1
+        return bytes(data[: max(len(data) - cut, 0)]) if cut else data
 
     def release(self) -> None:
         """Wake every hung call (now and later); each then fails with ``ConnectionError``."""
@@ -167,10 +185,17 @@ class FaultPlan:
 
 class _FaultyBackend(Backend):
     def __init__(self, inner: Backend, plan: FaultPlan) -> None:
-        super().__init__(inner.fs)
         self.inner, self.plan = inner, plan
         self.multipart, self.parallel_parts = inner.multipart, inner.parallel_parts
         self.resend_parts, self.part_quantum = inner.resend_parts, inner.part_quantum
+
+    @property
+    def fs(self) -> Any:  # the real backend's, renewed in place when credentials expire
+        return self.inner.fs
+
+    @fs.setter
+    def fs(self, value: Any) -> None:
+        self.inner.fs = value
 
     def put(self, path: str, data: bytes) -> None:
         after = self.plan.take_tear()
@@ -179,7 +204,7 @@ class _FaultyBackend(Backend):
                 self.plan.injected["tear"] += 1
                 raise SimulatedCrash("crashed before writing")
             _FaultyUpload(self.inner.begin(path), self, after).send(1, 0, data, True)
-        self._do("put", path, self.inner.put, path, data)
+        self._do("put", path, self.inner.put, path, self.plan.take_truncate(data))
 
     def begin(self, path: str) -> Upload:
         upload = self._do("begin", path, self.inner.begin, path)
@@ -263,6 +288,8 @@ class _FaultyUpload:
                 self.inner.send(number, offset, bytes(data[:cut]), False)
             self.plan.injected["tear"] += 1
             raise SimulatedCrash(f"crashed after writing {offset + cut} bytes")
+        if last:
+            data = self.plan.take_truncate(data)
         _finish(after, "send", f"part {number}", self.inner.send(number, offset, data, last))
 
     def commit(self) -> None:

@@ -10,6 +10,10 @@ picks) and what its manifest names. Behind it:
 * checkpoints older than it, beyond the ``keep_checkpoints - 1`` newest complete ones, are
   deleted manifest first (so a half-deleted checkpoint never counts).
 
+Independently of checkpoints, leftovers of writers that died mid-upload (local temporary files,
+incomplete S3 multipart uploads: :mod:`storage.orphans`) under the run's prefix are removed once
+older than ``orphan_age_s`` (default 24 h); younger ones may be live uploads and are left alone.
+
 Never deleted: the newest verified checkpoint, any checkpoint newer than it (it may be in
 progress), ``plan.json``/``config.json``, learners' own state, keys this module cannot parse, and
 anything of a fragment the manifest does not mention. A listing that lags behind only makes
@@ -20,15 +24,21 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from storage import keys
 from storage.checkpoint import latest_checkpoint
+from storage.orphans import drop_orphan, find_orphans
 from storage.store import ObjectStore
 
-__all__ = ["GcReport", "collect_garbage"]
+__all__ = ["GcReport", "collect_garbage", "DEFAULT_ORPHAN_AGE_S"]
 
 log = logging.getLogger("diloco.storage.gc")
+
+#: leftover uploads idle (local) or started (S3) longer ago than this are collected, seconds
+DEFAULT_ORPHAN_AGE_S = 24 * 3600.0
 
 
 @dataclass
@@ -38,7 +48,8 @@ class GcReport:
     Attributes:
         checkpoint: the newest verified checkpoint (protected), or None (nothing deleted).
         reason: why collection stopped where it did, in words.
-        deleted: objects deleted by kind (``contrib``, ``globals``, ``checkpoints``).
+        deleted: objects deleted by kind (``contrib``, ``globals``, ``checkpoints``, and the
+            leftovers ``temp_file`` and ``multipart_upload``).
         deleted_nbytes: bytes deleted by kind.
         deleted_checkpoints: sequence numbers of the checkpoints removed.
         kept_checkpoints: sequence numbers of the checkpoints left.
@@ -62,25 +73,33 @@ class GcReport:
         return sum(self.deleted_nbytes.values())
 
 
-def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 2,
-                    dry_run: bool = False) -> GcReport:
-    """Delete what no resume from the newest verified checkpoint can need.
+def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 2, dry_run: bool = False,
+                    orphan_age_s: float | None = DEFAULT_ORPHAN_AGE_S,
+                    clock: Callable[[], float] = time.time) -> GcReport:
+    """Delete what no resume from the newest verified checkpoint can need, and leftover uploads.
 
     Args:
         store: the store holding the run.
         run_id: the run under ``{store}/{run_id}/``.
         keep_checkpoints: complete checkpoints to keep, counting the newest verified one (>= 1).
         dry_run: report without deleting.
+        orphan_age_s: leftover uploads older than this many seconds are removed (None: none).
+        clock: wall-clock seconds since the epoch, for the leftovers' ages.
 
     Raises:
-        ValueError: ``keep_checkpoints`` < 1.
+        ValueError: ``keep_checkpoints`` < 1, or a negative ``orphan_age_s``.
     """
     if keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
+    if orphan_age_s is not None and orphan_age_s < 0:
+        raise ValueError(f"orphan_age_s must be >= 0 seconds, got {orphan_age_s}")
     newest = latest_checkpoint(store, run_id)
     if newest is None:
-        return GcReport(run_id, None, "no verified checkpoint: nothing deleted", dry_run)
+        report = GcReport(run_id, None, "no verified checkpoint: nothing deleted but leftover uploads", dry_run)
+        _collect_orphans(store, run_id, orphan_age_s, clock, report)
+        return report
     report = GcReport(run_id, newest.seq, f"behind verified checkpoint {newest.seq}", dry_run)
+    _collect_orphans(store, run_id, orphan_age_s, clock, report)
     manifest = newest.manifest
     version_floor = _version_floors(manifest)
     round_floor = {p: int(n) - 1 for p, n in manifest.get("next_round", {}).items()}
@@ -107,6 +126,20 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
              run_id, report.reason, "would delete" if dry_run else "deleted", report.objects, report.nbytes,
              dict(report.deleted), report.kept_checkpoints)
     return report
+
+
+def _collect_orphans(store: ObjectStore, run_id: str, older_than_s: float | None, clock: Callable[[], float],
+                     report: GcReport) -> None:
+    """Remove (or count, on a dry run) the run's leftover uploads older than ``older_than_s``."""
+    if older_than_s is None:
+        return
+    for orphan in find_orphans(store, run_id, older_than_s, clock):
+        if not report.dry_run:
+            drop_orphan(store, orphan)
+        log.info("gc %s: %s %s %s (%.0f s old)", run_id, "would remove" if report.dry_run else "removed",
+                 orphan.kind, orphan.path, orphan.age_s)
+        report.deleted[orphan.kind] += 1
+        report.deleted_nbytes[orphan.kind] += orphan.nbytes
 
 
 def _version_floors(manifest: dict) -> dict[str, int]:

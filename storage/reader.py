@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from storage import backends
+from storage.credentials import is_expired_credentials
 from storage.refs import IntegrityError, ObjectRef, check_ref, sha256_hex
 from storage.retry import Backoff, is_transient
 
@@ -67,7 +68,7 @@ def read_verified(store: ObjectStore, ref: ObjectRef, sink: Callable[[bytes], An
     path, where = store._path(ref.key), store._where(ref.key)
     size = store._call(f"size {where}", store._backend.size, path)
     if size != ref.nbytes:
-        raise IntegrityError(f"{ref.key}: size {size} bytes, expected {ref.nbytes}")
+        raise IntegrityError(f"{ref.key}: size {size} bytes, expected {ref.nbytes}", reason="size_mismatch")
     hasher = hashlib.sha256()
     nbytes = 0
     for chunk in stream_range(store, path, where, ref.nbytes):
@@ -92,7 +93,8 @@ def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iter
             while pos < nbytes:
                 chunk = reader.next(policy.timeout_s, f"read {where} at {pos}")
                 if not chunk:
-                    raise IntegrityError(f"{where}: size {pos} bytes, expected {nbytes} (ended early)")
+                    raise IntegrityError(f"{where}: size {pos} bytes, expected {nbytes} (ended early)",
+                                         reason="size_mismatch")
                 pos += len(chunk)
                 failures = 0
                 backoff.reset()
@@ -100,7 +102,7 @@ def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iter
         except Exception as err:
             if isinstance(err, TimeoutError):
                 store._count("timeouts")
-            if not is_transient(err) or failures >= policy.retries:
+            if not (is_transient(err) or is_expired_credentials(err)) or failures >= policy.retries:
                 raise
             failures += 1
             store._count("retries")

@@ -13,7 +13,15 @@ __all__ = ["ObjectRef", "IntegrityError", "sha256_hex", "check_ref"]
 
 
 class IntegrityError(ValueError):
-    """An object's size or sha256 does not match the reference that named it."""
+    """An object's size or sha256 does not match the reference that named it.
+
+    Attributes:
+        reason: ``size_mismatch`` or ``digest`` (the rejection reasons counted upstream).
+    """
+
+    def __init__(self, message: str, reason: str = "digest") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def sha256_hex(data: bytes) -> str:
@@ -47,6 +55,6 @@ def check_ref(ref: ObjectRef, nbytes: int, digest: str) -> None:
     """Raise :class:`IntegrityError` unless ``nbytes`` bytes with hex sha256 ``digest`` are
     exactly what ``ref`` names (the size is compared first)."""
     if nbytes != ref.nbytes:
-        raise IntegrityError(f"{ref.key}: size {nbytes} bytes, expected {ref.nbytes}")
+        raise IntegrityError(f"{ref.key}: size {nbytes} bytes, expected {ref.nbytes}", reason="size_mismatch")
     if digest != ref.sha256:
         raise IntegrityError(f"{ref.key}: sha256 {digest[:12]}…, expected {ref.sha256[:12]}…")

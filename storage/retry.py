@@ -2,7 +2,8 @@
 
 Every backend call runs under a per-call timeout (a hung call raises ``TimeoutError``) and a
 transient error is retried with jittered exponential backoff, within an overall deadline.
-``FileExistsError``, ``FileNotFoundError`` and ``IntegrityError`` are never retried.
+``FileExistsError``, ``FileNotFoundError`` and ``IntegrityError`` are never retried. Expired
+credentials renew the filesystem and are tried once more (:mod:`storage.credentials`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from storage.credentials import CredentialRefresher, is_expired_credentials
 from storage.refs import IntegrityError
 
 __all__ = ["RetryPolicy", "Backoff", "is_transient", "run_with_timeout", "call_with_retry"]
@@ -131,7 +133,7 @@ def _no_count(name: str, n: int = 1) -> None:
 
 def call_with_retry(policy: RetryPolicy, what: str, fn: Callable[..., Any], *args: Any, retry: bool = True,
                     count: Callable[[str], None] = _no_count, clock: Callable[[], float] = time.monotonic,
-                    sleep: Callable[[float], None] = time.sleep) -> Any:
+                    sleep: Callable[[float], None] = time.sleep, refresher: CredentialRefresher | None = None) -> Any:
     """``fn(*args)`` under ``policy``: each attempt bounded by ``timeout_s`` (and by what is left
     of ``deadline_s``), a transient error retried up to ``retries`` times unless the pause would
     pass the deadline. ``retry=False``: one attempt, still under the timeout.
@@ -140,20 +142,30 @@ def call_with_retry(policy: RetryPolicy, what: str, fn: Callable[..., Any], *arg
         what: names the call in errors and logs (never credentials).
         count: told ``"timeouts"`` for every attempt that timed out and ``"retries"`` for every retry.
         clock, sleep: seconds; injected by tests.
+        refresher: on an expired-credentials error, renews the filesystem; the call is then
+            tried once more at once (with ``retry=False`` it is renewed and the error raised).
 
     Raises:
         whatever the last attempt raised; ``TimeoutError`` for an attempt that took too long.
     """
     deadline = clock() + policy.deadline_s
     backoff = Backoff(policy)
-    attempt = 0
+    attempt = renewed = 0
     while True:
         attempt += 1
         remaining_s = deadline - clock()
         timeout_s = None if policy.timeout_s is None else max(min(policy.timeout_s, remaining_s), 1e-3)
+        generation = refresher.generation if refresher is not None else 0
         try:
             return run_with_timeout(fn, args, timeout_s, what)
         except Exception as err:
+            if refresher is not None and not renewed and is_expired_credentials(err):
+                renewed = 1
+                refresher.refresh(generation, what, err)
+                if retry:
+                    attempt -= 1  # a renewal is not a retry
+                    continue
+                raise
             if isinstance(err, TimeoutError):
                 count("timeouts")
             if not retry or attempt > policy.retries or not is_transient(err):

@@ -14,6 +14,12 @@
 * Every backend call runs under a per-call timeout (a hung call raises ``TimeoutError``, case
   C08) and transient errors are retried with exponential backoff within an overall deadline.
   ``FileExistsError``, ``FileNotFoundError`` and ``IntegrityError`` are never retried.
+* Credentials that expire or are rotated (temporary cloud credentials) renew the filesystem
+  and the call is tried again (:mod:`storage.credentials`); the stale filesystem leaves fsspec's
+  instance cache, so neither this store nor a later one gets the stale client back.
+* Part sizes follow the object size and the backend's limits (:mod:`storage.parts`), and the
+  size of every object written is checked after the create: a short object is deleted and the
+  write raises :class:`IntegrityError` (reason ``size_mismatch``), so it is never announced.
 * Every call is synchronous; async callers use ``asyncio.to_thread``.
 
 This module is the façade; the parts live in :mod:`storage.refs` (refs and hashing),
@@ -35,6 +41,8 @@ from typing import Any
 import fsspec
 
 from storage import backends, reader, writer
+from storage.credentials import CredentialRefresher
+from storage.parts import GCS_LIMITS, NO_LIMITS, S3_LIMITS, PartLimits
 from storage.refs import IntegrityError, ObjectRef, sha256_hex
 from storage.retry import RetryPolicy, call_with_retry, is_transient
 from storage.writer import ObjectWriter
@@ -44,6 +52,7 @@ __all__ = ["ObjectRef", "ObjectStore", "ObjectWriter", "IntegrityError", "sha256
 MiB = 1 << 20
 
 _PROTOCOL_ALIASES = {None: "file", "local": "file", "gcs": "gs", "s3a": "s3"}
+_PART_LIMITS = {"s3": S3_LIMITS, "gs": GCS_LIMITS}
 
 
 class ObjectStore:
@@ -61,13 +70,20 @@ class ObjectStore:
             with jitter.
         deadline_s: bound on one call including all its retries.
         part_nbytes: size of one upload part and of one chunk read. Objects larger than this
-            stream in parts. A multiple of 256 KiB, and at least 5 MiB on S3.
+            stream in parts (larger ones where the backend's part count needs it). A multiple of
+            256 KiB, and at least 5 MiB on S3.
         max_concurrency: parts in flight at once per upload (S3, local files). Reads stream
             with the next chunk prefetched.
+        part_limits: the backend's part limits (default: those of the protocol, e.g. 10,000
+            parts of 5 MiB..5 GiB on S3); give tighter ones for an S3-compatible store that has them.
+        refresh_options: called when the credentials expire, for the storage options of the new
+            filesystem (fresh credentials); default: the same options (credentials from the
+            environment or profile are read again).
 
     Attributes:
         policy: the :class:`~storage.retry.RetryPolicy` made of the five settings above.
-        counters: retries, timeouts, aborted uploads ... of this store and its children.
+        counters: retries, timeouts, aborted uploads, ``credentials_refreshed``,
+            ``size_mismatch`` ... of this store and its children.
 
     Raises:
         ValueError: an unknown protocol or an invalid setting.
@@ -76,7 +92,8 @@ class ObjectStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
                  max_backoff_s: float = 8.0, deadline_s: float = 300.0,
-                 part_nbytes: int = 16 * MiB, max_concurrency: int = 4) -> None:
+                 part_nbytes: int = 16 * MiB, max_concurrency: int = 4, part_limits: PartLimits | None = None,
+                 refresh_options: Callable[[], dict[str, Any]] | None = None) -> None:
         protocol, path = fsspec.core.split_protocol(url)
         protocol = _PROTOCOL_ALIASES.get(protocol, protocol)
         if protocol not in backends.PROTOCOLS:
@@ -87,8 +104,10 @@ class ObjectStore:
         self.policy = RetryPolicy(timeout_s, retries, backoff_s, max_backoff_s, deadline_s)
         if part_nbytes < backends.PART_QUANTUM or part_nbytes % backends.PART_QUANTUM:
             raise ValueError(f"part_nbytes must be a positive multiple of 256 KiB, got {part_nbytes}")
-        if protocol == "s3" and part_nbytes < 5 * MiB:
-            raise ValueError(f"part_nbytes must be at least 5 MiB on S3, got {part_nbytes}")
+        self.part_limits = part_limits or _PART_LIMITS.get(protocol, NO_LIMITS)
+        if part_nbytes < self.part_limits.min_part_nbytes:
+            raise ValueError(f"part_nbytes must be at least {self.part_limits.min_part_nbytes} bytes on "
+                             f"{protocol}, got {part_nbytes}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.protocol = protocol
@@ -97,8 +116,10 @@ class ObjectStore:
         self.storage_options = dict(storage_options or {})
         self.part_nbytes, self.max_concurrency = part_nbytes, max_concurrency
         self._backend: backends.Backend = backends.make_backend(protocol, self.storage_options)
+        self._refresh_options = refresh_options
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()
+        self._refresher = CredentialRefresher(self._renew_filesystem, self._count)
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"{type(self).__name__}({self.url!r})"
@@ -132,7 +153,14 @@ class ObjectStore:
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, retry: bool = True) -> Any:
         """One backend call under the timeout, retried on transient errors (see module doc)."""
-        return call_with_retry(self.policy, what, fn, *args, retry=retry, count=self._count)
+        return call_with_retry(self.policy, what, fn, *args, retry=retry, count=self._count,
+                               refresher=self._refresher)
+
+    def _renew_filesystem(self) -> None:
+        """A new fsspec filesystem (fresh credentials) under the backend this store and its
+        children share; uploads in progress continue on it."""
+        options = self.storage_options if self._refresh_options is None else dict(self._refresh_options())
+        self._backend.fs = backends.new_filesystem(self.protocol, options, stale=self._backend.fs)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -163,16 +191,17 @@ class ObjectStore:
                 while chunk := fh.read(self.part_nbytes):
                     yield chunk
 
-        os.stat(local_path)  # FileNotFoundError before anything is started
-        return writer.upload_chunks(self, key, chunks)
+        nbytes = os.stat(local_path).st_size  # FileNotFoundError before anything is started
+        return writer.upload_chunks(self, key, chunks, nbytes)
 
-    def open_writer(self, key: str) -> ObjectWriter:
-        """A writer that streams one object to ``key``; use it as a context manager.
+    def open_writer(self, key: str, nbytes: int | None = None) -> ObjectWriter:
+        """A writer that streams one object to ``key``; use it as a context manager. ``nbytes``,
+        the object's size if known, fixes the part size (else parts grow along the stream).
 
         The object is published when the block exits normally and never when it raises: the
         upload is aborted and the key stays absent (C11). ``writer.ref`` names what was written.
         """
-        return ObjectWriter(self, key)
+        return ObjectWriter(self, key, nbytes)
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing key is not an error."""

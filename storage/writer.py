@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from storage import backends
+from storage.credentials import is_expired_credentials
+from storage.parts import part_nbytes_for, streaming_part_nbytes
 from storage.refs import IntegrityError, ObjectRef, sha256_hex
 from storage.retry import is_transient
 
@@ -47,22 +49,25 @@ def put_bytes(store: ObjectStore, key: str, data: bytes | bytearray | memoryview
         ref = lambda: hasher.ref_for(key, len(payload))  # noqa: E731
         _put_single(store, key, path, payload, ref)
         return ref()
-    return upload_chunks(store, key, lambda: iter([view]))
+    return upload_chunks(store, key, lambda: iter([view]), len(view))
 
 
-def upload_chunks(store: ObjectStore, key: str, chunks: Callable[[], Iterator[bytes]]) -> ObjectRef:
-    """Stream ``chunks()`` through a writer; restart from the source if the backend cannot
-    resend one part (GCS resumable uploads) and the failure was transient."""
+def upload_chunks(store: ObjectStore, key: str, chunks: Callable[[], Iterator[bytes]],
+                  nbytes: int | None = None) -> ObjectRef:
+    """Stream ``chunks()`` (``nbytes`` in all, if known: it sets the part size) through a writer;
+    restart from the source if the backend cannot resend one part (GCS resumable uploads) and
+    the failure was transient (or the credentials expired and were renewed)."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            with ObjectWriter(store, key) as writer:
+            with ObjectWriter(store, key, nbytes) as writer:
                 for chunk in chunks():
                     writer.write(chunk)
             return writer.ref
         except Exception as err:
-            if store._backend.resend_parts or attempt > store.policy.retries or not is_transient(err):
+            retryable = is_transient(err) or is_expired_credentials(err)
+            if store._backend.resend_parts or attempt > store.policy.retries or not retryable:
                 raise
             store._count("upload_restarts")
             log.warning("%s: upload failed (%s: %s), starting it again", store._where(key), type(err).__name__, err)
@@ -99,6 +104,29 @@ def _create_once(store: ObjectStore, verb: str, key: str, create: Callable[[], N
         if isinstance(err, FileExistsError):
             raise FileExistsError(f"object exists: {where}") from None
         raise
+    _check_size(store, ref())
+
+
+def _check_size(store: ObjectStore, ref: ObjectRef) -> None:
+    """After a create: the store must hold exactly ``ref.nbytes`` under ``ref.key``. A short (or
+    long) object is deleted and never handed to a caller, so it is never announced.
+
+    Raises:
+        IntegrityError: reason ``size_mismatch``.
+    """
+    path, where = store._path(ref.key), store._where(ref.key)
+    held = store._call(f"size {where}", store._backend.size, path)
+    if held == ref.nbytes:
+        return
+    store._count("size_mismatch")
+    log.error("%s: the store holds %d bytes after the write, %d were sent: deleting it", where, held, ref.nbytes)
+    try:
+        store._call(f"delete {where}", store._backend.delete, path)
+    except Exception as err:  # never referenced by anyone; gc or an operator removes it
+        store._count("delete_failures")
+        log.warning("%s: could not delete the short object (%s: %s)", where, type(err).__name__, err)
+    raise IntegrityError(f"{where}: size_mismatch: the store holds {held} bytes, {ref.nbytes} were written",
+                         reason="size_mismatch")
 
 
 def _holds(store: ObjectStore, ref: ObjectRef) -> bool:
@@ -137,17 +165,20 @@ class _Hasher:
 class ObjectWriter:
     """Streams one immutable object in parts; publishes on :meth:`close`, never on error.
 
-    Parts of ``part_nbytes`` go out as soon as they are full (up to ``max_concurrency`` in
-    flight) while the writer hashes; the last part is held back until ``close`` so that a
+    Parts go out as soon as they are full (up to ``max_concurrency`` in flight) while the
+    writer hashes. Their size is the store's ``part_nbytes``, raised where the backend's part
+    limits need it (:mod:`storage.parts`): fixed when ``nbytes`` (the object's total size) is
+    given, growing along the stream otherwise; the last part is held back until ``close`` so that a
     backend that must mark the final part (GCS) can. An object that fits one part is sent with
     a single exclusive PUT at close. Use as a context manager; ``ref`` is set after close.
     """
 
-    def __init__(self, store: ObjectStore, key: str) -> None:
+    def __init__(self, store: ObjectStore, key: str, nbytes: int | None = None) -> None:
         self.store, self.key = store, key.strip("/")
         self._path = store._path(key)
         self._where = store._where(key)
-        self._part = store.part_nbytes
+        self._limits = store.part_limits
+        self._fixed_part = None if nbytes is None else part_nbytes_for(nbytes, store.part_nbytes, self._limits)
         self._hash = hashlib.sha256()
         self._nbytes = 0
         self._held: collections.deque[memoryview] = collections.deque()  # written, not yet sent
@@ -185,12 +216,17 @@ class ObjectWriter:
         try:
             self._held.append(view if view.readonly else memoryview(bytes(view)))
             self._held_nbytes += n
-            while self._held_nbytes > self._part:  # keep the last part back for close()
-                self._send(self._take(self._part), last=False)
+            while self._held_nbytes > (part := self._next_part_nbytes()):  # the last part waits for close()
+                self._send(self._take(part), last=False)
         except BaseException:
             self.abort()
             raise
         return n
+
+    def _next_part_nbytes(self) -> int:
+        if self._fixed_part is not None:
+            return self._fixed_part
+        return streaming_part_nbytes(self._parts + 1, self.store.part_nbytes, self._limits)
 
     def _take(self, nbytes: int) -> bytes:
         """The first ``nbytes`` held, as one ``bytes`` (copied only if they span or split pieces)."""
@@ -212,8 +248,11 @@ class ObjectWriter:
 
     def _send(self, chunk: bytes, last: bool) -> None:
         """Start uploading one part; hash it while it travels."""
-        self._nbytes += len(chunk)
         store = self.store
+        if self._limits.max_parts is not None and self._parts >= self._limits.max_parts:
+            raise ValueError(f"{self._where}: part {self._parts + 1} is past the backend's limit of "
+                             f"{self._limits.max_parts} parts (the object is larger than announced)")
+        self._nbytes += len(chunk)
         if self._upload is None:
             self._upload = store._call(f"begin upload {self._where}", store._backend.begin, self._path)
             if store._backend.parallel_parts and store.max_concurrency > 1:

@@ -263,6 +263,28 @@ def test_exception_mid_upload_publishes_nothing_then_retry_matches(kind, tmp_pat
     assert store.get(ref) == data
 
 
+@pytest.mark.parametrize("how", ["put", "stream"])
+def test_short_object_is_deleted_and_never_returned(kind, tmp_path, how):
+    """The store ends up holding fewer bytes than were sent (the single PUT, or the final part of
+    a streamed upload, loses its tail): the write raises IntegrityError (size_mismatch) instead
+    of returning a ref a learner would announce, and the short object is removed."""
+    store = local_store(kind, tmp_path)
+    faulty = FaultyStore(store)
+    data = blob(3 * PART + 7)
+    faulty.faults.truncate(3)
+    with pytest.raises(IntegrityError, match="size_mismatch") as err:
+        if how == "put":
+            faulty.put("contrib/frag", data)
+        else:
+            with faulty.open_writer("contrib/frag") as w:
+                for i in range(0, len(data), PART // 2):
+                    w.write(data[i:i + PART // 2])
+    assert err.value.reason == "size_mismatch" and store.counters["size_mismatch"] == 1
+    assert faulty.faults.injected["truncate"] == 1
+    assert not store.exists("contrib/frag") and store.list("") == []
+    assert store.get(faulty.put("contrib/frag", data)) == data  # the key is free for a retry
+
+
 def test_torn_write_is_not_retried_and_leaves_no_object(kind, tmp_path):
     store = local_store(kind, tmp_path)
     faulty = FaultyStore(store)

@@ -5,6 +5,7 @@ The backend contract is test_storage_contract.py.
 
 import json
 import os
+import time
 import uuid
 
 import pytest
@@ -133,6 +134,38 @@ def test_gc_without_a_verified_checkpoint_deletes_nothing(store):
     assert len(store.list("run")) == 2
     with pytest.raises(ValueError, match="keep_checkpoints"):
         collect_garbage(store, "run", keep_checkpoints=0)
+
+
+def test_gc_removes_temp_files_of_dead_writers_past_the_age_threshold(tmp_path):
+    """Defect 12 on file://: temporary files of uploads that never finished are collected once
+    idle longer than orphan_age_s (also without any checkpoint), younger ones and other runs'
+    ones are left alone, and a dry run only reports."""
+    store = ObjectStore(f"file://{tmp_path}/s")
+    store.put(keys.version_key("run", 0, 1), b"v1")
+    folder = tmp_path / "s" / os.path.dirname(keys.version_key("run", 0, 1))
+    now = time.time()
+
+    def temp(path, nbytes, age_s):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * nbytes)
+        os.utime(path, (now - age_s, now - age_s))
+        return path
+
+    dead = temp(folder / ".tmp-dead", 10, 2 * 3600)
+    deep = temp(tmp_path / "s" / "run" / "contrib" / "p0" / "r1" / ".tmp-dead2", 5, 3 * 86400)
+    young = temp(folder / ".tmp-young", 3, 60)
+    other_run = temp(tmp_path / "s" / "other" / ".tmp-dead", 1, 3 * 86400)
+    assert store.list("run") == [keys.version_key("run", 0, 1)]  # listings never show them
+    assert collect_garbage(store, "run").deleted == {"temp_file": 1}  # default: a day
+    assert not deep.exists() and dead.exists()
+    dry = collect_garbage(store, "run", orphan_age_s=3600, dry_run=True)
+    assert dry.deleted == {"temp_file": 1} and dry.deleted_nbytes == {"temp_file": 10} and dead.exists()
+    report = collect_garbage(store, "run", orphan_age_s=3600)
+    assert report.deleted == {"temp_file": 1} and report.checkpoint is None
+    assert not dead.exists() and young.exists() and other_run.exists()
+    assert store.list("run") == [keys.version_key("run", 0, 1)]
+    with pytest.raises(ValueError, match="orphan_age_s"):
+        collect_garbage(store, "run", orphan_age_s=-1)
 
 
 def test_writer_copies_reused_buffers_and_straddles_parts():

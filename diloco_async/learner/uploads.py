@@ -91,9 +91,9 @@ class Uploads:
         try:
             data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
             ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
-        except Exception as err:  # nothing was published under the key; nothing is announced
-            log.warning("%s upload of fragment %d round %d failed: %s", self.learner_id, job.fragment,
-                        job.round_n, err)
+        except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
+            log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
+                        job.round_n, getattr(err, "reason", type(err).__name__), err)
             self.shared.outcomes.put((job.fragment, job.round_n, "failed"))
             return
         with self.shared.lock:

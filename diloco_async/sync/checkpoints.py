@@ -114,7 +114,8 @@ class Checkpointing:
         """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py)."""
         try:
             done = await asyncio.to_thread(collect_garbage, self.store, self.run_id,
-                                             keep_checkpoints=self.sc.keep_checkpoints)
+                                             keep_checkpoints=self.sc.keep_checkpoints,
+                                             orphan_age_s=self.sc.orphan_age_s)
             self.report.counters["gc_deleted_objects"] += done.objects
             self.report.counters["gc_deleted_bytes"] += done.nbytes
             self.report.metric("storage/gc_deleted_bytes", self.report.counters["gc_deleted_bytes"])
