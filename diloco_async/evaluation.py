@@ -32,7 +32,7 @@ def model_from_checkpoint(cfg: Config, ckpt: Checkpoint) -> ByteGPT:
 def heldout_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed held-out windows of the configured corpus."""
     corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
-    return corpus.eval_batches(cfg.learners.batch_size, cfg.data.eval_batches)
+    return corpus.eval_batches(cfg.learners.batch_size_of(0), cfg.data.eval_batches)
 
 
 def heldout_loss(model: ByteGPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
