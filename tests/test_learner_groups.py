@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_integration import tiny_recipe
 from test_learner_faults import config, run_cluster
 
 from diloco_async.client import fetch_status
@@ -178,6 +179,30 @@ def test_bad_devices_are_errors_that_name_the_value(tmp_path):
         assert not (tmp_path / "runs").exists()
 
 
+def test_learner_group_command_lines(tmp_path):
+    class Recorder:
+        def start(self, name, argv, env):
+            self.argv = argv
+            return None
+
+    cfg = load_config(None, [f'run.workdir="{tmp_path}/runs"', f'run.store="file://{tmp_path}/store"',
+                             "learners.nproc_per_learner=2", "learners.nnodes=2",
+                             'learners.rdzv_endpoint="head:29400"'])
+    launcher = Recorder()
+    run = RunProcesses(cfg, None, [], run_id="r1", launcher=launcher)
+    run.sync_url = "http://127.0.0.1:1"
+    run.learner_handle(3, 2)
+    argv = " ".join(launcher.argv)
+    assert argv.startswith("-m torch.distributed.run --nproc-per-node 2 --nnodes 2 --max-restarts 0"), argv
+    assert "--rdzv-backend c10d --rdzv-endpoint head:29400 --rdzv-id r1-learner-3-2" in argv
+    assert "--module diloco_async.learner --learner-id learner-3 --index 3" in argv and "--incarnation 2" in argv
+    one = load_config(None, [f'run.workdir="{tmp_path}/runs"', f'run.store="file://{tmp_path}/store"'])
+    run = RunProcesses(one, None, [], run_id="r2", launcher=launcher)
+    run.sync_url = "http://127.0.0.1:1"
+    run.learner_handle(0, 0)
+    assert launcher.argv[:2] == ["-m", "diloco_async.learner"]
+
+
 @pytest.mark.integration
 def test_learners_with_different_batch_sizes_show_their_token_weights_in_the_merge_log():
     cfg = config(**{"learners.count": 2, "learners.batch_size": "[8, 16]", "synchronizer.min_quorum": 2})
@@ -200,37 +225,12 @@ def test_learners_with_different_batch_sizes_show_their_token_weights_in_the_mer
         assert per_step["learner-1"] == pytest.approx(2 * per_step["learner-0"])
 
 
-def group_recipe(tmp_path: Path) -> Path:
-    path = tmp_path / "group.toml"
-    path.write_text(f"""
-[run]
-store = "file://{tmp_path}/store"
-workdir = "{tmp_path}/runs"
-[data]
-cache_dir = "{REPO / 'data'}"
-[model]
-n_layer = 1
-d_model = 32
-n_head = 2
-context = 32
-[learners]
-count = 1
-batch_size = 4
-nproc_per_learner = 2
-precision = "bf16"
-checkpoint_every_s = 0
-restart_delay_s = 0.5
-heartbeat_s = 0.1
-group_timeout_s = 60
-[synchronizer]
-num_fragments = 2
-sync_every = 8
-heartbeat_timeout_s = 3.0
-checkpoint_every_s = 2.0
-[budget]
-wall_s = 600
-""")
-    return path
+def group_overrides(tmp_path: Path) -> list[str]:
+    """On top of test_integration's tiny recipe: one learner of 2 ranks, bf16."""
+    return [f'run.workdir="{tmp_path}/runs"', "learners.batch_size=4", "learners.nproc_per_learner=2",
+            'learners.precision="bf16"', "learners.checkpoint_every_s=0", "learners.restart_delay_s=0.5",
+            "learners.heartbeat_s=0.1", "learners.group_timeout_s=60", "synchronizer.num_fragments=2",
+            "synchronizer.sync_every=8", "synchronizer.heartbeat_timeout_s=3.0"]
 
 
 def ranks_of(handle) -> dict[int, psutil.Process]:
@@ -248,8 +248,8 @@ def ranks_of(handle) -> dict[int, psutil.Process]:
 
 @pytest.mark.integration
 def test_two_rank_learner_trains_end_to_end_and_a_killed_rank_restarts_its_group(tmp_path):
-    recipe = group_recipe(tmp_path)
-    run = RunProcesses(load_config(recipe), str(recipe), [])
+    recipe, overrides = tiny_recipe(tmp_path, learners=1, wall_s=600), group_overrides(tmp_path)
+    run = RunProcesses(load_config(recipe, overrides), str(recipe), overrides)
     try:
         url = run.start_synchronizer()
         handle = run.start_learner(0)

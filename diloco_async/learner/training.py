@@ -127,7 +127,8 @@ class InnerLoop:
                 continue
             snap = self.in_flight.pop(p, None)
             params = self.workload.params
-            cpu_params = {n: params[n].detach().cpu() for n in new}  # no copy when the model is on CPU
+            # mix and rebase read θ: on CPU, as the base copies are (no copy when the model is on CPU)
+            cpu_params = {} if self.lc.adopt == "overwrite" else {n: params[n].detach().cpu() for n in new}
             adopted = adopt(self.lc.adopt, cpu_params, new, mix_alpha=self.lc.mix_alpha, base=self.base_tensors[p],
                             snapshot=snap.params if snap else None)
             with torch.no_grad():
