@@ -4,7 +4,8 @@ torchrun group (``RANK``/``WORLD_SIZE`` set by ``torch.distributed.run``; see
 
 Environment: ``DILOCO_RUN_TOKEN`` (required, the run's secret), ``DILOCO_STORAGE_OPTIONS`` (JSON
 fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records).
-Exit codes: 0 stopped by the synchronizer, 2 usage, 3 the synchronizer was lost or refused us.
+Exit codes: 0 stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or
+refused us (or, on a rank other than 0, rank 0 could not join).
 """
 
 from __future__ import annotations
