@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean
+.PHONY: setup data run test bench bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -51,6 +51,11 @@ data: setup
 ## run: the default job (4 learners, K = 1 with grace, Shakespeare) via the Prefect flow `train`
 run: data
 	$(VENV)/bin/diloco-async train --config $(CONFIG)
+
+## gpu-check: on a machine with CUDA, a few minutes (GPU_CHECK_S) of the GPU recipe on cuda in bf16
+##            (NPROC ranks per learner), then tokens/s and eval loss (scripts/gpu_check.sh)
+gpu-check: data
+	PY=$(PY) scripts/gpu_check.sh
 
 ## test: lint (ruff, pyproject.toml [tool.ruff]), then the whole test suite in TEST_WORKERS processes
 ##       (pytest-xdist; most tests wait on real processes and servers, so 4 workers on 2 cores pay)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from diloco_async.data_config import DataConfig
+from diloco_async.devices import LearnerDeviceFields
 
 __all__ = [
     "RunConfig",
@@ -91,9 +92,10 @@ class ModelConfig(_Section):
         return self
 
 
-class LearnerConfig(_Section):
+class LearnerConfig(_Section, LearnerDeviceFields):
+    """The learners; device, precision, batch size and process-group keys in :class:`LearnerDeviceFields`."""
+
     count: int = Field(4, ge=1, description="M, the number of learner processes.")
-    batch_size: int = Field(16, ge=1, description="Windows per inner step.")
     lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up of the inner learning rate.")
@@ -312,6 +314,7 @@ _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
     "data": ("cache_dir", "token_cache_dir"),
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
+                 "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts",
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
                  "nice_after_ready"),

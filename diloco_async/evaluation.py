@@ -34,7 +34,7 @@ def heldout_split(cfg: Config) -> HeldoutSplit:
     """The fixed held-out windows of the configured corpus (the same for every learner count and,
     in the bytes they cover, every tokenizer) with the split's token and byte counts."""
     corpus = open_corpus(cfg.data, cfg.model.context)
-    return corpus.heldout_split(cfg.learners.batch_size, cfg.data.eval_batches)
+    return corpus.heldout_split(cfg.learners.batch_size_of(0), cfg.data.eval_batches)
 
 
 def heldout_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -35,14 +35,15 @@ class InnerState:
 def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: torch.Generator, *,
             step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],
             counters: dict[int, tuple[int, int, float]]) -> InnerState:
-    """Copy the inner state (clones: training may go on while it is written)."""
+    """Copy the inner state to CPU (copies: training may go on while it is written; the
+    parameters and optimizer moments may live on a GPU)."""
     t: dict[str, torch.Tensor] = {}
     for name, p in params.items():
-        t[f"param/{name}"] = p.detach().clone()
+        t[f"param/{name}"] = p.detach().to("cpu", copy=True)
         st = opt.state.get(p, {})
         if st:
-            t[f"exp_avg/{name}"] = st["exp_avg"].detach().clone()
-            t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach().clone()
+            t[f"exp_avg/{name}"] = st["exp_avg"].detach().to("cpu", copy=True)
+            t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach().to("cpu", copy=True)
             t[f"adam_step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
     for p_idx, tensors in base_tensors.items():
         for name, value in tensors.items():
@@ -73,8 +74,8 @@ def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch
             p.copy_(value)
             if f"exp_avg/{name}" in t:
                 step_value = t[f"adam_step/{name}"].clone().to(torch.float32)
-                opt.state[p] = {"step": step_value, "exp_avg": t[f"exp_avg/{name}"].clone(),
-                                "exp_avg_sq": t[f"exp_avg_sq/{name}"].clone()}
+                opt.state[p] = {"step": step_value, "exp_avg": t[f"exp_avg/{name}"].to(p.device, copy=True),
+                                "exp_avg_sq": t[f"exp_avg_sq/{name}"].to(p.device, copy=True)}
     gen.set_state(t["rng"].clone())
     base_tensors: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in t.items():

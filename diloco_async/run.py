@@ -20,7 +20,9 @@ from typing import Any
 
 from diloco_async.client import TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config
+from diloco_async.devices import check_devices
 from diloco_async.learner import TIMELINE_DIR_ENV
+from diloco_async.learner.group import torchrun_args
 from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
 from diloco_async.supervisor import Restart, Supervisor
 from diloco_async.sync import new_run_id
@@ -44,6 +46,10 @@ class RunProcesses:
         resume_url: continue from ``{store}/{run_id}/checkpoints/{seq}`` instead of starting a run.
         launcher: how processes start (default: subprocesses, logs in ``{workdir}/logs``).
 
+    Raises:
+        ValueError: with ``run.launcher = "local"``, a learner's device is absent on this machine
+            (before anything starts; see :func:`diloco_async.devices.check_devices`).
+
     Attributes:
         workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines.
         env: environment of every process (the run's token, storage options, timeline folder).
@@ -54,6 +60,8 @@ class RunProcesses:
     def __init__(self, cfg: Config, config_path: str | None, overrides: list[str],
                  run_id: str | None = None, resume_url: str | None = None,
                  launcher: Launcher | None = None) -> None:
+        if cfg.run.launcher == "local":
+            check_devices(cfg.learners)
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
@@ -102,10 +110,16 @@ class RunProcesses:
         return self.sync_url
 
     def learner_handle(self, index: int, incarnation: int) -> Any:
-        """Start the process of learner ``index`` as ``incarnation`` and return its handle."""
+        """Start the process of learner ``index`` as ``incarnation`` and return its handle: one
+        process, or a torchrun group when ``learners.nproc_per_learner`` or ``nnodes`` > 1."""
         lid = f"learner-{index}"
-        argv = ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(index),
-                "--sync-url", str(self.sync_url), "--store", self.store.url, "--incarnation", str(incarnation)]
+        lc = self.cfg.learners
+        entry = ["-m", "diloco_async.learner"]
+        if lc.ranks_per_learner > 1:
+            entry = torchrun_args(lc, f"{self.run_id}-{lid}-{incarnation}")
+        argv = [*entry, "--learner-id", lid, "--index", str(index), "--sync-url", str(self.sync_url),
+                "--store", self.store.url, "--incarnation", str(incarnation),
+                "--group-timeout-s", str(lc.group_timeout_s)]
         return self.launcher.start(lid, argv, self.env)
 
     def _spawn_learner(self, index: int, incarnation: int) -> Any:

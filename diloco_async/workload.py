@@ -7,9 +7,11 @@ all-reduces the gradients between backward and clip) both run it.
 :class:`Workload` is the seam where another model, device or process group plugs in: the
 learner's training thread only uses its ``params`` (by name, as the fragment plan names them),
 ``model`` (for the plan's embedding names), :meth:`Workload.step`, and the inner-state capture
-and restore. :meth:`Workload.from_config` builds today's one kind (a
-:class:`~diloco_async.model.ByteGPT` with AdamW on CPU, one process); a process group would
-all-reduce its gradients in ``inner_step``'s ``after_backward``, as the DDP rank does.
+and restore. :meth:`Workload.from_config` builds the model and its AdamW on CPU;
+:meth:`Workload.place` moves it to its device and precision; a learner that spans several
+processes (``diloco_async.learner.group``) then makes it one rank of the group with
+:meth:`Workload.join_group`: the rank trains through a ``DistributedDataParallel`` wrapper on its
+fixed slice of the batch that one process would draw.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, *, lr: float, grad_clip: float,
-               after_backward: Callable[[], None] | None = None) -> torch.Tensor:
-    """One inner step: set the learning rate, forward and loss, backward, ``after_backward()``
-    (e.g. a gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step.
+               after_backward: Callable[[], None] | None = None, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One inner step: set the learning rate, forward and loss (under ``torch.autocast`` with
+    ``amp_dtype`` on the inputs' device, when given), backward, ``after_backward()`` (e.g. a
+    gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step. Parameters,
+    gradients and the optimizer state keep their dtype (float32): autocast only lowers the
+    precision of the forward's matrix products.
 
     Args:
         model: has ``loss(inputs, targets)`` returning a scalar loss (nats/token).
@@ -48,20 +53,22 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
         lr: learning rate of every parameter group for this step.
         grad_clip: max global L2 norm of the gradients.
         after_backward: called once the gradients are computed, before clipping.
+        amp_dtype: autocast dtype (``torch.bfloat16``), or None for plain float32.
 
     Returns:
         The loss, a detached 0-dim float32 tensor.
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = model.loss(inputs, targets)
+    with torch.autocast(inputs.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        loss = model.loss(inputs, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if after_backward is not None:
         after_backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
-    return loss.detach()
+    return loss.detach().float()
 
 
 def data_generator(seed: int, index: int, incarnation: int) -> torch.Generator:
@@ -101,8 +108,12 @@ class Workload:
         model: the model; ``model.loss(inputs, targets)`` gives the training loss.
         optimizer: its inner optimizer.
         generator: the window sampler's RNG (part of the inner state).
-        batch_size, context: windows per step and tokens per window.
+        batch_size, context: windows per step (of one rank) and tokens per window.
         lr, warmup_steps, grad_clip: inner learning rate, its linear warm-up, gradient clipping.
+
+    Attributes:
+        device, amp_dtype: where the inner steps run and their autocast dtype (see :meth:`place`).
+        rank, world: this process's rank in the learner's group and the group's size (0, 1 alone).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, *,
@@ -114,6 +125,10 @@ class Workload:
         self.batch_size, self.context = batch_size, context
         self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
         self.shard: np.ndarray | None = None
+        self.device, self.amp_dtype = torch.device("cpu"), None
+        self.rank, self.world = 0, 1
+        self.train_model: torch.nn.Module = model  # what inner_step calls: the model, or its DDP wrapper
+        self.mean_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
@@ -122,13 +137,30 @@ class Workload:
         lc = cfg.learners
         model = ByteGPT(cfg.model)
         opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
-        return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size,
+        return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size_of(index),
                    context=cfg.model.context, lr=lc.lr, warmup_steps=lc.warmup_steps, grad_clip=lc.grad_clip)
+
+    def place(self, device: torch.device, amp_dtype: torch.dtype | None = None) -> None:
+        """Move the model to ``device`` (its parameters stay float32 and keep their identity, so the
+        optimizer and ``params`` still refer to them) and run the forward under autocast with
+        ``amp_dtype`` (None: float32). Call before the optimizer has state."""
+        self.model.to(device)
+        self.device, self.amp_dtype = device, amp_dtype
+
+    def join_group(self, rank: int, world: int, train_model: torch.nn.Module,
+                   mean_loss: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Make this workload rank ``rank`` of a learner of ``world`` ranks: each step it draws the
+        batch of ``world * batch_size`` windows that one process would draw and trains on its
+        slice ``[rank * batch_size, (rank + 1) * batch_size)`` through ``train_model`` (a
+        ``DistributedDataParallel`` wrapper of the model with a ``loss``), and reports the loss
+        averaged over the group by ``mean_loss``."""
+        self.rank, self.world = rank, world
+        self.train_model, self.mean_loss = train_model, mean_loss
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one step trains on: ``batch_size * context``."""
-        return self.batch_size * self.context
+        """Tokens one step of the whole learner trains on: ``world * batch_size * context``."""
+        return self.world * self.batch_size * self.context
 
     def load_data(self, cfg: Config, index: int) -> int:
         """Map the tokenized corpus (:func:`~diloco_async.tokens.open_corpus`, built once per machine)
@@ -150,9 +182,16 @@ class Workload:
         """
         if self.shard is None:
             raise RuntimeError("Workload.step before load_data")
-        x, y = Corpus.sample(self.shard, self.batch_size, self.context, self.generator)
-        loss = inner_step(self.model, self.optimizer, x, y, lr=warmup_lr(self.lr, step, self.warmup_steps),
-                          grad_clip=self.grad_clip)
+        b = self.batch_size
+        x, y = Corpus.sample(self.shard, self.world * b, self.context, self.generator)
+        if self.world > 1:
+            x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
+        if self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        loss = inner_step(self.train_model, self.optimizer, x, y, lr=warmup_lr(self.lr, step, self.warmup_steps),
+                          grad_clip=self.grad_clip, amp_dtype=self.amp_dtype)
+        if self.mean_loss is not None:
+            loss = self.mean_loss(loss)
         return float(loss)
 
     def capture(self, *, step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],

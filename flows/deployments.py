@@ -1,8 +1,12 @@
 """Prefect flows behind the deployments of ``prefect.yaml`` that are not ``train`` or ``resume``.
 
-* ``learner`` — one learner of a run, in this flow run's own process (``diloco_async.learner``).
-  The ``train`` flow creates these with ``run.launcher = "deployments"``: one flow run of the
-  ``learner/{region}`` deployment per learner, on the region's work pool.
+* ``learner`` — one learner of a run, in this flow run's own process (``diloco_async.learner``),
+  or, with ``nproc_per_learner`` (x ``nnodes``) > 1, as a ``torchrun`` group that is a child of
+  this flow run's process (``diloco_async.learner.group``). The ``train`` flow creates these
+  with ``run.launcher = "deployments"``: one flow run of the ``learner/{region}`` deployment per
+  learner, on the region's work pool. A Prefect work pool runs one flow run as one job (one
+  pod): a multi-GPU learner fits in one pod; a multi-node learner needs one such flow run per
+  node with the same ``rdzv_endpoint`` (Prefect has no gang scheduling).
 * ``synchronizer`` — the synchronizer server of a run, in this flow run's own process.
 * ``checkpoint`` — asks a running synchronizer for a checkpoint and verifies the newest one in
   the store (deployed with an interval schedule).
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -58,7 +64,8 @@ def _require_token() -> str:
 
 @flow(name="learner", log_prints=True)
 def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: str, incarnation: int = 0,
-            run_id: str | None = None, give_up_after_s: float = 120.0) -> dict:
+            run_id: str | None = None, give_up_after_s: float = 120.0, nproc_per_learner: int = 1,
+            nnodes: int = 1, rdzv_endpoint: str = "", group_timeout_s: float = 300.0) -> dict:
     """Run one learner until the synchronizer tells it to stop; returns what it did.
 
     The learner runs in this flow run's process, so cancelling the flow run (its worker signals
@@ -75,6 +82,8 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
         incarnation: 0 for the first start, +1 for each restart.
         run_id: the run id (for names and logs; the synchronizer is the authority).
         give_up_after_s: seconds without reaching the synchronizer before the learner gives up.
+        nproc_per_learner, nnodes, rdzv_endpoint, group_timeout_s: the learner's torchrun group
+            (``learners.*`` of the recipe); 1 and 1: one process, this one.
 
     Raises:
         ValueError: ``DILOCO_RUN_TOKEN`` missing from the environment, or bad storage options.
@@ -88,9 +97,19 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
     logger.info("%s (incarnation %d) of run %s in region %s: pid %d, synchronizer %s, store %s", learner_id,
                 incarnation, run_id or "?", region, os.getpid(), sync_url, store_url)
     t0 = time.monotonic()
-    code = learner_main(["--learner-id", learner_id, "--index", str(index), "--sync-url", sync_url,
-                         "--store", store_url, "--incarnation", str(incarnation),
-                         "--give-up-after-s", str(give_up_after_s)])
+    args = ["--learner-id", learner_id, "--index", str(index), "--sync-url", sync_url, "--store", store_url,
+            "--incarnation", str(incarnation), "--give-up-after-s", str(give_up_after_s),
+            "--group-timeout-s", str(group_timeout_s)]
+    if nproc_per_learner * nnodes > 1:
+        from diloco_async.devices import LearnerDeviceFields
+        from diloco_async.learner.group import torchrun_args
+
+        group = LearnerDeviceFields(nproc_per_learner=nproc_per_learner, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
+        argv = [sys.executable, *torchrun_args(group, f"{run_id}-{learner_id}-{incarnation}"), *args]
+        logger.info("%s runs as a torchrun group: %s", learner_id, " ".join(argv[1:]))
+        code = subprocess.run(argv, stdin=subprocess.DEVNULL, check=False).returncode
+    else:
+        code = learner_main(args)
     if code != 0:
         raise RuntimeError(f"{learner_id} (incarnation {incarnation}) exited with code {code}")
     wall = time.monotonic() - t0

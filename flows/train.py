@@ -100,7 +100,17 @@ class TrainingRun(RunProcesses):
         if self.deployer is None:
             return super().learner_handle(index, incarnation)
         return self.deployer.start_learner(index, incarnation, {
-            "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id})
+            "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id,
+            **self.group_parameters()})
+
+    def group_parameters(self) -> dict[str, Any]:
+        """The learner deployment's torchrun-group parameters (``learners.*``), when a learner spans
+        several processes; none otherwise (the deployment's defaults: one process)."""
+        lc = self.cfg.learners
+        if lc.ranks_per_learner == 1:
+            return {}
+        return {"nproc_per_learner": lc.nproc_per_learner, "nnodes": lc.nnodes, "rdzv_endpoint": lc.rdzv_endpoint,
+                "group_timeout_s": lc.group_timeout_s}
 
     def learner_flow_runs(self) -> list[dict]:
         """Every learner flow run this run created (deployments launcher), oldest first."""

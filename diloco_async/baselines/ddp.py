@@ -195,6 +195,8 @@ class _Rank:
         if cfg.learners.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
             os.nice(cfg.learners.nice_after_ready)
         self.timeline.write("ready", t=time.time(), step=self.step)
+        if isinstance(lc.batch_size, list):
+            raise ValueError(f"the DDP baseline needs one learners.batch_size for every rank, got {lc.batch_size}")
         per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context)
         reason: str | None = None
         while True:

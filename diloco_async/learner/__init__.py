@@ -4,6 +4,7 @@
 * :mod:`~diloco_async.learner.training` — the training thread's loop (step boundary, inner steps);
 * :mod:`~diloco_async.learner.comms` and :mod:`~diloco_async.learner.uploads` — the comms thread;
 * :mod:`~diloco_async.learner.rules` — the outer rules as pure functions (outer gradient, adopt);
+* :mod:`~diloco_async.learner.group` — a learner that spans several processes (a torchrun group, DDP);
 * :mod:`~diloco_async.learner.main` — the process entry, ``python -m diloco_async.learner``.
 
 What it trains is a :class:`diloco_async.workload.Workload`.

@@ -1,8 +1,11 @@
-"""``python -m diloco_async.learner``: run one learner process.
+"""``python -m diloco_async.learner``: run one learner process, or one rank of a learner's
+torchrun group (``RANK``/``WORLD_SIZE`` set by ``torch.distributed.run``; see
+:mod:`diloco_async.learner.group`): rank 0 runs the :class:`Learner`, the others follow it.
 
 Environment: ``DILOCO_RUN_TOKEN`` (required, the run's secret), ``DILOCO_STORAGE_OPTIONS`` (JSON
 fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records).
-Exit codes: 0 stopped by the synchronizer, 2 usage, 3 the synchronizer was lost or refused us.
+Exit codes: 0 stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or
+refused us (or, on a rank other than 0, rank 0 could not join).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from diloco_async.client import TOKEN_ENV, ProtocolError
+from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
 from diloco_async.timeline import Recorder
 from storage.options import storage_options_from_env
@@ -37,20 +41,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", required=True, help="object store root URL")
     ap.add_argument("--incarnation", type=int, default=0)
     ap.add_argument("--give-up-after-s", type=float, default=120.0)
+    ap.add_argument("--group-timeout-s", type=float, default=300.0,
+                    help="timeout of one collective inside a torchrun group (learners.group_timeout_s)")
     args = ap.parse_args(argv)
+    rank = os.environ.get("RANK", "0") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    who = f"{args.learner_id} rank {rank}" if rank else args.learner_id
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s learner {args.learner_id} %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s learner {who} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         print(f"error: {TOKEN_ENV} is not set", file=sys.stderr)
         return 2
+    group = LearnerGroup.from_env(args.group_timeout_s)
+    try:
+        if group is not None and not group.is_leader:
+            return run_follower(group, args.index, args.incarnation)
+        return _run_learner(args, token, group)
+    except ValueError as err:  # e.g. a device that is absent here, named
+        log.error("%s: %s", who, err, exc_info=True)
+        return 2
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | None) -> int:
     options: dict[str, Any] = storage_options_from_env()
     tl_dir = os.environ.get(TIMELINE_DIR_ENV)
     recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
     recorder.record("start")
     learner = Learner(args.learner_id, args.index, args.sync_url, ObjectStore(args.store, options), token,
-                      incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder)
+                      incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder,
+                      group=group)
     try:
         code = learner.run()
     except ProtocolError as err:

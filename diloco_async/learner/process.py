@@ -24,6 +24,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
+from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
 from diloco_async.messages import JoinResponse, VersionInfo
@@ -54,14 +55,18 @@ class Learner:
         give_up_after_s: exit when the synchronizer has not answered for this long.
         recorder: where timeline records go (none written by default).
         make_workload: builds what this learner trains from (run config, index, incarnation);
-            the place where another model, device or process group plugs in.
+            the place where another model plugs in. It is then put on its device and precision.
+        group: rank 0's side of the learner's torchrun group (None: a one-process learner); the
+            config, the starting point and every step boundary go to the other ranks.
     """
 
     def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
                  incarnation: int = 0, give_up_after_s: float = 120.0,
                  recorder: Recorder | None = None,
-                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config) -> None:
+                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config,
+                 group: LearnerGroup | None = None) -> None:
         self.learner_id = learner_id
+        self.group = group
         self.make_workload = make_workload
         self.index = index
         self.incarnation = incarnation
@@ -87,18 +92,28 @@ class Learner:
             if sh.stop_event.is_set() or time.monotonic() >= deadline:  # the comms gave up, or too long
                 log.error("%s could not join (%s)", self.learner_id, sh.fatal or f"no answer in {max_wait_join_s:.0f}s")
                 sh.stop_event.set()
+                if self.group is not None:
+                    self.group.share_config(None)
                 return 3
         jr = sh.join_response
         assert jr is not None
         cfg = self._configure(jr)
+        if self.group is not None:
+            self.group.share_config(jr.config)
         torch.set_num_threads(cfg.learners.threads)
         workload = self.make_workload(cfg, self.index, self.incarnation)
+        device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
         plan = self._check_plan(cfg, jr, workload)
         loop = self._start_point(cfg, jr, workload, plan)
+        if self.group is not None:
+            self.group.share_start(workload, loop.step)
+            self.group.wrap(workload)
         sh.ready.set()
         shard_tokens = workload.load_data(cfg, self.index)
-        log.info("%s ready: shard %d/%d of %d tokens, %d parameters, versions %s", self.learner_id, self.index,
-                 cfg.learners.count, shard_tokens, sum(p.numel() for p in workload.params.values()), sh.base)
+        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), versions %s",
+                 self.learner_id, self.index, cfg.learners.count, shard_tokens,
+                 sum(p.numel() for p in workload.params.values()), device, cfg.learners.precision, workload.world,
+                 sh.base)
         if cfg.learners.nice_after_ready:
             os.nice(cfg.learners.nice_after_ready)
         self.recorder.record("ready", step=loop.step, restored=self._restored_step)
@@ -167,7 +182,7 @@ class Learner:
             base_tensors = self._load_versions(jr.versions, workload)
         return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id,
                          index=self.index, incarnation=self.incarnation, base_tensors=base_tensors,
-                         counters=counters, start_step=start_step, restored=saved is not None)
+                         counters=counters, start_step=start_step, restored=saved is not None, group=self.group)
 
     def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, dict[str, torch.Tensor]]:
         """Copy the versions named at join into the model; returns them as the base tensors."""

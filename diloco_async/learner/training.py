@@ -20,6 +20,7 @@ import torch
 
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
+from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.timeline import Recorder
@@ -51,12 +52,19 @@ class InnerLoop:
         counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
         start_step: the local step to continue from.
         restored: the inner state was restored (its progress is contributed before a newer version is adopted).
+        group: rank 0's side of the learner's process group, or None for a one-process learner:
+            each step boundary's decision and adopted fragments go to the other ranks.
+
+    The parameters live on the workload's device; the base copies Θ^base, the snapshots of
+    contributions and the outer gradients are float32 on CPU.
     """
 
     def __init__(self, cfg: Config, shared: Shared, workload: Workload, plan: FragmentPlan, recorder: Recorder, *,
                  learner_id: str, index: int, incarnation: int, base_tensors: dict[int, dict[str, torch.Tensor]],
-                 counters: dict[int, tuple[int, int, float]], start_step: int, restored: bool) -> None:
+                 counters: dict[int, tuple[int, int, float]], start_step: int, restored: bool,
+                 group: LearnerGroup | None = None) -> None:
         lc = cfg.learners
+        self.group = group
         self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
         self.learner_id = learner_id
         self.base_tensors = base_tensors
@@ -83,23 +91,29 @@ class InnerLoop:
         with self.shared.lock:
             self.shared.stats.step = self.step
         while not self.shared.stop_event.is_set():
-            self._adopt_arrivals()
+            adopted = self._adopt_arrivals()
             if self.shared.epoch_changed.is_set():
                 self.shared.epoch_changed.clear()
                 self.answered.clear()  # round numbers may be reused by the restarted synchronizer
                 self.in_flight.clear()  # contributions in flight will not be merged
             self._read_outcomes()
             self._answer_rounds()
-            if self.lc.barrier and self._barrier_blocked():
+            blocked = self.lc.barrier and self._barrier_blocked()
+            if self.group is not None:
+                self.group.boundary(Decision(stop=False, step=not blocked, adopted=adopted), self.workload, self.plan)
+            if blocked:
                 continue  # adopt or answer what arrived, at this step boundary
             self._maybe_save_inner_state()
             self._inner_step()
+        if self.group is not None:
+            self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
 
     # ------------------------------------------------------------------ step boundary ---------
 
-    def _adopt_arrivals(self) -> None:
-        """Adopt every downloaded version newer than the base (held ones go back to the queue)."""
-        sh, deferred = self.shared, []
+    def _adopt_arrivals(self) -> list[int]:
+        """Adopt every downloaded version newer than the base (held ones go back to the queue);
+        returns the fragments adopted."""
+        sh, deferred, adopted_now = self.shared, [], []
         while True:
             try:
                 v, new = sh.adopt_queue.get_nowait()
@@ -113,7 +127,9 @@ class InnerLoop:
                 continue
             snap = self.in_flight.pop(p, None)
             params = self.workload.params
-            adopted = adopt(self.lc.adopt, params, new, mix_alpha=self.lc.mix_alpha, base=self.base_tensors[p],
+            # mix and rebase read θ: on CPU, as the base copies are (no copy when the model is on CPU)
+            cpu_params = {} if self.lc.adopt == "overwrite" else {n: params[n].detach().cpu() for n in new}
+            adopted = adopt(self.lc.adopt, cpu_params, new, mix_alpha=self.lc.mix_alpha, base=self.base_tensors[p],
                             snapshot=snap.params if snap else None)
             with torch.no_grad():
                 for n, val in adopted.items():
@@ -122,9 +138,11 @@ class InnerLoop:
             self.base_tensors[p] = new
             with sh.lock:
                 sh.base[p] = v.version
+            adopted_now.append(p)
             log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
         for item in deferred:
             sh.adopt_queue.put(item)
+        return adopted_now
 
     def _read_outcomes(self) -> None:
         while True:
@@ -157,7 +175,7 @@ class InnerLoop:
     def _contribute(self, p: int, n: int) -> None:
         params = self.workload.params
         with torch.no_grad():
-            snap = {name: params[name].detach().clone() for name in self.plan.names(p)}
+            snap = {name: params[name].detach().to("cpu", torch.float32, copy=True) for name in self.plan.names(p)}
             delta = outer_gradient(self.base_tensors[p], snap)
         prog = self.progress[p]
         self.in_flight[p] = _InFlight(n, snap, prog)

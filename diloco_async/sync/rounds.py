@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from diloco_async import codec as wire
 from diloco_async.config import SynchronizerConfig
+from diloco_async.merge import token_weight
 from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.policy import (
     GraceDecision,
@@ -46,6 +47,13 @@ log = logging.getLogger("diloco.synchronizer")
 SETTLED_CAP = 4096
 """(learner, fragment, round) keys of closed rounds remembered to answer a replay ``duplicate``;
 a replay of an older round is answered ``late`` (neither is merged)."""
+
+
+def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
+    """A merged contribution in the merge log: who, its counters and its token weight
+    c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
+    return {"learner": learner_id, "c_tokens": ann.c_tokens, "c_steps": ann.c_steps,
+            "token_weight": token_weight(ann.c_tokens, ann.c_steps), "base_version": ann.base_version}
 
 
 class RoundDriver:
@@ -263,7 +271,8 @@ class RoundDriver:
         self.report.counters["contributions_merged"] += len(res.merged)
         self.report.merged(self.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version,
-            "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged]})
+            "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged],
+            "contributions": [_merged_contribution(lid, rnd.contributions[lid].ann) for lid in res.merged]})
         for lid in res.merged:
             c = rnd.contributions[lid]
             led = self.registry.ledgers[lid]

@@ -1,0 +1,164 @@
+"""Where and how a learner computes: its device, precision, batch size and process group (DESIGN §3).
+
+:class:`LearnerDeviceFields` holds the ``learners.*`` keys of this concern (``LearnerConfig`` in
+:mod:`diloco_async.config` inherits them): ``device``, ``precision``, ``batch_size`` (one value
+or one per learner), ``nproc_per_learner``, ``nnodes``, ``rdzv_endpoint``, ``group_timeout_s``.
+The syntax is checked when the config is validated; :func:`check_devices` checks the hardware of
+the machine that runs the learners, before anything starts; :func:`resolve_device` picks the
+``torch.device`` of one rank. The outer side never changes with these: outer gradients,
+fragments, the base copies a learner keeps and the synchronizer's outer state stay float32 on
+CPU; only the inner steps run on the device, under ``torch.autocast`` with ``bf16``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["DEVICE_PATTERN", "LearnerDeviceFields", "check_devices", "resolve_device", "amp_dtype",
+           "cuda_device_count", "mps_available"]
+
+#: A valid ``learners.device`` entry.
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class LearnerDeviceFields(BaseModel):
+    """The learner keys of devices, precision, batch size and the learner's process group."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int | list[int] = Field(
+        16, description="Windows per inner step of one rank; a list gives one value per learner (heterogeneous "
+        "fleets: token weights then differ). A learner's step covers nproc_per_learner x nnodes x this windows.")
+    device: str | list[str] = Field(
+        "cpu", description="'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' (rank r of a group uses cuda:r) | "
+        "'cuda:N' | 'mps'; a list gives one value per learner.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Inner steps in float32, or under torch.autocast with bfloat16. Parameters, outer "
+        "gradients and the synchronizer's state stay float32.")
+    nproc_per_learner: int = Field(
+        1, ge=1, description="Ranks per node of each learner: >1 runs the learner as a torchrun group with DDP "
+        "inside (gloo on CPU, NCCL on CUDA); rank 0 talks to the synchronizer.")
+    nnodes: int = Field(1, ge=1, description="Nodes of each learner's torchrun group (multi-node needs rdzv_endpoint).")
+    rdzv_endpoint: str = Field("", description="host:port of the c10d rendezvous of a multi-node learner group.")
+    group_timeout_s: float = Field(
+        300.0, gt=0, description="Timeout of one collective inside a learner group (rank 0 may wait this long "
+        "for the synchronizer while the other ranks wait for it).")
+
+    @model_validator(mode="after")
+    def _check_device_fields(self) -> LearnerDeviceFields:
+        count = getattr(self, "count", None)
+        for key in ("device", "batch_size"):
+            value = getattr(self, key)
+            if isinstance(value, list) and count is not None and len(value) != count:
+                raise ValueError(f"learners.{key} lists {len(value)} values {value} but learners.count={count}")
+        sizes = self.batch_size if isinstance(self.batch_size, list) else [self.batch_size]
+        if not sizes or any(b < 1 for b in sizes):
+            raise ValueError(f"learners.batch_size must be >= 1 (or a list of such), got {self.batch_size!r}")
+        specs = self.device if isinstance(self.device, list) else [self.device]
+        bad = [d for d in specs if not DEVICE_PATTERN.match(d)]
+        if bad or not specs:
+            raise ValueError(f"unknown learners.device {bad[0] if bad else self.device!r}: expected auto, cpu, "
+                             "cuda, cuda:N or mps (or a list of them, one per learner)")
+        if self.nproc_per_learner > 1:
+            single = [d for d in specs if d == "mps" or d.startswith("cuda:")]
+            if single:
+                raise ValueError(f"learners.device={single[0]!r} is one device, it cannot hold "
+                                 f"nproc_per_learner={self.nproc_per_learner} ranks; use 'cuda' (rank r takes "
+                                 "cuda:r) or 'cpu'")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"learners.nnodes={self.nnodes} needs learners.rdzv_endpoint (host:port)")
+        return self
+
+    def batch_size_of(self, index: int) -> int:
+        """Windows per inner step of one rank of learner ``index``."""
+        return self.batch_size[index] if isinstance(self.batch_size, list) else self.batch_size
+
+    def device_of(self, index: int) -> str:
+        """The ``device`` entry of learner ``index``."""
+        return self.device[index] if isinstance(self.device, list) else self.device
+
+    @property
+    def ranks_per_learner(self) -> int:
+        """World size of one learner: ``nproc_per_learner * nnodes``."""
+        return self.nproc_per_learner * self.nnodes
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def mps_available() -> bool:
+    """Whether Apple's Metal backend is usable here."""
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def resolve_device(spec: str, local_rank: int = 0, nproc: int = 1, *, cuda_count: int | None = None,
+                   has_mps: bool | None = None) -> torch.device:
+    """The device of local rank ``local_rank`` (of ``nproc`` on this node) for one ``learners.device`` entry.
+
+    ``auto`` is ``cuda`` if every local rank gets its own GPU, else ``mps`` (one process only),
+    else ``cpu``; ``cuda`` is ``cuda:{local_rank}``. The hardware facts default to this machine's.
+
+    Raises:
+        ValueError: the entry is unknown, or names hardware that is absent (``cuda`` without a
+            GPU, ``cuda:N`` or ``cuda`` with a rank beyond the visible GPUs, ``mps`` without MPS).
+    """
+    n_cuda = cuda_device_count() if cuda_count is None else cuda_count
+    mps = mps_available() if has_mps is None else has_mps
+    if not DEVICE_PATTERN.match(spec):
+        raise ValueError(f"unknown learners.device {spec!r}: expected auto, cpu, cuda, cuda:N or mps")
+    if spec == "auto":
+        spec = "cuda" if n_cuda >= max(nproc, 1) else "mps" if mps and nproc == 1 else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "mps":
+        if not mps:
+            raise ValueError("learners.device='mps' but MPS is not available on this machine")
+        return torch.device("mps")
+    ordinal = int(spec.split(":", 1)[1]) if ":" in spec else local_rank
+    if n_cuda == 0:
+        raise ValueError(f"learners.device={spec!r} but no CUDA GPU is visible here (use 'auto' or 'cpu')")
+    if ordinal >= n_cuda:
+        raise ValueError(f"learners.device={spec!r} needs cuda:{ordinal} but only {n_cuda} CUDA device(s) are "
+                         "visible here")
+    return torch.device("cuda", ordinal)
+
+
+def check_devices(lc: LearnerDeviceFields, *, cuda_count: int | None = None,
+                  has_mps: bool | None = None) -> list[torch.device]:
+    """Check, before anything starts, that this machine has the devices every learner asks for
+    (every local rank of its group); returns the device of local rank 0 of each learner.
+
+    Raises:
+        ValueError: the first learner whose device is absent, naming the value (see :func:`resolve_device`).
+    """
+    count = getattr(lc, "count", 1)
+    out = []
+    for index in range(count):
+        spec = lc.device_of(index)
+        try:
+            devs = [resolve_device(spec, r, lc.nproc_per_learner, cuda_count=cuda_count, has_mps=has_mps)
+                    for r in range(lc.nproc_per_learner)]
+        except ValueError as err:
+            raise ValueError(f"learner {index}: {err}") from None
+        out.append(devs[0])
+    return out
+
+
+def amp_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``learners.precision``: None for ``fp32``, ``torch.bfloat16`` for ``bf16``.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    raise ValueError(f"unknown learners.precision {precision!r}: expected fp32 or bf16")

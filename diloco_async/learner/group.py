@@ -1,0 +1,245 @@
+"""A learner that spans several processes: one ``torchrun`` group with DDP inside (DESIGN §3).
+
+``learners.nproc_per_learner = N`` (``nnodes`` nodes) starts each learner as
+``python -m torch.distributed.run ... --module diloco_async.learner`` (:func:`torchrun_args`).
+Rank 0 runs the whole :class:`~diloco_async.learner.process.Learner`: it alone talks to the
+synchronizer and the store, sends heartbeats and outer gradients, writes the timeline. The
+other ranks (followers, :func:`run_follower`) only train. On the group's process group (gloo
+on CPU; NCCL for CUDA tensors):
+
+1. **config**: rank 0 joins and broadcasts the run's config (None if it could not join: the
+   followers exit 3 too);
+2. **start**: rank 0 loads its starting point (saved inner state or the versions named at join)
+   and broadcasts its AdamW state, sampler state and step; wrapping the model in
+   ``DistributedDataParallel`` broadcasts its parameters;
+3. **each step boundary**: rank 0 broadcasts a :class:`Decision` (stop, step or wait, the
+   fragments it adopted) and then the tensors of every adopted fragment, so each rank adopts
+   the same versions at the same inner step. DDP averages the gradients, so the ranks stay
+   identical, and the outer gradient rank 0 sends covers the whole group's batch. The token
+   count of a step covers every rank (``Workload.tokens_per_step``).
+
+A rank that dies makes ``torchrun`` (``--max-restarts 0``) stop the others and exit non-zero;
+the run's supervisor (or the flow) starts the whole group again as the learner's next
+incarnation: the synchronizer only ever sees one learner.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from diloco_async.config import Config
+from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device
+from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.model import embedding_names
+from diloco_async.workload import Workload
+
+__all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]
+
+log = logging.getLogger("diloco.learner")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def torchrun_args(lc: LearnerDeviceFields, rdzv_id: str) -> list[str]:
+    """``python`` arguments that start one learner as a torchrun group, up to and including
+    ``--module diloco_async.learner`` (the learner's own arguments follow).
+
+    One node: ``--standalone`` (a local rendezvous on a free port). Several: a c10d rendezvous at
+    ``learners.rdzv_endpoint`` with id ``rdzv_id`` (the same on every node of this incarnation).
+    ``--max-restarts 0``: a dead rank ends the group, which the supervisor restarts whole.
+    """
+    args = ["-m", "torch.distributed.run", "--nproc-per-node", str(lc.nproc_per_learner),
+            "--nnodes", str(lc.nnodes), "--max-restarts", "0", "--monitor-interval", "0.2"]
+    if lc.nnodes == 1:
+        args.append("--standalone")
+    else:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", lc.rdzv_endpoint, "--rdzv-id", rdzv_id]
+    return args + ["--module", "diloco_async.learner"]
+
+
+@dataclass
+class Decision:
+    """What every rank does at one step boundary, as rank 0 decided it."""
+
+    stop: bool = False
+    step: bool = True  # False: wait (barrier), no inner step this time
+    adopted: list[int] = field(default_factory=list)  # fragments whose new values follow
+
+
+class DataParallelLoss(DistributedDataParallel):
+    """``DistributedDataParallel`` over ``model.loss``: ``loss(inputs, targets)`` runs the wrapped
+    module's forward (which returns ``model.loss``), so DDP averages the gradients of it."""
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self(inputs, targets)
+
+
+class _LossForward(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(inputs, targets)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the torchrun agent dies (it starts ranks in their own sessions, so
+    a SIGKILL of the agent's process group would not reach them)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent was already gone
+        os._exit(1)
+
+
+class LearnerGroup:
+    """This process's place in its learner's torchrun group, and the collectives of the protocol.
+
+    Args:
+        rank, world, local_rank: as torchrun sets them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+        timeout_s: timeout of one collective (``learners.group_timeout_s``).
+
+    The process group uses gloo for CPU tensors and, where CUDA is available, NCCL for CUDA tensors.
+    """
+
+    def __init__(self, rank: int, world: int, local_rank: int, timeout_s: float) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        self._cpu = torch.device("cpu")
+
+    @classmethod
+    def from_env(cls, timeout_s: float) -> LearnerGroup | None:
+        """The group of a process started by torchrun with ``WORLD_SIZE`` > 1, else None."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        _die_with_parent()
+        return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), timeout_s)
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the rank that talks to the synchronizer and the store."""
+        return self.rank == 0
+
+    def share_config(self, config: dict | None = None) -> dict | None:
+        """Rank 0's run config (as plain data) on every rank; None when rank 0 could not join."""
+        box = [config if self.is_leader else None]
+        dist.broadcast_object_list(box, src=0, device=self._cpu)
+        return box[0]
+
+    def share_start(self, workload: Workload, step: int = 0) -> int:
+        """Give every rank rank 0's AdamW state, sampler state and local step; returns the step."""
+        box: list = [None]
+        if self.is_leader:
+            opt = workload.optimizer.state_dict()
+            state = {k: {n: v.to("cpu") if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                     for k, st in opt["state"].items()}
+            box = [{"opt": {**opt, "state": state}, "rng": workload.generator.get_state(), "step": step}]
+        dist.broadcast_object_list(box, src=0, device=self._cpu)
+        if not self.is_leader:
+            workload.optimizer.load_state_dict(box[0]["opt"])
+            workload.generator.set_state(box[0]["rng"])
+        return int(box[0]["step"])
+
+    def wrap(self, workload: Workload) -> None:
+        """Make ``workload`` this rank of the group: DDP over its model (which broadcasts rank 0's
+        parameters), its slice of each batch, the loss averaged over the group."""
+        dev = workload.device
+        ddp = DataParallelLoss(_LossForward(workload.model), device_ids=[dev.index] if dev.type == "cuda" else None,
+                               forward_sync_buffers=False)
+        workload.join_group(self.rank, self.world, ddp, self.mean)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a 0-dim tensor over the ranks (a sum all-reduce; gloo has no average)."""
+        out = value.detach().clone()
+        dist.all_reduce(out)
+        return out / self.world
+
+    def decide(self, decision: Decision | None, num_fragments: int) -> Decision:
+        """Rank 0 sends ``decision``; every rank returns it."""
+        msg = torch.zeros(2 + num_fragments, dtype=torch.int64)
+        if self.is_leader:
+            assert decision is not None
+            msg[0], msg[1] = int(decision.stop), int(decision.step)
+            for p in decision.adopted:
+                msg[2 + p] = 1
+        dist.broadcast(msg, src=0)
+        return Decision(bool(msg[0]), bool(msg[1]), [p for p in range(num_fragments) if msg[2 + p]])
+
+    def share_fragments(self, params: dict[str, torch.nn.Parameter], plan: FragmentPlan, fragments: list[int]) -> None:
+        """Broadcast rank 0's values of every tensor of ``fragments`` into each rank's parameters."""
+        with torch.no_grad():
+            for p in fragments:
+                for name in plan.names(p):
+                    dist.broadcast(params[name].data, src=0)
+
+    def boundary(self, decision: Decision | None, workload: Workload, plan: FragmentPlan) -> Decision:
+        """One step boundary: the decision, then the adopted fragments' values."""
+        d = self.decide(decision, plan.num_fragments)
+        self.share_fragments(workload.params, plan, d.adopted)
+        return d
+
+    def close(self) -> None:
+        """Leave the process group (nothing if it is gone)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def place_workload(workload: Workload, cfg: Config, index: int, local_rank: int = 0) -> torch.device:
+    """Put learner ``index``'s workload on its device (local rank ``local_rank`` of its group) and
+    precision; returns the device.
+
+    Raises:
+        ValueError: the device is absent here (see :func:`diloco_async.devices.resolve_device`).
+    """
+    lc = cfg.learners
+    device = resolve_device(lc.device_of(index), local_rank, lc.nproc_per_learner)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    workload.place(device, amp_dtype(lc.precision))
+    return device
+
+
+def run_follower(group: LearnerGroup, index: int, incarnation: int,
+                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config) -> int:
+    """The life of a rank other than 0: build the same workload, take rank 0's start, then at
+    every step boundary do what rank 0 decided. Returns 0 when told to stop, 3 when rank 0
+    could not join."""
+    raw = group.share_config()
+    if raw is None:
+        return 3
+    cfg = Config.model_validate(raw)
+    torch.set_num_threads(cfg.learners.threads)
+    workload = make_workload(cfg, index, incarnation)
+    place_workload(workload, cfg, index, group.local_rank)
+    plan = plan_fragments(specs_of({n: p.detach() for n, p in workload.params.items()}),
+                          cfg.synchronizer.num_fragments, embedding_names(workload.model))
+    step = group.share_start(workload)
+    group.wrap(workload)
+    workload.load_data(cfg, index)
+    log.info("rank %d/%d of learner %d ready at step %d on %s", group.rank, group.world, index, step,
+             workload.device)
+    while True:
+        d = group.boundary(None, workload, plan)
+        if d.stop:
+            return 0
+        if d.step:
+            workload.step(step)
+            step += 1
