@@ -184,7 +184,7 @@ async def test_wrong_shape_rejected():
         await contribute(client, store, "a", good_a)
         await contribute(client, store, "c", good_c)
         st = await wait_version(client, 0, 1)
-        assert st["rejected_by_reason"] == {"bad_tensor": 1}
+        assert st["rejected_by_reason"] == {"shape": 1}
         assert st["contributions_merged"] == 2
 
 
@@ -196,7 +196,7 @@ async def test_sha256_mismatch_rejected():
         await contribute(client, store, "a", fragment_delta(plan, 1))
         await contribute(client, store, "c", fragment_delta(plan, 3))
         st = await wait_version(client, 0, 1)
-        assert st["rejected_by_reason"] == {"digest_mismatch": 1}
+        assert st["rejected_by_reason"] == {"digest": 1}
         assert st["contributions_merged"] == 2
         assert st["learners"]["b"]["contributions"] == {"rejected": 1}
 
