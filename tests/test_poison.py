@@ -1,0 +1,59 @@
+"""A poisoned learner among three honest ones, real processes (issue 14, item 3; make bench-poison
+measures the same at make run's recipe).
+
+The fourth learner sends its outer gradients x 1e6 (``learners.poison``): every one of them is
+rejected as ``norm_outlier``, nothing non-finite or huge is published, and the held-out loss stays
+close to that of a run of the three honest learners alone, stopped at the same global step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.poison import run_once
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+LOOSE_RATIO = 1.10  # at this scale two runs differ by a few percent without any poison
+
+
+def tiny_recipe(tmp_path: Path) -> str:
+    text = f"""
+[run]
+store = "file://{tmp_path}/store"
+workdir = "{tmp_path}/runs"
+[data]
+cache_dir = "{Path('data').resolve()}"
+[model]
+n_layer = 1
+d_model = 32
+n_head = 2
+context = 32
+[learners]
+batch_size = 8
+[synchronizer]
+num_fragments = 2
+sync_every = 8
+checkpoint_every_s = 5.0
+[budget]
+max_steps = 160
+wall_s = 240
+"""
+    path = tmp_path / "tiny.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_scaled_poison_rejected_and_loss_kept(tmp_path):
+    recipe = tiny_recipe(tmp_path)
+    base = run_once(recipe, ["learners.count=3"], timeout_s=280)
+    poisoned = run_once(recipe, ["learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
+                        timeout_s=280)
+    assert base["global_step"] >= 160 and poisoned["global_step"] >= 160
+    assert poisoned["all_finite"] and poisoned["max_abs_published"] < 100, poisoned
+    rejected = poisoned["rejected_by_reason"]
+    assert rejected.get("norm_outlier", 0) >= 3, rejected
+    assert set(rejected) <= {"norm_outlier", "too_stale"}, rejected
+    assert poisoned["loss"] <= base["loss"] * LOOSE_RATIO, (poisoned["loss"], base["loss"])
