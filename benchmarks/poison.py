@@ -67,7 +67,8 @@ def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0
     return {"run_id": rp.run_id, "overrides": overrides, "loss": loss, "max_abs_published": largest,
             "all_finite": finite, "wall_s": time.monotonic() - t0, "merges": summary["merges"],
             "global_step": summary["global_step"], "rejected_by_reason": summary["rejected_by_reason"],
-            "contributions_merged": summary["contributions_merged"]}
+            "contributions_merged": summary["contributions_merged"],
+            "learners": {lid: d["contributions"] for lid, d in summary["learners"].items()}}
 
 
 def _bars(base: dict, runs: dict[str, dict]) -> list[tuple[str, float, str, float, bool]]:

@@ -41,7 +41,7 @@ class GuardConfig(BaseModel):
         "than 100 inner steps per second.")
     burst_steps: int = Field(64, ge=0, description="Steps a learner may report beyond the rate bound at once.")
     max_tokens_per_step: int | None = Field(
-        None, ge=1, description="Most tokens one inner step can process; None = 8 x learners.batch_size x "
+        None, ge=1, description="Most tokens one inner step can process; None = 2 x learners.batch_size x "
         "model.context.")
     max_step_time_s: float = Field(
         600.0, gt=0, description="A reported step time (s) is clamped to at most this ...")

@@ -33,9 +33,11 @@ class PaceLimits:
 
     @classmethod
     def from_config(cls, cfg: Config) -> PaceLimits:
-        """The ``[guard]`` limits; ``max_tokens_per_step`` unset is 8 · batch_size · context."""
+        """The ``[guard]`` limits; ``max_tokens_per_step`` unset is 2 · batch_size · context (a step trains on
+        batch_size · context tokens; the weight c_tokens²/c_steps of a learner that claims the most is then
+        at most 4 times an honest one's)."""
         g = cfg.guard
-        per_step = g.max_tokens_per_step or 8 * cfg.learners.batch_size * cfg.model.context
+        per_step = g.max_tokens_per_step or 2 * cfg.learners.batch_size * cfg.model.context
         return cls(g.max_steps_per_s, g.burst_steps, per_step)
 
     def steps_within(self, dt_s: float) -> int:

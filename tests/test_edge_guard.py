@@ -21,6 +21,7 @@ from test_edge import STEP, announcement, fragment_delta, join_and_step, post, s
 from test_synchronizer import LEARNERS, published, running, small_config
 
 from diloco_async import codec as wire
+from diloco_async.fragments import FragmentPlan
 from diloco_async.sync.state import Verified
 from storage import keys
 
@@ -59,6 +60,20 @@ async def test_outer_gradient_of_norm_1e30_is_rejected_as_norm_outlier():
         st = await wait_version(client, 0, 1)
         assert st["rejected_by_reason"] == {"norm_outlier": 1}
         assert st["contributions_merged"] == 2
+        got = published(store, plan, 1)
+        assert max(float(t.abs().max()) for t in got.values()) < 10.0
+
+
+async def test_clip_mode_merges_the_outlier_scaled_to_its_bound():
+    async with running(small_config(**{"guard.norm_action": "clip"})) as (_sync, client, store):
+        plan = await join_and_step(client)
+        await wait_open(client, 0, 1)
+        huge = {n: t * 1e30 for n, t in fragment_delta(plan, 0, 2).items()}
+        await accepted(client, announce_bytes(store, "b", wire.encode_to_bytes(huge, "fp32", {})))
+        await honest_two(client, store, plan)
+        st = await wait_version(client, 0, 1)
+        assert st["contributions_clipped"] == 1 and st["contributions_merged"] == 3
+        assert st["rejected_by_reason"] == {}
         got = published(store, plan, 1)
         assert max(float(t.abs().max()) for t in got.values()) < 10.0
 
@@ -157,17 +172,16 @@ async def contribute_to_open_rounds(client, store, plan) -> set[tuple[int, int]]
 
 
 async def test_a_step_of_10_to_the_12_does_not_move_the_schedule_out_of_reach():
-    async with running(small_config(**{"synchronizer.min_quorum": 1})) as (sync, client, store):
+    async with running(small_config(**{"synchronizer.min_quorum": 1})) as (_sync, client, store):
         for lid in LEARNERS:
-            assert (await post(client, "/join", {"learner_id": lid}))[0] == 200
+            code, answer = await post(client, "/join", {"learner_id": lid})
+            assert code == 200
+        plan = FragmentPlan.from_json(answer["plan"])
         await heartbeat_all(client, 1)
-        code, answer = await post(client, "/heartbeat", {"learner_id": "a", "step": 10**12})
+        code, _answer = await post(client, "/heartbeat", {"learner_id": "a", "step": 10**12})
         assert code == 200
         await asyncio.sleep(0.2)  # the schedule runs on the lie
         await heartbeat_all(client, 1)  # "a" is honest again
-        plan_answer = (await post(client, "/join", {"learner_id": "a"}))[1]
-        from diloco_async.fragments import FragmentPlan
-        plan = FragmentPlan.from_json(plan_answer["plan"])
         seen = await contribute_to_open_rounds(client, store, plan)
         last = max(n for _p, n in seen) if seen else 0
 

@@ -113,7 +113,7 @@ def limits() -> PaceLimits:
 
 def test_pace_limits_from_config():
     cfg = load_config(None, ["learners.batch_size=4", "model.context=16"])
-    assert PaceLimits.from_config(cfg).max_tokens_per_step == 8 * 4 * 16
+    assert PaceLimits.from_config(cfg).max_tokens_per_step == 2 * 4 * 16
     cfg = load_config(None, ["guard.max_tokens_per_step=7"])
     assert PaceLimits.from_config(cfg).max_tokens_per_step == 7
 

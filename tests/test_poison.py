@@ -51,9 +51,12 @@ def test_scaled_poison_rejected_and_loss_kept(tmp_path):
     base = run_once(recipe, ["learners.count=3"], timeout_s=280)
     poisoned = run_once(recipe, ["learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
                         timeout_s=280)
+    print(f"baseline: {base}\npoisoned: {poisoned}")
     assert base["global_step"] >= 160 and poisoned["global_step"] >= 160
     assert poisoned["all_finite"] and poisoned["max_abs_published"] < 100, poisoned
     rejected = poisoned["rejected_by_reason"]
     assert rejected.get("norm_outlier", 0) >= 3, rejected
     assert set(rejected) <= {"norm_outlier", "too_stale"}, rejected
+    poisoner = poisoned["learners"]["learner-3"]
+    assert poisoner.get("merged", 0) == 0 and rejected["norm_outlier"] <= poisoner["rejected"], poisoned["learners"]
     assert poisoned["loss"] <= base["loss"] * LOOSE_RATIO, (poisoned["loss"], base["loss"])

@@ -206,7 +206,7 @@ async def test_replayed_announcement_counted_once():
         plan = await join_all(client)
         await open_first_round(client)
         da, db, dc = (fragment_delta(plan, s) for s in (1, 2, 3))
-        body, ack = await contribute(client, store, "a", da, tokens=3000)
+        body, ack = await contribute(client, store, "a", da, tokens=3000, steps=12)  # <= 2 x B x T tokens per step
         assert ack["status"] == "accepted"
         again = await client.post("/announce", json=body, headers=AUTH)  # a client retry
         assert (await again.json())["status"] == "duplicate"
@@ -219,7 +219,7 @@ async def test_replayed_announcement_counted_once():
         assert st["contributions_merged"] == 3
         assert st["duplicates"] == 2
         assert st["learners"]["a"]["tokens_merged"] == pytest.approx(3000 * plan.numel_fraction(0))
-        want = expected_after(store, plan, [da, db, dc], [3000**2 / 4, 1000**2 / 4, 1000**2 / 4])
+        want = expected_after(store, plan, [da, db, dc], [3000**2 / 12, 1000**2 / 4, 1000**2 / 4])
         got = published(store, plan, 1)
         for n in want:
             assert torch.allclose(got[n], want[n], atol=1e-6)
