@@ -8,9 +8,8 @@ close to that of a run of the three honest learners alone, stopped at the same g
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from test_integration import tiny_recipe
 
 from benchmarks.poison import run_once
 
@@ -19,37 +18,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 LOOSE_RATIO = 1.10  # at this scale two runs differ by a few percent without any poison
 
 
-def tiny_recipe(tmp_path: Path) -> str:
-    text = f"""
-[run]
-store = "file://{tmp_path}/store"
-workdir = "{tmp_path}/runs"
-[data]
-cache_dir = "{Path('data').resolve()}"
-[model]
-n_layer = 1
-d_model = 32
-n_head = 2
-context = 32
-[learners]
-batch_size = 8
-[synchronizer]
-num_fragments = 2
-sync_every = 8
-checkpoint_every_s = 5.0
-[budget]
-max_steps = 160
-wall_s = 240
-"""
-    path = tmp_path / "tiny.toml"
-    path.write_text(text)
-    return str(path)
-
-
 def test_scaled_poison_rejected_and_loss_kept(tmp_path):
-    recipe = tiny_recipe(tmp_path)
-    base = run_once(recipe, ["learners.count=3"], timeout_s=280)
-    poisoned = run_once(recipe, ["learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
+    recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
+    common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=160"]
+    base = run_once(recipe, [*common, "learners.count=3"], timeout_s=280)
+    poisoned = run_once(recipe, [*common, "learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
                         timeout_s=280)
     print(f"baseline: {base}\npoisoned: {poisoned}")
     assert base["global_step"] >= 160 and poisoned["global_step"] >= 160
