@@ -284,8 +284,8 @@ class Synchronizer(RoundDriver, Checkpointing):
         was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.clock())
         for reason in clamped:
             if self.report.clamp(reason):
-                log.warning("heartbeat of learner=%s clamped (%s): step %d, tokens_total %d exceed what %s allows; "
-                            "%d so far", lid, reason, hb.step, hb.tokens_total, "the pace limit",
+                log.warning("heartbeat of learner=%s clamped (%s): step %d, tokens_total %d grow faster than the "
+                            "pace limits allow; %d so far", lid, reason, hb.step, hb.tokens_total,
                             self.report.clamped_by_reason[reason])
         if was_lost:
             log.info("learner %s is back", lid)
