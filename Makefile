@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean gpu-check
+.PHONY: setup data run test bench bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -67,6 +67,13 @@ test: data
 ## bench: speed and memory benchmarks (ratios against baselines measured in the same run)
 bench: data
 	$(PY) -m benchmarks.run
+
+## bench-poison: make run's recipe with three honest learners, then with a fourth that sends poisoned
+## outer gradients (x1e6, sign flip, constant), each to the same global step; bars: held-out loss
+## within 2% of the honest run's, nothing huge or non-finite published (benchmarks/poison.py).
+## About 4 runs of 2-4 minutes.
+bench-poison: data
+	$(PY) -m benchmarks.poison --config $(CONFIG) --out $(BENCH_DIR)/poison.json
 
 ## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free

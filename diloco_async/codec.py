@@ -47,6 +47,8 @@ __all__ = [
     "decode",
     "encode_to_bytes",
     "decode_from_bytes",
+    "PayloadError",
+    "check_header",
 ]
 
 CODECS = ("fp32", "bf16", "int8", "int4")
@@ -55,6 +57,22 @@ SCALE_SUFFIX = "::scale"
 """Suffix of the per-block float32 scales of a quantized tensor (``name::scale``)."""
 
 _QMAX = {"int8": 127, "int4": 7}
+_HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+_ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "int8": "I8", "int4": "U8"}  # dtype of a payload's value entries
+
+
+class PayloadError(ValueError):
+    """A contribution's bytes do not fit what was announced and configured.
+
+    ``reason`` is the counted code: ``codec_header`` (unreadable header, or codec / block size
+    other than announced and configured), ``schema`` (missing or unexpected tensors), ``shape``,
+    ``dtype`` or ``non_finite``; the message names every offending tensor.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
 _RESERVED_METADATA = ("codec", "block_size")
 
 
@@ -274,3 +292,65 @@ def decode_from_bytes(
     except ValueError:
         raise ValueError(f"payload metadata has no valid block_size: {meta.get('block_size')!r}") from None
     return decode(encoded, codec, specs, block_size=block_size), meta
+
+
+def _expected_layout(codec: str, specs: Mapping[str, tuple[int, ...]], block_size: int) -> dict[str, tuple[str, list]]:
+    """Entry name → (safetensors dtype, shape) that :func:`encode` writes for ``specs``."""
+    out: dict[str, tuple[str, list]] = {}
+    for name, shape in specs.items():
+        shape = [int(s) for s in shape]
+        n = math.prod(shape)
+        if codec in ("fp32", "bf16"):
+            out[name] = (_ST_DTYPE[codec], shape)
+        else:
+            out[name] = (_ST_DTYPE[codec], [n if codec == "int8" else math.ceil(n / 2)])
+            out[name + SCALE_SUFFIX] = ("F32", [math.ceil(n / block_size)])
+    return out
+
+
+def _read_header(data: bytes) -> dict:
+    if len(data) < 8:
+        raise PayloadError("codec_header", f"{len(data)} bytes is too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > min(len(data) - 8, _HEADER_MAX_BYTES):
+        raise PayloadError("codec_header", f"header length {header_len} exceeds the {len(data)}-byte payload")
+    try:
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+    except (ValueError, RecursionError) as e:
+        raise PayloadError("codec_header", f"unreadable header: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise PayloadError("codec_header", "the header is not a JSON object")
+    return header
+
+
+def check_header(data: bytes, codec: str, specs: Mapping[str, tuple[int, ...]],
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """Check a payload's safetensors header against the announced codec, the configured block size
+    and the expected tensors *before* anything is allocated from it (issue 14, defect 4).
+
+    Reads only the JSON header (at most 100 MiB, and never more than the payload holds).
+
+    Raises:
+        PayloadError: ``codec_header`` for an unreadable header, a codec other than ``codec`` or
+            (int8/int4) a block size other than ``block_size``; ``schema`` naming every missing
+            and every unexpected entry; ``dtype`` and ``shape`` naming every entry that differs.
+    """
+    _check_codec(codec)
+    header = _read_header(data)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or meta.get("codec") != codec:
+        got = meta.get("codec") if isinstance(meta, dict) else meta
+        raise PayloadError("codec_header", f"payload codec {got!r}, announced {codec!r}")
+    if codec in _QMAX and meta.get("block_size") != str(block_size):
+        raise PayloadError("codec_header", f"block_size {meta.get('block_size')!r}, configured {block_size}")
+    want = _expected_layout(codec, specs, block_size)
+    missing, unexpected = sorted(set(want) - set(header)), sorted(set(header) - set(want))
+    if missing or unexpected:
+        raise PayloadError("schema", f"missing {missing}, unexpected {unexpected}")
+    info = {k: v if isinstance(v, dict) else {} for k, v in header.items()}
+    bad_dtype = [f"{k} {info[k].get('dtype')!r} != {d!r}" for k, (d, _) in want.items() if info[k].get("dtype") != d]
+    if bad_dtype:
+        raise PayloadError("dtype", "; ".join(bad_dtype))
+    bad_shape = [f"{k} {info[k].get('shape')!r} != {s!r}" for k, (_, s) in want.items() if info[k].get("shape") != s]
+    if bad_shape:
+        raise PayloadError("shape", "; ".join(bad_shape))

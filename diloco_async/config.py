@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from diloco_async.config_guard import GuardConfig
 from diloco_async.data_config import DataConfig
 from diloco_async.devices import LearnerDeviceFields
 
@@ -142,6 +143,12 @@ class LearnerConfig(_Section, LearnerDeviceFields):
         default_factory=dict,
         description="FaultPlan arguments (p_transient, p_hang, p_slow, slow_s, hold_s, ops) for the learners' store.",
     )
+    poison: list[Literal["none", "scale", "sign_flip", "constant"]] = Field(
+        default_factory=list,
+        description="Fault injection (tests of the update guard): per learner index, the poisoned outer gradients "
+                    "it sends: 'scale' (x 1e6), 'sign_flip', 'constant' (every element the tensor's RMS, so the norm "
+                    "is unchanged); missing indexes and 'none' are honest.",
+    )
 
     @model_validator(mode="after")
     def _check_speeds(self) -> LearnerConfig:
@@ -218,6 +225,7 @@ class Config(_Section):
     learners: LearnerConfig = LearnerConfig()
     synchronizer: SynchronizerConfig = SynchronizerConfig()
     budget: BudgetConfig = BudgetConfig(tokens=4_000_000)
+    guard: GuardConfig = GuardConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
@@ -316,7 +324,7 @@ _OPERATIONAL = {
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
                  "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts",
-                 "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
+                 "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults", "poison",
                  "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s"),

@@ -23,6 +23,8 @@ __all__ = [
     "round_due_step",
     "ScheduleDecision",
     "schedule_rounds",
+    "schedule_shift",
+    "stuck_round_reason",
     "budget_stop_reason",
     "RoundStage",
     "Admission",
@@ -157,6 +159,40 @@ def schedule_rounds(
     return ScheduleDecision(open_now, rest, reason)
 
 
+def schedule_shift(*, g: int, shift: int, next_due: Sequence[int], sync_every: int) -> tuple[int, str | None]:
+    """Keep the schedule within reach of the live learners (issue 14, defect 7).
+
+    The schedule runs on ``g + shift``. When the earliest next due step (``next_due``, one per
+    fragment) lies more than 2·H past it — the global step fell back, e.g. after a learner that
+    ran ahead (or lied) stopped counting — the shift grows so that it lies H past it. The shift
+    never decreases, so round numbers stay increasing.
+
+    Returns:
+        (the shift in steps, why it changed or None).
+    """
+    if not next_due:
+        return shift, None
+    lead = min(next_due) - (g + shift)
+    if lead <= 2 * sync_every:
+        return shift, None
+    new = min(next_due) - sync_every - g
+    return new, f"next round due {lead} steps past g={g} (+{shift}); schedule shifted by {new - shift} steps"
+
+
+def stuck_round_reason(*, now_s: float, opened_s: float, unreachable_since_s: float | None, timeout_s: float,
+                       unreachable_wait_s: float) -> str | None:
+    """Why an open round without quorum should be abandoned (and reopened), or None.
+
+    ``quorum_unreachable`` once its live learners could not make the quorum for
+    ``unreachable_wait_s`` (s) in a row; ``round_timeout`` once it has been open ``timeout_s`` (s).
+    """
+    if unreachable_since_s is not None and now_s - unreachable_since_s >= unreachable_wait_s:
+        return f"quorum_unreachable: the live learners cannot make the quorum since {now_s - unreachable_since_s:.1f}s"
+    if now_s - opened_s >= timeout_s:
+        return f"round_timeout: open {now_s - opened_s:.1f}s without quorum"
+    return None
+
+
 def budget_stop_reason(budget: BudgetConfig, *, tokens: int, g: int | None, elapsed_s: float) -> str | None:
     """Why the run's budget is spent (tokens processed, global step g, wall seconds), or None.
 
@@ -244,6 +280,7 @@ class RoundState:
     grace: GraceDecision | None = None
     entries: dict[str, _Entry] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
+    unreachable_since_s: float | None = None  # since when the live learners cannot make the quorum
 
     def _move(self, to: RoundStage) -> None:
         if to not in _ALLOWED[self.stage]:
@@ -279,6 +316,13 @@ class RoundState:
 
     def quorum_met(self) -> bool:
         return len(self.verified) >= self.min_quorum
+
+    def quorum_reachable(self, live_learners: Iterable[str]) -> bool:
+        """Whether the verified, the pending and the live learners not yet heard from can still
+        make the quorum (a learner rejected in this round cannot announce again)."""
+        possible = {lid for lid, e in self.entries.items() if e.verified is not False}
+        possible.update(lid for lid in live_learners if lid not in self.entries)
+        return len(possible) >= self.min_quorum
 
     def start_grace(self, now_s: float, decision: GraceDecision) -> None:
         """Quorum reached at ``now_s``: wait ``decision.grace_s`` more."""

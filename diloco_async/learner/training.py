@@ -20,6 +20,7 @@ import torch
 
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
+from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
 from diloco_async.learner.state import Shared, UploadJob
@@ -78,6 +79,7 @@ class InnerLoop:
         self.offsets = [fragment_offset(p, P, H) for p in range(P)]
         self.next_n = [max(1, -(-(self.step - self.offsets[p]) // H)) for p in range(P)]  # next round each owes
         self.speed = lc.speed_factors[index] if index < len(lc.speed_factors) else 1.0
+        self.poison = lc.poison[index] if index < len(lc.poison) else "none"  # fault injection (tests)
         self.jitter_rng = jitter_random(cfg.run.seed, index, incarnation)
         # After an inner-state restore, the restored progress on a fragment is contributed (on its
         # old base, if the synchronizer still keeps it) before a newer version of the fragment is
@@ -177,6 +179,8 @@ class InnerLoop:
         with torch.no_grad():
             snap = {name: params[name].detach().to("cpu", torch.float32, copy=True) for name in self.plan.names(p)}
             delta = outer_gradient(self.base_tensors[p], snap)
+            if self.poison != "none":
+                delta = poison_outer_gradient(delta, self.poison)
         prog = self.progress[p]
         self.in_flight[p] = _InFlight(n, snap, prog)
         self.hold.discard(p)

@@ -22,6 +22,7 @@ from typing import Any
 from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.goodput import LearnerLedger
+from diloco_async.guard import NormGuard
 from diloco_async.messages import (
     Heartbeat,
     HeartbeatResponse,
@@ -30,6 +31,7 @@ from diloco_async.messages import (
     RoundOpen,
     VersionInfo,
 )
+from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
 from diloco_async.sync import persistence, reporting
 from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
@@ -91,7 +93,9 @@ class Synchronizer(RoundDriver, Checkpointing):
         self.clock = clock
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.push = Broadcaster()
-        self.registry = LearnerRegistry()
+        self.pace = PaceLimits.from_config(cfg)
+        self.registry = LearnerRegistry(self.pace, cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
+        self.schedule_shift_steps = 0
         self.rounds: dict[tuple[int, int], Round] = {}
         self.waiting: list[tuple[int, int]] = []
         self.settled = BoundedMap(settled_cap)
@@ -109,6 +113,7 @@ class Synchronizer(RoundDriver, Checkpointing):
         params, emb = initial_parameters(cfg)
         self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
         self.fragments = new_fragments(self.plan, params, self.sc)
+        self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 
@@ -276,7 +281,12 @@ class Synchronizer(RoundDriver, Checkpointing):
         stop = self.life.stopped
         if info is None or info.incarnation != hb.incarnation:
             return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.epoch)
-        was_lost, bytes_down = self.registry.heartbeat(hb, self.clock())
+        was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.clock())
+        for reason in clamped:
+            if self.report.clamp(reason):
+                log.warning("heartbeat of learner=%s clamped (%s): step %d, tokens_total %d grow faster than the "
+                            "pace limits allow; %d so far", lid, reason, hb.step, hb.tokens_total,
+                            self.report.clamped_by_reason[reason])
         if was_lost:
             log.info("learner %s is back", lid)
             self.report.metric(f"learner/{lid}/alive", 1.0)

@@ -6,11 +6,13 @@ Owned by the actor. Times are seconds on the actor's (injectable) clock.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from diloco_async.goodput import LearnerLedger
 from diloco_async.messages import Heartbeat, JoinRequest
+from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times
 
 __all__ = ["LearnerInfo", "LearnerRegistry"]
 
@@ -39,11 +41,21 @@ class LearnerInfo:
 
 
 class LearnerRegistry:
-    """Learners by id, with their goodput ledgers (DESIGN §7)."""
+    """Learners by id, with their goodput ledgers (DESIGN §7).
 
-    def __init__(self) -> None:
+    Args:
+        pace: the pace limits a heartbeat's step and tokens_total are held to (None: unbounded).
+        max_step_time_s, step_time_multiple: the clamp of reported step times
+            (:func:`~diloco_async.pace.clamp_step_times`).
+    """
+
+    def __init__(self, pace: PaceLimits | None = None, max_step_time_s: float = math.inf,
+                 step_time_multiple: float = math.inf) -> None:
         self.learners: dict[str, LearnerInfo] = {}
         self.ledgers: dict[str, LearnerLedger] = {}
+        self.pace = pace
+        self.max_step_time_s = max_step_time_s
+        self.step_time_multiple = step_time_multiple
 
     def __contains__(self, learner_id: object) -> bool:
         return learner_id in self.learners
@@ -55,9 +67,11 @@ class LearnerRegistry:
         return [i for i in self.learners.values() if i.live]
 
     def slowest_step_s(self) -> float | None:
-        """Step time (s) of the slowest live learner that reported one, or None."""
+        """Step time (s) of the slowest live learner that reported one, or None; each reported
+        time clamped by :func:`~diloco_async.pace.clamp_step_times`."""
         times = [i.step_time_s for i in self.live() if i.step_time_s]
-        return max(times) if times else None
+        clamped = clamp_step_times(times, max_s=self.max_step_time_s, multiple=self.step_time_multiple)
+        return max(clamped) if clamped else None
 
     def join(self, req: JoinRequest, now_s: float, global_step: int | None) -> int:
         """Register a (re)joining learner; returns the local step it continues from.
@@ -82,20 +96,37 @@ class LearnerRegistry:
             info.live = True
         return start_step
 
-    def heartbeat(self, hb: Heartbeat, now_s: float) -> tuple[bool, int]:
-        """Record a heartbeat of a known learner: (was it lost before, new bytes it downloaded)."""
+    def heartbeat(self, hb: Heartbeat, now_s: float) -> tuple[bool, int, list[str]]:
+        """Record a heartbeat of a known learner: (was it lost before, new bytes it downloaded,
+        what was clamped: ``implausible_steps`` and/or ``implausible_tokens``).
+
+        The step and tokens_total may grow only as fast as the pace limits allow since the last
+        heartbeat; beyond that they are clamped (the rest is credited by later heartbeats).
+        """
         info = self.learners[hb.learner_id]
         was_lost = not info.live
-        info.live, info.last_seen_s, info.step = True, now_s, hb.step
+        dt_s = now_s - info.last_seen_s
+        clamped = []
+        step, over = hb.step, False
+        if self.pace is not None and hb.step > info.step:
+            step, over = bounded_advance(info.step, hb.step, self.pace.steps_within(dt_s))
+        if over:
+            clamped.append("implausible_steps")
+        info.live, info.last_seen_s, info.step = True, now_s, step
         info.step_time_s = hb.step_time_s
         if hb.tokens_total >= info.tokens_seen:
-            self.ledgers[hb.learner_id].tokens_processed += hb.tokens_total - info.tokens_seen
-            info.tokens_seen = hb.tokens_total
+            tokens, over = hb.tokens_total, False
+            if self.pace is not None:
+                tokens, over = bounded_advance(info.tokens_seen, hb.tokens_total, self.pace.tokens_within(dt_s))
+            if over:
+                clamped.append("implausible_tokens")
+            self.ledgers[hb.learner_id].tokens_processed += tokens - info.tokens_seen
+            info.tokens_seen = tokens
         bytes_down = 0
         if hb.bytes_down >= info.bytes_down_seen:
             bytes_down = hb.bytes_down - info.bytes_down_seen
             info.bytes_down_seen = hb.bytes_down
-        return was_lost, bytes_down
+        return was_lost, bytes_down, clamped
 
     def mark_lost(self, now_s: float, timeout_s: float) -> list[LearnerInfo]:
         """Mark learners silent for more than ``timeout_s`` as not live; returns them."""

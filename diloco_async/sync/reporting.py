@@ -58,6 +58,8 @@ class Reporter:
         self.counters: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
         self.bad_requests: Counter[str] = Counter()  # requests answered 400, by reason (a bounded set)
+        self.clamped_by_reason: Counter[str] = Counter()  # heartbeat figures held to the pace limits
+        self.abandoned_by_reason: Counter[str] = Counter()  # rounds abandoned, by reason
         self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
@@ -75,6 +77,18 @@ class Reporter:
         self.counters[name] += 1
         self.metric(f"sync/{name}", self.counters[name])
         return self.counters[name]
+
+    def clamp(self, reason: str) -> bool:
+        """Count one clamped heartbeat figure; True when it is worth a log line (1st, 2nd, 4th, ...)."""
+        self.clamped_by_reason[reason] += 1
+        n = self.clamped_by_reason[reason]
+        self.metric(f"sync/clamped/{reason}", n)
+        return n & (n - 1) == 0
+
+    def abandon(self, reason: str) -> None:
+        """Count one abandoned round under ``reason`` (``merge_failed``, ``at_stop``, ``round_timeout``, ...)."""
+        self.abandoned_by_reason[reason] += 1
+        self.count("rounds_abandoned")
 
     def reject(self, reason: str) -> None:
         """Count one rejected contribution under ``reason``."""
@@ -153,6 +167,10 @@ def summary(sync: Synchronizer) -> dict:
         "bad_requests": dict(rep.bad_requests),
         "actor_errors": c["actor_errors"],
         "rounds_abandoned": c["rounds_abandoned"],
+        "rounds_abandoned_by_reason": dict(rep.abandoned_by_reason),
+        "clamped_by_reason": dict(rep.clamped_by_reason),
+        "contributions_clipped": c["contributions_clipped"],
+        "verifications_dropped": c["verifications_dropped"],
         "duplicates": c["duplicates"],
         "versions": {f.p: f.version for f in sync.fragments},
         "bytes_in": c["bytes_in"],

@@ -16,9 +16,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async import codec as wire
-from diloco_async.config import SynchronizerConfig
+from diloco_async.config import Config, SynchronizerConfig
+from diloco_async.fragments import fragment_offset
+from diloco_async.guard import NormGuard
 from diloco_async.merge import token_weight
 from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
+from diloco_async.pace import PaceLimits, implausible_contribution
 from diloco_async.policy import (
     GraceDecision,
     RoundStage,
@@ -26,7 +29,10 @@ from diloco_async.policy import (
     admit_announcement,
     global_step,
     grace_window,
+    round_due_step,
     schedule_rounds,
+    schedule_shift,
+    stuck_round_reason,
 )
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from diloco_async.sync.work import fetch_and_verify, merge_and_publish, rejection_reason
@@ -59,7 +65,11 @@ def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
 class RoundDriver:
     """Rounds of every fragment; mixed into the actor, which owns the attributes below."""
 
+    cfg: Config
     sc: SynchronizerConfig
+    norm_guard: NormGuard
+    pace: PaceLimits
+    schedule_shift_steps: int  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
     store: ObjectStore
     run_id: str
     clock: Callable[[], float]
@@ -97,7 +107,14 @@ class RoundDriver:
         if g != self.g:
             self.g = g
             self.report.metric("sync/global_step", g, g)
-        decision = schedule_rounds(g=g, next_rounds=[f.next_round for f in self.fragments],
+        H, num = self.sc.sync_every, len(self.fragments)
+        shift, why = schedule_shift(g=g, shift=self.schedule_shift_steps, sync_every=H, next_due=[
+            round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.fragments])
+        if why is not None:
+            self.schedule_shift_steps = shift
+            self.report.count("schedule_shifts")
+            log.warning("schedule out of reach of the live learners: %s", why)
+        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.fragments],
                                    busy={f.p for f in self.fragments if f.busy}, waiting=self.waiting,
                                    open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
                                    sync_every=self.sc.sync_every)
@@ -121,6 +138,13 @@ class RoundDriver:
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
         f = self.fragments[p] if 0 <= p < len(self.fragments) else None
         rnd = self.rounds.get((p, n))
+        info = self.registry.get(lid)
+        if info is not None and rnd is not None and lid not in rnd.state.entries:
+            why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
+                                           since_heartbeat_s=self.clock() - info.last_seen_s, limits=self.pace)
+            if why is not None:
+                code, _, detail = why.partition(": ")
+                return self._reject(lid, code, detail, p, n)
         adm = admit_announcement(
             ann, now_s=self.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
@@ -151,18 +175,24 @@ class RoundDriver:
 
     async def _verify(self, f: FragmentState, ann: Announcement) -> None:
         ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
-        delta, reason = None, "ok"
+        delta, norms, reason = None, {}, "ok"
         try:
-            delta = await asyncio.wait_for(asyncio.to_thread(fetch_and_verify, self.store, ref, ann.codec, f.shapes),
-                                           timeout=self.sc.storage_timeout_s)
+            delta, norms = await asyncio.wait_for(
+                asyncio.to_thread(fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = rejection_reason(err, ann.key, self.sc.storage_timeout_s)
-        await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes))
+        await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms))
 
     def _on_verified(self, msg: Verified) -> None:
         rnd = self.rounds.get((msg.fragment, msg.round_n))
-        if rnd is None:
+        if rnd is None:  # its round was abandoned (at a stop, a timeout) before the fetch finished
+            self.report.count("verifications_dropped")
+            log.info("verification of learner=%s fragment=%d round=%d dropped: the round is gone", msg.learner,
+                     msg.fragment, msg.round_n)
             return
+        if msg.delta is not None:
+            msg = self._guard_norms(msg, rnd)
         if msg.delta is None:
             reason, _, detail = msg.reason.partition(": ")
             self._reject(msg.learner, reason, detail, msg.fragment, msg.round_n)
@@ -176,6 +206,21 @@ class RoundDriver:
             rnd.state.settle(msg.learner, True)
         if not rnd.state.pending:
             rnd.none_pending.set()
+
+    def _guard_norms(self, msg: Verified, rnd: Round) -> Verified:
+        """The update guard on a verified contribution: reject it (``delta`` None, reason
+        ``norm_outlier``), or mark its outlier tensors to be clipped, or record its norms."""
+        verdict = self.norm_guard.check(msg.norms)
+        if verdict.status == "reject":
+            return Verified(msg.fragment, msg.round_n, msg.learner, None, verdict.reason, msg.nbytes)
+        if verdict.status == "clip":
+            rnd.contributions[msg.learner].scales = verdict.scales
+            self.report.count("contributions_clipped")
+            log.warning("clipped contribution learner=%s fragment=%d round=%d: %s", msg.learner, msg.fragment,
+                        msg.round_n, verdict.reason)
+        else:
+            self.norm_guard.record(msg.norms)
+        return msg
 
     # -- quorum, grace, merge -----------------------------------------------------------------
 
@@ -212,14 +257,44 @@ class RoundDriver:
             log.debug("fragment %d round %d quorum %d/%d after %.3fs; grace %.3fs (%s)", p, n,
                       len(st.verified), st.min_quorum, quorum_wait, decision.grace_s, decision.reason)
         elif self.life.stopped:
-            st.abandon()
-            self.rounds.pop((p, n))
-            self.fragments[p].busy = False
-            log.info("fragment %d round %d abandoned at stop: quorum %d/%d", p, n, len(st.verified), st.min_quorum)
+            self._abandon(rnd, "at_stop", f"quorum {len(st.verified)}/{st.min_quorum}")
+            return False
+        elif self._abandon_if_stuck(rnd, now):
             return False
         elif now - rnd.last_wait_log_s >= 10.0 and now - st.opened_s >= 10.0:
             rnd.last_wait_log_s = now
             log.info("fragment %d round %d waiting for quorum (%d/%d)", p, n, len(st.verified), st.min_quorum)
+        return True
+
+    def _abandon(self, rnd: Round, reason: str, detail: str) -> None:
+        """Take an open round out (counted by reason); its contributions are not merged."""
+        st = rnd.state
+        st.abandon()
+        self.rounds.pop((st.fragment, st.round_n))
+        self.fragments[st.fragment].busy = False
+        for lid, entry in st.entries.items():
+            self.settled[(lid, st.fragment, st.round_n)] = entry.key
+        self.report.abandon(reason)
+        log.info("fragment %d round %d abandoned (%s): %s", st.fragment, st.round_n, reason, detail)
+
+    def _abandon_if_stuck(self, rnd: Round, now: float) -> bool:
+        """A round that cannot reach its quorum from the live learners (or waited round_timeout_s) is
+        abandoned and, when the live learners can make a quorum, reopened at once. True: abandoned."""
+        st, live = rnd.state, [i.learner_id for i in self.registry.live()]
+        if st.quorum_reachable(live):
+            st.unreachable_since_s = None
+        elif st.unreachable_since_s is None:
+            st.unreachable_since_s = now
+        why = stuck_round_reason(now_s=now, opened_s=st.opened_s, unreachable_since_s=st.unreachable_since_s,
+                                 timeout_s=self.cfg.guard.round_timeout_s,
+                                 unreachable_wait_s=self.sc.heartbeat_timeout_s)
+        if why is None:
+            return False
+        code, _, detail = why.partition(": ")
+        self._abandon(rnd, code, detail)
+        f = self.fragments[st.fragment]
+        if self.life.running and len(live) >= self.sc.min_quorum and len(self.rounds) < self.sc.max_open_rounds:
+            self._open_round(f, f.next_round, now)
         return True
 
     async def _merge_task(self, f: FragmentState, rnd: Round, quorum_wait_s: float) -> None:
@@ -244,13 +319,16 @@ class RoundDriver:
         f.busy = False
         for lid, entry in rnd.state.entries.items():
             self.settled[(lid, res.fragment, res.round_n)] = entry.key
+        dropped = dict(res.dropped)
         if not res.ok:
             rnd.state.abandon()
             log.error("fragment %d round %d abandoned: %s (version stays %d)", f.p, res.round_n, res.reason, f.version)
-            self.report.count("rounds_abandoned")
+            self.report.abandon("merge_failed")
             for lid in rnd.contributions:  # counted, never lost silently
-                self._reject(lid, "merge_failed", res.reason, f.p, res.round_n)
+                self._reject(lid, "merge_failed", dropped.get(lid, res.reason), f.p, res.round_n)
             return
+        for lid, why in dropped.items():  # left out so that the others could merge
+            self._reject(lid, "merge_failed", why, f.p, res.round_n)
         rnd.state.finish()
         self._adopt_merge(f, res, rnd)
         self._report_merge(f, res, rnd)

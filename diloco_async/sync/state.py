@@ -128,6 +128,7 @@ class Contribution:
 
     ann: Announcement
     delta: dict[str, torch.Tensor] | None = None
+    scales: dict[str, float] = field(default_factory=dict)  # tensors the guard clipped, name -> factor
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Verified:
     delta: dict[str, torch.Tensor] | None
     reason: str
     nbytes: int
+    norms: dict[str, float] = field(default_factory=dict)  # L2 norm per tensor of the delta
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Merged:
     seconds: float = 0.0
     quorum_wait_s: float = 0.0
     outer_steps: int = 0
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # (learner, why) left out of the merge
 
 
 @dataclass

@@ -11,11 +11,13 @@ that fragment's optimizer until it reports back.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from diloco_async import codec as wire
+from diloco_async.guard import non_finite_tensors, tensor_norms
 from diloco_async.merge import anchor, merge_outer_gradients, token_weight
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
@@ -34,62 +36,119 @@ def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[s
     return store.put(keys.version_key(run_id, p, v), data)
 
 
-def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str,
-                     shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """The decoded fp32 outer gradient at ``ref``, name -> tensor of the fragment's shapes.
+def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dict[str, tuple[int, ...]],
+                     block_size: int = wire.DEFAULT_BLOCK_SIZE) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The decoded fp32 outer gradient at ``ref`` (name -> tensor of the fragment's shapes) and the
+    L2 norm of each tensor (for the update guard, :mod:`diloco_async.guard`).
+
+    The header is checked against the announced codec, the configured ``block_size`` and the
+    expected tensors before anything is decoded (:func:`~diloco_async.codec.check_header`).
 
     Raises:
         IntegrityError: size or sha256 differ from the announcement.
         FileNotFoundError: no object at the key.
-        ValueError: undecodable, wrong names or shapes, or non-finite values.
+        PayloadError: ``codec_header``, ``schema``, ``dtype``, ``shape`` or ``non_finite``.
+        ValueError: otherwise undecodable.
     """
     data = store.get(ref)
+    wire.check_header(data, codec, shapes, block_size)
     tensors, _meta = wire.decode_from_bytes(data, codec, shapes)
-    bad = {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items() if not bool(torch.isfinite(t).all())}
+    bad = non_finite_tensors(tensors)
     if bad:
-        raise ValueError(f"non-finite values in {sum(bad.values())} elements of {sorted(bad)}")
-    return tensors
+        raise wire.PayloadError("non_finite", f"{sum(bad.values())} NaN/Inf elements in {sorted(bad)}")
+    return tensors, tensor_norms(tensors)
 
 
 def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
     """``"<code>: <detail>"`` for an error of :func:`fetch_and_verify` (or its timeout)."""
+    if isinstance(err, wire.PayloadError):
+        return str(err)
     if isinstance(err, IntegrityError):
-        return f"digest_mismatch: {err}"
+        return f"digest: {err}"
     if isinstance(err, FileNotFoundError):
         return f"missing_object: {key}"
     if isinstance(err, TimeoutError):
         return f"storage_timeout: fetch took over {timeout_s}s"
     if isinstance(err, ValueError):
-        return f"{'non_finite' if 'non-finite' in str(err) else 'bad_tensor'}: {err}"
+        return f"bad_tensor: {err}"
     return f"storage_error: {type(err).__name__}: {err}"
+
+
+def _screen(f: FragmentState, contribs: list[Contribution]) -> tuple[list, list, list, list[tuple[str, str]]]:
+    """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner, why)).
+    A contribution whose weight or anchored outer gradient is not finite cannot take the round down."""
+    kept, weights, anchored, dropped = [], [], [], []
+    for c in contribs:
+        try:
+            w = token_weight(c.ann.c_tokens, c.ann.c_steps)
+            delta = {n: t * c.scales[n] if n in c.scales else t for n, t in c.delta.items()}
+            a = anchor(delta, f.current, f.history[c.ann.base_version])
+            bad = non_finite_tensors(a)
+            if not math.isfinite(w) or bad:
+                raise ValueError(f"weight {w:.4g}, non-finite anchored tensors {sorted(bad)}")
+        except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
+            dropped.append((c.ann.learner_id, f"{type(err).__name__}: {err}"))
+            continue
+        kept.append(c)
+        weights.append(w)
+        anchored.append(a)
+    return kept, weights, anchored, dropped
+
+
+def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str) -> dict[str, torch.Tensor]:
+    """Merge and take the outer step: the new value (raises on any error, e.g. a non-finite result)."""
+    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names)
+    new = f.optimizer.step(g)
+    bad = [k for k, t in new.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"non-finite values after the outer step in {bad}")
+    return new
 
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
                       contribs: list[Contribution], merge_mode: str, quorum_wait_s: float) -> Merged:
     """Merge one round of fragment ``f`` and publish version ``f.version + 1``.
 
-    Each outer gradient is anchored on the current value (``merge.anchor``, DESIGN §4.1), weighted
-    by c_tokens²/c_steps (§4.2) and merged with RDA or the mean (§4.4); the outer Nesterov step
-    (§4.5) gives the new value. If the step is non-finite or the publish fails, the optimizer is
-    restored and the result says why (``ok`` False); the fragment's value is never changed here.
+    Each outer gradient is clipped where the guard said so, anchored on the current value
+    (``merge.anchor``, DESIGN §4.1), weighted by c_tokens²/c_steps (§4.2) and merged with RDA or
+    the mean (§4.4); the outer Nesterov step (§4.5) gives the new value. A contribution whose
+    weight or anchored value is not finite is dropped (``Merged.dropped``); if the merge or step
+    still fails, the round is retried leaving out one contribution at a time, and the first that
+    makes it succeed is dropped. If nothing works or the publish fails, the optimizer is restored
+    and the result says why (``ok`` False); the fragment's value is never changed here.
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
-    weights = [token_weight(c.ann.c_tokens, c.ann.c_steps) for c in contribs]
-    anchored = [anchor(c.delta, f.current, f.history[c.ann.base_version]) for c in contribs]
-    if sum(weights) <= 0:
-        return Merged(p, n, False, "zero total token weight")
-    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names)
+    kept, weights, anchored, dropped = _screen(f, contribs)
+    if not kept or sum(weights) <= 0:
+        return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped)
     before_params, before_mom, steps = f.optimizer.params(), f.optimizer.momentum(), f.optimizer.steps_taken
+
+    def restore() -> None:
+        f.optimizer.load_state(before_params, before_mom if steps else None, steps_taken=steps)
+
     try:
-        new = f.optimizer.step(g)
-        bad = [k for k, t in new.items() if not bool(torch.isfinite(t).all())]
-        if bad:
-            raise ValueError(f"non-finite values after the outer step in {bad}")
+        new = _merge_step(f, anchored, weights, merge_mode)
+    except Exception as err:
+        restore()
+        first = f"{type(err).__name__}: {err}"
+        for i in range(len(kept) if len(kept) > 1 else 0):
+            rest = [j for j in range(len(kept)) if j != i]
+            try:
+                new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode)
+            except Exception:  # noqa: BLE001 - try the next one
+                restore()
+                continue
+            dropped.append((kept[i].ann.learner_id, f"the round merges without it ({first})"))
+            kept = [kept[j] for j in rest]
+            break
+        else:
+            return Merged(p, n, False, first, dropped=dropped)
+    try:
         ref = put_version(store, run_id, p, f.version + 1, new)
     except Exception as err:
-        f.optimizer.load_state(before_params, before_mom if steps else None, steps_taken=steps)
-        return Merged(p, n, False, f"{type(err).__name__}: {err}")
+        restore()
+        return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
     return Merged(p, n, True, "published", new=new, momentum=f.optimizer.momentum(), ref=ref,
-                  outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in contribs],
-                  seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s)
+                  outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
+                  seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped)

@@ -1,0 +1,109 @@
+"""A poisoned learner among three honest ones (issue 14, item 3): ``make bench-poison``.
+
+Runs a recipe (default ``configs/default.toml``, ``make run``'s) once with three honest learners
+(the baseline, measured in the same invocation) and once per poison mode with a fourth learner
+that sends poisoned outer gradients (``learners.poison``: ``scale`` = x1e6, ``sign_flip``,
+``constant``). Both runs stop at the same global step (``budget.max_steps``), so the honest
+learners do the same work. Reports per run: the final held-out loss (nats/byte) of the last
+checkpoint, the largest absolute value of any published version, whether every published value
+is finite, and the rejections by reason; then one bar per figure and exit 1 on a miss.
+
+usage: python -m benchmarks.poison [--config PATH] [--modes scale,sign_flip,constant]
+       [--max-steps N] [--set section.field=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import safetensors.torch
+
+from diloco_async.config import load_config
+from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+from diloco_async.run import RunProcesses
+from storage import keys
+from storage.checkpoint import latest_checkpoint
+
+__all__ = ["run_once", "published_extremes", "main"]
+
+LOSS_RATIO_GOAL = 1.02  # poisoned loss / baseline loss
+MAX_ABS_GOAL = 100.0  # no published value above this (the honest model's largest is ~1-10)
+
+
+def published_extremes(store, run_id: str) -> tuple[float, bool]:
+    """(largest |value| in any published version, whether every value is finite)."""
+    largest, finite = 0.0, True
+    for key in store.list(keys.versions_prefix(run_id)):
+        for t in safetensors.torch.load(store.get_unverified(key)).values():
+            finite = finite and bool(t.isfinite().all())
+            largest = max(largest, float(t.float().nan_to_num(posinf=math.inf).abs().max()))
+    return largest, finite
+
+
+def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0) -> dict:
+    """One run of the recipe with ``overrides``, until its budget stops it; its figures."""
+    cfg = load_config(config, overrides)
+    rp = RunProcesses(cfg, config, overrides)
+    t0 = time.monotonic()
+    try:
+        rp.start_synchronizer()
+        for i in range(cfg.learners.count):
+            rp.start_learner(i)
+        while rp.sync.poll() is None and time.monotonic() - t0 < timeout_s:
+            rp.supervise()
+            time.sleep(0.5)
+        rp.finished_cleanly = rp.sync.poll() == 0
+    finally:
+        rp.stop_all()
+    summary = rp.store.get_json(keys.summary_key(rp.run_id, str(rp.epoch)))
+    ckpt = latest_checkpoint(rp.store, rp.run_id)
+    loss = heldout_loss(model_from_checkpoint(cfg, ckpt), heldout_batches(cfg))
+    largest, finite = published_extremes(rp.store, rp.run_id)
+    return {"run_id": rp.run_id, "overrides": overrides, "loss": loss, "max_abs_published": largest,
+            "all_finite": finite, "wall_s": time.monotonic() - t0, "merges": summary["merges"],
+            "global_step": summary["global_step"], "rejected_by_reason": summary["rejected_by_reason"],
+            "contributions_merged": summary["contributions_merged"],
+            "learners": {lid: d["contributions"] for lid, d in summary["learners"].items()}}
+
+
+def _bars(base: dict, runs: dict[str, dict]) -> list[tuple[str, float, str, float, bool]]:
+    rows = []
+    for mode, r in runs.items():
+        ratio = r["loss"] / base["loss"]
+        rows.append((f"{mode}: held-out loss / baseline's", ratio, "<=", LOSS_RATIO_GOAL, ratio <= LOSS_RATIO_GOAL))
+        rows.append((f"{mode}: largest published |value|", r["max_abs_published"], "<=", MAX_ABS_GOAL,
+                     r["all_finite"] and r["max_abs_published"] <= MAX_ABS_GOAL))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("--config", default="configs/default.toml")
+    ap.add_argument("--modes", default="scale,sign_flip,constant")
+    ap.add_argument("--max-steps", type=int, default=1200, help="budget.max_steps of every run")
+    ap.add_argument("--set", action="append", default=[], help="section.field=value")
+    ap.add_argument("--out", default=".local/bench/poison.json")
+    args = ap.parse_args(argv)
+    common = [*args.set, "budget.tokens=1000000000000", f"budget.max_steps={args.max_steps}", "budget.wall_s=3600"]
+    base = run_once(args.config, [*common, "learners.count=3"])
+    print(json.dumps({"baseline": base}), flush=True)
+    runs = {}
+    for mode in args.modes.split(","):
+        runs[mode] = run_once(args.config, [*common, "learners.count=4",
+                                            f'learners.poison=["none", "none", "none", "{mode}"]'])
+        print(json.dumps({mode: runs[mode]}), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"baseline": base, **runs}, indent=2))
+    rows = _bars(base, runs)
+    for name, value, op, goal, ok in rows:
+        print(f"{name:44s} {value:10.4f}   {op} {goal:<6g}  {'ok' if ok else 'MISS'}")
+    return 0 if all(ok for *_, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

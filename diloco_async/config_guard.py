@@ -1,0 +1,54 @@
+"""The ``[guard]`` section of the config: the update guard and the pace limits (issue 14, items 3-4).
+
+Kept apart from :mod:`diloco_async.config` (which references :class:`GuardConfig`) so that
+module stays small. What each bound means, and what it does not catch, is in ``docs/`` (threat
+model) and in :mod:`diloco_async.guard` and :mod:`diloco_async.pace`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["GuardConfig"]
+
+
+class GuardConfig(BaseModel):
+    """Bounds on what one learner can push into a run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    norm_action: Literal["reject", "clip"] = Field(
+        "reject", description="What happens to a tensor whose outer-gradient norm is over its bound: 'reject' the "
+        "whole contribution (reason norm_outlier) or 'clip' that tensor to the bound.")
+    norm_multiple: float = Field(
+        10.0, gt=1, description="Per tensor, bound = norm_multiple x the median L2 norm of the recent accepted "
+        "contributions' outer gradients of that tensor.")
+    norm_window: int = Field(64, ge=1, description="Accepted norms per tensor the median is taken over.")
+    norm_warmup: int = Field(
+        8, ge=1, description="Accepted contributions of a tensor before the median bound applies; until then the "
+        "absolute bound warmup_max_rms x sqrt(numel) applies.")
+    warmup_max_rms: float = Field(
+        1.0, gt=0, description="Warm-up bound on the root mean square of one tensor's outer gradient (parameter "
+        "units per element); also an absolute ceiling after the warm-up.")
+    min_rms: float = Field(
+        1e-6, ge=0, description="Floor of the median bound, as a root mean square per element (a tensor whose "
+        "recent norms are all zero still accepts a small update).")
+    max_steps_per_s: float = Field(
+        100.0, gt=0, description="Fastest plausible inner-step rate of one learner: a reported step, c_steps and "
+        "tokens_total cannot grow faster than this (plus burst_steps). Raise it for hardware that runs more "
+        "than 100 inner steps per second.")
+    burst_steps: int = Field(64, ge=0, description="Steps a learner may report beyond the rate bound at once.")
+    max_tokens_per_step: int | None = Field(
+        None, ge=1, description="Most tokens one inner step can process; None = 2 x learners.batch_size x "
+        "model.context.")
+    max_step_time_s: float = Field(
+        600.0, gt=0, description="A reported step time (s) is clamped to at most this ...")
+    step_time_multiple: float = Field(
+        8.0, ge=1, description="... and to at most this multiple of the (lower) median step time of the live "
+        "learners, so one learner's claim cannot stretch every round's grace window.")
+    round_timeout_s: float = Field(
+        300.0, gt=0, description="An open round without quorum is abandoned (reason round_timeout) and reopened "
+        "after this many seconds; sooner (reason quorum_unreachable) once its live learners cannot make the "
+        "quorum for heartbeat_timeout_s.")

@@ -1,0 +1,192 @@
+"""The update guard, the codec header check and the pace and schedule policies (issue 14, items
+3-4), as pure functions: plain values and a fake clock, no server."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import safetensors.torch
+import torch
+
+from diloco_async import codec as wire
+from diloco_async.config import load_config
+from diloco_async.config_guard import GuardConfig
+from diloco_async.guard import NormGuard, non_finite_tensors, tensor_norms
+from diloco_async.learner.faults import poison_outer_gradient
+from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times, implausible_contribution
+from diloco_async.policy import RoundState, schedule_shift, stuck_round_reason
+
+SPECS = {"w": (4, 8), "b": (8,)}
+
+
+def test_norm_guard_warm_up_then_median_bound():
+    g = NormGuard(GuardConfig(norm_warmup=3, norm_multiple=10.0, warmup_max_rms=1.0), {"w": 100})
+    assert g.bound("w") == (pytest.approx(10.0), pytest.approx(g.bound("w")[1]))  # 1.0 rms x sqrt(100)
+    assert g.check({"w": 9.0}).status == "accept"
+    bad = g.check({"w": 11.0})
+    assert bad.status == "reject" and bad.reason.startswith("norm_outlier: w norm 11 > bound 10 (warm-up")
+    for norm in (0.1, 0.2, 0.3):
+        g.record({"w": norm})
+    assert g.bound("w")[0] == pytest.approx(2.0)  # 10 x median 0.2
+    assert g.check({"w": 1.9}).status == "accept"
+    assert g.check({"w": 2.1}).status == "reject"
+    assert g.check({"w": math.nan}).status == "reject"
+    assert g.check({"w": math.inf}).status == "reject"
+
+
+def test_norm_guard_median_is_robust_and_the_ceiling_holds():
+    g = NormGuard(GuardConfig(norm_warmup=1, norm_window=5, warmup_max_rms=1.0), {"w": 100})
+    for norm in (0.1, 0.1, 0.1, 5.0, 5.0):  # two large ones of five do not move the median
+        g.record({"w": norm})
+    assert g.bound("w")[0] == pytest.approx(1.0)
+    for _ in range(5):
+        g.record({"w": 5.0})
+    assert g.bound("w")[0] == pytest.approx(10.0)  # 10 x 5 = 50, held to the 1.0-rms ceiling
+
+
+def test_norm_guard_floor_and_clip():
+    g = NormGuard(GuardConfig(norm_warmup=1, min_rms=0.01, norm_action="clip"), {"w": 100, "b": 4})
+    g.record({"w": 0.0, "b": 0.0})
+    assert g.bound("w")[0] == pytest.approx(0.1)  # floor 0.01 rms x sqrt(100)
+    v = g.check({"w": 0.4, "b": 0.01})
+    assert v.status == "clip" and v.scales == {"w": pytest.approx(0.25)} and "w norm" in v.reason
+
+
+def test_tensor_norms_and_non_finite():
+    t = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, math.nan, math.inf])}
+    assert tensor_norms({"a": t["a"]}) == {"a": pytest.approx(5.0)}
+    assert non_finite_tensors(t) == {"b": 2}
+    assert tensor_norms({"x": torch.full((4,), 3e38)})["x"] == pytest.approx(6e38)  # float64: no overflow
+
+
+def deltas() -> dict[str, torch.Tensor]:
+    return {n: torch.randn(s) for n, s in SPECS.items()}
+
+
+@pytest.mark.parametrize("codec", wire.CODECS)
+def test_header_of_an_honest_payload_passes(codec):
+    data = wire.encode_to_bytes(deltas(), codec, {"fragment": "0"})
+    wire.check_header(data, codec, SPECS)
+
+
+def reason_of(data, codec="int8", specs=SPECS, block_size=wire.DEFAULT_BLOCK_SIZE) -> str:
+    with pytest.raises(wire.PayloadError) as err:
+        wire.check_header(data, codec, specs, block_size)
+    return str(err.value)
+
+
+def test_header_block_size_must_be_the_configured_one():
+    encoded = wire.encode(deltas(), "int8", block_size=64)
+    huge = safetensors.torch.save(encoded, metadata={"codec": "int8", "block_size": str(2**40)})
+    assert reason_of(huge).startswith("codec_header: block_size '1099511627776', configured 64")
+    assert reason_of(wire.encode_to_bytes(deltas(), "int4", block_size=32), "int4").startswith("codec_header")
+    assert reason_of(wire.encode_to_bytes(deltas(), "bf16"), "int8").startswith("codec_header: payload codec")
+
+
+def test_header_names_every_missing_and_unexpected_tensor():
+    d = deltas()
+    d["extra"] = torch.zeros(3)
+    del d["b"]
+    msg = reason_of(wire.encode_to_bytes(d, "fp32"), "fp32")
+    assert msg == "schema: missing ['b'], unexpected ['extra']"
+    msg = reason_of(wire.encode_to_bytes(deltas(), "int8"), "int8", {"w": (4, 8)})
+    assert msg == "schema: missing [], unexpected ['b', 'b::scale']"
+
+
+def test_header_dtype_and_shape_reasons():
+    d = deltas()
+    assert reason_of(wire.encode_to_bytes(d, "bf16"), "bf16", {"w": (8, 4), "b": (8,)}).startswith("shape: w [4, 8]")
+    fp16 = safetensors.torch.save({n: t.half() for n, t in d.items()}, metadata={"codec": "fp32", "block_size": "64"})
+    assert reason_of(fp16, "fp32").startswith("dtype: w 'F16' != 'F32'; b 'F16'")
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00" * 7, (10**12).to_bytes(8, "little") + b"{}",
+                                  (5).to_bytes(8, "little") + b"[1,2]", (3).to_bytes(8, "little") + b"{{{"])
+def test_header_garbage_is_a_codec_header_error(data):
+    assert reason_of(data).startswith("codec_header")
+
+
+def limits() -> PaceLimits:
+    return PaceLimits(max_steps_per_s=10.0, burst_steps=5, max_tokens_per_step=100)
+
+
+def test_pace_limits_from_config():
+    cfg = load_config(None, ["learners.batch_size=4", "model.context=16"])
+    assert PaceLimits.from_config(cfg).max_tokens_per_step == 2 * 4 * 16
+    cfg = load_config(None, ["guard.max_tokens_per_step=7"])
+    assert PaceLimits.from_config(cfg).max_tokens_per_step == 7
+    # a learner of 2 ranks with the larger of two per-learner batch sizes
+    cfg = load_config(None, ["learners.count=2", "learners.batch_size=[4, 8]", "learners.nproc_per_learner=2",
+                             "model.context=16"])
+    assert PaceLimits.from_config(cfg).max_tokens_per_step == 2 * 2 * 8 * 16
+
+
+def test_bounded_advance_by_wall_time():
+    lim = limits()
+    assert lim.steps_within(2.0) == 25 and lim.steps_within(-1.0) == 5
+    assert lim.tokens_within(2.0) == 2500
+    assert bounded_advance(100, 10**12, lim.steps_within(2.0)) == (125, True)
+    assert bounded_advance(100, 120, lim.steps_within(2.0)) == (120, False)
+    assert bounded_advance(100, 3, lim.steps_within(2.0)) == (3, False)  # a decrease is the caller's call
+
+
+def test_implausible_contribution():
+    lim = limits()
+    kw = {"learner_step": 40, "since_heartbeat_s": 1.0, "limits": lim}
+    assert implausible_contribution(c_steps=4, c_tokens=400, **kw) is None
+    assert implausible_contribution(c_steps=4, c_tokens=401, **kw).startswith("implausible_tokens")
+    assert implausible_contribution(c_steps=55, c_tokens=100, **kw) is None  # 40 + 5 + 10
+    assert implausible_contribution(c_steps=56, c_tokens=100, **kw).startswith("implausible_steps")
+
+
+def test_step_times_clamped_to_the_peers():
+    assert clamp_step_times([], max_s=60, multiple=8) == []
+    assert clamp_step_times([0.1, 0.12, 1e6], max_s=60, multiple=8) == [0.1, 0.12, pytest.approx(0.96)]
+    assert clamp_step_times([0.1, 1e6], max_s=60, multiple=8) == [0.1, pytest.approx(0.8)]  # lower median
+    assert clamp_step_times([1e6], max_s=60, multiple=8) == [60]
+    assert clamp_step_times([0.1, 0.4], max_s=60, multiple=8) == [0.1, 0.4]  # a slow honest learner keeps its time
+
+
+def test_schedule_shift_only_when_out_of_reach():
+    assert schedule_shift(g=100, shift=0, next_due=[104, 106], sync_every=4) == (0, None)
+    assert schedule_shift(g=100, shift=0, next_due=[108, 110], sync_every=4) == (0, None)  # 2H ahead: in reach
+    shift, why = schedule_shift(g=100, shift=0, next_due=[10**12 + 4, 10**12 + 6], sync_every=4)
+    assert shift == 10**12 - 100 and "schedule shifted" in why  # the next round is due H steps past g + shift
+    assert schedule_shift(g=101, shift=shift, next_due=[10**12 + 4], sync_every=4) == (shift, None)
+    assert schedule_shift(g=5, shift=3, next_due=[], sync_every=4) == (3, None)
+
+
+def test_stuck_round_reasons_on_a_fake_clock():
+    kw = {"opened_s": 100.0, "timeout_s": 300.0, "unreachable_wait_s": 5.0}
+    assert stuck_round_reason(now_s=104.0, unreachable_since_s=100.0, **kw) is None
+    assert stuck_round_reason(now_s=105.0, unreachable_since_s=100.0, **kw).startswith("quorum_unreachable")
+    assert stuck_round_reason(now_s=399.0, unreachable_since_s=None, **kw) is None
+    assert stuck_round_reason(now_s=400.0, unreachable_since_s=None, **kw).startswith("round_timeout")
+
+
+def test_quorum_reachable_counts_pending_and_silent_live_learners_not_rejected_ones():
+    st = RoundState(0, 1, 0.0, min_quorum=3)
+    for lid in "abc":
+        st.announce(lid, f"k/{lid}", 0.0)
+    st.settle("a", True)
+    st.settle("b", False)
+    assert not st.quorum_reachable(["a", "b", "c"])  # b was rejected and cannot announce again
+    assert st.quorum_reachable(["a", "b", "c", "d"])  # d has not announced yet
+    st.settle("c", True)
+    assert st.quorum_reachable(["a", "b", "c", "d"]) and not st.quorum_reachable(["a", "b", "c"])
+
+
+@pytest.mark.parametrize("mode", ["none", "scale", "sign_flip", "constant"])
+def test_poison_modes(mode):
+    d = deltas()
+    out = poison_outer_gradient(d, mode)
+    n_in, n_out = tensor_norms(d), tensor_norms(out)
+    ratio = {"scale": 1e6}.get(mode, 1.0)
+    assert all(n_out[k] == pytest.approx(n_in[k] * ratio, rel=1e-5) for k in d)
+    if mode == "sign_flip":
+        assert all(torch.equal(out[k], -d[k]) for k in d)
+    if mode == "constant":
+        assert all(bool((out[k] == out[k].flatten()[0]).all()) for k in d)
+    with pytest.raises(ValueError, match="unknown poison mode"):
+        poison_outer_gradient(d, "bogus")

@@ -1,0 +1,35 @@
+"""A poisoned learner among three honest ones, real processes (issue 14, item 3; make bench-poison
+measures the same at make run's recipe).
+
+The fourth learner sends its outer gradients x 1e6 (``learners.poison``): every one of them is
+rejected as ``norm_outlier``, nothing non-finite or huge is published, and the held-out loss stays
+close to that of a run of the three honest learners alone, stopped at the same global step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_integration import tiny_recipe
+
+from benchmarks.poison import run_once
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+LOOSE_RATIO = 1.10  # at this scale two runs differ by a few percent without any poison
+
+
+def test_scaled_poison_rejected_and_loss_kept(tmp_path):
+    recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
+    common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=160"]
+    base = run_once(recipe, [*common, "learners.count=3"], timeout_s=280)
+    poisoned = run_once(recipe, [*common, "learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
+                        timeout_s=280)
+    print(f"baseline: {base}\npoisoned: {poisoned}")
+    assert base["global_step"] >= 160 and poisoned["global_step"] >= 160
+    assert poisoned["all_finite"] and poisoned["max_abs_published"] < 100, poisoned
+    rejected = poisoned["rejected_by_reason"]
+    assert rejected.get("norm_outlier", 0) >= 3, rejected
+    assert set(rejected) <= {"norm_outlier", "too_stale"}, rejected
+    poisoner = poisoned["learners"]["learner-3"]
+    assert poisoner.get("merged", 0) == 0 and rejected["norm_outlier"] <= poisoner["rejected"], poisoned["learners"]
+    assert poisoned["loss"] <= base["loss"] * LOOSE_RATIO, (poisoned["loss"], base["loss"])
