@@ -25,15 +25,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiohttp import web
-from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess
+from test_learner_faults import serve_in_process, stop_in_process
+from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess, any_store  # noqa: F401, F811 (fixture)
+from test_storage_contract import BACKENDS, open_store
 
 from diloco_async import codec as wire
 from diloco_async.client import TOKEN_ENV, request_checkpoint
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
-from diloco_async.sync import Synchronizer, make_app
+from diloco_async.sync import Synchronizer
 from diloco_async.sync.lease import FencedStore, LeaseExpired, LeaseHeld, LeaseLost, acquire, read_holder
 from diloco_async.sync.process import EXIT_LEASE_HELD, EXIT_LEASE_LOST
 from diloco_async.workload import Workload
@@ -43,7 +44,6 @@ from storage.options import STORAGE_OPTIONS_ENV
 from storage.store import ObjectStore
 
 from polling import await_until, wait_until
-from storage_servers import make_bucket
 
 
 class Clock:
@@ -97,6 +97,29 @@ def test_lease_of_a_dead_process_on_this_host_is_taken_at_once():
     assert acquire(store, "r", 30.0, 5.0).lease_epoch == 5
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_racing_synchronizers_exactly_one_takes_the_lease(kind, request, tmp_path):
+    """The lease's exclusive create on every backend (S3: If-None-Match, GCS: ifGenerationMatch=0)."""
+    store = open_store(kind, request, tmp_path)
+    barrier = threading.Barrier(4)
+    won, held = [], []
+
+    def take() -> None:
+        barrier.wait()
+        try:
+            won.append(acquire(store, "race", 30.0, 5.0))
+        except LeaseHeld as err:
+            held.append(err)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(won) == 1 and len(held) == 3 and won[0].lease_epoch == 1
+    assert all(err.holder.lease_epoch == 1 for err in held)
+
+
 def test_stale_checkpoint_never_becomes_the_newest():
     """Defect 11: a synchronizer fenced out (lease epoch 1) writes checkpoint 7 after its successor
     (epoch 2) wrote checkpoint 6; a resume picks 6."""
@@ -141,16 +164,8 @@ def version_epochs(store: ObjectStore, run_id: str) -> dict[int, str]:
     return out
 
 
-@pytest.fixture(params=["file", "s3"])
-def run_store(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path}/store", {}
-    endpoint = request.getfixturevalue("s3_endpoint")
-    return f"s3://{make_bucket('s3', endpoint.storage_options)}/runs", endpoint.storage_options
-
-
-def test_second_synchronizer_on_a_held_run_exits_naming_the_holder(tmp_path, run_store):
-    store_url, options = run_store
+def test_second_synchronizer_on_a_held_run_exits_naming_the_holder(tmp_path, any_store):  # noqa: F811
+    store_url, options = any_store
     store = ObjectStore(store_url, options)
     a = SyncProcess(tmp_path, store_url, ["--run-id", "runH"], options)
     try:
@@ -280,12 +295,7 @@ async def test_restored_learner_never_contributes_on_a_base_older_than_its_join_
     store = ObjectStore(mem)
     sync = Synchronizer(cfg, store, "mrun")
     await asyncio.to_thread(sync.publish_initial)
-    runner = web.AppRunner(make_app(sync, TOKEN))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    actor = asyncio.create_task(sync.run())
+    runner, url, actor = await serve_in_process(sync, TOKEN)
     learners, threads = [], []
 
     def start(lid: str, index: int) -> None:
@@ -318,13 +328,7 @@ async def test_restored_learner_never_contributes_on_a_base_older_than_its_join_
 
         await await_until(a_answered_twice, 120, "two outcomes of learner a's contributions")
     finally:
-        await sync.request("stop", "test over")
-        await asyncio.wait_for(actor, 60)
-        for learner in learners:
-            learner.stop_event.set()
-        for t in threads:
-            await asyncio.to_thread(t.join, 20)
-        await runner.cleanup()
+        await stop_in_process(sync, runner, actor, learners, threads)
     bases = [int(header(store.get_unverified(k))["base_version"])
              for k in store.list(keys.contributions_prefix("mrun")) if "/a-" in k]
     assert bases and min(bases) >= joined_at >= 3, (bases, joined_at)
