@@ -194,6 +194,9 @@ class SynchronizerConfig(_Section):
         10.0, ge=0, description="On a stop, first open a last round of every fragment so the learners' progress "
         "since their last contribution is merged; wait at most this long for those rounds (0: stop at once)."
     )
+    lease_ttl_s: float = Field(30.0, gt=0, description="A run's lease not renewed this long may be taken over "
+                               "by another synchronizer (docs/resume-and-fencing.md).")
+    lease_renew_s: float = Field(5.0, gt=0, description="Renewal period of the lease; below lease_ttl_s / 2.")
 
 
 class BudgetConfig(_Section):
@@ -234,6 +237,10 @@ class Config(_Section):
             raise ValueError(
                 f"synchronizer.min_quorum={self.synchronizer.min_quorum} exceeds learners.count={self.learners.count}"
             )
+        sc = self.synchronizer
+        if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
+            raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
+                             f"(lease_ttl_s={sc.lease_ttl_s})")
         return self
 
     def public_dict(self) -> dict:
@@ -327,7 +334,8 @@ _OPERATIONAL = {
                  "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults", "poison",
                  "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
-                     "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s"),
+                     "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s", "lease_ttl_s",
+                     "lease_renew_s"),
 }
 
 

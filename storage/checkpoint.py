@@ -115,5 +115,29 @@ def load_checkpoint(store: ObjectStore, run_id: str, seq: int) -> Checkpoint:
 
 
 def latest_checkpoint(store: ObjectStore, run_id: str) -> Checkpoint | None:
-    """The newest synchronizer checkpoint of a run that verifies, or None."""
-    return latest_state(store, keys.checkpoint_prefix(run_id))
+    """The synchronizer checkpoint of a run that a resume continues from, or None: of those that
+    verify, the newest by (``lease_epoch`` of its manifest, ``seq``). A synchronizer fenced out by
+    a successor (a higher lease epoch) can only write checkpoints of its lower epoch, so a late
+    checkpoint of it never becomes the newest (docs/resume-and-fencing.md). Checkpoints without
+    ``lease_epoch`` count as epoch 0.
+    """
+    prefix = keys.checkpoint_prefix(run_id)
+    ranked = []
+    for seq in list_state_seqs(store, prefix):
+        try:
+            epoch = int(store.get_json(keys.state_manifest_key(prefix, seq)).get("lease_epoch") or 0)
+        except FileNotFoundError:
+            log.warning("skipping incomplete checkpoint %d (no manifest)", seq)
+            continue
+        except (ValueError, TypeError, AttributeError) as err:
+            log.warning("skipping checkpoint %d: unreadable manifest (%s)", seq, err)
+            continue
+        ranked.append((epoch, seq))
+    for epoch, seq in sorted(ranked, reverse=True):
+        try:
+            return load_state(store, prefix, seq)
+        except FileNotFoundError:
+            log.warning("skipping checkpoint %d (lease epoch %d): deleted meanwhile", seq, epoch)
+        except (IntegrityError, ValueError, KeyError) as err:
+            log.warning("skipping checkpoint %d (lease epoch %d): %s", seq, epoch, err)
+    return None

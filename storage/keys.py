@@ -9,6 +9,7 @@ Every object key of a run is built here, and keys read back from a listing are p
     {run_id}/ddp/checkpoints/{seq:08d}/...                             (data-parallel baseline)
     {run_id}/learners/{learner}/{seq:08d}/...                          (a learner's inner state)
     {run_id}/epochs/{epoch}/summary.json, metrics.jsonl, merges.jsonl
+    {run_id}/lease/{lease_epoch:08d}/claim.json, renewal-{k:08d}.json, released.json  (fencing)
 
 A *state folder* ``{prefix}/{seq:08d}/`` holds ``state.safetensors`` and its ``manifest.json``
 (:mod:`storage.checkpoint`); checkpoints, DDP checkpoints and learners' inner states are state
@@ -25,12 +26,15 @@ __all__ = ["plan_key", "config_key",
            "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
            "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
            "split_checkpoint_url", "ddp_checkpoint_prefix", "learner_prefix",
-           "summary_key", "metrics_log_key", "merge_log_key"]
+           "summary_key", "metrics_log_key", "merge_log_key",
+           "lease_prefix", "lease_claim_key", "lease_renewal_key", "lease_released_key", "parse_lease_key"]
 
 _CONTRIB, _GLOBALS, _CHECKPOINTS = "contrib", "globals", "checkpoints"
 _STATE_FILE, _MANIFEST = "state.safetensors", "manifest.json"
 _CONTRIB_RE = re.compile(rf"^{_CONTRIB}/p(\d+)/r(\d+)/")
 _VERSION_RE = re.compile(rf"^{_GLOBALS}/p(\d+)/v(\d+)\b")
+_LEASE = "lease"
+_LEASE_RE = re.compile(r"^(\d{8})/(claim|renewal-(\d{8})|released)\.json$")
 
 
 def plan_key(run_id: str) -> str:
@@ -197,3 +201,39 @@ def metrics_log_key(run_id: str, epoch: str) -> str:
 def merge_log_key(run_id: str, epoch: str) -> str:
     """JSON lines, one per merge: unix time, fragment, round, version, merged update ids."""
     return f"{run_id}/epochs/{epoch}/merges.jsonl"
+
+
+# -- the synchronizer's lease on its run (fencing) -------------------------------------------
+
+
+def lease_prefix(run_id: str) -> str:
+    """Every lease object of a run lies under this prefix: one folder per lease epoch."""
+    return f"{run_id}/{_LEASE}"
+
+
+def lease_claim_key(run_id: str, lease_epoch: int) -> str:
+    """Created once (exclusive create) by the synchronizer that takes ``lease_epoch``."""
+    return f"{lease_prefix(run_id)}/{lease_epoch:08d}/claim.json"
+
+
+def lease_renewal_key(run_id: str, lease_epoch: int, k: int) -> str:
+    """Renewal ``k`` of lease epoch ``lease_epoch`` (each one a new object; the previous is deleted)."""
+    return f"{lease_prefix(run_id)}/{lease_epoch:08d}/renewal-{k:08d}.json"
+
+
+def lease_released_key(run_id: str, lease_epoch: int) -> str:
+    """Written by a synchronizer that stopped cleanly: the lease may be taken at once."""
+    return f"{lease_prefix(run_id)}/{lease_epoch:08d}/released.json"
+
+
+def parse_lease_key(run_id: str, key: str) -> tuple[int, str, int] | None:
+    """``(lease_epoch, kind, k)`` of a lease key of ``run_id``: kind ``claim`` (k 0), ``renewal``
+    (k its number) or ``released`` (k 0); None for any other key."""
+    prefix = f"{lease_prefix(run_id)}/"
+    if not key.startswith(prefix):
+        return None
+    m = _LEASE_RE.match(key[len(prefix):])
+    if m is None:
+        return None
+    kind = m.group(2).partition("-")[0]
+    return int(m.group(1)), kind, int(m.group(3) or 0)

@@ -41,20 +41,36 @@ def config(**extra):
     return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
 
 
-async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronizer:
-    """Start the synchronizer and one learner per store; stop when ``until(status)`` holds on the
-    synchronizer's status; return the final status (the run stopped, its logs written)."""
+async def serve_in_process(sync: Synchronizer, token: str):
+    """Serve ``sync`` on a free loopback port and start its actor: (HTTP runner, URL, actor task)."""
     from aiohttp import web
 
-    store = next(iter(stores.values()))
-    sync = Synchronizer(cfg, ObjectStore(store.url), "frun")
-    await asyncio.to_thread(sync.publish_initial)
-    runner = web.AppRunner(make_app(sync, TOKEN))
+    runner = web.AppRunner(make_app(sync, token))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    actor = asyncio.create_task(sync.run())
+    return runner, url, asyncio.create_task(sync.run())
+
+
+async def stop_in_process(sync: Synchronizer, runner, actor, learners: list, threads: list) -> None:
+    """Stop the run (final checkpoint, logs written), then the learners, then the HTTP server."""
+    await sync.request("stop", "test over")
+    await asyncio.wait_for(actor, 60)
+    for learner in learners:
+        learner.stop_event.set()
+    for t in threads:
+        await asyncio.to_thread(t.join, 20)
+    await runner.cleanup()
+
+
+async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronizer:
+    """Start the synchronizer and one learner per store; stop when ``until(status)`` holds on the
+    synchronizer's status; return the final status (the run stopped, its logs written)."""
+    store = next(iter(stores.values()))
+    sync = Synchronizer(cfg, ObjectStore(store.url), "frun")
+    await asyncio.to_thread(sync.publish_initial)
+    runner, url, actor = await serve_in_process(sync, TOKEN)
     learners = [Learner(lid, i, url, st, TOKEN, give_up_after_s=30) for i, (lid, st) in enumerate(stores.items())]
     threads = [threading.Thread(target=learner.run, daemon=True) for learner in learners]
     for t in threads:
@@ -65,13 +81,7 @@ async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronize
 
         await await_until(reached, 60, "the test's condition on the synchronizer's status", interval_s=0.05)
     finally:
-        await sync.request("stop", "test over")
-        await asyncio.wait_for(actor, 60)
-        for learner in learners:
-            learner.stop_event.set()
-        for t in threads:
-            await asyncio.to_thread(t.join, 20)
-        await runner.cleanup()
+        await stop_in_process(sync, runner, actor, learners, threads)
     return sync.status()
 
 

@@ -25,6 +25,7 @@ from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.group import LearnerGroup, place_workload
+from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
 from diloco_async.messages import JoinResponse, VersionInfo
@@ -178,11 +179,44 @@ class Learner:
             self._restored_step = local_step
             log.info("%s restored its inner state from checkpoint %d (step %d, bases %s)", self.learner_id,
                      saved.seq, local_step, versions)
+            self._rebase_to_join(jr.versions, workload, base_tensors, counters)
         else:
             base_tensors = self._load_versions(jr.versions, workload)
         return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id,
                          index=self.index, incarnation=self.incarnation, base_tensors=base_tensors,
                          counters=counters, start_step=start_step, restored=saved is not None, group=self.group)
+
+    def _rebase_to_join(self, versions: list[VersionInfo], workload: Workload,
+                        base_tensors: dict[int, dict[str, torch.Tensor]],
+                        counters: dict[int, tuple[int, int, float]]) -> None:
+        """Move restored progress onto the versions named at join (issue 14 item 7), in place.
+
+        A fragment whose saved base differs from the version named at join is *rebased*: θ ←
+        θ + (Θ^join − Θ^saved base) (:func:`~diloco_async.learner.rules.adopt` ``rebase``), so
+        the outer gradient later sent is the same progress, measured from Θ^join, and its
+        counters are kept. Without the saved base's tensors the progress is *discarded*: θ ←
+        Θ^join and the counters restart. Either way the learner never reports or trains on a base
+        older than the one named at join; each case is logged.
+        """
+        params = workload.params
+        for v in versions:
+            p, saved = v.fragment, self.shared.base.get(v.fragment)
+            if saved == v.version:
+                continue
+            new, v = self._fetch_initial(v)
+            old = base_tensors.get(p)
+            keep = old is not None and all(n in old and old[n].shape == t.shape for n, t in new.items())
+            moved = adopt("rebase" if keep else "overwrite", params, new, base=old)
+            with torch.no_grad():
+                for n, val in moved.items():
+                    params[n].copy_(val)
+            if not keep:
+                counters[p] = (0, 0, 0.0)
+            base_tensors[p] = new
+            self.shared.base[p] = v.version
+            log.warning("%s: fragment %d saved on base v%s, join names v%d: %s", self.learner_id, p, saved,
+                        v.version, f"rebased its {counters.get(p, (0,))[0]} saved steps onto v{v.version}" if keep
+                        else "saved progress discarded (no saved base to rebase from)")
 
     def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, dict[str, torch.Tensor]]:
         """Copy the versions named at join into the model; returns them as the base tensors."""

@@ -10,6 +10,7 @@
 ``lifecycle``       :class:`Phase` and its allowed transitions
 ``work``            blocking work run in threads: fetch and verify, merge and publish
 ``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
+``lease``           the run's lease (fencing a second synchronizer), fenced writes
 ``reporting``       counters, metric stream, merge log, summary and status
 ``logs``            bounded in-memory logs that spill to local disk
 ``http``            the aiohttp application in front of the actor

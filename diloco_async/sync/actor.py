@@ -36,6 +36,7 @@ from diloco_async.policy import RoundStage, budget_stop_reason
 from diloco_async.sync import persistence, reporting
 from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
+from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
@@ -69,7 +70,7 @@ def _learner_of(body: Any) -> str:
     return str(getattr(body, "learner_id", "-"))
 
 
-class Synchronizer(RoundDriver, Checkpointing):
+class Synchronizer(RoundDriver, Checkpointing, Fencing):
     """The synchronizer of one run.
 
     Args:
@@ -80,15 +81,21 @@ class Synchronizer(RoundDriver, Checkpointing):
         spill_dir: folder of the metric and merge spill files (default: the temporary folder).
         metrics_tail, merges_tail, settled_cap: records kept in memory (see
             :mod:`~diloco_async.sync.reporting` and :data:`~diloco_async.sync.rounds.SETTLED_CAP`).
+        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write
+            and delete checks it first, and a lost lease ends :meth:`run` at once with
+            :class:`~diloco_async.sync.lease.LeaseLost` (the caller renews it:
+            :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
     """
 
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
                  metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL,
-                 settled_cap: int = SETTLED_CAP) -> None:
+                 settled_cap: int = SETTLED_CAP, lease: Lease | None = None) -> None:
         self.cfg = cfg
         self.sc = cfg.synchronizer
-        self.store = store
+        self.lease = lease
+        self.lease_epoch = lease.lease_epoch if lease is not None else 0
+        self.store = FencedStore(store, lease) if lease is not None else store
         self.run_id = run_id
         self.clock = clock
         self.inbox: asyncio.Queue = asyncio.Queue()
@@ -162,7 +169,11 @@ class Synchronizer(RoundDriver, Checkpointing):
     # -- the actor loop -----------------------------------------------------------------------
 
     async def run(self) -> dict:
-        """Run until the budget is spent and the final checkpoint is written; returns the summary."""
+        """Run until the budget is spent and the final checkpoint is written; returns the summary.
+
+        Raises:
+            LeaseLost: another synchronizer took the run's lease; nothing was published since.
+        """
         try:
             while not self.finished.is_set():
                 try:
@@ -178,6 +189,9 @@ class Synchronizer(RoundDriver, Checkpointing):
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             self.close()
+        if self.life.phase is Phase.FENCED:
+            assert self.lease is not None and self.lease.lost
+            raise LeaseLost(self.lease.lost)
         assert self.final_summary is not None
         return self.final_summary
 
@@ -314,6 +328,9 @@ class Synchronizer(RoundDriver, Checkpointing):
     def _advance(self) -> None:
         """One pass of the clock-driven part; each part is guarded on its own (:meth:`_guarded`)."""
         now = self.clock()
+        self._guarded(self._check_lease, now)
+        if self.life.phase is Phase.FENCED:
+            return
         for part in (self._liveness, self._check_budget, self._schedule, self._progress_rounds,
                      self._check_drain, self._checkpoint_if_due, self._progress_stop):
             self._guarded(part, now)

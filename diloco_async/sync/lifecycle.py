@@ -13,6 +13,9 @@
 * WRITING_SUMMARY: the summary is fixed; metrics, summary and merge log go to the store.
 * FINISHING: written; waiting until every live learner was told to stop (at most 15 s).
 * FINISHED: the actor loop ends.
+* FENCED (from any phase but FINISHED): the run's lease was lost to another synchronizer; nothing
+  more is published or checkpointed, learners are not told to stop (they reconnect to the
+  holder), and the actor loop ends at once.
 """
 
 from __future__ import annotations
@@ -30,16 +33,18 @@ class Phase(enum.Enum):
     WRITING_SUMMARY = "writing_summary"
     FINISHING = "finishing"
     FINISHED = "finished"
+    FENCED = "fenced"
 
 
 _ALLOWED: dict[Phase, frozenset[Phase]] = {
-    Phase.RUNNING: frozenset({Phase.DRAINING, Phase.STOPPING}),
-    Phase.DRAINING: frozenset({Phase.STOPPING}),
-    Phase.STOPPING: frozenset({Phase.FINAL_CHECKPOINT}),
-    Phase.FINAL_CHECKPOINT: frozenset({Phase.WRITING_SUMMARY}),
-    Phase.WRITING_SUMMARY: frozenset({Phase.FINISHING}),
-    Phase.FINISHING: frozenset({Phase.FINISHED}),
+    Phase.RUNNING: frozenset({Phase.DRAINING, Phase.STOPPING, Phase.FENCED}),
+    Phase.DRAINING: frozenset({Phase.STOPPING, Phase.FENCED}),
+    Phase.STOPPING: frozenset({Phase.FINAL_CHECKPOINT, Phase.FENCED}),
+    Phase.FINAL_CHECKPOINT: frozenset({Phase.WRITING_SUMMARY, Phase.FENCED}),
+    Phase.WRITING_SUMMARY: frozenset({Phase.FINISHING, Phase.FENCED}),
+    Phase.FINISHING: frozenset({Phase.FINISHED, Phase.FENCED}),
     Phase.FINISHED: frozenset(),
+    Phase.FENCED: frozenset(),
 }
 
 _STOPPED = frozenset({Phase.STOPPING, Phase.FINAL_CHECKPOINT, Phase.WRITING_SUMMARY, Phase.FINISHING,

@@ -8,6 +8,7 @@ the blocking ones before serving.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from diloco_async.sync.state import FragmentState
 from diloco_async.sync.work import put_version
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
-from storage.store import IntegrityError, ObjectRef, ObjectStore
+from storage.store import IntegrityError, ObjectRef, ObjectStore, sha256_hex
 
 if TYPE_CHECKING:
     from diloco_async.sync.actor import Synchronizer
@@ -37,7 +38,7 @@ def publish_initial(sync: Synchronizer) -> None:
     })
     sync.store.put_json(keys.config_key(sync.run_id), sync.cfg.public_dict())
     for f in sync.fragments:
-        f.refs[0] = put_version(sync.store, sync.run_id, f.p, 0, f.current)
+        f.refs[0] = put_version(sync.store, sync.run_id, f.p, 0, f.current, lease_epoch=sync.lease_epoch)
     log.info("synchronizer run=%s: %d fragments, schema %s…", sync.run_id, sync.plan.num_fragments,
              sync.plan.schema_hash[:12])
 
@@ -101,8 +102,10 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     Restores every fragment's value, momentum and outer-step count, versions, round counters,
     the learner registry and the goodput ledgers, so the next outer step equals the one an
     uninterrupted run would take. Versions published after the checkpoint (by a synchronizer
-    that died before checkpointing again) are superseded: the checkpoint's value is re-published
-    under the next free version number, so learners adopt it.
+    that died before checkpointing again) are kept: each one that verifies joins the history and
+    the newest becomes the fragment's value, with the checkpoint's momentum
+    (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them are
+    not stranded.
 
     Raises:
         ValueError: the checkpoint belongs to another run, or its config or fragment plan
@@ -112,7 +115,7 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     m = ckpt.manifest
     for f in sync.fragments:
         _restore_fragment(sync, f, ckpt)
-        _supersede_orphans(sync, f)
+        _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
     sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
     sync.report.counters.clear()
     sync.report.counters.update(m["counters"])
@@ -141,24 +144,50 @@ def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) ->
     f.refs = {v: r for v, r in f.refs.items() if v in f.history}
 
 
-def _supersede_orphans(sync: Synchronizer, f: FragmentState) -> None:
+def _adopt_published(sync: Synchronizer, f: FragmentState, lease_epoch: int) -> None:
+    """Keep the versions of ``f`` published after the checkpoint (blocking; store reads).
+
+    Each listed version above the checkpoint's is read, decoded and checked (shapes, finite
+    values, its header's fragment and version); one published by a lower lease epoch than a
+    version or checkpoint before it was written by a synchronizer already fenced out and is
+    skipped. The kept ones join the history, the newest becomes ``f.current`` and the optimizer's
+    parameters; the momentum and outer-step count stay the checkpoint's; the next round follows
+    the newest round a kept version merged. Unreadable versions are skipped (logged).
+    """
     prefix = keys.fragment_versions_prefix(sync.run_id, f.p)
-    listed = (keys.parse_version_key(sync.run_id, k) for k in sync.store.list(prefix))
-    newest = max((pv[1] for pv in listed if pv is not None and pv[0] == f.p), default=f.version)
-    if newest <= f.version:
-        return
-    v = newest + 1
-    while True:
+    listed = sorted({pv[1] for pv in map(partial(keys.parse_version_key, sync.run_id), sync.store.list(prefix))
+                     if pv is not None and pv[0] == f.p and pv[1] > f.version})
+    floor, kept = lease_epoch, []
+    for v in listed:
+        key = keys.version_key(sync.run_id, f.p, v)
         try:
-            ref = put_version(sync.store, sync.run_id, f.p, v, f.current)
-            break
-        except FileExistsError:  # a listing can be stale: take the next number
-            v += 1
-    log.warning("fragment %d: versions %d..%d were published after the checkpoint and are superseded; "
-                "the checkpoint's value is version %d", f.p, f.version + 1, newest, v)
-    f.history[v] = f.current
-    f.refs[v] = ref
-    f.version = v
+            data = sync.store.get_unverified(key)
+            tensors, meta = wire.decode_from_bytes(data, "fp32", f.shapes)
+            if meta.get("fragment") != str(f.p) or meta.get("version") != str(v):
+                raise ValueError(f"its header names fragment {meta.get('fragment')} version {meta.get('version')}")
+            if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+                raise ValueError("non-finite values")
+        except (FileNotFoundError, ValueError) as err:
+            log.warning("fragment %d: published version %d unusable after resume (%s)", f.p, v, err)
+            continue
+        epoch = int(meta.get("lease_epoch") or 0)
+        if epoch < floor:
+            log.warning("fragment %d: version %d was published by lease epoch %d after epoch %d had taken over; "
+                        "skipped", f.p, v, epoch, floor)
+            continue
+        floor = epoch
+        f.history[v], f.refs[v] = tensors, ObjectRef(key, len(data), sha256_hex(data))
+        f.version, f.current = v, tensors
+        f.next_round = max(f.next_round, int(meta.get("round") or 0) + 1)
+        kept.append(v)
+    if not kept:
+        return
+    f.optimizer.load_state(f.current, f.momentum if f.outer_steps > 0 else None, steps_taken=f.outer_steps)
+    for old in [v for v in f.history if v < f.version - sync.sc.max_staleness]:
+        del f.history[old]
+        f.refs.pop(old, None)
+    log.warning("fragment %d: versions %s were published after the checkpoint and are kept; version %d is the "
+                "current value (momentum from the checkpoint); next round %d", f.p, kept, f.version, f.next_round)
 
 
 def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -187,5 +216,6 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included
         "wall_s": sync.clock() - sync.started_s,
         "epoch": sync.epoch,
+        "lease_epoch": sync.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
     }
     return tensors, manifest

@@ -3,6 +3,11 @@
 :func:`serve` runs the actor behind its HTTP server until the budget is spent; :func:`main`
 is the command line. The run's secret token comes from the environment (``DILOCO_RUN_TOKEN``)
 and is never logged; extra storage options (JSON) from ``DILOCO_STORAGE_OPTIONS``.
+
+Before it publishes anything the process takes the run's lease (:mod:`~diloco_async.sync.lease`).
+Exit codes: 0 finished, 2 bad arguments or checkpoint, :data:`EXIT_LEASE_HELD` another
+synchronizer holds the run (the message names it), :data:`EXIT_LEASE_LOST` the lease was taken
+over while running (nothing was published after that).
 """
 
 from __future__ import annotations
@@ -23,31 +28,48 @@ from diloco_async.client import TOKEN_ENV
 from diloco_async.config import Config, load_config
 from diloco_async.sync.actor import Synchronizer
 from diloco_async.sync.http import make_app
+from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
-from storage.checkpoint import Checkpoint
+from storage import keys
+from storage.checkpoint import Checkpoint, list_checkpoint_seqs
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
 from storage.store import ObjectStore
 
-__all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV"]
+__all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV", "EXIT_LEASE_HELD", "EXIT_LEASE_LOST"]
 
 log = logging.getLogger("diloco.server")
 
+#: exit code of a synchronizer that refused to start: another one holds the run's lease
+EXIT_LEASE_HELD = 4
+#: exit code of a synchronizer whose lease was taken over while it ran
+EXIT_LEASE_LOST = 5
 
 
 async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None,
-                resume: Checkpoint | None = None) -> dict:
+                resume: Checkpoint | None = None, lease: Lease | None = None) -> dict:
     """Run a synchronizer until its budget is spent; returns the run summary.
 
-    With ``resume``, the outer state comes from that verified checkpoint of the same run.
+    With ``resume``, the outer state comes from that verified checkpoint of the same run. The
+    run's ``lease`` is taken here when not given; it is released after a clean finish.
 
-    Writes ``{"url", "run_id", "pid", "epoch"}`` to ``ready_file`` (atomically) once the server listens.
-    SIGTERM and SIGINT start a clean stop (final checkpoint, learners told to stop).
+    Writes ``{"url", "run_id", "pid", "epoch", "lease_epoch"}`` to ``ready_file`` (atomically)
+    once the server listens. SIGTERM and SIGINT start a clean stop (final checkpoint, learners
+    told to stop).
+
+    Raises:
+        LeaseHeld: another synchronizer holds the run's lease (nothing was written).
+        LeaseLost: the lease was taken over while running (nothing was written after that).
     """
-    sync = Synchronizer(cfg, store, run_id)
+    sc = cfg.synchronizer
+    if lease is None:
+        lease = await asyncio.to_thread(acquire, store, run_id, sc.lease_ttl_s, sc.lease_renew_s)
+    lease.start_renewing()
+    sync = Synchronizer(cfg, store, run_id, lease=lease)
     try:
         await asyncio.to_thread(sync.publish_initial if resume is None else partial(sync.restore, resume))
     except BaseException:
         sync.close()
+        await asyncio.to_thread(_release, lease)
         raise
     runner = web.AppRunner(make_app(sync, token), access_log=None)
     await runner.setup()
@@ -64,14 +86,35 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
             pass
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch}))
+        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
+                                   "lease_epoch": lease.lease_epoch}))
         tmp.replace(ready_file)
     try:
         summary = await sync.run()
     finally:
         await runner.cleanup()
+    await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _release(lease: Lease) -> None:
+    try:
+        lease.release()
+    except Exception as err:  # the lease then expires after its ttl
+        log.warning("could not release lease epoch %d: %s: %s", lease.lease_epoch, type(err).__name__, err)
+
+
+def _take_lease(args: argparse.Namespace, cfg: Config, store: ObjectStore, run_id: str, ckpt: Checkpoint | None,
+                env_options: dict) -> tuple[Lease, Config, ObjectStore, Checkpoint | None]:
+    """Take the run's lease; a resume from the newest checkpoint then picks it again, so one
+    written by the previous holder meanwhile is not missed."""
+    lease = acquire(store, run_id, cfg.synchronizer.lease_ttl_s, cfg.synchronizer.lease_renew_s)
+    lease.start_renewing()
+    if ckpt is not None and keys.split_checkpoint_url(args.resume)[2] is None \
+            and max(list_checkpoint_seqs(store, run_id), default=0) > ckpt.seq:
+        cfg, store, _, ckpt = open_checkpoint(args.resume, args.config, args.set, env_options)
+    return lease, cfg, store, ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +145,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.set)
             store = ObjectStore(cfg.run.store, {**cfg.run.storage_options, **env_options})
             run_id, ckpt = args.run_id, None
-        asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt))
+        lease, cfg, store, ckpt = _take_lease(args, cfg, store, run_id, ckpt, env_options)
+        asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt, lease=lease))
     except ValueError as err:
         log.error("%s", err)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except LeaseHeld as err:
+        log.error("%s", err)
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_LEASE_HELD
+    except LeaseLost as err:
+        log.error("%s", err)
+        print(f"error: {err}; stopped publishing and checkpointing", file=sys.stderr)
+        return EXIT_LEASE_LOST
     return 0

@@ -83,6 +83,7 @@ class RoundDriver:
     waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
     settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
     g: int | None  # the global step
+    lease_epoch: int  # of this synchronizer's lease on the run (0: none)
 
     def _spawn(self, coro) -> None:  # provided by the actor
         raise NotImplementedError
@@ -307,7 +308,7 @@ class RoundDriver:
             # the contributions are fixed here, on the actor's loop: the worker thread gets its own list
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]
             result = await asyncio.to_thread(merge_and_publish, self.store, self.run_id, f, n, contribs,
-                                             self.sc.merge, quorum_wait_s)
+                                             self.sc.merge, quorum_wait_s, self.lease_epoch)
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")
@@ -324,8 +325,9 @@ class RoundDriver:
             rnd.state.abandon()
             log.error("fragment %d round %d abandoned: %s (version stays %d)", f.p, res.round_n, res.reason, f.version)
             self.report.abandon("merge_failed")
+            code = "lease_lost" if res.reason.startswith(("LeaseLost", "LeaseExpired")) else "merge_failed"
             for lid in rnd.contributions:  # counted, never lost silently
-                self._reject(lid, "merge_failed", dropped.get(lid, res.reason), f.p, res.round_n)
+                self._reject(lid, code, dropped.get(lid, res.reason), f.p, res.round_n)
             return
         for lid, why in dropped.items():  # left out so that the others could merge
             self._reject(lid, "merge_failed", why, f.p, res.round_n)
@@ -335,7 +337,7 @@ class RoundDriver:
 
     def _adopt_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
         """The new version becomes the fragment's value; learners are told; ledgers credited."""
-        f.version += 1
+        f.version = res.version
         f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
         f.history[f.version] = res.new
         f.refs[f.version] = res.ref

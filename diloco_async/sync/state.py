@@ -174,6 +174,7 @@ class Merged:
     new: dict[str, torch.Tensor] | None = None
     momentum: dict[str, torch.Tensor] | None = None
     ref: ObjectRef | None = None
+    version: int = 0  # the version published (the fragment's next, unless a number was taken)
     merged: list[str] = field(default_factory=list)
     seconds: float = 0.0
     quorum_wait_s: float = 0.0

@@ -11,6 +11,7 @@ that fragment's optimizer until it reports back.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -23,17 +24,49 @@ from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
-__all__ = ["put_version", "fetch_and_verify", "rejection_reason", "merge_and_publish"]
+__all__ = ["put_version", "publish_next_version", "fetch_and_verify", "rejection_reason", "merge_and_publish",
+           "VERSION_SKIPS"]
+
+log = logging.getLogger("diloco.synchronizer")
 
 
-def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[str, torch.Tensor]) -> ObjectRef:
-    """Publish version ``v`` of fragment ``p`` (fp32 safetensors, immutable key).
+#: version numbers tried past one already taken (by a fenced-out synchronizer) before a merge fails
+VERSION_SKIPS = 4
+
+
+def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[str, torch.Tensor], *,
+                lease_epoch: int = 0, round_n: int = 0) -> ObjectRef:
+    """Publish version ``v`` of fragment ``p`` (fp32 safetensors, immutable key). The header
+    names the fragment, the version, the round it merged and the lease epoch of its publisher
+    (a resume uses them to rebuild the published history, docs/resume-and-fencing.md).
 
     Raises:
         FileExistsError: that version was already published.
     """
-    data = wire.encode_to_bytes(tensors, "fp32", {"fragment": str(p), "version": str(v)})
-    return store.put(keys.version_key(run_id, p, v), data)
+    meta = {"fragment": str(p), "version": str(v), "lease_epoch": str(lease_epoch), "round": str(round_n)}
+    return store.put(keys.version_key(run_id, p, v), wire.encode_to_bytes(tensors, "fp32", meta))
+
+
+def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tensors: dict[str, torch.Tensor], *,
+                         lease_epoch: int, round_n: int) -> tuple[int, ObjectRef]:
+    """Publish ``tensors`` as the next version of fragment ``f``: ``f.version + 1``, or the next
+    free number when a synchronizer fenced out since wrote that one (logged; at most
+    :data:`VERSION_SKIPS` numbers skipped). Returns (version, ref).
+
+    Raises:
+        FileExistsError: every number tried was taken.
+    """
+    v = f.version + 1
+    for skip in range(VERSION_SKIPS + 1):
+        try:
+            return v + skip, put_version(store, run_id, f.p, v + skip, tensors, lease_epoch=lease_epoch,
+                                         round_n=round_n)
+        except FileExistsError:
+            if skip == VERSION_SKIPS:
+                raise
+            log.error("fragment %d: version %d exists but was not published by this synchronizer (lease epoch "
+                      "%d); taking the next number", f.p, v + skip, lease_epoch)
+    raise AssertionError("unreachable")
 
 
 def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dict[str, tuple[int, ...]],
@@ -106,8 +139,10 @@ def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mo
 
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
-                      contribs: list[Contribution], merge_mode: str, quorum_wait_s: float) -> Merged:
-    """Merge one round of fragment ``f`` and publish version ``f.version + 1``.
+                      contribs: list[Contribution], merge_mode: str, quorum_wait_s: float,
+                      lease_epoch: int = 0) -> Merged:
+    """Merge one round of fragment ``f`` and publish version ``f.version + 1`` (or the next free
+    number, :func:`publish_next_version`).
 
     Each outer gradient is clipped where the guard said so, anchored on the current value
     (``merge.anchor``, DESIGN §4.1), weighted by c_tokens²/c_steps (§4.2) and merged with RDA or
@@ -145,10 +180,10 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         else:
             return Merged(p, n, False, first, dropped=dropped)
     try:
-        ref = put_version(store, run_id, p, f.version + 1, new)
+        version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=n)
     except Exception as err:
         restore()
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
-    return Merged(p, n, True, "published", new=new, momentum=f.optimizer.momentum(), ref=ref,
+    return Merged(p, n, True, "published", new=new, momentum=f.optimizer.momentum(), ref=ref, version=version,
                   outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
                   seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped)
