@@ -48,8 +48,6 @@ def test_no_request_acts_as_another_learner(fuzzed):
     assert fuzzed.impersonations_accepted == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 item 3 (update guard, branch 'guard'): a finite outer gradient "
-                   "of norm 1e30 is merged; remove this mark when the guard merges")
 def test_no_norm_outlier_is_published(fuzzed):
     assert fuzzed.poison_acks, "the poisoner announced nothing"
     assert fuzzed.published_max_abs <= 100.0

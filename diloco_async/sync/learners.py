@@ -33,6 +33,7 @@ class LearnerInfo:
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
     stop_sent: bool = False
+    reported: bool = False  # sent a heartbeat to this synchronizer process (a restored step may be stale)
 
     def to_json(self) -> dict:
         """What a checkpoint keeps of this slot."""
@@ -105,6 +106,7 @@ class LearnerRegistry:
         """
         info = self.learners[hb.learner_id]
         was_lost = not info.live
+        info.reported = True
         dt_s = now_s - info.last_seen_s
         clamped = []
         step, over = hb.step, False

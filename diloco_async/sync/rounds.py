@@ -109,8 +109,12 @@ class RoundDriver:
             self.g = g
             self.report.metric("sync/global_step", g, g)
         H, num = self.sc.sync_every, len(self.fragments)
-        shift, why = schedule_shift(g=g, shift=self.schedule_shift_steps, sync_every=H, next_due=[
-            round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.fragments])
+        # judged only on steps reported to this process: after a resume, the restored steps are the
+        # checkpoint's and lag the versions kept since, which would look like a schedule out of reach
+        current = all(i.reported for i in self.registry.live())
+        due = [round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.fragments]
+        shift, why = (schedule_shift(g=g, shift=self.schedule_shift_steps, sync_every=H, next_due=due) if current
+                      else (self.schedule_shift_steps, None))
         if why is not None:
             self.schedule_shift_steps = shift
             self.report.count("schedule_shifts")
