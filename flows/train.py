@@ -87,7 +87,8 @@ class TrainingRun(RunProcesses):
         if self.deployer is None:
             return super().learner_handle(index, incarnation)
         return self.deployer.start_learner(index, incarnation, {
-            "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id})
+            "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id},
+            env=self.learner_env(f"learner-{index}"))
 
     def learner_flow_runs(self) -> list[dict]:
         """Every learner flow run this run created (deployments launcher), oldest first."""

@@ -1,6 +1,7 @@
 """``python -m diloco_async.learner``: run one learner process.
 
-Environment: ``DILOCO_RUN_TOKEN`` (required, the run's secret), ``DILOCO_STORAGE_OPTIONS`` (JSON
+Environment: ``DILOCO_LEARNER_TOKEN`` (required: this learner's own token, see
+:func:`diloco_async.auth.learner_token` and ``diloco-async token``), ``DILOCO_STORAGE_OPTIONS`` (JSON
 fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records).
 Exit codes: 0 stopped by the synchronizer, 2 usage, 3 the synchronizer was lost or refused us.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from diloco_async.client import TOKEN_ENV, ProtocolError
+from diloco_async.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.learner.process import Learner
 from diloco_async.timeline import Recorder
 from storage.options import storage_options_from_env
@@ -41,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s learner {args.learner_id} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    token = os.environ.get(TOKEN_ENV, "")
+    token = os.environ.get(LEARNER_TOKEN_ENV, "")
     if not token:
-        print(f"error: {TOKEN_ENV} is not set", file=sys.stderr)
+        print(f"error: {LEARNER_TOKEN_ENV} is not set: give this learner its own token, from the operator's "
+              f"`diloco-async token --run-id RUN --learner-id {args.learner_id}`", file=sys.stderr)
         return 2
     options: dict[str, Any] = storage_options_from_env()
     tl_dir = os.environ.get(TIMELINE_DIR_ENV)
