@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from diloco_async import codec as wire
+from diloco_async.auth import learner_token
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
@@ -55,7 +56,8 @@ async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronize
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     actor = asyncio.create_task(sync.run())
-    learners = [Learner(lid, i, url, st, TOKEN, give_up_after_s=30) for i, (lid, st) in enumerate(stores.items())]
+    learners = [Learner(lid, i, url, st, learner_token(TOKEN, "frun", lid), give_up_after_s=30)
+                for i, (lid, st) in enumerate(stores.items())]
     threads = [threading.Thread(target=learner.run, daemon=True) for learner in learners]
     for t in threads:
         t.start()
