@@ -119,6 +119,17 @@ def test_learner_token_is_the_hmac_of_the_contract():
     assert creds.as_learner("s3cret", "anyone").ok  # the run secret may act as any learner
 
 
+def test_contribution_keys_name_their_learner():
+    key = keys.contribution_key(RUN, 2, 7, "learner-1", "0a1b2c")
+    assert keys.contribution_learner(RUN, key) == "learner-1"
+    assert keys.contribution_learner(RUN, key.replace("learner-1-", "learner-1-x-")) == "learner-1-x"
+    for other in (f"{RUN}/contrib/p002/r00000007/sub/learner-1-0a.safetensors", f"{RUN}/globals/p002/v1.safetensors",
+                  key.replace(RUN, "run2", 1), key.replace(".safetensors", ".tmp")):
+        assert keys.contribution_learner(RUN, other) is None, other
+    with pytest.raises(ValueError, match="nonce"):
+        keys.contribution_key(RUN, 2, 7, "learner", "x-1")  # would name learner "learner-x"
+
+
 def test_rate_limited_log_writes_one_line_per_reason_and_period(caplog):
     now = [0.0]
     rl = RateLimitedLog(logging.getLogger("diloco.test"), period_s=10.0, clock=lambda: now[0])
