@@ -1,8 +1,9 @@
 """The one client of the synchronizer's HTTP API (DESIGN §4): async over aiohttp, plus a blocking helper.
 
-Routes (``diloco_async.server``): ``POST /join``, ``/heartbeat``, ``/announce``, ``/checkpoint``
-(bearer token), ``GET /metrics`` (bearer token), ``GET /status`` and ``/health`` (open), and the
-WebSocket push channel ``GET /ws``. Bodies are JSON objects shaped like the models of
+Routes (``diloco_async.server``): ``POST /join``, ``/heartbeat``, ``/announce`` and the WebSocket
+push channel ``GET /ws`` (a learner's own token, or the run secret), ``POST /checkpoint`` and
+``GET /metrics`` (the run secret), ``GET /status`` and ``/health`` (open); see
+:mod:`diloco_async.auth`. Bodies are JSON objects shaped like the models of
 :mod:`diloco_async.messages`; this module sends and returns plain dicts so that it imports
 neither torch nor the learner (the status view and the flows use it).
 
@@ -25,12 +26,17 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "SyncClient", "call_blocking", "fetch_status",
+__all__ = ["TOKEN_ENV", "LEARNER_TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "SyncClient",
+           "call_blocking", "fetch_status",
            "request_checkpoint"]
 
-#: Seconds one request may take (the default of ``learners.request_timeout_s``).
-#: The environment variable that carries the run's bearer token to every process of a run.
+#: The environment variable that carries the run's secret to the synchronizer and the operator's
+#: processes (flows, checkpoint requests); never to a learner.
 TOKEN_ENV = "DILOCO_RUN_TOKEN"
+#: The environment variable that carries a learner's own token
+#: (:func:`diloco_async.auth.learner_token`) to that learner's process.
+LEARNER_TOKEN_ENV = "DILOCO_LEARNER_TOKEN"
+#: Seconds one request may take (the default of ``learners.request_timeout_s``).
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
 _FATAL_STATUSES = (401, 403, 413)
 
@@ -44,8 +50,8 @@ class SyncClient:
 
     Args:
         url: the synchronizer's base URL, e.g. ``http://127.0.0.1:8765``.
-        token: the run's secret token, sent as ``Authorization: Bearer <token>``; None sends no
-            header (enough for the open routes ``/status`` and ``/health``).
+        token: the credential sent as ``Authorization: Bearer <token>``: a learner's own token or
+            the run secret; None sends no header (enough for the open routes ``/status`` and ``/health``).
         request_timeout_s: seconds one request (or a WebSocket handshake) may take; an attribute
             that may be changed while the client is open (``learners.request_timeout_s``).
         before_post: awaited with the path before every POST (chaos: delay or drop a control
@@ -191,7 +197,7 @@ def request_checkpoint(url: str, token: str, timeout_s: float = 300.0) -> dict:
     """``POST {url}/checkpoint`` from synchronous code; see :meth:`SyncClient.checkpoint`.
 
     Raises:
-        ProtocolError (RuntimeError): a wrong token (HTTP 401).
+        ProtocolError (RuntimeError): a wrong credential (HTTP 401) or not the run secret (403).
         ConnectionError (OSError): the synchronizer does not answer within ``timeout_s``.
     """
     return call_blocking(url, token, "checkpoint", request_timeout_s=timeout_s)

@@ -189,6 +189,12 @@ class SynchronizerConfig(_Section):
         "writers that died, once this old (s); must exceed the longest upload of the run."
     )
     client_max_size_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted HTTP body.")
+    max_learners: int = Field(256, ge=1, description="Learner ids a run accepts; a join of one more is refused "
+                              "(learner_cap). A learner rejoining its own id does not count twice.")
+    request_body_timeout_s: float = Field(30.0, gt=0, description="A request body not received in this many "
+                                          "seconds gets 408 (body_timeout).")
+    idle_timeout_s: float = Field(75.0, gt=0, description="A connection that sends no complete request for this "
+                                  "long is closed (idle keep-alive, or headers trickled in slowly).")
     ema_alpha: float = Field(0.3, gt=0, le=1, description="Smoothing of step and sync time estimates.")
     drain_s: float = Field(
         10.0, ge=0, description="On a stop, first open a last round of every fragment so the learners' progress "
@@ -335,7 +341,7 @@ _OPERATIONAL = {
                  "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s", "lease_ttl_s",
-                     "lease_renew_s"),
+                     "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s"),
 }
 
 

@@ -1,6 +1,10 @@
 """Start, signal and stop the processes of a run (the synchronizer, learners, DDP ranks) on this
 machine.
 
+Credentials are never inherited: a child gets ``DILOCO_RUN_TOKEN`` or ``DILOCO_LEARNER_TOKEN``
+only when the caller passes it in ``env`` (the run secret goes to the synchronizer alone, each
+learner gets only its own token).
+
 Every process started here leads its own session and process group, with its output in
 ``{log_dir}/{name}.log``; signalling a handle signals the whole group, so no descendant is left
 behind. :class:`LocalProcessLauncher` runs ``python argv...`` as a subprocess;
@@ -24,8 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+
 __all__ = ["ProcessHandle", "Launcher", "LocalProcess", "LocalProcessLauncher", "ForkedProcess",
            "ForkServerLauncher", "stop_process", "wait_for_ready_file"]
+
+
+_NOT_INHERITED = (TOKEN_ENV, LEARNER_TOKEN_ENV)  # reach a child only through its ``env``
+
+
+def _inherited(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` without the credentials of :data:`_NOT_INHERITED`."""
+    return {k: v for k, v in environ.items() if k not in _NOT_INHERITED}
 
 
 class ProcessHandle(Protocol):
@@ -141,7 +155,7 @@ class LocalProcessLauncher:
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> LocalProcess:
         log_path = self.log_dir / f"{name}.log"
-        full_env = dict(os.environ)
+        full_env = _inherited(dict(os.environ))
         full_env.update(env)
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -192,6 +206,8 @@ def _forked_main(module: str, args: list[str], env: dict[str, str], log_path: st
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    for name in _NOT_INHERITED:
+        os.environ.pop(name, None)
     os.environ.update(env)
     sys.argv = [module, *args]
     code = 1

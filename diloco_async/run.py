@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import time
 from pathlib import Path
 from typing import Any
 
-from diloco_async.client import TOKEN_ENV, ProtocolError, call_blocking, fetch_status
+from diloco_async.auth import learner_token
+from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config
 from diloco_async.devices import check_devices
 from diloco_async.learner import TIMELINE_DIR_ENV
@@ -42,8 +44,10 @@ class RunProcesses:
         cfg: the run's recipe.
         config_path: the recipe file the processes load (None: defaults), with ``overrides``.
         overrides: ``section.field=value`` strings.
-        run_id: id of a new run (a fresh one when None).
+        run_id: id of a new run (a fresh one when None; the URL's run when resuming).
         resume_url: continue from ``{store}/{run_id}/checkpoints/{seq}`` instead of starting a run.
+        run_secret: the run's secret (admin credential); default ``$DILOCO_RUN_TOKEN`` when set
+            (so the operator can also request checkpoints), else a fresh random one.
         launcher: how processes start (default: subprocesses, logs in ``{workdir}/logs``).
 
     Raises:
@@ -52,28 +56,33 @@ class RunProcesses:
 
     Attributes:
         workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines.
-        env: environment of every process (the run's token, storage options, timeline folder).
+        token: the run's secret: only the synchronizer's environment carries it.
+        env: environment shared by every process (storage options, timeline folder); no credential.
+            The synchronizer also gets ``DILOCO_RUN_TOKEN``, each learner only its own token in
+            ``DILOCO_LEARNER_TOKEN`` (:meth:`learner_env`).
         sync: the synchronizer's handle once started.
         learners: learner id -> handle of its newest incarnation; ``retired``: earlier ones.
     """
 
     def __init__(self, cfg: Config, config_path: str | None, overrides: list[str],
                  run_id: str | None = None, resume_url: str | None = None,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None, run_secret: str | None = None) -> None:
         if cfg.run.launcher == "local":
             check_devices(cfg.learners)
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
+        if run_id is None and resume_url:
+            run_id = keys.split_checkpoint_url(resume_url)[1]
         self.run_id = run_id or new_run_id()
         self.resume_url = resume_url
         self.epoch: str | None = None
-        self.token = secrets.token_urlsafe(32)
+        self.token = run_secret or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
         self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
         self.launcher = launcher if launcher is not None else LocalProcessLauncher(self.workdir / "logs")
-        self.env = {TOKEN_ENV: self.token, STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
+        self.env = {STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
                     TIMELINE_DIR_ENV: str(self.workdir / "timeline")}
         self.sync: Any | None = None
         self.learners: dict[str, Any] = {}  # learner id -> process handle (newest incarnation)
@@ -87,6 +96,10 @@ class RunProcesses:
     def _log(self, line: str) -> None:
         """One line per supervision decision (subclasses send it elsewhere)."""
         log.warning("%s", line)
+
+    def learner_env(self, learner_id: str) -> dict[str, str]:
+        """The environment of ``learner_id``'s process: :attr:`env` and that learner's own token."""
+        return {**self.env, LEARNER_TOKEN_ENV: learner_token(self.token, self.run_id, learner_id)}
 
     def _config_args(self) -> list[str]:
         args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
@@ -104,7 +117,7 @@ class RunProcesses:
         ready.unlink(missing_ok=True)
         which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
         argv = ["-m", "diloco_async.server", *self._config_args(), *which, "--ready-file", str(ready)]
-        self.sync = self.launcher.start("synchronizer", argv, self.env)
+        self.sync = self.launcher.start("synchronizer", argv, {**self.env, TOKEN_ENV: self.token})
         info = wait_for_ready_file(ready, self.sync)
         self.sync_url, self.epoch = info["url"], info["epoch"]
         return self.sync_url
@@ -120,7 +133,7 @@ class RunProcesses:
         argv = [*entry, "--learner-id", lid, "--index", str(index), "--sync-url", str(self.sync_url),
                 "--store", self.store.url, "--incarnation", str(incarnation),
                 "--group-timeout-s", str(lc.group_timeout_s)]
-        return self.launcher.start(lid, argv, self.env)
+        return self.launcher.start(lid, argv, self.learner_env(lid))
 
     def _spawn_learner(self, index: int, incarnation: int) -> Any:
         lid = f"learner-{index}"

@@ -172,6 +172,27 @@ def _chaos(args: argparse.Namespace) -> int:
     return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
 
 
+def _token(args: argparse.Namespace) -> int:
+    """Print one learner's token, derived from the run secret in ``$DILOCO_RUN_TOKEN``."""
+    import os
+    import re
+
+    from diloco_async.auth import learner_token
+    from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+    from diloco_async.messages import LEARNER_ID_PATTERN
+
+    secret = os.environ.get(TOKEN_ENV, "")
+    if not secret:
+        print(f"error: {TOKEN_ENV} is not set: the run's secret derives every learner's token", file=sys.stderr)
+        return 2
+    if not re.match(LEARNER_ID_PATTERN, args.learner_id):
+        print(f"error: learner id {args.learner_id!r} does not match {LEARNER_ID_PATTERN}", file=sys.stderr)
+        return 2
+    token = learner_token(secret, args.run_id, args.learner_id)
+    print(f"{LEARNER_TOKEN_ENV}={token}" if args.env else token)
+    return 0
+
+
 def _simulate(argv: list[str]) -> int:
     from flows.simulate_cli import main as sim_main
 
@@ -237,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                          help="also write every row (with availability, tokens and the eval-loss curve) "
                               "to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
+    p_token = sub.add_parser("token", help="print a learner's own token (the run secret is read from "
+                                           "$DILOCO_RUN_TOKEN) for a learner started by hand")
+    p_token.add_argument("--run-id", required=True, help="the run's id (printed by train, in the store's layout)")
+    p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
+    p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")
+    p_token.set_defaults(func=_token)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -14,9 +14,11 @@
 With ``run.launcher = "deployments"``, :class:`DeploymentLauncher` starts the ``train`` flow's
 learners as such flow runs; a :class:`FlowRunHandle` follows one (``diloco_async.procs.ProcessHandle``).
 
-Secrets never travel as flow parameters: the run's bearer token (``DILOCO_RUN_TOKEN``) and the
-storage options (``DILOCO_STORAGE_OPTIONS``, JSON) come from the flow run's environment, i.e. the
-``env`` job variable of the work pool or of the flow run.
+Secrets never travel as flow parameters: credentials and the storage options
+(``DILOCO_STORAGE_OPTIONS``, JSON) come from the flow run's environment, i.e. the ``env`` job
+variable of the work pool or of the flow run. The synchronizer and checkpoint flows need the run's
+secret (``DILOCO_RUN_TOKEN``); a learner flow needs only its own token (``DILOCO_LEARNER_TOKEN``,
+see :mod:`diloco_async.auth`), which the ``train`` flow puts in each learner flow run's ``env``.
 
 Why in-process: a learner or synchronizer started by these flows *is* the flow-run process. A
 process work pool's worker runs each flow run as the leader of its own process group and, on
@@ -40,7 +42,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from diloco_async.client import TOKEN_ENV
+from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: F401  (STORAGE_OPTIONS_ENV: re-exported; no torch)
 
 # Only Prefect at import time: on cancellation the process worker imports this module again in a
@@ -54,10 +56,10 @@ SYNC_URL_ENV = "DILOCO_SYNC_URL"
 STORE_URL_ENV = "DILOCO_STORE_URL"
 
 
-def _require_token() -> str:
-    token = os.environ.get(TOKEN_ENV, "")
+def _require_token(name: str = TOKEN_ENV) -> str:
+    token = os.environ.get(name, "")
     if not token:
-        raise ValueError(f"{TOKEN_ENV} is not set in this flow run's environment: pass it as the `env` job "
+        raise ValueError(f"{name} is not set in this flow run's environment: pass it as the `env` job "
                          "variable of the flow run or of the work pool")
     return token
 
@@ -86,13 +88,14 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
             (``learners.*`` of the recipe); 1 and 1: one process, this one.
 
     Raises:
-        ValueError: ``DILOCO_RUN_TOKEN`` missing from the environment, or bad storage options.
+        ValueError: ``DILOCO_LEARNER_TOKEN`` (this learner's own token) missing from the
+            environment, or bad storage options.
         RuntimeError: the learner exited with a non-zero code (the flow run ends Failed).
     """
     from diloco_async.learner import main as learner_main
 
     logger = get_run_logger()
-    _require_token()
+    _require_token(LEARNER_TOKEN_ENV)
     storage_options_from_env()
     logger.info("%s (incarnation %d) of run %s in region %s: pid %d, synchronizer %s, store %s", learner_id,
                 incarnation, run_id or "?", region, os.getpid(), sync_url, store_url)
@@ -194,7 +197,7 @@ def request_checkpoint(sync_url: str, store_url: str, token: str, storage_option
     Args:
         sync_url: the synchronizer's base URL.
         store_url: the run's object-store root.
-        token: the run's bearer token.
+        token: the run's secret (a learner's token is refused: 403).
         storage_options: fsspec options of the store.
         timeout_s: seconds to wait for the synchronizer to write the checkpoint.
 
@@ -204,8 +207,8 @@ def request_checkpoint(sync_url: str, store_url: str, token: str, storage_option
 
     Raises:
         RuntimeError: the synchronizer refused or failed the checkpoint (e.g. a wrong token:
-            ``diloco_async.client.ProtocolError`` with 401), or no checkpoint at least as new as
-            the one it reported verifies in the store.
+            ``diloco_async.client.ProtocolError`` with 401, or a learner's token: 403), or no
+            checkpoint at least as new as the one it reported verifies in the store.
         ConnectionError: the synchronizer is not reachable.
     """
     from diloco_async.client import call_blocking
@@ -353,8 +356,8 @@ class DeploymentLauncher:
     Args:
         deployment_template: ``"flow name/deployment name"`` with ``{region}`` (``learner/{region}``).
         regions: learner ``i`` runs in ``regions[i % len(regions)]``.
-        env: environment for the learner's flow-run process (the run's token and storage
-            options), passed as the ``env`` job variable.
+        env: environment for every learner's flow-run process (storage options; no credential),
+            passed as the ``env`` job variable; :meth:`start_learner` adds the learner's own token.
         tags: Prefect tags of every learner flow run.
     """
 
@@ -370,8 +373,10 @@ class DeploymentLauncher:
     def region_of(self, index: int) -> str:
         return self.regions[index % len(self.regions)]
 
-    def start_learner(self, index: int, incarnation: int, parameters: dict[str, Any]) -> FlowRunHandle:
-        """Create the learner's flow run on its region's pool and return its handle.
+    def start_learner(self, index: int, incarnation: int, parameters: dict[str, Any],
+                      env: dict[str, str] | None = None) -> FlowRunHandle:
+        """Create the learner's flow run on its region's pool and return its handle; ``env`` (e.g.
+        the learner's own token) is added to the flow run's environment.
 
         Raises:
             RuntimeError: the deployment does not exist (run ``prefect deploy`` first) or the
@@ -387,7 +392,7 @@ class DeploymentLauncher:
         try:
             fr = run_deployment(deployment, parameters={**parameters, "region": region, "learner_id": name,
                                                         "index": index, "incarnation": incarnation},
-                                timeout=0, flow_run_name=run_name, job_variables={"env": self.env},
+                                timeout=0, flow_run_name=run_name, job_variables={"env": {**self.env, **(env or {})}},
                                 tags=[*self.tags, name, f"region:{region}"])
         except ObjectNotFound:
             raise RuntimeError(f"Prefect deployment {deployment!r} not found: deploy it with "

@@ -22,6 +22,7 @@ import re
 
 __all__ = ["plan_key", "config_key",
            "contributions_prefix", "contribution_round_prefix", "contribution_key", "parse_contribution_key",
+           "contribution_learner",
            "versions_prefix", "fragment_versions_prefix", "version_key", "parse_version_key",
            "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
            "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
@@ -31,6 +32,7 @@ __all__ = ["plan_key", "config_key",
 
 _CONTRIB, _GLOBALS, _CHECKPOINTS = "contrib", "globals", "checkpoints"
 _STATE_FILE, _MANIFEST = "state.safetensors", "manifest.json"
+_CONTRIB_SUFFIX = ".safetensors"
 _CONTRIB_RE = re.compile(rf"^{_CONTRIB}/p(\d+)/r(\d+)/")
 _VERSION_RE = re.compile(rf"^{_GLOBALS}/p(\d+)/v(\d+)\b")
 _LEASE = "lease"
@@ -59,12 +61,29 @@ def contribution_round_prefix(run_id: str, fragment: int, round_n: int) -> str:
 
 
 def contribution_key(run_id: str, fragment: int, round_n: int, learner: str, nonce: str) -> str:
-    return f"{contribution_round_prefix(run_id, fragment, round_n)}/{learner}-{nonce}.safetensors"
+    """Where ``learner`` puts its contribution to a round; ``nonce`` has no ``-`` (e.g. hex).
+
+    Raises:
+        ValueError: ``nonce`` is empty or holds ``-`` or ``/`` (the key would name another learner).
+    """
+    if not nonce or "-" in nonce or "/" in nonce:
+        raise ValueError(f"contribution nonce {nonce!r} must be non-empty, without '-' or '/'")
+    return f"{contribution_round_prefix(run_id, fragment, round_n)}/{learner}-{nonce}{_CONTRIB_SUFFIX}"
 
 
 def parse_contribution_key(run_id: str, key: str) -> tuple[int, int] | None:
     """``(fragment, round)`` of a contribution key of ``run_id``; None for any other key."""
     return _parse(_CONTRIB_RE, run_id, key)
+
+
+def contribution_learner(run_id: str, key: str) -> str | None:
+    """The learner whose own prefix holds contribution key ``key`` of ``run_id`` (the name before the
+    last ``-`` of ``{learner}-{nonce}.safetensors``; nonces have no ``-``); None for any other key."""
+    if parse_contribution_key(run_id, key) is None or not key.endswith(_CONTRIB_SUFFIX):
+        return None
+    name = key[len(run_id) + 1:].split("/", 3)[3][: -len(_CONTRIB_SUFFIX)]
+    learner, sep, nonce = name.rpartition("-")
+    return learner if sep and learner and nonce and "/" not in name else None
 
 
 def versions_prefix(run_id: str) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.client import fetch_status
+from diloco_async.client import TOKEN_ENV, fetch_status
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 REGIONS = ("region-a", "region-b")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUN_SECRET = "operator-secret-of-the-deployments-test"  # in the pools' environment, as an operator sets it
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=32", "learners.count=2",
         "learners.batch_size=8", "synchronizer.num_fragments=3", "synchronizer.sync_every=12",
@@ -71,7 +72,7 @@ class PrefectStack:
                         PREFECT_UI_ENABLED="false", DO_NOT_TRACK="1", MLFLOW_DISABLE_TELEMETRY="true",
                         PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_AUTO_INSTALL_DEPENDENCIES="false",
                         PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS="5",
-                        PREFECT_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="1")
+                        PREFECT_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="1", **{TOKEN_ENV: RUN_SECRET})
         self.server: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
@@ -333,14 +334,20 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     sync_pids = _pids_with_arg(run_id)
     assert sync_pids and all(before.values()), (before, sync_pids)
     # while it runs: what the scheduled `checkpoint` deployment does, against the live synchronizer
-    from diloco_async.client import TOKEN_ENV
+    from diloco_async.auth import learner_token
+    from diloco_async.client import LEARNER_TOKEN_ENV
     from flows.deployments import request_checkpoint
 
-    token = runs[0].job_variables["env"][TOKEN_ENV]
-    ck = request_checkpoint(runs[0].parameters["sync_url"], runs[0].parameters["store_url"], token)
+    learner_env = runs[0].job_variables["env"]  # a learner's flow run gets its own token, not the run secret
+    assert TOKEN_ENV not in learner_env
+    assert learner_env[LEARNER_TOKEN_ENV] == learner_token(RUN_SECRET, run_id, runs[0].parameters["learner_id"])
+    sync_url, store_url = runs[0].parameters["sync_url"], runs[0].parameters["store_url"]
+    ck = request_checkpoint(sync_url, store_url, RUN_SECRET)
     assert ck["run_id"] == runs[0].parameters["run_id"] and ck["verified_seq"] >= ck["seq"] >= 1
+    with pytest.raises(RuntimeError, match="403"):  # a learner's token is no admin credential
+        request_checkpoint(sync_url, store_url, learner_env[LEARNER_TOKEN_ENV])
     with pytest.raises(RuntimeError, match="401"):
-        request_checkpoint(runs[0].parameters["sync_url"], runs[0].parameters["store_url"], "wrong-token")
+        request_checkpoint(sync_url, store_url, "wrong-token")
     from prefect.states import Cancelling
 
     with stack.client() as c:  # what `prefect flow-run cancel <id>` does

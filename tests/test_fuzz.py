@@ -41,8 +41,6 @@ def test_memory_stays_flat_and_nothing_non_finite_is_published(fuzzed):
     assert fuzzed.published_read > 0 and fuzzed.published_non_finite == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 item 2 (per-learner credentials, branch 'auth'): any token holder "
-                   "acts as any learner; remove this mark when the auth branch merges")
 def test_no_request_acts_as_another_learner(fuzzed):
     assert sum(n for kind, st in fuzzed.by_kind.items() if kind.endswith("/impersonation") for n in st.values()) > 0
     assert fuzzed.impersonations_accepted == 0

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.client import TOKEN_ENV, call_blocking, fetch_status
+from diloco_async.auth import learner_token
+from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from storage import keys
 from storage.checkpoint import latest_checkpoint
@@ -25,6 +26,11 @@ from polling import wait_until
 pytestmark = pytest.mark.integration
 
 TOKEN = "integration-token"
+
+
+def learner_env(run_id: str, learner_id: str) -> dict[str, str]:
+    """A learner started by hand gets only its own token, never the run secret."""
+    return {LEARNER_TOKEN_ENV: learner_token(TOKEN, run_id, learner_id)}
 
 
 def tiny_recipe(tmp_path: Path, learners: int, wall_s: float) -> Path:
@@ -66,7 +72,8 @@ def test_sigkill_one_of_three_learners(tmp_path):
         for i in range(3):
             procs[i] = launcher.start(f"learner-{i}", ["-m", "diloco_async.learner", "--learner-id", f"learner-{i}",
                                                        "--index", str(i), "--sync-url", url,
-                                                       "--store", f"file://{tmp_path}/store"], env)
+                                                       "--store", f"file://{tmp_path}/store"],
+                                       learner_env("itest", f"learner-{i}"))
         wait_until(lambda: fetch_status(url)["merges"] >= 6, 60, "six merges with three learners")
         killed_ms = int(time.time() * 1000)  # metric timestamps are unix ms of the same machine
         procs[2].kill()
@@ -116,7 +123,8 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
     def learner(i: int, incarnation: int):
         proc = launcher.start(f"learner-{i}.{incarnation}", [
             "-m", "diloco_async.learner", "--learner-id", f"learner-{i}", "--index", str(i), "--sync-url", url,
-            "--store", f"file://{tmp_path}/store", "--incarnation", str(incarnation)], env)
+            "--store", f"file://{tmp_path}/store", "--incarnation", str(incarnation)],
+            learner_env("rtest", f"learner-{i}"))
         procs.append(proc)
         return proc
 

@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from diloco_async import codec as wire
+from diloco_async.auth import learner_token
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
@@ -71,7 +72,8 @@ async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronize
     sync = Synchronizer(cfg, ObjectStore(store.url), "frun")
     await asyncio.to_thread(sync.publish_initial)
     runner, url, actor = await serve_in_process(sync, TOKEN)
-    learners = [Learner(lid, i, url, st, TOKEN, give_up_after_s=30) for i, (lid, st) in enumerate(stores.items())]
+    learners = [Learner(lid, i, url, st, learner_token(TOKEN, "frun", lid), give_up_after_s=30)
+                for i, (lid, st) in enumerate(stores.items())]
     threads = [threading.Thread(target=learner.run, daemon=True) for learner in learners]
     for t in threads:
         t.start()

@@ -255,10 +255,11 @@ async def test_stale_and_unknown_rounds_rejected():
         plan = await join_all(client)
         await open_first_round(client)
         body, _ = await contribute(client, store, "a", fragment_delta(plan, 1))
-        stale = dict(body, base_version=7, update_id="x1", learner_id="b")
+        own = {lid: body["key"].replace("/a-", f"/{lid}-") for lid in ("b", "c")}  # a learner announces its own keys
+        stale = dict(body, base_version=7, update_id="x1", learner_id="b", key=own["b"])
         ack = await (await client.post("/announce", json=stale, headers=AUTH)).json()
         assert ack["status"] == "rejected" and ack["reason"].startswith("too_stale")
-        unknown = dict(body, round_n=9, update_id="x2", learner_id="c")
+        unknown = dict(body, round_n=9, update_id="x2", learner_id="c", key=own["c"])
         ack = await (await client.post("/announce", json=unknown, headers=AUTH)).json()
         assert ack["status"] == "rejected" and ack["reason"].startswith("unknown_round")
         assert (await status(client))["rejected_by_reason"] == {"too_stale": 1, "unknown_round": 1}

@@ -25,8 +25,9 @@ import aiohttp
 import psutil
 from yarl import URL
 
+from diloco_async.auth import learner_token
 from diloco_async.chaos.fuzz import FuzzRequest, RequestGenerator
-from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, learner_token, published_extremes
+from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, published_extremes
 from diloco_async.chaos.slow_clients import SlowClients
 from diloco_async.client import SyncClient
 from diloco_async.config import load_config

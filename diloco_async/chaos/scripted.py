@@ -20,24 +20,15 @@ import aiohttp
 import torch
 
 from diloco_async import codec as wire
+from diloco_async.auth import learner_token
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.fragments import FragmentPlan
 from storage import keys
 from storage.store import ObjectStore
 
-__all__ = ["learner_token", "ScriptedLearners", "Poisoner", "POISONS", "published_extremes"]
+__all__ = ["ScriptedLearners", "Poisoner", "POISONS", "published_extremes"]
 
 log = logging.getLogger("diloco.chaos.scripted")
-
-
-def learner_token(run_secret: str, run_id: str, learner_id: str) -> str:
-    """The token learner ``learner_id`` sends: its per-learner token where the product derives
-    one (``diloco_async.auth.learner_token``), otherwise the run's secret."""
-    try:
-        from diloco_async.auth import learner_token as derive  # type: ignore[import-not-found]
-    except ImportError:
-        return run_secret
-    return derive(run_secret, run_id, learner_id)
 
 
 class ScriptedLearners:

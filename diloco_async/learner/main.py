@@ -2,7 +2,8 @@
 torchrun group (``RANK``/``WORLD_SIZE`` set by ``torch.distributed.run``; see
 :mod:`diloco_async.learner.group`): rank 0 runs the :class:`Learner`, the others follow it.
 
-Environment: ``DILOCO_RUN_TOKEN`` (required, the run's secret), ``DILOCO_STORAGE_OPTIONS`` (JSON
+Environment: ``DILOCO_LEARNER_TOKEN`` (required: this learner's own token, see
+:func:`diloco_async.auth.learner_token` and ``diloco-async token``), ``DILOCO_STORAGE_OPTIONS`` (JSON
 fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records).
 Exit codes: 0 stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or
 refused us (or, on a rank other than 0, rank 0 could not join).
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from diloco_async.client import TOKEN_ENV, ProtocolError
+from diloco_async.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
 from diloco_async.timeline import Recorder
@@ -49,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s learner {who} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    token = os.environ.get(TOKEN_ENV, "")
+    token = os.environ.get(LEARNER_TOKEN_ENV, "")
     if not token:
-        print(f"error: {TOKEN_ENV} is not set", file=sys.stderr)
+        print(f"error: {LEARNER_TOKEN_ENV} is not set: give this learner its own token, from the operator's "
+              f"`diloco-async token --run-id RUN --learner-id {args.learner_id}`", file=sys.stderr)
         return 2
     group = LearnerGroup.from_env(args.group_timeout_s)
     try:

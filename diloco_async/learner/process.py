@@ -51,7 +51,7 @@ class Learner:
         index: data shard index in ``[0, learners.count)``.
         sync_url: base URL of the synchronizer, e.g. ``http://127.0.0.1:8765``.
         store: the run's object store (same root as the synchronizer's).
-        token: the run's secret token.
+        token: this learner's own token (:func:`diloco_async.auth.learner_token`).
         incarnation: restart count of this slot (0 for the first start).
         give_up_after_s: exit when the synchronizer has not answered for this long.
         recorder: where timeline records go (none written by default).

@@ -12,14 +12,16 @@
 ``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
 ``lease``           the run's lease (fencing a second synchronizer), fenced writes
 ``reporting``       counters, metric stream, merge log, summary and status
-``logs``            bounded in-memory logs that spill to local disk
+``logs``            bounded in-memory logs that spill to local disk; rate-limited log lines
 ``http``            the aiohttp application in front of the actor
+``gate``            credentials and the counters of requests refused at the edge
+``snapshot``        the status snapshot the actor publishes for ``/status`` and ``/health``
 ``process``         :func:`serve` and the command line (``python -m diloco_async.server``)
 ==================  ===================================================================
 """
 
 from diloco_async.sync.actor import Synchronizer
-from diloco_async.sync.http import make_app
+from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lifecycle import Phase
 from diloco_async.sync.persistence import open_checkpoint
 from diloco_async.sync.process import STORAGE_OPTIONS_ENV, TOKEN_ENV, main, serve
@@ -32,6 +34,7 @@ __all__ = [
     "initial_parameters",
     "new_run_id",
     "make_app",
+    "runner_options",
     "serve",
     "main",
     "open_checkpoint",

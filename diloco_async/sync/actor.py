@@ -38,9 +38,10 @@ from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
 from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
 from diloco_async.sync.lifecycle import Lifecycle, Phase
-from diloco_async.sync.logs import BoundedMap, JsonLinesLog
+from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
+from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
     CheckpointDone,
@@ -55,15 +56,25 @@ from diloco_async.sync.state import (
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP"]
 
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
+LEARNER_CAP = "learner_cap"
+"""Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
 
 class HandlerError(RuntimeError):
     """The reply to a request whose handling raised inside the actor (the run goes on)."""
+
+
+class Refused(Exception):
+    """The reply to a request the actor refuses on purpose: ``reason`` (e.g. ``learner_cap``), ``detail``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
 
 
 def _learner_of(body: Any) -> str:
@@ -117,6 +128,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.checkpoints = CheckpointBook(self.started_s)
         self.g: int | None = None
         self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
+        self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
+        self.refusals = RateLimitedLog(log)
         params, emb = initial_parameters(cfg)
         self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
         self.fragments = new_fragments(self.plan, params, self.sc)
@@ -183,6 +196,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
                 if msg is not None:
                     self._guarded(self._dispatch, msg)
                 self._advance()
+                if self.board.due() or self.finished.is_set():
+                    self._guarded(self._publish_status, None)
         finally:
             for t in list(self._tasks):
                 t.cancel()
@@ -204,6 +219,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         fut = asyncio.get_running_loop().create_future()
         await self.inbox.put(Request(kind, body, fut))
         return await fut
+
+    def _publish_status(self, _arg: Any) -> None:
+        t0 = time.perf_counter()
+        doc = self.status()
+        self.board.publish(doc, time.perf_counter() - t0)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -237,6 +257,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
                    "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
         try:
             msg.reply.set_result(handler(msg.body))
+        except Refused as err:
+            self.rejected_by_reason[err.reason] += 1
+            self.refusals.note(err.reason, f"{msg.kind} of learner={_learner_of(msg.body)} refused: {err.detail} "
+                                           f"({self.rejected_by_reason[err.reason]} so far)")
+            msg.reply.set_exception(err)
         except Exception as err:  # an error while handling one message must not kill the actor
             self.rejected_by_reason["handler_error"] += 1
             self.counters["requests_rejected"] += 1
@@ -259,13 +284,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
 
     # -- counted without a round --------------------------------------------------------------
 
-    def count_unauthenticated(self, remote: str) -> None:
-        """Called by the HTTP layer for a request without the run's token (counted, logged)."""
-        self.rejected_by_reason["unauthenticated"] += 1
-        self.counters["requests_rejected"] += 1
-        log.warning("rejected request from %s: unauthenticated", remote)
-        self.report.metric("sync/rejected/unauthenticated", self.rejected_by_reason["unauthenticated"])
-
     def count_bad_request(self, reason: str = "invalid") -> None:
         """Called by the HTTP layer for a request that does not validate (it logs it); ``reason``
         comes from a bounded set (``json_too_deep``, ``field:step``, ...)."""
@@ -282,6 +300,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         return out
 
     def _on_join(self, req: JoinRequest) -> JoinResponse:
+        if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
+            raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
+                                       f"(synchronizer.max_learners={self.sc.max_learners})")
         start_step = self.registry.join(req, self.clock(), self.g)
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)

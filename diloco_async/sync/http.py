@@ -1,36 +1,51 @@
 """The synchronizer's HTTP face: an aiohttp application in front of the actor.
 
-Routes (JSON bodies, pydantic-validated):
+Routes (JSON bodies, pydantic-validated) and the credential each needs
+(``Authorization: Bearer <credential>``, see :mod:`diloco_async.auth`):
 
-* ``POST /join``, ``POST /heartbeat``, ``POST /announce``, ``GET /metrics?since=N`` and the
-  WebSocket ``GET /ws`` (pushes ``round_open``, ``version`` and ``stop`` events) — need the
-  run's secret token as ``Authorization: Bearer <token>``; without it: 401, logged and counted.
-* ``POST /checkpoint`` — write a checkpoint now (answers when written); needs the token.
-* ``GET /status`` (run figures, learners, open rounds) and ``GET /health`` — open, read-only.
+* ``POST /join``, ``POST /heartbeat``, ``POST /announce`` and the WebSocket ``GET /ws?learner_id=L``
+  (pushes ``round_open``, ``version`` and ``stop`` events) — the token of the learner named in the
+  body (or the query), or the run secret. An announced object key must lie under the announcing
+  learner's own key prefix (:func:`storage.keys.contribution_learner`).
+* ``POST /checkpoint`` (write a checkpoint now; answers when written) and ``GET /metrics?since=N``
+  — the run secret only.
+* ``GET /status`` (run figures, learners, open rounds) and ``GET /health`` — open, read-only,
+  served from the snapshot the actor publishes (:mod:`~diloco_async.sync.snapshot`), never
+  through the actor's queue.
+
+A request without a valid credential gets 401 (``unauthenticated``); a learner's token used as
+another learner, for another learner's object key, or on an admin route gets 403
+(``forbidden``). Neither reaches the actor: each is counted under its reason (a fixed set, shown in
+``/status`` under ``rejected_by_reason``) and logged at most once per reason every 10 s. A body not
+received within ``synchronizer.request_body_timeout_s`` gets 408 (``body_timeout``, counted the
+same way); a connection that sends no complete request within ``synchronizer.idle_timeout_s`` is
+closed. A join beyond ``synchronizer.max_learners`` gets 403 with reason ``learner_cap``.
 
 A body or query that does not validate (not UTF-8, not JSON, nested too deep, an integer of more
 than 4300 digits, not an object, a field out of its bounds — see :mod:`diloco_async.messages`)
 gets 400 with ``{"error": "bad_request: ...", "reason": ...}`` naming the field, counted under
-``bad_request`` and by reason. A malformed ``Authorization`` header is a 401. JSON out is always
-standard JSON: non-finite floats become null.
+``bad_request`` and by reason (a body from a sender with no valid credential gets 401 instead).
+JSON out is always standard JSON: non-finite floats become null.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import math
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from diloco_async.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
 from diloco_async.messages import Announcement, Heartbeat, JoinRequest, MetricsQuery
-from diloco_async.sync.actor import HandlerError, Synchronizer
+from diloco_async.sync.actor import HandlerError, Refused, Synchronizer
+from diloco_async.sync.gate import BODY_TIMEOUT, Gate
+from diloco_async.sync.snapshot import dumps as _dumps
+from storage import keys
 
-__all__ = ["make_app"]
+__all__ = ["make_app", "runner_options"]
 
 log = logging.getLogger("diloco.server")
 
@@ -38,50 +53,39 @@ _OPEN_PATHS = {"/health", "/status"}
 
 
 SYNC = web.AppKey("sync", Synchronizer)
-TOKEN = web.AppKey("token", str)
+GATE = web.AppKey("gate", Gate)
 
 
 _DETAIL_CHARS = 300  # longest reason echoed to the client and logged
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float (at any depth) replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _dumps(value: Any) -> str:
-    """Standard JSON (RFC 8259): non-finite floats become null."""
-    try:
-        return json.dumps(value, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(value), allow_nan=False)
 
 
 def _json(value: Any, status: int = 200) -> web.Response:
     return web.json_response(value, status=status, dumps=_dumps)
 
 
-def _authorized(given: str, token: str) -> bool:
-    """Does the ``Authorization`` header carry the run token? (False for a non-ASCII header.)"""
-    try:
-        given_bytes = given.encode("ascii")
-    except UnicodeEncodeError:
-        return False
-    return hmac.compare_digest(given_bytes, f"Bearer {token}".encode())
+def _credential(request: web.Request) -> str | None:
+    return bearer_credential(request.headers.get("Authorization"))
+
+
+def _denied(request: web.Request, reason: str, detail: str) -> web.HTTPException:
+    """The 401/403/408 answer to a request refused at the edge; counted and (rate-limited) logged."""
+    request.app[GATE].refuse(reason, request.remote or "?", f"{request.method} {request.path}: {detail}")
+    kind = {UNAUTHENTICATED: web.HTTPUnauthorized, FORBIDDEN: web.HTTPForbidden}.get(reason, web.HTTPRequestTimeout)
+    return kind(text=_dumps({"error": f"{reason}: {detail}", "reason": reason}), content_type="application/json")
+
+
+def _check(request: web.Request, verdict: Verdict, wanted: str) -> None:
+    """Raise the refusal of ``verdict`` (``wanted`` names what was asked, for the log)."""
+    if not verdict.ok:
+        who = f"a token of {verdict.role}" if verdict.role else "a credential that matches nothing"
+        raise _denied(request, verdict.reason, f"{who} may not act as {wanted}")
 
 
 @web.middleware
 async def _auth(request: web.Request, handler):
-    if request.path not in _OPEN_PATHS and not _authorized(request.headers.get("Authorization", ""),
-                                                           request.app[TOKEN]):
-        request.app[SYNC].count_unauthenticated(request.remote or "?")
-        return _json({"error": "unauthenticated: missing or wrong run token"}, status=401)
+    """No credential at all: refused before anything is read. The route checks the rest."""
+    if request.path not in _OPEN_PATHS and _credential(request) is None:
+        raise _denied(request, UNAUTHENTICATED, "missing or malformed Authorization header")
     return await handler(request)
 
 
@@ -133,47 +137,92 @@ def _refuse(request: web.Request, bad: _BadRequest) -> web.HTTPBadRequest:
                               content_type="application/json")
 
 
-async def _parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
+async def _read(request: web.Request) -> bytes:
+    """The body, received within ``synchronizer.request_body_timeout_s`` (else 408, ``body_timeout``)."""
     try:
-        raw = await request.read()
+        async with asyncio.timeout(request.app[SYNC].sc.request_body_timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         request.app[SYNC].count_bad_request("too_large")
         raise
+    except TimeoutError:
+        raise _denied(request, BODY_TIMEOUT, "the body did not arrive in time") from None
+
+
+async def _parse_as_learner(request: web.Request, model: type[BaseModel]) -> Any:
+    """Read, authorize and validate the body of a learner's request: the credential must be the
+    token of the body's ``learner_id`` (or the run secret); then the body must validate."""
+    raw = await _read(request)
+    creds = request.app[GATE].credentials
+    credential = _credential(request)
     try:
-        return _validate(_decode(raw), model)
+        doc = _decode(raw)
+    except _BadRequest as bad:
+        _check(request, creds.as_anyone(credential), "anyone")
+        raise _refuse(request, bad) from None
+    claimed = doc.get("learner_id") if isinstance(doc, dict) else None
+    if isinstance(claimed, str) and claimed:
+        _check(request, creds.as_learner(credential, claimed), f"learner {claimed[:64]!r}")
+    else:
+        _check(request, creds.as_anyone(credential), "anyone")
+    try:
+        return _validate(doc, model)
     except _BadRequest as bad:
         raise _refuse(request, bad) from None
 
 
 async def _ask(request: web.Request, kind: str, body: Any) -> Any:
-    """The actor's answer to one request; an error while handling it is a 500 with its reason."""
+    """The actor's answer to one request; an error while handling it is a 500 with its reason, a
+    refusal (e.g. ``learner_cap``) a 403."""
     try:
         return await request.app[SYNC].request(kind, body)
+    except Refused as err:
+        raise web.HTTPForbidden(text=_dumps({"error": f"{err.reason}: {err.detail}", "reason": err.reason}),
+                                content_type="application/json") from None
     except HandlerError as err:
         raise web.HTTPInternalServerError(text=_dumps({"error": f"handler_error: {err}"}),
                                           content_type="application/json") from None
 
 
 async def _join(request: web.Request) -> web.Response:
-    resp = await _ask(request, "join", await _parse(request, JoinRequest))
+    resp = await _ask(request, "join", await _parse_as_learner(request, JoinRequest))
     return _json(resp.model_dump(mode="json"))
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
-    resp = await _ask(request, "heartbeat", await _parse(request, Heartbeat))
+    resp = await _ask(request, "heartbeat", await _parse_as_learner(request, Heartbeat))
     return _json(resp.model_dump(mode="json"))
 
 
 async def _announce(request: web.Request) -> web.Response:
-    resp = await _ask(request, "announce", await _parse(request, Announcement))
+    ann = await _parse_as_learner(request, Announcement)
+    owner = keys.contribution_learner(request.app[SYNC].run_id, ann.key)
+    if owner != ann.learner_id:
+        raise _denied(request, FORBIDDEN, f"learner {ann.learner_id!r} announced key {ann.key[:200]!r}, which is "
+                                          "not under its own contribution prefix")
+    resp = await _ask(request, "announce", ann)
     return _json(resp.model_dump(mode="json"))
 
 
+def _board(request: web.Request):
+    sync = request.app[SYNC]
+    if sync.board.doc is None:  # the actor has not run yet: nothing else touches the state
+        sync.board.publish(sync.status())
+    return sync.board
+
+
 async def _status(request: web.Request) -> web.Response:
-    return _json(await _ask(request, "status", None))
+    body = _board(request).status_body(request.app[SYNC].report.edge_rejections)
+    return web.Response(text=body, content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    ok, body = _board(request).health(request.app[SYNC].run_id)
+    return _json(body, status=200 if ok else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    _check(request, request.app[GATE].credentials.as_admin(_credential(request)), "the operator")
     try:
         query = _validate({k: v for k, v in request.query.items() if k == "since"}, MetricsQuery)
     except _BadRequest as bad:
@@ -182,6 +231,12 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _push(request: web.Request) -> web.WebSocketResponse:
+    lid = request.query.get("learner_id", "")
+    creds = request.app[GATE].credentials
+    if lid:
+        _check(request, creds.as_learner(_credential(request), lid), f"learner {lid[:64]!r}")
+    else:
+        _check(request, creds.as_admin(_credential(request)), "the operator")
     ws = web.WebSocketResponse(heartbeat=10.0)
     await ws.prepare(request)
     push = request.app[SYNC].push
@@ -205,25 +260,34 @@ async def _push(request: web.Request) -> web.WebSocketResponse:
 
 async def _checkpoint(request: web.Request) -> web.Response:
     """Write a checkpoint now; answers once it is written (or failed)."""
+    _check(request, request.app[GATE].credentials.as_admin(_credential(request)), "the operator")
     result = await _ask(request, "checkpoint", None)
     return _json(result, status=200 if result["ok"] else 500)
 
 
-async def _health(request: web.Request) -> web.Response:
-    return _json({"ok": True, "run_id": request.app[SYNC].run_id})
+def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
+    """The aiohttp application; handlers check credentials, validate and hand typed messages to the actor.
 
-
-def make_app(sync: Synchronizer, token: str) -> web.Application:
-    """The aiohttp application; handlers validate and hand typed messages to the actor.
+    Args:
+        sync: the synchronizer (its ``run_id`` names the run the learner tokens are derived for).
+        run_secret: the run's secret (admin credential; learners' tokens derive from it).
 
     Raises:
-        ValueError: an empty ``token``.
+        ValueError: an empty ``run_secret``.
     """
-    if not token:
-        raise ValueError("the run token must be a non-empty string")
+    if not run_secret:
+        raise ValueError("the run secret must be a non-empty string")
     app = web.Application(middlewares=[_auth], client_max_size=sync.sc.client_max_size_bytes)
-    app[SYNC], app[TOKEN] = sync, token
+    app[SYNC] = sync
+    app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
     app.add_routes([web.post("/join", _join), web.post("/heartbeat", _heartbeat), web.post("/announce", _announce),
                     web.get("/status", _status), web.get("/metrics", _metrics), web.get("/health", _health),
                     web.get("/ws", _push), web.post("/checkpoint", _checkpoint)])
     return app
+
+
+def runner_options(sync: Synchronizer) -> dict[str, Any]:
+    """Keyword arguments of ``web.AppRunner`` for this synchronizer: ``keepalive_timeout`` closes a
+    connection that sends no complete request within ``synchronizer.idle_timeout_s`` (a slow
+    client cannot hold a connection by trickling its headers)."""
+    return {"access_log": None, "keepalive_timeout": sync.sc.idle_timeout_s}

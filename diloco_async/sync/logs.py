@@ -3,22 +3,25 @@
 A run with 4 learners produces millions of metric points a day. :class:`JsonLinesLog` appends
 every record to a local JSON-lines spill file (on disk, not in memory) and keeps only the newest
 ``tail`` records in memory; readers that fell further behind read the file. :class:`BoundedMap` keeps the newest
-``cap`` entries of a mapping. Memory stays flat over a run of any length.
+``cap`` entries of a mapping; :class:`RateLimitedLog` writes at most one line per reason and
+period however many events come. Memory and log volume stay flat over a run of any length.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Generic, TypeVar
 
-__all__ = ["JsonLinesLog", "BoundedMap"]
+__all__ = ["JsonLinesLog", "BoundedMap", "RateLimitedLog"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -166,3 +169,38 @@ class BoundedMap(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class RateLimitedLog:
+    """Log lines about repeated events (e.g. refused requests), at most one per reason every
+    ``period_s`` seconds: the first event of a reason is logged at once, later ones are counted
+    and reported with the next line, ``"... (N more since the last line)"``.
+
+    Args:
+        logger: where the lines go (at WARNING).
+        period_s: seconds between two lines of one reason (> 0).
+        clock: monotonic clock in seconds (injectable for tests).
+
+    Raises:
+        ValueError: ``period_s`` <= 0.
+    """
+
+    def __init__(self, logger: logging.Logger, period_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if period_s <= 0:
+            raise ValueError(f"period_s must be > 0, got {period_s}")
+        self.logger, self.period_s, self.clock = logger, period_s, clock
+        self._last_s: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+
+    def note(self, reason: str, detail: str) -> bool:
+        """One event of ``reason`` (a name from a bounded set); returns whether a line was written."""
+        now = self.clock()
+        last = self._last_s.get(reason)
+        if last is not None and now - last < self.period_s:
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+            return False
+        more = self._unlogged.pop(reason, 0)
+        self._last_s[reason] = now
+        self.logger.warning("%s: %s%s", reason, detail, f" ({more} more since the last line)" if more else "")
+        return True

@@ -1,8 +1,9 @@
 """The synchronizer process: ``python -m diloco_async.server`` (or ``python -m diloco_async.sync``).
 
 :func:`serve` runs the actor behind its HTTP server until the budget is spent; :func:`main`
-is the command line. The run's secret token comes from the environment (``DILOCO_RUN_TOKEN``)
-and is never logged; extra storage options (JSON) from ``DILOCO_STORAGE_OPTIONS``.
+is the command line. The run's secret comes from the environment (``DILOCO_RUN_TOKEN``) and is
+never logged; learners authenticate with tokens derived from it (:mod:`diloco_async.auth`).
+Extra storage options (JSON) come from ``DILOCO_STORAGE_OPTIONS``.
 
 Before it publishes anything the process takes the run's lease (:mod:`~diloco_async.sync.lease`).
 Exit codes: 0 finished, 2 bad arguments or checkpoint, :data:`EXIT_LEASE_HELD` another
@@ -27,7 +28,7 @@ from aiohttp import web
 from diloco_async.client import TOKEN_ENV
 from diloco_async.config import Config, load_config
 from diloco_async.sync.actor import Synchronizer
-from diloco_async.sync.http import make_app
+from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
 from storage import keys
@@ -71,7 +72,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
         sync.close()
         await asyncio.to_thread(_release, lease)
         raise
-    runner = web.AppRunner(make_app(sync, token), access_log=None)
+    runner = web.AppRunner(make_app(sync, token), **runner_options(sync))
     await runner.setup()
     site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port)
     await site.start()

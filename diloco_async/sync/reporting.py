@@ -60,6 +60,9 @@ class Reporter:
         self.bad_requests: Counter[str] = Counter()  # requests answered 400, by reason (a bounded set)
         self.clamped_by_reason: Counter[str] = Counter()  # heartbeat figures held to the pace limits
         self.abandoned_by_reason: Counter[str] = Counter()  # rounds abandoned, by reason
+        # requests refused at the HTTP edge before the actor (unauthenticated, forbidden, body_timeout);
+        # written only by the edge (diloco_async.sync.gate), read here for the status and summary
+        self.edge_rejections: Counter[str] = Counter()
         self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
@@ -163,7 +166,7 @@ def summary(sync: Synchronizer) -> dict:
         "contributions_merged": c["contributions_merged"],
         "contributions_late": c["contributions_late"],
         "contributions_rejected": c["contributions_rejected"],
-        "rejected_by_reason": dict(rep.rejected_by_reason),
+        "rejected_by_reason": {**rep.rejected_by_reason, **{k: v for k, v in rep.edge_rejections.items() if v}},
         "bad_requests": dict(rep.bad_requests),
         "actor_errors": c["actor_errors"],
         "rounds_abandoned": c["rounds_abandoned"],
