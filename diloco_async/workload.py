@@ -7,9 +7,9 @@ all-reduces the gradients between backward and clip) both run it.
 :class:`Workload` is the seam where another model, device or process group plugs in: the
 learner's training thread only uses its ``params`` (by name, as the fragment plan names them),
 ``model`` (for the plan's embedding names), :meth:`Workload.step`, and the inner-state capture
-and restore. :meth:`Workload.from_config` builds today's one kind (a
-:class:`~diloco_async.model.ByteGPT` with AdamW on CPU, one process); a process group would
-all-reduce its gradients in ``inner_step``'s ``after_backward``, as the DDP rank does.
+and restore. :meth:`Workload.from_config` builds the recipe's model (any ``model.kind``,
+:mod:`diloco_async.models`) with AdamW over its trainable parameters, on CPU, one process; a
+process group would all-reduce its gradients in ``inner_step``'s ``after_backward``, as the DDP rank does.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from diloco_async.config import Config
 from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.model import ByteGPT
+from diloco_async.models import build_run_model, trainable_parameters
 
 __all__ = ["Workload", "inner_step", "warmup_lr", "data_generator", "jitter_random", "emulated_delay_s"]
 
@@ -41,7 +41,7 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
     (e.g. a gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step.
 
     Args:
-        model: has ``loss(inputs, targets)`` returning a scalar loss (nats/byte for ByteGPT).
+        model: has ``loss(inputs, targets)`` returning a scalar loss (nats/token).
         optimizer: the inner optimizer (AdamW) over ``model``'s parameters.
         inputs, targets: int64 [B, T] token windows and their next tokens.
         lr: learning rate of every parameter group for this step.
@@ -109,18 +109,19 @@ class Workload:
         self.model = model
         self.optimizer = optimizer
         self.generator = generator
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self.params: dict[str, torch.nn.Parameter] = trainable_parameters(model)  # what the plan covers
         self.batch_size, self.context = batch_size, context
         self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
         self.shard: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
-        """Learner ``index``'s workload of a run: ``ByteGPT(cfg.model)``, AdamW with
+        """Learner ``index``'s workload of a run: the recipe's model (``build_run_model``: every
+        learner builds the same frozen base), AdamW over its trainable parameters with
         ``learners.lr``/``weight_decay``, and the sampler seeded by (run seed, index, incarnation)."""
         lc = cfg.learners
-        model = ByteGPT(cfg.model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        model = build_run_model(cfg)
+        opt = torch.optim.AdamW(trainable_parameters(model).values(), lr=lc.lr, weight_decay=lc.weight_decay)
         return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size,
                    context=cfg.model.context, lr=lc.lr, warmup_steps=lc.warmup_steps, grad_clip=lc.grad_clip)
 

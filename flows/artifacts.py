@@ -1,6 +1,8 @@
 """Artifacts of a finished training run, logged to its MLflow run: a loss-curve PNG, samples of
-generated text, and the final global model (safetensors, plus an MLflow-logged torch model that
-``mlflow.pytorch.load_model`` loads back)."""
+generated text, and the final global model: for ``model.kind = "hf"`` a ``save_pretrained``
+folder ``hf_model/`` (also written to the store) that ``AutoModelForCausalLM.from_pretrained``
+(or, for a LoRA adapter, ``diloco_async.models.load_saved_model``) loads back; for the other
+kinds safetensors plus an MLflow-logged torch model that ``mlflow.pytorch.load_model`` loads back."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import mlflow  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from diloco_async.model import ByteGPT, generate  # noqa: E402
+from diloco_async.model import generate  # noqa: E402
+from diloco_async.models import ModelConfig, save_final_model, upload_folder  # noqa: E402
 from flows.tracking import MlflowSink  # noqa: E402
+from storage.store import ObjectStore  # noqa: E402
 
 __all__ = ["loss_curve_png", "text_samples", "log_run_artifacts", "SAMPLE_PROMPTS"]
 
@@ -42,7 +46,7 @@ def loss_curve_png(sink: MlflowSink, path: Path) -> Path:
     return path
 
 
-def text_samples(model: ByteGPT, n_bytes: int = 200, seed: int = 0) -> str:
+def text_samples(model: torch.nn.Module, n_bytes: int = 200, seed: int = 0) -> str:
     """A few continuations of fixed prompts, as readable text."""
     gen = torch.Generator().manual_seed(seed)
     parts = []
@@ -52,17 +56,28 @@ def text_samples(model: ByteGPT, n_bytes: int = 200, seed: int = 0) -> str:
     return "\n".join(parts)
 
 
-def log_run_artifacts(sink: MlflowSink, model: ByteGPT) -> str:
-    """Log the loss curve, text samples and the final model to the sink's MLflow run.
+def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: ModelConfig | None = None,
+                      store_prefix: tuple[ObjectStore, str] | None = None) -> str:
+    """Log the loss curve, text samples and the final model to the sink's MLflow run; an ``hf``
+    model's folder also goes to ``store_prefix`` (store, key prefix).
 
     Returns:
-        the URI of the logged torch model (``mlflow.pytorch.load_model`` takes it).
+        the URI of the logged model: ``runs:/<id>/hf_model`` (download it, then ``from_pretrained``)
+        for ``hf``, else a torch model that ``mlflow.pytorch.load_model`` takes.
     """
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         sink.log_artifact(loss_curve_png(sink, folder / "loss_curve.png"))
         (folder / "samples.txt").write_text(text_samples(model))
         sink.log_artifact(folder / "samples.txt")
+        if model_cfg is not None and model_cfg.kind == "hf":
+            hf_dir = save_final_model(model, model_cfg, folder / "hf_model")
+            sink.log_artifacts(hf_dir, "hf_model")
+            if store_prefix is not None:
+                upload_folder(store_prefix[0], store_prefix[1], hf_dir)
+            uri = f"runs:/{sink.run_id}/hf_model"
+            sink.client.set_tag(sink.run_id, "diloco.model_uri", uri)
+            return uri
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
                   str(folder / "global_model.safetensors"))
         sink.log_artifact(folder / "global_model.safetensors")

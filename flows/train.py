@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from prefect import flow, get_run_logger, task
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -28,10 +29,10 @@ from rich.table import Table
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
-from diloco_async.model import ByteGPT
+from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.supervisor import Restart
-from diloco_async.sync import initial_parameters, open_checkpoint
+from diloco_async.sync import open_checkpoint
 from flows.artifacts import log_run_artifacts
 from flows.deployments import DeploymentLauncher
 from flows.timeline_report import write_run_timeline
@@ -51,7 +52,7 @@ def prepare_corpus(cfg: Config) -> list[str]:
 
 
 @task(name="evaluate")
-def evaluate(cfg: Config, model: ByteGPT) -> float:
+def evaluate(cfg: Config, model: torch.nn.Module) -> float:
     return heldout_loss(model, heldout_batches(cfg))
 
 
@@ -214,7 +215,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: float, incarnations
     sink.log_metric("eval/loss", eval_final, step)
     sink.log_metric("eval/final_loss", eval_final, step)
     sink.log_metric("goodput/uptime", summary["uptime"], step)
-    summary["model_uri"] = log_run_artifacts(sink, final_model)
+    summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
+                                             (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))))
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
@@ -258,6 +260,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     logger = get_run_logger()
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
+    model0 = build_run_model(cfg)  # Θ^0, as the synchronizer builds it; a model that cannot be built stops here
     prepare_corpus(cfg)
     run = TrainingRun(cfg, config, overrides)
     sink = MlflowSink(cfg.tracking)
@@ -265,9 +268,6 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
     with _stopping(run, sink):
-        params, _ = initial_parameters(cfg)
-        model0 = ByteGPT(cfg.model)
-        model0.load_state_dict(params, strict=False)
         eval_initial = evaluate(cfg, model0)
         sink.log_metric("eval/loss", eval_initial, 0)
         logger.info("run %s: initial held-out loss %.4f nats/byte", run.run_id, eval_initial)

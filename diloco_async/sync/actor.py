@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from diloco_async.config import Config, config_hash
-from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.messages import (
     Heartbeat,
@@ -46,7 +46,7 @@ from diloco_async.sync.state import (
     Request,
     Round,
     Verified,
-    initial_parameters,
+    initial_state,
     new_fragments,
 )
 from storage.checkpoint import Checkpoint
@@ -106,8 +106,8 @@ class Synchronizer(RoundDriver, Checkpointing):
         self.checkpoints = CheckpointBook(self.started_s)
         self.g: int | None = None
         self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
-        params, emb = initial_parameters(cfg)
-        self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
+        params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
+        self.plan: FragmentPlan = plan
         self.fragments = new_fragments(self.plan, params, self.sc)
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
