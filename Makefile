@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-chaos bench-sync-memory ui ui-screenshot clean
+.PHONY: setup data run test bench bench-hf bench-chaos bench-sync-memory ui ui-screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -62,6 +62,12 @@ test: data
 ## bench: speed and memory benchmarks (ratios against baselines measured in the same run)
 bench: data
 	$(PY) -m benchmarks.run
+
+## bench-hf: tokens/s of one learner running configs/hf-llama-cpu.toml inside a run (synchronizer + 1 learner)
+##           against the same model in a plain torch loop with the same batch, measured in the same run:
+##           >= 0.95 (benchmarks/hf_learner.py). About 2.5 minutes.
+bench-hf: data
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
 
 ## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free

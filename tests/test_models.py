@@ -142,7 +142,7 @@ def test_pretrained_folder_and_adapter_artifact_load_back(tmp_path):
     x, y = batch()
     assert tuned.loss(x, y).item() == pytest.approx(base.loss(x, y).item(), abs=1e-5)  # B = 0 at init
     with torch.no_grad():
-        for n, p in trainable_parameters(tuned).items():
+        for p in trainable_parameters(tuned).values():
             p.add_(0.05 * torch.randn_like(p))
     out = save_final_model(tuned, cfg, tmp_path / "artifact")
     assert (out / "adapter_config.json").exists() and (out / "LOADING.md").exists()
