@@ -132,7 +132,7 @@ def test_lora_finetune_moves_only_the_adapter_and_improves_on_the_base(tmp_path)
     base_dir = tmp_path / "base"
     model_toml = (f'kind = "hf"\n[model.hf]\npretrained = "{base_dir}"\n'
                   '[model.lora]\nr = 8\nalpha = 16.0\ntarget_modules = ["q_proj", "v_proj"]\n')
-    path = recipe(tmp_path, learners=2, tokens=100_000, model=model_toml)
+    path = recipe(tmp_path, learners=2, tokens=60_000, model=model_toml)
     cfg = load_config(path)
     base_loss = pretrain_base(base_dir, cfg, steps=150)
     params0, plan = initial_state(cfg)
@@ -194,7 +194,7 @@ def test_train_flow_with_an_hf_model_logs_a_model_that_from_pretrained_loads(pre
     from flows.train import train
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    path = recipe(tmp_path, learners=4, tokens=120_000, model=hf_model_toml(LLAMA))
+    path = recipe(tmp_path, learners=4, tokens=80_000, model=hf_model_toml(LLAMA))
     overrides = [f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art", "tracking.poll_s=0.5"]
     summary = train(config=str(path), overrides=overrides)
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 1.0
