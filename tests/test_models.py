@@ -233,3 +233,24 @@ def test_cpu_recipe_model_has_5_to_20m_parameters():
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.run.seed)
     n = sum(p.numel() for p in model.parameters())
     assert 5e6 <= n <= 20e6, n
+
+
+def test_pretrained_from_an_fsspec_url_is_copied_once_into_the_cache(tmp_path):
+    import fsspec
+
+    base = build_model(tiny_hf(), 256, seed=8)
+    base.net.save_pretrained(str(tmp_path / "saved"))
+    fs = fsspec.filesystem("memory")
+    url = f"memory://models-{tmp_path.name}/base"
+    for f in (tmp_path / "saved").iterdir():
+        fs.pipe(f"{url}/{f.name}", f.read_bytes())
+    cfg = ModelConfig.model_validate({"kind": "hf", "context": 16,
+                                      "hf": {"pretrained": url, "cache_dir": str(tmp_path / "cache")}})
+    x, y = batch()
+    assert build_model(cfg, 256, seed=0).loss(x, y).item() == pytest.approx(base.loss(x, y).item(), abs=1e-6)
+    copies = list((tmp_path / "cache").iterdir())
+    assert len(copies) == 1 and (copies[0] / "config.json").exists()
+    fs.rm(url, recursive=True)  # the second build reads the cached copy, not the URL
+    assert build_model(cfg, 256, seed=0).loss(x, y).item() == pytest.approx(base.loss(x, y).item(), abs=1e-6)
+    with pytest.raises(ValueError, match=r"model\.hf\.pretrained='memory://nowhere/x': nothing at that URL"):
+        build_model(ModelConfig.model_validate({"kind": "hf", "hf": {"pretrained": "memory://nowhere/x"}}), 256, 0)
