@@ -94,7 +94,10 @@ def in_run_tokens_per_s(config: Path, workdir: Path, seconds: float, warmup_step
         raise RuntimeError(f"the learner made {len(steps)} steps after warm-up; see {run.workdir / 'logs'}")
     # from the start of the first timed step to the start of the last: every gap between steps counts
     tokens = sum(r["tokens"] for r in steps[:-1])
-    return tokens / (steps[-1]["t0"] - steps[0]["t0"]), len(steps) - 1
+    span_s = steps[-1]["t0"] - steps[0]["t0"]
+    in_steps_s = sum(r["t1"] - r["t0"] for r in steps[:-1])
+    print(f"learner: {in_steps_s / span_s:.3f} of the time inside inner steps, the rest between steps", flush=True)
+    return tokens / span_s, len(steps) - 1
 
 
 def main(argv: list[str]) -> int:
