@@ -7,7 +7,6 @@ learned positions, and an output head tied to the token embedding by default.
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 import torch
