@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean gpu-check
+.PHONY: setup data run test bench bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -74,6 +74,12 @@ bench: data
 ## About 4 runs of 2-4 minutes.
 bench-poison: data
 	$(PY) -m benchmarks.poison --config $(CONFIG) --out $(BENCH_DIR)/poison.json
+
+## bench-hf: tokens/s of one learner running configs/hf-llama-cpu.toml inside a run (synchronizer + 1 learner)
+##           against the same model in a plain torch loop with the same batch, measured in the same run:
+##           >= 0.95 (benchmarks/hf_learner.py). About 2.5 minutes.
+bench-hf: data
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
 
 ## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from diloco_async.config_guard import GuardConfig
 from diloco_async.data_config import DataConfig
 from diloco_async.devices import LearnerDeviceFields
+from diloco_async.models.config import ModelConfig
 
 __all__ = [
     "RunConfig",
@@ -75,21 +76,6 @@ class RunConfig(_Section):
         if "/" not in self.learner_deployment:
             raise ValueError(f"run.learner_deployment={self.learner_deployment!r} must look like "
                              "'flow name/deployment name', e.g. 'learner/{region}'")
-        return self
-
-
-class ModelConfig(_Section):
-    vocab_size: int = Field(256, description="Byte-level tokens.")
-    n_layer: int = Field(2, ge=1)
-    n_head: int = Field(4, ge=1)
-    d_model: int = Field(128, ge=8)
-    context: int = Field(64, ge=2, description="Tokens per training window.")
-    tie_embeddings: bool = Field(True, description="Share the token embedding with the output head.")
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         return self
 
 
@@ -326,7 +312,11 @@ def _training_dict(d: dict) -> dict:
         d.pop(key, None)
     for section, fields in _OPERATIONAL.items():
         for key in fields:
-            d.get(section, {}).pop(key, None)
+            *parents, leaf = key.split(".")
+            node = d.get(section, {})
+            for part in parents:
+                node = node.get(part) or {}
+            node.pop(leaf, None)
     return d
 
 
@@ -334,6 +324,7 @@ def _training_dict(d: dict) -> dict:
 _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
     "data": ("cache_dir", "token_cache_dir"),
+    "model": ("hf.cache_dir",),
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "checkpoint_every_s",
                  "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts",

@@ -6,22 +6,31 @@ from __future__ import annotations
 import torch
 
 from diloco_async.config import Config
-from diloco_async.model import ByteGPT, evaluate_loss
+from diloco_async.model import evaluate_loss
+from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.tokens import HeldoutSplit, open_corpus
 from storage.checkpoint import Checkpoint
 
 __all__ = ["model_from_checkpoint", "heldout_loss", "heldout_batches", "heldout_split"]
 
 
-def model_from_checkpoint(cfg: Config, ckpt: Checkpoint) -> ByteGPT:
-    """The global model Θ held by a synchronizer checkpoint (parameters only, fp32)."""
-    model = ByteGPT(cfg.model)
-    params = dict(model.named_parameters())
+def model_from_checkpoint(cfg: Config, ckpt: Checkpoint) -> torch.nn.Module:
+    """The global model Θ held by a synchronizer checkpoint: the recipe's model (any
+    ``model.kind``; with LoRA, the frozen base) with the checkpoint's trainable tensors (fp32).
+
+    Raises:
+        ValueError: the checkpoint lacks a trainable tensor of the model.
+    """
+    model = build_run_model(cfg)
+    params = trainable_parameters(model)
     loaded = set()
     with torch.no_grad():
         for key, tensor in ckpt.tensors.items():
             _p, kind, name = key.split("/", 2)
             if kind == "param":
+                if name not in params:
+                    raise ValueError(f"checkpoint {ckpt.seq} holds {name!r}, not a trainable tensor of "
+                                     f"model.kind={cfg.model.kind!r}")
                 params[name].copy_(tensor)
                 loaded.add(name)
     missing = set(params) - loaded
@@ -42,7 +51,7 @@ def heldout_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return heldout_split(cfg).batches
 
 
-def heldout_loss(model: ByteGPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def heldout_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean held-out cross-entropy in nats per token (ln 256 ≈ 5.545 for a uniform byte model);
     :meth:`HeldoutSplit.bits_per_byte` turns it into bits per byte."""
     return evaluate_loss(model, batches)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TensorSpec", "FragmentPlan", "plan_fragments", "specs_of", "fragment_offset"]
+__all__ = ["TensorSpec", "FragmentPlan", "plan_fragments", "specs_of", "fragment_offset", "plan_differences"]
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,13 @@ class FragmentPlan:
         fragments: ``fragments[p]`` is the tuple of tensor specs of fragment ``p``, sorted by name.
         embedding_names: tensors merged with the plain weighted mean instead of RDA (token
             embeddings and a tied output head, DESIGN §4.4).
+        identity: canonical JSON of the model identity (kind, architecture config, LoRA settings,
+            digest of the frozen base; ``diloco_async.models.identity_of``); "" when not given.
     """
 
     fragments: tuple[tuple[TensorSpec, ...], ...]
     embedding_names: frozenset[str] = frozenset()
+    identity: str = ""
 
     @property
     def num_fragments(self) -> int:
@@ -81,16 +84,25 @@ class FragmentPlan:
         """The tensors of fragment ``p`` taken from a full state dict (no copy)."""
         return {n: state[n] for n in self.names(p)}
 
+    @property
+    def model_identity(self) -> dict:
+        """The model identity as plain data ({} when not given)."""
+        return json.loads(self.identity) if self.identity else {}
+
     def to_json(self) -> dict:
-        return {
+        out = {
             "fragments": [[s.to_json() for s in frag] for frag in self.fragments],
             "embedding_names": sorted(self.embedding_names),
         }
+        if self.identity:
+            out["model"] = self.model_identity
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping) -> FragmentPlan:
         frags = tuple(tuple(TensorSpec.from_json(s) for s in frag) for frag in d["fragments"])
-        return cls(fragments=frags, embedding_names=frozenset(d.get("embedding_names", [])))
+        return cls(fragments=frags, embedding_names=frozenset(d.get("embedding_names", [])),
+                   identity=_canonical_json(d["model"]) if d.get("model") else "")
 
     @property
     def schema_hash(self) -> str:
@@ -99,13 +111,19 @@ class FragmentPlan:
         return hashlib.sha256(blob).hexdigest()
 
 
+def _canonical_json(d: Mapping) -> str:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
+
+
 def plan_fragments(
-    specs: Sequence[TensorSpec], num_fragments: int, embedding_names: Sequence[str] = ()
+    specs: Sequence[TensorSpec], num_fragments: int, embedding_names: Sequence[str] = (),
+    identity: Mapping | None = None,
 ) -> FragmentPlan:
     """Balanced tensor fragmentation (paper §3, DESIGN §4.6).
 
     Sort tensors by size, largest first (ties by name), and put each into the fragment with the
     smallest running size (ties: lowest fragment index). Deterministic for a given set of specs.
+    ``identity`` (plain JSON data describing the model) becomes part of the schema hash.
 
     Raises:
         ValueError: ``num_fragments`` < 1, more fragments than tensors, or duplicate names.
@@ -128,7 +146,43 @@ def plan_fragments(
         buckets[p].append(s)
         sizes[p] += s.numel
     frags = tuple(tuple(sorted(b, key=lambda s: s.name)) for b in buckets)
-    return FragmentPlan(fragments=frags, embedding_names=frozenset(embedding_names))
+    return FragmentPlan(fragments=frags, embedding_names=frozenset(embedding_names),
+                        identity=_canonical_json(identity) if identity else "")
+
+
+def _flat(d: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, Mapping):
+        return {prefix.rstrip("."): d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def plan_differences(mine: FragmentPlan, theirs: FragmentPlan, limit: int = 3) -> list[str]:
+    """Why two plans differ, first differing tensors first (in name order), then the model
+    identity fields, then the fragment assignment; at most ``limit`` lines of each kind.
+
+    Returns:
+        lines like ``"tensor net.w: shape [4, 8] float32 here, [4, 16] float32 there"``; [] when
+        the plans are equal.
+    """
+    a = {s.name: s for frag in mine.fragments for s in frag}
+    b = {s.name: s for frag in theirs.fragments for s in frag}
+
+    def show(s: TensorSpec | None) -> str:
+        return "missing" if s is None else f"shape {list(s.shape)} {s.dtype}"
+
+    tensors = [f"tensor {n}: {show(a.get(n))} here, {show(b.get(n))} there"
+               for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)]
+    ia, ib = _flat(mine.model_identity), _flat(theirs.model_identity)
+    model = [f"model {k}: {ia.get(k, 'missing')!r} here, {ib.get(k, 'missing')!r} there"
+             for k in sorted(set(ia) | set(ib)) if ia.get(k) != ib.get(k)]
+    out = tensors[:limit] + model[:limit]
+    if not out and mine.schema_hash != theirs.schema_hash:
+        out.append(f"fragment assignment: {mine.num_fragments} fragments here, {theirs.num_fragments} there"
+                   if mine.num_fragments != theirs.num_fragments else "fragment assignment or embedding names")
+    return out
 
 
 def fragment_offset(p: int, num_fragments: int, sync_every: int) -> int:

@@ -7,12 +7,14 @@ learned positions, and an output head tied to the token embedding by default.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diloco_async.config import ModelConfig
+if TYPE_CHECKING:  # the config package imports the models package, which imports this module
+    from diloco_async.models.config import ModelConfig
 
 __all__ = ["ByteGPT", "embedding_names", "evaluate_loss", "generate"]
 
@@ -100,9 +102,11 @@ def evaluate_loss(model: ByteGPT, batches: list[tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def generate(model: ByteGPT, prompt: bytes, n_bytes: int, temperature: float = 0.8,
+def generate(model: nn.Module, prompt: bytes, n_bytes: int, temperature: float = 0.8,
              generator: torch.Generator | None = None) -> bytes:
-    """Sample ``n_bytes`` bytes after ``prompt`` (the last ``context`` bytes condition each step).
+    """Sample ``n_bytes`` bytes after ``prompt`` (the last ``context`` bytes condition each step)
+    from a byte-level model: a :class:`ByteGPT` or any model whose ``forward`` gives logits and
+    that has a ``context`` attribute (token ids 0-255 are the bytes; larger ids are never drawn).
 
     Raises:
         ValueError: an empty prompt or a temperature <= 0.
@@ -113,9 +117,10 @@ def generate(model: ByteGPT, prompt: bytes, n_bytes: int, temperature: float = 0
         raise ValueError(f"temperature must be > 0, got {temperature}")
     was_training = model.training
     model.eval()
+    context = model.cfg.context if isinstance(model, ByteGPT) else int(getattr(model, "context", len(prompt) + n_bytes))
     idx = torch.tensor(list(prompt), dtype=torch.long)[None, :]
     for _ in range(n_bytes):
-        logits = model(idx[:, -model.cfg.context:])[0, -1] / temperature
+        logits = model(idx[:, -context:])[0, -1, :256].float() / temperature
         nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         idx = torch.cat([idx, nxt[None, :]], dim=1)
     model.train(was_training)

@@ -82,7 +82,8 @@ class RunProcesses:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
         self.launcher = launcher if launcher is not None else LocalProcessLauncher(self.workdir / "logs")
-        self.env = {STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
+        self.env = {"HF_HUB_OFFLINE": "1",  # models and tokenizers: local files only
+                    STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),
                     TIMELINE_DIR_ENV: str(self.workdir / "timeline")}
         self.sync: Any | None = None
         self.learners: dict[str, Any] = {}  # learner id -> process handle (newest incarnation)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 
 from diloco_async.config import Config
-from diloco_async.fragments import plan_fragments, specs_of
-from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.models import build_run_model, plan_of
 from diloco_async.timeline import Interval, Timeline, diloco_timeline_steps
 from storage import keys
 from storage.store import ObjectStore
@@ -25,9 +24,7 @@ __all__ = ["fragment_shares", "read_merges", "timeline_from_records"]
 
 def fragment_shares(cfg: Config) -> list[float]:
     """Numel share of each fragment of the recipe's model (sums to 1)."""
-    model = ByteGPT(cfg.model)
-    plan = plan_fragments(specs_of({n: p.detach() for n, p in model.named_parameters()}),
-                          cfg.synchronizer.num_fragments, embedding_names(model))
+    plan = plan_of(build_run_model(cfg), cfg.synchronizer.num_fragments)
     return [plan.numel_fraction(p) for p in range(plan.num_fragments)]
 
 

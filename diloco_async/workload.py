@@ -7,7 +7,8 @@ all-reduces the gradients between backward and clip) both run it.
 :class:`Workload` is the seam where another model, device or process group plugs in: the
 learner's training thread only uses its ``params`` (by name, as the fragment plan names them),
 ``model`` (for the plan's embedding names), :meth:`Workload.step`, and the inner-state capture
-and restore. :meth:`Workload.from_config` builds the model and its AdamW on CPU;
+and restore. :meth:`Workload.from_config` builds the recipe's model (any ``model.kind``,
+:mod:`diloco_async.models`) with AdamW over its trainable parameters, on CPU;
 :meth:`Workload.place` moves it to its device and precision; a learner that spans several
 processes (``diloco_async.learner.group``) then makes it one rank of the group with
 :meth:`Workload.join_group`: the rank trains through a ``DistributedDataParallel`` wrapper on its
@@ -24,7 +25,7 @@ import torch
 
 from diloco_async.config import Config
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.model import ByteGPT
+from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.tokens import Corpus, open_corpus
 
 __all__ = ["Workload", "inner_step", "warmup_lr", "data_generator", "jitter_random", "emulated_delay_s"]
@@ -121,7 +122,7 @@ class Workload:
         self.model = model
         self.optimizer = optimizer
         self.generator = generator
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self.params: dict[str, torch.nn.Parameter] = trainable_parameters(model)  # what the plan covers
         self.batch_size, self.context = batch_size, context
         self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
         self.shard: np.ndarray | None = None
@@ -132,11 +133,12 @@ class Workload:
 
     @classmethod
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
-        """Learner ``index``'s workload of a run: ``ByteGPT(cfg.model)``, AdamW with
+        """Learner ``index``'s workload of a run: the recipe's model (``build_run_model``: every
+        learner builds the same frozen base), AdamW over its trainable parameters with
         ``learners.lr``/``weight_decay``, and the sampler seeded by (run seed, index, incarnation)."""
         lc = cfg.learners
-        model = ByteGPT(cfg.model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay)
+        model = build_run_model(cfg)
+        opt = torch.optim.AdamW(trainable_parameters(model).values(), lr=lc.lr, weight_decay=lc.weight_decay)
         return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size_of(index),
                    context=cfg.model.context, lr=lc.lr, warmup_steps=lc.warmup_steps, grad_clip=lc.grad_clip)
 

@@ -1,6 +1,8 @@
 """Artifacts of a finished training run, logged to its MLflow run: a loss-curve PNG, samples of
-generated text, and the final global model (safetensors, plus an MLflow-logged torch model that
-``mlflow.pytorch.load_model`` loads back)."""
+generated text, and the final global model: for ``model.kind = "hf"`` a ``save_pretrained``
+folder ``hf_model/`` (also written to the store) that ``AutoModelForCausalLM.from_pretrained``
+(or, for a LoRA adapter, ``diloco_async.models.load_saved_model``) loads back; for the other
+kinds safetensors plus an MLflow-logged torch model that ``mlflow.pytorch.load_model`` loads back."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from diloco_async.model import ByteGPT, generate  # noqa: E402
+from diloco_async.models import ModelConfig, save_final_model, upload_folder  # noqa: E402
 from flows.tracking import MlflowSink  # noqa: E402
+from storage.store import ObjectStore  # noqa: E402
 
 __all__ = ["loss_curve_png", "text_samples", "log_run_artifacts", "SAMPLE_PROMPTS"]
 
@@ -42,8 +46,11 @@ def loss_curve_png(sink: MlflowSink, path: Path) -> Path:
     return path
 
 
-def text_samples(model: ByteGPT, n_bytes: int = 200, seed: int = 0) -> str:
-    """A few continuations of fixed prompts, as readable text."""
+def text_samples(model: torch.nn.Module, n_bytes: int = 200, seed: int = 0) -> str:
+    """A few continuations of fixed prompts, as readable text (at most 64 bytes each from a model
+    other than ByteGPT: a transformers forward costs milliseconds per call even when tiny)."""
+    if not isinstance(model, ByteGPT):
+        n_bytes = min(n_bytes, 64)
     gen = torch.Generator().manual_seed(seed)
     parts = []
     for prompt in SAMPLE_PROMPTS:
@@ -52,12 +59,15 @@ def text_samples(model: ByteGPT, n_bytes: int = 200, seed: int = 0) -> str:
     return "\n".join(parts)
 
 
-def log_run_artifacts(sink: MlflowSink, model: ByteGPT, samples: bool = True) -> str:
+def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: ModelConfig | None = None,
+                      store_prefix: tuple[ObjectStore, str] | None = None, samples: bool = True) -> str:
     """Log the loss curve, text samples (only when ``samples``: the sampler speaks bytes) and the
-    final model to the sink's MLflow run.
+    final model to the sink's MLflow run; an ``hf`` model's folder also goes to ``store_prefix``
+    (store, key prefix).
 
     Returns:
-        the URI of the logged torch model (``mlflow.pytorch.load_model`` takes it).
+        the URI of the logged model: ``runs:/<id>/hf_model`` (download it, then ``from_pretrained``)
+        for ``hf``, else a torch model that ``mlflow.pytorch.load_model`` takes.
     """
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -65,6 +75,14 @@ def log_run_artifacts(sink: MlflowSink, model: ByteGPT, samples: bool = True) ->
         (folder / "samples.txt").write_text(text_samples(model) if samples else
                                             "no samples: the sampler only speaks the bytes tokenizer\n")
         sink.log_artifact(folder / "samples.txt")
+        if model_cfg is not None and model_cfg.kind == "hf":
+            hf_dir = save_final_model(model, model_cfg, folder / "hf_model")
+            sink.log_artifacts(hf_dir, "hf_model")
+            if store_prefix is not None:
+                upload_folder(store_prefix[0], store_prefix[1], hf_dir)
+            uri = f"runs:/{sink.run_id}/hf_model"
+            sink.client.set_tag(sink.run_id, "diloco.model_uri", uri)
+            return uri
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
                   str(folder / "global_model.safetensors"))
         sink.log_artifact(folder / "global_model.safetensors")

@@ -150,6 +150,10 @@ class MlflowSink:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._call(self.client.log_artifact, self.run_id, str(path), artifact_path)
 
+    def log_artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
+        """Log every file under ``folder`` (as ``artifact_path/...``)."""
+        self._call(self.client.log_artifacts, self.run_id, str(folder), artifact_path)
+
     def log_dict(self, obj: Any, name: str) -> None:
         self._call(self.client.log_dict, self.run_id, obj, name)
 

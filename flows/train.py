@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from prefect import flow, get_run_logger, task
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -28,10 +29,10 @@ from rich.table import Table
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
-from diloco_async.model import ByteGPT
+from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.supervisor import Restart
-from diloco_async.sync import initial_parameters, open_checkpoint
+from diloco_async.sync import open_checkpoint
 from diloco_async.tokens import open_corpus
 from flows.artifacts import log_run_artifacts
 from flows.deployments import DeploymentLauncher
@@ -61,7 +62,7 @@ def prepare_tokens(cfg: Config) -> dict:
 
 
 @task(name="evaluate")
-def evaluate(cfg: Config, model: ByteGPT) -> tuple[float, float]:
+def evaluate(cfg: Config, model: torch.nn.Module) -> tuple[float, float]:
     """Held-out loss of ``model``: (nats per token, bits per byte)."""
     split = heldout_split(cfg)
     nats = heldout_loss(model, split.batches)
@@ -244,7 +245,9 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     sink.log_metric("eval/final_loss", eval_final, step)
     sink.log_metric("eval/bits_per_byte", bpb_final, step)
     sink.log_metric("goodput/uptime", summary["uptime"], step)
-    summary["model_uri"] = log_run_artifacts(sink, final_model, samples=cfg.data.tokenizer == "bytes")
+    summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
+                                             (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
+                                             samples=cfg.data.tokenizer == "bytes")
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
@@ -288,6 +291,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     logger = get_run_logger()
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
+    model0 = build_run_model(cfg)  # Θ^0, as the synchronizer builds it; a model that cannot be built stops here
     prepare_corpus(cfg)
     prepare_tokens(cfg)
     run = TrainingRun(cfg, config, overrides)
@@ -296,9 +300,6 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
     with _stopping(run, sink):
-        params, _ = initial_parameters(cfg)
-        model0 = ByteGPT(cfg.model)
-        model0.load_state_dict(params, strict=False)
         eval_initial = evaluate(cfg, model0)
         sink.log_metric("eval/loss", eval_initial[0], 0)
         sink.log_metric("eval/bits_per_byte", eval_initial[1], 0)

@@ -27,7 +27,7 @@ __all__ = ["plan_key", "config_key",
            "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
            "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
            "split_checkpoint_url", "ddp_checkpoint_prefix", "learner_prefix",
-           "summary_key", "metrics_log_key", "merge_log_key",
+           "summary_key", "metrics_log_key", "merge_log_key", "final_model_prefix",
            "lease_prefix", "lease_claim_key", "lease_renewal_key", "lease_released_key", "parse_lease_key"]
 
 _CONTRIB, _GLOBALS, _CHECKPOINTS = "contrib", "globals", "checkpoints"
@@ -215,6 +215,12 @@ def summary_key(run_id: str, epoch: str) -> str:
 
 def metrics_log_key(run_id: str, epoch: str) -> str:
     return f"{run_id}/epochs/{epoch}/metrics.jsonl"
+
+
+def final_model_prefix(run_id: str, epoch: str) -> str:
+    """The final global model of one epoch as a ``save_pretrained`` folder (``hf`` models): its
+    files are the objects under this prefix."""
+    return f"{run_id}/epochs/{epoch}/model/"
 
 
 def merge_log_key(run_id: str, epoch: str) -> str:

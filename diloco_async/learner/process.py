@@ -21,7 +21,7 @@ import torch
 
 from diloco_async.client import ProtocolError
 from diloco_async.config import Config, config_hash
-from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.fragments import FragmentPlan, plan_differences
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.group import LearnerGroup, place_workload
@@ -29,7 +29,7 @@ from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
 from diloco_async.messages import JoinResponse, VersionInfo
-from diloco_async.model import embedding_names
+from diloco_async.models import plan_of
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload
@@ -149,14 +149,14 @@ class Learner:
         """This learner's fragment plan of the workload's parameters.
 
         Raises:
-            ProtocolError: it differs from the synchronizer's (another model or fragment count).
+            ProtocolError: it differs from the synchronizer's (another model, base or fragment
+                count); the message names the first differing tensors and model fields.
         """
-        params = workload.params
-        plan = plan_fragments(specs_of({n: p.detach() for n, p in params.items()}),
-                              cfg.synchronizer.num_fragments, embedding_names(workload.model))
+        plan = plan_of(workload.model, cfg.synchronizer.num_fragments)
         if plan.schema_hash != jr.schema_hash:
-            raise ProtocolError(f"fragment plan mismatch: mine {plan.schema_hash[:12]}, "
-                                f"synchronizer's {jr.schema_hash[:12]}")
+            why = "; ".join(plan_differences(plan, FragmentPlan.from_json(jr.plan))) or "schema hashes differ"
+            raise ProtocolError(f"{self.learner_id} refused at join: its model does not match the run's fragment "
+                                f"plan (mine {plan.schema_hash[:12]}, synchronizer's {jr.schema_hash[:12]}): {why}")
         self.comms.shapes = {p: {s.name: s.shape for s in plan.fragments[p]} for p in range(plan.num_fragments)}
         return plan
 

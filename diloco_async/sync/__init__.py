@@ -25,13 +25,14 @@ from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lifecycle import Phase
 from diloco_async.sync.persistence import open_checkpoint
 from diloco_async.sync.process import STORAGE_OPTIONS_ENV, TOKEN_ENV, main, serve
-from diloco_async.sync.state import Broadcaster, initial_parameters, new_run_id
+from diloco_async.sync.state import Broadcaster, initial_parameters, initial_state, new_run_id
 
 __all__ = [
     "Synchronizer",
     "Broadcaster",
     "Phase",
     "initial_parameters",
+    "initial_state",
     "new_run_id",
     "make_app",
     "runner_options",

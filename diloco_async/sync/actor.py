@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from diloco_async.config import Config, config_hash
-from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import NormGuard
 from diloco_async.messages import (
@@ -50,7 +50,7 @@ from diloco_async.sync.state import (
     Request,
     Round,
     Verified,
-    initial_parameters,
+    initial_state,
     new_fragments,
 )
 from storage.checkpoint import Checkpoint
@@ -130,8 +130,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
-        params, emb = initial_parameters(cfg)
-        self.plan: FragmentPlan = plan_fragments(specs_of(params), self.sc.num_fragments, emb)
+        params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
+        self.plan: FragmentPlan = plan
         self.fragments = new_fragments(self.plan, params, self.sc)
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
 

@@ -19,12 +19,13 @@ from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer
 from diloco_async.messages import Announcement
-from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy import Ema, FragmentFacts, RoundState
 from storage.store import ObjectRef
 
 __all__ = [
     "initial_parameters",
+    "initial_state",
     "new_run_id",
     "Broadcaster",
     "FragmentState",
@@ -39,12 +40,23 @@ __all__ = [
 ]
 
 
-def initial_parameters(cfg: Config) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Θ^0 (fp32 parameters of a freshly seeded model) and the embedding tensor names."""
+def initial_state(cfg: Config) -> tuple[dict[str, torch.Tensor], FragmentPlan]:
+    """Θ^0 (fp32 copies of the trainable parameters of the freshly seeded model: with LoRA, the
+    adapter only) and the fragment plan of that model (its identity in the schema hash).
+
+    Raises:
+        ValueError, TypeError: the model config does not build (see ``diloco_async.models.build_model``).
+    """
     torch.manual_seed(cfg.run.seed)
-    model = ByteGPT(cfg.model)
-    params = {n: p.detach().clone().float() for n, p in model.named_parameters()}
-    return params, embedding_names(model)
+    model = build_run_model(cfg)
+    params = {n: p.detach().clone().float() for n, p in trainable_parameters(model).items()}
+    return params, plan_of(model, cfg.synchronizer.num_fragments)
+
+
+def initial_parameters(cfg: Config) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Θ^0 (see :func:`initial_state`) and the embedding tensor names."""
+    params, plan = initial_state(cfg)
+    return params, sorted(plan.embedding_names)
 
 
 def new_run_id() -> str:

@@ -1,0 +1,135 @@
+"""`make bench-hf`: tokens/s of one learner running the HF CPU recipe inside a run, against the
+same model in a plain torch loop with the same batch, both measured in this run.
+
+* plain loop: the recipe's model (``build_run_model``), AdamW with the recipe's learning rate and
+  weight decay, forward, backward, clip, step on the recipe's batches, in this process with the
+  learner's thread count; measured before and after the run (their mean is the baseline, so a
+  change of machine load during the run shows as a gap between the two);
+* inside a run: a synchronizer and one learner (``learners.count = 1``) as processes over a
+  file:// store, for ``--run-s`` seconds; tokens/s from the learner's timeline (its step records,
+  first ``--warmup-steps`` skipped): everything between two steps (adopting versions, outer
+  gradient snapshots, the comms thread's uploads and heartbeats) counts against the learner.
+
+Bar: inside / plain >= 0.95. Exit status 1 on a miss.
+
+Usage: python -m benchmarks.hf_learner [--config configs/hf-llama-cpu.toml] [--run-s 75] [--plain-s 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from diloco_async.config import Config, load_config
+from diloco_async.data import Corpus, corpus_urls, load_corpus
+from diloco_async.models import build_run_model, trainable_parameters
+from diloco_async.run import RunProcesses
+from diloco_async.timeline import read_records
+from diloco_async.workload import data_generator
+
+GOAL = 0.95
+
+
+def recipe_for_this_build(path: Path, out: Path) -> Path:
+    """The recipe, without ``data.tokenizer`` when this build's data section has no such field
+    (the data branch of issue 12 adds it); the model is the same, it then reads bytes."""
+    if "tokenizer" in type(Config().data).model_fields:
+        return path
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if not line.strip().startswith("tokenizer")]
+    if len(kept) != len(lines):
+        print("note: data.tokenizer is not known to this build; the model reads bytes", flush=True)
+    out.write_text("\n".join(kept) + "\n")
+    return out
+
+
+def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> tuple[float, int]:
+    """Tokens/s of the bare training loop after ``warmup_steps``; and the steps timed."""
+    torch.set_num_threads(cfg.learners.threads)
+    model = build_run_model(cfg)
+    params = list(trainable_parameters(model).values())
+    opt = torch.optim.AdamW(params, lr=cfg.learners.lr, weight_decay=cfg.learners.weight_decay)
+    corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+    shard, gen = corpus.shard(0, 1), data_generator(cfg.run.seed, 0, 0)
+    lc, ctx = cfg.learners, cfg.model.context
+    steps, t_start = 0, 0.0
+    deadline = None
+    while deadline is None or time.perf_counter() < deadline:
+        if steps == warmup_steps:
+            t_start = time.perf_counter()
+            deadline = t_start + seconds
+        x, y = Corpus.sample(shard, lc.batch_size, ctx, gen)
+        loss = model.loss(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, lc.grad_clip)
+        opt.step()
+        steps += 1
+    timed = steps - warmup_steps
+    return timed * lc.batch_size * ctx / (time.perf_counter() - t_start), timed
+
+
+def in_run_tokens_per_s(config: Path, workdir: Path, seconds: float, warmup_steps: int) -> tuple[float, int]:
+    """Tokens/s of learner-0 in a run of one learner, from its step records; and the steps timed."""
+    overrides = [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs", "learners.count=1",
+                 f"budget.wall_s={seconds}", "budget.tokens=1000000000000", "synchronizer.min_quorum=1"]
+    run = RunProcesses(load_config(config, overrides), str(config), overrides)
+    try:
+        run.start_synchronizer()
+        run.start_learner(0)
+        assert run.sync is not None
+        deadline = time.monotonic() + seconds + 120
+        while run.sync.poll() is None and time.monotonic() < deadline:
+            time.sleep(1.0)
+    finally:
+        run.stop_all()
+    steps = sorted((r for r in read_records(run.workdir / "timeline" / "learner-0.jsonl") if r["kind"] == "step"),
+                   key=lambda r: r["step"])[warmup_steps:]
+    if len(steps) < 2:
+        raise RuntimeError(f"the learner made {len(steps)} steps after warm-up; see {run.workdir / 'logs'}")
+    # from the start of the first timed step to the start of the last: every gap between steps counts
+    tokens = sum(r["tokens"] for r in steps[:-1])
+    span_s = steps[-1]["t0"] - steps[0]["t0"]
+    in_steps_s = sum(r["t1"] - r["t0"] for r in steps[:-1])
+    print(f"learner: {in_steps_s / span_s:.3f} of the time inside inner steps, the rest between steps", flush=True)
+    return tokens / span_s, len(steps) - 1
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_learner", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/hf-llama-cpu.toml")
+    ap.add_argument("--run-s", type=float, default=75.0, help="wall seconds of the run (budget.wall_s)")
+    ap.add_argument("--plain-s", type=float, default=25.0, help="seconds of each plain-loop measurement")
+    ap.add_argument("--warmup-steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = recipe_for_this_build(Path(args.config), Path(tmp) / "recipe.toml")
+        cfg = load_config(config)
+        n_params = sum(p.numel() for p in build_run_model(cfg).parameters())
+        print(f"model {cfg.model.kind}/{cfg.model.hf.architecture}: {n_params / 1e6:.2f}M parameters, batch "
+              f"{cfg.learners.batch_size} x {cfg.model.context} tokens, {cfg.learners.threads} thread(s)", flush=True)
+        before, n_before = plain_loop_tokens_per_s(cfg, args.plain_s, args.warmup_steps)
+        print(f"plain loop (before): {before:9.1f} tokens/s over {n_before} steps", flush=True)
+        inside, n_inside = in_run_tokens_per_s(config, Path(tmp), args.run_s, args.warmup_steps)
+        print(f"learner in a run:    {inside:9.1f} tokens/s over {n_inside} steps", flush=True)
+        after, n_after = plain_loop_tokens_per_s(cfg, args.plain_s, args.warmup_steps)
+        print(f"plain loop (after):  {after:9.1f} tokens/s over {n_after} steps", flush=True)
+    plain = (before + after) / 2
+    ratio = inside / plain
+    ok = ratio >= GOAL
+    print(f"\n{'figure':58s} {'value':>8s}   goal")
+    print(f"{'plain loop tokens/s (mean of before and after)':58s} {plain:8.1f}")
+    print(f"{'learner in a run tokens/s':58s} {inside:8.1f}")
+    print(f"{'learner in a run / plain loop, tokens/s':58s} {ratio:8.3f}   >= {GOAL:<6g}  {'ok' if ok else 'MISSED'}")
+    print(f"({time.monotonic() - t0:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""The ``[model]`` section of a recipe: which model the learners train (``model.kind``).
+
+* ``byte-gpt``: the project's own small byte-level transformer (:class:`~diloco_async.model.ByteGPT`),
+  shaped by ``vocab_size``, ``n_layer``, ``n_head``, ``d_model``, ``tie_embeddings``.
+* ``hf``: a Hugging Face ``transformers`` causal LM, either built from ``[model.hf]``
+  ``architecture`` + ``[model.hf.config]`` (random init with the run's seed) or loaded with
+  ``from_pretrained`` from ``model.hf.pretrained`` (a local folder or an fsspec URL, copied once
+  into ``model.hf.cache_dir``). Never the Hugging Face hub.
+* ``factory``: ``model.factory = "package.module:function"``, called as ``function(model_cfg,
+  vocab_size)``; it returns an ``nn.Module`` (see :mod:`diloco_async.models.factory`).
+
+``[model.lora]`` (``hf`` only) trains a LoRA adapter with ``peft`` on a frozen base instead of
+every parameter. ``model.context`` is the window length of every kind.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ModelConfig", "HfModelConfig", "LoraSettings", "MODEL_KINDS"]
+
+MODEL_KINDS = ("byte-gpt", "hf", "factory")
+_FACTORY_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HfModelConfig(_Section):
+    architecture: str | None = Field(
+        None, description="transformers model type of a randomly initialised model (e.g. 'llama', 'gpt2'); "
+        "its fields come from [model.hf.config]."
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="Fields of the transformers config (hidden_size, num_hidden_layers, ...). "
+        "vocab_size defaults to the tokenizer's; max_position_embeddings (n_positions) to model.context."
+    )
+    pretrained: str | None = Field(
+        None, description="Local folder or fsspec URL (s3://, gs://, file://) of a save_pretrained model to start "
+        "from; copied once into cache_dir. Never the hub."
+    )
+    cache_dir: str = Field(".local/models", description="Where pretrained models from URLs are cached (by URL).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HfModelConfig:
+        if self.pretrained is not None and self.architecture is not None:
+            raise ValueError(f"model.hf: set either architecture ({self.architecture!r}) or pretrained "
+                             f"({self.pretrained!r}), not both")
+        if self.pretrained is not None and self.config:
+            raise ValueError(f"model.hf.config {sorted(self.config)} cannot change a pretrained model "
+                             f"({self.pretrained!r})")
+        return self
+
+
+class LoraSettings(_Section):
+    r: int = Field(8, ge=1, description="Rank of the adapter matrices.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        min_length=1, description="Module names (suffixes, as peft matches them) that get an adapter, "
+        "e.g. ['q_proj', 'v_proj']."
+    )
+
+
+class ModelConfig(_Section):
+    kind: Literal["byte-gpt", "hf", "factory"] = Field("byte-gpt", description="Which model (see module doc).")
+    vocab_size: int = Field(256, ge=2, description="Tokens of the vocabulary (256: bytes).")
+    n_layer: int = Field(2, ge=1, description="byte-gpt: transformer blocks.")
+    n_head: int = Field(4, ge=1, description="byte-gpt: attention heads.")
+    d_model: int = Field(128, ge=8, description="byte-gpt: width.")
+    context: int = Field(64, ge=2, description="Tokens per training window.")
+    tie_embeddings: bool = Field(True, description="byte-gpt: share the token embedding with the output head.")
+    hf: HfModelConfig = Field(default_factory=HfModelConfig, description="kind = 'hf': the transformers model.")
+    factory: str | None = Field(None, description="kind = 'factory': 'package.module:function'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="kind = 'factory': free settings it reads.")
+    lora: LoraSettings | None = Field(None, description="Train a LoRA adapter on a frozen base (kind = 'hf').")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ModelConfig:
+        if self.kind == "byte-gpt" and self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        if self.kind == "hf" and self.hf.architecture is None and self.hf.pretrained is None:
+            raise ValueError("model.kind = 'hf' needs model.hf.architecture (random init) or model.hf.pretrained")
+        if self.kind == "factory" and (self.factory is None or not _FACTORY_PATH.match(self.factory)):
+            raise ValueError(f"model.factory={self.factory!r} must look like 'package.module:function' "
+                             "when model.kind = 'factory'")
+        if self.lora is not None and self.kind != "hf":
+            raise ValueError(f"model.lora needs model.kind = 'hf' (got {self.kind!r})")
+        return self
