@@ -159,17 +159,18 @@ def _recipes(_args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     from diloco_async.sync import open_checkpoint
+    from diloco_async.validate import resolve_recipe
     from storage.options import storage_options_from_env
 
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
-        open_checkpoint(args.checkpoint_url, args.config, args.set or [],
-                        storage_options_from_env())
+        config = str(resolve_recipe(args.config)) if args.config else None
+        open_checkpoint(args.checkpoint_url, config, args.set or [], storage_options_from_env())
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from flows.train import run_resume_cli
 
-    return _run_flow(run_resume_cli, args.checkpoint_url, args.config, overrides=args.set or [])
+    return _run_flow(run_resume_cli, args.checkpoint_url, config, overrides=args.set or [])
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -260,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")
     p_resume.add_argument("checkpoint_url",
                           help="{store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
-    p_resume.add_argument("--config", default=None, help="recipe (default: the run's own config from the store)")
+    p_resume.add_argument("--config", "--recipe", dest="config", default=None,
+                          help="recipe file or name (default: the run's own config from the store)")
     p_resume.add_argument("--set", action="append", metavar="KEY=VALUE",
                           help="override a field, e.g. --set budget.tokens=12000000 to extend the run")
     p_resume.set_defaults(func=_resume)
