@@ -11,6 +11,7 @@ that the tool imports the installed copy.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -69,3 +70,15 @@ def test_installed_tool_finds_the_recipes_outside_the_checkout(installed, elsewh
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "diloco_recipes/default.toml" in checked.stdout and "fragment 0:" in checked.stdout
     assert run("--version").stdout.startswith("diloco-async 0.1.0")
+
+
+@pytest.mark.integration
+def test_installed_tool_trains_the_default_recipe_outside_the_checkout(installed, elsewhere):
+    """A short `train --recipe default` (2 learners, 200k tokens; about 70 s on the 2-core machine)."""
+    done = subprocess.run([str(installed / "diloco-async"), "train", "--recipe", "default",
+                           "--set", "budget.tokens=200000", "--set", "learners.count=2"],
+                          cwd=elsewhere, env=_clean_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["merges"] > 0 and summary["eval_loss_final"] < summary["eval_loss_initial"]
+    assert list((elsewhere / ".local" / "store").glob(f"{summary['run_id']}/checkpoints/*"))
