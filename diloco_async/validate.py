@@ -132,7 +132,9 @@ _FIELD = re.compile(r"^\s+([A-Za-z_][\w.]*):", re.M)
 
 
 def _config_field(message: str) -> str | None:
-    """The first field a config error names (``run.store``, ``model.n_head``, ...)."""
+    """The first field a config error names (``run.store``, ``model.n_head``, ...), after its
+    first line (which echoes the recipe and the overrides)."""
+    message = message.split("\n", 1)[1] if "\n" in message else message
     named = re.search(r"\b((?:run|data|model|learners|synchronizer|budget|tracking)\.\w+)", message)
     if named:
         return named.group(1)
