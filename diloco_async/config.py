@@ -32,7 +32,12 @@ __all__ = [
     "apply_overrides",
     "config_hash",
     "config_differences",
+    "STORE_SCHEMES",
 ]
+
+
+#: URL schemes of ``run.store`` (storage.backends.PROTOCOLS and their fsspec aliases)
+STORE_SCHEMES = frozenset({"file", "local", "memory", "s3", "s3a", "gs", "gcs"})
 
 
 class _Section(BaseModel):
@@ -71,6 +76,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _deployment_fields(self) -> RunConfig:
+        scheme = self.store.split("://", 1)[0].lower() if "://" in self.store else "file"
+        if scheme not in STORE_SCHEMES:
+            raise ValueError(f"run.store={self.store!r}: unknown URL scheme {scheme!r}; known: "
+                             f"{', '.join(sorted(STORE_SCHEMES))}")
         if not self.regions or any(not r.strip() for r in self.regions):
             raise ValueError("run.regions must list at least one non-empty region name")
         if "/" not in self.learner_deployment:

@@ -93,16 +93,19 @@ def _stop_children_and_exit(code: int) -> None:
     os._exit(code)
 
 
-def _check_config(path: str | None, overrides: list[str]) -> bool:
-    """Validate the recipe before anything starts; print the error (no traceback) if it is bad."""
+def _check_config(path: str | None, overrides: list[str]) -> str | None:
+    """Resolve the recipe (a path or a shipped name) and validate it before anything starts; print
+    the error (no traceback) and return None if it is bad, else the recipe's path."""
     from diloco_async.config import load_config
+    from diloco_async.validate import resolve_recipe
 
     try:
-        load_config(path, overrides)
+        resolved = str(resolve_recipe(path or "default"))
+        load_config(resolved, overrides)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return False
-    return True
+        return None
+    return resolved
 
 
 def _run_flow(entry, *args, **kwargs) -> int:
@@ -118,26 +121,56 @@ def _run_flow(entry, *args, **kwargs) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    if not _check_config(args.config, args.set or []):
+    recipe = _check_config(args.config, args.set or [])
+    if recipe is None:
         return 2
     from flows.train import run_train_cli
 
-    return _run_flow(run_train_cli, args.config, overrides=args.set or [])
+    return _run_flow(run_train_cli, recipe, overrides=args.set or [])
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Print every check of the recipe; exit 0 when all pass, 2 (naming the field) when one fails."""
+    from diloco_async.validate import validate_recipe
+    from storage.options import storage_options_from_env
+
+    checks = validate_recipe(args.recipe, args.set or [], storage_options_from_env())
+    for c in checks:
+        head, *rest = c.detail.splitlines() or [""]
+        where = "" if c.ok else f" [{c.field}]"
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10}{where} {head}")
+        for line in rest:
+            print(f"{'':15}{line}")
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        print(f"error: {', '.join(c.field or c.name for c in failed)} invalid", file=sys.stderr)
+        return 2
+    print("valid: no process started, no run created")
+    return 0
+
+
+def _recipes(_args: argparse.Namespace) -> int:
+    from diloco_async.validate import list_recipes
+
+    for name, description in list_recipes():
+        print(f"{name:<20} {description}")
+    return 0
 
 
 def _resume(args: argparse.Namespace) -> int:
     from diloco_async.sync import open_checkpoint
+    from diloco_async.validate import resolve_recipe
     from storage.options import storage_options_from_env
 
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
-        open_checkpoint(args.checkpoint_url, args.config, args.set or [],
-                        storage_options_from_env())
+        config = str(resolve_recipe(args.config)) if args.config else None
+        open_checkpoint(args.checkpoint_url, config, args.set or [], storage_options_from_env())
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from flows.train import run_resume_cli
 
-    return _run_flow(run_resume_cli, args.checkpoint_url, args.config, overrides=args.set or [])
+    return _run_flow(run_resume_cli, args.checkpoint_url, config, overrides=args.set or [])
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -206,6 +239,8 @@ learners never wait for each other; a synchronizer merges their outer gradients 
 _EPILOG = """examples:
   diloco-async train                                   the default recipe (configs/default.toml)
   diloco-async train --set learners.count=2            override any recipe field
+  diloco-async recipes                                 the shipped recipes, by name
+  diloco-async validate default                        check a recipe without running anything
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
   diloco-async chaos --scenario configs/chaos/storm.toml
@@ -231,16 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a training job (Prefect flow `train`)")
-    p_train.add_argument("--config", default="configs/default.toml", help="recipe file (TOML)")
+    p_train.add_argument("--config", "--recipe", dest="config", default="default",
+                         help="recipe: a TOML file, or a shipped recipe's name (see `recipes`; default: default)")
     p_train.add_argument(
         "--set", action="append", metavar="KEY=VALUE",
         help="override a config field, e.g. --set learners.count=2 (repeatable)",
     )
     p_train.set_defaults(func=_train)
+    p_validate = sub.add_parser("validate", help="check a recipe: config, store, data, tokenizer, model, "
+                                "fragment plan (starts nothing)")
+    p_validate.add_argument("recipe", nargs="?", default="default", help="a TOML file or a shipped recipe's name")
+    p_validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    p_validate.set_defaults(func=_validate)
+    sub.add_parser("recipes", help="list the shipped recipes with their descriptions").set_defaults(func=_recipes)
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")
     p_resume.add_argument("checkpoint_url",
                           help="{store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
-    p_resume.add_argument("--config", default=None, help="recipe (default: the run's own config from the store)")
+    p_resume.add_argument("--config", "--recipe", dest="config", default=None,
+                          help="recipe file or name (default: the run's own config from the store)")
     p_resume.add_argument("--set", action="append", metavar="KEY=VALUE",
                           help="override a field, e.g. --set budget.tokens=12000000 to extend the run")
     p_resume.set_defaults(func=_resume)

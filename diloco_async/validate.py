@@ -1,0 +1,226 @@
+"""Check a recipe without running it: ``diloco-async validate``.
+
+:func:`validate_recipe` loads the config, probes the store, finds the data, builds the tokenizer,
+the model and the fragment plan with the same builders a run uses (:func:`~diloco_async.tokens.open_corpus`,
+:func:`~diloco_async.sync.state.initial_parameters`, :func:`~diloco_async.fragments.plan_fragments`),
+and returns one :class:`Check` per step, each with its outcome and, when it fails, the recipe field
+at fault. It starts no process and creates no run: the only object it writes is a probe under the
+store's root, deleted again at once. (Building the tokenizer fills the local token cache,
+``data.token_cache_dir``, as the first run would.)
+
+:func:`resolve_recipe` turns a recipe name (``default``) into its file: from ``configs/`` in a
+source checkout, else from the installed package ``diloco_recipes`` (configs/ shipped as package
+data). :func:`list_recipes` gives the names with their one-line descriptions.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+import tomllib
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco_async.config import Config, load_config
+
+__all__ = ["Check", "validate_recipe", "resolve_recipe", "list_recipes", "recipe_description", "probe_store"]
+
+_CHECKOUT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One step of a validation.
+
+    Attributes:
+        name: the step (``config``, ``store``, ``data``, ``tokenizer``, ``model``, ``fragments``).
+        ok: whether it passed.
+        detail: what was found (passed) or the error (failed).
+        field: the recipe field at fault when it failed (e.g. ``run.store``), else None.
+    """
+
+    name: str
+    ok: bool
+    detail: str
+    field: str | None = None
+
+
+def _recipe_dirs() -> list[Path | Any]:
+    """Where named recipes live: the checkout's configs/ first, then the installed package."""
+    dirs: list[Path | Any] = []
+    if _CHECKOUT_CONFIGS.is_dir():
+        dirs.append(_CHECKOUT_CONFIGS)
+    try:
+        dirs.append(importlib.resources.files("diloco_recipes"))
+    except ModuleNotFoundError:
+        pass
+    return dirs
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """The recipe file for a path (used as is when it exists) or a name (``default``,
+    ``default.toml``, ``configs/default.toml``) looked up among the shipped recipes.
+
+    Raises:
+        FileNotFoundError: neither a file nor a known recipe name (the message lists the names).
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    stem = path.name.removesuffix(".toml")
+    for folder in _recipe_dirs():
+        candidate = folder / f"{stem}.toml"
+        if candidate.is_file():
+            return Path(str(candidate))
+    known = ", ".join(name for name, _ in list_recipes()) or "(none found)"
+    raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a known recipe name; known: {known}")
+
+
+def recipe_description(text: str) -> str:
+    """The first comment line of a recipe, without its ``#``."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            return line.lstrip("#").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def list_recipes() -> list[tuple[str, str]]:
+    """(name, one-line description) of every training recipe (a TOML file whose sections are all
+    config sections), sorted by name; a name found in the checkout hides the installed one."""
+    found: dict[str, str] = {}
+    for folder in _recipe_dirs():
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            if not entry.name.endswith(".toml") or entry.name.removesuffix(".toml") in found:
+                continue
+            text = entry.read_text()
+            try:
+                sections = set(tomllib.loads(text))
+            except tomllib.TOMLDecodeError:
+                continue
+            if sections <= set(Config.model_fields):
+                found[entry.name.removesuffix(".toml")] = recipe_description(text)
+    return sorted(found.items())
+
+
+def probe_store(url: str, storage_options: dict[str, Any], timeout_s: float = 10.0) -> str:
+    """Write a small probe object under the store root, read it back and delete it.
+
+    Returns:
+        The store URL (without options).
+
+    Raises:
+        ValueError: unknown scheme. OSError (or a backend error): unreachable or not writable.
+    """
+    from storage.store import ObjectStore
+
+    store = ObjectStore(url, storage_options, timeout_s=timeout_s, retries=1, deadline_s=2 * timeout_s)
+    key = f"validate-probe-{uuid.uuid4().hex}"
+    store.put(key, b"diloco-async validate probe")
+    try:
+        if not store.exists(key):
+            raise OSError(f"probe {key} written but not listed")
+    finally:
+        store.delete(key)
+    return store.url
+
+
+_FIELD = re.compile(r"^\s+([A-Za-z_][\w.]*):", re.M)
+
+
+def _config_field(message: str) -> str | None:
+    """The first field a config error names (``run.store``, ``model.n_head``, ...), after its
+    first line (which echoes the recipe and the overrides)."""
+    message = message.split("\n", 1)[1] if "\n" in message else message
+    named = re.search(r"\b((?:run|data|model|learners|synchronizer|budget|tracking)\.\w+)", message)
+    if named:
+        return named.group(1)
+    m = _FIELD.search(message)
+    return m.group(1) if m else None
+
+
+def _step(checks: list[Check], name: str, field: str | None, fn, *args) -> Any:
+    """Run one step; record its outcome; return its value (None when it failed)."""
+    try:
+        value, detail = fn(*args)
+    except Exception as err:  # every failure is reported as a check naming the field, never raised
+        checks.append(Check(name, False, f"{type(err).__name__}: {err}", field))
+        return None
+    checks.append(Check(name, True, detail))
+    return value
+
+
+def _data(cfg: Config) -> tuple[Any, str]:
+    from diloco_async.data import resolve_sources
+
+    files = resolve_sources(cfg.data)
+    return files, f"{len(files)} file(s), {sum(f.size_bytes for f in files):,} bytes"
+
+
+def _tokens(cfg: Config) -> tuple[Any, str]:
+    from diloco_async.tokens import open_corpus
+
+    corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
+    corpus.shard(cfg.learners.count - 1, cfg.learners.count)  # every learner gets a usable shard
+    return corpus, (f"{cfg.data.tokenizer} (vocab {corpus.vocab_size}): {len(corpus.train):,} training and "
+                    f"{len(corpus.heldout):,} held-out tokens")
+
+
+def _model(cfg: Config) -> tuple[Any, str]:
+    from diloco_async.sync.state import initial_parameters
+
+    params, emb = initial_parameters(cfg)
+    return (params, emb), f"{len(params)} tensors, {sum(p.numel() for p in params.values()):,} parameters"
+
+
+def _plan(cfg: Config, params: dict, emb: list[str]) -> tuple[Any, str]:
+    from diloco_async.fragments import plan_fragments, specs_of
+
+    plan = plan_fragments(specs_of(params), cfg.synchronizer.num_fragments, emb)
+    rows = [f"fragment {p}: {len(frag)} tensors, {sum(s.numel * _itemsize(s.dtype) for s in frag):,} bytes"
+            for p, frag in enumerate(plan.fragments)]
+    return plan, f"{plan.num_fragments} fragments\n" + "\n".join(rows)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
+                    storage_options: dict[str, Any] | None = None) -> list[Check]:
+    """Check a recipe (a path or a shipped recipe name) with ``--set`` overrides, without running it.
+
+    Args:
+        recipe: path or name (see :func:`resolve_recipe`); None: the built-in defaults.
+        overrides: ``section.field=value`` strings.
+        storage_options: extra fsspec options for the store (e.g. from the environment), over
+            ``run.storage_options``.
+
+    Returns:
+        The checks in order; a failed ``config`` check is the only one (nothing else can be built).
+    """
+    checks: list[Check] = []
+
+    def config() -> tuple[Config, str]:
+        path = None if recipe is None else resolve_recipe(recipe)
+        return load_config(path, overrides or []), str(path or "(defaults)")
+
+    try:
+        cfg, where = config()
+    except (ValueError, FileNotFoundError, tomllib.TOMLDecodeError) as err:
+        return [Check("config", False, str(err), _config_field(str(err)) or "recipe")]
+    checks.append(Check("config", True, where))
+    options = {**cfg.run.storage_options, **(storage_options or {})}
+    _step(checks, "store", "run.store", lambda: (None, f"{probe_store(cfg.run.store, options)} is writable"))
+    files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, cfg)
+    if files is not None:
+        _step(checks, "tokenizer", "data.tokenizer", _tokens, cfg)
+    built = _step(checks, "model", "model", _model, cfg)
+    if built is not None:
+        _step(checks, "fragments", "synchronizer.num_fragments", _plan, cfg, *built)
+    return checks
