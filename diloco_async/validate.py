@@ -2,7 +2,7 @@
 
 :func:`validate_recipe` loads the config, probes the store, finds the data, builds the tokenizer,
 the model and the fragment plan with the same builders a run uses (:func:`~diloco_async.tokens.open_corpus`,
-:func:`~diloco_async.sync.state.initial_parameters`, :func:`~diloco_async.fragments.plan_fragments`),
+:func:`~diloco_async.models.build_run_model`, :func:`~diloco_async.models.build.plan_of`),
 and returns one :class:`Check` per step, each with its outcome and, when it fails, the recipe field
 at fault. It starts no process and creates no run: the only object it writes is a probe under the
 store's root, deleted again at once. (Building the tokenizer fills the local token cache,
@@ -170,16 +170,20 @@ def _tokens(cfg: Config) -> tuple[Any, str]:
 
 
 def _model(cfg: Config) -> tuple[Any, str]:
-    from diloco_async.sync.state import initial_parameters
+    import torch
 
-    params, emb = initial_parameters(cfg)
-    return (params, emb), f"{len(params)} tensors, {sum(p.numel() for p in params.values()):,} parameters"
+    from diloco_async.models import build_run_model, trainable_parameters
+
+    torch.manual_seed(cfg.run.seed)
+    model = build_run_model(cfg)  # as the synchronizer builds Θ^0
+    params = trainable_parameters(model)
+    return (model,), f"{len(params)} trainable tensors, {sum(p.numel() for p in params.values()):,} parameters"
 
 
-def _plan(cfg: Config, params: dict, emb: list[str]) -> tuple[Any, str]:
-    from diloco_async.fragments import plan_fragments, specs_of
+def _plan(cfg: Config, model: Any) -> tuple[Any, str]:
+    from diloco_async.models.build import plan_of
 
-    plan = plan_fragments(specs_of(params), cfg.synchronizer.num_fragments, emb)
+    plan = plan_of(model, cfg.synchronizer.num_fragments)  # the plan learners are checked against at join
     rows = [f"fragment {p}: {len(frag)} tensors, {sum(s.numel * _itemsize(s.dtype) for s in frag):,} bytes"
             for p, frag in enumerate(plan.fragments)]
     return plan, f"{plan.num_fragments} fragments\n" + "\n".join(rows)
