@@ -24,15 +24,22 @@ _ENV_DEFAULTS = {
 }
 
 
-def _prepare_environment() -> None:
-    """Set the embedded defaults and make SIGTERM a clean exit (so Prefect's temporary server and
-    every process the flow started are stopped, not orphaned)."""
+def _set_environment_defaults() -> None:
+    """Set the embedded defaults. Before anything imports Prefect: its settings are read once, at
+    import (a startup timeout set later would be ignored)."""
     import os
-    import signal
 
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ["PREFECT_HOME"] = os.path.abspath(os.environ["PREFECT_HOME"])
+
+
+def _prepare_environment() -> None:
+    """Make SIGTERM a clean exit (so Prefect's temporary server and every process the flow started
+    are stopped, not orphaned) and Ctrl-C a clean stop of the run."""
+    import os
+    import signal
+
     os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     signal.signal(signal.SIGINT, _on_interrupt)
@@ -258,6 +265,7 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _set_environment_defaults()
     # `simulate` owns its own flags; hand the rest of the line to it untouched.
     if argv and argv[0] == "simulate":
         return _simulate(argv[1:])

@@ -166,7 +166,11 @@ async def test_a_learner_token_acts_only_as_that_learner():
         # a token of no learner of this run (another run's, or made up) is unauthenticated
         code, answer = await srv.call("POST", "/join", {"learner_id": "b"}, learner_token(SECRET, "run2", "b"))
         assert (code, answer["reason"]) == (401, "unauthenticated")
-        st = await srv.status()
+        async def b_listed():  # /status is a snapshot the actor publishes: it may lag the join a little
+            st = await srv.status()
+            return st if "b" in st["learners"] else None
+
+        st = await await_until(b_listed, 10, "learner b in /status")
         assert st["learners"]["b"]["incarnation"] == 0 and st["learners"]["b"]["live"]  # b was not evicted
         assert st["rejected_by_reason"] == {"forbidden": 6, "unauthenticated": 1}
         # b itself may rejoin with a higher incarnation; the run secret may act as anyone

@@ -14,7 +14,6 @@ import torch
 from diloco_async import codec as wire
 from diloco_async.client import TOKEN_ENV, ProtocolError
 from diloco_async.config import Config, load_config
-from diloco_async.data import Corpus, corpus_urls, load_corpus
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.learner import Learner
 from diloco_async.models import (
@@ -27,6 +26,7 @@ from diloco_async.models import (
 )
 from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.sync import initial_state
+from diloco_async.tokens import Corpus, open_corpus
 from diloco_async.workload import Workload, data_generator
 from storage import keys
 from storage.checkpoint import latest_checkpoint
@@ -116,7 +116,7 @@ def pretrain_base(folder: Path, cfg: Config, steps: int) -> float:
     """A base model trained in this process on shard 0 and saved with save_pretrained; its held-out loss."""
     arch = HfModelConfig(architecture="llama", config=dict(LLAMA, hidden_size=128, intermediate_size=256))
     model = build_model(ModelConfig(kind="hf", context=cfg.model.context, hf=arch), 256, seed=11)
-    corpus = Corpus(load_corpus(corpus_urls(cfg.data)), cfg.data.eval_fraction, cfg.model.context)
+    corpus = open_corpus(cfg.data, cfg.model.context)
     shard, gen = corpus.shard(0, 4), data_generator(11, 0, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):

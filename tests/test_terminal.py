@@ -58,3 +58,16 @@ def test_version_and_top_level_help_speak_to_a_user(capsys):
     out = capsys.readouterr().out
     assert "Decoupled DiLoCo" in out and "examples:" in out
     assert "``" not in out and "import lazily" not in out  # no internal docstring markup
+
+
+def test_prefect_sees_the_embedded_defaults_whatever_the_subcommand_imports():
+    """Prefect reads its settings once, at import: the CLI sets its defaults (a 120 s startup timeout
+    for the temporary server) before a subcommand imports a flow module."""
+    import subprocess
+
+    probe = ("import sys; from flows.cli import main; main(['recipes']); import flows.train; "
+             "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as s; print(s.value())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "120"
