@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from diloco_async import codec as wire
-from diloco_async.client import TOKEN_ENV, ProtocolError
+from diloco_async.auth import learner_token
+from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.config import Config, load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.learner import Learner
@@ -87,7 +88,8 @@ def run_to_the_end(tmp_path: Path, path: Path, learners: int, run_id: str) -> di
         for i in range(learners):
             procs.append(launcher.start(f"learner-{i}", [
                 "-m", "diloco_async.learner", "--learner-id", f"learner-{i}", "--index", str(i), "--sync-url", url,
-                "--store", f"file://{tmp_path}/store"], env))
+                "--store", f"file://{tmp_path}/store"],
+                {"HF_HUB_OFFLINE": "1", LEARNER_TOKEN_ENV: learner_token(TOKEN, run_id, f"learner-{i}")}))
         assert sync.proc.wait(timeout=300) == 0, (tmp_path / "logs" / "synchronizer.log").read_text()[-3000:]
         for p in procs:
             assert p.proc.wait(timeout=60) == 0
