@@ -101,3 +101,28 @@ def test_lifecycle_moves_only_along_allowed_transitions():
         assert life.stopped
     with pytest.raises(RuntimeError):
         life.move(Phase.RUNNING)
+
+
+def test_unparseable_requests_log_one_line_without_a_traceback(caplog):
+    import logging
+
+    from aiohttp.http_exceptions import BadStatusLine
+
+    from diloco_async.sync.gate import quiet_protocol_errors
+
+    server_log = logging.getLogger(f"aiohttp.server.test-{id(caplog)}")
+    quiet_protocol_errors(server_log)
+    with caplog.at_level(logging.INFO):
+        for _ in range(5):
+            try:
+                raise BadStatusLine(b"GET /ws?learner_id=a b HTTP/1.1")
+            except BadStatusLine:
+                server_log.exception("Error handling request from %s", "127.0.0.1")
+        try:
+            raise RuntimeError("a real bug")
+        except RuntimeError:
+            server_log.exception("Error handling request from %s", "127.0.0.1")
+    lines = [r for r in caplog.records if "protocol_error" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None  # rate-limited, no traceback
+    assert not any(r.exc_info and isinstance(r.exc_info[1], BadStatusLine) for r in caplog.records)
+    assert any(r.exc_info and isinstance(r.exc_info[1], RuntimeError) for r in caplog.records)  # bugs still show

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from diloco_async.auth import FORBIDDEN, UNAUTHENTICATED, Credentials
 from diloco_async.sync.logs import RateLimitedLog
 
-__all__ = ["Gate", "EDGE_REASONS", "BODY_TIMEOUT", "LOG_EVERY_S"]
+__all__ = ["Gate", "EDGE_REASONS", "BODY_TIMEOUT", "LOG_EVERY_S", "ProtocolErrorFilter", "quiet_protocol_errors"]
 
 log = logging.getLogger("diloco.server")
 
@@ -53,3 +53,35 @@ class Gate:
             raise ValueError(f"unknown edge reason {reason!r}; known: {', '.join(EDGE_REASONS)}")
         self.counts[reason] += 1
         self.log.note(reason, f"refused request from {remote}: {detail} ({self.counts[reason]} so far)")
+
+
+class ProtocolErrorFilter(logging.Filter):
+    """On aiohttp's server logger: a request that does not parse as HTTP (a bad request line,
+    header or chunk, or a client gone mid-body) becomes one rate-limited warning line without a
+    traceback (:class:`~diloco_async.sync.logs.RateLimitedLog`, reason ``protocol_error``); any
+    other record passes unchanged. aiohttp answers such a request 400 itself."""
+
+    def __init__(self, refusals: RateLimitedLog) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        err = record.exc_info[1] if record.exc_info else None
+        if not isinstance(err, HttpProcessingError | ConnectionResetError):
+            return True
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        self.refusals.note("protocol_error", f"{type(err).__name__}: {first}")
+        return False
+
+
+def quiet_protocol_errors(logger: logging.Logger | None = None) -> ProtocolErrorFilter:
+    """Install :class:`ProtocolErrorFilter` on aiohttp's ``aiohttp.server`` logger (once)."""
+    logger = logger or logging.getLogger("aiohttp.server")
+    for f in logger.filters:
+        if isinstance(f, ProtocolErrorFilter):
+            return f
+    installed = ProtocolErrorFilter(RateLimitedLog(log, LOG_EVERY_S))
+    logger.addFilter(installed)
+    return installed

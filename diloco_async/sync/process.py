@@ -28,6 +28,7 @@ from aiohttp import web
 from diloco_async.client import TOKEN_ENV
 from diloco_async.config import Config, load_config
 from diloco_async.sync.actor import Synchronizer
+from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
@@ -72,6 +73,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
         sync.close()
         await asyncio.to_thread(_release, lease)
         raise
+    quiet_protocol_errors()  # unparseable requests: one rate-limited line, not a traceback each
     runner = web.AppRunner(make_app(sync, token), **runner_options(sync))
     await runner.setup()
     site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port)
