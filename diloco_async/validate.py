@@ -53,8 +53,10 @@ def _recipe_dirs() -> list[Path | Any]:
     if _CHECKOUT_CONFIGS.is_dir():
         dirs.append(_CHECKOUT_CONFIGS)
     try:
-        dirs.append(importlib.resources.files("diloco_recipes"))
-    except ModuleNotFoundError:
+        installed = importlib.resources.files("diloco_recipes")
+        if installed.is_dir():
+            dirs.append(installed)
+    except (ModuleNotFoundError, NotADirectoryError):  # not installed, or an editable install's mapping
         pass
     return dirs
 

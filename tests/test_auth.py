@@ -309,7 +309,11 @@ async def test_learners_beyond_the_cap_are_refused():
         # rejoining one's own id (a restart) does not count twice
         assert (await srv.call("POST", "/join", {"learner_id": "a", "incarnation": 1}, token("a")))[0] == 200
         assert (await srv.call("POST", "/join", {"learner_id": "b"}, token("b")))[0] == 200
-        st = await srv.status()
+        async def three_listed():  # /status is a snapshot the actor publishes: it may lag a join
+            st = await srv.status()
+            return st if sorted(st["learners"]) == ["a", "b", "c"] and st["rejected_by_reason"] else None
+
+        st = await await_until(three_listed, 10, "learners a, b, c in /status")
         assert sorted(st["learners"]) == ["a", "b", "c"] and st["learners"]["a"]["incarnation"] == 1
         assert st["rejected_by_reason"] == {"learner_cap": 1}
 
