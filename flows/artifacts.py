@@ -6,6 +6,7 @@ kinds safetensors plus an MLflow-logged torch model that ``mlflow.pytorch.load_m
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -87,8 +88,14 @@ def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: Model
                   str(folder / "global_model.safetensors"))
         sink.log_artifact(folder / "global_model.safetensors")
     mlflow.set_tracking_uri(sink.uri)
-    with mlflow.start_run(run_id=sink.run_id):
-        info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                        pip_requirements=["torch==2.13.0"])
+    try:
+        with mlflow.start_run(run_id=sink.run_id):
+            info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                            pip_requirements=["torch==2.13.0"])
+    except Exception as err:  # the tracking store must never fail a finished run: the weights are logged above
+        sink.errors += 1
+        logging.getLogger("diloco.flows").warning("MLflow could not log the torch model (%s: %s); the weights are "
+                                                  "in global_model.safetensors", type(err).__name__, err)
+        return f"runs:/{sink.run_id}/global_model.safetensors"
     sink.client.set_tag(sink.run_id, "diloco.model_uri", info.model_uri)
     return info.model_uri

@@ -330,7 +330,12 @@ async def test_metrics_since_reads_points_older_than_the_memory_tail():
             since = body["next"]
             if since >= body["total"]:
                 break
-        assert len(points) == body["total"] == (await status(client))["metrics_total"] > 8
+        async def status_caught_up():  # /status is a snapshot the actor publishes: it may lag a little
+            st = await status(client)
+            return st if st["metrics_total"] == body["total"] else None
+
+        await await_until(status_caught_up, 10, "/status to count every metric point")
+        assert len(points) == body["total"] > 8
         assert sync.metrics.in_memory == 8  # the rest is read from the spill file
         losses = [m["value"] for m in points if m["key"] == "learner/a/train_loss"]
         assert losses == [1.0 / step for step in range(1, 21)]
