@@ -121,9 +121,13 @@ class DdpGroup:
         """Launch the M ranks of ``incarnation`` on a fresh rendezvous port.
 
         Raises:
-            RuntimeError: a rank of the previous incarnation is still running.
+            RuntimeError: a rank of the previous incarnation is still running 15 s later.
         """
+        deadline = time.monotonic() + 15.0  # killed ranks are reaped asynchronously (fork server): let them go
         running = [r for r, code in self.poll().items() if code is None]
+        while running and time.monotonic() < deadline:
+            time.sleep(0.1)
+            running = [r for r, code in self.poll().items() if code is None]
         if running:
             raise RuntimeError(f"ranks {running} of incarnation {self.incarnation} are still running")
         self.timeline_path(0).parent.mkdir(parents=True, exist_ok=True)
