@@ -4,13 +4,17 @@ robust running bound on its L2 norm before it may be merged.
 For a tensor of ``n`` elements, with ``m`` the median of the norms of the last ``norm_window``
 accepted contributions of that tensor (their raw outer gradients Δ, before anchoring):
 
-* warm-up (fewer than ``norm_warmup`` accepted so far): ``bound = warmup_max_rms · √n``;
+* warm-up (fewer than ``norm_warmup`` accepted so far, or a contribution whose steps began inside
+  the learner's learning-rate warm-up): ``bound = warmup_max_rms · √n``;
 * after it: ``bound = min(warmup_max_rms · √n, max(norm_multiple · m, min_rms · √n))``.
 
 A tensor over its bound is a ``norm_outlier``: the whole contribution is rejected
 (``norm_action = "reject"``) or that tensor is scaled down to its bound (``"clip"``). Only
 contributions accepted unclipped feed the median, so as long as fewer than half of the recent
 accepted contributions come from one learner, that learner cannot move the bound by itself.
+Contributions made during the learning-rate warm-up neither meet the median bound nor feed it:
+their norms grow with the learning rate (tenfold and more over a warm-up), so a median of them
+would reject the first honest contributions at full learning rate.
 The median is the robust statistic (a mean would follow a single huge value). What this cannot
 see: a wrong *direction* of ordinary size (a sign flip, a constant tensor scaled to the usual
 norm) passes; RDA, token weighting and the quorum dilute it, they do not reject it.
@@ -75,10 +79,13 @@ class NormGuard:
         self.recent: dict[str, deque[float]] = {n: deque(maxlen=cfg.norm_window) for n in numel}
         self.accepted: dict[str, int] = dict.fromkeys(numel, 0)
 
-    def bound(self, name: str) -> tuple[float, str]:
-        """(the norm bound of tensor ``name``, the rule that set it)."""
+    def bound(self, name: str, lr_warmup: bool = False) -> tuple[float, str]:
+        """(the norm bound of tensor ``name``, the rule that set it); ``lr_warmup``: the
+        contribution began inside the learner's learning-rate warm-up (only the ceiling holds)."""
         root_n = math.sqrt(self.numel[name])
         ceiling = self.cfg.warmup_max_rms * root_n
+        if lr_warmup:
+            return ceiling, f"learning-rate warm-up: {self.cfg.warmup_max_rms} rms"
         if self.accepted[name] < self.cfg.norm_warmup:
             return ceiling, f"warm-up {self.accepted[name]}/{self.cfg.norm_warmup}: {self.cfg.warmup_max_rms} rms"
         median = statistics.median(self.recent[name])
@@ -87,8 +94,9 @@ class NormGuard:
             return ceiling, f"ceiling {self.cfg.warmup_max_rms} rms"
         return robust, f"{self.cfg.norm_multiple} x median {median:.4g} of {len(self.recent[name])}"
 
-    def check(self, norms: Mapping[str, float]) -> NormVerdict:
-        """The verdict on a contribution with these per-tensor norms (names the guard knows).
+    def check(self, norms: Mapping[str, float], lr_warmup: bool = False) -> NormVerdict:
+        """The verdict on a contribution with these per-tensor norms (names the guard knows);
+        ``lr_warmup`` as in :meth:`bound`.
 
         Raises:
             KeyError: a tensor name the guard was not built with.
@@ -96,7 +104,7 @@ class NormGuard:
         over = []
         scales = {}
         for name, norm in norms.items():
-            limit, rule = self.bound(name)
+            limit, rule = self.bound(name, lr_warmup)
             if not norm <= limit:  # also catches NaN
                 over.append(f"{name} norm {norm:.4g} > bound {limit:.4g} ({rule})")
                 scales[name] = limit / norm if math.isfinite(norm) and norm > 0 else 0.0
@@ -108,7 +116,8 @@ class NormGuard:
         return NormVerdict("reject", reason)
 
     def record(self, norms: Mapping[str, float]) -> None:
-        """Add the norms of a contribution accepted unclipped to the running window."""
+        """Add the norms of a contribution accepted unclipped, made after the learning-rate
+        warm-up, to the running window."""
         for name, norm in norms.items():
             self.recent[name].append(float(norm))
             self.accepted[name] += 1

@@ -35,6 +35,18 @@ def test_norm_guard_warm_up_then_median_bound():
     assert g.check({"w": math.inf}).status == "reject"
 
 
+def test_norm_guard_learning_rate_warm_up_meets_only_the_ceiling():
+    """Norms grow with the learning rate over its warm-up; a median of those would reject the first
+    honest contribution at full rate (the CI failure of 2026-12-01: 0.150 > 10 x median 0.0144)."""
+    g = NormGuard(GuardConfig(norm_warmup=2, norm_multiple=10.0, warmup_max_rms=1.0), {"w": 100})
+    for norm in (0.01, 0.01, 0.02):  # contributions begun inside the learning-rate warm-up
+        assert g.check({"w": norm}, lr_warmup=True).status == "accept"
+    assert g.check({"w": 9.9}, lr_warmup=True).status == "accept"  # only the 1.0-rms ceiling holds
+    bad = g.check({"w": 10.5}, lr_warmup=True)
+    assert bad.status == "reject" and "learning-rate warm-up" in bad.reason
+    assert g.accepted["w"] == 0  # checking records nothing
+
+
 def test_norm_guard_median_is_robust_and_the_ceiling_holds():
     g = NormGuard(GuardConfig(norm_warmup=1, norm_window=5, warmup_max_rms=1.0), {"w": 100})
     for norm in (0.1, 0.1, 0.1, 5.0, 5.0):  # two large ones of five do not move the median

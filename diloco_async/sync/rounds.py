@@ -166,7 +166,10 @@ class RoundDriver:
             self.registry.ledgers[lid].count("late")
             self.report.count("contributions_late")
             return AnnouncementAck(status="late", reason=adm.reason)
-        rnd.contributions[lid] = Contribution(ann)
+        # its first step = the learner's last reported step - c_steps (a lagging heartbeat only
+        # makes this earlier, so more lenient, never stricter)
+        first_step = (info.step if info is not None else 0) - ann.c_steps
+        rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.cfg.learners.warmup_steps)
         rnd.none_pending.clear()
         self._spawn(self._verify(f, ann))
         return AnnouncementAck(status="accepted", reason=adm.reason)
@@ -215,7 +218,9 @@ class RoundDriver:
     def _guard_norms(self, msg: Verified, rnd: Round) -> Verified:
         """The update guard on a verified contribution: reject it (``delta`` None, reason
         ``norm_outlier``), or mark its outlier tensors to be clipped, or record its norms."""
-        verdict = self.norm_guard.check(msg.norms)
+        contrib = rnd.contributions.get(msg.learner)
+        lr_warmup = contrib.lr_warmup if contrib is not None else True
+        verdict = self.norm_guard.check(msg.norms, lr_warmup)
         if verdict.status == "reject":
             return Verified(msg.fragment, msg.round_n, msg.learner, None, verdict.reason, msg.nbytes)
         if verdict.status == "clip":
@@ -223,7 +228,7 @@ class RoundDriver:
             self.report.count("contributions_clipped")
             log.warning("clipped contribution learner=%s fragment=%d round=%d: %s", msg.learner, msg.fragment,
                         msg.round_n, verdict.reason)
-        else:
+        elif not lr_warmup:
             self.norm_guard.record(msg.norms)
         return msg
 

@@ -141,6 +141,7 @@ class Contribution:
     ann: Announcement
     delta: dict[str, torch.Tensor] | None = None
     scales: dict[str, float] = field(default_factory=dict)  # tensors the guard clipped, name -> factor
+    lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
 
 
 @dataclass
