@@ -8,8 +8,11 @@ learners do the same work. Reports per run: the final held-out loss (nats/byte) 
 checkpoint, the largest absolute value of any published version, whether every published value
 is finite, and the rejections by reason; then one bar per figure and exit 1 on a miss.
 
+With several ``--seeds`` the baseline and every mode run once per seed (``run.seed``); the loss
+bar is on the mean of the per-seed ratios, printed with a 95% t-interval over the seeds.
+
 usage: python -m benchmarks.poison [--config PATH] [--modes scale,sign_flip,constant]
-       [--max-steps N] [--set section.field=value ...]
+       [--max-steps N] [--seeds 0,1] [--set section.field=value ...]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,16 +72,34 @@ def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0
             "all_finite": finite, "wall_s": time.monotonic() - t0, "merges": summary["merges"],
             "global_step": summary["global_step"], "rejected_by_reason": summary["rejected_by_reason"],
             "contributions_merged": summary["contributions_merged"],
+            "contributions_downweighted": summary.get("contributions_downweighted", 0),
             "learners": {lid: d["contributions"] for lid, d in summary["learners"].items()}}
 
 
-def _bars(base: dict, runs: dict[str, dict]) -> list[tuple[str, float, str, float, bool]]:
+#: two-sided 95% Student t quantiles by degrees of freedom (1..9)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% t-interval; 0 for a single value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def _bars(bases: list[dict], runs: dict[str, list[dict]]) -> list[tuple[str, float, str, float, bool]]:
+    """One loss bar (mean per-seed ratio) and one published-extremes bar per mode."""
     rows = []
-    for mode, r in runs.items():
-        ratio = r["loss"] / base["loss"]
-        rows.append((f"{mode}: held-out loss / baseline's", ratio, "<=", LOSS_RATIO_GOAL, ratio <= LOSS_RATIO_GOAL))
-        rows.append((f"{mode}: largest published |value|", r["max_abs_published"], "<=", MAX_ABS_GOAL,
-                     r["all_finite"] and r["max_abs_published"] <= MAX_ABS_GOAL))
+    for mode, per_seed in runs.items():
+        ratios = [r["loss"] / b["loss"] for r, b in zip(per_seed, bases, strict=True)]
+        mean, half = mean_interval(ratios)
+        print(f"{mode}: loss ratios per seed {[round(x, 4) for x in ratios]}, mean {mean:.4f} +- {half:.4f} (95%)")
+        rows.append((f"{mode}: held-out loss / baseline's", mean, "<=", LOSS_RATIO_GOAL, mean <= LOSS_RATIO_GOAL))
+        largest = max(r["max_abs_published"] for r in per_seed)
+        finite = all(r["all_finite"] for r in per_seed)
+        rows.append((f"{mode}: largest published |value|", largest, "<=", MAX_ABS_GOAL,
+                     finite and largest <= MAX_ABS_GOAL))
     return rows
 
 
@@ -86,20 +108,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/default.toml")
     ap.add_argument("--modes", default="scale,sign_flip,constant")
     ap.add_argument("--max-steps", type=int, default=1200, help="budget.max_steps of every run")
+    ap.add_argument("--seeds", default="0", help="comma-separated run.seed values; every run once per seed")
     ap.add_argument("--set", action="append", default=[], help="section.field=value")
     ap.add_argument("--out", default=".local/bench/poison.json")
     args = ap.parse_args(argv)
     common = [*args.set, "budget.tokens=1000000000000", f"budget.max_steps={args.max_steps}", "budget.wall_s=3600"]
-    base = run_once(args.config, [*common, "learners.count=3"])
-    print(json.dumps({"baseline": base}), flush=True)
-    runs = {}
-    for mode in args.modes.split(","):
-        runs[mode] = run_once(args.config, [*common, "learners.count=4",
-                                            f'learners.poison=["none", "none", "none", "{mode}"]'])
-        print(json.dumps({mode: runs[mode]}), flush=True)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    bases, runs = [], {mode: [] for mode in modes}
+    for seed in seeds:
+        seeded = [*common, f"run.seed={seed}"]
+        bases.append(run_once(args.config, [*seeded, "learners.count=3"]))
+        print(json.dumps({"seed": seed, "baseline": bases[-1]}), flush=True)
+        for mode in modes:
+            runs[mode].append(run_once(args.config, [*seeded, "learners.count=4",
+                                                     f'learners.poison=["none", "none", "none", "{mode}"]']))
+            print(json.dumps({"seed": seed, mode: runs[mode][-1]}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"baseline": base, **runs}, indent=2))
-    rows = _bars(base, runs)
+    Path(args.out).write_text(json.dumps({"seeds": seeds, "baseline": bases, **runs}, indent=2))
+    rows = _bars(bases, runs)
     for name, value, op, goal, ok in rows:
         print(f"{name:44s} {value:10.4f}   {op} {goal:<6g}  {'ok' if ok else 'MISS'}")
     return 0 if all(ok for *_, ok in rows) else 1

@@ -35,6 +35,13 @@ class GuardConfig(BaseModel):
     min_rms: float = Field(
         1e-6, ge=0, description="Floor of the median bound, as a root mean square per element (a tensor whose "
         "recent norms are all zero still accepts a small update).")
+    direction_fraction: float = Field(
+        0.5, ge=0, le=1, description="Direction guard: a contribution whose cosine with the fragment's outer "
+        "momentum is under this fraction of the recent median cosine loses merge weight in proportion; at 0 or "
+        "below it is left out (direction_outlier). 0 turns the direction guard off.")
+    direction_warmup: int = Field(
+        3, ge=1, description="Positive cosines of merged contributions per fragment before the direction guard "
+        "applies.")
     max_steps_per_s: float = Field(
         100.0, gt=0, description="Fastest plausible inner-step rate of one learner: a reported step, c_steps and "
         "tokens_total cannot grow faster than this (plus burst_steps). Raise it for hardware that runs more "

@@ -1,12 +1,15 @@
 """The update guard (issue 14, item 3): each tensor of a contribution's outer gradient is held to a
 robust running bound on its L2 norm before it may be merged.
 
-For a tensor of ``n`` elements, with ``m`` the median of the norms of the last ``norm_window``
-accepted contributions of that tensor (their raw outer gradients Δ, before anchoring):
+For a tensor of ``n`` elements, with ``m`` the median norm *per inner step* of the last
+``norm_window`` accepted contributions of that tensor (their raw outer gradients Δ, before
+anchoring, each divided by the ``c_steps`` it covers), and ``c`` the steps of the contribution
+judged (a learner that missed rounds sends one Δ over all their steps, with a norm as many times
+larger):
 
 * warm-up (fewer than ``norm_warmup`` accepted so far, or a contribution whose steps began inside
   the learner's learning-rate warm-up): ``bound = warmup_max_rms · √n``;
-* after it: ``bound = min(warmup_max_rms · √n, max(norm_multiple · m, min_rms · √n))``.
+* after it: ``bound = min(warmup_max_rms · √n, max(norm_multiple · m · c, min_rms · √n))``.
 
 A tensor over its bound is a ``norm_outlier``: the whole contribution is rejected
 (``norm_action = "reject"``) or that tensor is scaled down to its bound (``"clip"``). Only
@@ -17,7 +20,27 @@ their norms grow with the learning rate (tenfold and more over a warm-up), so a 
 would reject the first honest contributions at full learning rate.
 The median is the robust statistic (a mean would follow a single huge value). What this cannot
 see: a wrong *direction* of ordinary size (a sign flip, a constant tensor scaled to the usual
-norm) passes; RDA, token weighting and the quorum dilute it, they do not reject it.
+norm). That is the direction guard's part.
+
+The direction guard (:class:`DirectionGuard`, one per fragment) compares each contribution's outer
+gradient Δ_i, over the whole fragment, with the consensus of the others in its round: the
+token-weighted sum of their unit directions, ``R_i = Σ_{j≠i} w_j Δ_j/‖Δ_j‖``, giving
+``cos_i = ⟨Δ_i, R_i⟩ / (‖Δ_i‖ ‖R_i‖)`` (only in rounds of 3 or more, where the others are a
+majority against one). Honest learners of a round start from the same values and share the
+loss's descent direction: on ``make run``'s recipe their cosines sit around 0.3-0.6 and never
+below 0 (measured: minimum 0.09). A sign flip sits near the negative of that, a constant tensor
+near 0. Each contribution's merge weight is multiplied by
+``clamp(cos_i / (direction_fraction · c), 0, 1)``, ``c`` the median of the recent cosines: half
+the usual agreement or more keeps its full weight, less loses weight in proportion, down to none
+at 0. A contribution pointing against the rest as much as honest ones point with them
+(``cos_i ≤ -direction_fraction · c``) is left out of the merge (``direction_outlier``). Only the
+worst is left out at a time, and the rest judged again without it, so one flipped update cannot
+drag an honest one down (with two honest and one flipped, both honest cosines sit near 0).
+Only the positive cosines of contributions kept whole feed the median, over the same window as
+the norms. Until ``direction_warmup`` are in, or while the median is under
+:data:`MIN_REFERENCE_COSINE` (learners that do not agree cannot be told apart), every factor is 1.
+(The outer momentum is no reference: honest outer gradients are nearly orthogonal to it, median
+cosine 0.05, and often negative, as Nesterov's overshoot is corrected.)
 
 Pure: plain values and tensors in, decisions with reasons out; no I/O, no clock.
 """
@@ -27,14 +50,18 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from diloco_async.config_guard import GuardConfig
 
-__all__ = ["NormVerdict", "NormGuard", "tensor_norms", "non_finite_tensors"]
+__all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "leave_one_out_cosines", "direction_factor",
+           "MIN_REFERENCE_COSINE", "tensor_norms", "non_finite_tensors"]
+
+#: the direction guard judges only while honest contributions agree at least this much (median)
+MIN_REFERENCE_COSINE = 0.1
 
 
 def tensor_norms(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -79,24 +106,27 @@ class NormGuard:
         self.recent: dict[str, deque[float]] = {n: deque(maxlen=cfg.norm_window) for n in numel}
         self.accepted: dict[str, int] = dict.fromkeys(numel, 0)
 
-    def bound(self, name: str, lr_warmup: bool = False) -> tuple[float, str]:
-        """(the norm bound of tensor ``name``, the rule that set it); ``lr_warmup``: the
-        contribution began inside the learner's learning-rate warm-up (only the ceiling holds)."""
+    def bound(self, name: str, lr_warmup: bool = False, steps: int = 1) -> tuple[float, str]:
+        """(the norm bound of tensor ``name``, the rule that set it) for a contribution covering
+        ``steps`` inner steps (its ``c_steps``, ≥ 1); ``lr_warmup``: the contribution began inside
+        the learner's learning-rate warm-up (only the ceiling holds)."""
         root_n = math.sqrt(self.numel[name])
         ceiling = self.cfg.warmup_max_rms * root_n
         if lr_warmup:
             return ceiling, f"learning-rate warm-up: {self.cfg.warmup_max_rms} rms"
         if self.accepted[name] < self.cfg.norm_warmup:
             return ceiling, f"warm-up {self.accepted[name]}/{self.cfg.norm_warmup}: {self.cfg.warmup_max_rms} rms"
-        median = statistics.median(self.recent[name])
-        robust = max(self.cfg.norm_multiple * median, self.cfg.min_rms * root_n)
+        steps = max(1, int(steps))
+        median = statistics.median(self.recent[name])  # per inner step
+        robust = max(self.cfg.norm_multiple * median * steps, self.cfg.min_rms * root_n)
         if robust >= ceiling:
             return ceiling, f"ceiling {self.cfg.warmup_max_rms} rms"
-        return robust, f"{self.cfg.norm_multiple} x median {median:.4g} of {len(self.recent[name])}"
+        per = f" per step x {steps} steps" if steps > 1 else ""
+        return robust, f"{self.cfg.norm_multiple} x median {median:.4g}{per} of {len(self.recent[name])}"
 
-    def check(self, norms: Mapping[str, float], lr_warmup: bool = False) -> NormVerdict:
+    def check(self, norms: Mapping[str, float], lr_warmup: bool = False, steps: int = 1) -> NormVerdict:
         """The verdict on a contribution with these per-tensor norms (names the guard knows);
-        ``lr_warmup`` as in :meth:`bound`.
+        ``lr_warmup`` and ``steps`` as in :meth:`bound`.
 
         Raises:
             KeyError: a tensor name the guard was not built with.
@@ -104,7 +134,7 @@ class NormGuard:
         over = []
         scales = {}
         for name, norm in norms.items():
-            limit, rule = self.bound(name, lr_warmup)
+            limit, rule = self.bound(name, lr_warmup, steps)
             if not norm <= limit:  # also catches NaN
                 over.append(f"{name} norm {norm:.4g} > bound {limit:.4g} ({rule})")
                 scales[name] = limit / norm if math.isfinite(norm) and norm > 0 else 0.0
@@ -115,9 +145,81 @@ class NormGuard:
             return NormVerdict("clip", reason, scales)
         return NormVerdict("reject", reason)
 
-    def record(self, norms: Mapping[str, float]) -> None:
+    def record(self, norms: Mapping[str, float], steps: int = 1) -> None:
         """Add the norms of a contribution accepted unclipped, made after the learning-rate
-        warm-up, to the running window."""
+        warm-up, covering ``steps`` inner steps, to the running window (as norms per step)."""
+        steps = max(1, int(steps))
         for name, norm in norms.items():
-            self.recent[name].append(float(norm))
+            self.recent[name].append(float(norm) / steps)
             self.accepted[name] += 1
+
+
+def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
+                          weights: Sequence[float]) -> list[float | None]:
+    """For each outer gradient Δ_i (a dict name → tensor; the same names and shapes in all), the
+    cosine between Δ_i and ``R_i = Σ_{j≠i} w_j Δ_j/‖Δ_j‖``, norms and products over all tensors
+    together (float64). None for all when there are fewer than 3, and for a Δ_i or an R_i of zero
+    norm. Memory: one float64 copy of the fragment (the weighted sum of the unit directions).
+
+    Raises:
+        ValueError: ``deltas`` and ``weights`` differ in length.
+    """
+    if len(deltas) != len(weights):
+        raise ValueError(f"{len(deltas)} outer gradients but {len(weights)} weights")
+    if len(deltas) < 3:
+        return [None] * len(deltas)
+    total = math.fsum(weights)
+    probs = [w / total if total > 0 else 1.0 / len(weights) for w in weights]
+    norms = [math.sqrt(math.fsum(float(t.detach().to(torch.float64).pow(2).sum()) for t in d.values()))
+             for d in deltas]
+    # S = Σ_j p_j u_j with u_j = Δ_j/‖Δ_j‖; then ⟨u_i, R_i⟩ = ⟨u_i, S⟩ - p_i and
+    # ‖R_i‖² = ‖S‖² - 2 p_i ⟨u_i, S⟩ + p_i² (R_i = S - p_i u_i)
+    total_sq, dots = 0.0, [0.0] * len(deltas)
+    for name in deltas[0]:
+        s = torch.zeros(deltas[0][name].shape, dtype=torch.float64)
+        for d, p, n in zip(deltas, probs, norms, strict=True):
+            if n > 0:
+                s.add_(d[name].detach().to(torch.float64), alpha=p / n)
+        total_sq += float(s.pow(2).sum())
+        for i, (d, n) in enumerate(zip(deltas, norms, strict=True)):
+            if n > 0:
+                dots[i] += float((d[name].detach().to(torch.float64) * s).sum()) / n
+    out: list[float | None] = []
+    for dot, p, n in zip(dots, probs, norms, strict=True):
+        r_sq = total_sq - 2 * p * dot + p * p
+        if n <= 0 or r_sq <= 1e-24 or not math.isfinite(dot + r_sq):
+            out.append(None)
+        else:
+            out.append(max(-1.0, min(1.0, (dot - p) / math.sqrt(r_sq))))
+    return out
+
+
+def direction_factor(cosine: float | None, reference_cosine: float | None, fraction: float) -> float:
+    """The merge-weight factor in [0, 1] of a contribution with this ``cosine`` to its round:
+    ``clamp(cosine / (fraction · reference_cosine), 0, 1)``; 1 when either is None (nothing to
+    compare with, or the guard is still warming up) or ``fraction`` is 0 (guard off)."""
+    if cosine is None or reference_cosine is None or fraction <= 0:
+        return 1.0
+    return min(1.0, max(0.0, cosine / (fraction * reference_cosine)))
+
+
+class DirectionGuard:
+    """The recent leave-one-out cosines of one fragment's contributions (owned by the
+    synchronizer's actor; the merging thread gets :meth:`reference` as a plain float)."""
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        self.cfg = cfg
+        self.recent: deque[float] = deque(maxlen=cfg.norm_window)
+
+    def reference(self) -> float | None:
+        """The median recent cosine, or None while warming up or while it is under
+        :data:`MIN_REFERENCE_COSINE`."""
+        if self.cfg.direction_fraction <= 0 or len(self.recent) < self.cfg.direction_warmup:
+            return None
+        median = statistics.median(self.recent)
+        return median if median >= MIN_REFERENCE_COSINE else None
+
+    def record(self, cosine: float | None, factor: float) -> None:
+        """Add the cosine of a merged contribution kept at full weight (positive ones only)."""
+        if cosine is not None and cosine > 0 and factor >= 1.0:
+            self.recent.append(float(cosine))

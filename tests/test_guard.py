@@ -12,7 +12,14 @@ import torch
 from diloco_async import codec as wire
 from diloco_async.config import load_config
 from diloco_async.config_guard import GuardConfig
-from diloco_async.guard import NormGuard, non_finite_tensors, tensor_norms
+from diloco_async.guard import (
+    DirectionGuard,
+    NormGuard,
+    direction_factor,
+    leave_one_out_cosines,
+    non_finite_tensors,
+    tensor_norms,
+)
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times, implausible_contribution
 from diloco_async.policy import RoundState, schedule_shift, stuck_round_reason
@@ -202,3 +209,88 @@ def test_poison_modes(mode):
         assert all(bool((out[k] == out[k].flatten()[0]).all()) for k in d)
     with pytest.raises(ValueError, match="unknown poison mode"):
         poison_outer_gradient(d, "bogus")
+
+
+def test_leave_one_out_cosines_and_factor():
+    x, y = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    # three agree along x (one also along y), one is their negative
+    deltas = [{"w": x}, {"w": 2 * x}, {"w": x + y}, {"w": -x}]
+    cos = leave_one_out_cosines(deltas, [1.0, 1.0, 1.0, 1.0])
+    u = [x, x, (x + y) / math.sqrt(2), -x]
+    for i, d in enumerate(deltas):  # against the direct formula
+        ref = sum(u[j] for j in range(4) if j != i)
+        expected = float(d["w"] @ ref / (d["w"].norm() * ref.norm()))
+        assert cos[i] == pytest.approx(expected, abs=1e-6)
+    assert cos[3] < -0.9 and min(cos[:3]) > 0
+    assert leave_one_out_cosines(deltas[:2], [1.0, 1.0]) == [None, None]  # no majority in a pair
+    assert leave_one_out_cosines([{"w": x}, {"w": x}, {"w": torch.zeros(2)}], [1, 1, 1])[2] is None
+    assert direction_factor(0.4, 0.4, 0.5) == 1.0  # the usual agreement: full weight
+    assert direction_factor(0.1, 0.4, 0.5) == pytest.approx(0.5)  # a quarter of it: half the weight
+    assert direction_factor(-0.4, 0.4, 0.5) == 0.0  # a sign flip: left out
+    assert direction_factor(-0.4, None, 0.5) == 1.0  # warming up
+    assert direction_factor(-0.4, 0.4, 0.0) == 1.0  # guard off
+
+
+def test_direction_guard_warms_up_and_keeps_only_whole_positive_cosines():
+    g = DirectionGuard(GuardConfig(direction_warmup=3, norm_window=5))
+    for cos in (0.3, 0.5):
+        g.record(cos, 1.0)
+    assert g.reference() is None  # 2 of 3
+    g.record(-0.2, 1.0)  # a negative cosine never feeds the median
+    g.record(0.01, 0.1)  # nor one merged with reduced weight
+    assert g.reference() is None
+    g.record(0.4, 1.0)
+    assert g.reference() == pytest.approx(0.4)
+    for _ in range(5):
+        g.record(0.05, 1.0)  # learners that hardly agree: the guard does not judge
+    assert g.reference() is None
+    assert DirectionGuard(GuardConfig(direction_warmup=1, direction_fraction=0.0)).reference() is None
+
+
+def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
+    """merge_and_publish with a warm direction guard: a learner sending the negative of its own
+    outer gradient is dropped as a direction_outlier, one sending a constant tensor of the usual
+    norm keeps little or no weight, the honest ones keep theirs."""
+    from diloco_async.fragments import plan_fragments, specs_of
+    from diloco_async.messages import Announcement
+    from diloco_async.sync.state import Contribution, new_fragments
+    from diloco_async.sync.work import merge_and_publish
+    from storage.store import ObjectStore
+
+    torch.manual_seed(0)
+    params = {"w": torch.randn(64, 32)}
+    sc = load_config(None, ["synchronizer.num_fragments=1"]).synchronizer
+    f = new_fragments(plan_fragments(specs_of(params), 1), params, sc)[0]
+    trend = torch.randn(64, 32) * 1e-2  # the descent direction all honest learners share
+    honest = [trend + torch.randn(64, 32) * 1e-2 for _ in range(4)]
+    rms = float(trend.pow(2).mean().sqrt())
+    deltas = {"a": honest[0], "b": honest[1], "c": honest[2], "flip": -honest[3], "const": torch.full((64, 32), rms)}
+
+    def contribution(lid, delta):
+        ann = Announcement(learner_id=lid, fragment=0, round_n=2, base_version=0, c_steps=8, c_tokens=8 * 64,
+                           compute_s=1.0, key=f"k/{lid}", nbytes=1, sha256="0" * 64, codec="fp32",
+                           update_id=f"u-{lid}")
+        return Contribution(ann, {"w": delta})
+
+    res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2,
+                            [contribution(k, v) for k, v in deltas.items()], "rda", 0.0,
+                            direction_reference=0.5, direction_fraction=0.5)
+    assert res.ok, res.reason
+    dropped = dict(res.dropped)
+    assert dropped["flip"].startswith("direction_outlier: cosine -")
+    assert {"a", "b", "c"} <= set(res.merged) and "flip" not in res.merged
+    assert res.factors["a"] == res.factors["b"] == res.factors["c"] == 1.0, res.cosines
+    assert res.factors["const"] < 0.3 and "const" not in dropped  # about 0 agreement: little or no weight
+    assert abs(res.cosines["const"]) < 0.25, res.cosines
+
+
+def test_norm_guard_bound_scales_with_the_steps_a_contribution_covers():
+    """A learner that missed rounds sends one outer gradient over all their steps: its bound is
+    the per-step median times its c_steps (the ceiling still holds)."""
+    g = NormGuard(GuardConfig(norm_warmup=2, norm_multiple=10.0, warmup_max_rms=1.0), {"w": 10_000})
+    for _ in range(3):
+        g.record({"w": 0.12}, steps=12)  # 0.01 per step
+    assert g.bound("w", steps=12)[0] == pytest.approx(1.2)
+    assert g.check({"w": 3.0}, steps=48).status == "accept"  # four rounds' worth: bound 10 x 0.01 x 48 = 4.8
+    assert g.check({"w": 3.0}, steps=12).status == "reject"
+    assert g.bound("w", steps=10**9)[0] == pytest.approx(100.0)  # the 1.0-rms ceiling

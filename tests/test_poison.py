@@ -33,3 +33,22 @@ def test_scaled_poison_rejected_and_loss_kept(tmp_path):
     poisoner = poisoned["learners"]["learner-3"]
     assert poisoner.get("merged", 0) == 0 and rejected["norm_outlier"] <= poisoner["rejected"], poisoned["learners"]
     assert poisoned["loss"] <= base["loss"] * LOOSE_RATIO, (poisoned["loss"], base["loss"])
+
+
+def test_sign_flipped_poison_left_out_by_the_direction_guard(tmp_path):
+    """A fourth learner sends the negative of its outer gradient (its norm is the honest one, so
+    the norm guard passes it): once the direction guard is warm, its contributions are left out as
+    direction_outlier, no honest one is, and the loss stays close to the honest run's."""
+    recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
+    # K = 3: every round holds 3 or more contributions, a majority to judge the fourth by
+    common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=240", "synchronizer.min_quorum=3"]
+    base = run_once(recipe, [*common, "learners.count=3"], timeout_s=280)
+    poisoned = run_once(recipe, [*common, "learners.count=4",
+                                 'learners.poison=["none", "none", "none", "sign_flip"]'], timeout_s=280)
+    print(f"baseline: {base}\npoisoned: {poisoned}")
+    rejected = poisoned["rejected_by_reason"]
+    poisoner = poisoned["learners"]["learner-3"]
+    assert rejected.get("direction_outlier", 0) >= 3, rejected
+    assert rejected["direction_outlier"] <= poisoner.get("rejected", 0), poisoned["learners"]  # only the poisoner
+    assert poisoner.get("rejected", 0) > poisoner.get("merged", 0), poisoner
+    assert poisoned["loss"] <= base["loss"] * LOOSE_RATIO, (poisoned["loss"], base["loss"])

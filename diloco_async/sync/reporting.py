@@ -173,6 +173,7 @@ def summary(sync: Synchronizer) -> dict:
         "rounds_abandoned_by_reason": dict(rep.abandoned_by_reason),
         "clamped_by_reason": dict(rep.clamped_by_reason),
         "contributions_clipped": c["contributions_clipped"],
+        "contributions_downweighted": c["contributions_downweighted"],
         "verifications_dropped": c["verifications_dropped"],
         "duplicates": c["duplicates"],
         "versions": {f.p: f.version for f in sync.fragments},

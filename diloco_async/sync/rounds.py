@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from diloco_async import codec as wire
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import fragment_offset
-from diloco_async.guard import NormGuard
+from diloco_async.guard import DirectionGuard, NormGuard
 from diloco_async.merge import token_weight
 from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.pace import PaceLimits, implausible_contribution
@@ -68,6 +68,7 @@ class RoundDriver:
     cfg: Config
     sc: SynchronizerConfig
     norm_guard: NormGuard
+    direction_guards: list[DirectionGuard]
     pace: PaceLimits
     schedule_shift_steps: int  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
     store: ObjectStore
@@ -220,7 +221,8 @@ class RoundDriver:
         ``norm_outlier``), or mark its outlier tensors to be clipped, or record its norms."""
         contrib = rnd.contributions.get(msg.learner)
         lr_warmup = contrib.lr_warmup if contrib is not None else True
-        verdict = self.norm_guard.check(msg.norms, lr_warmup)
+        steps = contrib.ann.c_steps if contrib is not None else 1
+        verdict = self.norm_guard.check(msg.norms, lr_warmup, steps)
         if verdict.status == "reject":
             return Verified(msg.fragment, msg.round_n, msg.learner, None, verdict.reason, msg.nbytes)
         if verdict.status == "clip":
@@ -229,7 +231,7 @@ class RoundDriver:
             log.warning("clipped contribution learner=%s fragment=%d round=%d: %s", msg.learner, msg.fragment,
                         msg.round_n, verdict.reason)
         elif not lr_warmup:
-            self.norm_guard.record(msg.norms)
+            self.norm_guard.record(msg.norms, steps)
         return msg
 
     # -- quorum, grace, merge -----------------------------------------------------------------
@@ -317,7 +319,9 @@ class RoundDriver:
             # the contributions are fixed here, on the actor's loop: the worker thread gets its own list
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]
             result = await asyncio.to_thread(merge_and_publish, self.store, self.run_id, f, n, contribs,
-                                             self.sc.merge, quorum_wait_s, self.lease_epoch)
+                                             self.sc.merge, quorum_wait_s, self.lease_epoch,
+                                             self.direction_guards[f.p].reference(),
+                                             self.cfg.guard.direction_fraction)
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")
@@ -336,10 +340,21 @@ class RoundDriver:
             self.report.abandon("merge_failed")
             code = "lease_lost" if res.reason.startswith(("LeaseLost", "LeaseExpired")) else "merge_failed"
             for lid in rnd.contributions:  # counted, never lost silently
-                self._reject(lid, code, dropped.get(lid, res.reason), f.p, res.round_n)
+                why = dropped.get(lid, res.reason)
+                self._reject(lid, _dropped_code(why, code), why.removeprefix("direction_outlier: "), f.p,
+                             res.round_n)
             return
         for lid, why in dropped.items():  # left out so that the others could merge
-            self._reject(lid, "merge_failed", why, f.p, res.round_n)
+            self._reject(lid, _dropped_code(why, "merge_failed"), why.removeprefix("direction_outlier: "), f.p,
+                         res.round_n)
+        guard = self.direction_guards[f.p]
+        for lid in res.merged:
+            guard.record(res.cosines.get(lid), res.factors.get(lid, 1.0))
+        weak = [lid for lid in res.merged if res.factors.get(lid, 1.0) < 1.0]
+        if weak:
+            self.report.counters["contributions_downweighted"] += len(weak)
+            log.info("fragment %d round %d: merged with less weight for %s (direction factors %s)", f.p,
+                        res.round_n, weak, {lid: round(res.factors[lid], 3) for lid in weak})
         rnd.state.finish()
         self._adopt_merge(f, res, rnd)
         self._report_merge(f, res, rnd)
@@ -378,6 +393,9 @@ class RoundDriver:
         rep.metric("sync/grace_s", grace_s)
         rep.metric("sync/quorum_wait_s", res.quorum_wait_s)
         rep.metric("sync/merge_s", res.seconds)
+        merged_cosines = [res.cosines[lid] for lid in res.merged if res.cosines.get(lid) is not None]
+        if merged_cosines:  # the agreement of the merged outer gradients with the outer momentum
+            rep.metric("sync/direction_cosine_min", min(merged_cosines))
         rep.metric("sync/contributions_merged", c["contributions_merged"])
         rep.metric("sync/contributions_late", c["contributions_late"])
         rep.metric("sync/contributions_rejected", c["contributions_rejected"])
@@ -388,3 +406,8 @@ class RoundDriver:
         rep.metric(f"sync/fragment/{f.p}/version", f.version)
         log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",
                  f.p, res.round_n, len(res.merged), ",".join(res.merged), f.version, grace_s, len(rnd.state.late))
+
+
+def _dropped_code(why: str, default: str) -> str:
+    """The rejection code of a contribution left out of a merge for reason ``why``."""
+    return "direction_outlier" if why.startswith("direction_outlier: ") else default

@@ -193,6 +193,8 @@ class Merged:
     quorum_wait_s: float = 0.0
     outer_steps: int = 0
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (learner, why) left out of the merge
+    cosines: dict[str, float | None] = field(default_factory=dict)  # learner -> cosine to the momentum
+    factors: dict[str, float] = field(default_factory=dict)  # learner -> direction factor of its weight
 
 
 @dataclass

@@ -18,7 +18,7 @@ import time
 import torch
 
 from diloco_async import codec as wire
-from diloco_async.guard import non_finite_tensors, tensor_norms
+from diloco_async.guard import direction_factor, leave_one_out_cosines, non_finite_tensors, tensor_norms
 from diloco_async.merge import anchor, merge_outer_gradients, token_weight
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
@@ -107,10 +107,13 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
     return f"storage_error: {type(err).__name__}: {err}"
 
 
-def _screen(f: FragmentState, contribs: list[Contribution]) -> tuple[list, list, list, list[tuple[str, str]]]:
-    """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner, why)).
-    A contribution whose weight or anchored outer gradient is not finite cannot take the round down."""
-    kept, weights, anchored, dropped = [], [], [], []
+def _screen(f: FragmentState, contribs: list[Contribution], direction_reference: float | None = None,
+            direction_fraction: float = 0.0) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
+    """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner,
+    why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
+    cannot take the round down; one that points away from the rest of its round is weighted down
+    or left out (the direction guard, :mod:`diloco_async.guard`)."""
+    kept, weights, anchored, raw, dropped = [], [], [], [], []
     for c in contribs:
         try:
             w = token_weight(c.ann.c_tokens, c.ann.c_steps)
@@ -125,7 +128,28 @@ def _screen(f: FragmentState, contribs: list[Contribution]) -> tuple[list, list,
         kept.append(c)
         weights.append(w)
         anchored.append(a)
-    return kept, weights, anchored, dropped
+        raw.append(delta)
+    # the direction guard: leave out the worst contribution pointing away from the rest while one
+    # does, then judge the rest again without it (its sign flip no longer drags their consensus)
+    cosines: dict[str, float | None] = {}
+    factors: dict[str, float] = {}
+    while True:
+        ids = [c.ann.learner_id for c in kept]
+        cos = leave_one_out_cosines(raw, weights) if direction_fraction > 0 else [None] * len(kept)
+        factor = [direction_factor(x, direction_reference, direction_fraction) for x in cos]
+        cosines.update(zip(ids, cos, strict=True))
+        factors.update(zip(ids, factor, strict=True))
+        out = [i for i, x in enumerate(cos) if x is not None and direction_reference is not None
+               and x <= -direction_fraction * direction_reference]  # anti-aligned: left out
+        if not out:  # (fewer than 3 have no cosines, so the loop ends with 2 at least)
+            break
+        worst = min(out, key=lambda i: cos[i])
+        dropped.append((ids[worst], f"direction_outlier: cosine {cos[worst]:.3f} with the rest of its round "
+                                    f"(usual {direction_reference:.3f})"))
+        for seq in (kept, weights, anchored, raw):
+            del seq[worst]
+    weights = [w * factors[c.ann.learner_id] for c, w in zip(kept, weights, strict=True)]
+    return kept, weights, anchored, dropped, cosines, factors
 
 
 def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str) -> dict[str, torch.Tensor]:
@@ -140,13 +164,17 @@ def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mo
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
                       contribs: list[Contribution], merge_mode: str, quorum_wait_s: float,
-                      lease_epoch: int = 0) -> Merged:
+                      lease_epoch: int = 0, direction_reference: float | None = None,
+                      direction_fraction: float = 0.0) -> Merged:
     """Merge one round of fragment ``f`` and publish version ``f.version + 1`` (or the next free
     number, :func:`publish_next_version`).
 
     Each outer gradient is clipped where the guard said so, anchored on the current value
     (``merge.anchor``, DESIGN §4.1), weighted by c_tokens²/c_steps (§4.2) and merged with RDA or
-    the mean (§4.4); the outer Nesterov step (§4.5) gives the new value. A contribution whose
+    the mean (§4.4); the outer Nesterov step (§4.5) gives the new value. With a
+    ``direction_reference`` (the median recent leave-one-out cosine), each weight is also
+    multiplied by its direction factor, and a contribution whose factor is 0 is dropped
+    (``direction_outlier``). A contribution whose
     weight or anchored value is not finite is dropped (``Merged.dropped``); if the merge or step
     still fails, the round is retried leaving out one contribution at a time, and the first that
     makes it succeed is dropped. If nothing works or the publish fails, the optimizer is restored
@@ -154,9 +182,11 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
-    kept, weights, anchored, dropped = _screen(f, contribs)
+    kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, direction_reference,
+                                                                 direction_fraction)
     if not kept or sum(weights) <= 0:
-        return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped)
+        return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
+                      cosines=cosines, factors=factors)
     before_params, before_mom, steps = f.optimizer.params(), f.optimizer.momentum(), f.optimizer.steps_taken
 
     def restore() -> None:
@@ -186,4 +216,5 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
     return Merged(p, n, True, "published", new=new, momentum=f.optimizer.momentum(), ref=ref, version=version,
                   outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
-                  seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped)
+                  seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped,
+                  cosines=cosines, factors=factors)
