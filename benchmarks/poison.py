@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import safetensors.torch
 
+from benchmarks.stats import mean_interval
 from diloco_async.config import load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.run import RunProcesses
@@ -74,18 +74,6 @@ def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0
             "contributions_merged": summary["contributions_merged"],
             "contributions_downweighted": summary.get("contributions_downweighted", 0),
             "learners": {lid: d["contributions"] for lid, d in summary["learners"].items()}}
-
-
-#: two-sided 95% Student t quantiles by degrees of freedom (1..9)
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def mean_interval(values: list[float]) -> tuple[float, float]:
-    """(mean, half-width of its 95% t-interval; 0 for a single value)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _bars(bases: list[dict], runs: dict[str, list[dict]]) -> list[tuple[str, float, str, float, bool]]:
