@@ -36,12 +36,18 @@ class GuardConfig(BaseModel):
         1e-6, ge=0, description="Floor of the median bound, as a root mean square per element (a tensor whose "
         "recent norms are all zero still accepts a small update).")
     direction_fraction: float = Field(
-        0.5, ge=0, le=1, description="Direction guard: a contribution whose cosine with the fragment's outer "
-        "momentum is under this fraction of the recent median cosine loses merge weight in proportion; at 0 or "
-        "below it is left out (direction_outlier). 0 turns the direction guard off.")
+        0.5, ge=0, le=1, description="Direction guard: a contribution whose leave-one-out cosine with the rest of "
+        "its round is under this fraction of the recent median cosine loses merge weight in proportion, down to "
+        "none at 0; one at or under minus this fraction of it is anti-aligned (see direction_memory). 0 turns the "
+        "direction guard off.")
     direction_warmup: int = Field(
         3, ge=1, description="Positive cosines of merged contributions per fragment before the direction guard "
         "applies.")
+    direction_memory: int = Field(
+        4, ge=1, description="An anti-aligned contribution is left out (direction_outlier) only when the mean of "
+        "its learner's last direction_memory cosines (over all fragments, this one included; at least 2 of them "
+        "known, unless this is 1) is anti-aligned too; otherwise it is merged with zero weight. One noisy honest "
+        "round does not reject an honest learner; a learner that keeps pointing away is left out.")
     max_steps_per_s: float = Field(
         100.0, gt=0, description="Fastest plausible inner-step rate of one learner: a reported step, c_steps and "
         "tokens_total cannot grow faster than this (plus burst_steps). Raise it for hardware that runs more "

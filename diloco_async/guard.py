@@ -32,13 +32,26 @@ below 0 (measured: minimum 0.09). A sign flip sits near the negative of that, a 
 near 0. Each contribution's merge weight is multiplied by
 ``clamp(cos_i / (direction_fraction · c), 0, 1)``, ``c`` the median of the recent cosines: half
 the usual agreement or more keeps its full weight, less loses weight in proportion, down to none
-at 0. A contribution pointing against the rest as much as honest ones point with them
-(``cos_i ≤ -direction_fraction · c``) is left out of the merge (``direction_outlier``). Only the
-worst is left out at a time, and the rest judged again without it, so one flipped update cannot
-drag an honest one down (with two honest and one flipped, both honest cosines sit near 0).
+at 0. While three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one
+pointing away most is taken out of the others' consensus and the rest judged again without it,
+so one flipped update cannot drag an honest one down (with two honest and one flipped, both
+honest cosines sit near 0) and the weights of a round never all fall to zero. What is taken out
+is left out of the merge (``direction_outlier``) if it points against the rest as much as honest
+ones point with them (``cos_i ≤ -direction_fraction · c``, *anti-aligned*) and its learner has
+kept pointing away: the mean of that learner's last ``direction_memory`` cosines
+(:class:`LearnerDirections`, over all fragments, this one included, at least two known) is
+anti-aligned too (:func:`sustained_anti_alignment`). Otherwise it is merged with zero weight
+(counted per learner as ``zero_weight``). On a small model an honest round is now and then
+anti-aligned by noise (measured on the test recipe: cosines down to -0.3 against a median of
+0.45); a sign flip is anti-aligned nearly every round, so its mean crosses the bound from its
+second contribution on, while an honest learner's mean of four would have to fall about four
+standard deviations.
 Only the positive cosines of contributions kept whole feed the median, over the same window as
 the norms. Until ``direction_warmup`` are in, or while the median is under
-:data:`MIN_REFERENCE_COSINE` (learners that do not agree cannot be told apart), every factor is 1.
+:data:`MIN_REFERENCE_COSINE` (learners that do not agree cannot be told apart), nothing is left
+out and only contributions pointing away from the rest (``cos_i ≤ 0``, taken out as above) lose
+their weight; every other factor is 1. (Honest learners on ``make run``'s recipe never point
+away: their minimum cosine is positive.)
 (The outer momentum is no reference: honest outer gradients are nearly orthogonal to it, median
 cosine 0.05, and often negative, as Nesterov's overshoot is corrected.)
 
@@ -57,7 +70,8 @@ import torch
 
 from diloco_async.config_guard import GuardConfig
 
-__all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "leave_one_out_cosines", "direction_factor",
+__all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "LearnerDirections", "leave_one_out_cosines",
+           "direction_factor", "sustained_anti_alignment",
            "MIN_REFERENCE_COSINE", "tensor_norms", "non_finite_tensors"]
 
 #: the direction guard judges only while honest contributions agree at least this much (median)
@@ -223,3 +237,28 @@ class DirectionGuard:
         """Add the cosine of a merged contribution kept at full weight (positive ones only)."""
         if cosine is not None and cosine > 0 and factor >= 1.0:
             self.recent.append(float(cosine))
+
+
+def sustained_anti_alignment(previous: Sequence[float], cosine: float, bound: float, memory: int) -> bool:
+    """Whether an anti-aligned contribution (``cosine ≤ bound``, ``bound`` negative) comes from a
+    learner that keeps pointing away: the mean of ``cosine`` and the learner's last ``memory - 1``
+    ``previous`` cosines is at most ``bound``, with at least 2 values (1 when ``memory`` is 1)."""
+    values = [*(list(previous)[-(memory - 1):] if memory > 1 else []), cosine]
+    return cosine <= bound and len(values) >= min(2, memory) and math.fsum(values) / len(values) <= bound
+
+
+class LearnerDirections:
+    """Each learner's recent leave-one-out cosines over all fragments, newest last (owned by the
+    synchronizer's actor; the merging thread gets :meth:`snapshot`, plain tuples)."""
+
+    def __init__(self, memory: int) -> None:
+        self.memory = max(1, int(memory))
+        self.recent: dict[str, deque[float]] = {}
+
+    def record(self, learner_id: str, cosine: float | None) -> None:
+        """Add the cosine a learner's contribution had when it was last judged (None: not judged)."""
+        if cosine is not None and math.isfinite(cosine):
+            self.recent.setdefault(learner_id, deque(maxlen=self.memory)).append(float(cosine))
+
+    def snapshot(self) -> dict[str, tuple[float, ...]]:
+        return {lid: tuple(d) for lid, d in self.recent.items()}

@@ -33,3 +33,19 @@ async def await_until(pred: Callable[[], Awaitable[T]], timeout_s: float, what: 
             return value
         await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def newer_status(get: Callable[[], Awaitable[dict]], wait_s: float = 5.0) -> dict:
+    """A synchronizer's /status (``await get()``, parsed) from a snapshot published after this call
+    began, so that it counts every request answered before: the actor publishes snapshots at its
+    own pace and one may lag. After ``wait_s`` without a newer one (a stopped actor publishes no
+    more), the latest."""
+    first = await get()
+    deadline = time.monotonic() + wait_s
+    latest = first
+    while time.monotonic() < deadline:
+        latest = await get()
+        if latest.get("snapshot_seq", 0) > first.get("snapshot_seq", 0):
+            return latest
+        await asyncio.sleep(0.02)
+    return latest

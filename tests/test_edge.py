@@ -23,7 +23,7 @@ from diloco_async import codec as wire
 from diloco_async.fragments import FragmentPlan
 from storage import keys
 
-from polling import await_until
+from polling import await_until, newer_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,9 +38,13 @@ def strict_json(text: str):
 
 
 async def status(client) -> dict:
-    r = await asyncio.wait_for(client.get("/status"), 5)
-    assert r.status == 200
-    return strict_json(await r.text())
+    """/status (parsed strictly) from a snapshot newer than the call."""
+    async def get() -> dict:
+        r = await asyncio.wait_for(client.get("/status"), 5)
+        assert r.status == 200
+        return strict_json(await r.text())
+
+    return await newer_status(get)
 
 
 async def post(client, path, body, headers=AUTH):

@@ -14,15 +14,19 @@ from diloco_async.config import load_config
 from diloco_async.config_guard import GuardConfig
 from diloco_async.guard import (
     DirectionGuard,
+    LearnerDirections,
     NormGuard,
     direction_factor,
     leave_one_out_cosines,
     non_finite_tensors,
+    sustained_anti_alignment,
     tensor_norms,
 )
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times, implausible_contribution
 from diloco_async.policy import RoundState, schedule_shift, stuck_round_reason
+from diloco_async.sync.work import merge_and_publish
+from storage.store import ObjectStore
 
 SPECS = {"w": (4, 8), "b": (8,)}
 
@@ -247,15 +251,12 @@ def test_direction_guard_warms_up_and_keeps_only_whole_positive_cosines():
     assert DirectionGuard(GuardConfig(direction_warmup=1, direction_fraction=0.0)).reference() is None
 
 
-def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
-    """merge_and_publish with a warm direction guard: a learner sending the negative of its own
-    outer gradient is dropped as a direction_outlier, one sending a constant tensor of the usual
-    norm keeps little or no weight, the honest ones keep theirs."""
+def _direction_round():
+    """A fragment and one round of it: three honest outer gradients along a shared trend, the
+    negative of a fourth ("flip") and a constant tensor of the usual size ("const")."""
     from diloco_async.fragments import plan_fragments, specs_of
     from diloco_async.messages import Announcement
     from diloco_async.sync.state import Contribution, new_fragments
-    from diloco_async.sync.work import merge_and_publish
-    from storage.store import ObjectStore
 
     torch.manual_seed(0)
     params = {"w": torch.randn(64, 32)}
@@ -272,9 +273,17 @@ def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
                            update_id=f"u-{lid}")
         return Contribution(ann, {"w": delta})
 
-    res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2,
-                            [contribution(k, v) for k, v in deltas.items()], "rda", 0.0,
-                            direction_reference=0.5, direction_fraction=0.5)
+    return f, [contribution(k, v) for k, v in deltas.items()]
+
+
+def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
+    """merge_and_publish with a warm direction guard judging each round alone (direction_memory
+    1): a learner sending the negative of its own outer gradient is dropped as a
+    direction_outlier, one sending a constant tensor of the usual norm keeps little or no weight,
+    the honest ones keep theirs."""
+    f, contribs = _direction_round()
+    res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2, contribs, "rda", 0.0,
+                            direction_reference=0.5, direction_fraction=0.5, direction_memory=1)
     assert res.ok, res.reason
     dropped = dict(res.dropped)
     assert dropped["flip"].startswith("direction_outlier: cosine -")
@@ -294,3 +303,32 @@ def test_norm_guard_bound_scales_with_the_steps_a_contribution_covers():
     assert g.check({"w": 3.0}, steps=48).status == "accept"  # four rounds' worth: bound 10 x 0.01 x 48 = 4.8
     assert g.check({"w": 3.0}, steps=12).status == "reject"
     assert g.bound("w", steps=10**9)[0] == pytest.approx(100.0)  # the 1.0-rms ceiling
+
+
+def test_anti_aligned_once_keeps_zero_weight_again_is_left_out():
+    """direction_memory: one anti-aligned round of a learner whose record points with the others
+    keeps it in at zero weight; a learner whose mean cosine points away is left out."""
+    assert not sustained_anti_alignment((), -0.5, -0.2, memory=4)  # nothing known yet: not judged alone
+    assert sustained_anti_alignment((-0.4,), -0.5, -0.2, memory=4)  # twice in a row
+    assert not sustained_anti_alignment((0.5, 0.4, 0.6), -0.5, -0.2, memory=4)  # honest record, one noisy round
+    assert sustained_anti_alignment((0.9, 0.9, 0.9, -0.5, -0.6, -0.4), -0.5, -0.2, memory=4)  # only the last 3 count
+    assert not sustained_anti_alignment((-0.9,), 0.1, -0.2, memory=4)  # not anti-aligned now
+    assert sustained_anti_alignment((), -0.5, -0.2, memory=1)  # memory 1: judged on this round alone
+    rec = LearnerDirections(memory=3)
+    for cos in (0.1, None, float("nan"), 0.2, 0.3, 0.4):
+        rec.record("a", cos)
+    assert rec.snapshot() == {"a": (0.2, 0.3, 0.4)}
+
+
+def test_merge_keeps_a_first_time_anti_aligned_learner_at_zero_weight():
+    """The round of the test above with direction_memory 4: the flip has no record yet, so it is
+    merged at zero weight; with a record that points away it is left out."""
+    f, contribs = _direction_round()
+    kw = {"direction_reference": 0.5, "direction_fraction": 0.5, "direction_memory": 4}
+    first = merge_and_publish(ObjectStore(f"memory://dir1-{id(f)}"), "r", f, 2, contribs, "rda", 0.0, **kw)
+    assert first.ok and "flip" in first.merged and first.factors["flip"] == 0.0, first.dropped
+    f, contribs = _direction_round()
+    again = merge_and_publish(ObjectStore(f"memory://dir2-{id(f)}"), "r", f, 2, contribs, "rda", 0.0,
+                              learner_cosines={"flip": (-0.6,), "a": (0.5,)}, **kw)
+    assert again.ok and "flip" not in again.merged
+    assert dict(again.dropped)["flip"].startswith("direction_outlier")

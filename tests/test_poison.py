@@ -15,7 +15,9 @@ from benchmarks.poison import run_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-LOOSE_RATIO = 1.10  # at this scale two runs differ by a few percent without any poison
+# at this scale two honest runs differ by up to ~10% (baselines 2.80-3.09 nats over 8 runs of the sign-flip
+# test): the loss bar proper (2%, several seeds) is make bench-poison at make run's recipe
+LOOSE_RATIO = 1.15
 
 
 def test_scaled_poison_rejected_and_loss_kept(tmp_path):
@@ -38,7 +40,8 @@ def test_scaled_poison_rejected_and_loss_kept(tmp_path):
 def test_sign_flipped_poison_left_out_by_the_direction_guard(tmp_path):
     """A fourth learner sends the negative of its outer gradient (its norm is the honest one, so
     the norm guard passes it): once the direction guard is warm, its contributions are left out as
-    direction_outlier, no honest one is, and the loss stays close to the honest run's."""
+    direction_outlier (from its second anti-aligned one on: direction_memory), no honest one is, and
+    the loss stays close to the honest run's."""
     recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
     # K = 3: every round holds 3 or more contributions, a majority to judge the fourth by
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=240", "synchronizer.min_quorum=3"]
@@ -50,5 +53,8 @@ def test_sign_flipped_poison_left_out_by_the_direction_guard(tmp_path):
     poisoner = poisoned["learners"]["learner-3"]
     assert rejected.get("direction_outlier", 0) >= 3, rejected
     assert rejected["direction_outlier"] <= poisoner.get("rejected", 0), poisoned["learners"]  # only the poisoner
-    assert poisoner.get("rejected", 0) > poisoner.get("merged", 0), poisoner
+    # once judged, the poisoner moves nothing: its merges with weight outnumbered by those left out or
+    # merged at zero weight (its first anti-aligned contribution, and those before the guard is warm)
+    weighted = poisoner.get("merged", 0) - poisoner.get("zero_weight", 0)
+    assert poisoner.get("rejected", 0) + poisoner.get("zero_weight", 0) > weighted, poisoner
     assert poisoned["loss"] <= base["loss"] * LOOSE_RATIO, (poisoned["loss"], base["loss"])

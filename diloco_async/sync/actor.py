@@ -22,7 +22,7 @@ from typing import Any
 from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
-from diloco_async.guard import DirectionGuard, NormGuard
+from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.messages import (
     Heartbeat,
     HeartbeatResponse,
@@ -135,6 +135,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.fragments = new_fragments(self.plan, params, self.sc)
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
+        self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from diloco_async import codec as wire
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import fragment_offset
-from diloco_async.guard import DirectionGuard, NormGuard
+from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.merge import token_weight
 from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.pace import PaceLimits, implausible_contribution
@@ -69,6 +69,7 @@ class RoundDriver:
     sc: SynchronizerConfig
     norm_guard: NormGuard
     direction_guards: list[DirectionGuard]
+    learner_directions: LearnerDirections
     pace: PaceLimits
     schedule_shift_steps: int  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
     store: ObjectStore
@@ -321,7 +322,8 @@ class RoundDriver:
             result = await asyncio.to_thread(merge_and_publish, self.store, self.run_id, f, n, contribs,
                                              self.sc.merge, quorum_wait_s, self.lease_epoch,
                                              self.direction_guards[f.p].reference(),
-                                             self.cfg.guard.direction_fraction)
+                                             self.cfg.guard.direction_fraction,
+                                             self.learner_directions.snapshot(), self.cfg.guard.direction_memory)
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")
@@ -350,7 +352,12 @@ class RoundDriver:
         guard = self.direction_guards[f.p]
         for lid in res.merged:
             guard.record(res.cosines.get(lid), res.factors.get(lid, 1.0))
+        for lid, cosine in res.cosines.items():  # merged or left out: each learner's record
+            self.learner_directions.record(lid, cosine)
         weak = [lid for lid in res.merged if res.factors.get(lid, 1.0) < 1.0]
+        for lid in weak:
+            if res.factors[lid] <= 0.0:  # merged with no weight: it moved nothing (counted per learner)
+                self.registry.ledgers[lid].count("zero_weight")
         if weak:
             self.report.counters["contributions_downweighted"] += len(weak)
             log.info("fragment %d round %d: merged with less weight for %s (direction factors %s)", f.p,

@@ -78,8 +78,9 @@ class StatusBoard:
         return None if self.doc is None else self.clock() - self.published_s
 
     def status_body(self, edge: Counter[str]) -> str:
-        """The snapshot as standard JSON, with the edge's refusal counters (by reason) laid over
-        ``rejected_by_reason``; encoded once per (snapshot, counters).
+        """The snapshot as standard JSON, with its sequence number (``snapshot_seq``) and the
+        edge's refusal counters (by reason) laid over ``rejected_by_reason``; encoded once per
+        (snapshot, counters).
 
         Raises:
             RuntimeError: nothing published yet.
@@ -89,6 +90,7 @@ class StatusBoard:
         key = (self.seq, tuple(sorted(edge.items())))
         if self._body is None or self._body[0] != key:
             doc = dict(self.doc)
+            doc["snapshot_seq"] = self.seq  # rises with every snapshot: a client can wait for a newer one
             doc["rejected_by_reason"] = {**doc.get("rejected_by_reason", {}), **{k: v for k, v in edge.items() if v}}
             self._body = (key, dumps(doc))
         return self._body[1]

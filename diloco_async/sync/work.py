@@ -14,11 +14,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from diloco_async import codec as wire
-from diloco_async.guard import direction_factor, leave_one_out_cosines, non_finite_tensors, tensor_norms
+from diloco_async.guard import (
+    direction_factor,
+    leave_one_out_cosines,
+    non_finite_tensors,
+    sustained_anti_alignment,
+    tensor_norms,
+)
 from diloco_async.merge import anchor, merge_outer_gradients, token_weight
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
@@ -108,11 +115,13 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
 
 
 def _screen(f: FragmentState, contribs: list[Contribution], direction_reference: float | None = None,
-            direction_fraction: float = 0.0) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
+            direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
+            direction_memory: int = 1) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
     """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner,
     why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
-    cannot take the round down; one that points away from the rest of its round is weighted down
-    or left out (the direction guard, :mod:`diloco_async.guard`)."""
+    cannot take the round down; one that points away from the rest of its round is weighted down,
+    and left out when its learner's recent cosines (``learner_cosines``) point away too (the
+    direction guard, :mod:`diloco_async.guard`)."""
     kept, weights, anchored, raw, dropped = [], [], [], [], []
     for c in contribs:
         try:
@@ -129,27 +138,49 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
         weights.append(w)
         anchored.append(a)
         raw.append(delta)
-    # the direction guard: leave out the worst contribution pointing away from the rest while one
-    # does, then judge the rest again without it (its sign flip no longer drags their consensus)
-    cosines: dict[str, float | None] = {}
-    factors: dict[str, float] = {}
-    while True:
-        ids = [c.ann.learner_id for c in kept]
-        cos = leave_one_out_cosines(raw, weights) if direction_fraction > 0 else [None] * len(kept)
-        factor = [direction_factor(x, direction_reference, direction_fraction) for x in cos]
-        cosines.update(zip(ids, cos, strict=True))
-        factors.update(zip(ids, factor, strict=True))
-        out = [i for i, x in enumerate(cos) if x is not None and direction_reference is not None
-               and x <= -direction_fraction * direction_reference]  # anti-aligned: left out
-        if not out:  # (fewer than 3 have no cosines, so the loop ends with 2 at least)
-            break
-        worst = min(out, key=lambda i: cos[i])
-        dropped.append((ids[worst], f"direction_outlier: cosine {cos[worst]:.3f} with the rest of its round "
-                                    f"(usual {direction_reference:.3f})"))
-        for seq in (kept, weights, anchored, raw):
-            del seq[worst]
+    cosines, factors = _judge_directions(kept, weights, anchored, raw, dropped, direction_reference,
+                                         direction_fraction, learner_cosines or {}, direction_memory)
     weights = [w * factors[c.ann.learner_id] for c, w in zip(kept, weights, strict=True)]
     return kept, weights, anchored, dropped, cosines, factors
+
+
+def _judge_directions(kept: list, weights: list, anchored: list, raw: list, dropped: list,
+                      reference: float | None, fraction: float, learner_cosines: Mapping[str, Sequence[float]],
+                      memory: int) -> tuple[dict[str, float | None], dict[str, float]]:
+    """The direction guard over one round (lists changed in place): while three or more are
+    judged and one points away from the others (cosine ≤ 0, factor 0), the one pointing away most
+    is taken out of the others' consensus and they are judged again without it. It is left out
+    (``dropped``, direction_outlier) if it is anti-aligned and its learner keeps pointing away
+    (:func:`~diloco_async.guard.sustained_anti_alignment`; never while the guard warms up, with
+    no ``reference``), else merged at zero weight. So the merged weights never all fall to zero,
+    and the cosines that warm the guard up are judged against a consensus without them. Returns
+    each learner's cosine (when last judged) and factor."""
+    cosines: dict[str, float | None] = {}
+    factors: dict[str, float] = {}
+    bound = None if reference is None else -fraction * reference
+    zeroed = []
+    while True:
+        ids = [c.ann.learner_id for c in kept]
+        cos = leave_one_out_cosines(raw, weights) if fraction > 0 else [None] * len(kept)
+        cosines.update(zip(ids, cos, strict=True))
+        factors.update((i, direction_factor(x, reference, fraction)) for i, x in zip(ids, cos, strict=True))
+        away = [i for i, x in enumerate(cos) if x is not None and x <= 0]  # also while warming up
+        if not away:  # (fewer than 3 have no cosines, so the loop ends with 2 at least)
+            break
+        worst = min(away, key=lambda i: cos[i])
+        entry = tuple(seq.pop(worst) for seq in (kept, weights, anchored, raw))
+        if bound is not None and sustained_anti_alignment(learner_cosines.get(ids[worst], ()), cos[worst], bound,
+                                                          memory):
+            dropped.append((ids[worst], f"direction_outlier: cosine {cos[worst]:.3f} with the rest of its round "
+                                        f"(usual {reference:.3f})"))
+        else:
+            zeroed.append(entry)
+            factors[ids[worst]] = 0.0
+    for c, w, a, _raw in zeroed:
+        kept.append(c)
+        weights.append(w)
+        anchored.append(a)
+    return cosines, factors
 
 
 def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str) -> dict[str, torch.Tensor]:
@@ -165,7 +196,8 @@ def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mo
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
                       contribs: list[Contribution], merge_mode: str, quorum_wait_s: float,
                       lease_epoch: int = 0, direction_reference: float | None = None,
-                      direction_fraction: float = 0.0) -> Merged:
+                      direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
+                      direction_memory: int = 1) -> Merged:
     """Merge one round of fragment ``f`` and publish version ``f.version + 1`` (or the next free
     number, :func:`publish_next_version`).
 
@@ -173,7 +205,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     (``merge.anchor``, DESIGN §4.1), weighted by c_tokens²/c_steps (§4.2) and merged with RDA or
     the mean (§4.4); the outer Nesterov step (§4.5) gives the new value. With a
     ``direction_reference`` (the median recent leave-one-out cosine), each weight is also
-    multiplied by its direction factor, and a contribution whose factor is 0 is dropped
+    multiplied by its direction factor; an anti-aligned contribution whose learner's recent
+    cosines (``learner_cosines``, the last ``direction_memory``) point away too is dropped
     (``direction_outlier``). A contribution whose
     weight or anchored value is not finite is dropped (``Merged.dropped``); if the merge or step
     still fails, the round is retried leaving out one contribution at a time, and the first that
@@ -183,7 +216,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     t0 = time.perf_counter()
     p, n = f.p, round_n
     kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, direction_reference,
-                                                                 direction_fraction)
+                                                                 direction_fraction, learner_cosines,
+                                                                 direction_memory)
     if not kept or sum(weights) <= 0:
         return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
                       cosines=cosines, factors=factors)
