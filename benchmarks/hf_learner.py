@@ -38,19 +38,6 @@ from diloco_async.workload import data_generator
 GOAL = 0.95
 
 
-def recipe_for_this_build(path: Path, out: Path) -> Path:
-    """The recipe, without ``data.tokenizer`` when this build's data section has no such field
-    (the data branch of issue 12 adds it); the model is the same, it then reads bytes."""
-    if "tokenizer" in type(Config().data).model_fields:
-        return path
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if not line.strip().startswith("tokenizer")]
-    if len(kept) != len(lines):
-        print("note: data.tokenizer is not known to this build; the model reads bytes", flush=True)
-    out.write_text("\n".join(kept) + "\n")
-    return out
-
-
 def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> tuple[float, int]:
     """Tokens/s of the bare training loop after ``warmup_steps``; and the steps timed."""
     torch.set_num_threads(cfg.learners.threads)
@@ -113,7 +100,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        config = recipe_for_this_build(Path(args.config), Path(tmp) / "recipe.toml")
+        config = args.config
         cfg = load_config(config)
         n_params = sum(p.numel() for p in build_run_model(cfg).parameters())
         print(f"model {cfg.model.kind}/{cfg.model.hf.architecture}: {n_params / 1e6:.2f}M parameters, batch "

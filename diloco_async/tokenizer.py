@@ -27,7 +27,8 @@ from filelock import FileLock
 
 from diloco_async.data_config import parse_tokenizer_spec
 
-__all__ = ["Tokenizer", "load_tokenizer", "train_bpe", "check_vocab", "token_dtype", "BPE_SETTINGS", "END_OF_TEXT"]
+__all__ = ["Tokenizer", "load_tokenizer", "train_bpe", "check_vocab", "token_dtype", "transformers_tokenizer",
+           "BPE_SETTINGS", "END_OF_TEXT"]
 
 log = logging.getLogger("diloco.tokenizer")
 
@@ -108,6 +109,18 @@ class Tokenizer:
         pieces = list(_lines(text))
         out = [np.asarray(e.ids, dtype=dtype) for e in self.hf.encode_batch(pieces, add_special_tokens=False)]
         return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
+
+
+def transformers_tokenizer(tok: Tokenizer) -> Any | None:
+    """``tok`` as a ``transformers.PreTrainedTokenizerFast`` (what ``save_pretrained`` writes and
+    ``AutoTokenizer.from_pretrained`` reads back: the same ids as :meth:`Tokenizer.encode`), or
+    None for the bytes tokenizer (ids are the bytes; nothing to save)."""
+    if tok.hf is None:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"eos_token": END_OF_TEXT} if tok.hf.token_to_id(END_OF_TEXT) is not None else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok.hf, **specials)
 
 
 def _from_json_text(spec: str, text: str, json_path: str) -> Tokenizer:

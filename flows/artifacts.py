@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -61,10 +62,11 @@ def text_samples(model: torch.nn.Module, n_bytes: int = 200, seed: int = 0) -> s
 
 
 def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: ModelConfig | None = None,
-                      store_prefix: tuple[ObjectStore, str] | None = None, samples: bool = True) -> str:
+                      store_prefix: tuple[ObjectStore, str] | None = None, samples: bool = True,
+                      tokenizer: Any | None = None) -> str:
     """Log the loss curve, text samples (only when ``samples``: the sampler speaks bytes) and the
-    final model to the sink's MLflow run; an ``hf`` model's folder also goes to ``store_prefix``
-    (store, key prefix).
+    final model to the sink's MLflow run; an ``hf`` model's folder (with ``tokenizer``, a
+    transformers tokenizer, when the run has one) also goes to ``store_prefix`` (store, key prefix).
 
     Returns:
         the URI of the logged model: ``runs:/<id>/hf_model`` (download it, then ``from_pretrained``)
@@ -77,7 +79,7 @@ def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: Model
                                             "no samples: the sampler only speaks the bytes tokenizer\n")
         sink.log_artifact(folder / "samples.txt")
         if model_cfg is not None and model_cfg.kind == "hf":
-            hf_dir = save_final_model(model, model_cfg, folder / "hf_model")
+            hf_dir = save_final_model(model, model_cfg, folder / "hf_model", tokenizer=tokenizer)
             sink.log_artifacts(hf_dir, "hf_model")
             if store_prefix is not None:
                 upload_folder(store_prefix[0], store_prefix[1], hf_dir)

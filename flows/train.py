@@ -33,6 +33,7 @@ from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.supervisor import Restart
 from diloco_async.sync import open_checkpoint
+from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
 from flows.artifacts import log_run_artifacts
 from flows.deployments import DeploymentLauncher
@@ -247,13 +248,20 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     sink.log_metric("goodput/uptime", summary["uptime"], step)
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
-                                             samples=cfg.data.tokenizer == "bytes")
+                                             samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/token, %.4f -> %.4f bits/byte, compute goodput %.3f",
                 run.run_id, eval_start[0], eval_final, eval_start[1], bpb_final, summary["compute_goodput"])
     return summary
+
+
+def _hf_tokenizer(cfg: Config) -> Any | None:
+    """The run's tokenizer as a transformers tokenizer, saved beside an ``hf`` model (None for
+    bytes, or for another model kind)."""
+    tok = open_corpus(cfg.data, cfg.model.context).tokenizer if cfg.model.kind == "hf" else None
+    return transformers_tokenizer(tok) if tok is not None else None
 
 
 def _with_flow_runs(run: TrainingRun, summary: dict) -> dict:

@@ -317,3 +317,26 @@ def test_a_corpus_too_small_for_the_learners_is_named(tmp_path):
     corpus = open_corpus(cfg, context=16)
     with pytest.raises(ValueError, match="learners.count=200"):
         corpus.shard(0, 200)
+
+
+def test_a_trained_bpe_saved_beside_an_hf_model_loads_back_with_autotokenizer(tmp_path):
+    """The hf artifact carries the run's tokenizer: AutoTokenizer.from_pretrained on the folder
+    gives the ids the run trained on; the bytes tokenizer has nothing to save."""
+    from transformers import AutoTokenizer
+
+    from diloco_async.models import ModelConfig, build_model, save_final_model
+    from diloco_async.tokenizer import END_OF_TEXT, transformers_tokenizer
+
+    cfg = data_cfg(text_corpus(tmp_path / "t"), tmp_path / "c", tokenizer="bpe:300")
+    corpus = open_corpus(cfg, context=16, model_vocab=300)
+    model_cfg = ModelConfig.model_validate({"kind": "hf", "context": 16, "hf": {"architecture": "llama", "config": {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 4}}})
+    out = save_final_model(build_model(model_cfg, 300, seed=0), model_cfg, tmp_path / "artifact",
+                           tokenizer=transformers_tokenizer(corpus.tokenizer))
+    back = AutoTokenizer.from_pretrained(str(out))
+    text = prose(7, 20)
+    assert back(text, add_special_tokens=False)["input_ids"] == corpus.tokenizer.encode(text.encode()).tolist()
+    assert back.eos_token == END_OF_TEXT and len(back) == corpus.vocab_size
+    assert transformers_tokenizer(open_corpus(data_cfg(text_corpus(tmp_path / "b"), tmp_path / "c2"),
+                                              context=16).tokenizer) is None

@@ -6,13 +6,12 @@ Small models only: each test builds its models in about a second.
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
-from diloco_async.config import Config, load_config
+from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan, plan_differences, plan_fragments, specs_of
 from diloco_async.model import ByteGPT
 from diloco_async.models import (
@@ -30,8 +29,6 @@ from diloco_async.models.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2}
-# keys the recipes carry for the sibling branches of issue 12 (data: tokenizer; groups: device, precision)
-SIBLING_KEYS = {"data": ("tokenizer",), "learners": ("device", "precision", "nproc_per_learner", "nnodes")}
 
 
 def tiny_hf(**extra) -> ModelConfig:
@@ -47,18 +44,6 @@ def batch(vocab: int = 256, b: int = 4, t: int = 16, seed: int = 0) -> tuple[tor
 
 def not_a_module(model_cfg, vocab_size):  # a broken factory (tests/ is on sys.path: "test_models:not_a_module")
     return {"vocab_size": vocab_size}
-
-
-def load_recipe(path: Path) -> Config:
-    """A recipe as this branch validates it: keys of sibling branches whose sections do not have
-    them yet are dropped (once merged, they are validated like every other key)."""
-    raw = tomllib.loads(path.read_text())
-    fields = {"data": type(Config().data).model_fields, "learners": type(Config().learners).model_fields}
-    for section, keys in SIBLING_KEYS.items():
-        for key in keys:
-            if key not in fields[section]:
-                raw.get(section, {}).pop(key, None)
-    return Config.model_validate(raw)
 
 
 # ------------------------------------------------------------------ building each kind --------
@@ -220,7 +205,7 @@ def test_bad_model_config_is_named(override, match):
 
 @pytest.mark.parametrize("name", ["hf-llama-cpu", "lora-finetune", "gpt2-gpu"])
 def test_model_recipes_load(name):
-    cfg = load_recipe(ROOT / "configs" / f"{name}.toml")
+    cfg = load_config(str(ROOT / "configs" / f"{name}.toml"))
     assert cfg.model.kind == "hf"
     if name == "lora-finetune":
         assert cfg.model.lora is not None and cfg.model.hf.pretrained
@@ -229,7 +214,7 @@ def test_model_recipes_load(name):
 
 
 def test_cpu_recipe_model_has_5_to_20m_parameters():
-    cfg = load_recipe(ROOT / "configs" / "hf-llama-cpu.toml")
+    cfg = load_config(str(ROOT / "configs" / "hf-llama-cpu.toml"))
     model = build_model(cfg.model, cfg.model.vocab_size, cfg.run.seed)
     n = sum(p.numel() for p in model.parameters())
     assert 5e6 <= n <= 20e6, n

@@ -6,6 +6,7 @@ model identity; and the Prefect flow with MLflow giving back a model that from_p
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,9 @@ def test_train_flow_with_an_hf_model_logs_a_model_that_from_pretrained_loads(pre
     overrides = [f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art", "tracking.poll_s=0.5"]
     summary = train(config=str(path), overrides=overrides)
     assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 1.0
+    # bits per byte beside nats per token: on bytes one token is one byte, so bpb = nats / ln 2
+    assert summary["eval_bits_per_byte_final"] == pytest.approx(summary["eval_loss_final"] / math.log(2), rel=1e-6)
+    assert summary["eval_bits_per_byte_final"] < summary["eval_bits_per_byte_initial"]
     assert summary["model_uri"] == f"runs:/{summary['mlflow_run_id']}/hf_model"
     mlflow.set_tracking_uri(uri)
     folder = mlflow.artifacts.download_artifacts(artifact_uri=summary["model_uri"], dst_path=str(tmp_path / "dl"))
