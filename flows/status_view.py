@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 from rich.console import Console, Group
@@ -13,22 +14,43 @@ from diloco_async.client import fetch_status
 __all__ = ["fetch_status", "render_status", "main"]
 
 
+def budget_progress(st: dict) -> str:
+    """How far the run is through each budget it has, e.g. ``tokens 41% · wall 12%``."""
+    budget, parts = st.get("budget") or {}, []
+    for name, key, done in (("tokens", "tokens", st.get("tokens_processed")), ("steps", "max_steps",
+                                                                               st.get("global_step")),
+                            ("wall", "wall_s", st.get("wall_s"))):
+        if budget.get(key) and done is not None:
+            parts.append(f"{name} {100 * done / budget[key]:.0f}%")
+    return " · ".join(parts) or "-"
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
 def render_status(st: dict) -> Group:
-    """Tables of the run figures, the learners and the open rounds."""
+    """Tables of the run figures (budget, bytes, rejections by reason), the learners (with the
+    seconds since each was last heard from) and the open rounds."""
     head = Table(title=f"run {st['run_id']} — {'stopping: ' + st['stopping'] if st.get('stopping') else 'training'}")
-    for col in ("wall s", "global step", "merges", "merged / late / rejected", "compute goodput", "token goodput"):
+    for col in ("wall s", "budget", "global step", "merges", "merged / late / rejected", "compute goodput",
+                "token goodput", "bytes in / out"):
         head.add_column(col, justify="right")
-    head.add_row(f"{st['wall_s']:.0f}", str(st.get("global_step")), str(st["merges"]),
+    head.add_row(f"{st['wall_s']:.0f}", budget_progress(st), str(st.get("global_step")), str(st["merges"]),
                  f"{st['contributions_merged']} / {st['contributions_late']} / {st['contributions_rejected']}",
-                 f"{st['compute_goodput']:.3f}", f"{st['token_goodput']:.3f}")
+                 f"{st['compute_goodput']:.3f}", f"{st['token_goodput']:.3f}",
+                 f"{_bytes(st.get('bytes_in'))} / {_bytes(st.get('bytes_out'))}")
     learners = Table(title="learners")
-    for col in ("learner", "state", "step", "incarnation", "tokens", "merged", "late", "rejected", "goodput"):
+    for col in ("learner", "state", "last heard", "step", "incarnation", "tokens", "merged", "late", "rejected",
+                "goodput"):
         learners.add_column(col, justify="right" if col not in ("learner", "state") else "left")
     for lid, info in sorted(st["learners"].items()):
         c = info.get("contributions", {})
-        learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", str(info["step"]),
-                         str(info["incarnation"]), str(info["tokens_processed"]), str(c.get("merged", 0)),
-                         str(c.get("late", 0)), str(c.get("rejected", 0)), f"{info['compute_goodput']:.3f}")
+        age = info.get("heartbeat_age_s")
+        learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", "-" if age is None else f"{age:.1f}s ago",
+                         str(info["step"]), str(info["incarnation"]), str(info["tokens_processed"]),
+                         str(c.get("merged", 0)), str(c.get("late", 0)), str(c.get("rejected", 0)),
+                         f"{info['compute_goodput']:.3f}")
     rounds = Table(title="open rounds")
     for col in ("fragment", "round", "stage", "announced", "verified"):
         rounds.add_column(col)
@@ -36,13 +58,15 @@ def render_status(st: dict) -> Group:
         rounds.add_row(str(r["fragment"]), str(r["round"]), r["stage"], ", ".join(r["announced"]),
                        ", ".join(r["verified"]))
     versions = ", ".join(f"p{p}: v{v}" for p, v in sorted(st["versions"].items(), key=lambda kv: int(kv[0])))
-    return Group(head, learners, rounds, f"versions  {versions}")
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.get("rejected_by_reason", {}).items())) or "none"
+    return Group(head, learners, rounds, f"versions  {versions}", f"rejected by reason  {reasons}")
 
 
 def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
     """``diloco-async status``: print the synchronizer's view once, or with ``watch`` refresh it every
     ``interval_s`` until the run ends (in place on a terminal; one table per refresh when the output
-    is a pipe or a file). Ctrl-C stops watching with one line and exit status 130."""
+    is a pipe or a file). Ctrl-C (exit status 130) or SIGTERM (143) stops watching with one line.
+    Must be called from the main thread (it sets a SIGTERM handler)."""
     console = Console()
     try:
         st = fetch_status(url)
@@ -52,11 +76,20 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
     if not watch:
         console.print(render_status(st))
         return 0
+    signals: list[int] = []
+
+    def _terminate(signum: int, _frame) -> None:  # SIGTERM stops watching like Ctrl-C does
+        signals.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _watch(console, url, st, interval_s)
     except KeyboardInterrupt:
         console.print("stopped watching (the run goes on)")
-        return 130
+        return 143 if signals else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _watch(console: Console, url: str, st: dict, interval_s: float) -> int:

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from diloco_async.config import TrackingConfig
 
-__all__ = ["MlflowSink", "flatten_params", "resolve_uri"]
+__all__ = ["MlflowSink", "flatten_params", "resolve_uri", "EXPERIMENT_KIND_TAG", "MODEL_TRAINING_KIND"]
 
 log = logging.getLogger("diloco.tracking")
 
@@ -45,6 +45,11 @@ def resolve_uri(uri: str) -> str:
     return uri
 
 
+#: the experiment tag MLflow 3's UI reads to choose its layout, and the value for model training
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+
+
 class MlflowSink:
     """Logs params, metric points and artifacts of one training run to MLflow.
 
@@ -64,6 +69,9 @@ class MlflowSink:
             self.experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=location)
         else:
             self.experiment_id = exp.experiment_id
+        if exp is None or exp.tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING_KIND:
+            # MLflow 3's UI then opens the experiment on its training runs, not on the GenAI overview
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
         self.run_id: str | None = None
         self.errors = 0
         self._last_step: dict[str, int] = {}

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from prefect import flow, get_run_logger, task
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from diloco_async.config import Config, config_hash, load_config
@@ -137,8 +144,8 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
     cfg = run.cfg
     total_tokens = cfg.budget.tokens
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                  transient=False, disable=not console.is_terminal) as progress:
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                  console=console, transient=False, disable=not console.is_terminal) as progress:
         tokens_bar = progress.add_task("tokens", total=total_tokens, info="")
         merges_bar = progress.add_task("merges", total=None, info="")
         last_print = 0.0
@@ -146,8 +153,9 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
             sink.log_points(run.pull_metrics())
             st = run.status()
             if st is not None:
+                rate = st["tokens_processed"] / st["wall_s"] if st.get("wall_s") else 0.0
                 progress.update(tokens_bar, completed=st["tokens_processed"],
-                                info=f"goodput {st['compute_goodput']:.2f}")
+                                info=f"{rate:,.0f} tokens/s, goodput {st['compute_goodput']:.2f}")
                 live = sum(1 for v in st["learners"].values() if v["live"])
                 progress.update(merges_bar, completed=st["merges"],
                                 info=f"{live} live learners, versions {min(st['versions'].values())}+")

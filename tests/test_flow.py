@@ -40,6 +40,8 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     client = MlflowClient(uri)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
+    # marked as model training: MLflow 3's UI opens it on the training runs, not on GenAI traces
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     missing = EXPECTED_METRICS - set(run.data.metrics)
     assert not missing, f"metrics missing from MLflow: {sorted(missing)}"
     assert run.data.params["learners.count"] == "2"

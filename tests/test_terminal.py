@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 
+import pytest
 from test_synchronizer import running, small_config
 
 
@@ -21,7 +22,8 @@ async def _read_until(stream: asyncio.StreamReader, needle: str, count: int, tim
     return text
 
 
-async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_ctrl_c():
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_ctrl_c(signum, exit_code):
     async with running(small_config()) as (_sync, client, _store):
         url = str(client.make_url("")).rstrip("/")
         proc = await asyncio.create_subprocess_exec(
@@ -30,7 +32,7 @@ async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_c
         try:
             # not a terminal: one table per refresh (2 s apart), not a single one at exit
             text = await _read_until(proc.stdout, "open rounds", 2, timeout_s=60)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
             sent = time.monotonic()
             rest = (await asyncio.wait_for(proc.stdout.read(), 10)).decode(errors="replace")
             code = await asyncio.wait_for(proc.wait(), 10)
@@ -38,8 +40,9 @@ async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_c
             if proc.returncode is None:
                 proc.kill()
         assert time.monotonic() - sent < 10
-        assert code == 130
+        assert code == exit_code
         assert "stopped watching" in rest
+        assert "rejected by reason" in text and "budget" in text and "last heard" in text
         assert "Traceback" not in text + rest and "KeyboardInterrupt" not in text + rest
 
 

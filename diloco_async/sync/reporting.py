@@ -192,7 +192,8 @@ def summary(sync: Synchronizer) -> dict:
 
 def status(sync: Synchronizer) -> dict:
     """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners),
-    the lifecycle phase and the number of metric points so far."""
+    each learner's seconds since its last message (``heartbeat_age_s``), the budget, the lifecycle
+    phase and the number of metric points so far."""
     s = summary(sync)
     rounds = []
     for (p, n), r in sorted(sync.rounds.items()):
@@ -202,6 +203,11 @@ def status(sync: Synchronizer) -> dict:
                        "rejected": sorted(lid for lid, e in entries.items() if e.verified is False),
                        "pending": sorted(r.state.pending), "late": list(r.state.late)})
     s["rounds"] = rounds
+    now = sync.clock()
+    for lid, info in sync.registry.learners.items():  # seconds since each learner was last heard from
+        s["learners"][lid]["heartbeat_age_s"] = max(0.0, now - info.last_seen_s)
+    budget = sync.cfg.budget
+    s["budget"] = {"tokens": budget.tokens, "max_steps": budget.max_steps, "wall_s": budget.wall_s}
     s["stopping"] = sync.life.stop_reason
     s["phase"] = sync.life.phase.value
     s["finished"] = sync.final_summary is not None
