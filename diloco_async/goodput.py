@@ -195,3 +195,17 @@ def totals(ledgers: Mapping[str, LearnerLedger]) -> dict[str, float]:
 
 
 __all__.append("totals")
+
+
+def window_goodput(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float | None]:
+    """Compute and token goodput over the window between two :func:`totals` (rolling goodput):
+    the useful over the provisioned learner-seconds, and the merged over the processed tokens,
+    that came in between. None for a figure whose denominator did not grow (nothing to judge by)."""
+    d = {k: after[k] - before[k] for k in ("useful_s", "provisioned_s", "tokens_merged", "tokens_processed")}
+    compute = compute_goodput(max(0.0, min(d["useful_s"], d["provisioned_s"])), d["provisioned_s"]) \
+        if d["provisioned_s"] > 0 else None
+    token = token_goodput(max(0.0, d["tokens_merged"]), d["tokens_processed"]) if d["tokens_processed"] > 0 else None
+    return {"compute_goodput": compute, "token_goodput": token}
+
+
+__all__.append("window_goodput")

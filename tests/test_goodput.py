@@ -30,3 +30,15 @@ def test_uptime_gaps_beyond_bound_count_as_down():
     assert uptime(merges, 0.0, 10.0, 2.0) == pytest.approx(0.7)
     assert uptime([], 0.0, 10.0, 20.0) == 1.0
     assert uptime([], 0.0, 10.0, 0.0) == 0.0
+
+
+def test_window_goodput_is_the_goodput_of_what_came_in_between():
+    from diloco_async.goodput import window_goodput
+
+    before = {"useful_s": 10.0, "provisioned_s": 20.0, "tokens_merged": 100, "tokens_processed": 200}
+    after = {"useful_s": 19.0, "provisioned_s": 30.0, "tokens_merged": 190, "tokens_processed": 300}
+    got = window_goodput(before, after)
+    assert got["compute_goodput"] == pytest.approx(0.9) and got["token_goodput"] == pytest.approx(0.9)
+    assert window_goodput(after, after) == {"compute_goodput": None, "token_goodput": None}  # nothing new
+    # a ledger whose useful seconds ran ahead of the window is capped at 1, never above
+    assert window_goodput(before, dict(after, useful_s=40.0))["compute_goodput"] == 1.0

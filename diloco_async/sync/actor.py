@@ -39,7 +39,7 @@ from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
 from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
-from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
+from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter, uptime_max_gap_s
 from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
@@ -61,6 +61,7 @@ __all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP"]
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
+GOODPUT_SERIES_S = 5.0  # seconds between points of the goodput time series (goodput/*)
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -135,6 +136,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.fragments = new_fragments(self.plan, params, self.sc)
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
+        self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
@@ -355,8 +357,16 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         if self.life.phase is Phase.FENCED:
             return
         for part in (self._liveness, self._check_budget, self._schedule, self._progress_rounds,
-                     self._check_drain, self._checkpoint_if_due, self._progress_stop):
+                     self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
             self._guarded(part, now)
+
+    def _goodput_series(self, now: float) -> None:
+        """A point of the goodput time series every :data:`GOODPUT_SERIES_S` while merges go on."""
+        merges = self.report.counters["merges"]
+        if merges > self._goodput_merges and now - self._goodput_at_s >= GOODPUT_SERIES_S:
+            self._goodput_merges, self._goodput_at_s = merges, now
+            uptime = self.report.merge_gaps.uptime(now, uptime_max_gap_s(self))
+            self.report.goodput_series(self.registry.ledgers, uptime)
 
     def _liveness(self, now: float) -> None:
         for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from diloco_async.goodput import MergeGaps, totals
+from diloco_async.goodput import MergeGaps, totals, window_goodput
 from diloco_async.sync.logs import JsonLinesLog
 from storage import keys
 from storage.store import ObjectStore
@@ -66,6 +66,7 @@ class Reporter:
         self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
+        self._goodput_before: dict | None = None  # totals at the last goodput_series point
 
     def metric(self, key: str, value: float, step: int | None = None) -> None:
         """One metric point; ``step`` defaults to the number of merges so far. A non-finite value
@@ -137,6 +138,21 @@ class Reporter:
             self.metric(f"learner/{lid}/compute_goodput", led.compute_goodput)
             self.metric(f"learner/{lid}/token_goodput", led.token_goodput)
 
+    def goodput_series(self, ledgers: dict, uptime: float) -> None:
+        """One point of the goodput time series (step: merges so far): cumulative compute and
+        token goodput (``goodput/compute``, ``goodput/token``, the same figures as the summary's),
+        the same over the window since the last point (``goodput/compute_rolling``,
+        ``goodput/token_rolling``) and the uptime so far."""
+        tot = totals(ledgers)
+        self.metric("goodput/compute", tot["compute_goodput"])
+        self.metric("goodput/token", tot["token_goodput"])
+        self.metric("goodput/uptime", uptime)
+        if self._goodput_before is not None:
+            for name, value in window_goodput(self._goodput_before, tot).items():
+                if value is not None:
+                    self.metric(f"goodput/{name.removesuffix('_goodput')}_rolling", value)
+        self._goodput_before = tot
+
     def seal(self) -> None:
         """The spill files hold everything so far and may be uploaded (:func:`write_final`)."""
         self.metrics.seal()
@@ -147,12 +163,18 @@ class Reporter:
         self.merge_log.close()
 
 
+def uptime_max_gap_s(sync: Synchronizer) -> float:
+    """The longest gap between merges that still counts as up (s): four rounds' worth of the
+    slowest learner's steps per fragment, at least :data:`UPTIME_MIN_GAP_S`."""
+    slowest = sync.registry.slowest_step_s() or 1.0
+    return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.fragments)), UPTIME_MIN_GAP_S)
+
+
 def summary(sync: Synchronizer) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
     now = sync.clock()
     rep, reg, c = sync.report, sync.registry, sync.report.counters
-    max_gap = max(4 * (reg.slowest_step_s() or 1.0) * sync.sc.sync_every / max(1, len(sync.fragments)),
-                  UPTIME_MIN_GAP_S)
+    max_gap = uptime_max_gap_s(sync)
     return {
         "run_id": sync.run_id,
         "epoch": sync.epoch,
