@@ -220,6 +220,9 @@ class TrackingConfig(_Section):
         description="Artifact root of a new experiment (beside the runs in the default store).",
     )
     poll_s: float = Field(2.0, gt=0, description="How often the flow pulls metrics from the synchronizer.")
+    system_metrics_s: float = Field(
+        5.0, ge=0, le=3600, description="Seconds between samples of the flow machine's CPU, memory, disk, "
+        "network (and GPUs, through NVML) in the MLflow run's System metrics; 0: off.")
 
 
 class Config(_Section):

@@ -76,6 +76,7 @@ class MlflowSink:
         self.errors = 0
         self._last_step: dict[str, int] = {}
         self.children: dict[str, str] = {}  # learner id -> nested MLflow run id
+        self._system: Any = None  # the SystemMetricsMonitor while one runs
 
     def start(self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
@@ -165,7 +166,27 @@ class MlflowSink:
     def log_dict(self, obj: Any, name: str) -> None:
         self._call(self.client.log_dict, self.run_id, obj, name)
 
+    def start_system_metrics(self, interval_s: float) -> None:
+        """Sample this machine's CPU, memory, disk and network (and GPUs through NVML, when there
+        are any) every ``interval_s`` seconds into the run's System metrics (``system/*``), until
+        :meth:`end`; 0 turns it off. A monitor that cannot start is counted, never fatal."""
+        if interval_s <= 0 or self.run_id is None:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        try:
+            self._system = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, tracking_uri=self.uri,
+                                                resume_logging=True)
+            self._system.start()
+        except Exception as err:  # noqa: BLE001 - system metrics are a view, never the run's fate
+            self.errors += 1
+            log.warning("MLflow system metrics could not start (%s: %s)", type(err).__name__, err)
+            self._system = None
+
     def end(self, status: str = "FINISHED") -> None:
+        if self._system is not None:
+            self._call(self._system.finish)
+            self._system = None
         for child in self.children.values():
             self._call(self.client.set_terminated, child, status)
         if self.run_id is not None:

@@ -284,6 +284,7 @@ def _stopping(run: TrainingRun, sink: MlflowSink) -> Iterator[None]:
     """Whatever happens inside, stop every process of the run and end the MLflow run: FINISHED,
     FAILED (an error) or KILLED (cancelled: TerminationSignal, Ctrl-C, SystemExit)."""
     status = "FAILED"
+    sink.start_system_metrics(run.cfg.tracking.system_metrics_s)
     try:
         yield
         status = "FINISHED"

@@ -28,7 +28,7 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
         "learners.count=2", "learners.batch_size=8", "synchronizer.num_fragments=3",
         "synchronizer.sync_every=12", "synchronizer.checkpoint_every_s=5", "budget.tokens=150000",
         "budget.wall_s=120", f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art",
-        "tracking.poll_s=0.5",
+        "tracking.poll_s=0.5", "tracking.system_metrics_s=1",
     ]
     summary = train(config="configs/default.toml", overrides=overrides)
     assert summary["eval_loss_initial"] == pytest.approx(math.log(256), abs=0.15)
@@ -42,6 +42,9 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert run.info.status == "FINISHED"
     # marked as model training: MLflow 3's UI opens it on the training runs, not on GenAI traces
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert any(k.startswith("system/cpu") for k in run.data.metrics), sorted(run.data.metrics)  # System metrics tab
+    goodput = client.get_metric_history(run.info.run_id, "goodput/compute")
+    assert len({m.step for m in goodput}) >= 2, goodput  # a time series, not one dot at the end
     missing = EXPECTED_METRICS - set(run.data.metrics)
     assert not missing, f"metrics missing from MLflow: {sorted(missing)}"
     assert run.data.params["learners.count"] == "2"
