@@ -21,6 +21,7 @@ from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer, merge_outer_gradients
 from diloco_async.sync import Synchronizer, make_app
+from diloco_async.sync.persistence import restore
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
@@ -174,6 +175,10 @@ async def test_nan_contribution_rejected_round_goes_on(caplog):
     ck = latest_checkpoint(store, "run1")
     assert ck is not None and all(torch.isfinite(t).all() for t in ck.tensors.values())
     assert ck.manifest["versions"]["0"] == 1
+    resumed = Synchronizer(small_config(), store, "run1")  # the counters by reason continue on a resume
+    await asyncio.to_thread(restore, resumed, ck)
+    assert resumed.report.rejected_by_reason == {"non_finite": 1}
+    assert resumed.report.counters["contributions_merged"] == 2
 
 
 async def test_wrong_shape_rejected():

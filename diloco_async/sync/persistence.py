@@ -96,6 +96,12 @@ def _check_compatible(sync: Synchronizer, ckpt: Checkpoint) -> None:
                          f"(schema {m['schema_hash'][:12]} vs {sync.plan.schema_hash[:12]})")
 
 
+#: the counters by reason a checkpoint keeps (manifest ``by_reason``) -> their Reporter attribute,
+#: so that every figure of a summary continues across a resume
+BY_REASON = {"rejected": "rejected_by_reason", "bad_requests": "bad_requests", "clamped": "clamped_by_reason",
+             "abandoned": "abandoned_by_reason", "edge": "edge_rejections"}
+
+
 def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
@@ -119,6 +125,10 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
     sync.report.counters.clear()
     sync.report.counters.update(m["counters"])
+    for name, attr in BY_REASON.items():  # (absent from checkpoints written before they were kept)
+        counts = getattr(sync.report, attr)
+        counts.clear()
+        counts.update(m.get("by_reason", {}).get(name, {}))
     sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.store, sync.run_id), sync.report.counters["merges"])
     sync.resumed_from = ckpt.seq
     log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
@@ -214,6 +224,7 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
         "ledgers": ledgers,
         "learners": learners,
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included
+        "by_reason": {name: dict(getattr(sync.report, attr)) for name, attr in BY_REASON.items()},
         "wall_s": sync.clock() - sync.started_s,
         "epoch": sync.epoch,
         "lease_epoch": sync.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
