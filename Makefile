@@ -64,9 +64,11 @@ test: data
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
-## bench: speed and memory benchmarks (ratios against baselines measured in the same run)
+## bench: speed and memory benchmarks (ratios against baselines measured in the same run): the store
+##        (benchmarks/run.py), then bench-hf (an HF learner inside a run against a plain loop)
 bench: data
 	$(PY) -m benchmarks.run
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
 
 ## bench-poison: make run's recipe with three honest learners, then with a fourth that sends poisoned
 ## outer gradients (x1e6, sign flip, constant), each to the same global step; bars: held-out loss

@@ -1,12 +1,14 @@
 """A poisoned learner among three honest ones (issue 14, item 3): ``make bench-poison``.
 
 Runs a recipe (default ``configs/default.toml``, ``make run``'s) once with three honest learners
-(the baseline, measured in the same invocation) and once per poison mode with a fourth learner
-that sends poisoned outer gradients (``learners.poison``: ``scale`` = x1e6, ``sign_flip``,
-``constant``). Both runs stop at the same global step (``budget.max_steps``), so the honest
-learners do the same work. Reports per run: the final held-out loss (nats/byte) of the last
-checkpoint, the largest absolute value of any published version, whether every published value
-is finite, and the rejections by reason; then one bar per figure and exit 1 on a miss.
+(the baseline, measured in the same invocation: four learner slots, the fourth left empty, so
+each honest learner trains on the same quarter of the corpus as in the poisoned runs) and once
+per poison mode with a fourth learner that sends poisoned outer gradients
+(``learners.poison``: ``scale`` = x1e6, ``sign_flip``, ``constant``). Both runs stop at the same
+global step (``budget.max_steps``), so the honest learners do the same work. Reports per run:
+the final held-out loss (nats/byte) of the last checkpoint, the largest absolute value of any
+published version, whether every published value is finite, and the rejections by reason; then
+one bar per figure and exit 1 on a miss.
 
 With several ``--seeds`` the baseline and every mode run once per seed (``run.seed``); the loss
 bar is on the mean of the per-seed ratios, printed with a 95% t-interval over the seeds.
@@ -49,14 +51,16 @@ def published_extremes(store, run_id: str) -> tuple[float, bool]:
     return largest, finite
 
 
-def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0) -> dict:
-    """One run of the recipe with ``overrides``, until its budget stops it; its figures."""
+def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0, started: int | None = None) -> dict:
+    """One run of the recipe with ``overrides``, until its budget stops it; its figures. Only the
+    first ``started`` learner slots are started (default: every slot), so a baseline can leave
+    the poisoner's slot empty while every honest learner keeps its data shard."""
     cfg = load_config(config, overrides)
     rp = RunProcesses(cfg, config, overrides)
     t0 = time.monotonic()
     try:
         rp.start_synchronizer()
-        for i in range(cfg.learners.count):
+        for i in range(cfg.learners.count if started is None else started):
             rp.start_learner(i)
         while rp.sync.poll() is None and time.monotonic() - t0 < timeout_s:
             rp.supervise()
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     bases, runs = [], {mode: [] for mode in modes}
     for seed in seeds:
         seeded = [*common, f"run.seed={seed}"]
-        bases.append(run_once(args.config, [*seeded, "learners.count=3"]))
+        # the baseline: the same four slots (the same data shards), the poisoner's left empty
+        bases.append(run_once(args.config, [*seeded, "learners.count=4"], started=3))
         print(json.dumps({"seed": seed, "baseline": bases[-1]}), flush=True)
         for mode in modes:
             runs[mode].append(run_once(args.config, [*seeded, "learners.count=4",

@@ -3,7 +3,8 @@ measures the same at make run's recipe).
 
 The fourth learner sends its outer gradients x 1e6 (``learners.poison``): every one of them is
 rejected as ``norm_outlier``, nothing non-finite or huge is published, and the held-out loss stays
-close to that of a run of the three honest learners alone, stopped at the same global step.
+close to that of the three honest learners alone (the poisoner's slot left empty, so each keeps its data
+shard), stopped at the same global step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LOOSE_RATIO = 1.15
 def test_scaled_poison_rejected_and_loss_kept(tmp_path):
     recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=160"]
-    base = run_once(recipe, [*common, "learners.count=3"], timeout_s=280)
+    base = run_once(recipe, [*common, "learners.count=4"], timeout_s=280, started=3)  # the poisoner's slot empty
     poisoned = run_once(recipe, [*common, "learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
                         timeout_s=280)
     print(f"baseline: {base}\npoisoned: {poisoned}")
@@ -45,7 +46,7 @@ def test_sign_flipped_poison_left_out_by_the_direction_guard(tmp_path):
     recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
     # K = 3: every round holds 3 or more contributions, a majority to judge the fourth by
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=240", "synchronizer.min_quorum=3"]
-    base = run_once(recipe, [*common, "learners.count=3"], timeout_s=280)
+    base = run_once(recipe, [*common, "learners.count=4"], timeout_s=280, started=3)  # the poisoner's slot empty
     poisoned = run_once(recipe, [*common, "learners.count=4",
                                  'learners.poison=["none", "none", "none", "sign_flip"]'], timeout_s=280)
     print(f"baseline: {base}\npoisoned: {poisoned}")
