@@ -137,6 +137,9 @@ def _config_field(message: str) -> str | None:
     """The first field a config error names (``run.store``, ``model.n_head``, ...), after its
     first line (which echoes the recipe and the overrides)."""
     message = message.split("\n", 1)[1] if "\n" in message else message
+    bad_override = re.search(r"override '([^'=]*)=", message)  # names no section.field (the example would)
+    if bad_override:
+        return bad_override.group(1) or None
     named = re.search(r"\b((?:run|data|model|learners|synchronizer|budget|tracking)\.\w+)", message)
     if named:
         return named.group(1)

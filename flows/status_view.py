@@ -43,7 +43,8 @@ def render_status(st: dict) -> Group:
     learners = Table(title="learners")
     for col in ("learner", "state", "last heard", "step", "incarnation", "tokens", "merged", "late", "rejected",
                 "goodput"):
-        learners.add_column(col, justify="right" if col not in ("learner", "state") else "left")
+        learners.add_column(col, justify="right" if col not in ("learner", "state") else "left",
+                            no_wrap=col == "learner", min_width=len("learner-00") if col == "learner" else None)
     for lid, info in sorted(st["learners"].items()):
         c = info.get("contributions", {})
         age = info.get("heartbeat_age_s")

@@ -89,6 +89,13 @@ def test_broken_recipe_exits_2_naming_the_field(case, tmp_path, capsys):
     assert field in out.err and "Traceback" not in out.out + out.err
 
 
+def test_an_override_without_a_section_is_named_itself(capsys):
+    """`--set budget=3` names `budget`, not the `learners.count` of the message's example."""
+    assert main(["validate", "default", "--set", "budget=3"]) == 2
+    out = capsys.readouterr()
+    assert "[budget]" in out.out and "learners.count" not in out.err, (out.out, out.err)
+
+
 def test_unreachable_bucket_names_run_store(s3_endpoint, capsys):
     opts = s3_endpoint.storage_options["client_kwargs"]["endpoint_url"]
     argv = ["validate", "default", "--set", "run.store=s3://no-such-bucket-validate/runs",
