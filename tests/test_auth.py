@@ -176,7 +176,10 @@ async def test_a_learner_token_acts_only_as_that_learner():
         # b itself may rejoin with a higher incarnation; the run secret may act as anyone
         assert (await srv.call("POST", "/join", {"learner_id": "b", "incarnation": 1}, token("b")))[0] == 200
         assert (await srv.call("POST", "/heartbeat", {"learner_id": "a", "step": 2}, SECRET))[0] == 200
-        assert (await srv.status())["learners"]["b"]["incarnation"] == 1
+        async def b_rejoined():  # the rejoin, like the first join, reaches /status with the next snapshot
+            return (await srv.status())["learners"]["b"]["incarnation"] == 1
+
+        await await_until(b_rejoined, 10, "b's incarnation 1 in /status")
 
 
 async def test_a_learner_cannot_announce_another_learners_object():
@@ -250,7 +253,10 @@ async def test_refused_requests_never_reach_the_actor_nor_grow_the_logs(caplog):
 async def test_status_and_health_pollers_do_not_touch_the_actors_queue():
     async with serving(small_config()) as srv:
         assert (await srv.call("POST", "/join", {"learner_id": "a"}, token("a")))[0] == 200
-        assert "a" in (await srv.status())["learners"]  # a fresh snapshot right after the join
+        async def a_listed():
+            return "a" in (await srv.status())["learners"]
+
+        await await_until(a_listed, 10, "learner a in /status")
         puts = srv.sync.inbox.puts
 
         async def poller(path: str) -> None:
