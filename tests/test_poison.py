@@ -23,12 +23,14 @@ LOOSE_RATIO = 1.15
 
 def test_scaled_poison_rejected_and_loss_kept(tmp_path):
     recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
-    common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=160"]
+    # 320 steps: on a loaded machine the poisoner (started last) can lose its first rounds to lateness,
+    # and a late contribution is dropped before it is judged; 160 once left it no judged contribution
+    common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=320"]
     base = run_once(recipe, [*common, "learners.count=4"], timeout_s=280, started=3)  # the poisoner's slot empty
     poisoned = run_once(recipe, [*common, "learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
                         timeout_s=280)
     print(f"baseline: {base}\npoisoned: {poisoned}")
-    assert base["global_step"] >= 160 and poisoned["global_step"] >= 160
+    assert base["global_step"] >= 320 and poisoned["global_step"] >= 320
     assert poisoned["all_finite"] and poisoned["max_abs_published"] < 100, poisoned
     rejected = poisoned["rejected_by_reason"]
     assert rejected.get("norm_outlier", 0) >= 3, rejected

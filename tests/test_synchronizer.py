@@ -367,3 +367,23 @@ async def test_status_view_renders_a_live_synchronizer():
         for lid in LEARNERS:
             assert lid in text
         assert "p0: v0" in text
+
+
+async def test_a_cancelled_actor_stops_even_when_a_message_lands_with_the_cancel():
+    """A message put into the inbox in the same pass as the actor's cancel: on Python 3.11,
+    ``asyncio.wait_for`` returns the finished get() and swallows the cancel (CPython gh-86296), so
+    an actor built on it kept looping after its owner had cancelled it (a test's teardown hung 120 s)."""
+    from diloco_async.sync.state import Request
+
+    for _ in range(5):
+        sync = Synchronizer(small_config(), ObjectStore(f"memory://cancel-{uuid.uuid4().hex}"), "run1")
+        await asyncio.to_thread(sync.publish_initial)
+        actor = asyncio.create_task(sync.run())
+        await asyncio.sleep(0.2)  # the actor is waiting for its inbox
+        dropped = asyncio.get_running_loop().create_future()
+        dropped.cancel()  # a request nobody waits for any more: the actor skips it
+        sync.inbox.put_nowait(Request("status", None, dropped))
+        actor.cancel()
+        done, _ = await asyncio.wait({actor}, timeout=5)
+        assert done, "the actor did not stop within 5 s of its cancel"
+        assert actor.cancelled()

@@ -193,8 +193,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         """
         try:
             while not self.finished.is_set():
+                # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as wait_for's inner
+                # get() finishes is swallowed (CPython gh-86296), and a cancelled actor then loops for good
                 try:
-                    msg = await asyncio.wait_for(self.inbox.get(), timeout=0.05)
+                    async with asyncio.timeout(0.05):
+                        msg = await self.inbox.get()
                 except TimeoutError:
                     msg = None
                 if msg is not None:
