@@ -233,6 +233,32 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _alerts(args: argparse.Namespace) -> int:
+    """Create or update the webhook block and the automation that notify on a failed run."""
+    import json
+    import os
+
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)  # before Prefect is imported
+    from flows.alerts import api_url, install_alerts
+
+    if not api_url():
+        print("error: PREFECT_API_URL is not set: alerts live on a Prefect server that outlives this command "
+              "(e.g. `make ui` starts one; export PREFECT_API_URL=http://127.0.0.1:4200/api)", file=sys.stderr)
+        return 2
+    try:
+        payload = json.loads(args.payload) if args.payload else None
+        flows = tuple(f.strip() for f in args.flows.split(",") if f.strip())
+        done = install_alerts(args.webhook, flows=flows, block_name=args.block_name,
+                              automation_name=args.name, payload=payload)
+    except (ValueError, json.JSONDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{'created' if done.created else 'updated'} automation {args.name!r} ({done.automation_id}): "
+          f"a Failed or Crashed run of {', '.join(flows)} notifies block {args.block_name!r} "
+          f"({done.block_document_id}) at {args.webhook} [server {api_url()}]")
+    return 0
+
+
 def _simulate(argv: list[str]) -> int:
     from flows.simulate_cli import main as sim_main
 
@@ -251,6 +277,7 @@ _EPILOG = """examples:
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
   diloco-async chaos --scenario configs/chaos/storm.toml
+  diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
   diloco-async simulate --help"""
 
 
@@ -261,6 +288,24 @@ def _version() -> str:
         return version("diloco-async")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _add_alerts_parser(sub) -> None:
+    from flows import alerts  # constants only; Prefect is imported when the command runs
+
+    p_alerts = sub.add_parser("alerts", help="notify a webhook (Slack, Teams, ...) when a `train` or `resume` "
+                                             "run fails or crashes (a Prefect automation; idempotent)")
+    p_alerts.add_argument("--webhook", required=True, metavar="URL", help="http(s) URL the notification is POSTed to")
+    p_alerts.add_argument("--flows", default=",".join(alerts.DEFAULT_FLOWS),
+                          help="comma-separated flow names (default: %(default)s)")
+    p_alerts.add_argument("--name", default=alerts.DEFAULT_AUTOMATION_NAME,
+                          help="the automation's name; one of that name is updated (default: %(default)s)")
+    p_alerts.add_argument("--block-name", default=alerts.DEFAULT_BLOCK_NAME,
+                          help="the Custom Webhook notification block's name (default: %(default)s)")
+    p_alerts.add_argument("--payload", default=None, metavar="JSON",
+                          help='JSON body with {{subject}} and {{body}} placeholders (default: {"text": '
+                               '"{{subject}}\\n{{body}}"}, what Slack, Mattermost and Teams webhooks take)')
+    p_alerts.set_defaults(func=_alerts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")
     p_token.set_defaults(func=_token)
+    _add_alerts_parser(sub)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
