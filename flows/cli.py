@@ -157,10 +157,25 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _recipes(_args: argparse.Namespace) -> int:
+    """Every shipped recipe: its name, then its leading comment block wrapped to the terminal."""
+    import shutil
+    import textwrap
+
     from diloco_async.validate import list_recipes
 
-    for name, description in list_recipes():
-        print(f"{name:<20} {description}")
+    width = max(60, min(shutil.get_terminal_size((100, 24)).columns, 120))
+    indent = " " * 21
+    for i, (name, paragraphs) in enumerate(list_recipes()):
+        lines: list[str] = [""] if i else []
+        for paragraph in paragraphs or ["(no description)"]:
+            if paragraph.startswith(" "):  # a command example: as it is
+                lines.append(indent + "  " + paragraph.strip())
+            else:
+                lines.extend(textwrap.wrap(paragraph, width, initial_indent=indent, subsequent_indent=indent,
+                                           break_on_hyphens=False))
+        first = 1 if i else 0
+        lines[first] = f"{name:<20} " + lines[first][len(indent):]
+        print("\n".join(lines))
     return 0
 
 
