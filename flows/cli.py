@@ -115,6 +115,24 @@ def _check_config(path: str | None, overrides: list[str]) -> str | None:
     return resolved
 
 
+def _weak_secret() -> bool:
+    """Print the error and return True when ``$DILOCO_RUN_TOKEN`` is set but too weak (unset: the
+    flow makes a fresh random one)."""
+    import os
+
+    from diloco_async.auth import check_run_secret
+    from diloco_async.client import TOKEN_ENV
+
+    secret = os.environ.get(TOKEN_ENV, "")
+    try:
+        if secret:
+            check_run_secret(secret, TOKEN_ENV)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return True
+    return False
+
+
 def _run_flow(entry, *args, **kwargs) -> int:
     """Run a flow entry point with the embedded defaults and the Ctrl-C behaviour."""
     _prepare_environment()
@@ -129,7 +147,7 @@ def _run_flow(entry, *args, **kwargs) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     recipe = _check_config(args.config, args.set or [])
-    if recipe is None:
+    if recipe is None or _weak_secret():
         return 2
     from flows.train import run_train_cli
 
@@ -184,6 +202,8 @@ def _resume(args: argparse.Namespace) -> int:
     from diloco_async.validate import resolve_recipe
     from storage.options import storage_options_from_env
 
+    if _weak_secret():
+        return 2
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
         config = str(resolve_recipe(args.config)) if args.config else None
         open_checkpoint(args.checkpoint_url, config, args.set or [], storage_options_from_env())
@@ -239,6 +259,8 @@ def _token(args: argparse.Namespace) -> int:
     secret = os.environ.get(TOKEN_ENV, "")
     if not secret:
         print(f"error: {TOKEN_ENV} is not set: the run's secret derives every learner's token", file=sys.stderr)
+        return 2
+    if _weak_secret():
         return 2
     if not re.match(LEARNER_ID_PATTERN, args.learner_id):
         print(f"error: learner id {args.learner_id!r} does not match {LEARNER_ID_PATTERN}", file=sys.stderr)

@@ -56,3 +56,77 @@ def test_resume_in_a_store_that_holds_no_run_says_so(tmp_path):
     assert proc.returncode == 2 and "Errno" not in proc.stderr, proc.stderr
     assert f"no run 'run-x' in store file://{tmp_path}/empty" in proc.stderr
     assert "that store holds no run" in proc.stderr
+
+
+# -- the process commands' help ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["diloco_async.server", "diloco_async.learner"])
+def test_every_option_of_the_process_commands_has_a_help_text_with_units(module):
+    from diloco_async.learner.main import build_parser as learner_parser
+    from diloco_async.sync.process import build_parser as server_parser
+
+    parser = {"diloco_async.server": server_parser, "diloco_async.learner": learner_parser}[module]()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert options
+    for action in options:
+        assert action.help and len(action.help) > 15, f"{action.option_strings[0]} has no help text"
+        if action.dest.endswith("_s"):
+            assert "seconds" in action.help, f"{action.option_strings[0]}: no unit in {action.help!r}"
+    shown = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "environment:" in shown.stdout and "exit codes:" in shown.stdout
+    for action in options:  # what a user reads: each option followed by its text
+        assert action.option_strings[0] in shown.stdout
+    assert " ".join(shown.stdout.split()).count(" (default: ") >= (2 if module.endswith("learner") else 0)
+
+
+# -- a weak run secret ------------------------------------------------------------------------
+
+WEAK = ["short-secret", "a" * 64, "ab" * 40]
+
+
+@pytest.mark.parametrize("secret", WEAK)
+def test_a_weak_run_secret_is_refused_naming_the_variable_and_never_the_secret(secret):
+    from diloco_async.auth import check_run_secret
+
+    with pytest.raises(ValueError, match="DILOCO_RUN_TOKEN is too weak") as err:
+        check_run_secret(secret)
+    assert secret not in str(err.value) and "token_hex(32)" in str(err.value)
+
+
+def test_random_secrets_of_the_documented_kinds_are_accepted():
+    import secrets
+
+    from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
+
+    for secret in (secrets.token_hex(16), secrets.token_hex(32), secrets.token_urlsafe(32)):
+        assert check_run_secret(secret) == secret
+    assert len(secrets.token_hex(16)) == MIN_SECRET_CHARS
+
+
+def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, capsys):
+    from diloco_async.client import TOKEN_ENV
+    from diloco_async.config import load_config
+    from diloco_async.run import RunProcesses
+    from flows.cli import main
+    from flows.deployments import _require_token
+
+    secret = "operator-pet-name"
+    store = f"file://{tmp_path}/store"
+    server = subprocess.run([sys.executable, "-m", "diloco_async.server", "--run-id", "weak", "--set",
+                             f"run.store={store}"], env={**os.environ, TOKEN_ENV: secret},
+                            capture_output=True, text=True, timeout=120)
+    assert server.returncode == 2 and f"{TOKEN_ENV} is too weak" in server.stderr, server.stderr
+    assert secret not in server.stdout + server.stderr
+    assert not (tmp_path / "store").exists()  # refused before the lease or anything else was written
+    monkeypatch.setenv(TOKEN_ENV, secret)
+    cfg = load_config(None, [f"run.store={store}", f"run.workdir={tmp_path}/runs"])
+    with pytest.raises(ValueError, match=f"{TOKEN_ENV} is too weak"):
+        RunProcesses(cfg, None, [], run_id="weak")
+    with pytest.raises(ValueError, match=f"{TOKEN_ENV} is too weak"):
+        _require_token()
+    for argv in (["token", "--run-id", "weak", "--learner-id", "learner-0"],
+                 ["train", "--set", f"run.store={store}"], ["resume", f"{store}/weak"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{TOKEN_ENV} is too weak" in err and secret not in err, (argv, err)
