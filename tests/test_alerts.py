@@ -42,6 +42,22 @@ def test_a_failed_train_or_resume_run_notifies_the_webhook(prefect_server, tmp_p
 
     api_url = get_current_settings().api.url
     seen: list[dict] = []
+    try:
+        found = _fail_runs_and_wait(api_url, seen, tmp_path, train, resume)
+    finally:  # the server is the session's: leave no automation behind for the other tests
+        with get_client(sync_client=True) as client:
+            for automation in client.read_automations_by_name(DEFAULT_AUTOMATION_NAME):
+                client.delete_automation(automation.id)
+    for flow, text in found.items():
+        assert f"of flow {flow} entered Failed" in text, text
+        assert text.startswith(f"diloco-async: {flow} run "), text
+
+
+def _fail_runs_and_wait(api_url: str, seen: list[dict], tmp_path, train, resume) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+
+    from flows.alerts import DEFAULT_AUTOMATION_NAME
+
     with serving(_receiver(seen)) as url:
         for verb in ("created", "updated"):  # the second call changes nothing but says so
             done = _alerts_command(api_url, "--webhook", f"{url}/hook")
@@ -63,10 +79,7 @@ def test_a_failed_train_or_resume_run_notifies_the_webhook(prefect_server, tmp_p
             return found if all(found.values()) else None
 
         # Prefect's event pipeline (client -> server -> triggers -> actions) is asynchronous
-        found = wait_until(notified, timeout_s=180, what=f"a notification for each of {runs}", interval_s=0.5)
-    for flow, text in found.items():
-        assert f"of flow {flow} entered Failed" in text, text
-        assert text.startswith(f"diloco-async: {flow} run "), text
+        return wait_until(notified, timeout_s=180, what=f"a notification for each of {runs}", interval_s=0.5)
 
 
 def test_alerts_refuses_what_cannot_work(tmp_path):
