@@ -226,6 +226,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from diloco_async.config import load_config
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    if _weak_secret():
+        return 2
     try:  # refuse a bad scenario, method or override before starting anything
         sc = load_scenario(args.scenario)
         bad = [m for m in methods or [] if m not in METHODS]

@@ -98,8 +98,11 @@ def no_such_run(store: ObjectStore, run_id: str) -> str:
     """The message for a run id that the store does not hold: where it looked, and the run ids it
     does hold (folders with a ``config.json``; one listing plus at most 20 existence checks)."""
     where = f"no run {run_id!r} in store {store.url} (looked for {store.url}/{keys.config_key(run_id)})"
-    folders = store.folders()
-    runs = [f for f in folders[:_RUNS_SHOWN * 2] if store.exists(keys.config_key(f))][:_RUNS_SHOWN]
+    try:
+        folders = store.folders()
+        runs = [f for f in folders[:_RUNS_SHOWN * 2] if store.exists(keys.config_key(f))][:_RUNS_SHOWN]
+    except (OSError, TimeoutError) as err:  # e.g. a credential that may read keys but not list
+        return f"{where}; listing the store's runs failed too ({type(err).__name__})"
     if not runs:
         return f"{where}; that store holds no run" + ("" if folders else " (its root is empty or absent)")
     shown = ", ".join(runs) + (f" (the first {_RUNS_SHOWN})" if len(runs) == _RUNS_SHOWN else "")
