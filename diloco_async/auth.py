@@ -20,7 +20,8 @@ import hmac
 from collections import OrderedDict
 from typing import NamedTuple
 
-__all__ = ["learner_token", "bearer_credential", "Verdict", "Credentials", "ADMIN", "UNAUTHENTICATED", "FORBIDDEN"]
+__all__ = ["MIN_SECRET_CHARS", "MIN_SECRET_DISTINCT_CHARS", "check_run_secret", "learner_token", "bearer_credential",
+            "Verdict", "Credentials", "ADMIN", "UNAUTHENTICATED", "FORBIDDEN"]
 
 ADMIN = "admin"
 """The role of the run secret."""
@@ -31,6 +32,41 @@ FORBIDDEN = "forbidden"
 
 _DOMAIN = "diloco-learner"
 _KNOWN_CAP = 65_536  # learner tokens remembered to tell ``forbidden`` from ``unauthenticated``
+
+
+MIN_SECRET_CHARS = 32
+"""The shortest run secret accepted: 32 hex characters are 128 bits (``secrets.token_hex(16)``)."""
+MIN_SECRET_DISTINCT_CHARS = 8
+"""A run secret must use at least this many different characters (refuses ``aaaa...``, ``1212...``)."""
+
+
+def check_run_secret(secret: str, name: str = "DILOCO_RUN_TOKEN") -> str:
+    """Refuse a run secret that an offline guess could find, and return it unchanged.
+
+    Every learner holds HMAC-SHA256(secret, a message it knows): with it, a learner that is not
+    trusted (docs/threat-model.md) can test guesses of the secret offline, as fast as it hashes,
+    and a secret it finds makes it the operator. So the secret must be long and random: at least
+    :data:`MIN_SECRET_CHARS` characters with at least :data:`MIN_SECRET_DISTINCT_CHARS` different
+    ones, e.g. ``python3 -c "import secrets; print(secrets.token_hex(32))"`` (64 characters). The
+    length rule only bounds what a careless choice can be; it cannot tell a random string from a
+    long pass phrase.
+
+    Args:
+        secret: the run secret.
+        name: where it came from, for the message (the environment variable).
+
+    Raises:
+        ValueError: too short or too few distinct characters; the message names ``name`` and the rule,
+            never the secret.
+    """
+    hint = 'make one with: python3 -c "import secrets; print(secrets.token_hex(32))"'
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"{name} is too weak: {len(secret)} characters, at least {MIN_SECRET_CHARS} needed "
+                         f"(a learner could guess it offline from its own token); {hint}")
+    if len(set(secret)) < MIN_SECRET_DISTINCT_CHARS:
+        raise ValueError(f"{name} is too weak: only {len(set(secret))} different characters, at least "
+                         f"{MIN_SECRET_DISTINCT_CHARS} needed; {hint}")
+    return secret
 
 
 def learner_token(run_secret: str, run_id: str, learner_id: str) -> str:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_async.auth import learner_token
+from diloco_async.auth import check_run_secret, learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.config import Config
 from diloco_async.devices import check_devices
@@ -77,7 +77,8 @@ class RunProcesses:
         self.run_id = run_id or new_run_id()
         self.resume_url = resume_url
         self.epoch: str | None = None
-        self.token = run_secret or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        given = run_secret or os.environ.get(TOKEN_ENV)
+        self.token = check_run_secret(given, TOKEN_ENV) if given else secrets.token_urlsafe(32)
         self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)

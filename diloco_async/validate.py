@@ -10,7 +10,7 @@ store's root, deleted again at once. (Building the tokenizer fills the local tok
 
 :func:`resolve_recipe` turns a recipe name (``default``) into its file: from ``configs/`` in a
 source checkout, else from the installed package ``diloco_recipes`` (configs/ shipped as package
-data). :func:`list_recipes` gives the names with their one-line descriptions.
+data). :func:`list_recipes` gives the names with their descriptions (each file's leading comments).
 """
 
 from __future__ import annotations
@@ -80,20 +80,39 @@ def resolve_recipe(name_or_path: str) -> Path:
     raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a known recipe name; known: {known}")
 
 
-def recipe_description(text: str) -> str:
-    """The first comment line of a recipe, without its ``#``."""
+def recipe_description(text: str) -> list[str]:
+    """The leading comment block of a recipe (the ``#`` lines before its first other line), as
+    paragraphs: prose lines are joined into one paragraph until a blank ``#`` line; a line indented
+    further after its ``#`` (a command example such as ``#   diloco-async train ...``) stays a
+    paragraph of its own, with its indentation, so that it is not reflowed."""
+    paragraphs: list[str] = []
+    prose: list[str] = []
+
+    def flush() -> None:
+        if prose:
+            paragraphs.append(" ".join(prose))
+            prose.clear()
+
     for line in text.splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
+        if not line.startswith("#"):
             break
-    return ""
+        body = line[1:]
+        if not body.strip():
+            flush()
+        elif body.startswith("  "):  # "#   command": kept as it is
+            flush()
+            paragraphs.append(body.rstrip())
+        else:
+            prose.append(body.strip())
+    flush()
+    return paragraphs
 
 
-def list_recipes() -> list[tuple[str, str]]:
-    """(name, one-line description) of every training recipe (a TOML file whose sections are all
-    config sections), sorted by name; a name found in the checkout hides the installed one."""
-    found: dict[str, str] = {}
+def list_recipes() -> list[tuple[str, list[str]]]:
+    """(name, description paragraphs, see :func:`recipe_description`) of every training recipe (a
+    TOML file whose sections are all config sections), sorted by name; a name found in the checkout
+    hides the installed one."""
+    found: dict[str, list[str]] = {}
     for folder in _recipe_dirs():
         for entry in sorted(folder.iterdir(), key=lambda e: e.name):
             if not entry.name.endswith(".toml") or entry.name.removesuffix(".toml") in found:

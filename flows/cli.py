@@ -115,6 +115,24 @@ def _check_config(path: str | None, overrides: list[str]) -> str | None:
     return resolved
 
 
+def _weak_secret() -> bool:
+    """Print the error and return True when ``$DILOCO_RUN_TOKEN`` is set but too weak (unset: the
+    flow makes a fresh random one)."""
+    import os
+
+    from diloco_async.auth import check_run_secret
+    from diloco_async.client import TOKEN_ENV
+
+    secret = os.environ.get(TOKEN_ENV, "")
+    try:
+        if secret:
+            check_run_secret(secret, TOKEN_ENV)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return True
+    return False
+
+
 def _run_flow(entry, *args, **kwargs) -> int:
     """Run a flow entry point with the embedded defaults and the Ctrl-C behaviour."""
     _prepare_environment()
@@ -129,7 +147,7 @@ def _run_flow(entry, *args, **kwargs) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     recipe = _check_config(args.config, args.set or [])
-    if recipe is None:
+    if recipe is None or _weak_secret():
         return 2
     from flows.train import run_train_cli
 
@@ -157,10 +175,25 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _recipes(_args: argparse.Namespace) -> int:
+    """Every shipped recipe: its name, then its leading comment block wrapped to the terminal."""
+    import shutil
+    import textwrap
+
     from diloco_async.validate import list_recipes
 
-    for name, description in list_recipes():
-        print(f"{name:<20} {description}")
+    width = max(60, min(shutil.get_terminal_size((100, 24)).columns, 120))
+    indent = " " * 21
+    for i, (name, paragraphs) in enumerate(list_recipes()):
+        lines: list[str] = [""] if i else []
+        for paragraph in paragraphs or ["(no description)"]:
+            if paragraph.startswith(" "):  # a command example: as it is
+                lines.append(indent + "  " + paragraph.strip())
+            else:
+                lines.extend(textwrap.wrap(paragraph, width, initial_indent=indent, subsequent_indent=indent,
+                                           break_on_hyphens=False))
+        first = 1 if i else 0
+        lines[first] = f"{name:<20} " + lines[first][len(indent):]
+        print("\n".join(lines))
     return 0
 
 
@@ -169,6 +202,8 @@ def _resume(args: argparse.Namespace) -> int:
     from diloco_async.validate import resolve_recipe
     from storage.options import storage_options_from_env
 
+    if _weak_secret():
+        return 2
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
         config = str(resolve_recipe(args.config)) if args.config else None
         open_checkpoint(args.checkpoint_url, config, args.set or [], storage_options_from_env())
@@ -191,6 +226,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from diloco_async.config import load_config
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    if _weak_secret():
+        return 2
     try:  # refuse a bad scenario, method or override before starting anything
         sc = load_scenario(args.scenario)
         bad = [m for m in methods or [] if m not in METHODS]
@@ -225,11 +262,39 @@ def _token(args: argparse.Namespace) -> int:
     if not secret:
         print(f"error: {TOKEN_ENV} is not set: the run's secret derives every learner's token", file=sys.stderr)
         return 2
+    if _weak_secret():
+        return 2
     if not re.match(LEARNER_ID_PATTERN, args.learner_id):
         print(f"error: learner id {args.learner_id!r} does not match {LEARNER_ID_PATTERN}", file=sys.stderr)
         return 2
     token = learner_token(secret, args.run_id, args.learner_id)
     print(f"{LEARNER_TOKEN_ENV}={token}" if args.env else token)
+    return 0
+
+
+def _alerts(args: argparse.Namespace) -> int:
+    """Create or update the webhook block and the automation that notify on a failed run."""
+    import json
+    import os
+
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)  # before Prefect is imported
+    from flows.alerts import api_url, install_alerts
+
+    if not api_url():
+        print("error: PREFECT_API_URL is not set: alerts live on a Prefect server that outlives this command "
+              "(e.g. `make ui` starts one; export PREFECT_API_URL=http://127.0.0.1:4200/api)", file=sys.stderr)
+        return 2
+    try:
+        payload = json.loads(args.payload) if args.payload else None
+        flows = tuple(f.strip() for f in args.flows.split(",") if f.strip())
+        done = install_alerts(args.webhook, flows=flows, block_name=args.block_name,
+                              automation_name=args.name, payload=payload)
+    except (ValueError, json.JSONDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{'created' if done.created else 'updated'} automation {args.name!r} ({done.automation_id}): "
+          f"a Failed or Crashed run of {', '.join(flows)} notifies block {args.block_name!r} "
+          f"({done.block_document_id}) at {args.webhook} [server {api_url()}]")
     return 0
 
 
@@ -251,6 +316,7 @@ _EPILOG = """examples:
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
   diloco-async chaos --scenario configs/chaos/storm.toml
+  diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
   diloco-async simulate --help"""
 
 
@@ -261,6 +327,24 @@ def _version() -> str:
         return version("diloco-async")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _add_alerts_parser(sub) -> None:
+    from flows import alerts  # constants only; Prefect is imported when the command runs
+
+    p_alerts = sub.add_parser("alerts", help="notify a webhook (Slack, Teams, ...) when a `train` or `resume` "
+                                             "run fails or crashes (a Prefect automation; idempotent)")
+    p_alerts.add_argument("--webhook", required=True, metavar="URL", help="http(s) URL the notification is POSTed to")
+    p_alerts.add_argument("--flows", default=",".join(alerts.DEFAULT_FLOWS),
+                          help="comma-separated flow names (default: %(default)s)")
+    p_alerts.add_argument("--name", default=alerts.DEFAULT_AUTOMATION_NAME,
+                          help="the automation's name; one of that name is updated (default: %(default)s)")
+    p_alerts.add_argument("--block-name", default=alerts.DEFAULT_BLOCK_NAME,
+                          help="the Custom Webhook notification block's name (default: %(default)s)")
+    p_alerts.add_argument("--payload", default=None, metavar="JSON",
+                          help='JSON body with {{subject}} and {{body}} placeholders (default: {"text": '
+                               '"{{subject}}\\n{{body}}"}, what Slack, Mattermost and Teams webhooks take)')
+    p_alerts.set_defaults(func=_alerts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")
     p_token.set_defaults(func=_token)
+    _add_alerts_parser(sub)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -42,6 +42,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from diloco_async.auth import check_run_secret
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: F401  (STORAGE_OPTIONS_ENV: re-exported; no torch)
 
@@ -61,7 +62,7 @@ def _require_token(name: str = TOKEN_ENV) -> str:
     if not token:
         raise ValueError(f"{name} is not set in this flow run's environment: pass it as the `env` job "
                          "variable of the flow run or of the work pool")
-    return token
+    return check_run_secret(token, name) if name == TOKEN_ENV else token
 
 
 @flow(name="learner", log_prints=True)

@@ -254,6 +254,23 @@ class ObjectStore:
         """
         return sorted(self.sizes(prefix))
 
+    def folders(self, prefix: str = "") -> list[str]:
+        """Names of the folders directly under ``prefix`` (``""``: the root), sorted: one
+        non-recursive listing (on S3/GCS, the common prefixes). A root that does not exist has none.
+        Like :meth:`list`, it may lag behind writes."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        return self._call(f"list folders {self._where(prefix)}", self._folders, base)
+
+    def _folders(self, base: str) -> list[str]:
+        fs = self._backend.fs
+        fs.invalidate_cache(base)
+        try:
+            entries = fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        names = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"}
+        return sorted(n for n in names if n and not n.startswith(backends.TEMP_PREFIX))
+
     def sizes(self, prefix: str) -> dict[str, int]:
         """``{key: nbytes}`` of the objects under ``prefix`` (as :meth:`list`; ``""``: all)."""
         base = self._path(prefix) if prefix.strip("/") else self.root

@@ -40,7 +40,7 @@ from polling import await_until
 
 pytestmark = pytest.mark.timeout(120)
 
-SECRET = "run-secret-for-tests"
+SECRET = "run-secret-for-tests-0123456789abcdef"  # 32+ characters: weaker ones are refused
 RUN = "run1"
 
 

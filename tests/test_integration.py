@@ -25,7 +25,7 @@ from polling import wait_until
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "integration-token"
+TOKEN = "integration-run-secret-0123456789abcdef"
 
 
 def learner_env(run_id: str, learner_id: str) -> dict[str, str]:

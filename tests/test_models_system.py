@@ -36,7 +36,7 @@ from storage.store import ObjectStore
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "models-token"
+TOKEN = "models-run-secret-0123456789abcdef"
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2}
 

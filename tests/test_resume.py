@@ -30,7 +30,7 @@ from storage_servers import make_bucket
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "resume-token"
+TOKEN = "resume-run-secret-0123456789abcdef"
 OVERRIDES = [
     "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=1",
     "synchronizer.num_fragments=1", "synchronizer.sync_every=4", "synchronizer.grace_initial_s=0.0",

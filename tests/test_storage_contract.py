@@ -66,6 +66,14 @@ def test_list_sorted_relative_recursive_and_prefix_exact(store):
     assert store.sizes("r/p000") == {"r/p000/v00000001": len(b"r/p000/v00000001")}
 
 
+def test_folders_are_the_names_directly_under_a_prefix(store):
+    for key in ["run-b/config.json", "run-a/config.json", "run-a/checkpoints/00000001/manifest.json", "top.json"]:
+        store.put(key, key.encode())
+    assert store.folders() == ["run-a", "run-b"]  # not the object at the root, not the nested folders
+    assert store.folders("run-a") == ["checkpoints"]
+    assert store.folders("nothing/here") == []
+
+
 def test_exclusive_create_refused_on_existing_key(store):
     ref = store.put("k/x", b"first")
     with pytest.raises(FileExistsError):

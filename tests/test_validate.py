@@ -143,10 +143,17 @@ def test_recipes_resolve_by_name_and_list_with_descriptions(capsys):
     assert resolve_recipe("default") == ROOT / "configs" / "default.toml"
     assert resolve_recipe("configs/default.toml") == Path("configs/default.toml")
     names = dict(list_recipes())
-    assert names["default"].startswith("The default recipe")
+    assert names["default"][0].startswith("The default recipe")
     assert "calibration" not in names  # the simulator's calibration is not a training recipe
     assert main(["recipes"]) == 0
-    assert "default" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # one entry per recipe, each with its whole leading comment block, not only its first line
+    assert [line.split()[0] for line in out.splitlines() if line and not line[0].isspace()] == sorted(names)
+    flat = " ".join(out.split())
+    assert 'README.md "Config reference" explains each one.' in flat  # the 5th comment line of default.toml
+    assert "the final artifact is the adapter plus LOADING.md" in flat  # lora-finetune, lines 3 and 4
+    # a command example is kept on a line of its own, not reflowed into the prose
+    assert any(line.strip() == "cp -r <that folder> .local/pretrained/llama-cpu" for line in out.splitlines())
 
 
 def test_pyproject_lists_every_package_and_ships_configs():

@@ -26,7 +26,7 @@ from diloco_async.timeline import Recorder
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
-__all__ = ["TIMELINE_DIR_ENV", "main"]
+__all__ = ["TIMELINE_DIR_ENV", "build_parser", "main"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -34,16 +34,39 @@ log = logging.getLogger("diloco.learner")
 TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m diloco_async.learner`` (every option with its help and units)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m diloco_async.learner",
+        description="Run one learner: it joins the synchronizer, takes the run's recipe from it, trains on its "
+                    "data shard and exchanges outer gradients through the store.",
+        epilog=f"environment: {LEARNER_TOKEN_ENV} (required: this learner's own token, from the operator's "
+               "`diloco-async token`), DILOCO_STORAGE_OPTIONS (optional JSON fsspec options of the store), "
+               f"{TIMELINE_DIR_ENV} (optional folder for timeline records). exit codes: 0 stopped by the "
+               "synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or refused it.")
+    ap.add_argument("--learner-id", required=True,
+                    help="this learner's id (at most 64 characters of A-Z a-z 0-9 _ . -); its token must be "
+                         "this id's")
+    ap.add_argument("--index", type=int, required=True,
+                    help="data shard index, 0-based: learner i of M trains on the i-th M-th of the training tokens")
+    ap.add_argument("--sync-url", required=True, help="the synchronizer's base URL, e.g. http://host:8470")
+    ap.add_argument("--store", required=True,
+                    help="the run's object store root URL, without the run id (file://, s3://bucket/prefix, "
+                         "gs://bucket/prefix)")
+    ap.add_argument("--incarnation", type=int, default=0,
+                    help="restart count of this learner id: 0 the first start, n+1 after the n-th restart "
+                         "(default: %(default)s)")
+    ap.add_argument("--give-up-after-s", type=float, default=120.0, metavar="SECONDS",
+                    help="seconds without any answer from the synchronizer before exiting with code 3; training "
+                         "goes on meanwhile (default: %(default)s)")
+    ap.add_argument("--group-timeout-s", type=float, default=300.0, metavar="SECONDS",
+                    help="seconds one collective inside a torchrun group may take (learners.group_timeout_s; "
+                         "default: %(default)s)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diloco_async.learner", description="Run one learner.")
-    ap.add_argument("--learner-id", required=True)
-    ap.add_argument("--index", type=int, required=True, help="data shard index")
-    ap.add_argument("--sync-url", required=True)
-    ap.add_argument("--store", required=True, help="object store root URL")
-    ap.add_argument("--incarnation", type=int, default=0)
-    ap.add_argument("--give-up-after-s", type=float, default=120.0)
-    ap.add_argument("--group-timeout-s", type=float, default=300.0,
-                    help="timeout of one collective inside a torchrun group (learners.group_timeout_s)")
+    ap = build_parser()
     args = ap.parse_args(argv)
     rank = os.environ.get("RANK", "0") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     who = f"{args.learner_id} rank {rank}" if rank else args.learner_id

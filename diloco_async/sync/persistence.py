@@ -25,7 +25,7 @@ from storage.store import IntegrityError, ObjectRef, ObjectStore, sha256_hex
 if TYPE_CHECKING:
     from diloco_async.sync.actor import Synchronizer
 
-__all__ = ["publish_initial", "open_checkpoint", "restore", "checkpoint_payload"]
+__all__ = ["publish_initial", "open_checkpoint", "no_such_run", "restore", "checkpoint_payload"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -57,7 +57,10 @@ def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
     """
     root, run_id, seq = keys.split_checkpoint_url(url)
     if config_path is None:
-        stored = ObjectStore(root, storage_options).get_json(keys.config_key(run_id))
+        try:
+            stored = ObjectStore(root, storage_options).get_json(keys.config_key(run_id))
+        except FileNotFoundError:
+            raise ValueError(no_such_run(ObjectStore(root, storage_options), run_id)) from None
         raw = apply_overrides(stored, overrides)
         raw["run"]["store"] = root
         cfg = Config.model_validate(raw)
@@ -67,11 +70,15 @@ def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
     if seq is None:
         ckpt = latest_checkpoint(store, run_id)
         if ckpt is None:
+            if not store.exists(keys.config_key(run_id)):
+                raise ValueError(no_such_run(store, run_id))
             raise ValueError(f"no verified checkpoint under {root}/{run_id}")
     else:
         try:
             ckpt = load_checkpoint(store, run_id, seq)
         except FileNotFoundError:
+            if not store.exists(keys.config_key(run_id)):
+                raise ValueError(no_such_run(store, run_id)) from None
             raise ValueError(f"checkpoint {seq} of run {run_id} is incomplete or missing (no manifest)") from None
         except IntegrityError as err:
             raise ValueError(f"checkpoint {seq} of run {run_id} does not verify: {err}") from None
@@ -82,6 +89,24 @@ def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
     if spent is not None:
         raise ValueError(f"run {run_id} has nothing left to train at checkpoint {ckpt.seq}: {spent}")
     return cfg, store, run_id, ckpt
+
+
+_RUNS_SHOWN = 20
+
+
+def no_such_run(store: ObjectStore, run_id: str) -> str:
+    """The message for a run id that the store does not hold: where it looked, and the run ids it
+    does hold (folders with a ``config.json``; one listing plus at most 20 existence checks)."""
+    where = f"no run {run_id!r} in store {store.url} (looked for {store.url}/{keys.config_key(run_id)})"
+    try:
+        folders = store.folders()
+        runs = [f for f in folders[:_RUNS_SHOWN * 2] if store.exists(keys.config_key(f))][:_RUNS_SHOWN]
+    except (OSError, TimeoutError) as err:  # e.g. a credential that may read keys but not list
+        return f"{where}; listing the store's runs failed too ({type(err).__name__})"
+    if not runs:
+        return f"{where}; that store holds no run" + ("" if folders else " (its root is empty or absent)")
+    shown = ", ".join(runs) + (f" (the first {_RUNS_SHOWN})" if len(runs) == _RUNS_SHOWN else "")
+    return f"{where}; runs in that store: {shown}"
 
 
 def _check_compatible(sync: Synchronizer, ckpt: Checkpoint) -> None:

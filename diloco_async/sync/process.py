@@ -25,6 +25,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.client import TOKEN_ENV
 from diloco_async.config import Config, load_config
 from diloco_async.sync.actor import Synchronizer
@@ -120,14 +121,32 @@ def _take_lease(args: argparse.Namespace, cfg: Config, store: ObjectStore, run_i
     return lease, cfg, store, ckpt
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diloco_async.server", description="Run the synchronizer.")
-    ap.add_argument("--config", default=None, help="recipe file (TOML); defaults when omitted")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--run-id", default=None, help="id of a new run (not with --resume)")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m diloco_async.server`` (every option with its help and units)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m diloco_async.server",
+        description="Run the synchronizer of one run: the HTTP server learners join and the actor that merges "
+                    "their outer gradients. Give exactly one of --run-id or --resume.",
+        epilog=f"environment: {TOKEN_ENV} (required: the run's secret, at least {MIN_SECRET_CHARS} characters; "
+               f"learner tokens derive from it), {STORAGE_OPTIONS_ENV} (optional JSON fsspec options of the store). "
+               f"exit codes: 0 finished, 2 bad arguments, config, secret or checkpoint, {EXIT_LEASE_HELD} another "
+               f"synchronizer holds the run, {EXIT_LEASE_LOST} the lease was taken over while running.")
+    ap.add_argument("--config", default=None, metavar="RECIPE.toml",
+                    help="recipe file (TOML); the built-in defaults when omitted")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set synchronizer.port=8470 (repeatable)")
+    ap.add_argument("--run-id", default=None,
+                    help="id of a new run: its objects go under {run.store}/{run_id}/ (not with --resume)")
     ap.add_argument("--resume", default=None, metavar="CHECKPOINT_URL",
                     help="continue a run: {store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
-    ap.add_argument("--ready-file", default=None)
+    ap.add_argument("--ready-file", default=None, metavar="PATH",
+                    help="once the server listens, write {url, run_id, pid, epoch, lease_epoch} as JSON to this "
+                         "file (atomically; for the process that started this one)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if (args.run_id is None) == (args.resume is None):
         ap.error("give exactly one of --run-id (new run) or --resume (continue a run)")
@@ -136,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         print(f"error: {TOKEN_ENV} is not set; the synchronizer needs the run's secret token", file=sys.stderr)
+        return 2
+    try:
+        check_run_secret(token, TOKEN_ENV)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     import torch
 
