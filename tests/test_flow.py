@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -10,6 +12,11 @@ from mlflow.tracking import MlflowClient
 from flows.train import train
 
 pytestmark = pytest.mark.integration
+
+_spec = importlib.util.spec_from_file_location(
+    "mlflow_readback", Path(__file__).resolve().parents[1] / "scripts" / "mlflow_readback.py")
+readback = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(readback)
 
 EXPECTED_METRICS = {
     "learner/learner-0/train_loss", "learner/learner-0/tokens_per_s", "learner/learner-0/step_time_s",
@@ -55,6 +62,13 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     curve = sorted(client.get_metric_history(run.info.run_id, "eval/loss"), key=lambda m: m.step)
     assert len({m.step for m in curve}) >= 10 and len({round(m.value, 6) for m in curve}) >= 10, curve
     assert curve[0].step == 0 and curve[-1].value < curve[0].value - 1.0
+    # `make mlflow-check` reads the same back and finds nothing missing
+    found = readback.read_back(client, run)
+    assert readback.failures(found, 10) == [], found
+    assert found["series"]["eval/loss"]["steps"] == len({m.step for m in curve})
+    assert found["learners"] == {"learner-0": len(client.get_metric_history(
+        run.info.run_id, "learner/learner-0/train_loss")), "learner-1": len(client.get_metric_history(
+        run.info.run_id, "learner/learner-1/train_loss"))}
     missing = EXPECTED_METRICS - set(run.data.metrics)
     assert not missing, f"metrics missing from MLflow: {sorted(missing)}"
     assert run.data.params["learners.count"] == "2"
