@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot clean gpu-check
+.PHONY: setup data run test bench bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -136,9 +136,14 @@ ui: setup
 ## ui-screenshot: headless Chromium screenshots of the newest run's page and its metric charts, in
 ##     .local/screenshots (MLFLOW_URL=http://127.0.0.1:5000 to use a running `make ui`; RUN_ID=... for one run)
 ui-screenshot: setup
-	$(PY) scripts/mlflow_screenshot.py --out .local/screenshots --expect eval/loss --expect goodput/compute \
+	$(PY) scripts/mlflow_screenshot.py --out .local/screenshots --pages overview,model-metrics,system-metrics,learners --expect eval/loss --expect goodput/compute \
 	    $(if $(MLFLOW_URL),--url $(MLFLOW_URL),--db $(MLFLOW_DB) --artifact-root $(MLFLOW_ARTIFACTS)) \
 	    $(if $(RUN_ID),--run-id $(RUN_ID))
+
+## mlflow-check: read the newest training run back from $(MLFLOW_DB) with MlflowClient and print its
+##     dashboard: eval/loss and goodput points, system metrics, the model-training marker (RUN_ID=... for one run)
+mlflow-check: setup
+	$(PY) scripts/mlflow_readback.py --db $(MLFLOW_DB) $(if $(RUN_ID),--run-id $(RUN_ID))
 
 clean:
 	rm -rf .local

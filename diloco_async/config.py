@@ -223,6 +223,13 @@ class TrackingConfig(_Section):
     system_metrics_s: float = Field(
         5.0, ge=0, le=3600, description="Seconds between samples of the flow machine's CPU, memory, disk, "
         "network (and GPUs, through NVML) in the MLflow run's System metrics; 0: off.")
+    goodput_series_s: float = Field(
+        5.0, gt=0, le=3600, description="Seconds between points of the synchronizer's goodput time series "
+        "(goodput/compute, goodput/token, their rolling windows, goodput/uptime), while merges go on.")
+    eval_every_s: float = Field(
+        10.0, ge=0, le=86400, description="Seconds between evaluations of the newest published global model on "
+        "the held-out windows while the run trains (eval/loss, eval/bits_per_byte; one thread of the flow "
+        "process); 0: only at the start and the end.")
 
 
 class Config(_Section):

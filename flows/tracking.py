@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from mlflow.tracking import MlflowClient
 
 from diloco_async.config import TrackingConfig
 
-__all__ = ["MlflowSink", "flatten_params", "resolve_uri", "EXPERIMENT_KIND_TAG", "MODEL_TRAINING_KIND"]
+__all__ = ["MlflowSink", "flatten_params", "resolve_uri", "learners_chart_path", "EXPERIMENT_KIND_TAG",
+           "MODEL_TRAINING_KIND", "LEARNERS_CHART_TAG"]
 
 log = logging.getLogger("diloco.tracking")
 
@@ -48,6 +50,19 @@ def resolve_uri(uri: str) -> str:
 #: the experiment tag MLflow 3's UI reads to choose its layout, and the value for model training
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
+#: the parent run's tag holding the UI path of its learners' chart view (:func:`learners_chart_path`)
+LEARNERS_CHART_TAG = "diloco.learners_chart"
+
+
+def learners_chart_path(experiment_id: str, run_id: str) -> str:
+    """The MLflow UI path (after the server's address) of the experiment's chart view listing only
+    the nested learner runs of ``run_id``: one chart per metric key with a line per learner, so
+    ``train_loss`` of every learner is on one chart. Ordering by run name keeps the learners flat
+    (the UI nests children under their parent only in its default order)."""
+    query = urllib.parse.urlencode({"compareRunsMode": "CHART",
+                                    "searchFilter": f"tags.`mlflow.parentRunId` = '{run_id}'",
+                                    "orderByKey": "tags.`mlflow.runName`", "orderByAsc": "true"})
+    return f"/#/experiments/{experiment_id}/runs?{query}"
 
 
 class MlflowSink:
@@ -88,7 +103,9 @@ class MlflowSink:
 
     def start_children(self, learner_ids: Iterable[str]) -> None:
         """One nested run per learner (``mlflow.parentRunId``); learner metrics go there too, without
-        the ``learner/<id>/`` prefix. Existing children (after a resume) are reused."""
+        the ``learner/<id>/`` prefix, so the same key (``train_loss``) of every learner is one chart
+        in the experiment's chart view of those runs, which the parent's description links to
+        (:func:`learners_chart_path`). Existing children (after a resume) are reused."""
         assert self.run_id is not None, "start() or resume() first"
         existing = {r.data.tags.get("diloco.learner_id"): r.info.run_id for r in self.client.search_runs(
             [self.experiment_id], f"tags.`mlflow.parentRunId` = '{self.run_id}'")}
@@ -100,6 +117,10 @@ class MlflowSink:
             run = self.client.create_run(self.experiment_id, run_name=lid, tags={
                 "mlflow.parentRunId": self.run_id, "diloco.learner_id": lid})
             self.children[lid] = run.info.run_id
+        path = learners_chart_path(self.experiment_id, self.run_id)
+        self._call(self.client.set_tag, self.run_id, LEARNERS_CHART_TAG, path)
+        self._call(self.client.set_tag, self.run_id, "mlflow.note.content",
+                   f"Every learner's `train_loss` on one chart: [the learners' runs, chart view]({path}).")
 
     def resume(self, diloco_run_id: str) -> bool:
         """Log into the existing MLflow run of a resumed training run (found by its

@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +36,7 @@ from rich.table import Table
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
+from diloco_async.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.supervisor import Restart
@@ -139,8 +140,10 @@ def _log_restarts(run: TrainingRun, sink: MlflowSink, restarts: list[Restart]) -
                                  r.index, r.incarnation, r.reason, n)
 
 
-def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
-    """Pull metrics into MLflow until the synchronizer exits; restart learners that die; show progress."""
+def _watch(run: TrainingRun, sink: MlflowSink, console: Console,
+           pending: Callable[[], list[dict]] = list) -> None:
+    """Pull metrics (and the points ``pending`` hands over) into MLflow until the synchronizer
+    exits; restart learners that die; show progress."""
     cfg = run.cfg
     total_tokens = cfg.budget.tokens
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -150,7 +153,7 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
         merges_bar = progress.add_task("merges", total=None, info="")
         last_print = 0.0
         while run.sync is not None and run.sync.poll() is None:
-            sink.log_points(run.pull_metrics())
+            sink.log_points(run.pull_metrics() + pending())
             st = run.status()
             if st is not None:
                 rate = st["tokens_processed"] / st["wall_s"] if st.get("wall_s") else 0.0
@@ -171,6 +174,24 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
                 pause = min(pause, max(0.05, due - time.monotonic()))
             time.sleep(pause)
     sink.log_points(run.pull_metrics())
+
+
+@contextmanager
+def _heldout_curve(run: TrainingRun, sink: MlflowSink) -> Iterator[Callable[[], list[dict]]]:
+    """While the run trains, evaluate the newest published global model every
+    ``tracking.eval_every_s`` (:class:`~diloco_async.heldout_monitor.HeldoutMonitor`, one thread);
+    yields the callable that hands its new ``eval/*`` points over, and logs the rest at the end."""
+    every_s = run.cfg.tracking.eval_every_s
+    if every_s <= 0:
+        yield list
+        return
+    monitor = HeldoutMonitor(build_run_model(run.cfg), heldout_split(run.cfg), run.store, run.run_id, every_s)
+    monitor.start()
+    try:
+        yield monitor.drain
+    finally:
+        monitor.stop()
+        sink.log_points(monitor.drain())
 
 
 def _summary_table(summary: dict) -> Table:
@@ -229,7 +250,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
-    _watch(run, sink, console)
+    with _heldout_curve(run, sink) as pending:
+        _watch(run, sink, console, pending)
     code = run.sync.wait() if run.sync else None
     run.finished_cleanly = code == 0
     if code != 0:

@@ -7,7 +7,9 @@ top-level training run (tag ``diloco.run_id``) of ``--experiment`` (default ``di
 ``--run-id`` names one.
 
 For each page (``overview``: ``#/experiments/<exp>/runs/<run>``; ``model-metrics``: the charts of
-every logged metric, ``.../model-metrics``; ``artifacts``: ``.../artifacts``) it saves
+every logged metric, ``.../model-metrics``; ``system-metrics``: CPU, memory, network, disk (and GPU)
+charts, ``.../system-metrics``; ``artifacts``: ``.../artifacts``; ``learners``: the experiment's
+chart view of the run's nested learner runs only, ``train_loss`` of every learner on one chart) it saves
 ``<out>/<run_id>-<page>.png`` and, with ``--dump-dom``, the rendered DOM next to it (``.html``);
 ``--expect NAME`` (repeatable) fails the script unless the overview DOM names the run and every
 NAME (a metric, say). Needs Debian's ``chromium`` (``apt-get install chromium``); nothing else
@@ -42,7 +44,8 @@ from pathlib import Path
 
 EXPERIMENT = "diloco-async"
 ALIAS = "mlflow-ui"  # a host name the MLflow UI does not treat as "local" (no Assistant panel)
-PAGES = {"overview": "", "model-metrics": "/model-metrics", "artifacts": "/artifacts"}
+PAGES = {"overview": "", "model-metrics": "/model-metrics", "system-metrics": "/system-metrics",
+         "artifacts": "/artifacts", "learners": None}
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -184,11 +187,22 @@ def page_base(base: str) -> tuple[str, str | None]:
     return base.rstrip("/"), None
 
 
+def page_url(ui: str, run: dict, page: str) -> str:
+    """The UI address of ``page`` (a key of :data:`PAGES`) for ``run``; ``learners`` is the path the
+    MLflow sink links from the run's description (``flows.tracking.learners_chart_path``)."""
+    if page == "learners":
+        from flows.tracking import learners_chart_path
+
+        return ui + learners_chart_path(run["experiment_id"], run["run_id"])
+    return f"{ui}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}{PAGES[page]}"
+
+
 def _rendered(page: str, run: dict, html: str) -> bool:
-    """Whether the DOM shows the page drawn: the run's name, and on the charts page plotted data."""
-    if run["run_name"] and run["run_name"] not in html:
+    """Whether the DOM shows the page drawn: the run's name (the learners' page names its learner
+    runs instead), and on the chart pages plotted data."""
+    if page != "learners" and run["run_name"] and run["run_name"] not in html:
         return False
-    return page != "model-metrics" or "scatterlayer" in html
+    return page not in ("model-metrics", "system-metrics", "learners") or "scatterlayer" in html
 
 
 def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id: str | None = None,
@@ -203,7 +217,7 @@ def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id
     out.mkdir(parents=True, exist_ok=True)
     result = {**run, "server": base, "loaded_as": ui, "screenshots": {}, "dom": {}, "urls": {}, "attempts": {}}
     for page in pages:
-        url = f"{ui}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}{PAGES[page]}"
+        url = page_url(ui, run, page)
         result["urls"][page] = url
         png = out / f"{run['run_id']}-{page}.png"
         for attempt in range(1, attempts + 1):

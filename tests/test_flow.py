@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -10,6 +12,11 @@ from mlflow.tracking import MlflowClient
 from flows.train import train
 
 pytestmark = pytest.mark.integration
+
+_spec = importlib.util.spec_from_file_location(
+    "mlflow_readback", Path(__file__).resolve().parents[1] / "scripts" / "mlflow_readback.py")
+readback = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(readback)
 
 EXPECTED_METRICS = {
     "learner/learner-0/train_loss", "learner/learner-0/tokens_per_s", "learner/learner-0/step_time_s",
@@ -26,9 +33,12 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
         f"run.store=file://{tmp_path}/store", f"run.workdir={tmp_path}/runs",
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=32",
         "learners.count=2", "learners.batch_size=8", "synchronizer.num_fragments=3",
-        "synchronizer.sync_every=12", "synchronizer.checkpoint_every_s=5", "budget.tokens=150000",
+        "synchronizer.sync_every=12", "synchronizer.checkpoint_every_s=5", "budget.tokens=300000",
         "budget.wall_s=120", f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art",
         "tracking.poll_s=0.5", "tracking.system_metrics_s=1",
+        # a series point every 0.25 s of merging, a held-out evaluation every 0.25 s: a slower machine
+        # trains longer and gets more points; this one merges for 8-15 s (20-45 points of each)
+        "tracking.goodput_series_s=0.25", "tracking.eval_every_s=0.25",
     ]
     summary = train(config="configs/default.toml", overrides=overrides)
     assert summary["eval_loss_initial"] == pytest.approx(math.log(256), abs=0.15)
@@ -42,9 +52,23 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert run.info.status == "FINISHED"
     # marked as model training: MLflow 3's UI opens it on the training runs, not on GenAI traces
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
-    assert any(k.startswith("system/cpu") for k in run.data.metrics), sorted(run.data.metrics)  # System metrics tab
+    system = {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+              "system/network_receive_megabytes", "system/network_transmit_megabytes"}
+    assert system <= set(run.data.metrics), sorted(run.data.metrics)  # the System metrics tab
+    assert len(client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")) >= 2
     goodput = client.get_metric_history(run.info.run_id, "goodput/compute")
-    assert len({m.step for m in goodput}) >= 2, goodput  # a time series, not one dot at the end
+    assert len({m.step for m in goodput}) >= 10, goodput  # a time series, not one dot at the end
+    # the held-out loss of the published model while it trained: a measured curve, not two points
+    curve = sorted(client.get_metric_history(run.info.run_id, "eval/loss"), key=lambda m: m.step)
+    assert len({m.step for m in curve}) >= 10 and len({round(m.value, 6) for m in curve}) >= 10, curve
+    assert curve[0].step == 0 and curve[-1].value < curve[0].value - 1.0
+    # `make mlflow-check` reads the same back and finds nothing missing
+    found = readback.read_back(client, run)
+    assert readback.failures(found, 10) == [], found
+    assert found["series"]["eval/loss"]["steps"] == len({m.step for m in curve})
+    assert found["learners"] == {"learner-0": len(client.get_metric_history(
+        run.info.run_id, "learner/learner-0/train_loss")), "learner-1": len(client.get_metric_history(
+        run.info.run_id, "learner/learner-1/train_loss"))}
     missing = EXPECTED_METRICS - set(run.data.metrics)
     assert not missing, f"metrics missing from MLflow: {sorted(missing)}"
     assert run.data.params["learners.count"] == "2"
@@ -57,8 +81,9 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     last = [round(m.value, 4) for m in sorted(history, key=lambda m: m.step)][-1]
     assert last == round(summary["eval_loss_final"], 4)
     bpb = sorted(client.get_metric_history(run.info.run_id, "eval/bits_per_byte"), key=lambda m: m.step)
-    assert [round(m.value, 4) for m in bpb] == [round(summary["eval_bits_per_byte_initial"], 4),
-                                                 round(summary["eval_bits_per_byte_final"], 4)]
+    assert len(bpb) == len(curve)  # beside every eval/loss point
+    assert [round(m.value, 4) for m in (bpb[0], bpb[-1])] == [round(summary["eval_bits_per_byte_initial"], 4),
+                                                               round(summary["eval_bits_per_byte_final"], 4)]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
             "global_model.safetensors"} <= artifacts

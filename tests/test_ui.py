@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -19,13 +20,15 @@ import numpy as np
 import pytest
 
 from diloco_async.config import TrackingConfig
-from flows.tracking import MlflowSink
+from flows.tracking import LEARNERS_CHART_TAG, MlflowSink
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "mlflow_screenshot.py"
 WINDOW = (1600, 1200)
+ARTIFACTS = ROOT / ".local" / "screenshots" / "test_ui"  # kept after the test: CI's artifacts
 
 
 def _load_script():
@@ -36,8 +39,9 @@ def _load_script():
 
 
 def _log_run(tmp_path: Path) -> tuple[str, str, str, Path]:
-    """A parent run with eval loss, goodput and synchronizer series, a nested learner run and a
-    loss-curve PNG artifact, all through MlflowSink. Returns (tracking URI, run id, run name, png)."""
+    """A parent run with eval loss, goodput and synchronizer series, two nested learner runs, the
+    flow machine's system metrics (MLflow's own monitor, sampling for real) and a loss-curve PNG
+    artifact, all through MlflowSink. Returns (tracking URI, run id, run name, png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,7 +52,8 @@ def _log_run(tmp_path: Path) -> tuple[str, str, str, Path]:
                                      artifact_location=str(tmp_path / "store" / "mlartifacts")))
     name = f"ui-check-{uuid.uuid4().hex[:8]}"
     sink.start(name, {"learners.count": "2", "synchronizer.min_quorum": "1"}, {"diloco.run_id": name})
-    sink.start_children(["learner-0"])
+    sink.start_children(["learner-0", "learner-1"])
+    sink.start_system_metrics(0.5)
     now = int(time.time() * 1000)
     points = []
     for step in range(0, 41, 4):  # a falling held-out loss and rising goodput over 40 merges
@@ -59,7 +64,10 @@ def _log_run(tmp_path: Path) -> tuple[str, str, str, Path]:
             {"key": "goodput/token", "value": 0.7 + 0.25 * step / 40, "step": step, "timestamp_ms": now + step},
             {"key": "sync/merges", "value": step, "step": step, "timestamp_ms": now + step},
             {"key": "sync/quorum_size", "value": 1 + step % 2, "step": step, "timestamp_ms": now + step},
-            {"key": "learner/learner-0/train_loss", "value": 5.0 - step / 10, "step": step, "timestamp_ms": now + step},
+            {"key": "learner/learner-0/train_loss", "value": 2.0 + 3.0 * np.exp(-step / 15), "step": step,
+             "timestamp_ms": now + step},
+            {"key": "learner/learner-1/train_loss", "value": 2.2 + 3.0 * np.exp(-step / 10), "step": step,
+             "timestamp_ms": now + step},
         ]
     assert sink.log_points(points) == len(points)
     hist = sink.client.get_metric_history(sink.run_id, "eval/loss")
@@ -69,9 +77,16 @@ def _log_run(tmp_path: Path) -> tuple[str, str, str, Path]:
     fig.savefig(png, dpi=80)
     plt.close(fig)
     sink.log_artifact(png)
+    wait_until(lambda: len(sink.client.get_metric_history(sink.run_id, "system/cpu_utilization_percentage")) >= 3,
+               120, "three samples of the system metrics")
     sink.end()
     assert sink.errors == 0
     return uri, sink.run_id, name, png
+
+
+def _tag(run: dict, key: str) -> str:
+    """Tag ``key`` of a run as the REST API returns it."""
+    return next(t["value"] for t in run["data"]["tags"] if t["key"] == key)
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -90,6 +105,24 @@ def _distinct_colours(path: Path) -> tuple[int, float]:
     return len(np.unique(packed)), float((rgb.min(axis=1) < 235).mean())
 
 
+def _chart(html: str, title: str) -> str:
+    """The rendered DOM of the chart titled ``title``: from its title to the end of its plot."""
+    start = html.find(f'title="{title}"')
+    assert start >= 0, f"no chart of {title}"
+    plot = html.find("js-plotly-plot", start)
+    end = html.find("js-plotly-plot", plot + 1)
+    return html[start:end if end > 0 else len(html)]
+
+
+def _lines(chart: str) -> set[str]:
+    """The distinct line paths (``d`` of plotly's ``js-line``) of one chart: one per run drawn."""
+    return set(re.findall(r'class="js-line"[^>]*\bd="([^"]+)"', chart))
+
+
+def _vertices(path: str) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in re.findall(r"[ML]([-\d.]+),([-\d.]+)", path)]
+
+
 def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
     if shutil.which("chromium") is None:
         pytest.skip("chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
@@ -105,14 +138,18 @@ def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
         out = tmp_path / "shots"
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "--url", base, "--out", str(out), "--dump-dom", "--json",
+             "--pages", "overview,model-metrics,system-metrics,learners",
              "--window-size", f"{WINDOW[0]},{WINDOW[1]}", "--expect", "eval/loss", "--expect", "goodput/compute"],
             capture_output=True, text=True, timeout=200, cwd=ROOT)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for path in out.iterdir():
+        shutil.copy2(path, ARTIFACTS / path.name.replace(run_id, "run"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout)
     assert result["run_id"] == run_id, "the newest top-level run, not the nested learner run"
     assert result["run_name"] == name and result["missing"] == []
 
-    for page in ("overview", "model-metrics"):
+    for page in ("overview", "model-metrics", "system-metrics", "learners"):
         path = Path(result["screenshots"][page])
         assert _png_size(path) == WINDOW
         colours, ink = _distinct_colours(path)
@@ -125,3 +162,23 @@ def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
     for metric in ("eval/loss", "goodput/compute", "goodput/token"):
         assert f'title="{metric}"' in charts, f"no chart of {metric}"
     assert charts.count("scatterlayer") >= 3, "the metric charts did not draw"
+    # the held-out loss is drawn as a curve: every logged point, falling, not a two-point segment
+    eval_chart = _chart(charts, "eval/loss")
+    assert eval_chart.count('class="point"') == 11, "the eval/loss chart does not show its 11 points"
+    (line,) = _lines(eval_chart)
+    ys = [y for _x, y in _vertices(line)]
+    assert len(ys) > 2 and len(set(ys)) == len(ys), f"eval/loss is not drawn as a curve: {line}"
+
+    system = Path(result["dom"]["system-metrics"]).read_text()
+    for metric in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+                   "system/network_receive_megabytes"):
+        assert _lines(_chart(system, metric)), f"the System metrics tab has no line for {metric}"
+
+    # every learner's train_loss on one chart: the view the run's description links to
+    assert result["urls"]["learners"].endswith(_tag(run, LEARNERS_CHART_TAG))
+    assert _tag(run, "mlflow.note.content").count(_tag(run, LEARNERS_CHART_TAG)) == 1
+    assert "the learners' runs, chart view" in overview, "the run's description (with the link) is not shown"
+    learners = Path(result["dom"]["learners"]).read_text()
+    assert "learner-0 (train_loss)" in learners and "learner-1 (train_loss)" in learners
+    assert name not in learners, "the parent run is listed among its learners"
+    assert len(_lines(_chart(learners, "train_loss"))) == 2, "not one train_loss line per learner"

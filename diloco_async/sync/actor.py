@@ -61,7 +61,7 @@ __all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP"]
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
-GOODPUT_SERIES_S = 5.0  # seconds between points of the goodput time series (goodput/*)
+GOODPUT_SERIES_S = 5.0  # default seconds between points of the goodput time series (tracking.goodput_series_s)
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -364,9 +364,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             self._guarded(part, now)
 
     def _goodput_series(self, now: float) -> None:
-        """A point of the goodput time series every :data:`GOODPUT_SERIES_S` while merges go on."""
+        """A point of the goodput time series every ``tracking.goodput_series_s`` while merges go on."""
         merges = self.report.counters["merges"]
-        if merges > self._goodput_merges and now - self._goodput_at_s >= GOODPUT_SERIES_S:
+        if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
             self._goodput_merges, self._goodput_at_s = merges, now
             uptime = self.report.merge_gaps.uptime(now, uptime_max_gap_s(self))
             self.report.goodput_series(self.registry.ledgers, uptime)
