@@ -223,6 +223,10 @@ class TrackingConfig(_Section):
     system_metrics_s: float = Field(
         5.0, ge=0, le=3600, description="Seconds between samples of the flow machine's CPU, memory, disk, "
         "network (and GPUs, through NVML) in the MLflow run's System metrics; 0: off.")
+    register_model: str | None = Field(
+        None, min_length=1, max_length=256, pattern=r"^[^/:]*[^/:\s][^/:]*$",
+        description="Register the final global model under this name in MLflow's model registry "
+        "(a new version per run); None: log it, register nothing. No '/' or ':' (MLflow's rule).")
 
 
 class Config(_Section):

@@ -42,7 +42,7 @@ from diloco_async.supervisor import Restart
 from diloco_async.sync import open_checkpoint
 from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
-from flows.artifacts import log_run_artifacts
+from flows.artifacts import log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
@@ -257,6 +257,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
                                              samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))
+    summary["registered_model"] = register_final_model(sink, summary["model_uri"], cfg.tracking.register_model)
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))
