@@ -3,7 +3,8 @@
 Every learner process appends its own records (``diloco_async.timeline.Recorder``: start, ready,
 steps, contributions, blocked time, stop) and the synchronizer names the update ids of every
 merge (``merges.jsonl`` in the store). From those alone this module rebuilds each slot's
-timeline: ``restarting`` from a process's start to its first step, ``down`` from the last record
+timeline: ``starting`` from the slot's first process's start to its first step (``restarting``
+for every later process), ``down`` from the last record
 of a process that did not stop cleanly to the start of the next one, the steps with the share that
 was merged. The chaos harness knows the exact fault times and builds its own; this is the view
 for runs without a fault driver (``train``, ``resume``). ``flows.timeline_report`` draws it.
@@ -68,7 +69,8 @@ def timeline_from_records(records: dict[str, list[dict]], merges: list[dict], sh
             t_start = next((float(r["t"]) for r in rs if r["kind"] == "start"), float(rs[0].get("t0", rs[0]["t"])))
             t_ready = next((float(r["t"]) for r in rs if r["kind"] == "ready"), None)
             t_last = max(float(r.get("t1", r["t"])) for r in rs)
-            tl.intervals.append(Interval(lid, "restarting", t_start, max(t_start, t_ready if t_ready else t_last)))
+            tl.intervals.append(Interval(lid, "starting" if j == 0 else "restarting", t_start,
+                                         max(t_start, t_ready if t_ready else t_last)))
             tl.intervals += [Interval(lid, "blocked", float(r["t0"]), float(r["t1"]))
                              for r in rs if r["kind"] == "blocked"]
             clean = any(r["kind"] == "stopped" for r in rs)

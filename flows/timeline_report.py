@@ -16,15 +16,17 @@ from storage.store import ObjectStore
 __all__ = ["plot_timeline", "write_run_timeline"]
 
 
-_COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "restarting": "#e67e22",
+_COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "starting": "#f5cba7",
+            "restarting": "#e67e22",
             "stalled": "#8e44ad", "blocked": "#95a5a6"}
 
 
 def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: float | None = None) -> None:
     """Draw each slot's states over time and the merges of the global model into a PNG.
 
-    One row per learner: useful steps green, thrown-away steps red, down dark grey, restarting
-    orange, stalled purple, blocked light grey; merges are ticks on a row of their own at the top.
+    One row per learner: useful steps green, thrown-away steps red, down dark grey, starting
+    (the slot's first start-up) light orange, restarting (a later one) orange, stalled purple,
+    blocked light grey; merges are ticks on a row of their own at the top.
     Times are shown in seconds from ``tl.start_s``; ``mark_s`` (same clock) draws a dashed line,
     e.g. where the goodput window starts.
     """
@@ -51,7 +53,7 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
                 bars["useful"].append((st.t0 - t0, dur * st.useful))
             if st.useful < 1:
                 bars["thrown away"].append((st.t0 - t0 + dur * st.useful, dur * (1 - st.useful)))
-        for state in ("useful", "thrown away", "blocked", "restarting", "stalled", "down"):
+        for state in ("useful", "thrown away", "blocked", "starting", "restarting", "stalled", "down"):
             if bars[state]:
                 ax.broken_barh(bars[state], (y - 0.35, 0.7), facecolors=_COLOURS[state], linewidth=0)
     top = len(rows) + 1

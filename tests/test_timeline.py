@@ -219,7 +219,9 @@ def test_timeline_from_records_finds_restarts_and_downtime(tmp_path):
     tl = timeline_from_records({"a": read_records(tmp_path / "a.jsonl")}, [{"t": 6.5, "update_ids": ["u1"]}], [1.0])
     a = account(tl, 100.0).learners["a"]
     assert (tl.start_s, tl.end_s) == (0.0, 12.0)
-    assert a.restarting_s == pytest.approx(3.0)  # 0-2 and 10-11
+    # the first start-up (0-2 s) is starting, not restarting; the start-up after the kill (10-11 s) is
+    assert a.starting_s == pytest.approx(2.0) and a.restarting_s == pytest.approx(1.0)
+    assert [iv.state for iv in tl.intervals if iv.state in ("starting", "restarting")] == ["starting", "restarting"]
     assert a.down_s == pytest.approx(4.0)  # last record at 6 s, next start at 10 s
     assert a.useful_s == pytest.approx(4.0) and a.thrown_away_s == pytest.approx(1.0)
 
@@ -288,7 +290,7 @@ def test_slot_book_closes_open_intervals():
     # launched at 0 (ready at 3), at 10 (killed at 12 before ready), at 20 (ready at 21)
     recs = [{"kind": "ready", "t": 3.0}, {"kind": "ready", "t": 21.0}]
     assert restarting_intervals("slot-0", [0.0, 10.0, 20.0], recs, [5.0, 12.0], 30.0) == [
-        Interval("slot-0", "restarting", 0.0, 3.0), Interval("slot-0", "restarting", 10.0, 12.0),
+        Interval("slot-0", "starting", 0.0, 3.0), Interval("slot-0", "restarting", 10.0, 12.0),
         Interval("slot-0", "restarting", 20.0, 21.0)]
 
 
