@@ -206,7 +206,7 @@ def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> 
     png = run.workdir / f"goodput_timeline-{run.epoch}.png"
     try:
         acc = write_run_timeline(run.cfg, run.store, run.run_id, str(run.epoch), run.workdir / "timeline", png,
-                                 float(summary.get("uptime_max_gap_s", 30.0)))
+                                 float(summary.get("uptime_max_gap_s", 30.0)), ledger=summary)
     except (OSError, ValueError) as err:
         log.warning("no goodput timeline: %s", err)
         return

@@ -129,6 +129,22 @@ def test_plot_timeline_writes_a_png(tmp_path):
     assert len(np.unique((img[..., :3] * 255).astype(int).reshape(-1, 3), axis=0)) > 5
 
 
+def test_goodput_subtitle_says_which_number_and_why_it_differs():
+    from flows.timeline_report import goodput_subtitle
+
+    # slot b started 20 s late: down here for 20 s, not provisioned at all in the ledger
+    tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0),
+                                                      Interval("b", "starting", 20.0, 25.0)],
+                  steps=_steps("a", 0, 100) + _steps("b", 25, 100), merges_s=[10.0, 20.0, 30.0])
+    acc = account(tl, 100.0)
+    ledger = {"compute_goodput": 175.0 / 180.0, "useful_s": 175.0, "provisioned_s": 180.0}
+    text = goodput_subtitle(acc, ledger)
+    assert f"compute goodput {acc.compute_goodput:.3f} = 175.0 useful / 200.0 provisioned" in text
+    assert "the run's compute goodput (summary, DESIGN §7): 0.972 = 175.0 / 180.0" in text
+    assert "started later is down" in text and "own process start" in text
+    assert goodput_subtitle(acc, None).endswith("is down until then).")
+
+
 def test_scenario_files_load_and_schedules_repeat():
     for path in sorted(Path("configs/chaos").glob("*.toml")):
         sc = load_scenario(path)
