@@ -8,6 +8,7 @@ kinds safetensors plus an MLflow-logged torch model in MLflow's non-pickle ``pt2
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -24,10 +25,12 @@ from safetensors.torch import save_file  # noqa: E402
 
 from diloco_async.model import ByteGPT, generate  # noqa: E402
 from diloco_async.models import ModelConfig, save_final_model, upload_folder  # noqa: E402
+from diloco_async.run_timeline import read_contributions, read_merges, rounds_table  # noqa: E402
 from flows.tracking import MlflowSink  # noqa: E402
 from storage.store import ObjectStore  # noqa: E402
 
-__all__ = ["loss_curve_png", "text_samples", "log_run_artifacts", "register_final_model", "SAMPLE_PROMPTS"]
+__all__ = ["loss_curve_png", "text_samples", "log_run_artifacts", "log_rounds", "register_final_model",
+           "SAMPLE_PROMPTS"]
 
 SAMPLE_PROMPTS = (b"ROMEO:\n", b"To be, or not", b"KING HENRY.\n")
 
@@ -121,6 +124,22 @@ def _token_example(model: torch.nn.Module, model_cfg: ModelConfig | None) -> np.
     vocab = int(getattr(getattr(model, "tok_emb", None), "num_embeddings", 256))
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, min(vocab, 256), (2, context), generator=gen).numpy()
+
+
+def log_rounds(sink: MlflowSink, store: ObjectStore, run_id: str, epoch: str, name: str = "rounds.jsonl") -> int:
+    """Log the per-round artifact ``name``: one JSON line per (fragment, round) of the epoch with
+    the version it published and every contribution's learner, fate (merged, zero_weight, late,
+    rejected, abandoned), reason, tokens and staleness (:func:`~diloco_async.run_timeline.rounds_table`,
+    from the synchronizer's ``contributions.jsonl`` and ``merges.jsonl``). Returns the rows
+    logged; 0 (nothing logged) when the synchronizer wrote neither."""
+    rows = rounds_table(read_contributions(store, run_id, epoch), read_merges(store, run_id, epoch))
+    if not rows:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sink.log_artifact(path)
+    return len(rows)
 
 
 def register_final_model(sink: MlflowSink, model_uri: str, name: str | None) -> dict | None:

@@ -42,7 +42,7 @@ from diloco_async.supervisor import Restart
 from diloco_async.sync import open_checkpoint
 from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
-from flows.artifacts import log_run_artifacts, register_final_model
+from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
@@ -236,6 +236,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
         raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path if run.sync else '?'}")
     sink.log_points(run.remaining_metrics_from_store())
     summary = run.store.get_json(keys.summary_key(run.run_id, str(run.epoch)))
+    log_rounds(sink, run.store, run.run_id, str(run.epoch), f"rounds-{run.epoch}.jsonl" if run.resume_url else
+               "rounds.jsonl")
     ckpt = latest_checkpoint(run.store, run.run_id)
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")

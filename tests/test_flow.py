@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from mlflow.tracking import MlflowClient
 
+from diloco_async.goodput import BADPUT_CAUSES
 from flows.train import train
 
 pytestmark = pytest.mark.integration
@@ -69,6 +71,25 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     png = client.download_artifacts(run.info.run_id, timeline, str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert 0 < summary["timeline_compute_goodput"] <= 1
+    # both count each learner from its process start (imports included): before they did not, and the
+    # timeline's figure was ~1.5x the ledger's here; what is left is the end of the window (DESIGN §7)
+    assert summary["timeline_compute_goodput"] == pytest.approx(summary["compute_goodput"], rel=0.25)
+    # badput by cause, a series beside goodput/compute; the last points add up to 1 with it
+    last = {}
+    for key in ("goodput/compute", *(f"badput/{c}" for c in BADPUT_CAUSES)):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert history, key
+        last[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
+    assert sum(last.values()) == pytest.approx(1.0, abs=1e-6), last
+    assert last["badput/starting"] > 0  # every learner's first start-up
+    # the per-round artifact: which learners went into which round, and what became of them
+    rounds = client.download_artifacts(run.info.run_id, "rounds.jsonl", str(tmp_path))
+    rows = [json.loads(line) for line in open(rounds)]
+    assert sum(r["version"] is not None for r in rows) == summary["merges"]
+    fates = [c["fate"] for r in rows for c in r["contributions"]]
+    assert fates.count("merged") + fates.count("zero_weight") == summary["contributions_merged"]
+    assert fates.count("rejected") == summary["contributions_rejected"]
+    assert {c["learner"] for r in rows for c in r["contributions"]} == {"learner-0", "learner-1"}
     # the logged torch model loads back and gives the same held-out loss
     import mlflow
 

@@ -338,3 +338,27 @@ def test_goodput_window_starts_when_every_first_process_is_up():
     assert uptime_max_gap_s(Timeline(["a"], 0.0, 1.0), cfg) == 20.0  # no steps: 1 s per step
     curve = [(0.0, 0.0, 5.0), (10.0, 100.0, 3.0), (20.0, 200.0, 2.0)]
     assert eval_at(curve, 0) == (2.0, 5.0)
+
+
+def test_rounds_table_groups_contributions_by_round_with_the_published_version():
+    from diloco_async.run_timeline import rounds_table
+
+    contribs = [
+        {"fragment": 1, "round": 1, "learner": "b", "fate": "merged", "reason": "", "c_tokens": 10, "c_steps": 2,
+         "compute_s": 1.0, "staleness_versions": 0},
+        {"fragment": 0, "round": 2, "learner": "a", "fate": "rejected", "reason": "digest: sha256 ...",
+         "c_tokens": 10, "c_steps": 2, "compute_s": 1.0, "staleness_versions": 1},
+        {"fragment": 1, "round": 1, "learner": "a", "fate": "late", "reason": "round closed", "c_tokens": 12,
+         "c_steps": 3, "compute_s": 1.5, "staleness_versions": 1},
+        {"fragment": 1, "round": 1, "learner": "c", "fate": "zero_weight", "reason": "direction factor 0"},
+    ]
+    merges = [{"t": 5.0, "fragment": 1, "round": 1, "version": 1, "update_ids": ["u"]},
+              {"t": 9.0, "fragment": 0, "round": 1, "version": 1, "update_ids": ["v"]}]
+    rows = rounds_table(contribs, merges)
+    assert [(r["fragment"], r["round"], r["version"]) for r in rows] == [(0, 1, 1), (0, 2, None), (1, 1, 1)]
+    assert rows[1]["fates"] == {"rejected": 1} and rows[1]["merged_t"] is None
+    assert rows[2]["fates"] == {"merged": 1, "late": 1, "zero_weight": 1} and rows[2]["merged_t"] == 5.0
+    assert [c["learner"] for c in rows[2]["contributions"]] == ["b", "a", "c"]
+    assert rows[2]["contributions"][1] == {"learner": "a", "fate": "late", "reason": "round closed", "c_tokens": 12,
+                                           "c_steps": 3, "compute_s": 1.5, "staleness_versions": 1}
+    assert rows[0]["contributions"] == []  # merged, but its contributions were decided in another epoch
