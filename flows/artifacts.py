@@ -145,7 +145,9 @@ def log_rounds(sink: MlflowSink, store: ObjectStore, run_id: str, epoch: str, na
 def register_final_model(sink: MlflowSink, model_uri: str, name: str | None) -> dict | None:
     """Register ``model_uri`` (what :func:`log_run_artifacts` returned) as a new version of the
     registered model ``name`` in MLflow's model registry and tag the run with it
-    (``diloco.registered_model`` = ``name/version``).
+    (``diloco.registered_model`` = ``name/version``). A ``runs:/`` URI (the ``hf_model/`` folder,
+    or the safetensors when the export failed) becomes a version whose source is that artifact;
+    ``models:/name/version`` then downloads it.
 
     Returns:
         ``{"name", "version"}`` (version an int), or None when ``name`` is None or the registry
@@ -154,8 +156,16 @@ def register_final_model(sink: MlflowSink, model_uri: str, name: str | None) -> 
     if not name:
         return None
     mlflow.set_tracking_uri(sink.uri)
+    tags = {"diloco.run_id": sink.run_id}
     try:
-        version = mlflow.register_model(model_uri, name, tags={"diloco.run_id": sink.run_id})
+        if model_uri.startswith("runs:/"):  # an artifact folder or file (hf_model/), not an MLflow logged model
+            run_id, _, path = model_uri.removeprefix("runs:/").partition("/")
+            source = f"{sink.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
+            if sink.client.search_registered_models(f"name = '{name}'") == []:
+                sink.client.create_registered_model(name)
+            version = sink.client.create_model_version(name, source, run_id=run_id, tags=tags)
+        else:
+            version = mlflow.register_model(model_uri, name, tags=tags)
     except Exception as err:  # noqa: BLE001 - the registry is a view of a finished run
         sink.errors += 1
         logging.getLogger("diloco.flows").warning("MLflow could not register %s as %r (%s: %s)", model_uri, name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -194,4 +195,16 @@ def test_final_model_is_logged_without_pickle_and_registered(tmp_path, caplog):
     assert register_final_model(sink, model_uri, None) is None
     registered = mlflow.pytorch.load_model("models:/diloco-test-model/1")
     assert _logit_loss(registered, batches) == pytest.approx(expected, abs=1e-6)
+    # a runs:/ artifact folder (how model.kind = "hf" logs hf_model/) registers too, and downloads back
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf_like"
+    folder.mkdir()
+    save_file({"head.weight": model.head.weight.detach().contiguous()}, str(folder / "model.safetensors"))
+    sink.log_artifacts(folder, "hf_model")
+    assert register_final_model(sink, f"runs:/{sink.run_id}/hf_model", "diloco-test-model") == {
+        "name": "diloco-test-model", "version": 3}
+    assert sink.errors == 0
+    got = mlflow.artifacts.download_artifacts("models:/diloco-test-model/3", dst_path=str(tmp_path / "dl"))
+    assert torch.equal(load_file(str(Path(got) / "model.safetensors"))["head.weight"], model.head.weight.detach())
     sink.end()
