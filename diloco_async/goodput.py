@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "BADPUT_CAUSES",
@@ -240,7 +241,7 @@ def badput_fractions(useful_s: float, provisioned_s: float, cause_s: Mapping[str
 
 
 def totals(ledgers: Mapping[str, LearnerLedger],
-           silent_s: Mapping[str, float] | None = None) -> dict[str, float]:
+           silent_s: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Run-wide compute and token goodput over all learners' ledgers, the seconds they add up
     (``useful_s``, ``provisioned_s``, ``tokens_*``) and the badput by cause: ``badput_s`` (seconds
     per observed cause) and ``badput`` (:func:`badput_fractions`). ``silent_s``: learner id ->

@@ -40,7 +40,11 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
     from matplotlib.patches import Patch
 
     rows = list(tl.learners)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * (len(rows) + 1)), dpi=100)
+    heading = title or "learner timeline"
+    if subtitle:
+        heading += "\n" + textwrap.fill(subtitle, 150)
+    head_in = 0.17 * heading.count("\n")  # inches for the lines under the title
+    fig, ax = plt.subplots(figsize=(12, 1.6 + head_in + 0.45 * (len(rows) + 1)), dpi=100)
     t0 = tl.start_s
     for i, lid in enumerate(rows):
         y = len(rows) - i
@@ -67,13 +71,10 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
     ax.set_yticks(list(range(1, top + 1)), list(reversed(rows)) + ["merges"])
     ax.set_xlim(0, max(1e-9, tl.end_s - t0))
     ax.set_xlabel("seconds since start")
-    heading = title or "learner timeline"
-    if subtitle:
-        heading += "\n" + textwrap.fill(subtitle, 150)
     ax.set_title(heading, fontsize=9 if subtitle else None)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.18 if len(rows) > 3 else -0.3), ncol=len(_COLOURS), fontsize=8, frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="lower center",
+               ncol=len(_COLOURS), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # the legend's row below the axis
     fig.savefig(path)
     plt.close(fig)
 
