@@ -230,6 +230,10 @@ class TrackingConfig(_Section):
         10.0, ge=0, le=86400, description="Seconds between evaluations of the newest published global model on "
         "the held-out windows while the run trains (eval/loss, eval/bits_per_byte; one thread of the flow "
         "process); 0: only at the start and the end.")
+    register_model: str | None = Field(
+        None, min_length=1, max_length=256, pattern=r"^[^/:]*[^/:\s][^/:]*$",
+        description="Register the final global model under this name in MLflow's model registry "
+        "(a new version per run); None: log it, register nothing. No '/' or ':' (MLflow's rule).")
 
 
 class Config(_Section):

@@ -8,14 +8,18 @@ One definition shared by the real runs (synchronizer ledger), the chaos harness 
   two merges longer than ``max_gap_s`` counts as down for the part beyond ``max_gap_s``.
 
 A learner-second is *useful* when it was spent on inner steps whose contribution was merged.
+Every other provisioned learner-second is *badput*, and the synchronizer's ledger splits it by
+cause (:data:`BADPUT_CAUSES`): compute goodput + the badput fractions = 1.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
+    "BADPUT_CAUSES",
     "Goodputs",
     "LearnerLedger",
     "MergeGaps",
@@ -23,6 +27,18 @@ __all__ = [
     "token_goodput",
     "uptime",
 ]
+
+
+#: Causes of badput, each a share of the provisioned learner-seconds that was not useful (DESIGN §7):
+#: ``down`` (silent and came back as a new process, or still silent), ``starting`` (a slot's first
+#: process, from its start to its join), ``restarting`` (the same for every later process),
+#: ``stalled`` (silent and came back as the same process: frozen), ``blocked`` (waiting on the
+#: synchronizer or on peers, as the learner reports it), ``thrown_away`` (compute of contributions
+#: that were announced and not merged: late or rejected) and ``other``: the rest (compute not yet
+#: announced or never announced, e.g. lost in a crash, and communication, adoption, idle time).
+BADPUT_CAUSES = ("down", "starting", "restarting", "stalled", "blocked", "thrown_away", "other")
+OBSERVED_CAUSES = BADPUT_CAUSES[:-1]
+"""The causes the ledger counts seconds of; ``other`` is what remains."""
 
 
 def compute_goodput(useful_s: float, provisioned_s: float) -> float:
@@ -154,9 +170,22 @@ class LearnerLedger(Goodputs):
     tokens_processed: int = 0
     tokens_merged: float = 0.0
     contributions: dict[str, int] = field(default_factory=dict)
+    badput_s: dict[str, float] = field(default_factory=dict)
+    """Seconds of each observed badput cause (:data:`OBSERVED_CAUSES`)."""
 
     def count(self, outcome: str) -> None:
         self.contributions[outcome] = self.contributions.get(outcome, 0) + 1
+
+    def add_badput(self, cause: str, seconds: float) -> None:
+        """``seconds`` (≥ 0; less is ignored) more of ``cause``.
+
+        Raises:
+            ValueError: ``cause`` is not one of :data:`OBSERVED_CAUSES`.
+        """
+        if cause not in OBSERVED_CAUSES:
+            raise ValueError(f"unknown badput cause {cause!r}; known: {OBSERVED_CAUSES}")
+        if seconds > 0:
+            self.badput_s[cause] = self.badput_s.get(cause, 0.0) + float(seconds)
 
     def to_json(self) -> dict:
         return {
@@ -165,6 +194,7 @@ class LearnerLedger(Goodputs):
             "tokens_processed": self.tokens_processed,
             "tokens_merged": self.tokens_merged,
             "contributions": dict(self.contributions),
+            "badput_s": dict(self.badput_s),
         }
 
     @classmethod
@@ -175,15 +205,58 @@ class LearnerLedger(Goodputs):
             tokens_processed=int(d["tokens_processed"]),
             tokens_merged=float(d["tokens_merged"]),
             contributions=dict(d.get("contributions", {})),
+            badput_s={k: float(v) for k, v in d.get("badput_s", {}).items() if k in OBSERVED_CAUSES},
         )
 
 
-def totals(ledgers: Mapping[str, LearnerLedger]) -> dict[str, float]:
-    """Run-wide compute and token goodput over all learners' ledgers."""
+def badput_fractions(useful_s: float, provisioned_s: float, cause_s: Mapping[str, float]) -> dict[str, float]:
+    """Share of ``provisioned_s`` lost to each cause of :data:`BADPUT_CAUSES` (all of them, 0 when
+    absent); with ``compute_goodput(useful_s, provisioned_s)`` they sum to 1.
+
+    The observed causes (``cause_s``, seconds) are measured apart and may overlap a little (a
+    learner blocked while the synchronizer already counts it silent); when they and ``useful_s``
+    exceed ``provisioned_s`` they are scaled down together to fit. ``other`` is what is left.
+    All 0 when nothing was provisioned.
+
+    Raises:
+        ValueError: a negative input or an unknown cause.
+    """
+    unknown = set(cause_s) - set(OBSERVED_CAUSES)
+    if unknown:
+        raise ValueError(f"unknown badput causes {sorted(unknown)}; known: {OBSERVED_CAUSES}")
+    if useful_s < 0 or provisioned_s < 0 or any(v < 0 for v in cause_s.values()):
+        raise ValueError(f"seconds must be >= 0, got useful={useful_s}, provisioned={provisioned_s}, {dict(cause_s)}")
+    out = dict.fromkeys(BADPUT_CAUSES, 0.0)
+    if provisioned_s == 0:
+        return out
+    good = compute_goodput(min(useful_s, provisioned_s), provisioned_s)
+    observed = {k: cause_s.get(k, 0.0) / provisioned_s for k in OBSERVED_CAUSES}
+    room = 1.0 - good
+    total = sum(observed.values())
+    scale = room / total if total > room else 1.0
+    for k, v in observed.items():
+        out[k] = v * scale
+    out["other"] = max(0.0, room - sum(out[k] for k in OBSERVED_CAUSES))
+    return out
+
+
+def totals(ledgers: Mapping[str, LearnerLedger],
+           silent_s: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Run-wide compute and token goodput over all learners' ledgers, the seconds they add up
+    (``useful_s``, ``provisioned_s``, ``tokens_*``) and the badput by cause: ``badput_s`` (seconds
+    per observed cause) and ``badput`` (:func:`badput_fractions`). ``silent_s``: learner id ->
+    seconds it has been silent so far and not yet judged (counted as ``down`` until it is)."""
     useful = sum(min(led.useful_s, led.provisioned_s) for led in ledgers.values())
     prov = sum(led.provisioned_s for led in ledgers.values())
     merged = sum(min(led.tokens_merged, led.tokens_processed) for led in ledgers.values())
     processed = sum(led.tokens_processed for led in ledgers.values())
+    cause_s = dict.fromkeys(OBSERVED_CAUSES, 0.0)
+    for led in ledgers.values():
+        for k, v in led.badput_s.items():
+            cause_s[k] += v
+    for lid, secs in (silent_s or {}).items():
+        if lid in ledgers:
+            cause_s["down"] += max(0.0, secs)
     return {
         "compute_goodput": compute_goodput(useful, prov),
         "token_goodput": token_goodput(merged, processed),
@@ -191,6 +264,8 @@ def totals(ledgers: Mapping[str, LearnerLedger]) -> dict[str, float]:
         "provisioned_s": prov,
         "tokens_merged": merged,
         "tokens_processed": processed,
+        "badput_s": cause_s,
+        "badput": badput_fractions(useful, prov, cause_s),
     }
 
 

@@ -98,6 +98,8 @@ class Heartbeat(_Msg):
     bytes_down: Count = Field(0, description="Bytes of versions downloaded since the process started.")
     bytes_up: Count = Field(0, description="Bytes of contributions uploaded since the process started.")
     uptime_s: Seconds = 0.0
+    blocked_s: Seconds = Field(0.0, description="Seconds spent blocked (waiting on the synchronizer or on peers) "
+                               "since the process started.")
     base_versions: dict[FragmentIndex, Step] = Field(default_factory=dict, max_length=FRAGMENTS_MAX)
 
 

@@ -3,7 +3,8 @@
 Every learner process appends its own records (``diloco_async.timeline.Recorder``: start, ready,
 steps, contributions, blocked time, stop) and the synchronizer names the update ids of every
 merge (``merges.jsonl`` in the store). From those alone this module rebuilds each slot's
-timeline: ``restarting`` from a process's start to its first step, ``down`` from the last record
+timeline: ``starting`` from the slot's first process's start to its first step (``restarting``
+for every later process), ``down`` from the last record
 of a process that did not stop cleanly to the start of the next one, the steps with the share that
 was merged. The chaos harness knows the exact fault times and builds its own; this is the view
 for runs without a fault driver (``train``, ``resume``). ``flows.timeline_report`` draws it.
@@ -19,7 +20,7 @@ from diloco_async.timeline import Interval, Timeline, diloco_timeline_steps
 from storage import keys
 from storage.store import ObjectStore
 
-__all__ = ["fragment_shares", "read_merges", "timeline_from_records"]
+__all__ = ["fragment_shares", "read_contributions", "read_merges", "rounds_table", "timeline_from_records"]
 
 
 def fragment_shares(cfg: Config) -> list[float]:
@@ -35,6 +36,41 @@ def read_merges(store: ObjectStore, run_id: str, epoch: str) -> list[dict]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def read_contributions(store: ObjectStore, run_id: str, epoch: str) -> list[dict]:
+    """The synchronizer's contribution records of one epoch (``contributions.jsonl``: what became
+    of each contribution it decided on; [] if it wrote none, e.g. killed before its summary)."""
+    try:
+        body = store.get_unverified(keys.contribution_log_key(run_id, epoch)).decode()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def rounds_table(contributions: list[dict], merges: list[dict]) -> list[dict]:
+    """One row per (fragment, round), in that order: the version the round published and when
+    (unix s; None when it published none), how many contributions met each fate, and the
+    contributions themselves (learner, fate, reason, c_tokens, c_steps, compute_s, staleness_versions).
+
+    Args:
+        contributions: :func:`read_contributions` records.
+        merges: :func:`read_merges` records.
+    """
+    merged = {(int(m["fragment"]), int(m["round"])): m for m in merges}
+    rows: dict[tuple[int, int], dict] = {}
+    for c in contributions:
+        key = (int(c["fragment"]), int(c["round"]))
+        row = rows.setdefault(key, {"fragment": key[0], "round": key[1], "version": None, "merged_t": None,
+                                    "fates": {}, "contributions": []})
+        row["fates"][c["fate"]] = row["fates"].get(c["fate"], 0) + 1
+        row["contributions"].append({k: c.get(k) for k in ("learner", "fate", "reason", "c_tokens", "c_steps",
+                                                            "compute_s", "staleness_versions")})
+    for key, m in merged.items():
+        row = rows.setdefault(key, {"fragment": key[0], "round": key[1], "version": None, "merged_t": None,
+                                    "fates": {}, "contributions": []})
+        row["version"], row["merged_t"] = int(m["version"]), float(m["t"])
+    return [rows[k] for k in sorted(rows)]
 
 
 def timeline_from_records(records: dict[str, list[dict]], merges: list[dict], shares: list[float],
@@ -68,7 +104,8 @@ def timeline_from_records(records: dict[str, list[dict]], merges: list[dict], sh
             t_start = next((float(r["t"]) for r in rs if r["kind"] == "start"), float(rs[0].get("t0", rs[0]["t"])))
             t_ready = next((float(r["t"]) for r in rs if r["kind"] == "ready"), None)
             t_last = max(float(r.get("t1", r["t"])) for r in rs)
-            tl.intervals.append(Interval(lid, "restarting", t_start, max(t_start, t_ready if t_ready else t_last)))
+            tl.intervals.append(Interval(lid, "starting" if j == 0 else "restarting", t_start,
+                                         max(t_start, t_ready if t_ready else t_last)))
             tl.intervals += [Interval(lid, "blocked", float(r["t0"]), float(r["t1"]))
                              for r in rs if r["kind"] == "blocked"]
             clean = any(r["kind"] == "stopped" for r in rs)

@@ -2,8 +2,9 @@
 
 A :class:`Timeline` holds, for every learner slot of one run, what it was doing when:
 
-* *state intervals*: ``down`` (process dead, waiting for its machine), ``restarting`` (process
-  started, not yet stepping: imports, join, downloads), ``stalled`` (frozen, e.g. SIGSTOP) and
+* *state intervals*: ``down`` (process dead, waiting for its machine), ``starting`` (the slot's
+  first process started, not yet stepping: imports, join, downloads), ``restarting`` (the same for
+  every later process of the slot, after a failure), ``stalled`` (frozen, e.g. SIGSTOP) and
   ``blocked`` (waiting on the synchronizer or on peers);
 * *steps*: one inner step each, with its tokens and the share of it that ended up in the global
   model (``useful`` in [0, 1]: 1 = merged, 0 = thrown away, a fraction when only some fragments
@@ -33,7 +34,7 @@ __all__ = ["STATES", "Interval", "Step", "Timeline", "LearnerAccount", "Accounti
 
 #: States a slot can be in besides stepping. Time in none of them and in no step is overhead
 #: (communication, adoption, idle waiting between steps).
-STATES = ("down", "restarting", "stalled", "blocked")
+STATES = ("down", "starting", "restarting", "stalled", "blocked")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class LearnerAccount(Goodputs):
     useful_s: float = 0.0
     thrown_away_s: float = 0.0
     down_s: float = 0.0
+    starting_s: float = 0.0
     restarting_s: float = 0.0
     stalled_s: float = 0.0
     blocked_s: float = 0.0
@@ -108,8 +110,8 @@ class LearnerAccount(Goodputs):
     @property
     def overhead_s(self) -> float:
         """Provisioned time in no state and no step computation (comms, adoption, idle)."""
-        busy = (self.useful_s + self.thrown_away_s + self.down_s + self.restarting_s + self.stalled_s
-                + self.blocked_s)
+        busy = (self.useful_s + self.thrown_away_s + self.down_s + self.starting_s + self.restarting_s
+                + self.stalled_s + self.blocked_s)
         return max(0.0, self.provisioned_s - busy)
 
     @property
@@ -119,7 +121,8 @@ class LearnerAccount(Goodputs):
 
     def to_json(self) -> dict:
         return {**{k: getattr(self, k) for k in ("provisioned_s", "useful_s", "thrown_away_s", "down_s",
-                                                   "restarting_s", "stalled_s", "blocked_s", "tokens_processed",
+                                                   "starting_s", "restarting_s", "stalled_s", "blocked_s",
+                                                   "tokens_processed",
                                                    "tokens_merged")},
                 "overhead_s": self.overhead_s, "compute_goodput": self.compute_goodput,
                 "token_goodput": self.token_goodput, "availability": self.availability}

@@ -2,10 +2,13 @@
 generated text, and the final global model: for ``model.kind = "hf"`` a ``save_pretrained``
 folder ``hf_model/`` (also written to the store) that ``AutoModelForCausalLM.from_pretrained``
 (or, for a LoRA adapter, ``diloco_async.models.load_saved_model``) loads back; for the other
-kinds safetensors plus an MLflow-logged torch model that ``mlflow.pytorch.load_model`` loads back."""
+kinds safetensors plus an MLflow-logged torch model in MLflow's non-pickle ``pt2`` format
+(``torch.export``) that ``mlflow.pytorch.load_model`` loads back as a module giving the same logits;
+:func:`register_final_model` registers either in MLflow's model registry."""
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -16,15 +19,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from diloco_async.model import ByteGPT, generate  # noqa: E402
 from diloco_async.models import ModelConfig, save_final_model, upload_folder  # noqa: E402
+from diloco_async.run_timeline import read_contributions, read_merges, rounds_table  # noqa: E402
 from flows.tracking import MlflowSink  # noqa: E402
 from storage.store import ObjectStore  # noqa: E402
 
-__all__ = ["loss_curve_png", "text_samples", "log_run_artifacts", "SAMPLE_PROMPTS"]
+__all__ = ["loss_curve_png", "text_samples", "log_run_artifacts", "log_rounds", "register_final_model",
+           "SAMPLE_PROMPTS"]
 
 SAMPLE_PROMPTS = (b"ROMEO:\n", b"To be, or not", b"KING HENRY.\n")
 
@@ -70,7 +76,10 @@ def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: Model
 
     Returns:
         the URI of the logged model: ``runs:/<id>/hf_model`` (download it, then ``from_pretrained``)
-        for ``hf``, else a torch model that ``mlflow.pytorch.load_model`` takes.
+        for ``hf``, else a torch model in MLflow's ``pt2`` format (no pickle) that
+        ``mlflow.pytorch.load_model`` takes: a module mapping int64 token ids [B, model.context]
+        to float32 logits [B, model.context, vocab]; when MLflow cannot export the model, the
+        URI of ``global_model.safetensors`` (the weights, logged before).
     """
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -90,14 +99,77 @@ def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: Model
                   str(folder / "global_model.safetensors"))
         sink.log_artifact(folder / "global_model.safetensors")
     mlflow.set_tracking_uri(sink.uri)
+    was_training = model.training
     try:
+        model.eval()
         with mlflow.start_run(run_id=sink.run_id):
-            info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+            info = mlflow.pytorch.log_model(model, name="model", serialization_format="pt2",
+                                            input_example=_token_example(model, model_cfg),
                                             pip_requirements=["torch==2.13.0"])
     except Exception as err:  # the tracking store must never fail a finished run: the weights are logged above
         sink.errors += 1
         logging.getLogger("diloco.flows").warning("MLflow could not log the torch model (%s: %s); the weights are "
                                                   "in global_model.safetensors", type(err).__name__, err)
         return f"runs:/{sink.run_id}/global_model.safetensors"
+    finally:
+        model.train(was_training)
     sink.client.set_tag(sink.run_id, "diloco.model_uri", info.model_uri)
     return info.model_uri
+
+
+def _token_example(model: torch.nn.Module, model_cfg: ModelConfig | None) -> np.ndarray:
+    """Token ids int64 [2, context] that ``torch.export`` traces the model with (batch 2: MLflow
+    keeps a batch dimension above 1 dynamic)."""
+    context = int(getattr(model, "context", None) or (model_cfg.context if model_cfg is not None else 64))
+    vocab = int(getattr(getattr(model, "tok_emb", None), "num_embeddings", 256))
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, min(vocab, 256), (2, context), generator=gen).numpy()
+
+
+def log_rounds(sink: MlflowSink, store: ObjectStore, run_id: str, epoch: str, name: str = "rounds.jsonl") -> int:
+    """Log the per-round artifact ``name``: one JSON line per (fragment, round) of the epoch with
+    the version it published and every contribution's learner, fate (merged, zero_weight, late,
+    rejected, abandoned), reason, tokens and staleness (:func:`~diloco_async.run_timeline.rounds_table`,
+    from the synchronizer's ``contributions.jsonl`` and ``merges.jsonl``). Returns the rows
+    logged; 0 (nothing logged) when the synchronizer wrote neither."""
+    rows = rounds_table(read_contributions(store, run_id, epoch), read_merges(store, run_id, epoch))
+    if not rows:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sink.log_artifact(path)
+    return len(rows)
+
+
+def register_final_model(sink: MlflowSink, model_uri: str, name: str | None) -> dict | None:
+    """Register ``model_uri`` (what :func:`log_run_artifacts` returned) as a new version of the
+    registered model ``name`` in MLflow's model registry and tag the run with it
+    (``diloco.registered_model`` = ``name/version``). A ``runs:/`` URI (the ``hf_model/`` folder,
+    or the safetensors when the export failed) becomes a version whose source is that artifact;
+    ``models:/name/version`` then downloads it.
+
+    Returns:
+        ``{"name", "version"}`` (version an int), or None when ``name`` is None or the registry
+        refused (counted in ``sink.errors`` and logged, never raised: the run is finished).
+    """
+    if not name:
+        return None
+    mlflow.set_tracking_uri(sink.uri)
+    tags = {"diloco.run_id": sink.run_id}
+    try:
+        if model_uri.startswith("runs:/"):  # an artifact folder or file (hf_model/), not an MLflow logged model
+            run_id, _, path = model_uri.removeprefix("runs:/").partition("/")
+            source = f"{sink.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{path}"
+            if sink.client.search_registered_models(f"name = '{name}'") == []:
+                sink.client.create_registered_model(name)
+            version = sink.client.create_model_version(name, source, run_id=run_id, tags=tags)
+        else:
+            version = mlflow.register_model(model_uri, name, tags=tags)
+    except Exception as err:  # noqa: BLE001 - the registry is a view of a finished run
+        sink.errors += 1
+        logging.getLogger("diloco.flows").warning("MLflow could not register %s as %r (%s: %s)", model_uri, name,
+                                                  type(err).__name__, err)
+        return None
+    sink.client.set_tag(sink.run_id, "diloco.registered_model", f"{name}/{version.version}")
+    return {"name": name, "version": int(version.version)}

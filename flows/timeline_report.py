@@ -6,27 +6,32 @@ its processes recorded (:mod:`diloco_async.run_timeline`), drawn and accounted.
 from __future__ import annotations
 
 import os
+import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 from diloco_async.config import Config
 from diloco_async.run_timeline import fragment_shares, read_merges, timeline_from_records
-from diloco_async.timeline import Timeline, account, read_records
+from diloco_async.timeline import Accounting, Timeline, account, read_records
 from storage.store import ObjectStore
 
-__all__ = ["plot_timeline", "write_run_timeline"]
+__all__ = ["goodput_subtitle", "plot_timeline", "write_run_timeline"]
 
 
-_COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "restarting": "#e67e22",
+_COLOURS = {"useful": "#2e8b57", "thrown away": "#c0392b", "down": "#404040", "starting": "#f5cba7",
+            "restarting": "#e67e22",
             "stalled": "#8e44ad", "blocked": "#95a5a6"}
 
 
-def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: float | None = None) -> None:
+def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s: float | None = None,
+                  subtitle: str = "") -> None:
     """Draw each slot's states over time and the merges of the global model into a PNG.
 
-    One row per learner: useful steps green, thrown-away steps red, down dark grey, restarting
-    orange, stalled purple, blocked light grey; merges are ticks on a row of their own at the top.
+    One row per learner: useful steps green, thrown-away steps red, down dark grey, starting
+    (the slot's first start-up) light orange, restarting (a later one) orange, stalled purple,
+    blocked light grey; merges are ticks on a row of their own at the top.
     Times are shown in seconds from ``tl.start_s``; ``mark_s`` (same clock) draws a dashed line,
-    e.g. where the goodput window starts.
+    e.g. where the goodput window starts. ``subtitle`` is printed under the title, wrapped.
     """
     import matplotlib
 
@@ -35,7 +40,11 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
     from matplotlib.patches import Patch
 
     rows = list(tl.learners)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * (len(rows) + 1)), dpi=100)
+    heading = title or "learner timeline"
+    if subtitle:
+        heading += "\n" + textwrap.fill(subtitle, 150)
+    head_in = 0.17 * heading.count("\n")  # inches for the lines under the title
+    fig, ax = plt.subplots(figsize=(12, 1.6 + head_in + 0.45 * (len(rows) + 1)), dpi=100)
     t0 = tl.start_s
     for i, lid in enumerate(rows):
         y = len(rows) - i
@@ -51,7 +60,7 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
                 bars["useful"].append((st.t0 - t0, dur * st.useful))
             if st.useful < 1:
                 bars["thrown away"].append((st.t0 - t0 + dur * st.useful, dur * (1 - st.useful)))
-        for state in ("useful", "thrown away", "blocked", "restarting", "stalled", "down"):
+        for state in ("useful", "thrown away", "blocked", "starting", "restarting", "stalled", "down"):
             if bars[state]:
                 ax.broken_barh(bars[state], (y - 0.35, 0.7), facecolors=_COLOURS[state], linewidth=0)
     top = len(rows) + 1
@@ -62,23 +71,41 @@ def plot_timeline(tl: Timeline, path: str | os.PathLike, title: str = "", mark_s
     ax.set_yticks(list(range(1, top + 1)), list(reversed(rows)) + ["merges"])
     ax.set_xlim(0, max(1e-9, tl.end_s - t0))
     ax.set_xlabel("seconds since start")
-    ax.set_title(title or "learner timeline")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.18 if len(rows) > 3 else -0.3), ncol=len(_COLOURS), fontsize=8, frameon=False)
-    fig.tight_layout()
+    ax.set_title(heading, fontsize=9 if subtitle else None)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()], loc="lower center",
+               ncol=len(_COLOURS), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # the legend's row below the axis
     fig.savefig(path)
     plt.close(fig)
 
 
+def goodput_subtitle(acc: Accounting, ledger: Mapping[str, float] | None) -> str:
+    """What the timeline's compute goodput is, and why it differs from the run's (the
+    synchronizer's ledger, DESIGN §7; ``ledger`` holds its ``compute_goodput``, ``useful_s`` and
+    ``provisioned_s``, as the run summary does): the two count over different windows."""
+    d = acc.to_json()
+    text = (f"this timeline: compute goodput {acc.compute_goodput:.3f} = {d['useful_s']:.1f} useful / "
+            f"{d['provisioned_s']:.1f} provisioned learner-s, every slot from the first learner's process start to "
+            f"the last learner record (a slot that started later is down until then)")
+    if ledger is None:
+        return text + "."
+    return text + (f"; the run's compute goodput (summary, DESIGN §7): {float(ledger['compute_goodput']):.3f} = "
+                   f"{float(ledger['useful_s']):.1f} / {float(ledger['provisioned_s']):.1f} learner-s, each slot from "
+                   f"its own process start to the synchronizer's summary, useful time as the learners timed "
+                   f"their merged contributions.")
+
+
 def write_run_timeline(cfg: Config, store: ObjectStore, run_id: str, epoch: str, timeline_dir: Path,
-                       png: Path, max_gap_s: float) -> dict | None:
-    """Rebuild the timeline of one synchronizer epoch, draw it to ``png`` and return its
-    accounting (``Accounting.to_json``); None when no learner recorded anything."""
+                       png: Path, max_gap_s: float, ledger: Mapping[str, float] | None = None) -> dict | None:
+    """Rebuild the timeline of one synchronizer epoch, draw it to ``png`` (its subtitle:
+    :func:`goodput_subtitle` against ``ledger``, the run summary) and return its accounting
+    (``Accounting.to_json``); None when no learner recorded anything."""
     records = {p.stem: read_records(p) for p in sorted(Path(timeline_dir).glob("*.jsonl"))}
     records = {k: v for k, v in records.items() if any(r["kind"] == "start" for r in v)}
     if not records:
         return None
     tl = timeline_from_records(records, read_merges(store, run_id, epoch), fragment_shares(cfg))
     acc = account(tl, max_gap_s)
-    plot_timeline(tl, png, title=f"run {run_id}: compute goodput {acc.compute_goodput:.3f} from the timeline")
+    plot_timeline(tl, png, title=f"run {run_id}: learner timeline, compute goodput {acc.compute_goodput:.3f}",
+                  subtitle=goodput_subtitle(acc, ledger))
     return acc.to_json()

@@ -43,7 +43,7 @@ from diloco_async.supervisor import Restart
 from diloco_async.sync import open_checkpoint
 from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
-from flows.artifacts import log_run_artifacts
+from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
@@ -227,7 +227,7 @@ def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> 
     png = run.workdir / f"goodput_timeline-{run.epoch}.png"
     try:
         acc = write_run_timeline(run.cfg, run.store, run.run_id, str(run.epoch), run.workdir / "timeline", png,
-                                 float(summary.get("uptime_max_gap_s", 30.0)))
+                                 float(summary.get("uptime_max_gap_s", 30.0)), ledger=summary)
     except (OSError, ValueError) as err:
         log.warning("no goodput timeline: %s", err)
         return
@@ -258,6 +258,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
         raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path if run.sync else '?'}")
     sink.log_points(run.remaining_metrics_from_store())
     summary = run.store.get_json(keys.summary_key(run.run_id, str(run.epoch)))
+    log_rounds(sink, run.store, run.run_id, str(run.epoch), f"rounds-{run.epoch}.jsonl" if run.resume_url else
+               "rounds.jsonl")
     ckpt = latest_checkpoint(run.store, run.run_id)
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
@@ -279,6 +281,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
                                              samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))
+    summary["registered_model"] = register_final_model(sink, summary["model_uri"], cfg.tracking.register_model)
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     console.print(_summary_table(summary))

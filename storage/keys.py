@@ -27,7 +27,7 @@ __all__ = ["plan_key", "config_key",
            "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
            "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
            "split_checkpoint_url", "ddp_checkpoint_prefix", "learner_prefix",
-           "summary_key", "metrics_log_key", "merge_log_key", "final_model_prefix",
+           "summary_key", "metrics_log_key", "merge_log_key", "contribution_log_key", "final_model_prefix",
            "lease_prefix", "lease_claim_key", "lease_renewal_key", "lease_released_key", "parse_lease_key"]
 
 _CONTRIB, _GLOBALS, _CHECKPOINTS = "contrib", "globals", "checkpoints"
@@ -226,6 +226,11 @@ def final_model_prefix(run_id: str, epoch: str) -> str:
 def merge_log_key(run_id: str, epoch: str) -> str:
     """JSON lines, one per merge: unix time, fragment, round, version, merged update ids."""
     return f"{run_id}/epochs/{epoch}/merges.jsonl"
+
+
+def contribution_log_key(run_id: str, epoch: str) -> str:
+    """JSON lines, one per contribution decided: its round, learner, fate and reason, counters."""
+    return f"{run_id}/epochs/{epoch}/contributions.jsonl"
 
 
 # -- the synchronizer's lease on its run (fencing) -------------------------------------------

@@ -79,7 +79,7 @@ def test_storm_ci_three_methods_one_schedule(prefect_server, tmp_path):
         assert acc["compute_goodput"] == pytest.approx(r["compute_goodput"])
         # every provisioned second is accounted for once
         for a in acc["learners"].values():
-            parts = sum(a[k] for k in ("useful_s", "thrown_away_s", "down_s", "restarting_s", "stalled_s",
+            parts = sum(a[k] for k in ("useful_s", "thrown_away_s", "down_s", "starting_s", "restarting_s", "stalled_s",
                                        "blocked_s", "overhead_s"))
             assert parts == pytest.approx(a["provisioned_s"], rel=0.02)
         if r["method"] != "ddp":

@@ -69,3 +69,12 @@ def test_data_tokenizer_spec_is_checked_at_load():
     # the tokenizer changes the training; where its cache lives does not
     assert config_hash(load_config(None, ['data.tokenizer="bpe:4096"'])) != config_hash(load_config(None))
     assert config_hash(load_config(None, ['data.token_cache_dir="/tmp/x"'])) == config_hash(load_config(None))
+
+
+def test_register_model_takes_a_registry_name_only():
+    assert load_config("configs/default.toml").tracking.register_model is None
+    cfg = load_config("configs/default.toml", ["tracking.register_model=shakespeare-byte-gpt"])
+    assert cfg.tracking.register_model == "shakespeare-byte-gpt"
+    for bad in ("team/model", "models:m", "   "):
+        with pytest.raises(ValueError, match="register_model"):
+            load_config("configs/default.toml", [f"tracking.register_model={bad}"])

@@ -42,3 +42,40 @@ def test_window_goodput_is_the_goodput_of_what_came_in_between():
     assert window_goodput(after, after) == {"compute_goodput": None, "token_goodput": None}  # nothing new
     # a ledger whose useful seconds ran ahead of the window is capped at 1, never above
     assert window_goodput(before, dict(after, useful_s=40.0))["compute_goodput"] == 1.0
+
+
+def test_badput_fractions_and_goodput_sum_to_one():
+    from diloco_async.goodput import BADPUT_CAUSES, badput_fractions
+
+    got = badput_fractions(50.0, 100.0, {"down": 10.0, "starting": 5.0, "thrown_away": 15.0})
+    assert got == pytest.approx({"down": 0.1, "starting": 0.05, "restarting": 0.0, "stalled": 0.0, "blocked": 0.0,
+                                 "thrown_away": 0.15, "other": 0.2})
+    assert tuple(got) == BADPUT_CAUSES
+    # measured apart, the causes may overlap: they are scaled to fit beside the useful time, none is left over
+    over = badput_fractions(60.0, 100.0, {"down": 30.0, "stalled": 30.0})
+    assert over["down"] == pytest.approx(0.2) and over["stalled"] == pytest.approx(0.2) and over["other"] == 0.0
+    for useful, causes in ((0.0, {}), (100.0, {"blocked": 3.0}), (20.0, {"down": 500.0, "blocked": 1.0})):
+        shares = badput_fractions(useful, 100.0, causes)
+        assert compute_goodput(min(useful, 100.0), 100.0) + sum(shares.values()) == pytest.approx(1.0, abs=1e-12)
+    assert set(badput_fractions(0.0, 0.0, {}).values()) == {0.0}
+    with pytest.raises(ValueError, match="unknown badput"):
+        badput_fractions(1.0, 2.0, {"other": 1.0})  # the rest is computed, never given
+    with pytest.raises(ValueError):
+        badput_fractions(1.0, 2.0, {"down": -1.0})
+
+
+def test_ledger_badput_round_trips_and_silence_counts_as_down():
+    a = LearnerLedger(provisioned_s=100.0, useful_s=70.0)
+    a.add_badput("starting", 4.0)
+    a.add_badput("thrown_away", 6.0)
+    a.add_badput("blocked", -1.0)  # nothing
+    with pytest.raises(ValueError, match="unknown badput"):
+        a.add_badput("restart", 1.0)
+    back = LearnerLedger.from_json(a.to_json())
+    assert back.badput_s == {"starting": 4.0, "thrown_away": 6.0}
+    assert LearnerLedger.from_json({k: v for k, v in a.to_json().items() if k != "badput_s"}).badput_s == {}
+    t = totals({"a": a, "b": LearnerLedger(provisioned_s=100.0, useful_s=80.0)}, silent_s={"b": 10.0, "gone": 5.0})
+    assert t["badput_s"]["down"] == 10.0  # b's silence so far; an unknown id is ignored
+    assert t["badput"]["starting"] == pytest.approx(4.0 / 200.0)
+    assert t["badput"]["other"] == pytest.approx((200.0 - 150.0 - 20.0) / 200.0)
+    assert t["compute_goodput"] + sum(t["badput"].values()) == pytest.approx(1.0)

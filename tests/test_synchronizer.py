@@ -387,3 +387,69 @@ async def test_a_cancelled_actor_stops_even_when_a_message_lands_with_the_cancel
         done, _ = await asyncio.wait({actor}, timeout=5)
         assert done, "the actor did not stop within 5 s of its cancel"
         assert actor.cancelled()
+
+
+async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
+    """Every cause the synchronizer sees, on a fake clock: first start-ups (starting), blocked
+    time the learner reports, a rejected contribution's compute (thrown away), a silence that
+    ends in the same process (stalled) and one that ends in a new process (down, then
+    restarting). Goodput and the badput shares sum to 1; contributions.jsonl says who went where."""
+    import json
+
+    clock = FakeClock()
+    async with running(small_config(), clock=clock) as (_sync, client, store):
+        for lid, up_s in zip(LEARNERS, (3.0, 2.0, 1.0), strict=True):
+            r = await client.post("/join", json={"learner_id": lid, "uptime_s": up_s}, headers=AUTH)
+            assert r.status == 200
+        plan = FragmentPlan.from_json((await r.json())["plan"])
+        clock.advance(1.0)
+        for lid in LEARNERS:
+            body = {"learner_id": lid, "step": 4, "blocked_s": 0.5 if lid == "a" else 0.0}
+            assert (await client.post("/heartbeat", json=body, headers=AUTH)).status == 200
+
+        async def opened():
+            return round_of(await status(client), 0, 1)
+        await await_until(opened, 10, "round (0, 1) to open")
+        await contribute(client, store, "c", fragment_delta(plan, 3), sha="ab" * 32)  # rejected: thrown away
+        await contribute(client, store, "a", fragment_delta(plan, 1))
+        await contribute(client, store, "b", fragment_delta(plan, 2))
+
+        async def settled():  # every learner answered: the round merges without waiting out its grace
+            st = await status(client)
+            return st if st["rejected_by_reason"] and st["versions"]["0"] >= 1 else None
+        await await_until(settled, 10, "the rejection and the merge")
+        clock.advance(60.5)  # heartbeat_timeout_s = 60: everyone lost
+
+        async def all_lost():
+            st = await status(client)
+            return st if not any(st["learners"][lid]["live"] for lid in LEARNERS) else None
+        await await_until(all_lost, 10, "every learner to be marked lost")
+        clock.advance(4.0)
+        assert (await client.post("/heartbeat", json={"learner_id": "b", "step": 4}, headers=AUTH)).status == 200
+        r = await client.post("/join", json={"learner_id": "a", "incarnation": 1, "uptime_s": 2.0}, headers=AUTH)
+        assert r.status == 200
+
+        async def judged():
+            st = await status(client)
+            return st if st["learners"]["a"]["live"] and st["learners"]["b"]["live"] else None
+        st = await await_until(judged, 10, "a and b to be back")
+        secs = st["badput_s"]
+        assert secs["starting"] == pytest.approx(6.0)  # 3 + 2 + 1 s from process start to join
+        assert secs["restarting"] == pytest.approx(2.0)
+        assert secs["blocked"] == pytest.approx(0.5)
+        assert secs["thrown_away"] == pytest.approx(1.0 * plan.numel_fraction(0))  # compute_s 1 x the share
+        assert 64.5 <= secs["stalled"] <= 76.5  # b: silent from its last message until it spoke again
+        # a: silent until its new process started 2 s before the join; c: still silent, counted down
+        assert secs["down"] >= 62.5 + 64.5
+        shares = st["badput"]
+        assert set(shares) == {"down", "starting", "restarting", "stalled", "blocked", "thrown_away", "other"}
+        assert st["compute_goodput"] + sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
+        assert shares["starting"] == pytest.approx(6.0 / st["provisioned_s"])
+        clock.advance(120.0)  # lost again: the stop at the end does not wait for a's new incarnation
+        await await_until(all_lost, 10, "every learner to be marked lost again")
+    records = [json.loads(line) for line in
+               store.get_unverified(keys.contribution_log_key("run1", _sync.epoch)).decode().splitlines()]
+    fates = {(r["learner"], r["fragment"], r["round"]): r for r in records}
+    assert fates[("a", 0, 1)]["fate"] == fates[("b", 0, 1)]["fate"] == "merged"
+    assert fates[("c", 0, 1)]["fate"] == "rejected" and fates[("c", 0, 1)]["reason"].startswith("digest")
+    assert fates[("a", 0, 1)]["c_tokens"] == 1000 and fates[("a", 0, 1)]["staleness_versions"] == 0

@@ -129,6 +129,22 @@ def test_plot_timeline_writes_a_png(tmp_path):
     assert len(np.unique((img[..., :3] * 255).astype(int).reshape(-1, 3), axis=0)) > 5
 
 
+def test_goodput_subtitle_says_which_number_and_why_it_differs():
+    from flows.timeline_report import goodput_subtitle
+
+    # slot b started 20 s late: down here for 20 s, not provisioned at all in the ledger
+    tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0),
+                                                      Interval("b", "starting", 20.0, 25.0)],
+                  steps=_steps("a", 0, 100) + _steps("b", 25, 100), merges_s=[10.0, 20.0, 30.0])
+    acc = account(tl, 100.0)
+    ledger = {"compute_goodput": 175.0 / 180.0, "useful_s": 175.0, "provisioned_s": 180.0}
+    text = goodput_subtitle(acc, ledger)
+    assert f"compute goodput {acc.compute_goodput:.3f} = 175.0 useful / 200.0 provisioned" in text
+    assert "the run's compute goodput (summary, DESIGN §7): 0.972 = 175.0 / 180.0" in text
+    assert "started later is down" in text and "own process start" in text
+    assert goodput_subtitle(acc, None).endswith("is down until then).")
+
+
 def test_scenario_files_load_and_schedules_repeat():
     for path in sorted(Path("configs/chaos").glob("*.toml")):
         sc = load_scenario(path)
@@ -219,7 +235,9 @@ def test_timeline_from_records_finds_restarts_and_downtime(tmp_path):
     tl = timeline_from_records({"a": read_records(tmp_path / "a.jsonl")}, [{"t": 6.5, "update_ids": ["u1"]}], [1.0])
     a = account(tl, 100.0).learners["a"]
     assert (tl.start_s, tl.end_s) == (0.0, 12.0)
-    assert a.restarting_s == pytest.approx(3.0)  # 0-2 and 10-11
+    # the first start-up (0-2 s) is starting, not restarting; the start-up after the kill (10-11 s) is
+    assert a.starting_s == pytest.approx(2.0) and a.restarting_s == pytest.approx(1.0)
+    assert [iv.state for iv in tl.intervals if iv.state in ("starting", "restarting")] == ["starting", "restarting"]
     assert a.down_s == pytest.approx(4.0)  # last record at 6 s, next start at 10 s
     assert a.useful_s == pytest.approx(4.0) and a.thrown_away_s == pytest.approx(1.0)
 
@@ -288,7 +306,7 @@ def test_slot_book_closes_open_intervals():
     # launched at 0 (ready at 3), at 10 (killed at 12 before ready), at 20 (ready at 21)
     recs = [{"kind": "ready", "t": 3.0}, {"kind": "ready", "t": 21.0}]
     assert restarting_intervals("slot-0", [0.0, 10.0, 20.0], recs, [5.0, 12.0], 30.0) == [
-        Interval("slot-0", "restarting", 0.0, 3.0), Interval("slot-0", "restarting", 10.0, 12.0),
+        Interval("slot-0", "starting", 0.0, 3.0), Interval("slot-0", "restarting", 10.0, 12.0),
         Interval("slot-0", "restarting", 20.0, 21.0)]
 
 
@@ -320,3 +338,27 @@ def test_goodput_window_starts_when_every_first_process_is_up():
     assert uptime_max_gap_s(Timeline(["a"], 0.0, 1.0), cfg) == 20.0  # no steps: 1 s per step
     curve = [(0.0, 0.0, 5.0), (10.0, 100.0, 3.0), (20.0, 200.0, 2.0)]
     assert eval_at(curve, 0) == (2.0, 5.0)
+
+
+def test_rounds_table_groups_contributions_by_round_with_the_published_version():
+    from diloco_async.run_timeline import rounds_table
+
+    contribs = [
+        {"fragment": 1, "round": 1, "learner": "b", "fate": "merged", "reason": "", "c_tokens": 10, "c_steps": 2,
+         "compute_s": 1.0, "staleness_versions": 0},
+        {"fragment": 0, "round": 2, "learner": "a", "fate": "rejected", "reason": "digest: sha256 ...",
+         "c_tokens": 10, "c_steps": 2, "compute_s": 1.0, "staleness_versions": 1},
+        {"fragment": 1, "round": 1, "learner": "a", "fate": "late", "reason": "round closed", "c_tokens": 12,
+         "c_steps": 3, "compute_s": 1.5, "staleness_versions": 1},
+        {"fragment": 1, "round": 1, "learner": "c", "fate": "zero_weight", "reason": "direction factor 0"},
+    ]
+    merges = [{"t": 5.0, "fragment": 1, "round": 1, "version": 1, "update_ids": ["u"]},
+              {"t": 9.0, "fragment": 0, "round": 1, "version": 1, "update_ids": ["v"]}]
+    rows = rounds_table(contribs, merges)
+    assert [(r["fragment"], r["round"], r["version"]) for r in rows] == [(0, 1, 1), (0, 2, None), (1, 1, 1)]
+    assert rows[1]["fates"] == {"rejected": 1} and rows[1]["merged_t"] is None
+    assert rows[2]["fates"] == {"merged": 1, "late": 1, "zero_weight": 1} and rows[2]["merged_t"] == 5.0
+    assert [c["learner"] for c in rows[2]["contributions"]] == ["b", "a", "c"]
+    assert rows[2]["contributions"][1] == {"learner": "a", "fate": "late", "reason": "round closed", "c_tokens": 12,
+                                           "c_steps": 3, "compute_s": 1.5, "staleness_versions": 1}
+    assert rows[0]["contributions"] == []  # merged, but its contributions were decided in another epoch

@@ -101,14 +101,14 @@ def drive(events: Sequence[FaultEvent], t_start: float, wall_s: float, target: F
 
 def restarting_intervals(lid: str, launches: list[float], recs: list[dict], ends: list[float],
                          t_end: float) -> list[Interval]:
-    """``restarting`` from each launch of a slot's process to its ``ready`` record, or to its
-    kill (``ends``) or ``t_end`` when that comes first."""
+    """``starting`` from the slot's first launch, ``restarting`` from each later launch of its
+    process, to its ``ready`` record, or to its kill (``ends``) or ``t_end`` when that comes first."""
     readies = sorted(float(r["t"]) for r in recs if r["kind"] == "ready")
     out = []
-    for t0 in launches:
+    for n, t0 in enumerate(sorted(launches)):
         ready = next((t for t in readies if t >= t0 - 1e-3), None)
         death = next((t for t in sorted(ends) if t > t0), t_end)
         t1 = min(x for x in (ready, death, t_end) if x is not None)
         if t1 > t0:
-            out.append(Interval(lid, "restarting", t0, t1))
+            out.append(Interval(lid, "starting" if n == 0 else "restarting", t0, t1))
     return out

@@ -53,9 +53,9 @@ class Measurement:
 
 
 def goodput_window_start(tl: Timeline) -> float:
-    """The end of the latest first ``restarting`` interval over the slots (every slot's first
-    process up or dead), clipped to ``[tl.start_s, tl.end_s]``."""
-    first_up = [min((iv for iv in tl.intervals if iv.learner == lid and iv.state == "restarting"),
+    """The end of the latest first start-up (``starting`` or ``restarting`` interval) over the
+    slots (every slot's first process up or dead), clipped to ``[tl.start_s, tl.end_s]``."""
+    first_up = [min((iv for iv in tl.intervals if iv.learner == lid and iv.state in ("starting", "restarting")),
                     key=lambda iv: iv.t0, default=None) for lid in tl.learners]
     return min(tl.end_s, max([tl.start_s] + [iv.t1 for iv in first_up if iv is not None]))
 

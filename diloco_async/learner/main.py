@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from diloco_async.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
+from diloco_async.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
@@ -95,7 +97,8 @@ def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | Non
     options: dict[str, Any] = storage_options_from_env()
     tl_dir = os.environ.get(TIMELINE_DIR_ENV)
     recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
-    recorder.record("start")
+    # the process's own start (interpreter and imports included), as the synchronizer's ledger counts it
+    recorder.record("start", t=time.time() - process_uptime_s())
     learner = Learner(args.learner_id, args.index, args.sync_url, ObjectStore(args.store, options), token,
                       incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder,
                       group=group)

@@ -45,6 +45,7 @@ class Stats:
     window_start_s: float = field(default_factory=time.monotonic)
     bytes_down: int = 0
     bytes_up: int = 0
+    blocked_s: float = 0.0  # seconds the training thread waited in ``_block`` since the process started
 
 
 class Shared:

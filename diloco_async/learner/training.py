@@ -217,7 +217,7 @@ class InnerLoop:
         """Hold the training thread until ``ready()`` (called under the lock), a stop or a
         synchronizer restart; record the blocked time in the timeline."""
         sh = self.shared
-        t0 = time.time()
+        t0 = started_s = time.time()
         while not (sh.stop_event.is_set() or sh.epoch_changed.is_set()):
             with sh.lock:
                 if ready():
@@ -230,6 +230,8 @@ class InnerLoop:
         t1 = time.time()
         if t1 - t0 > 0.001:
             self.recorder.record("blocked", t0=t0, t1=t1, why=why)
+        with sh.lock:
+            sh.stats.blocked_s += t1 - started_s
 
     def _maybe_save_inner_state(self) -> None:
         every_s = self.lc.checkpoint_every_s

@@ -61,7 +61,6 @@ __all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP"]
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
-GOODPUT_SERIES_S = 5.0  # default seconds between points of the goodput time series (tracking.goodput_series_s)
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -369,7 +368,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
             self._goodput_merges, self._goodput_at_s = merges, now
             uptime = self.report.merge_gaps.uptime(now, uptime_max_gap_s(self))
-            self.report.goodput_series(self.registry.ledgers, uptime)
+            self.report.goodput_series(self.registry.ledgers, uptime, self.registry.silent_s(now))
 
     def _liveness(self, now: float) -> None:
         for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):
@@ -423,7 +422,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         elif phase is Phase.FINAL_CHECKPOINT:
             self.life.move(Phase.WRITING_SUMMARY)
             self.final_summary = self.summary()
-            self.report.goodput_metrics(self.registry.ledgers)
+            self.report.goodput_series(self.registry.ledgers, self.final_summary["uptime"],
+                                       self.registry.silent_s(now), per_learner=True)
             self.report.seal()  # the spill files are complete: nothing more goes to the store
             self._spawn(self._write_final())
         elif phase is Phase.FINISHING and (self.registry.everyone_told_to_stop()

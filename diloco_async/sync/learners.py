@@ -32,6 +32,7 @@ class LearnerInfo:
     step_time_s: float | None = None
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
+    blocked_seen_s: float = 0.0  # blocked_s reported by the current incarnation
     stop_sent: bool = False
     reported: bool = False  # sent a heartbeat to this synchronizer process (a restored step may be stale)
 
@@ -79,20 +80,31 @@ class LearnerRegistry:
 
         A new incarnation continues at the global step at least: behind it, it would hold the
         schedule back once the learners ahead are gone. Its slot keeps its first start time.
+
+        Badput (DESIGN §7): a new slot's process start to now is ``starting``; a new incarnation's
+        is ``restarting``, and the time from the old one's last message to the new one's start
+        ``down``; the same incarnation joining again after it fell silent was ``stalled``.
         """
         info = self.learners.get(req.learner_id)
         start_step = info.step if info is not None else 0
         if info is None or req.incarnation != info.incarnation:
             start_step = max(start_step, global_step or 0)
             started = now_s - req.uptime_s
+            led = self.ledgers.setdefault(req.learner_id, LearnerLedger())
             if info is not None:
                 started = info.started_s  # the slot was provisioned since its first start
                 log.info("learner %s rejoined (incarnation %d -> %d) at step %d", req.learner_id, info.incarnation,
                          req.incarnation, start_step)
+                process_start_s = max(now_s - req.uptime_s, info.last_seen_s)
+                led.add_badput("down", process_start_s - info.last_seen_s)
+                led.add_badput("restarting", now_s - process_start_s)
+            else:
+                led.add_badput("starting", req.uptime_s)
             self.learners[req.learner_id] = LearnerInfo(req.learner_id, req.incarnation, started, now_s,
                                                         step=start_step)
-            self.ledgers.setdefault(req.learner_id, LearnerLedger())
         else:
+            if not info.live:
+                self.ledgers[req.learner_id].add_badput("stalled", now_s - info.last_seen_s)
             info.last_seen_s = now_s
             info.live = True
         return start_step
@@ -102,12 +114,21 @@ class LearnerRegistry:
         what was clamped: ``implausible_steps`` and/or ``implausible_tokens``).
 
         The step and tokens_total may grow only as fast as the pace limits allow since the last
-        heartbeat; beyond that they are clamped (the rest is credited by later heartbeats).
+        heartbeat; beyond that they are clamped (the rest is credited by later heartbeats). The
+        reported blocked seconds count as ``blocked`` badput, at most the seconds since the last
+        heartbeat; the silence of a learner that was lost and is back as the same incarnation
+        counts as ``stalled``.
         """
         info = self.learners[hb.learner_id]
         was_lost = not info.live
         info.reported = True
         dt_s = now_s - info.last_seen_s
+        led = self.ledgers[hb.learner_id]
+        if was_lost:
+            led.add_badput("stalled", dt_s)
+        if hb.blocked_s >= info.blocked_seen_s:
+            led.add_badput("blocked", min(hb.blocked_s - info.blocked_seen_s, max(0.0, dt_s)))
+            info.blocked_seen_s = hb.blocked_s
         clamped = []
         step, over = hb.step, False
         if self.pace is not None and hb.step > info.step:
@@ -138,6 +159,10 @@ class LearnerRegistry:
                 info.live = False
                 lost.append(info)
         return lost
+
+    def silent_s(self, now_s: float) -> dict[str, float]:
+        """Seconds each learner that is not live has been silent (not yet judged down or stalled)."""
+        return {lid: max(0.0, now_s - i.last_seen_s) for lid, i in self.learners.items() if not i.live}
 
     def update_provisioned(self, now_s: float) -> None:
         """Provisioned seconds run from a slot's first start to now, down time included."""

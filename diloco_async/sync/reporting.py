@@ -4,8 +4,11 @@ the live status (DESIGN §7).
 Metric points are ``{"key", "value", "step", "timestamp_ms"}`` with units in the key
 (``sync/grace_s``, ``net/bytes_in``); ``GET /metrics?since=N`` serves them by number and the
 flow forwards them to MLflow. Merge records are ``{"t", "fragment", "round", "version",
-"update_ids"}`` (unix seconds). Both logs keep a bounded tail in memory and spill to local disk;
-at the end of the run they go to the store as ``metrics.jsonl`` and ``merges.jsonl`` of the epoch.
+"update_ids"}`` (unix seconds). Contribution records (:meth:`Reporter.fate`) say what became of
+every contribution the synchronizer decided on: ``{"t", "fragment", "round", "learner", "fate",
+"reason", "c_tokens", "c_steps", "compute_s", "base_version", "staleness_versions"}``. The logs keep
+a bounded tail in memory and spill to local disk; at the end of the run they go to the store as
+``metrics.jsonl``, ``merges.jsonl`` and ``contributions.jsonl`` of the epoch.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Reporter:
         self.edge_rejections: Counter[str] = Counter()
         self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
+        self.fates = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-contributions-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
         self._goodput_before: dict | None = None  # totals at the last goodput_series point
 
@@ -130,23 +134,29 @@ class Reporter:
         self.merge_gaps.record(now_s)
         self.merge_log.append(record)
 
-    def goodput_metrics(self, ledgers: dict) -> None:
-        tot = totals(ledgers)
-        self.metric("goodput/compute", tot["compute_goodput"])
-        self.metric("goodput/token", tot["token_goodput"])
-        for lid, led in ledgers.items():
-            self.metric(f"learner/{lid}/compute_goodput", led.compute_goodput)
-            self.metric(f"learner/{lid}/token_goodput", led.token_goodput)
+    def fate(self, record: dict) -> None:
+        """Record what became of one contribution (a contribution record, see the module doc)."""
+        self.fates.append(record)
 
-    def goodput_series(self, ledgers: dict, uptime: float) -> None:
+    def goodput_series(self, ledgers: dict, uptime: float, silent_s: dict[str, float] | None = None,
+                       per_learner: bool = False) -> None:
         """One point of the goodput time series (step: merges so far): cumulative compute and
         token goodput (``goodput/compute``, ``goodput/token``, the same figures as the summary's),
         the same over the window since the last point (``goodput/compute_rolling``,
-        ``goodput/token_rolling``) and the uptime so far."""
-        tot = totals(ledgers)
+        ``goodput/token_rolling``), the uptime so far, and the cumulative badput by cause
+        (``badput/<cause>``, shares of the provisioned learner-seconds; with ``goodput/compute``
+        they sum to 1; ``silent_s`` as :func:`~diloco_async.goodput.totals`). ``per_learner``:
+        also each learner's ``learner/<id>/compute_goodput`` and ``token_goodput`` (at the end)."""
+        tot = totals(ledgers, silent_s)
         self.metric("goodput/compute", tot["compute_goodput"])
         self.metric("goodput/token", tot["token_goodput"])
         self.metric("goodput/uptime", uptime)
+        for cause, share in tot["badput"].items():
+            self.metric(f"badput/{cause}", share)
+        if per_learner:
+            for lid, led in ledgers.items():
+                self.metric(f"learner/{lid}/compute_goodput", led.compute_goodput)
+                self.metric(f"learner/{lid}/token_goodput", led.token_goodput)
         if self._goodput_before is not None:
             for name, value in window_goodput(self._goodput_before, tot).items():
                 if value is not None:
@@ -157,10 +167,12 @@ class Reporter:
         """The spill files hold everything so far and may be uploaded (:func:`write_final`)."""
         self.metrics.seal()
         self.merge_log.seal()
+        self.fates.seal()
 
     def close(self) -> None:
         self.metrics.close()
         self.merge_log.close()
+        self.fates.close()
 
 
 def uptime_max_gap_s(sync: Synchronizer) -> float:
@@ -181,7 +193,7 @@ def summary(sync: Synchronizer) -> dict:
         "resumed_from": sync.resumed_from,
         "stop_reason": sync.life.stop_reason,
         "wall_s": now - sync.started_s,
-        **totals(reg.ledgers),
+        **totals(reg.ledgers, reg.silent_s(now)),
         "uptime": rep.merge_gaps.uptime(now, max_gap),
         "uptime_max_gap_s": max_gap,
         "merges": c["merges"],
@@ -238,8 +250,8 @@ def status(sync: Synchronizer) -> dict:
 
 
 def write_final(store: ObjectStore, run_id: str, epoch: str, final_summary: dict, rep: Reporter) -> None:
-    """Put the epoch's ``metrics.jsonl``, ``summary.json`` and ``merges.jsonl`` (blocking; the
-    reporter's logs sealed first, on the actor's task).
+    """Put the epoch's ``metrics.jsonl``, ``summary.json``, ``merges.jsonl`` and
+    ``contributions.jsonl`` (blocking; the reporter's logs sealed first, on the actor's task).
 
     Raises:
         OSError, FileExistsError, TimeoutError: the store did not take one of them.
@@ -247,3 +259,4 @@ def write_final(store: ObjectStore, run_id: str, epoch: str, final_summary: dict
     store.put_from_file(keys.metrics_log_key(run_id, epoch), rep.metrics.source)
     store.put_json(keys.summary_key(run_id, epoch), final_summary)
     store.put_from_file(keys.merge_log_key(run_id, epoch), rep.merge_log.source)
+    store.put_from_file(keys.contribution_log_key(run_id, epoch), rep.fates.source)

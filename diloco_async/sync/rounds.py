@@ -151,14 +151,14 @@ class RoundDriver:
                                            since_heartbeat_s=self.clock() - info.last_seen_s, limits=self.pace)
             if why is not None:
                 code, _, detail = why.partition(": ")
-                return self._reject(lid, code, detail, p, n)
+                return self._reject(lid, code, detail, p, n, ann)
         adm = admit_announcement(
             ann, now_s=self.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
             key_prefix=keys.contribution_round_prefix(self.run_id, p, n) + "/", codecs=wire.CODECS,
             max_staleness=self.sc.max_staleness)
         if adm.status == "rejected":
-            return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n)
+            return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
         if adm.status == "duplicate":
             self.report.count("duplicates")
             log.info("duplicate announcement learner=%s fragment=%d round=%d: acknowledged, not merged again",
@@ -167,6 +167,7 @@ class RoundDriver:
         if adm.status == "late":
             self.registry.ledgers[lid].count("late")
             self.report.count("contributions_late")
+            self._decided(lid, p, n, "late", adm.reason, ann)
             return AnnouncementAck(status="late", reason=adm.reason)
         # its first step = the learner's last reported step - c_steps (a lagging heartbeat only
         # makes this earlier, so more lenient, never stricter)
@@ -176,7 +177,26 @@ class RoundDriver:
         self._spawn(self._verify(f, ann))
         return AnnouncementAck(status="accepted", reason=adm.reason)
 
-    def _reject(self, learner: str, reason: str, detail: str, p: int = -1, n: int = -1) -> AnnouncementAck:
+    def _decided(self, learner: str, p: int, n: int, fate: str, reason: str = "",
+                 ann: Announcement | None = None) -> None:
+        """What became of one contribution: a record of the per-round log (:meth:`Reporter.fate`)
+        and, for one announced and not merged (late, rejected, abandoned), its compute seconds
+        times the fragment's share as ``thrown_away`` badput (DESIGN §7). ``staleness_versions``:
+        versions of the fragment published after the contribution's base and before the decision."""
+        f = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        rec: dict = {"t": time.time(), "fragment": p, "round": n, "learner": learner, "fate": fate, "reason": reason}
+        if ann is not None:
+            published = f.version - (1 if fate in ("merged", "zero_weight") else 0) if f is not None else None
+            rec.update(c_tokens=ann.c_tokens, c_steps=ann.c_steps, compute_s=ann.compute_s,
+                       base_version=ann.base_version,
+                       staleness_versions=None if published is None else max(0, published - ann.base_version))
+            if fate in ("late", "rejected", "abandoned") and f is not None and learner in self.registry.ledgers:
+                self.registry.ledgers[learner].add_badput("thrown_away", ann.compute_s * f.share)
+        self.report.fate(rec)
+
+    def _reject(self, learner: str, reason: str, detail: str, p: int = -1, n: int = -1,
+                ann: Announcement | None = None) -> AnnouncementAck:
+        self._decided(learner, p, n, "rejected", f"{reason}: {detail}" if detail else reason, ann)
         if learner in self.registry.ledgers:
             self.registry.ledgers[learner].count("rejected")
         log.warning("rejected contribution learner=%s fragment=%d round=%d: %s (%s)", learner, p, n, reason, detail)
@@ -205,7 +225,8 @@ class RoundDriver:
             msg = self._guard_norms(msg, rnd)
         if msg.delta is None:
             reason, _, detail = msg.reason.partition(": ")
-            self._reject(msg.learner, reason, detail, msg.fragment, msg.round_n)
+            contrib = rnd.contributions.get(msg.learner)
+            self._reject(msg.learner, reason, detail, msg.fragment, msg.round_n, contrib.ann if contrib else None)
             rnd.state.settle(msg.learner, False)
             rnd.contributions.pop(msg.learner, None)
         else:
@@ -287,6 +308,9 @@ class RoundDriver:
         self.fragments[st.fragment].busy = False
         for lid, entry in st.entries.items():
             self.settled[(lid, st.fragment, st.round_n)] = entry.key
+        for lid, contrib in rnd.contributions.items():  # accepted, never merged
+            self._decided(lid, st.fragment, st.round_n, "abandoned", f"{reason}: {detail}" if detail else reason,
+                          contrib.ann)
         self.report.abandon(reason)
         log.info("fragment %d round %d abandoned (%s): %s", st.fragment, st.round_n, reason, detail)
 
@@ -344,11 +368,11 @@ class RoundDriver:
             for lid in rnd.contributions:  # counted, never lost silently
                 why = dropped.get(lid, res.reason)
                 self._reject(lid, _dropped_code(why, code), why.removeprefix("direction_outlier: "), f.p,
-                             res.round_n)
+                             res.round_n, rnd.contributions[lid].ann)
             return
         for lid, why in dropped.items():  # left out so that the others could merge
             self._reject(lid, _dropped_code(why, "merge_failed"), why.removeprefix("direction_outlier: "), f.p,
-                         res.round_n)
+                         res.round_n, rnd.contributions[lid].ann)
         guard = self.direction_guards[f.p]
         for lid in res.merged:
             guard.record(res.cosines.get(lid), res.factors.get(lid, 1.0))
@@ -390,6 +414,9 @@ class RoundDriver:
             led.count("merged")
             led.useful_s += c.ann.compute_s * f.share
             led.tokens_merged += c.ann.c_tokens * f.share
+            zero = res.factors.get(lid, 1.0) <= 0.0
+            self._decided(lid, f.p, res.round_n, "zero_weight" if zero else "merged",
+                          "direction factor 0" if zero else "", c.ann)
 
     def _report_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
         rep, c = self.report, self.report.counters
