@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -169,8 +170,15 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
             due = run.supervisor.next_due()
             if due is not None:
                 pause = min(pause, max(0.05, due - time.monotonic()))
-            time.sleep(pause)
+            try:  # the pause ends early when the synchronizer exits
+                run.sync.wait(timeout=pause)
+            except subprocess.TimeoutExpired:
+                pass
     sink.log_points(run.pull_metrics())
+
+
+def _loss(value: float | None) -> str:
+    return "not evaluated (stopped by a signal)" if value is None else f"{value:.4f}"
 
 
 def _summary_table(summary: dict) -> Table:
@@ -178,10 +186,10 @@ def _summary_table(summary: dict) -> Table:
     table.add_column("figure")
     table.add_column("value", justify="right")
     rows = [
-        ("eval loss, initial (nats/token)", f"{summary['eval_loss_initial']:.4f}"),
-        ("eval loss, final (nats/token)", f"{summary['eval_loss_final']:.4f}"),
-        ("eval loss, initial (bits/byte)", f"{summary['eval_bits_per_byte_initial']:.4f}"),
-        ("eval loss, final (bits/byte)", f"{summary['eval_bits_per_byte_final']:.4f}"),
+        ("eval loss, initial (nats/token)", _loss(summary["eval_loss_initial"])),
+        ("eval loss, final (nats/token)", _loss(summary["eval_loss_final"])),
+        ("eval loss, initial (bits/byte)", _loss(summary["eval_bits_per_byte_initial"])),
+        ("eval loss, final (bits/byte)", _loss(summary["eval_bits_per_byte_final"])),
         ("tokenizer", str(summary.get("tokenizer", "bytes"))),
         ("wall time of this synchronizer (s)", f"{summary['wall_s']:.1f}"),
         ("merges", str(summary["merges"])),
@@ -236,6 +244,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
         raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path if run.sync else '?'}")
     sink.log_points(run.remaining_metrics_from_store())
     summary = run.store.get_json(keys.summary_key(run.run_id, str(run.epoch)))
+    if stopped_by_signal(summary):
+        return _interrupted(run, sink, summary, eval_start, t0)
     ckpt = latest_checkpoint(run.store, run.run_id)
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
@@ -245,7 +255,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
                    eval_bits_per_byte_initial=eval_start[1], eval_bits_per_byte_final=bpb_final,
                    tokenizer=cfg.data.tokenizer,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
-                   checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"), launcher=cfg.run.launcher,
+                   checkpoint_seq=ckpt.seq, store_url=run.store.url, logs=str(run.workdir / "logs"),
+                   launcher=cfg.run.launcher,
                    learner_restarts=len(run.supervisor.restarts),
                    restarts=[{"learner": f"learner-{r.index}", "incarnation": r.incarnation, "reason": r.reason}
                              for r in run.supervisor.restarts])
@@ -262,6 +273,35 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     console.print(_summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/token, %.4f -> %.4f bits/byte, compute goodput %.3f",
                 run.run_id, eval_start[0], eval_final, eval_start[1], bpb_final, summary["compute_goodput"])
+    return summary
+
+
+def stopped_by_signal(summary: dict) -> bool:
+    """The synchronizer stopped because it got SIGINT or SIGTERM (Ctrl-C on the command, a
+    cancellation), not because the budget was spent."""
+    return str(summary.get("stop_reason") or "").startswith("signal")
+
+
+#: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
+#: "stop" take well under a second) before they get SIGTERM
+INTERRUPTED_LEARNER_WAIT_S = 2.0
+
+
+def _interrupted(run: TrainingRun, sink: MlflowSink, summary: dict, eval_start: tuple[float, float],
+                 t0: float) -> dict:
+    """The end of a run stopped by a signal: the synchronizer's figures and its final checkpoint,
+    without the final evaluation and the model artifacts (a stop should take seconds; a resume
+    continues from that checkpoint and evaluates at its end)."""
+    summary.update(eval_loss_initial=eval_start[0], eval_loss_final=None, eval_bits_per_byte_initial=eval_start[1],
+                   eval_bits_per_byte_final=None, tokenizer=run.cfg.data.tokenizer, flow_wall_s=time.monotonic() - t0,
+                   mlflow_run_id=sink.run_id, checkpoint_seq=summary.get("last_checkpoint_seq"),
+                   store_url=run.store.url, logs=str(run.workdir / "logs"), launcher=run.cfg.run.launcher,
+                   learner_restarts=len(run.supervisor.restarts))
+    run.learner_exit_wait_s = INTERRUPTED_LEARNER_WAIT_S
+    sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
+    Console(stderr=False, width=None if sys.stdout.isatty() else 110).print(_summary_table(summary))
+    get_run_logger().info("run %s stopped (%s) at checkpoint %s after %d merges", run.run_id, summary["stop_reason"],
+                          summary["checkpoint_seq"], summary["merges"])
     return summary
 
 
@@ -360,9 +400,14 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
 
 
 def _report(summary: dict) -> None:
+    """The summary's main figures as one JSON line; after a stop by a signal, one more line: where
+    the final checkpoint is and how to continue from it."""
     print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final",
                                               "eval_bits_per_byte_final", "wall_s",
                                               "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
+    if stopped_by_signal(summary):
+        print(f"stopped ({summary['stop_reason']}) at checkpoint {summary['checkpoint_seq']}; continue with: "
+              f"diloco-async resume {summary['store_url']}/{summary['run_id']}", flush=True)
 
 
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:
