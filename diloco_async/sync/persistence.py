@@ -106,12 +106,12 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
     Restores every fragment's value, momentum and outer-step count, versions, round counters,
-    the learner registry and the goodput ledgers, so the next outer step equals the one an
-    uninterrupted run would take. Versions published after the checkpoint (by a synchronizer
-    that died before checkpointing again) are kept: each one that verifies joins the history and
-    the newest becomes the fragment's value, with the checkpoint's momentum
-    (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them are
-    not stranded.
+    the global step, the learner registry, the goodput ledgers and every counter, so the next
+    outer step equals the one an uninterrupted run would take. Versions published after the
+    checkpoint (by a synchronizer that died before checkpointing again) are kept: each one that
+    verifies joins the history and the newest becomes the fragment's value, with the checkpoint's
+    momentum (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them
+    are not stranded.
 
     Raises:
         ValueError: the checkpoint belongs to another run, or its config or fragment plan
@@ -123,6 +123,7 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
         _restore_fragment(sync, f, ckpt)
         _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
     sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
+    sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     sync.report.counters.clear()
     sync.report.counters.update(m["counters"])
     for name, attr in BY_REASON.items():  # (absent from checkpoints written before they were kept)
