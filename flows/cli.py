@@ -137,13 +137,15 @@ def _run_flow(entry, *args, **kwargs) -> int:
         with temporary_server(Path(os.environ["PREFECT_HOME"]) / "temporary-server.log"):
             code = entry(*args, **kwargs)
     except KeyboardInterrupt:
-        code = 130
+        code = 0
     if _INTERRUPTS:
         import signal
 
-        if code != 0:  # else the flow finished after the stop and said where its final checkpoint is
+        if code <= 128:  # else the flow finished after the stop and said where its final checkpoint is
             print(f"interrupted ({signal.Signals(_INTERRUPTS[0]).name}): stopped", file=sys.stderr, flush=True)
         _exit_now(_exit_code())
+    if code > 128:  # stopped by a signal the flow itself took (SIGTERM while training)
+        _exit_now(code)
     return code
 
 

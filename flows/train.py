@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from prefect import flow, get_run_logger, task
+from prefect.exceptions import TerminationSignal
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -141,40 +143,67 @@ def _log_restarts(run: TrainingRun, sink: MlflowSink, restarts: list[Restart]) -
 
 
 def _watch(run: TrainingRun, sink: MlflowSink, console: Console) -> None:
-    """Pull metrics into MLflow until the synchronizer exits; restart learners that die; show progress."""
+    """Pull metrics into MLflow until the synchronizer exits; restart learners that die; show
+    progress. A SIGTERM to this process meanwhile (Prefect raises ``TerminationSignal``) stops the
+    run cleanly, as Ctrl-C does: the synchronizer gets it, writes its final checkpoint and tells the
+    learners to stop. A cancellation sent by a Prefect worker is left to Prefect."""
     cfg = run.cfg
-    total_tokens = cfg.budget.tokens
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                   console=console, transient=False, disable=not console.is_terminal) as progress:
-        tokens_bar = progress.add_task("tokens", total=total_tokens, info="")
-        merges_bar = progress.add_task("merges", total=None, info="")
-        last_print = 0.0
+        bars = (progress.add_task("tokens", total=cfg.budget.tokens, info=""),
+                progress.add_task("merges", total=None, info=""))
+        last_print = [0.0]
         while run.sync is not None and run.sync.poll() is None:
-            sink.log_points(run.pull_metrics())
-            st = run.status()
-            if st is not None:
-                rate = st["tokens_processed"] / st["wall_s"] if st.get("wall_s") else 0.0
-                progress.update(tokens_bar, completed=st["tokens_processed"],
-                                info=f"{rate:,.0f} tokens/s, goodput {st['compute_goodput']:.2f}")
-                live = sum(1 for v in st["learners"].values() if v["live"])
-                progress.update(merges_bar, completed=st["merges"],
-                                info=f"{live} live learners, versions {min(st['versions'].values())}+")
-                if not console.is_terminal and time.monotonic() - last_print > 15:
-                    last_print = time.monotonic()
-                    print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
-                          f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
-            if run.sync.poll() is None:  # supervise only while the synchronizer is still running
-                _log_restarts(run, sink, run.supervise())
-            pause = cfg.tracking.poll_s
-            due = run.supervisor.next_due()
-            if due is not None:
-                pause = min(pause, max(0.05, due - time.monotonic()))
-            try:  # the pause ends early when the synchronizer exits
-                run.sync.wait(timeout=pause)
-            except subprocess.TimeoutExpired:
-                pass
+            try:
+                _watch_once(run, sink, console, progress, bars, last_print)
+            except TerminationSignal as sig:
+                if _worker_intent() is not None:
+                    raise
+                get_run_logger().warning("%s: stopping the run cleanly (final checkpoint)",
+                                         signal.Signals(sig.signal).name)
+                run.sync.signal_group(sig.signal)  # the synchronizer's clean stop; its stop reason names it
     sink.log_points(run.pull_metrics())
+
+
+def _worker_intent() -> str | None:
+    """What a Prefect worker meant by the SIGTERM it sent (``"cancel"``, ...); None for a SIGTERM
+    from anyone else."""
+    try:
+        from prefect._internal.control_listener import get_intent
+    except ImportError:
+        return None
+    return get_intent()
+
+
+def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: Progress, bars: tuple,
+                last_print: list[float]) -> None:
+    """One pass of :func:`_watch`: metrics, status, supervision, then a pause that ends early when
+    the synchronizer exits."""
+    cfg = run.cfg
+    sink.log_points(run.pull_metrics())
+    st = run.status()
+    if st is not None:
+        rate = st["tokens_processed"] / st["wall_s"] if st.get("wall_s") else 0.0
+        progress.update(bars[0], completed=st["tokens_processed"],
+                        info=f"{rate:,.0f} tokens/s, goodput {st['compute_goodput']:.2f}")
+        live = sum(1 for v in st["learners"].values() if v["live"])
+        progress.update(bars[1], completed=st["merges"],
+                        info=f"{live} live learners, versions {min(st['versions'].values())}+")
+        if not console.is_terminal and time.monotonic() - last_print[0] > 15:
+            last_print[0] = time.monotonic()
+            print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
+                  f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
+    if run.sync.poll() is None:  # supervise only while the synchronizer is still running
+        _log_restarts(run, sink, run.supervise())
+    pause = cfg.tracking.poll_s
+    due = run.supervisor.next_due()
+    if due is not None:
+        pause = min(pause, max(0.05, due - time.monotonic()))
+    try:
+        run.sync.wait(timeout=pause)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _loss(value: float | None) -> str:
@@ -410,19 +439,28 @@ def _report(summary: dict) -> None:
               f"diloco-async resume {summary['store_url']}/{summary['run_id']}", flush=True)
 
 
+def _exit_status(summary: dict) -> int:
+    """0, or 128 + the signal that stopped the run (130 SIGINT, 143 SIGTERM)."""
+    if not stopped_by_signal(summary):
+        return 0
+    name = str(summary["stop_reason"]).split()[-1]
+    return 128 + int(signal.Signals[name]) if name in signal.Signals.__members__ else 130
+
+
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:
-    """Entry of ``diloco-async resume``."""
+    """Entry of ``diloco-async resume``: exit code 0 on success, 128 + N after a stop by signal N."""
     try:
         summary = resume(checkpoint_url=checkpoint_url, config=config, overrides=overrides)
     except Exception as err:
         print(f"resume failed: {err}", file=sys.stderr)
         return 1
     _report(summary)
-    return 0
+    return _exit_status(summary)
 
 
 def run_train_cli(config: str | None, overrides: list[str]) -> int:
-    """Entry of ``diloco-async train``: run the flow, print where to look, exit code 0 on success."""
+    """Entry of ``diloco-async train``: run the flow, print where to look; exit code 0 on success,
+    128 + N after a stop by signal N."""
     try:
         summary = train(config=config, overrides=overrides)
     except KeyboardInterrupt:
@@ -431,4 +469,4 @@ def run_train_cli(config: str | None, overrides: list[str]) -> int:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
     _report(summary)
-    return 0
+    return _exit_status(summary)
