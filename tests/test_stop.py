@@ -225,3 +225,31 @@ def test_ctrl_c_on_train_stops_within_10_s_and_the_resume_starts_from_every_prin
     start = asyncio.run(restored())
     assert {k: start[k] for k in printed} == printed
     assert _counters(start) == _counters(summary)
+
+
+async def test_ctrl_c_on_status_watch_in_a_terminal_stops_at_once_with_one_line(tmp_path):
+    from test_synchronizer import running, small_config
+
+    async with running(small_config()) as (_sync, client, _store):
+        url = str(client.make_url("")).rstrip("/")
+        term = Terminal([sys.executable, "-m", "flows.cli", "status", url, "--watch"],
+                        _command_env(tmp_path / "prefect"))
+        try:
+            deadline = time.monotonic() + 120
+            while "open rounds" not in term.text():  # the live tables are on the screen
+                assert term.proc.poll() is None, term.text()
+                assert time.monotonic() < deadline, term.text()
+                await asyncio.sleep(0.1)
+            seen = term.processes()
+            sent = term.ctrl_c()
+            code = await asyncio.to_thread(term.proc.wait, 60)  # the loop serves /status meanwhile
+            took = time.monotonic() - sent
+            await asyncio.to_thread(term._reader.join, 10)
+            text = term.text()
+        finally:
+            term.close()
+    assert took < STOP_WITHIN_S, f"{took:.1f}s:\n{text}"
+    assert code == 130
+    assert [line for line in text.splitlines() if line.strip()][-1] == "stopped watching (the run goes on)"
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert _alive(seen) == []
