@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import pty
 import re
@@ -168,7 +169,12 @@ def _interrupt_training(tmp: Path, env: dict[str, str]) -> tuple[str, dict, floa
 
         def merging() -> dict | None:
             for p in term.processes():
-                seen.setdefault(p.pid, p)
+                if p.pid not in seen:
+                    try:
+                        p.info = {"cmdline": p.cmdline()}
+                    except psutil.Error:
+                        continue
+                    seen[p.pid] = p
             try:
                 st = fetch_status(url, timeout_s=10.0)
             except OSError:
@@ -177,7 +183,7 @@ def _interrupt_training(tmp: Path, env: dict[str, str]) -> tuple[str, dict, floa
             return st if st["merges"] >= 6 and live == 2 else None
 
         before = wait_until(merging, 180, "merges with both learners live", interval_s=0.5)
-        assert len(seen) >= 5, [p.pid for p in seen.values()]  # the command, Prefect's server, sync, 2 learners
+        assert len(seen) >= 4, [p.pid for p in seen.values()]  # the command, sync, 2 learners (+ Prefect's server)
         sent = term.ctrl_c()
         code = term.proc.wait(120)
         took = time.monotonic() - sent
@@ -204,6 +210,7 @@ def test_ctrl_c_on_train_stops_within_10_s_and_the_resume_starts_from_every_prin
     assert "SIGINT: stopping the run cleanly" in text
     last = [line for line in text.splitlines() if line.strip()][-2:]  # ... and Prefect's "Stopping temporary server"
     assert any(line.startswith("stopped (signal SIGINT) at checkpoint ") for line in last), last
+    assert any("prefect.server.api.server:create_app" in " ".join(p.info["cmdline"]) for p in seen)  # its own server
     assert _alive(seen) == []
     assert _flow_run_states(tmp_path / "prefect") == [("train", "COMPLETED")]
     printed = _printed_counters(text)
@@ -253,3 +260,52 @@ async def test_ctrl_c_on_status_watch_in_a_terminal_stops_at_once_with_one_line(
     assert [line for line in text.splitlines() if line.strip()][-1] == "stopped watching (the run goes on)"
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert _alive(seen) == []
+
+
+def test_resume_after_ctrl_c_starts_from_every_counter_the_interrupted_run_printed(prefect_server, tmp_path):
+    """The same Ctrl-C against a running Prefect server (PREFECT_API_URL), then a real `resume`."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = _command_env(tmp_path / "prefect", PREFECT_API_URL.value())
+    text, _before, took, seen, code = _interrupt_training(tmp_path, env)
+    assert (code, "Traceback" in text) == (130, False), text[-3000:]
+    assert took < STOP_WITHIN_S, f"{took:.1f}s from Ctrl-C to exit"
+    assert _alive(seen) == []
+    printed = _printed_counters(text)
+    url = re.search(r"diloco-async resume (\S+)", text).group(1)
+    seq = int(re.search(r"stopped \(signal SIGINT\) at checkpoint (\d+);", text).group(1))
+    run_id = url.rsplit("/", 1)[1]
+    log = tmp_path / "runs" / run_id / "logs" / "synchronizer.log"
+    before_resume = log.read_text()
+    # `resume` in a terminal too, and Ctrl-C once its synchronizer has restored the checkpoint
+    term = Terminal([sys.executable, "-m", "flows.cli", "resume", url], env)
+    try:
+        resumed = wait_until(lambda: "resumed counts:" in log.read_text()[len(before_resume):]
+                             and log.read_text()[len(before_resume):], 240, "the resumed synchronizer", interval_s=0.2)
+        sent = term.ctrl_c()
+        code = term.proc.wait(120)
+        took = time.monotonic() - sent
+        term._reader.join(10)
+        again = term.text()
+    finally:
+        term.close()
+    assert (code, "Traceback" in again) == (130, False), again[-3000:]
+    assert took < STOP_WITHIN_S, f"resume: {took:.1f}s from Ctrl-C to exit"
+    # where the resumed synchronizer started, from its own log
+    assert f"resumed run {run_id} from checkpoint {seq}:" in resumed, resumed[-2000:]
+    m = re.search(r"resumed counts: merges (\d+), contributions merged/late/rejected (\d+)/(\d+)/(\d+), "
+                  r"tokens processed (\d+), bytes in/out (\d+)/(\d+)", resumed)
+    assert m, resumed[-2000:]
+    start = dict(zip(("merges", "contributions_merged", "contributions_late", "contributions_rejected",
+                      "tokens_processed", "bytes_in", "bytes_out"), map(int, m.groups()), strict=True))
+    assert start == printed
+    after = _printed_counters(again)  # the resumed run's own summary goes on from there
+    assert all(after[k] >= printed[k] for k in printed), (after, printed)
+    # both flow runs ended Completed on the Prefect server they reported to
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        ours = [r for r in client.read_flow_runs(limit=200) if str(tmp_path) in json.dumps(r.parameters)]
+        names = {r.flow_id: client.read_flow(r.flow_id).name for r in ours}
+    assert sorted((names[r.flow_id], r.state_type.value) for r in ours) == [("resume", "COMPLETED"),
+                                                                             ("train", "COMPLETED")]

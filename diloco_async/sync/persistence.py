@@ -134,6 +134,10 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     sync.resumed_from = ckpt.seq
     log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
              {f.p: f.version for f in sync.fragments}, {f.p: f.next_round for f in sync.fragments})
+    c = sync.report.counters
+    log.info("resumed counts: merges %d, contributions merged/late/rejected %d/%d/%d, tokens processed %d, "
+             "bytes in/out %d/%d", c["merges"], c["contributions_merged"], c["contributions_late"],
+             c["contributions_rejected"], sync.registry.tokens_processed(), c["bytes_in"], c["bytes_out"])
 
 
 def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) -> None:
