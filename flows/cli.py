@@ -45,6 +45,7 @@ def _prepare_environment() -> None:
 
 
 _INTERRUPTS: list[int] = []  # the signals received, in order
+_STOP = {"at_once": False}  # chaos: a comparison cut short measures nothing; the first signal stops it
 
 
 def _children() -> list[tuple[int, str]]:
@@ -69,8 +70,9 @@ def _children() -> list[tuple[int, str]]:
 def _on_interrupt(signum, _frame) -> None:
     """First Ctrl-C or SIGTERM: stop the run cleanly. While a synchronizer runs it gets SIGINT (it
     writes its final checkpoint and tells the learners to stop; the flow then prints the summary
-    and ends Completed); before one runs, or after it exited, the command stops at once
-    (KeyboardInterrupt). Second signal: stop every process now."""
+    and ends Completed); before one runs, after it exited, or in ``chaos``, the command stops at
+    once (KeyboardInterrupt; the flow stops what it started). Second signal: stop every process
+    now."""
     import os
     import signal
 
@@ -78,7 +80,7 @@ def _on_interrupt(signum, _frame) -> None:
     if len(_INTERRUPTS) > 1:
         _stop_children_and_exit(_exit_code())
     syncs = [pid for pid, cmd in _children() if "diloco_async.server" in cmd]
-    if not syncs:
+    if not syncs or _STOP["at_once"]:
         raise KeyboardInterrupt
     print(f"\n{signal.Signals(signum).name}: stopping the run cleanly (final checkpoint); "
           "Ctrl-C again to stop at once", file=sys.stderr, flush=True)
@@ -246,6 +248,7 @@ def _chaos(args: argparse.Namespace) -> int:
         return 2
     from flows.chaos import run_chaos_cli
 
+    _STOP["at_once"] = True
     return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
 
 
