@@ -12,7 +12,6 @@ started and cancels every learner flow run it created.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import subprocess
@@ -34,7 +33,6 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
@@ -47,6 +45,7 @@ from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
 from flows.artifacts import log_run_artifacts
 from flows.deployments import DeploymentLauncher
+from flows.summary import exit_status, report, stopped_by_signal, summary_table
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
 from storage import keys
@@ -206,37 +205,6 @@ def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: 
         pass
 
 
-def _loss(value: float | None) -> str:
-    return "not evaluated (stopped by a signal)" if value is None else f"{value:.4f}"
-
-
-def _summary_table(summary: dict) -> Table:
-    table = Table(title=f"diloco-async run {summary['run_id']}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    rows = [
-        ("eval loss, initial (nats/token)", _loss(summary["eval_loss_initial"])),
-        ("eval loss, final (nats/token)", _loss(summary["eval_loss_final"])),
-        ("eval loss, initial (bits/byte)", _loss(summary["eval_bits_per_byte_initial"])),
-        ("eval loss, final (bits/byte)", _loss(summary["eval_bits_per_byte_final"])),
-        ("tokenizer", str(summary.get("tokenizer", "bytes"))),
-        ("wall time of this synchronizer (s)", f"{summary['wall_s']:.1f}"),
-        ("merges", str(summary["merges"])),
-        ("contributions merged / late / rejected",
-         f"{summary['contributions_merged']} / {summary['contributions_late']} / {summary['contributions_rejected']}"),
-        ("compute goodput", f"{summary['compute_goodput']:.3f}"),
-        ("token goodput", f"{summary['token_goodput']:.3f}"),
-        ("uptime", f"{summary['uptime']:.3f}"),
-        ("tokens processed", str(summary["tokens_processed"])),
-        ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
-        ("stop reason", str(summary["stop_reason"])),
-        ("MLflow run", summary["mlflow_run_id"]),
-    ]
-    for k, v in rows:
-        table.add_row(k, v)
-    return table
-
-
 def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> None:
     """The per-learner goodput timeline of this epoch as a PNG and its accounting as JSON, when
     the learners' records are on this machine (local launcher, or deployments on this host)."""
@@ -299,16 +267,10 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
                                              samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
-    console.print(_summary_table(summary))
+    console.print(summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/token, %.4f -> %.4f bits/byte, compute goodput %.3f",
                 run.run_id, eval_start[0], eval_final, eval_start[1], bpb_final, summary["compute_goodput"])
     return summary
-
-
-def stopped_by_signal(summary: dict) -> bool:
-    """The synchronizer stopped because it got SIGINT or SIGTERM (Ctrl-C on the command, a
-    cancellation), not because the budget was spent."""
-    return str(summary.get("stop_reason") or "").startswith("signal")
 
 
 #: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
@@ -328,7 +290,7 @@ def _interrupted(run: TrainingRun, sink: MlflowSink, summary: dict, eval_start: 
                    learner_restarts=len(run.supervisor.restarts))
     run.learner_exit_wait_s = INTERRUPTED_LEARNER_WAIT_S
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
-    Console(stderr=False, width=None if sys.stdout.isatty() else 110).print(_summary_table(summary))
+    Console(stderr=False, width=None if sys.stdout.isatty() else 110).print(summary_table(summary))
     get_run_logger().info("run %s stopped (%s) at checkpoint %s after %d merges", run.run_id, summary["stop_reason"],
                           summary["checkpoint_seq"], summary["merges"])
     return summary
@@ -428,25 +390,6 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     return _with_flow_runs(run, summary)
 
 
-def _report(summary: dict) -> None:
-    """The summary's main figures as one JSON line; after a stop by a signal, one more line: where
-    the final checkpoint is and how to continue from it."""
-    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final",
-                                              "eval_bits_per_byte_final", "wall_s",
-                                              "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
-    if stopped_by_signal(summary):
-        print(f"stopped ({summary['stop_reason']}) at checkpoint {summary['checkpoint_seq']}; continue with: "
-              f"diloco-async resume {summary['store_url']}/{summary['run_id']}", flush=True)
-
-
-def _exit_status(summary: dict) -> int:
-    """0, or 128 + the signal that stopped the run (130 SIGINT, 143 SIGTERM)."""
-    if not stopped_by_signal(summary):
-        return 0
-    name = str(summary["stop_reason"]).split()[-1]
-    return 128 + int(signal.Signals[name]) if name in signal.Signals.__members__ else 130
-
-
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:
     """Entry of ``diloco-async resume``: exit code 0 on success, 128 + N after a stop by signal N."""
     try:
@@ -454,8 +397,8 @@ def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]
     except Exception as err:
         print(f"resume failed: {err}", file=sys.stderr)
         return 1
-    _report(summary)
-    return _exit_status(summary)
+    report(summary)
+    return exit_status(summary)
 
 
 def run_train_cli(config: str | None, overrides: list[str]) -> int:
@@ -468,5 +411,5 @@ def run_train_cli(config: str | None, overrides: list[str]) -> int:
     except Exception as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
-    _report(summary)
-    return _exit_status(summary)
+    report(summary)
+    return exit_status(summary)
