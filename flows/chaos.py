@@ -191,8 +191,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
 
     Raises:
         ValueError: a bad scenario file or an unknown method.
-        CancelledRun: Ctrl-C (KeyboardInterrupt) stopped it; the flow run ends Cancelled, the
-            method's processes stopped, its MLflow runs KILLED.
+        CancelledRun: Ctrl-C stopped it (flow run Cancelled, processes stopped, MLflow runs KILLED).
     """
     logger = get_run_logger()
     sc, chosen = _scenario_and_methods(scenario, methods, overrides)
