@@ -61,6 +61,8 @@ class RunProcesses:
             The synchronizer also gets ``DILOCO_RUN_TOKEN``, each learner only its own token in
             ``DILOCO_LEARNER_TOKEN`` (:meth:`learner_env`).
         sync: the synchronizer's handle once started.
+        finished_cleanly: set by the caller when the synchronizer exited 0; :meth:`stop_all` then
+            lets the learners finish on their own for up to ``learner_exit_wait_s`` seconds (30).
         learners: learner id -> handle of its newest incarnation; ``retired``: earlier ones.
     """
 
@@ -92,6 +94,7 @@ class RunProcesses:
         self.sync_url: str | None = None
         self.metrics_next = 0
         self.finished_cleanly = False
+        self.learner_exit_wait_s = 30.0
         self.supervisor = Supervisor(start=self._spawn_learner, restart_delay_s=cfg.learners.restart_delay_s,
                                      max_restarts=cfg.learners.max_restarts, log=self._log)
 
@@ -189,12 +192,13 @@ class RunProcesses:
     def stop_all(self) -> None:
         """Stop every learner and the synchronizer.
 
-        After a clean end (the synchronizer exited 0) learners get up to 30 s to finish on their
-        own; otherwise (failure, cancellation) learner flow runs are cancelled at once, then the
-        synchronizer gets SIGTERM (final checkpoint) and 10 s before SIGKILL."""
+        After a clean end (the synchronizer exited 0) learners get up to ``learner_exit_wait_s``
+        seconds to finish on their own; otherwise (failure, cancellation) learner flow runs are
+        cancelled at once, then the synchronizer gets SIGTERM (final checkpoint) and 10 s before
+        SIGKILL."""
         handles = self.retired + list(self.learners.values())
         if self.finished_cleanly:
-            deadline = time.monotonic() + 30.0
+            deadline = time.monotonic() + self.learner_exit_wait_s
             while time.monotonic() < deadline and any(h.poll() is None for h in handles):
                 time.sleep(0.5)
         for handle in handles:  # cancel every learner flow run first: their workers stop them in parallel

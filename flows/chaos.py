@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 from prefect import flow, get_run_logger
+from prefect.exceptions import CancelledRun
+from prefect.states import Cancelled
 from rich.console import Console
 from rich.table import Table
 
@@ -112,6 +114,9 @@ def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: Mlf
         _log_method(sink, res, m, run.timeline)
         status = "FINISHED"
         return res
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         sink.end(status)
 
@@ -186,6 +191,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
 
     Raises:
         ValueError: a bad scenario file or an unknown method.
+        CancelledRun: Ctrl-C stopped it (flow run Cancelled, processes stopped, MLflow runs KILLED).
     """
     logger = get_run_logger()
     sc, chosen = _scenario_and_methods(scenario, methods, overrides)
@@ -202,7 +208,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     outdir.mkdir(parents=True, exist_ok=True)
     logger.info("scenario %s: %d slots, %.0f s per method, %d fault events, planned availability %.3f",
                 sc.scenario.name, sc.scenario.slots, sc.scenario.wall_s, len(schedule.events), schedule.availability())
-    status = "FAILED"
+    status, m = "FAILED", chosen[0]
     rows: list[dict] = []
     try:
         for m in chosen:
@@ -215,6 +221,10 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
         parent.log_dict(rows, "chaos_table.json")
         (outdir / "chaos_table.json").write_text(json.dumps(rows, indent=1))
         status = "FINISHED"
+    except KeyboardInterrupt:  # Ctrl-C: the method's processes are stopped by now; the flow run ends Cancelled
+        status = "KILLED"
+        done = ", ".join(r["method"] for r in rows) or "none"
+        return Cancelled(message=f"stopped by the operator during method {m}; methods finished: {done}")
     finally:
         parent.end(status)
     if log_table:
@@ -230,6 +240,9 @@ def run_chaos_cli(scenario: str, methods: list[str] | None, as_json: bool,
     ``tokens_merged``, ``failures`` and ``eval_curve``) there as JSON."""
     try:
         rows = chaos(scenario=scenario, methods=methods, overrides=list(overrides or []), log_table=False)
+    except CancelledRun as err:
+        print(f"chaos run stopped: {err}", file=sys.stderr)
+        return 130
     except Exception as err:
         print(f"chaos run failed: {err}", file=sys.stderr)
         return 1

@@ -35,17 +35,17 @@ def _set_environment_defaults() -> None:
 
 
 def _prepare_environment() -> None:
-    """Make SIGTERM a clean exit (so Prefect's temporary server and every process the flow started
-    are stopped, not orphaned) and Ctrl-C a clean stop of the run."""
+    """Make Ctrl-C and SIGTERM a clean stop of the run (:func:`_on_interrupt`)."""
     import os
     import signal
 
     os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGTERM, _on_interrupt)
     signal.signal(signal.SIGINT, _on_interrupt)
 
 
-_INTERRUPTS = 0
+_INTERRUPTS: list[int] = []  # the signals received, in order
+_STOP = {"at_once": False}  # chaos: a comparison cut short measures nothing; the first signal stops it
 
 
 def _children() -> list[tuple[int, str]]:
@@ -67,36 +67,46 @@ def _children() -> list[tuple[int, str]]:
     return out
 
 
-def _on_interrupt(_signum, _frame) -> None:
-    """First Ctrl-C: stop the run cleanly (the synchronizer writes its final checkpoint and tells
-    the learners to stop; the flow then reports as usual). Second Ctrl-C: stop everything now."""
+def _on_interrupt(signum, _frame) -> None:
+    """First Ctrl-C or SIGTERM: stop the run cleanly. While a synchronizer runs it gets SIGINT (it
+    writes its final checkpoint and tells the learners to stop; the flow then prints the summary
+    and ends Completed); before one runs, after it exited, or in ``chaos``, the command stops at
+    once (KeyboardInterrupt; the flow stops what it started). Second signal: stop every process
+    now."""
     import os
     import signal
 
-    global _INTERRUPTS
-    _INTERRUPTS += 1
-    if _INTERRUPTS == 1:
-        print("\ninterrupt: stopping the run cleanly (final checkpoint); Ctrl-C again to stop at once",
-              file=sys.stderr, flush=True)
-        for pid, cmd in _children():
-            if "diloco_async.server" in cmd:
-                os.kill(pid, signal.SIGINT)  # the synchronizer's clean stop; its stop reason says SIGINT
-        return
-    _stop_children_and_exit(130)
+    _INTERRUPTS.append(signum)
+    if len(_INTERRUPTS) > 1:
+        _stop_children_and_exit(_exit_code())
+    syncs = [pid for pid, cmd in _children() if "diloco_async.server" in cmd]
+    if not syncs or _STOP["at_once"]:
+        raise KeyboardInterrupt
+    print(f"\n{signal.Signals(signum).name}: stopping the run cleanly (final checkpoint); "
+          "Ctrl-C again to stop at once", file=sys.stderr, flush=True)
+    for pid in syncs:
+        os.kill(pid, signal.SIGINT)  # the synchronizer's clean stop; its stop reason names SIGINT
+
+
+def _exit_code() -> int:
+    """128 + the first signal received (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + _INTERRUPTS[0]
 
 
 def _stop_children_and_exit(code: int) -> None:
-    """Stop every child (the flow's processes, Prefect's temporary server) and exit at once,
-    instead of waiting for Prefect to flush events to a server that Ctrl-C may have killed."""
+    """Stop every child (the flow's processes, Prefect's temporary server) and exit at once."""
     import os
     import signal
 
     for pid, _cmd in _children():
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)  # each child leads its own process group
         except OSError:
-            pass
-    print("interrupted", file=sys.stderr, flush=True)
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+    print("interrupted: stopped at once", file=sys.stderr, flush=True)
     os._exit(code)
 
 
@@ -134,15 +144,44 @@ def _weak_secret() -> bool:
 
 
 def _run_flow(entry, *args, **kwargs) -> int:
-    """Run a flow entry point with the embedded defaults and the Ctrl-C behaviour."""
+    """Run a flow entry point with the embedded defaults and the Ctrl-C behaviour. Prefect's
+    temporary server (when no ``PREFECT_API_URL`` is set) is this command's own, in its own
+    session: a Ctrl-C does not kill it, and it stops after the flow run's final state was sent."""
+    import os
+    from pathlib import Path
+
     _prepare_environment()
     try:
-        code = entry(*args, **kwargs)
+        from flows.prefect_server import temporary_server
+
+        with temporary_server(Path(os.environ["PREFECT_HOME"]) / "temporary-server.log"):
+            code = entry(*args, **kwargs)
     except KeyboardInterrupt:
-        code = 130
+        code = 0
     if _INTERRUPTS:
-        _stop_children_and_exit(130)
+        import signal
+
+        if code <= 128:  # else the flow finished after the stop and said where its final checkpoint is
+            print(f"interrupted ({signal.Signals(_INTERRUPTS[0]).name}): stopped", file=sys.stderr, flush=True)
+        _exit_now(_exit_code())
+    if code > 128:  # stopped by a signal the flow itself took (SIGTERM while training)
+        _exit_now(code)
     return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit after a stop without the interpreter's teardown of every imported module (torch,
+    MLflow, Prefect: seconds on a loaded machine): the exit handlers run and the output is flushed
+    first; everything the run started has already stopped."""
+    import atexit
+    import logging
+    import os
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -246,6 +285,7 @@ def _chaos(args: argparse.Namespace) -> int:
         return 2
     from flows.chaos import run_chaos_cli
 
+    _STOP["at_once"] = True
     return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
 
 

@@ -12,8 +12,9 @@ started and cancels every learner flow run it created.
 
 from __future__ import annotations
 
-import json
 import logging
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from prefect import flow, get_run_logger, task
+from prefect.exceptions import TerminationSignal
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -31,7 +33,6 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
@@ -45,6 +46,7 @@ from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
+from flows.summary import exit_status, report, stopped_by_signal, summary_table
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
 from storage import keys
@@ -143,37 +145,67 @@ def _log_restarts(run: TrainingRun, sink: MlflowSink, restarts: list[Restart]) -
 def _watch(run: TrainingRun, sink: MlflowSink, console: Console,
            pending: Callable[[], list[dict]] = list) -> None:
     """Pull metrics (and the points ``pending`` hands over) into MLflow until the synchronizer
-    exits; restart learners that die; show progress."""
+    exits; restart learners that die; show progress. A SIGTERM to this process meanwhile (Prefect
+    raises ``TerminationSignal``) stops the run cleanly, as Ctrl-C does: the synchronizer gets it,
+    writes its final checkpoint and tells the learners to stop. A cancellation sent by a Prefect
+    worker is left to Prefect."""
     cfg = run.cfg
-    total_tokens = cfg.budget.tokens
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                   console=console, transient=False, disable=not console.is_terminal) as progress:
-        tokens_bar = progress.add_task("tokens", total=total_tokens, info="")
-        merges_bar = progress.add_task("merges", total=None, info="")
-        last_print = 0.0
+        bars = (progress.add_task("tokens", total=cfg.budget.tokens, info=""),
+                progress.add_task("merges", total=None, info=""))
+        last_print = [0.0]
         while run.sync is not None and run.sync.poll() is None:
-            sink.log_points(run.pull_metrics() + pending())
-            st = run.status()
-            if st is not None:
-                rate = st["tokens_processed"] / st["wall_s"] if st.get("wall_s") else 0.0
-                progress.update(tokens_bar, completed=st["tokens_processed"],
-                                info=f"{rate:,.0f} tokens/s, goodput {st['compute_goodput']:.2f}")
-                live = sum(1 for v in st["learners"].values() if v["live"])
-                progress.update(merges_bar, completed=st["merges"],
-                                info=f"{live} live learners, versions {min(st['versions'].values())}+")
-                if not console.is_terminal and time.monotonic() - last_print > 15:
-                    last_print = time.monotonic()
-                    print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
-                          f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
-            if run.sync.poll() is None:  # supervise only while the synchronizer is still running
-                _log_restarts(run, sink, run.supervise())
-            pause = cfg.tracking.poll_s
-            due = run.supervisor.next_due()
-            if due is not None:
-                pause = min(pause, max(0.05, due - time.monotonic()))
-            time.sleep(pause)
+            try:
+                _watch_once(run, sink, console, progress, bars, last_print, pending)
+            except TerminationSignal as sig:
+                if _worker_intent() is not None:
+                    raise
+                get_run_logger().warning("%s: stopping the run cleanly (final checkpoint)",
+                                         signal.Signals(sig.signal).name)
+                run.sync.signal_group(sig.signal)  # the synchronizer's clean stop; its stop reason names it
     sink.log_points(run.pull_metrics())
+
+
+def _worker_intent() -> str | None:
+    """What a Prefect worker meant by the SIGTERM it sent (``"cancel"``, ...); None for a SIGTERM
+    from anyone else."""
+    try:
+        from prefect._internal.control_listener import get_intent
+    except ImportError:
+        return None
+    return get_intent()
+
+
+def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: Progress, bars: tuple,
+                last_print: list[float], pending: Callable[[], list[dict]]) -> None:
+    """One pass of :func:`_watch`: metrics, status, supervision, then a pause that ends early when
+    the synchronizer exits."""
+    cfg = run.cfg
+    sink.log_points(run.pull_metrics() + pending())
+    st = run.status()
+    if st is not None:
+        rate = st["tokens_processed"] / st["wall_s"] if st.get("wall_s") else 0.0
+        progress.update(bars[0], completed=st["tokens_processed"],
+                        info=f"{rate:,.0f} tokens/s, goodput {st['compute_goodput']:.2f}")
+        live = sum(1 for v in st["learners"].values() if v["live"])
+        progress.update(bars[1], completed=st["merges"],
+                        info=f"{live} live learners, versions {min(st['versions'].values())}+")
+        if not console.is_terminal and time.monotonic() - last_print[0] > 15:
+            last_print[0] = time.monotonic()
+            print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
+                  f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
+    if run.sync.poll() is None:  # supervise only while the synchronizer is still running
+        _log_restarts(run, sink, run.supervise())
+    pause = cfg.tracking.poll_s
+    due = run.supervisor.next_due()
+    if due is not None:
+        pause = min(pause, max(0.05, due - time.monotonic()))
+    try:
+        run.sync.wait(timeout=pause)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 @contextmanager
@@ -192,33 +224,6 @@ def _heldout_curve(run: TrainingRun, sink: MlflowSink) -> Iterator[Callable[[], 
     finally:
         monitor.stop()
         sink.log_points(monitor.drain())
-
-
-def _summary_table(summary: dict) -> Table:
-    table = Table(title=f"diloco-async run {summary['run_id']}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    rows = [
-        ("eval loss, initial (nats/token)", f"{summary['eval_loss_initial']:.4f}"),
-        ("eval loss, final (nats/token)", f"{summary['eval_loss_final']:.4f}"),
-        ("eval loss, initial (bits/byte)", f"{summary['eval_bits_per_byte_initial']:.4f}"),
-        ("eval loss, final (bits/byte)", f"{summary['eval_bits_per_byte_final']:.4f}"),
-        ("tokenizer", str(summary.get("tokenizer", "bytes"))),
-        ("wall time of this synchronizer (s)", f"{summary['wall_s']:.1f}"),
-        ("merges", str(summary["merges"])),
-        ("contributions merged / late / rejected",
-         f"{summary['contributions_merged']} / {summary['contributions_late']} / {summary['contributions_rejected']}"),
-        ("compute goodput", f"{summary['compute_goodput']:.3f}"),
-        ("token goodput", f"{summary['token_goodput']:.3f}"),
-        ("uptime", f"{summary['uptime']:.3f}"),
-        ("tokens processed", str(summary["tokens_processed"])),
-        ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
-        ("stop reason", str(summary["stop_reason"])),
-        ("MLflow run", summary["mlflow_run_id"]),
-    ]
-    for k, v in rows:
-        table.add_row(k, v)
-    return table
 
 
 def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> None:
@@ -260,6 +265,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     summary = run.store.get_json(keys.summary_key(run.run_id, str(run.epoch)))
     log_rounds(sink, run.store, run.run_id, str(run.epoch), f"rounds-{run.epoch}.jsonl" if run.resume_url else
                "rounds.jsonl")
+    if stopped_by_signal(summary):
+        return _interrupted(run, sink, summary, eval_start, t0)
     ckpt = latest_checkpoint(run.store, run.run_id)
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
@@ -269,7 +276,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
                    eval_bits_per_byte_initial=eval_start[1], eval_bits_per_byte_final=bpb_final,
                    tokenizer=cfg.data.tokenizer,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
-                   checkpoint_seq=ckpt.seq, logs=str(run.workdir / "logs"), launcher=cfg.run.launcher,
+                   checkpoint_seq=ckpt.seq, store_url=run.store.url, logs=str(run.workdir / "logs"),
+                   launcher=cfg.run.launcher,
                    learner_restarts=len(run.supervisor.restarts),
                    restarts=[{"learner": f"learner-{r.index}", "incarnation": r.incarnation, "reason": r.reason}
                              for r in run.supervisor.restarts])
@@ -284,9 +292,32 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     summary["registered_model"] = register_final_model(sink, summary["model_uri"], cfg.tracking.register_model)
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
-    console.print(_summary_table(summary))
+    console.print(summary_table(summary))
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/token, %.4f -> %.4f bits/byte, compute goodput %.3f",
                 run.run_id, eval_start[0], eval_final, eval_start[1], bpb_final, summary["compute_goodput"])
+    return summary
+
+
+#: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
+#: "stop" take well under a second) before they get SIGTERM
+INTERRUPTED_LEARNER_WAIT_S = 2.0
+
+
+def _interrupted(run: TrainingRun, sink: MlflowSink, summary: dict, eval_start: tuple[float, float],
+                 t0: float) -> dict:
+    """The end of a run stopped by a signal: the synchronizer's figures and its final checkpoint,
+    without the final evaluation and the model artifacts (a stop should take seconds; a resume
+    continues from that checkpoint and evaluates at its end)."""
+    summary.update(eval_loss_initial=eval_start[0], eval_loss_final=None, eval_bits_per_byte_initial=eval_start[1],
+                   eval_bits_per_byte_final=None, tokenizer=run.cfg.data.tokenizer, flow_wall_s=time.monotonic() - t0,
+                   mlflow_run_id=sink.run_id, checkpoint_seq=summary.get("last_checkpoint_seq"),
+                   store_url=run.store.url, logs=str(run.workdir / "logs"), launcher=run.cfg.run.launcher,
+                   learner_restarts=len(run.supervisor.restarts))
+    run.learner_exit_wait_s = INTERRUPTED_LEARNER_WAIT_S
+    sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
+    Console(stderr=False, width=None if sys.stdout.isatty() else 110).print(summary_table(summary))
+    get_run_logger().info("run %s stopped (%s) at checkpoint %s after %d merges", run.run_id, summary["stop_reason"],
+                          summary["checkpoint_seq"], summary["merges"])
     return summary
 
 
@@ -384,25 +415,20 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     return _with_flow_runs(run, summary)
 
 
-def _report(summary: dict) -> None:
-    print(json.dumps({k: summary[k] for k in ("run_id", "eval_loss_initial", "eval_loss_final",
-                                              "eval_bits_per_byte_final", "wall_s",
-                                              "merges", "compute_goodput", "token_goodput", "mlflow_run_id")}))
-
-
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:
-    """Entry of ``diloco-async resume``."""
+    """Entry of ``diloco-async resume``: exit code 0 on success, 128 + N after a stop by signal N."""
     try:
         summary = resume(checkpoint_url=checkpoint_url, config=config, overrides=overrides)
     except Exception as err:
         print(f"resume failed: {err}", file=sys.stderr)
         return 1
-    _report(summary)
-    return 0
+    report(summary)
+    return exit_status(summary)
 
 
 def run_train_cli(config: str | None, overrides: list[str]) -> int:
-    """Entry of ``diloco-async train``: run the flow, print where to look, exit code 0 on success."""
+    """Entry of ``diloco-async train``: run the flow, print where to look; exit code 0 on success,
+    128 + N after a stop by signal N."""
     try:
         summary = train(config=config, overrides=overrides)
     except KeyboardInterrupt:
@@ -410,5 +436,5 @@ def run_train_cli(config: str | None, overrides: list[str]) -> int:
     except Exception as err:
         print(f"training failed: {err}", file=sys.stderr)
         return 1
-    _report(summary)
-    return 0
+    report(summary)
+    return exit_status(summary)

@@ -122,6 +122,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self._drain_until_s = 0.0
         self.finished = asyncio.Event()
         self.final_summary: dict | None = None
+        self._final_figures: dict = {}  # the summary taken with the final checkpoint
         self._tasks: set[asyncio.Task] = set()
         self.epoch = uuid.uuid4().hex[:12]  # changes at every (re)start: learners reset round state
         self.resumed_from: int | None = None
@@ -418,10 +419,14 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         phase = self.life.phase
         if phase is Phase.STOPPING:
             self.life.move(Phase.FINAL_CHECKPOINT)
+            # the summary's figures are taken in the same step as the final checkpoint's, so a resume
+            # continues every counter from the value the summary reports (learners still heard from
+            # while the checkpoint is written count in neither)
+            self._final_figures = self.summary()
             self._start_checkpoint()
         elif phase is Phase.FINAL_CHECKPOINT:
             self.life.move(Phase.WRITING_SUMMARY)
-            self.final_summary = self.summary()
+            self.final_summary = reporting.with_checkpoint_outcome(self._final_figures, self)
             self.report.goodput_series(self.registry.ledgers, self.final_summary["uptime"],
                                        self.registry.silent_s(now), per_learner=True)
             self.report.seal()  # the spill files are complete: nothing more goes to the store

@@ -131,12 +131,12 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
     Restores every fragment's value, momentum and outer-step count, versions, round counters,
-    the learner registry and the goodput ledgers, so the next outer step equals the one an
-    uninterrupted run would take. Versions published after the checkpoint (by a synchronizer
-    that died before checkpointing again) are kept: each one that verifies joins the history and
-    the newest becomes the fragment's value, with the checkpoint's momentum
-    (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them are
-    not stranded.
+    the global step, the learner registry, the goodput ledgers and every counter, so the next
+    outer step equals the one an uninterrupted run would take. Versions published after the
+    checkpoint (by a synchronizer that died before checkpointing again) are kept: each one that
+    verifies joins the history and the newest becomes the fragment's value, with the checkpoint's
+    momentum (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them
+    are not stranded.
 
     Raises:
         ValueError: the checkpoint belongs to another run, or its config or fragment plan
@@ -148,6 +148,7 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
         _restore_fragment(sync, f, ckpt)
         _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
     sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
+    sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     sync.report.counters.clear()
     sync.report.counters.update(m["counters"])
     for name, attr in BY_REASON.items():  # (absent from checkpoints written before they were kept)
@@ -158,6 +159,10 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     sync.resumed_from = ckpt.seq
     log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
              {f.p: f.version for f in sync.fragments}, {f.p: f.next_round for f in sync.fragments})
+    c = sync.report.counters
+    log.info("resumed counts: merges %d, contributions merged/late/rejected %d/%d/%d, tokens processed %d, "
+             "bytes in/out %d/%d", c["merges"], c["contributions_merged"], c["contributions_late"],
+             c["contributions_rejected"], sync.registry.tokens_processed(), c["bytes_in"], c["bytes_out"])
 
 
 def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) -> None:

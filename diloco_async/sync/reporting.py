@@ -30,8 +30,8 @@ from storage.store import ObjectStore
 if TYPE_CHECKING:
     from diloco_async.sync.actor import Synchronizer
 
-__all__ = ["Reporter", "summary", "status", "write_final", "METRICS_TAIL", "MERGES_TAIL", "UPTIME_MIN_GAP_S",
-           "METRICS_BATCH"]
+__all__ = ["Reporter", "summary", "with_checkpoint_outcome", "status", "write_final", "METRICS_TAIL", "MERGES_TAIL",
+           "UPTIME_MIN_GAP_S", "METRICS_BATCH"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -222,6 +222,13 @@ def summary(sync: Synchronizer) -> dict:
                            "token_goodput": reg.ledgers[lid].token_goodput}
                      for lid, i in reg.learners.items()},
     }
+
+
+def with_checkpoint_outcome(figures: dict, sync: Synchronizer) -> dict:
+    """``figures`` (a :func:`summary` taken when the final checkpoint began) with that checkpoint's
+    outcome: ``checkpoints`` and ``last_checkpoint_seq`` as they are now."""
+    return {**figures, "checkpoints": sync.report.counters["checkpoints"],
+            "last_checkpoint_seq": sync.checkpoints.last_seq}
 
 
 def status(sync: Synchronizer) -> dict:
