@@ -135,7 +135,8 @@ def test_lora_finetune_moves_only_the_adapter_and_improves_on_the_base(tmp_path)
     base_dir = tmp_path / "base"
     model_toml = (f'kind = "hf"\n[model.hf]\npretrained = "{base_dir}"\n'
                   '[model.lora]\nr = 8\nalpha = 16.0\ntarget_modules = ["q_proj", "v_proj"]\n')
-    path = recipe(tmp_path, learners=2, tokens=120_000, model=model_toml)
+    # 240k tokens: at 120k the margin over the base was 0.022 nats on a quiet machine and 0 under load
+    path = recipe(tmp_path, learners=2, tokens=240_000, model=model_toml)
     cfg = load_config(path)
     base_loss = pretrain_base(base_dir, cfg, steps=150)
     params0, plan = initial_state(cfg)
@@ -159,8 +160,11 @@ def test_lora_finetune_moves_only_the_adapter_and_improves_on_the_base(tmp_path)
     assert per_round < 0.1 * full_bytes
     assert summary["merges"] >= 4
     final = model_from_checkpoint(cfg, latest_checkpoint(store, "lora"))
+    print(f"lora: base {base_loss:.4f}, final {heldout_loss(final, heldout_batches(cfg)):.4f}, "
+          f"stop {summary.get('stop_reason')}, merges {summary['merges']}, late {summary.get('contributions_late')}")
     assert heldout_loss(final, heldout_batches(cfg)) < base_loss - 0.01, {
-        k: summary[k] for k in ("merges", "contributions_merged", "rejected_by_reason", "contributions_downweighted")
+        k: summary[k] for k in ("merges", "contributions_merged", "rejected_by_reason", "contributions_downweighted",
+                                "stop_reason", "tokens_processed", "contributions_late")
         if k in summary} | {"final": heldout_loss(final, heldout_batches(cfg)), "base": base_loss}
 
 
