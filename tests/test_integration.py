@@ -151,3 +151,33 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
     restored = log2.read_text().split("restored its inner state from checkpoint ")[1]
     restored_step = int(restored.split("(step ")[1].split(",")[0])
     assert restored_step > 0
+
+
+def test_signals_that_land_as_the_synchronizer_ends_leave_it_a_clean_exit(tmp_path):
+    """SIGINT every 20 ms for the whole life of a synchronizer: the first stops it cleanly (final
+    checkpoint, summary), and those that land while it tears down after its summary must not turn
+    the finished run into a process killed by SIGINT (a Ctrl-C that lands as a run ends on its own
+    then failed the flow run and fired the failure alert)."""
+    from diloco_async.config import load_config
+    from diloco_async.run import RunProcesses
+
+    recipe = str(tiny_recipe(tmp_path, learners=1, wall_s=60))
+    overrides = [f"run.workdir={tmp_path}/runs"]
+    rp = RunProcesses(load_config(recipe, overrides), recipe, overrides)
+    rp.start_synchronizer()
+    sent = 0
+    try:
+        deadline = time.monotonic() + 60
+        while rp.sync.poll() is None and time.monotonic() < deadline:
+            rp.sync.signal_group(signal.SIGINT)
+            sent += 1
+            time.sleep(0.02)
+        code = rp.sync.wait(timeout=30)
+    finally:
+        rp.finished_cleanly = True
+        rp.stop_all()
+    log = rp.sync.log_path.read_text()
+    assert code == 0, (sent, log[-3000:])
+    assert "finished: signal SIGINT" in log and "Traceback" not in log, log[-3000:]
+    summary = rp.store.get_json(keys.summary_key(rp.run_id, str(rp.epoch)))
+    assert summary["stop_reason"] == "signal SIGINT"

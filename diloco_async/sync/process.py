@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -96,10 +97,21 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     try:
         summary = await sync.run()
     finally:
+        _ignore_stop_signals(loop)
         await runner.cleanup()
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """The run is over (its summary written): a SIGINT or SIGTERM from now on (a Ctrl-C that lands
+    as the run ends on its own) changes nothing and must not turn a finished run into a process
+    killed by a signal while it tears down."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _release(lease: Lease) -> None:
