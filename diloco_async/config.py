@@ -276,7 +276,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply ``section.field=value`` overrides (values parsed as TOML, else taken as strings).
 
     Raises:
-        ValueError: an override without ``=`` or without a section.
+        ValueError: an override without ``=``, without a section, or with a field under a value.
     """
     out = json.loads(json.dumps(raw))
     for item in overrides:
@@ -287,8 +287,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if len(parts) < 2:
             raise ValueError(f"override {item!r} must name a section and a field, e.g. learners.count=2")
         node = out
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a section "
+                                 "with fields")
         node[parts[-1]] = _parse_value(value.strip())
     return out
 

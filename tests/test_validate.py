@@ -96,6 +96,14 @@ def test_an_override_without_a_section_is_named_itself(capsys):
     assert "[budget]" in out.out and "learners.count" not in out.err, (out.out, out.err)
 
 
+def test_an_override_under_a_value_is_refused_naming_it(capsys):
+    """`--set run.seed.x=1`: run.seed is a number, so nothing can be set under it (was a TypeError
+    traceback, exit 1)."""
+    assert main(["validate", "default", "--set", "run.seed.x=1"]) == 2
+    out = capsys.readouterr()
+    assert "run.seed is a value" in out.out + out.err and "Traceback" not in out.err, (out.out, out.err)
+
+
 def test_unreachable_bucket_names_run_store(s3_endpoint, capsys):
     opts = s3_endpoint.storage_options["client_kwargs"]["endpoint_url"]
     argv = ["validate", "default", "--set", "run.store=s3://no-such-bucket-validate/runs",
