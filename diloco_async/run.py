@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -195,12 +196,20 @@ class RunProcesses:
         After a clean end (the synchronizer exited 0) learners get up to ``learner_exit_wait_s``
         seconds to finish on their own; otherwise (failure, cancellation) learner flow runs are
         cancelled at once, then the synchronizer gets SIGTERM (final checkpoint) and 10 s before
-        SIGKILL."""
+        SIGKILL. With local learners, a synchronizer still running then is first told to stop twice
+        (the second stop skips its drain: the learners being stopped cannot close its last rounds), so
+        it writes its final checkpoint while they go rather than after waiting out ``drain_s``
+        (learner flow runs are left to their cancellation: told to stop, they would end Completed)."""
         handles = self.retired + list(self.learners.values())
         if self.finished_cleanly:
             deadline = time.monotonic() + self.learner_exit_wait_s
             while time.monotonic() < deadline and any(h.poll() is None for h in handles):
                 time.sleep(0.5)
+        elif self.sync is not None and self.sync.poll() is None and hasattr(self.sync, "signal_group") \
+                and not any(hasattr(h, "request_cancel") for h in handles):  # flow runs: cancelled, below
+            for _ in range(2):
+                self.sync.signal_group(signal.SIGTERM)
+                time.sleep(0.2)  # two signals, not one coalesced: the first starts the drain, the second ends it
         for handle in handles:  # cancel every learner flow run first: their workers stop them in parallel
             if hasattr(handle, "request_cancel"):
                 handle.request_cancel()

@@ -66,3 +66,25 @@ def exit_status(summary: dict) -> int:
         return 0
     name = str(summary["stop_reason"]).split()[-1]
     return 128 + int(signal.Signals[name]) if name in signal.Signals.__members__ else 130
+
+
+def worker_intent() -> str | None:
+    """What a Prefect worker meant by the SIGTERM it sent (``"cancel"``, ...); None for a SIGTERM
+    from anyone else. The worker's control channel says so when it is connected; otherwise the flow
+    run's own state does (a cancellation sets it to Cancelling before the worker signals)."""
+    try:
+        from prefect._internal.control_listener import get_intent
+        intent = get_intent()
+    except ImportError:
+        intent = None
+    if intent is not None:
+        return str(intent)
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+    except Exception:  # no API to ask (the run is not being cancelled through one)
+        return None
+    return "cancel" if state is not None and state.type.value in ("CANCELLING", "CANCELLED") else None

@@ -46,7 +46,7 @@ from diloco_async.tokenizer import transformers_tokenizer
 from diloco_async.tokens import open_corpus
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
-from flows.summary import exit_status, report, stopped_by_signal, summary_table
+from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
 from storage import keys
@@ -160,22 +160,12 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console,
             try:
                 _watch_once(run, sink, console, progress, bars, last_print, pending)
             except TerminationSignal as sig:
-                if _worker_intent() is not None:
+                if worker_intent() is not None:
                     raise
                 get_run_logger().warning("%s: stopping the run cleanly (final checkpoint)",
                                          signal.Signals(sig.signal).name)
                 run.sync.signal_group(sig.signal)  # the synchronizer's clean stop; its stop reason names it
     sink.log_points(run.pull_metrics())
-
-
-def _worker_intent() -> str | None:
-    """What a Prefect worker meant by the SIGTERM it sent (``"cancel"``, ...); None for a SIGTERM
-    from anyone else."""
-    try:
-        from prefect._internal.control_listener import get_intent
-    except ImportError:
-        return None
-    return get_intent()
 
 
 def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: Progress, bars: tuple,
@@ -222,7 +212,7 @@ def _heldout_curve(run: TrainingRun, sink: MlflowSink) -> Iterator[Callable[[], 
     try:
         yield monitor.drain
     finally:
-        monitor.stop()
+        monitor.stop(timeout_s=MONITOR_STOP_WAIT_S)
         sink.log_points(monitor.drain())
 
 
@@ -301,6 +291,9 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
 #: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
 #: "stop" take well under a second) before they get SIGTERM
 INTERRUPTED_LEARNER_WAIT_S = 2.0
+MONITOR_STOP_WAIT_S = 3.0
+"""At the end, an evaluation pass of the held-out monitor still running after this long is left
+behind (a daemon thread): a Ctrl-C must not wait out a pass on a loaded machine."""
 
 
 def _interrupted(run: TrainingRun, sink: MlflowSink, summary: dict, eval_start: tuple[float, float],
