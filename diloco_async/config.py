@@ -314,13 +314,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
     Raises:
         FileNotFoundError: the recipe does not exist.
-        ValueError: a field is unknown or invalid; the message names every offending field.
+        ValueError: the recipe is not valid TOML (the message names the file and the line), or a
+            field is unknown or invalid (the message names every offending field).
     """
     raw: dict = {}
     source = "(defaults)"
     if path is not None:
         source = str(path)
-        raw = tomllib.loads(Path(path).read_text())
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: not valid TOML: {err}") from None
     if overrides:
         source += f" with --set {' '.join(overrides)}"
     raw = apply_overrides(raw, overrides or [])
