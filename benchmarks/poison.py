@@ -29,6 +29,7 @@ from pathlib import Path
 import safetensors.torch
 
 from benchmarks.stats import mean_interval
+from diloco_async.chaos.measure import initial_model
 from diloco_async.config import load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.run import RunProcesses
@@ -70,9 +71,11 @@ def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0
         rp.stop_all()
     summary = rp.store.get_json(keys.summary_key(rp.run_id, str(rp.epoch)))
     ckpt = latest_checkpoint(rp.store, rp.run_id)
-    loss = heldout_loss(model_from_checkpoint(cfg, ckpt), heldout_batches(cfg))
+    batches = heldout_batches(cfg)
+    loss = heldout_loss(model_from_checkpoint(cfg, ckpt), batches)
     largest, finite = published_extremes(rp.store, rp.run_id)
-    return {"run_id": rp.run_id, "overrides": overrides, "loss": loss, "max_abs_published": largest,
+    return {"run_id": rp.run_id, "overrides": overrides, "loss": loss,
+            "initial_loss": heldout_loss(initial_model(cfg), batches), "max_abs_published": largest,
             "all_finite": finite, "wall_s": time.monotonic() - t0, "merges": summary["merges"],
             "global_step": summary["global_step"], "rejected_by_reason": summary["rejected_by_reason"],
             "contributions_merged": summary["contributions_merged"],
