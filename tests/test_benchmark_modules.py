@@ -10,7 +10,7 @@ import pytest
 
 import benchmarks
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name not in ("stats",))
+MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name not in ("stats", "bars"))
 
 
 def test_the_benchmarks_are_found():
@@ -29,3 +29,17 @@ def test_mean_interval():
     assert mean_interval([2.0]) == (2.0, 0.0)
     mean, half = mean_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5)
+
+
+def test_bars_table_misses_a_missed_or_unmeasured_goal():
+    import io
+
+    from benchmarks.bars import Bar, print_bars
+
+    out = io.StringIO()
+    assert print_bars([Bar("a ratio", 0.3, 0.25), Bar("a peak", 1.5, 2.0, "max")], out) == 0
+    assert "MISS" not in out.getvalue() and out.getvalue().count(" ok") == 2
+    out = io.StringIO()
+    assert print_bars([Bar("a ratio", 0.2, 0.25), Bar("context", 0.0, 1.0, shown=True)], out) == 1
+    assert "MISS" in out.getvalue() and "shown" in out.getvalue()
+    assert print_bars([Bar("never measured", None, 1.0)], io.StringIO()) == 1
