@@ -112,13 +112,18 @@ def _stop_children_and_exit(code: int) -> None:
 
 def _check_config(path: str | None, overrides: list[str]) -> str | None:
     """Resolve the recipe (a path or a shipped name) and validate it before anything starts; print
-    the error (no traceback) and return None if it is bad, else the recipe's path."""
+    the error (no traceback) and return None if it is bad, else the recipe's path. Corpus URLs
+    (``data.source = "urls"``) are listed too: a URL that matches no file or only empty ones is
+    refused here, not inside the flow run."""
     from diloco_async.config import load_config
+    from diloco_async.data import resolve_sources
     from diloco_async.validate import resolve_recipe
 
     try:
         resolved = str(resolve_recipe(path or "default"))
-        load_config(resolved, overrides)
+        cfg = load_config(resolved, overrides)
+        if cfg.data.source == "urls":
+            resolve_sources(cfg.data)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

@@ -130,3 +130,14 @@ def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, caps
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert f"{TOKEN_ENV} is too weak" in err and secret not in err, (argv, err)
+
+
+@pytest.mark.parametrize("pattern", ["missing/*.txt", "empty.txt"])
+def test_train_on_corpus_urls_that_match_nothing_is_refused_before_the_flow(tmp_path, pattern):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    url = f"file://{tmp_path}/{pattern}"
+    proc = _cli(tmp_path, {}, "train", "--set", 'data.source="urls"', "--set", f'data.urls=["{url}"]',
+                "--set", f"run.store=file://{tmp_path}/store")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and f"data.urls: {url!r}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "prefect").exists() and not (tmp_path / "store").exists()  # nothing started
