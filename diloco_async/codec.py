@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Mapping
 
 import safetensors.torch
@@ -86,43 +87,93 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
 
+#: elements quantized per step (a whole number of blocks): the step's float32 scratch stays in cache
+_CHUNK_ELEMS = 1 << 18
+
+
+def _quantize_rows(blocks: Tensor, scale: Tensor, out: Tensor, scratch: Tensor, qmax: int) -> None:
+    """One step of :func:`_quantize`: ``blocks`` float32 ``(r, B)`` → ``scale`` float32 ``(r,)`` and
+    ``out`` int8 ``(r, B)``, through ``scratch`` float32 ``(r, B)``. Division (not a multiplication
+    by the reciprocal), round-half-even and clamp, as the format defines them."""
+    torch.amax(torch.abs(blocks, out=scratch), dim=1, out=scale)
+    scale.div_(qmax)
+    safe = torch.where(scale == 0, 1.0, scale)
+    torch.div(blocks, safe[:, None], out=scratch)
+    scratch.round_().clamp_(-qmax, qmax)
+    scratch.nan_to_num_(nan=0.0)  # NaN/Inf blocks carry a non-finite scale instead
+    out.copy_(scratch)
+
+
 def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(n,)``; float32 scales)."""
-    flat = x.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
-    n = flat.numel()
-    nblocks = math.ceil(n / block_size)
-    padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
-    padded[:n] = flat
-    blocks = padded.view(nblocks, block_size)
-    scale = blocks.abs().amax(dim=1) / qmax
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax)
-    q = torch.nan_to_num(q, nan=0.0)  # NaN/Inf blocks carry a non-finite scale instead
-    return q.reshape(-1)[:n].to(torch.int8), scale.contiguous()
+    """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(n,)``; float32 scales,
+    shape ``(ceil(n / block_size),)``).
+
+    Vectorised over whole blocks, in steps of about :data:`_CHUNK_ELEMS` elements so that the
+    float32 scratch stays in cache; only a short last block is copied (zero-padded)."""
+    flat = x.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype != torch.float32:
+        flat = flat.to(device="cpu", dtype=torch.float32)
+    n, bs = flat.numel(), block_size
+    nfull, tail = divmod(n, bs)
+    q = torch.empty(n, dtype=torch.int8)
+    scale = torch.empty(nfull + (1 if tail else 0), dtype=torch.float32)
+    rows = max(1, _CHUNK_ELEMS // bs)
+    scratch = torch.empty(max(1, min(rows, nfull)), bs, dtype=torch.float32)
+    blocks, q_blocks = flat[: nfull * bs].view(nfull, bs), q[: nfull * bs].view(nfull, bs)
+    for r0 in range(0, nfull, rows):
+        r1 = min(r0 + rows, nfull)
+        _quantize_rows(blocks[r0:r1], scale[r0:r1], q_blocks[r0:r1], scratch[: r1 - r0], qmax)
+    if tail:
+        last = torch.zeros(1, bs, dtype=torch.float32)
+        last[0, :tail] = flat[nfull * bs:]
+        q_last = torch.empty(1, bs, dtype=torch.int8)
+        _quantize_rows(last, scale[nfull:], q_last, torch.empty(1, bs, dtype=torch.float32), qmax)
+        q[nfull * bs:] = q_last[0, :tail]
+    return q, scale
 
 
 def _dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
-    nblocks = scale.numel()
-    padded = torch.zeros(nblocks * block_size, dtype=torch.float32)
-    padded[:n] = q.to(torch.float32)
-    return (padded.view(nblocks, block_size) * scale[:, None]).reshape(-1)[:n]
+    """int8 values ``(n,)`` and float32 scales → float32 ``(n,)``: ``float(q) * scale`` in one pass."""
+    out = torch.empty(n, dtype=torch.float32)
+    nfull = n // block_size
+    head = nfull * block_size
+    if nfull:
+        torch.mul(q[:head].view(nfull, block_size), scale[:nfull, None], out=out[:head].view(nfull, block_size))
+    if n > head:
+        torch.mul(q[head:], scale[nfull], out=out[head:])
+    return out
+
+
+#: int4 packing works on 16-bit words (two int8 values, element ``2i`` in the low byte); on a
+#: big-endian host it falls back to strided byte views, which give the same bytes more slowly
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _pack_int4(q: Tensor) -> Tensor:
-    """int8 values in ``[-7, 7]``, shape ``(n,)`` → uint8, shape ``(ceil(n/2),)``."""
+    """int8 values in ``[-7, 7]``, shape ``(n,)`` → uint8, shape ``(ceil(n/2),)``: element ``2i``
+    in the low nibble, ``2i+1`` in the high one (two's complement)."""
     n = q.numel()
-    nib = q.to(torch.int16) & 0xF
+    if not _LITTLE_ENDIAN:
+        u = q.view(torch.uint8)
+        packed = torch.bitwise_and(u[0::2], 0xF)
+        packed[: n // 2] |= u[1::2] << 4  # uint8 shift: the high bits fall off
+        return packed
     if n % 2:
-        nib = torch.cat([nib, torch.zeros(1, dtype=torch.int16)])
-    pairs = nib.view(-1, 2)
-    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+        q = torch.cat([q, q.new_zeros(1)])
+    word = q.view(torch.int16)  # low byte: element 2i, high byte: element 2i+1
+    return ((word & 0x000F) | ((word >> 4) & 0x00F0)).to(torch.uint8)
 
 
 def _unpack_int4(packed: Tensor, n: int) -> Tensor:
-    """Inverse of :func:`_pack_int4`: uint8 ``(ceil(n/2),)`` → int16 values, shape ``(n,)``."""
-    b = packed.to(torch.int16)
-    nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:n]
-    return torch.where(nib >= 8, nib - 16, nib)
+    """Inverse of :func:`_pack_int4`: uint8 ``(ceil(n/2),)`` → int8 values, shape ``(n,)``; each
+    nibble is sign-extended by an arithmetic right shift."""
+    if not _LITTLE_ENDIAN:
+        b = packed.view(torch.int8)
+        return torch.stack(((b << 4) >> 4, b >> 4), dim=1).reshape(-1)[:n]
+    word = packed.to(torch.int16)  # 0..255
+    low = ((word << 12) >> 12) & 0x00FF  # the low nibble, sign-extended to a byte
+    high = ((word << 8) >> 12) << 8  # the high nibble, sign-extended, in the high byte
+    return (low | high).view(torch.int8)[:n]
 
 
 def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Tensor]:
