@@ -89,19 +89,7 @@ def _check_block_size(block_size: int) -> None:
 
 #: elements quantized per step (a whole number of blocks): the step's float32 scratch stays in cache
 _CHUNK_ELEMS = 1 << 18
-
-
-def _quantize_rows(blocks: Tensor, scale: Tensor, out: Tensor, scratch: Tensor, qmax: int) -> None:
-    """One step of :func:`_quantize`: ``blocks`` float32 ``(r, B)`` → ``scale`` float32 ``(r,)`` and
-    ``out`` int8 ``(r, B)``, through ``scratch`` float32 ``(r, B)``. Division (not a multiplication
-    by the reciprocal), round-half-even and clamp, as the format defines them."""
-    torch.amax(torch.abs(blocks, out=scratch), dim=1, out=scale)
-    scale.div_(qmax)
-    safe = torch.where(scale == 0, 1.0, scale)
-    torch.div(blocks, safe[:, None], out=scratch)
-    scratch.round_().clamp_(-qmax, qmax)
-    scratch.nan_to_num_(nan=0.0)  # NaN/Inf blocks carry a non-finite scale instead
-    out.copy_(scratch)
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
@@ -109,38 +97,61 @@ def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
     shape ``(ceil(n / block_size),)``).
 
     Vectorised over whole blocks, in steps of about :data:`_CHUNK_ELEMS` elements so that the
-    float32 scratch stays in cache; only a short last block is copied (zero-padded)."""
+    float32 scratch stays in cache; only a short last block is copied (zero-padded). Two passes:
+    the scales, then ``round(x / scale)`` (a division, not a multiplication by the reciprocal;
+    round half to even). When every scale is 0 or a finite normal float, ``|x / scale|`` cannot
+    pass ``qmax·(1 + 2⁻²³)`` and the clamp and NaN cleaning are skipped; otherwise (subnormal
+    or non-finite scales) each step clamps to ``[-qmax, qmax]`` and sets NaN quotients to 0."""
     flat = x.detach().reshape(-1)
     if flat.device.type != "cpu" or flat.dtype != torch.float32:
         flat = flat.to(device="cpu", dtype=torch.float32)
     n, bs = flat.numel(), block_size
     nfull, tail = divmod(n, bs)
-    q = torch.empty(n, dtype=torch.int8)
-    scale = torch.empty(nfull + (1 if tail else 0), dtype=torch.float32)
-    rows = max(1, _CHUNK_ELEMS // bs)
-    scratch = torch.empty(max(1, min(rows, nfull)), bs, dtype=torch.float32)
-    blocks, q_blocks = flat[: nfull * bs].view(nfull, bs), q[: nfull * bs].view(nfull, bs)
-    for r0 in range(0, nfull, rows):
-        r1 = min(r0 + rows, nfull)
-        _quantize_rows(blocks[r0:r1], scale[r0:r1], q_blocks[r0:r1], scratch[: r1 - r0], qmax)
+    nrows = nfull + (1 if tail else 0)
+    blocks = flat[: nfull * bs].view(nfull, bs)
+    rows_per_step = max(1, _CHUNK_ELEMS // bs)
+    steps = [(r0, min(r0 + rows_per_step, nfull)) for r0 in range(0, nfull, rows_per_step)]
+    scale = torch.empty(nrows, dtype=torch.float32)
+    scratch = torch.empty(max(1, min(rows_per_step, nfull)), bs, dtype=torch.float32)
+    for r0, r1 in steps:
+        torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
     if tail:
         last = torch.zeros(1, bs, dtype=torch.float32)
         last[0, :tail] = flat[nfull * bs:]
+        torch.amax(last.abs(), dim=1, out=scale[nfull:])
+    scale.div_(qmax)
+    safe = torch.where(scale == 0, 1.0, scale)
+    careful = bool(((safe < _FLOAT32_TINY) | ~torch.isfinite(safe)).any())
+    q = torch.empty(n, dtype=torch.int8)
+    q_rows = q[: nfull * bs].view(nfull, bs)
+
+    def step(rows: Tensor, rows_safe: Tensor, out: Tensor, work: Tensor) -> None:
+        torch.div(rows, rows_safe[:, None], out=work)
+        work.round_()
+        if careful:
+            work.clamp_(-qmax, qmax).nan_to_num_(nan=0.0)  # NaN/Inf blocks carry a non-finite scale
+        out.copy_(work)
+
+    for r0, r1 in steps:
+        step(blocks[r0:r1], safe[r0:r1], q_rows[r0:r1], scratch[: r1 - r0])
+    if tail:
         q_last = torch.empty(1, bs, dtype=torch.int8)
-        _quantize_rows(last, scale[nfull:], q_last, torch.empty(1, bs, dtype=torch.float32), qmax)
+        step(last, safe[nfull:], q_last, scratch[:1])
         q[nfull * bs:] = q_last[0, :tail]
     return q, scale
 
 
 def _dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
-    """int8 values ``(n,)`` and float32 scales → float32 ``(n,)``: ``float(q) * scale`` in one pass."""
+    """int8 values ``(n,)`` and float32 scales → float32 ``(n,)``: ``float(q) * scale``, converted
+    into the output, then scaled in place."""
     out = torch.empty(n, dtype=torch.float32)
+    out.copy_(q)
     nfull = n // block_size
     head = nfull * block_size
     if nfull:
-        torch.mul(q[:head].view(nfull, block_size), scale[:nfull, None], out=out[:head].view(nfull, block_size))
+        out[:head].view(nfull, block_size).mul_(scale[:nfull, None])
     if n > head:
-        torch.mul(q[head:], scale[nfull], out=out[head:])
+        out[head:].mul_(scale[nfull])
     return out
 
 
@@ -161,7 +172,11 @@ def _pack_int4(q: Tensor) -> Tensor:
     if n % 2:
         q = torch.cat([q, q.new_zeros(1)])
     word = q.view(torch.int16)  # low byte: element 2i, high byte: element 2i+1
-    return ((word & 0x000F) | ((word >> 4) & 0x00F0)).to(torch.uint8)
+    high = word >> 4
+    high &= 0x00F0  # element 2i+1's low nibble, in bits 4..7
+    packed = word & 0x000F
+    packed |= high
+    return packed.to(torch.uint8)
 
 
 def _unpack_int4(packed: Tensor, n: int) -> Tensor:
@@ -171,9 +186,11 @@ def _unpack_int4(packed: Tensor, n: int) -> Tensor:
         b = packed.view(torch.int8)
         return torch.stack(((b << 4) >> 4, b >> 4), dim=1).reshape(-1)[:n]
     word = packed.to(torch.int16)  # 0..255
-    low = ((word << 12) >> 12) & 0x00FF  # the low nibble, sign-extended to a byte
-    high = ((word << 8) >> 12) << 8  # the high nibble, sign-extended, in the high byte
-    return (low | high).view(torch.int8)[:n]
+    word |= word << 4  # low byte: the low nibble (and junk above it); high byte: the high nibble
+    q = word.view(torch.int8)
+    q <<= 4  # each nibble to the top of its byte (the junk falls off) ...
+    q >>= 4  # ... and back, sign-extended
+    return q[:n]
 
 
 def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Tensor]:
