@@ -46,6 +46,8 @@ def _cases(seed: int) -> dict[str, torch.Tensor]:
     special[401] = float("-inf")
     special[500], special[501] = float("inf"), float("-inf")
     out["special"] = special
+    out["subnormal"] = torch.randn(300, generator=gen) * 1e-40  # subnormal scales alone: the careful path
+    out["tiny"] = torch.randn(300, generator=gen) * 1e-37  # normal maxima, subnormal maxima / qmax
     out["halves"] = torch.arange(-70, 71, dtype=torch.float32) / 2  # ties: round half to even
     out["matrix"] = torch.randn(37, 19, generator=gen)
     out["bf16_input"] = torch.randn(333, generator=gen).to(torch.bfloat16)
