@@ -5,7 +5,8 @@ best of several repeats, the two sides alternated within each repeat so that a n
 slows both alike:
 
 * **codecs**: ``encode_to_bytes`` + ``decode_from_bytes`` of one float32 tensor (2048 × 1024,
-  8 MiB; quick: 512 × 1024) per codec, as a ratio to the **same round trip with the fp32 codec**
+  8 MiB; quick: 512 × 1024) per codec, single-threaded torch, timed in a child process whose
+  malloc reuses freed buffers (see :func:`bench_codecs`), as a ratio to the **same round trip with the fp32 codec**
   (bytes out and back: a float32 copy, the safetensors container both ways, a float32 copy back).
   That fp32 round trip is the baseline of the bars; ``tensor.clone()`` of the same tensor is
   printed as a second reference (one bare memory copy, no container), not used by any bar.
@@ -24,7 +25,10 @@ Run alone: ``python -m benchmarks.codec_store [--quick]``; ``bars(quick)`` is wh
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -52,15 +56,18 @@ def _best_of_alternating(fns: dict[str, Callable[[], object]], repeat: int) -> d
     return best
 
 
-def bench_codecs(quick: bool = False) -> list[Bar]:
-    """Encode+decode time of each codec as a ratio to the fp32 codec's, sizes as a ratio to fp32."""
-    shape = (512, 1024) if quick else (2048, 1024)
-    repeat = 10 if quick else 40
+#: glibc malloc settings of the child that times the codecs: allocations of a few MiB are reused
+#: from the heap instead of being mapped afresh (and faulted in) on every call
+STEADY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * MiB), "MALLOC_TRIM_THRESHOLD_": str(1024 * MiB)}
+
+
+def codec_times(shape: tuple[int, int], repeat: int) -> dict[str, float]:
+    """Seconds of the best encode+decode round trip of each codec and of ``tensor.clone()``."""
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     tensors = {"w": torch.randn(shape) * 0.01}
     specs = {"w": shape}
-    sizes = {c: len(wire.encode_to_bytes(tensors, c)) for c in wire.CODECS}
-    for c in wire.CODECS:  # the same values as a plain encode/decode (and one warm-up)
+    for c in wire.CODECS:  # one warm-up each; also checks the round trip keeps the shape
         decoded, _ = wire.decode_from_bytes(wire.encode_to_bytes(tensors, c), c, specs)
         assert decoded["w"].shape == shape
 
@@ -69,9 +76,28 @@ def bench_codecs(quick: bool = False) -> list[Bar]:
 
     fns: dict[str, Callable[[], object]] = {c: round_trip(c) for c in wire.CODECS}
     fns["clone"] = tensors["w"].clone
-    t = _best_of_alternating(fns, repeat)
-    mib = tensors["w"].numel() * 4 / MiB
-    print(f"codecs: {shape[0]}x{shape[1]} float32 ({mib:.0f} MiB), best of {repeat}, alternated")
+    return _best_of_alternating(fns, repeat)
+
+
+def bench_codecs(quick: bool = False) -> list[Bar]:
+    """Encode+decode time of each codec as a ratio to the fp32 codec's, sizes as a ratio to fp32.
+
+    Timed in a child process with :data:`STEADY_MALLOC_ENV`: with glibc's default, whether an
+    8 MiB buffer comes back from the heap or is mapped and faulted in again changes from one
+    process to the next, and the fp32 round trip (four such buffers) took 2 to 18 ms from run
+    to run on the same machine. Without the page faults both sides pay only their own work."""
+    shape = (512, 1024) if quick else (2048, 1024)
+    repeat = 10 if quick else 40
+    child = subprocess.run([sys.executable, "-m", "benchmarks.codec_store", "--codec-times",
+                            json.dumps({"shape": shape, "repeat": repeat})],
+                           env={**os.environ, **STEADY_MALLOC_ENV}, capture_output=True, text=True, check=True,
+                           timeout=600)
+    t = json.loads(child.stdout.strip().splitlines()[-1])
+    tensors = {"w": torch.randn(shape)}
+    sizes = {c: len(wire.encode_to_bytes(tensors, c)) for c in wire.CODECS}
+    mib = shape[0] * shape[1] * 4 / MiB
+    print(f"codecs: {shape[0]}x{shape[1]} float32 ({mib:.0f} MiB), best of {repeat}, alternated, in a child "
+          f"with steady malloc")
     print(f"  tensor.clone()          {t['clone'] * 1e3:7.2f} ms   (second reference, no bar)")
     out = []
     for c in wire.CODECS:
@@ -137,7 +163,12 @@ def bars(quick: bool = False) -> list[Bar]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller tensor and object, fewer repeats")
+    parser.add_argument("--codec-times", metavar="JSON", help=argparse.SUPPRESS)  # the child of bench_codecs
     args = parser.parse_args(argv)
+    if args.codec_times:
+        spec = json.loads(args.codec_times)
+        print(json.dumps(codec_times(tuple(spec["shape"]), int(spec["repeat"]))))
+        return 0
     return print_bars(bars(quick=args.quick), title="codec and store bars")
 
 

@@ -88,7 +88,7 @@ def _check_block_size(block_size: int) -> None:
 
 
 #: elements quantized per step (a whole number of blocks): the step's float32 scratch stays in cache
-_CHUNK_ELEMS = 1 << 18
+_CHUNK_ELEMS = 1 << 20
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
