@@ -87,7 +87,7 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
 
-#: elements quantized per step (a whole number of blocks): the step's float32 scratch stays in cache
+#: elements quantized per step (a whole number of blocks): bounds the float32 scratch at 4 MiB
 _CHUNK_ELEMS = 1 << 20
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
@@ -97,7 +97,7 @@ def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
     shape ``(ceil(n / block_size),)``).
 
     Vectorised over whole blocks, in steps of about :data:`_CHUNK_ELEMS` elements so that the
-    float32 scratch stays in cache; only a short last block is copied (zero-padded). Two passes:
+    float32 scratch stays small; only a short last block is copied (zero-padded). Two passes:
     the scales, then ``round(x / scale)`` (a division, not a multiplication by the reciprocal;
     round half to even). When every scale is 0 or a finite normal float, ``|x / scale|`` cannot
     pass ``qmax·(1 + 2⁻²³)`` and the clamp and NaN cleaning are skipped; otherwise (subnormal
