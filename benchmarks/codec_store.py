@@ -107,6 +107,14 @@ def bench_codecs(quick: bool = False) -> list[Bar]:
         if c != "fp32":
             out.append(Bar(f"{c} encode+decode / fp32 codec's", ratio, 1.0, kind="max",
                            detail=f"{t[c] * 1e3:.2f} vs {t['fp32'] * 1e3:.2f} ms, {mib:.0f} MiB tensor"))
+    threads = torch.get_num_threads()
+    t_default = codec_times(shape, max(repeat // 4, 5))  # this process, glibc's default malloc
+    torch.set_num_threads(threads)
+    faults = {c: t_default[c] / t_default["fp32"] for c in ("bf16", "int8", "int4")}
+    print(f"  with the default malloc (page faults of fresh buffers included): fp32 {t_default['fp32'] * 1e3:.2f} ms, "
+          + ", ".join(f"{c} {r:.2f}x" for c, r in faults.items()))
+    out.append(Bar("int4 encode+decode / fp32 codec's, default malloc", faults["int4"], 1.0, kind="max",
+                   shown=True, detail=f"fp32 {t_default['fp32'] * 1e3:.2f} ms, in this process"))
     for c in ("bf16", "int8", "int4"):
         out.append(Bar(f"{c} encoded size / fp32", sizes[c] / sizes["fp32"], 1.0, kind="max", shown=True,
                        detail=f"{sizes[c]} bytes, block size {wire.DEFAULT_BLOCK_SIZE}"))
