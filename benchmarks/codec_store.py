@@ -124,7 +124,7 @@ def bench_codecs(quick: bool = False) -> list[Bar]:
 def bench_store(quick: bool = False) -> list[Bar]:
     """``file://`` put+get through ObjectStore vs raw write+fsync+read of the same bytes."""
     nbytes = (32 if quick else 64) * MiB
-    repeat = 3 if quick else 7
+    repeat = 3 if quick else 11
     data = os.urandom(nbytes)
     with tempfile.TemporaryDirectory() as tmp:
         store = ObjectStore(f"file://{tmp}/store")
