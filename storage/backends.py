@@ -6,7 +6,8 @@ A backend works on full paths (``bucket/key``, ``/abs/path``) and offers:
 * ``begin(path) -> Upload``: a multi-part upload that publishes nothing until ``commit`` and
   that ``abort`` drops: S3 multipart upload, GCS resumable upload, a local temporary file;
 * ``open_stream(path, start, end) -> Stream``: sequential reads of ``[start, end)`` in chunks
-  (S3: one streaming GET; elsewhere one ranged read per chunk);
+  (S3: one streaming GET; local files: one open file, which also reads into a caller's buffer,
+  ``reads_into``; elsewhere one ranged read per chunk);
 * ``read``, ``size``, ``exists``, ``delete``, ``find``.
 
 ``Upload.send(number, offset, data, last)`` sends part ``number`` (1-based) that starts at byte
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import fsspec
 from fsspec.asyn import sync
 
-__all__ = ["Backend", "Upload", "Stream", "make_backend", "new_filesystem", "PROTOCOLS", "PART_QUANTUM",
+__all__ = ["Backend", "Upload", "Stream", "IntoStream", "make_backend", "new_filesystem", "PROTOCOLS", "PART_QUANTUM",
            "TEMP_PREFIX"]
 
 PROTOCOLS = ("file", "memory", "s3", "gs")
@@ -46,6 +47,10 @@ class Stream(Protocol):
     def close(self) -> None: ...
 
 
+class IntoStream(Stream, Protocol):  # a stream that also reads into a caller's buffer (``reads_into``)
+    def readinto(self, view: memoryview) -> int: ...  # up to len(view) bytes; 0 at the end
+
+
 class Backend:
     """fsspec-based reads, listings and deletes shared by all protocols."""
 
@@ -57,6 +62,8 @@ class Backend:
     resend_parts = True
     #: non-final parts are multiples of this many bytes
     part_quantum = 1
+    #: ``open_stream`` returns an :class:`IntoStream` (reads land in the caller's buffer, no copy)
+    reads_into = False
 
     def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
         self.fs = fs
@@ -123,6 +130,10 @@ class LocalBackend(Backend):
     name exists, atomically): a reader sees the whole object or nothing."""
 
     multipart = False
+    reads_into = True
+
+    def open_stream(self, path: str, start: int, end: int) -> IntoStream:
+        return _LocalStream(path, start, end)
 
     def put(self, path: str, data: bytes) -> None:
         upload = self.begin(path)
@@ -134,6 +145,30 @@ class LocalBackend(Backend):
 
     def begin(self, path: str) -> Upload:
         return _LocalUpload(path)
+
+
+class _LocalStream:
+    """Sequential reads of ``[start, end)`` of one local file through one unbuffered handle."""
+
+    def __init__(self, path: str, start: int, end: int) -> None:
+        self.fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self.fh.seek(start)
+        self.left = max(end - start, 0)
+
+    def read(self, nbytes: int) -> bytes:
+        data = self.fh.read(min(nbytes, self.left)) if self.left else b""
+        self.left -= len(data)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        view, got = view[: self.left], 0
+        while got < len(view) and (n := self.fh.readinto(view[got:])):  # a raw read may return less
+            got += n
+        self.left -= got
+        return got
+
+    def close(self) -> None:
+        self.fh.close()
 
 
 class _LocalUpload:

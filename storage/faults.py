@@ -188,6 +188,7 @@ class _FaultyBackend(Backend):
         self.inner, self.plan = inner, plan
         self.multipart, self.parallel_parts = inner.multipart, inner.parallel_parts
         self.resend_parts, self.part_quantum = inner.resend_parts, inner.part_quantum
+        self.reads_into = inner.reads_into
 
     @property
     def fs(self) -> Any:  # the real backend's, renewed in place when credentials expire
@@ -252,6 +253,13 @@ class _FaultyStream:
 
     def read(self, nbytes: int) -> bytes:
         return _finish(self.plan.before("read", self.path), "read", self.path, self.inner.read(nbytes))
+
+    def readinto(self, view: memoryview) -> int:
+        after = self.plan.before("read", self.path)
+        n = self.inner.readinto(view)  # type: ignore[attr-defined] - only where the backend reads_into
+        if after == "corrupt" and n:
+            view[0] ^= 0xFF
+        return _finish(None if after == "corrupt" else after, "read", self.path, n)
 
     def close(self) -> None:
         self.inner.close()

@@ -4,11 +4,18 @@ A small object is read in one request and checked against its :class:`~storage.r
 A large one streams in chunks of ``part_nbytes``, the next chunk prefetched while the last one
 is hashed; each chunk read is bounded by the policy's ``timeout_s`` and, after a transient error,
 the stream reopens where it stopped. Nothing unverified reaches a caller's file.
+
+Where the backend reads into a caller's buffer (local files, ``reads_into``), :func:`read_object`
+reads a large object straight into the ``bytes`` it returns, in chunks of at most
+:data:`INTO_CHUNK_NBYTES`, hashing each chunk while the next one is read: one pass over memory
+for the data and one for the hash, at the same time, and no copy to join chunks (issue 17). The
+hash is of exactly the bytes returned.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import hashlib
 import logging
 import os
@@ -25,20 +32,118 @@ from storage.retry import Backoff, is_transient
 if TYPE_CHECKING:
     from storage.store import ObjectStore
 
-__all__ = ["read_object", "read_to_file", "read_verified", "stream_range"]
+__all__ = ["read_object", "read_to_file", "read_verified", "stream_range", "INTO_CHUNK_NBYTES"]
 
 log = logging.getLogger("diloco.storage")
+
+#: largest chunk read into the result at once (smaller chunks overlap hashing and reading better)
+INTO_CHUNK_NBYTES = 4 << 20
 
 
 def read_object(store: ObjectStore, ref: ObjectRef) -> bytes:
     """The bytes ``ref`` names, verified (see :meth:`ObjectStore.get`)."""
-    if ref.nbytes <= store.part_nbytes:
+    into = store._backend.reads_into
+    if ref.nbytes <= store.part_nbytes and not (into and ref.nbytes > INTO_CHUNK_NBYTES):
         data = store.get_unverified(ref.key)
         check_ref(ref, len(data), sha256_hex(data))
         return data
+    if into:
+        return _read_into_bytes(store, ref)
     chunks: list[bytes] = []
     read_verified(store, ref, chunks.append)
     return b"".join(chunks)
+
+
+def _read_into_bytes(store: ObjectStore, ref: ObjectRef) -> bytes:
+    """:func:`read_object` on a backend that ``reads_into``: chunks land in the result, each one
+    hashed while the next is read; the size is checked before anything is allocated."""
+    path, where = store._path(ref.key), store._where(ref.key)
+    size = store._call(f"size {where}", store._backend.size, path)
+    if size != ref.nbytes:
+        raise IntegrityError(f"{ref.key}: size {size} bytes, expected {ref.nbytes}", reason="size_mismatch")
+    target = _Target(ref.nbytes)
+    hasher = hashlib.sha256()
+    chunk_nbytes = min(store.part_nbytes, INTO_CHUNK_NBYTES)
+    pos, failures, backoff = 0, 0, Backoff(store.policy)
+    while pos < ref.nbytes:
+        reader = None
+        try:
+            stream = store._call(f"open {where} at {pos}", store._backend.open_stream, path, pos, ref.nbytes,
+                                 retry=False)  # retried by this loop
+            reader = PrefetchInto(stream, target, pos, ref.nbytes, chunk_nbytes)
+            while pos < ref.nbytes:
+                n = reader.next(store.policy.timeout_s, f"read {where} at {pos}")
+                if not n:
+                    raise IntegrityError(f"{where}: size {pos} bytes, expected {ref.nbytes} (ended early)",
+                                         reason="size_mismatch")
+                hasher.update(target.view[pos : pos + n])  # while the next chunk is read
+                pos += n
+                failures = 0
+                backoff.reset()
+        except Exception as err:
+            if isinstance(err, TimeoutError):
+                store._count("timeouts")
+            if not (is_transient(err) or is_expired_credentials(err)) or failures >= store.policy.retries:
+                raise
+            failures += 1
+            store._count("retries")
+            log.warning("read %s: %s: %s at byte %d, reopening (retry %d of %d)",
+                        where, type(err).__name__, err, pos, failures, store.policy.retries)
+            time.sleep(backoff.next_pause_s())
+        finally:
+            if reader is not None and reader.close():
+                target = target.moved(pos)  # a hung read may still land in the old buffer: leave it to it
+    check_ref(ref, pos, hasher.hexdigest())
+    return target.take()
+
+
+def _bytes_api() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """CPython's ``PyBytes_FromStringAndSize(NULL, n)`` and ``PyBytes_AsString``, or None."""
+    try:
+        new, address = ctypes.pythonapi.PyBytes_FromStringAndSize, ctypes.pythonapi.PyBytes_AsString
+    except (AttributeError, OSError):
+        return None
+    new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+    address.restype, address.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+    return new, address
+
+
+_BYTES_API = _bytes_api()
+
+
+class _Target:
+    """The ``bytes`` object a read fills, and a writable view of it until :meth:`take`.
+
+    CPython's C API documents this way of building ``bytes``: ``PyBytes_FromStringAndSize(NULL,
+    n)`` makes an object of ``n`` uninitialized bytes that may be written through
+    ``PyBytes_AsString`` until it is handed out. The object is fresh and referenced only here, so
+    nothing sees it change. The view keeps the object alive (a read left hanging in a worker can
+    never write into freed memory). Without that API (another interpreter) a ``bytearray`` is
+    filled and copied once at the end."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        if _BYTES_API is not None and nbytes > 0:
+            new, address = _BYTES_API
+            self.data = new(None, nbytes)
+            window = (ctypes.c_char * nbytes).from_address(address(self.data))
+            window.owner = self.data  # the view below keeps the window, the window keeps the bytes
+            self.view = memoryview(window).cast("B")
+        else:
+            self.data = bytearray(nbytes)
+            self.view = memoryview(self.data)
+
+    def moved(self, nbytes: int) -> _Target:
+        """A fresh target holding the first ``nbytes`` of this one."""
+        other = _Target(self.nbytes)
+        other.view[:nbytes] = self.view[:nbytes]
+        return other
+
+    def take(self) -> bytes:
+        data = self.data
+        self.view.release()
+        del self.view, self.data
+        return data if isinstance(data, bytes) else bytes(data)
 
 
 def read_to_file(store: ObjectStore, ref: ObjectRef, local_path: str | os.PathLike) -> None:
@@ -140,6 +245,43 @@ class Prefetch:
             _close_quietly(self.stream)
         else:
             future.add_done_callback(lambda _: _close_quietly(self.stream))
+
+
+class PrefetchInto:
+    """Reads ``[pos, end)`` of a stream into ``target`` chunk by chunk, the next chunk in a worker
+    thread while the caller hashes the last one."""
+
+    def __init__(self, stream: backends.IntoStream, target: _Target, pos: int, end: int, chunk_nbytes: int) -> None:
+        self.stream, self.target, self.end, self.chunk_nbytes = stream, target, end, chunk_nbytes
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="storage-stream")
+        self.future: concurrent.futures.Future | None = self._submit(pos)
+
+    def _submit(self, pos: int) -> concurrent.futures.Future | None:
+        self.pos = pos  # where the pending chunk starts
+        if pos >= self.end:
+            return None
+        return self.pool.submit(self.stream.readinto, self.target.view[pos : min(pos + self.chunk_nbytes, self.end)])
+
+    def next(self, timeout_s: float | None, what: str) -> int:
+        """Bytes read by the pending chunk (0 at the end); ``TimeoutError`` past ``timeout_s``."""
+        if self.future is None:
+            return 0
+        try:
+            n = self.future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.3g} s") from None
+        self.future = self._submit(self.pos + n) if n else None
+        return n
+
+    def close(self) -> bool:
+        """Close the stream once no read runs on it; True if a read is still running (hung)."""
+        future, self.future = self.future, None
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if future is None or future.cancel() or future.done():
+            _close_quietly(self.stream)
+            return False
+        future.add_done_callback(lambda _: _close_quietly(self.stream))
+        return True
 
 
 def _close_quietly(stream: backends.Stream) -> None:

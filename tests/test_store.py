@@ -5,6 +5,7 @@ The backend contract is test_storage_contract.py.
 
 import json
 import os
+import threading
 import time
 import uuid
 
@@ -243,3 +244,65 @@ def test_keys_layout_and_parsers_round_trip():
     url = keys.checkpoint_url("s3://bucket/root", "r", 5)
     assert url == "s3://bucket/root/r/checkpoints/00000005"
     assert keys.split_checkpoint_url(url) == ("s3://bucket/root", "r", 5)
+
+
+# -- local reads straight into the result (issue 17, item 4) ------------------------------------------
+
+
+def _big(nbytes: int, seed: int = 0) -> bytes:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)) \
+        .numpy().tobytes()
+
+
+def test_local_large_get_reads_into_bytes_and_verifies(tmp_path):
+    """A large local object is read into the ``bytes`` returned, in chunks, and its sha256 is of
+    exactly those bytes: a flipped byte on disk or a file of the wrong size is refused."""
+    from storage import reader
+
+    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 * 1024)
+    data = _big(3 * reader.INTO_CHUNK_NBYTES + 12345)
+    ref = store.put("big", data)
+    got = store.get(ref)
+    assert type(got) is bytes and got == data
+    path = tmp_path / "s" / "big"
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as fh:  # rot one byte at rest, in the last chunk
+        fh.seek(len(data) - 7)
+        fh.write(bytes([data[-7] ^ 0x01]))
+    with pytest.raises(IntegrityError, match="sha256"):
+        store.get(ref)
+    with open(path, "ab") as fh:
+        fh.write(b"!")
+    with pytest.raises(IntegrityError) as err:
+        store.get(ref)
+    assert err.value.reason == "size_mismatch"
+
+
+def test_local_read_left_hanging_cannot_change_what_get_returned(tmp_path, monkeypatch):
+    """A chunk read that times out and lands later (a hung disk) writes into a buffer the store
+    has let go of: the bytes already returned, and verified, stay what was verified."""
+    from storage import backends, reader
+
+    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 * 1024, timeout_s=0.3, retries=2,
+                        backoff_s=0.01)
+    data = _big(8 * 256 * 1024 + 3, seed=1)
+    ref = store.put("big", data)
+    gate, landed = threading.Event(), threading.Event()
+    calls = []
+    real = backends._LocalStream.readinto
+
+    def readinto(self, view):
+        calls.append(len(view))
+        if len(calls) == 3:  # the third chunk hangs past the timeout, then writes junk and returns
+            gate.wait(5)
+            view[:] = b"\xff" * len(view)
+            landed.set()
+            return len(view)
+        return real(self, view)
+
+    monkeypatch.setattr(backends._LocalStream, "readinto", readinto)
+    got = store.get(ref)
+    assert store.counters["timeouts"] == 1 and got == data
+    gate.set()
+    assert landed.wait(5)
+    assert got == data and calls[0] == min(256 * 1024, reader.INTO_CHUNK_NBYTES)  # chunks of part_nbytes
