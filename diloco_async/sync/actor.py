@@ -6,6 +6,12 @@ actor handles each message without awaiting, so every state change is atomic. Bl
 ``asyncio.to_thread`` and posts its result back to the inbox. Between messages, and at least
 every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness, budgets, due
 rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
+
+The work per message does not grow with the number of learners (issue 17): liveness, the
+tokens processed and the provisioned seconds are kept incrementally by the
+:class:`~diloco_async.sync.learners.LearnerRegistry`, and the two parts that look at every live
+learner (the schedule's global step and the rounds' quorum checks) run once the inbox is empty,
+or at least every :data:`SWEEP_S` of the clock while messages keep coming.
 """
 
 from __future__ import annotations
@@ -56,11 +62,14 @@ from diloco_async.sync.state import (
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S"]
 
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
+SWEEP_S = 0.01
+"""While the inbox is not empty, the longest time (s, on the actor's clock) between two runs of the
+parts of :meth:`Synchronizer._advance` that look at every live learner (schedule, rounds)."""
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -138,6 +147,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
+        self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
+        self._version_cache: tuple[tuple, list[VersionInfo]] | None = None  # (versions, infos)
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 
@@ -159,6 +170,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
 
     @property
     def ledgers(self) -> dict[str, LearnerLedger]:
+        self.registry.flush_provisioned()
         return self.registry.ledgers
 
     @property
@@ -300,11 +312,16 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
     # -- learner messages ---------------------------------------------------------------------
 
     def _version_infos(self) -> list[VersionInfo]:
-        out = []
-        for f in self.fragments:
-            ref = f.refs[f.version]
-            out.append(VersionInfo(fragment=f.p, version=f.version, key=ref.key, nbytes=ref.nbytes, sha256=ref.sha256))
-        return out
+        """Every fragment's current version (built again only after a version changed)."""
+        key = tuple((f.version, f.refs[f.version].key, f.refs[f.version].sha256) for f in self.fragments)
+        if self._version_cache is None or self._version_cache[0] != key:
+            out = []
+            for f in self.fragments:
+                ref = f.refs[f.version]
+                out.append(VersionInfo(fragment=f.p, version=f.version, key=ref.key, nbytes=ref.nbytes,
+                                       sha256=ref.sha256))
+            self._version_cache = (key, out)
+        return list(self._version_cache[1])
 
     def _on_join(self, req: JoinRequest) -> JoinResponse:
         if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
@@ -359,8 +376,12 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
-        for part in (self._liveness, self._check_budget, self._schedule, self._progress_rounds,
-                     self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
+        sweep = self.inbox.empty() or now - self._swept_s >= SWEEP_S  # see SWEEP_S
+        if sweep:
+            self._swept_s = now
+        swept = (self._schedule, self._progress_rounds) if sweep else ()
+        for part in (self._liveness, self._check_budget, *swept, self._check_drain, self._checkpoint_if_due,
+                     self._goodput_series, self._progress_stop):
             self._guarded(part, now)
 
     def _goodput_series(self, now: float) -> None:
@@ -369,6 +390,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
             self._goodput_merges, self._goodput_at_s = merges, now
             uptime = self.report.merge_gaps.uptime(now, uptime_max_gap_s(self))
+            self.registry.flush_provisioned()
             self.report.goodput_series(self.registry.ledgers, uptime, self.registry.silent_s(now))
 
     def _liveness(self, now: float) -> None:
@@ -376,7 +398,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
-        self.registry.update_provisioned(now)
+        self.registry.mark_provisioned(now)  # O(1): the ledgers' readers flush it
 
     def _check_budget(self, now: float) -> None:
         if self.life.running:
@@ -427,6 +449,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         elif phase is Phase.FINAL_CHECKPOINT:
             self.life.move(Phase.WRITING_SUMMARY)
             self.final_summary = reporting.with_checkpoint_outcome(self._final_figures, self)
+            self.registry.flush_provisioned()
             self.report.goodput_series(self.registry.ledgers, self.final_summary["uptime"],
                                        self.registry.silent_s(now), per_learner=True)
             self.report.seal()  # the spill files are complete: nothing more goes to the store
