@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -67,6 +68,7 @@ __all__ = ["LoadSpec", "LoadResult", "run_load", "bars", "main"]
 
 RUN_ID = "load"
 STEPS_PER_S = 10.0  # each simulated learner's inner steps per second
+ANNOUNCE_JITTER_S = 0.3  # a learner announces up to this long after it heard of a round (its last steps)
 GOAL_P99_MS_1000 = 50.0
 GOAL_P99_MS_256 = 20.0
 
@@ -95,9 +97,11 @@ class LoadResult:
     answered: dict[str, int] = field(default_factory=dict)
     acks: dict[str, int] = field(default_factory=dict)
     pushed: int = 0
+    pushed_by_type: dict[str, int] = field(default_factory=dict)
     ws_lost: int = 0
     errors: list[str] = field(default_factory=list)
     loop_lag_max_s: float = 0.0
+    gc_max_s: float = 0.0  # the load generator's longest garbage collection
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over the measured window
 
     @property
@@ -116,7 +120,7 @@ def percentile_ms(values: list[float], q: float) -> float | None:
 def _config_args(spec: LoadSpec, store_url: str) -> list[str]:
     sets = [
         "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8", "model.vocab_size=64",
-        f"learners.count={spec.learners}", "synchronizer.num_fragments=2", "synchronizer.sync_every=8",
+        f"learners.count={spec.learners}", "synchronizer.num_fragments=2", "synchronizer.sync_every=40",
         "synchronizer.min_quorum=4", "synchronizer.grace_initial_s=0.2", "synchronizer.grace_cap_s=0.5",
         "synchronizer.heartbeat_timeout_s=5", "synchronizer.checkpoint_every_s=100000",
         f"synchronizer.max_learners={spec.learners}", "synchronizer.drain_s=0", "synchronizer.port=0",
@@ -133,7 +137,7 @@ class _Learner:
     """One simulated learner: join, WebSocket, heartbeats, announcements."""
 
     def __init__(self, lid: str, token: str, url: str, session: aiohttp.ClientSession, store: ObjectStore,
-                 plans: dict[str, FragmentPlan], spec: LoadSpec, res: LoadResult, measure_from: list[float],
+                 plans: dict, spec: LoadSpec, res: LoadResult, measure_from: list[float],
                  stop: asyncio.Event, rng: random.Random) -> None:
         self.lid, self.url, self.session, self.store, self.plans = lid, url, session, store, plans
         self.headers = {"Authorization": f"Bearer {token}"}
@@ -143,6 +147,7 @@ class _Learner:
         self.last_announce = time.monotonic() - rng.uniform(0, spec.announce_s)
         self.announced: set[tuple[int, int]] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.payloads: dict[int, bytes] = plans.setdefault("payloads", {})  # type: ignore[assignment]
 
     def step(self) -> int:
         return int((time.monotonic() - self.started) * STEPS_PER_S)
@@ -178,8 +183,11 @@ class _Learner:
         task.add_done_callback(self.tasks.discard)
 
     async def announce(self, p: int, n: int, version: int) -> None:
-        delta = {s.name: torch.full(s.shape, 1e-3 * self.rng.random()) for s in self.plans['plan'].fragments[p]}
-        data = wire.encode_to_bytes(delta, "fp32", {})
+        await asyncio.sleep(self.rng.uniform(0.0, ANNOUNCE_JITTER_S))
+        data = self.payloads.get(p)
+        if data is None:  # one payload per fragment for every learner: the generator's CPU goes to the protocol
+            delta = {s.name: torch.full(s.shape, 1e-3) for s in self.plans["plan"].fragments[p]}
+            data = self.payloads[p] = wire.encode_to_bytes(delta, "fp32", {})
         key = keys.contribution_key(RUN_ID, p, n, self.lid, uuid.uuid4().hex[:8])
         ref = await asyncio.to_thread(self.store.put, key, data)
         c_steps = 4
@@ -200,6 +208,8 @@ class _Learner:
                         break
                     ev = json.loads(msg.data)
                     self.res.pushed += 1
+                    kind = str(ev.get("type"))
+                    self.res.pushed_by_type[kind] = self.res.pushed_by_type.get(kind, 0) + 1
                     if ev.get("type") == "round_open":
                         self._round_heard(ev["fragment"], ev["round_n"], ev["version"])
                     elif ev.get("type") == "version":
@@ -235,8 +245,7 @@ class _Learner:
                 for r in hb["open_rounds"]:
                     self._round_heard(r["fragment"], r["round_n"], r["version"])
             next_t += period
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), max(0.0, next_t - time.monotonic()))
+            await asyncio.sleep(max(0.0, next_t - time.monotonic()))
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         ws.cancel()
@@ -277,10 +286,20 @@ def _cpu_s(proc: psutil.Process) -> float:
 
 async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, sync_pid: int) -> LoadResult:
     res = LoadResult(spec)
+    gc_t0 = [0.0]
+
+    def gc_timer(phase: str, _info: dict) -> None:
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            res.gc_max_s = max(res.gc_max_s, time.perf_counter() - gc_t0[0])
+    gc.callbacks.append(gc_timer)
+    gc.collect()
+    gc.freeze()  # what was imported and built so far is never traversed again: no long pauses
     stop = asyncio.Event()
     measure_from = [float("inf")]
     rng = random.Random(17)
-    plans: dict[str, FragmentPlan] = {}
+    plans: dict = {}  # "plan": the run's FragmentPlan, "payloads": fragment -> encoded contribution
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         learners = [_Learner(f"l{i:04d}", learner_token(secret, RUN_ID, f"l{i:04d}"), url, session, store, plans,
@@ -300,6 +319,7 @@ async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, sync
         res.cpu_s = {"load generator": _cpu_s(me) - cpu0[0], "synchronizer": _cpu_s(sync) - cpu0[1]}
         stop.set()
         await asyncio.gather(*tasks, *side, return_exceptions=True)
+    gc.callbacks.remove(gc_timer)
     return res
 
 
@@ -365,9 +385,11 @@ def report(res: LoadResult) -> dict[str, float | None]:
              if base and fig["heartbeat_p99_ms"] is not None else "")
     print(f"  baseline GET /health p50 {ms(fig['health_p50_ms'])} ms  p99 {ms(base)} ms{ratio}")
     print(f"  sent {dict(sorted(res.sent.items()))}  answered {dict(sorted(res.answered.items()))}  "
-          f"pushed events {res.pushed}  websockets lost {res.ws_lost}  dropped {res.dropped}")
+          f"pushed events {dict(sorted(res.pushed_by_type.items()))}  websockets lost {res.ws_lost}  "
+          f"dropped {res.dropped}")
     cpu = ", ".join(f"{k} {v / s.seconds:.0%}" for k, v in res.cpu_s.items())
-    print(f"  load generator loop lag max {1000 * res.loop_lag_max_s:.1f} ms; CPU of one core: {cpu}", flush=True)
+    print(f"  load generator loop lag max {1000 * res.loop_lag_max_s:.1f} ms, GC max {1000 * res.gc_max_s:.1f} ms; "
+          f"CPU of one core: {cpu}", flush=True)
     for err in res.errors[:5]:
         print(f"  error: {err}")
     return fig
