@@ -293,9 +293,9 @@ async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, sync
             gc_t0[0] = time.perf_counter()
         else:
             res.gc_max_s = max(res.gc_max_s, time.perf_counter() - gc_t0[0])
-    gc.callbacks.append(gc_timer)
     gc.collect()
     gc.freeze()  # what was imported and built so far is never traversed again: no long pauses
+    gc.callbacks.append(gc_timer)
     stop = asyncio.Event()
     measure_from = [float("inf")]
     rng = random.Random(17)
