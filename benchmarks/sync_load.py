@@ -323,8 +323,10 @@ async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, sync
     return res
 
 
-def run_load(spec: LoadSpec) -> LoadResult:
+def run_load(spec: LoadSpec, source_dir: str | None = None) -> LoadResult:
     """Start a synchronizer process, put ``spec``'s load on it, stop it; the measured result.
+    ``source_dir``: run the synchronizer from that source tree instead (e.g. an export of main,
+    for its figures as context).
 
     Raises:
         RuntimeError: the synchronizer did not start within 60 s (its log is in the message).
@@ -335,13 +337,15 @@ def run_load(spec: LoadSpec) -> LoadResult:
     secret = secrets.token_hex(32)
     ready = work / "ready.json"
     log_path = work / "sync.log"
-    env = {**os.environ, TOKEN_ENV: secret, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, TOKEN_ENV: secret, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    if source_dir:
+        env["PYTHONPATH"] = source_dir
     profile = os.environ.get("SYNC_LOAD_PROFILE")  # a path: the synchronizer runs under cProfile
     cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "diloco_async.sync",
            "--run-id", RUN_ID, "--ready-file", str(ready),
            *_config_args(spec, store_url)]
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=source_dir)
     try:
         t0 = time.monotonic()
         while not ready.exists():
@@ -350,10 +354,10 @@ def run_load(spec: LoadSpec) -> LoadResult:
             time.sleep(0.05)
         url = json.loads(ready.read_text())["url"]
         return asyncio.run(_drive(spec, url, secret, ObjectStore(store_url), proc.pid))
-    finally:
+    finally:  # SIGTERM stops it cleanly (a final checkpoint); it waits for its learners at most 5 s here
         proc.terminate()
         try:
-            proc.wait(60)
+            proc.wait(5 if not os.environ.get("SYNC_LOAD_PROFILE") else 60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -424,12 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=None, help="one load of N learners instead of the two")
     ap.add_argument("--seconds", type=float, default=30.0, help="measured seconds (with --learners)")
     ap.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat period (with --learners)")
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
+                    help="with --learners: the same load first on a synchronizer run from DIR (e.g. "
+                         "`git archive main | tar -x -C DIR`), printed as context")
     args = ap.parse_args(argv)
     if args.learners is not None:
         hb = args.heartbeat_s or (0.25 if args.learners <= 256 else 1.0)
         goal = GOAL_P99_MS_256 if args.learners <= 256 else GOAL_P99_MS_1000
-        return print_bars(_load_bars(run_load(LoadSpec(args.learners, hb, 8.0 if args.learners <= 256 else 10.0,
-                                                       args.seconds)), goal))
+        spec = LoadSpec(args.learners, hb, 8.0 if args.learners <= 256 else 10.0, args.seconds)
+        if args.baseline_tree:
+            print(f"baseline: the synchronizer of {args.baseline_tree}")
+            report(run_load(spec, os.path.abspath(args.baseline_tree)))
+            print("this tree:")
+        return print_bars(_load_bars(run_load(spec), goal))
     return print_bars(bars(args.quick))
 
 
