@@ -6,6 +6,9 @@ actor handles each message without awaiting, so every state change is atomic. Bl
 ``asyncio.to_thread`` and posts its result back to the inbox. Between messages, and at least
 every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness, budgets, due
 rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
+The work per message does not grow with the learners (issue 17; DESIGN §2.1): the registry keeps
+liveness, tokens and provisioned seconds incrementally; the schedule and the rounds' quorum
+checks, which look at every live learner, run once the inbox is empty or every :data:`SWEEP_S`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from diloco_async.messages import (
     JoinRequest,
     JoinResponse,
     RoundOpen,
-    VersionInfo,
 )
 from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
@@ -53,14 +55,16 @@ from diloco_async.sync.state import (
     initial_state,
     new_fragments,
 )
+from diloco_async.sync.versions import VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S"]
 
 log = logging.getLogger("diloco.synchronizer")
 
 _FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
+SWEEP_S = 0.01  # seconds (actor's clock) at most between two runs of the schedule and the rounds' checks
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -138,6 +142,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
+        self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
+        self._versions = VersionInfos()
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 
@@ -159,6 +165,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
 
     @property
     def ledgers(self) -> dict[str, LearnerLedger]:
+        self.registry.flush_provisioned()
         return self.registry.ledgers
 
     @property
@@ -299,13 +306,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
 
     # -- learner messages ---------------------------------------------------------------------
 
-    def _version_infos(self) -> list[VersionInfo]:
-        out = []
-        for f in self.fragments:
-            ref = f.refs[f.version]
-            out.append(VersionInfo(fragment=f.p, version=f.version, key=ref.key, nbytes=ref.nbytes, sha256=ref.sha256))
-        return out
-
     def _on_join(self, req: JoinRequest) -> JoinResponse:
         if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
@@ -315,7 +315,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
         return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
                             plan=self.plan.to_json(), schema_hash=self.plan.schema_hash,
-                            versions=self._version_infos(), epoch=self.epoch, start_step=start_step)
+                            versions=self._versions(self.fragments), epoch=self.epoch, start_step=start_step)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id
@@ -342,9 +342,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             for (p, n), rnd in sorted(self.rounds.items()):
                 if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries:
                     opens.append(RoundOpen(fragment=p, round_n=n, version=self.fragments[p].version))
-        if stop:
-            info.stop_sent = True
-        return HeartbeatResponse(open_rounds=opens, versions=self._version_infos(), stop=stop, epoch=self.epoch)
+        info.stop_sent = info.stop_sent or stop
+        return HeartbeatResponse(open_rounds=opens, versions=self._versions(self.fragments), stop=stop,
+                                 epoch=self.epoch)
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once
@@ -359,7 +359,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
-        for part in (self._liveness, self._check_budget, self._schedule, self._progress_rounds,
+        sweep = self.inbox.empty() or now - self._swept_s >= SWEEP_S  # see SWEEP_S
+        self._swept_s = now if sweep else self._swept_s
+        for part in (self._liveness, self._check_budget, *((self._schedule, self._progress_rounds) if sweep else ()),
                      self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
             self._guarded(part, now)
 
@@ -369,14 +371,14 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
             self._goodput_merges, self._goodput_at_s = merges, now
             uptime = self.report.merge_gaps.uptime(now, uptime_max_gap_s(self))
-            self.report.goodput_series(self.registry.ledgers, uptime, self.registry.silent_s(now))
+            self.report.goodput_series(self.ledgers, uptime, self.registry.silent_s(now))
 
     def _liveness(self, now: float) -> None:
         for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
-        self.registry.update_provisioned(now)
+        self.registry.mark_provisioned(now)  # O(1): the ledgers' readers flush it
 
     def _check_budget(self, now: float) -> None:
         if self.life.running:
@@ -427,7 +429,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         elif phase is Phase.FINAL_CHECKPOINT:
             self.life.move(Phase.WRITING_SUMMARY)
             self.final_summary = reporting.with_checkpoint_outcome(self._final_figures, self)
-            self.report.goodput_series(self.registry.ledgers, self.final_summary["uptime"],
+            self.report.goodput_series(self.ledgers, self.final_summary["uptime"],
                                        self.registry.silent_s(now), per_learner=True)
             self.report.seal()  # the spill files are complete: nothing more goes to the store
             self._spawn(self._write_final())

@@ -26,6 +26,13 @@ than 4300 digits, not an object, a field out of its bounds — see :mod:`diloco_
 gets 400 with ``{"error": "bad_request: ...", "reason": ...}`` naming the field, counted under
 ``bad_request`` and by reason (a body from a sender with no valid credential gets 401 instead).
 JSON out is always standard JSON: non-finite floats become null.
+
+The fast path (issue 17): a learner's body is parsed and validated in one step by pydantic from
+the raw bytes (:meth:`~pydantic.BaseModel.model_validate_json`), its credential checked against
+the validated ``learner_id``, and the reply serialized by pydantic; only a body that does not
+validate takes the slow path, which finds the exact reason (and checks the credential first, so a
+sender without one gets 401, never a hint about its body). A body already received whole is read
+without arming the body timeout. A pushed event is serialized once for every WebSocket.
 """
 
 from __future__ import annotations
@@ -61,6 +68,11 @@ _DETAIL_CHARS = 300  # longest reason echoed to the client and logged
 
 def _json(value: Any, status: int = 200) -> web.Response:
     return web.json_response(value, status=status, dumps=_dumps)
+
+
+def _model_json(model: BaseModel) -> web.Response:
+    """A reply model as standard JSON (pydantic writes non-finite floats as null)."""
+    return web.Response(body=model.__pydantic_serializer__.to_json(model), content_type="application/json")
 
 
 def _credential(request: web.Request) -> str | None:
@@ -140,6 +152,8 @@ def _refuse(request: web.Request, bad: _BadRequest) -> web.HTTPBadRequest:
 async def _read(request: web.Request) -> bytes:
     """The body, received within ``synchronizer.request_body_timeout_s`` (else 408, ``body_timeout``)."""
     try:
+        if request.content.is_eof():  # received whole already (the common case): nothing to wait for
+            return await request.read()
         async with asyncio.timeout(request.app[SYNC].sc.request_body_timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -155,6 +169,13 @@ async def _parse_as_learner(request: web.Request, model: type[BaseModel]) -> Any
     raw = await _read(request)
     creds = request.app[GATE].credentials
     credential = _credential(request)
+    try:  # the fast path: parse and validate at once; any failure takes the slow path for its reason
+        msg = model.model_validate_json(raw)
+    except ValueError:
+        pass
+    else:
+        _check(request, creds.as_learner(credential, msg.learner_id), f"learner {msg.learner_id[:64]!r}")
+        return msg
     try:
         doc = _decode(raw)
     except _BadRequest as bad:
@@ -186,12 +207,12 @@ async def _ask(request: web.Request, kind: str, body: Any) -> Any:
 
 async def _join(request: web.Request) -> web.Response:
     resp = await _ask(request, "join", await _parse_as_learner(request, JoinRequest))
-    return _json(resp.model_dump(mode="json"))
+    return _model_json(resp)
 
 
 async def _heartbeat(request: web.Request) -> web.Response:
     resp = await _ask(request, "heartbeat", await _parse_as_learner(request, Heartbeat))
-    return _json(resp.model_dump(mode="json"))
+    return _model_json(resp)
 
 
 async def _announce(request: web.Request) -> web.Response:
@@ -201,7 +222,7 @@ async def _announce(request: web.Request) -> web.Response:
         raise _denied(request, FORBIDDEN, f"learner {ann.learner_id!r} announced key {ann.key[:200]!r}, which is "
                                           "not under its own contribution prefix")
     resp = await _ask(request, "announce", ann)
-    return _json(resp.model_dump(mode="json"))
+    return _model_json(resp)
 
 
 def _board(request: web.Request):
@@ -230,6 +251,23 @@ async def _metrics(request: web.Request) -> web.Response:
     return _json(await _ask(request, "metrics", query.since))
 
 
+class _EventText:
+    """The text of the newest pushed event: one event goes to every WebSocket, so it is
+    serialized once (the event dict is held, so its identity cannot be reused meanwhile)."""
+
+    def __init__(self) -> None:
+        self.event: dict | None = None
+        self.text = ""
+
+    def __call__(self, event: dict) -> str:
+        if event is not self.event:
+            self.event, self.text = event, _dumps(event)
+        return self.text
+
+
+EVENT_TEXT = web.AppKey("event_text", _EventText)
+
+
 async def _push(request: web.Request) -> web.WebSocketResponse:
     lid = request.query.get("learner_id", "")
     creds = request.app[GATE].credentials
@@ -239,21 +277,30 @@ async def _push(request: web.Request) -> web.WebSocketResponse:
         _check(request, creds.as_admin(_credential(request)), "the operator")
     ws = web.WebSocketResponse(heartbeat=10.0)
     await ws.prepare(request)
-    push = request.app[SYNC].push
+    push, text = request.app[SYNC].push, request.app[EVENT_TEXT]
     handle, q = push.subscribe()
+
+    def gone(_reader: asyncio.Future) -> None:  # the learner went away: wake the loop below
+        while True:
+            try:
+                q.put_nowait(None)
+                return
+            except asyncio.QueueFull:
+                q.get_nowait()
+
     reader = asyncio.ensure_future(ws.receive())  # completes when the learner goes away
+    reader.add_done_callback(gone)
     try:
         while not ws.closed:
-            getter = asyncio.ensure_future(q.get())
-            done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
+            event = await q.get()
+            if event is None:
                 break
-            await ws.send_json(getter.result(), dumps=_dumps)
+            await ws.send_str(text(event))
     except (ConnectionResetError, RuntimeError):
         pass
     finally:
         push.unsubscribe(handle)
+        reader.remove_done_callback(gone)
         reader.cancel()
     return ws
 
@@ -280,6 +327,7 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
     app = web.Application(middlewares=[_auth], client_max_size=sync.sc.client_max_size_bytes)
     app[SYNC] = sync
     app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
+    app[EVENT_TEXT] = _EventText()
     app.add_routes([web.post("/join", _join), web.post("/heartbeat", _heartbeat), web.post("/announce", _announce),
                     web.get("/status", _status), web.get("/metrics", _metrics), web.get("/health", _health),
                     web.get("/ws", _push), web.post("/checkpoint", _checkpoint)])

@@ -1,14 +1,23 @@
 """The synchronizer's learner registry: who joined, who is live, their steps and goodput ledgers.
 
 Owned by the actor. Times are seconds on the actor's (injectable) clock.
+
+Work per message is O(1) or O(log N) in the number of learners (issue 17): liveness is a heap of
+last-heard times (:meth:`LearnerRegistry.mark_lost` looks only at the learners whose timeout may
+have passed), the tokens processed are a running total, the live learners a cached tuple rebuilt
+only when one comes or goes, and the provisioned seconds of the ledgers are stamped with a time
+(:meth:`LearnerRegistry.mark_provisioned`) and written into every ledger only when the ledgers are
+read (:meth:`LearnerRegistry.flush_provisioned`).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco_async.goodput import LearnerLedger
 from diloco_async.messages import Heartbeat, JoinRequest
@@ -35,6 +44,7 @@ class LearnerInfo:
     blocked_seen_s: float = 0.0  # blocked_s reported by the current incarnation
     stop_sent: bool = False
     reported: bool = False  # sent a heartbeat to this synchronizer process (a restored step may be stale)
+    watched: bool = field(default=False, repr=False, compare=False)  # has an entry in the liveness heap
 
     def to_json(self) -> dict:
         """What a checkpoint keeps of this slot."""
@@ -58,6 +68,14 @@ class LearnerRegistry:
         self.pace = pace
         self.max_step_time_s = max_step_time_s
         self.step_time_multiple = step_time_multiple
+        # (last_seen_s when pushed, tie-breaker, info): one entry per live learner; the key is at most
+        # the learner's last_seen_s (it only grows), so the heap's top is the first that may be lost
+        self._heard: list[tuple[float, int, LearnerInfo]] = []
+        self._ties = itertools.count()
+        self._live: tuple[LearnerInfo, ...] | None = None  # None: rebuild at the next live()
+        self._tokens_processed = 0  # the sum of the ledgers' tokens_processed
+        self._provisioned_at_s: float | None = None  # the time the provisioned seconds run to
+        self._provisioned_flushed = True
 
     def __contains__(self, learner_id: object) -> bool:
         return learner_id in self.learners
@@ -65,8 +83,17 @@ class LearnerRegistry:
     def get(self, learner_id: str) -> LearnerInfo | None:
         return self.learners.get(learner_id)
 
-    def live(self) -> list[LearnerInfo]:
-        return [i for i in self.learners.values() if i.live]
+    def live(self) -> tuple[LearnerInfo, ...]:
+        """The live learners in join order (a cached tuple, rebuilt after a learner came or went)."""
+        if self._live is None:
+            self._live = tuple(i for i in self.learners.values() if i.live)
+        return self._live
+
+    def _watch(self, info: LearnerInfo) -> None:
+        """Put a live learner into the liveness heap (once)."""
+        if not info.watched:
+            info.watched = True
+            heapq.heappush(self._heard, (info.last_seen_s, next(self._ties), info))
 
     def slowest_step_s(self) -> float | None:
         """Step time (s) of the slowest live learner that reported one, or None; each reported
@@ -100,13 +127,15 @@ class LearnerRegistry:
                 led.add_badput("restarting", now_s - process_start_s)
             else:
                 led.add_badput("starting", req.uptime_s)
-            self.learners[req.learner_id] = LearnerInfo(req.learner_id, req.incarnation, started, now_s,
-                                                        step=start_step)
+            info = self.learners[req.learner_id] = LearnerInfo(req.learner_id, req.incarnation, started, now_s,
+                                                               step=start_step)
         else:
             if not info.live:
                 self.ledgers[req.learner_id].add_badput("stalled", now_s - info.last_seen_s)
             info.last_seen_s = now_s
             info.live = True
+        self._live = None
+        self._watch(info)
         return start_step
 
     def heartbeat(self, hb: Heartbeat, now_s: float) -> tuple[bool, int, list[str]]:
@@ -136,6 +165,9 @@ class LearnerRegistry:
         if over:
             clamped.append("implausible_steps")
         info.live, info.last_seen_s, info.step = True, now_s, step
+        if was_lost:
+            self._live = None
+        self._watch(info)
         info.step_time_s = hb.step_time_s
         if hb.tokens_total >= info.tokens_seen:
             tokens, over = hb.tokens_total, False
@@ -144,6 +176,7 @@ class LearnerRegistry:
             if over:
                 clamped.append("implausible_tokens")
             self.ledgers[hb.learner_id].tokens_processed += tokens - info.tokens_seen
+            self._tokens_processed += tokens - info.tokens_seen
             info.tokens_seen = tokens
         bytes_down = 0
         if hb.bytes_down >= info.bytes_down_seen:
@@ -152,12 +185,22 @@ class LearnerRegistry:
         return was_lost, bytes_down, clamped
 
     def mark_lost(self, now_s: float, timeout_s: float) -> list[LearnerInfo]:
-        """Mark learners silent for more than ``timeout_s`` as not live; returns them."""
+        """Mark learners silent for more than ``timeout_s`` as not live; returns them (longest
+        silent first). O(1) when nobody's timeout passed, else O(log N) per learner looked at."""
         lost = []
-        for info in self.learners.values():
-            if info.live and now_s - info.last_seen_s > timeout_s:
+        heard = self._heard
+        while heard and now_s - heard[0][0] > timeout_s:
+            _, _, info = heapq.heappop(heard)
+            info.watched = False
+            if not info.live or self.learners.get(info.learner_id) is not info:
+                continue  # lost already, or replaced by a new incarnation (which has its own entry)
+            if now_s - info.last_seen_s > timeout_s:
                 info.live = False
                 lost.append(info)
+            else:  # heard from since it was pushed: back in, at its newest time
+                self._watch(info)
+        if lost:
+            self._live = None
         return lost
 
     def silent_s(self, now_s: float) -> dict[str, float]:
@@ -165,18 +208,36 @@ class LearnerRegistry:
         return {lid: max(0.0, now_s - i.last_seen_s) for lid, i in self.learners.items() if not i.live}
 
     def update_provisioned(self, now_s: float) -> None:
-        """Provisioned seconds run from a slot's first start to now, down time included."""
+        """Provisioned seconds run from a slot's first start to ``now_s``, down time included
+        (written into every ledger at once; O(N))."""
+        self.mark_provisioned(now_s)
+        self.flush_provisioned()
+
+    def mark_provisioned(self, now_s: float) -> None:
+        """The provisioned seconds run to ``now_s`` from now on (O(1); written into the ledgers by
+        :meth:`flush_provisioned`, which whoever reads the ledgers calls first)."""
+        self._provisioned_at_s, self._provisioned_flushed = now_s, False
+
+    def flush_provisioned(self) -> None:
+        """Write the provisioned seconds as of the last :meth:`mark_provisioned` into every ledger
+        (O(N) when something was marked since the last flush, else O(1))."""
+        if self._provisioned_flushed or self._provisioned_at_s is None:
+            return
+        now_s = self._provisioned_at_s
         for lid, info in self.learners.items():
             self.ledgers[lid].provisioned_s = now_s - info.started_s
+        self._provisioned_flushed = True
 
     def tokens_processed(self) -> int:
-        return sum(led.tokens_processed for led in self.ledgers.values())
+        """Tokens processed by every learner (the sum of the ledgers'; a running total, O(1))."""
+        return self._tokens_processed
 
     def everyone_told_to_stop(self) -> bool:
         return all(i.stop_sent or not i.live for i in self.learners.values())
 
     def to_manifest(self) -> tuple[dict, dict]:
         """(ledgers, learners) as a checkpoint manifest keeps them."""
+        self.flush_provisioned()
         return ({lid: led.to_json() for lid, led in self.ledgers.items()},
                 {lid: i.to_json() for lid, i in self.learners.items()})
 
@@ -184,6 +245,9 @@ class LearnerRegistry:
         """Take the registry of a checkpoint: every learner is not live until it heartbeats again."""
         self.ledgers = {lid: LearnerLedger.from_json(d) for lid, d in ledgers.items()}
         self.learners = {}
+        self._heard, self._live = [], None
+        self._tokens_processed = sum(led.tokens_processed for led in self.ledgers.values())
+        self._provisioned_at_s, self._provisioned_flushed = None, True
         for lid, d in learners.items():
             self.learners[lid] = LearnerInfo(
                 lid, int(d["incarnation"]), now_s - self.ledgers[lid].provisioned_s, now_s, live=False,

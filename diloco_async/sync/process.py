@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -89,6 +90,10 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
             loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
         except (NotImplementedError, RuntimeError):
             pass
+    # what start-up built (torch, the model's fragments, the config) lives as long as the process:
+    # frozen out of the collector, so a full collection later never pauses the loop for it (issue 17)
+    gc.collect()
+    gc.freeze()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,

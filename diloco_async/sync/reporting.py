@@ -186,6 +186,7 @@ def summary(sync: Synchronizer) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
     now = sync.clock()
     rep, reg, c = sync.report, sync.registry, sync.report.counters
+    reg.flush_provisioned()
     max_gap = uptime_max_gap_s(sync)
     return {
         "run_id": sync.run_id,
