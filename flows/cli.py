@@ -11,8 +11,7 @@ import sys
 __all__ = ["main"]
 
 
-# Quiet, project-local defaults for the embedded Prefect server and MLflow (the Makefile sets the
-# same); an explicit environment variable wins.
+# Quiet, project-local defaults for the embedded Prefect server and MLflow (as the Makefile's); set ones win.
 _ENV_DEFAULTS = {
     "PREFECT_HOME": ".local/prefect",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -111,19 +110,16 @@ def _stop_children_and_exit(code: int) -> None:
 
 
 def _check_config(path: str | None, overrides: list[str]) -> str | None:
-    """Resolve the recipe (a path or a shipped name) and validate it before anything starts; print
-    the error (no traceback) and return None if it is bad, else the recipe's path. Corpus URLs
-    (``data.source = "urls"``) are listed too: a URL that matches no file or only empty ones is
-    refused here, not inside the flow run."""
+    """Resolve the recipe (a path or a shipped name), validate it and list its corpus URLs before
+    anything starts; print the error (no traceback) and return None if bad, else the recipe's path."""
     from diloco_async.config import load_config
     from diloco_async.data import resolve_sources
     from diloco_async.validate import resolve_recipe
 
     try:
         resolved = str(resolve_recipe(path or "default"))
-        cfg = load_config(resolved, overrides)
-        if cfg.data.source == "urls":
-            resolve_sources(cfg.data)
+        if (cfg := load_config(resolved, overrides)).data.source == "urls":
+            resolve_sources(cfg.data)  # a URL matching no file, or only empty ones, is refused here
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
