@@ -7,6 +7,12 @@ arithmetic in the dtype it is given (callers pass float32, the tests float64); w
 Python floats. An *outer gradient* ``Δ`` of a fragment is ``Θ − θ``: the synchronizer's value minus
 the learner's value after its inner steps, so a descent step subtracts it.
 
+In place and by chunks: the merge and the outer step write into preallocated buffers
+(:data:`CHUNK_ELEMENTS` at a time), anchoring is done on the fly (:class:`AnchoredDelta`), and
+the results are bit for bit those of the whole-tensor formulas (same elementwise operations in
+the same order; norms stay whole-tensor reductions). ``tests/test_merge_equivalence.py`` checks
+this against the previous implementation, ``benchmarks/merge.py`` measures it.
+
 Bad input (mismatched names or shapes, negative or zero total weight, non-finite outer gradients)
 raises ``ValueError`` naming the offending value; non-floating tensors raise ``TypeError``.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -22,11 +29,14 @@ from torch import Tensor
 __all__ = [
     "token_weight",
     "anchor",
+    "AnchoredDelta",
     "weighted_mean",
     "rda",
     "merge_outer_gradients",
     "MERGE_MODES",
     "OuterOptimizer",
+    "OuterState",
+    "CHUNK_ELEMENTS",
 ]
 
 MERGE_MODES = ("rda", "mean")
@@ -72,13 +82,180 @@ def _check_shapes(a: Mapping[str, Tensor], b: Mapping[str, Tensor], what: str) -
             )
 
 
+#: elements per chunk of the chunked passes (1 MiB of fp32): a multiple of every SIMD width, so
+#: each element goes through the same kernel path as in a whole-tensor op (bit-for-bit equal)
+CHUNK_ELEMENTS = 1 << 18
+
+
+def _chunks(numel: int):
+    size = CHUNK_ELEMENTS
+    for lo in range(0, numel, size):
+        yield lo, min(lo + size, numel)
+
+
+def _flat(t: Tensor) -> Tensor:
+    """``t`` as a 1-D tensor in row-major order (a view when contiguous)."""
+    return t.reshape(-1)
+
+
+class _Workspace:
+    """Scratch buffers of one merge: two chunk buffers and one whole-tensor buffer per dtype."""
+
+    def __init__(self) -> None:
+        self._chunk: dict[tuple[torch.dtype, int], Tensor] = {}
+        self._whole: dict[torch.dtype, Tensor] = {}
+
+    def chunk(self, dtype: torch.dtype, which: int, n: int) -> Tensor:
+        buf = self._chunk.get((dtype, which))
+        if buf is None:
+            buf = self._chunk[(dtype, which)] = torch.empty(CHUNK_ELEMENTS, dtype=dtype)
+        return buf[:n]
+
+    def whole(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        numel = math.prod(shape)
+        buf = self._whole.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._whole[dtype] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
+
+
+class _Source:
+    """One learner's outer gradient of one tensor, read in chunks (a plain tensor or anchored)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+        """Elements ``lo:hi`` (row-major) in ``dtype``; may be a view or a workspace buffer."""
+        raise NotImplementedError
+
+    def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+        """L2 norm over all elements (0-dim, ``dtype``), as ``vector_norm`` of the whole tensor."""
+        raise NotImplementedError
+
+
+class _TensorSource(_Source):
+    def __init__(self, t: Tensor) -> None:
+        self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
+        self._flat: Tensor | None = None
+
+    def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+        if self._flat is None:
+            self._flat = _flat(self.t)
+        x = self._flat[lo:hi]
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+        return torch.linalg.vector_norm(self.t.to(dtype))
+
+
+class _AnchoredSource(_Source):
+    def __init__(self, owner: AnchoredDelta, name: str) -> None:
+        self.owner, self.name = owner, name
+        d = owner.delta[name]
+        self.shape, self.dtype = tuple(d.shape), d.dtype
+
+    def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+        out = self.owner.write(self.name, ws.chunk(self.dtype, 0, hi - lo), lo, hi)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+        cached = self.owner._norms.get(self.name)
+        if cached is None or cached.dtype != dtype:
+            a = self.owner.write(self.name, ws.whole(self.dtype, self.shape))
+            cached = torch.linalg.vector_norm(a.to(dtype))
+            if cached.dtype == self.dtype:
+                self.owner._norms[self.name] = cached
+        return cached
+
+
+class AnchoredDelta:
+    """A learner's outer gradient anchored on the current value, computed on demand (DESIGN §4.1).
+
+    Holds references to ``Δ``, ``Θ^cur`` and ``Θ^base`` (never copies them, never writes them) and
+    yields ``Δ' = (Θ^cur − Θ^base) + Δ`` chunk by chunk into preallocated buffers, so a merge of M
+    contributions never holds M anchored copies. The values are those of :func:`anchor`, bit for
+    bit. :func:`merge_outer_gradients` accepts it in place of a dict.
+
+    Args:
+        delta: the learner's outer gradient ``Δ``, name → tensor (any floating dtype; ``Δ'`` has it).
+        current: ``Θ^cur``, the same names and shapes.
+        base: ``Θ^base``, the same names and shapes.
+
+    Raises:
+        ValueError: if the three dicts do not hold the same names with the same shapes.
+    """
+
+    def __init__(self, delta: Mapping[str, Tensor], current: Mapping[str, Tensor],
+                 base: Mapping[str, Tensor]) -> None:
+        _check_same_keys(delta, current, "anchor(delta, current)")
+        _check_same_keys(delta, base, "anchor(delta, base)")
+        _check_shapes(delta, current, "anchor(delta, current)")
+        _check_shapes(delta, base, "anchor(delta, base)")
+        self.delta, self.current, self.base = delta, current, base
+        self._norms: dict[str, Tensor] = {}
+
+    def __iter__(self):
+        return iter(self.delta)
+
+    def __len__(self) -> int:
+        return len(self.delta)
+
+    def write(self, name: str, out: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
+        """Write ``Δ'[name]`` (elements ``lo:hi`` in row-major order, default all) into ``out``.
+
+        Args:
+            name: a tensor of the fragment.
+            out: a tensor of ``hi − lo`` elements and the dtype of ``Δ[name]`` (any shape: the
+                whole tensor's shape, or 1-D for a slice).
+
+        Returns:
+            ``out``, holding the values.
+        """
+        d = self.delta[name]
+        hi = d.numel() if hi is None else hi
+        whole = lo == 0 and hi == d.numel() and tuple(out.shape) == tuple(d.shape)
+        cur, base, dd = self.current[name], self.base[name], d
+        if not whole:
+            cur, base, dd = _flat(cur)[lo:hi], _flat(base)[lo:hi], _flat(d)[lo:hi]
+        if cur.dtype != d.dtype:
+            cur = cur.to(d.dtype)
+        if base.dtype != d.dtype:
+            base = base.to(d.dtype)
+        flat_out = out if whole else out.view(-1)
+        torch.sub(cur, base, out=flat_out)
+        flat_out.add_(dd)
+        return out
+
+    def check(self) -> dict[str, int]:
+        """name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any.
+
+        One pass per tensor: it computes the L2 norm (kept for RDA) and counts non-finite
+        elements only when the norm is not finite. Memory: one whole-tensor scratch buffer.
+        """
+        ws = _Workspace()
+        bad = {}
+        for name in self.delta:
+            n = _AnchoredSource(self, name).norm(ws, self.delta[name].dtype)
+            if not bool(torch.isfinite(n)):
+                count = int((~torch.isfinite(self.write(name, ws.whole(n.dtype, tuple(self.delta[name].shape))))).sum())
+                if count:
+                    bad[name] = count
+        return bad
+
+    def materialize(self) -> dict[str, Tensor]:
+        """``Δ'`` as new tensors, name → tensor (what :func:`anchor` returns)."""
+        return {name: self.write(name, torch.empty(d.shape, dtype=d.dtype)) for name, d in self.delta.items()}
+
+
 def anchor(
     delta: dict[str, Tensor], current: dict[str, Tensor], base: dict[str, Tensor]
 ) -> dict[str, Tensor]:
     """Re-anchor a learner's outer gradient on the synchronizer's current value (DESIGN §4.1).
 
     ``Δ' = Θ^cur − θ = (Θ^cur − Θ^base) + Δ`` per tensor, where ``Δ = Θ^base − θ`` is what the
-    learner sent against the version ``base`` it started from.
+    learner sent against the version ``base`` it started from. :class:`AnchoredDelta` gives the
+    same values without materialising them.
 
     Args:
         delta: the learner's outer gradient ``Δ``, name → tensor.
@@ -91,22 +268,15 @@ def anchor(
     Raises:
         ValueError: if the three dicts do not hold the same names with the same shapes.
     """
-    _check_same_keys(delta, current, "anchor(delta, current)")
-    _check_same_keys(delta, base, "anchor(delta, base)")
-    _check_shapes(delta, current, "anchor(delta, current)")
-    _check_shapes(delta, base, "anchor(delta, base)")
-    out = {}
-    for name, d in delta.items():
-        out[name] = (current[name].to(d.dtype) - base[name].to(d.dtype)) + d
-    return out
+    return AnchoredDelta(delta, current, base).materialize()
 
 
-def _normalised_weights(deltas: Sequence[Tensor], weights: Sequence[float]) -> list[float]:
-    """Validate ``deltas``/``weights`` and return ``w / Σw`` (float64 Python floats)."""
-    if len(deltas) == 0:
+def _probs(n: int, weights: Sequence[float]) -> list[float]:
+    """Validate ``weights`` for ``n`` outer gradients and return ``w / Σw`` (Python floats)."""
+    if n == 0:
         raise ValueError("cannot merge an empty list of outer gradients")
-    if len(deltas) != len(weights):
-        raise ValueError(f"{len(deltas)} outer gradients but {len(weights)} weights")
+    if n != len(weights):
+        raise ValueError(f"{n} outer gradients but {len(weights)} weights")
     ws = [float(w) for w in weights]
     for i, w in enumerate(ws):
         if not math.isfinite(w) or w < 0:
@@ -114,20 +284,59 @@ def _normalised_weights(deltas: Sequence[Tensor], weights: Sequence[float]) -> l
     total = math.fsum(ws)
     if total <= 0:
         raise ValueError(f"total weight must be > 0, got {total} from weights {ws}")
-    shape = tuple(deltas[0].shape)
-    for i, d in enumerate(deltas):
-        if not d.is_floating_point():
-            raise TypeError(f"outer gradient {i} must be a floating tensor, got dtype {d.dtype}")
-        if tuple(d.shape) != shape:
-            raise ValueError(f"outer gradient {i} has shape {tuple(d.shape)}, expected {shape}")
     return [w / total for w in ws]
 
 
-def _mean(deltas: Sequence[Tensor], probs: Sequence[float]) -> Tensor:
-    out = torch.zeros_like(deltas[0])
-    for d, p in zip(deltas, probs, strict=True):
-        out.add_(d.to(out.dtype), alpha=p)
+def _check_sources(srcs: Sequence[_Source]) -> None:
+    shape = srcs[0].shape
+    for i, s in enumerate(srcs):
+        if not s.dtype.is_floating_point:
+            raise TypeError(f"outer gradient {i} must be a floating tensor, got dtype {s.dtype}")
+        if s.shape != shape:
+            raise ValueError(f"outer gradient {i} has shape {s.shape}, expected {shape}")
+
+
+def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws: _Workspace) -> Tensor:
+    """``out ← Σ p·Δ`` (``out`` contiguous), chunk by chunk in learner order."""
+    flat = out.view(-1)
+    flat.zero_()
+    for lo, hi in _chunks(flat.numel()):
+        o = flat[lo:hi]
+        for s, p in zip(srcs, probs, strict=True):
+            o.add_(s.slice(lo, hi, ws, out.dtype), alpha=p)
     return out
+
+
+def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: _Workspace) -> Tensor:
+    """``out ← RDA`` (``out`` contiguous) in two passes: the norms, then the direction by chunks.
+
+    The per-element operations and their order are those of the previous whole-tensor code: the
+    norms are whole-tensor ``vector_norm`` reductions (a chunked sum of squares is a different
+    reduction order), ``Δ/‖Δ‖`` and the weighted sums elementwise, learner by learner."""
+    dtype = out.dtype
+    radial = torch.zeros((), dtype=dtype)
+    norms: list[Tensor | None] = []
+    for s, p in zip(srcs, probs, strict=True):
+        n = s.norm(ws, dtype)
+        radial.add_(n, alpha=p)
+        norms.append(n if n.item() > 0 else None)
+    flat = out.view(-1)
+    flat.zero_()
+    for lo, hi in _chunks(flat.numel()):
+        o = flat[lo:hi]
+        unit = ws.chunk(dtype, 1, hi - lo)
+        for s, p, n in zip(srcs, probs, norms, strict=True):
+            if n is not None:
+                torch.div(s.slice(lo, hi, ws, dtype), n, out=unit)
+                o.add_(unit, alpha=p)
+    dir_norm = torch.linalg.vector_norm(out)
+    if dir_norm.item() < eps:
+        return _mean_into(out, srcs, probs, ws)
+    return out.mul_(radial / dir_norm)
+
+
+def _new_out(like: _Source) -> Tensor:
+    return torch.empty(like.shape, dtype=like.dtype)
 
 
 def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -145,8 +354,10 @@ def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
             total weight, or differing shapes.
         TypeError: if a delta is not a floating tensor.
     """
-    probs = _normalised_weights(deltas, weights)
-    return _mean(deltas, probs)
+    probs = _probs(len(deltas), weights)
+    srcs = [_TensorSource(d) for d in deltas]
+    _check_sources(srcs)
+    return _mean_into(_new_out(srcs[0]), srcs, probs, _Workspace())
 
 
 def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) -> Tensor:
@@ -164,51 +375,51 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) 
         eps: threshold on the norm of the directional mean for the fallback.
 
     Returns:
-        A new tensor of the common shape.
+        A new tensor of the common shape (computed in place, by chunks; memory: the result and
+        two chunk buffers).
 
     Raises:
         ValueError, TypeError: as :func:`weighted_mean`.
     """
-    probs = _normalised_weights(deltas, weights)
-    dtype = deltas[0].dtype
-    radial = torch.zeros((), dtype=dtype, device=deltas[0].device)
-    direction = torch.zeros_like(deltas[0])
-    for d, p in zip(deltas, probs, strict=True):
-        d = d.to(dtype)
-        norm = torch.linalg.vector_norm(d)
-        radial.add_(norm, alpha=p)
-        if norm.item() > 0:
-            direction.add_(d / norm, alpha=p)
-    dir_norm = torch.linalg.vector_norm(direction)
-    if dir_norm.item() < eps:
-        return _mean(deltas, probs)
-    return direction.mul_(radial / dir_norm)
+    probs = _probs(len(deltas), weights)
+    srcs = [_TensorSource(d) for d in deltas]
+    _check_sources(srcs)
+    return _rda_into(_new_out(srcs[0]), srcs, probs, eps, _Workspace())
 
 
 def merge_outer_gradients(
-    deltas: Sequence[dict[str, Tensor]],
+    deltas: Sequence[Mapping[str, Tensor] | AnchoredDelta],
     weights: Sequence[float],
     mode: str = "rda",
     embedding_names: Collection[str] = (),
+    *,
+    out: Mapping[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Merge M learners' outer gradients of one fragment, tensor by tensor (DESIGN §4.4).
 
     Each tensor is merged with :func:`rda` (``mode="rda"``) or :func:`weighted_mean`
-    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean.
+    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean. The values
+    are bit for bit those of the whole-tensor formulas; the work is done in place, by chunks.
 
     Args:
-        deltas: M dicts name → outer gradient, all with the same names (anchored, DESIGN §4.1).
+        deltas: M dicts name → outer gradient, all with the same names (anchored, DESIGN §4.1),
+            or :class:`AnchoredDelta` (anchored on the fly, never materialised).
         weights: M weights, one per learner.
         mode: ``"rda"`` or ``"mean"``.
         embedding_names: tensors merged with the weighted mean whatever the mode; names that are
             not in the fragment are ignored.
+        out: keyword-only; name → contiguous tensor of each result's shape and dtype (the first
+            learner's dtype) to write into, e.g. reused buffers. Default: new tensors.
 
     Returns:
-        A new dict name → merged tensor, in the order of the first learner's dict.
+        A dict name → merged tensor (the tensors of ``out`` when given), in the order of the
+        first learner's dict. Memory beyond the result: two chunk buffers, and with
+        :class:`AnchoredDelta` one buffer of the largest tensor (for its exact norm).
 
     Raises:
         ValueError: for an unknown mode, no deltas, differing name sets, and the errors of
             :func:`weighted_mean`.
+        TypeError: a non-floating outer gradient.
     """
     if mode not in MERGE_MODES:
         raise ValueError(f"unknown merge mode {mode!r}; expected one of {MERGE_MODES}")
@@ -218,24 +429,37 @@ def merge_outer_gradients(
         raise ValueError(f"{len(deltas)} outer gradients but {len(weights)} weights")
     for i, d in enumerate(deltas[1:], start=1):
         _check_same_keys(d, deltas[0], f"merge_outer_gradients(learner {i} vs learner 0)")
+    probs = _probs(len(deltas), weights)
     embeddings = frozenset(embedding_names)
-    out = {}
+    ws = _Workspace()
+    result = {}
     for name in deltas[0]:
-        per_learner = [d[name] for d in deltas]
+        srcs = [_AnchoredSource(d, name) if isinstance(d, AnchoredDelta) else _TensorSource(d[name])
+                for d in deltas]
+        _check_sources(srcs)
+        buf = _new_out(srcs[0]) if out is None else out[name]
+        if tuple(buf.shape) != srcs[0].shape or buf.dtype != srcs[0].dtype or not buf.is_contiguous():
+            raise ValueError(f"out[{name!r}] must be contiguous {srcs[0].dtype} of shape {srcs[0].shape}")
         if mode == "mean" or name in embeddings:
-            out[name] = weighted_mean(per_learner, weights)
+            result[name] = _mean_into(buf, srcs, probs, ws)
         else:
-            out[name] = rda(per_learner, weights)
-    return out
+            result[name] = _rda_into(buf, srcs, probs, 1e-12, ws)
+    return result
 
 
 class OuterOptimizer:
-    """The outer Nesterov step of one fragment (DESIGN §4.5), on ``torch.optim.SGD``.
+    """The outer Nesterov step of one fragment (DESIGN §4.5), in place and by chunks.
 
-    ``b ← μb + g; Θ ← Θ − η(g + μb)``, exactly as ``torch.optim.SGD(lr=η, momentum=μ,
-    nesterov=True)``; on the first step torch sets ``b = g``. The optimizer owns copies of the
-    fragment's values as leaf tensors: float32, or float64 when given float64 (set ``dtype`` to
-    force one).
+    ``b ← μb + g; Θ ← Θ − η(g + μb)``, bit for bit as ``torch.optim.SGD(lr=η, momentum=μ,
+    nesterov=True)`` (the same elementwise operations in the same order); on the first step
+    ``b = g``. The optimizer owns its values: float32, or float64 when given float64 (set
+    ``dtype`` to force one).
+
+    A step writes the new ``Θ`` and ``b`` into new tensors chunk by chunk, checking ``g`` (and,
+    if asked, the result) for NaN/Inf in the same pass; the state is switched only once the
+    whole step succeeded, so a bad input leaves it unchanged without any rollback copy. The
+    tensors it replaced are never written again: :meth:`step_shared`, :meth:`shared_state`
+    hand them out without a copy.
 
     Args:
         params: name → the fragment's current value ``Θ`` (copied; the caller's tensors are not
@@ -269,12 +493,9 @@ class OuterOptimizer:
         self._params: dict[str, Tensor] = {}
         for name, t in params.items():
             want = dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
-            self._params[name] = t.detach().to(dtype=want, copy=True).requires_grad_(True)
-        self._opt = self._new_sgd()
+            self._params[name] = t.detach().to(dtype=want, copy=True).contiguous()
+        self._momentum: dict[str, Tensor] | None = None  # None before the first step: b = g
         self._steps = 0
-
-    def _new_sgd(self) -> torch.optim.SGD:
-        return torch.optim.SGD(list(self._params.values()), lr=self._lr, momentum=self._mu, nesterov=True)
 
     @property
     def steps_taken(self) -> int:
@@ -301,7 +522,7 @@ class OuterOptimizer:
 
         Args:
             outer_grad: name → ``g``, the same names and shapes as the params; cast to the
-                optimizer's dtype and device.
+                optimizer's dtype.
 
         Returns:
             name → the new value ``Θ`` (detached clones).
@@ -310,26 +531,84 @@ class OuterOptimizer:
             ValueError: if names or shapes differ or a value is NaN/Inf; the state is then left
                 unchanged.
         """
-        self._check_like_params(outer_grad, "outer step")
+        return {name: t.clone() for name, t in self.step_shared(outer_grad).items()}
+
+    def step_shared(self, outer_grad: Mapping[str, Tensor], *, require_finite: bool = False) -> dict[str, Tensor]:
+        """:meth:`step` without the copy: the new ``Θ`` tensors are the optimizer's own.
+
+        They are never written again (the next step writes new tensors), so they may be kept,
+        published and read from other threads; the caller must not write to them.
+
+        Args:
+            outer_grad: as :meth:`step`.
+            require_finite: keyword-only; also refuse a step whose result has NaN/Inf
+                (``ValueError`` "non-finite values after the outer step in [names]").
+
+        Returns:
+            name → the new value ``Θ`` (the optimizer's dtype, contiguous).
+
+        Raises:
+            ValueError: as :meth:`step`, and for a non-finite result with ``require_finite``; the
+                state is then left unchanged.
+        """
+        _check_same_keys(outer_grad, self._params, "outer step")
+        _check_shapes(outer_grad, self._params, "outer step")
+        mu, neg_lr = self._mu, -self._lr
+        new_params: dict[str, Tensor] = {}
+        new_momentum: dict[str, Tensor] = {}
+        not_finite: list[str] = []
         for name, p in self._params.items():
-            p.grad = outer_grad[name].detach().to(dtype=p.dtype, device=p.device, copy=True)
-        self._opt.step()
-        for p in self._params.values():
-            p.grad = None
+            g = outer_grad[name].detach()
+            if g.dtype != p.dtype or g.device != p.device:
+                g = g.to(dtype=p.dtype, device=p.device)
+            g_flat, p_flat = _flat(g), p.view(-1)
+            b_flat = None if self._momentum is None else self._momentum[name].view(-1)
+            new_p, new_b = torch.empty_like(p), torch.empty_like(p)
+            np_flat, nb_flat = new_p.view(-1), new_b.view(-1)
+            tmp = torch.empty(min(CHUNK_ELEMENTS, p.numel()), dtype=p.dtype)
+            finite = True
+            for lo, hi in _chunks(p.numel()):
+                gc, nb = g_flat[lo:hi], nb_flat[lo:hi]
+                if not bool(torch.isfinite(gc).all()):
+                    raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
+                if b_flat is None:  # torch's first step: b = g
+                    nb.copy_(gc)
+                else:  # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                    torch.mul(b_flat[lo:hi], mu, out=nb).add_(gc, alpha=1)
+                t = torch.add(gc, nb, alpha=mu, out=tmp[: hi - lo])  # grad.add(buf, alpha=momentum)
+                npc = torch.add(p_flat[lo:hi], t, alpha=neg_lr, out=np_flat[lo:hi])  # param.add_(grad, alpha=-lr)
+                if require_finite and finite and not bool(torch.isfinite(npc).all()):
+                    finite = False
+            if not finite:
+                not_finite.append(name)
+            new_params[name], new_momentum[name] = new_p, new_b
+        if not_finite:
+            raise ValueError(f"non-finite values after the outer step in {not_finite}")
+        self._params, self._momentum = new_params, new_momentum
         self._steps += 1
-        return self.params()
+        return dict(new_params)
 
     def params(self) -> dict[str, Tensor]:
         """name → current value ``Θ`` (detached clones, the optimizer's dtype)."""
-        return {name: p.detach().clone() for name, p in self._params.items()}
+        return {name: p.clone() for name, p in self._params.items()}
 
     def momentum(self) -> dict[str, Tensor]:
         """name → momentum buffer ``b`` (detached clones; zeros before the first step)."""
-        out = {}
-        for name, p in self._params.items():
-            buf = self._opt.state.get(p, {}).get("momentum_buffer")
-            out[name] = torch.zeros_like(p.detach()) if buf is None else buf.detach().clone()
-        return out
+        if self._momentum is None:
+            return {name: torch.zeros_like(p) for name, p in self._params.items()}
+        return {name: b.clone() for name, b in self._momentum.items()}
+
+    def shared_state(self) -> OuterState:
+        """The current state without copies (the tensors are never written again; do not write
+        them): for :meth:`restore`, and the momentum to keep or checkpoint."""
+        return OuterState(dict(self._params), None if self._momentum is None else dict(self._momentum),
+                          self._steps)
+
+    def restore(self, state: OuterState) -> None:
+        """Go back to a state of :meth:`shared_state` (no copy, no check: it was this one's)."""
+        self._params = dict(state.params)
+        self._momentum = None if state.momentum is None else dict(state.momentum)
+        self._steps = state.steps_taken
 
     def load_state(
         self,
@@ -345,8 +624,8 @@ class OuterOptimizer:
         (``b = g``), as after construction.
 
         Args:
-            params: name → value ``Θ``, the optimizer's names and shapes.
-            momentum: name → buffer ``b``, or ``None`` for a fresh optimizer.
+            params: name → value ``Θ``, the optimizer's names and shapes (copied).
+            momentum: name → buffer ``b`` (copied), or ``None`` for a fresh optimizer.
             steps_taken: the step count to report; default 0 without momentum, else unchanged.
 
         Raises:
@@ -358,18 +637,27 @@ class OuterOptimizer:
             self._check_like_params(momentum, "load_state(momentum)")
         if steps_taken is not None and steps_taken < 0:
             raise ValueError(f"steps_taken must be >= 0, got {steps_taken}")
-        with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(params[name].detach().to(dtype=p.dtype, device=p.device))
-        self._opt = self._new_sgd()
+        self._params = {name: params[name].detach().to(dtype=p.dtype, device=p.device, copy=True).contiguous()
+                        for name, p in self._params.items()}
         if momentum is not None:
-            for name, p in self._params.items():
-                buf = momentum[name].detach().to(dtype=p.dtype, device=p.device, copy=True)
-                self._opt.state[p]["momentum_buffer"] = buf
+            self._momentum = {name: momentum[name].detach().to(dtype=p.dtype, device=p.device, copy=True)
+                              .contiguous() for name, p in self._params.items()}
+        else:
+            self._momentum = None
         if steps_taken is not None:
             self._steps = int(steps_taken)
         elif momentum is None:
             self._steps = 0
+
+
+@dataclass(frozen=True)
+class OuterState:
+    """An :class:`OuterOptimizer`'s state by reference: name → ``Θ``, name → ``b`` (None before
+    the first step) and the step count. The tensors are shared and must not be written."""
+
+    params: dict[str, Tensor]
+    momentum: dict[str, Tensor] | None
+    steps_taken: int
 
 
 def _check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
