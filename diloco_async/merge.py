@@ -30,6 +30,7 @@ __all__ = [
     "token_weight",
     "anchor",
     "AnchoredDelta",
+    "check_anchored",
     "weighted_mean",
     "rda",
     "merge_outer_gradients",
@@ -98,25 +99,69 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(-1)
 
 
+#: at most this many distinct ``Θ^cur − Θ^base`` (one per base version) are kept per tensor
+#: while a merge computes the norms; a round with more bases computes the rest per contribution
+MAX_SHARED_DIFFS = 4
+
+
 class _Workspace:
-    """Scratch buffers of one merge: two chunk buffers and one whole-tensor buffer per dtype."""
+    """Scratch buffers of one merge: chunk buffers, one whole-tensor buffer per dtype, and the
+    ``Θ^cur − Θ^base`` of each base version, shared by the contributions on that base (of one
+    tensor at a time, or of one chunk at a time)."""
 
     def __init__(self) -> None:
         self._chunk: dict[tuple[torch.dtype, int], Tensor] = {}
         self._whole: dict[torch.dtype, Tensor] = {}
+        self._diffs_of: str | None = None
+        self._diffs: dict[tuple, Tensor] = {}
+        self._chunk_diffs_at: tuple[str, int] | None = None
+        self._chunk_diffs: dict[tuple, Tensor] = {}
+        self._chunk_diff_bufs: dict[tuple, Tensor] = {}
 
     def chunk(self, dtype: torch.dtype, which: int, n: int) -> Tensor:
         buf = self._chunk.get((dtype, which))
-        if buf is None:
-            buf = self._chunk[(dtype, which)] = torch.empty(CHUNK_ELEMENTS, dtype=dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._chunk[(dtype, which)] = torch.empty(max(n, CHUNK_ELEMENTS), dtype=dtype)
         return buf[:n]
 
     def whole(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
         numel = math.prod(shape)
         buf = self._whole.get(dtype)
         if buf is None or buf.numel() < numel:
+            self._whole.pop(dtype, None)
             buf = self._whole[dtype] = torch.empty(numel, dtype=dtype)
         return buf[:numel].view(shape)
+
+    def whole_diff(self, name: str, cur: Tensor, base: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """``cur − base`` in ``dtype`` (whole tensor), shared while the merge is on ``name``; None
+        when :data:`MAX_SHARED_DIFFS` are already kept."""
+        if self._diffs_of != name:
+            self._diffs_of, self._diffs = name, {}
+        key = (id(cur), id(base), dtype)
+        diff = self._diffs.get(key)
+        if diff is None:
+            if len(self._diffs) >= MAX_SHARED_DIFFS:
+                return None
+            diff = self._diffs[key] = torch.sub(cur.to(dtype), base.to(dtype))
+        return diff
+
+    def chunk_diff(self, name: str, cur: Tensor, base: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+        """``(cur − base)[lo:hi]`` (row-major) in ``dtype``, computed once per chunk and base."""
+        if self._chunk_diffs_at != (name, lo):
+            self._chunk_diffs_at, self._chunk_diffs = (name, lo), {}
+        key = (id(cur), id(base), dtype)
+        diff = self._chunk_diffs.get(key)
+        if diff is None:
+            buf = self._chunk_diff_bufs.get(key)
+            if buf is None or buf.numel() < hi - lo:
+                buf = self._chunk_diff_bufs[key] = torch.empty(max(hi - lo, CHUNK_ELEMENTS), dtype=dtype)
+            c, b = _flat(cur)[lo:hi], _flat(base)[lo:hi]
+            diff = self._chunk_diffs[key] = torch.sub(c.to(dtype), b.to(dtype), out=buf[: hi - lo])
+        return diff
+
+    def release(self) -> None:
+        """Drop the shared differences (they hold whole tensors)."""
+        self._diffs_of, self._diffs = None, {}
 
 
 class _Source:
@@ -154,19 +199,69 @@ class _AnchoredSource(_Source):
         self.owner, self.name = owner, name
         d = owner.delta[name]
         self.shape, self.dtype = tuple(d.shape), d.dtype
+        self.on_current = owner.base[name] is owner.current[name]  # Θcur − Θcur = 0: Δ' is Δ
+        self._flat: Tensor | None = None
 
     def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
-        out = self.owner.write(self.name, ws.chunk(self.dtype, 0, hi - lo), lo, hi)
-        return out if out.dtype == dtype else out.to(dtype)
+        if self._flat is None:
+            self._flat = _flat(self.owner.delta[self.name])
+        d = self._flat[lo:hi]
+        if self.on_current:
+            x = d
+        else:
+            cur, base = self.owner.current[self.name], self.owner.base[self.name]
+            diff = ws.chunk_diff(self.name, cur, base, lo, hi, self.dtype)
+            x = torch.add(diff, d, out=ws.chunk(self.dtype, 0, hi - lo))
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def whole(self, ws: _Workspace) -> Tensor:
+        """All of ``Δ'``: ``Δ`` itself when anchored on the current value, else a scratch buffer."""
+        d = self.owner.delta[self.name]
+        if self.on_current:
+            return d
+        cur, base = self.owner.current[self.name], self.owner.base[self.name]
+        out = ws.whole(self.dtype, self.shape)
+        diff = ws.whole_diff(self.name, cur, base, self.dtype)
+        if diff is None:
+            return self.owner.write(self.name, out)
+        return torch.add(diff, d, out=out)
 
     def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
         cached = self.owner._norms.get(self.name)
         if cached is None or cached.dtype != dtype:
-            a = self.owner.write(self.name, ws.whole(self.dtype, self.shape))
-            cached = torch.linalg.vector_norm(a.to(dtype))
+            cached = torch.linalg.vector_norm(self.whole(ws).to(dtype))
             if cached.dtype == self.dtype:
                 self.owner._norms[self.name] = cached
         return cached
+
+    def non_finite(self, ws: _Workspace) -> int:
+        """NaN/Inf elements of ``Δ'``: 0 when its norm is finite, else counted."""
+        if bool(torch.isfinite(self.norm(ws, self.dtype))):
+            return 0
+        return int((~torch.isfinite(self.whole(ws))).sum())
+
+
+def check_anchored(anchored: Sequence[AnchoredDelta]) -> list[dict[str, int]]:
+    """The norms and finite checks of several :class:`AnchoredDelta`, tensor by tensor, sharing
+    ``Θ^cur − Θ^base`` among those on the same base (the first pass of an RDA merge).
+
+    Returns:
+        For each, name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any.
+        The norms are kept for :func:`merge_outer_gradients`.
+    """
+    ws = _Workspace()
+    bad: list[dict[str, int]] = [{} for _ in anchored]
+    names: dict[str, None] = {}
+    for a in anchored:
+        names.update(dict.fromkeys(a.delta))
+    for name in names:
+        for i, a in enumerate(anchored):
+            if name in a.delta:
+                count = _AnchoredSource(a, name).non_finite(ws)
+                if count:
+                    bad[i][name] = count
+        ws.release()
+    return bad
 
 
 class AnchoredDelta:
@@ -175,7 +270,10 @@ class AnchoredDelta:
     Holds references to ``Δ``, ``Θ^cur`` and ``Θ^base`` (never copies them, never writes them) and
     yields ``Δ' = (Θ^cur − Θ^base) + Δ`` chunk by chunk into preallocated buffers, so a merge of M
     contributions never holds M anchored copies. The values are those of :func:`anchor`, bit for
-    bit. :func:`merge_outer_gradients` accepts it in place of a dict.
+    bit, given finite ``Θ^cur`` and ``Θ^base`` (the synchronizer's values always are): anchored on
+    the current value itself (``base[name] is current[name]``), ``Δ'`` is ``Δ`` (``0 + Δ``, equal
+    up to the sign of a zero, which no merge result depends on). :func:`merge_outer_gradients`
+    accepts it in place of a dict.
 
     Args:
         delta: the learner's outer gradient ``Δ``, name → tensor (any floating dtype; ``Δ'`` has it).
@@ -202,12 +300,13 @@ class AnchoredDelta:
         return len(self.delta)
 
     def write(self, name: str, out: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
-        """Write ``Δ'[name]`` (elements ``lo:hi`` in row-major order, default all) into ``out``.
+        """Write ``Δ'[name]`` (elements ``lo:hi`` in row-major order, default all) into ``out``,
+        exactly as :func:`anchor` computes it.
 
         Args:
             name: a tensor of the fragment.
-            out: a tensor of ``hi − lo`` elements and the dtype of ``Δ[name]`` (any shape: the
-                whole tensor's shape, or 1-D for a slice).
+            out: a contiguous tensor of ``hi − lo`` elements and the dtype of ``Δ[name]`` (any
+                shape: the whole tensor's shape, or 1-D for a slice).
 
         Returns:
             ``out``, holding the values.
@@ -228,20 +327,9 @@ class AnchoredDelta:
         return out
 
     def check(self) -> dict[str, int]:
-        """name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any.
-
-        One pass per tensor: it computes the L2 norm (kept for RDA) and counts non-finite
-        elements only when the norm is not finite. Memory: one whole-tensor scratch buffer.
-        """
-        ws = _Workspace()
-        bad = {}
-        for name in self.delta:
-            n = _AnchoredSource(self, name).norm(ws, self.delta[name].dtype)
-            if not bool(torch.isfinite(n)):
-                count = int((~torch.isfinite(self.write(name, ws.whole(n.dtype, tuple(self.delta[name].shape))))).sum())
-                if count:
-                    bad[name] = count
-        return bad
+        """name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any
+        (:func:`check_anchored` of this one)."""
+        return check_anchored([self])[0]
 
     def materialize(self) -> dict[str, Tensor]:
         """``Δ'`` as new tensors, name → tensor (what :func:`anchor` returns)."""
@@ -444,6 +532,7 @@ def merge_outer_gradients(
             result[name] = _mean_into(buf, srcs, probs, ws)
         else:
             result[name] = _rda_into(buf, srcs, probs, 1e-12, ws)
+        ws.release()
     return result
 
 
@@ -569,7 +658,9 @@ class OuterOptimizer:
             finite = True
             for lo, hi in _chunks(p.numel()):
                 gc, nb = g_flat[lo:hi], nb_flat[lo:hi]
-                if not bool(torch.isfinite(gc).all()):
+                # with require_finite, a non-finite g always makes the result non-finite (IEEE: a
+                # finite x + y has finite x and y), so g is only looked at when the result is not
+                if not require_finite and not _all_finite(gc):
                     raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
                 if b_flat is None:  # torch's first step: b = g
                     nb.copy_(gc)
@@ -577,7 +668,9 @@ class OuterOptimizer:
                     torch.mul(b_flat[lo:hi], mu, out=nb).add_(gc, alpha=1)
                 t = torch.add(gc, nb, alpha=mu, out=tmp[: hi - lo])  # grad.add(buf, alpha=momentum)
                 npc = torch.add(p_flat[lo:hi], t, alpha=neg_lr, out=np_flat[lo:hi])  # param.add_(grad, alpha=-lr)
-                if require_finite and finite and not bool(torch.isfinite(npc).all()):
+                if require_finite and finite and not _all_finite(npc):
+                    if not _all_finite(gc):
+                        raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
                     finite = False
             if not finite:
                 not_finite.append(name)
@@ -658,6 +751,12 @@ class OuterState:
     params: dict[str, Tensor]
     momentum: dict[str, Tensor] | None
     steps_taken: int
+
+
+def _all_finite(x: Tensor) -> bool:
+    """No NaN/Inf in ``x``: one reduction (a finite sum has finite terms), the exact check only
+    when the sum is not finite (it may overflow)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def _check_finite(tensors: Mapping[str, Tensor], what: str) -> None:

@@ -5,6 +5,7 @@ steps over several rounds with momentum, restore and refused steps."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -148,3 +149,52 @@ def test_check_counts_non_finite_anchored_values_like_the_previous_screen():
     delta = {"w": torch.tensor([1.0, float("nan"), 2.0, float("inf"), 0.0]), "v": torch.full((3,), 3e38)}
     lazy = merge.AnchoredDelta(delta, cur, base)
     assert lazy.check() == {"w": 2}  # v overflows its norm but every value is finite
+
+
+def test_anchored_on_the_current_value_equals_previous_implementation_with_signed_zeros(chunk):
+    """Δ' is taken as Δ when the base is the current value: -0.0 and 0.0 elements included, RDA,
+    its fallback and the mean give the previous bits."""
+    gen = torch.Generator().manual_seed(11)
+    cur = {"w": torch.randn(2 * chunk + 9, generator=gen), "e": torch.randn(6, 4, generator=gen)}
+    older = {n: t + 0.5 for n, t in cur.items()}
+    deltas = []
+    for k in range(4):
+        d = {n: torch.randn(t.shape, generator=gen) for n, t in cur.items()}
+        d["w"][k::3] = -0.0
+        d["e"][0] = 0.0
+        deltas.append(d)
+    deltas.append({n: torch.full_like(t, -0.0) for n, t in cur.items()})
+    deltas.append({n: -t for n, t in deltas[0].items()})
+    for bases, weights in [([cur] * 6, [1.0, 2.0, 3.0, 4.0, 5.0, 1.0]), ([cur, older] * 3, [2.0] * 6),
+                           ([cur] * 6, [1.0, 0.0, 0.0, 0.0, 3.0, 1.0])]:
+        for mode in ("rda", "mean"):
+            old = ref.merge_outer_gradients([ref.anchor(d, cur, b) for d, b in zip(deltas, bases, strict=True)],
+                                            weights, mode=mode, embedding_names=["e"])
+            lazy = [merge.AnchoredDelta(d, cur, b) for d, b in zip(deltas, bases, strict=True)]
+            assert merge.check_anchored(lazy) == [{}] * 6
+            _assert_equal(merge.merge_outer_gradients(lazy, weights, mode=mode, embedding_names=["e"]), old)
+
+
+def test_published_version_bytes_equal_the_codec_encoding():
+    """Publishing serializes the new value straight from the optimizer's tensors: the same header
+    (as JSON: safetensors writes the metadata in hash order) and data bytes as
+    codec.encode_to_bytes (fp32), which every reader decodes."""
+    from diloco_async import codec
+    from diloco_async.sync.work import _fp32_bytes
+
+    gen = torch.Generator().manual_seed(5)
+    opt = merge.OuterOptimizer({"b": torch.randn(3, 5, generator=gen), "a": torch.randn(70001, generator=gen)})
+    new = opt.step_shared({"b": torch.randn(3, 5, generator=gen), "a": torch.randn(70001, generator=gen)})
+    meta = {"fragment": "2", "version": "7", "lease_epoch": "1", "round": "9"}
+    data = _fp32_bytes(new, meta)
+    assert _parts(data) == _parts(codec.encode_to_bytes(new, "fp32", meta))
+    decoded, got_meta = codec.decode_from_bytes(data, "fp32", {n: tuple(t.shape) for n, t in new.items()})
+    assert got_meta["version"] == "7"
+    _assert_equal(dict(sorted(decoded.items())), dict(sorted(new.items())))
+    non_contiguous = {"a": torch.randn(4, 6, generator=gen).t()}
+    assert _parts(_fp32_bytes(non_contiguous, meta)) == _parts(codec.encode_to_bytes(non_contiguous, "fp32", meta))
+
+
+def _parts(data: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
