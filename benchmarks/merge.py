@@ -1,9 +1,10 @@
 """Merge benchmark: anchoring + token-weighted RDA + outer Nesterov step against a memcpy.
 
 What is timed is the synchronizer's merge of one round (``diloco_async.sync.work``): for each of
-M contributions an ``AnchoredDelta`` and its ``check()`` (norms and finite check), then
+M contributions an ``AnchoredDelta``, ``check_anchored`` (norms and finite checks), then
 ``merge_outer_gradients`` (RDA on every tensor) and ``OuterOptimizer.step_shared`` (with the
-finite check of the result). Half the contributions are anchored on an older version, so the
+finite check of the result; the merged buffers become the momentum), in one ``MergeWorkspace``.
+Half the contributions are anchored on an older version, so the
 anchoring is real work. Fragments are fp32 transformer-block shapes (d_model d: qkv (3d, d),
 out (d, d), up (4d, d), down (d, 4d), two norms (d,), one (r, d) tensor to reach the size).
 
@@ -87,13 +88,13 @@ def _inputs(nbytes: int, m: int, seed: int = 0):
 
 
 def _merge_new(opt, current, versions, deltas, bases, weights) -> dict:
+    ws = new.MergeWorkspace()
     anchored = [new.AnchoredDelta(d, current, versions[b]) for d, b in zip(deltas, bases, strict=True)]
-    for a in anchored:
-        if a.check():
-            raise AssertionError("benchmark inputs must be finite")
-    g = new.merge_outer_gradients(anchored, weights, mode="rda")
+    if any(new.check_anchored(anchored, workspace=ws)):
+        raise AssertionError("benchmark inputs must be finite")
+    g = new.merge_outer_gradients(anchored, weights, mode="rda", workspace=ws)
     before = opt.shared_state()  # what work.py keeps for a rollback
-    out = opt.step_shared(g, require_finite=True)
+    out = opt.step_shared(g, require_finite=True, consume=True)
     del before
     return out
 

@@ -31,6 +31,7 @@ __all__ = [
     "anchor",
     "AnchoredDelta",
     "check_anchored",
+    "MergeWorkspace",
     "weighted_mean",
     "rda",
     "merge_outer_gradients",
@@ -104,16 +105,21 @@ def _flat(t: Tensor) -> Tensor:
 MAX_SHARED_DIFFS = 4
 
 
-class _Workspace:
-    """Scratch buffers of one merge: chunk buffers, one whole-tensor buffer per dtype, and the
+class MergeWorkspace:
+    """Scratch buffers of one merge, reused by every tensor and by the norm pass and the merge
+    (pass one to :func:`check_anchored` and :func:`merge_outer_gradients`): chunk buffers, one
+    whole-tensor buffer per dtype and up to :data:`MAX_SHARED_DIFFS` whole-tensor buffers for the
     ``Θ^cur − Θ^base`` of each base version, shared by the contributions on that base (of one
-    tensor at a time, or of one chunk at a time)."""
+    tensor at a time, or of one chunk at a time). Memory: up to 1 + MAX_SHARED_DIFFS buffers of
+    the largest tensor, a few of :data:`CHUNK_ELEMENTS`; freed with the workspace. Not for use by
+    two threads at once."""
 
     def __init__(self) -> None:
         self._chunk: dict[tuple[torch.dtype, int], Tensor] = {}
         self._whole: dict[torch.dtype, Tensor] = {}
         self._diffs_of: str | None = None
         self._diffs: dict[tuple, Tensor] = {}
+        self._diff_bufs: dict[tuple[torch.dtype, int], Tensor] = {}
         self._chunk_diffs_at: tuple[str, int] | None = None
         self._chunk_diffs: dict[tuple, Tensor] = {}
         self._chunk_diff_bufs: dict[tuple, Tensor] = {}
@@ -140,9 +146,16 @@ class _Workspace:
         key = (id(cur), id(base), dtype)
         diff = self._diffs.get(key)
         if diff is None:
-            if len(self._diffs) >= MAX_SHARED_DIFFS:
+            slot = len(self._diffs)
+            if slot >= MAX_SHARED_DIFFS:
                 return None
-            diff = self._diffs[key] = torch.sub(cur.to(dtype), base.to(dtype))
+            numel = cur.numel()
+            buf = self._diff_bufs.get((dtype, slot))
+            if buf is None or buf.numel() < numel:
+                self._diff_bufs.pop((dtype, slot), None)
+                buf = self._diff_bufs[(dtype, slot)] = torch.empty(numel, dtype=dtype)
+            out = buf[:numel].view(cur.shape)
+            diff = self._diffs[key] = torch.sub(cur.to(dtype), base.to(dtype), out=out)
         return diff
 
     def chunk_diff(self, name: str, cur: Tensor, base: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
@@ -170,11 +183,11 @@ class _Source:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+    def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         """Elements ``lo:hi`` (row-major) in ``dtype``; may be a view or a workspace buffer."""
         raise NotImplementedError
 
-    def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+    def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         """L2 norm over all elements (0-dim, ``dtype``), as ``vector_norm`` of the whole tensor."""
         raise NotImplementedError
 
@@ -184,13 +197,13 @@ class _TensorSource(_Source):
         self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
         self._flat: Tensor | None = None
 
-    def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+    def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         if self._flat is None:
             self._flat = _flat(self.t)
         x = self._flat[lo:hi]
         return x if x.dtype == dtype else x.to(dtype)
 
-    def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+    def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         return torch.linalg.vector_norm(self.t.to(dtype))
 
 
@@ -202,7 +215,7 @@ class _AnchoredSource(_Source):
         self.on_current = owner.base[name] is owner.current[name]  # Θcur − Θcur = 0: Δ' is Δ
         self._flat: Tensor | None = None
 
-    def slice(self, lo: int, hi: int, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+    def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         if self._flat is None:
             self._flat = _flat(self.owner.delta[self.name])
         d = self._flat[lo:hi]
@@ -214,7 +227,7 @@ class _AnchoredSource(_Source):
             x = torch.add(diff, d, out=ws.chunk(self.dtype, 0, hi - lo))
         return x if x.dtype == dtype else x.to(dtype)
 
-    def whole(self, ws: _Workspace) -> Tensor:
+    def whole(self, ws: MergeWorkspace) -> Tensor:
         """All of ``Δ'``: ``Δ`` itself when anchored on the current value, else a scratch buffer."""
         d = self.owner.delta[self.name]
         if self.on_current:
@@ -226,7 +239,7 @@ class _AnchoredSource(_Source):
             return self.owner.write(self.name, out)
         return torch.add(diff, d, out=out)
 
-    def norm(self, ws: _Workspace, dtype: torch.dtype) -> Tensor:
+    def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         cached = self.owner._norms.get(self.name)
         if cached is None or cached.dtype != dtype:
             cached = torch.linalg.vector_norm(self.whole(ws).to(dtype))
@@ -234,22 +247,27 @@ class _AnchoredSource(_Source):
                 self.owner._norms[self.name] = cached
         return cached
 
-    def non_finite(self, ws: _Workspace) -> int:
+    def non_finite(self, ws: MergeWorkspace) -> int:
         """NaN/Inf elements of ``Δ'``: 0 when its norm is finite, else counted."""
         if bool(torch.isfinite(self.norm(ws, self.dtype))):
             return 0
         return int((~torch.isfinite(self.whole(ws))).sum())
 
 
-def check_anchored(anchored: Sequence[AnchoredDelta]) -> list[dict[str, int]]:
+def check_anchored(anchored: Sequence[AnchoredDelta], *,
+                   workspace: MergeWorkspace | None = None) -> list[dict[str, int]]:
     """The norms and finite checks of several :class:`AnchoredDelta`, tensor by tensor, sharing
     ``Θ^cur − Θ^base`` among those on the same base (the first pass of an RDA merge).
+
+    Args:
+        anchored: the contributions of one round.
+        workspace: keyword-only; buffers to use (and keep for the merge), default new ones.
 
     Returns:
         For each, name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any.
         The norms are kept for :func:`merge_outer_gradients`.
     """
-    ws = _Workspace()
+    ws = MergeWorkspace() if workspace is None else workspace
     bad: list[dict[str, int]] = [{} for _ in anchored]
     names: dict[str, None] = {}
     for a in anchored:
@@ -384,7 +402,7 @@ def _check_sources(srcs: Sequence[_Source]) -> None:
             raise ValueError(f"outer gradient {i} has shape {s.shape}, expected {shape}")
 
 
-def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws: _Workspace) -> Tensor:
+def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws: MergeWorkspace) -> Tensor:
     """``out ← Σ p·Δ`` (``out`` contiguous), chunk by chunk in learner order."""
     flat = out.view(-1)
     flat.zero_()
@@ -395,7 +413,7 @@ def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws:
     return out
 
 
-def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: _Workspace) -> Tensor:
+def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: MergeWorkspace) -> Tensor:
     """``out ← RDA`` (``out`` contiguous) in two passes: the norms, then the direction by chunks.
 
     The per-element operations and their order are those of the previous whole-tensor code: the
@@ -445,7 +463,7 @@ def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     probs = _probs(len(deltas), weights)
     srcs = [_TensorSource(d) for d in deltas]
     _check_sources(srcs)
-    return _mean_into(_new_out(srcs[0]), srcs, probs, _Workspace())
+    return _mean_into(_new_out(srcs[0]), srcs, probs, MergeWorkspace())
 
 
 def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) -> Tensor:
@@ -472,7 +490,7 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) 
     probs = _probs(len(deltas), weights)
     srcs = [_TensorSource(d) for d in deltas]
     _check_sources(srcs)
-    return _rda_into(_new_out(srcs[0]), srcs, probs, eps, _Workspace())
+    return _rda_into(_new_out(srcs[0]), srcs, probs, eps, MergeWorkspace())
 
 
 def merge_outer_gradients(
@@ -482,6 +500,7 @@ def merge_outer_gradients(
     embedding_names: Collection[str] = (),
     *,
     out: Mapping[str, Tensor] | None = None,
+    workspace: MergeWorkspace | None = None,
 ) -> dict[str, Tensor]:
     """Merge M learners' outer gradients of one fragment, tensor by tensor (DESIGN §4.4).
 
@@ -498,6 +517,7 @@ def merge_outer_gradients(
             not in the fragment are ignored.
         out: keyword-only; name → contiguous tensor of each result's shape and dtype (the first
             learner's dtype) to write into, e.g. reused buffers. Default: new tensors.
+        workspace: keyword-only; scratch buffers (:class:`MergeWorkspace`), default new ones.
 
     Returns:
         A dict name → merged tensor (the tensors of ``out`` when given), in the order of the
@@ -519,7 +539,7 @@ def merge_outer_gradients(
         _check_same_keys(d, deltas[0], f"merge_outer_gradients(learner {i} vs learner 0)")
     probs = _probs(len(deltas), weights)
     embeddings = frozenset(embedding_names)
-    ws = _Workspace()
+    ws = MergeWorkspace() if workspace is None else workspace
     result = {}
     for name in deltas[0]:
         srcs = [_AnchoredSource(d, name) if isinstance(d, AnchoredDelta) else _TensorSource(d[name])
@@ -622,7 +642,8 @@ class OuterOptimizer:
         """
         return {name: t.clone() for name, t in self.step_shared(outer_grad).items()}
 
-    def step_shared(self, outer_grad: Mapping[str, Tensor], *, require_finite: bool = False) -> dict[str, Tensor]:
+    def step_shared(self, outer_grad: Mapping[str, Tensor], *, require_finite: bool = False,
+                    consume: bool = False) -> dict[str, Tensor]:
         """:meth:`step` without the copy: the new ``Θ`` tensors are the optimizer's own.
 
         They are never written again (the next step writes new tensors), so they may be kept,
@@ -632,6 +653,10 @@ class OuterOptimizer:
             outer_grad: as :meth:`step`.
             require_finite: keyword-only; also refuse a step whose result has NaN/Inf
                 (``ValueError`` "non-finite values after the outer step in [names]").
+            consume: keyword-only; ``outer_grad``'s tensors are the caller's to give away (e.g.
+                a merge's output): each one that is contiguous and of the optimizer's dtype is
+                overwritten with the new momentum ``b`` and kept as it, instead of a new tensor.
+                The caller must not use them afterwards, even when the step is refused.
 
         Returns:
             name → the new value ``Θ`` (the optimizer's dtype, contiguous).
@@ -650,11 +675,15 @@ class OuterOptimizer:
             g = outer_grad[name].detach()
             if g.dtype != p.dtype or g.device != p.device:
                 g = g.to(dtype=p.dtype, device=p.device)
+            in_place = consume and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device
             g_flat, p_flat = _flat(g), p.view(-1)
             b_flat = None if self._momentum is None else self._momentum[name].view(-1)
-            new_p, new_b = torch.empty_like(p), torch.empty_like(p)
+            new_p = torch.empty_like(p)
+            new_b = g if in_place else torch.empty_like(p)
             np_flat, nb_flat = new_p.view(-1), new_b.view(-1)
-            tmp = torch.empty(min(CHUNK_ELEMENTS, p.numel()), dtype=p.dtype)
+            n_tmp = min(CHUNK_ELEMENTS, p.numel())
+            g_copy = torch.empty(n_tmp, dtype=p.dtype) if in_place else None
+            tmp = torch.empty(n_tmp, dtype=p.dtype)
             finite = True
             for lo, hi in _chunks(p.numel()):
                 gc, nb = g_flat[lo:hi], nb_flat[lo:hi]
@@ -662,8 +691,11 @@ class OuterOptimizer:
                 # finite x + y has finite x and y), so g is only looked at when the result is not
                 if not require_finite and not _all_finite(gc):
                     raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
+                if g_copy is not None:  # gc is about to become b: keep g of this chunk
+                    gc = g_copy[: hi - lo].copy_(gc)
                 if b_flat is None:  # torch's first step: b = g
-                    nb.copy_(gc)
+                    if g_copy is None:
+                        nb.copy_(gc)
                 else:  # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
                     torch.mul(b_flat[lo:hi], mu, out=nb).add_(gc, alpha=1)
                 t = torch.add(gc, nb, alpha=mu, out=tmp[: hi - lo])  # grad.add(buf, alpha=momentum)

@@ -94,12 +94,22 @@ def test_random_merges_and_outer_steps_equal_previous_implementation(seed, chunk
         column = [a[name] for a in old_anchored]
         assert torch.equal(merge.rda(column, weights), ref.rda(column, weights))
         assert torch.equal(merge.weighted_mean(column, weights), ref.weighted_mean(column, weights))
-        new_value = new_opt.step_shared(g_new, require_finite=True) if rnd % 2 else new_opt.step(g_new)
+        if rnd % 2:  # as the synchronizer does it: the merged buffers become the momentum
+            new_value = new_opt.step_shared({n: t.clone() for n, t in g_new.items()}, require_finite=True,
+                                            consume=True)
+        else:
+            new_value = new_opt.step(g_new)
         _assert_equal(new_value, old_opt.step(g_old))
         _assert_equal(new_opt.momentum(), old_opt.momentum())
         _assert_equal(new_opt.params(), old_opt.params())
         cur = new_opt.params()
         versions.append(cur)
+    consumed = {n: t.clone() for n, t in g_new.items()}
+    shared = merge.OuterOptimizer(cur)
+    shared.load_state(new_opt.params(), new_opt.momentum(), steps_taken=new_opt.steps_taken)
+    first = merge.OuterOptimizer(cur)  # a first step consuming g: b = g is g's own buffer
+    _assert_equal(first.step_shared(consumed, consume=True), ref.OuterOptimizer(cur).step(g_new))
+    _assert_equal(first.momentum(), g_new)
     restored = merge.OuterOptimizer(cur)
     restored.load_state(old_opt.params(), old_opt.momentum(), steps_taken=old_opt.steps_taken)
     g = _like(cur, gen, 0.05)

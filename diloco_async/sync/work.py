@@ -29,7 +29,7 @@ from diloco_async.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
-from diloco_async.merge import AnchoredDelta, check_anchored, merge_outer_gradients, token_weight
+from diloco_async.merge import AnchoredDelta, MergeWorkspace, check_anchored, merge_outer_gradients, token_weight
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
@@ -129,7 +129,8 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
 
 def _screen(f: FragmentState, contribs: list[Contribution], direction_reference: float | None = None,
             direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
-            direction_memory: int = 1) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
+            direction_memory: int = 1, workspace: MergeWorkspace | None = None,
+            ) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
     """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner,
     why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
     cannot take the round down; one that points away from the rest of its round is weighted down,
@@ -145,7 +146,7 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
             failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
     try:  # the norms RDA needs and the finite check, one pass per tensor, Θcur − Θbase shared
-        bads = check_anchored([a for _, _, _, a, _ in candidates])
+        bads = check_anchored([a for _, _, _, a, _ in candidates], workspace=workspace)
     except Exception:  # noqa: BLE001 - one contribution's failure must not take the others down
         bads = [_check_one(a) for _, _, _, a, _ in candidates]
     for (i, c, w, a, delta), bad in zip(candidates, bads, strict=True):
@@ -211,11 +212,13 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
     return cosines, factors
 
 
-def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str) -> dict[str, torch.Tensor]:
+def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str,
+                workspace: MergeWorkspace | None = None) -> dict[str, torch.Tensor]:
     """Merge and take the outer step: the new value, the optimizer's own tensors (raises on any
     error, e.g. a non-finite result, leaving the optimizer unchanged)."""
-    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names)
-    return f.optimizer.step_shared(g, require_finite=True)
+    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names,
+                              workspace=workspace)
+    return f.optimizer.step_shared(g, require_finite=True, consume=True)  # g's buffers become the momentum
 
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
@@ -240,9 +243,10 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
+    ws = MergeWorkspace()  # scratch buffers of this merge, shared by the norm pass and the merge
     kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, direction_reference,
                                                                  direction_fraction, learner_cosines,
-                                                                 direction_memory)
+                                                                 direction_memory, ws)
     if not kept or sum(weights) <= 0:
         return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
                       cosines=cosines, factors=factors)
@@ -252,14 +256,14 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         f.optimizer.restore(before)
 
     try:
-        new = _merge_step(f, anchored, weights, merge_mode)
+        new = _merge_step(f, anchored, weights, merge_mode, ws)
     except Exception as err:
         restore()
         first = f"{type(err).__name__}: {err}"
         for i in range(len(kept) if len(kept) > 1 else 0):
             rest = [j for j in range(len(kept)) if j != i]
             try:
-                new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode)
+                new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode, ws)
             except Exception:  # noqa: BLE001 - try the next one
                 restore()
                 continue
@@ -268,6 +272,7 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
             break
         else:
             return Merged(p, n, False, first, dropped=dropped)
+    del ws
     try:
         version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=n)
     except Exception as err:
