@@ -234,6 +234,8 @@ def bars(quick: bool = False, repeat: int | None = None) -> list[Bar]:
     out.append(Bar(f"merge+outer step {peak_size // MiB} MiB M={peak_m} peak added (GB)", peak["added_bytes"] / GB,
                    2.0, "max", detail=f"beyond {peak['inputs_bytes'] / GB:.2f} GB of inputs as held; "
                                       f"HWM {peak['hwm_bytes'] / GB:.2f} GB"))
+    if quick:
+        return out
     pub = _child("peak", nbytes=peak_size, m=peak_m, impl="new", publish=True)
     print(f"peak new +publish {peak_size // MiB} MiB M={peak_m}: +{pub['added_bytes'] / GB:.3f} GB", flush=True)
     out.append(Bar(f"merge+step+fp32 publish bytes {peak_size // MiB} MiB M={peak_m} peak added (GB)",

@@ -173,8 +173,10 @@ class MergeWorkspace:
         return diff
 
     def release(self) -> None:
-        """Drop the shared differences (they hold whole tensors)."""
+        """Forget the shared differences (their buffers stay for the next tensor): called before
+        and after each tensor, so no difference outlives the tensors it was computed from."""
         self._diffs_of, self._diffs = None, {}
+        self._chunk_diffs_at, self._chunk_diffs = None, {}
 
 
 class _Source:
@@ -273,6 +275,7 @@ def check_anchored(anchored: Sequence[AnchoredDelta], *,
     for a in anchored:
         names.update(dict.fromkeys(a.delta))
     for name in names:
+        ws.release()
         for i, a in enumerate(anchored):
             if name in a.delta:
                 count = _AnchoredSource(a, name).non_finite(ws)
@@ -542,6 +545,7 @@ def merge_outer_gradients(
     ws = MergeWorkspace() if workspace is None else workspace
     result = {}
     for name in deltas[0]:
+        ws.release()
         srcs = [_AnchoredSource(d, name) if isinstance(d, AnchoredDelta) else _TensorSource(d[name])
                 for d in deltas]
         _check_sources(srcs)

@@ -208,3 +208,16 @@ def test_published_version_bytes_equal_the_codec_encoding():
 def _parts(data: bytes) -> tuple[dict, bytes]:
     n = int.from_bytes(data[:8], "little")
     return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def test_merge_benchmark_quick_measures_every_row():
+    """benchmarks/merge.py in quick mode (small fragments, seconds): every goal row is measured
+    (speed is judged by the full benchmark, not here)."""
+    from benchmarks import merge as bench
+
+    rows = bench.bars(quick=True)
+    goals = [b for b in rows if not b.shown]
+    assert len(goals) == 5  # 2 sizes x M = 2, 8, and the peak
+    assert all(b.value is not None and b.value > 0 for b in rows if "previous" not in b.figure)
+    peak = [b for b in goals if "peak" in b.figure]
+    assert len(peak) == 1 and peak[0].value < 0.1  # GB added by a 4 MiB, M = 8 merge
