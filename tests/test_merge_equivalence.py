@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import diloco_async.merge as merge
+import diloco_async.merge_buffers as buffers
 from tests import merge_reference as ref
 
 
 def _fragment(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, big: bool) -> dict[str, torch.Tensor]:
     shapes = [(rng.randint(1, 40),), (rng.randint(1, 30), rng.randint(1, 30)), (rng.randint(1, 5), 3, 7)]
     if big:  # over one chunk, not a multiple of it
-        shapes.append((rng.choice([2, 3]) * merge.CHUNK_ELEMENTS // 512 + rng.randint(1, 600), 512))
+        shapes.append((rng.choice([2, 3]) * buffers.CHUNK_ELEMENTS // 512 + rng.randint(1, 600), 512))
     rng.shuffle(shapes)
     names = [f"t{i}" for i in range(len(shapes))]
     return {n: torch.randn(s, generator=gen, dtype=dtype) * rng.choice([1e-3, 1.0, 30.0])
@@ -46,8 +47,8 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 @pytest.fixture(params=[None, 4096, 1000], ids=["chunk-default", "chunk-4096", "chunk-1000"])
 def chunk(request, monkeypatch):
     if request.param is not None:
-        monkeypatch.setattr(merge, "CHUNK_ELEMENTS", request.param)
-    return merge.CHUNK_ELEMENTS
+        monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", request.param)
+    return buffers.CHUNK_ELEMENTS
 
 
 @pytest.mark.parametrize("seed", range(6))

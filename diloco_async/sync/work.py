@@ -58,8 +58,9 @@ def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[s
 
 
 def _fp32_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
-    """``wire.encode_to_bytes(tensors, "fp32", meta)``, the same bytes, serialized straight from
-    the tensors when they are already contiguous fp32 on the CPU (no intermediate copy)."""
+    """What ``wire.encode_to_bytes(tensors, "fp32", meta)`` writes (the same header entries and
+    data bytes), serialized straight from the tensors when they are already contiguous fp32 on
+    the CPU, without the codec's intermediate copy of every tensor."""
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and "::" not in n
                for n, t in tensors.items()):
         return wire.encode_to_bytes(tensors, "fp32", meta)
@@ -244,9 +245,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     t0 = time.perf_counter()
     p, n = f.p, round_n
     ws = MergeWorkspace()  # scratch buffers of this merge, shared by the norm pass and the merge
-    kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, direction_reference,
-                                                                 direction_fraction, learner_cosines,
-                                                                 direction_memory, ws)
+    kept, weights, anchored, dropped, cosines, factors = _screen(
+        f, contribs, direction_reference, direction_fraction, learner_cosines, direction_memory, ws)
     if not kept or sum(weights) <= 0:
         return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
                       cosines=cosines, factors=factors)
@@ -272,7 +272,6 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
             break
         else:
             return Merged(p, n, False, first, dropped=dropped)
-    del ws
     try:
         version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=n)
     except Exception as err:
