@@ -7,6 +7,12 @@ arithmetic in the dtype it is given (callers pass float32, the tests float64); w
 Python floats. An *outer gradient* ``Δ`` of a fragment is ``Θ − θ``: the synchronizer's value minus
 the learner's value after its inner steps, so a descent step subtracts it.
 
+In place and by chunks: the merge and the outer step write into preallocated buffers
+(:data:`CHUNK_ELEMENTS` at a time), anchoring is done on the fly (:class:`AnchoredDelta`), and
+the results are bit for bit those of the whole-tensor formulas (same elementwise operations in
+the same order; norms stay whole-tensor reductions). ``tests/test_merge_equivalence.py`` checks
+this against the previous implementation, ``benchmarks/merge.py`` measures it.
+
 Bad input (mismatched names or shapes, negative or zero total weight, non-finite outer gradients)
 raises ``ValueError`` naming the offending value; non-floating tensors raise ``TypeError``.
 """
@@ -19,14 +25,34 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from diloco_async.merge_buffers import (
+    CHUNK_ELEMENTS,
+    MAX_SHARED_DIFFS,
+    AnchoredDelta,
+    MergeWorkspace,
+    _AnchoredSource,
+    _check_same_keys,
+    _chunks,
+    _Source,
+    _TensorSource,
+    check_anchored,
+)
+from diloco_async.outer_step import OuterOptimizer, OuterState
+
 __all__ = [
     "token_weight",
     "anchor",
+    "AnchoredDelta",
+    "check_anchored",
+    "MergeWorkspace",
     "weighted_mean",
     "rda",
     "merge_outer_gradients",
     "MERGE_MODES",
     "OuterOptimizer",
+    "OuterState",
+    "CHUNK_ELEMENTS",
+    "MAX_SHARED_DIFFS",
 ]
 
 MERGE_MODES = ("rda", "mean")
@@ -57,28 +83,14 @@ def token_weight(c_tokens: int, c_steps: int) -> float:
     return float(c_tokens) * float(c_tokens) / float(c_steps)
 
 
-def _check_same_keys(a: Mapping[str, Tensor], b: Mapping[str, Tensor], what: str) -> None:
-    if set(a) != set(b):
-        missing = sorted(set(b) - set(a))
-        extra = sorted(set(a) - set(b))
-        raise ValueError(f"{what}: tensor names differ (missing {missing}, unexpected {extra})")
-
-
-def _check_shapes(a: Mapping[str, Tensor], b: Mapping[str, Tensor], what: str) -> None:
-    for name, t in a.items():
-        if tuple(t.shape) != tuple(b[name].shape):
-            raise ValueError(
-                f"{what}: shape of {name!r} differs: {tuple(t.shape)} vs {tuple(b[name].shape)}"
-            )
-
-
 def anchor(
     delta: dict[str, Tensor], current: dict[str, Tensor], base: dict[str, Tensor]
 ) -> dict[str, Tensor]:
     """Re-anchor a learner's outer gradient on the synchronizer's current value (DESIGN §4.1).
 
     ``Δ' = Θ^cur − θ = (Θ^cur − Θ^base) + Δ`` per tensor, where ``Δ = Θ^base − θ`` is what the
-    learner sent against the version ``base`` it started from.
+    learner sent against the version ``base`` it started from. :class:`AnchoredDelta` gives the
+    same values without materialising them.
 
     Args:
         delta: the learner's outer gradient ``Δ``, name → tensor.
@@ -91,22 +103,15 @@ def anchor(
     Raises:
         ValueError: if the three dicts do not hold the same names with the same shapes.
     """
-    _check_same_keys(delta, current, "anchor(delta, current)")
-    _check_same_keys(delta, base, "anchor(delta, base)")
-    _check_shapes(delta, current, "anchor(delta, current)")
-    _check_shapes(delta, base, "anchor(delta, base)")
-    out = {}
-    for name, d in delta.items():
-        out[name] = (current[name].to(d.dtype) - base[name].to(d.dtype)) + d
-    return out
+    return AnchoredDelta(delta, current, base).materialize()
 
 
-def _normalised_weights(deltas: Sequence[Tensor], weights: Sequence[float]) -> list[float]:
-    """Validate ``deltas``/``weights`` and return ``w / Σw`` (float64 Python floats)."""
-    if len(deltas) == 0:
+def _probs(n: int, weights: Sequence[float]) -> list[float]:
+    """Validate ``weights`` for ``n`` outer gradients and return ``w / Σw`` (Python floats)."""
+    if n == 0:
         raise ValueError("cannot merge an empty list of outer gradients")
-    if len(deltas) != len(weights):
-        raise ValueError(f"{len(deltas)} outer gradients but {len(weights)} weights")
+    if n != len(weights):
+        raise ValueError(f"{n} outer gradients but {len(weights)} weights")
     ws = [float(w) for w in weights]
     for i, w in enumerate(ws):
         if not math.isfinite(w) or w < 0:
@@ -114,20 +119,65 @@ def _normalised_weights(deltas: Sequence[Tensor], weights: Sequence[float]) -> l
     total = math.fsum(ws)
     if total <= 0:
         raise ValueError(f"total weight must be > 0, got {total} from weights {ws}")
-    shape = tuple(deltas[0].shape)
-    for i, d in enumerate(deltas):
-        if not d.is_floating_point():
-            raise TypeError(f"outer gradient {i} must be a floating tensor, got dtype {d.dtype}")
-        if tuple(d.shape) != shape:
-            raise ValueError(f"outer gradient {i} has shape {tuple(d.shape)}, expected {shape}")
     return [w / total for w in ws]
 
 
-def _mean(deltas: Sequence[Tensor], probs: Sequence[float]) -> Tensor:
-    out = torch.zeros_like(deltas[0])
-    for d, p in zip(deltas, probs, strict=True):
-        out.add_(d.to(out.dtype), alpha=p)
+def _check_sources(srcs: Sequence[_Source]) -> None:
+    shape = srcs[0].shape
+    for i, s in enumerate(srcs):
+        if not s.dtype.is_floating_point:
+            raise TypeError(f"outer gradient {i} must be a floating tensor, got dtype {s.dtype}")
+        if s.shape != shape:
+            raise ValueError(f"outer gradient {i} has shape {s.shape}, expected {shape}")
+
+
+def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws: MergeWorkspace) -> Tensor:
+    """``out ← Σ p·Δ`` (``out`` contiguous), chunk by chunk in learner order."""
+    flat = out.view(-1)
+    flat.zero_()
+    for lo, hi in _chunks(flat.numel()):
+        o = flat[lo:hi]
+        for s, p in zip(srcs, probs, strict=True):
+            o.add_(s.slice(lo, hi, ws, out.dtype), alpha=p)
     return out
+
+
+def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: MergeWorkspace) -> Tensor:
+    """``out ← RDA`` (``out`` contiguous) in two passes: the norms, then the direction by chunks.
+
+    The per-element operations and their order are those of the previous whole-tensor code: the
+    norms are whole-tensor ``vector_norm`` reductions (a chunked sum of squares is a different
+    reduction order), ``Δ/‖Δ‖`` and the weighted sums elementwise, learner by learner."""
+    dtype = out.dtype
+    radial = torch.zeros((), dtype=dtype)
+    norms: list[Tensor | None] = []
+    for s, p in zip(srcs, probs, strict=True):
+        n = s.norm(ws, dtype)
+        radial.add_(n, alpha=p)
+        norms.append(n if n.item() > 0 else None)
+    flat = out.view(-1)
+    flat.zero_()
+    for lo, hi in _chunks(flat.numel()):
+        o = flat[lo:hi]
+        unit = ws.chunk(dtype, 1, hi - lo)
+        for s, p, n in zip(srcs, probs, norms, strict=True):
+            if n is not None:
+                torch.div(s.slice(lo, hi, ws, dtype), n, out=unit)
+                o.add_(unit, alpha=p)
+    dir_norm = torch.linalg.vector_norm(out)
+    if dir_norm.item() < eps:
+        return _mean_into(out, srcs, probs, ws)
+    return out.mul_(radial / dir_norm)
+
+
+def _check_out(buf: Tensor, like: _Source, name: str) -> Tensor:
+    if tuple(buf.shape) != like.shape or buf.dtype != like.dtype or not buf.is_contiguous():
+        raise ValueError(f"out[{name!r}] must be contiguous {like.dtype} of shape {like.shape}")
+    return buf
+
+
+def _new_out(like: _Source) -> Tensor:
+    return torch.empty(like.shape, dtype=like.dtype)
 
 
 def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -145,8 +195,10 @@ def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
             total weight, or differing shapes.
         TypeError: if a delta is not a floating tensor.
     """
-    probs = _normalised_weights(deltas, weights)
-    return _mean(deltas, probs)
+    probs = _probs(len(deltas), weights)
+    srcs = [_TensorSource(d) for d in deltas]
+    _check_sources(srcs)
+    return _mean_into(_new_out(srcs[0]), srcs, probs, MergeWorkspace())
 
 
 def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) -> Tensor:
@@ -164,51 +216,52 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], eps: float = 1e-12) 
         eps: threshold on the norm of the directional mean for the fallback.
 
     Returns:
-        A new tensor of the common shape.
+        A new tensor of the common shape (computed in place, by chunks; memory: the result and
+        two chunk buffers).
 
     Raises:
         ValueError, TypeError: as :func:`weighted_mean`.
     """
-    probs = _normalised_weights(deltas, weights)
-    dtype = deltas[0].dtype
-    radial = torch.zeros((), dtype=dtype, device=deltas[0].device)
-    direction = torch.zeros_like(deltas[0])
-    for d, p in zip(deltas, probs, strict=True):
-        d = d.to(dtype)
-        norm = torch.linalg.vector_norm(d)
-        radial.add_(norm, alpha=p)
-        if norm.item() > 0:
-            direction.add_(d / norm, alpha=p)
-    dir_norm = torch.linalg.vector_norm(direction)
-    if dir_norm.item() < eps:
-        return _mean(deltas, probs)
-    return direction.mul_(radial / dir_norm)
+    probs = _probs(len(deltas), weights)
+    srcs = [_TensorSource(d) for d in deltas]
+    _check_sources(srcs)
+    return _rda_into(_new_out(srcs[0]), srcs, probs, eps, MergeWorkspace())
 
 
 def merge_outer_gradients(
-    deltas: Sequence[dict[str, Tensor]],
+    deltas: Sequence[Mapping[str, Tensor] | AnchoredDelta],
     weights: Sequence[float],
     mode: str = "rda",
     embedding_names: Collection[str] = (),
+    *,
+    out: Mapping[str, Tensor] | None = None,
+    workspace: MergeWorkspace | None = None,
 ) -> dict[str, Tensor]:
     """Merge M learners' outer gradients of one fragment, tensor by tensor (DESIGN §4.4).
 
     Each tensor is merged with :func:`rda` (``mode="rda"``) or :func:`weighted_mean`
-    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean.
+    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean. The values
+    are bit for bit those of the whole-tensor formulas; the work is done in place, by chunks.
 
     Args:
-        deltas: M dicts name → outer gradient, all with the same names (anchored, DESIGN §4.1).
+        deltas: M dicts name → outer gradient, all with the same names (anchored, DESIGN §4.1),
+            or :class:`AnchoredDelta` (anchored on the fly, never materialised).
         weights: M weights, one per learner.
         mode: ``"rda"`` or ``"mean"``.
         embedding_names: tensors merged with the weighted mean whatever the mode; names that are
             not in the fragment are ignored.
+        out: keyword-only; name → contiguous tensor of each result's shape and dtype (the first
+            learner's dtype) to write into, e.g. reused buffers. Default: new tensors.
+        workspace: keyword-only; scratch buffers (:class:`MergeWorkspace`), default new ones.
 
     Returns:
-        A new dict name → merged tensor, in the order of the first learner's dict.
+        A dict name → merged tensor (the tensors of ``out`` when given), in the order of the first
+        learner's dict. Memory beyond it: the workspace (:class:`MergeWorkspace`).
 
     Raises:
         ValueError: for an unknown mode, no deltas, differing name sets, and the errors of
             :func:`weighted_mean`.
+        TypeError: a non-floating outer gradient.
     """
     if mode not in MERGE_MODES:
         raise ValueError(f"unknown merge mode {mode!r}; expected one of {MERGE_MODES}")
@@ -218,161 +271,19 @@ def merge_outer_gradients(
         raise ValueError(f"{len(deltas)} outer gradients but {len(weights)} weights")
     for i, d in enumerate(deltas[1:], start=1):
         _check_same_keys(d, deltas[0], f"merge_outer_gradients(learner {i} vs learner 0)")
+    probs = _probs(len(deltas), weights)
     embeddings = frozenset(embedding_names)
-    out = {}
+    ws = MergeWorkspace() if workspace is None else workspace
+    result = {}
     for name in deltas[0]:
-        per_learner = [d[name] for d in deltas]
+        ws.release()
+        srcs = [_AnchoredSource(d, name) if isinstance(d, AnchoredDelta) else _TensorSource(d[name])
+                for d in deltas]
+        _check_sources(srcs)
+        buf = _new_out(srcs[0]) if out is None else _check_out(out[name], srcs[0], name)
         if mode == "mean" or name in embeddings:
-            out[name] = weighted_mean(per_learner, weights)
+            result[name] = _mean_into(buf, srcs, probs, ws)
         else:
-            out[name] = rda(per_learner, weights)
-    return out
-
-
-class OuterOptimizer:
-    """The outer Nesterov step of one fragment (DESIGN §4.5), on ``torch.optim.SGD``.
-
-    ``b ← μb + g; Θ ← Θ − η(g + μb)``, exactly as ``torch.optim.SGD(lr=η, momentum=μ,
-    nesterov=True)``; on the first step torch sets ``b = g``. The optimizer owns copies of the
-    fragment's values as leaf tensors: float32, or float64 when given float64 (set ``dtype`` to
-    force one).
-
-    Args:
-        params: name → the fragment's current value ``Θ`` (copied; the caller's tensors are not
-            touched).
-        lr: outer learning rate η (> 0). DiLoCo's default 0.7.
-        momentum: Nesterov momentum μ (0 < μ < 1). DiLoCo's default 0.9.
-        dtype: keyword-only; the dtype of the optimizer's state. ``None``: float64 stays float64,
-            anything else becomes float32.
-
-    Raises:
-        ValueError: for ``lr``/``momentum`` out of range, an empty or non-finite ``params``.
-    """
-
-    def __init__(
-        self,
-        params: dict[str, Tensor],
-        lr: float = 0.7,
-        momentum: float = 0.9,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"outer lr must be finite and > 0, got {lr}")
-        if not (0 < momentum < 1):
-            raise ValueError(f"outer momentum must be in (0, 1) for Nesterov, got {momentum}")
-        if not params:
-            raise ValueError("OuterOptimizer needs at least one tensor")
-        _check_finite(params, "initial params")
-        self._lr = float(lr)
-        self._mu = float(momentum)
-        self._params: dict[str, Tensor] = {}
-        for name, t in params.items():
-            want = dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
-            self._params[name] = t.detach().to(dtype=want, copy=True).requires_grad_(True)
-        self._opt = self._new_sgd()
-        self._steps = 0
-
-    def _new_sgd(self) -> torch.optim.SGD:
-        return torch.optim.SGD(list(self._params.values()), lr=self._lr, momentum=self._mu, nesterov=True)
-
-    @property
-    def steps_taken(self) -> int:
-        """Outer steps taken since construction, or the count restored by :meth:`load_state`."""
-        return self._steps
-
-    @property
-    def lr(self) -> float:
-        """Outer learning rate η."""
-        return self._lr
-
-    @property
-    def mu(self) -> float:
-        """Nesterov momentum μ."""
-        return self._mu
-
-    def _check_like_params(self, tensors: Mapping[str, Tensor], what: str) -> None:
-        _check_same_keys(tensors, self._params, what)
-        _check_shapes(tensors, self._params, what)
-        _check_finite(tensors, what)
-
-    def step(self, outer_grad: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Apply one outer step with the merged outer gradient ``g``.
-
-        Args:
-            outer_grad: name → ``g``, the same names and shapes as the params; cast to the
-                optimizer's dtype and device.
-
-        Returns:
-            name → the new value ``Θ`` (detached clones).
-
-        Raises:
-            ValueError: if names or shapes differ or a value is NaN/Inf; the state is then left
-                unchanged.
-        """
-        self._check_like_params(outer_grad, "outer step")
-        for name, p in self._params.items():
-            p.grad = outer_grad[name].detach().to(dtype=p.dtype, device=p.device, copy=True)
-        self._opt.step()
-        for p in self._params.values():
-            p.grad = None
-        self._steps += 1
-        return self.params()
-
-    def params(self) -> dict[str, Tensor]:
-        """name → current value ``Θ`` (detached clones, the optimizer's dtype)."""
-        return {name: p.detach().clone() for name, p in self._params.items()}
-
-    def momentum(self) -> dict[str, Tensor]:
-        """name → momentum buffer ``b`` (detached clones; zeros before the first step)."""
-        out = {}
-        for name, p in self._params.items():
-            buf = self._opt.state.get(p, {}).get("momentum_buffer")
-            out[name] = torch.zeros_like(p.detach()) if buf is None else buf.detach().clone()
-        return out
-
-    def load_state(
-        self,
-        params: dict[str, Tensor],
-        momentum: dict[str, Tensor] | None = None,
-        *,
-        steps_taken: int | None = None,
-    ) -> None:
-        """Restore values and momentum exactly, e.g. from a checkpoint.
-
-        After ``load_state(o.params(), o.momentum())`` the next step equals ``o``'s next step bit
-        for bit. Without ``momentum`` the optimizer is fresh: its next step is a first step
-        (``b = g``), as after construction.
-
-        Args:
-            params: name → value ``Θ``, the optimizer's names and shapes.
-            momentum: name → buffer ``b``, or ``None`` for a fresh optimizer.
-            steps_taken: the step count to report; default 0 without momentum, else unchanged.
-
-        Raises:
-            ValueError: on differing names or shapes, non-finite values, or a negative
-                ``steps_taken``; the state is then left unchanged.
-        """
-        self._check_like_params(params, "load_state(params)")
-        if momentum is not None:
-            self._check_like_params(momentum, "load_state(momentum)")
-        if steps_taken is not None and steps_taken < 0:
-            raise ValueError(f"steps_taken must be >= 0, got {steps_taken}")
-        with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(params[name].detach().to(dtype=p.dtype, device=p.device))
-        self._opt = self._new_sgd()
-        if momentum is not None:
-            for name, p in self._params.items():
-                buf = momentum[name].detach().to(dtype=p.dtype, device=p.device, copy=True)
-                self._opt.state[p]["momentum_buffer"] = buf
-        if steps_taken is not None:
-            self._steps = int(steps_taken)
-        elif momentum is None:
-            self._steps = 0
-
-
-def _check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
-    for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{what}: tensor {name!r} has non-finite values (NaN or Inf)")
+            result[name] = _rda_into(buf, srcs, probs, 1e-12, ws)
+        ws.release()
+    return result

@@ -94,7 +94,11 @@ class Broadcaster:
 @dataclass
 class FragmentState:
     """One fragment p: its current value Θ_p (fp32), outer-optimizer state, kept versions and
-    their store refs, and its round counter. ``busy`` while one of its rounds is open or merging."""
+    their store refs, and its round counter. ``busy`` while one of its rounds is open or merging.
+
+    ``current``, ``momentum`` and the ``history`` values are read-only: after a merge they are the
+    outer optimizer's own tensors (``OuterOptimizer.step_shared``), which a step never writes
+    again, so they are shared without copies with the optimizer, the history and checkpoints."""
 
     p: int
     names: list[str]
@@ -121,13 +125,14 @@ def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: Synch
     """Version 0 of every fragment of ``plan``, cut from the model's ``params``."""
     out = []
     for p in range(plan.num_fragments):
-        cur = plan.fragment_of(params, p)
         names = plan.names(p)
+        optimizer = OuterOptimizer(plan.fragment_of(params, p), lr=sc.outer_lr, momentum=sc.outer_momentum)
+        cur = optimizer.shared_state().params  # the optimizer's own copy: one fp32 copy, never written
         out.append(FragmentState(
             p=p, names=names, shapes={s.name: s.shape for s in plan.fragments[p]},
             share=plan.numel_fraction(p), version=0, current=cur,
             momentum={n: torch.zeros_like(t) for n, t in cur.items()},
-            optimizer=OuterOptimizer(cur, lr=sc.outer_lr, momentum=sc.outer_momentum),
+            optimizer=optimizer,
             history={0: cur}, refs={}, sync_ema=Ema(sc.ema_alpha),
             embedding_names=[n for n in names if n in plan.embedding_names],
         ))

@@ -3,7 +3,9 @@
 * :func:`fetch_and_verify`: fetch a contribution, check its size and sha256, decode it, check
   shapes and finiteness (DESIGN §3.6, §10).
 * :func:`merge_and_publish`: anchor, weight and merge the round's outer gradients, take the outer
-  step and publish the new version (DESIGN §3.6-§3.7, §4).
+  step and publish the new version (DESIGN §3.6-§3.7, §4). In place: anchoring is done on the
+  fly by chunks (``merge.AnchoredDelta``), the outer step writes new tensors that become the
+  fragment's value without a copy, and the version is serialized from them.
 
 A fragment has at most one round in flight, so the thread merging a round is the only user of
 that fragment's optimizer until it reports back.
@@ -16,6 +18,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
+import safetensors.torch
 import torch
 
 from diloco_async import codec as wire
@@ -26,7 +29,7 @@ from diloco_async.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
-from diloco_async.merge import anchor, merge_outer_gradients, token_weight
+from diloco_async.merge import AnchoredDelta, MergeWorkspace, check_anchored, merge_outer_gradients, token_weight
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
@@ -51,7 +54,18 @@ def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[s
         FileExistsError: that version was already published.
     """
     meta = {"fragment": str(p), "version": str(v), "lease_epoch": str(lease_epoch), "round": str(round_n)}
-    return store.put(keys.version_key(run_id, p, v), wire.encode_to_bytes(tensors, "fp32", meta))
+    return store.put(keys.version_key(run_id, p, v), _fp32_bytes(tensors, meta))
+
+
+def _fp32_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    """What ``wire.encode_to_bytes(tensors, "fp32", meta)`` writes (the same header entries and
+    data bytes), serialized straight from the tensors when they are already contiguous fp32 on
+    the CPU, without the codec's intermediate copy of every tensor."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and "::" not in n
+               for n, t in tensors.items()):
+        return wire.encode_to_bytes(tensors, "fp32", meta)
+    header = dict(meta, codec="fp32", block_size=str(wire.DEFAULT_BLOCK_SIZE))
+    return safetensors.torch.save({n: t.detach() for n, t in tensors.items()}, metadata=header)
 
 
 def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tensors: dict[str, torch.Tensor], *,
@@ -116,32 +130,48 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
 
 def _screen(f: FragmentState, contribs: list[Contribution], direction_reference: float | None = None,
             direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
-            direction_memory: int = 1) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
+            direction_memory: int = 1, workspace: MergeWorkspace | None = None,
+            ) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
     """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner,
     why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
     cannot take the round down; one that points away from the rest of its round is weighted down,
     and left out when its learner's recent cosines (``learner_cosines``) point away too (the
     direction guard, :mod:`diloco_async.guard`)."""
     kept, weights, anchored, raw, dropped = [], [], [], [], []
-    for c in contribs:
+    candidates, failed = [], []  # (index, contribution, weight, anchored, delta); (index, (learner, why))
+    for i, c in enumerate(contribs):
         try:
             w = token_weight(c.ann.c_tokens, c.ann.c_steps)
             delta = {n: t * c.scales[n] if n in c.scales else t for n, t in c.delta.items()}
-            a = anchor(delta, f.current, f.history[c.ann.base_version])
-            bad = non_finite_tensors(a)
-            if not math.isfinite(w) or bad:
-                raise ValueError(f"weight {w:.4g}, non-finite anchored tensors {sorted(bad)}")
+            candidates.append((i, c, w, AnchoredDelta(delta, f.current, f.history[c.ann.base_version]), delta))
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
-            dropped.append((c.ann.learner_id, f"{type(err).__name__}: {err}"))
+            failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
+    try:  # the norms RDA needs and the finite check, one pass per tensor, Θcur − Θbase shared
+        bads = check_anchored([a for _, _, _, a, _ in candidates], workspace=workspace)
+    except Exception:  # noqa: BLE001 - one contribution's failure must not take the others down
+        bads = [_check_one(a) for _, _, _, a, _ in candidates]
+    for (i, c, w, a, delta), bad in zip(candidates, bads, strict=True):
+        if isinstance(bad, BaseException) or not math.isfinite(w) or bad:
+            err = bad if isinstance(bad, BaseException) else ValueError(
+                f"weight {w:.4g}, non-finite anchored tensors {sorted(bad)}")
+            failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
             continue
         kept.append(c)
         weights.append(w)
         anchored.append(a)
         raw.append(delta)
+    dropped.extend(why for _, why in sorted(failed, key=lambda x: x[0]))
     cosines, factors = _judge_directions(kept, weights, anchored, raw, dropped, direction_reference,
                                          direction_fraction, learner_cosines or {}, direction_memory)
     weights = [w * factors[c.ann.learner_id] for c, w in zip(kept, weights, strict=True)]
     return kept, weights, anchored, dropped, cosines, factors
+
+
+def _check_one(a: AnchoredDelta) -> dict[str, int] | BaseException:
+    try:
+        return a.check()
+    except Exception as err:  # noqa: BLE001 - reported as that contribution's reason
+        return err
 
 
 def _judge_directions(kept: list, weights: list, anchored: list, raw: list, dropped: list,
@@ -183,14 +213,13 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
     return cosines, factors
 
 
-def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str) -> dict[str, torch.Tensor]:
-    """Merge and take the outer step: the new value (raises on any error, e.g. a non-finite result)."""
-    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names)
-    new = f.optimizer.step(g)
-    bad = [k for k, t in new.items() if not bool(torch.isfinite(t).all())]
-    if bad:
-        raise ValueError(f"non-finite values after the outer step in {bad}")
-    return new
+def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str,
+                workspace: MergeWorkspace | None = None) -> dict[str, torch.Tensor]:
+    """Merge and take the outer step: the new value, the optimizer's own tensors (raises on any
+    error, e.g. a non-finite result, leaving the optimizer unchanged)."""
+    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names,
+                              workspace=workspace)
+    return f.optimizer.step_shared(g, require_finite=True, consume=True)  # g's buffers become the momentum
 
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
@@ -215,26 +244,26 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
-    kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, direction_reference,
-                                                                 direction_fraction, learner_cosines,
-                                                                 direction_memory)
+    ws = MergeWorkspace()  # scratch buffers of this merge, shared by the norm pass and the merge
+    kept, weights, anchored, dropped, cosines, factors = _screen(
+        f, contribs, direction_reference, direction_fraction, learner_cosines, direction_memory, ws)
     if not kept or sum(weights) <= 0:
         return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
                       cosines=cosines, factors=factors)
-    before_params, before_mom, steps = f.optimizer.params(), f.optimizer.momentum(), f.optimizer.steps_taken
+    before = f.optimizer.shared_state()  # by reference: a step never writes the tensors it replaces
 
     def restore() -> None:
-        f.optimizer.load_state(before_params, before_mom if steps else None, steps_taken=steps)
+        f.optimizer.restore(before)
 
     try:
-        new = _merge_step(f, anchored, weights, merge_mode)
+        new = _merge_step(f, anchored, weights, merge_mode, ws)
     except Exception as err:
         restore()
         first = f"{type(err).__name__}: {err}"
         for i in range(len(kept) if len(kept) > 1 else 0):
             rest = [j for j in range(len(kept)) if j != i]
             try:
-                new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode)
+                new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode, ws)
             except Exception:  # noqa: BLE001 - try the next one
                 restore()
                 continue
@@ -248,7 +277,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     except Exception as err:
         restore()
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
-    return Merged(p, n, True, "published", new=new, momentum=f.optimizer.momentum(), ref=ref, version=version,
+    return Merged(p, n, True, "published", new=new, momentum=f.optimizer.shared_state().momentum, ref=ref,
+                  version=version,
                   outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
                   seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped,
                   cosines=cosines, factors=factors)

@@ -1,0 +1,322 @@
+"""Buffers of the in-place merge: anchoring on the fly, chunking, the shared scratch space.
+
+Part of :mod:`diloco_async.merge` (DESIGN §4.1, §4.5a): :class:`AnchoredDelta` yields a learner's
+anchored outer gradient ``Δ' = (Θ^cur − Θ^base) + Δ`` chunk by chunk without materialising it,
+:func:`check_anchored` computes the norms and finite checks of a round in one pass per tensor,
+and :class:`MergeWorkspace` holds the scratch buffers that the passes reuse. Pure: torch only.
+
+Bit-for-bit equality with whole-tensor code rests on two facts: elementwise operations give the
+same bits per element whatever the chunking (chunks are :data:`CHUNK_ELEMENTS` long, a multiple
+of every SIMD width), and norms are never computed by chunks (a chunked sum of squares is a
+different reduction order), always as ``vector_norm`` of the whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["CHUNK_ELEMENTS", "MAX_SHARED_DIFFS", "MergeWorkspace", "AnchoredDelta", "check_anchored"]
+
+
+def _check_same_keys(a: Mapping[str, Tensor], b: Mapping[str, Tensor], what: str) -> None:
+    if set(a) != set(b):
+        missing = sorted(set(b) - set(a))
+        extra = sorted(set(a) - set(b))
+        raise ValueError(f"{what}: tensor names differ (missing {missing}, unexpected {extra})")
+
+
+def _check_shapes(a: Mapping[str, Tensor], b: Mapping[str, Tensor], what: str) -> None:
+    for name, t in a.items():
+        if tuple(t.shape) != tuple(b[name].shape):
+            raise ValueError(
+                f"{what}: shape of {name!r} differs: {tuple(t.shape)} vs {tuple(b[name].shape)}"
+            )
+
+
+#: elements per chunk of the chunked passes (1 MiB of fp32): a multiple of every SIMD width, so
+#: each element goes through the same kernel path as in a whole-tensor op (bit-for-bit equal)
+CHUNK_ELEMENTS = 1 << 18
+
+
+def _chunks(numel: int):
+    size = CHUNK_ELEMENTS
+    for lo in range(0, numel, size):
+        yield lo, min(lo + size, numel)
+
+
+def _flat(t: Tensor) -> Tensor:
+    """``t`` as a 1-D tensor in row-major order (a view when contiguous)."""
+    return t.reshape(-1)
+
+
+#: at most this many distinct ``Θ^cur − Θ^base`` (one per base version) are kept per tensor
+#: while a merge computes the norms; a round with more bases computes the rest per contribution
+MAX_SHARED_DIFFS = 4
+
+
+class MergeWorkspace:
+    """Scratch buffers of one merge, reused by every tensor and by the norm pass and the merge
+    (pass one to :func:`check_anchored` and :func:`merge_outer_gradients`): chunk buffers, one
+    whole-tensor buffer per dtype and up to :data:`MAX_SHARED_DIFFS` whole-tensor buffers for the
+    ``Θ^cur − Θ^base`` of each base version, shared by the contributions on that base (of one
+    tensor at a time, or of one chunk at a time). Memory: up to 1 + MAX_SHARED_DIFFS buffers of
+    the largest tensor, a few of :data:`CHUNK_ELEMENTS`; freed with the workspace. Not for use by
+    two threads at once."""
+
+    def __init__(self) -> None:
+        self._chunk: dict[tuple[torch.dtype, int], Tensor] = {}
+        self._whole: dict[torch.dtype, Tensor] = {}
+        self._diffs_of: str | None = None
+        self._diffs: dict[tuple, Tensor] = {}
+        self._diff_bufs: dict[tuple[torch.dtype, int], Tensor] = {}
+        self._chunk_diffs_at: tuple[str, int] | None = None
+        self._chunk_diffs: dict[tuple, Tensor] = {}
+        self._chunk_diff_bufs: dict[tuple, Tensor] = {}
+
+    def chunk(self, dtype: torch.dtype, which: int, n: int) -> Tensor:
+        buf = self._chunk.get((dtype, which))
+        if buf is None or buf.numel() < n:
+            buf = self._chunk[(dtype, which)] = torch.empty(max(n, CHUNK_ELEMENTS), dtype=dtype)
+        return buf[:n]
+
+    def whole(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        numel = math.prod(shape)
+        buf = self._whole.get(dtype)
+        if buf is None or buf.numel() < numel:
+            self._whole.pop(dtype, None)
+            buf = self._whole[dtype] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(shape)
+
+    def whole_diff(self, name: str, cur: Tensor, base: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """``cur − base`` in ``dtype`` (whole tensor), shared while the merge is on ``name``; None
+        when :data:`MAX_SHARED_DIFFS` are already kept."""
+        if self._diffs_of != name:
+            self._diffs_of, self._diffs = name, {}
+        key = (id(cur), id(base), dtype)
+        diff = self._diffs.get(key)
+        if diff is None:
+            slot = len(self._diffs)
+            if slot >= MAX_SHARED_DIFFS:
+                return None
+            numel = cur.numel()
+            buf = self._diff_bufs.get((dtype, slot))
+            if buf is None or buf.numel() < numel:
+                self._diff_bufs.pop((dtype, slot), None)
+                buf = self._diff_bufs[(dtype, slot)] = torch.empty(numel, dtype=dtype)
+            out = buf[:numel].view(cur.shape)
+            diff = self._diffs[key] = torch.sub(cur.to(dtype), base.to(dtype), out=out)
+        return diff
+
+    def chunk_diff(self, name: str, cur: Tensor, base: Tensor, lo: int, hi: int, dtype: torch.dtype) -> Tensor:
+        """``(cur − base)[lo:hi]`` (row-major) in ``dtype``, computed once per chunk and base."""
+        if self._chunk_diffs_at != (name, lo):
+            self._chunk_diffs_at, self._chunk_diffs = (name, lo), {}
+        key = (id(cur), id(base), dtype)
+        diff = self._chunk_diffs.get(key)
+        if diff is None:
+            buf = self._chunk_diff_bufs.get(key)
+            if buf is None or buf.numel() < hi - lo:
+                buf = self._chunk_diff_bufs[key] = torch.empty(max(hi - lo, CHUNK_ELEMENTS), dtype=dtype)
+            c, b = _flat(cur)[lo:hi], _flat(base)[lo:hi]
+            diff = self._chunk_diffs[key] = torch.sub(c.to(dtype), b.to(dtype), out=buf[: hi - lo])
+        return diff
+
+    def release(self) -> None:
+        """Forget the shared differences (their buffers stay for the next tensor): called before
+        and after each tensor, so no difference outlives the tensors it was computed from."""
+        self._diffs_of, self._diffs = None, {}
+        self._chunk_diffs_at, self._chunk_diffs = None, {}
+
+
+class _Source:
+    """One learner's outer gradient of one tensor, read in chunks (a plain tensor or anchored)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        """Elements ``lo:hi`` (row-major) in ``dtype``; may be a view or a workspace buffer."""
+        raise NotImplementedError
+
+    def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        """L2 norm over all elements (0-dim, ``dtype``), as ``vector_norm`` of the whole tensor."""
+        raise NotImplementedError
+
+
+class _TensorSource(_Source):
+    def __init__(self, t: Tensor) -> None:
+        self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
+        self._flat: Tensor | None = None
+
+    def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        if self._flat is None:
+            self._flat = _flat(self.t)
+        x = self._flat[lo:hi]
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        return torch.linalg.vector_norm(self.t.to(dtype))
+
+
+class _AnchoredSource(_Source):
+    def __init__(self, owner: AnchoredDelta, name: str) -> None:
+        self.owner, self.name = owner, name
+        d = owner.delta[name]
+        self.shape, self.dtype = tuple(d.shape), d.dtype
+        self.on_current = owner.base[name] is owner.current[name]  # Θcur − Θcur = 0: Δ' is Δ
+        self._flat: Tensor | None = None
+
+    def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        if self._flat is None:
+            self._flat = _flat(self.owner.delta[self.name])
+        d = self._flat[lo:hi]
+        if self.on_current:
+            x = d
+        else:
+            cur, base = self.owner.current[self.name], self.owner.base[self.name]
+            diff = ws.chunk_diff(self.name, cur, base, lo, hi, self.dtype)
+            x = torch.add(diff, d, out=ws.chunk(self.dtype, 0, hi - lo))
+        return x if x.dtype == dtype else x.to(dtype)
+
+    def whole(self, ws: MergeWorkspace) -> Tensor:
+        """All of ``Δ'``: ``Δ`` itself when anchored on the current value, else a scratch buffer."""
+        d = self.owner.delta[self.name]
+        if self.on_current:
+            return d
+        cur, base = self.owner.current[self.name], self.owner.base[self.name]
+        out = ws.whole(self.dtype, self.shape)
+        diff = ws.whole_diff(self.name, cur, base, self.dtype)
+        if diff is None:
+            return self.owner.write(self.name, out)
+        return torch.add(diff, d, out=out)
+
+    def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        cached = self.owner._norms.get(self.name)
+        if cached is None or cached.dtype != dtype:
+            cached = torch.linalg.vector_norm(self.whole(ws).to(dtype))
+            if cached.dtype == self.dtype:
+                self.owner._norms[self.name] = cached
+        return cached
+
+    def non_finite(self, ws: MergeWorkspace) -> int:
+        """NaN/Inf elements of ``Δ'``: 0 when its norm is finite, else counted."""
+        if bool(torch.isfinite(self.norm(ws, self.dtype))):
+            return 0
+        return int((~torch.isfinite(self.whole(ws))).sum())
+
+
+def check_anchored(anchored: Sequence[AnchoredDelta], *,
+                   workspace: MergeWorkspace | None = None) -> list[dict[str, int]]:
+    """The norms and finite checks of several :class:`AnchoredDelta`, tensor by tensor, sharing
+    ``Θ^cur − Θ^base`` among those on the same base (the first pass of an RDA merge).
+
+    Args:
+        anchored: the contributions of one round.
+        workspace: keyword-only; buffers to use (and keep for the merge), default new ones.
+
+    Returns:
+        For each, name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any.
+        The norms are kept for :func:`merge_outer_gradients`.
+    """
+    ws = MergeWorkspace() if workspace is None else workspace
+    bad: list[dict[str, int]] = [{} for _ in anchored]
+    names: dict[str, None] = {}
+    for a in anchored:
+        names.update(dict.fromkeys(a.delta))
+    for name in names:
+        ws.release()
+        for i, a in enumerate(anchored):
+            if name in a.delta:
+                count = _AnchoredSource(a, name).non_finite(ws)
+                if count:
+                    bad[i][name] = count
+        ws.release()
+    return bad
+
+
+class AnchoredDelta:
+    """A learner's outer gradient anchored on the current value, computed on demand (DESIGN §4.1).
+
+    Holds references to ``Δ``, ``Θ^cur`` and ``Θ^base`` (never copies them, never writes them) and
+    yields ``Δ' = (Θ^cur − Θ^base) + Δ`` chunk by chunk into preallocated buffers, so a merge of M
+    contributions never holds M anchored copies. The values are those of :func:`anchor`, bit for
+    bit, given finite ``Θ^cur`` and ``Θ^base`` (the synchronizer's values always are): anchored on
+    the current value itself (``base[name] is current[name]``), ``Δ'`` is ``Δ`` (``0 + Δ``, equal
+    up to the sign of a zero, which no merge result depends on). :func:`merge_outer_gradients`
+    accepts it in place of a dict.
+
+    Args:
+        delta: the learner's outer gradient ``Δ``, name → tensor (any floating dtype; ``Δ'`` has it).
+        current: ``Θ^cur``, the same names and shapes.
+        base: ``Θ^base``, the same names and shapes.
+
+    Raises:
+        ValueError: if the three dicts do not hold the same names with the same shapes.
+    """
+
+    def __init__(self, delta: Mapping[str, Tensor], current: Mapping[str, Tensor],
+                 base: Mapping[str, Tensor]) -> None:
+        _check_same_keys(delta, current, "anchor(delta, current)")
+        _check_same_keys(delta, base, "anchor(delta, base)")
+        _check_shapes(delta, current, "anchor(delta, current)")
+        _check_shapes(delta, base, "anchor(delta, base)")
+        self.delta, self.current, self.base = delta, current, base
+        self._norms: dict[str, Tensor] = {}
+
+    def __iter__(self):
+        return iter(self.delta)
+
+    def __len__(self) -> int:
+        return len(self.delta)
+
+    def write(self, name: str, out: Tensor, lo: int = 0, hi: int | None = None) -> Tensor:
+        """Write ``Δ'[name]`` (elements ``lo:hi`` in row-major order, default all) into ``out``,
+        exactly as :func:`anchor` computes it.
+
+        Args:
+            name: a tensor of the fragment.
+            out: a contiguous tensor of ``hi − lo`` elements and the dtype of ``Δ[name]`` (any
+                shape: the whole tensor's shape, or 1-D for a slice).
+
+        Returns:
+            ``out``, holding the values.
+        """
+        d = self.delta[name]
+        hi = d.numel() if hi is None else hi
+        whole = lo == 0 and hi == d.numel() and tuple(out.shape) == tuple(d.shape)
+        cur, base, dd = self.current[name], self.base[name], d
+        if not whole:
+            cur, base, dd = _flat(cur)[lo:hi], _flat(base)[lo:hi], _flat(d)[lo:hi]
+        if cur.dtype != d.dtype:
+            cur = cur.to(d.dtype)
+        if base.dtype != d.dtype:
+            base = base.to(d.dtype)
+        flat_out = out if whole else out.view(-1)
+        torch.sub(cur, base, out=flat_out)
+        flat_out.add_(dd)
+        return out
+
+    def check(self) -> dict[str, int]:
+        """name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any
+        (:func:`check_anchored` of this one)."""
+        return check_anchored([self])[0]
+
+    def materialize(self) -> dict[str, Tensor]:
+        """``Δ'`` as new tensors, name → tensor (what :func:`anchor` returns)."""
+        return {name: self.write(name, torch.empty(d.shape, dtype=d.dtype)) for name, d in self.delta.items()}
+
+
+def _all_finite(x: Tensor) -> bool:
+    """No NaN/Inf in ``x``: one reduction (a finite sum has finite terms), the exact check only
+    when the sum is not finite (it may overflow)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
+def _check_finite(tensors: Mapping[str, Tensor], what: str) -> None:
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what}: tensor {name!r} has non-finite values (NaN or Inf)")
