@@ -1,91 +1,98 @@
-"""`make bench`: speed and size figures, each as a ratio against a baseline measured in this run.
+"""`make bench`: the speed and memory goals of issue 17, each a ratio against a baseline measured in
+this run, then one bars table (figure, value, goal, ok/MISS) and exit status 1 on a miss.
 
-* merge: RDA over M outer gradients vs the plain weighted mean (same tensors);
-* codecs: encoded size and encode+decode time vs fp32;
-* store: put+get of a 64 MiB object through ObjectStore (exclusive create, sha256 verify) vs raw
-  file writes and reads in the same folder.
+Sections, in order (each module also runs alone as ``python -m benchmarks.<module>``):
+
+* ``merge`` (benchmarks/merge.py): anchoring + RDA + outer step on 16 MiB and 256 MiB fragments,
+  M = 2, 8, 16, against memcpy; peak memory of the 256 MiB, M = 16 merge;
+* ``codec_store`` (benchmarks/codec_store.py): int4/int8/bf16 encode+decode against the fp32
+  codec's round trip; ``file://`` put+get against raw file I/O;
+* ``s3`` (benchmarks/storage.py): ObjectStore against raw s3fs on one moto server;
+* ``sync_load`` (benchmarks/sync_load.py): 256 and 1,000 simulated learners on one synchronizer;
+* ``memory`` (benchmarks/memory.py): RSS of real learner and synchronizer processes against the
+  model's fp32 size;
+* ``learner`` (benchmarks/memory_tokens.py): learner tokens/s with sync on against a plain loop.
+
+Usage: python -m benchmarks.run [--quick] [--only merge,codec_store,...]
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import argparse
+import sys
 import time
-import uuid
+from collections.abc import Callable
 
-import torch
+from benchmarks.bars import Bar, print_bars
 
-from benchmarks.storage import bench_storage
-from diloco_async import codec as wire
-from diloco_async.merge import rda, weighted_mean
-from storage.store import ObjectStore
+__all__ = ["SECTIONS", "main"]
 
 
-def best_of(fn, repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def _merge(quick: bool) -> list[Bar]:
+    from benchmarks import merge
+
+    return merge.bars(quick=quick)
 
 
-def bench_merge() -> None:
-    torch.manual_seed(0)
-    deltas = [torch.randn(1 << 20) for _ in range(8)]
-    weights = [float(i + 1) for i in range(8)]
-    t_mean = best_of(lambda: weighted_mean(deltas, weights))
-    t_rda = best_of(lambda: rda(deltas, weights))
-    print(f"merge  M=8 x 1Mi fp32   mean {t_mean*1e3:7.2f} ms   rda {t_rda*1e3:7.2f} ms   "
-          f"rda/mean {t_rda/t_mean:5.2f}x")
+def _codec_store(quick: bool) -> list[Bar]:
+    from benchmarks import codec_store
+
+    return codec_store.bars(quick=quick)
 
 
-def bench_codecs() -> None:
-    torch.manual_seed(0)
-    tensors = {"w": torch.randn(2048, 1024) * 0.01}
-    specs = {"w": (2048, 1024)}
-    base = {}
-    for codec in wire.CODECS:
-        data = wire.encode_to_bytes(tensors, codec, {})
-        t = best_of(lambda codec=codec: wire.decode_from_bytes(wire.encode_to_bytes(tensors, codec, {}), codec, specs),
-                    3)
-        base.setdefault("size", len(data))
-        base.setdefault("time", t)
-        print(f"codec  {codec:5s} {len(data)/2**20:7.2f} MiB  size/fp32 {len(data)/base['size']:5.3f}   "
-              f"enc+dec {t*1e3:7.1f} ms  time/fp32 {t/base['time']:5.2f}x")
+def _s3(quick: bool) -> list[Bar]:
+    from benchmarks.storage import bench_storage
+
+    mib = 32 if quick else 256
+    out = bench_storage(mib=mib, repeat=1 if quick else 3)
+    return [Bar(f"S3 (moto) {mib} MiB {op}: ObjectStore / raw s3fs", out[f"{op} ratio"], 0.9, "min")
+            for op in ("put", "get")]
 
 
-def bench_store() -> None:
-    data = os.urandom(64 << 20)
-    with tempfile.TemporaryDirectory() as tmp:
-        def raw():
-            path = os.path.join(tmp, f"raw-{uuid.uuid4().hex}")
-            with open(path, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            with open(path, "rb") as fh:
-                assert len(fh.read()) == len(data)
+def _sync_load(quick: bool) -> list[Bar]:
+    from benchmarks import sync_load
 
-        store = ObjectStore(f"file://{tmp}/store")
-
-        def ours():
-            ref = store.put(f"obj-{uuid.uuid4().hex}", data)
-            assert len(store.get(ref)) == len(data)
-
-        t_raw, t_ours = best_of(raw, 3), best_of(ours, 3)
-        mib = len(data) / 2**20
-        print(f"store  file:// 64 MiB put+get   raw {mib/t_raw:7.1f} MiB/s   ObjectStore {mib/t_ours:7.1f} MiB/s"
-              f"   throughput ratio {t_raw/t_ours:5.2f}")
+    return sync_load.bars(quick=quick)
 
 
-def main() -> int:
-    torch.set_num_threads(1)
-    bench_merge()
-    bench_codecs()
-    bench_store()
-    bench_storage()
-    return 0
+def _memory(quick: bool) -> list[Bar]:
+    from benchmarks import memory
+
+    return memory.bars(quick=quick)
+
+
+def _learner(quick: bool) -> list[Bar]:
+    from benchmarks import memory_tokens
+
+    return memory_tokens.bars(quick=quick)
+
+
+SECTIONS: dict[str, Callable[[bool], list[Bar]]] = {
+    "merge": _merge, "codec_store": _codec_store, "s3": _s3, "sync_load": _sync_load, "memory": _memory,
+    "learner": _learner,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes and short runs (seconds per section)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    rows: list[Bar] = []
+    for name in names:
+        t0 = time.monotonic()
+        print(f"\n== {name}", flush=True)
+        try:
+            rows += SECTIONS[name](args.quick)
+        except Exception as err:  # one broken section must not hide the others' figures
+            print(f"{name}: failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            rows.append(Bar(f"{name}: section ran", None, 1.0, detail=f"{type(err).__name__}: {err}"))
+        print(f"== {name}: {time.monotonic() - t0:.0f} s", flush=True)
+    return print_bars(rows, title="make bench: bars")
 
 
 if __name__ == "__main__":
