@@ -33,7 +33,7 @@ from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.run import RunProcesses
 from diloco_async.timeline import read_records
 from diloco_async.tokens import Corpus, open_corpus
-from diloco_async.workload import data_generator
+from diloco_async.workload import data_generator, inner_optimizer
 
 GOAL = 0.95
 
@@ -43,7 +43,7 @@ def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> t
     torch.set_num_threads(cfg.learners.threads)
     model = build_run_model(cfg)
     params = list(trainable_parameters(model).values())
-    opt = torch.optim.AdamW(params, lr=cfg.learners.lr, weight_decay=cfg.learners.weight_decay)
+    opt = inner_optimizer(params, lr=cfg.learners.lr, weight_decay=cfg.learners.weight_decay)
     corpus = open_corpus(cfg.data, cfg.model.context, cfg.model.vocab_size)
     shard, gen = corpus.shard(0, 1), data_generator(cfg.run.seed, 0, 0)
     lc, ctx = cfg.learners, cfg.model.context
