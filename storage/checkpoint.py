@@ -124,9 +124,10 @@ class _SafetensorsSink:
         self.entries: list[tuple[str, torch.Tensor, memoryview]] | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.pos = 0  # within the current entry
+        self.meta: dict[str, str] = {}
 
     def _start(self, header: dict[str, Any]) -> None:
-        header.pop("__metadata__", None)
+        self.meta = header.pop("__metadata__", None) or {}
         entries = []
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             t = torch.empty(e["shape"], dtype=_BY_ST_DTYPE[e["dtype"]])
@@ -163,10 +164,11 @@ class _SafetensorsSink:
         return self.tensors
 
 
-def read_safetensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tensor]:
+def read_safetensors(store: ObjectStore, ref: ObjectRef, with_metadata: bool = False) -> Any:
     """The tensors of the safetensors object at ``ref``, verified (size and sha256) and decoded
     while streaming: each tensor is allocated once and filled from the stream (writable, on
-    CPU), so memory stays at the tensors plus a chunk.
+    CPU), so memory stays at the tensors plus a chunk. With ``with_metadata``: (tensors, the
+    header's ``__metadata__``).
 
     Raises:
         FileNotFoundError: no object. IntegrityError: size or digest differ, or unparsable.
@@ -174,7 +176,7 @@ def read_safetensors(store: ObjectStore, ref: ObjectRef) -> dict[str, torch.Tens
     sink = _SafetensorsSink()
     try:
         store.stream(ref, sink)
-        return sink.result()
+        return (sink.result(), sink.meta) if with_metadata else sink.result()
     except IntegrityError:
         raise
     except (ValueError, KeyError, TypeError, struct.error) as err:  # a corrupt header or layout
@@ -193,7 +195,7 @@ def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str,
         FileExistsError: ``seq`` already exists under ``prefix``.
     """
     _check_finite(tensors)
-    with store.open_writer(keys.state_file_key(prefix, seq), safetensors_nbytes(tensors)) as w:
+    with store.open_writer(keys.state_file_key(prefix, seq)) as w:
         write_safetensors(tensors, w.write)
     assert w.ref is not None
     body = dict(manifest, seq=seq, state=w.ref.to_json())
