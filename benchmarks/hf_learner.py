@@ -64,11 +64,14 @@ def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> t
     return timed * lc.batch_size * ctx / (time.perf_counter() - t_start), timed
 
 
-def in_run_tokens_per_s(config: Path, workdir: Path, seconds: float, warmup_steps: int) -> tuple[float, int]:
-    """Tokens/s of learner-0 in a run of one learner, from its step records; and the steps timed."""
+def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warmup_steps: int,
+                        extra_overrides: tuple[str, ...] = ()) -> tuple[float, int]:
+    """Tokens/s of learner-0 in a run of one learner, from its step records; and the steps timed.
+    ``extra_overrides``: more ``section.field=value`` settings of the run (e.g. the model size)."""
     overrides = [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs", "learners.count=1",
-                 f"budget.wall_s={seconds}", "budget.tokens=1000000000000", "synchronizer.min_quorum=1"]
-    run = RunProcesses(load_config(config, overrides), str(config), overrides)
+                 f"budget.wall_s={seconds}", "budget.tokens=1000000000000", "synchronizer.min_quorum=1",
+                 *extra_overrides]
+    run = RunProcesses(load_config(config, overrides), None if config is None else str(config), overrides)
     try:
         run.start_synchronizer()
         run.start_learner(0)

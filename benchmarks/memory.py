@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one tiny run (for a test)")
     ap.add_argument("--big", action="store_true", help="also the 100M-parameter run with 2 learners")
     ap.add_argument("--tokens", action="store_true", help="also learner tokens/s vs a plain loop at ~48M")
-    ap.add_argument("--sizes", default="25,50", help="model sizes in M parameters (of 1, 25, 50, 100)")
+    ap.add_argument("--sizes", default="25,50", help="model sizes in M parameters (of 1, 25, 50, 100; none: no runs)")
     args = ap.parse_args(argv)
-    sizes = tuple(int(s) for s in args.sizes.split(","))
+    sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip() and s != "none")
     return print_bars(bars(quick=args.quick, sizes=sizes, big=args.big, tokens=args.tokens), title="memory bars")
 
 

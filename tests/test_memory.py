@@ -144,3 +144,11 @@ def test_kept_versions_live_in_the_store_and_read_back_exactly(tmp_path):
     assert unpublished.in_ram() == [0, 1] and unpublished[0] is published[0]  # nothing to read back from
     with pytest.raises(ValueError, match="float32"):
         read_version(store, store.put("bf", wire.encode_to_bytes(published[0], "fp32", {})), {"a": (7, 33), "b": (5,)})
+
+
+def test_memory_benchmark_quick_measures_real_processes():
+    from benchmarks.memory import bars
+    rows = bars(quick=True)
+    assert [b.figure.split(",")[0] for b in rows] == ["learner RSS beyond baseline / model fp32",
+                                                      "synchronizer RSS beyond baseline / model fp32"]
+    assert all(b.value is not None and b.value > 0 for b in rows), rows  # both processes were sampled

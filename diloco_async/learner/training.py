@@ -114,6 +114,11 @@ class InnerLoop:
             self._inner_step()
         if self.group is not None:
             self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
+        if self.spool_dir is not None:  # empty once the comms thread uploaded (or dropped) the last spool
+            try:
+                os.rmdir(self.spool_dir)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ step boundary ---------
 
