@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run test bench bench-memory-big bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,11 @@ test: data
 bench: data
 	$(PY) -m benchmarks.run
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
+
+## bench-memory-big: a 100M-parameter run with 2 learners (a few outer rounds) completes on this machine;
+## its RSS bars and how long it took (benchmarks/memory.py --big)
+bench-memory-big: data
+	$(PY) -m benchmarks.memory --sizes none --big
 
 ## bench-poison: make run's recipe with three honest learners, then with a fourth that sends poisoned
 ## outer gradients (x1e6, sign flip, constant), each to the same global step; bars: held-out loss

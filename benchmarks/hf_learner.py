@@ -33,7 +33,7 @@ from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.run import RunProcesses
 from diloco_async.timeline import read_records
 from diloco_async.tokens import Corpus, open_corpus
-from diloco_async.workload import data_generator
+from diloco_async.workload import data_generator, inner_optimizer
 
 GOAL = 0.95
 
@@ -43,7 +43,7 @@ def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> t
     torch.set_num_threads(cfg.learners.threads)
     model = build_run_model(cfg)
     params = list(trainable_parameters(model).values())
-    opt = torch.optim.AdamW(params, lr=cfg.learners.lr, weight_decay=cfg.learners.weight_decay)
+    opt = inner_optimizer(params, lr=cfg.learners.lr, weight_decay=cfg.learners.weight_decay)
     corpus = open_corpus(cfg.data, cfg.model.context, cfg.model.vocab_size)
     shard, gen = corpus.shard(0, 1), data_generator(cfg.run.seed, 0, 0)
     lc, ctx = cfg.learners, cfg.model.context
@@ -64,11 +64,14 @@ def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> t
     return timed * lc.batch_size * ctx / (time.perf_counter() - t_start), timed
 
 
-def in_run_tokens_per_s(config: Path, workdir: Path, seconds: float, warmup_steps: int) -> tuple[float, int]:
-    """Tokens/s of learner-0 in a run of one learner, from its step records; and the steps timed."""
+def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warmup_steps: int,
+                        extra_overrides: tuple[str, ...] = ()) -> tuple[float, int]:
+    """Tokens/s of learner-0 in a run of one learner, from its step records; and the steps timed.
+    ``extra_overrides``: more ``section.field=value`` settings of the run (e.g. the model size)."""
     overrides = [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs", "learners.count=1",
-                 f"budget.wall_s={seconds}", "budget.tokens=1000000000000", "synchronizer.min_quorum=1"]
-    run = RunProcesses(load_config(config, overrides), str(config), overrides)
+                 f"budget.wall_s={seconds}", "budget.tokens=1000000000000", "synchronizer.min_quorum=1",
+                 *extra_overrides]
+    run = RunProcesses(load_config(config, overrides), None if config is None else str(config), overrides)
     try:
         run.start_synchronizer()
         run.start_learner(0)

@@ -35,19 +35,23 @@ class InnerState:
 def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: torch.Generator, *,
             step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],
             counters: dict[int, tuple[int, int, float]]) -> InnerState:
-    """Copy the inner state to CPU (copies: training may go on while it is written; the
-    parameters and optimizer moments may live on a GPU)."""
+    """The inner state as a flat name → tensor map, **without copies** (issue 17 item 3): the
+    parameters, AdamW moments and base copies are the live tensors themselves (detached views),
+    so the caller serializes the state before training goes on (or before a base is replaced),
+    e.g. with :func:`storage.checkpoint.spool_state`. Tensors on another device stay there; the
+    writer brings them to CPU one at a time. Only the small AdamW step counters and the RNG state
+    are copied."""
     t: dict[str, torch.Tensor] = {}
     for name, p in params.items():
-        t[f"param/{name}"] = p.detach().to("cpu", copy=True)
+        t[f"param/{name}"] = p.detach()
         st = opt.state.get(p, {})
         if st:
-            t[f"exp_avg/{name}"] = st["exp_avg"].detach().to("cpu", copy=True)
-            t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach().to("cpu", copy=True)
+            t[f"exp_avg/{name}"] = st["exp_avg"].detach()
+            t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach()
             t[f"adam_step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
     for p_idx, tensors in base_tensors.items():
         for name, value in tensors.items():
-            t[f"base/{p_idx}/{name}"] = value.detach().clone()
+            t[f"base/{p_idx}/{name}"] = value.detach()
     t["rng"] = gen.get_state().clone()
     meta = {"step": int(step), "base_versions": {str(k): int(v) for k, v in base_versions.items()},
             "counters": {str(k): [int(c[0]), int(c[1]), float(c[2])] for k, c in counters.items()}}
@@ -58,6 +62,9 @@ def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch
             gen: torch.Generator) -> tuple[int, dict[int, dict[str, torch.Tensor]], dict[int, int],
                                               dict[int, tuple[int, int, float]]]:
     """Write a captured state back into the model, the optimizer and the generator.
+
+    The state's tensors are taken over, not copied (the AdamW moments and base copies become
+    them where they already are on the parameters' device): ``state`` is consumed.
 
     Returns:
         (local step, base tensors by fragment, base versions by fragment, counters by fragment).
@@ -74,14 +81,14 @@ def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch
             p.copy_(value)
             if f"exp_avg/{name}" in t:
                 step_value = t[f"adam_step/{name}"].clone().to(torch.float32)
-                opt.state[p] = {"step": step_value, "exp_avg": t[f"exp_avg/{name}"].to(p.device, copy=True),
-                                "exp_avg_sq": t[f"exp_avg_sq/{name}"].to(p.device, copy=True)}
+                opt.state[p] = {"step": step_value, "exp_avg": t[f"exp_avg/{name}"].to(p.device),
+                                "exp_avg_sq": t[f"exp_avg_sq/{name}"].to(p.device)}
     gen.set_state(t["rng"].clone())
     base_tensors: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in t.items():
         if key.startswith("base/"):
             _, p_idx, name = key.split("/", 2)
-            base_tensors.setdefault(int(p_idx), {})[name] = value.clone()
+            base_tensors.setdefault(int(p_idx), {})[name] = value
     m = state.meta
     versions = {int(k): int(v) for k, v in m["base_versions"].items()}
     counters = {int(k): (int(c[0]), int(c[1]), float(c[2])) for k, c in m["counters"].items()}

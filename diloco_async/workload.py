@@ -28,7 +28,8 @@ from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.tokens import Corpus, open_corpus
 
-__all__ = ["Workload", "inner_step", "warmup_lr", "data_generator", "jitter_random", "emulated_delay_s"]
+__all__ = ["Workload", "inner_optimizer", "inner_step", "warmup_lr", "data_generator", "jitter_random",
+           "emulated_delay_s"]
 
 
 def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
@@ -43,7 +44,9 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
                after_backward: Callable[[], None] | None = None, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One inner step: set the learning rate, forward and loss (under ``torch.autocast`` with
     ``amp_dtype`` on the inputs' device, when given), backward, ``after_backward()`` (e.g. a
-    gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step. Parameters,
+    gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step. The gradients
+    are zeroed in place, not released: their buffers live across steps, so each step does not
+    allocate and free a model's worth of memory (which the C heap keeps, issue 17 item 3). Parameters,
     gradients and the optimizer state keep their dtype (float32): autocast only lowers the
     precision of the forward's matrix products.
 
@@ -63,13 +66,21 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
         group["lr"] = lr
     with torch.autocast(inputs.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
         loss = model.loss(inputs, targets)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # the gradients keep their buffers (no allocator churn)
     loss.backward()
     if after_backward is not None:
         after_backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return loss.detach().float()
+
+
+def inner_optimizer(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The inner optimizer: AdamW over ``params`` (an iterable of parameters), single-tensor
+    implementation (``foreach=False``): the multi-tensor one materializes temporaries of the
+    size of all parameters at once (up to 2x the model in RAM during each step, issue 17 item
+    3), and is no faster on CPU."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
 
 
 def data_generator(seed: int, index: int, incarnation: int) -> torch.Generator:
@@ -135,10 +146,11 @@ class Workload:
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
         """Learner ``index``'s workload of a run: the recipe's model (``build_run_model``: every
         learner builds the same frozen base), AdamW over its trainable parameters with
-        ``learners.lr``/``weight_decay``, and the sampler seeded by (run seed, index, incarnation)."""
+        ``learners.lr``/``weight_decay`` (:func:`inner_optimizer`), and the sampler seeded by
+        (run seed, index, incarnation)."""
         lc = cfg.learners
         model = build_run_model(cfg)
-        opt = torch.optim.AdamW(trainable_parameters(model).values(), lr=lc.lr, weight_decay=lc.weight_decay)
+        opt = inner_optimizer(trainable_parameters(model).values(), lr=lc.lr, weight_decay=lc.weight_decay)
         return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size_of(index),
                    context=cfg.model.context, lr=lc.lr, warmup_steps=lc.warmup_steps, grad_clip=lc.grad_clip)
 

@@ -5,24 +5,38 @@ A checkpoint is a state folder ``checkpoints/{seq:08d}/`` (:mod:`storage.keys`):
 ``manifest.json``, written LAST and naming the state file's size and sha256. A checkpoint
 without a manifest, or whose state does not verify, does not count: :func:`latest_checkpoint`
 skips it and logs why.
+
+State files are written as a stream (:func:`write_safetensors`: the safetensors header, then
+every tensor's bytes read from the tensor itself in bounded chunks), never as one serialized
+copy of the whole state in memory (issue 17 item 3). A learner spools its inner state to a local
+file on its training thread (:func:`spool_state`, a consistent snapshot without a copy in RAM)
+and uploads that file from its comms thread (:func:`write_state_file`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Mapping
+import os
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["Checkpoint", "write_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoint_seqs",
-           "write_state", "load_state", "latest_state", "list_state_seqs", "tensor_key"]
+           "write_state", "load_state", "latest_state", "list_state_seqs", "tensor_key", "write_safetensors",
+           "safetensors_nbytes", "spool_state", "write_state_file", "read_safetensors"]
+
+#: safetensors' dtype names
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_CHUNK_NBYTES = 16 << 20
 
 log = logging.getLogger("diloco.checkpoint")
 
@@ -41,20 +55,189 @@ def tensor_key(fragment: int, kind: str, name: str) -> str:
     return f"p{fragment:03d}/{kind}/{name}"
 
 
+def _header(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The safetensors header (8-byte little-endian length, then JSON padded with spaces to a
+    multiple of 8) of ``tensors`` laid out in the mapping's order.
+
+    Raises:
+        ValueError: a dtype safetensors cannot hold.
+    """
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be written to safetensors")
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(entries, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def safetensors_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Size in bytes of the safetensors file :func:`write_safetensors` writes for ``tensors``."""
+    return len(_header(tensors)) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the floating tensors that hold NaN or Inf. One pass per tensor,
+    no tensor-sized temporary: a NaN or Inf makes the tensor's sum non-finite (so does a sum past
+    the dtype's range, ~3e38 in fp32, which no trained tensor reaches: refused too)."""
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and t.numel()
+           and not bool(torch.isfinite(t.detach().sum()))]
+    if bad:
+        raise ValueError(f"refusing to checkpoint non-finite tensors: {bad[:5]}")
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memoryview], Any],
+                      chunk_nbytes: int = _CHUNK_NBYTES) -> int:
+    """Stream ``tensors`` in the safetensors format to ``write`` (called with the header, then
+    with views of each tensor's bytes of at most ``chunk_nbytes``; CPU tensors are read in place,
+    a tensor on another device is copied to CPU one at a time). ``safetensors.torch.load`` reads
+    the result back bit for bit. Returns the bytes written.
+
+    The caller keeps the tensors unchanged until this returns (the bytes are read while written).
+
+    Raises:
+        ValueError: a dtype safetensors cannot hold.
+    """
+    header = _header(tensors)
+    write(memoryview(header))
+    total = len(header)
+    for t in tensors.values():
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        raw = memoryview(flat.view(torch.uint8).numpy())
+        for start in range(0, len(raw), chunk_nbytes):
+            write(raw[start:start + chunk_nbytes])
+        total += len(raw)
+    return total
+
+
+_BY_ST_DTYPE = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class _SafetensorsSink:
+    """Builds the tensors of a safetensors stream chunk by chunk: each tensor is allocated once
+    and filled in place (no copy of the whole file in memory)."""
+
+    def __init__(self) -> None:
+        self.head = bytearray()
+        self.entries: list[tuple[str, torch.Tensor, memoryview]] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.pos = 0  # within the current entry
+        self.meta: dict[str, str] = {}
+
+    def _start(self, header: dict[str, Any]) -> None:
+        self.meta = header.pop("__metadata__", None) or {}
+        entries = []
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            t = torch.empty(e["shape"], dtype=_BY_ST_DTYPE[e["dtype"]])
+            if t.numel() * t.element_size() != e["data_offsets"][1] - e["data_offsets"][0]:
+                raise ValueError(f"tensor {name}: its data offsets do not match its shape")
+            self.tensors[name] = t
+            if t.numel():
+                entries.append((name, t, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+        self.entries = entries[::-1]  # popped from the end
+
+    def __call__(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        if self.entries is None:
+            self.head += view
+            if len(self.head) < 8 or len(self.head) < 8 + (n := struct.unpack("<Q", self.head[:8])[0]):
+                return
+            self._start(json.loads(bytes(self.head[8:8 + n])))
+            view = memoryview(bytes(self.head[8 + n:]))
+        while len(view):
+            if not self.entries:
+                raise ValueError("bytes past the last tensor")
+            _, _, dst = self.entries[-1]
+            take = min(len(view), len(dst) - self.pos)
+            dst[self.pos:self.pos + take] = view[:take]
+            self.pos += take
+            view = view[take:]
+            if self.pos == len(dst):
+                self.entries.pop()
+                self.pos = 0
+
+    def result(self) -> dict[str, torch.Tensor]:
+        if self.entries is None or self.entries:
+            raise ValueError("the stream ended inside the safetensors data")
+        return self.tensors
+
+
+def read_safetensors(store: ObjectStore, ref: ObjectRef, with_metadata: bool = False) -> Any:
+    """The tensors of the safetensors object at ``ref``, verified (size and sha256) and decoded
+    while streaming: each tensor is allocated once and filled from the stream (writable, on
+    CPU), so memory stays at the tensors plus a chunk. With ``with_metadata``: (tensors, the
+    header's ``__metadata__``).
+
+    Raises:
+        FileNotFoundError: no object. IntegrityError: size or digest differ, or unparsable.
+    """
+    sink = _SafetensorsSink()
+    try:
+        store.stream(ref, sink)
+        return (sink.result(), sink.meta) if with_metadata else sink.result()
+    except IntegrityError:
+        raise
+    except (ValueError, KeyError, TypeError, struct.error) as err:  # a corrupt header or layout
+        raise IntegrityError(f"{ref.key}: unreadable ({err})") from None
+
+
 def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str, torch.Tensor],
                 manifest: dict[str, Any]) -> ObjectRef:
     """Write ``{prefix}/{seq:08d}/state.safetensors``, then ``manifest.json`` naming its size and
-    sha256 (publish, then mark). Returns the manifest's ref.
+    sha256 (publish, then mark). Returns the manifest's ref. The state streams from the tensors
+    (:func:`write_safetensors`): no serialized copy of the whole state is made; the caller keeps
+    the tensors unchanged until this returns.
 
     Raises:
         ValueError: a tensor holds NaN or Inf (nothing is written).
         FileExistsError: ``seq`` already exists under ``prefix``.
     """
-    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise ValueError(f"refusing to checkpoint non-finite tensors: {bad[:5]}")
-    data = st_save({k: t.contiguous() for k, t in tensors.items()})
-    state_ref = store.put(keys.state_file_key(prefix, seq), data)
+    _check_finite(tensors)
+    with store.open_writer(keys.state_file_key(prefix, seq)) as w:
+        write_safetensors(tensors, w.write)
+    assert w.ref is not None
+    body = dict(manifest, seq=seq, state=w.ref.to_json())
+    return store.put_json(keys.state_manifest_key(prefix, seq), body)
+
+
+def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike) -> int:
+    """Write ``tensors`` as a safetensors file at ``path`` (a local spool, replaced atomically:
+    written to ``{path}.tmp`` first); returns its size in bytes. Used by a learner's training
+    thread: a consistent snapshot of live tensors at local-disk speed, without a copy in RAM,
+    uploaded later by :func:`write_state_file`.
+
+    Raises:
+        ValueError: a tensor holds NaN or Inf (nothing is written).
+        OSError: the local write failed (nothing is left at ``path``).
+    """
+    _check_finite(tensors)
+    tmp = f"{os.fspath(path)}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            nbytes = write_safetensors(tensors, fh.write)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return nbytes
+
+
+def write_state_file(store: ObjectStore, prefix: str, seq: int, local_path: str | os.PathLike,
+                     manifest: dict[str, Any]) -> ObjectRef:
+    """As :func:`write_state`, from a state file spooled by :func:`spool_state` (streamed to the
+    store in parts, hashed on the way). Returns the manifest's ref.
+
+    Raises:
+        FileExistsError: ``seq`` already exists under ``prefix``. FileNotFoundError: no spool file.
+    """
+    state_ref = store.put_from_file(keys.state_file_key(prefix, seq), local_path)
     body = dict(manifest, seq=seq, state=state_ref.to_json())
     return store.put_json(keys.state_manifest_key(prefix, seq), body)
 
@@ -74,12 +257,7 @@ def load_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
     """
     manifest = store.get_json(keys.state_manifest_key(prefix, seq))
     ref = ObjectRef.from_json(manifest["state"])
-    try:
-        tensors = st_load(store.get(ref))
-    except IntegrityError:
-        raise
-    except Exception as err:  # safetensors' parse error on a corrupt file
-        raise IntegrityError(f"{ref.key}: unreadable ({err})") from None
+    tensors = read_safetensors(store, ref)
     if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise IntegrityError(f"{keys.state_folder(prefix, seq)} holds non-finite values")
     return Checkpoint(seq=seq, manifest=manifest, tensors=tensors)

@@ -236,6 +236,16 @@ class ObjectStore:
         """
         reader.read_verified(self, ref, lambda chunk: None)
 
+    def stream(self, ref: ObjectRef, sink: Callable[[bytes], Any]) -> None:
+        """Hand every chunk of ``ref`` to ``sink`` in order, hashing on the way (memory stays at
+        a couple of chunks); the size is checked before the first chunk and the digest after the
+        last, so a caller discards what it built when this raises.
+
+        Raises:
+            FileNotFoundError, IntegrityError: as :meth:`get`.
+        """
+        reader.read_verified(self, ref, sink)
+
     def get_unverified(self, key: str) -> bytes:
         """Read an object that carries its own integrity data (a manifest, a plan)."""
         return self._call(f"read {self._where(key)}", self._backend.read, self._path(key), None, None)

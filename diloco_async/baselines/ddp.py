@@ -66,7 +66,14 @@ from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.sync import initial_parameters
 from diloco_async.tokens import Corpus, open_corpus
-from diloco_async.workload import data_generator, emulated_delay_s, inner_step, jitter_random, warmup_lr
+from diloco_async.workload import (
+    data_generator,
+    emulated_delay_s,
+    inner_optimizer,
+    inner_step,
+    jitter_random,
+    warmup_lr,
+)
 from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
@@ -242,7 +249,7 @@ class _Rank:
         params0, _ = initial_parameters(cfg)
         self.model = model_from_params(cfg, params0)
         self.params = dict(self.model.named_parameters())
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lc.lr, weight_decay=lc.weight_decay)
+        self.opt = inner_optimizer(list(self.params.values()), lr=lc.lr, weight_decay=lc.weight_decay)
         saved = latest_state(self.store, self.prefix)
         if saved is not None:
             self.step = restore(InnerState(saved.tensors, saved.manifest["inner"]), self.params, self.opt,

@@ -19,12 +19,12 @@ import time
 import aiohttp
 import torch
 
-from diloco_async import codec as wire
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.config import Config
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
 from diloco_async.messages import HeartbeatResponse, JoinResponse, VersionInfo
+from diloco_async.versions import read_version
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Comms", "ControlFaults"]
@@ -87,14 +87,15 @@ class Comms:
             self.faults = ControlFaults(lc.control_delay_s, lc.control_drop_prob, chaos_rng)
 
     def fetch_version(self, v: VersionInfo) -> dict[str, torch.Tensor]:
-        """Download and decode a published version (blocking; verifies size and sha256).
+        """Download and decode a published version (blocking; verifies size and sha256), streamed
+        into tensors allocated once (:func:`diloco_async.versions.read_version`: no copy of the
+        object's bytes in memory).
 
         Raises:
-            FileNotFoundError: the version was collected; storage.store.IntegrityError.
+            FileNotFoundError: the version was collected; storage.store.IntegrityError;
+            ValueError: not an fp32 version of this fragment's tensors.
         """
-        data = self.store.get(ObjectRef(v.key, v.nbytes, v.sha256))
-        tensors, _ = wire.decode_from_bytes(data, "fp32", self.shapes[v.fragment])
-        return tensors
+        return read_version(self.store, ObjectRef(v.key, v.nbytes, v.sha256), self.shapes[v.fragment])
 
     async def _before_post(self, path: str) -> None:
         if self.faults is not None:

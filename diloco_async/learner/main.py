@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from diloco_async.client import LEARNER_TOKEN_ENV, ProtocolError
+from diloco_async.heap import limit_heap_retention
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
 from diloco_async.process_clock import process_uptime_s
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s learner {who} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
+    limit_heap_retention()  # before the comms thread starts (issue 17 item 3)
     token = os.environ.get(LEARNER_TOKEN_ENV, "")
     if not token:
         print(f"error: {LEARNER_TOKEN_ENV} is not set: give this learner its own token, from the operator's "

@@ -13,7 +13,7 @@ import torch
 from diloco_async.inner_state import InnerState
 from diloco_async.messages import JoinResponse, VersionInfo
 
-__all__ = ["UploadJob", "Stats", "Shared"]
+__all__ = ["UploadJob", "SpooledState", "Stats", "Shared"]
 
 
 @dataclass
@@ -29,6 +29,16 @@ class UploadJob:
     compute_s: float
     delta: dict[str, torch.Tensor]
     update_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+@dataclass
+class SpooledState:
+    """An inner state the training thread spooled to a local safetensors file
+    (:func:`storage.checkpoint.spool_state`) for the comms thread to upload, then delete."""
+
+    path: str
+    nbytes: int
+    meta: dict
 
 
 @dataclass
@@ -71,4 +81,5 @@ class Shared:
         # outcomes of our contributions, for the training thread: (fragment, round, status)
         self.outcomes: queue.Queue[tuple[int, int, str]] = queue.Queue()
         self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()
-        self.upload_queue: queue.Queue[UploadJob | InnerState] = queue.Queue()
+        self.upload_queue: queue.Queue[UploadJob | InnerState | SpooledState] = queue.Queue()
+        self.state_spooled = threading.Event()  # a spooled inner state waits for its upload

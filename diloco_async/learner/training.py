@@ -11,7 +11,9 @@ like synchronous DiLoCo instead.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,12 +22,14 @@ import torch
 
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
+from diloco_async.heap import release_free_memory
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
-from diloco_async.learner.state import Shared, UploadJob
+from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload, emulated_delay_s, jitter_random
+from storage.checkpoint import spool_state
 
 __all__ = ["InnerLoop"]
 
@@ -87,6 +91,7 @@ class InnerLoop:
         self.hold = {p for p in range(P) if restored and self.progress[p].steps >= 1}
         self.hold_until_step = self.step + 2 * H
         self.last_state_s = time.monotonic()
+        self.spool_dir: str | None = None  # local folder of spooled inner states (made on first use)
 
     def run(self) -> None:
         """Train until the stop event is set."""
@@ -109,6 +114,11 @@ class InnerLoop:
             self._inner_step()
         if self.group is not None:
             self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
+        if self.spool_dir is not None:  # empty once the comms thread uploaded (or dropped) the last spool
+            try:
+                os.rmdir(self.spool_dir)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ step boundary ---------
 
@@ -132,7 +142,7 @@ class InnerLoop:
             # mix and rebase read θ: on CPU, as the base copies are (no copy when the model is on CPU)
             cpu_params = {} if self.lc.adopt == "overwrite" else {n: params[n].detach().cpu() for n in new}
             adopted = adopt(self.lc.adopt, cpu_params, new, mix_alpha=self.lc.mix_alpha, base=self.base_tensors[p],
-                            snapshot=snap.params if snap else None)
+                            snapshot=snap.params if snap and snap.params else None)
             with torch.no_grad():
                 for n, val in adopted.items():
                     params[n].copy_(val)
@@ -144,6 +154,8 @@ class InnerLoop:
             log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
         for item in deferred:
             sh.adopt_queue.put(item)
+        if adopted_now:
+            release_free_memory()  # the replaced base copies and the download buffers
         return adopted_now
 
     def _read_outcomes(self) -> None:
@@ -175,12 +187,18 @@ class InnerLoop:
             self._contribute(p, n)
 
     def _contribute(self, p: int, n: int) -> None:
+        """Snapshot the outer gradient of fragment ``p`` for round ``n`` and queue its upload.
+        θ is read in place on CPU (Δ is the one new fragment-sized tensor); the snapshot θ itself
+        is kept only for the ``rebase`` rule, the one that reads it at adoption."""
         params = self.workload.params
         with torch.no_grad():
-            snap = {name: params[name].detach().to("cpu", torch.float32, copy=True) for name in self.plan.names(p)}
-            delta = outer_gradient(self.base_tensors[p], snap)
+            theta = {name: params[name].detach().to("cpu", torch.float32) for name in self.plan.names(p)}
+            delta = outer_gradient(self.base_tensors[p], theta)
             if self.poison != "none":
                 delta = poison_outer_gradient(delta, self.poison)
+            snap = {}
+            if self.lc.adopt == "rebase":
+                snap = {name: t.clone() if t.data_ptr() == params[name].data_ptr() else t for name, t in theta.items()}
         prog = self.progress[p]
         self.in_flight[p] = _InFlight(n, snap, prog)
         self.hold.discard(p)
@@ -234,13 +252,29 @@ class InnerLoop:
             sh.stats.blocked_s += t1 - started_s
 
     def _maybe_save_inner_state(self) -> None:
+        """Every ``checkpoint_every_s``: spool the inner state to a local file here, between two
+        steps (a consistent snapshot of the live tensors at local-disk speed, no copy of the model
+        in RAM), for the comms thread to upload and delete. Skipped while the previous spool still
+        waits for its upload; a failed spool is logged and retried next period."""
         every_s = self.lc.checkpoint_every_s
-        if every_s > 0 and time.monotonic() - self.last_state_s >= every_s:
-            self.last_state_s = time.monotonic()
-            counters = {p: tuple(self.progress[p]) for p in range(self.P)}
-            self.shared.upload_queue.put(self.workload.capture(
-                step=self.step, base_tensors=self.base_tensors, base_versions=dict(self.shared.base),
-                counters=counters))
+        sh = self.shared
+        if every_s <= 0 or time.monotonic() - self.last_state_s < every_s or sh.state_spooled.is_set():
+            return
+        self.last_state_s = time.monotonic()
+        counters = {p: tuple(self.progress[p]) for p in range(self.P)}
+        state = self.workload.capture(step=self.step, base_tensors=self.base_tensors,
+                                      base_versions=dict(sh.base), counters=counters)
+        if self.spool_dir is None:
+            self.spool_dir = tempfile.mkdtemp(prefix=f"diloco-{self.learner_id}-state-")
+        path = os.path.join(self.spool_dir, f"state-{self.step:010d}.safetensors")
+        try:
+            nbytes = spool_state(state.tensors, path)
+        except (OSError, ValueError) as err:
+            log.warning("%s could not spool its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
+            return
+        sh.state_spooled.set()
+        sh.upload_queue.put(SpooledState(path, nbytes, state.meta))
+        release_free_memory()
 
     # ------------------------------------------------------------------ one inner step --------
 

@@ -3,13 +3,16 @@
 A contribution is encoded, uploaded to an immutable key and only then announced (publish, then
 mark); the announcement is retried with the same update id, so it is merged at most once. The
 learner's own inner-state checkpoints travel the same queue and are written with
-:func:`storage.checkpoint.write_state`; the two newest are kept.
+:func:`storage.checkpoint.write_state` (or, spooled to a local file by the training thread,
+:func:`storage.checkpoint.write_state_file`); the newest one is kept (an older one is deleted
+only once a newer one is complete).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import time
 
@@ -18,10 +21,10 @@ import aiohttp
 from diloco_async import codec as wire
 from diloco_async.client import SyncClient
 from diloco_async.inner_state import InnerState
-from diloco_async.learner.state import Shared, UploadJob
+from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.messages import AnnouncementAck
 from storage import keys
-from storage.checkpoint import write_state
+from storage.checkpoint import write_state, write_state_file
 from storage.store import ObjectStore
 
 __all__ = ["Uploads"]
@@ -51,12 +54,12 @@ class Uploads:
                 job = await asyncio.to_thread(self.shared.upload_queue.get, True, 0.2)
             except queue.Empty:
                 continue
-            if isinstance(job, InnerState):
+            if isinstance(job, (InnerState, SpooledState)):
                 await self._save_inner_state(job)
             else:
                 await self._upload_and_announce(client, job)
 
-    def _prune_inner_states(self, newest: int, keep: int = 2) -> None:
+    def _prune_inner_states(self, newest: int, keep: int = 1) -> None:
         """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
         by being just written); a failure is logged and retried after the next save."""
         assert self.state_prefix is not None
@@ -68,18 +71,27 @@ class Uploads:
         except Exception as err:
             log.warning("%s could not prune old inner states (%s: %s)", self.learner_id, type(err).__name__, err)
 
-    async def _save_inner_state(self, state: InnerState) -> None:
+    async def _save_inner_state(self, state: InnerState | SpooledState) -> None:
         self.state_seq += 1
         seq = self.state_seq
         manifest = {"inner": state.meta, "learner": self.learner_id, "incarnation": self.incarnation}
         try:
-            await asyncio.wait_for(asyncio.to_thread(write_state, self.store, self.state_prefix, seq, state.tensors,
-                                                     manifest),
-                                   self.storage_timeout_s)
+            if isinstance(state, SpooledState):
+                write = asyncio.to_thread(write_state_file, self.store, self.state_prefix, seq, state.path, manifest)
+            else:
+                write = asyncio.to_thread(write_state, self.store, self.state_prefix, seq, state.tensors, manifest)
+            await asyncio.wait_for(write, self.storage_timeout_s)
             log.info("%s saved its inner state as checkpoint %d (step %d)", self.learner_id, seq, state.meta["step"])
             await asyncio.to_thread(self._prune_inner_states, seq)
         except Exception as err:  # counted in the log; training goes on, the next period retries
             log.warning("%s could not save its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
+        finally:
+            if isinstance(state, SpooledState):
+                try:
+                    os.unlink(state.path)
+                except OSError:
+                    pass
+                self.shared.state_spooled.clear()
 
     async def _upload_and_announce(self, client: SyncClient, job: UploadJob) -> None:
         run_id = self.shared.join_response.run_id  # type: ignore[union-attr]

@@ -137,7 +137,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
         self.plan: FragmentPlan = plan
-        self.fragments = new_fragments(self.plan, params, self.sc)
+        self.fragments = new_fragments(self.plan, params, self.sc, self.store)
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point

@@ -18,6 +18,7 @@ from diloco_async.config import Config, apply_overrides, config_differences, con
 from diloco_async.policy import budget_spent_at_checkpoint
 from diloco_async.sync.state import FragmentState
 from diloco_async.sync.work import put_version
+from diloco_async.versions import VersionHistory, read_version
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
 from storage.store import IntegrityError, ObjectRef, ObjectStore, sha256_hex
@@ -174,14 +175,17 @@ def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) ->
     f.current, f.momentum, f.outer_steps = params, mom, steps
     f.version, f.next_round = int(m["versions"][key]), int(m["next_round"][key])
     f.refs = {int(v): ObjectRef.from_json(r) for v, r in m["version_refs"][key].items()}
-    f.history = {f.version: params}
+    f.history = VersionHistory(sync.store, f.shapes, f.refs)
+    f.history[f.version] = params
     for v, ref in sorted(f.refs.items()):
         if v != f.version:
-            try:
-                f.history[v], _ = wire.decode_from_bytes(sync.store.get(ref), "fp32", f.shapes)
+            try:  # read through and checked, then kept in the store only (read back when a merge needs it)
+                read_version(sync.store, ref, f.shapes)
+                f.history[v] = {}
             except (FileNotFoundError, IntegrityError, ValueError) as err:
                 log.warning("fragment %d: version %d unavailable after resume (%s)", f.p, v, err)
-    f.refs = {v: r for v, r in f.refs.items() if v in f.history}
+    for v in [v for v in f.refs if v not in f.history]:
+        del f.refs[v]
 
 
 def _adopt_published(sync: Synchronizer, f: FragmentState, lease_epoch: int) -> None:

@@ -30,6 +30,7 @@ from aiohttp import web
 from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.client import TOKEN_ENV
 from diloco_async.config import Config, load_config
+from diloco_async.heap import limit_heap_retention
 from diloco_async.sync.actor import Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import make_app, runner_options
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    limit_heap_retention()  # before any worker thread starts (issue 17 item 3)
     if (args.run_id is None) == (args.resume is None):
         ap.error("give exactly one of --run-id (new run) or --resume (continue a run)")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -19,6 +19,7 @@ from diloco_async import codec as wire
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import fragment_offset
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
+from diloco_async.heap import release_free_memory
 from diloco_async.merge import token_weight
 from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.pace import PaceLimits, implausible_contribution
@@ -398,6 +399,7 @@ class RoundDriver:
         f.refs[f.version] = res.ref
         for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
             del f.history[old]
+        release_free_memory()  # the merge's temporaries and the replaced value (issue 17 item 3)
         f.sync_ema.update(res.seconds)
         self.push.publish({"type": "version", **VersionInfo(
             fragment=f.p, version=f.version, key=res.ref.key, nbytes=res.ref.nbytes, sha256=res.ref.sha256

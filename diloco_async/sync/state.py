@@ -21,7 +21,8 @@ from diloco_async.merge import OuterOptimizer
 from diloco_async.messages import Announcement
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy import Ema, FragmentFacts, RoundState
-from storage.store import ObjectRef
+from diloco_async.versions import VersionHistory
+from storage.store import ObjectRef, ObjectStore
 
 __all__ = [
     "initial_parameters",
@@ -108,7 +109,7 @@ class FragmentState:
     current: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     optimizer: OuterOptimizer
-    history: dict[int, dict[str, torch.Tensor]]  # version -> value, the last S + 1 versions
+    history: VersionHistory  # version -> value, the last S + 1 versions (older ones read from the store)
     refs: dict[int, ObjectRef]
     sync_ema: Ema  # seconds of fetch + merge + publish
     embedding_names: list[str] = field(default_factory=list)  # of this fragment, merged with the mean
@@ -121,19 +122,25 @@ class FragmentState:
         return FragmentFacts(self.version, self.next_round, frozenset(self.history))
 
 
-def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: SynchronizerConfig) -> list[FragmentState]:
-    """Version 0 of every fragment of ``plan``, cut from the model's ``params``."""
+def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: SynchronizerConfig,
+                  store: ObjectStore | None = None) -> list[FragmentState]:
+    """Version 0 of every fragment of ``plan``, cut from the model's ``params``. Kept versions
+    older than the newest are read back from ``store`` (None: they stay in RAM)."""
     out = []
     for p in range(plan.num_fragments):
         names = plan.names(p)
         optimizer = OuterOptimizer(plan.fragment_of(params, p), lr=sc.outer_lr, momentum=sc.outer_momentum)
         cur = optimizer.shared_state().params  # the optimizer's own copy: one fp32 copy, never written
+        shapes = {s.name: s.shape for s in plan.fragments[p]}
+        refs: dict[int, ObjectRef] = {}
+        history = VersionHistory(store, shapes, refs)
+        history[0] = cur
         out.append(FragmentState(
-            p=p, names=names, shapes={s.name: s.shape for s in plan.fragments[p]},
+            p=p, names=names, shapes=shapes,
             share=plan.numel_fraction(p), version=0, current=cur,
             momentum={n: torch.zeros_like(t) for n, t in cur.items()},
             optimizer=optimizer,
-            history={0: cur}, refs={}, sync_ema=Ema(sc.ema_alpha),
+            history=history, refs=refs, sync_ema=Ema(sc.ema_alpha),
             embedding_names=[n for n in names if n in plan.embedding_names],
         ))
     return out

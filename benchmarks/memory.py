@@ -1,0 +1,202 @@
+"""Memory near the model's size (issue 17 item 3): RSS of a real learner and a real synchronizer.
+
+Each size runs a short real run (a ByteGPT recipe sized with ``--set model.*``, the synchronizer
+and learners as processes over a ``file://`` store, as ``make run`` starts them, without MLflow)
+and samples every process's RSS with psutil. The baseline is the same interpreter with torch and
+the project's modules imported and nothing built (:data:`BASELINE_CODE`), measured in the same run.
+The run checkpoints (synchronizer and learners' inner states) and merges several rounds while
+it is sampled. Figures, in units of the model's fp32 size (4 bytes per parameter):
+
+* learner: peak RSS minus the baseline; goal <= 6 (parameters, gradients, AdamW moments, base
+  copies: 5, plus activations of a small batch and the comms thread's buffers);
+* synchronizer: peak RSS minus the baseline, minus the S kept versions in their compact form
+  (published versions live in the store and are decoded on demand, so that term is 0 in RAM);
+  goal <= 4 (value, momentum, the merge's working set).
+
+``--big`` (``make bench-memory-big``): a 100M-parameter run with 2 learners, 24 global steps
+with H = 4 (bar: it exits 0 after 4 merges at least; its RSS and how long it took are printed).
+``--tokens``: learner tokens/s with sync on against a plain loop at ~48M
+parameters (:mod:`benchmarks.hf_learner`'s method; bar >= 0.95 of the plain loop).
+
+Usage: python -m benchmarks.memory [--quick] [--big] [--tokens] [--sizes 25,50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from benchmarks.bars import Bar, print_bars
+from diloco_async.config import load_config
+from diloco_async.run import RunProcesses
+
+__all__ = ["bars", "main", "SIZES", "measure_run"]
+
+LEARNER_GOAL = 6.0
+SYNC_GOAL = 4.0
+TOKENS_GOAL = 0.95
+
+#: model overrides by nominal size in millions of parameters (ByteGPT: 12 L d^2 + 256 d)
+SIZES: dict[int, list[str]] = {
+    1: ["model.n_layer=2", "model.d_model=192", "model.n_head=4"],
+    25: ["model.n_layer=8", "model.d_model=512", "model.n_head=8"],
+    50: ["model.n_layer=10", "model.d_model=640", "model.n_head=10"],
+    100: ["model.n_layer=14", "model.d_model=768", "model.n_head=12"],
+}
+
+#: the baseline process: the interpreter with torch and the project's modules imported, and one
+#: inner step of a 2-layer, 16-wide ByteGPT (so that the code torch loads lazily on a first
+#: step, autograd, AdamW and its compile machinery, about 70 MiB, is in the baseline too)
+BASELINE_CODE = (
+    "import sys, torch; torch.set_num_threads(1); import diloco_async.learner, diloco_async.sync, "
+    "diloco_async.server\n"
+    "from diloco_async.config import ModelConfig\nfrom diloco_async.model import ByteGPT\n"
+    "from diloco_async.workload import inner_step\n"
+    "m = ByteGPT(ModelConfig(n_layer=2, d_model=16, n_head=2, context=8))\n"
+    "x = torch.randint(0, 256, (2, 8))\n"
+    "inner_step(m, torch.optim.AdamW(m.parameters()), x, x, lr=1e-3, grad_clip=1.0)\n"
+    "print('ready', flush=True); sys.stdin.read()")
+
+
+def baseline_rss_bytes() -> int:
+    """RSS of :data:`BASELINE_CODE` once it has imported everything (bytes)."""
+    proc = subprocess.Popen([sys.executable, "-c", BASELINE_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        time.sleep(0.5)
+        return psutil.Process(proc.pid).memory_info().rss
+    finally:
+        proc.communicate("")
+
+
+@dataclass
+class RunMemory:
+    """Peak RSS (bytes) of each process of one run, with the model's size and the run's time."""
+
+    n_params: int
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    exit_code: int | None = None
+    merges: int = 0
+    series: list[tuple[float, str, int]] = field(default_factory=list)  # (s since start, process, RSS bytes)
+    logs: Path | None = None
+
+    @property
+    def model_bytes(self) -> int:
+        return 4 * self.n_params
+
+
+def _n_params(overrides: list[str]) -> int:
+    from diloco_async.models import build_run_model, trainable_parameters
+    cfg = load_config(None, overrides)
+    return sum(p.numel() for p in trainable_parameters(build_run_model(cfg)).values())
+
+
+def measure_run(size_overrides: list[str], workdir: Path, *, learners: int = 2, wall_s: float = 60.0,
+                max_steps: int = 48, sync_every: int = 8, checkpoint_every_s: float = 8.0,
+                interval_s: float = 0.1) -> RunMemory:
+    """A short real run of ``learners`` learners; the peak RSS of every process, sampled every
+    ``interval_s``, until the synchronizer exits (budget ``max_steps`` global steps or ``wall_s``)."""
+    overrides = [*size_overrides, f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs",
+                 f"learners.count={learners}", "learners.batch_size=2", "learners.warmup_steps=2",
+                 f"learners.checkpoint_every_s={checkpoint_every_s:g}",
+                 f"synchronizer.checkpoint_every_s={checkpoint_every_s:g}", f"synchronizer.sync_every={sync_every}",
+                 "synchronizer.num_fragments=4", f"budget.wall_s={wall_s:g}", "budget.tokens=1000000000000",
+                 f"budget.max_steps={max_steps}", "tracking.eval_every_s=0"]
+    out = RunMemory(_n_params(size_overrides))
+    run = RunProcesses(load_config(None, overrides), None, overrides)
+    t0 = time.monotonic()
+    try:
+        run.start_synchronizer()
+        for i in range(learners):
+            run.start_learner(i)
+        assert run.sync is not None
+        deadline = t0 + wall_s + 180
+        while run.sync.poll() is None and time.monotonic() < deadline:
+            procs = {"synchronizer": run.sync.pid, **{lid: h.pid for lid, h in run.learners.items()}}
+            for name, pid in procs.items():
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                out.peak_rss[name] = max(out.peak_rss.get(name, 0), rss)
+                out.series.append((time.monotonic() - t0, name, rss))
+            run.supervise()
+            time.sleep(interval_s)
+        out.exit_code = run.sync.poll()
+    finally:
+        run.stop_all()
+    out.seconds = time.monotonic() - t0
+    out.logs = run.workdir / "logs"
+    try:  # outer steps taken: "fragment p round n merged k (...) -> version v" lines
+        text = (out.logs / "synchronizer.log").read_text(errors="replace")
+        out.merges = sum(1 for line in text.splitlines() if " merged " in line and "-> version" in line)
+    except OSError:
+        pass
+    return out
+
+
+def _size_bars(size: int, mem: RunMemory, base: int) -> list[Bar]:
+    mb = mem.model_bytes
+    learner_peak = max((v for k, v in mem.peak_rss.items() if k.startswith("learner")), default=None)
+    sync_peak = mem.peak_rss.get("synchronizer")
+    lr = None if learner_peak is None else (learner_peak - base) / mb
+    sr = None if sync_peak is None else (sync_peak - base) / mb
+    print(f"{size}M ({mem.n_params / 1e6:.1f}M parameters, {mb / 2**20:.0f} MiB fp32): "
+          f"baseline {base / 2**20:.0f} MiB, "
+          f"peaks " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(mem.peak_rss.items()))
+          + f"; learner {lr if lr is None else round(lr, 2)}x, synchronizer {sr if sr is None else round(sr, 2)}x "
+          f"beyond the baseline ({mem.seconds:.0f} s, {mem.merges} merges, exit {mem.exit_code})", flush=True)
+    detail = f"peak RSS - baseline, in fp32 model sizes; {mem.n_params / 1e6:.1f}M params"
+    return [Bar(f"learner RSS beyond baseline / model fp32, {size}M", lr, LEARNER_GOAL, "max", detail),
+            Bar(f"synchronizer RSS beyond baseline / model fp32, {size}M (versions in the store)", sr, SYNC_GOAL,
+                "max", detail)]
+
+
+def bars(quick: bool = False, sizes: tuple[int, ...] = (25, 50), big: bool = False,
+         tokens: bool = False) -> list[Bar]:
+    """Measure and return the memory bars (``quick``: one tiny run, for a test)."""
+    out: list[Bar] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = baseline_rss_bytes()
+        for size in ((1,) if quick else sizes):
+            mem = measure_run(SIZES[size], Path(tmp) / f"m{size}", max_steps=24 if quick else 48,
+                              wall_s=40 if quick else 90)
+            out += _size_bars(size, mem, base)
+        if big:
+            mem = measure_run(SIZES[100], Path(tmp) / "m100", max_steps=24, sync_every=4, wall_s=420,
+                              checkpoint_every_s=30)
+            out += _size_bars(100, mem, base)
+            ok = mem.exit_code == 0 and mem.merges >= 4  # every fragment took an outer step
+            print(f"100M run with 2 learners: exit {mem.exit_code} after {mem.seconds:.0f} s, {mem.merges} merges",
+                  flush=True)
+            out.append(Bar("100M-parameter run with 2 learners completes (1 = yes)", 1.0 if ok else 0.0, 1.0, "min",
+                           f"{mem.seconds:.0f} s, {mem.merges} merges, exit {mem.exit_code}"))
+    if tokens:
+        from benchmarks.memory_tokens import tokens_bar
+        out.append(tokens_bar(quick=quick))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one tiny run (for a test)")
+    ap.add_argument("--big", action="store_true", help="also the 100M-parameter run with 2 learners")
+    ap.add_argument("--tokens", action="store_true", help="also learner tokens/s vs a plain loop at ~48M")
+    ap.add_argument("--sizes", default="25,50", help="model sizes in M parameters (of 1, 25, 50, 100; none: no runs)")
+    args = ap.parse_args(argv)
+    sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip() and s != "none")
+    return print_bars(bars(quick=args.quick, sizes=sizes, big=args.big, tokens=args.tokens), title="memory bars")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

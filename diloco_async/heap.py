@@ -1,0 +1,50 @@
+"""The C heap's retention of freed memory (issue 17 item 3), for the learner and synchronizer processes.
+
+torch allocates CPU tensors with the C allocator. With glibc, memory freed by one thread goes back
+to that thread's arena and large freed blocks stay in the heap once its dynamic mmap threshold has
+grown, so a process whose comms and worker threads decode, encode and free fragment-sized
+tensors keeps growing in RSS long after the tensors are gone. :func:`limit_heap_retention`
+caps the arenas at process start; :func:`release_free_memory` hands free heap pages back to the
+system (``malloc_trim``) after a burst of large frees (a checkpoint, an adoption, a merge). Both
+do nothing where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+
+__all__ = ["limit_heap_retention", "release_free_memory"]
+
+log = logging.getLogger("diloco.heap")
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter numbers (malloc.h)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - only glibc has it
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def limit_heap_retention(arena_max: int = 2) -> bool:
+    """Cap the C heap at ``arena_max`` arenas (call before threads start); True where applied."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, int(arena_max)))
+
+
+def release_free_memory() -> None:
+    """Return the free pages of every arena of the C heap to the system (``malloc_trim(0)``).
+    Costs a walk of the heap (milliseconds); call it after large frees, not every step."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

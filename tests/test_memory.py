@@ -1,0 +1,154 @@
+"""Memory near the model's size (issue 17 item 3): streamed state files, a copy-free inner-state
+capture, one inner-state checkpoint in the store, and kept versions read back from the store."""
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from diloco_async import codec as wire
+from diloco_async.config import ModelConfig
+from diloco_async.inner_state import capture
+from diloco_async.learner.state import Shared, SpooledState
+from diloco_async.learner.uploads import Uploads
+from diloco_async.model import ByteGPT
+from diloco_async.versions import VersionHistory, read_version
+from storage.checkpoint import (
+    list_state_seqs,
+    load_state,
+    read_safetensors,
+    safetensors_nbytes,
+    spool_state,
+    write_safetensors,
+    write_state,
+)
+from storage.store import IntegrityError, ObjectStore
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(300, 70, generator=g), "t": torch.randn(40, 30, generator=g).t(),
+            "half": torch.randn(11, generator=g).bfloat16(), "step": torch.tensor(7.0),
+            "rng": torch.Generator().manual_seed(1).get_state(), "empty": torch.zeros(0, 4)}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_streamed_safetensors_read_back_bit_for_bit(tmp_path):
+    t = tensors()
+    out = bytearray()
+    n = write_safetensors(t, out.extend, chunk_nbytes=1000)  # many chunks per tensor
+    assert n == len(out) == safetensors_nbytes(t)
+    assert same(st_load(bytes(out)), t)
+    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 << 10)
+    ref = store.put("a.safetensors", st_save({k: v.contiguous() for k, v in t.items()}))  # its own layout too
+    assert same(read_safetensors(store, ref), t)
+    ref = store.put("b.safetensors", bytes(out))
+    back = read_safetensors(store, ref)
+    assert same(back, t)
+    back["w"].add_(1.0)  # writable tensors of their own
+    assert not torch.equal(back["w"], t["w"])
+
+
+def test_damaged_state_file_is_refused(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/s")
+    data = bytearray(st_save({k: v.contiguous() for k, v in tensors().items()}))
+    ref = store.put("ok", bytes(data))
+    data[-3] ^= 0xFF
+    bad = store.put("bad", bytes(data))
+    with pytest.raises(IntegrityError):
+        read_safetensors(store, type(ref)(bad.key, bad.nbytes, ref.sha256))
+    with pytest.raises(IntegrityError):
+        read_safetensors(store, store.put("short", bytes(data[:-40])))
+
+
+def test_capture_shares_the_live_tensors_and_spools_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = ByteGPT(ModelConfig(n_layer=1, d_model=16, n_head=2, context=8))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randint(0, 256, (2, 9))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    opt.step()
+    params = dict(model.named_parameters())
+    base = {0: {"ln_f.bias": torch.ones(16)}}
+    state = capture(params, opt, torch.Generator().manual_seed(2), step=1, base_tensors=base, base_versions={0: 0},
+                    counters={0: (1, 16, 0.1)})
+    name = "blocks.0.fc.weight"
+    # no copy of the model: the state's tensors are the parameters, moments and base themselves
+    assert state.tensors[f"param/{name}"].data_ptr() == params[name].data_ptr()
+    assert state.tensors[f"exp_avg/{name}"].data_ptr() == opt.state[params[name]]["exp_avg"].data_ptr()
+    assert state.tensors["base/0/ln_f.bias"].data_ptr() == base[0]["ln_f.bias"].data_ptr()
+    path = tmp_path / "spool.safetensors"
+    assert spool_state(state.tensors, path) == path.stat().st_size
+    assert same(st_load(path.read_bytes()), state.tensors)
+    with pytest.raises(ValueError, match="non-finite"):
+        spool_state({"x": torch.tensor([float("nan")])}, tmp_path / "nan.safetensors")
+    assert not (tmp_path / "nan.safetensors").exists() and not (tmp_path / "nan.safetensors.tmp").exists()
+
+
+def test_one_inner_state_checkpoint_is_kept_in_the_store(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/s")
+    shared = Shared()
+    up = Uploads("a", 0, store, shared)
+    up.state_prefix = "run/learners/a"
+    for step in (5, 9):
+        path = tmp_path / f"state-{step}.safetensors"
+        t = {"param/w": torch.full((64, 64), float(step))}
+        nbytes = spool_state(t, path)
+        shared.state_spooled.set()
+        asyncio.run(up._save_inner_state(SpooledState(str(path), nbytes, {"step": step})))
+        assert not path.exists() and not shared.state_spooled.is_set()  # the spool is gone once uploaded
+    assert list_state_seqs(store, up.state_prefix) == [2]  # one full copy in the store, not two
+    ck = load_state(store, up.state_prefix, 2)
+    assert ck.manifest["inner"] == {"step": 9} and torch.equal(ck.tensors["param/w"], torch.full((64, 64), 9.0))
+
+
+def test_streamed_write_state_loads_exactly(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 << 10)
+    t = {"p000/param/w": torch.randn(512, 300), "p000/momentum/w": torch.randn(512, 300)}
+    write_state(store, "ck", 1, t, {"k": 1})
+    assert same(load_state(store, "ck", 1).tensors, t)
+
+
+def test_kept_versions_live_in_the_store_and_read_back_exactly(tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/s")
+    shapes = {"a": (33, 7), "b": (5,)}
+    refs: dict = {}
+    h = VersionHistory(store, shapes, refs)
+    published = {}
+    for v in range(4):
+        g = torch.Generator().manual_seed(v)
+        t = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        h[v] = t
+        refs[v] = store.put(f"v{v}", wire.encode_to_bytes(t, "fp32", {"version": str(v)}))
+        published[v] = t
+    assert list(h) == [0, 1, 2, 3] and len(h) == 4 and 2 in h and 9 not in h
+    assert h.in_ram() == [3]  # only the newest (the fragment's value) is held in RAM
+    assert h[3] is published[3]
+    old = h[1]
+    assert same(old, published[1])  # exactly what was published (and adopted by learners)
+    assert h.in_ram() == [1, 3] and h[1] is old  # the last one read back is cached
+    del h[1]
+    assert 1 not in h and h.in_ram() == [3]
+    with pytest.raises(KeyError):
+        h[1]
+    h[4] = {n: torch.zeros(s) for n, s in shapes.items()}  # not published yet: v3 is no longer the newest
+    assert h.in_ram() == [4]
+    unpublished = VersionHistory(None, shapes, {})
+    unpublished[0] = published[0]
+    unpublished[1] = published[1]
+    assert unpublished.in_ram() == [0, 1] and unpublished[0] is published[0]  # nothing to read back from
+    with pytest.raises(ValueError, match="float32"):
+        read_version(store, store.put("bf", wire.encode_to_bytes(published[0], "fp32", {})), {"a": (7, 33), "b": (5,)})
+
+
+def test_memory_benchmark_quick_measures_real_processes():
+    from benchmarks.memory import bars
+    rows = bars(quick=True)
+    assert [b.figure.split(",")[0] for b in rows] == ["learner RSS beyond baseline / model fp32",
+                                                      "synchronizer RSS beyond baseline / model fp32"]
+    assert all(b.value is not None and b.value > 0 for b in rows), rows  # both processes were sampled
