@@ -2,8 +2,9 @@
 
 Each size runs a short real run (a ByteGPT recipe sized with ``--set model.*``, the synchronizer
 and learners as processes over a ``file://`` store, as ``make run`` starts them, without MLflow)
-and samples every process's RSS with psutil. The baseline is the same interpreter with torch and
-the project's modules imported and nothing built (:data:`BASELINE_CODE`), measured in the same run.
+and samples every process's RSS with psutil. The baselines are the same interpreter with torch
+and the modules each process imports (:data:`BASELINE_CODE`, which also takes one tiny inner step
+for the learner; :data:`SYNC_BASELINE_CODE` for the synchronizer), measured in the same run.
 The run checkpoints (synchronizer and learners' inner states) and merges several rounds while
 it is sampled. Figures, in units of the model's fp32 size (4 bytes per parameter):
 
@@ -64,10 +65,17 @@ BASELINE_CODE = (
     "inner_step(m, torch.optim.AdamW(m.parameters()), x, x, lr=1e-3, grad_clip=1.0)\n"
     "print('ready', flush=True); sys.stdin.read()")
 
+#: the synchronizer's baseline: the same interpreter with what a synchronizer process imports, and
+#: nothing built (it never runs an inner step, so the learner's baseline would be too high for it)
+SYNC_BASELINE_CODE = (
+    "import sys, torch; torch.set_num_threads(1); import diloco_async.sync, diloco_async.server\n"
+    "print('ready', flush=True); sys.stdin.read()")
 
-def baseline_rss_bytes() -> int:
-    """RSS of :data:`BASELINE_CODE` once it has imported everything (bytes)."""
-    proc = subprocess.Popen([sys.executable, "-c", BASELINE_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+
+def baseline_rss_bytes(code: str = BASELINE_CODE) -> int:
+    """RSS of ``code`` (:data:`BASELINE_CODE` or :data:`SYNC_BASELINE_CODE`) once it has imported
+    everything (bytes)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     try:
         assert proc.stdout is not None
@@ -145,14 +153,14 @@ def measure_run(size_overrides: list[str], workdir: Path, *, learners: int = 2, 
     return out
 
 
-def _size_bars(size: int, mem: RunMemory, base: int) -> list[Bar]:
+def _size_bars(size: int, mem: RunMemory, base: int, sync_base: int) -> list[Bar]:
     mb = mem.model_bytes
     learner_peak = max((v for k, v in mem.peak_rss.items() if k.startswith("learner")), default=None)
     sync_peak = mem.peak_rss.get("synchronizer")
     lr = None if learner_peak is None else (learner_peak - base) / mb
-    sr = None if sync_peak is None else (sync_peak - base) / mb
+    sr = None if sync_peak is None else (sync_peak - sync_base) / mb
     print(f"{size}M ({mem.n_params / 1e6:.1f}M parameters, {mb / 2**20:.0f} MiB fp32): "
-          f"baseline {base / 2**20:.0f} MiB, "
+          f"baselines {base / 2**20:.0f} MiB (learner), {sync_base / 2**20:.0f} MiB (synchronizer), "
           f"peaks " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(mem.peak_rss.items()))
           + f"; learner {lr if lr is None else round(lr, 2)}x, synchronizer {sr if sr is None else round(sr, 2)}x "
           f"beyond the baseline ({mem.seconds:.0f} s, {mem.merges} merges, exit {mem.exit_code})", flush=True)
@@ -167,15 +175,15 @@ def bars(quick: bool = False, sizes: tuple[int, ...] = (25, 50), big: bool = Fal
     """Measure and return the memory bars (``quick``: one tiny run, for a test)."""
     out: list[Bar] = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = baseline_rss_bytes()
+        base, sync_base = baseline_rss_bytes(), baseline_rss_bytes(SYNC_BASELINE_CODE)
         for size in ((1,) if quick else sizes):
             mem = measure_run(SIZES[size], Path(tmp) / f"m{size}", max_steps=24 if quick else 48,
                               wall_s=40 if quick else 90)
-            out += _size_bars(size, mem, base)
+            out += _size_bars(size, mem, base, sync_base)
         if big:
             mem = measure_run(SIZES[100], Path(tmp) / "m100", max_steps=24, sync_every=4, wall_s=420,
                               checkpoint_every_s=30)
-            out += _size_bars(100, mem, base)
+            out += _size_bars(100, mem, base, sync_base)
             ok = mem.exit_code == 0 and mem.merges >= 4  # every fragment took an outer step
             print(f"100M run with 2 learners: exit {mem.exit_code} after {mem.seconds:.0f} s, {mem.merges} merges",
                   flush=True)
