@@ -64,11 +64,16 @@ test: data
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
-## bench: speed and memory benchmarks (ratios against baselines measured in the same run): the store
-##        (benchmarks/run.py), then bench-hf (an HF learner inside a run against a plain loop)
+## bench: speed and memory benchmarks, ratios against baselines measured in the same run: bench-hf (an HF
+##        learner inside a run against a plain loop), then issue 17's goals (benchmarks/run.py: merge, codecs
+##        and file:// store, S3 store, 256 and 1,000 learners on one synchronizer, learner and synchronizer
+##        RSS, learner tokens/s at ~50M), ending with one bars table; exit 1 on any miss. About 20 minutes,
+##        7 GB free memory. BENCH_ONLY=merge,sync_load runs some sections of benchmarks/run.py only.
+BENCH_ONLY ?=
 bench: data
-	$(PY) -m benchmarks.run
-	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner; hf=$$?; \
+	$(PY) -m benchmarks.run $(if $(BENCH_ONLY),--only $(BENCH_ONLY)); run=$$?; \
+	exit $$(( hf != 0 || run != 0 ))
 
 ## bench-memory-big: a 100M-parameter run with 2 learners (a few outer rounds) completes on this machine;
 ## its RSS bars and how long it took (benchmarks/memory.py --big)

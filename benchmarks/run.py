@@ -64,7 +64,7 @@ def _memory(quick: bool) -> list[Bar]:
 def _learner(quick: bool) -> list[Bar]:
     from benchmarks import memory_tokens
 
-    return memory_tokens.bars(quick=quick)
+    return [memory_tokens.tokens_bar(quick=quick)]
 
 
 SECTIONS: dict[str, Callable[[bool], list[Bar]]] = {
