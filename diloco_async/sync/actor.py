@@ -55,7 +55,7 @@ from diloco_async.sync.state import (
     initial_state,
     new_fragments,
 )
-from diloco_async.sync.versions import VersionInfos
+from diloco_async.sync.version_infos import VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
