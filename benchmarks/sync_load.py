@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import random
 import secrets
@@ -91,6 +92,7 @@ class LoadSpec:
     announce_s: float
     seconds: float
     warmup_s: float = 5.0
+    generators: int = 2  # load generator processes the learners are spread over
 
 
 @dataclass
@@ -110,6 +112,10 @@ class LoadResult:
     errors: list[str] = field(default_factory=list)
     loop_lag_max_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over the measured window
+    loop_lag_by_process: list[float] = field(default_factory=list)  # each generator's max loop lag (s)
+    cpu_by_generator_s: list[float] = field(default_factory=list)
+    sync_watch: dict = field(default_factory=dict)  # the synchronizer's loop watch over the window
+    window_s: tuple[float, float] = (0.0, 0.0)  # the measured window (time.monotonic())
 
     @property
     def dropped(self) -> int:
@@ -286,7 +292,10 @@ async def _loop_lag(res: LoadResult, measure_from: list[float], stop: asyncio.Ev
             res.loop_lag_max_s = max(res.loop_lag_max_s, time.monotonic() - t0 - 0.01)
 
 
-async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, sync_pid: int) -> LoadResult:
+async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, shard: int, shards: int,
+                 t_go: float) -> LoadResult:
+    """Learners ``shard``, ``shard + shards``, ... of the load, from ``t_go`` (``time.monotonic()``,
+    one clock for every process of the machine) to the end of the measured window."""
     res = LoadResult(spec)
     gc.collect()
     gc.freeze()  # what was imported and built so far is never traversed again: no long pauses
@@ -295,39 +304,146 @@ async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, sync
     measure_from = [float("inf")]
     rng = random.Random(17)
     plans: dict = {}  # "plan": the run's FragmentPlan, "payloads": fragment -> encoded contribution
+    seeds = [rng.random() for _ in range(spec.learners)]  # the same learners however many processes
+    mine = range(shard, spec.learners, shards)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         learners = [_Learner(f"l{i:04d}", learner_token(secret, RUN_ID, f"l{i:04d}"), url, session, store, plans,
-                             spec, res, measure_from, stop, random.Random(rng.random())) for i in range(spec.learners)]
+                             spec, res, measure_from, stop, random.Random(seeds[i])) for i in mine]
+        await asyncio.sleep(max(0.0, t_go - time.monotonic()))
         tasks = []
         for i, lr in enumerate(learners):  # joins spread over about a second
             tasks.append(asyncio.get_running_loop().create_task(lr.run()))
             if i % 50 == 49:
-                await asyncio.sleep(0.05)
-        side = [asyncio.get_running_loop().create_task(_probe_health(url, session, res, measure_from, stop)),
-                asyncio.get_running_loop().create_task(_loop_lag(res, measure_from, stop))]
-        await asyncio.sleep(spec.warmup_s)
+                await asyncio.sleep(0.05 * shards)
+        side = [asyncio.get_running_loop().create_task(_loop_lag(res, measure_from, stop))]
+        if shard == 0:
+            side.append(asyncio.get_running_loop().create_task(_probe_health(url, session, res, measure_from, stop)))
+        await asyncio.sleep(max(0.0, t_go + spec.warmup_s - time.monotonic()))
         measure_from[0] = time.monotonic()
-        me, sync = psutil.Process(), psutil.Process(sync_pid)
-        cpu0 = sum(me.cpu_times()[:2]), sum(sync.cpu_times()[:2])
-        await asyncio.sleep(spec.seconds)
-        res.cpu_s = {"load generator": sum(me.cpu_times()[:2]) - cpu0[0],
-                     "synchronizer": sum(sync.cpu_times()[:2]) - cpu0[1]}
+        await asyncio.sleep(max(0.0, t_go + spec.warmup_s + spec.seconds - time.monotonic()))
         stop.set()
         await asyncio.gather(*tasks, *side, return_exceptions=True)
     gc.enable()
     gc.unfreeze()
     gc.collect()
+    res.loop_lag_by_process = [res.loop_lag_max_s]
     return res
 
 
+def _generator(spec: LoadSpec, url: str, secret: str, store_url: str, shard: int, shards: int, conn) -> None:
+    """One load generator process: says it is ready, waits for the start time, drives its learners and
+    sends back its :class:`LoadResult` (``conn``: its end of a pipe)."""
+    conn.send("ready")
+    t_go = conn.recv()
+    try:
+        conn.send(asyncio.run(_drive(spec, url, secret, ObjectStore(store_url), shard, shards, t_go)))
+    except BaseException as err:  # the parent reports it
+        conn.send(f"{type(err).__name__}: {err}")
+    conn.close()
+
+
+def _merge(spec: LoadSpec, parts: list[LoadResult]) -> LoadResult:
+    out = LoadResult(spec)
+    for r in parts:
+        out.heartbeat_s += r.heartbeat_s
+        out.announce_s += r.announce_s
+        out.health_s += r.health_s
+        for mine, theirs in ((out.sent, r.sent), (out.answered, r.answered), (out.acks, r.acks),
+                             (out.pushed_by_type, r.pushed_by_type)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        out.pushed += r.pushed
+        out.ws_lost += r.ws_lost
+        out.errors += r.errors
+        out.loop_lag_by_process += r.loop_lag_by_process
+    out.loop_lag_max_s = max(out.loop_lag_by_process, default=0.0)
+    return out
+
+
+def _run_generators(spec: LoadSpec, url: str, secret: str, store_url: str, sync_pid: int) -> LoadResult:
+    """Spread the learners over ``spec.generators`` processes; measure every process's CPU over the window."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no state of this one is shared
+    procs, conns = [], []
+    for shard in range(spec.generators):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_generator, args=(spec, url, secret, store_url, shard, spec.generators, child),
+                           daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    try:
+        for c in conns:
+            if not c.poll(120) or c.recv() != "ready":
+                raise RuntimeError("a load generator process did not start")
+        t_go = time.monotonic() + 0.2
+        for c in conns:
+            c.send(t_go)
+        gens, sync = [psutil.Process(p.pid) for p in procs], psutil.Process(sync_pid)
+        time.sleep(max(0.0, t_go + spec.warmup_s - time.monotonic()))
+        cpu0 = [sum(p.cpu_times()[:2]) for p in gens], sum(sync.cpu_times()[:2])
+        time.sleep(max(0.0, t_go + spec.warmup_s + spec.seconds - time.monotonic()))
+        cpu1 = [sum(p.cpu_times()[:2]) for p in gens], sum(sync.cpu_times()[:2])
+        parts = []
+        for c in conns:
+            if not c.poll(120):
+                raise RuntimeError("a load generator process did not finish")
+            got = c.recv()
+            if isinstance(got, str):
+                raise RuntimeError(f"a load generator process failed: {got}")
+            parts.append(got)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    res = _merge(spec, parts)
+    res.cpu_s = {"load generators": sum(b - a for a, b in zip(cpu0[0], cpu1[0], strict=True)),
+                 "synchronizer": cpu1[1] - cpu0[1]}
+    res.cpu_by_generator_s = [b - a for a, b in zip(cpu0[0], cpu1[0], strict=True)]
+    res.window_s = (t_go + spec.warmup_s, t_go + spec.warmup_s + spec.seconds)
+    return res
+
+
+def _sync_watch(log_text: str, t0: float, t1: float) -> dict:
+    """The synchronizer's own ``loop watch`` lines (:class:`diloco_async.sync.process.LoopWatch`) of
+    the window ``[t0, t1]`` (``time.monotonic()``): its loop lag, collections and slowest actor part."""
+    out: dict = {"lag_max_ms": 0.0, "lag_over_20ms": 0, "ticks": 0, "gc": {}, "slow": ("-", 0.0), "lines": 0}
+    for line in log_text.splitlines():
+        at = line.find("loop watch mono=")
+        if at < 0:
+            continue
+        fields = dict(f.split("=", 1) for f in line[at + len("loop watch "):].split() if "=" in f)
+        mono = float(fields["mono"])
+        if not t0 + 1.0 <= mono <= t1 + 0.5:  # a line covers the second before it
+            continue
+        out["lines"] += 1
+        out["lag_max_ms"] = max(out["lag_max_ms"], float(fields["lag_max_ms"]))
+        out["lag_over_20ms"] += int(fields["lag_over_20ms"])
+        out["ticks"] += int(fields["ticks"])
+        if fields["gc"] != "-":
+            for item in fields["gc"].split(","):
+                gen, rest = item.split(":")
+                n, mx, tot = (float(x) for x in rest.split("/"))
+                row = out["gc"].setdefault(int(gen), [0, 0.0, 0.0])
+                row[0] += int(n)
+                row[1] = max(row[1], mx)
+                row[2] += tot
+        part, _, ms = fields["slow"].rpartition(":")
+        if float(ms) > out["slow"][1]:
+            out["slow"] = (part, float(ms))
+    return out
+
+
 def run_load(spec: LoadSpec, source_dir: str | None = None) -> LoadResult:
-    """Start a synchronizer process, put ``spec``'s load on it, stop it; the measured result.
-    ``source_dir``: run the synchronizer from that source tree instead (e.g. an export of main,
-    for its figures as context).
+    """Start a synchronizer process, put ``spec``'s load on it from ``spec.generators`` processes,
+    stop it; the measured result. ``source_dir``: run the synchronizer from that source tree
+    instead (e.g. an export of main, for its figures as context).
 
     Raises:
-        RuntimeError: the synchronizer did not start within 60 s (its log is in the message).
+        RuntimeError: the synchronizer did not start within 60 s (its log is in the message), or a
+            load generator process failed.
     """
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="sync-load-", dir=root))
@@ -335,7 +451,8 @@ def run_load(spec: LoadSpec, source_dir: str | None = None) -> LoadResult:
     secret = secrets.token_hex(32)
     ready = work / "ready.json"
     log_path = work / "sync.log"
-    env = {**os.environ, TOKEN_ENV: secret, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, TOKEN_ENV: secret, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+           "DILOCO_LOOP_WATCH_S": "1"}
     if source_dir:
         env["PYTHONPATH"] = source_dir
     profile = os.environ.get("SYNC_LOAD_PROFILE")  # a path: the synchronizer runs under cProfile
@@ -351,7 +468,9 @@ def run_load(spec: LoadSpec, source_dir: str | None = None) -> LoadResult:
                 raise RuntimeError(f"the synchronizer did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.05)
         url = json.loads(ready.read_text())["url"]
-        return asyncio.run(_drive(spec, url, secret, ObjectStore(store_url), proc.pid))
+        res = _run_generators(spec, url, secret, store_url, proc.pid)
+        res.sync_watch = _sync_watch(log_path.read_text(errors="replace"), *res.window_s)
+        return res
     finally:  # SIGTERM stops it cleanly (a final checkpoint); it waits for its learners at most 5 s here
         proc.terminate()
         try:
@@ -394,7 +513,18 @@ def report(res: LoadResult) -> dict[str, float | None]:
     fig["sync_cpu_us_per_request"] = 1e6 * res.cpu_s.get("synchronizer", 0.0) / max(1, answered)
     print(f"  synchronizer CPU per request answered in the window: {fig['sync_cpu_us_per_request']:.0f} us "
           "(pushes included in the CPU, not in the count)")
-    print(f"  load generator loop lag max {1000 * res.loop_lag_max_s:.1f} ms; CPU of one core: {cpu}", flush=True)
+    lags = ", ".join(f"{1000 * v:.1f}" for v in res.loop_lag_by_process)
+    gen_cpu = ", ".join(f"{v / s.seconds:.0%}" for v in res.cpu_by_generator_s)
+    print(f"  load generators ({len(res.loop_lag_by_process)} processes): loop lag max {lags} ms; CPU of one core: "
+          f"{cpu} (each generator {gen_cpu})")
+    w = res.sync_watch
+    fig["sync_loop_lag_max_ms"] = w.get("lag_max_ms")
+    fig["generator_loop_lag_max_ms"] = 1000 * res.loop_lag_max_s
+    if w.get("lines"):
+        gcs = "; ".join(f"gen{g} {int(n)}x max {mx:.1f} ms" for g, (n, mx, _tot) in sorted(w["gc"].items())) or "none"
+        print(f"  synchronizer (its loop watch, {w['lines']} s): loop lag max {w['lag_max_ms']:.1f} ms, "
+              f"{w['lag_over_20ms']} of {w['ticks']} ticks late > 20 ms; collections {gcs}; slowest actor part "
+              f"{w['slow'][0]} {w['slow'][1]:.1f} ms", flush=True)
     for err in res.errors[:5]:
         print(f"  error: {err}")
     return fig
