@@ -412,7 +412,7 @@ def _sync_watch(log_text: str, t0: float, t1: float) -> dict:
     out: dict = {"lag_max_ms": 0.0, "lag_over_20ms": 0, "ticks": 0, "gc": {}, "slow": ("-", 0.0), "lines": 0}
     for line in log_text.splitlines():
         at = line.find("loop watch mono=")
-        if at < 0:
+        if at < 0 or "stalled" in line:  # a stall's warning repeats the figures so far: not a period
             continue
         fields = dict(f.split("=", 1) for f in line[at + len("loop watch "):].split() if "=" in f)
         mono = float(fields["mono"])
