@@ -470,6 +470,8 @@ def run_load(spec: LoadSpec, source_dir: str | None = None) -> LoadResult:
         url = json.loads(ready.read_text())["url"]
         res = _run_generators(spec, url, secret, store_url, proc.pid)
         res.sync_watch = _sync_watch(log_path.read_text(errors="replace"), *res.window_s)
+        if os.environ.get("SYNC_LOAD_LOG"):  # a path: keep a copy of the synchronizer's log there
+            shutil.copyfile(log_path, os.environ["SYNC_LOAD_LOG"])
         return res
     finally:  # SIGTERM stops it cleanly (a final checkpoint); it waits for its learners at most 5 s here
         proc.terminate()
@@ -559,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=None, help="one load of N learners instead of the two")
     ap.add_argument("--seconds", type=float, default=30.0, help="measured seconds (with --learners)")
     ap.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat period (with --learners)")
+    ap.add_argument("--generators", type=int, default=2, help="load generator processes (with --learners)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="with --learners: the same load first on a synchronizer run from DIR (e.g. "
                          "`git archive main | tar -x -C DIR`), printed as context")
@@ -566,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.learners is not None:
         hb = args.heartbeat_s or (0.25 if args.learners <= 256 else 1.0)
         goal = GOAL_P99_MS_256 if args.learners <= 256 else GOAL_P99_MS_1000
-        spec = LoadSpec(args.learners, hb, 8.0 if args.learners <= 256 else 10.0, args.seconds)
+        spec = LoadSpec(args.learners, hb, 8.0 if args.learners <= 256 else 10.0, args.seconds,
+                        warmup_s=5.0 if args.learners <= 256 else 8.0, generators=args.generators)
         if args.baseline_tree:
             print(f"baseline: the synchronizer of {args.baseline_tree}")
             report(run_load(spec, os.path.abspath(args.baseline_tree)))
