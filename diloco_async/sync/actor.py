@@ -26,13 +26,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
-from diloco_async.messages import (
-    Heartbeat,
-    HeartbeatResponse,
-    JoinRequest,
-    JoinResponse,
-    RoundOpen,
-)
+from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse, RoundOpen
 from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
 from diloco_async.sync import persistence, reporting
@@ -299,12 +293,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             if n & (n - 1) == 0:  # a part that fails at every pass logs log2(n) times, not n
                 self.report.metric("sync/actor_errors", n)
                 log.exception("actor error in %s (%d so far); the run goes on", getattr(part, "__name__", "?"), n)
-        finally:
-            took = time.perf_counter() - t0
-            name = getattr(arg, "kind", None) or type(arg).__name__ if part == self._dispatch \
-                else getattr(part, "__name__", "?")
-            if took > self.part_times.get(name, 0.0):
-                self.part_times[name] = took
+        finally:  # the slowest run of each part, for the loop watch
+            name = (getattr(arg, "kind", None) or type(arg).__name__) if part == self._dispatch else part.__name__
+            self.part_times[name] = max(time.perf_counter() - t0, self.part_times.get(name, 0.0))
 
     # -- counted without a round --------------------------------------------------------------
 

@@ -208,21 +208,27 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
                                    "lease_epoch": lease.lease_epoch}))
         tmp.replace(ready_file)
-    period = os.environ.get(LOOP_WATCH_ENV)
-    watch = LoopWatch(float(period) if period else None, sync.part_times)
-    watch_task = loop.create_task(watch.run())
-    freezer = loop.create_task(freeze_long_lived())
+    watchers = [loop.create_task(LoopWatch(_watch_period_s(), sync.part_times).run()),
+                loop.create_task(freeze_long_lived())]
     try:
         summary = await sync.run()
     finally:
-        watch_task.cancel()
-        freezer.cancel()
-        await asyncio.gather(watch_task, freezer, return_exceptions=True)
+        await _cancel(watchers)
         _ignore_stop_signals(loop)
         await runner.cleanup()
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _watch_period_s() -> float | None:
+    return float(os.environ[LOOP_WATCH_ENV]) if os.environ.get(LOOP_WATCH_ENV) else None
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
