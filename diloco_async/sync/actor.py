@@ -26,13 +26,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
-from diloco_async.messages import (
-    Heartbeat,
-    HeartbeatResponse,
-    JoinRequest,
-    JoinResponse,
-    RoundOpen,
-)
+from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse, RoundOpen
 from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
 from diloco_async.sync import persistence, reporting
@@ -144,6 +138,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
         self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
         self._versions = VersionInfos()
+        #: the longest run (s) of each part of the actor's work since a reader last cleared it
+        #: (the loop watch of :mod:`~diloco_async.sync.process`): a message by its kind, a part by its name
+        self.part_times: dict[str, float] = {}
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 
@@ -285,6 +282,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
     def _guarded(self, part: Callable[[Any], None], arg: Any) -> None:
         """Run one part of the actor's work; an exception is counted (``actor_errors``) and logged
         (the first time, then at powers of two), and the actor goes on."""
+        t0 = time.perf_counter()
         try:
             part(arg)
         except Exception as err:
@@ -295,6 +293,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             if n & (n - 1) == 0:  # a part that fails at every pass logs log2(n) times, not n
                 self.report.metric("sync/actor_errors", n)
                 log.exception("actor error in %s (%d so far); the run goes on", getattr(part, "__name__", "?"), n)
+        finally:  # the slowest run of each part, for the loop watch
+            name = (getattr(arg, "kind", None) or type(arg).__name__) if part == self._dispatch else part.__name__
+            self.part_times[name] = max(time.perf_counter() - t0, self.part_times.get(name, 0.0))
 
     # -- counted without a round --------------------------------------------------------------
 

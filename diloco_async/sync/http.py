@@ -32,7 +32,9 @@ the raw bytes (:meth:`~pydantic.BaseModel.model_validate_json`), its credential 
 the validated ``learner_id``, and the reply serialized by pydantic; only a body that does not
 validate takes the slow path, which finds the exact reason (and checks the credential first, so a
 sender without one gets 401, never a hint about its body). A body already received whole is read
-without arming the body timeout. A pushed event is serialized once for every WebSocket.
+without arming the body timeout. A pushed event is serialized once for every WebSocket, and
+handed to the WebSockets a batch per pass of the event loop (:class:`_FanOut`), so a push to
+every learner does not hold the loop for the whole burst.
 """
 
 from __future__ import annotations
@@ -267,6 +269,57 @@ class _EventText:
 
 EVENT_TEXT = web.AppKey("event_text", _EventText)
 
+FANOUT_BATCH = 64
+"""WebSockets woken per pass of the event loop when an event is pushed to all of them (issue 17)."""
+
+
+class _FanOut:
+    """Hands each pushed event to every WebSocket's own queue, :data:`FANOUT_BATCH` at a time.
+
+    One event goes to every learner at once (``round_open``, ``version``); waking all their
+    connections in one pass of the event loop holds it for the whole burst (N sends), and every
+    request that arrives meanwhile waits behind it. This relay, one task subscribed to the
+    actor's :class:`~diloco_async.sync.state.Broadcaster`, yields to the loop after each batch, so
+    requests are served between batches. Events keep their order; a connection whose queue is
+    full (a stuck learner) loses the push, as before (heartbeats carry the same information).
+    """
+
+    def __init__(self, max_queue: int = 256) -> None:
+        self.max_queue = max_queue
+        self.queues: dict[int, asyncio.Queue] = {}
+
+    def subscribe(self) -> tuple[int, asyncio.Queue]:
+        q: asyncio.Queue = asyncio.Queue(self.max_queue)
+        self.queues[id(q)] = q
+        return id(q), q
+
+    def unsubscribe(self, handle: int) -> None:
+        self.queues.pop(handle, None)
+
+    async def relay(self, source: asyncio.Queue) -> None:
+        """Forward every event of ``source`` until cancelled."""
+        while True:
+            event = await source.get()
+            for i, q in enumerate(list(self.queues.values()), 1):
+                try:
+                    q.put_nowait(event)
+                except asyncio.QueueFull:
+                    pass
+                if i % FANOUT_BATCH == 0:
+                    await asyncio.sleep(0)  # the woken batch sends, and requests come in, before the next
+
+    async def running(self, app: web.Application):
+        """``cleanup_ctx`` of the application: the relay runs while the application does."""
+        handle, source = app[SYNC].push.subscribe()
+        task = asyncio.get_running_loop().create_task(self.relay(source))
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        app[SYNC].push.unsubscribe(handle)
+
+
+FANOUT = web.AppKey("fanout", _FanOut)
+
 
 async def _push(request: web.Request) -> web.WebSocketResponse:
     lid = request.query.get("learner_id", "")
@@ -277,7 +330,7 @@ async def _push(request: web.Request) -> web.WebSocketResponse:
         _check(request, creds.as_admin(_credential(request)), "the operator")
     ws = web.WebSocketResponse(heartbeat=10.0)
     await ws.prepare(request)
-    push, text = request.app[SYNC].push, request.app[EVENT_TEXT]
+    push, text = request.app[FANOUT], request.app[EVENT_TEXT]
     handle, q = push.subscribe()
 
     def gone(_reader: asyncio.Future) -> None:  # the learner went away: wake the loop below
@@ -328,6 +381,8 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
     app[SYNC] = sync
     app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
     app[EVENT_TEXT] = _EventText()
+    app[FANOUT] = _FanOut(sync.push.max_queue)
+    app.cleanup_ctx.append(app[FANOUT].running)
     app.add_routes([web.post("/join", _join), web.post("/heartbeat", _heartbeat), web.post("/announce", _announce),
                     web.get("/status", _status), web.get("/metrics", _metrics), web.get("/health", _health),
                     web.get("/ws", _push), web.post("/checkpoint", _checkpoint)])

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +42,8 @@ from storage.checkpoint import Checkpoint, list_checkpoint_seqs
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
 from storage.store import ObjectStore
 
-__all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV", "EXIT_LEASE_HELD", "EXIT_LEASE_LOST"]
+__all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV", "EXIT_LEASE_HELD", "EXIT_LEASE_LOST",
+           "LoopWatch", "LOOP_WATCH_ENV", "freeze_long_lived", "FREEZE_EVERY_S", "SWEEP_EVERY_S"]
 
 log = logging.getLogger("diloco.server")
 
@@ -49,6 +51,112 @@ log = logging.getLogger("diloco.server")
 EXIT_LEASE_HELD = 4
 #: exit code of a synchronizer whose lease was taken over while it ran
 EXIT_LEASE_LOST = 5
+
+
+LOOP_WATCH_ENV = "DILOCO_LOOP_WATCH_S"
+"""Set to a period (s): the synchronizer logs one ``loop watch`` line per period (for benchmarks)."""
+_TICK_S = 0.01  # the watch's sleep: its lateness is the event loop's lag
+_STALL_S = 0.1  # a lag this long is logged as a warning (at most every 10 s)
+
+FREEZE_EVERY_S = 5.0
+"""Seconds between two freezes of what survived the young collections (:func:`freeze_long_lived`)."""
+SWEEP_EVERY_S = 600.0
+"""Seconds between two full collections of everything, frozen objects included."""
+
+
+async def freeze_long_lived(every_s: float = FREEZE_EVERY_S, sweep_every_s: float = SWEEP_EVERY_S) -> None:
+    """Keep the collector's full collections short (issue 17: at 1,000 learners one took 115 ms).
+
+    What the synchronizer keeps (its learners, the metric and merge tails, settled rounds) is
+    long-lived, and a full collection traverses all of it. Every ``every_s`` this collects the young
+    generations (0 and 1: milliseconds) and freezes what survived (``gc.freeze``, O(1)), so a full
+    collection only traverses what was promoted since. Frozen objects are still freed by reference
+    counting; only a reference cycle that became garbage after it was frozen waits for the full
+    sweep every ``sweep_every_s`` (unfreeze, collect, freeze: one longer pause, logged). Runs until
+    cancelled.
+    """
+    swept_s = time.monotonic()
+    while True:
+        await asyncio.sleep(every_s)
+        if time.monotonic() - swept_s >= sweep_every_s:
+            swept_s = time.monotonic()
+            gc.unfreeze()
+            found = gc.collect()
+            log.info("full collection: %d unreachable objects, %.0f ms", found, 1000 * (time.monotonic() - swept_s))
+        else:
+            gc.collect(1)
+        gc.freeze()
+
+
+class LoopWatch:
+    """The event loop's lag and the collector's pauses, measured in the synchronizer itself (issue 17).
+
+    A task sleeps :data:`_TICK_S` over and over; how late it wakes is the loop's lag (s): the
+    longest time some callback, handler or actor pass held the loop. ``gc.callbacks`` time every
+    collection (s, by generation). Every ``period_s`` (when given) one line is logged::
+
+        loop watch mono=<time.monotonic()> lag_max_ms=.. lag_over_20ms=.. ticks=.. gc=<gen>:<n>/<max ms>/<total ms>,..
+        slow=<the actor's slowest part>:<ms>
+
+    ``mono`` lets a reader (``benchmarks/sync_load.py``) keep the lines of its own window. A lag
+    over :data:`_STALL_S` is always logged, at most once every 10 s.
+    """
+
+    def __init__(self, period_s: float | None = None, part_times: dict[str, float] | None = None) -> None:
+        self.period_s = period_s
+        self.part_times = part_times if part_times is not None else {}  # the actor's slowest parts (s)
+        self._gc_t0 = 0.0
+        self._reset()
+        self._stall_logged_s = -float("inf")
+
+    def _reset(self) -> None:
+        self.lag_max_s = 0.0
+        self.lag_over_20ms = 0
+        self.ticks = 0
+        self.gc_pauses: dict[int, list[float]] = {}  # generation -> [count, max s, total s]
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._gc_t0
+        row = self.gc_pauses.setdefault(int(info.get("generation", -1)), [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] = max(row[1], pause)
+        row[2] += pause
+
+    def line(self) -> str:
+        """The current period's figures as one log line (see the class docstring)."""
+        gcs = ",".join(f"{g}:{n}/{1000 * mx:.1f}/{1000 * tot:.1f}"
+                       for g, (n, mx, tot) in sorted(self.gc_pauses.items()))
+        slow = max(self.part_times.items(), key=lambda kv: kv[1], default=("-", 0.0))
+        return (f"loop watch mono={time.monotonic():.3f} lag_max_ms={1000 * self.lag_max_s:.1f} "
+                f"lag_over_20ms={self.lag_over_20ms} ticks={self.ticks} gc={gcs or '-'} "
+                f"slow={slow[0]}:{1000 * slow[1]:.1f}")
+
+    async def run(self) -> None:
+        """Measure until cancelled."""
+        gc.callbacks.append(self._on_gc)
+        try:
+            period_t0 = time.monotonic()
+            while True:
+                t0 = time.monotonic()
+                await asyncio.sleep(_TICK_S)
+                now = time.monotonic()
+                lag = now - t0 - _TICK_S
+                self.ticks += 1
+                self.lag_max_s = max(self.lag_max_s, lag)
+                self.lag_over_20ms += lag > 0.02
+                if lag > _STALL_S and now - self._stall_logged_s >= 10.0:
+                    self._stall_logged_s = now
+                    log.warning("event loop stalled %.0f ms (%s)", 1000 * lag, self.line())
+                if self.period_s and now - period_t0 >= self.period_s:
+                    log.info("%s", self.line())
+                    self._reset()
+                    self.part_times.clear()
+                    period_t0 = now
+        finally:
+            gc.callbacks.remove(self._on_gc)
 
 
 async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None,
@@ -100,14 +208,27 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
                                    "lease_epoch": lease.lease_epoch}))
         tmp.replace(ready_file)
+    watchers = [loop.create_task(LoopWatch(_watch_period_s(), sync.part_times).run()),
+                loop.create_task(freeze_long_lived())]
     try:
         summary = await sync.run()
     finally:
+        await _cancel(watchers)
         _ignore_stop_signals(loop)
         await runner.cleanup()
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _watch_period_s() -> float | None:
+    return float(os.environ[LOOP_WATCH_ENV]) if os.environ.get(LOOP_WATCH_ENV) else None
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
