@@ -52,6 +52,7 @@ from diloco_async.messages import Announcement, Heartbeat, JoinRequest, MetricsQ
 from diloco_async.sync.actor import HandlerError, Refused, Synchronizer
 from diloco_async.sync.gate import BODY_TIMEOUT, Gate
 from diloco_async.sync.snapshot import dumps as _dumps
+from diloco_async.sync.state import Broadcaster
 from storage import keys
 
 __all__ = ["make_app", "runner_options"]
@@ -273,7 +274,7 @@ FANOUT_BATCH = 64
 """WebSockets woken per pass of the event loop when an event is pushed to all of them (issue 17)."""
 
 
-class _FanOut:
+class _FanOut(Broadcaster):
     """Hands each pushed event to every WebSocket's own queue, :data:`FANOUT_BATCH` at a time.
 
     One event goes to every learner at once (``round_open``, ``version``); waking all their
@@ -282,19 +283,8 @@ class _FanOut:
     actor's :class:`~diloco_async.sync.state.Broadcaster`, yields to the loop after each batch, so
     requests are served between batches. Events keep their order; a connection whose queue is
     full (a stuck learner) loses the push, as before (heartbeats carry the same information).
+    The WebSockets subscribe to it as to a :class:`~diloco_async.sync.state.Broadcaster`.
     """
-
-    def __init__(self, max_queue: int = 256) -> None:
-        self.max_queue = max_queue
-        self.queues: dict[int, asyncio.Queue] = {}
-
-    def subscribe(self) -> tuple[int, asyncio.Queue]:
-        q: asyncio.Queue = asyncio.Queue(self.max_queue)
-        self.queues[id(q)] = q
-        return id(q), q
-
-    def unsubscribe(self, handle: int) -> None:
-        self.queues.pop(handle, None)
 
     async def relay(self, source: asyncio.Queue) -> None:
         """Forward every event of ``source`` until cancelled."""
