@@ -196,10 +196,19 @@ class LearnerGroup:
         self.share_fragments(workload.params, plan, d.adopted)
         return d
 
-    def close(self) -> None:
-        """Leave the process group (nothing if it is gone)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, barrier_timeout_s: float = 10.0) -> None:
+        """Leave the process group (nothing if it is gone). On gloo the ranks first meet at a
+        barrier (at most ``barrier_timeout_s``; a dead peer only shortens it): a rank that tore its
+        pairs down while another still used them aborted once ("terminate called without an active
+        exception")."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "gloo":
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
+            except Exception as err:  # noqa: BLE001 - leaving anyway
+                log.warning("learner group: ranks did not meet before leaving (%s)", err)
+        dist.destroy_process_group()
 
 
 def place_workload(workload: Workload, cfg: Config, index: int, local_rank: int = 0) -> torch.device:
