@@ -197,6 +197,8 @@ def test_regions_reach_each_other_through_the_hub_across_both_links():
     with WanNet([LinkSpec("r0", 40, 40), LinkSpec("r1", 40, 40)], prefix=prefix, verify=False) as net:
         before = net.link_counters()
         r0, r1 = net.regions["r0"], net.regions["r1"]
+        for rn in (r0, r1):  # one interface name in every region (one GLOO_SOCKET_IFNAME for all ranks)
+            assert rn.region_veth == net.region_ifname and net.region_ifname in list_links(rn.ns)
         done = timed_transfer(r1.ns, r1.addr, r0.ns, total_bytes=400_000, skip_bytes=100_000, timeout_s=20)
         after = net.link_counters()
         assert done.received_bytes == 400_000 and not done.timed_out
