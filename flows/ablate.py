@@ -131,6 +131,9 @@ def run_one(suite: Suite, arm: Arm, seed: int, extra: list[str], parent_id: str)
             raise RuntimeError("no verified checkpoint at the end of the run")
         loss = heldout_loss(model_from_checkpoint(cfg, ckpt), heldout_split(cfg).batches)
         figures = figures_of(summary, loss, s.figures)
+        if not str(summary.get("stop_reason", "")).startswith("token budget reached"):
+            log.warning("%s seed %d stopped before its token budget (%s): not at equal tokens",
+                        arm.name, seed, summary.get("stop_reason"))
         record = {"suite": s.name, "arm": arm.name, "seed": seed, "overrides": overrides, "run_id": run.run_id,
                   "mlflow_run_id": sink.run_id, "figures": figures, "run_wall_s": time.monotonic() - t0,
                   "summary": {k: summary.get(k) for k in _KEPT}}
