@@ -175,7 +175,7 @@ def ablate(suite: str, overrides: list[str] | None = None, out: str | None = Non
         arms, seeds: run only these (default: all); the report covers every saved record.
 
     Returns:
-        ``{"suite", "out", "report_md", "charts", "rows", "runs_done", "runs_skipped", "failed"}``;
+        ``{"suite", "out", "report_md", "charts", "rows", "missing", "runs_done", "runs_skipped", "failed"}``;
         ``rows``: one dict per comparison (figure, both arms' means and intervals, the difference
         and its interval, the verdict).
 
