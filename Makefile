@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-memory-big bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run test bench bench-paper bench-memory-big bench-hf bench-poison bench-chaos bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -92,6 +92,22 @@ bench-poison: data
 ##           >= 0.95 (benchmarks/hf_learner.py). About 2.5 minutes.
 bench-hf: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
+
+## bench-paper: the paper's ablations (configs/ablations/*.toml except ci.toml: merge, heterogeneity,
+##              precision, fragmentation, adoption, outer-optimizer), 3 seeds per arm, each (arm, seed) a
+##              real run; a table per suite (paper, our mean ± 95% interval, paired difference, verdict),
+##              then every suite's table from $(ABLATE_DIR)/<suite>/report.md. Resumable: finished runs
+##              are kept there and not re-run. About 60-90 minutes on 2 cores; exit 1 if a suite failed.
+ABLATE_DIR ?= .local/ablate
+ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer
+bench-paper: data
+	@failed=""; for s in $(ABLATE_SUITES); do \
+	  $(VENV)/bin/diloco-async ablate --suite configs/ablations/$$s.toml --out $(ABLATE_DIR)/$$s || failed="$$failed $$s"; \
+	done; \
+	for s in $(ABLATE_SUITES); do \
+	  [ -f $(ABLATE_DIR)/$$s/report.md ] && { echo; echo "## $$s"; sed -n '/^| comparison/,/^$$/p' $(ABLATE_DIR)/$$s/report.md; }; \
+	done; \
+	if [ -n "$$failed" ]; then echo "bench-paper: failed suites:$$failed" >&2; exit 1; fi
 
 ## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free

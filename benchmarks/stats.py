@@ -1,14 +1,14 @@
-"""Small statistics for benchmark bars measured over several seeds or repeats."""
+"""Small statistics for benchmark bars measured over several seeds or repeats (the t quantile is
+the ablation statistics' own, :func:`diloco_async.ablation.stats.t_quantile`)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 
-__all__ = ["mean_interval"]
+from diloco_async.ablation.stats import t_quantile
 
-#: two-sided 95% Student t quantiles by degrees of freedom (1..9); 1.96 beyond
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+__all__ = ["mean_interval"]
 
 
 def mean_interval(values: list[float]) -> tuple[float, float]:
@@ -20,4 +20,4 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, 0.0
-    return mean, _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, t_quantile(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))

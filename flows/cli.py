@@ -257,7 +257,6 @@ def _resume(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from flows.status_view import main as status_main
-
     return status_main(args.sync_url, watch=args.watch)
 
 
@@ -341,7 +340,6 @@ def _alerts(args: argparse.Namespace) -> int:
 
 def _simulate(argv: list[str]) -> int:
     from flows.simulate_cli import main as sim_main
-
     return sim_main(argv)
 
 
@@ -357,13 +355,13 @@ _EPILOG = """examples:
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
   diloco-async chaos --scenario configs/chaos/storm.toml
+  diloco-async ablate --suite configs/ablations/merge.toml   a paper ablation, with intervals
   diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
   diloco-async simulate --help"""
 
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("diloco-async")
     except PackageNotFoundError:
@@ -441,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")
     p_token.set_defaults(func=_token)
     _add_alerts_parser(sub)
+    from flows.ablate_cli import add_ablate_parser  # argparse only; the flow is imported when it runs
+    add_ablate_parser(sub, _run_flow, _weak_secret)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
