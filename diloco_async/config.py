@@ -100,7 +100,7 @@ class LearnerConfig(_Section, LearnerDeviceFields):
         "overwrite", description="How a published version is adopted (DESIGN §3.8)."
     )
     mix_alpha: float = Field(0.5, gt=0, le=1, description="Weight of the global version when adopt='mix'.")
-    codec: Literal["fp32", "bf16", "int8", "int4"] = Field("bf16", description="Wire codec (DESIGN §6).")
+    codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("bf16", description="Wire codec (DESIGN §6).")
     heartbeat_s: float = Field(0.25, gt=0, description="Heartbeat period.")
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
     request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
