@@ -51,7 +51,7 @@ def initial_state(cfg: Config) -> tuple[dict[str, torch.Tensor], FragmentPlan]:
     torch.manual_seed(cfg.run.seed)
     model = build_run_model(cfg)
     params = {n: p.detach().clone().float() for n, p in trainable_parameters(model).items()}
-    return params, plan_of(model, cfg.synchronizer.num_fragments)
+    return params, plan_of(model, cfg.synchronizer.num_fragments, cfg.synchronizer.fragmentation)
 
 
 def initial_parameters(cfg: Config) -> tuple[dict[str, torch.Tensor], list[str]]:
