@@ -142,8 +142,9 @@ def plan_fragments(
       ``specs``), cut by tensor count: tensor ``i`` of ``T`` goes to fragment ``floor(i·P/T)``.
     * ``"layer"``: whole layers (:func:`layer_of`) stay together; tensors outside any layer
       (embeddings, final norm, head) join the nearest layer in model order (before the first
-      layer: the first; after a layer: that one); layer ``i`` of ``L`` goes to fragment
-      ``floor(i·P/L)``, so fragments are contiguous runs of layers.
+      layer: the first; after a layer: that one), unless ``P`` exceeds the number of numbered
+      layers: then the tensors before the first and after the last are layers of their own;
+      layer ``i`` of ``L`` goes to fragment ``floor(i·P/L)``: contiguous runs of layers.
 
     Deterministic for a given list of specs. ``identity`` (plain JSON data describing the model)
     and a mode other than ``"balanced"`` become part of the schema hash.
@@ -167,7 +168,7 @@ def plan_fragments(
     if mode == "balanced":
         buckets = _balanced(specs, num_fragments)
     else:
-        units = [[s] for s in specs] if mode == "tensor" else _layers(specs)
+        units = [[s] for s in specs] if mode == "tensor" else _layers(specs, num_fragments)
         if num_fragments > len(units):
             raise ValueError(f"num_fragments={num_fragments} exceeds the number of layers ({len(units)}) of "
                              "fragmentation='layer'")
@@ -201,26 +202,35 @@ def layer_of(name: str) -> str | None:
     return None if m is None else name[: m.end(1)]
 
 
-def _layers(specs: Sequence[TensorSpec]) -> list[list[TensorSpec]]:
-    """The tensors grouped by layer, layers in order of first appearance; a tensor outside the
-    layers joins the layer before it, or the first layer when none came before. A model without
-    numbered layers is one layer."""
+def _layers(specs: Sequence[TensorSpec], num_fragments: int) -> list[list[TensorSpec]]:
+    """The tensors grouped by layer, layers in order of first appearance. A tensor outside the
+    numbered layers between two of them joins the one before it; those before the first layer
+    (embeddings) and after the last (final norm, head) join the first and the last layer, or,
+    when ``num_fragments`` exceeds the number of numbered layers, are layers of their own (the
+    input and the output layer). A model without numbered layers is one layer."""
     layers: dict[str, list[TensorSpec]] = {}
-    before_first: list[TensorSpec] = []
+    before: list[TensorSpec] = []
+    pending: list[TensorSpec] = []  # outside the layers, since the last layered tensor
     current: str | None = None
     for s in specs:
         key = layer_of(s.name)
-        if key is not None:
-            current = key
-            layers.setdefault(key, [])
+        if key is None:
+            pending.append(s)
+            continue
         if current is None:
-            before_first.append(s)
+            before, pending = pending, []
         else:
-            layers[current].append(s)
+            layers[current].extend(pending)
+            pending = []
+        current = key
+        layers.setdefault(key, []).append(s)
     units = list(layers.values())
     if not units:
-        return [before_first]
-    units[0][:0] = before_first
+        return [pending]
+    if num_fragments > len(units):
+        return ([before] if before else []) + units + ([pending] if pending else [])
+    units[0][:0] = before
+    units[-1].extend(pending)
     return units
 
 

@@ -61,8 +61,17 @@ def test_layer_mode_keeps_layers_whole_with_embeddings_and_head_at_the_ends():
             assert s.name in second, s.name
     assert {"tok_emb.weight", "pos_emb.weight"} <= first  # before the first layer: with it
     assert {"ln_f.weight", "ln_f.bias"} <= second  # after the last layer: with it
-    with pytest.raises(ValueError, match=r"num_fragments=5 exceeds the number of layers \(4\)"):
-        plan_fragments(specs, 5, emb, mode="layer")
+    six = plan_fragments(specs, 6, emb, mode="layer")  # P > 4 layers: the input and output layers stand alone
+    assert six.names(0) == ["pos_emb.weight", "tok_emb.weight"] and set(six.names(5)) == {"ln_f.weight", "ln_f.bias"}
+    assert all(layer_of(n) == f"blocks.{p - 1}" for p in range(1, 5) for n in six.names(p))
+    with pytest.raises(ValueError, match=r"num_fragments=7 exceeds the number of layers \(6\)"):
+        plan_fragments(specs, 7, emb, mode="layer")
+
+
+def test_layer_mode_tensors_between_layers_join_the_one_before():
+    names = ["emb", "l.0.a", "l.0.b", "mid", "l.1.a", "norm", "head"]
+    plan = plan_fragments([TensorSpec(n, (2,)) for n in names], 2, mode="layer")
+    assert plan.names(0) == ["emb", "l.0.a", "l.0.b", "mid"] and plan.names(1) == ["head", "l.1.a", "norm"]
 
 
 def test_layer_of_names_the_numbered_layer():
