@@ -10,7 +10,7 @@ slows both alike:
   (bytes out and back: a float32 copy, the safetensors container both ways, a float32 copy back).
   That fp32 round trip is the baseline of the bars; ``tensor.clone()`` of the same tensor is
   printed as a second reference (one bare memory copy, no container), not used by any bar.
-  Goals: int4 ≤ 1.0 (and int8, bf16 ≤ 1.0). Encoded sizes are printed as a ratio to fp32
+  Goals: int4 ≤ 1.0 (and int8, bf16, int2 ≤ 1.0). Encoded sizes are printed as a ratio to fp32
   (shown, not goals: they are fixed by the format).
 * **store**: ``ObjectStore.put`` + ``ObjectStore.get`` of 64 MiB of random bytes on ``file://``
   (exclusive create through a temporary file, fsync, link, folder fsync; sha256 while writing and
@@ -115,7 +115,7 @@ def bench_codecs(quick: bool = False) -> list[Bar]:
           + ", ".join(f"{c} {r:.2f}x" for c, r in faults.items()))
     out.append(Bar("int4 encode+decode / fp32 codec's, default malloc", faults["int4"], 1.0, kind="max",
                    shown=True, detail=f"fp32 {t_default['fp32'] * 1e3:.2f} ms, in this process"))
-    for c in ("bf16", "int8", "int4"):
+    for c in ("bf16", "int8", "int4", "int2"):
         out.append(Bar(f"{c} encoded size / fp32", sizes[c] / sizes["fp32"], 1.0, kind="max", shown=True,
                        detail=f"{sizes[c]} bytes, block size {wire.DEFAULT_BLOCK_SIZE}"))
     return out

@@ -13,16 +13,20 @@ fp32      float32, original shape         —
 bf16      bfloat16, original shape        —
 int8      int8, shape ``(n,)``, in ±127   float32, shape ``(ceil(n / block_size),)``
 int4      uint8, shape ``(ceil(n/2),)``   float32, shape ``(ceil(n / block_size),)``
+int2      uint8, shape ``(ceil(n/4),)``   float32, shape ``(ceil(n / block_size),)``
 ========  ==============================  ============================================
 
-``int8``/``int4`` are blockwise absmax quantization over the flattened tensor: block ``k`` holds
-elements ``[k·B, (k+1)·B)`` (the last block may be short), ``scale_k = absmax_k / q`` with
-``q = 127`` (int8) or ``q = 7`` (int4), and each value is ``round(x / scale_k)`` clamped to
-``[-q, q]``; a block of zeros has scale 0. ``int4`` packs two signed 4-bit values per byte, element
-``2i`` in the low nibble and ``2i+1`` in the high nibble (two's complement; an odd ``n`` pads one
-zero nibble). The round-trip error is at most ``scale_k / 2`` per element, i.e. ``absmax_k / 254``
-(int8) and ``absmax_k / 14`` (int4). Non-finite inputs stay non-finite after a round trip (NaN/Inf
-poison their block's scale), so the receiver's finiteness check still rejects them.
+``int8``/``int4``/``int2`` are blockwise absmax quantization over the flattened tensor: block ``k``
+holds elements ``[k·B, (k+1)·B)`` (the last block may be short), ``scale_k = absmax_k / q`` with
+``q = 127`` (int8), ``q = 7`` (int4) or ``q = 1`` (int2: the ternary levels {-1, 0, +1}·scale, why
+in :mod:`diloco_async.codec_int2`), and each value is ``round(x / scale_k)`` clamped to ``[-q, q]``;
+a block of zeros has scale 0. ``int4`` packs two signed 4-bit values per byte, element ``2i`` in
+the low nibble and ``2i+1`` in the high nibble (two's complement; an odd ``n`` pads one zero
+nibble); ``int2`` packs four 2-bit values per byte, element ``4i+j`` in bits ``2j..2j+1``. The
+round-trip error is at most ``scale_k / 2`` per element, i.e. ``absmax_k / 254`` (int8),
+``absmax_k / 14`` (int4) and ``absmax_k / 2`` (int2). Non-finite inputs stay non-finite after a
+round trip (NaN/Inf poison their block's scale), so the receiver's finiteness check still
+rejects them.
 
 In bytes (:func:`encode_to_bytes`), the safetensors metadata holds the caller's string metadata plus
 ``codec`` and ``block_size``. Names may not contain ``::``.
@@ -40,6 +44,8 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from diloco_async.codec_int2 import int2_packed_numel, pack_int2, unpack_int2
+
 __all__ = [
     "CODECS",
     "DEFAULT_BLOCK_SIZE",
@@ -52,14 +58,15 @@ __all__ = [
     "check_header",
 ]
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 DEFAULT_BLOCK_SIZE = 64
 SCALE_SUFFIX = "::scale"
 """Suffix of the per-block float32 scales of a quantized tensor (``name::scale``)."""
 
-_QMAX = {"int8": 127, "int4": 7}
+_QMAX = {"int8": 127, "int4": 7, "int2": 1}
 _HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on the JSON header
-_ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "int8": "I8", "int4": "U8"}  # dtype of a payload's value entries
+# dtype of a payload's value entries
+_ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "int8": "I8", "int4": "U8", "int2": "U8"}
 
 
 class PayloadError(ValueError):
@@ -199,7 +206,7 @@ def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLO
     Args:
         tensors: name → floating tensor of any shape and device.
         codec: one of :data:`CODECS`.
-        block_size: elements per quantization block (int8/int4 only), ≥ 1.
+        block_size: elements per quantization block (int8/int4/int2 only), ≥ 1.
 
     Returns:
         A flat dict of contiguous CPU tensors that share no memory, ready for
@@ -223,7 +230,7 @@ def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLO
             out[name] = t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True).contiguous()
         else:
             q, scale = _quantize(t, _QMAX[codec], block_size)
-            out[name] = _pack_int4(q) if codec == "int4" else q
+            out[name] = _pack_int4(q) if codec == "int4" else pack_int2(q) if codec == "int2" else q
             out[name + SCALE_SUFFIX] = scale
     return out
 
@@ -251,7 +258,7 @@ def decode(
         encoded: the flat dict of encoded entries.
         codec: the codec announced for this payload, one of :data:`CODECS`.
         specs: name → expected shape of every tensor; the payload must hold exactly these.
-        block_size: the block size the payload was encoded with (int8/int4 only).
+        block_size: the block size the payload was encoded with (int8/int4/int2 only).
 
     Returns:
         name → float32 CPU tensor of the announced shape, in the order of ``specs``.
@@ -278,8 +285,10 @@ def decode(
             scale = _entry(encoded, scale_key, torch.float32, math.ceil(n / block_size), codec)
             if codec == "int8":
                 q = _entry(encoded, name, torch.int8, n, codec).reshape(-1)
-            else:
+            elif codec == "int4":
                 q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n)
+            else:
+                q = unpack_int2(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n)
             out[name] = _dequantize(q, scale.reshape(-1), n, block_size).reshape(shape)
             expected_keys.update((name, scale_key))
     unexpected = sorted(set(encoded) - expected_keys)
@@ -371,7 +380,8 @@ def _expected_layout(codec: str, specs: Mapping[str, tuple[int, ...]], block_siz
         if codec in ("fp32", "bf16"):
             out[name] = (_ST_DTYPE[codec], shape)
         else:
-            out[name] = (_ST_DTYPE[codec], [n if codec == "int8" else math.ceil(n / 2)])
+            packed = {"int8": n, "int4": math.ceil(n / 2), "int2": int2_packed_numel(n)}[codec]
+            out[name] = (_ST_DTYPE[codec], [packed])
             out[name + SCALE_SUFFIX] = ("F32", [math.ceil(n / block_size)])
     return out
 
@@ -400,7 +410,7 @@ def check_header(data: bytes, codec: str, specs: Mapping[str, tuple[int, ...]],
 
     Raises:
         PayloadError: ``codec_header`` for an unreadable header, a codec other than ``codec`` or
-            (int8/int4) a block size other than ``block_size``; ``schema`` naming every missing
+            (int8/int4/int2) a block size other than ``block_size``; ``schema`` naming every missing
             and every unexpected entry; ``dtype`` and ``shape`` naming every entry that differs.
     """
     _check_codec(codec)

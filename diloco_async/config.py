@@ -100,7 +100,7 @@ class LearnerConfig(_Section, LearnerDeviceFields):
         "overwrite", description="How a published version is adopted (DESIGN §3.8)."
     )
     mix_alpha: float = Field(0.5, gt=0, le=1, description="Weight of the global version when adopt='mix'.")
-    codec: Literal["fp32", "bf16", "int8", "int4"] = Field("bf16", description="Wire codec (DESIGN §6).")
+    codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("bf16", description="Wire codec (DESIGN §6).")
     heartbeat_s: float = Field(0.25, gt=0, description="Heartbeat period.")
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
     request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
@@ -172,6 +172,15 @@ class SynchronizerConfig(_Section):
     merge: Literal["rda", "mean"] = Field("rda", description="Merge of outer gradients (DESIGN §4.4).")
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_optimizer: Literal["nesterov", "sgd", "delayed-nesterov"] = Field(
+        "nesterov", description="Outer optimizer of every fragment (DESIGN §4.5b): the paper's Nesterov, plain SGD "
+        "(no momentum), or Delayed Nesterov (Liu et al. 2024: momentum updated every outer_momentum_every steps).")
+    outer_momentum_every: int = Field(
+        4, ge=1, description="N of outer_optimizer='delayed-nesterov': outer steps of a fragment between two "
+        "momentum updates (about learners.count / min_quorum); ignored by the others.")
+    fragmentation: Literal["balanced", "tensor", "layer"] = Field(
+        "balanced", description="How tensors are cut into num_fragments fragments (DESIGN §4.6): 'balanced' by "
+        "size, 'tensor' contiguous runs of tensors in model order by count, 'layer' whole transformer blocks.")
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="A learner silent this long is lost.")
     checkpoint_every_s: float = Field(60.0, gt=0, description="Period of outer-state checkpoints.")
     keep_checkpoints: int = Field(

@@ -37,6 +37,12 @@ from diloco_async.merge_buffers import (
     _TensorSource,
     check_anchored,
 )
+from diloco_async.outer_optimizers import (
+    OUTER_OPTIMIZERS,
+    DelayedNesterovOuterOptimizer,
+    SgdOuterOptimizer,
+    make_outer_optimizer,
+)
 from diloco_async.outer_step import OuterOptimizer, OuterState
 
 __all__ = [
@@ -51,6 +57,10 @@ __all__ = [
     "MERGE_MODES",
     "OuterOptimizer",
     "OuterState",
+    "OUTER_OPTIMIZERS",
+    "SgdOuterOptimizer",
+    "DelayedNesterovOuterOptimizer",
+    "make_outer_optimizer",
     "CHUNK_ELEMENTS",
     "MAX_SHARED_DIFFS",
 ]

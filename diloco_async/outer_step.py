@@ -54,8 +54,7 @@ class OuterOptimizer:
     ) -> None:
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"outer lr must be finite and > 0, got {lr}")
-        if not (0 < momentum < 1):
-            raise ValueError(f"outer momentum must be in (0, 1) for Nesterov, got {momentum}")
+        self._check_momentum(momentum)
         if not params:
             raise ValueError("OuterOptimizer needs at least one tensor")
         _check_finite(params, "initial params")
@@ -67,6 +66,11 @@ class OuterOptimizer:
             self._params[name] = t.detach().to(dtype=want, copy=True).contiguous()
         self._momentum: dict[str, Tensor] | None = None  # None before the first step: b = g
         self._steps = 0
+
+    def _check_momentum(self, momentum: float) -> None:
+        """Raise ``ValueError`` for a momentum this optimizer cannot use (subclasses may differ)."""
+        if not (0 < momentum < 1):
+            raise ValueError(f"outer momentum must be in (0, 1) for Nesterov, got {momentum}")
 
     @property
     def steps_taken(self) -> int:

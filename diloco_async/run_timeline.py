@@ -25,7 +25,7 @@ __all__ = ["fragment_shares", "read_contributions", "read_merges", "rounds_table
 
 def fragment_shares(cfg: Config) -> list[float]:
     """Numel share of each fragment of the recipe's model (sums to 1)."""
-    plan = plan_of(build_run_model(cfg), cfg.synchronizer.num_fragments)
+    plan = plan_of(build_run_model(cfg), cfg.synchronizer.num_fragments, cfg.synchronizer.fragmentation)
     return [plan.numel_fraction(p) for p in range(plan.num_fragments)]
 
 

@@ -207,7 +207,8 @@ def _model(cfg: Config) -> tuple[Any, str]:
 def _plan(cfg: Config, model: Any) -> tuple[Any, str]:
     from diloco_async.models.build import plan_of
 
-    plan = plan_of(model, cfg.synchronizer.num_fragments)  # the plan learners are checked against at join
+    sc = cfg.synchronizer
+    plan = plan_of(model, sc.num_fragments, sc.fragmentation)  # the plan learners are checked against at join
     rows = [f"fragment {p}: {len(frag)} tensors, {sum(s.numel * _itemsize(s.dtype) for s in frag):,} bytes"
             for p, frag in enumerate(plan.fragments)]
     return plan, f"{plan.num_fragments} fragments\n" + "\n".join(rows)

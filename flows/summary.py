@@ -35,6 +35,8 @@ def summary_table(summary: dict) -> Table:
         ("uptime", f"{summary['uptime']:.3f}"),
         ("tokens processed", str(summary["tokens_processed"])),
         ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
+        ("peak bytes/s in / out (1 s windows)",
+         f"{summary.get('peak_bytes_in_per_s', 0.0):.0f} / {summary.get('peak_bytes_out_per_s', 0.0):.0f}"),
         ("stop reason", str(summary["stop_reason"])),
         ("MLflow run", summary["mlflow_run_id"]),
     ]

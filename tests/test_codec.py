@@ -51,12 +51,12 @@ def test_round_trip_error(codec, block_size):
         elif codec == "bf16":
             assert torch.all(err <= 1e-2 * x[name].abs().reshape(-1))
         else:
-            qmax = 127 if codec == "int8" else 7
+            qmax = {"int8": 127, "int4": 7, "int2": 1}[codec]
             bound = blockwise_absmax(x[name], block_size) / qmax
             assert torch.all(err <= bound * (1 + 1e-6)), (name, (err - bound).max())
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_zero_blocks_and_ragged_tail(codec):
     x = torch.zeros(150)
     x[64:128] = torch.linspace(-1, 1, 64)
@@ -67,7 +67,7 @@ def test_zero_blocks_and_ragged_tail(codec):
     y = decode(enc, codec, {"x": (150,)})["x"]
     assert torch.all(y[:64] == 0)
     assert torch.isfinite(y).all()
-    assert (y - x).abs().max() <= 1 / (127 if codec == "int8" else 7)
+    assert (y - x).abs().max() <= {"int8": 1 / 127, "int4": 1 / 7, "int2": 1 / 2}[codec]
 
 
 def test_int4_packs_two_values_per_byte_and_exact_levels():
@@ -77,7 +77,22 @@ def test_int4_packs_two_values_per_byte_and_exact_levels():
     assert torch.equal(decode(enc, "int4", {"x": (5,)})["x"], x)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_int2_packs_four_values_per_byte_and_ternary_levels():
+    x = torch.tensor([-2.0, 2.0, -1.1, 0.0, 1.1, 0.2, -1.0])  # absmax 2: levels -2, 0, +2; -1.0 ties to 0
+    enc = encode({"x": x}, "int2", block_size=64)
+    assert enc["x"].dtype == torch.uint8 and enc["x"].shape == (2,)
+    assert enc["x"].tolist() == [0b00_11_01_11, 0b00_00_00_01]  # 4i+j in bits 2j..2j+1, -1 as 0b11
+    assert decode(enc, "int2", {"x": (7,)})["x"].tolist() == [-2.0, 2.0, -2.0, 0.0, 2.0, 0.0, 0.0]
+
+
+def test_int2_keeps_zero_mean_on_symmetric_input():
+    x = torch.randn(64 * 500, generator=torch.Generator().manual_seed(3))
+    y = decode(encode({"x": x}, "int2"), "int2", {"x": (x.numel(),)})["x"]
+    assert set(torch.unique(y.view(-1, 64) / y.view(-1, 64).abs().amax(dim=1, keepdim=True)).tolist()) == {-1, 0, 1}
+    assert abs(float((y - x).mean())) < 0.02  # symmetric grid: no bias towards one sign
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_non_finite_stays_non_finite(codec):
     x = torch.ones(130)
     x[3] = float("nan")
@@ -109,9 +124,10 @@ def test_bytes_round_trip_with_metadata(codec):
 def test_byte_size_ordering():
     x = {"w": torch.randn(256, 256)}
     sizes = [len(encode_to_bytes(x, c, {})) for c in CODECS]
-    assert sizes[0] > sizes[1] > sizes[2] > sizes[3], dict(zip(CODECS, sizes, strict=True))
+    assert sizes[0] > sizes[1] > sizes[2] > sizes[3] > sizes[4], dict(zip(CODECS, sizes, strict=True))
     n = 256 * 256
     assert sizes[0] >= 4 * n and sizes[3] < n  # int4: 0.5 B/value + 4 B per 64 values
+    assert n // 4 + n // 16 <= sizes[4] < n // 4 + n // 16 + 1024  # int2: 0.25 B/value + 4 B per 64 values
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -134,7 +150,7 @@ def test_decode_rejects_missing_and_unexpected(codec):
         decode(enc, codec, {"w": (8,), "b": (2,)})
     with pytest.raises(ValueError, match="not in the announced specs"):
         decode(enc, codec, {})
-    if codec in ("int8", "int4"):
+    if codec in ("int8", "int4", "int2"):
         no_scale = {k: v for k, v in enc.items() if not k.endswith(SCALE_SUFFIX)}
         with pytest.raises(ValueError, match="missing"):
             decode(no_scale, codec, {"w": (8,)})

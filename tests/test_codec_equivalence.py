@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_async import codec
+from diloco_async import codec, codec_int2
 from tests import codec_reference as ref
 
 BLOCK_SIZES = [1, 2, 3, 5, 64, 1000]
@@ -94,3 +94,30 @@ def test_int4_pack_and_unpack_every_level(n):
             assert torch.equal(codec._unpack_int4(packed, n), ref.unpack_int4(packed, n).to(torch.int8))
         finally:
             codec._LITTLE_ENDIAN = True
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 8, 1001])
+@pytest.mark.parametrize("little_endian", [True, False])
+def test_int2_pack_and_unpack_every_level(n, little_endian, monkeypatch):
+    """int2 has no frozen reference (it is new): each byte is checked against the layout spelled out
+    value by value (element 4i + j in bits 2j..2j+1, two's complement)."""
+    monkeypatch.setattr(codec_int2, "_LITTLE_ENDIAN", little_endian)
+    q = torch.tensor([-1, 0, 1], dtype=torch.int8).repeat(math.ceil(n / 3) if n else 0)[:n]
+    packed = codec.pack_int2(q)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 4)
+    want = [sum((int(q[4 * i + j]) & 3) << (2 * j) for j in range(4) if 4 * i + j < n) for i in range(packed.numel())]
+    assert packed.tolist() == want
+    assert torch.equal(codec.unpack_int2(packed, n), q)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_int2_uses_the_shared_quantizer_with_qmax_one(block_size):
+    """int2 = the int8/int4 quantizer (frozen reference) at qmax 1, packed four to a byte."""
+    for name, x in _cases(block_size).items():
+        q_ref, scale_ref = ref.quantize(x, 1, block_size)
+        enc = codec.encode({name: x}, "int2", block_size)
+        assert _bits(enc[name + codec.SCALE_SUFFIX]) == _bits(scale_ref), name
+        assert torch.equal(codec.unpack_int2(enc[name], x.numel()), q_ref), name
+        got = codec.decode(enc, "int2", {name: tuple(x.shape)}, block_size)[name]
+        want = ref.dequantize(q_ref, scale_ref, x.numel(), block_size).reshape(x.shape)
+        assert _bits(got) == _bits(want), name

@@ -80,7 +80,7 @@ async def test_clip_mode_merges_the_outlier_scaled_to_its_bound():
 
 # -- defect 4 ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 async def test_codec_header_block_size_checked_before_any_allocation(codec):
     async with running(small_config()) as (_sync, client, store):
         plan = await join_and_step(client)

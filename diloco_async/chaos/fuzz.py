@@ -141,7 +141,8 @@ class RequestGenerator:
             key, nbytes, sha = f"{self.run_id}/contributions/p{fragment}/r{round_n}/{lid}-x.safetensors", 100, _SHA
         return {"learner_id": lid, "fragment": fragment, "round_n": round_n, "base_version": max(0, round_n - 1),
                 "c_steps": 4, "c_tokens": 256, "compute_s": 0.1, "key": key, "nbytes": nbytes, "sha256": sha,
-                "codec": self._pick(["fp32", "fp32", "bf16", "int8", "int4"]), "update_id": f"u{rng.randrange(10**6)}"}
+                "codec": self._pick(["fp32", "fp32", "bf16", "int8", "int4", "int2"]),
+                "update_id": f"u{rng.randrange(10**6)}"}
 
     def _mutate(self, body: dict[str, Any]) -> tuple[bytes, str]:
         """``body`` with at most one mutation, serialized; and the mutation's name."""

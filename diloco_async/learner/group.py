@@ -239,7 +239,8 @@ def run_follower(group: LearnerGroup, index: int, incarnation: int,
     workload = make_workload(cfg, index, incarnation)
     place_workload(workload, cfg, index, group.local_rank)
     plan = plan_fragments(specs_of({n: p.detach() for n, p in workload.params.items()}),
-                          cfg.synchronizer.num_fragments, embedding_names(workload.model))
+                          cfg.synchronizer.num_fragments, embedding_names(workload.model),
+                          mode=cfg.synchronizer.fragmentation)
     step = group.share_start(workload)
     group.wrap(workload)
     workload.load_data(cfg, index)

@@ -152,7 +152,7 @@ class Learner:
             ProtocolError: it differs from the synchronizer's (another model, base or fragment
                 count); the message names the first differing tensors and model fields.
         """
-        plan = plan_of(workload.model, cfg.synchronizer.num_fragments)
+        plan = plan_of(workload.model, cfg.synchronizer.num_fragments, cfg.synchronizer.fragmentation)
         if plan.schema_hash != jr.schema_hash:
             why = "; ".join(plan_differences(plan, FragmentPlan.from_json(jr.plan))) or "schema hashes differ"
             raise ProtocolError(f"{self.learner_id} refused at join: its model does not match the run's fragment "

@@ -138,12 +138,14 @@ def identity_of(model: nn.Module) -> dict:
             "base_digest": frozen_digest(model)}
 
 
-def plan_of(model: nn.Module, num_fragments: int) -> FragmentPlan:
-    """The fragment plan of ``model``'s trainable parameters, with its identity in the schema.
+def plan_of(model: nn.Module, num_fragments: int, mode: str = "balanced") -> FragmentPlan:
+    """The fragment plan of ``model``'s trainable parameters (in ``named_parameters`` order), with
+    its identity in the schema; ``mode`` is ``synchronizer.fragmentation``.
 
     Raises:
-        ValueError: more fragments than trainable tensors (see :func:`plan_fragments`).
+        ValueError: more fragments than trainable tensors or layers, an unknown mode (see
+            :func:`plan_fragments`).
     """
     params = trainable_parameters(model)
     return plan_fragments(specs_of({n: p.detach() for n, p in params.items()}), num_fragments,
-                          embedding_names(model), identity=identity_of(model))
+                          embedding_names(model), identity=identity_of(model), mode=mode)

@@ -126,7 +126,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self.resumed_from: int | None = None
         self.checkpoints = CheckpointBook(self.started_s)
         self.g: int | None = None
-        self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail)
+        self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail, clock=clock)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
@@ -333,7 +333,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         if was_lost:
             log.info("learner %s is back", lid)
             self.report.metric(f"learner/{lid}/alive", 1.0)
-        self.counters["bytes_out"] += bytes_down
+        self.report.add_bytes_out(bytes_down)
         for key, value in (("train_loss", hb.train_loss), ("tokens_per_s", hb.tokens_per_s),
                            ("step_time_s", hb.step_time_s)):
             if value is not None:

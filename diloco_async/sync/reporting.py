@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from diloco_async.goodput import MergeGaps, totals, window_goodput
 from diloco_async.sync.logs import JsonLinesLog
+from diloco_async.sync.traffic import TrafficPeaks
 from storage import keys
 from storage.store import ObjectStore
 
@@ -54,11 +55,14 @@ class Reporter:
         name: names the spill files (e.g. the run id).
         spill_dir: folder of the spill files (default: the temporary folder).
         metrics_tail, merges_tail: records of each log kept in memory.
+        clock: keyword-only; monotonic seconds of the traffic peaks' 1 s windows.
     """
 
     def __init__(self, started_s: float, name: str, spill_dir: str | os.PathLike | None = None,
-                 metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL) -> None:
+                 metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.counters: Counter[str] = Counter()
+        self.traffic = TrafficPeaks(clock)  # peak bytes per second of this process's traffic
         self.rejected_by_reason: Counter[str] = Counter()
         self.bad_requests: Counter[str] = Counter()  # requests answered 400, by reason (a bounded set)
         self.clamped_by_reason: Counter[str] = Counter()  # heartbeat figures held to the pace limits
@@ -79,6 +83,16 @@ class Reporter:
         self.metrics.append({"key": key, "value": value if math.isfinite(value) else None,
                              "step": int(self.counters["merges"] if step is None else step),
                              "timestamp_ms": int(time.time() * 1000)})
+
+    def add_bytes_in(self, nbytes: int) -> None:
+        """Count bytes of a verified contribution (``bytes_in``) and credit its window."""
+        self.counters["bytes_in"] += nbytes
+        self.traffic.add_in(nbytes)
+
+    def add_bytes_out(self, nbytes: int) -> None:
+        """Count bytes learners downloaded (``bytes_out``) and credit their window."""
+        self.counters["bytes_out"] += nbytes
+        self.traffic.add_out(nbytes)
 
     def count(self, name: str) -> int:
         """Add one to counter ``name`` and log it as the metric ``sync/<name>``; returns the count."""
@@ -183,7 +197,8 @@ def uptime_max_gap_s(sync: Synchronizer) -> float:
 
 
 def summary(sync: Synchronizer) -> dict:
-    """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
+    """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes (and the peak
+    bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`)."""
     now = sync.clock()
     rep, reg, c = sync.report, sync.registry, sync.report.counters
     reg.flush_provisioned()
@@ -214,6 +229,7 @@ def summary(sync: Synchronizer) -> dict:
         "versions": {f.p: f.version for f in sync.fragments},
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],
+        **rep.traffic.figures(),  # since this process started (a resumed run starts them again)
         "checkpoints": c["checkpoints"],
         "last_checkpoint_seq": sync.checkpoints.last_seq,
         "global_step": sync.g,

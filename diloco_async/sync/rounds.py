@@ -231,7 +231,7 @@ class RoundDriver:
             rnd.state.settle(msg.learner, False)
             rnd.contributions.pop(msg.learner, None)
         else:
-            self.report.counters["bytes_in"] += msg.nbytes  # logged with each merge
+            self.report.add_bytes_in(msg.nbytes)  # logged with each merge
             contrib = rnd.contributions.get(msg.learner)
             if contrib is not None:
                 contrib.delta = msg.delta

@@ -17,7 +17,7 @@ import torch
 
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
-from diloco_async.merge import OuterOptimizer
+from diloco_async.merge import OuterOptimizer, make_outer_optimizer
 from diloco_async.messages import Announcement
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy import Ema, FragmentFacts, RoundState
@@ -51,7 +51,7 @@ def initial_state(cfg: Config) -> tuple[dict[str, torch.Tensor], FragmentPlan]:
     torch.manual_seed(cfg.run.seed)
     model = build_run_model(cfg)
     params = {n: p.detach().clone().float() for n, p in trainable_parameters(model).items()}
-    return params, plan_of(model, cfg.synchronizer.num_fragments)
+    return params, plan_of(model, cfg.synchronizer.num_fragments, cfg.synchronizer.fragmentation)
 
 
 def initial_parameters(cfg: Config) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -129,7 +129,8 @@ def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: Synch
     out = []
     for p in range(plan.num_fragments):
         names = plan.names(p)
-        optimizer = OuterOptimizer(plan.fragment_of(params, p), lr=sc.outer_lr, momentum=sc.outer_momentum)
+        optimizer = make_outer_optimizer(sc.outer_optimizer, plan.fragment_of(params, p), sc.outer_lr,
+                                         sc.outer_momentum, period=sc.outer_momentum_every)
         cur = optimizer.shared_state().params  # the optimizer's own copy: one fp32 copy, never written
         shapes = {s.name: s.shape for s in plan.fragments[p]}
         refs: dict[int, ObjectRef] = {}

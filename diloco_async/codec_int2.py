@@ -1,0 +1,78 @@
+"""Packing of the ``int2`` wire codec (DESIGN §6): four 2-bit values per byte.
+
+Part of :mod:`diloco_async.codec` (import it from there). Pure: torch only.
+
+Levels: ``int2`` is the blockwise absmax scheme of ``int8``/``int4`` with ``q = 1``, i.e. the
+symmetric ternary levels ``{-1, 0, +1}·scale_k``. Of the four 2-bit codes only three are used
+(two's complement ``0b11 = -1``, ``0b00 = 0``, ``0b01 = +1``; ``0b10 = -2`` is never written).
+Why ternary and not four levels: (1) zero stays exact, so blocks of zeros, padding and small
+entries cost no bias; (2) it is symmetric, so the rounding error has zero mean for symmetric
+inputs, where an asymmetric grid (``{-2, -1, 0, 1}``) would bias every block towards one sign;
+(3) it is the same formula and the same decoder as int8/int4, so the same contract (round trip
+error at most ``scale_k / 2 = absmax_k / 2``, non-finite values stay non-finite) holds unchanged.
+A four-level grid without zero (``{±0.5, ±1.5}·s``) would buy a finer grid at the price of
+losing exact zeros and the shared code path; the paper's int2 row (a collapse) is about 2 bits
+on the wire, which both give.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+__all__ = ["pack_int2", "unpack_int2", "int2_packed_numel"]
+
+#: the fast paths view four int8 values as one 32-bit word, element ``4i`` in its low byte; on a
+#: big-endian host strided byte views give the same bytes
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def int2_packed_numel(n: int) -> int:
+    """Bytes of ``n`` packed int2 values: ``ceil(n / 4)``."""
+    return (n + 3) // 4
+
+
+def pack_int2(q: Tensor) -> Tensor:
+    """int8 values in ``[-1, 1]``, shape ``(n,)`` → uint8, shape ``(ceil(n/4),)``.
+
+    Element ``4i + j`` goes to bits ``2j..2j+1`` of byte ``i`` (two's complement, low bits
+    first); a short last byte is padded with zero codes. Vectorised: on a little-endian host the
+    four values of a byte are one 32-bit word (element ``4i + j`` in its byte ``j``), folded with
+    three shifts; elsewhere strided byte views give the same bytes more slowly."""
+    n = q.numel()
+    pad = (-n) % 4
+    flat = q.reshape(-1)
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if not _LITTLE_ENDIAN:
+        quads = flat.view(torch.uint8).view(-1, 4) & 0x3  # -1 -> 0b11, 0 -> 0b00, 1 -> 0b01
+        packed = quads[:, 0].clone()
+        for j in (1, 2, 3):
+            packed |= quads[:, j] << (2 * j)
+        return packed
+    word = flat.view(torch.int32) & 0x03030303  # code j in bits 8j..8j+1 (bit 31 clear: no sign)
+    folded = word | (word >> 6)  # code 1 to bits 2..3, code 3 to bits 18..19
+    folded |= folded >> 12  # codes 2 and 3 to bits 4..7
+    return folded.to(torch.uint8)  # keeps bits 0..7
+
+
+def unpack_int2(packed: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_int2`: uint8 ``(ceil(n/4),)`` → int8 values, shape ``(n,)``; each
+    code is sign-extended by an arithmetic right shift (``0b10``, never written, reads as -2)."""
+    flat = packed.reshape(-1)
+    if not _LITTLE_ENDIAN:
+        b = flat.view(torch.int8)
+        out = torch.empty(b.numel(), 4, dtype=torch.int8)
+        for j in range(4):  # code j to the top of the byte, then back down, sign-extended
+            torch.bitwise_left_shift(b, 6 - 2 * j, out=out[:, j])
+            out[:, j] >>= 6
+        return out.reshape(-1)[:n]
+    word = flat.to(torch.int32)  # 0..255
+    word |= word << 6  # byte 1 holds code 1 in its low bits (junk above)
+    word |= word << 12  # bytes 2 and 3 hold codes 2 and 3 in their low bits
+    q = word.view(torch.int8)  # byte j of word i: element 4i + j
+    q <<= 6  # the code to the top of its byte (the junk falls off) ...
+    q >>= 6  # ... and back, sign-extended
+    return q[:n]
