@@ -2,6 +2,7 @@
 file holds the state as captured, bit for bit, because the optimizer's step waits until the
 parameters and moments it mutates are written; the base copies are written after, without a wait."""
 
+import hashlib
 import json
 import os
 import threading
@@ -15,6 +16,9 @@ from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.model import ByteGPT
+from storage.checkpoint import write_state_file
+from storage.store import ObjectStore
+from storage.writer import ObjectWriter
 
 
 def trained():
@@ -92,3 +96,24 @@ def test_a_failed_spool_releases_training_and_allows_the_next(tmp_path):
     spooler.start(InnerState({"param/w": torch.ones(4)}, {"step": 3}), path)
     spooler.join(10)
     assert shared.state_spooled.is_set() and os.path.getsize(path) == shared.upload_queue.get_nowait().nbytes
+
+
+def test_the_spooled_state_is_uploaded_one_part_at_a_time(tmp_path):
+    """A learner saves its inner state in the background: one part in flight, not the store's
+    ``max_concurrency`` (each held a part of memory on top of training)."""
+    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 << 10, max_concurrency=4)
+    data = os.urandom(5 * (256 << 10) + 77)
+    src = tmp_path / "state.bin"
+    src.write_bytes(data)
+
+    def part_threads() -> int:
+        return sum(t.name.startswith("storage-part") for t in threading.enumerate())
+
+    for concurrency, threads in ((None, 1), (1, 0)):
+        with ObjectWriter(store, f"o{concurrency}", len(data), max_concurrency=concurrency) as w:
+            for i in range(0, len(data), 100_000):
+                w.write(data[i:i + 100_000])
+            assert (part_threads() > 0) == bool(threads)
+        assert store.get(w.ref) == data
+    ref = write_state_file(store, "run/learners/a", 1, src, {"inner": {"step": 1}})
+    assert store.get_json(ref.key)["state"]["sha256"] == hashlib.sha256(data).hexdigest()
