@@ -3,9 +3,9 @@
 A contribution is encoded, uploaded to an immutable key and only then announced (publish, then
 mark); the announcement is retried with the same update id, so it is merged at most once. The
 learner's own inner-state checkpoints travel the same queue and are written with
-:func:`storage.checkpoint.write_state` (or, spooled to a local file by the training thread,
-:func:`storage.checkpoint.write_state_file`); the newest one is kept (an older one is deleted
-only once a newer one is complete).
+:func:`storage.checkpoint.write_state` (or, spooled to a local file by the spool thread,
+:class:`~diloco_async.learner.spool.StateSpooler`, :func:`storage.checkpoint.write_state_file`);
+the newest one is kept (an older one is deleted only once a newer one is complete).
 """
 
 from __future__ import annotations
