@@ -37,8 +37,10 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: 
             counters: dict[int, tuple[int, int, float]]) -> InnerState:
     """The inner state as a flat name → tensor map, **without copies** (issue 17 item 3): the
     parameters, AdamW moments and base copies are the live tensors themselves (detached views),
-    so the caller serializes the state before training goes on (or before a base is replaced),
-    e.g. with :func:`storage.checkpoint.spool_state`. Tensors on another device stay there; the
+    so the caller serializes the state before they are mutated in place (e.g. with
+    :func:`storage.checkpoint.spool_state`; a learner's
+    :class:`~diloco_async.learner.spool.StateSpooler` writes it while training goes on, and the
+    optimizer step waits until the parameters and moments are written). Tensors on another device stay there; the
     writer brings them to CPU one at a time. Only the small AdamW step counters and the RNG state
     are copied."""
     t: dict[str, torch.Tensor] = {}

@@ -9,8 +9,9 @@ skips it and logs why.
 State files are written as a stream (:func:`write_safetensors`: the safetensors header, then
 every tensor's bytes read from the tensor itself in bounded chunks), never as one serialized
 copy of the whole state in memory (issue 17 item 3). A learner spools its inner state to a local
-file on its training thread (:func:`spool_state`, a consistent snapshot without a copy in RAM)
-and uploads that file from its comms thread (:func:`write_state_file`).
+file on a thread of its own while training goes on (:func:`spool_state`, a consistent snapshot
+without a copy in RAM: training waits before it mutates a tensor not written yet) and uploads that
+file from its comms thread (:func:`write_state_file`).
 """
 
 from __future__ import annotations
@@ -91,20 +92,23 @@ def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memoryview], Any],
-                      chunk_nbytes: int = _CHUNK_NBYTES) -> int:
+                      chunk_nbytes: int = _CHUNK_NBYTES, header: bool = True) -> int:
     """Stream ``tensors`` in the safetensors format to ``write`` (called with the header, then
     with views of each tensor's bytes of at most ``chunk_nbytes``; CPU tensors are read in place,
     a tensor on another device is copied to CPU one at a time). ``safetensors.torch.load`` reads
-    the result back bit for bit. Returns the bytes written.
+    the result back bit for bit. Returns the bytes written. ``header=False``: only the tensors'
+    bytes (the caller wrote the header of a larger mapping, :func:`spool_state`).
 
     The caller keeps the tensors unchanged until this returns (the bytes are read while written).
 
     Raises:
         ValueError: a dtype safetensors cannot hold.
     """
-    header = _header(tensors)
-    write(memoryview(header))
-    total = len(header)
+    total = 0
+    if header:
+        head = _header(tensors)
+        write(memoryview(head))
+        total = len(head)
     for t in tensors.values():
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         if flat.numel() == 0:
@@ -206,21 +210,40 @@ def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str,
     return store.put_json(keys.state_manifest_key(prefix, seq), body)
 
 
-def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike) -> int:
+def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                written: Callable[[str], None] | None = None, consume: bool = False) -> int:
     """Write ``tensors`` as a safetensors file at ``path`` (a local spool, replaced atomically:
-    written to ``{path}.tmp`` first); returns its size in bytes. Used by a learner's training
-    thread: a consistent snapshot of live tensors at local-disk speed, without a copy in RAM,
-    uploaded later by :func:`write_state_file`.
+    written to ``{path}.tmp`` first), in the mapping's order; returns its size in bytes. A
+    consistent snapshot of live tensors at local-disk speed, without a copy in RAM, uploaded later
+    by :func:`write_state_file`. Each tensor is checked for NaN/Inf just before its bytes are
+    written, so the file is one pass over memory plus the write.
+
+    Args:
+        written: called with each tensor's name once its bytes are written (a learner's spool
+            thread lets training mutate a tensor only after that).
+        consume: ``tensors`` is a dict whose entries are removed once written, so that what only
+            the spool keeps alive (a replaced base copy) is freed as the spool goes on.
 
     Raises:
-        ValueError: a tensor holds NaN or Inf (nothing is written).
+        ValueError: a tensor holds NaN or Inf, or a dtype safetensors cannot hold (nothing is
+            left at ``path``).
         OSError: the local write failed (nothing is left at ``path``).
     """
-    _check_finite(tensors)
     tmp = f"{os.fspath(path)}.tmp"
     try:
         with open(tmp, "wb") as fh:
-            nbytes = write_safetensors(tensors, fh.write)
+            header = _header(tensors)
+            fh.write(header)
+            nbytes = len(header)
+            for name in list(tensors):
+                t = tensors[name]
+                _check_finite({name: t})
+                nbytes += write_safetensors({name: t}, fh.write, header=False)
+                if consume:
+                    del tensors[name]  # type: ignore[attr-defined]
+                del t
+                if written is not None:
+                    written(name)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -232,12 +255,14 @@ def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike) ->
 def write_state_file(store: ObjectStore, prefix: str, seq: int, local_path: str | os.PathLike,
                      manifest: dict[str, Any]) -> ObjectRef:
     """As :func:`write_state`, from a state file spooled by :func:`spool_state` (streamed to the
-    store in parts, hashed on the way). Returns the manifest's ref.
+    store in parts, hashed on the way). Returns the manifest's ref. One part is in flight at a
+    time: a learner saves its state in the background, and the store's parallel parts held
+    ``max_concurrency + 1`` parts (80 MiB by default, 0.8x a 25M-parameter model) on top of training.
 
     Raises:
         FileExistsError: ``seq`` already exists under ``prefix``. FileNotFoundError: no spool file.
     """
-    state_ref = store.put_from_file(keys.state_file_key(prefix, seq), local_path)
+    state_ref = store.put_from_file(keys.state_file_key(prefix, seq), local_path, max_concurrency=1)
     body = dict(manifest, seq=seq, state=state_ref.to_json())
     return store.put_json(keys.state_manifest_key(prefix, seq), body)
 

@@ -177,10 +177,12 @@ class ObjectStore:
     def put_json(self, key: str, obj: Any) -> ObjectRef:
         return self.put(key, json.dumps(obj, sort_keys=True, indent=1).encode())
 
-    def put_from_file(self, key: str, local_path: str | os.PathLike) -> ObjectRef:
+    def put_from_file(self, key: str, local_path: str | os.PathLike, max_concurrency: int | None = None
+                      ) -> ObjectRef:
         """Stream a local file to ``key`` (exclusive create), hashing on the way.
 
-        Memory stays at ``max_concurrency + 1`` parts whatever the file size.
+        Memory stays at ``max_concurrency + 1`` parts whatever the file size (``max_concurrency``:
+        parts in flight at most; None: the store's).
 
         Raises:
             FileExistsError: the key already exists.
@@ -192,7 +194,7 @@ class ObjectStore:
                     yield chunk
 
         nbytes = os.stat(local_path).st_size  # FileNotFoundError before anything is started
-        return writer.upload_chunks(self, key, chunks, nbytes)
+        return writer.upload_chunks(self, key, chunks, nbytes, max_concurrency)
 
     def open_writer(self, key: str, nbytes: int | None = None) -> ObjectWriter:
         """A writer that streams one object to ``key``; use it as a context manager. ``nbytes``,

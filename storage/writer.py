@@ -53,15 +53,16 @@ def put_bytes(store: ObjectStore, key: str, data: bytes | bytearray | memoryview
 
 
 def upload_chunks(store: ObjectStore, key: str, chunks: Callable[[], Iterator[bytes]],
-                  nbytes: int | None = None) -> ObjectRef:
+                  nbytes: int | None = None, max_concurrency: int | None = None) -> ObjectRef:
     """Stream ``chunks()`` (``nbytes`` in all, if known: it sets the part size) through a writer;
     restart from the source if the backend cannot resend one part (GCS resumable uploads) and
-    the failure was transient (or the credentials expired and were renewed)."""
+    the failure was transient (or the credentials expired and were renewed). ``max_concurrency``:
+    parts in flight at most (None: the store's)."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            with ObjectWriter(store, key, nbytes) as writer:
+            with ObjectWriter(store, key, nbytes, max_concurrency) as writer:
                 for chunk in chunks():
                     writer.write(chunk)
             return writer.ref
@@ -165,16 +166,19 @@ class _Hasher:
 class ObjectWriter:
     """Streams one immutable object in parts; publishes on :meth:`close`, never on error.
 
-    Parts go out as soon as they are full (up to ``max_concurrency`` in flight) while the
-    writer hashes. Their size is the store's ``part_nbytes``, raised where the backend's part
-    limits need it (:mod:`storage.parts`): fixed when ``nbytes`` (the object's total size) is
-    given, growing along the stream otherwise; the last part is held back until ``close`` so that a
-    backend that must mark the final part (GCS) can. An object that fits one part is sent with
+    Parts go out as soon as they are full (up to ``max_concurrency`` in flight: the store's, or
+    fewer where the caller asks, to bound memory) while the writer hashes. Their size is the
+    store's ``part_nbytes``, raised where the backend's part limits need it (:mod:`storage.parts`):
+    fixed when ``nbytes`` (the object's total size) is given, growing along the stream otherwise;
+    the last part is held back until ``close`` so that a backend that must mark the final part
+    (GCS) can. An object that fits one part is sent with
     a single exclusive PUT at close. Use as a context manager; ``ref`` is set after close.
     """
 
-    def __init__(self, store: ObjectStore, key: str, nbytes: int | None = None) -> None:
+    def __init__(self, store: ObjectStore, key: str, nbytes: int | None = None,
+                 max_concurrency: int | None = None) -> None:
         self.store, self.key = store, key.strip("/")
+        self._concurrency = store.max_concurrency if max_concurrency is None else max(1, int(max_concurrency))
         self._path = store._path(key)
         self._where = store._where(key)
         self._limits = store.part_limits
@@ -255,8 +259,8 @@ class ObjectWriter:
         self._nbytes += len(chunk)
         if self._upload is None:
             self._upload = store._call(f"begin upload {self._where}", store._backend.begin, self._path)
-            if store._backend.parallel_parts and store.max_concurrency > 1:
-                self._pool = concurrent.futures.ThreadPoolExecutor(store.max_concurrency,
+            if store._backend.parallel_parts and self._concurrency > 1:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._concurrency,
                                                                    thread_name_prefix="storage-part")
         self._parts += 1
         args = (self._parts, self._offset, chunk, last)
@@ -267,7 +271,7 @@ class ObjectWriter:
             self._hash.update(chunk)
             store._call(what, self._send_part, *args, retry=resend)
             return
-        while len(self._pending) >= store.max_concurrency:
+        while len(self._pending) >= self._concurrency:
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(store._call, what, self._send_part, *args, retry=resend))
         self._hash.update(chunk)

@@ -26,10 +26,10 @@ from diloco_async.heap import release_free_memory
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
-from diloco_async.learner.state import Shared, SpooledState, UploadJob
+from diloco_async.learner.spool import StateSpooler
+from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload, emulated_delay_s, jitter_random
-from storage.checkpoint import spool_state
 
 __all__ = ["InnerLoop"]
 
@@ -92,6 +92,9 @@ class InnerLoop:
         self.hold_until_step = self.step + 2 * H
         self.last_state_s = time.monotonic()
         self.spool_dir: str | None = None  # local folder of spooled inner states (made on first use)
+        self.spooler = StateSpooler(learner_id, shared)
+        # the optimizer's step mutates the parameters and moments in place: not while they are spooled
+        self._spool_hook = workload.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def run(self) -> None:
         """Train until the stop event is set."""
@@ -114,6 +117,8 @@ class InnerLoop:
             self._inner_step()
         if self.group is not None:
             self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
+        self.spooler.join()
+        self._spool_hook.remove()
         if self.spool_dir is not None:  # empty once the comms thread uploaded (or dropped) the last spool
             try:
                 os.rmdir(self.spool_dir)
@@ -126,6 +131,8 @@ class InnerLoop:
         """Adopt every downloaded version newer than the base (held ones go back to the queue);
         returns the fragments adopted."""
         sh, deferred, adopted_now = self.shared, [], []
+        if not sh.adopt_queue.empty():
+            self.spooler.wait_mutable()  # an adoption writes θ in place
         while True:
             try:
                 v, new = sh.adopt_queue.get_nowait()
@@ -252,13 +259,14 @@ class InnerLoop:
             sh.stats.blocked_s += t1 - started_s
 
     def _maybe_save_inner_state(self) -> None:
-        """Every ``checkpoint_every_s``: spool the inner state to a local file here, between two
-        steps (a consistent snapshot of the live tensors at local-disk speed, no copy of the model
-        in RAM), for the comms thread to upload and delete. Skipped while the previous spool still
-        waits for its upload; a failed spool is logged and retried next period."""
+        """Every ``checkpoint_every_s``: capture the inner state between two steps (no copy) and
+        have the spool thread write it to a local file while training goes on
+        (:class:`~diloco_async.learner.spool.StateSpooler`), for the comms thread to upload and
+        delete. Skipped while the previous spool is written or waits for its upload."""
         every_s = self.lc.checkpoint_every_s
         sh = self.shared
-        if every_s <= 0 or time.monotonic() - self.last_state_s < every_s or sh.state_spooled.is_set():
+        if (every_s <= 0 or time.monotonic() - self.last_state_s < every_s or sh.state_spooled.is_set()
+                or self.spooler.writing()):
             return
         self.last_state_s = time.monotonic()
         counters = {p: tuple(self.progress[p]) for p in range(self.P)}
@@ -266,15 +274,10 @@ class InnerLoop:
                                       base_versions=dict(sh.base), counters=counters)
         if self.spool_dir is None:
             self.spool_dir = tempfile.mkdtemp(prefix=f"diloco-{self.learner_id}-state-")
-        path = os.path.join(self.spool_dir, f"state-{self.step:010d}.safetensors")
-        try:
-            nbytes = spool_state(state.tensors, path)
-        except (OSError, ValueError) as err:
-            log.warning("%s could not spool its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
-            return
-        sh.state_spooled.set()
-        sh.upload_queue.put(SpooledState(path, nbytes, state.meta))
-        release_free_memory()
+        self.spooler.start(state, os.path.join(self.spool_dir, f"state-{self.step:010d}.safetensors"))
+
+    def _before_optimizer_step(self, *_args) -> None:
+        self.spooler.wait_mutable()  # the step mutates the parameters and moments in place
 
     # ------------------------------------------------------------------ one inner step --------
 

@@ -3,9 +3,9 @@
 A contribution is encoded, uploaded to an immutable key and only then announced (publish, then
 mark); the announcement is retried with the same update id, so it is merged at most once. The
 learner's own inner-state checkpoints travel the same queue and are written with
-:func:`storage.checkpoint.write_state` (or, spooled to a local file by the training thread,
-:func:`storage.checkpoint.write_state_file`); the newest one is kept (an older one is deleted
-only once a newer one is complete).
+:func:`storage.checkpoint.write_state` (or, spooled to a local file by the spool thread,
+:class:`~diloco_async.learner.spool.StateSpooler`, :func:`storage.checkpoint.write_state_file`);
+the newest one is kept (an older one is deleted only once a newer one is complete).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Uploads:
                 await self._save_inner_state(job)
             else:
                 await self._upload_and_announce(client, job)
+            del job  # not held (with its outer gradient) until the next item arrives
 
     def _prune_inner_states(self, newest: int, keep: int = 1) -> None:
         """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
@@ -102,6 +103,7 @@ class Uploads:
                  job.base_version, key)
         try:
             data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
+            job.delta = {}  # encoded: the fp32 outer gradient is freed before the upload and the announce
             ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,

@@ -1,0 +1,124 @@
+"""The learner's inner-state spool, written on a thread of its own while training goes on (issue 17).
+
+The training thread captures its inner state without copies (:func:`diloco_async.inner_state.capture`:
+the live parameters, AdamW moments and base copies) between two steps and hands it to a
+:class:`StateSpooler`, whose thread writes it to a local safetensors file
+(:func:`storage.checkpoint.spool_state`) and then queues it for the comms thread to upload.
+Writing ~4x the model's fp32 size takes seconds; on the training thread it stalled training for
+all of it. Here the next step's forward and backward run while the file is written, and training
+waits only where the snapshot would otherwise change under the writer:
+
+* the parameters and the AdamW moments are written first; the optimizer's step and an adoption
+  (both mutate them in place) wait for :meth:`StateSpooler.wait_mutable`;
+* the base copies Θ^base are never mutated in place (an adoption replaces them), so they are
+  written last without a wait; the spool drops each reference once written, so a replaced base
+  copy is freed as the spool goes on rather than at its end.
+
+No tensor is copied: the snapshot is consistent because nothing it holds is mutated before it is
+on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from diloco_async.heap import release_free_memory
+from diloco_async.inner_state import InnerState
+from diloco_async.learner.state import Shared, SpooledState
+from storage.checkpoint import spool_state
+
+__all__ = ["StateSpooler", "MUTABLE_PREFIXES"]
+
+log = logging.getLogger("diloco.learner")
+
+#: the state's tensors that training mutates in place (optimizer step, adoption)
+MUTABLE_PREFIXES = ("param/", "exp_avg/", "exp_avg_sq/")
+
+
+def _mutable_first(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``tensors`` reordered with the in-place-mutated ones first, and the set of those names."""
+    mutable = {k for k in tensors if k.startswith(MUTABLE_PREFIXES)}
+    ordered = {k: v for k, v in tensors.items() if k in mutable}
+    ordered.update((k, v) for k, v in tensors.items() if k not in mutable)
+    return ordered, mutable
+
+
+class StateSpooler:
+    """Writes one captured inner state at a time to a local file on its own thread.
+
+    Args:
+        learner_id: for the log.
+        shared: the learner's shared state: a written spool goes to ``upload_queue`` as a
+            :class:`~diloco_async.learner.state.SpooledState`, and ``state_spooled`` is set from
+            :meth:`start` until the comms thread uploaded (or dropped) it; a failed spool clears it.
+    """
+
+    def __init__(self, learner_id: str, shared: Shared) -> None:
+        self.learner_id, self.shared = learner_id, shared
+        self._mutable_written = threading.Event()
+        self._mutable_written.set()
+        self._thread: threading.Thread | None = None
+        self.waited_s = 0.0  # training's total wait for the spool (optimizer steps and adoptions)
+
+    def start(self, state: InnerState, path: str) -> None:
+        """Write ``state`` (captured without copies, between two steps) to ``path`` on the spool
+        thread. The caller must call :meth:`wait_mutable` before it mutates a parameter or an
+        AdamW moment in place. Raises RuntimeError while the previous spool is being written."""
+        if self.writing():
+            raise RuntimeError("the previous inner-state spool is still being written")
+        tensors, mutable = _mutable_first(state.tensors)
+        state.tensors = {}  # the spool holds the only references, dropped as written
+        self._mutable_written.clear()
+        self.shared.state_spooled.set()
+        self._thread = threading.Thread(target=self._write, args=(tensors, mutable, path, state.meta),
+                                        name=f"{self.learner_id}-spool", daemon=True)
+        self._thread.start()
+
+    def writing(self) -> bool:
+        """True while the spool thread is writing a state."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_mutable(self) -> float:
+        """Block until the parameters and moments of the spool in progress are written (at once
+        when none is); returns the seconds waited."""
+        if self._mutable_written.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._mutable_written.wait()
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
+        return waited
+
+    def join(self, timeout_s: float = 120.0) -> None:
+        """Wait for the spool in progress to end (a stop), at most ``timeout_s``."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _write(self, tensors: dict[str, torch.Tensor], mutable: set[str], path: str, meta: dict) -> None:
+        left = set(mutable)
+
+        def written(name: str) -> None:
+            left.discard(name)
+            if not left:
+                self._mutable_written.set()
+
+        if not left:
+            self._mutable_written.set()
+        t0, waited0 = time.perf_counter(), self.waited_s
+        try:
+            nbytes = spool_state(tensors, path, written=written, consume=True)
+        except Exception as err:  # logged; training goes on, the next period retries
+            log.warning("%s could not spool its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
+            self.shared.state_spooled.clear()
+            return
+        finally:
+            self._mutable_written.set()  # never leave training waiting on a spool that ended
+            tensors.clear()
+        log.info("%s spooled its inner state (step %d, %.0f MiB) in %.2f s; training waited %.2f s for it",
+                 self.learner_id, meta["step"], nbytes / 2**20, time.perf_counter() - t0, self.waited_s - waited0)
+        self.shared.upload_queue.put(SpooledState(path, nbytes, meta))
+        release_free_memory()
