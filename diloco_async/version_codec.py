@@ -133,13 +133,17 @@ def read_compact(store: ObjectStore, ref: ObjectRef, codec: str, shapes: Mapping
     Raises:
         FileNotFoundError: collected. storage.store.IntegrityError: size or digest of the payload.
         diloco_async.codec.PayloadError: ``codec_header`` (codec, block size, mode, base version
-            other than announced), ``schema``, ``dtype``, ``shape``, ``non_finite``, or
+            other than announced), ``schema``, ``dtype``, ``shape`` (also of the base), ``non_finite``, or
             ``published_digest`` (the rebuilt value is not the synchronizer's).
         ValueError: otherwise undecodable.
     """
     _check_mode(mode)
     if mode == "delta" and base is None:
         raise ValueError("a delta payload needs the base it applies to")
+    if base is not None:
+        bad_base = sorted(n for n, shape in shapes.items() if n not in base or tuple(base[n].shape) != tuple(shape))
+        if bad_base:
+            raise wire.PayloadError("shape", f"the base does not hold {bad_base[:5]} in the fragment's shapes")
     data = store.get(ref)
     wire.check_header(data, codec, shapes, block_size)
     decoded, meta = wire.decode_from_bytes(data, codec, dict(shapes))
