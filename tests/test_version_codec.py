@@ -24,7 +24,7 @@ from diloco_async.version_codec import (
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 SHAPES = {"w": (7, 19), "b": (64,), "s": (), "odd": (3,)}
-QMAX = {"int8": 127, "int4": 7}
+QMAX = {"int8": 127, "int4": 7, "int2": 1}
 
 
 def sample(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -83,7 +83,7 @@ def test_round_trip_bound_and_exact_rebuild(store, codec, mode, block_size):
     assert all(got[n].dtype == torch.float32 and tuple(got[n].shape) == SHAPES[n] for n in got)
 
 
-@pytest.mark.parametrize("codec", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("codec", ["int2", "int4", "int8", "bf16"])
 def test_error_feedback_keeps_the_published_value_close(codec):
     """Over 50 versions that each move Θ a little, delta mode never lets the gap Θ − Θ^pub grow:
     it stays within one quantization step of the last delta; whole int4 would be far worse."""
@@ -97,7 +97,7 @@ def test_error_feedback_keeps_the_published_value_close(codec):
     _, whole = compress_version(master, None, codec, "whole")
     gap_whole = max(float((master[n] - whole[n]).abs().max()) for n in SHAPES)
     assert gap < 0.01, gap
-    if codec == "int4":
+    if codec in ("int4", "int2"):
         assert gap < gap_whole / 5, (gap, gap_whole)
 
 
@@ -106,6 +106,26 @@ def _rewrite_meta(data: bytes, **changes) -> bytes:
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + n])["__metadata__"]
     return safetensors.torch.save(tensors, metadata={**meta, **changes})
+
+
+def test_int2_payloads_are_checked(store):
+    """int2 (downloads only): its own layout checks, and a 2-bit code of 3 is refused."""
+    prev, master = sample(1), sample(3, 1.01)
+    ref, published = publish(store, master, prev, "int2", "delta")
+    digest = published_digest(published)
+    assert all(torch.equal(a, b) for a, b in zip(rebuild(store, ref, "int2", "delta", prev, digest=digest).values(),
+                                                published.values(), strict=True))
+    with pytest.raises(PayloadError, match="codec_header"):
+        rebuild(store, ref, "int2", "delta", prev, block_size=32, digest=digest)
+    with pytest.raises(PayloadError, match="shape"):
+        rebuild(store, ref, "int2", "delta", prev, digest=digest, shapes={**SHAPES, "w": (7, 30)})
+    raw = safetensors.torch.load(store.get(ref))
+    raw["b"][0] = 0xFF
+    n = int.from_bytes(store.get(ref)[:8], "little")
+    meta = json.loads(store.get(ref)[8:8 + n])["__metadata__"]
+    bad = store.put("run/bad-code", safetensors.torch.save(raw, metadata=meta))
+    with pytest.raises(PayloadError, match="range"):
+        rebuild(store, bad, "int2", "delta", prev, digest=digest)
 
 
 def test_bad_payloads_are_rejected_with_a_reason(store):
