@@ -115,5 +115,5 @@ def test_learners_adopt_the_value_the_synchronizer_anchors_on(tmp_path):
     assert "B/token up / down" in text and "link" in text
     keys_seen = {m["key"] for m in metrics}
     for key in ("net/bytes_up_per_token", "net/bytes_down_per_token", "net/learner/learner-1/bytes_down_per_token",
-                "net/fragment/0/bytes_up_per_token"):
+                "net/fragment/0/bytes_up_per_token", "learner/learner-0/link_s_per_fragment"):
         assert key in keys_seen, key
