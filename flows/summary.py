@@ -37,6 +37,8 @@ def summary_table(summary: dict) -> Table:
         ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
         ("peak bytes/s in / out (1 s windows)",
          f"{summary.get('peak_bytes_in_per_s', 0.0):.0f} / {summary.get('peak_bytes_out_per_s', 0.0):.0f}"),
+        ("bytes per token up / down", " / ".join("-" if summary.get(k) is None else f"{summary[k]:.2f}"
+                                                 for k in ("bytes_up_per_token", "bytes_down_per_token"))),
         ("stop reason", str(summary["stop_reason"])),
         ("MLflow run", summary["mlflow_run_id"]),
     ]
