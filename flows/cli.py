@@ -357,6 +357,7 @@ _EPILOG = """examples:
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
   diloco-async chaos --scenario configs/chaos/storm.toml
+  diloco-async wan --scenario configs/wan/wan-4-regions.toml   regions over shaped links (root)
   diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
   diloco-async simulate --help"""
 
@@ -389,6 +390,8 @@ def _add_alerts_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flows.wan_cli import add_wan_parser
+
     argv = list(sys.argv[1:] if argv is None else argv)
     _set_environment_defaults()
     # `simulate` owns its own flags; hand the rest of the line to it untouched.
@@ -430,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     p_chaos.add_argument("--json", action="store_true", help="print the table as a JSON list (one object per method)")
     p_chaos.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of every method's recipe, e.g. --set run.store=s3://bucket/chaos")
-    p_chaos.add_argument("--out", default=None, metavar="FILE",
-                         help="also write every row (with availability, tokens and the eval-loss curve) "
-                              "to FILE as JSON")
+    p_chaos.add_argument("--out", default=None, metavar="FILE", help="also write every row (with availability, "
+                         "tokens and the eval-loss curve) to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
+    add_wan_parser(sub)
     p_token = sub.add_parser("token", help="print a learner's own token (the run secret is read from "
                                            "$DILOCO_RUN_TOKEN) for a learner started by hand")
     p_token.add_argument("--run-id", required=True, help="the run's id (printed by train, in the store's layout)")
