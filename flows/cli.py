@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main"]
+from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
+__all__ = ["main"]
 
 # Quiet, project-local defaults for the embedded Prefect server and MLflow (as the Makefile's); set ones win.
 _ENV_DEFAULTS = {
@@ -357,7 +358,6 @@ _EPILOG = """examples:
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
   diloco-async chaos --scenario configs/chaos/storm.toml
-  diloco-async wan --scenario configs/wan/wan-4-regions.toml   regions over shaped links (root)
   diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
   diloco-async simulate --help"""
 
@@ -390,8 +390,6 @@ def _add_alerts_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flows.wan_cli import add_wan_parser
-
     argv = list(sys.argv[1:] if argv is None else argv)
     _set_environment_defaults()
     # `simulate` owns its own flags; hand the rest of the line to it untouched.
@@ -437,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                          "tokens and the eval-loss curve) to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
     add_wan_parser(sub)
-    p_token = sub.add_parser("token", help="print a learner's own token (the run secret is read from "
-                                           "$DILOCO_RUN_TOKEN) for a learner started by hand")
+    p_token = sub.add_parser("token", help="print a learner's own token (run secret: $DILOCO_RUN_TOKEN)")
     p_token.add_argument("--run-id", required=True, help="the run's id (printed by train, in the store's layout)")
     p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")

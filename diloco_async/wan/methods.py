@@ -31,7 +31,6 @@ from pathlib import Path
 
 from diloco_async.chaos.measure import measure
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget, TargetRun
-from diloco_async.procs import LocalProcessLauncher
 from diloco_async.timeline import Timeline
 from diloco_async.wan.report import WireRun
 from diloco_async.wan.scenario import WanScenario, ddp_max_steps, wan_overrides
@@ -65,14 +64,14 @@ class WanPlacement:
         slot = int(name.rsplit("-", 1)[1])
         return self.net.ns_of(self.sc.region_of(slot))
 
-    def launcher(self, log_dir: Path):
-        """A process launcher that places each process by :meth:`ns_for`."""
-        inner = LocalProcessLauncher(log_dir)
+    def wrap(self, launcher):
+        """``launcher`` (the chaos targets' fork server) placing each process by :meth:`ns_for`:
+        the fork enters its namespace, then runs the preloaded module (:mod:`diloco_async.wan.nsexec`)."""
         if self.net is None:
-            return inner
+            return launcher
         from diloco_async.wan.launch import NetnsLauncher
 
-        return NetnsLauncher(inner, self.ns_for)
+        return NetnsLauncher(launcher, self.ns_for)
 
     def diloco_overrides(self, method: str, seed: int | None, run_name: str) -> list[str]:
         host = self.net.hub_addr if self.net is not None else "127.0.0.1"
@@ -104,7 +103,7 @@ class WanDilocoTarget(DilocoTarget):
                  on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
         self.place, self.prefix = place, f"{method}-{time.time_ns()}"
         super().__init__(sc, method, on_metrics, place.diloco_overrides(method, seed, self.prefix))
-        self.procs.launcher = place.launcher(self.procs.workdir / "logs")
+        self.procs.launcher = place.wrap(self.procs.launcher)
         self.finished = False
 
     def _collect(self, t_start: float, t_end: float):
@@ -154,7 +153,7 @@ class WanDdpTarget(DdpTarget):
                                                                           regions[sc.region_of(r)].addr)}
                                   for r in range(sc.scenario.slots)}
         super().__init__(sc, overrides, **kwargs)
-        self.group.launcher = place.launcher(self.workdir / "logs")
+        self.group.launcher = place.wrap(self.group.launcher)
         self.finished = False
 
     def tick(self, now: float) -> None:
