@@ -8,7 +8,8 @@ A WAN scenario file (``configs/wan/*.toml``) has every section of a chaos scenar
   -> hub, ``down_mbit``: hub -> region), and the one-way added latency ``delay_ms``;
 * ``[target]``: the held-out loss every method is timed to: ``rule = "ddp-final"`` (DDP's final
   held-out loss in the same run) or ``rule = "fixed"`` with ``loss``;
-* ``[budget]``: the token budget every method trains for (DDP: as many steps as that many tokens).
+* ``[budget]``: the token budget of every method (DDP: as many steps as that many tokens); every
+  method stops at its budget or at ``scenario.wall_s``, whichever comes first.
 
 Slot ``i`` lives in region ``regions[i // learners_per_region]``; the synchronizer and the
 object store live in the hub.
@@ -110,8 +111,8 @@ def ddp_max_steps(sc: WanScenario, batch_size: int, context: int) -> int:
 
 def wan_overrides(sc: WanScenario, method: str, seed: int | None = None) -> list[str]:
     """The chaos overrides of ``method`` (:func:`~diloco_async.chaos.scenario.method_overrides`)
-    with the WAN run's own on top: the token budget (the run ends there, not at the wall time,
-    which stays a safety stop) and, when given, the seed of the model, data and schedule.
+    with the WAN run's own on top: the token budget (the run ends there or at the scenario's wall
+    time, whichever comes first) and, when given, the seed of the model and data.
 
     Raises:
         ValueError: an unknown method.
