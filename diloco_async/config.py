@@ -170,6 +170,18 @@ class SynchronizerConfig(_Section):
     )
     max_staleness: int = Field(4, ge=0, description="S, versions kept; older bases are rejected.")
     merge: Literal["rda", "mean"] = Field("rda", description="Merge of outer gradients (DESIGN §4.4).")
+    download_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "fp32", description="Codec of the published versions learners download (diloco_async/version_codec.py); "
+        "fp32: the master value itself, else learners adopt (and merges anchor on) its compressed published value.")
+    download_mode: Literal["delta", "whole"] = Field(
+        "delta", description="Compressed versions travel as version-to-version deltas with error feedback, or "
+        "whole (ignored with download_codec fp32).")
+    download_block_size: int = Field(64, ge=1, description="Quantization block of int8/int4 downloads (elements).")
+
+    @property
+    def download(self) -> tuple[str, str, int]:
+        """(download_codec, download_mode, download_block_size)."""
+        return self.download_codec, self.download_mode, self.download_block_size
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     heartbeat_timeout_s: float = Field(5.0, gt=0, description="A learner silent this long is lost.")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from diloco_async.codec import CODECS
 
 __all__ = [
+    "CompactInfo",
     "VersionInfo",
     "JoinRequest",
     "JoinResponse",
@@ -59,14 +60,31 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class CompactInfo(_Msg):
+    """A compressed form of a published version (``synchronizer.download_codec``,
+    :mod:`diloco_async.version_codec`): the payload's object, its codec and mode, the version a
+    delta applies to (None: whole) and the sha256 of the published value it rebuilds."""
+
+    key: Key
+    nbytes: Count
+    sha256: Sha256
+    codec: Literal["fp32", "bf16", "int8", "int4"]
+    mode: Literal["delta", "whole"]
+    block_size: int = Field(ge=1, le=1 << 20)
+    base_version: Step | None = None
+    published_sha256: Sha256
+
+
 class VersionInfo(_Msg):
-    """Published version ``version`` of fragment ``fragment`` and where its bytes are."""
+    """Published version ``version`` of fragment ``fragment`` and where its bytes are (the
+    published value, fp32), and its compact form when downloads are compressed."""
 
     fragment: FragmentIndex
     version: Step
     key: Key
     nbytes: Count
     sha256: Sha256
+    compact: CompactInfo | None = None
 
 
 class JoinRequest(_Msg):
@@ -101,6 +119,14 @@ class Heartbeat(_Msg):
     blocked_s: Seconds = Field(0.0, description="Seconds spent blocked (waiting on the synchronizer or on peers) "
                                "since the process started.")
     base_versions: dict[FragmentIndex, Step] = Field(default_factory=dict, max_length=FRAGMENTS_MAX)
+    bytes_down_by_fragment: dict[FragmentIndex, Count] = Field(
+        default_factory=dict, max_length=FRAGMENTS_MAX, description="bytes_down by fragment.")
+    bytes_up_by_fragment: dict[FragmentIndex, Count] = Field(
+        default_factory=dict, max_length=FRAGMENTS_MAX, description="bytes_up by fragment.")
+    link_s_per_fragment: float | None = Field(
+        None, ge=0, le=1e6, description="Seconds of network work (upload + download) one fragment's sync takes.")
+    link_budget_s: float | None = Field(
+        None, ge=0, le=1e9, description="Seconds of H/P inner steps: the time one fragment's sync may take.")
 
 
 class RoundOpen(_Msg):

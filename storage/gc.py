@@ -108,6 +108,7 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
     doomed += _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)
     for kind, prefix, parse, floors in (
             ("globals", keys.versions_prefix(run_id), keys.parse_version_key, version_floor),
+            ("compact", keys.compact_prefix(run_id), keys.parse_compact_key, version_floor),
             ("contrib", keys.contributions_prefix(run_id), keys.parse_contribution_key, round_floor)):
         for key, nbytes in sorted(store.sizes(prefix).items()):
             parsed = parse(run_id, key)

@@ -24,6 +24,7 @@ __all__ = ["plan_key", "config_key",
            "contributions_prefix", "contribution_round_prefix", "contribution_key", "parse_contribution_key",
            "contribution_learner",
            "versions_prefix", "fragment_versions_prefix", "version_key", "parse_version_key",
+           "compact_prefix", "compact_key", "parse_compact_key",
            "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
            "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
            "split_checkpoint_url", "ddp_checkpoint_prefix", "learner_prefix",
@@ -35,6 +36,8 @@ _STATE_FILE, _MANIFEST = "state.safetensors", "manifest.json"
 _CONTRIB_SUFFIX = ".safetensors"
 _CONTRIB_RE = re.compile(rf"^{_CONTRIB}/p(\d+)/r(\d+)/")
 _VERSION_RE = re.compile(rf"^{_GLOBALS}/p(\d+)/v(\d+)\b")
+_COMPACT = "compact"
+_COMPACT_RE = re.compile(rf"^{_COMPACT}/p(\d+)/v(\d+)\b")
 _LEASE = "lease"
 _LEASE_RE = re.compile(r"^(\d{8})/(claim|renewal-(\d{8})|released)\.json$")
 
@@ -103,6 +106,21 @@ def version_key(run_id: str, fragment: int, version: int) -> str:
 def parse_version_key(run_id: str, key: str) -> tuple[int, int] | None:
     """``(fragment, version)`` of a global-version key of ``run_id``; None for any other key."""
     return _parse(_VERSION_RE, run_id, key)
+
+
+def compact_prefix(run_id: str) -> str:
+    """Every compact (compressed-download) version of a run lies under this prefix."""
+    return f"{run_id}/{_COMPACT}"
+
+
+def compact_key(run_id: str, fragment: int, version: int, codec: str, mode: str) -> str:
+    """The compact payload of ``version`` of ``fragment`` (:mod:`diloco_async.version_codec`)."""
+    return f"{compact_prefix(run_id)}/p{fragment:03d}/v{version:08d}.{mode}-{codec}.safetensors"
+
+
+def parse_compact_key(run_id: str, key: str) -> tuple[int, int] | None:
+    """``(fragment, version)`` of a compact-version key of ``run_id``; None for any other key."""
+    return _parse(_COMPACT_RE, run_id, key)
 
 
 def _parse(pattern: re.Pattern, run_id: str, key: str) -> tuple[int, int] | None:

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from diloco_async import codec as wire
@@ -137,9 +138,37 @@ def any_store(request, tmp_path):
 
 def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
     store_url, options = any_store
+    _resume_is_bit_exact(tmp_path, store_url, options, [])
+
+
+@pytest.mark.parametrize("codec,mode", [("int4", "delta"), ("bf16", "whole")])
+def test_resume_is_bit_exact_with_compressed_downloads(tmp_path, store_url, codec, mode):
+    """The same with compressed downloads: the master value, the momentum and the published value
+    (the checkpoint's ``published`` tensors: the master value less its residual) continue bit for
+    bit, and version 3's published value and compact payload equal the uninterrupted run's."""
+    extra = ["--set", f"synchronizer.download_codec={codec}", "--set", f"synchronizer.download_mode={mode}"]
+    store = ObjectStore(store_url, {})
+    params_a, params_b = _resume_is_bit_exact(tmp_path, store_url, {}, extra)
+    pub_a = {k: v for k, v in params_a.items() if "/published/" in k}
+    assert pub_a and pub_a.keys() == {k for k in params_b if "/published/" in k}
+    assert all(torch.equal(pub_a[k], params_b[k]) for k in pub_a)
+    # the published value is not the master value: the residual is kept, not lost
+    assert any(not torch.equal(pub_a[k], params_a[k.replace("/published/", "/param/")]) for k in pub_a)
+    compact = [sorted(k for k in store.list(keys.compact_prefix(run)) if "/v00000003." in k) for run in ("runA", "runB")]
+    assert len(compact[0]) == len(compact[1]) == 1, compact
+    (ta, ma), (tb, mb) = (_load(store.get_unverified(c[0])) for c in compact)
+    assert ma == mb and ma["base_version"] == ("2" if mode == "delta" else "-1")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def _load(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+    return safetensors.torch.load(data), json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+
+
+def _resume_is_bit_exact(tmp_path, store_url: str, options: dict, extra: list[str]) -> tuple[dict, dict]:
     store = ObjectStore(store_url, options)
     # Run A: three outer steps, no interruption.
-    a = SyncProcess(tmp_path, store_url, ["--run-id", "runA"], options)
+    a = SyncProcess(tmp_path, store_url, ["--run-id", "runA", *extra], options)
     try:
         la = ScriptedLearner(a, store)
         for r in (1, 2, 3):
@@ -151,7 +180,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
     assert man_a["versions"] == {"0": 3}
 
     # Run B: two steps, checkpoint, SIGKILL, resume, step three.
-    b = SyncProcess(tmp_path, store_url, ["--run-id", "runB"], options)
+    b = SyncProcess(tmp_path, store_url, ["--run-id", "runB", *extra], options)
     lb = ScriptedLearner(b, store)
     lb.outer_step(1)
     lb.outer_step(2)
@@ -162,7 +191,8 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
     saved_params, saved_mom, saved = fragment_state(store, "runB", seq_b)
     assert saved["versions"] == {"0": 2} and saved["outer_steps"] == {"0": 2}
 
-    c = SyncProcess(tmp_path, store_url, ["--resume", keys.checkpoint_url(store_url, "runB", seq_b)], options)
+    c = SyncProcess(tmp_path, store_url, ["--resume", keys.checkpoint_url(store_url, "runB", seq_b), *extra],
+                    options)
     try:
         lb.attach(c)
         assert c.status()["versions"] == {"0": 2}
@@ -188,6 +218,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path, any_store):
     va, _ = wire.decode_from_bytes(store.get(ObjectRef.from_json(man_a["version_refs"]["0"]["3"])), "fp32", shapes)
     vb, _ = wire.decode_from_bytes(store.get(ObjectRef.from_json(man_b["version_refs"]["0"]["3"])), "fp32", shapes)
     assert all(torch.equal(va[n], vb[n]) for n in shapes)
+    return (load_checkpoint(store, "runA", seq_a).tensors, load_checkpoint(store, "runB", seq_c).tensors)
 
 
 def test_resume_skips_a_checkpoint_torn_by_a_crash(tmp_path, store_url):

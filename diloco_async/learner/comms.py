@@ -19,8 +19,10 @@ import time
 import aiohttp
 import torch
 
+from diloco_async import version_codec
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.config import Config
+from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
 from diloco_async.messages import HeartbeatResponse, JoinResponse, VersionInfo
@@ -66,6 +68,9 @@ class Comms:
         self.client = SyncClient(sync_url, token, before_post=self._before_post)
         self.uploads = Uploads(learner_id, incarnation, store, shared)
         self._downloading: dict[int, int] = {}
+        self._held: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> newest value downloaded
+        self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
+        shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self._main, name=f"{learner_id}-comms", daemon=True)
 
@@ -82,20 +87,53 @@ class Comms:
         self.store = store
         self.uploads.configure(store, lc.codec, lc.storage_timeout_s)
         self.heartbeat_s = lc.heartbeat_s
+        self.sync_every, self.num_fragments = cfg.synchronizer.sync_every, cfg.synchronizer.num_fragments
         self.client.request_timeout_s = lc.request_timeout_s
         if lc.control_delay_s > 0 or lc.control_drop_prob > 0:
             self.faults = ControlFaults(lc.control_delay_s, lc.control_drop_prob, chaos_rng)
 
     def fetch_version(self, v: VersionInfo) -> dict[str, torch.Tensor]:
-        """Download and decode a published version (blocking; verifies size and sha256), streamed
-        into tensors allocated once (:func:`diloco_async.versions.read_version`: no copy of the
-        object's bytes in memory).
+        """Download and decode a published version (blocking; verifies size and sha256): its
+        compact form when there is one this learner can rebuild exactly (a whole one, or a delta
+        from the version it holds; :mod:`diloco_async.version_codec`), else the fp32 value
+        streamed into tensors allocated once (:func:`diloco_async.versions.read_version`). Either
+        way the result is the synchronizer's published value bit for bit. Counts the bytes and
+        seconds (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:
             FileNotFoundError: the version was collected; storage.store.IntegrityError;
             ValueError: not an fp32 version of this fragment's tensors.
         """
-        return read_version(self.store, ObjectRef(v.key, v.nbytes, v.sha256), self.shapes[v.fragment])
+        t0 = time.monotonic()
+        tensors, nbytes = self._fetch_compact(v), v.compact.nbytes if v.compact else 0
+        if tensors is None:
+            tensors, nbytes = read_version(self.store, ObjectRef(v.key, v.nbytes, v.sha256), self.shapes[v.fragment]), \
+                v.nbytes
+        self.shared.link.record("down", v.fragment, nbytes, time.monotonic() - t0)
+        with self.shared.lock:
+            self.shared.stats.bytes_down += nbytes
+            held = self._held.get(v.fragment)
+            if held is None or held[0] < v.version:
+                self._held[v.fragment] = (v.version, tensors)
+        return tensors
+
+    def _fetch_compact(self, v: VersionInfo) -> dict[str, torch.Tensor] | None:
+        """The published value rebuilt from ``v``'s compact form; None when there is none or this
+        learner does not hold the version its delta applies to, or it failed (logged)."""
+        c = v.compact
+        with self.shared.lock:
+            held = self._held.get(v.fragment)
+        if c is None or (c.mode == "delta" and (held is None or held[0] != c.base_version)):
+            return None
+        try:
+            return version_codec.read_compact(
+                self.store, ObjectRef(c.key, c.nbytes, c.sha256), c.codec, self.shapes[v.fragment], mode=c.mode,
+                block_size=c.block_size, base=held[1] if held else None, base_version=c.base_version,
+                digest=c.published_sha256)
+        except Exception as err:  # noqa: BLE001 - the whole fp32 version is there to fall back on
+            log.warning("%s compact download of fragment %d v%d failed (%s); downloading it whole", self.learner_id,
+                        v.fragment, v.version, err)
+            return None
 
     async def _before_post(self, path: str) -> None:
         if self.faults is not None:
@@ -209,9 +247,16 @@ class Comms:
                     "tokens_per_s": tps, "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
                     "uptime_s": now - self.started_s, "blocked_s": s.blocked_s,
                     "base_versions": {str(k): v for k, v in sh.base.items()}}
+            step_time_s = s.step_time_s
             s.loss_sum, s.loss_count, s.window_tokens, s.window_start_s = 0.0, 0, 0, now
         if loss is not None and not math.isfinite(loss):
             body["train_loss"] = None
+        up, down = sh.link.bytes_snapshot()
+        budget_s = link_budget_s(step_time_s, self.sync_every, self.num_fragments)
+        need_s, _bound = sh.link.check(budget_s)
+        body.update(bytes_up_by_fragment={str(p): n for p, n in up.items()},
+                    bytes_down_by_fragment={str(p): n for p, n in down.items()},
+                    link_s_per_fragment=need_s, link_budget_s=budget_s)
         return body
 
     async def _push_loop(self) -> None:
@@ -261,6 +306,4 @@ class Comms:
             log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
             self._downloading.pop(v.fragment, None)  # the next heartbeat retries
             return
-        with self.shared.lock:
-            self.shared.stats.bytes_down += v.nbytes
         self.shared.adopt_queue.put((v, tensors))

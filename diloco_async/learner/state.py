@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco_async.inner_state import InnerState
+from diloco_async.learner.link import LinkMeter
 from diloco_async.messages import JoinResponse, VersionInfo
 
 __all__ = ["UploadJob", "SpooledState", "Stats", "Shared"]
@@ -68,6 +69,7 @@ class Shared:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.stats = Stats()
+        self.link = LinkMeter("learner")  # seconds and bytes of transfers (the comms thread names it)
         self.stop_event = threading.Event()
         self.joined = threading.Event()
         self.ready = threading.Event()  # plan known: versions can be decoded

@@ -102,7 +102,9 @@ class Uploads:
                  job.base_version, key)
         try:
             data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
+            t0 = time.monotonic()
             ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
+            self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
                         job.round_n, getattr(err, "reason", type(err).__name__), err)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from diloco_async.goodput import LearnerLedger
 from diloco_async.messages import Heartbeat, JoinRequest
 from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times
+from diloco_async.sync.wire_bytes import WireBytes
 
 __all__ = ["LearnerInfo", "LearnerRegistry"]
 
@@ -42,6 +43,8 @@ class LearnerInfo:
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
     blocked_seen_s: float = 0.0  # blocked_s reported by the current incarnation
+    link_s_per_fragment: float | None = None  # network seconds of one fragment's sync, as it reports
+    link_budget_s: float | None = None  # seconds of its H/P inner steps
     stop_sent: bool = False
     reported: bool = False  # sent a heartbeat to this synchronizer process (a restored step may be stale)
     watched: bool = field(default=False, repr=False, compare=False)  # has an entry in the liveness heap
@@ -76,6 +79,7 @@ class LearnerRegistry:
         self._tokens_processed = 0  # the sum of the ledgers' tokens_processed
         self._provisioned_at_s: float | None = None  # the time the provisioned seconds run to
         self._provisioned_flushed = True
+        self.wire = WireBytes()  # bytes on the wire by direction, learner and fragment
 
     def __contains__(self, learner_id: object) -> bool:
         return learner_id in self.learners
@@ -178,6 +182,8 @@ class LearnerRegistry:
             self.ledgers[hb.learner_id].tokens_processed += tokens - info.tokens_seen
             self._tokens_processed += tokens - info.tokens_seen
             info.tokens_seen = tokens
+        info.link_s_per_fragment, info.link_budget_s = hb.link_s_per_fragment, hb.link_budget_s
+        self.wire.heartbeat(hb.learner_id, hb.incarnation, hb.bytes_down_by_fragment)
         bytes_down = 0
         if hb.bytes_down >= info.bytes_down_seen:
             bytes_down = hb.bytes_down - info.bytes_down_seen

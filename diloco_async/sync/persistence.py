@@ -149,6 +149,7 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
         _restore_fragment(sync, f, ckpt)
         _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
     sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
+    sync.registry.wire.restore(m.get("wire_bytes", {}))
     sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     sync.report.counters.clear()
     sync.report.counters.update(m["counters"])
@@ -173,10 +174,15 @@ def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) ->
     steps = int(m["outer_steps"][key])
     f.optimizer.load_state(params, mom if steps > 0 else None, steps_taken=steps)
     f.current, f.momentum, f.outer_steps = params, mom, steps
+    # compressed downloads: the published value learners adopted (the master value less its residual)
+    pub_keys = {n: tensor_key(f.p, "published", n) for n in f.names}
+    f.published = ({n: ckpt.tensors[k].clone() for n, k in pub_keys.items()}
+                   if all(k in ckpt.tensors for k in pub_keys.values()) else params)
+    f.compact = None  # a learner missing the current version downloads it whole
     f.version, f.next_round = int(m["versions"][key]), int(m["next_round"][key])
     f.refs = {int(v): ObjectRef.from_json(r) for v, r in m["version_refs"][key].items()}
     f.history = VersionHistory(sync.store, f.shapes, f.refs)
-    f.history[f.version] = params
+    f.history[f.version] = f.published
     for v, ref in sorted(f.refs.items()):
         if v != f.version:
             try:  # read through and checked, then kept in the store only (read back when a merge needs it)
@@ -221,7 +227,7 @@ def _adopt_published(sync: Synchronizer, f: FragmentState, lease_epoch: int) -> 
             continue
         floor = epoch
         f.history[v], f.refs[v] = tensors, ObjectRef(key, len(data), sha256_hex(data))
-        f.version, f.current = v, tensors
+        f.version, f.current, f.published, f.compact = v, tensors, tensors, None  # (a residual is dropped)
         f.next_round = max(f.next_round, int(meta.get("round") or 0) + 1)
         kept.append(v)
     if not kept:
@@ -242,6 +248,8 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
         for name in f.names:
             tensors[tensor_key(f.p, "param", name)] = f.current[name]
             tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
+            if f.published is not f.current:  # compressed downloads (diloco_async/version_codec.py)
+                tensors[tensor_key(f.p, "published", name)] = f.published[name]
     open_round = {p: n for (p, n) in sync.rounds}
     ledgers, learners = sync.registry.to_manifest()
     counters = sync.report.counters
@@ -255,6 +263,7 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
         "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in sync.fragments},
         "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in sync.fragments},
         "global_step": sync.g,
+        "wire_bytes": sync.registry.wire.to_json(),
         "ledgers": ledgers,
         "learners": learners,
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included

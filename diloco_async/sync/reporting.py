@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from diloco_async.goodput import MergeGaps, totals, window_goodput
 from diloco_async.sync.logs import JsonLinesLog
+from diloco_async.sync.wire_bytes import per_token
 from storage import keys
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
     from diloco_async.sync.actor import Synchronizer
+    from diloco_async.sync.learners import LearnerRegistry
 
 __all__ = ["Reporter", "summary", "with_checkpoint_outcome", "status", "write_final", "METRICS_TAIL", "MERGES_TAIL",
            "UPTIME_MIN_GAP_S", "METRICS_BATCH"]
@@ -79,6 +81,15 @@ class Reporter:
         self.metrics.append({"key": key, "value": value if math.isfinite(value) else None,
                              "step": int(self.counters["merges"] if step is None else step),
                              "timestamp_ms": int(time.time() * 1000)})
+
+    def net(self, reg: LearnerRegistry) -> None:
+        """The ``net/...`` metric points: cumulative bytes in and out, and bytes per token up and
+        down for the run, each learner and each fragment (:class:`~diloco_async.sync.wire_bytes.WireBytes`)."""
+        self.metric("net/bytes_out", self.counters["bytes_out"])
+        self.metric("net/bytes_in", self.counters["bytes_in"])
+        learner_tokens = {lid: led.tokens_processed for lid, led in reg.ledgers.items()}
+        for name, value in reg.wire.metrics(reg.tokens_processed(), learner_tokens).items():
+            self.metric(name, value)
 
     def count(self, name: str) -> int:
         """Add one to counter ``name`` and log it as the metric ``sync/<name>``; returns the count."""
@@ -182,6 +193,23 @@ def uptime_max_gap_s(sync: Synchronizer) -> float:
     return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.fragments)), UPTIME_MIN_GAP_S)
 
 
+def _net_summary(reg: LearnerRegistry) -> dict:
+    """Bytes per token up and down, and the bytes by fragment, for the summary and /status."""
+    tokens = reg.tokens_processed()
+    up = sum(b["up"] for b in reg.wire.by_fragment.values())
+    down = sum(b["down"] for b in reg.wire.by_fragment.values())
+    return {"bytes_up_per_token": per_token(up, tokens), "bytes_down_per_token": per_token(down, tokens),
+            "bytes_by_fragment": reg.wire.fragments_json(tokens)}
+
+
+def _learner_net(reg: LearnerRegistry, lid: str) -> dict:
+    """A learner's bytes (per token) and whether its link keeps up (``link_bound``, with the figures)."""
+    i = reg.learners[lid]
+    need, budget = i.link_s_per_fragment, i.link_budget_s
+    return {**reg.wire.learner_json(lid, reg.ledgers[lid].tokens_processed), "link_s_per_fragment": need,
+            "link_budget_s": budget, "link_bound": need is not None and budget is not None and need > budget}
+
+
 def summary(sync: Synchronizer) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
     now = sync.clock()
@@ -214,13 +242,14 @@ def summary(sync: Synchronizer) -> dict:
         "versions": {f.p: f.version for f in sync.fragments},
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],
+        **_net_summary(reg),
         "checkpoints": c["checkpoints"],
         "last_checkpoint_seq": sync.checkpoints.last_seq,
         "global_step": sync.g,
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                            **reg.ledgers[lid].to_json(),
                            "compute_goodput": reg.ledgers[lid].compute_goodput,
-                           "token_goodput": reg.ledgers[lid].token_goodput}
+                           "token_goodput": reg.ledgers[lid].token_goodput, **_learner_net(reg, lid)}
                      for lid, i in reg.learners.items()},
     }
 

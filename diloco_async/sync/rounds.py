@@ -232,6 +232,7 @@ class RoundDriver:
             rnd.contributions.pop(msg.learner, None)
         else:
             self.report.counters["bytes_in"] += msg.nbytes  # logged with each merge
+            self.registry.wire.up(msg.learner, msg.fragment, msg.nbytes)
             contrib = rnd.contributions.get(msg.learner)
             if contrib is not None:
                 contrib.delta = msg.delta
@@ -348,7 +349,8 @@ class RoundDriver:
                                              self.sc.merge, quorum_wait_s, self.lease_epoch,
                                              self.direction_guards[f.p].reference(),
                                              self.cfg.guard.direction_fraction,
-                                             self.learner_directions.snapshot(), self.cfg.guard.direction_memory)
+                                             self.learner_directions.snapshot(), self.cfg.guard.direction_memory,
+                                             self.sc.download)
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")
@@ -395,15 +397,15 @@ class RoundDriver:
         """The new version becomes the fragment's value; learners are told; ledgers credited."""
         f.version = res.version
         f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
-        f.history[f.version] = res.new
-        f.refs[f.version] = res.ref
+        f.published, f.compact = res.published or res.new, res.compact
+        f.history[f.version], f.refs[f.version] = f.published, res.ref
         for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
             del f.history[old]
         release_free_memory()  # the merge's temporaries and the replaced value (issue 17 item 3)
         f.sync_ema.update(res.seconds)
         self.push.publish({"type": "version", **VersionInfo(
-            fragment=f.p, version=f.version, key=res.ref.key, nbytes=res.ref.nbytes, sha256=res.ref.sha256
-        ).model_dump()})
+            fragment=f.p, version=f.version, key=res.ref.key, nbytes=res.ref.nbytes, sha256=res.ref.sha256,
+            compact=f.compact).model_dump()})
         self.report.counters["merges"] += 1
         self.report.counters["contributions_merged"] += len(res.merged)
         self.report.merged(self.clock(), {
@@ -436,8 +438,7 @@ class RoundDriver:
         rep.metric("sync/contributions_late", c["contributions_late"])
         rep.metric("sync/contributions_rejected", c["contributions_rejected"])
         rep.metric("sync/live_learners", len(self.registry.live()))
-        rep.metric("net/bytes_out", c["bytes_out"])
-        rep.metric("net/bytes_in", c["bytes_in"])
+        rep.net(self.registry)
         rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))
         rep.metric(f"sync/fragment/{f.p}/version", f.version)
         log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",

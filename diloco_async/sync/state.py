@@ -18,7 +18,7 @@ import torch
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer
-from diloco_async.messages import Announcement
+from diloco_async.messages import Announcement, CompactInfo
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy import Ema, FragmentFacts, RoundState
 from diloco_async.versions import VersionHistory
@@ -113,6 +113,10 @@ class FragmentState:
     refs: dict[int, ObjectRef]
     sync_ema: Ema  # seconds of fetch + merge + publish
     embedding_names: list[str] = field(default_factory=list)  # of this fragment, merged with the mean
+    # Θ^pub of ``version``: what learners adopt and merges anchor on; ``current`` itself unless
+    # downloads are compressed (diloco_async/version_codec.py), then the master value minus its residual
+    published: dict[str, torch.Tensor] = field(default_factory=dict)
+    compact: CompactInfo | None = None  # the compact form of ``version`` (None: download it whole, fp32)
     next_round: int = 1
     busy: bool = False
     outer_steps: int = 0
@@ -141,7 +145,7 @@ def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: Synch
             momentum={n: torch.zeros_like(t) for n, t in cur.items()},
             optimizer=optimizer,
             history=history, refs=refs, sync_ema=Ema(sc.ema_alpha),
-            embedding_names=[n for n in names if n in plan.embedding_names],
+            embedding_names=[n for n in names if n in plan.embedding_names], published=cur,
         ))
     return out
 
@@ -197,6 +201,8 @@ class Merged:
     ok: bool
     reason: str
     new: dict[str, torch.Tensor] | None = None
+    published: dict[str, torch.Tensor] | None = None  # Θ^pub of the new version (``new`` when not compressed)
+    compact: CompactInfo | None = None
     momentum: dict[str, torch.Tensor] | None = None
     ref: ObjectRef | None = None
     version: int = 0  # the version published (the fragment's next, unless a number was taken)

@@ -20,10 +20,11 @@ class VersionInfos:
 
     def __call__(self, fragments: Sequence[FragmentState]) -> list[VersionInfo]:
         """A new list (the caller may keep it) of the fragments' current versions, by fragment."""
-        key = tuple((f.version, f.refs[f.version].key, f.refs[f.version].sha256) for f in fragments)
+        key = tuple((f.version, f.refs[f.version].key, f.refs[f.version].sha256, f.compact) for f in fragments)
         if key != self._key or not self._infos:
             self._infos = [VersionInfo(fragment=f.p, version=f.version, key=f.refs[f.version].key,
-                                       nbytes=f.refs[f.version].nbytes, sha256=f.refs[f.version].sha256)
+                                       nbytes=f.refs[f.version].nbytes, sha256=f.refs[f.version].sha256,
+                                       compact=f.compact)
                            for f in fragments]
             self._key = key
         return list(self._infos)

@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from diloco_async import codec as wire
+from diloco_async import version_codec
 from diloco_async.guard import (
     direction_factor,
     leave_one_out_cosines,
@@ -30,12 +31,13 @@ from diloco_async.guard import (
     tensor_norms,
 )
 from diloco_async.merge import AnchoredDelta, MergeWorkspace, check_anchored, merge_outer_gradients, token_weight
+from diloco_async.messages import CompactInfo
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
-__all__ = ["put_version", "publish_next_version", "fetch_and_verify", "rejection_reason", "merge_and_publish",
-           "VERSION_SKIPS"]
+__all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "rejection_reason",
+           "merge_and_publish", "VERSION_SKIPS"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -66,6 +68,24 @@ def _fp32_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes
         return wire.encode_to_bytes(tensors, "fp32", meta)
     header = dict(meta, codec="fp32", block_size=str(wire.DEFAULT_BLOCK_SIZE))
     return safetensors.torch.save({n: t.detach() for n, t in tensors.items()}, metadata=header)
+
+
+def publish_compact(store: ObjectStore, run_id: str, f: FragmentState, v: int, encoded: dict[str, torch.Tensor],
+                    published: dict[str, torch.Tensor], download: tuple[str, str, int]) -> CompactInfo:
+    """Publish the compact form of version ``v`` of ``f`` (after ``f.version``), whose published
+    value is ``published`` (:mod:`diloco_async.version_codec`).
+
+    Raises:
+        FileExistsError: that payload was already published.
+    """
+    codec, mode, block_size = download
+    digest = version_codec.published_digest(published)
+    base = f.version if mode == "delta" else None
+    data = version_codec.compact_bytes(encoded, codec, mode, block_size, fragment=f.p, version=v, base_version=base,
+                                       digest=digest)
+    ref = store.put(keys.compact_key(run_id, f.p, v, codec, mode), data)
+    return CompactInfo(key=ref.key, nbytes=ref.nbytes, sha256=ref.sha256, codec=codec, mode=mode,
+                       block_size=block_size, base_version=base, published_sha256=digest)
 
 
 def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tensors: dict[str, torch.Tensor], *,
@@ -143,7 +163,7 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
         try:
             w = token_weight(c.ann.c_tokens, c.ann.c_steps)
             delta = {n: t * c.scales[n] if n in c.scales else t for n, t in c.delta.items()}
-            candidates.append((i, c, w, AnchoredDelta(delta, f.current, f.history[c.ann.base_version]), delta))
+            candidates.append((i, c, w, AnchoredDelta(delta, f.published, f.history[c.ann.base_version]), delta))
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
             failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
     try:  # the norms RDA needs and the finite check, one pass per tensor, Θcur − Θbase shared
@@ -222,11 +242,25 @@ def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mo
     return f.optimizer.step_shared(g, require_finite=True, consume=True)  # g's buffers become the momentum
 
 
+def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, torch.Tensor], round_n: int,
+             lease_epoch: int, download: tuple[str, str, int],
+             ) -> tuple[int, ObjectRef, dict[str, torch.Tensor], CompactInfo | None]:
+    """Publish the master value ``new``: (version, ref, published value, compact form). With
+    compressed downloads the published value is Θ^pub (:mod:`diloco_async.version_codec`), put
+    whole in fp32 and as its compact payload; else ``new`` itself, with no compact form."""
+    if download[0] == "fp32":
+        version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=round_n)
+        return version, ref, new, None
+    encoded, published = version_codec.compress_version(new, f.published, *download)
+    version, ref = publish_next_version(store, run_id, f, published, lease_epoch=lease_epoch, round_n=round_n)
+    return version, ref, published, publish_compact(store, run_id, f, version, encoded, published, download)
+
+
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
                       contribs: list[Contribution], merge_mode: str, quorum_wait_s: float,
                       lease_epoch: int = 0, direction_reference: float | None = None,
                       direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
-                      direction_memory: int = 1) -> Merged:
+                      direction_memory: int = 1, download: tuple[str, str, int] = ("fp32", "delta", 64)) -> Merged:
     """Merge one round of fragment ``f`` and publish version ``f.version + 1`` (or the next free
     number, :func:`publish_next_version`).
 
@@ -273,12 +307,12 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         else:
             return Merged(p, n, False, first, dropped=dropped)
     try:
-        version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=n)
+        version, ref, published, compact = _publish(store, run_id, f, new, n, lease_epoch, download)
     except Exception as err:
         restore()
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
-    return Merged(p, n, True, "published", new=new, momentum=f.optimizer.shared_state().momentum, ref=ref,
-                  version=version,
+    return Merged(p, n, True, "published", new=new, published=published, compact=compact,
+                  momentum=f.optimizer.shared_state().momentum, ref=ref, version=version,
                   outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
                   seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped,
                   cosines=cosines, factors=factors)

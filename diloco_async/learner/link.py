@@ -1,0 +1,96 @@
+"""Is the learner's link fast enough? (issue 13 item 4, the learner side.)
+
+Each fragment is synchronized once per H inner steps and the P fragments take turns, so one
+fragment's network work — the upload of its outer gradient plus the download of its new version —
+must fit in the time of H/P inner steps, or the link falls behind the compute (uploads queue up,
+versions arrive late). The learner never waits for the network on its training thread (uploads
+and downloads run on the comms thread); :class:`LinkMeter` measures the seconds each transfer
+takes, by fragment, and says when the link cannot keep up ("link-bound"), with the figures, in
+the log and in the heartbeat (``link_s_per_fragment``, ``link_budget_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+__all__ = ["LinkMeter", "link_budget_s"]
+
+log = logging.getLogger("diloco.learner")
+
+
+def link_budget_s(step_time_s: float | None, sync_every: int, num_fragments: int) -> float | None:
+    """Seconds of H/P inner steps (``step_time_s · sync_every / num_fragments``): the time one
+    fragment's upload plus download may take; None while the step time is unknown."""
+    if step_time_s is None or num_fragments < 1:
+        return None
+    return step_time_s * sync_every / num_fragments
+
+
+class LinkMeter:
+    """Seconds and bytes of this learner's transfers, by fragment and direction; thread-safe.
+
+    The seconds of a direction are an exponential moving average (``alpha``) of its transfers.
+
+    Args:
+        learner_id: for the log. alpha: EMA weight of the newest transfer, in (0, 1].
+        log_every_s: a link-bound learner logs it at most this often.
+    """
+
+    def __init__(self, learner_id: str, alpha: float = 0.3, log_every_s: float = 30.0) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.learner_id, self.alpha, self.log_every_s = learner_id, alpha, log_every_s
+        self._lock = threading.Lock()
+        self._s: dict[str, dict[int, float]] = {"up": {}, "down": {}}
+        self.bytes_by_fragment: dict[str, dict[int, int]] = {"up": {}, "down": {}}
+        self.bound = False
+        self._logged_s = -float("inf")
+
+    def record(self, direction: str, fragment: int, nbytes: int, seconds: float) -> None:
+        """One transfer of ``nbytes`` bytes of ``fragment`` that took ``seconds``; ``direction``
+        is ``up`` or ``down``.
+
+        Raises:
+            ValueError: another direction, or negative bytes or seconds.
+        """
+        if direction not in self._s or nbytes < 0 or seconds < 0:
+            raise ValueError(f"bad transfer record: {direction!r}, {nbytes} bytes, {seconds} s")
+        with self._lock:
+            ema = self._s[direction]
+            old = ema.get(fragment)
+            ema[fragment] = seconds if old is None else old + self.alpha * (seconds - old)
+            counts = self.bytes_by_fragment[direction]
+            counts[fragment] = counts.get(fragment, 0) + nbytes
+
+    def seconds_per_fragment(self) -> float | None:
+        """The mean over fragments of (upload seconds + download seconds): the network time one
+        fragment's sync takes; None before any transfer."""
+        with self._lock:
+            frags = set(self._s["up"]) | set(self._s["down"])
+            if not frags:
+                return None
+            return sum(self._s["up"].get(p, 0.0) + self._s["down"].get(p, 0.0) for p in frags) / len(frags)
+
+    def bytes_snapshot(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(bytes up by fragment, bytes down by fragment) since the process started (copies)."""
+        with self._lock:
+            return dict(self.bytes_by_fragment["up"]), dict(self.bytes_by_fragment["down"])
+
+    def check(self, budget_s: float | None, now_s: float | None = None) -> tuple[float | None, bool]:
+        """(seconds per fragment, link-bound?) against ``budget_s`` (:func:`link_budget_s`); logs
+        "link-bound: needs X s per fragment, has Y s" when it becomes bound and then at most every
+        ``log_every_s``, and once when it keeps up again."""
+        need = self.seconds_per_fragment()
+        bound = need is not None and budget_s is not None and need > budget_s
+        now_s = time.monotonic() if now_s is None else now_s
+        if bound and (not self.bound or now_s - self._logged_s >= self.log_every_s):
+            log.warning("%s link-bound: needs %.3f s per fragment, has %.3f s (H/P inner steps); the link cannot "
+                        "carry one fragment per H/P steps", self.learner_id, need, budget_s)
+            self._logged_s = now_s
+        elif self.bound and not bound and need is not None:
+            log.info("%s link keeps up again: %.3f s per fragment, has %s s", self.learner_id, need,
+                     "?" if budget_s is None else f"{budget_s:.3f}")
+        self.bound = bound
+        return need, bound
