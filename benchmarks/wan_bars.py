@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compressed", nargs="+", required=True)
     ap.add_argument("--baseline", nargs="+", required=True)
     ap.add_argument("--unshaped", required=True)
-    ap.add_argument("--equal-tokens", type=float, default=1_200_000.0)
+    ap.add_argument("--equal-tokens", type=float, default=1_000_000.0)
     a = ap.parse_args(argv)
 
     def load(p: str) -> dict:

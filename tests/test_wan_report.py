@@ -19,10 +19,10 @@ def test_the_shipped_scenarios_parse_with_their_links_and_budget():
     sc = load_wan_scenario(ROOT / "configs/wan/wan-4-regions.toml")
     assert sc.scenario.slots == 4 and [sc.region_of(i) for i in range(4)] == ["r0", "r1", "r2", "r3"]
     assert sc.link_settings() == [(r, 7.5, 7.5, 0.0) for r in ("r0", "r1", "r2", "r3")]
-    assert sc.target.rule == "ddp-final" and sc.budget.tokens == 1_500_000
+    assert sc.target.rule == "ddp-final" and sc.budget.tokens == 1_200_000
     over = wan_overrides(sc, "decoupled", seed=2)
-    assert over[-2:] == ["budget.tokens=1500000", "run.seed=2"] and "synchronizer.min_quorum=1" in over
-    assert ddp_max_steps(sc, 16, 64) == math.ceil(1_500_000 / (4 * 16 * 64))
+    assert over[-2:] == ["budget.tokens=1200000", "run.seed=2"] and "synchronizer.min_quorum=1" in over
+    assert ddp_max_steps(sc, 16, 64) == math.ceil(1_200_000 / (4 * 16 * 64))
     ci = load_wan_scenario(ROOT / "configs/wan/wan-ci.toml")
     assert ci.scenario.methods == ["ddp", "decoupled"] and len(ci.links.regions) == 2
 
