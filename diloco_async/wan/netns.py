@@ -5,13 +5,15 @@ Topology and address plan (addresses exist only inside the namespaces made here;
 out of them)::
 
     region r_i  ({name}-{region})                         hub ({name}-hub)
-      {name}r{i}  10.77.i.2/30  <---- veth pair ---->  {name}h{i}  10.77.i.1/30
+      {name}r     10.77.i.2/30  <---- veth pair ---->  {name}h{i}  10.77.i.1/30
       route 10.77.0.0/16 via 10.77.i.1                 lo: 10.77.255.1/32 (hub_addr), ip_forward=1
 
 * up (region -> hub): ``tbf`` on the egress of the region-side veth at ``up_mbit``;
   down (hub -> region): ``tbf`` on the egress of the hub-side veth at ``down_mbit``.
 * Region-to-region traffic goes through the hub, so it crosses two shaped links.
 * Servers in the hub (synchronizer, moto) bind :attr:`WanNet.hub_addr`, which every region reaches.
+* The region side of every pair has the same name, :attr:`WanNet.region_ifname` (``{name}r``;
+  interface names are per namespace), so one ``GLOO_SOCKET_IFNAME`` serves ranks in any region.
 * IPv6 is disabled in every namespace, so the veth counters carry only the run's IPv4 traffic.
 * Token bucket: ``burst`` = 5 ms of the rate, at least 8 full frames (12,112 bytes): small enough
   that a burst is a negligible part of a 1-2 s verification at a few Mbit/s, large enough for the
@@ -151,6 +153,7 @@ class WanNet:
 
     Attributes:
         name: prefix + tag. hub_ns: the hub's namespace. hub_addr: the hub's address every region reaches.
+        region_ifname: the name of the region-side veth, the same in every region's namespace.
         regions: region -> :class:`RegionNet`. verified: region -> ``{"up_mbit_set", "up_mbit_measured",
             "up_error", "down_mbit_set", "down_mbit_measured", "down_error"}`` (error: measured/set - 1).
     """
@@ -176,6 +179,7 @@ class WanNet:
         self.verify_bytes = verify_bytes
         self.name = ""
         self.hub_ns = ""
+        self.region_ifname = ""
         self.hub_addr = HUB_ADDR
         self.regions: dict[str, RegionNet] = {}
         self.verified: dict[str, dict] = {}
@@ -206,6 +210,7 @@ class WanNet:
         """
         self.name = _new_name(self.prefix)
         self.hub_ns = f"{self.name}-hub"
+        self.region_ifname = f"{self.name}r"
         self._add_ns(self.hub_ns)
         run_cmd(["ip", "-n", self.hub_ns, "addr", "add", f"{self.hub_addr}/32", "dev", "lo"])
         run_cmd(["ip", "netns", "exec", self.hub_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
@@ -223,7 +228,7 @@ class WanNet:
 
     def _add_region(self, i: int, spec: LinkSpec) -> RegionNet:
         rn = RegionNet(region=spec.region, ns=f"{self.name}-{spec.region}", addr=f"{NET_PREFIX}.{i}.2",
-                       hub_addr=f"{NET_PREFIX}.{i}.1", hub_veth=f"{self.name}h{i}", region_veth=f"{self.name}r{i}")
+                       hub_addr=f"{NET_PREFIX}.{i}.1", hub_veth=f"{self.name}h{i}", region_veth=self.region_ifname)
         self._add_ns(rn.ns)
         run_cmd(["ip", "-n", self.hub_ns, "link", "add", rn.hub_veth, "type", "veth", "peer", "name",
                  rn.region_veth, "netns", rn.ns])

@@ -3,7 +3,7 @@ lists, never a shell), entering a network namespace with ``setns(2)``, listing a
 prefix names, and :func:`root_reason`.
 
 Everything the harness creates carries its prefix: namespaces are ``{name}-hub`` and
-``{name}-{region}``, veths ``{name}h{i}`` (hub side) and ``{name}r{i}`` (region side), where
+``{name}-{region}``, veths ``{name}h{i}`` (hub side) and ``{name}r`` (region side), where
 ``name`` is the prefix plus a random tag. :func:`cleanup` finds them by that prefix alone, so it
 also works after the process that made them was killed: it SIGKILLs the processes still inside the
 matching namespaces (never itself), deletes the matching veths (their ``tbf`` qdiscs go with them)
