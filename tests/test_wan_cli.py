@@ -50,4 +50,4 @@ def test_wan_json_on_the_ci_scenario(tmp_path):
     assert ring <= ddp["bytes_per_token"] <= 1.2 * ring
     assert ddp["time_to_target_s"] is not None and ddp["eval_loss_equal_tokens"] is not None
     assert 0 < dec["bytes_per_token"] < ddp["bytes_per_token"] / 4
-    assert set(_names("dlw")) == before  # the namespaces, veths and qdiscs are gone
+    assert not set(_names("dlw")) - before  # this run's namespaces (and their veths and qdiscs) are gone
