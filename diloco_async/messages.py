@@ -68,7 +68,7 @@ class CompactInfo(_Msg):
     key: Key
     nbytes: Count
     sha256: Sha256
-    codec: Literal["fp32", "bf16", "int8", "int4"]
+    codec: Literal["fp32", "bf16", "int8", "int4", "int2"]
     mode: Literal["delta", "whole"]
     block_size: int = Field(ge=1, le=1 << 20)
     base_version: Step | None = None

@@ -26,6 +26,7 @@ Payload layout: the codec's safetensors entries (:mod:`diloco_async.codec`) with
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 
 import safetensors.torch
@@ -38,8 +39,56 @@ from storage.store import ObjectRef, ObjectStore
 __all__ = ["DOWNLOAD_CODECS", "DOWNLOAD_MODES", "compress_version", "compact_bytes", "read_compact",
            "published_digest", "apply_decoded"]
 
-DOWNLOAD_CODECS = ("fp32", "bf16", "int8", "int4")
+DOWNLOAD_CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 DOWNLOAD_MODES = ("delta", "whole")
+
+
+# -- int2: downloads only (error feedback makes a 3-level delta usable) ------------------------
+#: int2 layout, per tensor ``name`` of n elements: ``name`` uint8 ``(ceil(n/4),)``, element ``4i+j``
+#: in bits ``2j..2j+1`` as ``q + 1`` with ``q = round(x / scale_k)`` in {-1, 0, 1} (``scale_k`` =
+#: the block's absmax, as int8/int4 with q = 1); ``name::scale`` float32 ``(ceil(n / block_size),)``.
+_INT2_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
+def _encode_int2(tensors: Mapping[str, Tensor], block_size: int) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        q, scale = wire._quantize(t, 1, block_size)  # int8 in {-1, 0, 1}
+        u = (q + 1).to(torch.uint8)
+        pad = (-u.numel()) % 4
+        if pad:
+            u = torch.cat([u, torch.ones(pad, dtype=torch.uint8)])
+        out[name] = (u.view(-1, 4) << _INT2_SHIFTS).sum(dim=1, dtype=torch.uint8)
+        out[name + wire.SCALE_SUFFIX] = scale
+    return out
+
+
+def _decode_int2(encoded: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]],
+                 block_size: int) -> dict[str, Tensor]:
+    """Raises PayloadError ``schema``/``dtype``/``shape`` (layout) or ``range`` (a code of 3)."""
+    want = {}
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        want[name] = (torch.uint8, (n + 3) // 4)
+        want[name + wire.SCALE_SUFFIX] = (torch.float32, -(-n // block_size))
+    if set(encoded) != set(want):
+        raise wire.PayloadError("schema", f"missing {sorted(set(want) - set(encoded))}, unexpected "
+                                f"{sorted(set(encoded) - set(want))}")
+    bad = [k for k, (dt, _) in want.items() if encoded[k].dtype != dt]
+    if bad:
+        raise wire.PayloadError("dtype", f"{bad}")
+    bad = [k for k, (_, n) in want.items() if tuple(encoded[k].shape) != (n,)]
+    if bad:
+        raise wire.PayloadError("shape", f"{bad}")
+    out = {}
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        codes = ((encoded[name][:, None] >> _INT2_SHIFTS) & 3).reshape(-1)[:n]
+        if bool((codes == 3).any()):
+            raise wire.PayloadError("range", f"{name}: a 2-bit code of 3 (only 0, 1, 2 are written)")
+        q = codes.to(torch.int8) - 1
+        out[name] = wire._dequantize(q, encoded[name + wire.SCALE_SUFFIX], n, block_size).reshape(shape)
+    return out
 
 
 def _check_mode(mode: str) -> None:
@@ -99,9 +148,13 @@ def compress_version(master: Mapping[str, Tensor], published_prev: Mapping[str, 
         x = {n: torch.sub(t, published_prev[n]) for n, t in master.items()}
     else:
         x = dict(master)
-    encoded = wire.encode(x, codec, block_size)
     shapes = {n: tuple(t.shape) for n, t in master.items()}
-    decoded = wire.decode(encoded, codec, shapes, block_size)
+    if codec == "int2":
+        encoded = _encode_int2(x, block_size)
+        decoded = _decode_int2(encoded, shapes, block_size)
+    else:
+        encoded = wire.encode(x, codec, block_size)
+        decoded = wire.decode(encoded, codec, shapes, block_size)
     published = apply_decoded(decoded, published_prev if mode == "delta" else None)
     bad = sorted(n for n, t in published.items() if not bool(torch.isfinite(t).all()))
     if bad:
@@ -119,6 +172,23 @@ def compact_bytes(encoded: Mapping[str, Tensor], codec: str, mode: str, block_si
     return safetensors.torch.save(dict(encoded), metadata=meta)
 
 
+def _decode_payload(data: bytes, codec: str, shapes: Mapping[str, tuple[int, ...]],
+                    block_size: int) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(decoded fp32 tensors, header metadata) of a compact payload; the header is checked first."""
+    if codec != "int2":
+        wire.check_header(data, codec, shapes, block_size)
+        return wire.decode_from_bytes(data, codec, dict(shapes))
+    meta = wire._read_header(data).get("__metadata__") or {}
+    if not isinstance(meta, dict) or meta.get("codec") != codec or meta.get("block_size") != str(block_size):
+        raise wire.PayloadError("codec_header", f"payload codec {meta.get('codec')!r} block_size "
+                                f"{meta.get('block_size')!r}, announced {codec!r} {block_size}")
+    try:
+        encoded = safetensors.torch.load(bytes(data))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise wire.PayloadError("codec_header", f"unreadable payload: {err}") from None
+    return _decode_int2(encoded, shapes, block_size), meta
+
+
 def read_compact(store: ObjectStore, ref: ObjectRef, codec: str, shapes: Mapping[str, tuple[int, ...]], *,
                  mode: str, block_size: int, base: Mapping[str, Tensor] | None, base_version: int | None,
                  digest: str) -> dict[str, Tensor]:
@@ -133,16 +203,19 @@ def read_compact(store: ObjectStore, ref: ObjectRef, codec: str, shapes: Mapping
     Raises:
         FileNotFoundError: collected. storage.store.IntegrityError: size or digest of the payload.
         diloco_async.codec.PayloadError: ``codec_header`` (codec, block size, mode, base version
-            other than announced), ``schema``, ``dtype``, ``shape``, ``non_finite``, or
+            other than announced), ``schema``, ``dtype``, ``shape`` (also of the base), ``non_finite``, or
             ``published_digest`` (the rebuilt value is not the synchronizer's).
         ValueError: otherwise undecodable.
     """
     _check_mode(mode)
     if mode == "delta" and base is None:
         raise ValueError("a delta payload needs the base it applies to")
+    if base is not None:
+        bad_base = sorted(n for n, shape in shapes.items() if n not in base or tuple(base[n].shape) != tuple(shape))
+        if bad_base:
+            raise wire.PayloadError("shape", f"the base does not hold {bad_base[:5]} in the fragment's shapes")
     data = store.get(ref)
-    wire.check_header(data, codec, shapes, block_size)
-    decoded, meta = wire.decode_from_bytes(data, codec, dict(shapes))
+    decoded, meta = _decode_payload(data, codec, shapes, block_size)
     want_base = str(-1 if mode == "whole" or base_version is None else base_version)
     if meta.get("mode") != mode or meta.get("base_version") != want_base:
         raise wire.PayloadError("codec_header", f"payload mode {meta.get('mode')!r} base "

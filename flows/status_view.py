@@ -29,20 +29,35 @@ def _bytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
+def _per_token(up: float | None, down: float | None) -> str:
+    return " / ".join("-" if x is None else f"{x:.2f}" for x in (up, down))
+
+
+def _link(info: dict) -> str:
+    """``link-bound: needs X s per fragment, has Y s`` (red), ``ok X / Y s``, or ``-``."""
+    need, budget = info.get("link_s_per_fragment"), info.get("link_budget_s")
+    if need is None or budget is None:
+        return "-"
+    if info.get("link_bound"):
+        return f"[red]link-bound: needs {need:.3f} s per fragment, has {budget:.3f} s[/red]"
+    return f"ok {need:.3f} / {budget:.3f} s"
+
+
 def render_status(st: dict) -> Group:
     """Tables of the run figures (budget, bytes, rejections by reason), the learners (with the
     seconds since each was last heard from) and the open rounds."""
     head = Table(title=f"run {st['run_id']} — {'stopping: ' + st['stopping'] if st.get('stopping') else 'training'}")
     for col in ("wall s", "budget", "global step", "merges", "merged / late / rejected", "compute goodput",
-                "token goodput", "bytes in / out"):
+                "token goodput", "bytes in / out", "B/token up / down"):
         head.add_column(col, justify="right")
     head.add_row(f"{st['wall_s']:.0f}", budget_progress(st), str(st.get("global_step")), str(st["merges"]),
                  f"{st['contributions_merged']} / {st['contributions_late']} / {st['contributions_rejected']}",
                  f"{st['compute_goodput']:.3f}", f"{st['token_goodput']:.3f}",
-                 f"{_bytes(st.get('bytes_in'))} / {_bytes(st.get('bytes_out'))}")
+                 f"{_bytes(st.get('bytes_in'))} / {_bytes(st.get('bytes_out'))}",
+                 _per_token(st.get("bytes_up_per_token"), st.get("bytes_down_per_token")))
     learners = Table(title="learners")
     for col in ("learner", "state", "last heard", "step", "incarnation", "tokens", "merged", "late", "rejected",
-                "goodput"):
+                "goodput", "B/token up / down", "link"):
         learners.add_column(col, justify="right" if col not in ("learner", "state") else "left",
                             no_wrap=col == "learner", min_width=len("learner-00") if col == "learner" else None)
     for lid, info in sorted(st["learners"].items()):
@@ -51,7 +66,8 @@ def render_status(st: dict) -> Group:
         learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", "-" if age is None else f"{age:.1f}s ago",
                          str(info["step"]), str(info["incarnation"]), str(info["tokens_processed"]),
                          str(c.get("merged", 0)), str(c.get("late", 0)), str(c.get("rejected", 0)),
-                         f"{info['compute_goodput']:.3f}")
+                         f"{info['compute_goodput']:.3f}",
+                         _per_token(info.get("bytes_up_per_token"), info.get("bytes_down_per_token")), _link(info))
     rounds = Table(title="open rounds")
     for col in ("fragment", "round", "stage", "announced", "verified"):
         rounds.add_column(col)

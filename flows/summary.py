@@ -35,6 +35,8 @@ def summary_table(summary: dict) -> Table:
         ("uptime", f"{summary['uptime']:.3f}"),
         ("tokens processed", str(summary["tokens_processed"])),
         ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
+        ("bytes per token up / down", " / ".join("-" if summary.get(k) is None else f"{summary[k]:.2f}"
+                                                 for k in ("bytes_up_per_token", "bytes_down_per_token"))),
         ("stop reason", str(summary["stop_reason"])),
         ("MLflow run", summary["mlflow_run_id"]),
     ]

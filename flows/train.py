@@ -276,6 +276,9 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     sink.log_metric("eval/final_loss", eval_final, step)
     sink.log_metric("eval/bits_per_byte", bpb_final, step)
     sink.log_metric("goodput/uptime", summary["uptime"], step)
+    for d in ("up", "down"):  # the final figures (the stream carried them through the run)
+        if summary.get(f"bytes_{d}_per_token") is not None:
+            sink.log_metric(f"net/bytes_{d}_per_token", summary[f"bytes_{d}_per_token"], step)
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
                                              samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))

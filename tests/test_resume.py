@@ -154,7 +154,8 @@ def test_resume_is_bit_exact_with_compressed_downloads(tmp_path, store_url, code
     assert all(torch.equal(pub_a[k], params_b[k]) for k in pub_a)
     # the published value is not the master value: the residual is kept, not lost
     assert any(not torch.equal(pub_a[k], params_a[k.replace("/published/", "/param/")]) for k in pub_a)
-    compact = [sorted(k for k in store.list(keys.compact_prefix(run)) if "/v00000003." in k) for run in ("runA", "runB")]
+    compact = [sorted(k for k in store.list(keys.compact_prefix(run)) if "/v00000003." in k)
+               for run in ("runA", "runB")]
     assert len(compact[0]) == len(compact[1]) == 1, compact
     (ta, ma), (tb, mb) = (_load(store.get_unverified(c[0])) for c in compact)
     assert ma == mb and ma["base_version"] == ("2" if mode == "delta" else "-1")

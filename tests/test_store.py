@@ -306,3 +306,18 @@ def test_local_read_left_hanging_cannot_change_what_get_returned(tmp_path, monke
     gate.set()
     assert landed.wait(5)
     assert got == data and calls[0] == min(256 * 1024, reader.INTO_CHUNK_NBYTES)  # chunks of part_nbytes
+
+
+def test_gc_collects_compact_versions_as_their_versions(store):
+    """Compressed-download payloads (``compact/p/v...``, diloco_async/version_codec.py) go with the
+    versions: the ones below a fragment's floor are deleted, the others kept."""
+    _run_layout(store)
+    for p in (0, 1):
+        for v in range(1, 6):
+            store.put(keys.compact_key("run", p, v, "int4", "delta"), b"d" * v)
+    report = collect_garbage(store, "run", keep_checkpoints=2)
+    left = set(store.list("run"))
+    for p in (0, 1):
+        for v in range(1, 6):
+            assert (keys.compact_key("run", p, v, "int4", "delta") in left) == (v >= 3), (p, v)
+    assert report.deleted["compact"] == 4 and report.deleted["globals"] == 4

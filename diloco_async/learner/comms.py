@@ -69,6 +69,7 @@ class Comms:
         self.uploads = Uploads(learner_id, incarnation, store, shared)
         self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> newest value downloaded
+        self._fetch_locks: dict[int, asyncio.Lock] = {}
         self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
@@ -123,7 +124,11 @@ class Comms:
         c = v.compact
         with self.shared.lock:
             held = self._held.get(v.fragment)
-        if c is None or (c.mode == "delta" and (held is None or held[0] != c.base_version)):
+        if c is None:
+            return None
+        if c.mode == "delta" and (held is None or held[0] != c.base_version):
+            log.info("%s fragment %d v%d: downloaded whole (fp32), the delta applies to v%d and this learner holds "
+                     "%s", self.learner_id, v.fragment, v.version, c.base_version, held and f"v{held[0]}")
             return None
         try:
             return version_codec.read_compact(
@@ -300,8 +305,9 @@ class Comms:
             task.add_done_callback(self._bg.discard)
 
     async def _download(self, v: VersionInfo) -> None:
-        try:
-            tensors = await asyncio.to_thread(self.fetch_version, v)
+        try:  # one download per fragment at a time: a delta applies to the version downloaded before it
+            async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()):
+                tensors = await asyncio.to_thread(self.fetch_version, v)
         except Exception as err:  # counted in the log; the next heartbeat retries
             log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
             self._downloading.pop(v.fragment, None)  # the next heartbeat retries

@@ -36,9 +36,10 @@ class LinkMeter:
     Args:
         learner_id: for the log. alpha: EMA weight of the newest transfer, in (0, 1].
         log_every_s: a link-bound learner logs it at most this often.
+        confirm: checks in a row (one per heartbeat) before the verdict changes.
     """
 
-    def __init__(self, learner_id: str, alpha: float = 0.3, log_every_s: float = 30.0) -> None:
+    def __init__(self, learner_id: str, alpha: float = 0.3, log_every_s: float = 30.0, confirm: int = 3) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.learner_id, self.alpha, self.log_every_s = learner_id, alpha, log_every_s
@@ -46,6 +47,8 @@ class LinkMeter:
         self._s: dict[str, dict[int, float]] = {"up": {}, "down": {}}
         self.bytes_by_fragment: dict[str, dict[int, int]] = {"up": {}, "down": {}}
         self.bound = False
+        self.confirm = confirm
+        self._streak = 0  # checks in a row that disagree with ``bound``
         self._logged_s = -float("inf")
 
     def record(self, direction: str, fragment: int, nbytes: int, seconds: float) -> None:
@@ -79,18 +82,23 @@ class LinkMeter:
             return dict(self.bytes_by_fragment["up"]), dict(self.bytes_by_fragment["down"])
 
     def check(self, budget_s: float | None, now_s: float | None = None) -> tuple[float | None, bool]:
-        """(seconds per fragment, link-bound?) against ``budget_s`` (:func:`link_budget_s`); logs
-        "link-bound: needs X s per fragment, has Y s" when it becomes bound and then at most every
-        ``log_every_s``, and once when it keeps up again."""
+        """(seconds per fragment, link-bound?) against ``budget_s`` (:func:`link_budget_s`), with
+        hysteresis: bound after ``confirm`` checks in a row that need more than the budget, free
+        again after ``confirm`` in a row that need less than 0.9 of it (step times are noisy).
+        Logs "link-bound: needs X s per fragment, has Y s" when it becomes bound and then at most
+        every ``log_every_s``, and once when it keeps up again."""
         need = self.seconds_per_fragment()
-        bound = need is not None and budget_s is not None and need > budget_s
         now_s = time.monotonic() if now_s is None else now_s
-        if bound and (not self.bound or now_s - self._logged_s >= self.log_every_s):
+        if need is None or budget_s is None:
+            return need, self.bound
+        over = need > budget_s if not self.bound else need >= 0.9 * budget_s
+        self._streak = 0 if over == self.bound else self._streak + 1
+        if self._streak >= self.confirm:
+            self.bound, self._streak = over, 0
+            if not self.bound:
+                log.info("%s link keeps up again: %.3f s per fragment, has %.3f s", self.learner_id, need, budget_s)
+        if self.bound and now_s - self._logged_s >= self.log_every_s:
             log.warning("%s link-bound: needs %.3f s per fragment, has %.3f s (H/P inner steps); the link cannot "
                         "carry one fragment per H/P steps", self.learner_id, need, budget_s)
             self._logged_s = now_s
-        elif self.bound and not bound and need is not None:
-            log.info("%s link keeps up again: %.3f s per fragment, has %s s", self.learner_id, need,
-                     "?" if budget_s is None else f"{budget_s:.3f}")
-        self.bound = bound
-        return need, bound
+        return need, self.bound

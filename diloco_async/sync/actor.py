@@ -335,7 +335,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             self.report.metric(f"learner/{lid}/alive", 1.0)
         self.counters["bytes_out"] += bytes_down
         for key, value in (("train_loss", hb.train_loss), ("tokens_per_s", hb.tokens_per_s),
-                           ("step_time_s", hb.step_time_s)):
+                           ("step_time_s", hb.step_time_s), ("link_s_per_fragment", hb.link_s_per_fragment)):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
         opens = []

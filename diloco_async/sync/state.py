@@ -121,6 +121,10 @@ class FragmentState:
     busy: bool = False
     outer_steps: int = 0
 
+    def __post_init__(self) -> None:
+        if not self.published:  # downloads not compressed: the published value is the value itself
+            self.published = self.current
+
     def facts(self) -> FragmentFacts:
         """What :func:`diloco_async.policy.admit_announcement` needs of this fragment."""
         return FragmentFacts(self.version, self.next_round, frozenset(self.history))
