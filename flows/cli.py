@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main"]
+from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
+__all__ = ["main"]
 
 # Quiet, project-local defaults for the embedded Prefect server and MLflow (as the Makefile's); set ones win.
 _ENV_DEFAULTS = {
@@ -428,12 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     p_chaos.add_argument("--json", action="store_true", help="print the table as a JSON list (one object per method)")
     p_chaos.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of every method's recipe, e.g. --set run.store=s3://bucket/chaos")
-    p_chaos.add_argument("--out", default=None, metavar="FILE",
-                         help="also write every row (with availability, tokens and the eval-loss curve) "
-                              "to FILE as JSON")
+    p_chaos.add_argument("--out", default=None, metavar="FILE", help="also write every row (with availability, "
+                         "tokens and the eval-loss curve) to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
-    p_token = sub.add_parser("token", help="print a learner's own token (the run secret is read from "
-                                           "$DILOCO_RUN_TOKEN) for a learner started by hand")
+    add_wan_parser(sub)
+    p_token = sub.add_parser("token", help="print a learner's own token (run secret: $DILOCO_RUN_TOKEN)")
     p_token.add_argument("--run-id", required=True, help="the run's id (printed by train, in the store's layout)")
     p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")

@@ -2,8 +2,8 @@
 
 Run one process per rank::
 
-    python -m diloco_async.baselines.ddp --rank R --world-size M --master-port PORT --run-id ID \\
-        --store URL --timeline PATH --incarnation I [--config FILE] [--set section.field=value ...] \\
+    python -m diloco_async.baselines.ddp --rank R --world-size M [--master-addr A] --master-port PORT \\
+        --run-id ID --store URL --timeline PATH --incarnation I [--config FILE] [--set section.field=value ...] \\
         [--speed F] [--jitter J] [--checkpoint-every-steps N] [--stop-at-unix T] [--max-steps N] \\
         [--gloo-timeout-s S] [--init-timeout-s S]
 
@@ -231,9 +231,10 @@ class _Rank:
     def _rendezvous(self) -> Any:
         """Join the gloo group; returns the process group whose collectives time out quickly."""
         a = self.args
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the master is on loopback
+        if a.master_addr.startswith("127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the master is on loopback
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=self.rank,
+            dist.init_process_group("gloo", init_method=f"tcp://{a.master_addr}:{a.master_port}", rank=self.rank,
                                     world_size=self.world,
                                     timeout=datetime.timedelta(seconds=a.init_timeout_s))
             # Collectives run in a group with the short timeout: a lost peer ends this rank quickly.
@@ -312,7 +313,9 @@ def _parser() -> argparse.ArgumentParser:
                                  description="One rank of the data-parallel baseline (gloo, torchrun-style restarts).")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True, help="M, the number of ranks")
-    ap.add_argument("--master-port", type=int, required=True, help="rank 0 listens on 127.0.0.1:PORT")
+    ap.add_argument("--master-addr", default="127.0.0.1",
+                    help="rank 0's address (an address of its own network namespace in WAN runs)")
+    ap.add_argument("--master-port", type=int, required=True, help="rank 0 listens on MASTER_ADDR:PORT")
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--store", required=True, help="object store root URL")
     ap.add_argument("--timeline", required=True, help="JSON-lines file this rank appends to")

@@ -55,6 +55,10 @@ class DdpGroup:
         init_timeout_s: timeout of the rendezvous.
         storage_options: fsspec options of the store (passed in the environment, never on the command line).
         env: extra environment of the ranks.
+        master_addr: where rank 0 listens (loopback; in WAN runs rank 0's address in its region's
+            namespace, and the launcher places each rank there). Off loopback the ranks pick their
+            gloo interface from ``rank_env`` (``GLOO_SOCKET_IFNAME``), not ``lo``.
+        rank_env: extra environment of single ranks (rank -> variables), after ``env``.
 
     Raises:
         ValueError: ``world_size`` < 1 or ``speeds`` of another length.
@@ -64,7 +68,8 @@ class DdpGroup:
                  store: str, workdir: str | os.PathLike, speeds: Sequence[float] | None = None,
                  jitter: float | None = None, checkpoint_every_steps: int = 0, stop_at_unix: float | None = None,
                  max_steps: int | None = None, gloo_timeout_s: float = 30.0, init_timeout_s: float = 120.0,
-                 storage_options: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 master_addr: str = "127.0.0.1", rank_env: dict[int, dict[str, str]] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         speeds = list(speeds) if speeds is not None else None
@@ -85,7 +90,10 @@ class DdpGroup:
         self.init_timeout_s = init_timeout_s
         self.launcher = LocalProcessLauncher(self.workdir / "logs")
         pythonpath = os.pathsep.join(p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {"PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo",
+        self.master_addr = master_addr
+        self.rank_env = dict(rank_env or {})
+        loopback = {"GLOO_SOCKET_IFNAME": "lo"} if master_addr.startswith("127.") else {}
+        self.env = {"PYTHONPATH": pythonpath, **loopback,
                     STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
         self.handles: dict[int, LocalProcess | ForkedProcess] = {}
         self.incarnation: int | None = None
@@ -98,7 +106,8 @@ class DdpGroup:
     def argv(self, rank: int, incarnation: int, port: int) -> list[str]:
         """The command line (after the interpreter) of one rank."""
         argv = ["-m", "diloco_async.baselines.ddp", "--rank", str(rank), "--world-size", str(self.world_size),
-                "--master-port", str(port), "--run-id", self.run_id, "--store", self.store,
+                "--master-addr", self.master_addr, "--master-port", str(port), "--run-id", self.run_id,
+                "--store", self.store,
                 "--timeline", str(self.timeline_path(rank)), "--incarnation", str(incarnation),
                 "--checkpoint-every-steps", str(self.checkpoint_every_steps),
                 "--gloo-timeout-s", repr(float(self.gloo_timeout_s)),
@@ -132,7 +141,8 @@ class DdpGroup:
             raise RuntimeError(f"ranks {running} of incarnation {self.incarnation} are still running")
         self.timeline_path(0).parent.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.handles = {r: self.launcher.start(f"ddp-rank-{r}", self.argv(r, incarnation, port), self.env)
+        self.handles = {r: self.launcher.start(f"ddp-rank-{r}", self.argv(r, incarnation, port),
+                                               {**self.env, **self.rank_env.get(r, {})})
                         for r in range(self.world_size)}
         self.incarnation, self.port = incarnation, port
 

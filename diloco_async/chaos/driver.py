@@ -74,14 +74,15 @@ def drive(events: Sequence[FaultEvent], t_start: float, wall_s: float, target: F
 
     An event is applied once ``clock() >= t_start + t_s``; a failure's recovery (a stall's end)
     ``duration_s`` after it was applied; ``target.tick(now)`` after each pass, then
-    ``sleep(poll_s)``. Exceptions of the target propagate.
+    ``sleep(poll_s)``. A target whose ``finished`` attribute turns true (it reached its token
+    budget: WAN runs) ends the walk early. Exceptions of the target propagate.
     """
     timers: list[tuple[float, str, int]] = []
     pending = sorted(events, key=lambda e: e.t_s)
     end = t_start + wall_s
     while True:
         now = clock()
-        if now >= end:
+        if now >= end or getattr(target, "finished", False):
             return
         while pending and t_start + pending[0].t_s <= now:
             e = pending.pop(0)

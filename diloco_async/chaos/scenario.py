@@ -104,8 +104,8 @@ class Scenario(_Section):
         return [float(self.stragglers.speed.get(str(i), 1.0)) for i in range(self.scenario.slots)]
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file.
+def load_scenario(path: str | Path, model: type[Scenario] = Scenario) -> Scenario:
+    """Read and validate a scenario file (as ``model``: a WAN scenario adds link settings).
 
     Raises:
         FileNotFoundError: no such file.
@@ -119,7 +119,7 @@ def load_scenario(path: str | Path) -> Scenario:
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: {err}") from None
     try:
-        return Scenario.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as err:
         problems = "; ".join(
             (f"{'.'.join(str(x) for x in e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")

@@ -57,11 +57,12 @@ class TargetRun:
 class ChaosTarget:
     """The common part of both targets: the recipe of ``method`` under the scenario, the slot
     bookkeeping, and :meth:`run`. Subclasses implement the :class:`FaultTarget` hooks and
-    ``_start``, ``_stop``, ``_close``, ``_collect``."""
+    ``_start``, ``_stop``, ``_close``, ``_collect``. ``overrides``: the recipe overrides of the
+    method (default :func:`~diloco_async.chaos.scenario.method_overrides`; WAN runs add theirs)."""
 
-    def __init__(self, sc: Scenario, method: str) -> None:
+    def __init__(self, sc: Scenario, method: str, overrides: list[str] | None = None) -> None:
         self.sc = sc
-        self.overrides = method_overrides(sc, method)
+        self.overrides = method_overrides(sc, method) if overrides is None else list(overrides)
         self.cfg = load_config(sc.scenario.config, self.overrides)
         self.slots = SlotBook(sc.scenario.slots)
 
@@ -106,8 +107,9 @@ class DilocoTarget(ChaosTarget):
     """
 
     def __init__(self, sc: Scenario, method: str,
-                 on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
-        super().__init__(sc, method)
+                 on_metrics: Callable[[list[dict]], None] = lambda points: None,
+                 overrides: list[str] | None = None) -> None:
+        super().__init__(sc, method, overrides)
         self.procs = RunProcesses(self.cfg, sc.scenario.config, self.overrides)
         self.procs.launcher = ForkServerLauncher(self.procs.workdir / "logs", PRELOAD)
         self.timeline_dir = self.procs.workdir / "timeline"
@@ -229,14 +231,16 @@ def ddp_timeline_steps(learner: str, records: Sequence[dict], final_step: int) -
 
 
 class DdpTarget(ChaosTarget):
-    """``ddp`` (module docstring)."""
+    """``ddp`` (module docstring). ``group_kwargs`` go to the
+    :class:`~diloco_async.baselines.ddp_group.DdpGroup` (WAN runs: ``master_addr``, ``rank_env``,
+    ``max_steps``)."""
 
-    def __init__(self, sc: Scenario) -> None:
+    def __init__(self, sc: Scenario, overrides: list[str] | None = None, **group_kwargs) -> None:
         from diloco_async.baselines.ddp_group import DdpGroup
         from diloco_async.sync import new_run_id
         from storage.store import ObjectStore
 
-        super().__init__(sc, "ddp")
+        super().__init__(sc, "ddp", overrides)
         self.run_id = new_run_id()
         self.workdir = Path(self.cfg.run.workdir).resolve() / self.run_id
         self.store = ObjectStore(self.cfg.run.store, self.cfg.run.storage_options)
@@ -244,7 +248,7 @@ class DdpTarget(ChaosTarget):
                               run_id=self.run_id, store=self.store.url, workdir=self.workdir,
                               speeds=sc.speed_factors(), jitter=sc.stragglers.jitter,
                               checkpoint_every_steps=sc.ddp.checkpoint_every_steps,
-                              storage_options=self.cfg.run.storage_options)
+                              storage_options=self.cfg.run.storage_options, **group_kwargs)
         self.group.launcher = ForkServerLauncher(self.workdir / "logs", PRELOAD)
         self.running = False
         self.incarnation = 0
