@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+from test_client import TOKEN, _app, serving
 
 from diloco_async.client import SyncClient
 from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
@@ -17,8 +18,6 @@ from diloco_async.wan.scenario import load_wan_scenario
 from storage.faults import FaultyStore
 from storage.latency import LatencyStore
 from storage.store import ObjectStore
-
-from test_client import TOKEN, _app, serving
 
 DELAY_S = 0.05
 
@@ -93,8 +92,9 @@ def test_the_wan_placement_gives_the_delay_to_processes_in_regions_only():
 
 @pytest.mark.integration
 def test_each_ddp_all_reduce_waits_the_rings_latency(tmp_path):
-    from diloco_async.baselines.ddp_group import DdpGroup
     from test_ddp import TINY, read_timeline
+
+    from diloco_async.baselines.ddp_group import DdpGroup
 
     g = DdpGroup(None, TINY, 2, "ddp-delay", f"file://{tmp_path}/store", tmp_path / "work", max_steps=4,
                  env={LINK_DELAY_ENV: str(DELAY_S * 1000)})
