@@ -109,15 +109,15 @@ def run_abba(scenario: str, pairs: int, tokens: int, seed: int, overrides: list[
     import torch
 
     from diloco_async.config import load_config
+    from diloco_async.data import corpus_urls
     from diloco_async.evaluation import heldout_batches
     from diloco_async.wan.methods import run_method
     from diloco_async.wan.place import placement
     from diloco_async.wan.scenario import wan_overrides
-    from flows.train import prepare_corpus
 
     sc = _scenario(scenario, tokens, overrides)
     cfg = load_config(sc.scenario.config, wan_overrides(sc, "decoupled", seed))
-    prepare_corpus(cfg)
+    corpus_urls(cfg.data)  # the corpus on disk before any learner starts (no Prefect: not a flow)
     batches = heldout_batches(cfg)[:1]  # the loss curve is not this benchmark's figure: one batch
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
