@@ -123,9 +123,10 @@ bench-chaos: data
 
 ## bench-wan: issue 13 over emulated regions (needs root and iproute2 tc): configs/wan/wan-4-regions.toml,
 ## DDP, synchronous and Decoupled DiLoCo over four 7.5 Mbit/s links (DDP capped at 300 s); Decoupled DiLoCo
-## again with seeds 1 and 2, then with bf16 uploads and fp32 downloads (seeds 0-2), then unshaped on loopback;
-## then the bars (benchmarks/wan_bars.py): time to DDP's final loss, bytes per token, loss at equal tokens,
-## tokens/s shaped against unshaped. About 25 minutes on 2 quiet cores (each decoupled run ~1-2 minutes).
+## again with seeds 1 and 2, then with bf16 uploads and fp32 downloads (seeds 0-2); then tokens/s shaped against
+## unshaped (benchmarks/wan_tokens.py: 400K-token Decoupled runs, shaped and on loopback interleaved ABBA, 2 pairs,
+## steady-state tokens/s); then the bars (benchmarks/wan_bars.py): time to DDP's final loss, bytes per token,
+## loss at equal tokens, tokens/s shaped / unshaped. About 30 minutes on 2 quiet cores.
 WAN_SCENARIO ?= configs/wan/wan-4-regions.toml
 WAN_BASELINE ?= --set learners.codec=bf16 --set synchronizer.download_codec=fp32
 WAN := $(PY) -m flows.cli wan --scenario $(WAN_SCENARIO)
@@ -134,11 +135,12 @@ bench-wan: data
 	for s in 1 2; do $(WAN) --methods decoupled --seed $$s --out $(BENCH_DIR)/wan-compressed-$$s.json || exit 1; done
 	for s in 0 1 2; do $(WAN) --methods decoupled --seed $$s $(WAN_BASELINE) \
 		--out $(BENCH_DIR)/wan-bf16-fp32-$$s.json || exit 1; done
-	$(WAN) --methods decoupled --unshaped --out $(BENCH_DIR)/wan-unshaped.json
+	$(PY) -m benchmarks.wan_tokens --scenario $(WAN_SCENARIO) --pairs 2 --tokens 400000 --seed 0 \
+		--out $(BENCH_DIR)/wan-tokens.json
 	$(PY) -m benchmarks.wan_bars $(BENCH_DIR)/wan-main.json \
 		--compressed $(BENCH_DIR)/wan-main.json $(BENCH_DIR)/wan-compressed-1.json $(BENCH_DIR)/wan-compressed-2.json \
 		--baseline $(BENCH_DIR)/wan-bf16-fp32-0.json $(BENCH_DIR)/wan-bf16-fp32-1.json \
-		$(BENCH_DIR)/wan-bf16-fp32-2.json --unshaped $(BENCH_DIR)/wan-unshaped.json
+		$(BENCH_DIR)/wan-bf16-fp32-2.json --tokens-ab $(BENCH_DIR)/wan-tokens.json
 
 ## bench-sync-memory: a real run with 4 learners for MINUTES (default 20); the synchronizer's RSS at
 ## minute 5 and at the end must stay within 10% (benchmarks/sync_memory.py)

@@ -8,12 +8,14 @@
 * ... at a held-out loss within 2% of the bf16-up / fp32-down runs at equal tokens (means of the
   seeds; each mean's 95% interval in the detail): compressed / bf16-fp32 <= 1.02;
 * learner tokens/s over links that carry one fragment per H/P steps comfortably / the same run
-  unshaped (loopback, no namespaces): >= 0.95.
+  unshaped (loopback, no namespaces): >= 0.95, from :mod:`benchmarks.wan_tokens` (shaped and
+  unshaped runs interleaved ABBA, same seed and budget, steady-state tokens/s): the ratio of the
+  two series' means, with both series and the per-pair ratios' 95% interval in the detail.
 
 Exit status 1 when a bar is missed or a figure is missing.
 
 Usage: python -m benchmarks.wan_bars MAIN.json --compressed A.json [B.json ...] --baseline X.json [...]
-       --unshaped U.json [--equal-tokens N]
+       --tokens-ab T.json [--equal-tokens N]
 """
 
 from __future__ import annotations
@@ -69,11 +71,26 @@ def _codec_bars(main: dict, compressed: list[dict], baseline: list[dict], equal_
     return [bytes_bar, loss_bar]
 
 
-def wan_bars(main: dict, compressed: list[dict], baseline: list[dict], unshaped: dict | None,
+def _tokens_bar(main: dict, dec: dict | None, ab: dict | None) -> Bar:
+    """Shaped / unshaped learner tokens/s from :mod:`benchmarks.wan_tokens`'s report ``ab``."""
+    needed = (f"; needed {dec['needed_mbit']:.2f} Mbit/s of {min(x['up_mbit'] for x in main['links']):g}"
+              if dec else "")
+    if not ab:
+        return Bar("learner tokens/s: shaped / unshaped (ABBA)", None, 0.95, detail="no ABBA report" + needed)
+    series = "; ".join(f"{k} " + ", ".join("n/a" if x is None else f"{x:.0f}" for x in ab[f"{k}_tokens_per_s"])
+                       for k in ("shaped", "unshaped"))
+    interval = (f"; per-pair ratio {ab['pair_ratio_mean']:.3f} +- {ab['pair_ratio_halfwidth']:.3f}"
+                if ab.get("pair_ratio_mean") is not None else "")
+    return Bar(f"learner tokens/s: shaped / unshaped (ABBA, {ab['pairs']} pairs)", ab.get("ratio_of_means"), 0.95,
+               detail=f"tokens/s per learner, {series}{interval}{needed}")
+
+
+def wan_bars(main: dict, compressed: list[dict], baseline: list[dict], tokens_ab: dict | None,
              equal_tokens: float) -> list[Bar]:
     """The bars (module docstring) from the reports of ``diloco-async wan --out``: ``main`` (the
     scenario's run with every method), ``compressed`` and ``baseline`` (decoupled runs per seed,
-    the scenario's codecs and bf16-up/fp32-down), ``unshaped`` (the decoupled run without links)."""
+    the scenario's codecs and bf16-up/fp32-down), and ``tokens_ab``, the report of
+    :mod:`benchmarks.wan_tokens` (interleaved shaped and unshaped decoupled runs)."""
     ddp, dec, sync = _row(main, "ddp"), _row(main, "decoupled"), _row(main, "sync-diloco")
     target = dec["target_loss"] if dec else None
     out = [Bar("time to DDP's final loss: DDP / decoupled",
@@ -83,11 +100,7 @@ def wan_bars(main: dict, compressed: list[dict], baseline: list[dict], unshaped:
         out.append(Bar("time to DDP's final loss: DDP / sync-diloco (shown)",
                        _ratio(ddp and ddp["time_to_target_s"], sync["time_to_target_s"]), 0.0, shown=True))
     out += _codec_bars(main, compressed, baseline, equal_tokens)
-    un = _row(unshaped, "decoupled") if unshaped else None
-    out.append(Bar("learner tokens/s: shaped / unshaped", _ratio(dec and dec["tokens_per_s_per_learner"],
-                                                                  un and un["tokens_per_s_per_learner"]), 0.95,
-                   detail=(f"needed {dec['needed_mbit']:.2f} Mbit/s of "
-                           f"{min(x['up_mbit'] for x in main['links']):g}") if dec else ""))
+    out.append(_tokens_bar(main, dec, tokens_ab))
     if ddp and dec:
         out.append(Bar("link rate needed to keep learners busy: DDP / decoupled (shown)",
                        _ratio(ddp["needed_mbit"], dec["needed_mbit"]), 0.0, shown=True,
@@ -100,7 +113,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("main")
     ap.add_argument("--compressed", nargs="+", required=True)
     ap.add_argument("--baseline", nargs="+", required=True)
-    ap.add_argument("--unshaped", required=True)
+    ap.add_argument("--tokens-ab", required=True, help="the report of benchmarks.wan_tokens (ABBA tokens/s)")
     ap.add_argument("--equal-tokens", type=float, default=1_000_000.0)
     a = ap.parse_args(argv)
 
@@ -108,7 +121,7 @@ def main(argv: list[str]) -> int:
         return json.loads(open(p).read())
 
     bars = wan_bars(load(a.main), [load(p) for p in a.compressed], [load(p) for p in a.baseline],
-                    load(a.unshaped), a.equal_tokens)
+                    load(a.tokens_ab), a.equal_tokens)
     return print_bars(bars, title="bench-wan (issue 13)")
 
 

@@ -56,12 +56,21 @@ class SyncClient:
             that may be changed while the client is open (``learners.request_timeout_s``).
         before_post: awaited with the path before every POST (chaos: delay or drop a control
             message by raising ``aiohttp.ClientConnectionError``).
+        link_delay_s: one-way latency this client adds to each exchange with the synchronizer
+            (:mod:`diloco_async.link_delay`; the WAN harness's regions): every request and the
+            WebSocket handshake wait one round trip (``2 x link_delay_s``) before they are sent,
+            every pushed message waits ``link_delay_s`` before it is handed on. Not part of
+            ``request_timeout_s``. Raises ValueError when negative.
     """
 
     def __init__(self, url: str, token: str | None = None, *,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 before_post: Callable[[str], Awaitable[None]] | None = None) -> None:
+                 before_post: Callable[[str], Awaitable[None]] | None = None,
+                 link_delay_s: float = 0.0) -> None:
+        if not 0 <= link_delay_s < float("inf"):
+            raise ValueError(f"link_delay_s must be a finite number >= 0, got {link_delay_s!r}")
         self.url = url.rstrip("/")
+        self.link_delay_s = float(link_delay_s)
         self.token = token
         self.request_timeout_s = request_timeout_s
         self.before_post = before_post
@@ -92,6 +101,8 @@ class SyncClient:
             raise RuntimeError("SyncClient used outside 'async with'")
         if method == "POST" and self.before_post is not None:
             await self.before_post(path)
+        if self.link_delay_s > 0:
+            await asyncio.sleep(2 * self.link_delay_s)  # one round trip over the emulated link
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         async with self._session.request(method, f"{self.url}{path}", json=body, headers=self._headers(),
                                          timeout=timeout) as resp:
@@ -144,14 +155,18 @@ class SyncClient:
             raise RuntimeError("SyncClient used outside 'async with'")
         connect = self._session.ws_connect(f"{self.url}/ws?learner_id={learner_id}", headers=self._headers(),
                                            heartbeat=10.0)
+        if self.link_delay_s > 0:
+            await asyncio.sleep(2 * self.link_delay_s)  # the handshake's round trip
         async with await asyncio.wait_for(connect, self.request_timeout_s) as ws:
-            yield _events(ws)
+            yield _events(ws, self.link_delay_s)
 
 
-async def _events(ws: aiohttp.ClientWebSocketResponse) -> AsyncIterator[dict]:
+async def _events(ws: aiohttp.ClientWebSocketResponse, delay_s: float = 0.0) -> AsyncIterator[dict]:
     async for msg in ws:
         if msg.type != aiohttp.WSMsgType.TEXT:
             return
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)  # one way, hub -> region
         yield json.loads(msg.data)
 
 

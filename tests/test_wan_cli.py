@@ -31,7 +31,7 @@ def test_wan_json_on_the_ci_scenario(tmp_path):
             f"tracking.artifact_location={tmp_path}/mlartifacts"]
     argv = [sys.executable, "-m", "flows.cli", "wan", "--scenario", "configs/wan/wan-ci.toml", "--json",
             "--out", str(tmp_path / "report.json"), *[x for s in sets for x in ("--set", s)]]
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["method"] for r in rows] == ["ddp", "decoupled"]
@@ -50,4 +50,8 @@ def test_wan_json_on_the_ci_scenario(tmp_path):
     assert ring <= ddp["bytes_per_token"] <= 1.2 * ring
     assert ddp["time_to_target_s"] is not None and ddp["eval_loss_equal_tokens"] is not None
     assert 0 < dec["bytes_per_token"] < ddp["bytes_per_token"] / 4
+    # links.delay_ms = 5: every learner adds it per exchange, every DDP all-reduce 2 (2 - 1) x 2 x 5 ms
+    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "runs").glob("*/logs/*.log"))
+    assert "learner-0: link latency 5.0 ms one way" in logs and "learner-1: link latency 5.0 ms one way" in logs
+    assert "rank 1: 20.0 ms of link latency added to every all-reduce" in logs
     assert not set(_names("dlw")) - before  # this run's namespaces (and their veths and qdiscs) are gone

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.wan_bars import wan_bars
+from benchmarks.wan_tokens import abba_order, steady_tokens_per_s, summarize
+from diloco_async.timeline import Step, Timeline
 from diloco_async.wan.report import WireRun, figures, json_row, ring_allreduce_bytes, target_loss, time_to_target_s
 from diloco_async.wan.scenario import ddp_max_steps, load_wan_scenario, wan_overrides
 
@@ -124,19 +126,20 @@ def test_bars_pass_and_miss_on_synthetic_reports():
     curve_b = [[0.0, 0.0, 5.0], [10.0, 1_000_000.0, 2.38], [20.0, 2_000_000.0, 2.2]]
     base = [_report([_row("decoupled", eval_curve=curve_b)]) for _ in range(3)]
     comp = [_report([_row("decoupled", bytes_per_token=b)]) for b in (30.0, 32.0, 34.0)]
-    unshaped = _report([_row("decoupled", tokens_per_s_per_learner=1020.0)])
+    unshaped = _ab([1000.0, 990.0], [1020.0, 1010.0])
     by = {b.figure: b for b in wan_bars(main, comp, base, unshaped, 1_000_000)}
     assert by["time to DDP's final loss: DDP / decoupled"].value == pytest.approx(15.0)
     assert by["bytes/token up+down: DDP fp32 ring / decoupled"].value == pytest.approx(5130.0 / 32.0)
     assert by["held-out loss @ 1,000,000 tokens: compressed / bf16-fp32"].value == pytest.approx(2.4 / 2.38)
-    assert by["learner tokens/s: shaped / unshaped"].value == pytest.approx(1000 / 1020)
+    assert by["learner tokens/s: shaped / unshaped (ABBA, 2 pairs)"].value == pytest.approx(995 / 1015)
+    assert "shaped 1000, 990; unshaped 1020, 1010" in by["learner tokens/s: shaped / unshaped (ABBA, 2 pairs)"].detail
     assert all(b.ok for b in by.values())
     # a slower decoupled, fatter bytes, a worse loss, a link-bound learner: every bar misses
     main2 = _report([_row("ddp", time_to_target_s=300.0, bytes_per_token=6000.0), _row("decoupled",
                                                                                         time_to_target_s=40.0)])
     comp2 = [_report([_row("decoupled", bytes_per_token=40.0, eval_curve=[[0.0, 0.0, 5.0],
                                                                           [10.0, 2e6, 2.6]])])]
-    unshaped2 = _report([_row("decoupled", tokens_per_s_per_learner=1100.0)])
+    unshaped2 = _ab([1000.0, 1000.0], [1100.0, 1090.0])
     out = io.StringIO()
     from benchmarks.bars import print_bars
 
@@ -151,18 +154,38 @@ def test_a_run_that_never_reached_the_tokens_is_a_miss_not_a_pass():
     short = [_report([_row("decoupled", eval_curve=[[0.0, 0.0, 5.0], [10.0, 5e5, 2.0]])])]
     by = {b.figure: b for b in wan_bars(main, short, short, None, 1_000_000)}
     assert by["held-out loss @ 1,000,000 tokens: compressed / bf16-fp32"].value is None
-    assert not by["learner tokens/s: shaped / unshaped"].ok
+    assert not by["learner tokens/s: shaped / unshaped (ABBA)"].ok  # no ABBA report: a miss
 
 
-def test_the_table_and_the_json_keys_render(capsys):
-    from rich.console import Console
+def _ab(shaped: list[float], unshaped: list[float]) -> dict:
+    runs = [{"kind": k, "pair": i // 2, "tokens_per_s": None} for i, k in enumerate(abba_order(len(shaped)))]
+    for kind, values in (("shaped", shaped), ("unshaped", unshaped)):
+        for r, v in zip((r for r in runs if r["kind"] == kind), values, strict=True):
+            r["tokens_per_s"] = v
+    return {"pairs": len(shaped), **summarize(runs)}
 
-    from flows.wan import JSON_KEYS, wan_table
 
-    run = _run("decoupled", 1000, 2000, 100.0, 10, [(0.0, 0, 5.0), (9.0, 100, 3.0)])
-    rep = _report([json_row(run, 4.0)])
-    rep["verified"] = run.verified
-    Console(width=200).print(wan_table(rep))
-    text = capsys.readouterr().out
-    assert "decoupled" in text and "r0 7.9/4.1" in text and "60.0" in text  # (2 x 3000 bytes) / 100 tokens
-    assert JSON_KEYS == ("method", "time_to_target_s", "bytes_per_token", "eval_loss_equal_tokens", "link_rates")
+def test_abba_order_alternates_which_kind_goes_first():
+    assert abba_order(2) == ["shaped", "unshaped", "unshaped", "shaped"]
+    assert abba_order(3)[4:] == ["shaped", "unshaped"]
+    with pytest.raises(ValueError):
+        abba_order(0)
+
+
+def test_ratio_of_means_and_per_pair_interval_and_a_missing_figure():
+    ab = _ab([900.0, 2200.0], [1000.0, 2000.0])
+    assert ab["ratio_of_means"] == pytest.approx(3100 / 3000)  # not the mean of the pair ratios (1.0)
+    assert ab["pair_ratios"] == pytest.approx([0.9, 1.1]) and ab["pair_ratio_mean"] == pytest.approx(1.0)
+    assert ab["pair_ratio_halfwidth"] > 0.5  # two pairs that disagree: a wide interval
+    runs = [{"kind": "shaped", "pair": 0, "tokens_per_s": 900.0}, {"kind": "unshaped", "pair": 0, "tokens_per_s": None}]
+    assert summarize(runs)["ratio_of_means"] is None  # a run too short to measure is no figure, not a pass
+
+
+def test_steady_tokens_per_s_leaves_out_start_up_and_the_tail():
+    # a spends 5 s in its first step (start-up), then 30 steps of 0.1 s; b steps every 0.1 s from
+    # the start to 8 s, then once more alone at 12 s (after a stopped: more CPU, left out)
+    steps = [Step("a", 0.0, 5.0, 100)] + [Step("a", 5.0 + i * 0.1, 5.0 + (i + 1) * 0.1, 100) for i in range(30)]
+    steps += [Step("b", i * 0.1, (i + 1) * 0.1, 100) for i in range(80)] + [Step("b", 12.0, 12.01, 100)]
+    tl = Timeline(start_s=0.0, end_s=20.0, learners=["a", "b"], steps=steps)
+    assert steady_tokens_per_s(tl, skip=0.25) == pytest.approx(1000.0, rel=1e-6)  # 100 tokens per 0.1 s
+    assert steady_tokens_per_s(Timeline(start_s=0.0, end_s=1.0, learners=[], steps=[])) is None

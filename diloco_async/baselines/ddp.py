@@ -15,6 +15,8 @@ emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``; ``--speed``/``
 default to ``learners.speed_factors[r]``/``learners.step_jitter``; the jitter RNG is seeded like
 learner r's), all-reduce the averaged
 gradients (one flat fp32 buffer whose last two elements are the stop flags), clip, AdamW step.
+With ``DILOCO_LINK_DELAY_MS`` set (the WAN harness's regions, :mod:`diloco_async.link_delay`),
+each all-reduce also waits the ring's latency, ``2 (M - 1) x 2 x delay`` (counted in ``wait_s``).
 
 Checkpoints are ``torchrun``-style: every ``--checkpoint-every-steps`` steps rank 0 writes the
 parameters, the AdamW state, the step and the tokens committed under
@@ -63,6 +65,7 @@ import torch.distributed as dist
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config import Config, config_hash, load_config
 from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.sync import initial_parameters
 from diloco_async.tokens import Corpus, open_corpus
@@ -143,6 +146,8 @@ class _GradAllReduce:
         self.compute_t0 = 0.0  # perf_counter at the start of the step's compute
         self.wait_s = 0.0
         self.by_signal = self.by_clock = False
+        #: seconds of link latency each all-reduce waits (emulated WAN regions; 0: none)
+        self.latency_s = float(getattr(rank.args, "allreduce_latency_s", 0.0))
 
     def __call__(self) -> None:
         delay = emulated_delay_s(time.perf_counter() - self.compute_t0, self.speed, self.jitter, self.jitter_rng)
@@ -157,6 +162,8 @@ class _GradAllReduce:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.pg)
         except Exception as err:
             self.rank.fail("lost a peer", err, EXIT_PEER_LOST)
+        if self.latency_s > 0:  # the ring's 2 (N - 1) hops over links without netem: every rank waits alike
+            time.sleep(self.latency_s)
         self.wait_s = time.perf_counter() - w0
         self.by_signal, self.by_clock = flat[-2].item() > 0, flat[-1].item() > 0
         flat = flat[:-2].div_(self.rank.world)
@@ -356,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
             or rank_jitter(cfg, args.jitter) < 0):
         print("error: need 0 <= rank < world-size, speed > 0, jitter >= 0", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        args.allreduce_latency_s = ring_allreduce_latency_s(link_delay_s_from_env(), args.world_size)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.allreduce_latency_s > 0:
+        log.info("rank %d: %.1f ms of link latency added to every all-reduce (%s)", args.rank,
+                 args.allreduce_latency_s * 1000, LINK_DELAY_ENV)
     return _Rank(args, cfg, timeline, stop).run()
 
 

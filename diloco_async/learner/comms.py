@@ -55,7 +55,7 @@ class Comms:
     once the run's config is known (the training thread does both)."""
 
     def __init__(self, learner_id: str, incarnation: int, sync_url: str, token: str, store: ObjectStore,
-                 shared: Shared, started_s: float, give_up_after_s: float) -> None:
+                 shared: Shared, started_s: float, give_up_after_s: float, link_delay_s: float = 0.0) -> None:
         self.learner_id, self.incarnation = learner_id, incarnation
         self.store = store
         self.shared = shared
@@ -65,7 +65,7 @@ class Comms:
         self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # fragment -> tensor shapes, to decode versions
         self.epoch: str | None = None  # the synchronizer's; a change means it restarted
         self.faults: ControlFaults | None = None
-        self.client = SyncClient(sync_url, token, before_post=self._before_post)
+        self.client = SyncClient(sync_url, token, before_post=self._before_post, link_delay_s=link_delay_s)
         self.uploads = Uploads(learner_id, incarnation, store, shared)
         self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> newest value downloaded

@@ -4,7 +4,8 @@ torchrun group (``RANK``/``WORLD_SIZE`` set by ``torch.distributed.run``; see
 
 Environment: ``DILOCO_LEARNER_TOKEN`` (required: this learner's own token, see
 :func:`diloco_async.auth.learner_token` and ``diloco-async token``), ``DILOCO_STORAGE_OPTIONS`` (JSON
-fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records).
+fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records),
+``DILOCO_LINK_DELAY_MS`` (optional one-way link latency added to every exchange, :mod:`diloco_async.link_delay`).
 Exit codes: 0 stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or
 refused us (or, on a rank other than 0, rank 0 could not join).
 """
@@ -24,8 +25,10 @@ from diloco_async.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.heap import limit_heap_retention
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
+from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
+from storage.latency import LatencyStore
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
@@ -45,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "data shard and exchanges outer gradients through the store.",
         epilog=f"environment: {LEARNER_TOKEN_ENV} (required: this learner's own token, from the operator's "
                "`diloco-async token`), DILOCO_STORAGE_OPTIONS (optional JSON fsspec options of the store), "
-               f"{TIMELINE_DIR_ENV} (optional folder for timeline records). exit codes: 0 stopped by the "
-               "synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or refused it.")
+               f"{TIMELINE_DIR_ENV} (optional folder for timeline records), {LINK_DELAY_ENV} (optional one-way "
+               "link latency in ms added to every store request and synchronizer exchange). exit codes: 0 "
+               "stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or "
+               "refused it.")
     ap.add_argument("--learner-id", required=True,
                     help="this learner's id (at most 64 characters of A-Z a-z 0-9 _ . -); its token must be "
                          "this id's")
@@ -97,13 +102,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | None) -> int:
     options: dict[str, Any] = storage_options_from_env()
+    delay_s = link_delay_s_from_env()
+    store = ObjectStore(args.store, options)
+    if delay_s > 0:  # the emulated WAN's regions (issue 13): every store request waits a round trip
+        store = LatencyStore(store, delay_s)
+        log.info("%s: link latency %.1f ms one way added to every store request and synchronizer exchange",
+                 args.learner_id, delay_s * 1000)
     tl_dir = os.environ.get(TIMELINE_DIR_ENV)
     recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
     # the process's own start (interpreter and imports included), as the synchronizer's ledger counts it
     recorder.record("start", t=time.time() - process_uptime_s())
-    learner = Learner(args.learner_id, args.index, args.sync_url, ObjectStore(args.store, options), token,
+    learner = Learner(args.learner_id, args.index, args.sync_url, store, token,
                       incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder,
-                      group=group)
+                      group=group, link_delay_s=delay_s)
     try:
         code = learner.run()
     except ProtocolError as err:

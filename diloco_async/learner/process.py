@@ -59,13 +59,16 @@ class Learner:
             the place where another model plugs in. It is then put on its device and precision.
         group: rank 0's side of the learner's torchrun group (None: a one-process learner); the
             config, the starting point and every step boundary go to the other ranks.
+        link_delay_s: one-way latency added to each exchange with the synchronizer
+            (:class:`~diloco_async.client.SyncClient`; the store's is the caller's, e.g. a
+            :class:`~storage.latency.LatencyStore`).
     """
 
     def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
                  incarnation: int = 0, give_up_after_s: float = 120.0,
                  recorder: Recorder | None = None,
                  make_workload: Callable[[Config, int, int], Workload] = Workload.from_config,
-                 group: LearnerGroup | None = None) -> None:
+                 group: LearnerGroup | None = None, link_delay_s: float = 0.0) -> None:
         self.learner_id = learner_id
         self.group = group
         self.make_workload = make_workload
@@ -77,7 +80,8 @@ class Learner:
         self._restored_step = 0  # steps up to here are in the restored inner state (timeline attribution)
         self.stop_event = self.shared.stop_event
         self.comms = Comms(learner_id, incarnation, sync_url.rstrip("/"), token, store, self.shared,
-                           started_s=time.monotonic() - process_uptime_s(), give_up_after_s=give_up_after_s)
+                           started_s=time.monotonic() - process_uptime_s(), give_up_after_s=give_up_after_s,
+                           link_delay_s=link_delay_s)
 
     def run(self, max_wait_join_s: float = 120.0) -> int:
         """Join, load the newest versions, train until told to stop. Returns the exit code

@@ -44,16 +44,21 @@ class NetnsLauncher:
             ``ForkServerLauncher``); its handles are returned unchanged.
         ns_for: process name (``"synchronizer"``, ``"learner-3"``, ...) -> namespace, or None to
             start it in the caller's namespace.
+        env_for: process name -> extra environment of that process (after the caller's ``env``),
+            e.g. its link's added latency (:data:`~diloco_async.link_delay.LINK_DELAY_ENV`).
 
     ``start(name, argv, env)`` passes ``["-m", "diloco_async.wan.nsexec", ns, *argv]`` to the inner
     launcher, which runs ``python argv...`` inside ``ns`` (see :mod:`diloco_async.wan.nsexec`).
     """
 
-    def __init__(self, inner: Launcher, ns_for: Callable[[str], str | None]) -> None:
+    def __init__(self, inner: Launcher, ns_for: Callable[[str], str | None],
+                 env_for: Callable[[str], dict[str, str]] = lambda name: {}) -> None:
         self.inner = inner
         self.ns_for = ns_for
+        self.env_for = env_for
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> ProcessHandle:
+        env = {**env, **self.env_for(name)}
         ns = self.ns_for(name)
         if ns is None:
             return self.inner.start(name, argv, env)

@@ -10,8 +10,15 @@ the namespaces of a :class:`~diloco_async.wan.netns.WanNet`:
   checkpoints (they would cross the link too; ``learners.checkpoint_every_s = 0``).
 * ``ddp``: rank ``r`` in the namespace of slot ``r``'s region, rank 0 the gloo master at its
   region's address; the all-reduce between regions crosses two shaped links (region -> hub ->
-  region). Its checkpoints (the snapshots of the held-out loss curve, not training traffic) go to
+  region); every rank binds gloo to its region-side veth (``WanNet.region_ifname``, one name in
+  every region). Its checkpoints (the snapshots of the held-out loss curve, not training traffic) go to
   a ``file://`` store beside the run.
+
+Link latency: the kernel has no ``netem``, so each process in a region adds its link's one-way
+delay (``links.delay_ms``) itself, told by :data:`~diloco_async.link_delay.LINK_DELAY_ENV`
+(:meth:`WanPlacement.env_for`): learners to every store request and synchronizer exchange, DDP
+ranks to every all-reduce (only when the ring crosses regions). The synchronizer and the store in
+the hub add nothing (the learners' round trips already count both directions).
 
 Every method has the same token budget (DDP: that many steps; DiLoCo: ``budget.tokens``) and the
 same wall-time cap (the scenario's ``wall_s``), and stops at whichever comes first: over thin
@@ -25,19 +32,18 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from diloco_async.chaos.measure import measure
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget, TargetRun
+from diloco_async.link_delay import LINK_DELAY_ENV
 from diloco_async.timeline import Timeline
 from diloco_async.wan.report import WireRun
 from diloco_async.wan.scenario import WanScenario, ddp_max_steps, wan_overrides
 
-__all__ = ["S3_TEST_ENV", "WanPlacement", "WanDilocoTarget", "WanDdpTarget", "gloo_ifname", "run_method",
-           "timeline_rates"]
+__all__ = ["S3_TEST_ENV", "WanPlacement", "WanDilocoTarget", "WanDdpTarget", "run_method", "timeline_rates"]
 
 log = logging.getLogger("diloco.wan")
 
@@ -65,35 +71,31 @@ class WanPlacement:
         slot = int(name.rsplit("-", 1)[1])
         return self.net.ns_of(self.sc.region_of(slot))
 
+    def env_for(self, name: str) -> dict[str, str]:
+        """Extra environment of a process by its launcher name: for a process in a region whose
+        link has ``delay_ms`` > 0, :data:`~diloco_async.link_delay.LINK_DELAY_ENV` (learners; DDP
+        ranks only when the ring crosses regions, i.e. more than one region); else ``{}``."""
+        if self.net is None or name == "synchronizer" or self.sc.links.delay_ms <= 0:
+            return {}
+        if name.startswith("ddp-rank-") and len(self.sc.links.regions) < 2:
+            return {}  # the whole ring is inside one region: no hop crosses a link
+        return {LINK_DELAY_ENV: f"{self.sc.links.delay_ms:g}"}
+
     def wrap(self, launcher):
-        """``launcher`` (the chaos targets' fork server) placing each process by :meth:`ns_for`:
-        the fork enters its namespace, then runs the preloaded module (:mod:`diloco_async.wan.nsexec`)."""
+        """``launcher`` (the chaos targets' fork server) placing each process by :meth:`ns_for`
+        with :meth:`env_for`: the fork enters its namespace, then runs the preloaded module
+        (:mod:`diloco_async.wan.nsexec`)."""
         if self.net is None:
             return launcher
         from diloco_async.wan.launch import NetnsLauncher
 
-        return NetnsLauncher(launcher, self.ns_for)
+        return NetnsLauncher(launcher, self.ns_for, self.env_for)
 
     def diloco_overrides(self, method: str, seed: int | None, run_name: str) -> list[str]:
         host = self.net.hub_addr if self.net is not None else "127.0.0.1"
         return [*wan_overrides(self.sc, method, seed), f"synchronizer.host={host}",
                 f"run.store=s3://{self.bucket}/{run_name}", "learners.checkpoint_every_s=0",
                 f'run.storage_options={{client_kwargs={{endpoint_url="{self.endpoint_url}"}}}}']
-
-
-def gloo_ifname(ns: str, addr: str) -> str:
-    """The interface of namespace ``ns`` that holds IPv4 address ``addr`` (gloo binds to it).
-
-    Raises:
-        RuntimeError: no interface there has that address.
-    """
-    out = subprocess.run(["ip", "-n", ns, "-o", "-4", "addr", "show"], capture_output=True, text=True,
-                         timeout=10, check=True).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts and parts[parts.index("inet") + 1].split("/")[0] == addr:
-            return parts[1].split("@")[0]
-    raise RuntimeError(f"no interface in namespace {ns} has the address {addr}")
 
 
 class WanDilocoTarget(DilocoTarget):
@@ -147,12 +149,9 @@ class WanDdpTarget(DdpTarget):
                      "run.storage_options={}"]
         cfg = load_config(sc.scenario.config, overrides)
         kwargs: dict = {"max_steps": ddp_max_steps(sc, int(cfg.learners.batch_size), cfg.model.context)}
-        if place.net is not None:
-            regions = place.net.regions
-            kwargs["master_addr"] = regions[sc.region_of(0)].addr
-            kwargs["rank_env"] = {r: {"GLOO_SOCKET_IFNAME": gloo_ifname(regions[sc.region_of(r)].ns,
-                                                                          regions[sc.region_of(r)].addr)}
-                                  for r in range(sc.scenario.slots)}
+        if place.net is not None:  # every rank's gloo socket on its region-side veth: one name in every region
+            kwargs["master_addr"] = place.net.regions[sc.region_of(0)].addr
+            kwargs["env"] = {"GLOO_SOCKET_IFNAME": place.net.region_ifname}
         super().__init__(sc, overrides, **kwargs)
         self.group.launcher = place.wrap(self.group.launcher)
         self.finished = False

@@ -1,0 +1,123 @@
+"""Added network latency through the real store interface (issue 13: application-level delay
+where the kernel has no ``netem``).
+
+:class:`LatencyStore` is an :class:`~storage.store.ObjectStore` built from a real one, like
+:class:`~storage.faults.FaultyStore`: it keeps the real store's URL, policy (timeouts, retries) and
+code paths, and puts a layer *under* them, around the backend, that waits one round trip
+(``2 x delay_s``, the one-way delay there and back) before each request the backend makes:
+
+* ``put``, ``begin`` (S3: create the multipart upload), each part ``send``, ``commit``, ``abort``;
+* ``read`` (one ranged GET), ``open`` (the streamed GET's first byte; the chunks that follow come on
+  the same response and wait no more), ``size``, ``exists``, ``delete``, ``find`` (one listing).
+
+Limits: the latency is per request, not per packet: it does not model TCP's window growth (slow
+start) or the bandwidth-delay product of a long transfer; the link's rate is the kernel's shaping.
+Requests in flight at once (parallel parts) wait their round trips at the same time, as on a
+real link. The wait counts against the store's per-call timeout, as real latency would.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from storage.backends import Backend, Stream, Upload
+from storage.store import ObjectStore
+
+__all__ = ["LatencyStore"]
+
+
+class _LatencyBackend(Backend):
+    def __init__(self, inner: Backend, rtt_s: float) -> None:
+        self.inner, self.rtt_s = inner, rtt_s
+        self.multipart, self.parallel_parts = inner.multipart, inner.parallel_parts
+        self.resend_parts, self.part_quantum = inner.resend_parts, inner.part_quantum
+        self.reads_into = inner.reads_into
+        #: requests delayed so far (one round trip each)
+        self.requests = 0
+
+    @property
+    def fs(self) -> Any:  # the real backend's, renewed in place when credentials expire
+        return self.inner.fs
+
+    @fs.setter
+    def fs(self, value: Any) -> None:
+        self.inner.fs = value
+
+    def round_trip(self) -> None:
+        """Wait one round trip (called before each request)."""
+        self.requests += 1
+        time.sleep(self.rtt_s)
+
+    def put(self, path: str, data: bytes) -> None:
+        self.round_trip()
+        self.inner.put(path, data)
+
+    def begin(self, path: str) -> Upload:
+        self.round_trip()
+        return _LatencyUpload(self.inner.begin(path), self)
+
+    def read(self, path: str, start: int | None, end: int | None) -> bytes:
+        self.round_trip()
+        return self.inner.read(path, start, end)
+
+    def open_stream(self, path: str, start: int, end: int) -> Stream:
+        self.round_trip()
+        return self.inner.open_stream(path, start, end)
+
+    def size(self, path: str) -> int:
+        self.round_trip()
+        return self.inner.size(path)
+
+    def exists(self, path: str) -> bool:
+        self.round_trip()
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.round_trip()
+        self.inner.delete(path)
+
+    def find(self, path: str) -> dict[str, int]:
+        self.round_trip()
+        return self.inner.find(path)
+
+
+class _LatencyUpload:
+    def __init__(self, inner: Upload, backend: _LatencyBackend) -> None:
+        self.inner, self.backend = inner, backend
+
+    def send(self, number: int, offset: int, data: bytes, last: bool) -> None:
+        self.backend.round_trip()
+        self.inner.send(number, offset, data, last)
+
+    def commit(self) -> None:
+        self.backend.round_trip()
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.backend.round_trip()
+        self.inner.abort()
+
+
+class LatencyStore(ObjectStore):
+    """A real store whose every backend request waits one round trip first (module docstring).
+
+    Args:
+        inner: the real store (any backend); its policy and counters are shared.
+        delay_s: the one-way added latency in seconds (a request waits ``2 x delay_s``).
+
+    Raises:
+        ValueError: ``delay_s`` negative or not finite.
+    """
+
+    def __init__(self, inner: ObjectStore, delay_s: float) -> None:
+        if not 0 <= delay_s < float("inf"):
+            raise ValueError(f"delay_s must be a finite number >= 0, got {delay_s!r}")
+        vars(self).update(vars(inner))
+        self.inner, self.delay_s = inner, float(delay_s)
+        self._backend = _LatencyBackend(inner._backend, 2 * self.delay_s)
+
+    @property
+    def requests_delayed(self) -> int:
+        """Requests that waited a round trip so far (this store and its children)."""
+        return self._backend.requests  # type: ignore[attr-defined]
