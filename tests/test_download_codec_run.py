@@ -54,6 +54,16 @@ def _merged(url: str, lid: str) -> int:
     return fetch_status(url)["learners"].get(lid, {}).get("contributions", {}).get("merged", 0)
 
 
+def _all_metrics(url: str) -> list[dict]:
+    """Every metric point so far: ``/metrics`` answers one page at a time."""
+    points: list[dict] = []
+    while True:
+        body = call_blocking(url, TOKEN, "metrics", len(points))
+        points.extend(body["metrics"])
+        if not body["metrics"] or len(points) >= body["total"]:
+            return points
+
+
 def _run(tmp_path: Path) -> tuple[dict, list]:
     recipe = tiny_recipe(tmp_path, learners=2, wall_s=300)
     text = recipe.read_text().replace("batch_size = 8", "batch_size = 8\ncheckpoint_every_s = 0.5")
@@ -70,7 +80,7 @@ def _run(tmp_path: Path) -> tuple[dict, list]:
         procs.append(_start_learner(launcher, tmp_path, url, 1))  # joins late: versions 2+ exist
         wait_until(lambda: _merged(url, "learner-1") >= 6, 120, "the late learner's merged contributions")
         status = fetch_status(url)
-        metrics = call_blocking(url, TOKEN, "metrics", 0)["metrics"]
+        metrics = _all_metrics(url)
         os.kill(sync.pid, signal.SIGTERM)
         assert sync.proc.wait(timeout=90) == 0
         for p in procs:

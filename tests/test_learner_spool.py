@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from safetensors.torch import load as st_load
 
@@ -36,7 +37,17 @@ def trained():
     return model, opt, step
 
 
-def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_state(tmp_path):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as learners run: a multi-threaded CPU backward (attention) may sum in another
+    order from run to run, and this test compares two steps bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_state(tmp_path, one_thread):
     model, opt, step = trained()
     params = dict(model.named_parameters())
     base = {0: {n: p.detach().clone() for n, p in params.items()}}
