@@ -37,13 +37,12 @@ from rich.table import Table
 
 from diloco_async.chaos.measure import Measurement, measure
 from diloco_async.chaos.scenario import (
-    METHODS,
     FaultEvent,
     Scenario,
-    check_user_overrides,
     load_scenario,
     make_schedule,
     method_overrides,
+    with_user_overrides,
 )
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget
 from diloco_async.config import load_config
@@ -154,21 +153,12 @@ def _table(name: str, rows: list[dict], availability: float) -> Table:
 
 def _scenario_and_methods(scenario: str, methods: list[str] | None,
                           overrides: list[str] | None) -> tuple[Scenario, list[str]]:
-    """The scenario with the user's ``overrides`` after its own, and the methods to run.
+    """The scenario file with the user's ``overrides`` after its own, and the methods to run.
 
     Raises:
         ValueError: a bad scenario file, an override of a field the harness sets, an unknown method.
     """
-    sc = load_scenario(scenario)
-    check_user_overrides(sc, list(overrides or []))
-    if overrides:
-        sc = sc.model_copy(update={"scenario": sc.scenario.model_copy(
-            update={"overrides": [*sc.scenario.overrides, *overrides]})})
-    chosen = list(methods or sc.scenario.methods)
-    for m in chosen:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}")
-    return sc, chosen
+    return with_user_overrides(load_scenario(scenario), overrides, methods)
 
 
 @flow(name="chaos", log_prints=True)

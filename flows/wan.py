@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 from rich.console import Console
 from rich.table import Table
 
-from diloco_async.chaos.scenario import METHODS, check_user_overrides
+from diloco_async.chaos.scenario import METHODS, with_user_overrides
 from diloco_async.config import load_config
 from diloco_async.evaluation import heldout_batches
 from diloco_async.model import ByteGPT
@@ -46,15 +46,7 @@ def _scenario(path: str, methods: list[str] | None, overrides: list[str] | None)
     Raises:
         ValueError: a bad scenario file, an override of a field the harness sets, an unknown method.
     """
-    sc = load_wan_scenario(path)
-    check_user_overrides(sc, list(overrides or []))
-    if overrides:
-        sc = sc.model_copy(update={"scenario": sc.scenario.model_copy(
-            update={"overrides": [*sc.scenario.overrides, *overrides]})})
-    chosen = list(methods or sc.scenario.methods)
-    for m in chosen:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    sc, chosen = with_user_overrides(load_wan_scenario(path), overrides, methods)
     return sc, sorted(chosen, key=METHODS.index)  # DDP first: its final loss is the target
 
 

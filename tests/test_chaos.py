@@ -157,3 +157,20 @@ def test_chaos_bars_ratios_and_exit_status(tmp_path, capsys):
     (tmp_path / "ff.json").write_text(json.dumps(ff))
     assert main(paths[:2]) == 1
     assert "MISSED" in capsys.readouterr().out
+
+
+def test_user_overrides_and_methods_for_chaos_and_wan_scenarios():
+    """One rule for both harnesses: the user's overrides go after the scenario's, methods keep the
+    order given, an unknown method or a field the harness sets is refused."""
+    from diloco_async.chaos.scenario import with_user_overrides
+    from diloco_async.wan.scenario import load_wan_scenario
+
+    for sc in (load_scenario("configs/chaos/straggler-ci.toml"), load_wan_scenario("configs/wan/wan-ci.toml")):
+        out, chosen = with_user_overrides(sc, ["synchronizer.outer_lr=0.5"], ["decoupled", "ddp"])
+        assert out.scenario.overrides == [*sc.scenario.overrides, "synchronizer.outer_lr=0.5"]
+        assert chosen == ["decoupled", "ddp"] and type(out) is type(sc)
+        assert with_user_overrides(sc, None, None) == (sc, list(sc.scenario.methods))
+        with pytest.raises(ValueError, match="unknown method 'dp'"):
+            with_user_overrides(sc, None, ["dp"])
+        with pytest.raises(ValueError, match="learners.count"):
+            with_user_overrides(sc, ["learners.count=7"], None)

@@ -16,12 +16,14 @@ import random
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
-           "harness_fields", "check_user_overrides"]
+           "harness_fields", "check_user_overrides", "with_user_overrides"]
+
+ScenarioT = TypeVar("ScenarioT", bound="Scenario")
 
 #: The methods of DESIGN §8, in table order.
 METHODS = ("ddp", "sync-diloco", "decoupled")
@@ -246,3 +248,23 @@ def method_overrides(sc: Scenario, method: str) -> list[str]:
     elif method == "decoupled":
         out += ["synchronizer.min_quorum=1", "synchronizer.grace_enabled=true", "learners.barrier=false"]
     return out
+
+
+def with_user_overrides(sc: ScenarioT, overrides: list[str] | None,
+                        methods: list[str] | None) -> tuple[ScenarioT, list[str]]:
+    """The scenario with the user's ``overrides`` after its own, and the methods to run (the
+    scenario's when ``methods`` is None), in the order given. Works for any scenario model
+    with a ``scenario`` section (chaos and WAN scenarios alike).
+
+    Raises:
+        ValueError: an override of a field the harness sets, an unknown method.
+    """
+    check_user_overrides(sc, list(overrides or []))
+    if overrides:
+        sc = sc.model_copy(update={"scenario": sc.scenario.model_copy(
+            update={"overrides": [*sc.scenario.overrides, *overrides]})})
+    chosen = list(methods or sc.scenario.methods)
+    for m in chosen:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    return sc, chosen
