@@ -262,9 +262,21 @@ class WanNet:
                  ", cut at its deadline" if result.timed_out else "")
         return result.mbit
 
+    def _measure_checked(self, recv_ns: str, recv_addr: str, send_ns: str, rate_mbit: float) -> float:
+        """One timed transfer, and exactly one more when it lands outside ``±tolerance``: the sender
+        and receiver are Python threads, and on a busy machine one CPU spike can starve a 1.5 s
+        transfer. The second figure is the one judged; both are logged."""
+        first = self._measure(recv_ns, recv_addr, send_ns, rate_mbit)
+        if abs(first / rate_mbit - 1) <= self.tolerance:
+            return first
+        log.warning("WAN %s: %s -> %s measured %.3f Mbit/s of %.3f set, outside ±%.0f%%; measuring once more",
+                    self.name, send_ns, recv_ns, first, rate_mbit, 100 * self.tolerance)
+        return self._measure(recv_ns, recv_addr, send_ns, rate_mbit)
+
     def verify(self, expect: Sequence[LinkSpec] | None = None) -> dict[str, dict]:
-        """Time a TCP transfer up and down every link and compare with ``expect`` (default: the
-        links as shaped). Fills and returns :attr:`verified` (Mbit/s, error = measured/set - 1).
+        """Time a TCP transfer up and down every link (a direction outside ``±tolerance`` is measured
+        once more, and that figure is judged) and compare with ``expect`` (default: the links as
+        shaped). Fills and returns :attr:`verified` (Mbit/s, error = measured/set - 1).
 
         Raises:
             LinkRateError: some direction outside ``±tolerance``; :attr:`verified` holds every figure.
@@ -273,8 +285,8 @@ class WanNet:
         misses = []
         for spec in expect if expect is not None else self.links:
             rn = self.regions[spec.region]
-            up = self._measure(self.hub_ns, rn.hub_addr, rn.ns, spec.up_mbit)
-            down = self._measure(rn.ns, rn.addr, self.hub_ns, spec.down_mbit)
+            up = self._measure_checked(self.hub_ns, rn.hub_addr, rn.ns, spec.up_mbit)
+            down = self._measure_checked(rn.ns, rn.addr, self.hub_ns, spec.down_mbit)
             fig = {"up_mbit_set": spec.up_mbit, "up_mbit_measured": up, "up_error": up / spec.up_mbit - 1,
                    "down_mbit_set": spec.down_mbit, "down_mbit_measured": down,
                    "down_error": down / spec.down_mbit - 1}
