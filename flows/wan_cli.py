@@ -53,7 +53,7 @@ def _check(args: argparse.Namespace, methods: list[str] | None) -> None:
     from diloco_async.wan.scenario import load_wan_scenario, wan_overrides
 
     sc = load_wan_scenario(args.scenario)
-    bad = [m for m in methods or [] if m not in METHODS]
+    bad = [m or "''" for m in methods or [] if m not in METHODS]
     if bad:
         raise ValueError(f"unknown method {', '.join(bad)}; known: {', '.join(METHODS)}")
     check_user_overrides(sc, args.set or [])
@@ -68,7 +68,7 @@ def wan_command(args: argparse.Namespace) -> int:
     if not args.scenario:
         print("error: give --scenario FILE (or --cleanup)", file=sys.stderr)
         return 2
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods is not None else None
     try:
         _check(args, methods)
     except (ValueError, FileNotFoundError) as err:

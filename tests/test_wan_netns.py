@@ -78,8 +78,9 @@ def test_link_specs_and_prefixes_are_checked():
         WanNet([LinkSpec("r0", 1, 1)], prefix="muchtoolong")
     with pytest.raises(ValueError, match="repeat"):
         WanNet([LinkSpec("r0", 1, 1), LinkSpec("r0", 2, 2)])
-    with pytest.raises(ValueError, match="cleanup prefix"):
-        cleanup("")
+    for short in ("", "e", "lo", "Eth", "dlw_"):  # a host interface (eth0, lo) can never match
+        with pytest.raises(ValueError, match="cleanup prefix"):
+            cleanup(short)
 
 
 def test_root_reason_names_what_is_missing(monkeypatch, tmp_path):

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -190,19 +191,29 @@ def teardown(namespaces: list[str], links: list[tuple[str | None, str]]) -> list
     return removed
 
 
+_CLEANUP_PREFIX_RE = re.compile(r"[a-z][a-z0-9]{2,9}")
+
+
 def cleanup(prefix: str = "dlw") -> list[str]:
     """Remove every namespace, veth (and so its qdisc) and process-in-namespace whose name starts
     with ``prefix``: what a :class:`~diloco_async.wan.netns.WanNet` with that prefix made, also
     after a crash. Other names are never touched. Returns what it removed (``"netns X"``,
     ``"link X (in NS)"``, ``"process PID (in NS)"``).
 
+    Only names of the harness's own shapes match: namespaces ``{prefix}…-{region}`` and, outside
+    them, veths ``{prefix}…h{i}``; so a host interface (``eth0``, ``lo``) is never touched whatever
+    the prefix. It does not know whether the harness that made them still runs: give the prefix of
+    one crashed net (its name, e.g. ``dlwpbh2``) when other runs may be live on this machine.
+
     Raises:
-        ValueError: an empty prefix or one with characters outside ``[a-z0-9-]``.
+        ValueError: a prefix that is not 3-10 characters of ``[a-z0-9]`` starting with a letter.
     """
-    if not prefix or any(c not in "abcdefghijklmnopqrstuvwxyz0123456789-" for c in prefix):
-        raise ValueError(f"cleanup prefix must be non-empty [a-z0-9-], got {prefix!r}")
-    namespaces = [ns for ns in list_netns() if ns.startswith(prefix)]
-    links: list[tuple[str | None, str]] = [(None, name) for name in list_links(None) if name.startswith(prefix)]
+    if not _CLEANUP_PREFIX_RE.fullmatch(prefix):
+        raise ValueError(f"cleanup prefix must be 3-10 characters [a-z0-9] starting with a letter, got {prefix!r}")
+    ns_re = re.compile(rf"{prefix}[a-z0-9]*-[a-z0-9-]+")
+    veth_re = re.compile(rf"{prefix}[a-z0-9]*h[0-9]{{1,3}}")
+    namespaces = [ns for ns in list_netns() if ns_re.fullmatch(ns)]
+    links: list[tuple[str | None, str]] = [(None, name) for name in list_links(None) if veth_re.fullmatch(name)]
     for ns in namespaces:
         try:
             links += [(ns, name) for name in list_links(ns) if name.startswith(prefix)]
