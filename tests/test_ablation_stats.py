@@ -220,3 +220,13 @@ def test_every_shipped_suite_loads_and_its_arms_validate(path):
 def test_verdict_boundaries(low, high, kind, margin, expected):
     iv = Interval((low + high) / 2, 0.1, 3, low, high, "paired-t")
     assert verdict(iv, Claim(kind, margin)) == expected
+
+
+def test_user_overrides_of_fields_the_suite_owns_are_refused():
+    """`ablate --set` must not override the seed, the budget or a field an arm varies: every "seed"
+    would be one run, or every arm the same one."""
+    suite = load_suite("configs/ablations/merge.toml")
+    for item in ("run.seed=5", "synchronizer.merge=rda", "budget.tokens=10"):
+        with pytest.raises(ValueError, match="sets .* itself"):
+            check_arms(suite, [item])
+    assert set(check_arms(suite, ["synchronizer.outer_lr=0.5"])) == {"mean", "rda"}

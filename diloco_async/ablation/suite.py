@@ -158,7 +158,15 @@ def run_overrides(suite: Suite, arm: Arm, seed: int) -> list[str]:
 def check_arms(suite: Suite, extra: list[str] = ()) -> dict[str, Config]:
     """Load every arm's recipe (first seed) with ``extra`` overrides after its own; arm name ->
     config. Raises ValueError naming the arm when one does not validate (e.g. a key this build
-    does not have)."""
+    does not have), or when ``extra`` sets a field the suite owns: the seed, the budgets, the run
+    name or a field an arm varies (overriding those would fake the replication or erase the arms'
+    difference)."""
+    owned = {"run.seed", "budget.tokens", "budget.wall_s", "run.name"}
+    owned |= {item.split("=", 1)[0].strip() for arm in suite.arms for item in arm.set}
+    taken = sorted({item.split("=", 1)[0].strip() for item in extra} & owned)
+    if taken:
+        raise ValueError(f"suite {suite.suite.name!r} sets {', '.join(taken)} itself (per arm, seed or budget); "
+                         "change the suite file instead")
     out = {}
     for arm in suite.arms:
         try:
