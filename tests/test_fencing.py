@@ -333,3 +333,35 @@ async def test_restored_learner_never_contributes_on_a_base_older_than_its_join_
              for k in store.list(keys.contributions_prefix("mrun")) if "/a-" in k]
     assert bases and min(bases) >= joined_at >= 3, (bases, joined_at)
     assert sync.status()["learners"]["a"]["contributions"].get("rejected", 0) == 0
+
+
+def test_stop_signal_during_start_up_is_a_clean_stop_not_a_crash(tmp_path):
+    """A Ctrl-C that reaches a resuming synchronizer before its server listens (it has taken the
+    lease, it is restoring the checkpoint) is served once it runs: exit 0, the stop reason names
+    the signal, the lease is released and the newest checkpoint still verifies (the CI failure of
+    ``test_stop`` under load: the signal used to kill it half-way, lease held)."""
+    store_url = f"file://{tmp_path}/store"
+    store = ObjectStore(store_url)
+    a = SyncProcess(tmp_path, store_url, ["--run-id", "runS"])
+    try:
+        ScriptedLearner(a, store).outer_step(1)
+        seq = request_checkpoint(a.url, TOKEN, timeout_s=30.0)["seq"]
+    finally:
+        a.stop()
+    b, b_log = start_sync(tmp_path, store_url, ["--resume", f"{store_url}/runS"])
+    try:
+        wait_until(lambda: "lease epoch 2 taken" in b_log.read_text() or b.poll() is not None, 60,
+                   "the resuming synchronizer to take the lease", interval_s=0.005)
+        b.send_signal(signal.SIGINT)
+        code = b.wait(timeout=60)
+    finally:
+        b.kill()
+        b.wait(10)
+    out = b_log.read_text()
+    assert code == 0, out[-3000:]
+    assert "SIGINT during start-up: stopping cleanly" in out and "Traceback" not in out, out[-3000:]
+    epoch = json.loads(next(tmp_path.glob(f"{b_log.stem}.ready.json")).read_text())["epoch"]
+    summary = store.get_json(keys.summary_key("runS", str(epoch)))
+    assert summary["stop_reason"] == "signal SIGINT"
+    assert read_holder(store, "runS").released
+    assert latest_checkpoint(store, "runS").seq >= seq

@@ -61,6 +61,11 @@ _STALL_S = 0.1  # a lag this long is logged as a warning (at most every 10 s)
 FREEZE_EVERY_S = 5.0
 """Seconds between two freezes of what survived the young collections (:func:`freeze_long_lived`)."""
 SWEEP_EVERY_S = 600.0
+
+#: stop signals (names) received by :func:`main` before the server's own handlers were in place
+#: (while it took the lease, restored a checkpoint or opened its socket): served as a clean stop
+#: as soon as the synchronizer runs, so a Ctrl-C during start-up never kills it half-way
+_EARLY_STOP_SIGNALS: list[str] = []
 """Seconds between two full collections of everything, frozen objects included."""
 
 
@@ -199,6 +204,9 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
             loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
         except (NotImplementedError, RuntimeError):
             pass
+    if _EARLY_STOP_SIGNALS:
+        log.warning("%s during start-up: stopping cleanly", _EARLY_STOP_SIGNALS[0])
+        loop.create_task(sync.request("stop", f"signal {_EARLY_STOP_SIGNALS[0]}"))
     # what start-up built (torch, the model's fragments, the config) lives as long as the process:
     # frozen out of the collector, so a full collection later never pauses the loop for it (issue 17)
     gc.collect()
@@ -284,10 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _note_early_stop(signum: int, _frame: object) -> None:
+    _EARLY_STOP_SIGNALS.append(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     limit_heap_retention()  # before any worker thread starts (issue 17 item 3)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until serve() installs its own: noted, served later
+        signal.signal(sig, _note_early_stop)
     if (args.run_id is None) == (args.resume is None):
         ap.error("give exactly one of --run-id (new run) or --resume (continue a run)")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
