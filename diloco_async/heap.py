@@ -21,6 +21,7 @@ __all__ = ["limit_heap_retention", "release_free_memory"]
 log = logging.getLogger("diloco.heap")
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
 
 
 @functools.cache
@@ -34,12 +35,23 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def limit_heap_retention(arena_max: int = 2) -> bool:
-    """Cap the C heap at ``arena_max`` arenas (call before threads start); True where applied."""
+def limit_heap_retention(arena_max: int = 2, mmap_threshold_bytes: int | None = None) -> bool:
+    """Cap the C heap at ``arena_max`` arenas (call before threads start); True where applied.
+
+    ``mmap_threshold_bytes``: allocations of at least this size are mapped on their own and given
+    back to the system when freed. Setting it also stops glibc from raising the threshold after
+    each large free (up to 32 MiB by default), which is what lets fragment-sized buffers freed by
+    worker threads pile up in the heap. The price is fresh pages (page faults) for every such
+    allocation: right for the synchronizer, whose large buffers come and go once per merge,
+    publish or checkpoint; not for a training loop that allocates activations every step.
+    """
     libc = _glibc()
     if libc is None:
         return False
-    return bool(libc.mallopt(_M_ARENA_MAX, int(arena_max)))
+    ok = bool(libc.mallopt(_M_ARENA_MAX, int(arena_max)))
+    if mmap_threshold_bytes is not None:
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes))) and ok
+    return ok
 
 
 def release_free_memory() -> None:

@@ -56,14 +56,15 @@ def tensor_key(fragment: int, kind: str, name: str) -> str:
     return f"p{fragment:03d}/{kind}/{name}"
 
 
-def _header(tensors: Mapping[str, torch.Tensor]) -> bytes:
+def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """The safetensors header (8-byte little-endian length, then JSON padded with spaces to a
-    multiple of 8) of ``tensors`` laid out in the mapping's order.
+    multiple of 8) of ``tensors`` laid out in the mapping's order, with ``metadata`` (string
+    values) first as ``__metadata__``, as the safetensors library writes it.
 
     Raises:
         ValueError: a dtype safetensors cannot hold.
     """
-    entries: dict[str, Any] = {}
+    entries: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
     offset = 0
     for name, t in tensors.items():
         if t.dtype not in _ST_DTYPES:
@@ -92,12 +93,14 @@ def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memoryview], Any],
-                      chunk_nbytes: int = _CHUNK_NBYTES, header: bool = True) -> int:
+                      chunk_nbytes: int = _CHUNK_NBYTES, header: bool = True,
+                      metadata: Mapping[str, str] | None = None) -> int:
     """Stream ``tensors`` in the safetensors format to ``write`` (called with the header, then
     with views of each tensor's bytes of at most ``chunk_nbytes``; CPU tensors are read in place,
     a tensor on another device is copied to CPU one at a time). ``safetensors.torch.load`` reads
     the result back bit for bit. Returns the bytes written. ``header=False``: only the tensors'
-    bytes (the caller wrote the header of a larger mapping, :func:`spool_state`).
+    bytes (the caller wrote the header of a larger mapping, :func:`spool_state`). ``metadata``:
+    the header's ``__metadata__`` (string values).
 
     The caller keeps the tensors unchanged until this returns (the bytes are read while written).
 
@@ -106,7 +109,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memo
     """
     total = 0
     if header:
-        head = _header(tensors)
+        head = _header(tensors, metadata)
         write(memoryview(head))
         total = len(head)
     for t in tensors.values():
@@ -192,18 +195,19 @@ def read_safetensors(store: ObjectStore, ref: ObjectRef, with_metadata: bool = F
 
 
 def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str, torch.Tensor],
-                manifest: dict[str, Any]) -> ObjectRef:
+                manifest: dict[str, Any], max_concurrency: int | None = None) -> ObjectRef:
     """Write ``{prefix}/{seq:08d}/state.safetensors``, then ``manifest.json`` naming its size and
     sha256 (publish, then mark). Returns the manifest's ref. The state streams from the tensors
     (:func:`write_safetensors`): no serialized copy of the whole state is made; the caller keeps
-    the tensors unchanged until this returns.
+    the tensors unchanged until this returns. ``max_concurrency``: upload parts in flight (the
+    store's by default); the writer holds that many parts plus one in memory.
 
     Raises:
         ValueError: a tensor holds NaN or Inf (nothing is written).
         FileExistsError: ``seq`` already exists under ``prefix``.
     """
     _check_finite(tensors)
-    with store.open_writer(keys.state_file_key(prefix, seq)) as w:
+    with store.open_writer(keys.state_file_key(prefix, seq), max_concurrency=max_concurrency) as w:
         write_safetensors(tensors, w.write)
     assert w.ref is not None
     body = dict(manifest, seq=seq, state=w.ref.to_json())
@@ -301,10 +305,12 @@ def latest_state(store: ObjectStore, prefix: str) -> Checkpoint | None:
 
 
 def write_checkpoint(
-    store: ObjectStore, run_id: str, seq: int, tensors: Mapping[str, torch.Tensor], manifest: dict[str, Any]
+    store: ObjectStore, run_id: str, seq: int, tensors: Mapping[str, torch.Tensor], manifest: dict[str, Any],
+    max_concurrency: int | None = None,
 ) -> ObjectRef:
     """Write synchronizer checkpoint ``seq`` of a run (see :func:`write_state`)."""
-    return write_state(store, keys.checkpoint_prefix(run_id), seq, tensors, dict(manifest, run_id=run_id))
+    return write_state(store, keys.checkpoint_prefix(run_id), seq, tensors, dict(manifest, run_id=run_id),
+                       max_concurrency)
 
 
 def list_checkpoint_seqs(store: ObjectStore, run_id: str) -> list[int]:
@@ -317,12 +323,27 @@ def load_checkpoint(store: ObjectStore, run_id: str, seq: int) -> Checkpoint:
     return load_state(store, keys.checkpoint_prefix(run_id), seq)
 
 
-def latest_checkpoint(store: ObjectStore, run_id: str) -> Checkpoint | None:
+def _verify_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
+    """As :func:`load_state` without building the tensors: the state file's size and sha256 are
+    checked as it streams through (memory: one read chunk); ``tensors`` is empty. A state that
+    verifies holds what :func:`write_state` wrote, which refuses NaN and Inf.
+
+    Raises:
+        FileNotFoundError: no manifest or no state file. IntegrityError: short or wrong digest.
+    """
+    manifest = store.get_json(keys.state_manifest_key(prefix, seq))
+    store.verify(ObjectRef.from_json(manifest["state"]))
+    return Checkpoint(seq=seq, manifest=manifest, tensors={})
+
+
+def latest_checkpoint(store: ObjectStore, run_id: str, load: bool = True) -> Checkpoint | None:
     """The synchronizer checkpoint of a run that a resume continues from, or None: of those that
     verify, the newest by (``lease_epoch`` of its manifest, ``seq``). A synchronizer fenced out by
     a successor (a higher lease epoch) can only write checkpoints of its lower epoch, so a late
     checkpoint of it never becomes the newest (docs/resume-and-fencing.md). Checkpoints without
-    ``lease_epoch`` count as epoch 0.
+    ``lease_epoch`` count as epoch 0. ``load=False``: the state is verified as it streams by and
+    not kept (``tensors`` empty), for callers that need only which checkpoint and its manifest
+    (garbage collection: loading it cost a running synchronizer twice the model in RAM).
     """
     prefix = keys.checkpoint_prefix(run_id)
     ranked = []
@@ -338,7 +359,7 @@ def latest_checkpoint(store: ObjectStore, run_id: str) -> Checkpoint | None:
         ranked.append((epoch, seq))
     for epoch, seq in sorted(ranked, reverse=True):
         try:
-            return load_state(store, prefix, seq)
+            return (load_state if load else _verify_state)(store, prefix, seq)
         except FileNotFoundError:
             log.warning("skipping checkpoint %d (lease epoch %d): deleted meanwhile", seq, epoch)
         except (IntegrityError, ValueError, KeyError) as err:

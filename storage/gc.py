@@ -93,7 +93,7 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
         raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
     if orphan_age_s is not None and orphan_age_s < 0:
         raise ValueError(f"orphan_age_s must be >= 0 seconds, got {orphan_age_s}")
-    newest = latest_checkpoint(store, run_id)
+    newest = latest_checkpoint(store, run_id, load=False)  # its manifest is all gc needs
     if newest is None:
         report = GcReport(run_id, None, "no verified checkpoint: nothing deleted but leftover uploads", dry_run)
         _collect_orphans(store, run_id, orphan_age_s, clock, report)

@@ -196,14 +196,15 @@ class ObjectStore:
         nbytes = os.stat(local_path).st_size  # FileNotFoundError before anything is started
         return writer.upload_chunks(self, key, chunks, nbytes, max_concurrency)
 
-    def open_writer(self, key: str, nbytes: int | None = None) -> ObjectWriter:
+    def open_writer(self, key: str, nbytes: int | None = None, max_concurrency: int | None = None) -> ObjectWriter:
         """A writer that streams one object to ``key``; use it as a context manager. ``nbytes``,
         the object's size if known, fixes the part size (else parts grow along the stream).
+        ``max_concurrency``: parts in flight (default: the store's); memory holds one more part.
 
         The object is published when the block exits normally and never when it raises: the
         upload is aborted and the key stays absent (C11). ``writer.ref`` names what was written.
         """
-        return ObjectWriter(self, key, nbytes)
+        return ObjectWriter(self, key, nbytes, max_concurrency)
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing key is not an error."""

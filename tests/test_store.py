@@ -127,6 +127,21 @@ def test_gc_keeps_at_least_the_newest_verified_checkpoint(tmp_path):
     assert store.exists(keys.version_key("run", 0, 2))  # checkpoint 3 still names v2 of p0
 
 
+def test_gc_verifies_the_newest_checkpoint_without_loading_it(tmp_path):
+    """gc (in a running synchronizer) checks the newest checkpoint's digest as it streams by and
+    keeps no tensor: one flipped byte (same size) makes it fall back to the previous one."""
+    store = ObjectStore(f"file://{tmp_path}/s")
+    _run_layout(store)
+    path = tmp_path / "s" / keys.checkpoint_state_key("run", 4)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    light = latest_checkpoint(store, "run", load=False)
+    assert (light.seq, light.tensors) == (3, {}) and light.manifest["seq"] == 3
+    assert latest_checkpoint(store, "run").seq == 3 and latest_checkpoint(store, "run").tensors
+    assert collect_garbage(store, "run", keep_checkpoints=1).checkpoint == 3
+
+
 def test_gc_without_a_verified_checkpoint_deletes_nothing(store):
     store.put(keys.version_key("run", 0, 1), b"v1")
     store.put(keys.checkpoint_state_key("run", 1), b"no manifest")

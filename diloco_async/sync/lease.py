@@ -320,9 +320,9 @@ class FencedStore:
         self.lease.check()
         return self._store.put_from_file(key, local_path)
 
-    def open_writer(self, key: str) -> Any:
+    def open_writer(self, key: str, nbytes: int | None = None, max_concurrency: int | None = None) -> Any:
         self.lease.check()
-        return self._store.open_writer(key)
+        return self._store.open_writer(key, nbytes, max_concurrency)
 
     def delete(self, key: str) -> None:
         self.lease.check()

@@ -18,7 +18,6 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-import safetensors.torch
 import torch
 
 from diloco_async import codec as wire
@@ -34,6 +33,7 @@ from diloco_async.merge import AnchoredDelta, MergeWorkspace, check_anchored, me
 from diloco_async.messages import CompactInfo
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
+from storage.checkpoint import safetensors_nbytes, write_safetensors
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "rejection_reason",
@@ -56,18 +56,36 @@ def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[s
         FileExistsError: that version was already published.
     """
     meta = {"fragment": str(p), "version": str(v), "lease_epoch": str(lease_epoch), "round": str(round_n)}
-    return store.put(keys.version_key(run_id, p, v), _fp32_bytes(tensors, meta))
+    key = keys.version_key(run_id, p, v)
+    if not _streamable(tensors):
+        return store.put(key, wire.encode_to_bytes(tensors, "fp32", meta))
+    with store.open_writer(key, safetensors_nbytes(tensors)) as w:
+        _write_fp32(tensors, meta, w.write)
+    assert w.ref is not None
+    return w.ref
+
+
+def _streamable(tensors: Mapping[str, torch.Tensor]) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and "::" not in n
+               for n, t in tensors.items())
+
+
+def _write_fp32(tensors: Mapping[str, torch.Tensor], meta: dict[str, str], write) -> int:
+    """Stream what ``wire.encode_to_bytes(tensors, "fp32", meta)`` writes (safetensors' layout:
+    the metadata, then the tensors by name; the same header entries and data bytes) to ``write``,
+    straight from the live tensors: no serialized copy of the fragment (the store's writer holds
+    at most a few parts). Returns the bytes written."""
+    header = dict(meta, codec="fp32", block_size=str(wire.DEFAULT_BLOCK_SIZE))
+    return write_safetensors({n: tensors[n].detach() for n in sorted(tensors)}, write, metadata=header)
 
 
 def _fp32_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
-    """What ``wire.encode_to_bytes(tensors, "fp32", meta)`` writes (the same header entries and
-    data bytes), serialized straight from the tensors when they are already contiguous fp32 on
-    the CPU, without the codec's intermediate copy of every tensor."""
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and "::" not in n
-               for n, t in tensors.items()):
+    """The bytes :func:`put_version` publishes for ``tensors``, as one object (tests, benchmarks)."""
+    if not _streamable(tensors):
         return wire.encode_to_bytes(tensors, "fp32", meta)
-    header = dict(meta, codec="fp32", block_size=str(wire.DEFAULT_BLOCK_SIZE))
-    return safetensors.torch.save({n: t.detach() for n, t in tensors.items()}, metadata=header)
+    out = bytearray()
+    _write_fp32(tensors, meta, out.extend)
+    return bytes(out)
 
 
 def publish_compact(store: ObjectStore, run_id: str, f: FragmentState, v: int, encoded: dict[str, torch.Tensor],
