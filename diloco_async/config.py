@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import tomllib
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +18,7 @@ from diloco_async.config_guard import GuardConfig
 from diloco_async.data_config import DataConfig
 from diloco_async.devices import LearnerDeviceFields
 from diloco_async.models.config import ModelConfig
+from diloco_async.tomlfile import read_toml
 
 __all__ = [
     "RunConfig",
@@ -342,10 +342,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     source = "(defaults)"
     if path is not None:
         source = str(path)
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path}: not valid TOML: {err}") from None
+        raw = read_toml(path, "recipe")
     if overrides:
         source += f" with --set {' '.join(overrides)}"
     raw = apply_overrides(raw, overrides or [])

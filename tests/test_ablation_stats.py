@@ -230,3 +230,16 @@ def test_user_overrides_of_fields_the_suite_owns_are_refused():
         with pytest.raises(ValueError, match="sets .* itself"):
             check_arms(suite, [item])
     assert set(check_arms(suite, ["synchronizer.outer_lr=0.5"])) == {"mean", "rda"}
+
+
+def test_suite_path_that_is_a_folder_or_bad_toml_is_a_clear_error(tmp_path):
+    """``ablate --suite configs/ablations`` names the problem (it was a traceback, exit 1)."""
+    with pytest.raises(ValueError, match=r"is a directory; give a suite file such as .*/merge\.toml"):
+        load_suite(tmp_path)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[suite\n")
+    with pytest.raises(ValueError, match=r"bad\.toml: not valid TOML: .*line 1"):
+        load_suite(bad)
+    bad.write_text('[suite]\nname = "x"\nbogus = 1\n')
+    with pytest.raises(ValueError, match=r"invalid suite: .*suite\.bogus: Extra inputs are not permitted"):
+        load_suite(bad)

@@ -34,13 +34,13 @@ per token processed), ``tokens``, ``wall_s``, or any other numeric key of the ru
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diloco_async.ablation.stats import CLAIM_KINDS, Claim
 from diloco_async.config import Config, load_config
+from diloco_async.tomlfile import load_toml_model
 
 __all__ = ["Arm", "Comparison", "SuiteSpec", "Suite", "load_suite", "run_overrides", "check_arms", "figures_of"]
 
@@ -136,15 +136,7 @@ def load_suite(path: str | Path) -> Suite:
         FileNotFoundError: no such file. ValueError: not TOML, or a field is wrong (the message
             names the file and the field).
     """
-    p = Path(path)
-    try:
-        raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{p}: not valid TOML: {err}") from None
-    try:
-        return Suite.model_validate(raw)
-    except ValidationError as err:
-        raise ValueError(f"{p}: invalid suite file:\n{err}") from None
+    return load_toml_model(path, Suite, "suite", "merge.toml")
 
 
 def run_overrides(suite: Suite, arm: Arm, seed: int) -> list[str]:

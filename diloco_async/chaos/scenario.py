@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import random
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from diloco_async.tomlfile import load_toml_model
 
 __all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
            "harness_fields", "check_user_overrides", "with_user_overrides"]
@@ -113,20 +114,7 @@ def load_scenario(path: str | Path, model: type[Scenario] = Scenario) -> Scenari
         FileNotFoundError: no such file.
         ValueError: a TOML syntax error, or a field that is unknown or out of range (named).
     """
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory; give a scenario file such as {path}/storm.toml")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path}: {err}") from None
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        problems = "; ".join(
-            (f"{'.'.join(str(x) for x in e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
-            for e in err.errors())
-        raise ValueError(f"{path}: {problems}") from None
+    return load_toml_model(path, model, "scenario", "storm.toml")
 
 
 @dataclass(frozen=True)

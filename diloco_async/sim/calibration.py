@@ -10,11 +10,12 @@ greater than or equal to 0``. Where each value comes from is written next to it 
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from diloco_async.tomlfile import load_toml_model
 
 __all__ = [
     "FailureParams",
@@ -162,16 +163,6 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     """
     p = Path(path) if path is not None else default_calibration_path()
     try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        return load_toml_model(p, Calibration, "calibration")
     except FileNotFoundError:
         raise ValueError(f"calibration file not found: {p}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{p}: not valid TOML: {e}") from None
-    try:
-        return Calibration.model_validate(raw)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-            lines.append(f"{loc}: {err['msg']}")
-        raise ValueError(f"{p}: invalid calibration:\n  " + "\n  ".join(lines)) from None
