@@ -35,6 +35,7 @@ from typing import Any
 
 from storage.backends import Backend, Stream, Upload
 from storage.store import ObjectStore
+from storage.wrapped import ForwardingBackend, wrap_store
 
 __all__ = ["FaultPlan", "FaultyStore", "SimulatedCrash", "OPS"]
 
@@ -183,20 +184,10 @@ class FaultPlan:
         return None
 
 
-class _FaultyBackend(Backend):
+class _FaultyBackend(ForwardingBackend):
     def __init__(self, inner: Backend, plan: FaultPlan) -> None:
-        self.inner, self.plan = inner, plan
-        self.multipart, self.parallel_parts = inner.multipart, inner.parallel_parts
-        self.resend_parts, self.part_quantum = inner.resend_parts, inner.part_quantum
-        self.reads_into = inner.reads_into
-
-    @property
-    def fs(self) -> Any:  # the real backend's, renewed in place when credentials expire
-        return self.inner.fs
-
-    @fs.setter
-    def fs(self, value: Any) -> None:
-        self.inner.fs = value
+        super().__init__(inner)
+        self.plan = plan
 
     def put(self, path: str, data: bytes) -> None:
         after = self.plan.take_tear()
@@ -205,37 +196,24 @@ class _FaultyBackend(Backend):
                 self.plan.injected["tear"] += 1
                 raise SimulatedCrash("crashed before writing")
             _FaultyUpload(self.inner.begin(path), self, after).send(1, 0, data, True)
-        self._do("put", path, self.inner.put, path, self.plan.take_truncate(data))
+        self.request("put", path, self.inner.put, path, self.plan.take_truncate(data))
 
     def begin(self, path: str) -> Upload:
-        upload = self._do("begin", path, self.inner.begin, path)
-        return _FaultyUpload(upload, self, self.plan.take_tear())
-
-    def read(self, path: str, start: int | None, end: int | None) -> bytes:
-        return self._do("read", path, self.inner.read, path, start, end)
+        return _FaultyUpload(super().begin(path), self, self.plan.take_tear())
 
     def open_stream(self, path: str, start: int, end: int) -> Stream:
-        return _FaultyStream(self._do("open", path, self.inner.open_stream, path, start, end), self.plan, path)
-
-    def size(self, path: str) -> int:
-        return self._do("size", path, self.inner.size, path)
-
-    def exists(self, path: str) -> bool:
-        return self._do("exists", path, self.inner.exists, path)
-
-    def delete(self, path: str) -> None:
-        self._do("delete", path, self.inner.delete, path)
+        return _FaultyStream(super().open_stream(path, start, end), self.plan, path)
 
     def find(self, path: str) -> dict[str, int]:
         snapshot = self.plan.snapshot
         if snapshot is None:
-            return self._do("find", path, self.inner.find, path)
+            return super().find(path)
         self.plan.before("find", path)
         self.plan.injected["stale_list"] += 1
         base = path.strip("/")
         return {p: n for p, n in snapshot.items() if p.strip("/") == base or p.lstrip("/").startswith(base + "/")}
 
-    def _do(self, op: str, what: str, fn: Any, *args: Any) -> Any:
+    def request(self, op: str, what: str, fn: Any, *args: Any) -> Any:
         return _finish(self.plan.before(op, what), op, what, fn(*args))
 
 
@@ -322,10 +300,8 @@ class FaultyStore(ObjectStore):
     """
 
     def __init__(self, inner: ObjectStore, faults: FaultPlan | None = None, **schedule: Any) -> None:
-        vars(self).update(vars(inner))
-        self.inner = inner
         self.faults = faults if faults is not None else FaultPlan(**schedule)
-        self._backend = _FaultyBackend(inner._backend, self.faults)
+        wrap_store(self, inner, _FaultyBackend(inner._backend, self.faults))
 
     def freeze_listings(self) -> None:
         """From now on listings return what the store held at this moment (stale listings)."""

@@ -19,67 +19,32 @@ real link. The wait counts against the store's per-call timeout, as real latency
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from storage.backends import Backend, Stream, Upload
+from storage.backends import Backend, Upload
 from storage.store import ObjectStore
+from storage.wrapped import ForwardingBackend, wrap_store
 
 __all__ = ["LatencyStore"]
 
 
-class _LatencyBackend(Backend):
+class _LatencyBackend(ForwardingBackend):
     def __init__(self, inner: Backend, rtt_s: float) -> None:
-        self.inner, self.rtt_s = inner, rtt_s
-        self.multipart, self.parallel_parts = inner.multipart, inner.parallel_parts
-        self.resend_parts, self.part_quantum = inner.resend_parts, inner.part_quantum
-        self.reads_into = inner.reads_into
+        super().__init__(inner)
+        self.rtt_s = rtt_s
         #: requests delayed so far (one round trip each)
         self.requests = 0
-
-    @property
-    def fs(self) -> Any:  # the real backend's, renewed in place when credentials expire
-        return self.inner.fs
-
-    @fs.setter
-    def fs(self, value: Any) -> None:
-        self.inner.fs = value
 
     def round_trip(self) -> None:
         """Wait one round trip (called before each request)."""
         self.requests += 1
         time.sleep(self.rtt_s)
 
-    def put(self, path: str, data: bytes) -> None:
+    def request(self, op: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         self.round_trip()
-        self.inner.put(path, data)
-
-    def begin(self, path: str) -> Upload:
-        self.round_trip()
-        return _LatencyUpload(self.inner.begin(path), self)
-
-    def read(self, path: str, start: int | None, end: int | None) -> bytes:
-        self.round_trip()
-        return self.inner.read(path, start, end)
-
-    def open_stream(self, path: str, start: int, end: int) -> Stream:
-        self.round_trip()
-        return self.inner.open_stream(path, start, end)
-
-    def size(self, path: str) -> int:
-        self.round_trip()
-        return self.inner.size(path)
-
-    def exists(self, path: str) -> bool:
-        self.round_trip()
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        self.round_trip()
-        self.inner.delete(path)
-
-    def find(self, path: str) -> dict[str, int]:
-        self.round_trip()
-        return self.inner.find(path)
+        out = fn(*args)
+        return _LatencyUpload(out, self) if op == "begin" else out
 
 
 class _LatencyUpload:
@@ -113,9 +78,8 @@ class LatencyStore(ObjectStore):
     def __init__(self, inner: ObjectStore, delay_s: float) -> None:
         if not 0 <= delay_s < float("inf"):
             raise ValueError(f"delay_s must be a finite number >= 0, got {delay_s!r}")
-        vars(self).update(vars(inner))
-        self.inner, self.delay_s = inner, float(delay_s)
-        self._backend = _LatencyBackend(inner._backend, 2 * self.delay_s)
+        self.delay_s = float(delay_s)
+        wrap_store(self, inner, _LatencyBackend(inner._backend, 2 * self.delay_s))
 
     @property
     def requests_delayed(self) -> int:

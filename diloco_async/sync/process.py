@@ -203,14 +203,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     url = f"http://{cfg.synchronizer.host}:{port}"
     log.info("synchronizer run=%s listening on %s", run_id, url)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
-        except (NotImplementedError, RuntimeError):
-            pass
-    if _EARLY_STOP_SIGNALS:
-        log.warning("%s during start-up: stopping cleanly", _EARLY_STOP_SIGNALS[0])
-        loop.create_task(sync.request("stop", f"signal {_EARLY_STOP_SIGNALS[0]}"))
+    _handle_stop_signals(loop, sync)
     # what start-up built (torch, the model's fragments, the config) lives as long as the process:
     # frozen out of the collector, so a full collection later never pauses the loop for it (issue 17)
     gc.collect()
@@ -231,6 +224,19 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _handle_stop_signals(loop: asyncio.AbstractEventLoop, sync: Synchronizer) -> None:
+    """SIGTERM and SIGINT start a clean stop from now on; one received during start-up (noted
+    by :func:`main`) starts it at once."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
+        except (NotImplementedError, RuntimeError):
+            pass
+    if _EARLY_STOP_SIGNALS:
+        log.warning("%s during start-up: stopping cleanly", _EARLY_STOP_SIGNALS[0])
+        loop.create_task(sync.request("stop", f"signal {_EARLY_STOP_SIGNALS[0]}"))
 
 
 def _watch_period_s() -> float | None:
