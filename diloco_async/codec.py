@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "SCALE_SUFFIX",
     "encode",
+    "encoded_to_bytes",
     "decode",
     "encode_to_bytes",
     "decode_from_bytes",
@@ -319,6 +320,19 @@ def encode_to_bytes(
     """
     _check_codec(codec)
     _check_block_size(block_size)
+    return encoded_to_bytes(encode(tensors, codec, block_size), codec, metadata, block_size)
+
+
+def encoded_to_bytes(encoded: dict[str, Tensor], codec: str, metadata: dict[str, str] | None = None,
+                     block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
+    """Serialize what :func:`encode` returned (for ``codec`` and ``block_size``) as
+    :func:`encode_to_bytes` does. A learner encodes each tensor of an outer gradient as soon as
+    it is taken, so no fp32 copy of the whole fragment waits for the upload.
+
+    Raises:
+        ValueError: ``metadata`` holds a non-string key or value, or sets ``codec`` or
+            ``block_size`` to a different value.
+    """
     meta = dict(metadata or {})
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -327,7 +341,7 @@ def encode_to_bytes(
         if k in meta and meta[k] != v:
             raise ValueError(f"metadata {k}={meta[k]!r} conflicts with the encoding's {k}={v!r}")
         meta[k] = v
-    return safetensors.torch.save(encode(tensors, codec, block_size), metadata=meta)
+    return safetensors.torch.save(encoded, metadata=meta)
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:

@@ -158,3 +158,56 @@ def test_workload_from_config_steps_its_shard():
     assert isinstance(loss, float) and loss > 0
     assert w.optimizer.param_groups[0]["lr"] == 0.005  # warm-up: (0 + 1) / 2 of learners.lr
     assert any(not torch.equal(before[n], p) for n, p in w.params.items())
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2"])
+def test_outer_gradient_encoded_tensor_by_tensor_is_the_same_payload(codec):
+    """A learner that answers several rounds at one step encodes each Δ as it takes it, one
+    tensor at a time: the synchronizer decodes exactly what the whole-fragment path sends."""
+    from diloco_async import codec as wire
+    from diloco_async.learner.rules import encoded_outer_gradient
+
+    gen = torch.Generator().manual_seed(3)
+    base = {"b.w": torch.randn(33, 70, generator=gen), "a.bias": torch.randn(129, generator=gen),
+            "c.scalar": torch.randn((), generator=gen)}
+    theta = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+    specs = {n: tuple(t.shape) for n, t in base.items()}
+    meta = {"fragment": "1", "round": "4"}
+    whole = wire.decode_from_bytes(wire.encode_to_bytes(outer_gradient(base, theta), codec, meta), codec, specs)
+    each = wire.decode_from_bytes(wire.encoded_to_bytes(encoded_outer_gradient(base, theta, codec), codec, meta),
+                                  codec, specs)
+    assert whole[1] == each[1]
+    assert set(whole[0]) == set(each[0]) == set(base)
+    for n in base:
+        assert torch.equal(whole[0][n], each[0][n]), n
+
+
+def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
+    """The training thread queues the fp32 Δ when the upload queue is empty (the comms thread
+    encodes it off the training thread), and encodes it itself when an upload already waits:
+    a late learner answering several rounds at one step queues no pile of fp32 outer gradients."""
+    from diloco_async import codec as wire
+    from diloco_async.learner.state import Shared
+    from diloco_async.learner.training import InnerLoop
+    from diloco_async.models import plan_of
+    from diloco_async.timeline import Recorder
+
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
+                             "learners.batch_size=2", "synchronizer.num_fragments=2", "learners.codec=int4"])
+    w = Workload.from_config(cfg, index=0, incarnation=0)
+    plan = plan_of(w.model, 2)
+    base = {p: {n: w.params[n].detach().clone() + 0.5 for n in plan.names(p)} for p in range(2)}
+    shared = Shared()
+    shared.base.update({0: 0, 1: 0})
+    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="learner-0", index=0, incarnation=0,
+                     base_tensors=base, counters={}, start_step=0, restored=False)
+    loop._contribute(0, 1)
+    loop._contribute(1, 1)
+    first, second = shared.upload_queue.get_nowait(), shared.upload_queue.get_nowait()
+    assert first.encoded is None and set(first.delta) == set(plan.names(0))
+    assert second.delta == {} and second.encoded is not None
+    specs = {n: tuple(w.params[n].shape) for n in plan.names(1)}
+    got, _ = wire.decode_from_bytes(wire.encoded_to_bytes(second.encoded, "int4"), "int4", specs)
+    theta = {n: w.params[n].detach() for n in plan.names(1)}
+    want, _ = wire.decode_from_bytes(wire.encode_to_bytes(outer_gradient(base[1], theta), "int4"), "int4", specs)
+    assert all(torch.equal(got[n], want[n]) for n in specs)

@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from diloco_async import codec as wire
+
 __all__ = ["ADOPT_RULES", "Progress", "outer_gradient", "adopt", "progress_after_adopt"]
 
 #: The values of ``learners.adopt``.
@@ -48,6 +50,21 @@ def outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.
         KeyError: ``base`` lacks a name of ``params``.
     """
     return {name: base[name] - params[name] for name in params}
+
+
+def encoded_outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+                           codec: str) -> dict[str, torch.Tensor]:
+    """:func:`outer_gradient` encoded in ``codec`` (:func:`diloco_async.codec.encode`), one tensor
+    at a time: only one tensor's fp32 Δ exists at once, not the fragment's. Same bytes as
+    encoding :func:`outer_gradient`'s result (encoding is per tensor).
+
+    Raises:
+        KeyError: ``base`` lacks a name of ``params``. ValueError: an unknown codec.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in params:
+        out.update(wire.encode({name: base[name] - params[name]}, codec))
+    return out
 
 
 def adopt(rule: str, params: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,

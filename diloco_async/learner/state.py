@@ -20,7 +20,8 @@ __all__ = ["UploadJob", "SpooledState", "Stats", "Shared"]
 @dataclass
 class UploadJob:
     """One contribution for the comms thread: the outer gradient ``delta`` of ``fragment`` for
-    round ``round_n``, taken against ``base_version``, with the counters it covers."""
+    round ``round_n``, taken against ``base_version``, with the counters it covers; or, when
+    ``encoded`` is set, that outer gradient already encoded in the learner's codec (``delta`` empty)."""
 
     fragment: int
     round_n: int
@@ -30,6 +31,7 @@ class UploadJob:
     compute_s: float
     delta: dict[str, torch.Tensor]
     update_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    encoded: dict[str, torch.Tensor] | None = None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from diloco_async.fragments import FragmentPlan, fragment_offset
 from diloco_async.heap import release_free_memory
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
-from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
+from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.timeline import Recorder
@@ -196,20 +196,27 @@ class InnerLoop:
     def _contribute(self, p: int, n: int) -> None:
         """Snapshot the outer gradient of fragment ``p`` for round ``n`` and queue its upload.
         θ is read in place on CPU (Δ is the one new fragment-sized tensor); the snapshot θ itself
-        is kept only for the ``rebase`` rule, the one that reads it at adoption."""
+        is kept only for the ``rebase`` rule, the one that reads it at adoption. When an upload
+        is already waiting (a late learner answers several rounds at one step), Δ is encoded
+        here one tensor at a time, so fp32 outer gradients do not pile up in the queue."""
         params = self.workload.params
+        delta: dict[str, torch.Tensor] = {}
+        encoded = None
         with torch.no_grad():
             theta = {name: params[name].detach().to("cpu", torch.float32) for name in self.plan.names(p)}
-            delta = outer_gradient(self.base_tensors[p], theta)
             if self.poison != "none":
-                delta = poison_outer_gradient(delta, self.poison)
+                delta = poison_outer_gradient(outer_gradient(self.base_tensors[p], theta), self.poison)
+            elif self.shared.upload_queue.empty():
+                delta = outer_gradient(self.base_tensors[p], theta)
+            else:
+                encoded = encoded_outer_gradient(self.base_tensors[p], theta, self.lc.codec)
             snap = {}
             if self.lc.adopt == "rebase":
                 snap = {name: t.clone() if t.data_ptr() == params[name].data_ptr() else t for name, t in theta.items()}
         prog = self.progress[p]
         self.in_flight[p] = _InFlight(n, snap, prog)
         self.hold.discard(p)
-        job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, delta)
+        job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, delta, encoded=encoded)
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
         self.shared.upload_queue.put(job)

@@ -102,8 +102,11 @@ class Uploads:
         log.info("%s uploading fragment %d round %d (base v%d) to %s", self.learner_id, job.fragment, job.round_n,
                  job.base_version, key)
         try:
-            data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
-            job.delta = {}  # encoded: the fp32 outer gradient is freed before the upload and the announce
+            if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
+                data = await asyncio.to_thread(wire.encoded_to_bytes, job.encoded, self.codec, meta)
+            else:
+                data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
+            job.delta, job.encoded = {}, None  # the outer gradient is freed before the upload and the announce
             t0 = time.monotonic()
             ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
             self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
