@@ -207,9 +207,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
                 if msg is not None:
                     self._guarded(self._dispatch, msg)
                 self._advance()
-                if self.board.due() or self.finished.is_set():
+                self.board.tick(self.life.phase.value)  # O(1): /health; /status is built when asked
+                if (self.board.wanted() and self.board.due()) or self.finished.is_set():
                     self._guarded(self._publish_status, None)
         finally:
+            self.board.close()
             for t in list(self._tasks):
                 t.cancel()
             if self._tasks:
@@ -233,8 +235,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
 
     def _publish_status(self, _arg: Any) -> None:
         t0 = time.perf_counter()
-        doc = self.status()
-        self.board.publish(doc, time.perf_counter() - t0)
+        self.board.publish(self.status(), time.perf_counter() - t0)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -296,8 +297,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         finally:  # the slowest run of each part, for the loop watch
             name = (getattr(arg, "kind", None) or type(arg).__name__) if part == self._dispatch else part.__name__
             self.part_times[name] = max(time.perf_counter() - t0, self.part_times.get(name, 0.0))
-
-    # -- counted without a round --------------------------------------------------------------
 
     def count_bad_request(self, reason: str = "invalid") -> None:
         """Called by the HTTP layer for a request that does not validate (it logs it); ``reason``

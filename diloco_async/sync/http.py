@@ -236,7 +236,9 @@ def _board(request: web.Request):
 
 
 async def _status(request: web.Request) -> web.Response:
-    body = _board(request).status_body(request.app[SYNC].report.edge_rejections)
+    board = _board(request)
+    await board.wait_fresh()  # the actor builds a snapshot at the end of its pass when the newest is stale
+    body = board.status_body(request.app[SYNC].report.edge_rejections)
     return web.Response(text=body, content_type="application/json")
 
 
