@@ -230,15 +230,17 @@ async def _announce(request: web.Request) -> web.Response:
 
 def _board(request: web.Request):
     sync = request.app[SYNC]
-    if sync.board.doc is None:  # the actor has not run yet: nothing else touches the state
-        sync.board.publish(sync.status())
+    if sync.board.doc is None and sync.board.ticked_s is None:  # the actor has not run yet: nothing else
+        sync.board.publish(sync.status())                        # touches the state
     return sync.board
 
 
 async def _status(request: web.Request) -> web.Response:
-    board = _board(request)
+    board, sync = _board(request), request.app[SYNC]
     await board.wait_fresh()  # the actor builds a snapshot at the end of its pass when the newest is stale
-    body = board.status_body(request.app[SYNC].report.edge_rejections)
+    if board.doc is None:  # none came in time (the actor is stuck): built here, between two of its steps
+        board.publish(sync.status())
+    body = board.status_body(sync.report.edge_rejections)
     return web.Response(text=body, content_type="application/json")
 
 
