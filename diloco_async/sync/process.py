@@ -204,11 +204,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
             loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
         except (NotImplementedError, RuntimeError):
             pass
-    # what start-up built (torch, the model's fragments, the config) lives as long as the process:
-    # frozen out of the collector, so a full collection later never pauses the loop for it (issue 17)
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
+    _freeze_startup()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
@@ -225,6 +221,15 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _freeze_startup() -> None:
+    """What start-up built (torch, the model's fragments, the config) lives as long as the process:
+    frozen out of the collector, so a full collection later never pauses the loop for it, and
+    no automatic full collection from now on (:data:`GC_THRESHOLDS`; issue 17)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _watch_period_s() -> float | None:
