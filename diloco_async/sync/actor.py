@@ -28,7 +28,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
-from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse, RoundOpen
+from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
 from diloco_async.sync import persistence, reporting
@@ -52,7 +52,7 @@ from diloco_async.sync.state import (
     new_fragments,
 )
 from diloco_async.sync.stopping import Stopping
-from diloco_async.sync.version_infos import VersionInfos
+from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
@@ -143,6 +143,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self._swept_real_s = -float("inf")  # the same, time.monotonic() (SWEEP_MIN_S)
         self._sweep_pending = False  # a sweep was put off (SWEEP_MIN_S): the next pass comes sooner
         self._versions = VersionInfos()
+        self._replies = HeartbeatReplies(self._versions)
         #: the longest run (s) of each part of the actor's work since a reader last cleared it
         #: (the loop watch of :mod:`~diloco_async.sync.process`): a message by its kind, a part by its name
         self.part_times: dict[str, float] = {}
@@ -342,14 +343,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                            ("step_time_s", hb.step_time_s), ("link_s_per_fragment", hb.link_s_per_fragment)):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
-        opens = []
-        if not stop:
-            for (p, n), rnd in sorted(self.rounds.items()):
-                if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries:
-                    opens.append(RoundOpen(fragment=p, round_n=n, version=self.fragments[p].version))
+        opens = () if stop else tuple(
+            (p, n, self.fragments[p].version) for (p, n), rnd in sorted(self.rounds.items())
+            if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries)
         info.stop_sent = info.stop_sent or stop
-        return HeartbeatResponse(open_rounds=opens, versions=self._versions(self.fragments), stop=stop,
-                                 epoch=self.epoch)
+        return self._replies(self.fragments, opens, stop, self.epoch)  # shared by learners in the same state
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once
