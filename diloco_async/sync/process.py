@@ -64,7 +64,8 @@ SWEEP_EVERY_S = 600.0
 """Seconds between two full collections of everything, frozen objects included."""
 GC_THRESHOLDS = (700, 10, 1_000_000)
 """``gc.set_threshold`` of the synchronizer: the young generations as Python's defaults; no
-automatic full collection (at 1,000 learners they came every 2-3 s and paused the loop 40-260 ms):
+automatic full collection (at 1,000 learners on the shared 2-core machine they came every 2-5 s and
+held the loop 30-340 ms of wall time):
 what survives the young ones is frozen every :data:`FREEZE_EVERY_S` instead, and a full sweep runs
 every :data:`SWEEP_EVERY_S` (:func:`freeze_long_lived`)."""
 
