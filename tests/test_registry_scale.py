@@ -2,7 +2,8 @@
 
 A random sequence of joins, rejoins (new incarnations), heartbeats, clock moves, liveness checks
 and a checkpoint restore drives the registry; after every step its liveness verdicts, live
-learners, tokens processed and provisioned seconds must equal what one pass over every learner
+learners (and the cached ids and "every live learner reported" of them), tokens processed and
+provisioned seconds must equal what one pass over every learner
 (the code before issue 17) gives on the same state.
 """
 
@@ -67,6 +68,9 @@ def test_incremental_registry_matches_full_passes(seed):
             expected_live = dict.fromkeys(expected_live, False)
             mark_s = None
         assert [i.learner_id for i in reg.live()] == [lid for lid, i in reg.learners.items() if expected_live[lid]]
+        live_full_pass = [i for i in reg.learners.values() if i.live]
+        assert reg.live_ids() == tuple(i.learner_id for i in live_full_pass)  # the cached views
+        assert reg.all_live_reported() == all(i.reported for i in live_full_pass)
         assert all(i.live == expected_live[lid] for lid, i in reg.learners.items())
         assert reg.tokens_processed() == sum(led.tokens_processed for led in reg.ledgers.values())
     reg.flush_provisioned()

@@ -8,7 +8,9 @@ every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness
 rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
 The work per message does not grow with the learners (issue 17; DESIGN §2.1): the registry keeps
 liveness, tokens and provisioned seconds incrementally; the schedule and the rounds' quorum
-checks, which look at every live learner, run once the inbox is empty or every :data:`SWEEP_S`.
+checks, which look at every live learner, run once the inbox is empty (but at most every
+:data:`SWEEP_MIN_S` of real time: at 1,000 learners the inbox empties after almost every message)
+or every :data:`SWEEP_S`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
-from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse, RoundOpen
+from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
 from diloco_async.sync import persistence, reporting
@@ -49,16 +51,17 @@ from diloco_async.sync.state import (
     initial_state,
     new_fragments,
 )
-from diloco_async.sync.version_infos import VersionInfos
+from diloco_async.sync.stopping import Stopping
+from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S"]
 
 log = logging.getLogger("diloco.synchronizer")
 
-_FINISH_WAIT_S = 15.0  # after the final write, how long to wait for every learner to hear "stop"
 SWEEP_S = 0.01  # seconds (actor's clock) at most between two runs of the schedule and the rounds' checks
+SWEEP_MIN_S = 0.005  # seconds (real time) at least between two of them while messages keep coming
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -79,7 +82,7 @@ def _learner_of(body: Any) -> str:
     return str(getattr(body, "learner_id", "-"))
 
 
-class Synchronizer(RoundDriver, Checkpointing, Fencing):
+class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     """The synchronizer of one run.
 
     Args:
@@ -137,7 +140,10 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
         self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
+        self._swept_real_s = -float("inf")  # the same, time.monotonic() (SWEEP_MIN_S)
+        self._sweep_pending = False  # a sweep was put off (SWEEP_MIN_S): the next pass comes sooner
         self._versions = VersionInfos()
+        self._replies = HeartbeatReplies(self._versions)
         #: the longest run (s) of each part of the actor's work since a reader last cleared it
         #: (the loop watch of :mod:`~diloco_async.sync.process`): a message by its kind, a part by its name
         self.part_times: dict[str, float] = {}
@@ -200,16 +206,18 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
                 # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as wait_for's inner
                 # get() finishes is swallowed (CPython gh-86296), and a cancelled actor then loops for good
                 try:
-                    async with asyncio.timeout(0.05):
+                    async with asyncio.timeout(SWEEP_MIN_S if self._sweep_pending else 0.05):
                         msg = await self.inbox.get()
                 except TimeoutError:
                     msg = None
                 if msg is not None:
                     self._guarded(self._dispatch, msg)
                 self._advance()
-                if self.board.due() or self.finished.is_set():
+                self.board.tick(self.life.phase.value)  # O(1): /health; /status is built when asked
+                if (self.board.wanted() and self.board.due()) or self.finished.is_set():
                     self._guarded(self._publish_status, None)
         finally:
+            self.board.close()
             for t in list(self._tasks):
                 t.cancel()
             if self._tasks:
@@ -233,8 +241,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
 
     def _publish_status(self, _arg: Any) -> None:
         t0 = time.perf_counter()
-        doc = self.status()
-        self.board.publish(doc, time.perf_counter() - t0)
+        self.board.publish(self.status(), time.perf_counter() - t0)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -297,8 +304,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             name = (getattr(arg, "kind", None) or type(arg).__name__) if part == self._dispatch else part.__name__
             self.part_times[name] = max(time.perf_counter() - t0, self.part_times.get(name, 0.0))
 
-    # -- counted without a round --------------------------------------------------------------
-
     def count_bad_request(self, reason: str = "invalid") -> None:
         """Called by the HTTP layer for a request that does not validate (it logs it); ``reason``
         comes from a bounded set (``json_too_deep``, ``field:step``, ...)."""
@@ -338,14 +343,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
                            ("step_time_s", hb.step_time_s), ("link_s_per_fragment", hb.link_s_per_fragment)):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
-        opens = []
-        if not stop:
-            for (p, n), rnd in sorted(self.rounds.items()):
-                if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries:
-                    opens.append(RoundOpen(fragment=p, round_n=n, version=self.fragments[p].version))
+        opens = () if stop else tuple(
+            (p, n, self.fragments[p].version) for (p, n), rnd in sorted(self.rounds.items())
+            if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries)
         info.stop_sent = info.stop_sent or stop
-        return HeartbeatResponse(open_rounds=opens, versions=self._versions(self.fragments), stop=stop,
-                                 epoch=self.epoch)
+        return self._replies(self.fragments, opens, stop, self.epoch)  # shared by learners in the same state
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once
@@ -360,8 +362,12 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
-        sweep = self.inbox.empty() or now - self._swept_s >= SWEEP_S  # see SWEEP_S
-        self._swept_s = now if sweep else self._swept_s
+        real_s = time.monotonic()  # see SWEEP_S and SWEEP_MIN_S
+        sweep = ((self.inbox.empty() and real_s - self._swept_real_s >= SWEEP_MIN_S)
+                 or now - self._swept_s >= SWEEP_S)
+        self._sweep_pending = not sweep
+        if sweep:
+            self._swept_s, self._swept_real_s = now, real_s
         for part in (self._liveness, self._check_budget, *((self._schedule, self._progress_rounds) if sweep else ()),
                      self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
             self._guarded(part, now)
@@ -388,63 +394,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing):
             if reason is not None:
                 self._begin_stop(reason)
 
-    def _check_drain(self, now: float) -> None:
-        if self.life.phase is Phase.DRAINING and (not self.rounds or now >= self._drain_until_s):
-            log.info("drain finished (%s)", "every last round closed" if not self.rounds else "timeout")
-            self._begin_stop(self.life.drain_reason)
-
     def _checkpoint_if_due(self, now: float) -> None:
         if self.life.running and self.checkpoints.due(now, self.counters["merges"], self.sc.checkpoint_every_s):
             self._start_checkpoint()
-
-    def _begin_stop(self, reason: str) -> None:
-        """Stop: first drain (a last round of every fragment, at most ``drain_s``), then tell the
-        learners to stop, close the open rounds, write the final checkpoint and the summary."""
-        now = self.clock()
-        if self.life.running and self.sc.drain_s > 0 and self.registry.live():
-            self.life.move(Phase.DRAINING)
-            self.life.drain_reason = reason
-            self._drain_until_s = now + self.sc.drain_s
-            opened = self._open_last_rounds(now)
-            log.info("stopping (%s): draining, last rounds %s, at most %.0fs", reason, ", ".join(opened) or "-",
-                     self.sc.drain_s)
-            return
-        self.life.move(Phase.STOPPING)
-        self.life.stop_reason, self.life.stop_since_s = reason, now
-        log.info("stopping: %s", reason)
-        self.push.publish({"type": "stop", "reason": reason})
-        self.waiting.clear()
-
-    def _progress_stop(self, now: float) -> None:
-        """STOPPING -> final checkpoint -> summary written -> every learner told -> FINISHED."""
-        if not self.life.stopped or self.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
-            return
-        phase = self.life.phase
-        if phase is Phase.STOPPING:
-            self.life.move(Phase.FINAL_CHECKPOINT)
-            # the summary's figures are taken in the same step as the final checkpoint's, so a resume
-            # continues every counter from the value the summary reports (learners still heard from
-            # while the checkpoint is written count in neither)
-            self._final_figures = self.summary()
-            self._start_checkpoint()
-        elif phase is Phase.FINAL_CHECKPOINT:
-            self.life.move(Phase.WRITING_SUMMARY)
-            self.final_summary = reporting.with_checkpoint_outcome(self._final_figures, self)
-            self.report.goodput_series(self.ledgers, self.final_summary["uptime"],
-                                       self.registry.silent_s(now), per_learner=True)
-            self.report.seal()  # the spill files are complete: nothing more goes to the store
-            self._spawn(self._write_final())
-        elif phase is Phase.FINISHING and (self.registry.everyone_told_to_stop()
-                                           or now - (self.life.stop_since_s or now) > _FINISH_WAIT_S):
-            self.life.move(Phase.FINISHED)
-            self.finished.set()
-
-    async def _write_final(self) -> None:
-        ok = True
-        try:
-            await asyncio.to_thread(reporting.write_final, self.store, self.run_id, self.epoch,
-                                    self.final_summary, self.report)
-        except Exception as err:
-            log.error("could not write the final summary: %s", err)
-            ok = False
-        await self.inbox.put(FinalWritten(ok))

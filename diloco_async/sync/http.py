@@ -213,9 +213,30 @@ async def _join(request: web.Request) -> web.Response:
     return _model_json(resp)
 
 
+class _ReplyBytes:
+    """The JSON of the actor's heartbeat replies, by model: learners in the same state get the same
+    model (:class:`~diloco_async.sync.version_infos.HeartbeatReplies`), serialized once here (the
+    models are held, so their identities cannot be reused meanwhile)."""
+
+    def __init__(self, cap: int = 512) -> None:
+        self.cap = cap
+        self._bytes: dict[int, tuple[BaseModel, bytes]] = {}
+
+    def __call__(self, model: BaseModel) -> web.Response:
+        got = self._bytes.get(id(model))
+        if got is None or got[0] is not model:
+            if len(self._bytes) >= self.cap:
+                self._bytes.clear()
+            got = self._bytes[id(model)] = (model, model.__pydantic_serializer__.to_json(model))
+        return web.Response(body=got[1], content_type="application/json")
+
+
+REPLY_BYTES = web.AppKey("reply_bytes", _ReplyBytes)
+
+
 async def _heartbeat(request: web.Request) -> web.Response:
     resp = await _ask(request, "heartbeat", await _parse_as_learner(request, Heartbeat))
-    return _model_json(resp)
+    return request.app[REPLY_BYTES](resp)
 
 
 async def _announce(request: web.Request) -> web.Response:
@@ -230,13 +251,17 @@ async def _announce(request: web.Request) -> web.Response:
 
 def _board(request: web.Request):
     sync = request.app[SYNC]
-    if sync.board.doc is None:  # the actor has not run yet: nothing else touches the state
-        sync.board.publish(sync.status())
+    if sync.board.doc is None and sync.board.ticked_s is None:  # the actor has not run yet: nothing else
+        sync.board.publish(sync.status())                        # touches the state
     return sync.board
 
 
 async def _status(request: web.Request) -> web.Response:
-    body = _board(request).status_body(request.app[SYNC].report.edge_rejections)
+    board, sync = _board(request), request.app[SYNC]
+    await board.wait_fresh()  # the actor builds a snapshot at the end of its pass when the newest is stale
+    if board.doc is None:  # none came in time (the actor is stuck): built here, between two of its steps
+        board.publish(sync.status())
+    body = board.status_body(sync.report.edge_rejections)
     return web.Response(text=body, content_type="application/json")
 
 
@@ -371,6 +396,7 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
     app[SYNC] = sync
     app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
     app[EVENT_TEXT] = _EventText()
+    app[REPLY_BYTES] = _ReplyBytes()
     app[FANOUT] = _FanOut(sync.push.max_queue)
     app.cleanup_ctx.append(app[FANOUT].running)
     app.add_routes([web.post("/join", _join), web.post("/heartbeat", _heartbeat), web.post("/announce", _announce),

@@ -76,6 +76,8 @@ class LearnerRegistry:
         self._heard: list[tuple[float, int, LearnerInfo]] = []
         self._ties = itertools.count()
         self._live: tuple[LearnerInfo, ...] | None = None  # None: rebuild at the next live()
+        self._live_ids: tuple[str, ...] | None = None  # of the cached live tuple (None: rebuild)
+        self._all_reported: bool | None = None  # every live learner reported (None: look again)
         self._tokens_processed = 0  # the sum of the ledgers' tokens_processed
         self._provisioned_at_s: float | None = None  # the time the provisioned seconds run to
         self._provisioned_flushed = True
@@ -91,7 +93,23 @@ class LearnerRegistry:
         """The live learners in join order (a cached tuple, rebuilt after a learner came or went)."""
         if self._live is None:
             self._live = tuple(i for i in self.learners.values() if i.live)
+            self._live_ids = self._all_reported = None
         return self._live
+
+    def live_ids(self) -> tuple[str, ...]:
+        """The ids of :meth:`live` (cached with it)."""
+        live = self.live()
+        if self._live_ids is None:
+            self._live_ids = tuple(i.learner_id for i in live)
+        return self._live_ids
+
+    def all_live_reported(self) -> bool:
+        """Has every live learner sent a heartbeat to this process (:attr:`LearnerInfo.reported`)?
+        Cached: looked at again only after a learner came, went or reported for the first time."""
+        live = self.live()
+        if self._all_reported is None:
+            self._all_reported = all(i.reported for i in live)
+        return self._all_reported
 
     def _watch(self, info: LearnerInfo) -> None:
         """Put a live learner into the liveness heap (once)."""
@@ -154,7 +172,8 @@ class LearnerRegistry:
         """
         info = self.learners[hb.learner_id]
         was_lost = not info.live
-        info.reported = True
+        if not info.reported:
+            info.reported, self._all_reported = True, None
         dt_s = now_s - info.last_seen_s
         led = self.ledgers[hb.learner_id]
         if was_lost:

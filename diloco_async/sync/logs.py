@@ -67,7 +67,10 @@ class JsonLinesLog:
             self.source, self._path = Path(path), path
 
     def append(self, record: dict) -> None:
-        line = json.dumps(record)
+        self.append_line(json.dumps(record))
+
+    def append_line(self, line: str) -> None:
+        """Append a record already encoded as one line of JSON (``json.dumps`` of a dict; no newline)."""
         self._lines.append(line)
         self._total += 1
         if not self._sealed:

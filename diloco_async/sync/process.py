@@ -43,7 +43,7 @@ from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
 from storage.store import ObjectStore
 
 __all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV", "EXIT_LEASE_HELD", "EXIT_LEASE_LOST",
-           "LoopWatch", "LOOP_WATCH_ENV", "freeze_long_lived", "FREEZE_EVERY_S", "SWEEP_EVERY_S"]
+           "LoopWatch", "LOOP_WATCH_ENV", "freeze_long_lived", "FREEZE_EVERY_S", "SWEEP_EVERY_S", "GC_THRESHOLDS"]
 
 log = logging.getLogger("diloco.server")
 
@@ -61,6 +61,13 @@ _STALL_S = 0.1  # a lag this long is logged as a warning (at most every 10 s)
 FREEZE_EVERY_S = 5.0
 """Seconds between two freezes of what survived the young collections (:func:`freeze_long_lived`)."""
 SWEEP_EVERY_S = 600.0
+"""Seconds between two full collections of everything, frozen objects included."""
+GC_THRESHOLDS = (700, 10, 1_000_000)
+"""``gc.set_threshold`` of the synchronizer: the young generations as Python's defaults; no
+automatic full collection (at 1,000 learners on the shared 2-core machine they came every 2-5 s and
+held the loop 30-340 ms of wall time):
+what survives the young ones is frozen every :data:`FREEZE_EVERY_S` instead, and a full sweep runs
+every :data:`SWEEP_EVERY_S` (:func:`freeze_long_lived`)."""
 
 #: the synchronizer's C heap maps buffers of 4 MiB and more on their own (diloco_async/heap.py):
 #: at 25M parameters its peak RSS beyond the baseline fell from 5.6-6.8x to 4-5x the model
@@ -70,7 +77,6 @@ SYNC_MMAP_THRESHOLD_BYTES = 4 << 20
 #: (while it took the lease, restored a checkpoint or opened its socket): served as a clean stop
 #: as soon as the synchronizer runs, so a Ctrl-C during start-up never kills it half-way
 _EARLY_STOP_SIGNALS: list[str] = []
-"""Seconds between two full collections of everything, frozen objects included."""
 
 
 async def freeze_long_lived(every_s: float = FREEZE_EVERY_S, sweep_every_s: float = SWEEP_EVERY_S) -> None:
@@ -204,10 +210,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     log.info("synchronizer run=%s listening on %s", run_id, url)
     loop = asyncio.get_running_loop()
     _handle_stop_signals(loop, sync)
-    # what start-up built (torch, the model's fragments, the config) lives as long as the process:
-    # frozen out of the collector, so a full collection later never pauses the loop for it (issue 17)
-    gc.collect()
-    gc.freeze()
+    _freeze_startup()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
@@ -237,6 +240,15 @@ def _handle_stop_signals(loop: asyncio.AbstractEventLoop, sync: Synchronizer) ->
     if _EARLY_STOP_SIGNALS:
         log.warning("%s during start-up: stopping cleanly", _EARLY_STOP_SIGNALS[0])
         loop.create_task(sync.request("stop", f"signal {_EARLY_STOP_SIGNALS[0]}"))
+
+
+def _freeze_startup() -> None:
+    """What start-up built (torch, the model's fragments, the config) lives as long as the process:
+    frozen out of the collector, so a full collection later never pauses the loop for it, and
+    no automatic full collection from now on (:data:`GC_THRESHOLDS`; issue 17)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _watch_period_s() -> float | None:

@@ -20,6 +20,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
 from diloco_async.goodput import MergeGaps, totals, window_goodput
@@ -82,9 +83,12 @@ class Reporter:
         """One metric point; ``step`` defaults to the number of merges so far. A non-finite value
         is logged as null (the stream is standard JSON)."""
         value = float(value)
-        self.metrics.append({"key": key, "value": value if math.isfinite(value) else None,
-                             "step": int(self.counters["merges"] if step is None else step),
-                             "timestamp_ms": int(time.time() * 1000)})
+        # the line json.dumps writes for this dict, formatted directly: a metric point is logged for
+        # every heartbeat (several) and every learner at each merge, ~3x faster this way (issue 17)
+        self.metrics.append_line(
+            f'{{"key": {_json_str(key)}, "value": {float.__repr__(value) if math.isfinite(value) else "null"}, '
+            f'"step": {int(self.counters["merges"] if step is None else step)}, '
+            f'"timestamp_ms": {int(time.time() * 1000)}}}')
 
     def add_bytes_in(self, nbytes: int) -> None:
         """Count bytes of a verified contribution (``bytes_in``) and credit its window."""

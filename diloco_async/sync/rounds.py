@@ -114,7 +114,7 @@ class RoundDriver:
         H, num = self.sc.sync_every, len(self.fragments)
         # judged only on steps reported to this process: after a resume, the restored steps are the
         # checkpoint's and lag the versions kept since, which would look like a schedule out of reach
-        current = all(i.reported for i in self.registry.live())
+        current = self.registry.all_live_reported()
         due = [round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.fragments]
         shift, why = (schedule_shift(g=g, shift=self.schedule_shift_steps, sync_every=H, next_due=due) if current
                       else (self.schedule_shift_steps, None))
@@ -261,7 +261,7 @@ class RoundDriver:
     # -- quorum, grace, merge -----------------------------------------------------------------
 
     def _progress_rounds(self, now: float) -> None:
-        live_ids = [i.learner_id for i in self.registry.live()]
+        live_ids = self.registry.live_ids()
         for (p, n), rnd in list(self.rounds.items()):
             st = rnd.state
             if st.stage is RoundStage.OPEN and not self._progress_open(rnd, now):
@@ -319,7 +319,7 @@ class RoundDriver:
     def _abandon_if_stuck(self, rnd: Round, now: float) -> bool:
         """A round that cannot reach its quorum from the live learners (or waited round_timeout_s) is
         abandoned and, when the live learners can make a quorum, reopened at once. True: abandoned."""
-        st, live = rnd.state, [i.learner_id for i in self.registry.live()]
+        st, live = rnd.state, self.registry.live_ids()
         if st.quorum_reachable(live):
             st.unreachable_since_s = None
         elif st.unreachable_since_s is None:

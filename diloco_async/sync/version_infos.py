@@ -1,13 +1,17 @@
-"""The current version of every fragment as the learners are told it (join and heartbeat replies)."""
+"""The current version of every fragment as the learners are told it (join and heartbeat replies),
+and the heartbeat replies themselves, shared by the learners in the same state (issue 17)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diloco_async.messages import VersionInfo
+from diloco_async.messages import HeartbeatResponse, RoundOpen, VersionInfo
 from diloco_async.sync.state import FragmentState
 
-__all__ = ["VersionInfos"]
+__all__ = ["VersionInfos", "HeartbeatReplies", "REPLIES_CAP"]
+
+REPLIES_CAP = 256
+"""Distinct heartbeat replies kept (they differ only by the open rounds a learner has not announced to)."""
 
 
 class VersionInfos:
@@ -20,7 +24,7 @@ class VersionInfos:
 
     def __call__(self, fragments: Sequence[FragmentState]) -> list[VersionInfo]:
         """A new list (the caller may keep it) of the fragments' current versions, by fragment."""
-        key = tuple((f.version, f.refs[f.version].key, f.refs[f.version].sha256, f.compact) for f in fragments)
+        key = self.key(fragments)
         if key != self._key or not self._infos:
             self._infos = [VersionInfo(fragment=f.p, version=f.version, key=f.refs[f.version].key,
                                        nbytes=f.refs[f.version].nbytes, sha256=f.refs[f.version].sha256,
@@ -28,3 +32,32 @@ class VersionInfos:
                            for f in fragments]
             self._key = key
         return list(self._infos)
+
+    @staticmethod
+    def key(fragments: Sequence[FragmentState]) -> tuple:
+        """What the versions told depend on (equal keys: equal version infos)."""
+        return tuple((f.version, f.refs[f.version].key, f.refs[f.version].sha256, f.compact) for f in fragments)
+
+
+class HeartbeatReplies:
+    """The reply to a known learner's heartbeat, one model per distinct content (the open rounds it
+    has not announced to, the fragments' versions, stop, epoch): the learners in the same state get
+    the same model, and the HTTP layer serializes each model once. Replies are never changed after
+    they are handed out (callers must not change them either)."""
+
+    def __init__(self, versions: VersionInfos) -> None:
+        self._versions = versions
+        self._replies: dict[tuple, HeartbeatResponse] = {}
+
+    def __call__(self, fragments: Sequence[FragmentState], opens: tuple[tuple[int, int, int], ...], stop: bool,
+                 epoch: str) -> HeartbeatResponse:
+        """The reply; ``opens``: the open rounds to tell, each ``(fragment, round_n, version)``."""
+        key = (VersionInfos.key(fragments), opens, stop, epoch)
+        reply = self._replies.get(key)
+        if reply is None:
+            if len(self._replies) >= REPLIES_CAP:
+                self._replies.clear()
+            reply = self._replies[key] = HeartbeatResponse(
+                open_rounds=[RoundOpen(fragment=p, round_n=n, version=v) for p, n, v in opens],
+                versions=self._versions(fragments), stop=stop, epoch=epoch)
+        return reply
