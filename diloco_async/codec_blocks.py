@@ -5,8 +5,9 @@ torch only. Written for speed at the same bits (issue 17, item 4): each full-siz
 torch kernel over a whole chunk, in place on a buffer this module owns where it can, so that a
 round trip makes as few passes over memory as its arithmetic needs:
 
-* encode: ``|x|`` into a scratch chunk, the per-block ``amax`` of it, ``x / scale`` into the
-  same scratch, ``round`` in place, the narrowing copy to int8 (five float passes);
+* encode: ``|x|`` into a scratch chunk, the per-block ``amax`` of it, ``M + x / scale`` into the
+  same scratch in one ``addcdiv`` (the rounding, see :data:`_ROUNDING_MAGIC`), the narrowing
+  copy of its low bytes to int8 (four float passes);
 * decode: the widening copy of the int8 values into the float32 output and one in-place
   multiply by the block scales (two float passes).
 
@@ -26,6 +27,10 @@ __all__ = ["quantize", "dequantize"]
 #: elements quantized per step (a whole number of blocks): bounds the float32 scratch at 4 MiB
 CHUNK_ELEMS = 1 << 20
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
+#: ``M = 1.5 · 2²³``: for ``|v| < 2²²``, ``fl(v + M) = M + round(v)`` (round half to even: the float
+#: grid there is the integers), and its bits as an int32 are ``0x4B400000 + round(v)``, so their
+#: low byte is ``round(v)`` as an int8 for ``|round(v)| ≤ 127``
+_ROUNDING_MAGIC = 1.5 * 2.0**23
 
 
 def _divisors(scale: Tensor) -> tuple[Tensor, bool]:
@@ -76,12 +81,16 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
     q[n:] = 0
     q_rows = q[: nfull * bs].view(nfull, bs)
 
+    magic = torch.full((1, bs), _ROUNDING_MAGIC, dtype=torch.float32)
+
     def step(rows: Tensor, rows_safe: Tensor, out: Tensor, work: Tensor) -> None:
-        torch.div(rows, rows_safe[:, None], out=work)
-        work.round_()
-        if careful:
-            work.clamp_(-qmax, qmax).nan_to_num_(nan=0.0)  # NaN/Inf blocks carry a non-finite scale
-        out.copy_(work)
+        if careful:  # NaN/Inf blocks carry a non-finite scale, subnormal ones can overflow qmax
+            torch.div(rows, rows_safe[:, None], out=work)
+            work.round_().clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
+            out.copy_(work)
+        else:  # M + x / scale in one kernel: its low byte is round(x / scale)
+            torch.addcdiv(magic, rows, rows_safe[:, None], out=work)
+            out.copy_(work.view(torch.int32))
 
     for r0, r1 in steps:
         step(blocks[r0:r1], safe[r0:r1], q_rows[r0:r1], scratch[: r1 - r0])
