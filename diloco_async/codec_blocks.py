@@ -17,6 +17,7 @@ reciprocal; round half to even; a short last block zero-padded for its absmax).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -31,6 +32,12 @@ _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 #: grid there is the integers), and its bits as an int32 are ``0x4B400000 + round(v)``, so their
 #: low byte is ``round(v)`` as an int8 for ``|round(v)| ≤ 127``
 _ROUNDING_MAGIC = 1.5 * 2.0**23
+
+
+@functools.lru_cache(maxsize=8)
+def _magic_row(block_size: int) -> Tensor:
+    """``(1, block_size)`` float32 of :data:`_ROUNDING_MAGIC` (read only, shared)."""
+    return torch.full((1, block_size), _ROUNDING_MAGIC, dtype=torch.float32)
 
 
 def _divisors(scale: Tensor) -> tuple[Tensor, bool]:
@@ -78,10 +85,11 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
     scale.div_(qmax)
     safe, careful = _divisors(scale)
     q = torch.empty(-(-n // pad_multiple) * pad_multiple, dtype=torch.int8)
-    q[n:] = 0
+    if q.numel() > n:
+        q[n:] = 0
     q_rows = q[: nfull * bs].view(nfull, bs)
 
-    magic = torch.full((1, bs), _ROUNDING_MAGIC, dtype=torch.float32)
+    magic = _magic_row(bs)
 
     def step(rows: Tensor, rows_safe: Tensor, out: Tensor, work: Tensor) -> None:
         if careful:  # NaN/Inf blocks carry a non-finite scale, subnormal ones can overflow qmax
@@ -105,7 +113,7 @@ def dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
     """int8 values (at least ``n``; the first ``n`` are used) and float32 scales → float32
     ``(n,)``: ``float(q) * scale``, converted into the output, then scaled in place."""
     out = torch.empty(n, dtype=torch.float32)
-    out.copy_(q[:n])
+    out.copy_(q if q.numel() == n else q[:n])
     nfull = n // block_size
     head = nfull * block_size
     if nfull:
