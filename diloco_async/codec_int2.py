@@ -82,8 +82,10 @@ def unpack_int2(packed: Tensor, n: int) -> Tensor:
             out[:, j] >>= 6
         return out.reshape(-1)[:n]
     word = flat.to(torch.int32)  # 0..255
-    word |= word << 6  # byte 1 holds code 1 in its low bits (junk above)
-    word |= word << 12  # bytes 2 and 3 hold codes 2 and 3 in their low bits
+    spread = word << 6
+    word |= spread  # byte 1 holds code 1 in its low bits (junk above)
+    torch.bitwise_left_shift(word, 12, out=spread)
+    word |= spread  # bytes 2 and 3 hold codes 2 and 3 in their low bits
     word &= 0x03030303
     word ^= 0x02020202
     q = word.view(torch.int8)  # byte j of word i: element 4i + j
