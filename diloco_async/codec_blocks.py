@@ -5,7 +5,7 @@ torch only. Written for speed at the same bits (issue 17, item 4): each full-siz
 torch kernel over a whole chunk, in place on a buffer this module owns where it can, so that a
 round trip makes as few passes over memory as its arithmetic needs:
 
-* encode: ``|x|`` into a scratch chunk, the per-block ``amax`` of it, ``M + x / scale`` into the
+* encode: ``|x|`` into a scratch chunk (as int32 bits), the per-block ``amax`` of it, ``M + x / scale`` into the
   same scratch in one ``addcdiv`` (the rounding, see :data:`_ROUNDING_MAGIC`), the narrowing
   copy of its low bytes to int8 (four float passes);
 * decode: the widening copy of the int8 values into the float32 output and one in-place
@@ -57,6 +57,23 @@ def _divisors(scale: Tensor) -> tuple[Tensor, bool]:
     return safe, not (lo >= _FLOAT32_TINY and hi < math.inf)
 
 
+def _block_absmax(blocks: Tensor, steps: list[tuple[int, int]], scratch: Tensor, scale: Tensor) -> None:
+    """``scale[k] = amax(|blocks[k]|)`` for the full blocks ``(nfull, B)``, step by step in ``scratch``.
+
+    On the bits: with the sign bit cleared, the int32 order of float32 bits is the order of the
+    magnitudes (``+0`` lowest, ``+Inf`` above every finite value, NaNs above ``+Inf``), and an int32
+    ``amax`` is much cheaper than a float one (no NaN propagation). A block holding a NaN gets a
+    NaN either way, but which NaN payload could differ when a block holds several: if any block
+    came out NaN, the scales are recomputed with the float ``amax`` of ``|x|`` (the reference)."""
+    bits = blocks.view(torch.int32)
+    for r0, r1 in steps:
+        magnitude = torch.bitwise_and(bits[r0:r1], 0x7FFFFFFF, out=scratch[: r1 - r0].view(torch.int32))
+        torch.amax(magnitude, dim=1, out=scale[r0:r1].view(torch.int32))
+    if steps and not bool(torch.aminmax(scale[: steps[-1][1]])[1] <= math.inf):  # a NaN block
+        for r0, r1 in steps:
+            torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
+
+
 def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tuple[Tensor, Tensor]:
     """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(m,)`` with ``m`` = ``n``
     rounded up to a multiple of ``pad_multiple``, zeros after the first ``n``; float32 scales,
@@ -75,8 +92,7 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
     steps = [(r0, min(r0 + rows_per_step, nfull)) for r0 in range(0, nfull, rows_per_step)]
     scale = torch.empty(nfull + (1 if tail else 0), dtype=torch.float32)
     scratch = torch.empty(max(1, min(rows_per_step, nfull)), bs, dtype=torch.float32)
-    for r0, r1 in steps:
-        torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
+    _block_absmax(blocks, steps, scratch, scale)
     last = None
     if tail:
         last = torch.zeros(1, bs, dtype=torch.float32)
