@@ -138,14 +138,19 @@ def _pack_int4(q: Tensor, consume: bool = False) -> Tensor:
     return word.to(torch.int8).view(torch.uint8)
 
 
-def _unpack_int4(packed: Tensor, n: int) -> Tensor:
+def _unpack_int4(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tensor:
     """Inverse of :func:`_pack_int4`: uint8 ``(ceil(n/2),)`` → int8 values, shape ``(n,)``; each
-    nibble ``v`` is sign-extended as ``(v ^ 8) - 8`` (bytewise, no shifts of 8-bit lanes)."""
+    nibble ``v`` is sign-extended as ``(v ^ 8) - 8`` (bytewise, no shifts of 8-bit lanes).
+    ``scratch``: optional memory of at least ``ceil(n/2)`` int16 for a shifted copy (e.g. the
+    decoded output's, which is written only after this returns)."""
     if not _LITTLE_ENDIAN:
         b = packed.view(torch.int8)
         return torch.stack(((b << 4) >> 4, b >> 4), dim=1).reshape(-1)[:n]
     word = packed.to(torch.int16)  # 0..255
-    word |= word << 4  # low byte: the low nibble (junk above it); high byte: the high nibble
+    if scratch is None:
+        word |= word << 4  # low byte: the low nibble (junk above it); high byte: the high nibble
+    else:
+        word |= torch.bitwise_left_shift(word, 4, out=scratch.view(torch.int16)[: word.numel()])
     word &= 0x0F0F
     word ^= 0x0808
     q = word.view(torch.int8)
@@ -237,13 +242,14 @@ def decode(
         else:
             scale_key = name + SCALE_SUFFIX
             scale = _entry(encoded, scale_key, torch.float32, math.ceil(n / block_size), codec)
+            values = torch.empty(n, dtype=torch.float32)  # the output, and the unpacking's scratch before
             if codec == "int8":
                 q = _entry(encoded, name, torch.int8, n, codec).reshape(-1)
             elif codec == "int4":
-                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n)
+                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n, values)
             else:
-                q = unpack_int2(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n)
-            out[name] = _dequantize(q, scale.reshape(-1), n, block_size).reshape(shape)
+                q = unpack_int2(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n, values)
+            out[name] = dequantize(q, scale.reshape(-1), n, block_size, values).reshape(shape)
             expected_keys.update((name, scale_key))
     unexpected = sorted(set(encoded) - expected_keys)
     if unexpected:

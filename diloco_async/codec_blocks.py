@@ -125,10 +125,12 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
     return q, scale
 
 
-def dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
+def dequantize(q: Tensor, scale: Tensor, n: int, block_size: int, out: Tensor | None = None) -> Tensor:
     """int8 values (at least ``n``; the first ``n`` are used) and float32 scales → float32
-    ``(n,)``: ``float(q) * scale``, converted into the output, then scaled in place."""
-    out = torch.empty(n, dtype=torch.float32)
+    ``(n,)``: ``float(q) * scale``, converted into the output (``out``, float32 ``(n,)``, or a new
+    tensor), then scaled in place."""
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
     out.copy_(q if q.numel() == n else q[:n])
     nfull = n // block_size
     head = nfull * block_size

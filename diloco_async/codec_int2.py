@@ -70,9 +70,11 @@ def pack_int2(q: Tensor, consume: bool = False) -> Tensor:
     return word.to(torch.int8).view(torch.uint8)
 
 
-def unpack_int2(packed: Tensor, n: int) -> Tensor:
+def unpack_int2(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tensor:
     """Inverse of :func:`pack_int2`: uint8 ``(ceil(n/4),)`` → int8 values, shape ``(n,)``; each
-    code ``c`` is sign-extended as ``(c ^ 2) - 2`` (``0b10``, never written, reads as -2)."""
+    code ``c`` is sign-extended as ``(c ^ 2) - 2`` (``0b10``, never written, reads as -2).
+    ``scratch``: optional memory of at least ``ceil(n/4)`` int32 for the shifted copies (e.g.
+    the decoded output's, which is written only after this returns)."""
     flat = packed.reshape(-1)
     if not _LITTLE_ENDIAN:
         b = flat.view(torch.int8)
@@ -82,7 +84,10 @@ def unpack_int2(packed: Tensor, n: int) -> Tensor:
             out[:, j] >>= 6
         return out.reshape(-1)[:n]
     word = flat.to(torch.int32)  # 0..255
-    spread = word << 6
+    if scratch is None:
+        spread = word << 6
+    else:
+        spread = torch.bitwise_left_shift(word, 6, out=scratch.view(torch.int32)[: word.numel()])
     word |= spread  # byte 1 holds code 1 in its low bits (junk above)
     torch.bitwise_left_shift(word, 12, out=spread)
     word |= spread  # bytes 2 and 3 hold codes 2 and 3 in their low bits
