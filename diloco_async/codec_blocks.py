@@ -57,21 +57,23 @@ def _divisors(scale: Tensor) -> tuple[Tensor, bool]:
     return safe, not (lo >= _FLOAT32_TINY and hi < math.inf)
 
 
-def _block_absmax(blocks: Tensor, steps: list[tuple[int, int]], scratch: Tensor, scale: Tensor) -> None:
+def _block_absmax(blocks: Tensor, steps: list[tuple[int, int]], scratch: Tensor, scale: Tensor,
+                  exact_nan: bool = False) -> None:
     """``scale[k] = amax(|blocks[k]|)`` for the full blocks ``(nfull, B)``, step by step in ``scratch``.
 
     On the bits: with the sign bit cleared, the int32 order of float32 bits is the order of the
     magnitudes (``+0`` lowest, ``+Inf`` above every finite value, NaNs above ``+Inf``), and an int32
     ``amax`` is much cheaper than a float one (no NaN propagation). A block holding a NaN gets a
-    NaN either way, but which NaN payload could differ when a block holds several: if any block
-    came out NaN, the scales are recomputed with the float ``amax`` of ``|x|`` (the reference)."""
+    NaN either way, but which NaN payload could differ when a block holds several: with
+    ``exact_nan`` the float ``amax`` of ``|x|`` (the reference's) is used instead."""
+    if exact_nan:
+        for r0, r1 in steps:
+            torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
+        return
     bits = blocks.view(torch.int32)
     for r0, r1 in steps:
         magnitude = torch.bitwise_and(bits[r0:r1], 0x7FFFFFFF, out=scratch[: r1 - r0].view(torch.int32))
         torch.amax(magnitude, dim=1, out=scale[r0:r1].view(torch.int32))
-    if steps and not bool(torch.aminmax(scale[: steps[-1][1]])[1] <= math.inf):  # a NaN block
-        for r0, r1 in steps:
-            torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
 
 
 def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tuple[Tensor, Tensor]:
@@ -100,6 +102,10 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
         torch.amax(last.abs(), dim=1, out=scale[nfull:])
     scale.div_(qmax)
     safe, careful = _divisors(scale)
+    if careful and nfull and bool(scale[:nfull].isnan().any()):  # NaN blocks: the reference's payload
+        _block_absmax(blocks, steps, scratch, scale, exact_nan=True)
+        scale[:nfull].div_(qmax)
+        safe, careful = _divisors(scale)
     q = torch.empty(-(-n // pad_multiple) * pad_multiple, dtype=torch.int8)
     if q.numel() > n:
         q[n:] = 0
