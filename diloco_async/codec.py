@@ -44,6 +44,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from diloco_async.codec_blocks import dequantize, quantize
 from diloco_async.codec_int2 import int2_packed_numel, pack_int2, unpack_int2
 
 __all__ = [
@@ -65,6 +66,7 @@ SCALE_SUFFIX = "::scale"
 """Suffix of the per-block float32 scales of a quantized tensor (``name::scale``)."""
 
 _QMAX = {"int8": 127, "int4": 7, "int2": 1}
+_PAD = {"int8": 1, "int4": 2, "int2": 4}  # values per packed byte: quantize pads to whole bytes
 _HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 # dtype of a payload's value entries
 _ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "int8": "I8", "int4": "U8", "int2": "U8"}
@@ -95,72 +97,14 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
 
 
-#: elements quantized per step (a whole number of blocks): bounds the float32 scratch at 4 MiB
-_CHUNK_ELEMS = 1 << 20
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny
-
-
 def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(n,)``; float32 scales,
-    shape ``(ceil(n / block_size),)``).
-
-    Vectorised over whole blocks, in steps of about :data:`_CHUNK_ELEMS` elements so that the
-    float32 scratch stays small; only a short last block is copied (zero-padded). Two passes:
-    the scales, then ``round(x / scale)`` (a division, not a multiplication by the reciprocal;
-    round half to even). When every scale is 0 or a finite normal float, ``|x / scale|`` cannot
-    pass ``qmax·(1 + 2⁻²³)`` and the clamp and NaN cleaning are skipped; otherwise (subnormal
-    or non-finite scales) each step clamps to ``[-qmax, qmax]`` and sets NaN quotients to 0."""
-    flat = x.detach().reshape(-1)
-    if flat.device.type != "cpu" or flat.dtype != torch.float32:
-        flat = flat.to(device="cpu", dtype=torch.float32)
-    n, bs = flat.numel(), block_size
-    nfull, tail = divmod(n, bs)
-    nrows = nfull + (1 if tail else 0)
-    blocks = flat[: nfull * bs].view(nfull, bs)
-    rows_per_step = max(1, _CHUNK_ELEMS // bs)
-    steps = [(r0, min(r0 + rows_per_step, nfull)) for r0 in range(0, nfull, rows_per_step)]
-    scale = torch.empty(nrows, dtype=torch.float32)
-    scratch = torch.empty(max(1, min(rows_per_step, nfull)), bs, dtype=torch.float32)
-    for r0, r1 in steps:
-        torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
-    if tail:
-        last = torch.zeros(1, bs, dtype=torch.float32)
-        last[0, :tail] = flat[nfull * bs:]
-        torch.amax(last.abs(), dim=1, out=scale[nfull:])
-    scale.div_(qmax)
-    safe = torch.where(scale == 0, 1.0, scale)
-    careful = bool(((safe < _FLOAT32_TINY) | ~torch.isfinite(safe)).any())
-    q = torch.empty(n, dtype=torch.int8)
-    q_rows = q[: nfull * bs].view(nfull, bs)
-
-    def step(rows: Tensor, rows_safe: Tensor, out: Tensor, work: Tensor) -> None:
-        torch.div(rows, rows_safe[:, None], out=work)
-        work.round_()
-        if careful:
-            work.clamp_(-qmax, qmax).nan_to_num_(nan=0.0)  # NaN/Inf blocks carry a non-finite scale
-        out.copy_(work)
-
-    for r0, r1 in steps:
-        step(blocks[r0:r1], safe[r0:r1], q_rows[r0:r1], scratch[: r1 - r0])
-    if tail:
-        q_last = torch.empty(1, bs, dtype=torch.int8)
-        step(last, safe[nfull:], q_last, scratch[:1])
-        q[nfull * bs:] = q_last[0, :tail]
+    """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(n,)``; float32 scales, shape
+    ``(ceil(n / block_size),)``); see :func:`diloco_async.codec_blocks.quantize`."""
+    q, scale = quantize(x, qmax, block_size)
     return q, scale
 
 
-def _dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
-    """int8 values ``(n,)`` and float32 scales → float32 ``(n,)``: ``float(q) * scale``, converted
-    into the output, then scaled in place."""
-    out = torch.empty(n, dtype=torch.float32)
-    out.copy_(q)
-    nfull = n // block_size
-    head = nfull * block_size
-    if nfull:
-        out[:head].view(nfull, block_size).mul_(scale[:nfull, None])
-    if n > head:
-        out[head:].mul_(scale[nfull])
-    return out
+_dequantize = dequantize
 
 
 #: int4 packing works on 16-bit words (two int8 values, element ``2i`` in the low byte); on a
@@ -168,9 +112,15 @@ def _dequantize(q: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _pack_int4(q: Tensor) -> Tensor:
+def _pack_int4(q: Tensor, consume: bool = False) -> Tensor:
     """int8 values in ``[-7, 7]``, shape ``(n,)`` → uint8, shape ``(ceil(n/2),)``: element ``2i``
-    in the low nibble, ``2i+1`` in the high one (two's complement)."""
+    in the low nibble, ``2i+1`` in the high one (two's complement).
+
+    On a little-endian host each pair is one 16-bit word ``w = e0 | e1 << 8``: masked to its two
+    nibbles, ``w · 0x110`` holds ``nib0 | nib1 << 4`` in its high byte (the two partial products
+    do not overlap, ``nib1 << 16`` falls off), an arithmetic shift brings it down. With
+    ``consume`` (``q`` of even length, owned by the caller and not used again) the words are
+    worked on in place."""
     n = q.numel()
     if not _LITTLE_ENDIAN:
         u = q.view(torch.uint8)
@@ -178,26 +128,34 @@ def _pack_int4(q: Tensor) -> Tensor:
         packed[: n // 2] |= u[1::2] << 4  # uint8 shift: the high bits fall off
         return packed
     if n % 2:
-        q = torch.cat([q, q.new_zeros(1)])
+        q, consume = torch.cat([q, q.new_zeros(1)]), True
     word = q.view(torch.int16)  # low byte: element 2i, high byte: element 2i+1
-    high = word >> 4
-    high &= 0x00F0  # element 2i+1's low nibble, in bits 4..7
-    packed = word & 0x000F
-    packed |= high
-    return packed.to(torch.uint8)
+    if consume:
+        word &= 0x0F0F
+    else:
+        word = word & 0x0F0F
+    word *= 0x0110
+    word >>= 8  # -128..127: the packed byte, sign-extended
+    return word.to(torch.int8).view(torch.uint8)
 
 
-def _unpack_int4(packed: Tensor, n: int) -> Tensor:
+def _unpack_int4(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tensor:
     """Inverse of :func:`_pack_int4`: uint8 ``(ceil(n/2),)`` → int8 values, shape ``(n,)``; each
-    nibble is sign-extended by an arithmetic right shift."""
+    nibble ``v`` is sign-extended as ``(v ^ 8) - 8`` (bytewise, no shifts of 8-bit lanes).
+    ``scratch``: optional memory of at least ``ceil(n/2)`` int16 for a shifted copy (e.g. the
+    decoded output's, which is written only after this returns)."""
     if not _LITTLE_ENDIAN:
         b = packed.view(torch.int8)
         return torch.stack(((b << 4) >> 4, b >> 4), dim=1).reshape(-1)[:n]
     word = packed.to(torch.int16)  # 0..255
-    word |= word << 4  # low byte: the low nibble (and junk above it); high byte: the high nibble
+    if scratch is None:
+        word |= word << 4  # low byte: the low nibble (junk above it); high byte: the high nibble
+    else:
+        word |= torch.bitwise_left_shift(word, 4, out=scratch.view(torch.int16)[: word.numel()])
+    word &= 0x0F0F
+    word ^= 0x0808
     q = word.view(torch.int8)
-    q <<= 4  # each nibble to the top of its byte (the junk falls off) ...
-    q >>= 4  # ... and back, sign-extended
+    q -= 8
     return q[:n]
 
 
@@ -230,8 +188,9 @@ def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLO
         elif codec == "bf16":
             out[name] = t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True).contiguous()
         else:
-            q, scale = _quantize(t, _QMAX[codec], block_size)
-            out[name] = _pack_int4(q) if codec == "int4" else pack_int2(q) if codec == "int2" else q
+            q, scale = quantize(t, _QMAX[codec], block_size, pad_multiple=_PAD[codec])
+            out[name] = (_pack_int4(q, consume=True) if codec == "int4" else
+                         pack_int2(q, consume=True) if codec == "int2" else q)
             out[name + SCALE_SUFFIX] = scale
     return out
 
@@ -284,13 +243,14 @@ def decode(
         else:
             scale_key = name + SCALE_SUFFIX
             scale = _entry(encoded, scale_key, torch.float32, math.ceil(n / block_size), codec)
+            values = torch.empty(n, dtype=torch.float32)  # the output, and the unpacking's scratch before
             if codec == "int8":
                 q = _entry(encoded, name, torch.int8, n, codec).reshape(-1)
             elif codec == "int4":
-                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n)
+                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n, values)
             else:
-                q = unpack_int2(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n)
-            out[name] = _dequantize(q, scale.reshape(-1), n, block_size).reshape(shape)
+                q = unpack_int2(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n, values)
+            out[name] = dequantize(q, scale.reshape(-1), n, block_size, values).reshape(shape)
             expected_keys.update((name, scale_key))
     unexpected = sorted(set(encoded) - expected_keys)
     if unexpected:

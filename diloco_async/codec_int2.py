@@ -34,33 +34,47 @@ def int2_packed_numel(n: int) -> int:
     return (n + 3) // 4
 
 
-def pack_int2(q: Tensor) -> Tensor:
+#: ``w · _FOLD`` gathers the four 2-bit codes of a word ``w`` (code ``j`` in bits ``8j..8j+1``)
+#: into its top byte: code ``j`` shifted by ``24 - 6j`` lands in bits ``24 + 2j``; the other
+#: partial products land in disjoint fields below bit 24 (no carries) or fall off above bit 31
+_FOLD = (1 << 24) | (1 << 18) | (1 << 12) | (1 << 6)
+
+
+def pack_int2(q: Tensor, consume: bool = False) -> Tensor:
     """int8 values in ``[-1, 1]``, shape ``(n,)`` → uint8, shape ``(ceil(n/4),)``.
 
     Element ``4i + j`` goes to bits ``2j..2j+1`` of byte ``i`` (two's complement, low bits
     first); a short last byte is padded with zero codes. Vectorised: on a little-endian host the
-    four values of a byte are one 32-bit word (element ``4i + j`` in its byte ``j``), folded with
-    three shifts; elsewhere strided byte views give the same bytes more slowly."""
+    four values of a byte are one 32-bit word (element ``4i + j`` in its byte ``j``), masked to
+    the codes and folded by one multiplication (:data:`_FOLD`); elsewhere strided byte views give
+    the same bytes more slowly. With ``consume`` (``q`` owned by the caller, its length a multiple
+    of 4, not used again) the words are worked on in place."""
     n = q.numel()
     pad = (-n) % 4
     flat = q.reshape(-1)
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
+        flat, consume = torch.cat([flat, flat.new_zeros(pad)]), True
     if not _LITTLE_ENDIAN:
         quads = flat.view(torch.uint8).view(-1, 4) & 0x3  # -1 -> 0b11, 0 -> 0b00, 1 -> 0b01
         packed = quads[:, 0].clone()
         for j in (1, 2, 3):
             packed |= quads[:, j] << (2 * j)
         return packed
-    word = flat.view(torch.int32) & 0x03030303  # code j in bits 8j..8j+1 (bit 31 clear: no sign)
-    folded = word | (word >> 6)  # code 1 to bits 2..3, code 3 to bits 18..19
-    folded |= folded >> 12  # codes 2 and 3 to bits 4..7
-    return folded.to(torch.uint8)  # keeps bits 0..7
+    word = flat.view(torch.int32)
+    if consume:
+        word &= 0x03030303
+    else:
+        word = word & 0x03030303
+    word *= _FOLD  # wraps modulo 2**32, as the fold needs
+    word >>= 24  # -128..127: the packed byte, sign-extended
+    return word.to(torch.int8).view(torch.uint8)
 
 
-def unpack_int2(packed: Tensor, n: int) -> Tensor:
+def unpack_int2(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tensor:
     """Inverse of :func:`pack_int2`: uint8 ``(ceil(n/4),)`` → int8 values, shape ``(n,)``; each
-    code is sign-extended by an arithmetic right shift (``0b10``, never written, reads as -2)."""
+    code ``c`` is sign-extended as ``(c ^ 2) - 2`` (``0b10``, never written, reads as -2).
+    ``scratch``: optional memory of at least ``ceil(n/4)`` int32 for the shifted copies (e.g.
+    the decoded output's, which is written only after this returns)."""
     flat = packed.reshape(-1)
     if not _LITTLE_ENDIAN:
         b = flat.view(torch.int8)
@@ -70,9 +84,15 @@ def unpack_int2(packed: Tensor, n: int) -> Tensor:
             out[:, j] >>= 6
         return out.reshape(-1)[:n]
     word = flat.to(torch.int32)  # 0..255
-    word |= word << 6  # byte 1 holds code 1 in its low bits (junk above)
-    word |= word << 12  # bytes 2 and 3 hold codes 2 and 3 in their low bits
+    if scratch is None:
+        spread = word << 6
+    else:
+        spread = torch.bitwise_left_shift(word, 6, out=scratch.view(torch.int32)[: word.numel()])
+    word |= spread  # byte 1 holds code 1 in its low bits (junk above)
+    torch.bitwise_left_shift(word, 12, out=spread)
+    word |= spread  # bytes 2 and 3 hold codes 2 and 3 in their low bits
+    word &= 0x03030303
+    word ^= 0x02020202
     q = word.view(torch.int8)  # byte j of word i: element 4i + j
-    q <<= 6  # the code to the top of its byte (the junk falls off) ...
-    q >>= 6  # ... and back, sign-extended
+    q -= 2
     return q[:n]
