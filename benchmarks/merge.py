@@ -49,6 +49,7 @@ import torch
 
 from benchmarks.bars import Bar, print_bars
 from diloco_async import merge as new
+from diloco_async.sync.work import merge_workspace
 
 __all__ = ["bars", "main"]
 
@@ -88,13 +89,15 @@ def _inputs(nbytes: int, m: int, seed: int = 0):
 
 
 def _merge_new(opt, current, versions, deltas, bases, weights) -> dict:
-    ws = new.MergeWorkspace()
+    ws = merge_workspace(opt)  # as work.py: buffers from the fragment's pool, anchored Δ' kept
     anchored = [new.AnchoredDelta(d, current, versions[b]) for d, b in zip(deltas, bases, strict=True)]
     if any(new.check_anchored(anchored, workspace=ws)):
         raise AssertionError("benchmark inputs must be finite")
-    g = new.merge_outer_gradients(anchored, weights, mode="rda", workspace=ws)
+    scales: dict = {}
+    g = new.merge_outer_gradients(anchored, weights, mode="rda", out=opt.empty_like_params(), workspace=ws,
+                                  deferred_scales=scales)
     before = opt.shared_state()  # what work.py keeps for a rollback
-    out = opt.step_shared(g, require_finite=True, consume=True)
+    out = opt.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
     del before
     return out
 
