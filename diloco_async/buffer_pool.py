@@ -29,9 +29,11 @@ from torch import Tensor
 __all__ = ["BufferPool", "DEFAULT_SPARE"]
 
 #: free buffers of one byte size a pool keeps for later (the rest are given back to the system).
-#: A merge takes up to four buffers of its largest tensor's size (the new value, the merged outer
-#: gradient that becomes the momentum, and two workspace buffers), which come free two merges on.
-DEFAULT_SPARE = 4
+#: A merge takes up to four buffers of one tensor's size (the new value, the merged outer gradient
+#: that becomes the momentum, a kept anchored outer gradient and a workspace buffer), which come
+#: free a merge or two later; tensors of equal size (a block's up and down projections) share them.
+#: The pool never holds more buffers of a size than were in use at once.
+DEFAULT_SPARE = 8
 
 #: besides ``spare``, free buffers of one size are kept while they hold less than this in all
 #: (chunk buffers of 1 MiB come and go by the dozen within one merge)
