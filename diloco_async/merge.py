@@ -255,8 +255,8 @@ def merge_outer_gradients(
     """Merge M learners' outer gradients of one fragment, tensor by tensor (DESIGN §4.4).
 
     Each tensor is merged with :func:`rda` (``mode="rda"``) or :func:`weighted_mean`
-    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean. The values
-    are bit for bit those of the whole-tensor formulas; the work is done in place, by chunks.
+    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean. Bit for bit the
+    whole-tensor formulas, computed in place, by chunks.
 
     Args:
         deltas: M dicts name → outer gradient, all with the same names (anchored, DESIGN §4.1),
@@ -268,12 +268,9 @@ def merge_outer_gradients(
         out: keyword-only; name → contiguous tensor of each result's shape and dtype (the first
             learner's dtype) to write into, e.g. reused buffers. Default: new tensors.
         workspace: keyword-only; scratch buffers (:class:`MergeWorkspace`), default new ones.
-        deferred_scales: keyword-only; when given, each RDA result is returned before its last
-            elementwise step, the multiplication by its scale ``‖mean‖/‖direction‖``, and the
-            scale (a 0-dim tensor) is put here under the tensor's name: the merged value is
-            ``result[name] * deferred_scales[name]`` for those names (what
-            ``OuterOptimizer.step_shared(grad_scales=...)`` applies chunk by chunk, bit for bit),
-            the result itself for the others. Saves a pass over the result.
+        deferred_scales: keyword-only; if given, RDA results skip their last step, ``·s`` with
+            ``s = ‖mean‖/‖direction‖`` (0-dim), and ``s`` is put here by name: the merged value is
+            ``result[name] * s`` (``OuterOptimizer.step_shared(grad_scales=...)`` applies it).
 
     Returns:
         A dict name → merged tensor (the tensors of ``out`` when given), in the order of the first
