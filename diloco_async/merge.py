@@ -273,12 +273,10 @@ def merge_outer_gradients(
             ``result[name] * s`` (``OuterOptimizer.step_shared(grad_scales=...)`` applies it).
 
     Returns:
-        A dict name → merged tensor (the tensors of ``out`` when given), in the order of the first
-        learner's dict. Memory beyond it: the workspace (:class:`MergeWorkspace`).
+        A dict name → merged tensor (``out``'s when given), in the first learner's order.
 
     Raises:
-        ValueError: for an unknown mode, no deltas, differing name sets, and the errors of
-            :func:`weighted_mean`.
+        ValueError: an unknown mode, no deltas, differing name sets, errors of :func:`weighted_mean`.
         TypeError: a non-floating outer gradient.
     """
     if mode not in MERGE_MODES:
@@ -299,9 +297,8 @@ def merge_outer_gradients(
                 for d in deltas]
         _check_sources(srcs)
         buf = _new_out(srcs[0]) if out is None else _check_out(out[name], srcs[0], name)
-        if mode == "mean" or name in embeddings:
-            result[name] = _mean_into(buf, srcs, probs, ws)
-        else:
-            result[name] = _rda_into(buf, srcs, probs, 1e-12, ws, deferred_scales, name)
+        mean = mode == "mean" or name in embeddings
+        result[name] = (_mean_into(buf, srcs, probs, ws) if mean
+                        else _rda_into(buf, srcs, probs, 1e-12, ws, deferred_scales, name))
         ws.release()
     return result
