@@ -5,8 +5,8 @@ M contributions an ``AnchoredDelta``, ``check_anchored`` (norms and finite check
 ``merge_outer_gradients`` (RDA on every tensor, into buffers of the optimizer's pool, its last
 multiplication deferred) and ``OuterOptimizer.step_shared`` (with the finite check of the result;
 the merged buffers become the momentum), in the workspace ``work.merge_workspace`` makes. It runs
-as in the synchronizer's process: the C heap capped as ``sync/process.py`` does at start
-(``limit_heap_retention``), the merge in a worker thread (as ``asyncio.to_thread``), the heap
+as in the synchronizer's process: the C heap set up as ``sync/process.py`` does at start
+(``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as ``asyncio.to_thread``), the heap
 trimmed after each merge as the actor does after adopting one (``release_free_memory``, untimed).
 Half the contributions are anchored on an older version, so the
 anchoring is real work. Fragments are fp32 transformer-block shapes (d_model d: qkv (3d, d),
@@ -55,6 +55,7 @@ import torch
 from benchmarks.bars import Bar, print_bars
 from diloco_async import merge as new
 from diloco_async.heap import limit_heap_retention, release_free_memory
+from diloco_async.sync import process as sync_process
 from diloco_async.sync.work import merge_workspace
 
 __all__ = ["bars", "main"]
@@ -148,9 +149,19 @@ def _copy_s(src: torch.Tensor, dst: torch.Tensor, sweep: torch.Tensor | None, n:
     return best
 
 
+def _heap_as_the_synchronizer() -> None:
+    """The C heap settings ``sync/process.py`` makes at start (with its mmap threshold, where that
+    version of the process sets one)."""
+    threshold = getattr(sync_process, "SYNC_MMAP_THRESHOLD_BYTES", None)
+    if threshold is None:
+        limit_heap_retention()
+    else:
+        limit_heap_retention(mmap_threshold_bytes=threshold)
+
+
 def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) -> list[dict]:
     """Best-of-``repeat`` merge seconds and memcpy seconds for each M (and the reference's)."""
-    limit_heap_retention()  # the synchronizer's process settings (sync/process.py)
+    _heap_as_the_synchronizer()
     current, older, deltas, bases, weights = _inputs(nbytes, max(ms))
     versions = [current, older]
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
