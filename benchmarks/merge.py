@@ -2,8 +2,12 @@
 
 What is timed is the synchronizer's merge of one round (``diloco_async.sync.work``): for each of
 M contributions an ``AnchoredDelta``, ``check_anchored`` (norms and finite checks), then
-``merge_outer_gradients`` (RDA on every tensor) and ``OuterOptimizer.step_shared`` (with the
-finite check of the result; the merged buffers become the momentum), in one ``MergeWorkspace``.
+``merge_outer_gradients`` (RDA on every tensor, into buffers of the optimizer's pool, its last
+multiplication deferred) and ``OuterOptimizer.step_shared`` (with the finite check of the result;
+the merged buffers become the momentum), in the workspace ``work.merge_workspace`` makes. It runs
+as in the synchronizer's process: the C heap set up as ``sync/process.py`` does at start
+(``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as ``asyncio.to_thread``), the heap
+trimmed after each merge as the actor does after adopting one (``release_free_memory``, untimed).
 Half the contributions are anchored on an older version, so the
 anchoring is real work. Fragments are fp32 transformer-block shapes (d_model d: qkv (3d, d),
 out (d, d), up (4d, d), down (d, 4d), two norms (d,), one (r, d) tensor to reach the size).
@@ -43,12 +47,16 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from benchmarks.bars import Bar, print_bars
 from diloco_async import merge as new
+from diloco_async.heap import limit_heap_retention, release_free_memory
+from diloco_async.sync import process as sync_process
+from diloco_async.sync.work import merge_workspace
 
 __all__ = ["bars", "main"]
 
@@ -88,13 +96,15 @@ def _inputs(nbytes: int, m: int, seed: int = 0):
 
 
 def _merge_new(opt, current, versions, deltas, bases, weights) -> dict:
-    ws = new.MergeWorkspace()
+    ws = merge_workspace(opt)  # as work.py: buffers from the fragment's pool, anchored Δ' kept
     anchored = [new.AnchoredDelta(d, current, versions[b]) for d, b in zip(deltas, bases, strict=True)]
     if any(new.check_anchored(anchored, workspace=ws)):
         raise AssertionError("benchmark inputs must be finite")
-    g = new.merge_outer_gradients(anchored, weights, mode="rda", workspace=ws)
+    scales: dict = {}
+    g = new.merge_outer_gradients(anchored, weights, mode="rda", out=opt.empty_like_params(), workspace=ws,
+                                  deferred_scales=scales)
     before = opt.shared_state()  # what work.py keeps for a rollback
-    out = opt.step_shared(g, require_finite=True, consume=True)
+    out = opt.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
     del before
     return out
 
@@ -139,8 +149,19 @@ def _copy_s(src: torch.Tensor, dst: torch.Tensor, sweep: torch.Tensor | None, n:
     return best
 
 
+def _heap_as_the_synchronizer() -> None:
+    """The C heap settings ``sync/process.py`` makes at start (with its mmap threshold, where that
+    version of the process sets one)."""
+    threshold = getattr(sync_process, "SYNC_MMAP_THRESHOLD_BYTES", None)
+    if threshold is None:
+        limit_heap_retention()
+    else:
+        limit_heap_retention(mmap_threshold_bytes=threshold)
+
+
 def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) -> list[dict]:
     """Best-of-``repeat`` merge seconds and memcpy seconds for each M (and the reference's)."""
+    _heap_as_the_synchronizer()
     current, older, deltas, bases, weights = _inputs(nbytes, max(ms))
     versions = [current, older]
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
@@ -155,9 +176,11 @@ def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) ->
             for _ in range(repeat):  # interleaved: a load change hits both
                 copy_s = min(copy_s, _copy_s(src, dst, sweep))
                 hot_s = min(hot_s, _copy_s(src, dst, None))
-                t0 = time.perf_counter()
-                fn(opt, current, versions, deltas[:m], bases[:m], weights[:m])
-                merge_s = min(merge_s, time.perf_counter() - t0)
+                with ThreadPoolExecutor(1) as worker:  # a worker thread, as asyncio.to_thread
+                    t0 = time.perf_counter()
+                    worker.submit(fn, opt, current, versions, deltas[:m], bases[:m], weights[:m]).result()
+                    merge_s = min(merge_s, time.perf_counter() - t0)
+                release_free_memory()  # what the actor does after adopting a merge (sync/rounds.py)
                 copy_s = min(copy_s, _copy_s(src, dst, sweep))
             ratio = m * copy_s / merge_s
             rows.append({"impl": impl, "mib": nbytes // MiB, "m": m, "merge_s": merge_s, "copy_s": copy_s,

@@ -144,20 +144,21 @@ def _check_sources(srcs: Sequence[_Source]) -> None:
 def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws: MergeWorkspace) -> Tensor:
     """``out ← Σ p·Δ`` (``out`` contiguous), chunk by chunk in learner order."""
     flat = out.view(-1)
-    flat.zero_()
     for lo, hi in _chunks(flat.numel()):
-        o = flat[lo:hi]
+        o = flat[lo:hi].zero_()  # by chunk: the chunk is then summed into while in the cache
         for s, p in zip(srcs, probs, strict=True):
             o.add_(s.slice(lo, hi, ws, out.dtype), alpha=p)
     return out
 
 
-def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: MergeWorkspace) -> Tensor:
+def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: MergeWorkspace,
+              deferred: dict[str, Tensor] | None = None, name: str = "") -> Tensor:
     """``out ← RDA`` (``out`` contiguous) in two passes: the norms, then the direction by chunks.
 
     The per-element operations and their order are those of the previous whole-tensor code: the
     norms are whole-tensor ``vector_norm`` reductions (a chunked sum of squares is a different
-    reduction order), ``Δ/‖Δ‖`` and the weighted sums elementwise, learner by learner."""
+    reduction order), ``Δ/‖Δ‖`` and the weighted sums elementwise, learner by learner. With
+    ``deferred``, the final ``out.mul_(scale)`` is left to the caller: ``deferred[name] = scale``."""
     dtype = out.dtype
     radial = torch.zeros((), dtype=dtype)
     norms: list[Tensor | None] = []
@@ -166,9 +167,8 @@ def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps:
         radial.add_(n, alpha=p)
         norms.append(n if n.item() > 0 else None)
     flat = out.view(-1)
-    flat.zero_()
     for lo, hi in _chunks(flat.numel()):
-        o = flat[lo:hi]
+        o = flat[lo:hi].zero_()
         unit = ws.chunk(dtype, 1, hi - lo)
         for s, p, n in zip(srcs, probs, norms, strict=True):
             if n is not None:
@@ -177,7 +177,11 @@ def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps:
     dir_norm = torch.linalg.vector_norm(out)
     if dir_norm.item() < eps:
         return _mean_into(out, srcs, probs, ws)
-    return out.mul_(radial / dir_norm)
+    scale = radial / dir_norm
+    if deferred is not None:
+        deferred[name] = scale
+        return out
+    return out.mul_(scale)
 
 
 def _check_out(buf: Tensor, like: _Source, name: str) -> Tensor:
@@ -246,12 +250,13 @@ def merge_outer_gradients(
     *,
     out: Mapping[str, Tensor] | None = None,
     workspace: MergeWorkspace | None = None,
+    deferred_scales: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Merge M learners' outer gradients of one fragment, tensor by tensor (DESIGN §4.4).
 
     Each tensor is merged with :func:`rda` (``mode="rda"``) or :func:`weighted_mean`
-    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean. The values
-    are bit for bit those of the whole-tensor formulas; the work is done in place, by chunks.
+    (``mode="mean"``); names in ``embedding_names`` always use the weighted mean. Bit for bit the
+    whole-tensor formulas, computed in place, by chunks.
 
     Args:
         deltas: M dicts name → outer gradient, all with the same names (anchored, DESIGN §4.1),
@@ -263,14 +268,15 @@ def merge_outer_gradients(
         out: keyword-only; name → contiguous tensor of each result's shape and dtype (the first
             learner's dtype) to write into, e.g. reused buffers. Default: new tensors.
         workspace: keyword-only; scratch buffers (:class:`MergeWorkspace`), default new ones.
+        deferred_scales: keyword-only; if given, RDA results skip their last step, ``·s`` with
+            ``s = ‖mean‖/‖direction‖`` (0-dim), and ``s`` is put here by name: the merged value is
+            ``result[name] * s`` (``OuterOptimizer.step_shared(grad_scales=...)`` applies it).
 
     Returns:
-        A dict name → merged tensor (the tensors of ``out`` when given), in the order of the first
-        learner's dict. Memory beyond it: the workspace (:class:`MergeWorkspace`).
+        A dict name → merged tensor (``out``'s when given), in the first learner's order.
 
     Raises:
-        ValueError: for an unknown mode, no deltas, differing name sets, and the errors of
-            :func:`weighted_mean`.
+        ValueError: an unknown mode, no deltas, differing name sets, errors of :func:`weighted_mean`.
         TypeError: a non-floating outer gradient.
     """
     if mode not in MERGE_MODES:
@@ -291,9 +297,8 @@ def merge_outer_gradients(
                 for d in deltas]
         _check_sources(srcs)
         buf = _new_out(srcs[0]) if out is None else _check_out(out[name], srcs[0], name)
-        if mode == "mean" or name in embeddings:
-            result[name] = _mean_into(buf, srcs, probs, ws)
-        else:
-            result[name] = _rda_into(buf, srcs, probs, 1e-12, ws)
+        mean = mode == "mean" or name in embeddings
+        result[name] = (_mean_into(buf, srcs, probs, ws) if mean
+                        else _rda_into(buf, srcs, probs, 1e-12, ws, deferred_scales, name))
         ws.release()
     return result

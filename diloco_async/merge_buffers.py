@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from diloco_async.buffer_pool import BufferPool
+
 __all__ = ["CHUNK_ELEMENTS", "MAX_SHARED_DIFFS", "MergeWorkspace", "AnchoredDelta", "check_anchored"]
 
 
@@ -65,9 +67,21 @@ class MergeWorkspace:
     ``Θ^cur − Θ^base`` of each base version, shared by the contributions on that base (of one
     tensor at a time, or of one chunk at a time). Memory: up to 1 + MAX_SHARED_DIFFS buffers of
     the largest tensor, a few of :data:`CHUNK_ELEMENTS`; freed with the workspace. Not for use by
-    two threads at once."""
+    two threads at once.
 
-    def __init__(self) -> None:
+    Args:
+        pool: where its buffers come from (:class:`~diloco_async.buffer_pool.BufferPool`, e.g. the
+            fragment's, so that the next merge reuses them without fresh pages); default
+            ``torch.empty``.
+        keep_bytes: bytes of anchored ``Δ'`` that :func:`check_anchored` may keep whole (in the
+            :class:`AnchoredDelta`, freed with it) so that the merge reads them instead of
+            anchoring again; default 0 (none kept).
+    """
+
+    def __init__(self, pool: BufferPool | None = None, keep_bytes: int = 0) -> None:
+        self._pool = pool
+        self._keep_bytes = keep_bytes
+        self._sharing: dict[tuple[int, int], int] = {}  # (id Θcur, id Θbase) → contributions, this tensor
         self._chunk: dict[tuple[torch.dtype, int], Tensor] = {}
         self._whole: dict[torch.dtype, Tensor] = {}
         self._diffs_of: str | None = None
@@ -77,10 +91,27 @@ class MergeWorkspace:
         self._chunk_diffs: dict[tuple, Tensor] = {}
         self._chunk_diff_bufs: dict[tuple, Tensor] = {}
 
+    def _new(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype) if self._pool is None else self._pool.empty((numel,), dtype)
+
+    def keep(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+        """A new whole buffer for a kept ``Δ'`` while the ``keep_bytes`` budget lasts, else None."""
+        numel = math.prod(shape)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self._keep_bytes:
+            return None
+        self._keep_bytes -= nbytes
+        return self._new(numel, dtype).view(shape)
+
+    def sharing(self, cur: Tensor, base: Tensor) -> int:
+        """Contributions of the current tensor anchored on ``base`` (as set by
+        :func:`check_anchored`; 2 when unknown, so the difference is shared)."""
+        return self._sharing.get((id(cur), id(base)), 2)
+
     def chunk(self, dtype: torch.dtype, which: int, n: int) -> Tensor:
         buf = self._chunk.get((dtype, which))
         if buf is None or buf.numel() < n:
-            buf = self._chunk[(dtype, which)] = torch.empty(max(n, CHUNK_ELEMENTS), dtype=dtype)
+            buf = self._chunk[(dtype, which)] = self._new(max(n, CHUNK_ELEMENTS), dtype)
         return buf[:n]
 
     def whole(self, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
@@ -88,7 +119,7 @@ class MergeWorkspace:
         buf = self._whole.get(dtype)
         if buf is None or buf.numel() < numel:
             self._whole.pop(dtype, None)
-            buf = self._whole[dtype] = torch.empty(numel, dtype=dtype)
+            buf = self._whole[dtype] = self._new(numel, dtype)
         return buf[:numel].view(shape)
 
     def whole_diff(self, name: str, cur: Tensor, base: Tensor, dtype: torch.dtype) -> Tensor | None:
@@ -106,7 +137,7 @@ class MergeWorkspace:
             buf = self._diff_bufs.get((dtype, slot))
             if buf is None or buf.numel() < numel:
                 self._diff_bufs.pop((dtype, slot), None)
-                buf = self._diff_bufs[(dtype, slot)] = torch.empty(numel, dtype=dtype)
+                buf = self._diff_bufs[(dtype, slot)] = self._new(numel, dtype)
             out = buf[:numel].view(cur.shape)
             diff = self._diffs[key] = torch.sub(cur.to(dtype), base.to(dtype), out=out)
         return diff
@@ -120,7 +151,7 @@ class MergeWorkspace:
         if diff is None:
             buf = self._chunk_diff_bufs.get(key)
             if buf is None or buf.numel() < hi - lo:
-                buf = self._chunk_diff_bufs[key] = torch.empty(max(hi - lo, CHUNK_ELEMENTS), dtype=dtype)
+                buf = self._chunk_diff_bufs[key] = self._new(max(hi - lo, CHUNK_ELEMENTS), dtype)
             c, b = _flat(cur)[lo:hi], _flat(base)[lo:hi]
             diff = self._chunk_diffs[key] = torch.sub(c.to(dtype), b.to(dtype), out=buf[: hi - lo])
         return diff
@@ -130,6 +161,7 @@ class MergeWorkspace:
         and after each tensor, so no difference outlives the tensors it was computed from."""
         self._diffs_of, self._diffs = None, {}
         self._chunk_diffs_at, self._chunk_diffs = None, {}
+        self._sharing = {}
 
 
 class _Source:
@@ -171,10 +203,11 @@ class _AnchoredSource(_Source):
         self._flat: Tensor | None = None
 
     def slice(self, lo: int, hi: int, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
+        kept = self.owner._kept.get(self.name)
         if self._flat is None:
-            self._flat = _flat(self.owner.delta[self.name])
+            self._flat = _flat(self.owner.delta[self.name] if kept is None else kept)
         d = self._flat[lo:hi]
-        if self.on_current:
+        if self.on_current or kept is not None:  # Δ itself, or Δ' kept whole by check_anchored
             x = d
         else:
             cur, base = self.owner.current[self.name], self.owner.base[self.name]
@@ -187,8 +220,20 @@ class _AnchoredSource(_Source):
         d = self.owner.delta[self.name]
         if self.on_current:
             return d
+        kept = self.owner._kept.get(self.name)
+        if kept is not None:
+            return kept
         cur, base = self.owner.current[self.name], self.owner.base[self.name]
-        out = ws.whole(self.dtype, self.shape)
+        out = ws.keep(self.shape, self.dtype)
+        if out is not None:
+            self.owner._kept[self.name] = out
+        else:
+            out = ws.whole(self.dtype, self.shape)
+        if ws.sharing(cur, base) <= 1:  # alone on its base: Θcur − Θbase by chunks, in the cache
+            d_flat, out_flat = _flat(d), out.view(-1)
+            for lo, hi in _chunks(d.numel()):
+                torch.add(ws.chunk_diff(self.name, cur, base, lo, hi, self.dtype), d_flat[lo:hi], out=out_flat[lo:hi])
+            return out
         diff = ws.whole_diff(self.name, cur, base, self.dtype)
         if diff is None:
             return self.owner.write(self.name, out)
@@ -229,6 +274,10 @@ def check_anchored(anchored: Sequence[AnchoredDelta], *,
         names.update(dict.fromkeys(a.delta))
     for name in names:
         ws.release()
+        for a in anchored:
+            if name in a.delta:
+                key = (id(a.current[name]), id(a.base[name]))
+                ws._sharing[key] = ws._sharing.get(key, 0) + 1
         for i, a in enumerate(anchored):
             if name in a.delta:
                 count = _AnchoredSource(a, name).non_finite(ws)
@@ -266,6 +315,7 @@ class AnchoredDelta:
         _check_shapes(delta, base, "anchor(delta, base)")
         self.delta, self.current, self.base = delta, current, base
         self._norms: dict[str, Tensor] = {}
+        self._kept: dict[str, Tensor] = {}  # name → Δ' kept whole by check_anchored (read only)
 
     def __iter__(self):
         return iter(self.delta)

@@ -88,9 +88,10 @@ class SgdOuterOptimizer(OuterOptimizer):
         return zeros[name]
 
     def _step_tensor(self, name: str, p: Tensor, b: Tensor | None, g: Tensor, require_finite: bool,
-                     consume: bool) -> tuple[Tensor, Tensor, bool]:
+                     consume: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
+        g = g if scale is None else g * scale
         g_flat, p_flat = _flat(_grad_like(p, g)), p.view(-1)
-        new_p = torch.empty_like(p)
+        new_p = self._empty_like(p)
         np_flat = new_p.view(-1)
         finite = True
         for lo, hi in _chunks(p.numel()):
@@ -124,14 +125,15 @@ class DelayedNesterovOuterOptimizer(OuterOptimizer):
         return self._period
 
     def _step_tensor(self, name: str, p: Tensor, b: Tensor | None, g: Tensor, require_finite: bool,
-                     consume: bool) -> tuple[Tensor, Tensor, bool]:
+                     consume: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
+        g = g if scale is None else g * scale
         mu, neg_lr, inv_n = self._mu, -self._lr, 1.0 / self._period
         updates_momentum = (self._steps + 1) % self._period == 0
         g_flat, p_flat = _flat(_grad_like(p, g)), p.view(-1)
         b_flat = None if b is None else b.view(-1)
-        new_p, new_b = torch.empty_like(p), torch.empty_like(p)
+        new_p, new_b = self._empty_like(p), self._empty_like(p)
         np_flat, nb_flat = new_p.view(-1), new_b.view(-1)
-        tmp = torch.empty(min(p.numel(), _buf.CHUNK_ELEMENTS), dtype=p.dtype, device=p.device)
+        tmp = self._scratch(min(p.numel(), _buf.CHUNK_ELEMENTS), p)
         finite = True
         for lo, hi in _chunks(p.numel()):
             gc, nb = g_flat[lo:hi], nb_flat[lo:hi]

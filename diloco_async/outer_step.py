@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from diloco_async import merge_buffers as _buf
+from diloco_async.buffer_pool import BufferPool
 from diloco_async.merge_buffers import _all_finite, _check_finite, _check_same_keys, _check_shapes, _chunks, _flat
 
 __all__ = ["OuterOptimizer", "OuterState"]
@@ -66,6 +67,23 @@ class OuterOptimizer:
             self._params[name] = t.detach().to(dtype=want, copy=True).contiguous()
         self._momentum: dict[str, Tensor] | None = None  # None before the first step: b = g
         self._steps = 0
+        self.pool = BufferPool()  # the new Θ and b of each step; reused once nothing holds them
+
+    def _empty_like(self, p: Tensor) -> Tensor:
+        """A new tensor like ``p``, from :attr:`pool` (fresh memory costs page faults)."""
+        return self.pool.empty(p.shape, p.dtype) if p.device.type == "cpu" else torch.empty_like(p)
+
+    def _scratch(self, n: int, like: Tensor) -> Tensor:
+        """A 1-D tensor of ``n`` elements of ``like``'s dtype and device, from :attr:`pool`."""
+        if like.device.type == "cpu":
+            return self.pool.empty((n,), like.dtype)
+        return torch.empty(n, dtype=like.dtype, device=like.device)
+
+    def empty_like_params(self) -> dict[str, Tensor]:
+        """name → an uninitialised contiguous tensor of the param's shape and dtype, from the
+        optimizer's buffer pool: where a merge writes ``g`` (``merge_outer_gradients(out=...)``) so
+        that ``step_shared(g, consume=True)`` keeps it as the momentum without fresh memory."""
+        return {name: self._empty_like(p) for name, p in self._params.items()}
 
     def _check_momentum(self, momentum: float) -> None:
         """Raise ``ValueError`` for a momentum this optimizer cannot use (subclasses may differ)."""
@@ -109,7 +127,7 @@ class OuterOptimizer:
         return {name: t.clone() for name, t in self.step_shared(outer_grad).items()}
 
     def step_shared(self, outer_grad: Mapping[str, Tensor], *, require_finite: bool = False,
-                    consume: bool = False) -> dict[str, Tensor]:
+                    consume: bool = False, grad_scales: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """:meth:`step` without the copy: the new ``Θ`` tensors are the optimizer's own.
 
         They are never written again (the next step writes new tensors), so they may be kept,
@@ -123,6 +141,9 @@ class OuterOptimizer:
                 a merge's output): each one that is contiguous and of the optimizer's dtype is
                 overwritten with the new momentum ``b`` and kept as it, instead of a new tensor.
                 The caller must not use them afterwards, even when the step is refused.
+            grad_scales: keyword-only; name → 0-dim tensor ``s``: the gradient of that tensor is
+                ``outer_grad[name] * s`` (``merge_outer_gradients(deferred_scales=...)``), computed
+                chunk by chunk as the step reads it, bit for bit as ``outer_grad[name].mul_(s)``.
 
         Returns:
             name → the new value ``Θ`` (the optimizer's dtype, contiguous).
@@ -138,7 +159,8 @@ class OuterOptimizer:
         not_finite: list[str] = []
         for name, p in self._params.items():
             b = None if self._momentum is None else self._momentum[name]
-            new_p, new_b, finite = self._step_tensor(name, p, b, outer_grad[name], require_finite, consume)
+            scale = None if grad_scales is None else grad_scales.get(name)
+            new_p, new_b, finite = self._step_tensor(name, p, b, outer_grad[name], require_finite, consume, scale)
             if not finite:
                 not_finite.append(name)
             new_params[name], new_momentum[name] = new_p, new_b
@@ -149,32 +171,37 @@ class OuterOptimizer:
         return dict(new_params)
 
     def _step_tensor(self, name: str, p: Tensor, b: Tensor | None, g: Tensor, require_finite: bool,
-                     consume: bool) -> tuple[Tensor, Tensor, bool]:
-        """One tensor's step by chunks into new tensors: (new Θ, new b, whether Θ is finite)."""
+                     consume: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
+        """One tensor's step by chunks into new tensors: (new Θ, new b, whether Θ is finite);
+        ``g`` is ``g * scale`` when a scale is given."""
         mu, neg_lr = self._mu, -self._lr
         g = g.detach()
+        if scale is not None and (g.dtype != p.dtype or g.device != p.device):
+            g, scale = g * scale, None  # scaled in its own dtype, then cast, as before
         if g.dtype != p.dtype or g.device != p.device:
             g = g.to(dtype=p.dtype, device=p.device)
         in_place = consume and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device
         g_flat, p_flat = _flat(g), p.view(-1)
         b_flat = None if b is None else b.view(-1)
-        new_p = torch.empty_like(p)
-        new_b = g if in_place else torch.empty_like(p)
+        new_p = self._empty_like(p)
+        new_b = g if in_place else self._empty_like(p)
         np_flat, nb_flat = new_p.view(-1), new_b.view(-1)
         n_tmp = min(_buf.CHUNK_ELEMENTS, p.numel())
-        g_copy = torch.empty(n_tmp, dtype=p.dtype) if in_place else None
-        tmp = torch.empty(n_tmp, dtype=p.dtype)
+        g_copy = self._scratch(n_tmp, p) if in_place or scale is not None else None
+        tmp = self._scratch(n_tmp, p)
         finite = True
         for lo, hi in _chunks(p.numel()):
             gc, nb = g_flat[lo:hi], nb_flat[lo:hi]
+            if scale is not None:  # g of this chunk, scaled; also kept apart when gc becomes b
+                gc = torch.mul(gc, scale, out=g_copy[: hi - lo])
+            elif g_copy is not None:  # gc is about to become b: keep g of this chunk
+                gc = g_copy[: hi - lo].copy_(gc)
             # with require_finite, a non-finite g always makes the result non-finite (IEEE: a
             # finite x + y has finite x and y), so g is only looked at when the result is not
             if not require_finite and not _all_finite(gc):
                 raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
-            if g_copy is not None:  # gc is about to become b: keep g of this chunk
-                gc = g_copy[: hi - lo].copy_(gc)
             if b_flat is None:  # torch's first step: b = g
-                if g_copy is None:
+                if not in_place or scale is not None:
                     nb.copy_(gc)
             else:  # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
                 torch.mul(b_flat[lo:hi], mu, out=nb).add_(gc, alpha=1)

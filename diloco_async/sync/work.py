@@ -29,7 +29,14 @@ from diloco_async.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
-from diloco_async.merge import AnchoredDelta, MergeWorkspace, check_anchored, merge_outer_gradients, token_weight
+from diloco_async.merge import (
+    AnchoredDelta,
+    MergeWorkspace,
+    OuterOptimizer,
+    check_anchored,
+    merge_outer_gradients,
+    token_weight,
+)
 from diloco_async.messages import CompactInfo
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
@@ -37,7 +44,7 @@ from storage.checkpoint import safetensors_nbytes, write_safetensors
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "rejection_reason",
-           "merge_and_publish", "VERSION_SKIPS"]
+           "merge_and_publish", "merge_workspace", "VERSION_SKIPS"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -251,13 +258,26 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
     return cosines, factors
 
 
+def merge_workspace(optimizer: OuterOptimizer) -> MergeWorkspace:
+    """The workspace of one merge of a fragment: buffers from its optimizer's pool, and the
+    anchored outer gradients kept whole up to one fragment's size (read by the merge instead of
+    anchored again; issue 17 item 1)."""
+    p = optimizer.shared_state().params
+    return MergeWorkspace(optimizer.pool, keep_bytes=sum(t.numel() * t.element_size() for t in p.values()))
+
+
 def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str,
                 workspace: MergeWorkspace | None = None) -> dict[str, torch.Tensor]:
     """Merge and take the outer step: the new value, the optimizer's own tensors (raises on any
     error, e.g. a non-finite result, leaving the optimizer unchanged)."""
+    out = f.optimizer.empty_like_params()  # from the fragment's pool: no fresh pages once warm
+    if any(out[n].dtype != t.dtype for n, t in anchored[0].delta.items()):
+        out = None
+    scales: dict[str, torch.Tensor] = {}  # RDA's last multiplication, done by the step as it reads g
     g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names,
-                              workspace=workspace)
-    return f.optimizer.step_shared(g, require_finite=True, consume=True)  # g's buffers become the momentum
+                              out=out, workspace=workspace, deferred_scales=scales)
+    # g's buffers become the momentum
+    return f.optimizer.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
 
 
 def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, torch.Tensor], round_n: int,
@@ -296,7 +316,7 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
-    ws = MergeWorkspace()  # scratch buffers of this merge, shared by the norm pass and the merge
+    ws = merge_workspace(f.optimizer)  # scratch of this merge, shared by the norm pass and the merge
     kept, weights, anchored, dropped, cosines, factors = _screen(
         f, contribs, direction_reference, direction_fraction, learner_cosines, direction_memory, ws)
     if not kept or sum(weights) <= 0:

@@ -1,0 +1,170 @@
+"""The synchronizer's merge on reused buffers (issue 17 item 1): the buffer pool hands a buffer out
+again only once nothing references it, and the merge as ``sync/work.py`` runs it (pooled outputs,
+anchored outer gradients kept whole, RDA's last multiplication done by the outer step) equals the
+previous implementation (tests/merge_reference.py) bit for bit over many rounds."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+
+import pytest
+import torch
+
+import diloco_async.merge as merge
+import diloco_async.merge_buffers as buffers
+from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
+from diloco_async.config import load_config
+from diloco_async.fragments import plan_fragments, specs_of
+from diloco_async.messages import Announcement
+from diloco_async.sync.state import Contribution, new_fragments
+from diloco_async.sync.work import merge_and_publish, merge_workspace
+from storage.store import ObjectStore
+from tests import merge_reference as ref
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
+        assert torch.equal(a[n], b[n]), f"{n}: {int((a[n] != b[n]).sum())} elements differ"
+
+
+def test_pool_reuses_a_buffer_only_once_no_tensor_view_or_array_holds_it():
+    pool = BufferPool(spare=1)
+    a = pool.empty((4, 8), torch.float32)
+    first = a.data_ptr()
+    assert a.shape == (4, 8) and a.is_contiguous() and first % 64 == 0
+    a.fill_(7.0)
+    view = a[1:].view(-1)
+    del a
+    b = pool.empty((4, 8), torch.float32)  # a's memory is still reachable through the view
+    assert b.data_ptr() != first and pool.allocated == 2
+    arr = view.numpy()
+    del view
+    x = pool.empty((32,), torch.float32)  # ... and then through the array alone
+    assert x.data_ptr() != first and pool.allocated == 3
+    del arr, x
+    gc.collect()
+    c = pool.empty((8, 4), torch.float32)  # free now: reused, not made
+    assert c.data_ptr() == first and pool.allocated == 3
+    assert torch.all(c == 7.0)  # its old values: an uninitialised buffer
+    del b, c
+
+
+def test_pool_sees_a_tensor_freed_in_another_thread_and_keeps_only_spare_free_buffers():
+    pool = BufferPool(spare=1)
+    size = SMALL_SPARE_BYTES // 4  # elements of fp32: buffers over the small-size rule
+    held = [pool.empty((size,), torch.float32) for _ in range(4)]
+    box = {"t": held}
+    t = threading.Thread(target=box.clear)
+    del held
+    t.start()
+    t.join()
+    assert pool.free_bytes() == 4 * SMALL_SPARE_BYTES
+    x = pool.empty((size,), torch.float32)  # one reused, one kept spare, two given back
+    assert pool.allocated == 4 and pool.reused == 1
+    assert pool.held_bytes() == 2 * SMALL_SPARE_BYTES and pool.free_bytes() == SMALL_SPARE_BYTES
+    del x
+    with pytest.raises(ValueError, match="negative"):
+        pool.empty((-1, 2), torch.float32)
+    with pytest.raises(ValueError, match="spare"):
+        BufferPool(spare=-1)
+
+
+@pytest.fixture(params=[None, 1000], ids=["chunk-default", "chunk-1000"])
+def chunk(request, monkeypatch):
+    if request.param is not None:
+        monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", request.param)
+    return buffers.CHUNK_ELEMENTS
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk):
+    """work.py's path: workspace from the optimizer's pool with Δ' kept whole (a budget that
+    keeps some and not others), merge into pooled buffers with the scale deferred, step consuming
+    them; bases alone, shared and current; the values of earlier versions are never written."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(rng.randint(1, 40),), (rng.randint(1, 30), 17), (2 * buffers.CHUNK_ELEMENTS // 64 + 5, 64)]
+    cur = {f"t{i}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+    old_opt, new_opt = ref.OuterOptimizer(cur), merge.OuterOptimizer(cur)
+    cur = new_opt.shared_state().params
+    versions, frozen = [cur], [{n: t.clone() for n, t in cur.items()}]
+    for _round in range(6):
+        m = rng.choice([1, 2, 3, 5, 8])
+        bases = [rng.choice(versions[-3:]) for _ in range(m)]
+        deltas = [{n: torch.randn(t.shape, generator=gen) * rng.choice([1e-3, 0.1]) for n, t in cur.items()}
+                  for _ in range(m)]
+        weights = [float(rng.randint(1, 900)) for _ in range(m)]
+        mode = rng.choice(["rda", "rda", "mean"])
+        ws = merge_workspace(new_opt)
+        ws._keep_bytes = rng.choice([0, 4 * shapes[2][0] * 64, 10**9])  # none, one big tensor, all
+        lazy = [merge.AnchoredDelta(d, cur, b) for d, b in zip(deltas, bases, strict=True)]
+        assert merge.check_anchored(lazy, workspace=ws) == [{}] * m
+        scales: dict[str, torch.Tensor] = {}
+        g = merge.merge_outer_gradients(lazy, weights, mode=mode, out=new_opt.empty_like_params(), workspace=ws,
+                                        deferred_scales=scales)
+        new_value = new_opt.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
+        g_old = ref.merge_outer_gradients([ref.anchor(d, cur, b) for d, b in zip(deltas, bases, strict=True)],
+                                          weights, mode=mode)
+        _assert_equal(new_value, old_opt.step(g_old))
+        _assert_equal(new_opt.momentum(), old_opt.momentum())
+        del g, lazy, ws
+        cur = new_value
+        versions.append(cur)
+        frozen.append({n: t.clone() for n, t in cur.items()})
+        for v, kept in zip(versions, frozen, strict=True):  # every version still referenced is intact
+            _assert_equal(v, kept)
+    assert new_opt.pool.reused > 0
+
+
+def test_deferred_scales_equal_the_scaled_result_for_every_outer_optimizer():
+    gen = torch.Generator().manual_seed(3)
+    cur = {"a": torch.randn(300, 7, generator=gen), "b": torch.randn(5, generator=gen)}
+    deltas = [{n: torch.randn(t.shape, generator=gen) for n, t in cur.items()} for _ in range(3)]
+    lazy = [merge.AnchoredDelta(d, cur, cur) for d in deltas]
+    for kind in merge.OUTER_OPTIMIZERS:
+        for dtype in (torch.float32, torch.float64):
+            plain = merge.make_outer_optimizer(kind, cur, 0.7, 0.9, period=2, dtype=dtype)
+            fused = merge.make_outer_optimizer(kind, cur, 0.7, 0.9, period=2, dtype=dtype)
+            for _ in range(3):
+                scales: dict[str, torch.Tensor] = {}
+                g = merge.merge_outer_gradients(lazy, [1.0, 2.0, 3.0], deferred_scales=scales)
+                assert set(scales) == {"a", "b"}
+                expected = plain.step_shared(merge.merge_outer_gradients(lazy, [1.0, 2.0, 3.0]), consume=True)
+                _assert_equal(fused.step_shared(g, consume=kind == "nesterov", grad_scales=scales), expected)
+                _assert_equal(fused.momentum(), plain.momentum())
+
+
+def test_repeated_merges_of_a_fragment_reuse_buffers_and_keep_published_versions_intact():
+    """merge_and_publish round after round, adopting each version as the actor does: after a
+    warm-up the pool makes no new buffer, and every version kept in RAM keeps its values."""
+    torch.manual_seed(1)
+    params = {"w": torch.randn(700, 600), "b": torch.randn(600)}
+    sc = load_config(None, ["synchronizer.num_fragments=1"]).synchronizer
+    store = ObjectStore(f"memory://pool-{id(params)}")
+    f = new_fragments(plan_fragments(specs_of(params), 1), params, sc, store)[0]  # as the actor: versions in the store
+    published: dict[int, dict[str, torch.Tensor]] = {0: {n: t.clone() for n, t in f.current.items()}}
+    allocated = []
+    for n in range(1, 9):
+        contribs = []
+        for i, base in enumerate(sorted({f.version, max(0, f.version - 1)})):
+            ann = Announcement(learner_id=f"l{i}", fragment=0, round_n=n, base_version=base, c_steps=4,
+                               c_tokens=256, compute_s=1.0, key=f"k/{n}/{i}", nbytes=1, sha256="0" * 64,
+                               codec="fp32", update_id=f"u-{n}-{i}")
+            contribs.append(Contribution(ann, {k: torch.randn(t.shape) * 1e-2 for k, t in f.current.items()}))
+        res = merge_and_publish(store, "r", f, n, contribs, "rda", 0.0)
+        assert res.ok, res.reason
+        f.version, f.current, f.momentum, f.outer_steps = res.version, res.new, res.momentum, res.outer_steps
+        f.published = res.published
+        f.history[f.version], f.refs[f.version] = f.published, res.ref
+        for old in [v for v in f.history if v < f.version - sc.max_staleness]:
+            del f.history[old]
+        published[f.version] = {k: t.clone() for k, t in f.current.items()}
+        for v in f.history:
+            _assert_equal(f.history[v], published[v])
+        allocated.append(f.optimizer.pool.allocated)
+    assert allocated[-1] == allocated[-4], allocated  # warm after a few merges: nothing new
+    assert f.optimizer.pool.reused > 0
