@@ -132,6 +132,12 @@ def _optimizer(impl: str, current: dict):
     from tests import merge_reference as ref
 
     opt = (new.OuterOptimizer if impl == "new" else ref.OuterOptimizer)(current)
+    if impl == "new":  # the synchronizer's pool: shared by its fragments, a fixed budget of free buffers
+        from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
+        from diloco_async.sync.state import MERGE_POOL_FRAGMENTS
+
+        frag_bytes = sum(t.numel() * 4 for t in current.values())
+        opt.pool = BufferPool(max_free_bytes=MERGE_POOL_FRAGMENTS * frag_bytes + SMALL_SPARE_BYTES)
     opt.step({k: torch.full_like(t, 1e-3) for k, t in current.items()})  # steady state: momentum exists
     return opt
 
@@ -180,6 +186,8 @@ def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) ->
                     t0 = time.perf_counter()
                     worker.submit(fn, opt, current, versions, deltas[:m], bases[:m], weights[:m]).result()
                     merge_s = min(merge_s, time.perf_counter() - t0)
+                if impl == "new":
+                    opt.pool.trim()
                 release_free_memory()  # what the actor does after adopting a merge (sync/rounds.py)
                 copy_s = min(copy_s, _copy_s(src, dst, sweep))
             ratio = m * copy_s / merge_s

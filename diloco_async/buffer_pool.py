@@ -54,15 +54,21 @@ class BufferPool:
     Args:
         spare: free buffers kept per byte size (≥ 0; more of a small size, up to
             :data:`SMALL_SPARE_BYTES`); more are released when found free.
+        max_free_bytes: with a value, the free buffers kept in all sizes together stay within
+            it (:meth:`trim`, also after each buffer handed out): one pool serves every fragment of
+            a synchronizer, whose memory at rest is then the fragments' state plus this budget.
 
     Raises:
-        ValueError: a negative ``spare``.
+        ValueError: a negative ``spare`` or ``max_free_bytes``.
     """
 
-    def __init__(self, spare: int = DEFAULT_SPARE) -> None:
+    def __init__(self, spare: int = DEFAULT_SPARE, max_free_bytes: int | None = None) -> None:
         if spare < 0:
             raise ValueError(f"spare must be >= 0, got {spare}")
+        if max_free_bytes is not None and max_free_bytes < 0:
+            raise ValueError(f"max_free_bytes must be >= 0, got {max_free_bytes}")
         self.spare = spare
+        self.max_free_bytes = max_free_bytes
         self._bufs: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made since construction (a test and the benchmark read it)
@@ -96,11 +102,34 @@ class BufferPool:
                 for i in reversed(free[1 + keep:]):
                     bufs.pop(i).close()
                 self.reused += 1
-                return buf
-            buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # page-aligned, mapped on first write
-            bufs.append(buf)
-            self.allocated += 1
+            else:
+                buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # page-aligned, mapped on first write
+                bufs.append(buf)
+                self.allocated += 1
+            self._trim_locked()  # ``buf`` is referenced here: not free, not given back
             return buf
+
+    def trim(self) -> int:
+        """Give back the free buffers beyond ``max_free_bytes`` (larger sizes are kept first);
+        returns the bytes given back (0 without a budget)."""
+        with self._lock:
+            return self._trim_locked()
+
+    def _trim_locked(self) -> int:
+        if self.max_free_bytes is None:
+            return 0
+        kept = released = 0
+        for nbytes in sorted(self._bufs, reverse=True):
+            bufs = self._bufs[nbytes]
+            for i in reversed(range(len(bufs))):
+                if _refs_when_free(bufs, i) > _FREE_REFS:
+                    continue
+                if kept + nbytes <= self.max_free_bytes:
+                    kept += nbytes
+                else:
+                    bufs.pop(i).close()
+                    released += nbytes
+        return released
 
     def held_bytes(self) -> int:
         """Bytes of every buffer the pool holds, in use or free."""

@@ -168,3 +168,27 @@ def test_repeated_merges_of_a_fragment_reuse_buffers_and_keep_published_versions
         allocated.append(f.optimizer.pool.allocated)
     assert allocated[-1] == allocated[-4], allocated  # warm after a few merges: nothing new
     assert f.optimizer.pool.reused > 0
+
+
+def test_pool_with_a_budget_keeps_at_most_that_many_free_bytes_and_never_an_used_one():
+    """The synchronizer's fragments share one pool whose free buffers stay within a budget
+    (their memory at rest), trimmed after each buffer handed out and after each merge."""
+    mib = 1 << 20
+    pool = BufferPool(max_free_bytes=2 * mib)
+    held = [pool.empty((mib // 4,), torch.float32) for _ in range(4)]  # 4 buffers of 1 MiB, in use
+    small = pool.empty((1024,), torch.float32)
+    assert pool.trim() == 0 and pool.held_bytes() == 4 * mib + 4096  # none is free: none given back
+    held[0].fill_(1.0)
+    keep = held[3]
+    del held
+    assert pool.free_bytes() == 3 * mib
+    assert pool.trim() == mib  # 3 MiB free, 2 MiB budget: one buffer given back, the larger sizes first
+    assert pool.free_bytes() == 2 * mib and pool.held_bytes() == 3 * mib + 4096
+    again = pool.empty((mib // 4,), torch.float32)  # reuses a free one: no new buffer
+    assert pool.allocated == 5 and pool.reused == 1
+    keep.fill_(2.0)  # the buffer still in use was never closed or handed out
+    assert float(keep.sum()) == 2.0 * (mib // 4) and again.data_ptr() != keep.data_ptr()
+    del small
+    assert pool.free_bytes() == mib + 4096 and pool.trim() == 0
+    with pytest.raises(ValueError, match="max_free_bytes"):
+        BufferPool(max_free_bytes=-1)

@@ -2,9 +2,8 @@
 verify contributions, close them on quorum and grace, merge and publish, apply the result.
 
 :class:`RoundDriver` is the part of :class:`~diloco_async.sync.actor.Synchronizer` that runs
-rounds; it works on the actor's state and runs on the actor's task only. The decisions are the
-pure functions of :mod:`diloco_async.policy`; the blocking work is :mod:`diloco_async.sync.work`.
-"""
+rounds, on the actor's state and task only. The decisions are the pure functions of
+:mod:`diloco_async.policy`; the blocking work is :mod:`diloco_async.sync.work`."""
 
 from __future__ import annotations
 
@@ -401,7 +400,8 @@ class RoundDriver:
         f.history[f.version], f.refs[f.version] = f.published, res.ref
         for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
             del f.history[old]
-        release_free_memory()  # the merge's temporaries and the replaced value (issue 17 item 3)
+        f.optimizer.pool.trim()  # the shared merge pool's budget; then the heap (issue 17 item 3)
+        release_free_memory()
         f.sync_ema.update(res.seconds)
         self.push.publish({"type": "version", **VersionInfo(
             fragment=f.p, version=f.version, key=res.ref.key, nbytes=res.ref.nbytes, sha256=res.ref.sha256,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer, make_outer_optimizer
@@ -130,15 +131,24 @@ class FragmentState:
         return FragmentFacts(self.version, self.next_round, frozenset(self.history))
 
 
+#: the buffers the merges of all fragments keep free for the next merge, in largest fragments
+#: (fp32): the replaced value and momentum of the last merge, which the next one of an equal-sized
+#: fragment writes without fresh pages (diloco_async/buffer_pool.py); more would be resting memory
+MERGE_POOL_FRAGMENTS = 2
+
+
 def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: SynchronizerConfig,
                   store: ObjectStore | None = None) -> list[FragmentState]:
     """Version 0 of every fragment of ``plan``, cut from the model's ``params``. Kept versions
     older than the newest are read back from ``store`` (None: they stay in RAM)."""
     out = []
+    largest = max(sum(t.numel() * 4 for t in plan.fragment_of(params, p).values()) for p in range(plan.num_fragments))
+    pool = BufferPool(max_free_bytes=MERGE_POOL_FRAGMENTS * largest + SMALL_SPARE_BYTES)
     for p in range(plan.num_fragments):
         names = plan.names(p)
         optimizer = make_outer_optimizer(sc.outer_optimizer, plan.fragment_of(params, p), sc.outer_lr,
                                          sc.outer_momentum, period=sc.outer_momentum_every)
+        optimizer.pool = pool  # one pool for every fragment: its free buffers are a fixed budget
         cur = optimizer.shared_state().params  # the optimizer's own copy: one fp32 copy, never written
         shapes = {s.name: s.shape for s in plan.fragments[p]}
         refs: dict[int, ObjectRef] = {}
