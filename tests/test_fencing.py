@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_learner_faults import serve_in_process, stop_in_process
-from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess, any_store  # noqa: F401, F811 (fixture)
+from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess, any_store, one_checkpoint  # noqa: F401, F811 (fixture)
 from test_storage_contract import BACKENDS, open_store
 
 from diloco_async import codec as wire
@@ -342,12 +342,7 @@ def test_stop_signal_during_start_up_is_a_clean_stop_not_a_crash(tmp_path):
     ``test_stop`` under load: the signal used to kill it half-way, lease held)."""
     store_url = f"file://{tmp_path}/store"
     store = ObjectStore(store_url)
-    a = SyncProcess(tmp_path, store_url, ["--run-id", "runS"])
-    try:
-        ScriptedLearner(a, store).outer_step(1)
-        seq = request_checkpoint(a.url, TOKEN, timeout_s=30.0)["seq"]
-    finally:
-        a.stop()
+    seq = one_checkpoint(tmp_path, store_url, "runS")
     b, b_log = start_sync(tmp_path, store_url, ["--resume", f"{store_url}/runS"])
     try:
         wait_until(lambda: "lease epoch 2 taken" in b_log.read_text() or b.poll() is not None, 60,

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from test_merge_equivalence import chunk  # noqa: F401, F811 (fixture: the merge's chunk sizes)
 
 import diloco_async.merge as merge
 import diloco_async.merge_buffers as buffers
@@ -73,15 +74,8 @@ def test_pool_sees_a_tensor_freed_in_another_thread_and_keeps_only_spare_free_bu
         BufferPool(spare=-1)
 
 
-@pytest.fixture(params=[None, 1000], ids=["chunk-default", "chunk-1000"])
-def chunk(request, monkeypatch):
-    if request.param is not None:
-        monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", request.param)
-    return buffers.CHUNK_ELEMENTS
-
-
 @pytest.mark.parametrize("seed", range(4))
-def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk):
+def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk):  # noqa: F811
     """work.py's path: workspace from the optimizer's pool with Δ' kept whole (a budget that
     keeps some and not others), merge into pooled buffers with the scale deferred, step consuming
     them; bases alone, shared and current; the values of earlier versions are never written."""

@@ -115,6 +115,17 @@ class ScriptedLearner:
                    interval_s=0.05)
 
 
+def one_checkpoint(tmp: Path, store_url: str, run_id: str) -> int:
+    """A synchronizer process of a new run ``run_id``, one outer step of a scripted learner (it
+    reports step 4), a checkpoint, a clean stop; returns the checkpoint's sequence number."""
+    sync = SyncProcess(tmp, store_url, ["--run-id", run_id])
+    try:
+        ScriptedLearner(sync, ObjectStore(store_url)).outer_step(1)
+        return request_checkpoint(sync.url, TOKEN, timeout_s=30.0)["seq"]
+    finally:
+        sync.stop()
+
+
 def fragment_state(store: ObjectStore, run_id: str, seq: int) -> tuple[dict, dict, dict]:
     ck = load_checkpoint(store, run_id, seq)
     params = {k: v for k, v in ck.tensors.items() if "/param/" in k}
@@ -288,13 +299,7 @@ def test_resume_skips_a_checkpoint_torn_by_a_crash(tmp_path, store_url):
 
 
 def test_resume_refuses_a_different_config(tmp_path, store_url):
-    store = ObjectStore(store_url)
-    b = SyncProcess(tmp_path, store_url, ["--run-id", "runC"])
-    try:
-        ScriptedLearner(b, store).outer_step(1)
-        seq = request_checkpoint(b.url, TOKEN, timeout_s=30.0)["seq"]
-    finally:
-        b.stop()
+    seq = one_checkpoint(tmp_path, store_url, "runC")
     sets = [a for o in OVERRIDES + [f"run.store={store_url}", "synchronizer.outer_lr=0.5"] for a in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "diloco_async.server", *sets, "--config", "configs/default.toml",
                            "--resume", keys.checkpoint_url(store_url, "runC", seq)],
@@ -306,12 +311,7 @@ def test_resume_refuses_a_different_config(tmp_path, store_url):
 
 def test_resume_of_a_spent_budget_is_refused_at_once_with_the_override_that_extends_it(tmp_path, store_url):
     store = ObjectStore(store_url)
-    b = SyncProcess(tmp_path, store_url, ["--run-id", "runD"])
-    try:
-        ScriptedLearner(b, store).outer_step(1)  # reports step 4: g = 4 at the checkpoint
-        seq = request_checkpoint(b.url, TOKEN, timeout_s=30.0)["seq"]
-    finally:
-        b.stop()
+    seq = one_checkpoint(tmp_path, store_url, "runD")  # the learner reports step 4: g = 4 at the checkpoint
     epochs_before = sorted(store.list("runD/epochs"))
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "resume", keys.checkpoint_url(store_url, "runD", seq),
                            "--set", "budget.max_steps=4"],
