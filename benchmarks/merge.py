@@ -133,11 +133,9 @@ def _optimizer(impl: str, current: dict):
 
     opt = (new.OuterOptimizer if impl == "new" else ref.OuterOptimizer)(current)
     if impl == "new":  # the synchronizer's pool: shared by its fragments, a fixed budget of free buffers
-        from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
-        from diloco_async.sync.state import MERGE_POOL_FRAGMENTS
+        from diloco_async.sync.state import merge_pool
 
-        frag_bytes = sum(t.numel() * 4 for t in current.values())
-        opt.pool = BufferPool(max_free_bytes=MERGE_POOL_FRAGMENTS * frag_bytes + SMALL_SPARE_BYTES)
+        opt.pool = merge_pool(sum(t.numel() * t.element_size() for t in current.values()))
     opt.step({k: torch.full_like(t, 1e-3) for k, t in current.items()})  # steady state: momentum exists
     return opt
 

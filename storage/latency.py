@@ -43,8 +43,10 @@ class _LatencyBackend(ForwardingBackend):
 
     def request(self, op: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         self.round_trip()
-        out = fn(*args)
-        return _LatencyUpload(out, self) if op == "begin" else out
+        return fn(*args)
+
+    def begin(self, path: str) -> Upload:
+        return _LatencyUpload(super().begin(path), self)  # each part, the commit and an abort wait too
 
 
 class _LatencyUpload:

@@ -137,17 +137,24 @@ class FragmentState:
 MERGE_POOL_FRAGMENTS = 2
 
 
+def merge_pool(largest_fragment_bytes: int) -> BufferPool:
+    """The buffer pool every fragment's outer optimizer shares: free buffers of at most
+    :data:`MERGE_POOL_FRAGMENTS` largest fragments (bytes of their state), plus small chunks."""
+    return BufferPool(max_free_bytes=MERGE_POOL_FRAGMENTS * largest_fragment_bytes + SMALL_SPARE_BYTES)
+
+
 def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: SynchronizerConfig,
                   store: ObjectStore | None = None) -> list[FragmentState]:
     """Version 0 of every fragment of ``plan``, cut from the model's ``params``. Kept versions
     older than the newest are read back from ``store`` (None: they stay in RAM)."""
     out = []
-    largest = max(sum(t.numel() * 4 for t in plan.fragment_of(params, p).values()) for p in range(plan.num_fragments))
-    pool = BufferPool(max_free_bytes=MERGE_POOL_FRAGMENTS * largest + SMALL_SPARE_BYTES)
-    for p in range(plan.num_fragments):
+    optimizers = [make_outer_optimizer(sc.outer_optimizer, plan.fragment_of(params, p), sc.outer_lr,
+                                       sc.outer_momentum, period=sc.outer_momentum_every)
+                  for p in range(plan.num_fragments)]
+    pool = merge_pool(max(sum(t.numel() * t.element_size() for t in o.shared_state().params.values())
+                          for o in optimizers))
+    for p, optimizer in enumerate(optimizers):
         names = plan.names(p)
-        optimizer = make_outer_optimizer(sc.outer_optimizer, plan.fragment_of(params, p), sc.outer_lr,
-                                         sc.outer_momentum, period=sc.outer_momentum_every)
         optimizer.pool = pool  # one pool for every fragment: its free buffers are a fixed budget
         cur = optimizer.shared_state().params  # the optimizer's own copy: one fp32 copy, never written
         shapes = {s.name: s.shape for s in plan.fragments[p]}
