@@ -211,3 +211,24 @@ def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
     theta = {n: w.params[n].detach() for n in plan.names(1)}
     want, _ = wire.decode_from_bytes(wire.encode_to_bytes(outer_gradient(base[1], theta), "int4"), "int4", specs)
     assert all(torch.equal(got[n], want[n]) for n in specs)
+
+
+def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):
+    """A round that keeps the training thread waiting for 10 s must show as blocked in the
+    heartbeats sent during it, not only in the first one after it: the synchronizer counts at
+    most the seconds since the previous heartbeat (sync/learners.py), so a wait reported only at
+    its end would be counted as a quarter of a second."""
+    import time
+
+    from diloco_async.learner.comms import Comms
+    from diloco_async.learner.state import Shared
+    from storage.store import ObjectStore
+
+    shared = Shared()
+    comms = Comms("a", 0, "http://127.0.0.1:9", "token", ObjectStore(f"file://{tmp_path}/s"), shared,
+                  time.monotonic(), give_up_after_s=10.0)
+    assert comms.heartbeat_body()["blocked_s"] == 0.0
+    shared.stats.blocked_s, shared.stats.blocked_since_s = 2.0, time.time() - 10.0  # a block began 10 s ago
+    assert comms.heartbeat_body()["blocked_s"] == pytest.approx(12.0, abs=0.5)
+    shared.stats.blocked_s, shared.stats.blocked_since_s = 12.0, None  # it ended
+    assert comms.heartbeat_body()["blocked_s"] == 12.0

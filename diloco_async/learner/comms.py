@@ -250,7 +250,7 @@ class Comms:
             body = {"learner_id": self.learner_id, "incarnation": self.incarnation, "step": s.step,
                     "step_time_s": s.step_time_s, "tokens_total": s.tokens_total, "train_loss": loss,
                     "tokens_per_s": tps, "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
-                    "uptime_s": now - self.started_s, "blocked_s": s.blocked_s,
+                    "uptime_s": now - self.started_s, "blocked_s": s.blocked_now_s(time.time()),
                     "base_versions": {str(k): v for k, v in sh.base.items()}}
             step_time_s = s.step_time_s
             s.loss_sum, s.loss_count, s.window_tokens, s.window_start_s = 0.0, 0, 0, now

@@ -59,6 +59,13 @@ class Stats:
     bytes_down: int = 0
     bytes_up: int = 0
     blocked_s: float = 0.0  # seconds the training thread waited in ``_block`` since the process started
+    blocked_since_s: float | None = None  # time.time() at which the block in progress began, if any
+
+    def blocked_now_s(self, now_s: float) -> float:
+        """``blocked_s`` including the block in progress up to ``now_s`` (``time.time()``), so that a
+        heartbeat sent during a long wait reports it as it accrues, not only once it ends."""
+        since = self.blocked_since_s
+        return self.blocked_s + (max(0.0, now_s - since) if since is not None else 0.0)
 
 
 class Shared:

@@ -250,6 +250,8 @@ class InnerLoop:
         synchronizer restart; record the blocked time in the timeline."""
         sh = self.shared
         t0 = started_s = time.time()
+        with sh.lock:
+            sh.stats.blocked_since_s = started_s
         while not (sh.stop_event.is_set() or sh.epoch_changed.is_set()):
             with sh.lock:
                 if ready():
@@ -264,6 +266,7 @@ class InnerLoop:
             self.recorder.record("blocked", t0=t0, t1=t1, why=why)
         with sh.lock:
             sh.stats.blocked_s += t1 - started_s
+            sh.stats.blocked_since_s = None
 
     def _maybe_save_inner_state(self) -> None:
         """Every ``checkpoint_every_s``: capture the inner state between two steps (no copy) and
