@@ -39,6 +39,7 @@ import math
 import struct
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import safetensors.torch
 import torch
@@ -56,6 +57,8 @@ __all__ = [
     "decode",
     "encode_to_bytes",
     "decode_from_bytes",
+    "EncodedTensors",
+    "load_encoded",
     "PayloadError",
     "check_header",
 ]
@@ -311,24 +314,44 @@ def _header_metadata(data: bytes) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
-def decode_from_bytes(
-    data: bytes, codec: str, specs: dict[str, tuple[int, ...]]
-) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Deserialize and decode bytes written by :func:`encode_to_bytes`.
+@dataclass(frozen=True)
+class EncodedTensors:
+    """Tensors held in their encoding (the entries :func:`encode` writes), decoded when asked:
+    the synchronizer keeps a verified contribution this way until its merge, at the codec's size
+    (bf16: half of fp32, int4: about a seventh) rather than decoded (issue 17 item 3).
 
-    Args:
-        data: safetensors bytes.
-        codec: the codec announced for this payload (e.g. in the contribution's manifest); it must
-            equal the codec recorded in the bytes.
-        specs: name → expected shape, as :func:`decode`.
+    Attributes:
+        encoded: the entries, as read from the payload (already checked against ``specs``).
+        codec: one of :data:`CODECS`.
+        specs: name → shape of each tensor.
+        block_size: of the int8/int4/int2 scales.
+    """
+
+    encoded: dict[str, Tensor]
+    codec: str
+    specs: dict[str, tuple[int, ...]]
+    block_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the encoded entries."""
+        return sum(t.numel() * t.element_size() for t in self.encoded.values())
+
+    def decode(self) -> dict[str, Tensor]:
+        """name → new float32 tensor, as :func:`decode` (the same values at every call)."""
+        return decode(self.encoded, self.codec, self.specs, block_size=self.block_size)
+
+
+def load_encoded(data: bytes, codec: str, specs: dict[str, tuple[int, ...]]) -> tuple[EncodedTensors, dict[str, str]]:
+    """Read the entries of bytes written by :func:`encode_to_bytes` without decoding them.
 
     Returns:
-        (name → float32 tensor of the announced shape, the header metadata including ``codec``
-        and ``block_size``).
+        (the payload as :class:`EncodedTensors`, the header metadata including ``codec`` and
+        ``block_size``).
 
     Raises:
-        ValueError: for corrupted or truncated bytes, missing or mismatched ``codec`` /
-            ``block_size`` metadata, and everything :func:`decode` raises.
+        ValueError: as :func:`decode_from_bytes` (a payload it accepts is accepted here, but the
+            entries' dtypes and sizes are checked only when decoded).
     """
     _check_codec(codec)
     try:
@@ -342,7 +365,24 @@ def decode_from_bytes(
         block_size = int(meta.get("block_size", ""))
     except ValueError:
         raise ValueError(f"payload metadata has no valid block_size: {meta.get('block_size')!r}") from None
-    return decode(encoded, codec, specs, block_size=block_size), meta
+    _check_block_size(block_size)
+    return EncodedTensors(encoded, codec, {k: tuple(int(x) for x in v) for k, v in specs.items()}, block_size), meta
+
+
+def decode_from_bytes(
+    data: bytes, codec: str, specs: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Deserialize and decode bytes written by :func:`encode_to_bytes` (``data``, safetensors bytes)
+    announced with ``codec`` (it must equal the codec recorded in the bytes) and ``specs`` (name →
+    expected shape, as :func:`decode`): (name → float32 tensor of its shape, the header metadata
+    including ``codec`` and ``block_size``).
+
+    Raises:
+        ValueError: for corrupted or truncated bytes, missing or mismatched ``codec`` /
+            ``block_size`` metadata, and everything :func:`decode` raises.
+    """
+    held, meta = load_encoded(data, codec, specs)
+    return held.decode(), meta
 
 
 def _expected_layout(codec: str, specs: Mapping[str, tuple[int, ...]], block_size: int) -> dict[str, tuple[str, list]]:

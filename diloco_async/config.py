@@ -159,6 +159,10 @@ class SynchronizerConfig(_Section):
     num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
     sync_every: int = Field(24, ge=1, description="H, inner steps between two rounds of one fragment.")
     max_open_rounds: int = Field(2, ge=1, description="tau, rounds open at once.")
+    merges_in_flight: int = Field(
+        1, ge=1, description="Merges run at once, each in a worker thread with its own working set (about three "
+        "fragments' worth of fp32 beyond its contributions): more merge fragments in parallel on a many-core host, "
+        "at that price in memory each.")
     min_quorum: int = Field(1, ge=1, description="K, contributions needed before a round may merge.")
     grace_gamma: float = Field(0.8, gt=0, le=1, description="gamma of the grace window (Eq. 3).")
     grace_initial_s: float = Field(0.5, ge=0, description="Grace window before any estimate exists.")

@@ -186,3 +186,47 @@ def test_pool_with_a_budget_keeps_at_most_that_many_free_bytes_and_never_an_used
     assert pool.free_bytes() == mib + 4096 and pool.trim() == 0
     with pytest.raises(ValueError, match="max_free_bytes"):
         BufferPool(max_free_bytes=-1)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int4", "fp32"])
+def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_decoded(codec):
+    """fetch_and_verify keeps a bf16/int4 contribution in its encoding (a fraction of fp32's bytes)
+    and an fp32 one decoded; merging those gives the same version, bit for bit, as merging the
+    decoded tensors, and the held payload is left as it was for a retry."""
+    from diloco_async import codec as wire
+    from diloco_async.sync.work import fetch_and_verify
+    from storage.store import ObjectRef
+
+    torch.manual_seed(2)
+    params = {"w": torch.randn(300, 64), "b": torch.randn(64)}
+    sc = load_config(None, ["synchronizer.num_fragments=1"]).synchronizer
+    store = ObjectStore(f"memory://held-{codec}-{id(params)}")
+    shapes = {k: tuple(t.shape) for k, t in params.items()}
+    held, decoded = [], []
+    for i in range(3):
+        data = wire.encode_to_bytes({k: torch.randn(s) * 1e-2 for k, s in shapes.items()}, codec)
+        ref = store.put(f"c/{i}", data)
+        delta, norms = fetch_and_verify(store, ObjectRef(ref.key, ref.nbytes, ref.sha256), codec, shapes)
+        plain, _ = wire.decode_from_bytes(data, codec, shapes)
+        assert norms == pytest.approx({k: float(torch.linalg.vector_norm(t)) for k, t in plain.items()}, rel=1e-5)
+        if codec == "fp32":
+            assert isinstance(delta, dict)
+        else:
+            assert isinstance(delta, wire.EncodedTensors)
+            assert delta.nbytes < 0.6 * sum(t.numel() * 4 for t in plain.values())
+        held.append(delta)
+        decoded.append(plain)
+    results = []
+    for deltas in (held, decoded):
+        f = new_fragments(plan_fragments(specs_of(params), 1), params, sc, store)[0]
+        contribs = [Contribution(Announcement(
+            learner_id=f"l{i}", fragment=0, round_n=1, base_version=0, c_steps=4, c_tokens=256 * (i + 1),
+            compute_s=1.0, key=f"c/{i}", nbytes=1, sha256="0" * 64, codec=codec, update_id=f"u-{i}"), d)
+            for i, d in enumerate(deltas)]
+        res = merge_and_publish(store, f"r-{len(results)}", f, 1, contribs, "rda", 0.0)
+        assert res.ok, res.reason
+        results.append(res.new)
+    _assert_equal(results[0], results[1])
+    if codec != "fp32":  # the held payload is unchanged: it decodes to the same tensors again
+        for h, plain in zip(held, decoded, strict=True):
+            _assert_equal(h.decode(), plain)

@@ -70,6 +70,7 @@ class Comms:
         self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> newest value downloaded
         self._fetch_locks: dict[int, asyncio.Lock] = {}
+        self._download_slot = asyncio.Lock()  # one version decoded at a time: one fragment's fp32 in flight
         self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
@@ -306,7 +307,7 @@ class Comms:
 
     async def _download(self, v: VersionInfo) -> None:
         try:  # one download per fragment at a time: a delta applies to the version downloaded before it
-            async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()):
+            async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()), self._download_slot:
                 tensors = await asyncio.to_thread(self.fetch_version, v)
         except Exception as err:  # counted in the log; the next heartbeat retries
             log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)

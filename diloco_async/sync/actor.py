@@ -117,6 +117,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.schedule_shift_steps = 0
         self.rounds: dict[tuple[int, int], Round] = {}
         self.waiting: list[tuple[int, int]] = []
+        self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
         self.settled = BoundedMap(settled_cap)
         self.started_s = clock()
         self.life = Lifecycle()

@@ -83,6 +83,7 @@ class RoundDriver:
     fragments: list[FragmentState]
     rounds: dict[tuple[int, int], Round]
     waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
+    merge_slots: asyncio.Semaphore  # synchronizer.merges_in_flight: one merge's working set each
     settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
     g: int | None  # the global step
     lease_epoch: int  # of this synchronizer's lease on the run (0: none)
@@ -344,12 +345,11 @@ class RoundDriver:
         try:
             # the contributions are fixed here, on the actor's loop: the worker thread gets its own list
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]
-            result = await asyncio.to_thread(merge_and_publish, self.store, self.run_id, f, n, contribs,
-                                             self.sc.merge, quorum_wait_s, self.lease_epoch,
-                                             self.direction_guards[f.p].reference(),
-                                             self.cfg.guard.direction_fraction,
-                                             self.learner_directions.snapshot(), self.cfg.guard.direction_memory,
-                                             self.sc.download)
+            async with self.merge_slots:
+                result = await asyncio.to_thread(
+                    merge_and_publish, self.store, self.run_id, f, n, contribs, self.sc.merge, quorum_wait_s,
+                    self.lease_epoch, self.direction_guards[f.p].reference(), self.cfg.guard.direction_fraction,
+                    self.learner_directions.snapshot(), self.cfg.guard.direction_memory, self.sc.download)
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
+from diloco_async.codec import EncodedTensors
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer, make_outer_optimizer
@@ -174,10 +175,11 @@ def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: Synch
 
 @dataclass
 class Contribution:
-    """An admitted announcement and, once fetched and verified, its decoded outer gradient."""
+    """An admitted announcement and, once fetched and verified, its outer gradient: decoded (fp32
+    payloads) or as encoded, decoded by its merge (:func:`~diloco_async.sync.work.fetch_and_verify`)."""
 
     ann: Announcement
-    delta: dict[str, torch.Tensor] | None = None
+    delta: dict[str, torch.Tensor] | EncodedTensors | None = None
     scales: dict[str, float] = field(default_factory=dict)  # tensors the guard clipped, name -> factor
     lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
 
@@ -208,7 +210,7 @@ class Verified:
     fragment: int
     round_n: int
     learner: str
-    delta: dict[str, torch.Tensor] | None
+    delta: dict[str, torch.Tensor] | EncodedTensors | None
     reason: str
     nbytes: int
     norms: dict[str, float] = field(default_factory=dict)  # L2 norm per tensor of the delta

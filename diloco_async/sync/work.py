@@ -136,9 +136,14 @@ def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tens
 
 
 def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dict[str, tuple[int, ...]],
-                     block_size: int = wire.DEFAULT_BLOCK_SIZE) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The decoded fp32 outer gradient at ``ref`` (name -> tensor of the fragment's shapes) and the
-    L2 norm of each tensor (for the update guard, :mod:`diloco_async.guard`).
+                     block_size: int = wire.DEFAULT_BLOCK_SIZE,
+                     ) -> tuple[dict[str, torch.Tensor] | wire.EncodedTensors, dict[str, float]]:
+    """The outer gradient at ``ref``, checked, and the L2 norm of each tensor (for the update guard,
+    :mod:`diloco_async.guard`). It is decoded once here for the checks and the norms; what is kept
+    for the merge is the payload as encoded (:class:`~diloco_async.codec.EncodedTensors`, decoded
+    again by the merge), or with ``codec`` fp32 the decoded tensors (name -> fp32 tensor of the
+    fragment's shapes), so that a contribution waiting for its merge holds the codec's bytes,
+    not fp32's.
 
     The header is checked against the announced codec, the configured ``block_size`` and the
     expected tensors before anything is decoded (:func:`~diloco_async.codec.check_header`).
@@ -151,11 +156,13 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
     """
     data = store.get(ref)
     wire.check_header(data, codec, shapes, block_size)
-    tensors, _meta = wire.decode_from_bytes(data, codec, shapes)
+    held, _meta = wire.load_encoded(data, codec, shapes)
+    del data
+    tensors = held.decode()
     bad = non_finite_tensors(tensors)
     if bad:
         raise wire.PayloadError("non_finite", f"{sum(bad.values())} NaN/Inf elements in {sorted(bad)}")
-    return tensors, tensor_norms(tensors)
+    return (tensors if codec == "fp32" else held), tensor_norms(tensors)
 
 
 def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
@@ -187,7 +194,8 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
     for i, c in enumerate(contribs):
         try:
             w = token_weight(c.ann.c_tokens, c.ann.c_steps)
-            delta = {n: t * c.scales[n] if n in c.scales else t for n, t in c.delta.items()}
+            held = c.delta.decode() if isinstance(c.delta, wire.EncodedTensors) else c.delta  # fp32, this merge only
+            delta = {n: t * c.scales[n] if n in c.scales else t for n, t in held.items()}
             candidates.append((i, c, w, AnchoredDelta(delta, f.published, f.history[c.ann.base_version]), delta))
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
             failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
