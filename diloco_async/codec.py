@@ -39,7 +39,6 @@ import math
 import struct
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import safetensors.torch
 import torch
@@ -57,8 +56,7 @@ __all__ = [
     "decode",
     "encode_to_bytes",
     "decode_from_bytes",
-    "EncodedTensors",
-    "load_encoded",
+    "read_payload",
     "PayloadError",
     "check_header",
 ]
@@ -314,44 +312,13 @@ def _header_metadata(data: bytes) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
-@dataclass(frozen=True)
-class EncodedTensors:
-    """Tensors held in their encoding (the entries :func:`encode` writes), decoded when asked:
-    the synchronizer keeps a verified contribution this way until its merge, at the codec's size
-    (bf16: half of fp32, int4: about a seventh) rather than decoded (issue 17 item 3).
-
-    Attributes:
-        encoded: the entries, as read from the payload (already checked against ``specs``).
-        codec: one of :data:`CODECS`.
-        specs: name → shape of each tensor.
-        block_size: of the int8/int4/int2 scales.
-    """
-
-    encoded: dict[str, Tensor]
-    codec: str
-    specs: dict[str, tuple[int, ...]]
-    block_size: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the encoded entries."""
-        return sum(t.numel() * t.element_size() for t in self.encoded.values())
-
-    def decode(self) -> dict[str, Tensor]:
-        """name → new float32 tensor, as :func:`decode` (the same values at every call)."""
-        return decode(self.encoded, self.codec, self.specs, block_size=self.block_size)
-
-
-def load_encoded(data: bytes, codec: str, specs: dict[str, tuple[int, ...]]) -> tuple[EncodedTensors, dict[str, str]]:
-    """Read the entries of bytes written by :func:`encode_to_bytes` without decoding them.
-
-    Returns:
-        (the payload as :class:`EncodedTensors`, the header metadata including ``codec`` and
-        ``block_size``).
+def read_payload(data: bytes, codec: str) -> tuple[dict[str, Tensor], dict[str, str], int]:
+    """The entries of bytes written by :func:`encode_to_bytes`, not decoded, with the header
+    metadata and the block size.
 
     Raises:
-        ValueError: as :func:`decode_from_bytes` (a payload it accepts is accepted here, but the
-            entries' dtypes and sizes are checked only when decoded).
+        ValueError: for corrupted or truncated bytes, a codec other than ``codec``, or a missing
+            or invalid ``block_size``.
     """
     _check_codec(codec)
     try:
@@ -366,7 +333,7 @@ def load_encoded(data: bytes, codec: str, specs: dict[str, tuple[int, ...]]) -> 
     except ValueError:
         raise ValueError(f"payload metadata has no valid block_size: {meta.get('block_size')!r}") from None
     _check_block_size(block_size)
-    return EncodedTensors(encoded, codec, {k: tuple(int(x) for x in v) for k, v in specs.items()}, block_size), meta
+    return encoded, meta, block_size
 
 
 def decode_from_bytes(
@@ -381,8 +348,8 @@ def decode_from_bytes(
         ValueError: for corrupted or truncated bytes, missing or mismatched ``codec`` /
             ``block_size`` metadata, and everything :func:`decode` raises.
     """
-    held, meta = load_encoded(data, codec, specs)
-    return held.decode(), meta
+    encoded, meta, block_size = read_payload(data, codec)
+    return decode(encoded, codec, specs, block_size=block_size), meta
 
 
 def _expected_layout(codec: str, specs: Mapping[str, tuple[int, ...]], block_size: int) -> dict[str, tuple[str, list]]:

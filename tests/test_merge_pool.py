@@ -194,6 +194,7 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
     and an fp32 one decoded; merging those gives the same version, bit for bit, as merging the
     decoded tensors, and the held payload is left as it was for a retry."""
     from diloco_async import codec as wire
+    from diloco_async.codec_held import EncodedTensors
     from diloco_async.sync.work import fetch_and_verify
     from storage.store import ObjectRef
 
@@ -212,7 +213,7 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
         if codec == "fp32":
             assert isinstance(delta, dict)
         else:
-            assert isinstance(delta, wire.EncodedTensors)
+            assert isinstance(delta, EncodedTensors)
             assert delta.nbytes < 0.6 * sum(t.numel() * 4 for t in plain.values())
         held.append(delta)
         decoded.append(plain)

@@ -22,6 +22,7 @@ import torch
 
 from diloco_async import codec as wire
 from diloco_async import version_codec
+from diloco_async.codec_held import EncodedTensors, load_encoded
 from diloco_async.guard import (
     direction_factor,
     leave_one_out_cosines,
@@ -137,10 +138,10 @@ def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tens
 
 def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dict[str, tuple[int, ...]],
                      block_size: int = wire.DEFAULT_BLOCK_SIZE,
-                     ) -> tuple[dict[str, torch.Tensor] | wire.EncodedTensors, dict[str, float]]:
+                     ) -> tuple[dict[str, torch.Tensor] | EncodedTensors, dict[str, float]]:
     """The outer gradient at ``ref``, checked, and the L2 norm of each tensor (for the update guard,
     :mod:`diloco_async.guard`). It is decoded once here for the checks and the norms; what is kept
-    for the merge is the payload as encoded (:class:`~diloco_async.codec.EncodedTensors`, decoded
+    for the merge is the payload as encoded (:class:`~diloco_async.codec_held.EncodedTensors`, decoded
     again by the merge), or with ``codec`` fp32 the decoded tensors (name -> fp32 tensor of the
     fragment's shapes), so that a contribution waiting for its merge holds the codec's bytes,
     not fp32's.
@@ -156,13 +157,17 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
     """
     data = store.get(ref)
     wire.check_header(data, codec, shapes, block_size)
-    held, _meta = wire.load_encoded(data, codec, shapes)
+    held, _meta = load_encoded(data, codec, shapes)
     del data
-    tensors = held.decode()
-    bad = non_finite_tensors(tensors)
+    tensors, bad, norms = {}, {}, {}
+    for name, t in held.iter_decoded():  # one tensor decoded at a time
+        bad.update(non_finite_tensors({name: t}))
+        norms.update(tensor_norms({name: t}))
+        if codec == "fp32":
+            tensors[name] = t
     if bad:
         raise wire.PayloadError("non_finite", f"{sum(bad.values())} NaN/Inf elements in {sorted(bad)}")
-    return (tensors if codec == "fp32" else held), tensor_norms(tensors)
+    return (tensors if codec == "fp32" else held), norms
 
 
 def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
@@ -194,7 +199,7 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
     for i, c in enumerate(contribs):
         try:
             w = token_weight(c.ann.c_tokens, c.ann.c_steps)
-            held = c.delta.decode() if isinstance(c.delta, wire.EncodedTensors) else c.delta  # fp32, this merge only
+            held = c.delta.decode() if isinstance(c.delta, EncodedTensors) else c.delta  # fp32, this merge only
             delta = {n: t * c.scales[n] if n in c.scales else t for n, t in held.items()}
             candidates.append((i, c, w, AnchoredDelta(delta, f.published, f.history[c.ann.base_version]), delta))
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
