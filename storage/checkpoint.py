@@ -195,12 +195,14 @@ def read_safetensors(store: ObjectStore, ref: ObjectRef, with_metadata: bool = F
 
 
 def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str, torch.Tensor],
-                manifest: dict[str, Any], max_concurrency: int | None = None) -> ObjectRef:
+                manifest: dict[str, Any], max_concurrency: int | None = None, consume: bool = False) -> ObjectRef:
     """Write ``{prefix}/{seq:08d}/state.safetensors``, then ``manifest.json`` naming its size and
     sha256 (publish, then mark). Returns the manifest's ref. The state streams from the tensors
     (:func:`write_safetensors`): no serialized copy of the whole state is made; the caller keeps
     the tensors unchanged until this returns. ``max_concurrency``: upload parts in flight (the
-    store's by default); the writer holds that many parts plus one in memory.
+    store's by default); the writer holds that many parts plus one in memory. ``consume``:
+    ``tensors`` is a dict whose entries are removed once written, so that a tensor only the
+    checkpoint keeps alive (a value a merge replaced meanwhile) is freed as the write goes on.
 
     Raises:
         ValueError: a tensor holds NaN or Inf (nothing is written).
@@ -208,7 +210,13 @@ def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str,
     """
     _check_finite(tensors)
     with store.open_writer(keys.state_file_key(prefix, seq), max_concurrency=max_concurrency) as w:
-        write_safetensors(tensors, w.write)
+        if not consume:
+            write_safetensors(tensors, w.write)
+        else:
+            w.write(memoryview(_header(tensors)))
+            for name in list(tensors):
+                write_safetensors({name: tensors[name]}, w.write, header=False)
+                del tensors[name]  # type: ignore[attr-defined]
     assert w.ref is not None
     body = dict(manifest, seq=seq, state=w.ref.to_json())
     return store.put_json(keys.state_manifest_key(prefix, seq), body)
@@ -306,11 +314,11 @@ def latest_state(store: ObjectStore, prefix: str) -> Checkpoint | None:
 
 def write_checkpoint(
     store: ObjectStore, run_id: str, seq: int, tensors: Mapping[str, torch.Tensor], manifest: dict[str, Any],
-    max_concurrency: int | None = None,
+    max_concurrency: int | None = None, consume: bool = False,
 ) -> ObjectRef:
     """Write synchronizer checkpoint ``seq`` of a run (see :func:`write_state`)."""
     return write_state(store, keys.checkpoint_prefix(run_id), seq, tensors, dict(manifest, run_id=run_id),
-                       max_concurrency)
+                       max_concurrency, consume)
 
 
 def list_checkpoint_seqs(store: ObjectStore, run_id: str) -> list[int]:

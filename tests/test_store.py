@@ -46,6 +46,26 @@ def test_checkpoint_manifest_last_and_latest_skips_incomplete(store):
     assert torch.equal(ck.tensors["p000/param/w"], torch.full((3,), 2.0))
 
 
+def test_checkpoint_written_consuming_its_tensors_is_the_same_bytes_and_lets_each_go(store):
+    """consume=True (the synchronizer's checkpoints): the same state file, bit for bit, and each
+    tensor dropped from the dict once written, so one a merge replaced meanwhile is freed early."""
+    import gc
+    import weakref
+
+    big = torch.arange(1 << 16, dtype=torch.float32)
+    tensors = {**_tensors(3.0), "p001/param/big": big}
+    watch = weakref.ref(big)
+    del big
+    write_checkpoint(store, "run", 1, dict(tensors), {"versions": {"0": 1}})
+    write_checkpoint(store, "run", 2, tensors, {"versions": {"0": 1}}, consume=True)
+    assert tensors == {}
+    gc.collect()
+    assert watch() is None  # nothing else held it
+    one, two = (store.get_json(keys.state_manifest_key(keys.checkpoint_prefix("run"), s))["state"] for s in (1, 2))
+    assert one["sha256"] == two["sha256"] and one["nbytes"] == two["nbytes"]
+    assert torch.equal(load_checkpoint(store, "run", 2).tensors["p001/param/big"], torch.arange(1 << 16).float())
+
+
 def test_checkpoint_with_corrupt_state_is_skipped(tmp_path):
     store = ObjectStore(f"file://{tmp_path}/s")
     write_checkpoint(store, "run", 1, _tensors(1.0), {})

@@ -77,10 +77,12 @@ class CheckpointBook:
 
 
 def _write_and_trim(store: ObjectStore, run_id: str, seq: int, tensors: dict, manifest: dict) -> None:
-    """Write checkpoint ``seq`` (parts bounded by :data:`CHECKPOINT_PARTS_IN_FLIGHT`), then hand
-    the freed upload buffers back to the system."""
+    """Write checkpoint ``seq`` (parts bounded by :data:`CHECKPOINT_PARTS_IN_FLIGHT`; each tensor
+    let go once written, so one that a merge replaced meanwhile is freed then), then hand the
+    freed upload buffers back to the system."""
     try:
-        write_checkpoint(store, run_id, seq, tensors, manifest, max_concurrency=CHECKPOINT_PARTS_IN_FLIGHT)
+        write_checkpoint(store, run_id, seq, tensors, manifest, max_concurrency=CHECKPOINT_PARTS_IN_FLIGHT,
+                         consume=True)
     finally:
         release_free_memory()
 
