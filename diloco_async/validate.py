@@ -25,7 +25,8 @@ from typing import Any
 
 from diloco_async.config import Config, load_config
 
-__all__ = ["Check", "validate_recipe", "resolve_recipe", "list_recipes", "recipe_description", "probe_store"]
+__all__ = ["Check", "validate_recipe", "resolve_recipe", "recipe_field", "list_recipes", "recipe_description",
+           "probe_store"]
 
 _CHECKOUT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -78,6 +79,19 @@ def resolve_recipe(name_or_path: str) -> Path:
             return Path(str(candidate))
     known = ", ".join(name for name, _ in list_recipes()) or "(none found)"
     raise FileNotFoundError(f"recipe {name_or_path!r} is neither a file nor a known recipe name; known: {known}")
+
+
+def recipe_field(name_or_path: str) -> str:
+    """:func:`resolve_recipe` as an absolute path, for the ``config`` field of a scenario or a
+    suite file: ``configs/default.toml`` works from any folder (and in every process a run starts).
+
+    Raises:
+        ValueError: neither a file nor a known recipe name (the message lists the names).
+    """
+    try:
+        return str(resolve_recipe(name_or_path).resolve())
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from None
 
 
 def recipe_description(text: str) -> list[str]:

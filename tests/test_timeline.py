@@ -362,3 +362,23 @@ def test_rounds_table_groups_contributions_by_round_with_the_published_version()
     assert rows[2]["contributions"][1] == {"learner": "a", "fate": "late", "reason": "round closed", "c_tokens": 12,
                                            "c_steps": 3, "compute_s": 1.5, "staleness_versions": 1}
     assert rows[0]["contributions"] == []  # merged, but its contributions were decided in another epoch
+
+
+def test_shipped_scenarios_and_suites_find_their_recipe_from_any_folder(tmp_path, monkeypatch):
+    """``config = "configs/default.toml"`` in a shipped file works when the command runs in
+    another folder (it resolved against the current one); a recipe that is nowhere is named."""
+    from diloco_async.ablation.suite import load_suite
+    from diloco_async.wan.scenario import load_wan_scenario
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    chaos, wan = root / "configs/chaos/straggler-ci.toml", root / "configs/wan/wan-ci.toml"
+    for sc in (load_scenario(chaos), load_wan_scenario(wan)):
+        assert Path(sc.scenario.config).is_absolute() and Path(sc.scenario.config).is_file()
+    suite = load_suite(root / "configs/ablations/merge.toml")
+    assert Path(suite.suite.config).is_file()
+    bad = tmp_path / "bad.toml"
+    bad.write_text((root / "configs/chaos/straggler-ci.toml").read_text().replace(
+        'config = "configs/default.toml"', 'config = "configs/no-such-recipe.toml"'))
+    with pytest.raises(ValueError, match="no-such-recipe"):
+        load_scenario(bad)

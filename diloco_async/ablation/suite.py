@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from diloco_async.ablation.stats import CLAIM_KINDS, Claim
 from diloco_async.config import Config, load_config
 from diloco_async.tomlfile import load_toml_model
+from diloco_async.validate import recipe_field
 
 __all__ = ["Arm", "Comparison", "SuiteSpec", "Suite", "load_suite", "run_overrides", "check_arms", "figures_of"]
 
@@ -95,6 +96,11 @@ class SuiteSpec(_Strict):
     wall_s: float = Field(gt=0, description="budget.wall_s of every run (a safety stop)")
     figures: list[str] = Field(min_length=1)
     confidence: float = Field(0.95, gt=0, lt=1)
+
+    @field_validator("config")
+    @classmethod
+    def _resolve_recipe(cls, v: str) -> str:  # a path from any folder, or a shipped recipe's name
+        return recipe_field(v)
 
 
 class Suite(_Strict):

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diloco_async.tomlfile import load_toml_model
+from diloco_async.validate import recipe_field
 
 __all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
            "harness_fields", "check_user_overrides", "with_user_overrides"]
@@ -80,6 +81,11 @@ class ScenarioSection(_Section):
     config: str = Field("configs/default.toml", description="The training recipe all methods share.")
     overrides: list[str] = Field(default_factory=list, description="section.field=value on top of the recipe.")
     snapshot_every_s: float = Field(5.0, gt=0, description="Period of the checkpoints used for equal-token evaluation.")
+
+    @field_validator("config")
+    @classmethod
+    def _resolve_recipe(cls, v: str) -> str:  # a path from any folder, or a shipped recipe's name
+        return recipe_field(v)
 
 
 class Scenario(_Section):
