@@ -41,7 +41,7 @@ STORE_SCHEMES = frozenset({"file", "local", "memory", "s3", "s3a", "gs", "gcs"})
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):

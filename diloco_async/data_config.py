@@ -49,7 +49,7 @@ def parse_tokenizer_spec(spec: str) -> tuple[Literal["bytes", "bpe", "file"], in
 class DataConfig(BaseModel):
     """Corpus, format, tokenizer and held-out split of a run (README "Your own data")."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     source: Literal["shakespeare", "urls"] = Field(
         "shakespeare",

@@ -32,6 +32,16 @@ def test_overrides_and_cross_checks():
         load_config(None, ["nonsense"])
 
 
+@pytest.mark.parametrize("item", ["budget.wall_s=inf", "synchronizer.outer_lr=nan", "learners.lr=-inf",
+                                  "data.eval_fraction=nan"])
+def test_inf_and_nan_are_refused_and_named(item):
+    """A bound such as ``gt=0`` lets inf through (and NaN compares false to everything): a run
+    with ``budget.wall_s=inf`` would never stop on time. Refused at load, naming the field."""
+    field = item.split("=")[0].replace(".", r"\.")
+    with pytest.raises(ValueError, match=field + ": Input should be a finite number"):
+        load_config(None, [item])
+
+
 def test_hash_ignores_secrets_and_local_paths():
     a = load_config(None, ["run.workdir=/tmp/a"])
     b = load_config(None, ["run.workdir=/tmp/b"])

@@ -382,3 +382,6 @@ def test_shipped_scenarios_and_suites_find_their_recipe_from_any_folder(tmp_path
         'config = "configs/default.toml"', 'config = "configs/no-such-recipe.toml"'))
     with pytest.raises(ValueError, match="no-such-recipe"):
         load_scenario(bad)
+    bad.write_text(chaos.read_text().replace("wall_s = 45.0", "wall_s = inf"))  # would never stop
+    with pytest.raises(ValueError, match=r"scenario\.wall_s: Input should be a finite number"):
+        load_scenario(bad)

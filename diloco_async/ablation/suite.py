@@ -52,7 +52,7 @@ LOWER_IS_BETTER = ("eval_loss", "bytes_per_token", "wall_s")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Arm(_Strict):

@@ -32,7 +32,7 @@ METHODS = ("ddp", "sync-diloco", "decoupled")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class FailureModel(_Section):
