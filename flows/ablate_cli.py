@@ -13,11 +13,13 @@ __all__ = ["add_ablate_parser"]
 def _ablate(args: argparse.Namespace, run_flow: Callable[..., int], weak_secret: Callable[[], bool]) -> int:
     """Check the suite file and every arm's recipe, then run the ``ablate`` flow."""
     from diloco_async.ablation.suite import check_arms, load_suite
+    from flows.outpath import check_out
 
     if weak_secret():
         return 2
     try:
         check_arms(load_suite(args.suite), args.set or [])
+        check_out(args.out, "dir")
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -264,6 +264,7 @@ def _status(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_overrides
     from diloco_async.config import load_config
+    from flows.outpath import check_out
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     if _weak_secret():
@@ -281,6 +282,7 @@ def _chaos(args: argparse.Namespace) -> int:
                 lines = str(err).splitlines()
                 raise ValueError("invalid override: " + "; ".join(x.strip() for x in lines[1:]) if len(lines) > 1
                                  else str(err)) from None
+        check_out(args.out, "file")
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -51,6 +51,7 @@ def _check(args: argparse.Namespace, methods: list[str] | None) -> None:
     from diloco_async.chaos import METHODS, check_user_overrides
     from diloco_async.config import load_config
     from diloco_async.wan.scenario import load_wan_scenario, wan_overrides
+    from flows.outpath import check_out
 
     sc = load_wan_scenario(args.scenario)
     bad = [m or "''" for m in methods or [] if m not in METHODS]
@@ -59,6 +60,7 @@ def _check(args: argparse.Namespace, methods: list[str] | None) -> None:
     check_user_overrides(sc, args.set or [])
     for m in methods or sc.scenario.methods:
         load_config(sc.scenario.config, [*wan_overrides(sc, m, args.seed), *(args.set or [])])
+    check_out(args.out, "file")
 
 
 def wan_command(args: argparse.Namespace) -> int:

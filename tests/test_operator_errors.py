@@ -141,3 +141,17 @@ def test_train_on_corpus_urls_that_match_nothing_is_refused_before_the_flow(tmp_
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and f"data.urls: {url!r}" in proc.stderr, proc.stderr
     assert not (tmp_path / "prefect").exists() and not (tmp_path / "store").exists()  # nothing started
+
+
+@pytest.mark.parametrize("args, why", [
+    (["chaos", "--scenario", "configs/chaos/straggler-ci.toml", "--out", "{tmp}"], "is a folder"),
+    (["wan", "--scenario", "configs/wan/wan-ci.toml", "--out", "{tmp}/file.txt/r.json"], "is a file, not a folder"),
+    (["ablate", "--suite", "configs/ablations/merge.toml", "--out", "{tmp}/file.txt"], "is a file; give a folder"),
+])
+def test_an_out_path_that_cannot_be_written_is_refused_before_any_run(tmp_path, args, why):
+    """The comparisons run for minutes to hours; an --out they cannot write failed only at the end."""
+    (tmp_path / "file.txt").write_text("x")
+    proc = _cli(tmp_path, {}, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert why in proc.stderr and "--out" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "prefect").exists()
