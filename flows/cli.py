@@ -1,7 +1,4 @@
-"""The ``diloco-async`` command line.
-
-Subcommands import lazily so that ``diloco-async --help`` stays fast.
-"""
+"""The ``diloco-async`` command line (subcommands import lazily, so ``diloco-async --help`` is fast)."""
 
 from __future__ import annotations
 

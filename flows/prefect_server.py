@@ -29,6 +29,8 @@ from prefect.logging.handlers import APILogWorker
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, get_current_settings
 
+from diloco_async.parent_death import guarded_argv
+
 __all__ = ["temporary_server", "OwnSessionServer", "drain_prefect_workers", "DRAIN_TIMEOUT_S", "STOP_GRACE_S"]
 
 #: at most this long (s) to send the flow run's last logs and events before the server stops
@@ -73,9 +75,11 @@ class OwnSessionServer(SubprocessASGIServer):
             "PREFECT__SERVER_FINAL": "1",
             **get_current_settings().to_environment_variables(exclude_unset=True),
         }
-        argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
-                "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+        # SIGTERM when this command dies without stopping it (SIGKILL, the OOM killer): its own
+        # session spares it the terminal's Ctrl-C, and would otherwise leave it running for good
+        argv = [sys.executable, *guarded_argv("uvicorn", [
+            "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory", "prefect.server.api.server:create_app",
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"])]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

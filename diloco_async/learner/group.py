@@ -25,11 +25,8 @@ incarnation: the synchronizer only ever sees one learner.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,14 +39,12 @@ from diloco_async.config import Config
 from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.model import embedding_names
+from diloco_async.parent_death import die_with_parent
 from diloco_async.workload import Workload
 
 __all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]
 
 log = logging.getLogger("diloco.learner")
-
-_PR_SET_PDEATHSIG = 1
-
 
 def torchrun_args(lc: LearnerDeviceFields, rdzv_id: str) -> list[str]:
     """``python`` arguments that start one learner as a torchrun group, up to and including
@@ -94,19 +89,6 @@ class _LossForward(torch.nn.Module):
         return self.model.loss(inputs, targets)
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the torchrun agent dies (it starts ranks in their own sessions, so
-    a SIGKILL of the agent's process group would not reach them)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the agent was already gone
-        os._exit(1)
-
-
 class LearnerGroup:
     """This process's place in its learner's torchrun group, and the collectives of the protocol.
 
@@ -130,7 +112,7 @@ class LearnerGroup:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
-        _die_with_parent()
+        die_with_parent()  # the torchrun agent starts ranks in their own sessions: a SIGKILL of its group misses them
         return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), timeout_s)
 
     @property
