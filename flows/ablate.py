@@ -58,8 +58,9 @@ def record_path(out: Path, arm: str, seed: int) -> Path:
 
 def load_records(out: Path, suite: Suite, extra: list[str]) -> dict[tuple[str, int], dict]:
     """The saved records of ``suite`` under ``out`` whose overrides are those this suite would
-    use now (a record from an edited suite, another budget or other ``extra`` overrides is stale
-    and not returned); (arm, seed) -> record."""
+    use now and that hold every figure it asks for (a record from an edited suite, another budget,
+    other ``extra`` overrides or a shorter ``figures`` list is stale and not returned); (arm,
+    seed) -> record."""
     out_ = {}
     for arm in suite.arms:
         for seed in suite.suite.seeds:
@@ -68,7 +69,9 @@ def load_records(out: Path, suite: Suite, extra: list[str]) -> dict[tuple[str, i
                 rec = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue
-            if rec.get("overrides") == [*run_overrides(suite, arm, seed), *extra] and rec.get("figures"):
+            figures = rec.get("figures") or {}
+            if rec.get("overrides") == [*run_overrides(suite, arm, seed), *extra] and figures \
+                    and set(suite.suite.figures) <= set(figures):
                 out_[(arm.name, seed)] = rec
     return out_
 

@@ -243,3 +243,25 @@ def test_suite_path_that_is_a_folder_or_bad_toml_is_a_clear_error(tmp_path):
     bad.write_text('[suite]\nname = "x"\nbogus = 1\n')
     with pytest.raises(ValueError, match=r"invalid suite: .*suite\.bogus: Extra inputs are not permitted"):
         load_suite(bad)
+
+
+def test_saved_records_are_reused_only_for_the_same_runs_and_figures(tmp_path):
+    """A suite restarted after an edit re-runs what changed: other overrides, or a figure the
+    saved record does not hold (it was reused with the figure missing from the table)."""
+    import json
+
+    from flows.ablate import load_records, record_path
+
+    suite = load_suite("configs/ablations/merge.toml")
+    arm, seed = suite.arms[0], suite.suite.seeds[0]
+    path = record_path(tmp_path, arm.name, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"overrides": run_overrides(suite, arm, seed), "figures": {f: 1.0 for f in suite.suite.figures}}
+    path.write_text(json.dumps(record))
+    assert set(load_records(tmp_path, suite, [])) == {(arm.name, seed)}
+    assert load_records(tmp_path, suite, ["learners.lr=0.001"]) == {}  # other overrides: stale
+    more = suite.model_copy(update={"suite": suite.suite.model_copy(
+        update={"figures": [*suite.suite.figures, "token_goodput"]})})
+    assert load_records(tmp_path, more, []) == {}  # a figure it lacks: run again
+    path.write_text("{half")  # a torn record is not one
+    assert load_records(tmp_path, suite, []) == {}
