@@ -385,3 +385,21 @@ def test_shipped_scenarios_and_suites_find_their_recipe_from_any_folder(tmp_path
     bad.write_text(chaos.read_text().replace("wall_s = 45.0", "wall_s = inf"))  # would never stop
     with pytest.raises(ValueError, match=r"scenario\.wall_s: Input should be a finite number"):
         load_scenario(bad)
+
+
+def test_the_loss_curve_starts_at_theta0_when_every_learner_is_up_never_before():
+    """A snapshot taken during start-up (before the goodput window) gave the WAN report a first
+    point at a negative time; the curve is Θ^0 at 0 s, then the snapshots from then on."""
+    import torch
+
+    from diloco_async.chaos.measure import Snapshot, initial_model, measure
+    from diloco_async.timeline import Interval, Step, Timeline
+
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8"])
+    x = torch.randint(0, 256, (2, 8))
+    tl = Timeline(["a"], 100.0, 130.0, steps=[Step("a", 111.0, 112.0, 64)],
+                  intervals=[Interval("a", "starting", 100.0, 110.0)])
+    snaps = [Snapshot(t, tokens, lambda: initial_model(cfg)) for t, tokens in ((105.0, 0.0), (120.0, 64.0))]
+    m = measure(tl, snaps, cfg, [(x, x)], eval_tokens=64)
+    assert m.window_start_s == 110.0
+    assert [(t, tokens) for t, tokens, _ in m.curve] == [(0.0, 0.0), (10.0, 64.0)]

@@ -99,9 +99,12 @@ def eval_at(curve: Sequence[CurvePoint], eval_tokens: int) -> tuple[float, float
 
 def measure(tl: Timeline, snaps: Sequence[Snapshot], cfg: Config, batches, eval_tokens: int) -> Measurement:
     """Goodput of ``tl`` from :func:`goodput_window_start`, and the loss curve of Θ^0 (at the
-    window's start, no tokens) followed by ``snaps``."""
+    window's start, no tokens) followed by the ``snaps`` taken from then on."""
     window = dataclasses.replace(tl, start_s=goodput_window_start(tl))
     acc = account(window, uptime_max_gap_s(window, cfg))
-    curve = eval_curve([Snapshot(window.start_s, 0.0, lambda: initial_model(cfg)), *snaps], batches)
+    # Θ^0 at the window's start is the curve's origin: a snapshot from before every learner was
+    # up (a checkpoint taken during start-up) would sit at a negative time before it
+    later = [s for s in snaps if s.t >= window.start_s]
+    curve = eval_curve([Snapshot(window.start_s, 0.0, lambda: initial_model(cfg)), *later], batches)
     eq_time, eq_tokens = eval_at(curve, eval_tokens)
     return Measurement(acc, window.start_s, curve, eq_time, eq_tokens)
