@@ -43,3 +43,25 @@ def test_every_tie_of_the_int8_range_rounds_half_to_even():
     assert scale.tolist() == [1.0] and _bits(scale) == _bits(scale_ref)
     assert torch.equal(q, q_ref)
     assert torch.equal(q[1:-5].to(torch.float32), torch.round(ties))
+
+
+@pytest.mark.parametrize("qmax", [127, 7, 1])
+@pytest.mark.parametrize("chunk_elems", [64, 256, 1 << 20])
+@pytest.mark.parametrize("special", [False, True])
+def test_several_steps_give_the_reference_bits(qmax, chunk_elems, special, monkeypatch):
+    # a tensor quantized over several steps (small CHUNK_ELEMS) or one, with a short last block;
+    # ``special`` puts a NaN, an Inf, a subnormal block and a zero block in later steps (careful path)
+    monkeypatch.setattr(codec_blocks, "CHUNK_ELEMS", chunk_elems)
+    block_size = 16
+    gen = torch.Generator().manual_seed(qmax + chunk_elems)
+    x = torch.randn(block_size * 50 + 7, generator=gen)
+    if special:
+        x[block_size * 20 + 3] = float("nan")
+        x[block_size * 33] = float("-inf")
+        x[block_size * 40: block_size * 41] = 1e-42  # subnormal scale
+        x[block_size * 45: block_size * 46] = 0.0
+    q, scale = codec_blocks.quantize(x, qmax, block_size, pad_multiple=4)
+    q_ref, scale_ref = ref.quantize(x, qmax, block_size)
+    assert _bits(scale) == _bits(scale_ref)
+    assert q.numel() == -(-x.numel() // 4) * 4 and not q[x.numel():].any()
+    assert torch.equal(q[: x.numel()], q_ref)
