@@ -156,7 +156,7 @@ def _unpack_int4(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tenso
     word ^= 0x0808
     q = word.view(torch.int8)
     q -= 8
-    return q[:n]
+    return q if q.numel() == n else q[:n]
 
 
 def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Tensor]:

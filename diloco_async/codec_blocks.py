@@ -149,8 +149,10 @@ def dequantize(q: Tensor, scale: Tensor, n: int, block_size: int, out: Tensor | 
     out.copy_(q if q.numel() == n else q[:n])
     nfull = n // block_size
     head = nfull * block_size
+    if n == head:  # whole blocks: no slices (each is a dispatch of its own)
+        out.view(nfull, block_size).mul_((scale if scale.numel() == nfull else scale[:nfull]).unsqueeze(1))
+        return out
     if nfull:
         out[:head].view(nfull, block_size).mul_(scale[:nfull, None])
-    if n > head:
-        out[head:].mul_(scale[nfull])
+    out[head:].mul_(scale[nfull])
     return out

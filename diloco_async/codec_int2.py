@@ -95,4 +95,4 @@ def unpack_int2(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tensor
     word ^= 0x02020202
     q = word.view(torch.int8)  # byte j of word i: element 4i + j
     q -= 2
-    return q[:n]
+    return q if q.numel() == n else q[:n]
