@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "scale_blocks"]
 
 #: elements quantized per step (a whole number of blocks): bounds the float32 scratch at 4 MiB
 CHUNK_ELEMS = 1 << 20
@@ -147,12 +147,18 @@ def dequantize(q: Tensor, scale: Tensor, n: int, block_size: int, out: Tensor | 
     if out is None:
         out = torch.empty(n, dtype=torch.float32)
     out.copy_(q if q.numel() == n else q[:n])
+    return scale_blocks(out, scale, n, block_size)
+
+
+def scale_blocks(values: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
+    """``values[i] *= scale[i // block_size]`` in place for float32 ``values`` ``(n,)`` (the
+    unscaled levels) and float32 ``scale`` (at least ``ceil(n / block_size)``); returns ``values``."""
     nfull = n // block_size
     head = nfull * block_size
     if n == head:  # whole blocks: no slices (each is a dispatch of its own)
-        out.view(nfull, block_size).mul_((scale if scale.numel() == nfull else scale[:nfull]).unsqueeze(1))
-        return out
+        values.view(nfull, block_size).mul_((scale if scale.numel() == nfull else scale[:nfull]).unsqueeze(1))
+        return values
     if nfull:
-        out[:head].view(nfull, block_size).mul_(scale[:nfull, None])
-    out[head:].mul_(scale[nfull])
-    return out
+        values[:head].view(nfull, block_size).mul_(scale[:nfull, None])
+    values[head:].mul_(scale[nfull])
+    return values

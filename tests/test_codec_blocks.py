@@ -65,3 +65,17 @@ def test_several_steps_give_the_reference_bits(qmax, chunk_elems, special, monke
     assert _bits(scale) == _bits(scale_ref)
     assert q.numel() == -(-x.numel() // 4) * 4 and not q[x.numel():].any()
     assert torch.equal(q[: x.numel()], q_ref)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2, 3])
+def test_int2_levels_table_gives_every_byte_the_arithmetic_unpacking(extra):
+    from diloco_async import codec_int2
+
+    packed = torch.cat([torch.arange(256, dtype=torch.uint8), torch.tensor([0b10_01_11_00], dtype=torch.uint8)])
+    n = 4 * 256 + extra  # every byte value whole, then a short last byte of ``extra`` values
+    want = codec_int2.unpack_int2(packed[: -(-n // 4)], n).to(torch.float32)
+    got = codec_int2.unpack_int2_levels(packed[: -(-n // 4)], n)
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    assert _bits(got) == _bits(want)
+    out = torch.full((n,), float("nan"))
+    assert codec_int2.unpack_int2_levels(packed[: -(-n // 4)], n, out) is out and _bits(out) == _bits(want)
