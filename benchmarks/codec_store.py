@@ -57,8 +57,8 @@ def _best_of_alternating(fns: dict[str, Callable[[], object]], repeat: int) -> d
     alike. Now each function follows the others about equally often, and of two functions each
     goes first in every other repeat. Measured on the 2-core machine (same code, 4 runs each way,
     load 4-5): in the fixed order the fp32 round trip's best was 2.36-4.49 ms (median 2.51),
-    shuffled 2.05-2.58 ms (median 2.16), so the fixed order flattered every codec's ratio by
-    about 15% of the baseline (int4 median 1.08 fixed, 1.12 shuffled)."""
+    shuffled 2.05-2.58 ms (median 2.16): the baseline came out ~16% slower in the fixed order,
+    the codecs' ratios ~4% lower, i.e. flattered (int4 median 1.08 fixed, 1.12 shuffled)."""
     best = {name: float("inf") for name in fns}
     for i in range(repeat):
         order = list(fns)
