@@ -44,8 +44,9 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from diloco_async.codec_blocks import dequantize, quantize
-from diloco_async.codec_int2 import int2_packed_numel, pack_int2, unpack_int2
+from diloco_async.codec_blocks import dequantize, quantize, scale_blocks
+from diloco_async.codec_int2 import int2_packed_numel, pack_int2, unpack_int2_levels
+from diloco_async.codec_int2 import unpack_int2 as unpack_int2  # noqa: F401 - re-exported (tests, callers)
 
 __all__ = [
     "CODECS",
@@ -157,7 +158,7 @@ def _unpack_int4(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tenso
     word ^= 0x0808
     q = word.view(torch.int8)
     q -= 8
-    return q[:n]
+    return q if q.numel() == n else q[:n]
 
 
 def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Tensor]:
@@ -245,12 +246,15 @@ def decode(
             scale_key = name + SCALE_SUFFIX
             scale = _entry(encoded, scale_key, torch.float32, math.ceil(n / block_size), codec)
             values = torch.empty(n, dtype=torch.float32)  # the output, and the unpacking's scratch before
+            if codec == "int2":  # the levels straight from a table, then scaled
+                unpack_int2_levels(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n, values)
+                out[name] = scale_blocks(values, scale.reshape(-1), n, block_size).reshape(shape)
+                expected_keys.update((name, scale_key))
+                continue
             if codec == "int8":
                 q = _entry(encoded, name, torch.int8, n, codec).reshape(-1)
-            elif codec == "int4":
-                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n, values)
             else:
-                q = unpack_int2(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n, values)
+                q = _unpack_int4(_entry(encoded, name, torch.uint8, math.ceil(n / 2), codec).reshape(-1), n, values)
             out[name] = dequantize(q, scale.reshape(-1), n, block_size, values).reshape(shape)
             expected_keys.update((name, scale_key))
     unexpected = sorted(set(encoded) - expected_keys)

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "scale_blocks"]
 
 #: elements quantized per step (a whole number of blocks): bounds the float32 scratch at 4 MiB
 CHUNK_ELEMS = 1 << 20
@@ -70,10 +70,24 @@ def _block_absmax(blocks: Tensor, steps: list[tuple[int, int]], scratch: Tensor,
         for r0, r1 in steps:
             torch.amax(torch.abs(blocks[r0:r1], out=scratch[: r1 - r0]), dim=1, out=scale[r0:r1])
         return
-    bits = blocks.view(torch.int32)
+    bits, work, amax = blocks.view(torch.int32), scratch.view(torch.int32), scale.view(torch.int32)
+    if len(steps) == 1:  # the whole tensors: each slice would be one more dispatch
+        torch.amax(torch.bitwise_and(bits, 0x7FFFFFFF, out=work), dim=1, out=amax)
+        return
     for r0, r1 in steps:
-        magnitude = torch.bitwise_and(bits[r0:r1], 0x7FFFFFFF, out=scratch[: r1 - r0].view(torch.int32))
-        torch.amax(magnitude, dim=1, out=scale[r0:r1].view(torch.int32))
+        torch.amax(torch.bitwise_and(bits[r0:r1], 0x7FFFFFFF, out=work[: r1 - r0]), dim=1, out=amax[r0:r1])
+
+
+def _round_rows(rows: Tensor, divisors: Tensor, out: Tensor, work: Tensor, qmax: int, careful: bool) -> None:
+    """``out = round(rows / divisors)`` (int8, half to even) for rows ``(r, B)`` and ``divisors``
+    ``(r, 1)``, through the float32 ``work`` ``(r, B)``."""
+    if careful:  # NaN/Inf blocks carry a non-finite scale, subnormal ones can overflow qmax
+        torch.div(rows, divisors, out=work)
+        work.round_().clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
+        out.copy_(work)
+    else:  # M + x / scale in one kernel: its low byte is round(x / scale)
+        torch.addcdiv(_magic_row(rows.shape[1]), rows, divisors, out=work)
+        out.copy_(work.view(torch.int32))
 
 
 def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tuple[Tensor, Tensor]:
@@ -83,18 +97,20 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
 
     ``x`` may have any shape, floating dtype and device (it is read as float32 on the CPU). Works
     over whole blocks, about :data:`CHUNK_ELEMS` elements per step, so that the float32 scratch
-    stays small; only a short last block is copied (zero-padded)."""
+    stays small; only a short last block is copied (zero-padded). A tensor of one step is worked
+    on whole (the per-call overhead of slicing is a few percent of a round trip, issue 17)."""
     flat = x.detach().reshape(-1)
     if flat.device.type != "cpu" or flat.dtype != torch.float32:
         flat = flat.to(device="cpu", dtype=torch.float32)
     n, bs = flat.numel(), block_size
     nfull, tail = divmod(n, bs)
-    blocks = flat[: nfull * bs].view(nfull, bs)
+    blocks = (flat[: nfull * bs] if tail else flat).view(nfull, bs)
     rows_per_step = max(1, CHUNK_ELEMS // bs)
     steps = [(r0, min(r0 + rows_per_step, nfull)) for r0 in range(0, nfull, rows_per_step)]
     scale = torch.empty(nfull + (1 if tail else 0), dtype=torch.float32)
+    scale_full = scale[:nfull] if tail else scale
     scratch = torch.empty(max(1, min(rows_per_step, nfull)), bs, dtype=torch.float32)
-    _block_absmax(blocks, steps, scratch, scale)
+    _block_absmax(blocks, steps, scratch, scale_full)
     last = None
     if tail:
         last = torch.zeros(1, bs, dtype=torch.float32)
@@ -102,31 +118,24 @@ def quantize(x: Tensor, qmax: int, block_size: int, pad_multiple: int = 1) -> tu
         torch.amax(last.abs(), dim=1, out=scale[nfull:])
     scale.div_(qmax)
     safe, careful = _divisors(scale)
-    if careful and nfull and bool(scale[:nfull].isnan().any()):  # NaN blocks: the reference's payload
-        _block_absmax(blocks, steps, scratch, scale, exact_nan=True)
-        scale[:nfull].div_(qmax)
+    if careful and nfull and bool(scale_full.isnan().any()):  # NaN blocks: the reference's payload
+        _block_absmax(blocks, steps, scratch, scale_full, exact_nan=True)
+        scale_full.div_(qmax)
         safe, careful = _divisors(scale)
-    q = torch.empty(-(-n // pad_multiple) * pad_multiple, dtype=torch.int8)
-    if q.numel() > n:
+    padded = -(-n // pad_multiple) * pad_multiple
+    q = torch.empty(padded, dtype=torch.int8)
+    if padded > n:
         q[n:] = 0
-    q_rows = q[: nfull * bs].view(nfull, bs)
-
-    magic = _magic_row(bs)
-
-    def step(rows: Tensor, rows_safe: Tensor, out: Tensor, work: Tensor) -> None:
-        if careful:  # NaN/Inf blocks carry a non-finite scale, subnormal ones can overflow qmax
-            torch.div(rows, rows_safe[:, None], out=work)
-            work.round_().clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
-            out.copy_(work)
-        else:  # M + x / scale in one kernel: its low byte is round(x / scale)
-            torch.addcdiv(magic, rows, rows_safe[:, None], out=work)
-            out.copy_(work.view(torch.int32))
-
-    for r0, r1 in steps:
-        step(blocks[r0:r1], safe[r0:r1], q_rows[r0:r1], scratch[: r1 - r0])
+    q_rows = (q[: nfull * bs] if padded > nfull * bs else q).view(nfull, bs)
+    divisors = safe[:, None]
+    if len(steps) == 1:
+        _round_rows(blocks, divisors[:nfull] if tail else divisors, q_rows, scratch, qmax, careful)
+    else:
+        for r0, r1 in steps:
+            _round_rows(blocks[r0:r1], divisors[r0:r1], q_rows[r0:r1], scratch[: r1 - r0], qmax, careful)
     if last is not None:
         q_last = torch.empty(1, bs, dtype=torch.int8)
-        step(last, safe[nfull:], q_last, scratch[:1])
+        _round_rows(last, divisors[nfull:], q_last, scratch[:1], qmax, careful)
         q[nfull * bs: n] = q_last[0, :tail]
     return q, scale
 
@@ -138,10 +147,18 @@ def dequantize(q: Tensor, scale: Tensor, n: int, block_size: int, out: Tensor | 
     if out is None:
         out = torch.empty(n, dtype=torch.float32)
     out.copy_(q if q.numel() == n else q[:n])
+    return scale_blocks(out, scale, n, block_size)
+
+
+def scale_blocks(values: Tensor, scale: Tensor, n: int, block_size: int) -> Tensor:
+    """``values[i] *= scale[i // block_size]`` in place for float32 ``values`` ``(n,)`` (the
+    unscaled levels) and float32 ``scale`` (at least ``ceil(n / block_size)``); returns ``values``."""
     nfull = n // block_size
     head = nfull * block_size
+    if n == head:  # whole blocks: no slices (each is a dispatch of its own)
+        values.view(nfull, block_size).mul_((scale if scale.numel() == nfull else scale[:nfull]).unsqueeze(1))
+        return values
     if nfull:
-        out[:head].view(nfull, block_size).mul_(scale[:nfull, None])
-    if n > head:
-        out[head:].mul_(scale[nfull])
-    return out
+        values[:head].view(nfull, block_size).mul_(scale[:nfull, None])
+    values[head:].mul_(scale[nfull])
+    return values

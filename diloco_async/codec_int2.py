@@ -17,12 +17,13 @@ on the wire, which both give.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 from torch import Tensor
 
-__all__ = ["pack_int2", "unpack_int2", "int2_packed_numel"]
+__all__ = ["pack_int2", "unpack_int2", "unpack_int2_levels", "int2_packed_numel"]
 
 #: the fast paths view four int8 values as one 32-bit word, element ``4i`` in its low byte; on a
 #: big-endian host strided byte views give the same bytes
@@ -95,4 +96,36 @@ def unpack_int2(packed: Tensor, n: int, scratch: Tensor | None = None) -> Tensor
     word ^= 0x02020202
     q = word.view(torch.int8)  # byte j of word i: element 4i + j
     q -= 2
-    return q[:n]
+    return q if q.numel() == n else q[:n]
+
+
+@functools.lru_cache(maxsize=1)
+def _levels_table() -> tuple[Tensor, Tensor]:
+    """The float32 levels of every packed byte: ``(256, 4)``, row ``b`` holding its four values
+    (code ``j`` of ``b`` as ``(c ^ 2) - 2``), and the same memory as ``(256,)`` complex128, one
+    16-byte element per row (read only, shared)."""
+    byte = torch.arange(256, dtype=torch.int32)
+    rows = torch.stack([(((byte >> (2 * j)) & 3) ^ 2) - 2 for j in range(4)], dim=1).to(torch.float32)
+    rows = rows.contiguous()
+    return rows, rows.view(torch.complex128).reshape(256)
+
+
+def unpack_int2_levels(packed: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+    """:func:`unpack_int2` straight to float32: uint8 ``(ceil(n/4),)`` → float32 ``(n,)`` (into
+    ``out``, float32 ``(n,)``, if given), the same values as ``unpack_int2(packed, n).float()``.
+
+    Each byte's four values are one row of a 256-row table, copied as one 16-byte element
+    (``index_select`` on its complex128 view: the bits are moved, never computed on, so they
+    are exactly the float32 levels whatever the host's byte order). One pass over the packed
+    bytes and one over the output, where the arithmetic unpacking takes eight over int32 words
+    and a widening copy (issue 17, item 4)."""
+    flat = packed.reshape(-1)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    rows, wide = _levels_table()
+    whole = n // 4
+    if whole:
+        torch.index_select(wide, 0, flat[:whole].to(torch.int32), out=out[: 4 * whole].view(torch.complex128))
+    if n > 4 * whole:  # a short last byte
+        out[4 * whole:] = rows[int(flat[whole]), : n - 4 * whole]
+    return out

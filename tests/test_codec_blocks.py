@@ -43,3 +43,39 @@ def test_every_tie_of_the_int8_range_rounds_half_to_even():
     assert scale.tolist() == [1.0] and _bits(scale) == _bits(scale_ref)
     assert torch.equal(q, q_ref)
     assert torch.equal(q[1:-5].to(torch.float32), torch.round(ties))
+
+
+@pytest.mark.parametrize("qmax", [127, 7, 1])
+@pytest.mark.parametrize("chunk_elems", [64, 256, 1 << 20])
+@pytest.mark.parametrize("special", [False, True])
+def test_several_steps_give_the_reference_bits(qmax, chunk_elems, special, monkeypatch):
+    # a tensor quantized over several steps (small CHUNK_ELEMS) or one, with a short last block;
+    # ``special`` puts a NaN, an Inf, a subnormal block and a zero block in later steps (careful path)
+    monkeypatch.setattr(codec_blocks, "CHUNK_ELEMS", chunk_elems)
+    block_size = 16
+    gen = torch.Generator().manual_seed(qmax + chunk_elems)
+    x = torch.randn(block_size * 50 + 7, generator=gen)
+    if special:
+        x[block_size * 20 + 3] = float("nan")
+        x[block_size * 33] = float("-inf")
+        x[block_size * 40: block_size * 41] = 1e-42  # subnormal scale
+        x[block_size * 45: block_size * 46] = 0.0
+    q, scale = codec_blocks.quantize(x, qmax, block_size, pad_multiple=4)
+    q_ref, scale_ref = ref.quantize(x, qmax, block_size)
+    assert _bits(scale) == _bits(scale_ref)
+    assert q.numel() == -(-x.numel() // 4) * 4 and not q[x.numel():].any()
+    assert torch.equal(q[: x.numel()], q_ref)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2, 3])
+def test_int2_levels_table_gives_every_byte_the_arithmetic_unpacking(extra):
+    from diloco_async import codec_int2
+
+    packed = torch.cat([torch.arange(256, dtype=torch.uint8), torch.tensor([0b10_01_11_00], dtype=torch.uint8)])
+    n = 4 * 256 + extra  # every byte value whole, then a short last byte of ``extra`` values
+    want = codec_int2.unpack_int2(packed[: -(-n // 4)], n).to(torch.float32)
+    got = codec_int2.unpack_int2_levels(packed[: -(-n // 4)], n)
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    assert _bits(got) == _bits(want)
+    out = torch.full((n,), float("nan"))
+    assert codec_int2.unpack_int2_levels(packed[: -(-n // 4)], n, out) is out and _bits(out) == _bits(want)

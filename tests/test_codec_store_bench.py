@@ -28,3 +28,18 @@ def test_quick_bars_measure_every_codec_and_the_store(capsys):
     for b in rows:
         assert b.value is not None and math.isfinite(b.value) and b.value > 0, b
     assert "tensor.clone()" in printed and "raw write+fsync+read" in printed
+
+
+def test_the_order_changes_so_that_no_side_always_runs_first():
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("raw", "store")}
+    best = codec_store._best_of_alternating(fns, repeat=6)
+    assert sorted(best) == ["raw", "store"] and all(t >= 0 for t in best.values())
+    firsts = calls[0::2]
+    assert sorted(calls) == ["raw"] * 6 + ["store"] * 6
+    assert [firsts[i] != firsts[i + 1] for i in range(0, 6, 2)] == [True] * 3  # each pair: both orders
+    calls.clear()
+    many = {name: (lambda name=name: calls.append(name)) for name in "abcdef"}
+    codec_store._best_of_alternating(many, repeat=20)
+    orders = {tuple(calls[i: i + 6]) for i in range(0, 120, 6)}
+    assert len(orders) >= 10 and all(sorted(o) == list("abcdef") for o in orders)
