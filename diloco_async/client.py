@@ -145,7 +145,8 @@ class SyncClient:
             :meth:`push` holds it open (:class:`RequestChannel`), over HTTP otherwise; a request
             whose socket closes before the answer is sent again over HTTP. False: always HTTP.
 
-    ``sent_by_transport`` counts the heartbeats and announcements sent, by ``"ws"`` and ``"http"``.
+    ``sent_by_transport`` counts the heartbeats and announcements sent (answered or not), by
+    ``"ws"`` and ``"http"``.
     """
 
     def __init__(self, url: str, token: str | None = None, *,
@@ -214,14 +215,12 @@ class SyncClient:
             if self.link_delay_s > 0:
                 await asyncio.sleep(2 * self.link_delay_s)  # one round trip over the emulated link
             try:
-                got = await channel.request(kind, body, self.request_timeout_s)
                 self.sent_by_transport["ws"] += 1
-                return got
+                return await channel.request(kind, body, self.request_timeout_s)
             except ChannelClosed:  # it may not have arrived: again, over HTTP (announcements are idempotent)
                 pass
-        got = await self._request("POST", f"/{kind}", body)
         self.sent_by_transport["http"] += 1
-        return got
+        return await self._request("POST", f"/{kind}", body)
 
     async def heartbeat(self, body: dict) -> dict:
         """A ``Heartbeat`` (over the push channel's socket when open, else ``POST /heartbeat``);
