@@ -232,3 +232,29 @@ async def test_the_learners_comms_use_the_socket_and_fall_back_to_http_across_a_
         await asyncio.to_thread(comms.join, 10.0)
         await server.stop()
     assert shared.fatal is None
+
+
+async def test_the_actor_handles_the_queued_messages_before_one_clock_driven_pass():
+    from diloco_async.messages import Heartbeat, JoinRequest
+    from diloco_async.sync.actor import BATCH_MAX
+    from diloco_async.sync.state import Request
+
+    sync = Synchronizer(small_config(), ObjectStore(f"memory://batch-{uuid.uuid4().hex}"), RUN)
+    await asyncio.to_thread(sync.publish_initial)
+    left_at_pass: list[int] = []  # messages still queued at each clock-driven pass
+    advance = sync._advance
+    sync._advance = lambda: (left_at_pass.append(sync.inbox.qsize()), advance())[1]
+    loop = asyncio.get_running_loop()
+    replies = [loop.create_future() for _ in range(41)]
+    sync.inbox.put_nowait(Request("join", JoinRequest(learner_id="a"), replies[0]))
+    for i, reply in enumerate(replies[1:]):
+        sync.inbox.put_nowait(Request("heartbeat", Heartbeat(learner_id="a", step=i), reply))
+    actor = asyncio.create_task(sync.run())
+    try:
+        answers = await asyncio.wait_for(asyncio.gather(*replies), 10)
+    finally:
+        actor.cancel()
+        await asyncio.gather(actor, return_exceptions=True)
+    assert all(a.known for a in answers[1:])  # every one handled, in order (the join came first)
+    assert left_at_pass[:2] == [41 - BATCH_MAX, 0]  # BATCH_MAX in the first pass, the rest in the next
+    assert sync.registry.get("a").step == 39
