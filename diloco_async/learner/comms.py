@@ -170,6 +170,8 @@ class Comms:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            log.info("%s heartbeats and announcements sent by transport: %s", self.learner_id,
+                     dict(sorted(self.client.sent_by_transport.items())))
             if sh.joined.is_set() and sh.fatal is None:
                 # Last word: final counters, and the synchronizer learns we heard the stop.
                 try:
