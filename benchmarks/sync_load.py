@@ -6,7 +6,10 @@ with its own token, holds the WebSocket push channel (``GET /ws``), heartbeats e
 ``heartbeat_s`` (its step grows at ``STEPS_PER_S``, so the schedule opens rounds), and, when it
 hears of an open round (pushed ``round_open`` or a heartbeat's ``open_rounds``) and its last
 announcement is at least ``announce_s`` old, writes a real contribution object (fp32, the
-fragment's shapes, about 1.5 KiB) into the store and announces it (``POST /announce``). The
+fragment's shapes, about 1.5 KiB) into the store and announces it. Heartbeats and announcements
+go over the WebSocket as the real learner sends them (:mod:`diloco_async.sync.ws_requests`;
+over HTTP when the socket is down), or over ``POST /heartbeat`` and ``POST /announce`` with
+``--http-requests`` (and always on a ``--baseline-tree`` whose synchronizer does not answer them). The
 synchronizer fetches, verifies and merges it for real.
 
 Rates, and why:
@@ -51,6 +54,7 @@ Usage: python -m benchmarks.sync_load [--quick] [--learners N --seconds S]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -105,7 +109,7 @@ def _merge(spec: LoadSpec, parts: list[LoadResult]) -> LoadResult:
         out.announce_s += r.announce_s
         out.health_s += r.health_s
         for mine, theirs in ((out.sent, r.sent), (out.answered, r.answered), (out.acks, r.acks),
-                             (out.pushed_by_type, r.pushed_by_type)):
+                             (out.pushed_by_type, r.pushed_by_type), (out.sent_by_transport, r.sent_by_transport)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
         out.pushed += r.pushed
@@ -265,6 +269,7 @@ def report(res: LoadResult) -> dict[str, float | None]:
     print(f"  sent {dict(sorted(res.sent.items()))}  answered {dict(sorted(res.answered.items()))}  "
           f"pushed events {dict(sorted(res.pushed_by_type.items()))}  websockets lost {res.ws_lost}  "
           f"dropped {res.dropped}")
+    print(f"  heartbeats and announcements by transport {dict(sorted(res.sent_by_transport.items()))}")
     cpu = ", ".join(f"{k} {v / s.seconds:.0%}" for k, v in res.cpu_s.items())
     answered = len(res.heartbeat_s) + len(res.announce_s) + len(res.health_s)
     fig["sync_cpu_us_per_request"] = 1e6 * res.cpu_s.get("synchronizer", 0.0) / max(1, answered)
@@ -320,15 +325,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="with --learners: the same load first on a synchronizer run from DIR (e.g. "
                          "`git archive main | tar -x -C DIR`), printed as context")
+    ap.add_argument("--http-requests", action="store_true",
+                    help="heartbeats and announcements over HTTP POSTs, not the WebSocket (as learners before it)")
     args = ap.parse_args(argv)
     if args.learners is not None:
         hb = args.heartbeat_s or (0.25 if args.learners <= 256 else 1.0)
         goal = GOAL_P99_MS_256 if args.learners <= 256 else GOAL_P99_MS_1000
         spec = LoadSpec(args.learners, hb, 8.0 if args.learners <= 256 else 10.0, args.seconds,
                         warmup_s=5.0 if args.learners <= 256 else 8.0, generators=args.generators)
+        if args.http_requests:
+            spec = dataclasses.replace(spec, ws_requests=False)
         if args.baseline_tree:
-            print(f"baseline: the synchronizer of {args.baseline_tree}")
-            report(run_load(spec, os.path.abspath(args.baseline_tree)))
+            base = os.path.abspath(args.baseline_tree)
+            ws = spec.ws_requests and (Path(base) / "diloco_async/sync/ws_requests.py").exists()
+            print(f"baseline: the synchronizer of {args.baseline_tree}, learners' requests over "
+                  f"{'the WebSocket' if ws else 'HTTP (its learners do not speak the WebSocket requests)'}")
+            report(run_load(dataclasses.replace(spec, ws_requests=ws), base))
             print("this tree:")
         return print_bars(_load_bars(run_load(spec), goal))
     return print_bars(bars(args.quick))

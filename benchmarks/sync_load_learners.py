@@ -21,6 +21,7 @@ import torch
 
 from diloco_async import codec as wire
 from diloco_async.auth import learner_token
+from diloco_async.client import ChannelClosed, ProtocolError, RequestChannel
 from diloco_async.fragments import FragmentPlan
 from storage import keys
 from storage.store import ObjectStore
@@ -43,6 +44,7 @@ class LoadSpec:
     seconds: float
     warmup_s: float = 5.0
     generators: int = 2  # load generator processes the learners are spread over
+    ws_requests: bool = True  # heartbeats and announcements over the WebSocket, as the real learner sends them
 
 
 @dataclass
@@ -54,6 +56,7 @@ class LoadResult:
     announce_s: list[float] = field(default_factory=list)
     health_s: list[float] = field(default_factory=list)
     sent: dict[str, int] = field(default_factory=dict)
+    sent_by_transport: dict[str, int] = field(default_factory=dict)  # heartbeats and announcements: "ws", "http"
     answered: dict[str, int] = field(default_factory=dict)
     acks: dict[str, int] = field(default_factory=dict)
     pushed: int = 0
@@ -82,6 +85,7 @@ class _Learner:
         self.headers = {"Authorization": f"Bearer {token}"}
         self.spec, self.res, self.measure_from, self.stop, self.rng = spec, res, measure_from, stop, rng
         self.versions: dict[int, int] = {}
+        self.channel: RequestChannel | None = None  # requests over the WebSocket while it is open
         self.started = time.monotonic()
         self.last_announce = time.monotonic() - rng.uniform(0, spec.announce_s)
         self.announced: set[tuple[int, int]] = set()
@@ -91,17 +95,37 @@ class _Learner:
     def step(self) -> int:
         return int((time.monotonic() - self.started) * STEPS_PER_S)
 
+    async def _over_ws(self, kind: str, body: dict) -> dict | None:
+        """``kind`` over the WebSocket as the real learner sends it (:class:`RequestChannel`); None:
+        the socket is not open, or closed before the answer (the caller sends it over HTTP)."""
+        channel = self.channel
+        if channel is None or channel.closed or not self.spec.ws_requests:
+            return None
+        try:
+            got = await channel.request(kind, body, 30.0)
+        except ChannelClosed:
+            return None
+        self.res.sent_by_transport["ws"] = self.res.sent_by_transport.get("ws", 0) + 1
+        return got
+
     async def post(self, kind: str, path: str, body: dict) -> dict | None:
+        """Send ``kind`` as the real learner's client does (heartbeats and announcements over the
+        WebSocket when it is open, else HTTP; :class:`diloco_async.client.SyncClient`); the
+        latency from send to answer is measured after the warm-up."""
         self.res.sent[kind] = self.res.sent.get(kind, 0) + 1
         t0 = time.monotonic()
         try:
-            async with self.session.post(f"{self.url}{path}", json=body, headers=self.headers,
-                                         timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                doc = await resp.json()
-                if resp.status != 200:
-                    self.res.errors.append(f"{path}: HTTP {resp.status} {str(doc)[:200]}")
-                    return None
-        except (aiohttp.ClientError, TimeoutError, OSError) as err:
+            doc = await self._over_ws(kind, body) if kind in ("heartbeat", "announce") else None
+            if doc is None:
+                async with self.session.post(f"{self.url}{path}", json=body, headers=self.headers,
+                                             timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    doc = await resp.json()
+                    if resp.status != 200:
+                        self.res.errors.append(f"{path}: HTTP {resp.status} {str(doc)[:200]}")
+                        return None
+                if kind in ("heartbeat", "announce"):
+                    self.res.sent_by_transport["http"] = self.res.sent_by_transport.get("http", 0) + 1
+        except (aiohttp.ClientError, TimeoutError, OSError, ProtocolError) as err:
             self.res.errors.append(f"{path}: {type(err).__name__}: {err}")
             return None
         t1 = time.monotonic()
@@ -141,11 +165,14 @@ class _Learner:
         try:
             async with self.session.ws_connect(f"{self.url}/ws?learner_id={self.lid}", headers=self.headers,
                                                heartbeat=None, timeout=aiohttp.ClientWSTimeout(ws_receive=None)) as ws:
+                self.channel = RequestChannel(ws, self.url)
                 ready.set()
                 async for msg in ws:
                     if msg.type != aiohttp.WSMsgType.TEXT:
                         break
                     ev = json.loads(msg.data)
+                    if self.channel.take(ev):  # the answer to a request
+                        continue
                     self.res.pushed += 1
                     kind = str(ev.get("type"))
                     self.res.pushed_by_type[kind] = self.res.pushed_by_type.get(kind, 0) + 1
@@ -156,6 +183,8 @@ class _Learner:
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
             self.res.errors.append(f"/ws: {type(err).__name__}: {err}")
         finally:
+            if self.channel is not None:
+                self.channel.close()
             ready.set()
             if not self.stop.is_set():
                 self.res.ws_lost += 1

@@ -10,7 +10,8 @@ neither torch nor the learner (the status view and the flows use it).
 Errors:
 
 * :class:`ProtocolError` — HTTP 401, 403 or 413: retrying the same request cannot help.
-* ``aiohttp.ClientResponseError`` — any other status >= 400 (async methods).
+* ``aiohttp.ClientResponseError`` — any other status >= 400 (async methods); :class:`ReplyError`
+  (an ``aiohttp.ClientError``) for the same over the WebSocket.
 * ``aiohttp.ClientError``, ``TimeoutError``, ``OSError`` — the synchronizer did not answer.
 * The blocking helpers raise ``ConnectionError`` (an ``OSError``) for the last two kinds.
 """
@@ -21,12 +22,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 
-__all__ = ["TOKEN_ENV", "LEARNER_TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "SyncClient",
+__all__ = ["TOKEN_ENV", "LEARNER_TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "ReplyError",
+           "ChannelClosed", "RequestChannel", "SyncClient",
            "call_blocking", "fetch_status",
            "request_checkpoint"]
 
@@ -45,6 +48,83 @@ class ProtocolError(RuntimeError):
     """The synchronizer answered with something this client cannot work with (HTTP 401, 403, 413)."""
 
 
+class ReplyError(aiohttp.ClientError):
+    """A request over the WebSocket answered with a status >= 400 other than 401, 403 and 413
+    (the counterpart of ``aiohttp.ClientResponseError``): ``status``, and the error in the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ChannelClosed(ConnectionError):
+    """The WebSocket of a :class:`RequestChannel` closed before a request was answered (or was
+    closed already): the request may not have arrived; send it again (over HTTP)."""
+
+
+class RequestChannel:
+    """Requests over an open WebSocket of the push channel (``heartbeat`` and ``announce``; see
+    :mod:`diloco_async.sync.ws_requests`): each is sent as ``{"id", "kind", "body"}`` and its
+    answer, a message of type ``reply`` with the same id, is handed over by :meth:`take`, which
+    the socket's reader calls on every message it receives.
+
+    Args:
+        ws: the open WebSocket.
+        url: the synchronizer's base URL (named in errors).
+    """
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str = "") -> None:
+        self.ws, self.url = ws, url
+        self.closed = False
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next_id = 0
+
+    async def request(self, kind: str, body: dict, timeout_s: float) -> dict:
+        """Send one request; returns the body of its answer (a dict, as the HTTP route's JSON).
+
+        Raises:
+            ChannelClosed: the socket closed before the answer came (or was closed already).
+            ProtocolError: answered 401, 403 or 413 (e.g. the body names another learner).
+            ReplyError: answered with another status >= 400.
+            TimeoutError: no answer within ``timeout_s``.
+        """
+        if self.closed or self.ws.closed:
+            raise ChannelClosed(f"{self.url}/ws: closed")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        fut = self._pending[rid] = asyncio.get_running_loop().create_future()
+        try:
+            await self.ws.send_str(json.dumps({"id": rid, "kind": kind, "body": body}))
+            async with asyncio.timeout(timeout_s):
+                doc = await fut
+        except (ConnectionError, aiohttp.ClientConnectionError) as err:
+            raise ChannelClosed(f"{self.url}/ws: {type(err).__name__}: {err}") from err
+        finally:
+            self._pending.pop(rid, None)
+        status = doc.get("status")
+        if status == 200:
+            return doc["body"]
+        text = json.dumps({k: doc.get(k) for k in ("error", "reason")})
+        if status in _FATAL_STATUSES:
+            raise ProtocolError(f"/ws {kind}: HTTP {status} {text}")
+        raise ReplyError(int(status or 0), f"/ws {kind}: HTTP {status} {text}")
+
+    def take(self, doc: Any) -> bool:
+        """Hand over ``doc`` (a decoded message of the socket) if it answers a request: True then."""
+        if not isinstance(doc, dict) or doc.get("type") != "reply":
+            return False
+        fut = self._pending.get(doc.get("id"))  # type: ignore[arg-type]
+        if fut is not None and not fut.done():
+            fut.set_result(doc)
+        return True
+
+    def close(self) -> None:
+        """The socket closed: every request waiting for an answer raises :class:`ChannelClosed`."""
+        self.closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ChannelClosed(f"{self.url}/ws: closed before the answer"))
+
+
 class SyncClient:
     """Async client of one synchronizer; use as ``async with SyncClient(url, token) as client``.
 
@@ -61,12 +141,18 @@ class SyncClient:
             WebSocket handshake wait one round trip (``2 x link_delay_s``) before they are sent,
             every pushed message waits ``link_delay_s`` before it is handed on. Not part of
             ``request_timeout_s``. Raises ValueError when negative.
+        ws_requests: send heartbeats and announcements over the push channel's WebSocket while
+            :meth:`push` holds it open (:class:`RequestChannel`), over HTTP otherwise; a request
+            whose socket closes before the answer is sent again over HTTP. False: always HTTP.
+
+    ``sent_by_transport`` counts the heartbeats and announcements sent (answered or not), by
+    ``"ws"`` and ``"http"``.
     """
 
     def __init__(self, url: str, token: str | None = None, *,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  before_post: Callable[[str], Awaitable[None]] | None = None,
-                 link_delay_s: float = 0.0) -> None:
+                 link_delay_s: float = 0.0, ws_requests: bool = True) -> None:
         if not 0 <= link_delay_s < float("inf"):
             raise ValueError(f"link_delay_s must be a finite number >= 0, got {link_delay_s!r}")
         self.url = url.rstrip("/")
@@ -74,7 +160,10 @@ class SyncClient:
         self.token = token
         self.request_timeout_s = request_timeout_s
         self.before_post = before_post
+        self.ws_requests = ws_requests
+        self.sent_by_transport: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
+        self._channel: RequestChannel | None = None  # the push channel's socket while it is open
 
     async def __aenter__(self) -> SyncClient:
         # no session-wide timeout: each request carries request_timeout_s as it is when sent
@@ -117,13 +206,31 @@ class SyncClient:
         """``POST /join`` with a ``JoinRequest``; returns a ``JoinResponse``."""
         return await self._request("POST", "/join", body)
 
+    async def _learner_request(self, kind: str, body: dict) -> Any:
+        """``kind`` over the push channel's socket when it is open (see ``ws_requests``), else ``POST /kind``."""
+        channel = self._channel
+        if channel is not None and not channel.closed and self.ws_requests:
+            if self.before_post is not None:
+                await self.before_post(f"/{kind}")
+            if self.link_delay_s > 0:
+                await asyncio.sleep(2 * self.link_delay_s)  # one round trip over the emulated link
+            try:
+                self.sent_by_transport["ws"] += 1
+                return await channel.request(kind, body, self.request_timeout_s)
+            except ChannelClosed:  # it may not have arrived: again, over HTTP (announcements are idempotent)
+                pass
+        self.sent_by_transport["http"] += 1
+        return await self._request("POST", f"/{kind}", body)
+
     async def heartbeat(self, body: dict) -> dict:
-        """``POST /heartbeat`` with a ``Heartbeat``; returns a ``HeartbeatResponse``."""
-        return await self._request("POST", "/heartbeat", body)
+        """A ``Heartbeat`` (over the push channel's socket when open, else ``POST /heartbeat``);
+        returns a ``HeartbeatResponse``."""
+        return await self._learner_request("heartbeat", body)
 
     async def announce(self, body: dict) -> dict:
-        """``POST /announce`` with an ``Announcement``; returns an ``AnnouncementAck``."""
-        return await self._request("POST", "/announce", body)
+        """An ``Announcement`` (over the push channel's socket when open, else ``POST /announce``);
+        returns an ``AnnouncementAck``."""
+        return await self._learner_request("announce", body)
 
     async def checkpoint(self) -> dict:
         """``POST /checkpoint``: write a checkpoint now. Returns ``{"ok": True, "seq": n, ...}``, or
@@ -147,6 +254,8 @@ class SyncClient:
         """The WebSocket push channel of ``learner_id``, as ``async with client.push(id) as events:
         async for event in events: ...``; each event is a dict with ``type`` ``round_open``,
         ``version`` or ``stop``. The iteration ends when the channel closes; the caller reconnects.
+        While the caller iterates, :meth:`heartbeat` and :meth:`announce` go over this socket
+        (``ws_requests``): their answers arrive as the caller reads it.
 
         Raises:
             aiohttp.ClientError, TimeoutError: the handshake failed or took over ``request_timeout_s``.
@@ -158,16 +267,32 @@ class SyncClient:
         if self.link_delay_s > 0:
             await asyncio.sleep(2 * self.link_delay_s)  # the handshake's round trip
         async with await asyncio.wait_for(connect, self.request_timeout_s) as ws:
-            yield _events(ws, self.link_delay_s)
+            channel = self._channel = RequestChannel(ws, self.url)
+            try:
+                yield _events(ws, self.link_delay_s, channel)
+            finally:
+                channel.close()
+                if self._channel is channel:
+                    self._channel = None
 
 
-async def _events(ws: aiohttp.ClientWebSocketResponse, delay_s: float = 0.0) -> AsyncIterator[dict]:
-    async for msg in ws:
-        if msg.type != aiohttp.WSMsgType.TEXT:
-            return
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)  # one way, hub -> region
-        yield json.loads(msg.data)
+async def _events(ws: aiohttp.ClientWebSocketResponse, delay_s: float = 0.0,
+                  channel: RequestChannel | None = None) -> AsyncIterator[dict]:
+    """The pushed events of ``ws``; answers to requests go to ``channel`` (their round trip was
+    waited for when they were sent), not to the caller."""
+    try:
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                return
+            doc = json.loads(msg.data)
+            if channel is not None and channel.take(doc):
+                continue
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)  # one way, hub -> region
+            yield doc
+    finally:
+        if channel is not None:
+            channel.close()
 
 
 def call_blocking(url: str, token: str | None, method: str, *args: Any,

@@ -2,9 +2,12 @@
 
 It joins, sends heartbeats (which bring open rounds, new versions and the stop signal), listens on
 the WebSocket push channel, downloads new versions for the training thread, and runs the upload
-pipeline (:class:`~diloco_async.learner.uploads.Uploads`). If the synchronizer is unreachable the
-learner keeps training and reconnects with exponential backoff; after ``give_up_after_s`` without
-any answer the comms fail with :class:`~diloco_async.client.ProtocolError` (the learner exits 3).
+pipeline (:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announcements go over
+the push channel's WebSocket while it is open and over HTTP while it is not (before it connects,
+after the synchronizer restarts, until it reconnects): :class:`~diloco_async.client.SyncClient`.
+If the synchronizer is unreachable the learner keeps training and reconnects with exponential
+backoff; after ``give_up_after_s`` without any answer the comms fail with
+:class:`~diloco_async.client.ProtocolError` (the learner exits 3).
 """
 
 from __future__ import annotations
@@ -168,6 +171,8 @@ class Comms:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            log.info("%s heartbeats and announcements sent by transport: %s", self.learner_id,
+                     dict(sorted(self.client.sent_by_transport.items())))
             if sh.joined.is_set() and sh.fatal is None:
                 # Last word: final counters, and the synchronizer learns we heard the stop.
                 try:

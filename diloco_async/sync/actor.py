@@ -3,8 +3,9 @@
 HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed messages; the
 actor handles each message without awaiting, so every state change is atomic. Blocking work
 (fetching and verifying contributions, merging and publishing, checkpoints) runs in
-``asyncio.to_thread`` and posts its result back to the inbox. Between messages, and at least
-every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness, budgets, due
+``asyncio.to_thread`` and posts its result back to the inbox. After each message (after each
+batch of at most :data:`BATCH_MAX` messages that were queued already), and at least every 50 ms,
+:meth:`Synchronizer._advance` moves the clock-driven part: liveness, budgets, due
 rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
 The work per message does not grow with the learners (issue 17; DESIGN §2.1): the registry keeps
 liveness, tokens and provisioned seconds incrementally; the schedule and the rounds' quorum
@@ -56,12 +57,16 @@ from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S", "BATCH_MAX"]
 
 log = logging.getLogger("diloco.synchronizer")
 
 SWEEP_S = 0.01  # seconds (actor's clock) at most between two runs of the schedule and the rounds' checks
 SWEEP_MIN_S = 0.005  # seconds (real time) at least between two of them while messages keep coming
+BATCH_MAX = 32
+"""Messages handled at most per pass of the actor: those already queued are handled one after the
+other, then the clock-driven part runs once for all of them (issue 17: one pass per message cost
+more than the heartbeat itself at 1,000 learners)."""
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -213,6 +218,10 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                     msg = None
                 if msg is not None:
                     self._guarded(self._dispatch, msg)
+                    for _ in range(BATCH_MAX - 1):  # those queued meanwhile, before one clock-driven pass
+                        if self.inbox.empty():
+                            break
+                        self._guarded(self._dispatch, self.inbox.get_nowait())
                 self._advance()
                 self.board.tick(self.life.phase.value)  # O(1): /health; /status is built when asked
                 if (self.board.wanted() and self.board.due()) or self.finished.is_set():
