@@ -16,6 +16,7 @@ handles with the same :class:`ProcessHandle` surface.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import multiprocessing
@@ -87,11 +88,19 @@ class _GroupLeader:
         return f"exit code {code}"
 
     def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the process group; nothing when the group is gone."""
+        """Send ``sig`` to the process group; nothing when the process and its group are gone. A
+        process that has no group of its own yet (forked, not yet past its ``setsid``: a kill right
+        after a start on a loaded machine) gets ``sig`` itself: the group's signal missed it."""
         try:
             os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
+            return
+        except PermissionError:
+            return
+        except ProcessLookupError:
             pass
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, sig)
 
     def terminate(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL it. Returns the exit code.

@@ -113,3 +113,23 @@ def test_supervisor_retries_a_restart_that_failed_to_start(tmp_path):
     finally:
         for h in sup.handles():
             h.terminate(grace_s=5)
+
+
+def test_a_kill_reaches_a_process_that_has_no_group_of_its_own_yet(tmp_path):
+    """A forked rank or learner makes its own session first thing; killed before that (a chaos
+    failure right after a start, on a loaded machine), the SIGKILL to its group found no group and
+    was dropped, and the process ran on: the DDP group's restart then refused ("ranks [1] of
+    incarnation 0 are still running")."""
+    import subprocess
+    import sys
+
+    from diloco_async.procs import LocalProcess
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # in our group, not its own
+    handle = LocalProcess(name="no-session-yet", proc=proc, log_path=tmp_path / "x.log")
+    try:
+        handle.kill()
+        assert proc.wait(timeout=10) == -9
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -134,6 +134,8 @@ class DdpGroup:
         """
         deadline = time.monotonic() + 15.0  # killed ranks are reaped asynchronously (fork server): let them go
         running = [r for r, code in self.poll().items() if code is None]
+        for r in running:  # a rank of the last incarnation still here is killed again, itself if need be
+            self.handles[r].signal_group(signal.SIGKILL)
         while running and time.monotonic() < deadline:
             time.sleep(0.1)
             running = [r for r, code in self.poll().items() if code is None]
