@@ -102,7 +102,10 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memo
     bytes (the caller wrote the header of a larger mapping, :func:`spool_state`). ``metadata``:
     the header's ``__metadata__`` (string values).
 
-    The caller keeps the tensors unchanged until this returns (the bytes are read while written).
+    The views are read-only, so a writer may keep them rather than copy them (an
+    :class:`~storage.writer.ObjectWriter` keeps them until it sends them, at the latest on
+    ``close``): the caller keeps the tensors unchanged until ``write`` is done with them (for a
+    writer, until it is closed).
 
     Raises:
         ValueError: a dtype safetensors cannot hold.
@@ -116,7 +119,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memo
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         if flat.numel() == 0:
             continue
-        raw = memoryview(flat.view(torch.uint8).numpy())
+        raw = memoryview(flat.view(torch.uint8).numpy()).toreadonly()
         for start in range(0, len(raw), chunk_nbytes):
             write(raw[start:start + chunk_nbytes])
         total += len(raw)

@@ -1,7 +1,8 @@
 """Verified reads of one object, for :class:`~storage.store.ObjectStore` (DESIGN §5).
 
 A small object is read in one request and checked against its :class:`~storage.refs.ObjectRef`.
-A large one streams in chunks of ``part_nbytes``, the next chunk prefetched while the last one
+A large one streams in chunks of ``part_nbytes`` (from a local file: of at most
+:data:`INTO_CHUNK_NBYTES`), the next chunk prefetched while the last one
 is hashed; each chunk read is bounded by the policy's ``timeout_s`` and, after a transient error,
 the stream reopens where it stopped. Nothing unverified reaches a caller's file.
 
@@ -194,7 +195,7 @@ def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iter
         try:
             stream = store._call(f"open {where} at {pos}", store._backend.open_stream, path, pos, nbytes,
                                  retry=False)  # retried by this loop
-            reader = Prefetch(stream, store.part_nbytes)
+            reader = Prefetch(stream, _chunk_nbytes(store))
             while pos < nbytes:
                 chunk = reader.next(policy.timeout_s, f"read {where} at {pos}")
                 if not chunk:
@@ -217,6 +218,13 @@ def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iter
         finally:
             if reader is not None:
                 reader.close()
+
+
+def _chunk_nbytes(store: ObjectStore) -> int:
+    """Bytes per chunk of a streamed read: ``part_nbytes`` (fewer requests on S3 and GCS), at
+    most :data:`INTO_CHUNK_NBYTES` from a local file, where a read costs no request and two
+    chunks in memory (the one in use, the one prefetched) are all it holds."""
+    return min(store.part_nbytes, INTO_CHUNK_NBYTES) if store._backend.reads_into else store.part_nbytes
 
 
 class Prefetch:

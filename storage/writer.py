@@ -74,6 +74,14 @@ def upload_chunks(store: ObjectStore, key: str, chunks: Callable[[], Iterator[by
             log.warning("%s: upload failed (%s: %s), starting it again", store._where(key), type(err).__name__, err)
 
 
+def _joined(pieces: list[memoryview]) -> bytes:
+    """``pieces`` as one ``bytes``: the piece's own object when it is one whole ``bytes``, else
+    one copy."""
+    if len(pieces) == 1 and isinstance(pieces[0].obj, bytes) and len(pieces[0].obj) == len(pieces[0]):
+        return pieces[0].obj
+    return b"".join(pieces)
+
+
 def _put_single(store: ObjectStore, key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
     """One exclusive PUT of ``data`` to ``path`` (that of ``key``), retried; ``ref()`` names
     the bytes (asked only if needed)."""
@@ -232,31 +240,35 @@ class ObjectWriter:
             return self._fixed_part
         return streaming_part_nbytes(self._parts + 1, self.store.part_nbytes, self._limits)
 
-    def _take(self, nbytes: int) -> bytes:
-        """The first ``nbytes`` held, as one ``bytes`` (copied only if they span or split pieces)."""
-        first = self._held[0]
-        if len(first) == nbytes and isinstance(first.obj, bytes) and len(first.obj) == nbytes:
-            self._held.popleft()
-            self._held_nbytes -= nbytes
-            return first.obj
-        out = bytearray()
-        while len(out) < nbytes:
+    def _take(self, nbytes: int) -> list[memoryview]:
+        """The first ``nbytes`` held, as the pieces that hold them (views: nothing is copied)."""
+        pieces: list[memoryview] = []
+        need = nbytes
+        while need:
             piece = self._held.popleft()
-            need = nbytes - len(out)
             if len(piece) > need:
                 self._held.appendleft(piece[need:])
                 piece = piece[:need]
-            out += piece
+            pieces.append(piece)
+            need -= len(piece)
         self._held_nbytes -= nbytes
-        return bytes(out)
+        return pieces
 
-    def _send(self, chunk: bytes, last: bool) -> None:
-        """Start uploading one part; hash it while it travels."""
+    def _send(self, pieces: list[memoryview], last: bool) -> None:
+        """Start uploading one part made of ``pieces``; hash it while it travels. The pieces are
+        joined into one ``bytes`` (one copy) unless the backend writes at offsets (local files),
+        where each piece is written where it belongs, straight from the caller's memory."""
         store = self.store
         if self._limits.max_parts is not None and self._parts >= self._limits.max_parts:
             raise ValueError(f"{self._where}: part {self._parts + 1} is past the backend's limit of "
                              f"{self._limits.max_parts} parts (the object is larger than announced)")
-        self._nbytes += len(chunk)
+        chunk: bytes | list[memoryview]
+        if store._backend.writes_at_offsets:
+            chunk, nbytes = pieces, sum(len(p) for p in pieces)
+        else:
+            chunk = _joined(pieces)
+            nbytes = len(chunk)
+        self._nbytes += nbytes
         if self._upload is None:
             self._upload = store._call(f"begin upload {self._where}", store._backend.begin, self._path)
             if store._backend.parallel_parts and self._concurrency > 1:
@@ -264,23 +276,28 @@ class ObjectWriter:
                                                                    thread_name_prefix="storage-part")
         self._parts += 1
         args = (self._parts, self._offset, chunk, last)
-        self._offset += len(chunk)
+        self._offset += nbytes
         what = f"upload part {self._parts} of {self._where}"
         resend = store._backend.resend_parts
+        if self._pool is not None:
+            while len(self._pending) >= self._concurrency:
+                self._pending.popleft().result()
+            self._pending.append(self._pool.submit(store._call, what, self._send_part, *args, retry=resend))
+        for piece in pieces:
+            self._hash.update(piece)
         if self._pool is None:
-            self._hash.update(chunk)
             store._call(what, self._send_part, *args, retry=resend)
-            return
-        while len(self._pending) >= self._concurrency:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(store._call, what, self._send_part, *args, retry=resend))
-        self._hash.update(chunk)
 
-    def _send_part(self, number: int, offset: int, data: bytes, last: bool) -> None:
+    def _send_part(self, number: int, offset: int, data: bytes | list[memoryview], last: bool) -> None:
         if self._state == "aborted":  # stop a part's retries once the upload is dropped
             raise RuntimeError(f"{self._where}: upload aborted")
         assert self._upload is not None
-        self._upload.send(number, offset, data, last)
+        if isinstance(data, bytes):
+            self._upload.send(number, offset, data, last)
+            return
+        for i, piece in enumerate(data):  # a backend that writes at offsets (see _send)
+            self._upload.send(number, offset, piece, last and i == len(data) - 1)
+            offset += len(piece)
 
     def close(self) -> ObjectRef:
         """Send what is left and publish the object (exclusive create).
@@ -295,7 +312,7 @@ class ObjectWriter:
             raise ValueError(f"{self._where}: writer is {self._state}")
         try:
             if self._upload is None:
-                data = self._take(self._held_nbytes) if self._held_nbytes else b""
+                data = _joined(self._take(self._held_nbytes))
                 self._hash.update(data)
                 self._nbytes += len(data)
                 self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
