@@ -128,3 +128,27 @@ def test_the_spooled_state_is_uploaded_one_part_at_a_time(tmp_path):
         assert store.get(w.ref) == data
     ref = write_state_file(store, "run/learners/a", 1, src, {"inner": {"step": 1}})
     assert store.get_json(ref.key)["state"]["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_spool_folders_of_killed_learners_are_removed_by_the_next_one(tmp_path):
+    """A SIGKILLed learner leaves its spool folder (up to 5x the model); the next process of that
+    learner removes it, and leaves alone a live process's folder and another learner's."""
+    import signal
+    import subprocess
+    import sys
+
+    from diloco_async.learner.spool import new_spool_folder, remove_dead_spool_folders
+
+    code = ("import sys, time; from diloco_async.learner.spool import new_spool_folder; "
+            "d = new_spool_folder('learner-3', sys.argv[1]); open(d + '/state-1.safetensors', 'wb').write(b'x' * 4096); "
+            "print(d, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    dead = child.stdout.readline().strip()
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    child.stdout.close()
+    mine = new_spool_folder("learner-3", str(tmp_path))  # this process: alive
+    other = tmp_path / f"diloco-learner-4-pid{child.pid}-state-abc"  # another learner's, same dead pid
+    other.mkdir()
+    assert remove_dead_spool_folders("learner-3", str(tmp_path)) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, mine.rsplit("/", 1)[1]])

@@ -21,9 +21,14 @@ on disk.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 
+import psutil
 import torch
 
 from diloco_async.heap import release_free_memory
@@ -31,9 +36,43 @@ from diloco_async.inner_state import InnerState
 from diloco_async.learner.state import Shared, SpooledState
 from storage.checkpoint import spool_state
 
-__all__ = ["StateSpooler", "MUTABLE_PREFIXES"]
+__all__ = ["StateSpooler", "MUTABLE_PREFIXES", "new_spool_folder", "remove_dead_spool_folders"]
 
 log = logging.getLogger("diloco.learner")
+
+#: a spool folder's name: the learner's id, then the pid of the process that made it
+_FOLDER = re.compile(r"^diloco-(?P<learner>.+)-pid(?P<pid>\d+)-state-[^/]+$")
+
+
+def new_spool_folder(learner_id: str, parent: str | None = None) -> str:
+    """A new local folder for this process's spooled inner states (in ``parent``, default the
+    system's temporary folder), named after the learner and this process's pid so that a later
+    process can tell that its owner is gone (:func:`remove_dead_spool_folders`)."""
+    return tempfile.mkdtemp(prefix=f"diloco-{learner_id}-pid{os.getpid()}-state-", dir=parent)
+
+
+def remove_dead_spool_folders(learner_id: str, parent: str | None = None) -> list[str]:
+    """Remove the spool folders of ``learner_id`` whose process is gone (a learner that was
+    killed cannot remove its own: each held up to 5x the model's fp32 size). A folder whose pid
+    is alive, whoever it now is, is left alone. Returns the folders removed."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = _FOLDER.match(name)
+        if m is None or m["learner"] != learner_id or psutil.pid_exists(int(m["pid"])):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        log.info("%s removed %d spool folder(s) of processes that are gone: %s", learner_id, len(removed), removed)
+    return removed
+
 
 #: the state's tensors that training mutates in place (optimizer step, adoption)
 MUTABLE_PREFIXES = ("param/", "exp_avg/", "exp_avg_sq/")

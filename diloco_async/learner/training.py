@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from diloco_async.heap import release_free_memory
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
-from diloco_async.learner.spool import StateSpooler
+from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload, emulated_delay_s, jitter_random
@@ -283,7 +282,8 @@ class InnerLoop:
         state = self.workload.capture(step=self.step, base_tensors=self.base_tensors,
                                       base_versions=dict(sh.base), counters=counters)
         if self.spool_dir is None:
-            self.spool_dir = tempfile.mkdtemp(prefix=f"diloco-{self.learner_id}-state-")
+            remove_dead_spool_folders(self.learner_id)
+            self.spool_dir = new_spool_folder(self.learner_id)
         self.spooler.start(state, os.path.join(self.spool_dir, f"state-{self.step:010d}.safetensors"))
 
     def _before_optimizer_step(self, *_args) -> None:
