@@ -163,6 +163,9 @@ class SynchronizerConfig(_Section):
         1, ge=1, description="Merges run at once, each in a worker thread with its own working set (about three "
         "fragments' worth of fp32 beyond its contributions): more merge fragments in parallel on a many-core host, "
         "at that price in memory each.")
+    verifies_in_flight: int = Field(
+        2, ge=1, description="Contributions fetched and verified at once, each in a worker thread holding its "
+        "payload and one tensor's decoding: more overlap remote fetches (S3, GCS) at that price in memory each.")
     min_quorum: int = Field(1, ge=1, description="K, contributions needed before a round may merge.")
     grace_gamma: float = Field(0.8, gt=0, le=1, description="gamma of the grace window (Eq. 3).")
     grace_initial_s: float = Field(0.5, ge=0, description="Grace window before any estimate exists.")
@@ -384,7 +387,7 @@ _OPERATIONAL = {
                  "nice_after_ready"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s", "lease_ttl_s",
-                     "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s"),
+                     "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s", "verifies_in_flight"),
 }
 
 

@@ -64,8 +64,7 @@ class Backend:
     part_quantum = 1
     #: ``open_stream`` returns an :class:`IntoStream` (reads land in the caller's buffer, no copy)
     reads_into = False
-    #: an upload writes any bytes at any offset (``pwrite``): a part may go as its pieces, unjoined
-    writes_at_offsets = False
+    writes_at_offsets = False  #: an upload writes at any offset (pwrite): a part may go as pieces, unjoined
 
     def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
         self.fs = fs
@@ -132,8 +131,7 @@ class LocalBackend(Backend):
     name exists, atomically): a reader sees the whole object or nothing."""
 
     multipart = False
-    reads_into = True
-    writes_at_offsets = True
+    reads_into = writes_at_offsets = True
 
     def open_stream(self, path: str, start: int, end: int) -> IntoStream:
         return _LocalStream(path, start, end)

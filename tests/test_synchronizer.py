@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 
 import pytest
@@ -457,3 +458,32 @@ async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
     assert fates[("a", 0, 1)]["fate"] == fates[("b", 0, 1)]["fate"] == "merged"
     assert fates[("c", 0, 1)]["fate"] == "rejected" and fates[("c", 0, 1)]["reason"].startswith("digest")
     assert fates[("a", 0, 1)]["c_tokens"] == 1000 and fates[("a", 0, 1)]["staleness_versions"] == 0
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+async def test_verifications_in_flight_are_bounded_by_the_setting(monkeypatch, slots):
+    """``synchronizer.verifies_in_flight``: at most that many contributions are fetched and
+    verified at once (each holds its payload and a decoded tensor), and the round still merges.
+    The real fetch_and_verify runs, slowed down so that the three announcements overlap."""
+    from diloco_async.sync import rounds
+
+    real, running_now, most = rounds.fetch_and_verify, [0], [0]
+
+    def counted(*args, **kw):
+        running_now[0] += 1
+        most[0] = max(most[0], running_now[0])
+        try:
+            time.sleep(0.3)
+            return real(*args, **kw)
+        finally:
+            running_now[0] -= 1
+
+    monkeypatch.setattr(rounds, "fetch_and_verify", counted)
+    async with running(small_config(**{"synchronizer.min_quorum": 3, "synchronizer.verifies_in_flight": slots})) \
+            as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        for i, lid in enumerate(LEARNERS):
+            await contribute(client, store, lid, fragment_delta(plan, 0.1 + i))
+        await wait_version(client, 0, 1)
+    assert most[0] == slots

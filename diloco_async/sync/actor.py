@@ -29,6 +29,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
+from diloco_async.heap import release_free_memory
 from diloco_async.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.pace import PaceLimits
 from diloco_async.policy import RoundStage, budget_stop_reason
@@ -123,6 +124,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.rounds: dict[tuple[int, int], Round] = {}
         self.waiting: list[tuple[int, int]] = []
         self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
+        self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
         self.settled = BoundedMap(settled_cap)
         self.started_s = clock()
         self.life = Lifecycle()
@@ -142,6 +144,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.plan: FragmentPlan = plan
         self.fragments = new_fragments(self.plan, params, self.sc, self.store)
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
+        del params  # each fragment's optimizer holds its own copy of Θ^0
+        release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)

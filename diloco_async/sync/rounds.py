@@ -50,9 +50,8 @@ __all__ = ["RoundDriver", "SETTLED_CAP"]
 
 log = logging.getLogger("diloco.synchronizer")
 
+#: (learner, fragment, round) keys of closed rounds remembered to answer a replay ``duplicate``; older: ``late``
 SETTLED_CAP = 4096
-"""(learner, fragment, round) keys of closed rounds remembered to answer a replay ``duplicate``;
-a replay of an older round is answered ``late`` (neither is merged)."""
 
 
 def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
@@ -83,7 +82,7 @@ class RoundDriver:
     fragments: list[FragmentState]
     rounds: dict[tuple[int, int], Round]
     waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
-    merge_slots: asyncio.Semaphore  # synchronizer.merges_in_flight: one merge's working set each
+    merge_slots: asyncio.Semaphore  # merges_in_flight (one working set each); verify_slots: verifies_in_flight
     settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
     g: int | None  # the global step
     lease_epoch: int  # of this synchronizer's lease on the run (0: none)
@@ -208,9 +207,10 @@ class RoundDriver:
         ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
         delta, norms, reason = None, {}, "ok"
         try:
-            delta, norms = await asyncio.wait_for(
-                asyncio.to_thread(fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
-                timeout=self.sc.storage_timeout_s)
+            async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
+                delta, norms = await asyncio.wait_for(asyncio.to_thread(
+                    fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = rejection_reason(err, ann.key, self.sc.storage_timeout_s)
         await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms))

@@ -52,7 +52,8 @@ def initial_state(cfg: Config) -> tuple[dict[str, torch.Tensor], FragmentPlan]:
     """
     torch.manual_seed(cfg.run.seed)
     model = build_run_model(cfg)
-    params = {n: p.detach().clone().float() for n, p in trainable_parameters(model).items()}
+    # the model's own tensors (a float32 parameter is not copied): the model is dropped on return
+    params = {n: p.detach().float() for n, p in trainable_parameters(model).items()}
     return params, plan_of(model, cfg.synchronizer.num_fragments, cfg.synchronizer.fragmentation)
 
 
