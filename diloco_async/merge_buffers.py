@@ -98,7 +98,7 @@ class MergeWorkspace:
     def keep(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
         """A new whole buffer for a kept ``Δ'`` while the ``keep_bytes`` budget lasts, else None."""
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes > self._keep_bytes:
             return None
         self._keep_bytes -= nbytes
@@ -269,7 +269,7 @@ class _AnchoredSource(_Source):
 
     def non_finite(self, ws: MergeWorkspace) -> int:
         """NaN/Inf elements of ``Δ'``: 0 when its norm is finite, else counted."""
-        if bool(torch.isfinite(self.norm(ws, self.dtype))):
+        if math.isfinite(self.norm(ws, self.dtype).item()):
             return 0
         return int((~torch.isfinite(self.whole(ws))).sum())
 

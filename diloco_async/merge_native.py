@@ -37,11 +37,11 @@ def _typed() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() in CAPABILITIES:
         lib = native_build.kernels()
     if lib is not None:
-        lib.dl_accumulate.argtypes = [_P, _I64, _I32, _FP, _FP, _FP, ctypes.POINTER(_F), ctypes.POINTER(_F), _I32]
+        lib.dl_accumulate.argtypes = [_P, _I64, _I32, _FP, _FP, _FP, ctypes.POINTER(_F), ctypes.POINTER(_F), _I32, _I32]
         lib.dl_accumulate.restype = None
-        lib.dl_anchor.argtypes = [_P, _I64, _P, _P, _P]
+        lib.dl_anchor.argtypes = [_P, _I64, _P, _P, _P, _I32]
         lib.dl_anchor.restype = None
-        lib.dl_outer_step.argtypes = [_P, _P, _I64, _I64, _P, _P, _P, _F, _I32, _F, _F, _I32]
+        lib.dl_outer_step.argtypes = [_P, _P, _I64, _I64, _P, _P, _P, _F, _I32, _F, _F, _I32, _I32]
         lib.dl_outer_step.restype = _I32
     _lib.append(lib)
     return lib
@@ -57,17 +57,26 @@ def usable(*tensors: Tensor | None, out: Tensor | None = None) -> bool:
     """Whether the fused kernels may replace the torch code on these tensors (None entries are
     ignored): built, torch on AVX2/AVX512, each a contiguous float32 CPU tensor, and ``out`` (if
     given, also checked so) not overlapping any of them."""
-    if _typed() is None:
+    if (_lib[0] if _lib else _typed()) is None:
         return False
-    for t in (*tensors, out):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
+    f32 = torch.float32
+    for t in tensors:
+        if t is not None and not (t.dtype is f32 and t.is_cpu and t.is_contiguous()):
             return False
-    return out is None or not _overlaps(out, tensors)
+    if out is None:
+        return True
+    return out.dtype is f32 and out.is_cpu and out.is_contiguous() and not _overlaps(out, tensors)
 
 
 def _overlaps(out: Tensor, others: Sequence[Tensor | None]) -> bool:
-    lo, hi = out.data_ptr(), out.data_ptr() + 4 * out.numel()
-    return any(t is not None and t.data_ptr() < hi and lo < t.data_ptr() + 4 * t.numel() for t in others)
+    lo = out.data_ptr()
+    hi = lo + 4 * out.numel()
+    for t in others:
+        if t is not None:
+            start = t.data_ptr()
+            if start < hi and lo < start + 4 * t.numel():
+                return True
+    return False
 
 
 def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None], bases: Sequence[Tensor | None],
@@ -98,7 +107,8 @@ def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None],
     bptrs = (_P * m)(*(None if b is None else b.data_ptr() for b in bases))
     fn = (_F * m)(*(norms if norms is not None else [1.0] * m))
     fp = (_F * m)(*probs)
-    _typed().dl_accumulate(out.data_ptr(), n, m, ptrs, cptrs, bptrs, fn, fp, int(norms is not None))
+    _typed().dl_accumulate(out.data_ptr(), n, m, ptrs, cptrs, bptrs, fn, fp, int(norms is not None),
+                           torch.get_num_threads())
     return out
 
 
@@ -108,7 +118,7 @@ def anchor_into(out: Tensor, cur: Tensor, base: Tensor, delta: Tensor) -> Tensor
     if not usable(out, cur, base, delta) or {cur.numel(), base.numel(), delta.numel()} != {n} or _overlaps(
             out, [cur, base, delta]):
         raise ValueError("anchor_into needs contiguous float32 CPU tensors of one size, out apart from the inputs")
-    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr())
+    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -124,6 +134,7 @@ def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, sc
 
     Raises:
         ValueError: a tensor not usable, sizes that differ, or ``new_p`` overlapping an input.
+        MemoryError: no memory for the per-chunk flags (a few bytes per chunk).
     """
     n = p.numel()
     if not usable(new_p, new_b, p, b, g, scale) or {new_b.numel(), b.numel(), g.numel(), new_p.numel()} != {n} or (
@@ -131,5 +142,9 @@ def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, sc
             new_b.data_ptr() != g.data_ptr() and _overlaps(new_b, [g]))):
         raise ValueError("outer_step needs contiguous float32 CPU tensors of one size, outputs apart from inputs")
     s = 1.0 if scale is None else float(scale.item())
-    return _typed().dl_outer_step(new_p.data_ptr(), new_b.data_ptr(), n, chunk, p.data_ptr(), b.data_ptr(),
-                                  g.data_ptr(), s, int(scale is not None), mu, neg_lr, int(require_finite))
+    status = _typed().dl_outer_step(new_p.data_ptr(), new_b.data_ptr(), n, chunk, p.data_ptr(), b.data_ptr(),
+                                  g.data_ptr(), s, int(scale is not None), mu, neg_lr, int(require_finite),
+                                  torch.get_num_threads())
+    if status < 0:
+        raise MemoryError(f"outer_step: no memory for the finite flags of {n} elements")
+    return status

@@ -35,7 +35,7 @@ log = logging.getLogger("diloco.native")
 #: the C source of the kernels, shipped in the package
 SOURCE = Path(__file__).with_name("merge_kernels.c")
 #: compiler flags: no contraction of a*b+c except the explicit fmaf (the rounding must be torch's)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-shared", "-fPIC", "-pthread")
 #: seconds a build may take before it counts as failed
 BUILD_TIMEOUT_S = 120.0
 
