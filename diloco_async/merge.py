@@ -146,7 +146,7 @@ def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws:
     """``out ← Σ p·Δ`` (``out`` contiguous), chunk by chunk in learner order."""
     flat = out.view(-1)
     parts = _fused_parts(flat, srcs)
-    if parts is not None:  # the same operations in one pass (DESIGN §4.5b)
+    if parts is not None:  # the same operations in one pass (DESIGN §4.5c)
         xs, curs, bases = zip(*parts, strict=True)
         merge_native.accumulate(flat, xs, curs, bases, None, probs)
         return out
@@ -171,7 +171,7 @@ def _fused_parts(flat: Tensor, srcs: Sequence[_Source]) -> list[tuple] | None:
 def _direction_into(flat: Tensor, srcs: Sequence[_Source], probs: Sequence[float], norms: Sequence[Tensor | None],
                     ws: MergeWorkspace) -> None:
     """``flat ← Σ p·Δ/‖Δ‖`` over the sources with a norm, chunk by chunk in learner order (or in
-    one fused pass, the same operations: DESIGN §4.5b)."""
+    one fused pass, the same operations: DESIGN §4.5c)."""
     parts = _fused_parts(flat, srcs)
     if parts is not None:
         live = [(part, p, n.item()) for part, p, n in zip(parts, probs, norms, strict=True) if n is not None]

@@ -247,7 +247,7 @@ class _AnchoredSource(_Source):
             self.owner._kept[self.name] = out
         else:
             out = ws.whole(self.dtype, self.shape)
-        if merge_native.usable(cur, base, d, out=out):  # one fused pass, the same operations (DESIGN §4.5b)
+        if merge_native.usable(cur, base, d, out=out):  # one fused pass, the same operations (DESIGN §4.5c)
             return merge_native.anchor_into(out, cur, base, d)
         if ws.sharing(cur, base) <= 1:  # alone on its base: Θcur − Θbase by chunks, in the cache
             d_flat, out_flat = _flat(d), out.view(-1)

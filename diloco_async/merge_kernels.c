@@ -1,4 +1,4 @@
-/* Fused float32 passes of the synchronizer's merge (DESIGN §4.5b), loaded by
+/* Fused float32 passes of the synchronizer's merge (DESIGN §4.5c), loaded by
  * diloco_async/native_build.py through ctypes and called from diloco_async/merge_native.py.
  *
  * Each loop does, per element, the same IEEE float32 operations in the same order as the torch

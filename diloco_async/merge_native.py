@@ -1,4 +1,4 @@
-"""Fused float32 passes of the merge in C (DESIGN §4.5b), with the conditions for using them.
+"""Fused float32 passes of the merge in C (DESIGN §4.5c), with the conditions for using them.
 
 Part of :mod:`diloco_async.merge`. Each function here computes exactly what the torch code beside
 its call computes (the same float32 operations in the same order, ``merge_kernels.c``), in one

@@ -1,4 +1,4 @@
-"""One-time build of the merge's fused C kernels (``merge_kernels.c``, DESIGN §4.5b).
+"""One-time build of the merge's fused C kernels (``merge_kernels.c``, DESIGN §4.5c).
 
 The only module of the merge that does I/O: on first use it compiles the C source with the system
 compiler into a per-user cache directory, under a name keyed by a hash of the source, the

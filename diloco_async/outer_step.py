@@ -219,7 +219,7 @@ class OuterOptimizer:
     def _step_fused(self, name: str, p: Tensor, b: Tensor, g: Tensor, require_finite: bool, in_place: bool,
                     scale: Tensor | None) -> tuple[Tensor, Tensor, bool]:
         """:meth:`_step_tensor`'s chunk loop with a momentum, in one fused pass: the same
-        operations, the same finite checks per chunk, the same errors (DESIGN §4.5b)."""
+        operations, the same finite checks per chunk, the same errors (DESIGN §4.5c)."""
         new_p = self._empty_like(p)
         new_b = g if in_place else self._empty_like(p)
         status = merge_native.outer_step(new_p.view(-1), new_b.view(-1), p.view(-1), b.view(-1), g.view(-1), scale,

@@ -1,4 +1,4 @@
-"""The fused C kernels of the merge (diloco_async/merge_kernels.c, DESIGN §4.5b) against the torch
+"""The fused C kernels of the merge (diloco_async/merge_kernels.c, DESIGN §4.5c) against the torch
 code they replace, forced with ``merge_native``'s library set to None: the same bits (compared as
 integers, so NaNs and signed zeros count) on random and adversarial float32 inputs of odd sizes,
 including NaN/Inf and the errors they raise; the fallback when the compiler is missing or broken
