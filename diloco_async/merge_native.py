@@ -28,6 +28,12 @@ STEP_OK, STEP_BAD_GRAD, STEP_NOT_FINITE = 0, 1, 2
 _F, _P, _I64, _I32 = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _FP = ctypes.POINTER(_P)
 _lib: list = []  # [the typed library or None], set on first use
+#: threads per kernel call; None: torch's (``torch.get_num_threads()``)
+THREADS: int | None = None
+
+
+def _threads() -> int:
+    return torch.get_num_threads() if THREADS is None else THREADS
 
 
 def _typed() -> ctypes.CDLL | None:
@@ -108,7 +114,7 @@ def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None],
     fn = (_F * m)(*(norms if norms is not None else [1.0] * m))
     fp = (_F * m)(*probs)
     _typed().dl_accumulate(out.data_ptr(), n, m, ptrs, cptrs, bptrs, fn, fp, int(norms is not None),
-                           torch.get_num_threads())
+                           _threads())
     return out
 
 
@@ -118,7 +124,7 @@ def anchor_into(out: Tensor, cur: Tensor, base: Tensor, delta: Tensor) -> Tensor
     if not usable(out, cur, base, delta) or {cur.numel(), base.numel(), delta.numel()} != {n} or _overlaps(
             out, [cur, base, delta]):
         raise ValueError("anchor_into needs contiguous float32 CPU tensors of one size, out apart from the inputs")
-    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr(), torch.get_num_threads())
+    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr(), _threads())
     return out
 
 
@@ -144,7 +150,7 @@ def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, sc
     s = 1.0 if scale is None else float(scale.item())
     status = _typed().dl_outer_step(new_p.data_ptr(), new_b.data_ptr(), n, chunk, p.data_ptr(), b.data_ptr(),
                                   g.data_ptr(), s, int(scale is not None), mu, neg_lr, int(require_finite),
-                                  torch.get_num_threads())
+                                  _threads())
     if status < 0:
         raise MemoryError(f"outer_step: no memory for the finite flags of {n} elements")
     return status
