@@ -121,7 +121,10 @@ def build(source: Path = SOURCE, directory: Path | None = None, compiler: str | 
 def _load() -> ctypes.CDLL:
     if os.environ.get("DILOCO_NATIVE", "1").strip() == "0":
         raise BuildError("disabled by DILOCO_NATIVE=0")
-    path = build()
+    try:
+        path = build()
+    except (OSError, RuntimeError) as err:  # e.g. a cache directory that cannot be written
+        raise BuildError(f"cannot build into the cache directory: {type(err).__name__}: {err}") from err
     try:
         return ctypes.CDLL(str(path))
     except OSError as err:

@@ -210,19 +210,23 @@ def _fresh_kernels(monkeypatch, tmp_path, **env):
     return merge_native.usable(), native_build.unavailable_reason()
 
 
-@pytest.mark.parametrize("how", ["missing", "broken", "disabled"])
+@pytest.mark.parametrize("how", ["missing", "broken", "disabled", "unwritable"])
 def test_fallback_with_a_logged_reason(how, monkeypatch, tmp_path, caplog):
     broken = tmp_path / "cc"
     broken.write_text("#!/bin/sh\necho 'cc: internal error: out of luck' >&2\nexit 4\n")
     broken.chmod(0o755)
     env = {"missing": {"CC": "no-such-compiler-here"}, "broken": {"CC": str(broken)},
-           "disabled": {"DILOCO_NATIVE": "0"}}[how]
+           "disabled": {"DILOCO_NATIVE": "0"}, "unwritable": {}}[how]
     try:
         with caplog.at_level(logging.WARNING, logger="diloco.native"):
             ok, reason = _fresh_kernels(monkeypatch, tmp_path, **env)
+            if how == "unwritable":  # the cache directory would be under a plain file
+                monkeypatch.setenv("DILOCO_NATIVE_CACHE", str(broken / "cache"))
+                merge_native.reset()
+                ok, reason = merge_native.usable(), native_build.unavailable_reason()
         assert not ok
         want = {"missing": "no C compiler", "broken": "exited with 4: cc: internal error: out of luck",
-                "disabled": "DILOCO_NATIVE=0"}[how]
+                "disabled": "DILOCO_NATIVE=0", "unwritable": "cannot build into the cache directory"}[how]
         assert want in reason
         assert [r.getMessage() for r in caplog.records if r.name == "diloco.native"] == [
             f"fused merge kernels unavailable, using the torch code: {reason}"]
