@@ -25,6 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from diloco_async import merge_native
 from diloco_async.merge_buffers import (
     CHUNK_ELEMENTS,
     MAX_SHARED_DIFFS,
@@ -144,11 +145,47 @@ def _check_sources(srcs: Sequence[_Source]) -> None:
 def _mean_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], ws: MergeWorkspace) -> Tensor:
     """``out ← Σ p·Δ`` (``out`` contiguous), chunk by chunk in learner order."""
     flat = out.view(-1)
+    parts = _fused_parts(flat, srcs)
+    if parts is not None:  # the same operations in one pass (DESIGN §4.5c)
+        xs, curs, bases = zip(*parts, strict=True)
+        merge_native.accumulate(flat, xs, curs, bases, None, probs)
+        return out
     for lo, hi in _chunks(flat.numel()):
         o = flat[lo:hi].zero_()  # by chunk: the chunk is then summed into while in the cache
         for s, p in zip(srcs, probs, strict=True):
             o.add_(s.slice(lo, hi, ws, out.dtype), alpha=p)
     return out
+
+
+def _fused_parts(flat: Tensor, srcs: Sequence[_Source]) -> list[tuple] | None:
+    """Each source's (x, cur, base) for :func:`merge_native.accumulate`, or None when the fused
+    kernels cannot replace the chunk loops here (:func:`merge_native.usable`)."""
+    if not merge_native.usable(flat):
+        return None
+    parts = [s.fused_parts() for s in srcs]
+    if any(p is None for p in parts) or not all(merge_native.usable(*p, out=flat) for p in parts):
+        return None
+    return parts
+
+
+def _direction_into(flat: Tensor, srcs: Sequence[_Source], probs: Sequence[float], norms: Sequence[Tensor | None],
+                    ws: MergeWorkspace) -> None:
+    """``flat ← Σ p·Δ/‖Δ‖`` over the sources with a norm, chunk by chunk in learner order (or in
+    one fused pass, the same operations: DESIGN §4.5c)."""
+    parts = _fused_parts(flat, srcs)
+    if parts is not None:
+        live = [(part, p, n.item()) for part, p, n in zip(parts, probs, norms, strict=True) if n is not None]
+        xs, curs, bases = ([part[k] for part, _, _ in live] for k in range(3))
+        merge_native.accumulate(flat, xs, curs, bases, [n for _, _, n in live], [p for _, p, _ in live])
+        return
+    dtype = flat.dtype
+    for lo, hi in _chunks(flat.numel()):
+        o = flat[lo:hi].zero_()
+        unit = ws.chunk(dtype, 1, hi - lo)
+        for s, p, n in zip(srcs, probs, norms, strict=True):
+            if n is not None:
+                torch.div(s.slice(lo, hi, ws, dtype), n, out=unit)
+                o.add_(unit, alpha=p)
 
 
 def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: MergeWorkspace,
@@ -166,14 +203,7 @@ def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps:
         n = s.norm(ws, dtype)
         radial.add_(n, alpha=p)
         norms.append(n if n.item() > 0 else None)
-    flat = out.view(-1)
-    for lo, hi in _chunks(flat.numel()):
-        o = flat[lo:hi].zero_()
-        unit = ws.chunk(dtype, 1, hi - lo)
-        for s, p, n in zip(srcs, probs, norms, strict=True):
-            if n is not None:
-                torch.div(s.slice(lo, hi, ws, dtype), n, out=unit)
-                o.add_(unit, alpha=p)
+    _direction_into(out.view(-1), srcs, probs, norms, ws)
     dir_norm = torch.linalg.vector_norm(out)
     if dir_norm.item() < eps:
         return _mean_into(out, srcs, probs, ws)

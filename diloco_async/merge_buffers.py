@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from diloco_async import merge_native
 from diloco_async.buffer_pool import BufferPool
 
 __all__ = ["CHUNK_ELEMENTS", "MAX_SHARED_DIFFS", "MergeWorkspace", "AnchoredDelta", "check_anchored"]
@@ -97,7 +98,7 @@ class MergeWorkspace:
     def keep(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
         """A new whole buffer for a kept ``Δ'`` while the ``keep_bytes`` budget lasts, else None."""
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes > self._keep_bytes:
             return None
         self._keep_bytes -= nbytes
@@ -178,6 +179,11 @@ class _Source:
         """L2 norm over all elements (0-dim, ``dtype``), as ``vector_norm`` of the whole tensor."""
         raise NotImplementedError
 
+    def fused_parts(self) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+        """1-D views (x, cur, base) with all of it ``(cur − base) + x`` (cur and base None: ``x``
+        itself) for the fused kernels, or None when a tensor is not contiguous."""
+        raise NotImplementedError
+
 
 class _TensorSource(_Source):
     def __init__(self, t: Tensor) -> None:
@@ -192,6 +198,9 @@ class _TensorSource(_Source):
 
     def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         return torch.linalg.vector_norm(self.t.to(dtype))
+
+    def fused_parts(self) -> tuple[Tensor, None, None] | None:
+        return (self.t.view(-1), None, None) if self.t.is_contiguous() else None
 
 
 class _AnchoredSource(_Source):
@@ -215,6 +224,15 @@ class _AnchoredSource(_Source):
             x = torch.add(diff, d, out=ws.chunk(self.dtype, 0, hi - lo))
         return x if x.dtype == dtype else x.to(dtype)
 
+    def fused_parts(self) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+        kept = self.owner._kept.get(self.name)
+        d = self.owner.delta[self.name] if kept is None else kept
+        whole = (d,) if self.on_current or kept is not None else (d, self.owner.current[self.name],
+                                                                  self.owner.base[self.name])
+        if not all(t.is_contiguous() for t in whole):
+            return None
+        return whole[0].view(-1), *(t.view(-1) for t in whole[1:]), *(None,) * (3 - len(whole))
+
     def whole(self, ws: MergeWorkspace) -> Tensor:
         """All of ``Δ'``: ``Δ`` itself when anchored on the current value, else a scratch buffer."""
         d = self.owner.delta[self.name]
@@ -229,6 +247,8 @@ class _AnchoredSource(_Source):
             self.owner._kept[self.name] = out
         else:
             out = ws.whole(self.dtype, self.shape)
+        if merge_native.usable(cur, base, d, out=out):  # one fused pass, the same operations (DESIGN §4.5c)
+            return merge_native.anchor_into(out, cur, base, d)
         if ws.sharing(cur, base) <= 1:  # alone on its base: Θcur − Θbase by chunks, in the cache
             d_flat, out_flat = _flat(d), out.view(-1)
             for lo, hi in _chunks(d.numel()):
@@ -249,7 +269,7 @@ class _AnchoredSource(_Source):
 
     def non_finite(self, ws: MergeWorkspace) -> int:
         """NaN/Inf elements of ``Δ'``: 0 when its norm is finite, else counted."""
-        if bool(torch.isfinite(self.norm(ws, self.dtype))):
+        if math.isfinite(self.norm(ws, self.dtype).item()):
             return 0
         return int((~torch.isfinite(self.whole(ws))).sum())
 
@@ -346,6 +366,9 @@ class AnchoredDelta:
         if base.dtype != d.dtype:
             base = base.to(d.dtype)
         flat_out = out if whole else out.view(-1)
+        if merge_native.usable(cur, base, dd, out=flat_out):  # one fused pass, the same operations
+            merge_native.anchor_into(flat_out, cur, base, dd)
+            return out
         torch.sub(cur, base, out=flat_out)
         flat_out.add_(dd)
         return out

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from diloco_async import merge_buffers as _buf
+from diloco_async import merge_native
 from diloco_async.buffer_pool import BufferPool
 from diloco_async.merge_buffers import _all_finite, _check_finite, _check_same_keys, _check_shapes, _chunks, _flat
 
@@ -181,6 +182,8 @@ class OuterOptimizer:
         if g.dtype != p.dtype or g.device != p.device:
             g = g.to(dtype=p.dtype, device=p.device)
         in_place = consume and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device
+        if b is not None and (scale is None or scale.dim() == 0) and merge_native.usable(p, b, g, scale):
+            return self._step_fused(name, p, b, g, require_finite, in_place, scale)
         g_flat, p_flat = _flat(g), p.view(-1)
         b_flat = None if b is None else b.view(-1)
         new_p = self._empty_like(p)
@@ -212,6 +215,18 @@ class OuterOptimizer:
                     raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
                 finite = False
         return new_p, new_b, finite
+
+    def _step_fused(self, name: str, p: Tensor, b: Tensor, g: Tensor, require_finite: bool, in_place: bool,
+                    scale: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+        """:meth:`_step_tensor`'s chunk loop with a momentum, in one fused pass: the same
+        operations, the same finite checks per chunk, the same errors (DESIGN §4.5c)."""
+        new_p = self._empty_like(p)
+        new_b = g if in_place else self._empty_like(p)
+        status = merge_native.outer_step(new_p.view(-1), new_b.view(-1), p.view(-1), b.view(-1), g.view(-1), scale,
+                                         self._mu, -self._lr, require_finite, _buf.CHUNK_ELEMENTS)
+        if status == merge_native.STEP_BAD_GRAD:
+            raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
+        return new_p, new_b, status != merge_native.STEP_NOT_FINITE
 
     def params(self) -> dict[str, Tensor]:
         """name → current value ``Θ`` (detached clones, the optimizer's dtype)."""

@@ -134,9 +134,11 @@ class FragmentState:
 
 
 #: the buffers the merges of all fragments keep free for the next merge, in largest fragments
-#: (fp32): the replaced value and momentum of the last merge, which the next one of an equal-sized
-#: fragment writes without fresh pages (diloco_async/buffer_pool.py); more would be resting memory
-MERGE_POOL_FRAGMENTS = 2
+#: (fp32): the replaced value and momentum of the last merge and the anchored outer gradients it
+#: kept (``merge_workspace``, up to one fragment), which the next one of an equal-sized fragment
+#: writes without fresh pages (diloco_async/buffer_pool.py; with 2, a 256 MiB merge faulted in
+#: ~225 MiB of fresh pages each time, ~90 ms); more would be resting memory
+MERGE_POOL_FRAGMENTS = 3
 
 
 def merge_pool(largest_fragment_bytes: int) -> BufferPool:

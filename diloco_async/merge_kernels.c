@@ -1,0 +1,219 @@
+/* Fused float32 passes of the synchronizer's merge (DESIGN §4.5c), loaded by
+ * diloco_async/native_build.py through ctypes and called from diloco_async/merge_native.py.
+ *
+ * Each loop does, per element, the same IEEE float32 operations in the same order as the torch
+ * code it replaces (merge.py, merge_buffers.py, outer_step.py), so the results are bit for bit
+ * equal: torch's add(a, b, alpha=s) on CPU is fmaf(b, s, a) (its vector path is vec::fmadd and
+ * its scalar tail is contracted to an FMA in torch's build: checked by the tests), div, mul, sub
+ * are single roundings. Built with -ffp-contract=off so that only the explicit fmaf fuse.
+ * No allocation, no I/O; every pointer is to n contiguous floats. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef BLOCK
+#define BLOCK 8192 /* elements per block: the output block stays in cache while the sources add up */
+#endif
+#define MAX_THREADS 64
+#define MIN_PER_THREAD 65536 /* elements: below this a thread costs more than it saves */
+#define ALIGN 64             /* elements: ranges of threads start at multiples of this */
+
+/* Runs fn(ctx, lo, hi) on [0, n) split into up to nthreads ranges, the first in this thread. */
+typedef void (*range_fn)(void *ctx, int64_t lo, int64_t hi);
+struct job {
+    range_fn fn;
+    void *ctx;
+    int64_t lo, hi;
+};
+static void *run_job(void *arg) {
+    struct job *j = arg;
+    j->fn(j->ctx, j->lo, j->hi);
+    return NULL;
+}
+static void parallel(range_fn fn, void *ctx, int64_t n, int32_t nthreads) {
+    int64_t most = n / MIN_PER_THREAD;
+    int32_t k = nthreads < 1 ? 1 : nthreads > MAX_THREADS ? MAX_THREADS : nthreads;
+    if (most < k)
+        k = most < 1 ? 1 : (int32_t)most;
+    struct job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t per = (n / k + ALIGN - 1) / ALIGN * ALIGN;
+    for (int32_t t = 0; t < k; t++) {
+        int64_t lo = per * t, hi = t == k - 1 ? n : per * (t + 1);
+        jobs[t] = (struct job){fn, ctx, lo < n ? lo : n, hi < n ? hi : n};
+    }
+    for (int32_t t = 1; t < k; t++)
+        started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int32_t t = 1; t < k; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            run_job(&jobs[t]); /* no thread to be had: do its range here */
+    }
+}
+
+struct acc_ctx {
+    float *out;
+    int32_t m, divide;
+    const float *const *xs, *const *curs, *const *bases;
+    const float *norms, *probs;
+};
+
+static void acc_range(void *arg, int64_t lo0, int64_t hi0) {
+    const struct acc_ctx *c = arg;
+    for (int64_t lo = lo0; lo < hi0; lo += BLOCK) {
+        int64_t len = hi0 - lo < BLOCK ? hi0 - lo : BLOCK;
+        float *restrict o = c->out + lo;
+        for (int64_t i = 0; i < len; i++)
+            o[i] = 0.0f;
+        for (int32_t j = 0; j < c->m; j++) {
+            const float *restrict x = c->xs[j] + lo;
+            const float p = c->probs[j], nj = c->norms[j];
+            if (c->curs[j] != NULL) {
+                const float *restrict cu = c->curs[j] + lo;
+                const float *restrict b = c->bases[j] + lo;
+                if (c->divide) {
+                    for (int64_t i = 0; i < len; i++) {
+                        float u = (cu[i] - b[i]) + x[i];
+                        o[i] = fmaf(u / nj, p, o[i]);
+                    }
+                } else {
+                    for (int64_t i = 0; i < len; i++) {
+                        float u = (cu[i] - b[i]) + x[i];
+                        o[i] = fmaf(u, p, o[i]);
+                    }
+                }
+            } else if (c->divide) {
+                for (int64_t i = 0; i < len; i++)
+                    o[i] = fmaf(x[i] / nj, p, o[i]);
+            } else {
+                for (int64_t i = 0; i < len; i++)
+                    o[i] = fmaf(x[i], p, o[i]);
+            }
+        }
+    }
+}
+
+/* out[i] = 0; for each source j: u = x_j[i] (or (cur_j[i] - base_j[i]) + x_j[i] when cur_j is
+ * given), u = u / norm_j when divide; out[i] = fmaf(u, prob_j, out[i]).  RDA's direction
+ * (divide = 1) and the weighted mean (divide = 0), as merge._rda_into / merge._mean_into. */
+void dl_accumulate(float *out, int64_t n, int32_t m, const float *const *xs, const float *const *curs,
+                   const float *const *bases, const float *norms, const float *probs, int32_t divide,
+                   int32_t nthreads) {
+    struct acc_ctx c = {out, m, divide, xs, curs, bases, norms, probs};
+    parallel(acc_range, &c, n, nthreads);
+}
+
+struct anchor_ctx {
+    float *out;
+    const float *cur, *base, *delta;
+};
+
+static void anchor_range(void *arg, int64_t lo, int64_t hi) {
+    const struct anchor_ctx *c = arg;
+    float *restrict o = c->out;
+    const float *restrict cu = c->cur, *restrict b = c->base, *restrict d = c->delta;
+    for (int64_t i = lo; i < hi; i++)
+        o[i] = (cu[i] - b[i]) + d[i];
+}
+
+/* out[i] = (cur[i] - base[i]) + delta[i]: the anchored outer gradient, as AnchoredDelta.write. */
+void dl_anchor(float *out, int64_t n, const float *cur, const float *base, const float *delta, int32_t nthreads) {
+    struct anchor_ctx c = {out, cur, base, delta};
+    parallel(anchor_range, &c, n, nthreads);
+}
+
+static uint32_t exp_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u & 0x7f800000u; /* == 0x7f800000 exactly for Inf and NaN */
+}
+
+struct step_ctx {
+    float *new_p, *new_b;
+    const float *p, *b, *g;
+    float scale, mu, neg_lr;
+    int32_t use_scale;
+    int64_t chunk;
+    uint8_t *flags; /* per chunk: 1 = a gc not finite, 2 = a result not finite */
+};
+
+static void step_range(void *arg, int64_t lo0, int64_t hi0) {
+    const struct step_ctx *c = arg;
+    for (int64_t lo = lo0; lo < hi0;) { /* pieces that do not cross a chunk's end */
+        int64_t k = lo / c->chunk, end = (k + 1) * c->chunk;
+        int64_t hi = end < hi0 ? end : hi0;
+        const float *gg = c->g, *pp = c->p, *bb = c->b;
+        float *npp = c->new_p, *nbb = c->new_b;
+        const float scale = c->scale, mu = c->mu, neg_lr = c->neg_lr;
+        uint32_t g_exp = 0, p_exp = 0;
+        if (c->use_scale) {
+#pragma GCC ivdep /* nbb may be gg: element i is read before it is written, nothing else aliases */
+            for (int64_t i = lo; i < hi; i++) {
+                float gc = gg[i] * scale;
+                float nb = bb[i] * mu;
+                nb = nb + gc;
+                float np = fmaf(fmaf(nb, mu, gc), neg_lr, pp[i]);
+                nbb[i] = nb;
+                npp[i] = np;
+                uint32_t ge = exp_bits(gc), pe = exp_bits(np);
+                g_exp = ge > g_exp ? ge : g_exp;
+                p_exp = pe > p_exp ? pe : p_exp;
+            }
+        } else {
+#pragma GCC ivdep
+            for (int64_t i = lo; i < hi; i++) {
+                float gc = gg[i];
+                float nb = bb[i] * mu;
+                nb = nb + gc;
+                float np = fmaf(fmaf(nb, mu, gc), neg_lr, pp[i]);
+                nbb[i] = nb;
+                npp[i] = np;
+                uint32_t ge = exp_bits(gc), pe = exp_bits(np);
+                g_exp = ge > g_exp ? ge : g_exp;
+                p_exp = pe > p_exp ? pe : p_exp;
+            }
+        }
+        uint8_t f = (uint8_t)((g_exp == 0x7f800000u ? 1 : 0) | (p_exp == 0x7f800000u ? 2 : 0));
+        if (f)
+            __atomic_fetch_or(&c->flags[k], f, __ATOMIC_RELAXED);
+        lo = hi;
+    }
+}
+
+/* One tensor's outer Nesterov step, as OuterOptimizer._step_tensor with a momentum b, by chunks
+ * of `chunk` elements:
+ *   gc = use_scale ? g*scale : g;  nb = b*mu;  nb = nb + gc;  t = fmaf(nb, mu, gc);
+ *   np = fmaf(t, neg_lr, p).
+ * new_b may be g itself (the step consumes g). The finite checks are judged per chunk, in the
+ * torch code's order: returns 0 when done, 1 where the torch code raises for a non-finite gc (any
+ * chunk without require_finite; the first chunk with a non-finite result with it), 2 when a
+ * result is not finite but the gc of the first such chunk is (require_finite), -1 when out of
+ * memory (nothing judged). The outputs are written in full in every case. */
+int32_t dl_outer_step(float *new_p, float *new_b, int64_t n, int64_t chunk, const float *p, const float *b,
+                      const float *g, float scale, int32_t use_scale, float mu, float neg_lr,
+                      int32_t require_finite, int32_t nthreads) {
+    int64_t nchunks = chunk > 0 ? (n + chunk - 1) / chunk : 0;
+    uint8_t *flags = calloc(nchunks > 0 ? (size_t)nchunks : 1, 1);
+    if (flags == NULL || chunk <= 0) {
+        free(flags);
+        return -1;
+    }
+    struct step_ctx c = {new_p, new_b, p, b, g, scale, mu, neg_lr, use_scale, chunk, flags};
+    parallel(step_range, &c, n, nthreads);
+    int32_t status = 0;
+    for (int64_t k = 0; k < nchunks && status == 0; k++) {
+        if (!require_finite && (flags[k] & 1))
+            status = 1;
+        else if (require_finite && (flags[k] & 2))
+            status = (flags[k] & 1) ? 1 : 2;
+    }
+    free(flags);
+    return status;
+}

@@ -1,0 +1,156 @@
+"""Fused float32 passes of the merge in C (DESIGN §4.5c), with the conditions for using them.
+
+Part of :mod:`diloco_async.merge`. Each function here computes exactly what the torch code beside
+its call computes (the same float32 operations in the same order, ``merge_kernels.c``), in one
+pass over memory instead of one per torch op. They are used only when :func:`usable` says so:
+the kernels are built (:mod:`diloco_async.native_build`, the only I/O, once per process), torch
+runs its AVX2 or AVX512 kernels (whose rounding the C code matches: fused multiply-adds where
+torch uses them) and every tensor is a contiguous float32 CPU tensor; otherwise the callers run
+their torch code. Pure apart from that one-time build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from diloco_async import native_build
+
+__all__ = ["usable", "accumulate", "anchor_into", "outer_step", "STEP_OK", "STEP_BAD_GRAD", "STEP_NOT_FINITE"]
+
+#: torch CPU capabilities whose elementwise kernels round as the C code does
+CAPABILITIES = ("AVX2", "AVX512")
+STEP_OK, STEP_BAD_GRAD, STEP_NOT_FINITE = 0, 1, 2
+
+_F, _P, _I64, _I32 = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_FP = ctypes.POINTER(_P)
+_lib: list = []  # [the typed library or None], set on first use
+#: threads per kernel call; None: torch's (``torch.get_num_threads()``)
+THREADS: int | None = None
+
+
+def _threads() -> int:
+    return torch.get_num_threads() if THREADS is None else THREADS
+
+
+def _typed() -> ctypes.CDLL | None:
+    if _lib:
+        return _lib[0]
+    lib = None
+    if torch.backends.cpu.get_cpu_capability() in CAPABILITIES:
+        lib = native_build.kernels()
+    if lib is not None:
+        lib.dl_accumulate.argtypes = [_P, _I64, _I32, _FP, _FP, _FP, ctypes.POINTER(_F), ctypes.POINTER(_F), _I32, _I32]
+        lib.dl_accumulate.restype = None
+        lib.dl_anchor.argtypes = [_P, _I64, _P, _P, _P, _I32]
+        lib.dl_anchor.restype = None
+        lib.dl_outer_step.argtypes = [_P, _P, _I64, _I64, _P, _P, _P, _F, _I32, _F, _F, _I32, _I32]
+        lib.dl_outer_step.restype = _I32
+    _lib.append(lib)
+    return lib
+
+
+def reset() -> None:
+    """Forget the kernels (tests: the next call loads them again, reading the environment)."""
+    _lib.clear()
+    native_build.reset()
+
+
+def usable(*tensors: Tensor | None, out: Tensor | None = None) -> bool:
+    """Whether the fused kernels may replace the torch code on these tensors (None entries are
+    ignored): built, torch on AVX2/AVX512, each a contiguous float32 CPU tensor, and ``out`` (if
+    given, also checked so) not overlapping any of them."""
+    if (_lib[0] if _lib else _typed()) is None:
+        return False
+    f32 = torch.float32
+    for t in tensors:
+        if t is not None and not (t.dtype is f32 and t.is_cpu and t.is_contiguous()):
+            return False
+    if out is None:
+        return True
+    return out.dtype is f32 and out.is_cpu and out.is_contiguous() and not _overlaps(out, tensors)
+
+
+def _overlaps(out: Tensor, others: Sequence[Tensor | None]) -> bool:
+    lo = out.data_ptr()
+    hi = lo + 4 * out.numel()
+    for t in others:
+        if t is not None:
+            start = t.data_ptr()
+            if start < hi and lo < start + 4 * t.numel():
+                return True
+    return False
+
+
+def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None], bases: Sequence[Tensor | None],
+               norms: Sequence[float] | None, probs: Sequence[float]) -> Tensor:
+    """``out ← Σ_j p_j · (x'_j / n_j)`` element by element in learner order, from ``out = 0``, with
+    ``x'_j = (cur_j − base_j) + x_j`` where ``cur_j`` is given, else ``x_j``; without ``norms``,
+    no division (the weighted mean). As ``o.zero_(); o.add_(x' / n, alpha=p)`` per learner.
+
+    Args:
+        out: contiguous float32, ``numel`` N, not overlapping any input.
+        xs, curs, bases: M float32 tensors of N elements each (``curs``/``bases`` entries None for
+            a plain outer gradient).
+        norms: M positive float32 norms (0-dim values as Python floats), or None.
+        probs: M weights ``w/Σw``.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: an input not usable (:func:`usable`), of another size, or overlapping ``out``.
+    """
+    m, n = len(xs), out.numel()
+    items = [*xs, *curs, *bases]
+    if not usable(out, *items) or any(t is not None and t.numel() != n for t in items) or _overlaps(out, items):
+        raise ValueError("accumulate needs contiguous float32 CPU tensors of one size, out apart from the inputs")
+    ptrs = (_P * m)(*(x.data_ptr() for x in xs))
+    cptrs = (_P * m)(*(None if c is None else c.data_ptr() for c in curs))
+    bptrs = (_P * m)(*(None if b is None else b.data_ptr() for b in bases))
+    fn = (_F * m)(*(norms if norms is not None else [1.0] * m))
+    fp = (_F * m)(*probs)
+    _typed().dl_accumulate(out.data_ptr(), n, m, ptrs, cptrs, bptrs, fn, fp, int(norms is not None),
+                           _threads())
+    return out
+
+
+def anchor_into(out: Tensor, cur: Tensor, base: Tensor, delta: Tensor) -> Tensor:
+    """``out ← (cur − base) + delta`` (float32, N elements each, ``out`` apart from the inputs)."""
+    n = out.numel()
+    if not usable(out, cur, base, delta) or {cur.numel(), base.numel(), delta.numel()} != {n} or _overlaps(
+            out, [cur, base, delta]):
+        raise ValueError("anchor_into needs contiguous float32 CPU tensors of one size, out apart from the inputs")
+    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr(), _threads())
+    return out
+
+
+def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, scale: Tensor | None, mu: float,
+               neg_lr: float, require_finite: bool, chunk: int) -> int:
+    """One tensor's Nesterov step with momentum, by chunks of ``chunk`` elements:
+    ``gc = g·scale`` (or ``g``), ``nb = b·μ + gc``, ``new_p = p + (−η)·(gc + μ·nb)`` as torch rounds
+    them (``OuterOptimizer._step_tensor``); ``new_b`` may be ``g`` itself.
+
+    Returns:
+        :data:`STEP_OK`; :data:`STEP_BAD_GRAD` where the torch code raises for a non-finite ``g``;
+        :data:`STEP_NOT_FINITE` for a non-finite result (only with ``require_finite``).
+
+    Raises:
+        ValueError: a tensor not usable, sizes that differ, or ``new_p`` overlapping an input.
+        MemoryError: no memory for the per-chunk flags (a few bytes per chunk).
+    """
+    n = p.numel()
+    if not usable(new_p, new_b, p, b, g, scale) or {new_b.numel(), b.numel(), g.numel(), new_p.numel()} != {n} or (
+            _overlaps(new_p, [new_b, p, b, g]) or _overlaps(new_b, [p, b]) or (
+            new_b.data_ptr() != g.data_ptr() and _overlaps(new_b, [g]))):
+        raise ValueError("outer_step needs contiguous float32 CPU tensors of one size, outputs apart from inputs")
+    s = 1.0 if scale is None else float(scale.item())
+    status = _typed().dl_outer_step(new_p.data_ptr(), new_b.data_ptr(), n, chunk, p.data_ptr(), b.data_ptr(),
+                                  g.data_ptr(), s, int(scale is not None), mu, neg_lr, int(require_finite),
+                                  _threads())
+    if status < 0:
+        raise MemoryError(f"outer_step: no memory for the finite flags of {n} elements")
+    return status

@@ -1,0 +1,266 @@
+"""The fused C kernels of the merge (diloco_async/merge_kernels.c, DESIGN §4.5c) against the torch
+code they replace, forced with ``merge_native``'s library set to None: the same bits (compared as
+integers, so NaNs and signed zeros count) on random and adversarial float32 inputs of odd sizes,
+including NaN/Inf and the errors they raise; the fallback when the compiler is missing or broken
+or ``DILOCO_NATIVE=0`` (logged with its reason); concurrent builds into one cache directory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import diloco_async.merge as merge
+import diloco_async.merge_buffers as buffers
+from diloco_async import merge_native, native_build
+from tests import merge_reference as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = [0.0, -0.0, 1e-45, -1e-45, 1.2e-38, -3e-39, 3e38, -3e38, 1.0, -1.0, 1e-20, 7e19]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    """The kernels must be there wherever a compiler is (else the comparisons test nothing)."""
+    merge_native.reset()
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the merge runs its torch code only")
+    assert merge_native.usable(), native_build.unavailable_reason()
+    yield
+    merge_native.reset()
+
+
+@contextlib.contextmanager
+def torch_code():
+    """The merge with the fused kernels switched off (its torch code)."""
+    saved = list(merge_native._lib)
+    merge_native._lib[:] = [None]
+    try:
+        yield
+    finally:
+        merge_native._lib[:] = saved
+
+
+def _adversarial(n: int, gen: torch.Generator, rng: random.Random, bad: bool = False) -> torch.Tensor:
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 8).clamp(max=1e30)
+    for _ in range(max(1, n // 9)):
+        x[rng.randrange(n)] = rng.choice(SPECIALS)
+    if bad:
+        x[rng.randrange(n)] = rng.choice([float("nan"), float("inf"), -float("inf")])
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _same(a, b) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for n in a:
+            assert torch.equal(_bits(a[n]), _bits(b[n])), f"{n}: {int((_bits(a[n]) != _bits(b[n])).sum())} differ"
+    else:
+        assert torch.equal(_bits(a), _bits(b)), f"{int((_bits(a) != _bits(b)).sum())} elements differ"
+
+
+def _round(seed: int, bad_at: int | None):
+    """One synchronizer round of float32 tensors of odd sizes: current, an older version, M
+    outer gradients (half on the older version), weights; with ``bad_at``, the last one gets a
+    NaN/Inf."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    sizes = [rng.choice([1, 7, 31, 33, 1001]), 2 * buffers.CHUNK_ELEMENTS + rng.randint(1, 99), rng.randint(40, 5000)]
+    cur = {f"t{i}": _adversarial(n, gen, rng) for i, n in enumerate(sizes)}
+    older = {k: t + _adversarial(t.numel(), gen, rng) * 1e-3 for k, t in cur.items()}
+    m = rng.choice([1, 2, 3, 5])
+    deltas = [{k: _adversarial(t.numel(), gen, rng, bad=bad_at is not None and i == m - 1 and k == "t1")
+               for k, t in cur.items()}
+              for i in range(m)]
+    weights = [rng.choice([0.0, 1.0, rng.uniform(0.01, 5e6)]) for _ in range(m)]
+    weights[0] = 3.5
+    return cur, older, deltas, weights
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def _merge_round(cur, older, deltas, weights, mode, require_finite):
+    """check_anchored, the merge into pool buffers with the deferred scale and the consuming outer
+    step, as work.py runs them; returns (bad counts, g or error, new params or error, momentum)."""
+    opt = merge.OuterOptimizer(cur)
+    opt.step({k: torch.full_like(t, 1e-3) for k, t in cur.items()})
+    ws = merge.MergeWorkspace(opt.pool, keep_bytes=sum(t.numel() * 4 for t in cur.values()) // 2)
+    anchored = [merge.AnchoredDelta(d, cur, older if i % 2 else cur) for i, d in enumerate(deltas)]
+    bad = merge.check_anchored(anchored, workspace=ws)
+    scales: dict = {}
+    g = _outcome(lambda: merge.merge_outer_gradients(anchored, weights, mode, embedding_names=["t2"],
+                                                     out=opt.empty_like_params(), workspace=ws,
+                                                     deferred_scales=scales))
+    if isinstance(g, str):
+        return bad, g, None, None
+    g_copy = {k: t.clone() for k, t in g.items()}
+    new = _outcome(lambda: opt.step_shared(g, require_finite=require_finite, consume=True, grad_scales=scales))
+    return bad, g_copy, {k: v.clone() for k, v in scales.items()}, (new, opt.momentum())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_merge_round_same_bits_fused_and_torch(seed, monkeypatch):
+    if seed % 2:
+        monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", 1000)
+    bad_at = 1 if seed % 4 == 3 else None
+    args = _round(seed, bad_at)
+    mode = "mean" if seed % 3 == 0 else "rda"
+    fused = _merge_round(*args, mode, require_finite=seed % 2 == 0)
+    with torch_code():
+        plain = _merge_round(*args, mode, require_finite=seed % 2 == 0)
+    assert fused[0] == plain[0]
+    assert bool(fused[0][-1]) == (bad_at is not None)
+    for a, b in zip(fused[1:], plain[1:], strict=True):
+        if isinstance(a, tuple):
+            for x, y in zip(a, b, strict=True):
+                assert type(x) is type(y) and (x == y if isinstance(x, str) else _same(x, y) is None)
+        elif isinstance(a, str) or a is None:
+            assert a == b
+        else:
+            _same(a, b)
+
+
+@pytest.mark.parametrize("n", [1, 5, 31, 32, 33, 95, 1000, 65537, 131072 + 77])
+def test_kernels_same_bits_as_torch_ops(n):
+    gen, rng = torch.Generator().manual_seed(n), random.Random(n)
+    xs, curs, bases = ([_adversarial(n, gen, rng) for _ in range(3)] for _ in range(3))
+    curs[1] = bases[1] = None
+    probs, norms = [0.25, 0.6, 0.15], [3.0, 1e-30, 7e20]
+    for divide in (True, False):
+        want = torch.zeros(n)
+        for x, c, b, p, nj in zip(xs, curs, bases, probs, norms, strict=True):
+            src = x if c is None else torch.add(torch.sub(c, b), x)
+            want.add_(torch.div(src, torch.tensor(nj)) if divide else src, alpha=p)
+        got = merge_native.accumulate(torch.empty(n), xs, curs, bases, norms if divide else None, probs)
+        _same(got, want)
+    _same(merge_native.anchor_into(torch.empty(n), curs[0], bases[0], xs[0]), torch.sub(curs[0], bases[0]).add_(xs[0]))
+
+
+@pytest.mark.parametrize("case", ["finite", "nan-grad", "inf-result", "overflow-then-nan", "nan-then-overflow"])
+@pytest.mark.parametrize("require_finite", [True, False])
+@pytest.mark.parametrize("consume", [True, False])
+def test_outer_step_errors_and_bits_as_torch(case, require_finite, consume, monkeypatch):
+    """Non-finite values in different chunks: the same error (or refusal) and, when it steps, the
+    same bits, whichever chunk comes first."""
+    monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", 64)
+    gen, rng = torch.Generator().manual_seed(7), random.Random(7)
+    def tame(n):  # finite results unless a case puts a NaN/Inf or a huge value in
+        x = torch.randn(n, generator=gen)
+        for _ in range(n // 9):
+            x[rng.randrange(n)] = rng.choice(SPECIALS[:6])
+        return x
+
+    params = {"w": tame(64 * 5 + 13), "b": tame(17)}
+    g = {k: tame(t.numel()).view(t.shape) * 1e-3 for k, t in params.items()}
+    if case in ("nan-grad", "nan-then-overflow"):
+        g["w"][64 * 3 + 5] = float("nan")
+    if case == "inf-result":
+        g["w"][64 * 2 + 1] = 3e38
+    if case == "overflow-then-nan":
+        g["w"][64 * 1 + 9] = 3e35  # finite, also times the scale; the result overflows
+        g["w"][64 * 4 + 2] = float("nan")
+    if case == "nan-then-overflow":
+        g["w"][64 * 4 + 60] = -3e35
+
+    def run():
+        opt = merge.OuterOptimizer(params, lr=0.7, momentum=0.9)
+        opt.step({k: torch.full_like(t, 1e-3) for k, t in params.items()})
+        mine = {k: t.clone() for k, t in g.items()}
+        scales = {"w": torch.tensor(1.0e3)}
+        out = _outcome(lambda: opt.step_shared(mine, require_finite=require_finite, consume=consume,
+                                               grad_scales=scales))
+        return out, opt.params(), opt.momentum(), opt.steps_taken
+
+    fused = run()
+    with torch_code():
+        plain = run()
+    assert type(fused[0]) is type(plain[0])
+    if isinstance(fused[0], str):
+        assert fused[0] == plain[0]
+    else:
+        _same(fused[0], plain[0])
+    _same(fused[1], plain[1])
+    _same(fused[2], plain[2])
+    assert fused[3] == plain[3]
+    if case != "finite":
+        assert isinstance(fused[0], str), "a non-finite step must be refused"
+
+
+def _fresh_kernels(monkeypatch, tmp_path, **env):
+    monkeypatch.setenv("DILOCO_NATIVE_CACHE", str(tmp_path / "cache"))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    merge_native.reset()
+    return merge_native.usable(), native_build.unavailable_reason()
+
+
+@pytest.mark.parametrize("how", ["missing", "broken", "disabled", "unwritable"])
+def test_fallback_with_a_logged_reason(how, monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: internal error: out of luck' >&2\nexit 4\n")
+    broken.chmod(0o755)
+    env = {"missing": {"CC": "no-such-compiler-here"}, "broken": {"CC": str(broken)},
+           "disabled": {"DILOCO_NATIVE": "0"}, "unwritable": {}}[how]
+    try:
+        with caplog.at_level(logging.WARNING, logger="diloco.native"):
+            ok, reason = _fresh_kernels(monkeypatch, tmp_path, **env)
+            if how == "unwritable":  # the cache directory would be under a plain file
+                monkeypatch.setenv("DILOCO_NATIVE_CACHE", str(broken / "cache"))
+                merge_native.reset()
+                ok, reason = merge_native.usable(), native_build.unavailable_reason()
+        assert not ok
+        want = {"missing": "no C compiler", "broken": "exited with 4: cc: internal error: out of luck",
+                "disabled": "DILOCO_NATIVE=0", "unwritable": "cannot build into the cache directory"}[how]
+        assert want in reason
+        assert [r.getMessage() for r in caplog.records if r.name == "diloco.native"] == [
+            f"fused merge kernels unavailable, using the torch code: {reason}"]
+        merge_native.usable()  # asked again: no second build, no second warning
+        assert len([r for r in caplog.records if r.name == "diloco.native"]) == 1
+        assert not list((tmp_path / "cache").glob("*.tmp"))
+        gen = torch.Generator().manual_seed(3)
+        xs = [torch.randn(1001, generator=gen) for _ in range(3)]
+        _same(merge.rda(xs, [1.0, 2.0, 0.5]), ref.rda(xs, [1.0, 2.0, 0.5]))  # the torch code, same bits
+    finally:
+        monkeypatch.undo()
+        merge_native.reset()
+
+
+_BUILDER = """
+import torch
+from diloco_async import merge_native, native_build
+ok = merge_native.usable()
+ones = torch.ones(5)
+out = merge_native.anchor_into(torch.empty(5), 3 * ones, ones, ones / 2) if ok else None
+print("RESULT", ok, native_build.unavailable_reason(), None if out is None else out.tolist())
+"""
+
+
+def test_concurrent_builds_into_one_cache(tmp_path):
+    """Six processes build the kernels into one empty cache directory at once: each loads a
+    complete library, one file is left, no temporary file."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, DILOCO_NATIVE_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    env.pop("DILOCO_NATIVE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILDER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for (out, err), p in zip(outs, procs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert "RESULT True None [2.5, 2.5, 2.5, 2.5, 2.5]" in out, (out, err[-2000:])
+    assert [f.suffix for f in cache.iterdir()] == [".so"]
