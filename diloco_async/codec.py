@@ -44,6 +44,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from diloco_async import codec_native
 from diloco_async.codec_blocks import dequantize, quantize, scale_blocks
 from diloco_async.codec_int2 import int2_packed_numel, pack_int2, unpack_int2_levels
 from diloco_async.codec_int2 import unpack_int2 as unpack_int2  # noqa: F401 - re-exported (tests, callers)
@@ -190,6 +191,10 @@ def encode(tensors: dict[str, Tensor], codec: str, block_size: int = DEFAULT_BLO
         elif codec == "bf16":
             out[name] = t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True).contiguous()
         else:
+            fast = codec_native.quantize_packed(t.detach(), _QMAX[codec], block_size)  # None: torch's turn
+            if fast is not None:
+                out[name], out[name + SCALE_SUFFIX] = fast
+                continue
             q, scale = quantize(t, _QMAX[codec], block_size, pad_multiple=_PAD[codec])
             out[name] = (_pack_int4(q, consume=True) if codec == "int4" else
                          pack_int2(q, consume=True) if codec == "int2" else q)
@@ -246,6 +251,12 @@ def decode(
             scale_key = name + SCALE_SUFFIX
             scale = _entry(encoded, scale_key, torch.float32, math.ceil(n / block_size), codec)
             values = torch.empty(n, dtype=torch.float32)  # the output, and the unpacking's scratch before
+            wire = _entry(encoded, name, torch.int8 if codec == "int8" else torch.uint8,
+                          codec_native.packed_numel(n, _QMAX[codec]), codec)
+            expected_keys.update((name, scale_key))
+            if codec_native.dequantize_packed(wire.reshape(-1), n, _QMAX[codec], block_size, scale.reshape(-1), values):
+                out[name] = values.reshape(shape)
+                continue
             if codec == "int2":  # the levels straight from a table, then scaled
                 unpack_int2_levels(_entry(encoded, name, torch.uint8, int2_packed_numel(n), codec), n, values)
                 out[name] = scale_blocks(values, scale.reshape(-1), n, block_size).reshape(shape)

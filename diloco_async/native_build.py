@@ -40,7 +40,9 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=gn
 BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded library or None, "reason": why None, "build_s"
+_state: dict[str, ctypes.CDLL | None] = {}  # source path → the loaded library, or None
+_reasons: dict[str, str | None] = {}  # source path → why None
+_build_s: dict[str, float] = {}  # source path → seconds the first load took
 
 
 class BuildError(RuntimeError):
@@ -118,11 +120,11 @@ def build(source: Path = SOURCE, directory: Path | None = None, compiler: str | 
     return target
 
 
-def _load() -> ctypes.CDLL:
+def _load(source: Path) -> ctypes.CDLL:
     if os.environ.get("DILOCO_NATIVE", "1").strip() == "0":
         raise BuildError("disabled by DILOCO_NATIVE=0")
     try:
-        path = build()
+        path = build(source)
     except (OSError, RuntimeError) as err:  # e.g. a cache directory that cannot be written
         raise BuildError(f"cannot build into the cache directory: {type(err).__name__}: {err}") from err
     try:
@@ -131,26 +133,29 @@ def _load() -> ctypes.CDLL:
         raise BuildError(f"cannot load {path}: {err}") from err
 
 
-def kernels() -> ctypes.CDLL | None:
-    """The loaded kernels (built on the first call of the process), or None when unavailable
-    (then :func:`unavailable_reason` says why; logged once at WARNING)."""
-    if "lib" in _state:
-        return _state["lib"]  # type: ignore[return-value]
+def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The loaded kernels of ``source`` (default the merge's; built on the first call of the
+    process), or None when unavailable (then :func:`unavailable_reason` says why; logged once at
+    WARNING)."""
+    key = str(source)
+    if key in _state:
+        return _state[key]  # type: ignore[return-value]
     with _lock:
-        if "lib" not in _state:
+        if key not in _state:
             t0 = time.perf_counter()
             try:
-                _state["lib"], _state["reason"] = _load(), None
+                _state[key], _reasons[key] = _load(source), None
             except BuildError as err:
-                _state["lib"], _state["reason"] = None, str(err)
-                log.warning("fused merge kernels unavailable, using the torch code: %s", err)
-            _state["build_s"] = time.perf_counter() - t0
-    return _state["lib"]  # type: ignore[return-value]
+                _state[key], _reasons[key] = None, str(err)
+                log.warning("fused kernels of %s unavailable, using the torch code: %s", source.name, err)
+            _build_s[key] = time.perf_counter() - t0
+    return _state[key]  # type: ignore[return-value]
 
 
-def unavailable_reason() -> str | None:
-    """Why :func:`kernels` returned None (None when it has not been called or succeeded)."""
-    return _state.get("reason")  # type: ignore[return-value]
+def unavailable_reason(source: Path = SOURCE) -> str | None:
+    """Why :func:`kernels` returned None for ``source`` (None when it has not been called or
+    succeeded)."""
+    return _reasons.get(str(source))
 
 
 def reset() -> None:
@@ -158,3 +163,5 @@ def reset() -> None:
     environment is read again then)."""
     with _lock:
         _state.clear()
+        _reasons.clear()
+        _build_s.clear()

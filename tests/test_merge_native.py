@@ -229,7 +229,7 @@ def test_fallback_with_a_logged_reason(how, monkeypatch, tmp_path, caplog):
                 "disabled": "DILOCO_NATIVE=0", "unwritable": "cannot build into the cache directory"}[how]
         assert want in reason
         assert [r.getMessage() for r in caplog.records if r.name == "diloco.native"] == [
-            f"fused merge kernels unavailable, using the torch code: {reason}"]
+            f"fused kernels of merge_kernels.c unavailable, using the torch code: {reason}"]
         merge_native.usable()  # asked again: no second build, no second warning
         assert len([r for r in caplog.records if r.name == "diloco.native"]) == 1
         assert not list((tmp_path / "cache").glob("*.tmp"))
