@@ -140,7 +140,8 @@ def test_spool_folders_of_killed_learners_are_removed_by_the_next_one(tmp_path):
     from diloco_async.learner.spool import new_spool_folder, remove_dead_spool_folders
 
     code = ("import sys, time; from diloco_async.learner.spool import new_spool_folder; "
-            "d = new_spool_folder('learner-3', sys.argv[1]); open(d + '/state-1.safetensors', 'wb').write(b'x' * 4096); "
+            "d = new_spool_folder('learner-3', sys.argv[1]); "
+            "open(d + '/state-1.safetensors', 'wb').write(b'x' * 4096); "
             "print(d, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     dead = child.stdout.readline().strip()
