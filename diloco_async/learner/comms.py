@@ -26,6 +26,7 @@ from diloco_async import version_codec
 from diloco_async.base_file import BaseFile, to_base_file
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.config import Config
+from diloco_async.heap import release_free_memory
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
@@ -74,7 +75,9 @@ class Comms:
         self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, BaseFile]] = {}  # fragment -> newest value downloaded
         self._fetch_locks: dict[int, asyncio.Lock] = {}
-        self._download_slot = asyncio.Lock()  # one version decoded at a time: one fragment's fp32 in flight
+        # one version decoded at a time, and not while an upload holds its buffers (Uploads.io_slot):
+        # one fragment's fp32 in flight
+        self._download_slot = self.uploads.io_slot
         self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
@@ -317,6 +320,7 @@ class Comms:
         try:  # one download per fragment at a time: a delta applies to the version downloaded before it
             async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()), self._download_slot:
                 tensors = await asyncio.to_thread(self.fetch_version, v)
+                await asyncio.to_thread(release_free_memory)  # the decoded fp32, now in a local file
         except Exception as err:  # counted in the log; the next heartbeat retries
             log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
             self._downloading.pop(v.fragment, None)  # the next heartbeat retries
