@@ -20,10 +20,12 @@ the last reference to it goes (an adopted version replaces the previous one).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import itertools
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import weakref
@@ -60,6 +62,7 @@ def base_folder(learner_id: str, parent: str | None = None) -> str:
         if folder is None or not os.path.isdir(folder):
             folder = tempfile.mkdtemp(prefix=f"diloco-{learner_id}-pid{os.getpid()}-base-", dir=parent)
             _folders[key] = folder
+            atexit.register(shutil.rmtree, folder, True)  # its files are not needed past the process
         return folder
 
 
