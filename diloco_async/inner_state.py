@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco_async.base_file import BaseFile
+
 __all__ = ["InnerState", "capture", "restore"]
 
 
@@ -41,8 +43,10 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: 
     :func:`storage.checkpoint.spool_state`; a learner's
     :class:`~diloco_async.learner.spool.StateSpooler` writes it while training goes on, and the
     optimizer step waits until the parameters and moments are written). Tensors on another device stay there; the
-    writer brings them to CPU one at a time. Only the small AdamW step counters and the RNG state
-    are copied."""
+    writer brings them to CPU one at a time. A base held in a local file
+    (:class:`~diloco_async.base_file.BaseFile`) enters as :class:`~diloco_async.base_file.LazyTensor`
+    entries, read one at a time by the writer. Only the small AdamW step counters and the RNG
+    state are copied."""
     t: dict[str, torch.Tensor] = {}
     for name, p in params.items():
         t[f"param/{name}"] = p.detach()
@@ -52,8 +56,9 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: 
             t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach()
             t[f"adam_step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
     for p_idx, tensors in base_tensors.items():
-        for name, value in tensors.items():
-            t[f"base/{p_idx}/{name}"] = value.detach()
+        for name in tensors:  # a base kept in a local file stays there until written out
+            t[f"base/{p_idx}/{name}"] = (tensors.lazy(name) if isinstance(tensors, BaseFile)
+                                         else tensors[name].detach())
     t["rng"] = gen.get_state().clone()
     meta = {"step": int(step), "base_versions": {str(k): int(v) for k, v in base_versions.items()},
             "counters": {str(k): [int(c[0]), int(c[1]), float(c[2])] for k, c in counters.items()}}

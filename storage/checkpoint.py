@@ -56,6 +56,13 @@ def tensor_key(fragment: int, kind: str, name: str) -> str:
     return f"p{fragment:03d}/{kind}/{name}"
 
 
+def _loaded(t: Any) -> torch.Tensor:
+    """``t`` itself, or for a lazy tensor (not a ``torch.Tensor``: an object with ``shape``,
+    ``dtype``, ``numel()``, ``element_size()`` and ``load()``, such as
+    ``diloco_async.base_file.LazyTensor``) the tensor it loads."""
+    return t if isinstance(t, torch.Tensor) else t.load()
+
+
 def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """The safetensors header (8-byte little-endian length, then JSON padded with spaces to a
     multiple of 8) of ``tensors`` laid out in the mapping's order, with ``metadata`` (string
@@ -116,7 +123,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], write: Callable[[memo
         write(memoryview(head))
         total = len(head)
     for t in tensors.values():
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        flat = _loaded(t).detach().to("cpu").contiguous().reshape(-1)
         if flat.numel() == 0:
             continue
         raw = memoryview(flat.view(torch.uint8).numpy()).toreadonly()
@@ -251,7 +258,7 @@ def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
             fh.write(header)
             nbytes = len(header)
             for name in list(tensors):
-                t = tensors[name]
+                t = _loaded(tensors[name])
                 _check_finite({name: t})
                 nbytes += write_safetensors({name: t}, fh.write, header=False)
                 if consume:

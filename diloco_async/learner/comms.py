@@ -23,8 +23,10 @@ import aiohttp
 import torch
 
 from diloco_async import version_codec
+from diloco_async.base_file import BaseFile, to_base_file
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.config import Config
+from diloco_async.heap import release_free_memory
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
@@ -71,9 +73,11 @@ class Comms:
         self.client = SyncClient(sync_url, token, before_post=self._before_post, link_delay_s=link_delay_s)
         self.uploads = Uploads(learner_id, incarnation, store, shared)
         self._downloading: dict[int, int] = {}
-        self._held: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> newest value downloaded
+        self._held: dict[int, tuple[int, BaseFile]] = {}  # fragment -> newest value downloaded
         self._fetch_locks: dict[int, asyncio.Lock] = {}
-        self._download_slot = asyncio.Lock()  # one version decoded at a time: one fragment's fp32 in flight
+        # one version decoded at a time, and not while an upload holds its buffers (Uploads.io_slot):
+        # one fragment's fp32 in flight
+        self._download_slot = self.uploads.io_slot
         self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
@@ -97,13 +101,14 @@ class Comms:
         if lc.control_delay_s > 0 or lc.control_drop_prob > 0:
             self.faults = ControlFaults(lc.control_delay_s, lc.control_drop_prob, chaos_rng)
 
-    def fetch_version(self, v: VersionInfo) -> dict[str, torch.Tensor]:
+    def fetch_version(self, v: VersionInfo) -> BaseFile:
         """Download and decode a published version (blocking; verifies size and sha256): its
         compact form when there is one this learner can rebuild exactly (a whole one, or a delta
         from the version it holds; :mod:`diloco_async.version_codec`), else the fp32 value
         streamed into tensors allocated once (:func:`diloco_async.versions.read_version`). Either
-        way the result is the synchronizer's published value bit for bit. Counts the bytes and
-        seconds (:class:`~diloco_async.learner.link.LinkMeter`).
+        way the result is the synchronizer's published value bit for bit, kept in a local file
+        (:class:`~diloco_async.base_file.BaseFile`), not in RAM. Counts the bytes and seconds
+        (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:
             FileNotFoundError: the version was collected; storage.store.IntegrityError;
@@ -115,6 +120,7 @@ class Comms:
             tensors, nbytes = read_version(self.store, ObjectRef(v.key, v.nbytes, v.sha256), self.shapes[v.fragment]), \
                 v.nbytes
         self.shared.link.record("down", v.fragment, nbytes, time.monotonic() - t0)
+        tensors = to_base_file(tensors, self.learner_id)  # the decoded fp32 is freed on return
         with self.shared.lock:
             self.shared.stats.bytes_down += nbytes
             held = self._held.get(v.fragment)
@@ -314,6 +320,7 @@ class Comms:
         try:  # one download per fragment at a time: a delta applies to the version downloaded before it
             async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()), self._download_slot:
                 tensors = await asyncio.to_thread(self.fetch_version, v)
+                await asyncio.to_thread(release_free_memory)  # the decoded fp32, now in a local file
         except Exception as err:  # counted in the log; the next heartbeat retries
             log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
             self._downloading.pop(v.fragment, None)  # the next heartbeat retries

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from diloco_async.base_file import BaseFile, to_base_file
 from diloco_async.client import ProtocolError
 from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_differences
@@ -178,6 +179,8 @@ class Learner:
             # The base copies come from the saved state, never from the weights present now (C03).
             local_step, base_tensors, versions, counters = workload.restore(
                 InnerState(saved.tensors, saved.manifest["inner"]))
+            saved.tensors.clear()  # the restored base copies go to local files, out of RAM
+            base_tensors = {p: to_base_file(t, self.learner_id) for p, t in base_tensors.items()}
             self.shared.base.update(versions)
             start_step = max(start_step, local_step)
             self._restored_step = local_step
@@ -191,7 +194,7 @@ class Learner:
                          counters=counters, start_step=start_step, restored=saved is not None, group=self.group)
 
     def _rebase_to_join(self, versions: list[VersionInfo], workload: Workload,
-                        base_tensors: dict[int, dict[str, torch.Tensor]],
+                        base_tensors: dict[int, BaseFile],
                         counters: dict[int, tuple[int, int, float]]) -> None:
         """Move restored progress onto the versions named at join (issue 14 item 7), in place.
 
@@ -209,7 +212,7 @@ class Learner:
                 continue
             new, v = self._fetch_initial(v)
             old = base_tensors.get(p)
-            keep = old is not None and all(n in old and old[n].shape == t.shape for n, t in new.items())
+            keep = old is not None and all(n in old and old.shape_of(n) == new.shape_of(n) for n in new)
             moved = adopt("rebase" if keep else "overwrite", params, new, base=old)
             with torch.no_grad():
                 for n, val in moved.items():
@@ -222,7 +225,7 @@ class Learner:
                         v.version, f"rebased its {counters.get(p, (0,))[0]} saved steps onto v{v.version}" if keep
                         else "saved progress discarded (no saved base to rebase from)")
 
-    def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, dict[str, torch.Tensor]]:
+    def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, BaseFile]:
         """Copy the versions named at join into the model; returns them as the base tensors."""
         base_tensors = {}
         with torch.no_grad():
@@ -234,7 +237,7 @@ class Learner:
                 self.shared.base[v.fragment] = v.version
         return base_tensors
 
-    def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[dict[str, torch.Tensor], VersionInfo]:
+    def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[BaseFile, VersionInfo]:
         """Download the version named at join; if garbage collection removed it meanwhile (the
         run moved on while this process was starting), take the newest one a heartbeat names.
 

@@ -41,7 +41,7 @@ __all__ = ["StateSpooler", "MUTABLE_PREFIXES", "new_spool_folder", "remove_dead_
 log = logging.getLogger("diloco.learner")
 
 #: a spool folder's name: the learner's id, then the pid of the process that made it
-_FOLDER = re.compile(r"^diloco-(?P<learner>.+)-pid(?P<pid>\d+)-state-[^/]+$")
+_FOLDER = re.compile(r"^diloco-(?P<learner>.+)-pid(?P<pid>\d+)-(?:state|base)-[^/]+$")
 
 
 def new_spool_folder(learner_id: str, parent: str | None = None) -> str:

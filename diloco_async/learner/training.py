@@ -52,15 +52,17 @@ class InnerLoop:
         shared: state shared with the comms thread.
         workload: model, optimizer and data.
         plan: the fragment plan.
-        base_tensors: Θ^base of every fragment (by fragment, then tensor name); adopted versions replace them.
+        base_tensors: Θ^base of every fragment (by fragment, then tensor name), each a local
+            :class:`~diloco_async.base_file.BaseFile` (read a tensor at a time, not held in
+            RAM); adopted versions replace them.
         counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
         start_step: the local step to continue from.
         restored: the inner state was restored (its progress is contributed before a newer version is adopted).
         group: rank 0's side of the learner's process group, or None for a one-process learner:
             each step boundary's decision and adopted fragments go to the other ranks.
 
-    The parameters live on the workload's device; the base copies Θ^base, the snapshots of
-    contributions and the outer gradients are float32 on CPU.
+    The parameters live on the workload's device; the base copies Θ^base are float32 in local
+    files; the snapshots of contributions and the outer gradients are float32 on CPU.
     """
 
     def __init__(self, cfg: Config, shared: Shared, workload: Workload, plan: FragmentPlan, recorder: Recorder, *,
@@ -147,11 +149,16 @@ class InnerLoop:
             params = self.workload.params
             # mix and rebase read θ: on CPU, as the base copies are (no copy when the model is on CPU)
             cpu_params = {} if self.lc.adopt == "overwrite" else {n: params[n].detach().cpu() for n in new}
-            adopted = adopt(self.lc.adopt, cpu_params, new, mix_alpha=self.lc.mix_alpha, base=self.base_tensors[p],
-                            snapshot=snap.params if snap and snap.params else None)
             with torch.no_grad():
-                for n, val in adopted.items():
-                    params[n].copy_(val)
+                if self.lc.adopt == "overwrite":  # θ ← Θ^new read from its file one tensor at a time
+                    for n in new:
+                        params[n].copy_(new[n])
+                else:
+                    adopted = adopt(self.lc.adopt, cpu_params, new, mix_alpha=self.lc.mix_alpha,
+                                    base=self.base_tensors[p], snapshot=snap.params if snap and snap.params else None)
+                    for n, val in adopted.items():
+                        params[n].copy_(val)
+                    del adopted
             self.progress[p] = progress_after_adopt(self.lc.adopt, self.progress[p], snap.progress if snap else None)
             self.base_tensors[p] = new
             with sh.lock:

@@ -20,12 +20,13 @@ import aiohttp
 
 from diloco_async import codec as wire
 from diloco_async.client import SyncClient
+from diloco_async.heap import release_free_memory
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.messages import AnnouncementAck
 from storage import keys
 from storage.checkpoint import write_state, write_state_file
-from storage.store import ObjectStore
+from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Uploads"]
 
@@ -43,6 +44,9 @@ class Uploads:
         self.storage_timeout_s = 60.0
         self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
+        # held while a contribution is encoded and put or an inner state is uploaded; the comms
+        # thread's downloads hold it too, so their fragment-sized buffers never overlap (issue 17)
+        self.io_slot = asyncio.Lock()
 
     def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float) -> None:
         self.store, self.codec, self.storage_timeout_s = store, codec, storage_timeout_s
@@ -55,7 +59,8 @@ class Uploads:
             except queue.Empty:
                 continue
             if isinstance(job, (InnerState, SpooledState)):
-                await self._save_inner_state(job)
+                async with self.io_slot:
+                    await self._save_inner_state(job)
             else:
                 await self._upload_and_announce(client, job)
             del job  # not held (with its outer gradient) until the next item arrives
@@ -102,14 +107,8 @@ class Uploads:
         log.info("%s uploading fragment %d round %d (base v%d) to %s", self.learner_id, job.fragment, job.round_n,
                  job.base_version, key)
         try:
-            if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
-                data = await asyncio.to_thread(wire.encoded_to_bytes, job.encoded, self.codec, meta)
-            else:
-                data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
-            job.delta, job.encoded = {}, None  # the outer gradient is freed before the upload and the announce
-            t0 = time.monotonic()
-            ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
-            self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
+            async with self.io_slot:  # not while a download or an inner-state upload holds its buffers
+                ref = await self._encode_and_put(job, key, meta)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
                         job.round_n, getattr(err, "reason", type(err).__name__), err)
@@ -122,6 +121,20 @@ class Uploads:
                 "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
                 "codec": self.codec, "update_id": job.update_id}
         self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
+
+    async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:
+        """Encode ``job``'s outer gradient, free it, and put the bytes under ``key``; returns the ref."""
+        if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
+            data = await asyncio.to_thread(wire.encoded_to_bytes, job.encoded, self.codec, meta)
+        else:
+            data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
+        job.delta, job.encoded = {}, None  # the outer gradient is freed before the upload and the announce
+        t0 = time.monotonic()
+        ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
+        del data
+        release_free_memory()  # the outer gradient and its bytes, freed on this and a worker thread
+        self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
+        return ref
 
     async def _announce(self, client: SyncClient, job: UploadJob, body: dict) -> str:
         """Announce until acknowledged (same update id every time), stopped, or 60 s passed;

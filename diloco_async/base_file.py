@@ -1,0 +1,200 @@
+"""A learner's base copies Θ^base kept in local files, not in RAM (issue 17 item 3).
+
+A learner needs Θ^base of a fragment only now and then: to take its outer gradient Δ = Θ^base − θ
+when it contributes, to apply a compact delta download to the version it holds, to ``rebase`` at
+an adoption, and to save its inner state. Held in RAM as fp32 they were one model's size for the
+whole run; here each version of a fragment is written once, as the raw bytes of its tensors, to a
+file of its own in a per-process local folder (:func:`base_folder`), and read back one tensor at
+a time with a plain file read into a fresh tensor of that one tensor's size. No mmap: pages of a
+mapping that were touched count in the RSS.
+
+Exactness: the bytes read back are the bytes written, and each tensor's sha256 (taken when it is
+written, kept in RAM) is checked on every read, so Δ from the file is bit for bit Δ from RAM; a
+missing, short or altered file raises :class:`BaseFileError` and never yields a value.
+
+A :class:`BaseFile` is a read-only ``Mapping[str, Tensor]`` (each lookup reads the file), so
+code written for dicts of tensors (:func:`~diloco_async.learner.rules.outer_gradient`,
+:func:`~diloco_async.version_codec.apply_decoded`) takes it as it is. Its file is deleted when
+the last reference to it goes (an adopted version replaces the previous one).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BaseFile", "BaseFileError", "LazyTensor", "base_folder", "to_base_file"]
+
+log = logging.getLogger("diloco.learner")
+
+_folders: dict[str, str] = {}
+_folders_lock = threading.Lock()
+_seq = itertools.count()
+
+
+class BaseFileError(RuntimeError):
+    """A base file is missing, short or does not hold the bytes written to it (its ``reason``:
+    ``missing``, ``short`` or ``sha256``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def base_folder(learner_id: str, parent: str | None = None) -> str:
+    """This process's local folder of base files for ``learner_id`` (made on first use, named
+    after the learner and the pid like the spool folders, so that
+    :func:`~diloco_async.learner.spool.remove_dead_spool_folders` removes it once the process is gone)."""
+    with _folders_lock:
+        key = f"{learner_id}\0{parent}"
+        folder = _folders.get(key)
+        if folder is None or not os.path.isdir(folder):
+            folder = tempfile.mkdtemp(prefix=f"diloco-{learner_id}-pid{os.getpid()}-base-", dir=parent)
+            _folders[key] = folder
+            atexit.register(shutil.rmtree, folder, True)  # its files are not needed past the process
+        return folder
+
+
+@dataclass(frozen=True)
+class _Entry:
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sha256: str
+
+
+def _raw(t: torch.Tensor):
+    """The bytes of ``t`` (on CPU, contiguous) as a writable numpy uint8 array (no copy for a
+    contiguous CPU tensor)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class BaseFile(Mapping[str, torch.Tensor]):
+    """One fragment version's tensors in a local file; ``base[name]`` reads that tensor (a new
+    CPU tensor of its shape and dtype, bit for bit what was written).
+
+    Build one with :meth:`write`. Raises :class:`BaseFileError` on a lookup whose bytes are
+    missing or differ from those written; KeyError for a name it does not hold.
+    """
+
+    def __init__(self, path: str, entries: dict[str, _Entry]) -> None:
+        self.path = path
+        self._entries = entries
+        self._finalizer = weakref.finalize(self, _unlink, path)
+
+    @classmethod
+    def write(cls, tensors: Mapping[str, torch.Tensor], folder: str) -> BaseFile:
+        """Write ``tensors`` (any dtype, any device: brought to CPU one at a time) to a new file
+        in ``folder``; each tensor's sha256 is kept for the reads.
+
+        Raises:
+            OSError: the write failed (nothing is left behind).
+        """
+        path = os.path.join(folder, f"base-{os.getpid()}-{next(_seq)}.bin")
+        entries: dict[str, _Entry] = {}
+        offset = 0
+        try:
+            with open(path, "wb") as fh:
+                for name, value in tensors.items():
+                    t = value.detach().to("cpu").contiguous()
+                    raw = _raw(t)
+                    fh.write(memoryview(raw))
+                    entries[name] = _Entry(offset, raw.nbytes, tuple(t.shape), t.dtype,
+                                           hashlib.sha256(memoryview(raw)).hexdigest())
+                    offset += raw.nbytes
+                    del t, raw
+        except BaseException:
+            _unlink(path)
+            raise
+        return cls(path, entries)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        e = self._entries[name]
+        out = torch.empty(e.shape, dtype=e.dtype)
+        raw = _raw(out)
+        try:
+            with open(self.path, "rb", buffering=0) as fh:
+                fh.seek(e.offset)
+                got = fh.readinto(memoryview(raw)) if e.nbytes else 0
+        except FileNotFoundError:
+            raise BaseFileError("missing", f"base file {self.path} of tensor {name} is missing") from None
+        if got != e.nbytes:
+            raise BaseFileError("short", f"base file {self.path}: tensor {name} has {got} of its {e.nbytes} bytes")
+        if hashlib.sha256(memoryview(raw)).hexdigest() != e.sha256:
+            raise BaseFileError("sha256", f"base file {self.path}: tensor {name} does not hold the bytes written "
+                                "(sha256 differs)")
+        return out
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (no read). KeyError for an unknown name."""
+        return self._entries[name].shape
+
+    def lazy(self, name: str) -> LazyTensor:
+        """Tensor ``name`` as a :class:`LazyTensor` (read when written out)."""
+        e = self._entries[name]
+        return LazyTensor(self, name, e.shape, e.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all its tensors (on disk; none of them in RAM)."""
+        return sum(e.nbytes for e in self._entries.values())
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor of a :class:`BaseFile` not read yet: what a safetensors writer needs to lay it
+    out (shape, dtype, sizes) and :meth:`load` to read it (:func:`storage.checkpoint.spool_state`)."""
+
+    source: BaseFile
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def load(self) -> torch.Tensor:
+        """The tensor, read from its file (raises :class:`BaseFileError` as a lookup does)."""
+        return self.source[self.name]
+
+
+def to_base_file(tensors: Mapping[str, torch.Tensor], learner_id: str) -> BaseFile:
+    """``tensors`` written to a new :class:`BaseFile` in ``learner_id``'s folder (a BaseFile is
+    returned as it is). The caller drops its references to ``tensors`` to free their RAM."""
+    if isinstance(tensors, BaseFile):
+        return tensors
+    return BaseFile.write(tensors, base_folder(learner_id))
