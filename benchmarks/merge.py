@@ -1,10 +1,11 @@
 """Merge benchmark: anchoring + token-weighted RDA + outer Nesterov step against a memcpy.
 
 What is timed is the synchronizer's merge of one round (``diloco_async.sync.work``): for each of
-M contributions an ``AnchoredDelta``, ``check_anchored`` (norms and finite checks), then
-``merge_outer_gradients`` (RDA on every tensor, into buffers of the optimizer's pool, its last
-multiplication deferred) and ``OuterOptimizer.step_shared`` (with the finite check of the result;
-the merged buffers become the momentum), in the workspace ``work.merge_workspace`` makes. It runs
+M contributions an ``AnchoredDelta``, then ``merge.merge_and_step``, which goes tensor by tensor:
+``check_anchored`` (norms and finite checks), ``merge_outer_gradients`` (RDA, into buffers of the
+optimizer's pool, its last multiplication deferred) and the outer step
+(``OuterOptimizer.step_shared_from``, with the finite check of the result; the merged buffers
+become the momentum), in the workspace ``work.merge_workspace`` makes. It runs
 as in the synchronizer's process: the C heap set up as ``sync/process.py`` does at start
 (``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as ``asyncio.to_thread``), the heap
 trimmed after each merge as the actor does after adopting one (``release_free_memory``, untimed).
@@ -98,13 +99,8 @@ def _inputs(nbytes: int, m: int, seed: int = 0):
 def _merge_new(opt, current, versions, deltas, bases, weights) -> dict:
     ws = merge_workspace(opt)  # as work.py: buffers from the fragment's pool, anchored Δ' kept
     anchored = [new.AnchoredDelta(d, current, versions[b]) for d, b in zip(deltas, bases, strict=True)]
-    if any(new.check_anchored(anchored, workspace=ws)):
-        raise AssertionError("benchmark inputs must be finite")
-    scales: dict = {}
-    g = new.merge_outer_gradients(anchored, weights, mode="rda", out=opt.empty_like_params(), workspace=ws,
-                                  deferred_scales=scales)
     before = opt.shared_state()  # what work.py keeps for a rollback
-    out = opt.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
+    out = new.merge_and_step(opt, anchored, weights, "rda", workspace=ws)  # raises on non-finite input
     del before
     return out
 

@@ -51,6 +51,8 @@ __all__ = [
     "anchor",
     "AnchoredDelta",
     "check_anchored",
+    "merge_and_step",
+    "AnchoredNotFinite",
     "MergeWorkspace",
     "weighted_mean",
     "rda",
@@ -281,6 +283,7 @@ def merge_outer_gradients(
     out: Mapping[str, Tensor] | None = None,
     workspace: MergeWorkspace | None = None,
     deferred_scales: dict[str, Tensor] | None = None,
+    names: Collection[str] | None = None,
 ) -> dict[str, Tensor]:
     """Merge M learners' outer gradients of one fragment, tensor by tensor (DESIGN §4.4).
 
@@ -301,6 +304,7 @@ def merge_outer_gradients(
         deferred_scales: keyword-only; if given, RDA results skip their last step, ``·s`` with
             ``s = ‖mean‖/‖direction‖`` (0-dim), and ``s`` is put here by name: the merged value is
             ``result[name] * s`` (``OuterOptimizer.step_shared(grad_scales=...)`` applies it).
+        names: keyword-only; merge only these tensors (default all; ``out`` needs only them).
 
     Returns:
         A dict name → merged tensor (``out``'s when given), in the first learner's order.
@@ -311,17 +315,13 @@ def merge_outer_gradients(
     """
     if mode not in MERGE_MODES:
         raise ValueError(f"unknown merge mode {mode!r}; expected one of {MERGE_MODES}")
-    if len(deltas) == 0:
-        raise ValueError("cannot merge an empty list of outer gradients")
-    if len(deltas) != len(weights):
-        raise ValueError(f"{len(deltas)} outer gradients but {len(weights)} weights")
+    probs = _probs(len(deltas), weights)  # an empty list, a length mismatch or bad weights, first
     for i, d in enumerate(deltas[1:], start=1):
         _check_same_keys(d, deltas[0], f"merge_outer_gradients(learner {i} vs learner 0)")
-    probs = _probs(len(deltas), weights)
     embeddings = frozenset(embedding_names)
     ws = MergeWorkspace() if workspace is None else workspace
     result = {}
-    for name in deltas[0]:
+    for name in deltas[0] if names is None else [n for n in deltas[0] if n in names]:
         ws.release()
         srcs = [_AnchoredSource(d, name) if isinstance(d, AnchoredDelta) else _TensorSource(d[name])
                 for d in deltas]
@@ -332,3 +332,59 @@ def merge_outer_gradients(
                         else _rda_into(buf, srcs, probs, 1e-12, ws, deferred_scales, name))
         ws.release()
     return result
+
+
+class AnchoredNotFinite(ValueError):
+    """:func:`merge_and_step` found NaN/Inf in an anchored outer gradient. ``bad`` has, for each
+    contribution, name → NaN/Inf elements of the tensor checked (as :func:`check_anchored`)."""
+
+    def __init__(self, bad: list[dict[str, int]]) -> None:
+        super().__init__(f"non-finite anchored outer gradients: {bad}")
+        self.bad = bad
+
+
+def merge_and_step(optimizer: OuterOptimizer, anchored: Sequence[AnchoredDelta], weights: Sequence[float],
+                   mode: str = "rda", embedding_names: Collection[str] = (), *,
+                   workspace: MergeWorkspace | None = None) -> dict[str, Tensor]:
+    """Check, merge and step one tensor at a time (DESIGN §4.5a): for each tensor of the fragment,
+    the norms and finite checks of every ``Δ'`` (:func:`check_anchored`), its merge
+    (:func:`merge_outer_gradients`, into the optimizer's pool, RDA's last product deferred) and its
+    outer step (``optimizer.step_shared_from``, finite result required, ``g`` kept as the
+    momentum), one right after the other, so that the tensor's ``Δ'`` and ``g`` are still in the
+    cache when they are read again. Bit for bit ``check_anchored`` of all, then
+    ``merge_outer_gradients(deferred_scales=s)``, then ``step_shared(g, require_finite=True,
+    consume=True, grad_scales=s)``.
+
+    Args:
+        optimizer: the fragment's outer optimizer (its tensors' names and shapes).
+        anchored: M contributions, each with the optimizer's names and shapes.
+        weights, mode, embedding_names: as :func:`merge_outer_gradients`.
+        workspace: keyword-only; scratch buffers, default new ones.
+
+    Returns:
+        name → the new value ``Θ`` (the optimizer's own tensors, as ``step_shared``).
+
+    Raises:
+        AnchoredNotFinite: a ``Δ'`` with NaN/Inf (found before the optimizer changes).
+        ValueError, TypeError: as :func:`merge_outer_gradients` and ``step_shared``. On any error
+            the optimizer is left unchanged.
+    """
+    if not anchored:
+        raise ValueError("cannot merge an empty list of outer gradients")
+    ws = MergeWorkspace() if workspace is None else workspace
+    params = optimizer.shared_state().params
+    for a in anchored:
+        _check_same_keys(a, params, "merge_and_step(contribution vs optimizer)")
+    out = optimizer.empty_like_params()  # from the pool: no fresh pages once warm
+
+    def grad_of(name: str) -> tuple[Tensor, Tensor | None]:
+        bad = check_anchored(anchored, workspace=ws, names=(name,))
+        if any(bad):
+            raise AnchoredNotFinite(bad)
+        buf = out[name] if out[name].dtype == anchored[0].delta[name].dtype else None
+        scales: dict[str, Tensor] = {}
+        g = merge_outer_gradients(anchored, weights, mode, embedding_names, out=None if buf is None else {name: buf},
+                                  workspace=ws, deferred_scales=scales, names=(name,))
+        return g[name], scales.get(name)
+
+    return optimizer.step_shared_from(grad_of, require_finite=True, consume=True)

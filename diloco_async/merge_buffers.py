@@ -14,7 +14,7 @@ different reduction order), always as ``vector_norm`` of the whole tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -274,14 +274,15 @@ class _AnchoredSource(_Source):
         return int((~torch.isfinite(self.whole(ws))).sum())
 
 
-def check_anchored(anchored: Sequence[AnchoredDelta], *,
-                   workspace: MergeWorkspace | None = None) -> list[dict[str, int]]:
+def check_anchored(anchored: Sequence[AnchoredDelta], *, workspace: MergeWorkspace | None = None,
+                   names: Collection[str] | None = None) -> list[dict[str, int]]:
     """The norms and finite checks of several :class:`AnchoredDelta`, tensor by tensor, sharing
     ``Θ^cur − Θ^base`` among those on the same base (the first pass of an RDA merge).
 
     Args:
         anchored: the contributions of one round.
         workspace: keyword-only; buffers to use (and keep for the merge), default new ones.
+        names: keyword-only; only these tensors (default all of them).
 
     Returns:
         For each, name → number of NaN/Inf elements of ``Δ'``, for every tensor that has any.
@@ -289,10 +290,10 @@ def check_anchored(anchored: Sequence[AnchoredDelta], *,
     """
     ws = MergeWorkspace() if workspace is None else workspace
     bad: list[dict[str, int]] = [{} for _ in anchored]
-    names: dict[str, None] = {}
+    names_of: dict[str, None] = {}
     for a in anchored:
-        names.update(dict.fromkeys(a.delta))
-    for name in names:
+        names_of.update(dict.fromkeys(a.delta))
+    for name in names_of if names is None else [n for n in names_of if n in names]:
         ws.release()
         for a in anchored:
             if name in a.delta:

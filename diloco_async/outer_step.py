@@ -6,7 +6,7 @@ Part of :mod:`diloco_async.merge` (import it from there). Pure: torch only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -155,13 +155,32 @@ class OuterOptimizer:
         """
         _check_same_keys(outer_grad, self._params, "outer step")
         _check_shapes(outer_grad, self._params, "outer step")
+        scales = {} if grad_scales is None else grad_scales
+        return self.step_shared_from(lambda name: (outer_grad[name], scales.get(name)),
+                                     require_finite=require_finite, consume=consume)
+
+    def step_shared_from(self, grad_of: Callable[[str], tuple[Tensor, Tensor | None]], *,
+                         require_finite: bool = False, consume: bool = False) -> dict[str, Tensor]:
+        """:meth:`step_shared` with each tensor's gradient made just before its step:
+        ``grad_of(name)`` returns ``(g, scale)`` (``scale`` a 0-dim tensor or None, as
+        ``grad_scales``), called once per tensor in the params' order, so that a merge can write
+        each tensor's ``g`` right before the step reads it, while it is still in the cache
+        (:func:`diloco_async.merge.merge_and_step`). Bit for bit :meth:`step_shared` of the same
+        gradients.
+
+        Raises:
+            ValueError: a ``g`` of another shape, and as :meth:`step_shared`; whatever ``grad_of``
+                raises. The state is then left unchanged.
+        """
         new_params: dict[str, Tensor] = {}
         new_momentum: dict[str, Tensor] = {}
         not_finite: list[str] = []
         for name, p in self._params.items():
             b = None if self._momentum is None else self._momentum[name]
-            scale = None if grad_scales is None else grad_scales.get(name)
-            new_p, new_b, finite = self._step_tensor(name, p, b, outer_grad[name], require_finite, consume, scale)
+            g, scale = grad_of(name)
+            if tuple(g.shape) != tuple(p.shape):
+                raise ValueError(f"outer step: tensor {name!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
+            new_p, new_b, finite = self._step_tensor(name, p, b, g, require_finite, consume, scale)
             if not finite:
                 not_finite.append(name)
             new_params[name], new_momentum[name] = new_p, new_b

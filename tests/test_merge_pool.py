@@ -75,10 +75,12 @@ def test_pool_sees_a_tensor_freed_in_another_thread_and_keeps_only_spare_free_bu
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk):  # noqa: F811
+@pytest.mark.parametrize("per_tensor", [True, False], ids=["merge_and_step", "check-merge-step"])
+def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk, per_tensor):  # noqa: F811
     """work.py's path: workspace from the optimizer's pool with Δ' kept whole (a budget that
     keeps some and not others), merge into pooled buffers with the scale deferred, step consuming
-    them; bases alone, shared and current; the values of earlier versions are never written."""
+    them; bases alone, shared and current; the values of earlier versions are never written.
+    Tensor by tensor (``merge_and_step``, as work.py runs it) and as three whole-fragment calls."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(rng.randint(1, 40),), (rng.randint(1, 30), 17), (2 * buffers.CHUNK_ELEMENTS // 64 + 5, 64)]
@@ -96,11 +98,15 @@ def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed
         ws = merge_workspace(new_opt)
         ws._keep_bytes = rng.choice([0, 4 * shapes[2][0] * 64, 10**9])  # none, one big tensor, all
         lazy = [merge.AnchoredDelta(d, cur, b) for d, b in zip(deltas, bases, strict=True)]
-        assert merge.check_anchored(lazy, workspace=ws) == [{}] * m
-        scales: dict[str, torch.Tensor] = {}
-        g = merge.merge_outer_gradients(lazy, weights, mode=mode, out=new_opt.empty_like_params(), workspace=ws,
-                                        deferred_scales=scales)
-        new_value = new_opt.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
+        g = None
+        if per_tensor:
+            new_value = merge.merge_and_step(new_opt, lazy, weights, mode, workspace=ws)
+        else:
+            assert merge.check_anchored(lazy, workspace=ws) == [{}] * m
+            scales: dict[str, torch.Tensor] = {}
+            g = merge.merge_outer_gradients(lazy, weights, mode=mode, out=new_opt.empty_like_params(), workspace=ws,
+                                            deferred_scales=scales)
+            new_value = new_opt.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
         g_old = ref.merge_outer_gradients([ref.anchor(d, cur, b) for d, b in zip(deltas, bases, strict=True)],
                                           weights, mode=mode)
         _assert_equal(new_value, old_opt.step(g_old))
@@ -231,3 +237,53 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
     if codec != "fp32":  # the held payload is unchanged: it decodes to the same tensors again
         for h, plain in zip(held, decoded, strict=True):
             _assert_equal(h.decode(), plain)
+
+
+def _overflowing_base(cur: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A finite older version whose ``Θcur − Θbase`` overflows to Inf in the last tensor only."""
+    base = {n: t - 1e-3 for n, t in cur.items()}
+    last = list(cur)[-1]
+    base[last] = torch.full_like(cur[last], -3e38)
+    return base
+
+
+def test_merge_and_step_stops_at_a_non_finite_anchored_tensor_and_leaves_the_optimizer_as_it_was():
+    torch.manual_seed(5)
+    opt = merge.OuterOptimizer({"a": torch.randn(64, 8), "z": torch.full((32,), 3e38)})
+    cur = opt.shared_state().params
+    before = opt.shared_state()
+    lazy = [merge.AnchoredDelta({n: torch.randn(t.shape) * 1e-2 for n, t in cur.items()}, cur, base)
+            for base in (cur, _overflowing_base(cur))]
+    with pytest.raises(merge.AnchoredNotFinite) as err:
+        merge.merge_and_step(opt, lazy, [1.0, 2.0])
+    assert err.value.bad == [{}, {"z": 32}]
+    after = opt.shared_state()
+    assert after.steps_taken == before.steps_taken == 0 and after.momentum is None
+    assert all(after.params[n] is before.params[n] for n in cur)
+
+
+def test_merge_and_publish_drops_a_contribution_whose_anchored_value_overflows_and_merges_the_rest():
+    """work.py merges tensor by tensor, checking as it goes; a Δ' that is not finite (found in the
+    last tensor, after others were merged) makes it screen again with the checks first, as before:
+    that contribution is dropped with its reason, the others merge as if it had never come."""
+    torch.manual_seed(6)
+    params = {"a": torch.randn(64, 8), "z": torch.full((32,), 3e38)}
+    sc = load_config(None, ["synchronizer.num_fragments=1"]).synchronizer
+    store = ObjectStore(f"memory://overflow-{id(params)}")
+    deltas = [{n: torch.randn(t.shape) * 1e-2 for n, t in params.items()} for _ in range(3)]
+    results = []
+    for with_bad in (True, False):
+        f = new_fragments(plan_fragments(specs_of(params), 1), params, sc, store)[0]
+        f.history[7] = _overflowing_base(f.published)
+        contribs = [Contribution(Announcement(
+            learner_id=f"l{i}", fragment=0, round_n=1, base_version=7 if i == 1 else 0, c_steps=4,
+            c_tokens=256 * (i + 1), compute_s=1.0, key=f"c/{i}", nbytes=1, sha256="0" * 64, codec="fp32",
+            update_id=f"u-{i}"), d) for i, d in enumerate(deltas) if with_bad or i != 1]
+        res = merge_and_publish(store, f"r-{with_bad}", f, 1, contribs, "rda", 0.0)
+        assert res.ok, res.reason
+        results.append(res)
+    bad, clean = results
+    assert bad.merged == ["l0", "l2"] and bad.dropped == [("l1", "ValueError: weight 6.554e+04, non-finite anchored "
+                                                                  "tensors ['z']")]
+    _assert_equal(bad.new, clean.new)
+    _assert_equal(bad.momentum, clean.momentum)

@@ -32,10 +32,11 @@ from diloco_async.guard import (
 )
 from diloco_async.merge import (
     AnchoredDelta,
+    AnchoredNotFinite,
     MergeWorkspace,
     OuterOptimizer,
     check_anchored,
-    merge_outer_gradients,
+    merge_and_step,
     token_weight,
 )
 from diloco_async.messages import CompactInfo
@@ -187,13 +188,14 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
 
 def _screen(f: FragmentState, contribs: list[Contribution], direction_reference: float | None = None,
             direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
-            direction_memory: int = 1, workspace: MergeWorkspace | None = None,
+            direction_memory: int = 1, workspace: MergeWorkspace | None = None, check: bool = True,
             ) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
     """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner,
     why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
     cannot take the round down; one that points away from the rest of its round is weighted down,
     and left out when its learner's recent cosines (``learner_cosines``) point away too (the
-    direction guard, :mod:`diloco_async.guard`)."""
+    direction guard, :mod:`diloco_async.guard`). Without ``check``, the anchored values are
+    taken as finite here (``merge_and_step`` checks them as it goes)."""
     kept, weights, anchored, raw, dropped = [], [], [], [], []
     candidates, failed = [], []  # (index, contribution, weight, anchored, delta); (index, (learner, why))
     for i, c in enumerate(contribs):
@@ -205,7 +207,8 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
             failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
     try:  # the norms RDA needs and the finite check, one pass per tensor, Θcur − Θbase shared
-        bads = check_anchored([a for _, _, _, a, _ in candidates], workspace=workspace)
+        bads = (check_anchored([a for _, _, _, a, _ in candidates], workspace=workspace) if check
+                else [{} for _ in candidates])
     except Exception:  # noqa: BLE001 - one contribution's failure must not take the others down
         bads = [_check_one(a) for _, _, _, a, _ in candidates]
     for (i, c, w, a, delta), bad in zip(candidates, bads, strict=True):
@@ -281,16 +284,10 @@ def merge_workspace(optimizer: OuterOptimizer) -> MergeWorkspace:
 
 def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mode: str,
                 workspace: MergeWorkspace | None = None) -> dict[str, torch.Tensor]:
-    """Merge and take the outer step: the new value, the optimizer's own tensors (raises on any
-    error, e.g. a non-finite result, leaving the optimizer unchanged)."""
-    out = f.optimizer.empty_like_params()  # from the fragment's pool: no fresh pages once warm
-    if any(out[n].dtype != t.dtype for n, t in anchored[0].delta.items()):
-        out = None
-    scales: dict[str, torch.Tensor] = {}  # RDA's last multiplication, done by the step as it reads g
-    g = merge_outer_gradients(anchored, weights, mode=merge_mode, embedding_names=f.embedding_names,
-                              out=out, workspace=workspace, deferred_scales=scales)
-    # g's buffers become the momentum
-    return f.optimizer.step_shared(g, require_finite=True, consume=True, grad_scales=scales)
+    """Check, merge and take the outer step, tensor by tensor (``merge_and_step``): the new value,
+    the optimizer's own tensors (raises on any error, e.g. a non-finite result or
+    ``AnchoredNotFinite``, leaving the optimizer unchanged)."""
+    return merge_and_step(f.optimizer, anchored, weights, merge_mode, f.embedding_names, workspace=workspace)
 
 
 def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, torch.Tensor], round_n: int,
@@ -305,6 +302,23 @@ def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, t
     encoded, published = version_codec.compress_version(new, f.published, *download)
     version, ref = publish_next_version(store, run_id, f, published, lease_epoch=lease_epoch, round_n=round_n)
     return version, ref, published, publish_compact(store, run_id, f, version, encoded, published, download)
+
+
+def _merge_leaving_one_out(f: FragmentState, kept: list, anchored: list, weights: list[float], merge_mode: str,
+                           ws: MergeWorkspace, restore, first: str, dropped: list,
+                           ) -> tuple[dict[str, torch.Tensor] | None, list]:
+    """After a failed merge: merge again leaving out one contribution at a time; the first that
+    makes it succeed is dropped (``dropped``, saying why). Returns (new value or None, kept)."""
+    for i in range(len(kept) if len(kept) > 1 else 0):
+        rest = [j for j in range(len(kept)) if j != i]
+        try:
+            new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode, ws)
+        except Exception:  # noqa: BLE001 - try the next one
+            restore()
+            continue
+        dropped.append((kept[i].ann.learner_id, f"the round merges without it ({first})"))
+        return new, [kept[j] for j in rest]
+    return None, kept
 
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
@@ -329,33 +343,31 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
-    ws = merge_workspace(f.optimizer)  # scratch of this merge, shared by the norm pass and the merge
-    kept, weights, anchored, dropped, cosines, factors = _screen(
-        f, contribs, direction_reference, direction_fraction, learner_cosines, direction_memory, ws)
-    if not kept or sum(weights) <= 0:
-        return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
-                      cosines=cosines, factors=factors)
+    guard = (direction_reference, direction_fraction, learner_cosines, direction_memory)
     before = f.optimizer.shared_state()  # by reference: a step never writes the tensors it replaces
 
     def restore() -> None:
         f.optimizer.restore(before)
 
-    try:
-        new = _merge_step(f, anchored, weights, merge_mode, ws)
-    except Exception as err:
-        restore()
-        first = f"{type(err).__name__}: {err}"
-        for i in range(len(kept) if len(kept) > 1 else 0):
-            rest = [j for j in range(len(kept)) if j != i]
-            try:
-                new = _merge_step(f, [anchored[j] for j in rest], [weights[j] for j in rest], merge_mode, ws)
-            except Exception:  # noqa: BLE001 - try the next one
-                restore()
+    new, err = None, None
+    for check in (False, True):  # checked as merged; a non-finite Δ' is rare: screen again, checks first
+        ws = merge_workspace(f.optimizer)  # scratch of this merge, shared by the norm pass and the merge
+        kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, *guard, ws, check=check)
+        if not kept or sum(weights) <= 0:
+            return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
+                          cosines=cosines, factors=factors)
+        try:
+            new = _merge_step(f, anchored, weights, merge_mode, ws)
+        except Exception as e:  # noqa: BLE001 - tried again, leaving out one at a time
+            restore()
+            err = e
+            if isinstance(e, AnchoredNotFinite):
                 continue
-            dropped.append((kept[i].ann.learner_id, f"the round merges without it ({first})"))
-            kept = [kept[j] for j in rest]
-            break
-        else:
+        break
+    if new is None:
+        first = f"{type(err).__name__}: {err}"
+        new, kept = _merge_leaving_one_out(f, kept, anchored, weights, merge_mode, ws, restore, first, dropped)
+        if new is None:
             return Merged(p, n, False, first, dropped=dropped)
     try:
         version, ref, published, compact = _publish(store, run_id, f, new, n, lease_epoch, download)
