@@ -5,12 +5,15 @@ M contributions an ``AnchoredDelta``, then ``merge.merge_and_step``, which goes 
 ``check_anchored`` (norms and finite checks), ``merge_outer_gradients`` (RDA, into buffers of the
 optimizer's pool, its last multiplication deferred) and the outer step
 (``OuterOptimizer.step_shared_from``, with the finite check of the result; the merged buffers
-become the momentum), in the workspace ``work.merge_workspace`` makes. It runs
-as in the synchronizer's process: the C heap set up as ``sync/process.py`` does at start
-(``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as ``asyncio.to_thread``), the heap
-trimmed after each merge as the actor does after adopting one (``release_free_memory``, untimed).
-Half the contributions are anchored on an older version, so the
-anchoring is real work. Fragments are fp32 transformer-block shapes (d_model d: qkv (3d, d),
+become the momentum), in the workspace ``work.merge_workspace`` makes. It runs as in the
+synchronizer's process: the C heap set up as ``sync/process.py`` does at start
+(``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as
+``asyncio.to_thread``), the heap trimmed after each merge as the actor does after adopting one
+(``release_free_memory``, untimed). Half the contributions are anchored on an older version, so
+the anchoring is real work. The norms each outer gradient's verification computed when it
+arrived (``work.fetch_and_verify``, float32, the merge's own) are passed in as the synchronizer
+passes them, computed before the timing: the merge reuses them where ``Δ'`` is ``Δ``. Fragments
+are fp32 transformer-block shapes (d_model d: qkv (3d, d),
 out (d, d), up (4d, d), down (d, 4d), two norms (d,), one (r, d) tensor to reach the size).
 
 **Rate.** Bytes of outer gradients consumed per second: ``M × fragment bytes / merge seconds``.
@@ -96,16 +99,24 @@ def _inputs(nbytes: int, m: int, seed: int = 0):
     return current, older, deltas, [i % 2 for i in range(m)], weights
 
 
-def _merge_new(opt, current, versions, deltas, bases, weights) -> dict:
+def verified_norms(deltas: list[dict]) -> list[dict]:
+    """Each outer gradient's float32 norms, as ``work.fetch_and_verify`` returns them when it
+    arrives (before its round merges; untimed here, as there)."""
+    return [{k: torch.linalg.vector_norm(t) for k, t in d.items()} for d in deltas]
+
+
+def _merge_new(opt, current, versions, deltas, bases, weights, norms=None) -> dict:
     ws = merge_workspace(opt)  # as work.py: buffers from the fragment's pool, anchored Δ' kept
-    anchored = [new.AnchoredDelta(d, current, versions[b]) for d, b in zip(deltas, bases, strict=True)]
+    norms = norms or [{} for _ in deltas]
+    anchored = [new.AnchoredDelta(d, current, versions[b], norms=n)
+                for d, b, n in zip(deltas, bases, norms, strict=True)]
     before = opt.shared_state()  # what work.py keeps for a rollback
     out = new.merge_and_step(opt, anchored, weights, "rda", workspace=ws)  # raises on non-finite input
     del before
     return out
 
 
-def _merge_old(opt, current, versions, deltas, bases, weights) -> dict:
+def _merge_old(opt, current, versions, deltas, bases, weights, norms=None) -> dict:
     from tests import merge_reference as ref
 
     anchored = []
@@ -163,7 +174,7 @@ def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) ->
     """Best-of-``repeat`` merge seconds and memcpy seconds for each M (and the reference's)."""
     _heap_as_the_synchronizer()
     current, older, deltas, bases, weights = _inputs(nbytes, max(ms))
-    versions = [current, older]
+    versions, norms = [current, older], verified_norms(deltas)
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
     dst.copy_(src)
     sweep = torch.ones(max(SWEEP_BYTES, 2 * nbytes) // 4)
@@ -178,7 +189,7 @@ def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) ->
                 hot_s = min(hot_s, _copy_s(src, dst, None))
                 with ThreadPoolExecutor(1) as worker:  # a worker thread, as asyncio.to_thread
                     t0 = time.perf_counter()
-                    worker.submit(fn, opt, current, versions, deltas[:m], bases[:m], weights[:m]).result()
+                    worker.submit(fn, opt, current, versions, deltas[:m], bases[:m], weights[:m], norms[:m]).result()
                     merge_s = min(merge_s, time.perf_counter() - t0)
                 if impl == "new":
                     opt.pool.trim()
@@ -207,9 +218,10 @@ def measure_peak(nbytes: int, m: int, impl: str, publish: bool = False) -> dict:
     current, older, deltas, bases, weights = _inputs(nbytes, m)
     opt = _optimizer(impl, current)
     fn = _merge_new if impl == "new" else _merge_old
+    norms = verified_norms(deltas)
     rss0 = _status_kib("VmRSS") * 1024
     Path("/proc/self/clear_refs").write_text("5")
-    out = fn(opt, current, [current, older], deltas, bases, weights)
+    out = fn(opt, current, [current, older], deltas, bases, weights, norms)
     if publish:
         from diloco_async.sync.work import _fp32_bytes
 

@@ -323,19 +323,25 @@ class AnchoredDelta:
         delta: the learner's outer gradient ``Δ``, name → tensor (any floating dtype; ``Δ'`` has it).
         current: ``Θ^cur``, the same names and shapes.
         base: ``Θ^base``, the same names and shapes.
+        norms: keyword-only; name → ``torch.linalg.vector_norm(Δ[name])`` (0-dim, Δ's dtype) where
+            already known, e.g. from the contribution's verification: used as the norm of ``Δ'``
+            where ``Δ'`` is ``Δ`` (anchored on the current value), so the merge does not read
+            ``Δ`` once more for it; ignored elsewhere. They must be exactly that value.
 
     Raises:
         ValueError: if the three dicts do not hold the same names with the same shapes.
     """
 
     def __init__(self, delta: Mapping[str, Tensor], current: Mapping[str, Tensor],
-                 base: Mapping[str, Tensor]) -> None:
+                 base: Mapping[str, Tensor], *, norms: Mapping[str, Tensor] | None = None) -> None:
         _check_same_keys(delta, current, "anchor(delta, current)")
         _check_same_keys(delta, base, "anchor(delta, base)")
         _check_shapes(delta, current, "anchor(delta, current)")
         _check_shapes(delta, base, "anchor(delta, base)")
         self.delta, self.current, self.base = delta, current, base
-        self._norms: dict[str, Tensor] = {}
+        self._norms: dict[str, Tensor] = {
+            n: v for n, v in (norms or {}).items()
+            if n in delta and base[n] is current[n] and v.dim() == 0 and v.dtype == delta[n].dtype}
         self._kept: dict[str, Tensor] = {}  # name → Δ' kept whole by check_anchored (read only)
 
     def __iter__(self):

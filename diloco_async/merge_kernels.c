@@ -144,42 +144,40 @@ struct step_ctx {
     uint8_t *flags; /* per chunk: 1 = a gc not finite, 2 = a result not finite */
 };
 
+/* Elements [lo, hi) of the step; the largest exponent fields of gc and of the result are folded
+ * into *g_exp and *p_exp. use_scale is a constant at each call, so each gets its own loop. */
+static inline __attribute__((always_inline)) void step_piece(const struct step_ctx *c, int64_t lo, int64_t hi,
+                                                             int use_scale, uint32_t *g_exp, uint32_t *p_exp) {
+    const float *gg = c->g, *pp = c->p, *bb = c->b;
+    float *npp = c->new_p, *nbb = c->new_b;
+    const float scale = c->scale, mu = c->mu, neg_lr = c->neg_lr;
+    uint32_t gx = 0, px = 0;
+#pragma GCC ivdep /* nbb may be gg: element i is read before it is written, nothing else aliases */
+    for (int64_t i = lo; i < hi; i++) {
+        float gc = use_scale ? gg[i] * scale : gg[i];
+        float nb = bb[i] * mu;
+        nb = nb + gc;
+        float np = fmaf(fmaf(nb, mu, gc), neg_lr, pp[i]);
+        nbb[i] = nb;
+        npp[i] = np;
+        uint32_t ge = exp_bits(gc), pe = exp_bits(np);
+        gx = ge > gx ? ge : gx;
+        px = pe > px ? pe : px;
+    }
+    *g_exp = gx;
+    *p_exp = px;
+}
+
 static void step_range(void *arg, int64_t lo0, int64_t hi0) {
     const struct step_ctx *c = arg;
     for (int64_t lo = lo0; lo < hi0;) { /* pieces that do not cross a chunk's end */
         int64_t k = lo / c->chunk, end = (k + 1) * c->chunk;
         int64_t hi = end < hi0 ? end : hi0;
-        const float *gg = c->g, *pp = c->p, *bb = c->b;
-        float *npp = c->new_p, *nbb = c->new_b;
-        const float scale = c->scale, mu = c->mu, neg_lr = c->neg_lr;
-        uint32_t g_exp = 0, p_exp = 0;
-        if (c->use_scale) {
-#pragma GCC ivdep /* nbb may be gg: element i is read before it is written, nothing else aliases */
-            for (int64_t i = lo; i < hi; i++) {
-                float gc = gg[i] * scale;
-                float nb = bb[i] * mu;
-                nb = nb + gc;
-                float np = fmaf(fmaf(nb, mu, gc), neg_lr, pp[i]);
-                nbb[i] = nb;
-                npp[i] = np;
-                uint32_t ge = exp_bits(gc), pe = exp_bits(np);
-                g_exp = ge > g_exp ? ge : g_exp;
-                p_exp = pe > p_exp ? pe : p_exp;
-            }
-        } else {
-#pragma GCC ivdep
-            for (int64_t i = lo; i < hi; i++) {
-                float gc = gg[i];
-                float nb = bb[i] * mu;
-                nb = nb + gc;
-                float np = fmaf(fmaf(nb, mu, gc), neg_lr, pp[i]);
-                nbb[i] = nb;
-                npp[i] = np;
-                uint32_t ge = exp_bits(gc), pe = exp_bits(np);
-                g_exp = ge > g_exp ? ge : g_exp;
-                p_exp = pe > p_exp ? pe : p_exp;
-            }
-        }
+        uint32_t g_exp, p_exp;
+        if (c->use_scale)
+            step_piece(c, lo, hi, 1, &g_exp, &p_exp);
+        else
+            step_piece(c, lo, hi, 0, &g_exp, &p_exp);
         uint8_t f = (uint8_t)((g_exp == 0x7f800000u ? 1 : 0) | (p_exp == 0x7f800000u ? 2 : 0));
         if (f)
             __atomic_fetch_or(&c->flags[k], f, __ATOMIC_RELAXED);

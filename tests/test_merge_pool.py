@@ -198,7 +198,9 @@ def test_pool_with_a_budget_keeps_at_most_that_many_free_bytes_and_never_an_used
 def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_decoded(codec):
     """fetch_and_verify keeps a bf16/int4 contribution in its encoding (a fraction of fp32's bytes)
     and an fp32 one decoded; merging those gives the same version, bit for bit, as merging the
-    decoded tensors, and the held payload is left as it was for a retry."""
+    decoded tensors, and the held payload is left as it was for a retry. The float32 norms the
+    verification returns are exactly the merge's, and merging with them (as the synchronizer does)
+    gives the same version as computing them again."""
     from diloco_async import codec as wire
     from diloco_async.codec_held import EncodedTensors
     from diloco_async.sync.work import fetch_and_verify
@@ -209,13 +211,17 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
     sc = load_config(None, ["synchronizer.num_fragments=1"]).synchronizer
     store = ObjectStore(f"memory://held-{codec}-{id(params)}")
     shapes = {k: tuple(t.shape) for k, t in params.items()}
-    held, decoded = [], []
+    held, decoded, verified_norms = [], [], []
     for i in range(3):
         data = wire.encode_to_bytes({k: torch.randn(s) * 1e-2 for k, s in shapes.items()}, codec)
         ref = store.put(f"c/{i}", data)
-        delta, norms = fetch_and_verify(store, ObjectRef(ref.key, ref.nbytes, ref.sha256), codec, shapes)
+        delta, norms, norms32 = fetch_and_verify(store, ObjectRef(ref.key, ref.nbytes, ref.sha256), codec, shapes)
         plain, _ = wire.decode_from_bytes(data, codec, shapes)
         assert norms == pytest.approx({k: float(torch.linalg.vector_norm(t)) for k, t in plain.items()}, rel=1e-5)
+        assert set(norms32) == set(plain) and all(
+            torch.equal(norms32[k], torch.linalg.vector_norm(t)) and norms32[k].dtype == torch.float32
+            for k, t in plain.items())
+        verified_norms.append(norms32)
         if codec == "fp32":
             assert isinstance(delta, dict)
         else:
@@ -228,7 +234,8 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
         f = new_fragments(plan_fragments(specs_of(params), 1), params, sc, store)[0]
         contribs = [Contribution(Announcement(
             learner_id=f"l{i}", fragment=0, round_n=1, base_version=0, c_steps=4, c_tokens=256 * (i + 1),
-            compute_s=1.0, key=f"c/{i}", nbytes=1, sha256="0" * 64, codec=codec, update_id=f"u-{i}"), d)
+            compute_s=1.0, key=f"c/{i}", nbytes=1, sha256="0" * 64, codec=codec, update_id=f"u-{i}"), d,
+            norms=verified_norms[i] if deltas is held else {})
             for i, d in enumerate(deltas)]
         res = merge_and_publish(store, f"r-{len(results)}", f, 1, contribs, "rda", 0.0)
         assert res.ok, res.reason
@@ -287,3 +294,19 @@ def test_merge_and_publish_drops_a_contribution_whose_anchored_value_overflows_a
                                                                   "tensors ['z']")]
     _assert_equal(bad.new, clean.new)
     _assert_equal(bad.momentum, clean.momentum)
+
+
+def test_anchored_delta_takes_known_norms_only_where_its_value_is_the_outer_gradient_itself():
+    """Norms known from the verification stand for the norm of Δ' only where Δ' is Δ (anchored on
+    the current value) and they are 0-dim of Δ's dtype; check_anchored and the merge then use them
+    as given (they are never computed again there)."""
+    cur = {"a": torch.randn(8, 4), "b": torch.randn(5)}
+    old = {n: t + 1 for n, t in cur.items()}
+    delta = {n: torch.randn(t.shape) for n, t in cur.items()}
+    marked = {"a": torch.tensor(7.0), "b": torch.tensor(9.0)}  # not the true norms: shows which are used
+    on_current = merge.AnchoredDelta(delta, cur, dict(cur, b=old["b"]), norms=marked)
+    assert set(on_current._norms) == {"a"} and on_current._norms["a"] is marked["a"]
+    assert merge.AnchoredDelta(delta, cur, cur, norms={"a": torch.tensor(7.0, dtype=torch.float64)})._norms == {}
+    assert merge.check_anchored([on_current]) == [{}]
+    assert on_current._norms["a"] is marked["a"]
+    assert torch.equal(on_current._norms["b"], torch.linalg.vector_norm(delta["b"] + (cur["b"] - old["b"])))

@@ -205,15 +205,15 @@ class RoundDriver:
 
     async def _verify(self, f: FragmentState, ann: Announcement) -> None:
         ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
-        delta, norms, reason = None, {}, "ok"
+        delta, norms, norms32, reason = None, {}, {}, "ok"
         try:
             async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
-                delta, norms = await asyncio.wait_for(asyncio.to_thread(
+                delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
                     fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
                     timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = rejection_reason(err, ann.key, self.sc.storage_timeout_s)
-        await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms))
+        await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms, norms32))
 
     def _on_verified(self, msg: Verified) -> None:
         rnd = self.rounds.get((msg.fragment, msg.round_n))
@@ -235,7 +235,7 @@ class RoundDriver:
             self.registry.wire.up(msg.learner, msg.fragment, msg.nbytes)
             contrib = rnd.contributions.get(msg.learner)
             if contrib is not None:
-                contrib.delta = msg.delta
+                contrib.delta, contrib.norms = msg.delta, msg.norms32
             rnd.state.settle(msg.learner, True)
         if not rnd.state.pending:
             rnd.none_pending.set()

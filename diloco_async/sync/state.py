@@ -184,6 +184,7 @@ class Contribution:
     ann: Announcement
     delta: dict[str, torch.Tensor] | EncodedTensors | None = None
     scales: dict[str, float] = field(default_factory=dict)  # tensors the guard clipped, name -> factor
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)  # Δ's float32 norms from its verification
     lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
 
 
@@ -217,6 +218,7 @@ class Verified:
     reason: str
     nbytes: int
     norms: dict[str, float] = field(default_factory=dict)  # L2 norm per tensor of the delta
+    norms32: dict[str, torch.Tensor] = field(default_factory=dict)  # the same, float32, as the merge's
 
 
 @dataclass

@@ -139,9 +139,13 @@ def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tens
 
 def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dict[str, tuple[int, ...]],
                      block_size: int = wire.DEFAULT_BLOCK_SIZE,
-                     ) -> tuple[dict[str, torch.Tensor] | EncodedTensors, dict[str, float]]:
-    """The outer gradient at ``ref``, checked, and the L2 norm of each tensor (for the update guard,
-    :mod:`diloco_async.guard`). It is decoded once here for the checks and the norms; what is kept
+                     ) -> tuple[dict[str, torch.Tensor] | EncodedTensors, dict[str, float], dict[str, torch.Tensor]]:
+    """The outer gradient at ``ref``, checked, the L2 norm of each tensor (for the update guard,
+    :mod:`diloco_async.guard`) and the same norms as float32 0-dim tensors, as the merge's RDA
+    computes them (``torch.linalg.vector_norm`` of the float32 tensor, bit for bit; only where
+    finite), so that the merge need not read Δ once more for them (``AnchoredDelta(norms=...)``).
+    The guard's value is that float32 norm, or the float64 one where float32 overflows. It is
+    decoded once here for the checks and the norms; what is kept
     for the merge is the payload as encoded (:class:`~diloco_async.codec_held.EncodedTensors`, decoded
     again by the merge), or with ``codec`` fp32 the decoded tensors (name -> fp32 tensor of the
     fragment's shapes), so that a contribution waiting for its merge holds the codec's bytes,
@@ -160,15 +164,20 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
     wire.check_header(data, codec, shapes, block_size)
     held, _meta = load_encoded(data, codec, shapes)
     del data
-    tensors, bad, norms = {}, {}, {}
+    tensors, bad, norms, norms32 = {}, {}, {}, {}
     for name, t in held.iter_decoded():  # one tensor decoded at a time
         bad.update(non_finite_tensors({name: t}))
-        norms.update(tensor_norms({name: t}))
+        n32 = torch.linalg.vector_norm(t) if t.dtype == torch.float32 else None
+        if n32 is not None and math.isfinite(n32.item()):
+            norms32[name] = n32
+            norms[name] = n32.item()
+        else:
+            norms.update(tensor_norms({name: t}))
         if codec == "fp32":
             tensors[name] = t
     if bad:
         raise wire.PayloadError("non_finite", f"{sum(bad.values())} NaN/Inf elements in {sorted(bad)}")
-    return (tensors if codec == "fp32" else held), norms
+    return (tensors if codec == "fp32" else held), norms, norms32
 
 
 def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
@@ -203,7 +212,9 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
             w = token_weight(c.ann.c_tokens, c.ann.c_steps)
             held = c.delta.decode() if isinstance(c.delta, EncodedTensors) else c.delta  # fp32, this merge only
             delta = {n: t * c.scales[n] if n in c.scales else t for n, t in held.items()}
-            candidates.append((i, c, w, AnchoredDelta(delta, f.published, f.history[c.ann.base_version]), delta))
+            known = {n: v for n, v in c.norms.items() if n not in c.scales}  # of Δ itself, from its verification
+            lazy = AnchoredDelta(delta, f.published, f.history[c.ann.base_version], norms=known)
+            candidates.append((i, c, w, lazy, delta))
         except Exception as err:  # noqa: BLE001 - whatever one contribution does, the others go on
             failed.append((i, (c.ann.learner_id, f"{type(err).__name__}: {err}")))
     try:  # the norms RDA needs and the finite check, one pass per tensor, Θcur − Θbase shared
