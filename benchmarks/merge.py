@@ -39,6 +39,11 @@ copies, whole-tensor RDA, torch SGD with clone snapshots for the rollback) is me
 it as context (shown rows): at 16 MiB for every M, at 256 MiB for M = 2 only (its M = 16 peak
 was 12.3 GB, too much to run next to others).
 
+**Direction guard** (context, shown rows): before a merge of 3 or more contributions with the
+guard on (the default), ``work._screen`` computes each one's leave-one-out cosine
+(``guard.leave_one_out_cosines``); its time at the first size, M = 8, is printed beside the
+previous implementation's (``tests/guard_reference.py``).
+
 Run: ``python -m benchmarks.merge [--quick] [--repeat N]``.
 """
 
@@ -205,6 +210,23 @@ def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) ->
     return rows
 
 
+def measure_guard(nbytes: int, m: int, repeat: int) -> dict:
+    """Best-of-``repeat`` seconds of the direction guard's cosines over one round (``work._screen``
+    computes them before a merge of 3 or more with the guard on, the default), piece by piece
+    and as the previous implementation did (``tests/guard_reference.py``), interleaved."""
+    from diloco_async.guard import leave_one_out_cosines
+    from tests import guard_reference
+
+    _current, _older, deltas, _bases, weights = _inputs(nbytes, m)
+    best = {"new": math.inf, "previous": math.inf}
+    for _ in range(repeat):
+        for impl, fn in (("new", leave_one_out_cosines), ("previous", guard_reference.leave_one_out_cosines)):
+            t0 = time.perf_counter()
+            fn(deltas, weights)
+            best[impl] = min(best[impl], time.perf_counter() - t0)
+    return {"mib": nbytes // MiB, "m": m, "new_s": best["new"], "previous_s": best["previous"]}
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -265,6 +287,12 @@ def bars(quick: bool = False, repeat: int | None = None) -> list[Bar]:
                 out.append(Bar(fig, r["ratio"], goal, "min", detail=detail))
             else:
                 out.append(Bar(fig + " (previous impl.)", r["ratio"], goal, "min", detail=detail, shown=True))
+    g = _child("guard", nbytes=sizes[0][0], m=8, repeat=repeat)
+    print(f"direction guard cosines {g['mib']} MiB M={g['m']}: {g['new_s'] * 1e3:.1f} ms, previous "
+          f"{g['previous_s'] * 1e3:.1f} ms", flush=True)
+    for impl in ("new", "previous"):
+        out.append(Bar(f"direction guard cosines {g['mib']} MiB M={g['m']} (ms, {impl})", g[f"{impl}_s"] * 1e3, 0.0,
+                       "max", detail="context: before the merge of a round of 3 or more, guard on", shown=True))
     peak = _child("peak", nbytes=peak_size, m=peak_m, impl="new")
     print(f"peak new {peak_size // MiB} MiB M={peak_m}: +{peak['added_bytes'] / GB:.3f} GB beyond inputs of "
           f"{peak['inputs_bytes'] / GB:.3f} GB (HWM {peak['hwm_bytes'] / GB:.3f} GB)", flush=True)

@@ -170,12 +170,25 @@ class NormGuard:
             self.accepted[name] += 1
 
 
+#: elements per piece of :func:`leave_one_out_cosines`' float64 passes (1 MiB of float64): the
+#: pieces of all M outer gradients are converted and summed while they are in the cache
+COSINE_PIECE_ELEMENTS = 1 << 17
+
+
+def _pieces(flat: Sequence[torch.Tensor]):
+    """(tensor index, lo, hi) over every :data:`COSINE_PIECE_ELEMENTS` piece of 1-D tensors."""
+    for k, t in enumerate(flat):
+        for lo in range(0, t.numel(), COSINE_PIECE_ELEMENTS):
+            yield k, lo, min(lo + COSINE_PIECE_ELEMENTS, t.numel())
+
+
 def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
                           weights: Sequence[float]) -> list[float | None]:
     """For each outer gradient Δ_i (a dict name → tensor; the same names and shapes in all), the
     cosine between Δ_i and ``R_i = Σ_{j≠i} w_j Δ_j/‖Δ_j‖``, norms and products over all tensors
-    together (float64). None for all when there are fewer than 3, and for a Δ_i or an R_i of zero
-    norm. Memory: one float64 copy of the fragment (the weighted sum of the unit directions).
+    together (float64, summed piece by piece). None for all when there are fewer than 3, and for
+    a Δ_i or an R_i of zero norm. Two reads of each Δ; memory: M + 1 float64 pieces of
+    :data:`COSINE_PIECE_ELEMENTS` (no fragment-sized copy).
 
     Raises:
         ValueError: ``deltas`` and ``weights`` differ in length.
@@ -186,22 +199,29 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
         return [None] * len(deltas)
     total = math.fsum(weights)
     probs = [w / total if total > 0 else 1.0 / len(weights) for w in weights]
-    norms = [math.sqrt(math.fsum(float(t.detach().to(torch.float64).pow(2).sum()) for t in d.values()))
-             for d in deltas]
+    flat = [[d[name].detach().reshape(-1) for name in deltas[0]] for d in deltas]
+    norms = []
+    for ts in flat:
+        parts = [float(torch.dot(x, x)) for x in (ts[k][lo:hi].to(torch.float64) for k, lo, hi in _pieces(ts))]
+        norms.append(math.sqrt(math.fsum(parts)))
     # S = Σ_j p_j u_j with u_j = Δ_j/‖Δ_j‖; then ⟨u_i, R_i⟩ = ⟨u_i, S⟩ - p_i and
     # ‖R_i‖² = ‖S‖² - 2 p_i ⟨u_i, S⟩ + p_i² (R_i = S - p_i u_i)
-    total_sq, dots = 0.0, [0.0] * len(deltas)
-    for name in deltas[0]:
-        s = torch.zeros(deltas[0][name].shape, dtype=torch.float64)
-        for d, p, n in zip(deltas, probs, norms, strict=True):
-            if n > 0:
-                s.add_(d[name].detach().to(torch.float64), alpha=p / n)
-        total_sq += float(s.pow(2).sum())
-        for i, (d, n) in enumerate(zip(deltas, norms, strict=True)):
-            if n > 0:
-                dots[i] += float((d[name].detach().to(torch.float64) * s).sum()) / n
+    sq_parts: list[float] = []
+    dot_parts: list[list[float]] = [[] for _ in deltas]
+    for k, lo, hi in _pieces(flat[0]):
+        xs = [ts[k][lo:hi].to(torch.float64) if n > 0 else None for ts, n in zip(flat, norms, strict=True)]
+        s = torch.zeros(hi - lo, dtype=torch.float64)
+        for x, p, n in zip(xs, probs, norms, strict=True):
+            if x is not None:
+                s.add_(x, alpha=p / n)
+        sq_parts.append(float(torch.dot(s, s)))
+        for i, (x, n) in enumerate(zip(xs, norms, strict=True)):
+            if x is not None:
+                dot_parts[i].append(float(torch.dot(x, s)) / n)
+    total_sq = math.fsum(sq_parts)
     out: list[float | None] = []
-    for dot, p, n in zip(dots, probs, norms, strict=True):
+    for parts, p, n in zip(dot_parts, probs, norms, strict=True):
+        dot = math.fsum(parts)
         r_sq = total_sq - 2 * p * dot + p * p
         if n <= 0 or r_sq <= 1e-24 or not math.isfinite(dot + r_sq):
             out.append(None)

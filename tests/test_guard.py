@@ -215,6 +215,33 @@ def test_poison_modes(mode):
         poison_outer_gradient(d, "bogus")
 
 
+@pytest.mark.parametrize("piece", [7, 1 << 17])
+def test_leave_one_out_cosines_by_pieces_equal_the_whole_fragment_formula(piece, monkeypatch):
+    """Summed piece by piece (pieces that end inside tensors, several tensors, a zero outer
+    gradient, bf16 ones), the cosines are those of whole-fragment float64 vectors."""
+    import diloco_async.guard as guard
+
+    monkeypatch.setattr(guard, "COSINE_PIECE_ELEMENTS", piece)
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"a": (13, 5), "b": (29,), "c": (3, 4, 2)}
+    common = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    deltas = [{n: (common[n] + 0.8 * torch.randn(s, generator=gen)) * (i + 1) for n, s in shapes.items()}
+              for i in range(5)]
+    deltas[2] = {n: torch.zeros(s) for n, s in shapes.items()}
+    deltas[4] = {n: t.to(torch.bfloat16) for n, t in deltas[4].items()}
+    weights = [1.0, 3.0, 2.0, 0.5, 4.0]
+    got = leave_one_out_cosines(deltas, weights)
+    vec = [torch.cat([d[n].to(torch.float64).reshape(-1) for n in shapes]) for d in deltas]
+    probs = [w / sum(weights) for w in weights]
+    units = [v / v.norm() if v.norm() > 0 else torch.zeros_like(v) for v in vec]
+    for i, v in enumerate(vec):
+        rest = sum(p * u for j, (p, u) in enumerate(zip(probs, units, strict=True)) if j != i)
+        if float(v.norm()) == 0:
+            assert got[i] is None
+        else:
+            assert got[i] == pytest.approx(float(v @ rest / (v.norm() * rest.norm())), rel=1e-12, abs=1e-12)
+
+
 def test_leave_one_out_cosines_and_factor():
     x, y = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
     # three agree along x (one also along y), one is their negative
