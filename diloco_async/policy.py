@@ -8,6 +8,7 @@ Every decision returns what to do *and* why.
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -92,7 +93,7 @@ def grace_window(
 def global_step(local_steps: Iterable[int], min_quorum: int) -> int | None:
     """The synchronizer's global step g: the K-th largest local step among live learners
     (DESIGN §3.2); None while fewer than K learners are live."""
-    steps = sorted(local_steps, reverse=True)
+    steps = heapq.nlargest(min_quorum, local_steps)  # O(N log K): called on every sweep of the actor
     if len(steps) < min_quorum:
         return None
     return steps[min_quorum - 1]

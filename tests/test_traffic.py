@@ -69,3 +69,33 @@ def test_reporter_counts_bytes_and_their_peaks(tmp_path):
                                          "peak_bytes_per_s": 5120.0}
     finally:
         rep.close()
+
+
+def test_net_points_of_every_learner_only_every_period_else_those_merged(tmp_path):
+    """At each merge the per-learner ``net/learner/...`` points are the merged learners' only,
+    except the first merge and once every NET_ALL_LEARNERS_S, which write every learner's."""
+    from diloco_async.goodput import LearnerLedger
+    from diloco_async.sync.learners import LearnerRegistry
+    from diloco_async.sync.reporting import NET_ALL_LEARNERS_S
+
+    reg = LearnerRegistry()
+    for i in range(5):
+        reg.wire.up(f"l{i}", 0, 1000 * (i + 1))
+        reg.ledgers[f"l{i}"] = LearnerLedger()
+        reg.ledgers[f"l{i}"].tokens_processed = 100
+    rep = Reporter(0.0, "n", tmp_path)
+
+    def learners_written(merged, now_s):
+        before = len(list(rep.metrics))
+        rep.net(reg, merged, now_s)
+        keys = [r["key"] for r in list(rep.metrics)[before:]]
+        return sorted({k.split("/")[2] for k in keys if k.startswith("net/learner/")})
+
+    try:
+        assert learners_written(["l1"], 10.0) == ["l0", "l1", "l2", "l3", "l4"]  # the first: all
+        assert learners_written(["l1", "l3"], 10.0 + NET_ALL_LEARNERS_S / 2) == ["l1", "l3"]
+        assert learners_written(["l2"], 10.0 + NET_ALL_LEARNERS_S) == ["l0", "l1", "l2", "l3", "l4"]
+        assert learners_written([], 11.0 + NET_ALL_LEARNERS_S) == []
+        assert learners_written(None, 12.0 + NET_ALL_LEARNERS_S) == ["l0", "l1", "l2", "l3", "l4"]
+    finally:
+        rep.close()

@@ -438,7 +438,7 @@ class RoundDriver:
         rep.metric("sync/contributions_late", c["contributions_late"])
         rep.metric("sync/contributions_rejected", c["contributions_rejected"])
         rep.metric("sync/live_learners", len(self.registry.live()))
-        rep.net(self.registry)
+        rep.net(self.registry, res.merged, self.clock())
         rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))
         rep.metric(f"sync/fragment/{f.p}/version", f.version)
         log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",

@@ -11,7 +11,7 @@ compares with DDP's all-reduce bytes per token per worker. Owned by the actor.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 __all__ = ["WireBytes", "per_token"]
 
@@ -64,8 +64,10 @@ class WireBytes:
                          "bytes_down_per_token": per_token(b["down"], tokens)}
                 for p, b in sorted(self.by_fragment.items())}
 
-    def metrics(self, tokens_total: float, learner_tokens: Mapping[str, float]) -> dict[str, float]:
-        """The ``net/...`` metric points: run totals, per learner and per fragment, per token."""
+    def metrics(self, tokens_total: float, learner_tokens: Mapping[str, float],
+                learners: Collection[str] | None = None) -> dict[str, float]:
+        """The ``net/...`` metric points: run totals, per learner (only ``learners``, when given)
+        and per fragment, per token."""
         out: dict[str, float] = {}
         up = sum(b["up"] for b in self.by_fragment.values())
         down = sum(b["down"] for b in self.by_fragment.values())
@@ -74,6 +76,8 @@ class WireBytes:
             if value is not None:
                 out[name] = value
         for lid, b in self.by_learner.items():
+            if learners is not None and lid not in learners:
+                continue
             for d in ("up", "down"):
                 v = per_token(b[d], learner_tokens.get(lid, 0))
                 if v is not None:
