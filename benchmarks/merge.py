@@ -6,8 +6,8 @@ M contributions an ``AnchoredDelta``, then ``merge.merge_and_step``, which goes 
 optimizer's pool, its last multiplication deferred) and the outer step
 (``OuterOptimizer.step_shared_from``, with the finite check of the result; the merged buffers
 become the momentum), in the workspace ``work.merge_workspace`` makes. It runs as in the
-synchronizer's process: the C heap set up as ``sync/process.py`` does at start
-(``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as
+synchronizer's process: one torch thread and the C heap set up as ``sync/process.py`` does at
+start (``limit_heap_retention``, with its mmap threshold), the merge in a worker thread (as
 ``asyncio.to_thread``), the heap trimmed after each merge as the actor does after adopting one
 (``release_free_memory``, untimed). Half the contributions are anchored on an older version, so
 the anchoring is real work. The norms each outer gradient's verification computed when it
@@ -165,9 +165,11 @@ def _copy_s(src: torch.Tensor, dst: torch.Tensor, sweep: torch.Tensor | None, n:
     return best
 
 
-def _heap_as_the_synchronizer() -> None:
-    """The C heap settings ``sync/process.py`` makes at start (with its mmap threshold, where that
-    version of the process sets one)."""
+def _as_the_synchronizer() -> None:
+    """The settings ``sync/process.py`` makes at start: one torch thread (so the merge's kernels
+    run on one thread, as in the synchronizer) and the C heap's (with its mmap threshold, where
+    that version of the process sets one)."""
+    torch.set_num_threads(1)
     threshold = getattr(sync_process, "SYNC_MMAP_THRESHOLD_BYTES", None)
     if threshold is None:
         limit_heap_retention()
@@ -177,7 +179,7 @@ def _heap_as_the_synchronizer() -> None:
 
 def measure_speed(nbytes: int, ms: list[int], repeat: int, ref_ms: list[int]) -> list[dict]:
     """Best-of-``repeat`` merge seconds and memcpy seconds for each M (and the reference's)."""
-    _heap_as_the_synchronizer()
+    _as_the_synchronizer()
     current, older, deltas, bases, weights = _inputs(nbytes, max(ms))
     versions, norms = [current, older], verified_norms(deltas)
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
@@ -217,6 +219,7 @@ def measure_guard(nbytes: int, m: int, repeat: int) -> dict:
     from diloco_async.guard import leave_one_out_cosines
     from tests import guard_reference
 
+    _as_the_synchronizer()
     _current, _older, deltas, _bases, weights = _inputs(nbytes, m)
     best = {"new": math.inf, "previous": math.inf}
     for _ in range(repeat):
@@ -237,6 +240,7 @@ def _status_kib(field: str) -> int:
 def measure_peak(nbytes: int, m: int, impl: str, publish: bool = False) -> dict:
     """In this process: RSS high-water mark of one merge + outer step (+ fp32 serialization of
     the new version with ``publish``) beyond the inputs held as the synchronizer holds them."""
+    _as_the_synchronizer()
     current, older, deltas, bases, weights = _inputs(nbytes, m)
     opt = _optimizer(impl, current)
     fn = _merge_new if impl == "new" else _merge_old

@@ -170,8 +170,8 @@ class NormGuard:
             self.accepted[name] += 1
 
 
-#: elements per piece of :func:`leave_one_out_cosines`' float64 passes (1 MiB of float64): the
-#: pieces of all M outer gradients are converted and summed while they are in the cache
+#: elements per piece of :func:`leave_one_out_cosines`' passes (512 KiB of float32): the pieces
+#: of all M outer gradients are read again from the cache while they are summed
 COSINE_PIECE_ELEMENTS = 1 << 17
 
 
@@ -186,9 +186,11 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
                           weights: Sequence[float]) -> list[float | None]:
     """For each outer gradient Δ_i (a dict name → tensor; the same names and shapes in all), the
     cosine between Δ_i and ``R_i = Σ_{j≠i} w_j Δ_j/‖Δ_j‖``, norms and products over all tensors
-    together (float64, summed piece by piece). None for all when there are fewer than 3, and for
-    a Δ_i or an R_i of zero norm. Two reads of each Δ; memory: M + 1 float64 pieces of
-    :data:`COSINE_PIECE_ELEMENTS` (no fragment-sized copy).
+    together: products of float32 pieces of :data:`COSINE_PIECE_ELEMENTS` (float32 Δ as they
+    are, others converted), summed across pieces in float64 (a relative error near 1e-6, far
+    below what the guard's thresholds tell apart). None for all when there are fewer than 3,
+    and for a Δ_i or an R_i of zero norm. Two reads of each Δ; memory: one piece of each (no
+    fragment-sized copy).
 
     Raises:
         ValueError: ``deltas`` and ``weights`` differ in length.
@@ -202,15 +204,15 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
     flat = [[d[name].detach().reshape(-1) for name in deltas[0]] for d in deltas]
     norms = []
     for ts in flat:
-        parts = [float(torch.dot(x, x)) for x in (ts[k][lo:hi].to(torch.float64) for k, lo, hi in _pieces(ts))]
+        parts = [float(torch.dot(x, x)) for x in (ts[k][lo:hi].float() for k, lo, hi in _pieces(ts))]
         norms.append(math.sqrt(math.fsum(parts)))
     # S = Σ_j p_j u_j with u_j = Δ_j/‖Δ_j‖; then ⟨u_i, R_i⟩ = ⟨u_i, S⟩ - p_i and
     # ‖R_i‖² = ‖S‖² - 2 p_i ⟨u_i, S⟩ + p_i² (R_i = S - p_i u_i)
     sq_parts: list[float] = []
     dot_parts: list[list[float]] = [[] for _ in deltas]
     for k, lo, hi in _pieces(flat[0]):
-        xs = [ts[k][lo:hi].to(torch.float64) if n > 0 else None for ts, n in zip(flat, norms, strict=True)]
-        s = torch.zeros(hi - lo, dtype=torch.float64)
+        xs = [ts[k][lo:hi].float() if n > 0 else None for ts, n in zip(flat, norms, strict=True)]
+        s = torch.zeros(hi - lo, dtype=torch.float32)
         for x, p, n in zip(xs, probs, norms, strict=True):
             if x is not None:
                 s.add_(x, alpha=p / n)

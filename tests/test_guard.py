@@ -218,7 +218,8 @@ def test_poison_modes(mode):
 @pytest.mark.parametrize("piece", [7, 1 << 17])
 def test_leave_one_out_cosines_by_pieces_equal_the_whole_fragment_formula(piece, monkeypatch):
     """Summed piece by piece (pieces that end inside tensors, several tensors, a zero outer
-    gradient, bf16 ones), the cosines are those of whole-fragment float64 vectors."""
+    gradient, bf16 ones), the cosines are those of whole-fragment float64 vectors (to float32's
+    precision)."""
     import diloco_async.guard as guard
 
     monkeypatch.setattr(guard, "COSINE_PIECE_ELEMENTS", piece)
@@ -239,7 +240,7 @@ def test_leave_one_out_cosines_by_pieces_equal_the_whole_fragment_formula(piece,
         if float(v.norm()) == 0:
             assert got[i] is None
         else:
-            assert got[i] == pytest.approx(float(v @ rest / (v.norm() * rest.norm())), rel=1e-12, abs=1e-12)
+            assert got[i] == pytest.approx(float(v @ rest / (v.norm() * rest.norm())), rel=1e-5, abs=1e-6)
 
 
 def test_leave_one_out_cosines_and_factor():
