@@ -55,7 +55,6 @@ from diloco_async.sync.state import (
 )
 from diloco_async.sync.stopping import Stopping
 from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
-from diloco_async.sync.work_queue import WorkQueue
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
@@ -125,7 +124,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.rounds: dict[tuple[int, int], Round] = {}
         self.waiting: list[tuple[int, int]] = []
         self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
-        self.verifications = WorkQueue(self.sc.verifies_in_flight, self._spawn)  # fetched and checked at once
+        self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
         self.settled = BoundedMap(settled_cap)
         self.started_s = clock()
         self.life = Lifecycle()

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from diloco_async.sync.logs import BoundedMap
     from diloco_async.sync.reporting import Reporter
     from diloco_async.sync.state import Broadcaster
-    from diloco_async.sync.work_queue import WorkQueue
 
 __all__ = ["RoundDriver", "SETTLED_CAP"]
 
@@ -83,8 +82,7 @@ class RoundDriver:
     fragments: list[FragmentState]
     rounds: dict[tuple[int, int], Round]
     waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
-    merge_slots: asyncio.Semaphore  # merges_in_flight (one working set each); verifications: verifies_in_flight
-    verifications: WorkQueue
+    merge_slots: asyncio.Semaphore  # merges_in_flight (one working set each); verify_slots: verifies_in_flight
     settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
     g: int | None  # the global step
     lease_epoch: int  # of this synchronizer's lease on the run (0: none)
@@ -176,7 +174,7 @@ class RoundDriver:
         first_step = (info.step if info is not None else 0) - ann.c_steps
         rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.cfg.learners.warmup_steps)
         rnd.none_pending.clear()
-        self.verifications.submit(self._verify, f, ann)
+        self._spawn(self._verify(f, ann))
         return AnnouncementAck(status="accepted", reason=adm.reason)
 
     def _decided(self, learner: str, p: int, n: int, fate: str, reason: str = "",
@@ -209,8 +207,10 @@ class RoundDriver:
         ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
         delta, norms, norms32, reason = None, {}, {}, "ok"
         try:
-            async with asyncio.timeout(self.sc.storage_timeout_s):  # the fetch, not the wait for a worker
-                delta, norms, norms32 = await asyncio.to_thread(fetch_and_verify, self.store, ref, ann.codec, f.shapes)
+            async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
+                delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
+                    fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = rejection_reason(err, ann.key, self.sc.storage_timeout_s)
         await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms, norms32))
