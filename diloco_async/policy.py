@@ -282,6 +282,8 @@ class RoundState:
     entries: dict[str, _Entry] = field(default_factory=dict)
     late: list[str] = field(default_factory=list)
     unreachable_since_s: float | None = None  # since when the live learners cannot make the quorum
+    # entries by verification state (None: pending), kept by announce and settle: O(1) checks
+    counts: dict[bool | None, int] = field(default_factory=lambda: {None: 0, True: 0, False: 0})
 
     def _move(self, to: RoundStage) -> None:
         if to not in _ALLOWED[self.stage]:
@@ -296,6 +298,11 @@ class RoundState:
     def pending(self) -> list[str]:
         return [lid for lid, e in self.entries.items() if e.verified is None]
 
+    @property
+    def pending_count(self) -> int:
+        """Announced contributions whose verification has not finished (O(1))."""
+        return self.counts[None]
+
     def announce(self, learner: str, key: str, now_s: float) -> Admission:
         """Register an announcement. Idempotent: the same (learner, key) again is a duplicate."""
         if self.stage in (RoundStage.MERGING, RoundStage.DONE, RoundStage.ABANDONED):
@@ -307,23 +314,32 @@ class RoundState:
                 return Admission("duplicate", DUPLICATE_REASON)
             return Admission("rejected", "duplicate_learner: a different contribution for this round")
         self.entries[learner] = _Entry(key=key, at_s=now_s)
+        self.counts[None] += 1
         return Admission("accepted", f"{len(self.entries)} announced")
 
     def settle(self, learner: str, ok: bool) -> None:
         """Record the verification outcome of a learner's contribution."""
         entry = self.entries.get(learner)
         if entry is not None:
-            entry.verified = ok
+            self.counts[entry.verified] -= 1
+            entry.verified = bool(ok)
+            self.counts[entry.verified] += 1
 
     def quorum_met(self) -> bool:
-        return len(self.verified) >= self.min_quorum
+        return self.counts[True] >= self.min_quorum
 
     def quorum_reachable(self, live_learners: Iterable[str]) -> bool:
         """Whether the verified, the pending and the live learners not yet heard from can still
-        make the quorum (a learner rejected in this round cannot announce again)."""
-        possible = {lid for lid, e in self.entries.items() if e.verified is not False}
-        possible.update(lid for lid in live_learners if lid not in self.entries)
-        return len(possible) >= self.min_quorum
+        make the quorum (a rejected learner cannot announce again); reads ``live_learners`` (distinct) until it is."""
+        possible = len(self.entries) - self.counts[False]
+        if possible >= self.min_quorum:
+            return True
+        for lid in live_learners:
+            if lid not in self.entries:
+                possible += 1
+                if possible >= self.min_quorum:
+                    return True
+        return False
 
     def start_grace(self, now_s: float, decision: GraceDecision) -> None:
         """Quorum reached at ``now_s``: wait ``decision.grace_s`` more."""
@@ -336,8 +352,8 @@ class RoundState:
         """In the grace stage: the reason to merge now, or None to keep waiting."""
         if self.stage is not RoundStage.GRACE:
             return None
-        live = set(live_learners)
-        if live and live <= {lid for lid, e in self.entries.items() if e.verified is not None}:
+        live, entries = tuple(live_learners), self.entries  # distinct ids; stops at the first unsettled one
+        if live and all(lid in entries and entries[lid].verified is not None for lid in live):
             return f"all {len(live)} live learners announced"
         assert self.deadline_s is not None
         if now_s >= self.deadline_s:

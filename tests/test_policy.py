@@ -252,3 +252,31 @@ def test_budget_spent_at_checkpoint_names_the_figure_and_the_override():
     assert spent.startswith("token budget reached (1100 >= 1100)") and "--set budget.tokens=<more than 1100>" in spent
     assert "g = 40" in budget_spent_at_checkpoint(BudgetConfig(tokens=None, max_steps=40), manifest)
     assert budget_spent_at_checkpoint(BudgetConfig(tokens=None, max_steps=41, wall_s=1.0), manifest) is None
+
+
+def test_round_counts_follow_announce_and_settle_and_the_checks_read_only_what_they_need():
+    # issue 17: the actor asks these after every verification and in every sweep, at 1,000 learners
+    rnd = RoundState(fragment=0, round_n=1, opened_s=0.0, min_quorum=2)
+    for lid in "abc":
+        rnd.announce(lid, f"k-{lid}", 0.0)
+    rnd.announce("a", "k-a", 0.1)  # a duplicate: not counted twice
+    assert rnd.pending_count == 3 == len(rnd.pending)
+    rnd.settle("a", True)
+    rnd.settle("b", False)
+    rnd.settle("zz", True)  # never announced: nothing to count
+    assert rnd.pending_count == 1 == len(rnd.pending) and not rnd.quorum_met()
+    rnd.settle("c", True)
+    assert rnd.pending_count == 0 and rnd.quorum_met() and sorted(rnd.verified) == ["a", "c"]
+
+    def live(ids):  # the live learners, read lazily: an exhausted check would read them all
+        for i, lid in enumerate(ids):
+            if i >= 4:  # a, b (announced), c and d make the quorum of 3 with a
+                raise AssertionError("quorum_reachable read more live learners than it needed")
+            yield lid
+
+    quorum = RoundState(fragment=0, round_n=2, opened_s=0.0, min_quorum=3)
+    quorum.announce("a", "k", 0.0)
+    quorum.announce("b", "k", 0.0)
+    quorum.settle("b", False)
+    assert quorum.quorum_reachable(live(["a", "b", "c", "d"] + [f"l{i}" for i in range(1000)]))
+    assert not quorum.quorum_reachable(iter(["a", "b", "c"]))

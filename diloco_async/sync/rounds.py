@@ -237,7 +237,7 @@ class RoundDriver:
             if contrib is not None:
                 contrib.delta, contrib.norms = msg.delta, msg.norms32
             rnd.state.settle(msg.learner, True)
-        if not rnd.state.pending:
+        if not rnd.state.pending_count:
             rnd.none_pending.set()
 
     def _guard_norms(self, msg: Verified, rnd: Round) -> Verified:
@@ -338,7 +338,7 @@ class RoundDriver:
 
     async def _merge_task(self, f: FragmentState, rnd: Round, quorum_wait_s: float) -> None:
         # Announcements admitted before the merge started are awaited (bounded by the fetch timeout).
-        if rnd.state.pending:
+        if rnd.state.pending_count:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.none_pending.wait(), self.sc.storage_timeout_s + 1.0)
         n = rnd.state.round_n
