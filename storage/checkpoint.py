@@ -233,7 +233,8 @@ def write_state(store: ObjectStore, prefix: str, seq: int, tensors: Mapping[str,
 
 
 def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
-                written: Callable[[str], None] | None = None, consume: bool = False) -> int:
+                written: Callable[[str], None] | None = None, consume: bool = False,
+                starting: Callable[[str], None] | None = None) -> int:
     """Write ``tensors`` as a safetensors file at ``path`` (a local spool, replaced atomically:
     written to ``{path}.tmp`` first), in the mapping's order; returns its size in bytes. A
     consistent snapshot of live tensors at local-disk speed, without a copy in RAM, uploaded later
@@ -245,6 +246,8 @@ def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
             thread lets training mutate a tensor only after that).
         consume: ``tensors`` is a dict whose entries are removed once written, so that what only
             the spool keeps alive (a replaced base copy) is freed as the spool goes on.
+        starting: called with each tensor's name just before ``tensors[name]`` is read; until
+            then another thread may replace that entry (with a copy of the same values).
 
     Raises:
         ValueError: a tensor holds NaN or Inf, or a dtype safetensors cannot hold (nothing is
@@ -258,6 +261,8 @@ def spool_state(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
             fh.write(header)
             nbytes = len(header)
             for name in list(tensors):
+                if starting is not None:
+                    starting(name)
                 t = _loaded(tensors[name])
                 _check_finite({name: t})
                 nbytes += write_safetensors({name: t}, fh.write, header=False)

@@ -14,7 +14,7 @@ from safetensors.torch import load as st_load
 
 from diloco_async.config import ModelConfig
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.learner.spool import StateSpooler
+from diloco_async.learner.spool import MUTABLE_PREFIXES, StateSpooler
 from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.model import ByteGPT
 from storage.checkpoint import write_state_file
@@ -153,3 +153,73 @@ def test_spool_folders_of_killed_learners_are_removed_by_the_next_one(tmp_path):
     other.mkdir()
     assert remove_dead_spool_folders("learner-3", str(tmp_path)) == [dead]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, mine.rsplit("/", 1)[1]])
+
+
+def test_within_the_copy_budget_the_step_copies_what_is_not_spooled_yet_and_goes_on(tmp_path, one_thread):
+    """The optimizer step copies the parameters and moments the spool has not read yet (they fit in
+    ``copy_budget_bytes``) rather than wait for them; the file still holds the captured state."""
+    model, opt, step = trained()
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(5)
+    state = capture(params, opt, gen, step=1, base_tensors={0: {n: p.detach().clone() for n, p in params.items()}},
+                    base_versions={0: 3}, counters={0: (1, 16, 0.1)})
+    expected = {k: v.clone() for k, v in state.tensors.items()}
+    mutable_bytes = sum(v.numel() * v.element_size() for k, v in expected.items() if k.startswith(MUTABLE_PREFIXES))
+    spooler = StateSpooler("a", Shared(), copy_budget_bytes=mutable_bytes)
+    hook = opt.register_step_pre_hook(lambda *_args: spooler.wait_mutable() and None)
+    path = str(tmp_path / "state.safetensors")
+    os.mkfifo(f"{path}.tmp")  # the spool thread blocks (before its first tensor) until this test reads
+    spooler.start(state, path)
+    trainer = threading.Thread(target=step)
+    trainer.start()
+    trainer.join(5)
+    assert not trainer.is_alive(), "the optimizer step waited for the spool"
+    assert spooler.copied_bytes == mutable_bytes
+    assert not torch.equal(params["blocks.0.fc.weight"], expected["param/blocks.0.fc.weight"])  # it stepped
+    with open(f"{path}.tmp", "rb") as fh:
+        data = fh.read()
+    spooler.join(10)
+    hook.remove()
+    back = st_load(data)
+    assert back.keys() == expected.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in expected.items())
+
+
+def test_over_the_copy_budget_the_step_waits(tmp_path, one_thread):
+    model, opt, step = trained()
+    params = dict(model.named_parameters())
+    state = capture(params, opt, torch.Generator(), step=1, base_tensors={}, base_versions={}, counters={})
+    spooler = StateSpooler("a", Shared(), copy_budget_bytes=1024)
+    hook = opt.register_step_pre_hook(lambda *_args: spooler.wait_mutable() and None)
+    path = str(tmp_path / "state.safetensors")
+    os.mkfifo(f"{path}.tmp")
+    spooler.start(state, path)
+    trainer = threading.Thread(target=step)
+    trainer.start()
+    time.sleep(0.3)
+    assert trainer.is_alive() and spooler.copied_bytes == 0
+    with open(f"{path}.tmp", "rb") as fh:
+        fh.read()
+    trainer.join(10)
+    spooler.join(10)
+    hook.remove()
+    assert not trainer.is_alive() and spooler.waited_s > 0.2
+
+
+def test_lower_thread_priority_renices_only_the_calling_thread():
+    from diloco_async.priority import lower_thread_priority
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def body() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["new"] = lower_thread_priority(3)
+        seen["before"], seen["after"] = before, os.getpriority(os.PRIO_PROCESS, tid)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join(10)
+    assert seen["new"] == seen["after"] == min(19, seen["before"] + 3)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before

@@ -31,6 +31,7 @@ from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
 from diloco_async.messages import HeartbeatResponse, JoinResponse, VersionInfo
+from diloco_async.priority import BACKGROUND_NICE, lower_thread_priority
 from diloco_async.versions import read_version
 from storage.store import ObjectRef, ObjectStore
 
@@ -155,6 +156,7 @@ class Comms:
             await self.faults(path)
 
     def _main(self) -> None:
+        lower_thread_priority(BACKGROUND_NICE)  # the training thread comes first (its executor threads inherit it)
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(self._run())

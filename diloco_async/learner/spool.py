@@ -34,6 +34,7 @@ import torch
 from diloco_async.heap import release_free_memory
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.state import Shared, SpooledState
+from diloco_async.priority import BACKGROUND_NICE, lower_thread_priority
 from storage.checkpoint import spool_state
 
 __all__ = ["StateSpooler", "MUTABLE_PREFIXES", "new_spool_folder", "remove_dead_spool_folders"]
@@ -78,6 +79,11 @@ def remove_dead_spool_folders(learner_id: str, parent: str | None = None) -> lis
 MUTABLE_PREFIXES = ("param/", "exp_avg/", "exp_avg_sq/")
 
 
+def _nbytes(t) -> int:
+    """Bytes of a tensor (or lazy tensor); 0 for None."""
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _mutable_first(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
     """``tensors`` reordered with the in-place-mutated ones first, and the set of those names."""
     mutable = {k for k in tensors if k.startswith(MUTABLE_PREFIXES)}
@@ -96,12 +102,19 @@ class StateSpooler:
             :meth:`start` until the comms thread uploaded (or dropped) it; a failed spool clears it.
     """
 
-    def __init__(self, learner_id: str, shared: Shared) -> None:
+    def __init__(self, learner_id: str, shared: Shared, copy_budget_bytes: int = 0) -> None:
         self.learner_id, self.shared = learner_id, shared
+        self.copy_budget_bytes = copy_budget_bytes
         self._mutable_written = threading.Event()
         self._mutable_written.set()
+        self._lock = threading.Lock()  # guards the three fields below, shared with the spool thread
+        self._tensors: dict[str, torch.Tensor] = {}  # the spool in progress's map (entries dropped as written)
+        self._left: set[str] = set()  # mutable entries whose live tensor the spool has still to read
+        self._current: str | None = None  # the entry the spool thread reads now
         self._thread: threading.Thread | None = None
+        self._reniced = False  # the spool thread lowered its priority (once its mutable part is read)
         self.waited_s = 0.0  # training's total wait for the spool (optimizer steps and adoptions)
+        self.copied_bytes = 0  # mutable tensors copied so that training need not wait for them
 
     def start(self, state: InnerState, path: str) -> None:
         """Write ``state`` (captured without copies, between two steps) to ``path`` on the spool
@@ -111,6 +124,8 @@ class StateSpooler:
             raise RuntimeError("the previous inner-state spool is still being written")
         tensors, mutable = _mutable_first(state.tensors)
         state.tensors = {}  # the spool holds the only references, dropped as written
+        with self._lock:
+            self._tensors, self._left, self._current = tensors, set(mutable), None
         self._mutable_written.clear()
         self.shared.state_spooled.set()
         self._thread = threading.Thread(target=self._write, args=(tensors, mutable, path, state.meta),
@@ -122,42 +137,74 @@ class StateSpooler:
         return self._thread is not None and self._thread.is_alive()
 
     def wait_mutable(self) -> float:
-        """Block until the parameters and moments of the spool in progress are written (at once
-        when none is); returns the seconds waited."""
+        """Block until no parameter or moment of the spool in progress is still to be read from
+        its live tensor (at once when none is); returns the seconds waited.
+
+        Once the mutable tensors the spool has not started yet fit in ``copy_budget_bytes``, they
+        are copied (on the calling thread, between two steps, so the copies hold the captured
+        values) and the spool writes the copies: training then waits only for the tensor being
+        written now, not for the rest of the mutable part."""
         if self._mutable_written.is_set():
             return 0.0
         t0 = time.perf_counter()
-        self._mutable_written.wait()
+        self._copy_left_if_within_budget()
+        while not self._mutable_written.wait(0.01):
+            self._copy_left_if_within_budget()
         waited = time.perf_counter() - t0
         self.waited_s += waited
         return waited
+
+    def _copy_left_if_within_budget(self) -> None:
+        with self._lock:
+            pending = [k for k in self._left if k != self._current]
+            nbytes = sum(_nbytes(self._tensors[k]) for k in pending)
+            if not pending or nbytes > self.copy_budget_bytes:
+                return
+            for k in pending:  # the spool thread reads an entry only after starting(k), under the lock
+                self._tensors[k] = self._tensors[k].clone()
+                self._left.discard(k)
+            self.copied_bytes += nbytes
+            if not self._left:
+                self._mutable_written.set()
 
     def join(self, timeout_s: float = 120.0) -> None:
         """Wait for the spool in progress to end (a stop), at most ``timeout_s``."""
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def _write(self, tensors: dict[str, torch.Tensor], mutable: set[str], path: str, meta: dict) -> None:
-        left = set(mutable)
+    def _starting(self, name: str) -> None:
+        with self._lock:
+            self._current = name
 
-        def written(name: str) -> None:
-            left.discard(name)
-            if not left:
-                self._mutable_written.set()
-
-        if not left:
+    def _written(self, name: str) -> None:
+        with self._lock:
+            self._left.discard(name)
+            self._current = None
+            if self._left:
+                return
             self._mutable_written.set()
-        t0, waited0 = time.perf_counter(), self.waited_s
+        if not self._reniced:  # the rest (base copies, copies of moments) is not waited for
+            lower_thread_priority(BACKGROUND_NICE)
+            self._reniced = True
+
+    def _write(self, tensors: dict[str, torch.Tensor], mutable: set[str], path: str, meta: dict) -> None:
+        self._reniced = False
+        if not mutable:
+            self._mutable_written.set()
+        t0, waited0, copied0 = time.perf_counter(), self.waited_s, self.copied_bytes
         try:
-            nbytes = spool_state(tensors, path, written=written, consume=True)
+            nbytes = spool_state(tensors, path, written=self._written, consume=True, starting=self._starting)
         except Exception as err:  # logged; training goes on, the next period retries
             log.warning("%s could not spool its inner state (%s: %s)", self.learner_id, type(err).__name__, err)
             self.shared.state_spooled.clear()
             return
         finally:
             self._mutable_written.set()  # never leave training waiting on a spool that ended
-            tensors.clear()
-        log.info("%s spooled its inner state (step %d, %.0f MiB) in %.2f s; training waited %.2f s for it",
-                 self.learner_id, meta["step"], nbytes / 2**20, time.perf_counter() - t0, self.waited_s - waited0)
+            with self._lock:
+                tensors.clear()
+                self._left.clear()
+        log.info("%s spooled its inner state (step %d, %.0f MiB) in %.2f s; training waited %.2f s for it "
+                 "(and copied %.0f MiB)", self.learner_id, meta["step"], nbytes / 2**20, time.perf_counter() - t0,
+                 self.waited_s - waited0, (self.copied_bytes - copied0) / 2**20)
         self.shared.upload_queue.put(SpooledState(path, nbytes, meta))
         release_free_memory()

@@ -93,7 +93,10 @@ class InnerLoop:
         self.hold_until_step = self.step + 2 * H
         self.last_state_s = time.monotonic()
         self.spool_dir: str | None = None  # local folder of spooled inner states (made on first use)
-        self.spooler = StateSpooler(learner_id, shared)
+        # parameters and moments not yet spooled when the optimizer step comes are copied once they
+        # fit in half the parameters' size (a bounded extra peak), rather than waited for
+        param_bytes = sum(t.numel() * t.element_size() for t in workload.params.values())
+        self.spooler = StateSpooler(learner_id, shared, copy_budget_bytes=param_bytes // 2)
         # the optimizer's step mutates the parameters and moments in place: not while they are spooled
         self._spool_hook = workload.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
