@@ -182,14 +182,21 @@ def _pieces(flat: Sequence[torch.Tensor]):
             yield k, lo, min(lo + COSINE_PIECE_ELEMENTS, t.numel())
 
 
+def _norms(flat: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> list[float]:
+    """The L2 norm of each outer gradient (1-D tensors), from products of pieces in ``dtype``."""
+    return [math.sqrt(math.fsum(float(torch.dot(x, x)) for x in (ts[k][lo:hi].to(dtype) for k, lo, hi in _pieces(ts))))
+            for ts in flat]
+
+
 def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
                           weights: Sequence[float]) -> list[float | None]:
     """For each outer gradient Δ_i (a dict name → tensor; the same names and shapes in all), the
     cosine between Δ_i and ``R_i = Σ_{j≠i} w_j Δ_j/‖Δ_j‖``, norms and products over all tensors
     together: products of float32 pieces of :data:`COSINE_PIECE_ELEMENTS` (float32 Δ as they
     are, others converted), summed across pieces in float64 (a relative error near 1e-6, far
-    below what the guard's thresholds tell apart). None for all when there are fewer than 3,
-    and for a Δ_i or an R_i of zero norm. Two reads of each Δ; memory: one piece of each (no
+    below what the guard's thresholds tell apart); in float64 throughout where a float32
+    product overflows. None for all when there are fewer than 3, and for a Δ_i of zero or
+    non-finite norm or an R_i of zero norm. Two reads of each Δ; memory: one piece of each (no
     fragment-sized copy).
 
     Raises:
@@ -202,17 +209,18 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
     total = math.fsum(weights)
     probs = [w / total if total > 0 else 1.0 / len(weights) for w in weights]
     flat = [[d[name].detach().reshape(-1) for name in deltas[0]] for d in deltas]
-    norms = []
-    for ts in flat:
-        parts = [float(torch.dot(x, x)) for x in (ts[k][lo:hi].float() for k, lo, hi in _pieces(ts))]
-        norms.append(math.sqrt(math.fsum(parts)))
+    dtype = torch.float32
+    norms = _norms(flat, dtype)
+    if not all(math.isfinite(n) for n in norms):  # a float32 product overflowed (or a NaN): float64
+        dtype = torch.float64
+        norms = _norms(flat, dtype)
     # S = Σ_j p_j u_j with u_j = Δ_j/‖Δ_j‖; then ⟨u_i, R_i⟩ = ⟨u_i, S⟩ - p_i and
     # ‖R_i‖² = ‖S‖² - 2 p_i ⟨u_i, S⟩ + p_i² (R_i = S - p_i u_i)
     sq_parts: list[float] = []
     dot_parts: list[list[float]] = [[] for _ in deltas]
     for k, lo, hi in _pieces(flat[0]):
-        xs = [ts[k][lo:hi].float() if n > 0 else None for ts, n in zip(flat, norms, strict=True)]
-        s = torch.zeros(hi - lo, dtype=torch.float32)
+        xs = [ts[k][lo:hi].to(dtype) if 0 < n < math.inf else None for ts, n in zip(flat, norms, strict=True)]
+        s = torch.zeros(hi - lo, dtype=dtype)
         for x, p, n in zip(xs, probs, norms, strict=True):
             if x is not None:
                 s.add_(x, alpha=p / n)
@@ -225,7 +233,7 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
     for parts, p, n in zip(dot_parts, probs, norms, strict=True):
         dot = math.fsum(parts)
         r_sq = total_sq - 2 * p * dot + p * p
-        if n <= 0 or r_sq <= 1e-24 or not math.isfinite(dot + r_sq):
+        if not 0 < n < math.inf or r_sq <= 1e-24 or not math.isfinite(dot + r_sq):
             out.append(None)
         else:
             out.append(max(-1.0, min(1.0, (dot - p) / math.sqrt(r_sq))))

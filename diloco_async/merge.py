@@ -33,6 +33,7 @@ from diloco_async.merge_buffers import (
     MergeWorkspace,
     _AnchoredSource,
     _check_same_keys,
+    _check_shapes,
     _chunks,
     _Source,
     _TensorSource,
@@ -375,6 +376,7 @@ def merge_and_step(optimizer: OuterOptimizer, anchored: Sequence[AnchoredDelta],
     params = optimizer.shared_state().params
     for a in anchored:
         _check_same_keys(a, params, "merge_and_step(contribution vs optimizer)")
+        _check_shapes(a.delta, params, "merge_and_step(contribution vs optimizer)")
     out = optimizer.empty_like_params()  # from the pool: no fresh pages once warm
 
     def grad_of(name: str) -> tuple[Tensor, Tensor | None]:

@@ -190,11 +190,11 @@ async def test_enormous_c_tokens_rejected_the_others_merge():
 async def test_failed_merge_counts_its_contributions_and_the_run_goes_on(monkeypatch):
     from diloco_async.sync import work
 
-    real = work.merge_outer_gradients
+    real = work.merge_and_step
 
     def broken(*args, **kw):
         raise OverflowError("injected merge failure")
-    monkeypatch.setattr(work, "merge_outer_gradients", broken)
+    monkeypatch.setattr(work, "merge_and_step", broken)
     async with running(small_config()) as (_sync, client, store):
         plan = await join_and_step(client)
         await wait_open(client, 0, 1)
@@ -208,7 +208,7 @@ async def test_failed_merge_counts_its_contributions_and_the_run_goes_on(monkeyp
         assert st["rejected_by_reason"] == {"merge_failed": 3}
         assert st["contributions_rejected"] == 3
         assert all(st["learners"][lid]["contributions"] == {"rejected": 1} for lid in LEARNERS)
-        monkeypatch.setattr(work, "merge_outer_gradients", real)
+        monkeypatch.setattr(work, "merge_and_step", real)
         st = await honest_round(client, store, plan, fragment=1, round_n=1, version=1)
         assert st["contributions_merged"] == 3
 

@@ -256,6 +256,10 @@ def test_leave_one_out_cosines_and_factor():
     assert cos[3] < -0.9 and min(cos[:3]) > 0
     assert leave_one_out_cosines(deltas[:2], [1.0, 1.0]) == [None, None]  # no majority in a pair
     assert leave_one_out_cosines([{"w": x}, {"w": x}, {"w": torch.zeros(2)}], [1, 1, 1])[2] is None
+    huge = {"w": torch.full((100,), 1e19)}  # float32 products overflow: computed in float64 instead
+    assert leave_one_out_cosines([huge, huge, huge], [1, 1, 1]) == [pytest.approx(1.0)] * 3
+    with_nan = [{"w": torch.tensor([float("nan"), 1.0])}, {"w": x}, {"w": y}]  # no made-up cosine
+    assert leave_one_out_cosines(with_nan, [1, 1, 1])[0] is None
     assert direction_factor(0.4, 0.4, 0.5) == 1.0  # the usual agreement: full weight
     assert direction_factor(0.1, 0.4, 0.5) == pytest.approx(0.5)  # a quarter of it: half the weight
     assert direction_factor(-0.4, 0.4, 0.5) == 0.0  # a sign flip: left out

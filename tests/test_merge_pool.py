@@ -263,6 +263,9 @@ def test_merge_and_step_stops_at_a_non_finite_anchored_tensor_and_leaves_the_opt
             for base in (cur, _overflowing_base(cur))]
     with pytest.raises(merge.AnchoredNotFinite) as err:
         merge.merge_and_step(opt, lazy, [1.0, 2.0])
+    other = {"a": torch.zeros(8, 64), "z": torch.zeros(32)}  # same names and sizes, another shape
+    with pytest.raises(ValueError, match="shape of 'a' differs: \\(8, 64\\) vs \\(64, 8\\)"):
+        merge.merge_and_step(opt, [merge.AnchoredDelta(other, other, other)], [1.0])
     assert err.value.bad == [{}, {"z": 32}]
     after = opt.shared_state()
     assert after.steps_taken == before.steps_taken == 0 and after.momentum is None
