@@ -55,7 +55,7 @@ class BufferPool:
         spare: free buffers kept per byte size (≥ 0; more of a small size, up to
             :data:`SMALL_SPARE_BYTES`); more are released when found free.
         max_free_bytes: with a value, the free buffers kept in all sizes together stay within
-            it (:meth:`trim`, also after each buffer handed out): one pool serves every fragment of
+            it (:meth:`trim`, also whenever a new buffer is made): one pool serves every fragment of
             a synchronizer, whose memory at rest is then the fragments' state plus this budget.
 
     Raises:
@@ -86,7 +86,7 @@ class BufferPool:
         if any(s < 0 for s in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         buf = self._take(nbytes)
@@ -106,7 +106,9 @@ class BufferPool:
                 buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # page-aligned, mapped on first write
                 bufs.append(buf)
                 self.allocated += 1
-            self._trim_locked()  # ``buf`` is referenced here: not free, not given back
+                # only when memory grows: a reused buffer leaves fewer free bytes, not more (and
+                # the walk over every buffer costs more than many small merges' kernels)
+                self._trim_locked()  # ``buf`` is referenced here: not free, not given back
             return buf
 
     def trim(self) -> int:

@@ -172,15 +172,17 @@ def _fused_parts(flat: Tensor, srcs: Sequence[_Source]) -> list[tuple] | None:
 
 
 def _direction_into(flat: Tensor, srcs: Sequence[_Source], probs: Sequence[float], norms: Sequence[Tensor | None],
-                    ws: MergeWorkspace) -> None:
+                    ws: MergeWorkspace) -> Tensor:
     """``flat ← Σ p·Δ/‖Δ‖`` over the sources with a norm, chunk by chunk in learner order (or in
-    one fused pass, the same operations: DESIGN §4.5c)."""
+    one fused pass, the same operations: DESIGN §4.5c); returns ``‖flat‖`` (0-dim,
+    ``torch.linalg.vector_norm``'s value, from the fused pass where it can give it)."""
     parts = _fused_parts(flat, srcs)
     if parts is not None:
         live = [(part, p, n.item()) for part, p, n in zip(parts, probs, norms, strict=True) if n is not None]
         xs, curs, bases = ([part[k] for part, _, _ in live] for k in range(3))
-        merge_native.accumulate(flat, xs, curs, bases, [n for _, _, n in live], [p for _, p, _ in live])
-        return
+        _, norm = merge_native.accumulate(flat, xs, curs, bases, [n for _, _, n in live], [p for _, p, _ in live],
+                                          want_norm=True)
+        return torch.linalg.vector_norm(flat) if norm is None else norm
     dtype = flat.dtype
     for lo, hi in _chunks(flat.numel()):
         o = flat[lo:hi].zero_()
@@ -189,6 +191,7 @@ def _direction_into(flat: Tensor, srcs: Sequence[_Source], probs: Sequence[float
             if n is not None:
                 torch.div(s.slice(lo, hi, ws, dtype), n, out=unit)
                 o.add_(unit, alpha=p)
+    return torch.linalg.vector_norm(flat)
 
 
 def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps: float, ws: MergeWorkspace,
@@ -206,8 +209,7 @@ def _rda_into(out: Tensor, srcs: Sequence[_Source], probs: Sequence[float], eps:
         n = s.norm(ws, dtype)
         radial.add_(n, alpha=p)
         norms.append(n if n.item() > 0 else None)
-    _direction_into(out.view(-1), srcs, probs, norms, ws)
-    dir_norm = torch.linalg.vector_norm(out)
+    dir_norm = _direction_into(out.view(-1), srcs, probs, norms, ws)
     if dir_norm.item() < eps:
         return _mean_into(out, srcs, probs, ws)
     scale = radial / dir_norm

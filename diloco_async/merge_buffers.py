@@ -233,8 +233,10 @@ class _AnchoredSource(_Source):
             return None
         return whole[0].view(-1), *(t.view(-1) for t in whole[1:]), *(None,) * (3 - len(whole))
 
-    def whole(self, ws: MergeWorkspace) -> Tensor:
-        """All of ``Δ'``: ``Δ`` itself when anchored on the current value, else a scratch buffer."""
+    def whole(self, ws: MergeWorkspace, *, want_norm: bool = False) -> Tensor:
+        """All of ``Δ'``: ``Δ`` itself when anchored on the current value, else a scratch buffer.
+        With ``want_norm``, a norm the fused kernel computed as it wrote ``Δ'`` is kept as
+        :meth:`norm`'s (``torch.linalg.vector_norm``'s bits, :func:`merge_native.norm_lanes`)."""
         d = self.owner.delta[self.name]
         if self.on_current:
             return d
@@ -248,7 +250,12 @@ class _AnchoredSource(_Source):
         else:
             out = ws.whole(self.dtype, self.shape)
         if merge_native.usable(cur, base, d, out=out):  # one fused pass, the same operations (DESIGN §4.5c)
-            return merge_native.anchor_into(out, cur, base, d)
+            if not want_norm:
+                return merge_native.anchor_into(out, cur, base, d)
+            out, norm = merge_native.anchor_into(out, cur, base, d, want_norm=True)
+            if norm is not None:
+                self.owner._norms[self.name] = norm
+            return out
         if ws.sharing(cur, base) <= 1:  # alone on its base: Θcur − Θbase by chunks, in the cache
             d_flat, out_flat = _flat(d), out.view(-1)
             for lo, hi in _chunks(d.numel()):
@@ -262,7 +269,10 @@ class _AnchoredSource(_Source):
     def norm(self, ws: MergeWorkspace, dtype: torch.dtype) -> Tensor:
         cached = self.owner._norms.get(self.name)
         if cached is None or cached.dtype != dtype:
-            cached = torch.linalg.vector_norm(self.whole(ws).to(dtype))
+            x = self.whole(ws, want_norm=dtype == self.dtype)
+            cached = self.owner._norms.get(self.name)  # computed as Δ' was written, if it could be
+            if cached is None or cached.dtype != dtype:
+                cached = torch.linalg.vector_norm(x.to(dtype))
             if cached.dtype == self.dtype:
                 self.owner._norms[self.name] = cached
         return cached

@@ -58,56 +58,201 @@ static void parallel(range_fn fn, void *ctx, int64_t n, int32_t nthreads) {
     }
 }
 
+/* torch's float32 2-norm of a contiguous tensor (linalg.vector_norm on CPU, the reduction of the
+ * last dimension): squares summed into L lanes, lane j taking elements j, j+L, j+2L, ... in order
+ * (L = its Vectorized<float> width: 8 with AVX2, 16 with AVX512), each a product then a sum, two
+ * roundings (its vector code does not fuse them); then the lanes folded left to right and the
+ * square root. The loops below add each output element's square to its lane as they write it, in
+ * element order, so that the chain of additions overlaps the memory traffic; only for n a
+ * multiple of L (torch's tail loop for the rest is not reproduced here). merge_native checks the
+ * result against torch once per process before using it. */
+#define MAX_LANES 16
+_Static_assert(BLOCK % MAX_LANES == 0, "blocks must hold whole lanes");
+
+static float fold_lanes(const float *acc, int32_t lanes) {
+    float b = acc[0];
+    for (int j = 1; j < lanes; j++)
+        b = b + acc[j];
+    return sqrtf(b);
+}
+
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef float lanes16 __attribute__((vector_size(64)));
+
+/* acc += x*x lane by lane over n elements (a multiple of the lanes) as one vector register, so
+ * that nothing but the additions' latency orders them (element j of each group in lane j). */
+#define SUMSQ(V, acc, x, i)                                                                                   \
+    do {                                                                                                      \
+        V v_;                                                                                                 \
+        memcpy(&v_, (x) + (i), sizeof v_);                                                                    \
+        (acc) = (acc) + v_ * v_;                                                                              \
+    } while (0)
+
+#define GROUP 64 /* elements written before their squares are summed: a few cache lines */
+
+/* One source added into elements [0, len) of a block: u = x (or (cu - b) + x), u = u / nj when
+ * divide, o = fmaf(u, p, o). */
+static inline __attribute__((always_inline)) void add_plain(float *restrict o, const float *restrict x,
+                                                            const float *restrict cu, const float *restrict b,
+                                                            int64_t len, float p, float nj, int has_cur,
+                                                            int divide) {
+    for (int64_t i = 0; i < len; i++) {
+        float u = has_cur ? (cu[i] - b[i]) + x[i] : x[i];
+        o[i] = fmaf(divide ? u / nj : u, p, o[i]);
+    }
+}
+
+/* add_plain; with L > 0 (a constant at each call), each group of results, once written, also
+ * summed into the lanes acc (as squares), in element order. */
+static inline __attribute__((always_inline)) void add_source(float *restrict o, const float *restrict x,
+                                                             const float *restrict cu, const float *restrict b,
+                                                             int64_t len, float p, float nj, int has_cur,
+                                                             int divide, int L, float *restrict acc) {
+    if (L == 0) {
+        add_plain(o, x, cu, b, len, p, nj, has_cur, divide);
+        return;
+    }
+    lanes16 a16;
+    lanes8 a8;
+    memcpy(&a16, acc, sizeof a16);
+    memcpy(&a8, acc, sizeof a8);
+    for (int64_t g = 0; g < len; g += GROUP) {
+        int64_t k = len - g < GROUP ? len - g : GROUP;
+        if (k == GROUP)
+            add_plain(o + g, x + g, has_cur ? cu + g : cu, has_cur ? b + g : b, GROUP, p, nj, has_cur, divide);
+        else
+            add_plain(o + g, x + g, has_cur ? cu + g : cu, has_cur ? b + g : b, k, p, nj, has_cur, divide);
+        for (int64_t i = g; i < g + k; i += L) {
+            if (L == 16)
+                SUMSQ(lanes16, a16, o, i);
+            else
+                SUMSQ(lanes8, a8, o, i);
+        }
+    }
+    if (L == 16)
+        memcpy(acc, &a16, sizeof a16);
+    else
+        memcpy(acc, &a8, sizeof a8);
+}
+
+/* The first two sources at once, both without cur/base: o = fmaf(u2, p2, fmaf(u1, p1, 0)) with
+ * u = x (or x / n when divide), the same operations as zeroing o and adding them one by one,
+ * in one pass over o instead of three. Squares into acc as add_source when L > 0. */
+static inline __attribute__((always_inline)) void pair_plain(float *restrict o, const float *restrict x1,
+                                                             const float *restrict x2, int64_t len, float p1,
+                                                             float p2, float n1, float n2, int divide) {
+    for (int64_t i = 0; i < len; i++) {
+        float r = fmaf(divide ? x1[i] / n1 : x1[i], p1, 0.0f);
+        o[i] = fmaf(divide ? x2[i] / n2 : x2[i], p2, r);
+    }
+}
+
+static inline __attribute__((always_inline)) void first_pair(float *restrict o, const float *restrict x1,
+                                                             const float *restrict x2, int64_t len, float p1,
+                                                             float p2, float n1, float n2, int divide, int L,
+                                                             float *restrict acc) {
+    if (L == 0) {
+        pair_plain(o, x1, x2, len, p1, p2, n1, n2, divide);
+        return;
+    }
+    lanes16 a16;
+    lanes8 a8;
+    memcpy(&a16, acc, sizeof a16);
+    memcpy(&a8, acc, sizeof a8);
+    for (int64_t g = 0; g < len; g += GROUP) {
+        int64_t k = len - g < GROUP ? len - g : GROUP;
+        if (k == GROUP)
+            pair_plain(o + g, x1 + g, x2 + g, GROUP, p1, p2, n1, n2, divide);
+        else
+            pair_plain(o + g, x1 + g, x2 + g, k, p1, p2, n1, n2, divide);
+        for (int64_t i = g; i < g + k; i += L) {
+            if (L == 16)
+                SUMSQ(lanes16, a16, o, i);
+            else
+                SUMSQ(lanes8, a8, o, i);
+        }
+    }
+    if (L == 16)
+        memcpy(acc, &a16, sizeof a16);
+    else
+        memcpy(acc, &a8, sizeof a8);
+}
+
+static void first_pair_any(float *o, const float *x1, const float *x2, int64_t len, float p1, float p2, float n1,
+                           float n2, int divide, int32_t lanes, float *acc) {
+    if (lanes == 16)
+        divide ? first_pair(o, x1, x2, len, p1, p2, n1, n2, 1, 16, acc)
+               : first_pair(o, x1, x2, len, p1, p2, n1, n2, 0, 16, acc);
+    else if (lanes == 8)
+        divide ? first_pair(o, x1, x2, len, p1, p2, n1, n2, 1, 8, acc)
+               : first_pair(o, x1, x2, len, p1, p2, n1, n2, 0, 8, acc);
+    else
+        divide ? first_pair(o, x1, x2, len, p1, p2, n1, n2, 1, 0, acc)
+               : first_pair(o, x1, x2, len, p1, p2, n1, n2, 0, 0, acc);
+}
+
+#define ADD_SOURCE_L(L)                                                                                       \
+    (has_cur ? (divide ? add_source(o, x, cu, b, len, p, nj, 1, 1, L, acc)                                  \
+                       : add_source(o, x, cu, b, len, p, nj, 1, 0, L, acc))                                 \
+             : (divide ? add_source(o, x, cu, b, len, p, nj, 0, 1, L, acc)                                  \
+                       : add_source(o, x, cu, b, len, p, nj, 0, 0, L, acc)))
+
+static void add_source_any(float *o, const float *x, const float *cu, const float *b, int64_t len, float p,
+                           float nj, int has_cur, int divide, int32_t lanes, float *acc) {
+    if (lanes == 16)
+        ADD_SOURCE_L(16);
+    else if (lanes == 8)
+        ADD_SOURCE_L(8);
+    else
+        ADD_SOURCE_L(0);
+}
+
 struct acc_ctx {
     float *out;
     int32_t m, divide;
     const float *const *xs, *const *curs, *const *bases;
     const float *norms, *probs;
+    int32_t lanes; /* > 0: the squares of out summed into acc as the last source is added (one range) */
+    float acc[MAX_LANES];
 };
 
 static void acc_range(void *arg, int64_t lo0, int64_t hi0) {
-    const struct acc_ctx *c = arg;
+    struct acc_ctx *c = arg;
     for (int64_t lo = lo0; lo < hi0; lo += BLOCK) {
         int64_t len = hi0 - lo < BLOCK ? hi0 - lo : BLOCK;
         float *restrict o = c->out + lo;
-        for (int64_t i = 0; i < len; i++)
-            o[i] = 0.0f;
-        for (int32_t j = 0; j < c->m; j++) {
-            const float *restrict x = c->xs[j] + lo;
-            const float p = c->probs[j], nj = c->norms[j];
-            if (c->curs[j] != NULL) {
-                const float *restrict cu = c->curs[j] + lo;
-                const float *restrict b = c->bases[j] + lo;
-                if (c->divide) {
-                    for (int64_t i = 0; i < len; i++) {
-                        float u = (cu[i] - b[i]) + x[i];
-                        o[i] = fmaf(u / nj, p, o[i]);
-                    }
-                } else {
-                    for (int64_t i = 0; i < len; i++) {
-                        float u = (cu[i] - b[i]) + x[i];
-                        o[i] = fmaf(u, p, o[i]);
-                    }
-                }
-            } else if (c->divide) {
-                for (int64_t i = 0; i < len; i++)
-                    o[i] = fmaf(x[i] / nj, p, o[i]);
-            } else {
-                for (int64_t i = 0; i < len; i++)
-                    o[i] = fmaf(x[i], p, o[i]);
-            }
+        int32_t j = 0;
+        if (c->m >= 2 && c->curs[0] == NULL && c->curs[1] == NULL) {
+            first_pair_any(o, c->xs[0] + lo, c->xs[1] + lo, len, c->probs[0], c->probs[1], c->norms[0], c->norms[1],
+                           c->divide, c->m == 2 ? c->lanes : 0, c->acc);
+            j = 2;
+        } else {
+            for (int64_t i = 0; i < len; i++)
+                o[i] = 0.0f;
+        }
+        for (; j < c->m; j++) {
+            const float *cu = c->curs[j] == NULL ? NULL : c->curs[j] + lo;
+            const float *b = c->bases[j] == NULL ? NULL : c->bases[j] + lo;
+            add_source_any(o, c->xs[j] + lo, cu, b, len, c->probs[j], c->norms[j], cu != NULL, c->divide,
+                           j == c->m - 1 ? c->lanes : 0, c->acc);
         }
     }
 }
 
 /* out[i] = 0; for each source j: u = x_j[i] (or (cur_j[i] - base_j[i]) + x_j[i] when cur_j is
  * given), u = u / norm_j when divide; out[i] = fmaf(u, prob_j, out[i]).  RDA's direction
- * (divide = 1) and the weighted mean (divide = 0), as merge._rda_into / merge._mean_into. */
+ * (divide = 1) and the weighted mean (divide = 0), as merge._rda_into / merge._mean_into.
+ * With lanes > 0 (n a multiple of it; one thread), *norm_out = torch's 2-norm of out, computed
+ * in the same pass. */
 void dl_accumulate(float *out, int64_t n, int32_t m, const float *const *xs, const float *const *curs,
                    const float *const *bases, const float *norms, const float *probs, int32_t divide,
-                   int32_t nthreads) {
-    struct acc_ctx c = {out, m, divide, xs, curs, bases, norms, probs};
-    parallel(acc_range, &c, n, nthreads);
+                   int32_t nthreads, int32_t lanes, float *norm_out) {
+    struct acc_ctx c = {out, m, divide, xs, curs, bases, norms, probs, m > 0 ? lanes : 0, {0}};
+    if (lanes > 0) {
+        acc_range(&c, 0, n);
+        *norm_out = fold_lanes(c.acc, lanes); /* all zero lanes when m == 0: norm 0 */
+    } else
+        parallel(acc_range, &c, n, nthreads);
 }
 
 struct anchor_ctx {
@@ -123,10 +268,49 @@ static void anchor_range(void *arg, int64_t lo, int64_t hi) {
         o[i] = (cu[i] - b[i]) + d[i];
 }
 
-/* out[i] = (cur[i] - base[i]) + delta[i]: the anchored outer gradient, as AnchoredDelta.write. */
-void dl_anchor(float *out, int64_t n, const float *cur, const float *base, const float *delta, int32_t nthreads) {
+static inline __attribute__((always_inline)) void anchor_lanes(float *restrict o, const float *restrict cu,
+                                                               const float *restrict b,
+                                                               const float *restrict d, int64_t n, int L,
+                                                               float *restrict acc) {
+    lanes16 a16 = {0};
+    lanes8 a8 = {0};
+    for (int64_t g = 0; g < n; g += GROUP) {
+        int64_t k = n - g < GROUP ? n - g : GROUP;
+        if (k == GROUP)
+            for (int64_t i = g; i < g + GROUP; i++)
+                o[i] = (cu[i] - b[i]) + d[i];
+        else
+            for (int64_t i = g; i < g + k; i++)
+                o[i] = (cu[i] - b[i]) + d[i];
+        for (int64_t i = g; i < g + k; i += L) {
+            if (L == 16)
+                SUMSQ(lanes16, a16, o, i);
+            else
+                SUMSQ(lanes8, a8, o, i);
+        }
+    }
+    if (L == 16)
+        memcpy(acc, &a16, sizeof a16);
+    else
+        memcpy(acc, &a8, sizeof a8);
+}
+
+/* out[i] = (cur[i] - base[i]) + delta[i]: the anchored outer gradient, as AnchoredDelta.write.
+ * With lanes > 0 (n a multiple of it; one thread), *norm_out = torch's 2-norm of out, computed
+ * in the same pass. */
+void dl_anchor(float *out, int64_t n, const float *cur, const float *base, const float *delta, int32_t nthreads,
+               int32_t lanes, float *norm_out) {
     struct anchor_ctx c = {out, cur, base, delta};
-    parallel(anchor_range, &c, n, nthreads);
+    float acc[MAX_LANES] = {0};
+    if (lanes == 16)
+        anchor_lanes(out, cur, base, delta, n, 16, acc);
+    else if (lanes == 8)
+        anchor_lanes(out, cur, base, delta, n, 8, acc);
+    else {
+        parallel(anchor_range, &c, n, nthreads);
+        return;
+    }
+    *norm_out = fold_lanes(acc, lanes);
 }
 
 static uint32_t exp_bits(float x) {

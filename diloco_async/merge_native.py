@@ -19,7 +19,8 @@ from torch import Tensor
 
 from diloco_async import native_build
 
-__all__ = ["usable", "accumulate", "anchor_into", "outer_step", "STEP_OK", "STEP_BAD_GRAD", "STEP_NOT_FINITE"]
+__all__ = ["usable", "norm_lanes", "accumulate", "anchor_into", "outer_step", "STEP_OK", "STEP_BAD_GRAD",
+           "STEP_NOT_FINITE"]
 
 #: torch CPU capabilities whose elementwise kernels round as the C code does
 CAPABILITIES = ("AVX2", "AVX512")
@@ -28,6 +29,9 @@ STEP_OK, STEP_BAD_GRAD, STEP_NOT_FINITE = 0, 1, 2
 _F, _P, _I64, _I32 = ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _FP = ctypes.POINTER(_P)
 _lib: list = []  # [the typed library or None], set on first use
+_lanes: list[int] = []  # [torch's norm lanes as checked, or 0], set on first use
+#: torch's Vectorized<float> width by CPU capability: the lanes of its float32 2-norm
+NORM_LANES = {"AVX2": 8, "AVX512": 16}
 #: threads per kernel call; None: torch's (``torch.get_num_threads()``)
 THREADS: int | None = None
 
@@ -43,9 +47,10 @@ def _typed() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() in CAPABILITIES:
         lib = native_build.kernels()
     if lib is not None:
-        lib.dl_accumulate.argtypes = [_P, _I64, _I32, _FP, _FP, _FP, ctypes.POINTER(_F), ctypes.POINTER(_F), _I32, _I32]
+        lib.dl_accumulate.argtypes = [_P, _I64, _I32, _FP, _FP, _FP, ctypes.POINTER(_F), ctypes.POINTER(_F), _I32, _I32,
+                                      _I32, ctypes.POINTER(_F)]
         lib.dl_accumulate.restype = None
-        lib.dl_anchor.argtypes = [_P, _I64, _P, _P, _P, _I32]
+        lib.dl_anchor.argtypes = [_P, _I64, _P, _P, _P, _I32, _I32, ctypes.POINTER(_F)]
         lib.dl_anchor.restype = None
         lib.dl_outer_step.argtypes = [_P, _P, _I64, _I64, _P, _P, _P, _F, _I32, _F, _F, _I32, _I32]
         lib.dl_outer_step.restype = _I32
@@ -56,6 +61,7 @@ def _typed() -> ctypes.CDLL | None:
 def reset() -> None:
     """Forget the kernels (tests: the next call loads them again, reading the environment)."""
     _lib.clear()
+    _lanes.clear()
     native_build.reset()
 
 
@@ -74,6 +80,36 @@ def usable(*tensors: Tensor | None, out: Tensor | None = None) -> bool:
     return out.dtype is f32 and out.is_cpu and out.is_contiguous() and not _overlaps(out, tensors)
 
 
+def norm_lanes() -> int:
+    """The lanes of torch's float32 2-norm (``linalg.vector_norm``) that the kernels reproduce,
+    so that :func:`anchor_into` and :func:`accumulate` can give it in the pass that writes their
+    output: 8 with AVX2, 16 with AVX512, after a check once per process that the kernels' norm is
+    torch's, bit for bit, on random tensors of several sizes; 0 (not reproduced: the callers use
+    torch's) when the kernels are not usable, the check fails, or torch runs more than one
+    thread (the norm is then taken outside the kernels, which may split their work)."""
+    if _threads() != 1:
+        return 0
+    if not _lanes:
+        _lanes.append(_checked_lanes())
+    return _lanes[0]
+
+
+def _checked_lanes() -> int:
+    lanes = NORM_LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
+    if not lanes or not usable():
+        return 0
+    gen = torch.Generator().manual_seed(20261203)
+    lib = _typed()
+    for n in (lanes, 37 * lanes, 8192 + 5 * lanes, 3 * 8192 + 61 * lanes):
+        x = torch.randn(n, generator=gen).mul_(3.0)
+        out, norm = torch.empty(n), _F()
+        zero = torch.zeros(n)
+        lib.dl_anchor(out.data_ptr(), n, x.data_ptr(), zero.data_ptr(), zero.data_ptr(), 1, lanes, ctypes.byref(norm))
+        if norm.value != torch.linalg.vector_norm(out).item():
+            return 0
+    return lanes
+
+
 def _overlaps(out: Tensor, others: Sequence[Tensor | None]) -> bool:
     lo = out.data_ptr()
     hi = lo + 4 * out.numel()
@@ -86,7 +122,8 @@ def _overlaps(out: Tensor, others: Sequence[Tensor | None]) -> bool:
 
 
 def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None], bases: Sequence[Tensor | None],
-               norms: Sequence[float] | None, probs: Sequence[float]) -> Tensor:
+               norms: Sequence[float] | None, probs: Sequence[float], *, want_norm: bool = False
+               ) -> Tensor | tuple[Tensor, Tensor | None]:
     """``out ← Σ_j p_j · (x'_j / n_j)`` element by element in learner order, from ``out = 0``, with
     ``x'_j = (cur_j − base_j) + x_j`` where ``cur_j`` is given, else ``x_j``; without ``norms``,
     no division (the weighted mean). As ``o.zero_(); o.add_(x' / n, alpha=p)`` per learner.
@@ -98,8 +135,11 @@ def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None],
         norms: M positive float32 norms (0-dim values as Python floats), or None.
         probs: M weights ``w/Σw``.
 
+        want_norm: keyword-only; also return ``out``'s float32 2-norm as ``linalg.vector_norm``
+            gives it, computed in the same pass where :func:`norm_lanes` allows (else None).
+
     Returns:
-        ``out``.
+        ``out``; with ``want_norm``, ``(out, norm)`` (a 0-dim float32 tensor or None).
 
     Raises:
         ValueError: an input not usable (:func:`usable`), of another size, or overlapping ``out``.
@@ -113,19 +153,35 @@ def accumulate(out: Tensor, xs: Sequence[Tensor], curs: Sequence[Tensor | None],
     bptrs = (_P * m)(*(None if b is None else b.data_ptr() for b in bases))
     fn = (_F * m)(*(norms if norms is not None else [1.0] * m))
     fp = (_F * m)(*probs)
+    lanes = _lanes_for(n) if want_norm else 0
+    norm = torch.empty((), dtype=torch.float32) if lanes else None  # written by the kernel
     _typed().dl_accumulate(out.data_ptr(), n, m, ptrs, cptrs, bptrs, fn, fp, int(norms is not None),
-                           _threads())
-    return out
+                           _threads(), lanes, _float_ptr(norm))
+    return (out, norm) if want_norm else out
 
 
-def anchor_into(out: Tensor, cur: Tensor, base: Tensor, delta: Tensor) -> Tensor:
-    """``out ← (cur − base) + delta`` (float32, N elements each, ``out`` apart from the inputs)."""
+def _float_ptr(t: Tensor | None):
+    return ctypes.cast(t.data_ptr() if t is not None else None, ctypes.POINTER(_F))
+
+
+def _lanes_for(n: int) -> int:
+    lanes = norm_lanes()
+    return lanes if lanes and n % lanes == 0 else 0
+
+
+def anchor_into(out: Tensor, cur: Tensor, base: Tensor, delta: Tensor, *, want_norm: bool = False
+                ) -> Tensor | tuple[Tensor, Tensor | None]:
+    """``out ← (cur − base) + delta`` (float32, N elements each, ``out`` apart from the inputs);
+    with ``want_norm``, ``(out, norm)``: ``out``'s 2-norm as :func:`accumulate` gives it."""
     n = out.numel()
     if not usable(out, cur, base, delta) or {cur.numel(), base.numel(), delta.numel()} != {n} or _overlaps(
             out, [cur, base, delta]):
         raise ValueError("anchor_into needs contiguous float32 CPU tensors of one size, out apart from the inputs")
-    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr(), _threads())
-    return out
+    lanes = _lanes_for(n) if want_norm else 0
+    norm = torch.empty((), dtype=torch.float32) if lanes else None  # written by the kernel
+    _typed().dl_anchor(out.data_ptr(), n, cur.data_ptr(), base.data_ptr(), delta.data_ptr(), _threads(), lanes,
+                       _float_ptr(norm))
+    return (out, norm) if want_norm else out
 
 
 def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, scale: Tensor | None, mu: float,

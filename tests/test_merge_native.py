@@ -152,6 +152,71 @@ def test_kernels_same_bits_as_torch_ops(n):
     _same(merge_native.anchor_into(torch.empty(n), curs[0], bases[0], xs[0]), torch.sub(curs[0], bases[0]).add_(xs[0]))
 
 
+def _norm_bits(t: torch.Tensor) -> int:
+    return int(t.view(torch.int32))
+
+
+@pytest.fixture()
+def one_thread():
+    """One torch thread, as the synchronizer runs (the kernels give norms only then)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n", [8, 16, 40, 1000, 8192, 2 * 8192 + 24, 131072 + 72, 13, 1001])
+@pytest.mark.parametrize("pattern", ["plain-pair", "pair-then-anchored", "anchored-first", "one", "three-plain"])
+def test_kernel_norms_are_torchs_and_the_sums_unchanged(n, pattern, one_thread):
+    """``want_norm``: the 2-norm the kernels compute as they write their output is
+    ``torch.linalg.vector_norm``'s, bit for bit (huge values whose squares overflow included), or
+    None where they cannot reproduce it (a size that is not a multiple of torch's lanes); the
+    outputs are the torch ops' (the first two plain sources go in one pass, the others one by one)."""
+    gen, rng = torch.Generator().manual_seed(n), random.Random(n)
+    m = {"one": 1, "three-plain": 3}.get(pattern, 2 if pattern != "pair-then-anchored" else 3)
+    xs = [_adversarial(n, gen, rng) for _ in range(m)]
+    curs: list = [None] * m
+    bases: list = [None] * m
+    if pattern in ("pair-then-anchored", "anchored-first"):
+        k = 2 if pattern == "pair-then-anchored" else 0
+        curs[k], bases[k] = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    probs, norms = [0.25, 0.6, 0.15][:m], [3.0, 1e-30, 7e20][:m]
+    lanes = merge_native.norm_lanes()
+    assert lanes in (8, 16)
+    for divide in (True, False):
+        want = torch.zeros(n)
+        for x, c, b, p, nj in zip(xs, curs, bases, probs, norms, strict=True):
+            src = x if c is None else torch.add(torch.sub(c, b), x)
+            want.add_(torch.div(src, torch.tensor(nj)) if divide else src, alpha=p)
+        got, norm = merge_native.accumulate(torch.empty(n), xs, curs, bases, norms if divide else None, probs,
+                                            want_norm=True)
+        _same(got, want)
+        if n % lanes:
+            assert norm is None
+        else:
+            assert _norm_bits(norm) == _norm_bits(torch.linalg.vector_norm(want))
+    cur, base = torch.randn(n, generator=gen), _adversarial(n, gen, rng)
+    out, norm = merge_native.anchor_into(torch.empty(n), cur, base, xs[0], want_norm=True)
+    _same(out, torch.sub(cur, base).add_(xs[0]))
+    assert norm is None if n % lanes else _norm_bits(norm) == _norm_bits(torch.linalg.vector_norm(out))
+
+
+def test_kernel_norms_only_on_one_thread(one_thread):
+    """With more than one torch thread the kernels may split their work, so they give no norm
+    (the merge then takes torch's); the merged values are the same."""
+    x, y = torch.randn(4096), torch.randn(4096)
+    torch.set_num_threads(2)
+    assert merge_native.norm_lanes() == 0
+    out, norm = merge_native.accumulate(torch.empty(4096), [x, y], [None, None], [None, None], [2.0, 5.0],
+                                        [0.5, 0.5], want_norm=True)
+    assert norm is None
+    torch.set_num_threads(1)
+    again, norm = merge_native.accumulate(torch.empty(4096), [x, y], [None, None], [None, None], [2.0, 5.0],
+                                          [0.5, 0.5], want_norm=True)
+    _same(again, out)
+    assert _norm_bits(norm) == _norm_bits(torch.linalg.vector_norm(out))
+
+
 @pytest.mark.parametrize("case", ["finite", "nan-grad", "inf-result", "overflow-then-nan", "nan-then-overflow"])
 @pytest.mark.parametrize("require_finite", [True, False])
 @pytest.mark.parametrize("consume", [True, False])

@@ -74,13 +74,25 @@ def test_pool_sees_a_tensor_freed_in_another_thread_and_keeps_only_spare_free_bu
         BufferPool(spare=-1)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Torch threads: one as in the synchronizer (the fused kernels also give the norms of what
+    they write, torch's bits), two (they may split their work; the norms are torch's own)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("per_tensor", [True, False], ids=["merge_and_step", "check-merge-step"])
-def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk, per_tensor):  # noqa: F811
+def test_synchronizer_merge_path_equals_previous_implementation_over_rounds(seed, chunk, per_tensor,  # noqa: F811
+                                                                            threads):
     """work.py's path: workspace from the optimizer's pool with Δ' kept whole (a budget that
     keeps some and not others), merge into pooled buffers with the scale deferred, step consuming
     them; bases alone, shared and current; the values of earlier versions are never written.
-    Tensor by tensor (``merge_and_step``, as work.py runs it) and as three whole-fragment calls."""
+    Tensor by tensor (``merge_and_step``, as work.py runs it) and as three whole-fragment calls;
+    on one torch thread and on two."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     shapes = [(rng.randint(1, 40),), (rng.randint(1, 30), 17), (2 * buffers.CHUNK_ELEMENTS // 64 + 5, 64)]
@@ -172,7 +184,7 @@ def test_repeated_merges_of_a_fragment_reuse_buffers_and_keep_published_versions
 
 def test_pool_with_a_budget_keeps_at_most_that_many_free_bytes_and_never_an_used_one():
     """The synchronizer's fragments share one pool whose free buffers stay within a budget
-    (their memory at rest), trimmed after each buffer handed out and after each merge."""
+    (their memory at rest), trimmed whenever the pool makes a new buffer and after each merge."""
     mib = 1 << 20
     pool = BufferPool(max_free_bytes=2 * mib)
     held = [pool.empty((mib // 4,), torch.float32) for _ in range(4)]  # 4 buffers of 1 MiB, in use
