@@ -130,7 +130,10 @@ def _probs(n: int, weights: Sequence[float]) -> list[float]:
     for i, w in enumerate(ws):
         if not math.isfinite(w) or w < 0:
             raise ValueError(f"weight {i} must be finite and >= 0, got {w}")
-    total = math.fsum(ws)
+    try:
+        total = math.fsum(ws)
+    except OverflowError:  # each finite, their sum past the largest float
+        raise ValueError(f"total weight overflows a float, from weights {ws}") from None
     if total <= 0:
         raise ValueError(f"total weight must be > 0, got {total} from weights {ws}")
     return [w / total for w in ws]
@@ -369,16 +372,25 @@ def merge_and_step(optimizer: OuterOptimizer, anchored: Sequence[AnchoredDelta],
 
     Raises:
         AnchoredNotFinite: a ``Δ'`` with NaN/Inf (found before the optimizer changes).
-        ValueError, TypeError: as :func:`merge_outer_gradients` and ``step_shared``. On any error
-            the optimizer is left unchanged.
+        ValueError: no contributions, bad weights (negative, non-finite, a zero or overflowing
+            total, not one per contribution), an unknown mode, names or shapes that are not the
+            optimizer's; and as ``step_shared``.
+        TypeError: a contribution that is not an :class:`AnchoredDelta`, or a non-floating
+            outer gradient. On any error the optimizer is left unchanged.
     """
-    if not anchored:
-        raise ValueError("cannot merge an empty list of outer gradients")
+    if mode not in MERGE_MODES:
+        raise ValueError(f"unknown merge mode {mode!r}; expected one of {MERGE_MODES}")
+    _probs(len(anchored), weights)  # an empty list, a length mismatch or bad weights: before any work
     ws = MergeWorkspace() if workspace is None else workspace
     params = optimizer.shared_state().params
-    for a in anchored:
+    for i, a in enumerate(anchored):
+        if not isinstance(a, AnchoredDelta):
+            raise TypeError(f"contribution {i} must be an AnchoredDelta, got {type(a).__name__}")
         _check_same_keys(a, params, "merge_and_step(contribution vs optimizer)")
         _check_shapes(a.delta, params, "merge_and_step(contribution vs optimizer)")
+        for name, t in a.delta.items():
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"contribution {i}: outer gradient {name!r} must be a floating tensor, got {t.dtype}")
     out = optimizer.empty_like_params()  # from the pool: no fresh pages once warm
 
     def grad_of(name: str) -> tuple[Tensor, Tensor | None]:

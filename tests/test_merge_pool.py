@@ -284,6 +284,46 @@ def test_merge_and_step_stops_at_a_non_finite_anchored_tensor_and_leaves_the_opt
     assert all(after.params[n] is before.params[n] for n in cur)
 
 
+@pytest.mark.parametrize("case, error, match", [
+    ("integer", TypeError, "outer gradient 'a' must be a floating tensor, got torch.int64"),
+    ("plain-dict", TypeError, "contribution 0 must be an AnchoredDelta, got dict"),
+    ("huge-weights", ValueError, "total weight overflows"),
+    ("nan-weight", ValueError, "weight 1 must be finite"),
+    ("one-weight-short", ValueError, "2 outer gradients but 1 weights"),
+    ("no-contribution", ValueError, "empty list"),
+    ("unknown-mode", ValueError, "unknown merge mode 'median'"),
+])
+def test_merge_and_step_rejects_bad_input_by_name_before_touching_the_optimizer(case, error, match):
+    """Bad input to the per-tensor merge is named with the right error type (found by the
+    fresh-clone check: integers raised torch's RuntimeError, weights of 1e308 an OverflowError
+    from fsum, a dict an AttributeError), and the optimizer is left as it was."""
+    opt = merge.OuterOptimizer({"a": torch.randn(16, 8), "b": torch.randn(8)})
+    cur = opt.shared_state().params
+    before = opt.shared_state()
+    good = merge.AnchoredDelta({n: torch.randn(t.shape) for n, t in cur.items()}, cur, cur)
+    anchored, weights, mode = [good, good], [1.0, 2.0], "rda"
+    if case == "integer":
+        anchored = [merge.AnchoredDelta({n: torch.ones(t.shape, dtype=torch.int64) for n, t in cur.items()}, cur, cur)]
+        weights = [1.0]
+    elif case == "plain-dict":
+        anchored, weights = [{n: torch.randn(t.shape) for n, t in cur.items()}], [1.0]
+    elif case == "huge-weights":
+        weights = [1e308, 1e308]
+    elif case == "nan-weight":
+        weights = [1.0, float("nan")]
+    elif case == "one-weight-short":
+        weights = [1.0]
+    elif case == "no-contribution":
+        anchored, weights = [], []
+    else:
+        mode = "median"
+    with pytest.raises(error, match=match):
+        merge.merge_and_step(opt, anchored, weights, mode)
+    after = opt.shared_state()
+    assert after.steps_taken == 0 and after.momentum is None
+    assert all(after.params[n] is before.params[n] for n in cur)
+
+
 def test_merge_and_publish_drops_a_contribution_whose_anchored_value_overflows_and_merges_the_rest():
     """work.py merges tensor by tensor, checking as it goes; a Δ' that is not finite (found in the
     last tensor, after others were merged) makes it screen again with the checks first, as before:
