@@ -19,7 +19,9 @@ out (d, d), up (4d, d), down (d, 4d), two norms (d,), one (r, d) tensor to reach
 **Rate.** Bytes of outer gradients consumed per second: ``M × fragment bytes / merge seconds``.
 The baseline is a memcpy of one fragment-sized fp32 tensor into an existing one
 (``dst.copy_(src)``): ``fragment bytes / copy seconds``. The figure is their ratio,
-``M × copy_s / merge_s``, both best-of-N in the same process, interleaved. This counts what the
+``M × copy_s / merge_s``, both best-of-N in the same process, interleaved (at 16 MiB the merge
+is best of 9 by default: a single merge is milliseconds and on a shared 2-core machine varies by
+half from one to the next, while the memcpy it is divided by is the best of 6 copies per merge). This counts what the
 merge has to read at least once (each outer gradient) against the cheapest full pass over that
 much memory, so 1.0 would mean the whole merge costs one memcpy per contribution. The memcpy's
 source is read from memory: a 128 MiB sweep is read before each copy, because the merge's M
@@ -283,7 +285,10 @@ def bars(quick: bool = False, repeat: int | None = None) -> list[Bar]:
     out: list[Bar] = []
     for i, (nbytes, goal) in enumerate(sizes):
         ref_ms = ms if i == 0 else ms[:1]
-        rows = _child("speed", nbytes=nbytes, ms=ms, repeat=repeat if i == 0 else max(2, repeat - 1), ref_ms=ref_ms)
+        # best of 3 x repeat merges at the first size (milliseconds each; the memcpy is best of
+        # 18 x repeat), of repeat - 1 (at least 2) at 256 MiB
+        reps = 3 * repeat if i == 0 else max(2, repeat - 1)
+        rows = _child("speed", nbytes=nbytes, ms=ms, repeat=reps, ref_ms=ref_ms)
         for r in rows:
             fig = f"merge+outer step {r['mib']} MiB M={r['m']} / memcpy rate"
             detail = f"{r['merge_s'] * 1e3:.1f} ms vs memcpy {r['copy_s'] * 1e3:.2f} ms per fragment"
