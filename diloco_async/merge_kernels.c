@@ -102,42 +102,9 @@ static inline __attribute__((always_inline)) void add_plain(float *restrict o, c
     }
 }
 
-/* add_plain; with L > 0 (a constant at each call), each group of results, once written, also
- * summed into the lanes acc (as squares), in element order. */
-static inline __attribute__((always_inline)) void add_source(float *restrict o, const float *restrict x,
-                                                             const float *restrict cu, const float *restrict b,
-                                                             int64_t len, float p, float nj, int has_cur,
-                                                             int divide, int L, float *restrict acc) {
-    if (L == 0) {
-        add_plain(o, x, cu, b, len, p, nj, has_cur, divide);
-        return;
-    }
-    lanes16 a16;
-    lanes8 a8;
-    memcpy(&a16, acc, sizeof a16);
-    memcpy(&a8, acc, sizeof a8);
-    for (int64_t g = 0; g < len; g += GROUP) {
-        int64_t k = len - g < GROUP ? len - g : GROUP;
-        if (k == GROUP)
-            add_plain(o + g, x + g, has_cur ? cu + g : cu, has_cur ? b + g : b, GROUP, p, nj, has_cur, divide);
-        else
-            add_plain(o + g, x + g, has_cur ? cu + g : cu, has_cur ? b + g : b, k, p, nj, has_cur, divide);
-        for (int64_t i = g; i < g + k; i += L) {
-            if (L == 16)
-                SUMSQ(lanes16, a16, o, i);
-            else
-                SUMSQ(lanes8, a8, o, i);
-        }
-    }
-    if (L == 16)
-        memcpy(acc, &a16, sizeof a16);
-    else
-        memcpy(acc, &a8, sizeof a8);
-}
-
 /* The first two sources at once, both without cur/base: o = fmaf(u2, p2, fmaf(u1, p1, 0)) with
  * u = x (or x / n when divide), the same operations as zeroing o and adding them one by one,
- * in one pass over o instead of three. Squares into acc as add_source when L > 0. */
+ * in one pass over o instead of three. */
 static inline __attribute__((always_inline)) void pair_plain(float *restrict o, const float *restrict x1,
                                                              const float *restrict x2, int64_t len, float p1,
                                                              float p2, float n1, float n2, int divide) {
@@ -147,12 +114,37 @@ static inline __attribute__((always_inline)) void pair_plain(float *restrict o, 
     }
 }
 
-static inline __attribute__((always_inline)) void first_pair(float *restrict o, const float *restrict x1,
-                                                             const float *restrict x2, int64_t len, float p1,
-                                                             float p2, float n1, float n2, int divide, int L,
+/* One pass over a block that writes o: one source added (PASS_ADD: add_plain, with cu/b when
+ * has_cur), the first two plain sources (PASS_PAIR: pair_plain, x2 the second), or the anchored
+ * outer gradient o = (cu - b) + x (PASS_ANCHOR). */
+enum pass_kind { PASS_ADD, PASS_PAIR, PASS_ANCHOR };
+struct pass {
+    float *o;
+    const float *x, *x2, *cu, *b;
+    float p, p2, n, n2;
+};
+
+static inline __attribute__((always_inline)) void pass_run(int kind, const struct pass *a, int64_t lo, int64_t k,
+                                                           int has_cur, int divide) {
+    float *restrict o = a->o + lo;
+    const float *restrict x = a->x + lo;
+    if (kind == PASS_ANCHOR) {
+        const float *restrict cu = a->cu + lo, *restrict b = a->b + lo;
+        for (int64_t i = 0; i < k; i++)
+            o[i] = (cu[i] - b[i]) + x[i];
+    } else if (kind == PASS_PAIR)
+        pair_plain(o, x, a->x2 + lo, k, a->p, a->p2, a->n, a->n2, divide);
+    else
+        add_plain(o, x, has_cur ? a->cu + lo : a->cu, has_cur ? a->b + lo : a->b, k, a->p, a->n, has_cur, divide);
+}
+
+/* pass_run over [0, len); with L > 0 (a constant at each call), each group of results, once
+ * written, also summed into the lanes acc (as squares), in element order. */
+static inline __attribute__((always_inline)) void pass_lanes(int kind, const struct pass *a, int64_t len,
+                                                             int has_cur, int divide, int L,
                                                              float *restrict acc) {
     if (L == 0) {
-        pair_plain(o, x1, x2, len, p1, p2, n1, n2, divide);
+        pass_run(kind, a, 0, len, has_cur, divide);
         return;
     }
     lanes16 a16;
@@ -161,15 +153,15 @@ static inline __attribute__((always_inline)) void first_pair(float *restrict o, 
     memcpy(&a8, acc, sizeof a8);
     for (int64_t g = 0; g < len; g += GROUP) {
         int64_t k = len - g < GROUP ? len - g : GROUP;
-        if (k == GROUP)
-            pair_plain(o + g, x1 + g, x2 + g, GROUP, p1, p2, n1, n2, divide);
+        if (k == GROUP) /* a constant trip count for the common case */
+            pass_run(kind, a, g, GROUP, has_cur, divide);
         else
-            pair_plain(o + g, x1 + g, x2 + g, k, p1, p2, n1, n2, divide);
+            pass_run(kind, a, g, k, has_cur, divide);
         for (int64_t i = g; i < g + k; i += L) {
             if (L == 16)
-                SUMSQ(lanes16, a16, o, i);
+                SUMSQ(lanes16, a16, a->o, i);
             else
-                SUMSQ(lanes8, a8, o, i);
+                SUMSQ(lanes8, a8, a->o, i);
         }
     }
     if (L == 16)
@@ -178,33 +170,22 @@ static inline __attribute__((always_inline)) void first_pair(float *restrict o, 
         memcpy(acc, &a8, sizeof a8);
 }
 
-static void first_pair_any(float *o, const float *x1, const float *x2, int64_t len, float p1, float p2, float n1,
-                           float n2, int divide, int32_t lanes, float *acc) {
-    if (lanes == 16)
-        divide ? first_pair(o, x1, x2, len, p1, p2, n1, n2, 1, 16, acc)
-               : first_pair(o, x1, x2, len, p1, p2, n1, n2, 0, 16, acc);
-    else if (lanes == 8)
-        divide ? first_pair(o, x1, x2, len, p1, p2, n1, n2, 1, 8, acc)
-               : first_pair(o, x1, x2, len, p1, p2, n1, n2, 0, 8, acc);
-    else
-        divide ? first_pair(o, x1, x2, len, p1, p2, n1, n2, 1, 0, acc)
-               : first_pair(o, x1, x2, len, p1, p2, n1, n2, 0, 0, acc);
-}
+#define PASS_L(K, HC, DV)                                                                                     \
+    (lanes == 16  ? pass_lanes(K, a, len, HC, DV, 16, acc)                                                    \
+     : lanes == 8 ? pass_lanes(K, a, len, HC, DV, 8, acc)                                                     \
+                  : pass_lanes(K, a, len, HC, DV, 0, acc))
 
-#define ADD_SOURCE_L(L)                                                                                       \
-    (has_cur ? (divide ? add_source(o, x, cu, b, len, p, nj, 1, 1, L, acc)                                  \
-                       : add_source(o, x, cu, b, len, p, nj, 1, 0, L, acc))                                 \
-             : (divide ? add_source(o, x, cu, b, len, p, nj, 0, 1, L, acc)                                  \
-                       : add_source(o, x, cu, b, len, p, nj, 0, 0, L, acc)))
-
-static void add_source_any(float *o, const float *x, const float *cu, const float *b, int64_t len, float p,
-                           float nj, int has_cur, int divide, int32_t lanes, float *acc) {
-    if (lanes == 16)
-        ADD_SOURCE_L(16);
-    else if (lanes == 8)
-        ADD_SOURCE_L(8);
+/* pass_lanes with every flag turned into a constant, so that each case gets its own loops. */
+static void pass_any(int kind, const struct pass *a, int64_t len, int has_cur, int divide, int32_t lanes,
+                     float *acc) {
+    if (kind == PASS_ANCHOR)
+        PASS_L(PASS_ANCHOR, 1, 0);
+    else if (kind == PASS_PAIR)
+        divide ? PASS_L(PASS_PAIR, 0, 1) : PASS_L(PASS_PAIR, 0, 0);
+    else if (has_cur)
+        divide ? PASS_L(PASS_ADD, 1, 1) : PASS_L(PASS_ADD, 1, 0);
     else
-        ADD_SOURCE_L(0);
+        divide ? PASS_L(PASS_ADD, 0, 1) : PASS_L(PASS_ADD, 0, 0);
 }
 
 struct acc_ctx {
@@ -223,8 +204,9 @@ static void acc_range(void *arg, int64_t lo0, int64_t hi0) {
         float *restrict o = c->out + lo;
         int32_t j = 0;
         if (c->m >= 2 && c->curs[0] == NULL && c->curs[1] == NULL) {
-            first_pair_any(o, c->xs[0] + lo, c->xs[1] + lo, len, c->probs[0], c->probs[1], c->norms[0], c->norms[1],
-                           c->divide, c->m == 2 ? c->lanes : 0, c->acc);
+            struct pass a = {o, c->xs[0] + lo, c->xs[1] + lo, NULL, NULL, c->probs[0], c->probs[1], c->norms[0],
+                             c->norms[1]};
+            pass_any(PASS_PAIR, &a, len, 0, c->divide, c->m == 2 ? c->lanes : 0, c->acc);
             j = 2;
         } else {
             for (int64_t i = 0; i < len; i++)
@@ -233,8 +215,8 @@ static void acc_range(void *arg, int64_t lo0, int64_t hi0) {
         for (; j < c->m; j++) {
             const float *cu = c->curs[j] == NULL ? NULL : c->curs[j] + lo;
             const float *b = c->bases[j] == NULL ? NULL : c->bases[j] + lo;
-            add_source_any(o, c->xs[j] + lo, cu, b, len, c->probs[j], c->norms[j], cu != NULL, c->divide,
-                           j == c->m - 1 ? c->lanes : 0, c->acc);
+            struct pass a = {o, c->xs[j] + lo, NULL, cu, b, c->probs[j], 0.0f, c->norms[j], 0.0f};
+            pass_any(PASS_ADD, &a, len, cu != NULL, c->divide, j == c->m - 1 ? c->lanes : 0, c->acc);
         }
     }
 }
@@ -268,48 +250,19 @@ static void anchor_range(void *arg, int64_t lo, int64_t hi) {
         o[i] = (cu[i] - b[i]) + d[i];
 }
 
-static inline __attribute__((always_inline)) void anchor_lanes(float *restrict o, const float *restrict cu,
-                                                               const float *restrict b,
-                                                               const float *restrict d, int64_t n, int L,
-                                                               float *restrict acc) {
-    lanes16 a16 = {0};
-    lanes8 a8 = {0};
-    for (int64_t g = 0; g < n; g += GROUP) {
-        int64_t k = n - g < GROUP ? n - g : GROUP;
-        if (k == GROUP)
-            for (int64_t i = g; i < g + GROUP; i++)
-                o[i] = (cu[i] - b[i]) + d[i];
-        else
-            for (int64_t i = g; i < g + k; i++)
-                o[i] = (cu[i] - b[i]) + d[i];
-        for (int64_t i = g; i < g + k; i += L) {
-            if (L == 16)
-                SUMSQ(lanes16, a16, o, i);
-            else
-                SUMSQ(lanes8, a8, o, i);
-        }
-    }
-    if (L == 16)
-        memcpy(acc, &a16, sizeof a16);
-    else
-        memcpy(acc, &a8, sizeof a8);
-}
-
 /* out[i] = (cur[i] - base[i]) + delta[i]: the anchored outer gradient, as AnchoredDelta.write.
  * With lanes > 0 (n a multiple of it; one thread), *norm_out = torch's 2-norm of out, computed
  * in the same pass. */
 void dl_anchor(float *out, int64_t n, const float *cur, const float *base, const float *delta, int32_t nthreads,
                int32_t lanes, float *norm_out) {
-    struct anchor_ctx c = {out, cur, base, delta};
-    float acc[MAX_LANES] = {0};
-    if (lanes == 16)
-        anchor_lanes(out, cur, base, delta, n, 16, acc);
-    else if (lanes == 8)
-        anchor_lanes(out, cur, base, delta, n, 8, acc);
-    else {
+    if (lanes != 8 && lanes != 16) {
+        struct anchor_ctx c = {out, cur, base, delta};
         parallel(anchor_range, &c, n, nthreads);
         return;
     }
+    float acc[MAX_LANES] = {0};
+    struct pass a = {out, delta, NULL, cur, base, 0.0f, 0.0f, 0.0f, 0.0f};
+    pass_any(PASS_ANCHOR, &a, n, 1, 0, lanes, acc);
     *norm_out = fold_lanes(acc, lanes);
 }
 
