@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
 from diloco_async.config import Config, load_config
 from diloco_async.models import build_run_model, trainable_parameters
@@ -96,10 +97,11 @@ def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warm
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_learner", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/hf-llama-cpu.toml")
-    ap.add_argument("--run-s", type=float, default=75.0, help="wall seconds of the run (budget.wall_s)")
-    ap.add_argument("--plain-s", type=float, default=25.0, help="seconds of each plain-loop measurement")
-    ap.add_argument("--warmup-steps", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3, help="measurements of (plain, run, plain), for an interval")
+    ap.add_argument("--run-s", type=positive_float, default=75.0, help="wall seconds of the run (budget.wall_s)")
+    ap.add_argument("--plain-s", type=positive_float, default=25.0, help="seconds of each plain-loop measurement")
+    ap.add_argument("--warmup-steps", type=non_negative_int, default=5)
+    ap.add_argument("--repeats", type=positive_int, default=3,
+                    help="measurements of (plain, run, plain), for an interval")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:

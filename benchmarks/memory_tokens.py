@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.args import positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.hf_learner import in_run_tokens_per_s, plain_loop_tokens_per_s
 from benchmarks.stats import mean_interval
@@ -57,10 +58,10 @@ def tokens_bar(quick: bool = False, repeats: int = 2, run_s: float = 100.0, plai
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_tokens", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--run-s", type=float, default=100.0)
-    ap.add_argument("--plain-s", type=float, default=25.0)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=positive_int, default=2)
+    ap.add_argument("--run-s", type=positive_float, default=100.0)
+    ap.add_argument("--plain-s", type=positive_float, default=25.0)
+    ap.add_argument("--batch", type=positive_int, default=4)
     args = ap.parse_args(argv)
     bar = tokens_bar(args.quick, args.repeats, args.run_s, args.plain_s, args.batch)
     return print_bars([bar], title="learner tokens/s bar")

@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import positive_int
 from benchmarks.bars import Bar, print_bars
 from diloco_async import merge as new
 from diloco_async.heap import limit_heap_retention, release_free_memory
@@ -327,7 +328,7 @@ def bars(quick: bool = False, repeat: int | None = None) -> list[Bar]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small fragments, seconds")
-    parser.add_argument("--repeat", type=int, default=None, help="best of N (default 3, quick 2)")
+    parser.add_argument("--repeat", type=positive_int, default=None, help="best of N (default 3, quick 2)")
     args = parser.parse_args(argv)
     return print_bars(bars(quick=args.quick, repeat=args.repeat), title="merge bars")
 

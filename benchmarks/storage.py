@@ -29,6 +29,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 
+from benchmarks.args import positive_int
 from diloco_async.procs import stop_process
 from storage.store import ObjectStore
 
@@ -186,8 +187,8 @@ def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="object size in MiB")
-    parser.add_argument("--repeat", type=int, default=3, help="timed repeats of each (best is kept)")
+    parser.add_argument("--mib", type=positive_int, default=256, help="object size in MiB")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="timed repeats of each (best is kept)")
     args = parser.parse_args(argv)
     bench_storage(args.mib, args.repeat)
     return 0

@@ -68,6 +68,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.args import positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.sync_load_learners import RUN_ID, LoadResult, LoadSpec, _generator
 from diloco_async.client import TOKEN_ENV
@@ -318,10 +319,10 @@ def bars(quick: bool = False) -> list[Bar]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sync_load", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="32 learners for 5 s")
-    ap.add_argument("--learners", type=int, default=None, help="one load of N learners instead of the two")
-    ap.add_argument("--seconds", type=float, default=30.0, help="measured seconds (with --learners)")
-    ap.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat period (with --learners)")
-    ap.add_argument("--generators", type=int, default=2, help="load generator processes (with --learners)")
+    ap.add_argument("--learners", type=positive_int, default=None, help="one load of N learners instead of the two")
+    ap.add_argument("--seconds", type=positive_float, default=30.0, help="measured seconds (with --learners)")
+    ap.add_argument("--heartbeat-s", type=positive_float, default=None, help="heartbeat period (with --learners)")
+    ap.add_argument("--generators", type=positive_int, default=2, help="load generator processes (with --learners)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="with --learners: the same load first on a synchronizer run from DIR (e.g. "
                          "`git archive main | tar -x -C DIR`), printed as context")

@@ -10,7 +10,7 @@ import pytest
 
 import benchmarks
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name not in ("stats", "bars"))
+MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name not in ("stats", "bars", "args"))
 
 
 def test_the_benchmarks_are_found():
@@ -43,3 +43,36 @@ def test_bars_table_misses_a_missed_or_unmeasured_goal():
     assert print_bars([Bar("a ratio", 0.2, 0.25), Bar("context", 0.0, 1.0, shown=True)], out) == 1
     assert "MISS" in out.getvalue() and "shown" in out.getvalue()
     assert print_bars([Bar("never measured", None, 1.0)], io.StringIO()) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "2.5", "x"])
+def test_positive_int_refuses_what_is_not_a_count(value):
+    import argparse
+
+    from benchmarks.args import positive_int
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_int(value)
+
+
+def test_positive_float_refuses_zero_negative_and_non_finite():
+    import argparse
+
+    from benchmarks.args import non_negative_int, positive_float
+
+    assert positive_float("0.25") == 0.25 and non_negative_int("0") == 0
+    for value in ("0", "-1", "inf", "nan", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_float(value)
+
+
+@pytest.mark.parametrize("argv", [["benchmarks.sync_load", "--learners", "0"],
+                                  ["benchmarks.sync_load", "--learners", "8", "--seconds", "-1"],
+                                  ["benchmarks.merge", "--repeat", "0"]])
+def test_a_benchmark_refuses_a_bad_count_before_it_starts(argv):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"argument {argv[-2]}" in done.stderr and "must be" in done.stderr

@@ -1,0 +1,44 @@
+"""Argument types for the benchmarks' command lines: a count or a duration that must be positive
+is refused by argparse with its option's name (exit status 2), before any process starts, instead
+of failing deep inside a run or measuring nothing and reporting a miss."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["non_negative_int", "positive_float", "positive_int"]
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not finite")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count of learners, repeats, processes)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (warm-up steps)."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, minutes, a period)."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
