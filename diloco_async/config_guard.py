@@ -64,4 +64,5 @@ class GuardConfig(BaseModel):
     round_timeout_s: float = Field(
         300.0, gt=0, description="An open round without quorum is abandoned (reason round_timeout) and reopened "
         "after this many seconds; sooner (reason quorum_unreachable) once its live learners cannot make the "
-        "quorum for heartbeat_timeout_s.")
+        "quorum for heartbeat_timeout_s, and at once when enough learners are live but rejected "
+        "contributions stand in the way.")

@@ -16,24 +16,9 @@ from diloco_async.config import BudgetConfig
 from diloco_async.fragments import fragment_offset
 from diloco_async.messages import Announcement
 
-__all__ = [
-    "budget_spent_at_checkpoint",
-    "GraceDecision",
-    "grace_window",
-    "global_step",
-    "round_due_step",
-    "ScheduleDecision",
-    "schedule_rounds",
-    "schedule_shift",
-    "stuck_round_reason",
-    "budget_stop_reason",
-    "RoundStage",
-    "Admission",
-    "FragmentFacts",
-    "admit_announcement",
-    "RoundState",
-    "Ema",
-]
+__all__ = ["budget_spent_at_checkpoint", "GraceDecision", "grace_window", "global_step", "round_due_step",
+           "ScheduleDecision", "schedule_rounds", "schedule_shift", "stuck_round_reason", "budget_stop_reason",
+           "RoundStage", "Admission", "FragmentFacts", "admit_announcement", "RoundState", "Ema"]
 
 DUPLICATE_REASON = "already announced; acknowledged once, merged at most once"
 
@@ -181,12 +166,18 @@ def schedule_shift(*, g: int, shift: int, next_due: Sequence[int], sync_every: i
 
 
 def stuck_round_reason(*, now_s: float, opened_s: float, unreachable_since_s: float | None, timeout_s: float,
-                       unreachable_wait_s: float) -> str | None:
+                       unreachable_wait_s: float, enough_live: bool = False) -> str | None:
     """Why an open round without quorum should be abandoned (and reopened), or None.
 
     ``quorum_unreachable`` once its live learners could not make the quorum for
-    ``unreachable_wait_s`` (s) in a row; ``round_timeout`` once it has been open ``timeout_s`` (s).
+    ``unreachable_wait_s`` (s) in a row, the time a lost learner has to come back; at once when
+    ``enough_live`` (the live learners are at least the quorum, so only the contributions already
+    rejected stand in the way: a rejected learner cannot announce again in this round, and waiting
+    would only hold back the round that replaces it while the other fragments move on);
+    ``round_timeout`` once it has been open ``timeout_s`` (s).
     """
+    if unreachable_since_s is not None and enough_live:
+        return "quorum_unreachable: rejected contributions leave too few live learners to make the quorum"
     if unreachable_since_s is not None and now_s - unreachable_since_s >= unreachable_wait_s:
         return f"quorum_unreachable: the live learners cannot make the quorum since {now_s - unreachable_since_s:.1f}s"
     if now_s - opened_s >= timeout_s:

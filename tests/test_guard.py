@@ -186,6 +186,10 @@ def test_stuck_round_reasons_on_a_fake_clock():
     assert stuck_round_reason(now_s=105.0, unreachable_since_s=100.0, **kw).startswith("quorum_unreachable")
     assert stuck_round_reason(now_s=399.0, unreachable_since_s=None, **kw) is None
     assert stuck_round_reason(now_s=400.0, unreachable_since_s=None, **kw).startswith("round_timeout")
+    # enough learners live: only rejected contributions stand in the way, so no wait
+    why = stuck_round_reason(now_s=100.0, unreachable_since_s=100.0, enough_live=True, **kw)
+    assert why.startswith("quorum_unreachable") and "rejected" in why
+    assert stuck_round_reason(now_s=104.0, unreachable_since_s=None, enough_live=True, **kw) is None
 
 
 def test_quorum_reachable_counts_pending_and_silent_live_learners_not_rejected_ones():

@@ -317,7 +317,7 @@ class RoundDriver:
         log.info("fragment %d round %d abandoned (%s): %s", st.fragment, st.round_n, reason, detail)
 
     def _abandon_if_stuck(self, rnd: Round, now: float) -> bool:
-        """A round that cannot reach its quorum from the live learners (or waited round_timeout_s) is
+        """A round that cannot reach its quorum from the live learners (see stuck_round_reason) is
         abandoned and, when the live learners can make a quorum, reopened at once. True: abandoned."""
         st, live = rnd.state, self.registry.live_ids()
         if st.quorum_reachable(live):
@@ -325,7 +325,7 @@ class RoundDriver:
         elif st.unreachable_since_s is None:
             st.unreachable_since_s = now
         why = stuck_round_reason(now_s=now, opened_s=st.opened_s, unreachable_since_s=st.unreachable_since_s,
-                                 timeout_s=self.cfg.guard.round_timeout_s,
+                                 timeout_s=self.cfg.guard.round_timeout_s, enough_live=len(live) >= st.min_quorum,
                                  unreachable_wait_s=self.sc.heartbeat_timeout_s)
         if why is None:
             return False
