@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ __all__ = [
 
 #: URL schemes of ``run.store`` (storage.backends.PROTOCOLS and their fsspec aliases)
 STORE_SCHEMES = frozenset({"file", "local", "memory", "s3", "s3a", "gs", "gcs"})
+_SLASHLESS_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(.*)", re.DOTALL)  # a scheme of two letters or more, a colon
 
 
 class _Section(BaseModel):
@@ -76,6 +78,12 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _deployment_fields(self) -> RunConfig:
+        slashless = _SLASHLESS_URL.match(self.store)
+        if slashless and "://" not in self.store:  # s3:/bucket would be a local folder named "s3:"
+            scheme, rest = slashless[1], slashless[2]
+            rest = rest if scheme.lower() in ("file", "local") else rest.lstrip("/")  # file:/abs -> file:///abs
+            raise ValueError(f"run.store={self.store!r} starts with a URL scheme but has no '//' after it; did you "
+                             f"mean {scheme}://{rest}? A local folder is a plain path or file://PATH")
         scheme = self.store.split("://", 1)[0].lower() if "://" in self.store else "file"
         if scheme not in STORE_SCHEMES:
             raise ValueError(f"run.store={self.store!r}: unknown URL scheme {scheme!r}; known: "

@@ -184,6 +184,19 @@ def test_pyproject_lists_every_package_and_ships_configs():
     assert recipe_dirs <= mapped, f"map into diloco_recipes: {sorted(recipe_dirs - mapped)}"
 
 
+@pytest.mark.parametrize(("store", "meant"), [("s3:/bad", "s3://bad"), ("gs:bucket/runs", "gs://bucket/runs"),
+                                              ("file:/tmp/runs", "file:///tmp/runs"), ("memory:", "memory://")])
+def test_config_refuses_a_store_url_without_its_slashes(store, meant):
+    """s3:/bucket was taken as a local folder named "s3:" and trained there (a fresh-clone check)."""
+    from diloco_async.config import load_config
+
+    with pytest.raises(ValueError, match="run.store") as err:
+        load_config("configs/default.toml", [f"run.store={store}"])
+    assert "no '//'" in str(err.value) and f"did you mean {meant}?" in str(err.value)
+    for fine in ("runs/store", "/tmp/runs", "./s3/runs", "file:///tmp/runs", "s3://bucket/runs"):
+        assert load_config("configs/default.toml", [f"run.store={fine}"]).run.store == fine
+
+
 @pytest.mark.parametrize("store", ["ftp://x", "http://bucket/runs", "sftp://host/runs"])
 def test_config_refuses_an_unknown_store_scheme(store):
     from diloco_async.config import load_config
