@@ -74,7 +74,12 @@ def test_sigkill_one_of_three_learners(tmp_path):
                                                        "--index", str(i), "--sync-url", url,
                                                        "--store", f"file://{tmp_path}/store"],
                                        learner_env("itest", f"learner-{i}"))
-        wait_until(lambda: fetch_status(url)["merges"] >= 6, 60, "six merges with three learners")
+
+        def six_merges_all_three_live() -> bool:  # learner-2 may join after the others have merged six times
+            st = fetch_status(url)
+            lives = [st["learners"].get(f"learner-{i}", {}).get("live") for i in range(3)]
+            return st["merges"] >= 6 and all(lives)
+        wait_until(six_merges_all_three_live, 90, "six merges with three learners live")
         killed_ms = int(time.time() * 1000)  # metric timestamps are unix ms of the same machine
         procs[2].kill()
         killed_at = fetch_status(url)
