@@ -224,19 +224,27 @@ async def test_a_step_time_of_1e9_s_is_refused_at_the_edge():
 
 # -- stuck rounds, counts at stop ---------------------------------------------------------------
 
+async def reject_b_then_merge_round_2(client, store) -> dict:
+    """Quorum 3 of 3: a's update and b's NaN one to fragment 0's round 1, which can then never make
+    it; once round 2 opens (within 10 s), all three merge there. Returns the status at that opening."""
+    plan = await join_and_step(client)
+    await wait_open(client, 0, 1)
+    await accepted(client, announcement(store, plan, "a"))
+    nan = {n: torch.full_like(t, float("nan")) for n, t in fragment_delta(plan, 0, 2).items()}
+    await accepted(client, announce_bytes(store, "b", wire.encode_to_bytes(nan, "fp32", {})))
+    await wait_open(client, 0, 2)
+    opened = await status(client)
+    for lid in LEARNERS:
+        await accepted(client, announcement(store, plan, lid, 0, 2))
+    st = await wait_version(client, 0, 1)
+    assert st["contributions_merged"] == 3
+    return opened
+
+
 async def test_a_round_that_cannot_reach_quorum_is_abandoned_and_reopened():
     cfg = small_config(**{"synchronizer.min_quorum": 3, "guard.round_timeout_s": 1.0})
     async with running(cfg) as (_sync, client, store):
-        plan = await join_and_step(client)
-        await wait_open(client, 0, 1)
-        await accepted(client, announcement(store, plan, "a"))
-        nan = {n: torch.full_like(t, float("nan")) for n, t in fragment_delta(plan, 0, 2).items()}
-        await accepted(client, announce_bytes(store, "b", wire.encode_to_bytes(nan, "fp32", {})))
-        await wait_open(client, 0, 2)  # round 1 could never make 3 of 3: abandoned, reopened at once
-        for lid in LEARNERS:
-            await accepted(client, announcement(store, plan, lid, 0, 2))
-        st = await wait_version(client, 0, 1)
-        assert st["contributions_merged"] == 3
+        await reject_b_then_merge_round_2(client, store)
 
         async def timed_out():  # fragment 1's round 1, unanswered, after round_timeout_s
             st = await status(client)
@@ -249,21 +257,10 @@ async def test_a_rejected_update_that_puts_the_quorum_out_of_reach_reopens_the_r
     """Three live learners, quorum 3: once b's update is rejected, round 1 can never make it (b cannot
     announce again). It is abandoned and reopened at once, not after heartbeat_timeout_s (60 s here)
     or round_timeout_s (300 s), so one rejected update does not hold its fragment back."""
-    cfg = small_config(**{"synchronizer.min_quorum": 3})
-    async with running(cfg) as (_sync, client, store):
-        plan = await join_and_step(client)
-        await wait_open(client, 0, 1)
-        await accepted(client, announcement(store, plan, "a"))
-        nan = {n: torch.full_like(t, float("nan")) for n, t in fragment_delta(plan, 0, 2).items()}
-        await accepted(client, announce_bytes(store, "b", wire.encode_to_bytes(nan, "fp32", {})))
-        await wait_open(client, 0, 2)  # within 10 s
-        st = await status(client)
-        assert st["rounds_abandoned_by_reason"] == {"quorum_unreachable": 1}
-        assert st["rejected_by_reason"] == {"non_finite": 1}
-        for lid in LEARNERS:
-            await accepted(client, announcement(store, plan, lid, 0, 2))
-        st = await wait_version(client, 0, 1)
-        assert st["contributions_merged"] == 3
+    async with running(small_config(**{"synchronizer.min_quorum": 3})) as (_sync, client, store):
+        opened = await reject_b_then_merge_round_2(client, store)
+    assert opened["rounds_abandoned_by_reason"] == {"quorum_unreachable": 1}
+    assert opened["rejected_by_reason"] == {"non_finite": 1}
 
 
 async def test_rounds_abandoned_and_verifications_dropped_at_stop_are_counted():
