@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tomllib
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -39,7 +39,6 @@ __all__ = [
 
 #: URL schemes of ``run.store`` (storage.backends.PROTOCOLS and their fsspec aliases)
 STORE_SCHEMES = frozenset({"file", "local", "memory", "s3", "s3a", "gs", "gcs"})
-_SLASHLESS_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(.*)", re.DOTALL)  # a scheme of two letters or more, a colon
 
 
 class _Section(BaseModel):
@@ -78,9 +77,9 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _deployment_fields(self) -> RunConfig:
-        slashless = _SLASHLESS_URL.match(self.store)
-        if slashless and "://" not in self.store:  # s3:/bucket would be a local folder named "s3:"
-            scheme, rest = slashless[1], slashless[2]
+        url = urlsplit(self.store)
+        if len(url.scheme) > 1 and "://" not in self.store:  # s3:/bucket would be a local folder named "s3:"
+            scheme, rest = url.scheme, self.store.split(":", 1)[1]  # one letter is a Windows drive, C:/x
             rest = rest if scheme.lower() in ("file", "local") else rest.lstrip("/")  # file:/abs -> file:///abs
             raise ValueError(f"run.store={self.store!r} starts with a URL scheme but has no '//' after it; did you "
                              f"mean {scheme}://{rest}? A local folder is a plain path or file://PATH")
