@@ -223,3 +223,22 @@ def test_lower_thread_priority_renices_only_the_calling_thread():
     worker.join(10)
     assert seen["new"] == seen["after"] == min(19, seen["before"] + 3)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+
+
+def test_the_learner_process_sets_its_switch_interval_threads_and_heap_before_anything_runs():
+    """A learner's background threads hand the GIL back within 0.5 ms, not CPython's 5 ms (issue 17):
+    ``main`` applies it even when it then refuses to start (no token), as in every learner and rank."""
+    import subprocess
+    import sys
+
+    from diloco_async.client import LEARNER_TOKEN_ENV
+    from diloco_async.learner.main import LEARNER_SWITCH_INTERVAL_S
+
+    code = ("import sys, torch; from diloco_async.learner.main import main; "
+            "rc = main(['--learner-id', 'l0', '--index', '0', '--sync-url', 'http://127.0.0.1:9', "
+            "'--store', 'memory://x']); print(rc, sys.getswitchinterval(), torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != LEARNER_TOKEN_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    rc, interval, threads = out.stdout.split()
+    assert (rc, float(interval), threads) == ("2", LEARNER_SWITCH_INTERVAL_S, "1"), out.stderr[-2000:]
+    assert LEARNER_SWITCH_INTERVAL_S < 0.005
