@@ -152,7 +152,9 @@ class _Learner:
             delta = {s.name: torch.full(s.shape, 1e-3) for s in self.plans["plan"].fragments[p]}
             data = self.payloads[p] = wire.encode_to_bytes(delta, "fp32", {})
         key = keys.contribution_key(RUN_ID, p, n, self.lid, uuid.uuid4().hex[:8])
-        ref = await asyncio.to_thread(self.store.put, key, data)
+        # written on the loop, not in a worker thread: a real learner uploads in its own process, and
+        # here 500 learners' puts in the thread pool held the GIL while this loop timed other requests
+        ref = self.store.put(key, data)  # ~1.5 KiB to /dev/shm
         c_steps = 4
         body = {"learner_id": self.lid, "fragment": p, "round_n": n, "base_version": version, "c_steps": c_steps,
                 "c_tokens": c_steps * 8, "compute_s": c_steps / STEPS_PER_S, "key": ref.key, "nbytes": ref.nbytes,
