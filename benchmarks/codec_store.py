@@ -186,7 +186,7 @@ def bars(quick: bool = False) -> list[Bar]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.codec_store", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller tensor and object, fewer repeats")
     parser.add_argument("--codec-times", metavar="JSON", help=argparse.SUPPRESS)  # the child of bench_codecs
     args = parser.parse_args(argv)

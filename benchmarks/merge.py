@@ -326,7 +326,7 @@ def bars(quick: bool = False, repeat: int | None = None) -> list[Bar]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.merge", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small fragments, seconds")
     parser.add_argument("--repeat", type=positive_int, default=None, help="best of N (default 3, quick 2)")
     args = parser.parse_args(argv)

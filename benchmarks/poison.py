@@ -99,7 +99,7 @@ def _bars(bases: list[dict], runs: dict[str, list[dict]]) -> list[tuple[str, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.poison", description=__doc__.strip().splitlines()[0])
     ap.add_argument("--config", default="configs/default.toml")
     ap.add_argument("--modes", default="scale,sign_flip,constant")
     ap.add_argument("--max-steps", type=int, default=1200, help="budget.max_steps of every run")

@@ -186,7 +186,7 @@ def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=positive_int, default=256, help="object size in MiB")
     parser.add_argument("--repeat", type=positive_int, default=3, help="timed repeats of each (best is kept)")
     args = parser.parse_args(argv)

@@ -23,6 +23,18 @@ def test_benchmark_imports_and_has_main(name):
     assert callable(getattr(module, "main", None)), f"benchmarks.{name} has no main()"
 
 
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmark_usage_names_the_command_that_runs_it(name):
+    """`python -m benchmarks.merge --help` said `usage: merge.py`: argparse's default program name
+    under ``-m`` is the file's, which cannot be run from the repository root."""
+    import re
+    from pathlib import Path
+
+    source = (Path(benchmarks.__path__[0]) / f"{name}.py").read_text()
+    for call in re.findall(r"ArgumentParser\(([^\n]*)", source):
+        assert f'prog="python -m benchmarks.{name}"' in call, f"benchmarks/{name}.py: ArgumentParser({call}"
+
+
 def test_mean_interval():
     from benchmarks.stats import mean_interval
 
