@@ -316,6 +316,13 @@ class RoundState:
             entry.verified = bool(ok)
             self.counts[entry.verified] += 1
 
+    def refuse(self, learner: str, key: str, now_s: float) -> None:
+        """A learner's announcement refused before admission counts as a failed contribution: it
+        will not announce again in this round, so the quorum no longer waits for it."""
+        if self.stage in (RoundStage.OPEN, RoundStage.GRACE) and learner not in self.entries:
+            self.announce(learner, key, now_s)
+            self.settle(learner, False)
+
     def quorum_met(self) -> bool:
         return self.counts[True] >= self.min_quorum
 

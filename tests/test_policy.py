@@ -280,3 +280,23 @@ def test_round_counts_follow_announce_and_settle_and_the_checks_read_only_what_t
     quorum.settle("b", False)
     assert quorum.quorum_reachable(live(["a", "b", "c", "d"] + [f"l{i}" for i in range(1000)]))
     assert not quorum.quorum_reachable(iter(["a", "b", "c"]))
+
+
+def test_a_learner_refused_before_admission_no_longer_counts_towards_the_quorum():
+    """An honest fast learner's first contribution refused as implausible_steps (a heartbeat ~1 s
+    stale) left its round waiting for it at 1/2 until the step budget ended the run with no merge:
+    the refusal happened before admission, so the round still counted it as able to announce."""
+    from diloco_async.policy import RoundStage, RoundState
+
+    rnd = RoundState(fragment=0, round_n=1, opened_s=0.0, min_quorum=2)
+    rnd.announce("a", "ka", 0.0)
+    rnd.settle("a", True)
+    assert rnd.quorum_reachable(["a", "b"])
+    rnd.refuse("b", "kb", 1.0)
+    assert not rnd.quorum_reachable(["a", "b"]) and rnd.counts == {None: 0, True: 1, False: 1}
+    assert rnd.announce("b", "kb2", 2.0).status == "rejected"  # it cannot answer this round again
+    rnd.refuse("a", "ka", 3.0)  # an admitted contribution keeps its verification outcome
+    assert rnd.counts[True] == 1 and rnd.verified == ["a"]
+    rnd.stage = RoundStage.MERGING
+    rnd.refuse("c", "kc", 4.0)  # the round is closed: neither an entry nor a late one
+    assert "c" not in rnd.entries and rnd.late == []

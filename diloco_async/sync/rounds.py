@@ -1,9 +1,8 @@
 """The rounds of the synchronizer actor (DESIGN §3.2-§3.7): schedule and open them, admit and
 verify contributions, close them on quorum and grace, merge and publish, apply the result.
 
-:class:`RoundDriver` is the part of :class:`~diloco_async.sync.actor.Synchronizer` that runs
-rounds, on the actor's state and task only. The decisions are the pure functions of
-:mod:`diloco_async.policy`; the blocking work is :mod:`diloco_async.sync.work`."""
+:class:`RoundDriver` runs the rounds of :class:`~diloco_async.sync.actor.Synchronizer` on the actor's state and task
+only; decisions are :mod:`diloco_async.policy`'s, blocking work :mod:`diloco_async.sync.work`'s."""
 
 from __future__ import annotations
 
@@ -161,8 +160,7 @@ class RoundDriver:
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
         if adm.status == "duplicate":
             self.report.count("duplicates")
-            log.info("duplicate announcement learner=%s fragment=%d round=%d: acknowledged, not merged again",
-                     lid, p, n)
+            log.info("duplicate announcement learner=%s fragment=%d round=%d: not merged again", lid, p, n)
             return AnnouncementAck(status="duplicate", reason=adm.reason)
         if adm.status == "late":
             self.registry.ledgers[lid].count("late")
@@ -197,6 +195,8 @@ class RoundDriver:
     def _reject(self, learner: str, reason: str, detail: str, p: int = -1, n: int = -1,
                 ann: Announcement | None = None) -> AnnouncementAck:
         self._decided(learner, p, n, "rejected", f"{reason}: {detail}" if detail else reason, ann)
+        if (rnd := self.rounds.get((p, n))) is not None and ann is not None and learner in self.registry:
+            rnd.state.refuse(learner, ann.key, self.clock())  # refused before admission: the quorum stops waiting
         if learner in self.registry.ledgers:
             self.registry.ledgers[learner].count("rejected")
         log.warning("rejected contribution learner=%s fragment=%d round=%d: %s (%s)", learner, p, n, reason, detail)
