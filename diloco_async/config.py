@@ -80,7 +80,7 @@ class RunConfig(_Section):
         url = urlsplit(self.store)
         if len(url.scheme) > 1 and "://" not in self.store:  # s3:/bucket would be a local folder named "s3:"
             scheme, rest = url.scheme, self.store.split(":", 1)[1]  # one letter is a Windows drive, C:/x
-            rest = rest if scheme.lower() in ("file", "local") else rest.lstrip("/")  # file:/abs -> file:///abs
+            rest = rest if scheme in ("file", "local") else rest.lstrip("/")  # file:/abs -> file:///abs
             raise ValueError(f"run.store={self.store!r} starts with a URL scheme but has no '//' after it; did you "
                              f"mean {scheme}://{rest}? A local folder is a plain path or file://PATH")
         scheme = self.store.split("://", 1)[0].lower() if "://" in self.store else "file"
