@@ -196,7 +196,7 @@ class RoundDriver:
                 ann: Announcement | None = None) -> AnnouncementAck:
         self._decided(learner, p, n, "rejected", f"{reason}: {detail}" if detail else reason, ann)
         if (rnd := self.rounds.get((p, n))) is not None and ann is not None and learner in self.registry:
-            rnd.state.refuse(learner, ann.key, self.clock())  # refused before admission: the quorum stops waiting
+            rnd.state.refuse(learner, ann.key, self.clock())  # not admitted: the quorum stops waiting for it
         if learner in self.registry.ledgers:
             self.registry.ledgers[learner].count("rejected")
         log.warning("rejected contribution learner=%s fragment=%d round=%d: %s (%s)", learner, p, n, reason, detail)
