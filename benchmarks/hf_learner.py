@@ -1,10 +1,11 @@
 """`make bench-hf`: tokens/s of one learner running the HF CPU recipe inside a run, against the
 same model in a plain torch loop with the same batch, both measured in this run.
 
-* plain loop: the recipe's model (``build_run_model``), AdamW with the recipe's learning rate and
-  weight decay, forward, backward, clip, step on the recipe's batches, in this process with the
-  learner's thread count; measured before and after the run (their mean is the baseline, so a
-  change of machine load during the run shows as a gap between the two);
+* plain loop: the learner's own inner step (``Workload.step``: the recipe's model, AdamW with the
+  recipe's learning rate and weight decay, forward, backward, clip, step) on learner-0's batches,
+  on its device and precision, in this process with the learner's thread count; measured before
+  and after the run (their mean is the baseline, so a change of machine load during the run
+  shows as a gap between the two);
 * inside a run: a synchronizer and one learner (``learners.count = 1``) as processes over a
   file:// store, for ``--run-s`` seconds; tokens/s from the learner's timeline (its step records,
   first ``--warmup-steps`` skipped): everything between two steps (adopting versions, outer
@@ -14,7 +15,10 @@ Bar: inside / plain >= 0.95, on the mean over ``--repeats`` (each repeat measure
 plain again), printed with its 95% t-interval. Exit status 1 on a miss.
 
 Usage: python -m benchmarks.hf_learner [--config configs/hf-llama-cpu.toml] [--run-s 75] [--plain-s 25]
-       [--repeats 3]
+       [--repeats 3] [--set section.field=value ...]
+
+``--set`` changes the recipe for both sides, e.g. on a GPU machine
+``--config configs/gpt2-gpu.toml --set 'learners.device="cuda"' --set learners.count=1``.
 """
 
 from __future__ import annotations
@@ -30,39 +34,38 @@ import torch
 from benchmarks.args import non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
 from diloco_async.config import Config, load_config
-from diloco_async.models import build_run_model, trainable_parameters
+from diloco_async.learner.group import place_workload
+from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.timeline import read_records
-from diloco_async.tokens import Corpus, open_corpus
-from diloco_async.workload import data_generator, inner_optimizer
+from diloco_async.workload import Workload
 
 GOAL = 0.95
 
 
 def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> tuple[float, int]:
-    """Tokens/s of the bare training loop after ``warmup_steps``; and the steps timed."""
+    """Tokens/s of learner-0's inner steps alone, after ``warmup_steps``; and the steps timed.
+
+    The learner's own :class:`~diloco_async.workload.Workload` (the recipe's model, AdamW, warm-up,
+    clipping) on learner-0's shard, placed on learner-0's device and precision as the learner places
+    it, stepped in this process with ``learners.threads`` threads and nothing else: no synchronizer,
+    no comms thread, no snapshots. Each step ends with the loss read back (a device sync on a GPU),
+    as in the learner.
+    """
     torch.set_num_threads(cfg.learners.threads)
-    model = build_run_model(cfg)
-    params = list(trainable_parameters(model).values())
-    opt = inner_optimizer(params, lr=cfg.learners.lr, weight_decay=cfg.learners.weight_decay)
-    corpus = open_corpus(cfg.data, cfg.model.context, cfg.model.vocab_size)
-    shard, gen = corpus.shard(0, 1), data_generator(cfg.run.seed, 0, 0)
-    lc, ctx = cfg.learners, cfg.model.context
+    workload = Workload.from_config(cfg, 0, 0)
+    place_workload(workload, cfg, 0)
+    workload.load_data(cfg, 0)
     steps, t_start = 0, 0.0
     deadline = None
     while deadline is None or time.perf_counter() < deadline:
         if steps == warmup_steps:
             t_start = time.perf_counter()
             deadline = t_start + seconds
-        x, y = Corpus.sample(shard, lc.batch_size, ctx, gen)
-        loss = model.loss(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, lc.grad_clip)
-        opt.step()
+        workload.step(steps)
         steps += 1
     timed = steps - warmup_steps
-    return timed * lc.batch_size * ctx / (time.perf_counter() - t_start), timed
+    return timed * workload.tokens_per_step / (time.perf_counter() - t_start), timed
 
 
 def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warmup_steps: int,
@@ -82,10 +85,16 @@ def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warm
             time.sleep(1.0)
     finally:
         run.stop_all()
+    for log in sorted((run.workdir / "logs").glob("learner-0*.log")):
+        ready = [line for line in log.read_text(errors="replace").splitlines() if " ready: " in line]
+        print(ready[-1].split(" ready: ", 1)[-1][:200] if ready else f"{log.name}: no ready line", flush=True)
     steps = sorted((r for r in read_records(run.workdir / "timeline" / "learner-0.jsonl") if r["kind"] == "step"),
                    key=lambda r: r["step"])[warmup_steps:]
     if len(steps) < 2:
-        raise RuntimeError(f"the learner made {len(steps)} steps after warm-up; see {run.workdir / 'logs'}")
+        tails = "".join(f"\n--- {log.name} (last lines)\n"
+                        + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                        for log in sorted((run.workdir / "logs").glob("*.log")))
+        raise RuntimeError(f"the learner made {len(steps)} steps after warm-up; logs in {run.workdir / 'logs'}{tails}")
     # from the start of the first timed step to the start of the last: every gap between steps counts
     tokens = sum(r["tokens"] for r in steps[:-1])
     span_s = steps[-1]["t0"] - steps[0]["t0"]
@@ -102,19 +111,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup-steps", type=non_negative_int, default=5)
     ap.add_argument("--repeats", type=positive_int, default=3,
                     help="measurements of (plain, run, plain), for an interval")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a recipe setting for the plain loop and the run (repeatable)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         config = args.config
-        cfg = load_config(config)
+        cfg = load_config(config, args.overrides)
         n_params = sum(p.numel() for p in build_run_model(cfg).parameters())
         print(f"model {cfg.model.kind}/{cfg.model.hf.architecture}: {n_params / 1e6:.2f}M parameters, batch "
-              f"{cfg.learners.batch_size} x {cfg.model.context} tokens, {cfg.learners.threads} thread(s)", flush=True)
+              f"{cfg.learners.batch_size} x {cfg.model.context} tokens, {cfg.learners.threads} thread(s), "
+              f"{cfg.learners.device_of(0)} {cfg.learners.precision}", flush=True)
         ratios, plains, insides = [], [], []
         for rep in range(args.repeats):
             before, n_before = plain_loop_tokens_per_s(cfg, args.plain_s, args.warmup_steps)
             print(f"[{rep}] plain loop (before): {before:9.1f} tokens/s over {n_before} steps", flush=True)
-            inside, n_inside = in_run_tokens_per_s(config, Path(tmp) / f"r{rep}", args.run_s, args.warmup_steps)
+            inside, n_inside = in_run_tokens_per_s(config, Path(tmp) / f"r{rep}", args.run_s, args.warmup_steps,
+                                                  tuple(args.overrides))
             print(f"[{rep}] learner in a run:    {inside:9.1f} tokens/s over {n_inside} steps", flush=True)
             after, n_after = plain_loop_tokens_per_s(cfg, args.plain_s, args.warmup_steps)
             print(f"[{rep}] plain loop (after):  {after:9.1f} tokens/s over {n_after} steps", flush=True)
