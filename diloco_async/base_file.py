@@ -16,6 +16,11 @@ A :class:`BaseFile` is a read-only ``Mapping[str, Tensor]`` (each lookup reads t
 code written for dicts of tensors (:func:`~diloco_async.learner.rules.outer_gradient`,
 :func:`~diloco_async.version_codec.apply_decoded`) takes it as it is. Its file is deleted when
 the last reference to it goes (an adopted version replaces the previous one).
+
+A learner whose parameters live on an accelerator keeps its base copies in RAM instead
+(:class:`HeldBase`, chosen by :func:`keep_base`): its host memory holds no other copy of the model,
+and the file read and sha256 of every tensor at every contribution and adoption, on the training
+thread, were the largest cost between its inner steps on a GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BaseFile", "BaseFileError", "LazyTensor", "base_folder", "to_base_file"]
+__all__ = ["BaseFile", "BaseFileError", "HeldBase", "LazyTensor", "base_folder", "keep_base", "to_base_file"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -190,6 +195,52 @@ class LazyTensor:
     def load(self) -> torch.Tensor:
         """The tensor, read from its file (raises :class:`BaseFileError` as a lookup does)."""
         return self.source[self.name]
+
+
+class HeldBase(Mapping[str, torch.Tensor]):
+    """One fragment version's tensors held in RAM, on CPU, with :class:`BaseFile`'s read API: the
+    base copies of a learner whose parameters, gradients and moments live on an accelerator, so
+    that its host memory holds this one copy of the model and nothing else of that size.
+
+    ``base[name]`` is the held tensor itself, not a copy: the learner's code only reads its base
+    copies (:func:`~diloco_async.learner.rules.outer_gradient`, ``adopt``, ``apply_decoded``).
+    Measured on an H200 with GPT-2 small (98M parameters, 8 fragments): with base files, reading
+    them back took 12% of the learner's wall time on the training thread (py-spy), most of the
+    between-step time of a learner at 0.80 of its plain loop's tokens/s.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``. KeyError for an unknown name."""
+        return tuple(self._tensors[name].shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all its tensors (in RAM)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+def keep_base(tensors: Mapping[str, torch.Tensor], learner_id: str, *, in_ram: bool) -> BaseFile | HeldBase:
+    """A learner's base copy of a fragment version: held in RAM (:class:`HeldBase`) when
+    ``in_ram`` (the learner's parameters are on an accelerator), else in a local file
+    (:func:`to_base_file`). A BaseFile or HeldBase is returned as it is."""
+    if isinstance(tensors, BaseFile | HeldBase):
+        return tensors
+    return HeldBase(tensors) if in_ram else to_base_file(tensors, learner_id)
 
 
 def to_base_file(tensors: Mapping[str, torch.Tensor], learner_id: str) -> BaseFile:

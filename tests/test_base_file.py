@@ -1,7 +1,8 @@
 """A learner's base copies live in local files, not in RAM (issue 17 item 3): Δ taken from the
 file is bit for bit Δ taken from RAM, a missing or altered file raises a clear error (never a
 wrong Δ), the inner-state spool writes the base from the file exactly, and the file goes with
-its last reference."""
+its last reference. A learner whose parameters are on an accelerator keeps them in RAM instead
+(HeldBase), with the same reads."""
 
 import gc
 import os
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco_async.base_file import BaseFile, BaseFileError, LazyTensor, base_folder
+from diloco_async.base_file import BaseFile, BaseFileError, HeldBase, LazyTensor, base_folder, keep_base
 from diloco_async.heap import release_free_memory
 from diloco_async.inner_state import capture, restore
 from diloco_async.learner.rules import adopt, encoded_outer_gradient, outer_gradient
@@ -133,3 +134,40 @@ def test_base_folders_of_gone_processes_are_removed(tmp_path):
     (dead / "base-1.bin").write_bytes(b"\0" * 8)
     assert remove_dead_spool_folders("lrn-x", parent=str(tmp_path)) == [str(dead)]
     assert os.path.isdir(mine) and not dead.exists()
+
+
+def test_keep_base_holds_in_ram_only_when_asked_and_reads_like_a_file():
+    base = awkward(2)
+    theta = {n: t + torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) * 1e-3 for n, t in base.items()}
+    in_file, in_ram = keep_base(base, "lrn-h", in_ram=False), keep_base(base, "lrn-h", in_ram=True)
+    assert isinstance(in_file, BaseFile) and isinstance(in_ram, HeldBase)
+    assert keep_base(in_ram, "lrn-h", in_ram=False) is in_ram and keep_base(in_file, "lrn-h", in_ram=True) is in_file
+    assert list(in_ram) == list(base) and len(in_ram) == len(base) and "scale" in in_ram and "nope" not in in_ram
+    assert all(in_ram.shape_of(n) == in_file.shape_of(n) == tuple(t.shape) for n, t in base.items())
+    assert in_ram.nbytes == in_file.nbytes
+    for n in base:
+        assert torch.equal(bits(in_ram[n]), bits(in_file[n])), n
+    a, b = outer_gradient(in_ram, theta), outer_gradient(in_file, theta)
+    assert all(torch.equal(bits(a[n]), bits(b[n])) for n in theta)
+    for codec in ("int8", "bf16"):
+        ea, eb = encoded_outer_gradient(in_ram, theta, codec), encoded_outer_gradient(in_file, theta, codec)
+        assert ea.keys() == eb.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
+    d = {n: torch.full_like(t, 0.25) for n, t in base.items()}
+    new_ram, new_file = apply_decoded(d, in_ram), apply_decoded(d, in_file)
+    assert all(torch.equal(bits(new_ram[n]), bits(new_file[n])) for n in d)
+    moved = adopt("rebase", theta, new_ram, base=in_ram)
+    assert all(torch.equal(bits(moved[n]), bits(theta[n] + (new_ram[n] - base[n]))) for n in base)
+    assert all(torch.equal(bits(in_ram[n]), bits(base[n])) for n in base)  # read, never written
+
+
+def test_the_spool_writes_a_base_held_in_ram_exactly(tmp_path):
+    model = torch.nn.Linear(48, 64)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    params = dict(model.named_parameters())
+    ram = {"weight": awkward(5)["blocks.0.w"], "bias": torch.randn(64)}
+    state = capture(params, opt, torch.Generator(), step=1, base_tensors={2: HeldBase(ram)}, base_versions={2: 4},
+                    counters={})
+    path = tmp_path / "state.safetensors"
+    spool_state(state.tensors, path, consume=True)
+    loaded = load_file(str(path))
+    assert all(torch.equal(bits(loaded[f"base/2/{n}"]), bits(t)) for n, t in ram.items())

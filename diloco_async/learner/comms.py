@@ -23,7 +23,7 @@ import aiohttp
 import torch
 
 from diloco_async import version_codec
-from diloco_async.base_file import BaseFile, to_base_file
+from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.config import Config
 from diloco_async.heap import release_free_memory
@@ -74,7 +74,8 @@ class Comms:
         self.client = SyncClient(sync_url, token, before_post=self._before_post, link_delay_s=link_delay_s)
         self.uploads = Uploads(learner_id, incarnation, store, shared)
         self._downloading: dict[int, int] = {}
-        self._held: dict[int, tuple[int, BaseFile]] = {}  # fragment -> newest value downloaded
+        self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
+        self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
         self._fetch_locks: dict[int, asyncio.Lock] = {}
         # one version decoded at a time, and not while an upload holds its buffers (Uploads.io_slot):
         # one fragment's fp32 in flight
@@ -102,13 +103,14 @@ class Comms:
         if lc.control_delay_s > 0 or lc.control_drop_prob > 0:
             self.faults = ControlFaults(lc.control_delay_s, lc.control_drop_prob, chaos_rng)
 
-    def fetch_version(self, v: VersionInfo) -> BaseFile:
+    def fetch_version(self, v: VersionInfo) -> BaseFile | HeldBase:
         """Download and decode a published version (blocking; verifies size and sha256): its
         compact form when there is one this learner can rebuild exactly (a whole one, or a delta
         from the version it holds; :mod:`diloco_async.version_codec`), else the fp32 value
         streamed into tensors allocated once (:func:`diloco_async.versions.read_version`). Either
         way the result is the synchronizer's published value bit for bit, kept in a local file
-        (:class:`~diloco_async.base_file.BaseFile`), not in RAM. Counts the bytes and seconds
+        (:class:`~diloco_async.base_file.BaseFile`), not in RAM, unless ``base_in_ram``
+        (:class:`~diloco_async.base_file.HeldBase`). Counts the bytes and seconds
         (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:
@@ -121,7 +123,7 @@ class Comms:
             tensors, nbytes = read_version(self.store, ObjectRef(v.key, v.nbytes, v.sha256), self.shapes[v.fragment]), \
                 v.nbytes
         self.shared.link.record("down", v.fragment, nbytes, time.monotonic() - t0)
-        tensors = to_base_file(tensors, self.learner_id)  # the decoded fp32 is freed on return
+        tensors = keep_base(tensors, self.learner_id, in_ram=self.base_in_ram)  # a file: the decoded fp32 is freed
         with self.shared.lock:
             self.shared.stats.bytes_down += nbytes
             held = self._held.get(v.fragment)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from diloco_async.base_file import BaseFile, to_base_file
+from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError
 from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_differences
@@ -109,6 +109,7 @@ class Learner:
         torch.set_num_threads(cfg.learners.threads)
         workload = self.make_workload(cfg, self.index, self.incarnation)
         device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
+        self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
         plan = self._check_plan(cfg, jr, workload)
         loop = self._start_point(cfg, jr, workload, plan)
         if self.group is not None:
@@ -116,10 +117,10 @@ class Learner:
             self.group.wrap(workload)
         sh.ready.set()
         shard_tokens = workload.load_data(cfg, self.index)
-        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), versions %s",
-                 self.learner_id, self.index, cfg.learners.count, shard_tokens,
+        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), base copies %s, "
+                 "versions %s", self.learner_id, self.index, cfg.learners.count, shard_tokens,
                  sum(p.numel() for p in workload.params.values()), device, cfg.learners.precision, workload.world,
-                 sh.base)
+                 "in RAM" if self.comms.base_in_ram else "in local files", sh.base)
         if cfg.learners.nice_after_ready:
             os.nice(cfg.learners.nice_after_ready)
         self.recorder.record("ready", step=loop.step, restored=self._restored_step)
@@ -179,8 +180,9 @@ class Learner:
             # The base copies come from the saved state, never from the weights present now (C03).
             local_step, base_tensors, versions, counters = workload.restore(
                 InnerState(saved.tensors, saved.manifest["inner"]))
-            saved.tensors.clear()  # the restored base copies go to local files, out of RAM
-            base_tensors = {p: to_base_file(t, self.learner_id) for p, t in base_tensors.items()}
+            saved.tensors.clear()  # the restored base copies go to local files, out of RAM (on CPU)
+            base_tensors = {p: keep_base(t, self.learner_id, in_ram=self.comms.base_in_ram)
+                            for p, t in base_tensors.items()}
             self.shared.base.update(versions)
             start_step = max(start_step, local_step)
             self._restored_step = local_step
@@ -194,7 +196,7 @@ class Learner:
                          counters=counters, start_step=start_step, restored=saved is not None, group=self.group)
 
     def _rebase_to_join(self, versions: list[VersionInfo], workload: Workload,
-                        base_tensors: dict[int, BaseFile],
+                        base_tensors: dict[int, BaseFile | HeldBase],
                         counters: dict[int, tuple[int, int, float]]) -> None:
         """Move restored progress onto the versions named at join (issue 14 item 7), in place.
 
@@ -225,7 +227,7 @@ class Learner:
                         v.version, f"rebased its {counters.get(p, (0,))[0]} saved steps onto v{v.version}" if keep
                         else "saved progress discarded (no saved base to rebase from)")
 
-    def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, BaseFile]:
+    def _load_versions(self, versions: list[VersionInfo], workload: Workload) -> dict[int, BaseFile | HeldBase]:
         """Copy the versions named at join into the model; returns them as the base tensors."""
         base_tensors = {}
         with torch.no_grad():
@@ -237,7 +239,7 @@ class Learner:
                 self.shared.base[v.fragment] = v.version
         return base_tensors
 
-    def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[BaseFile, VersionInfo]:
+    def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[BaseFile | HeldBase, VersionInfo]:
         """Download the version named at join; if garbage collection removed it meanwhile (the
         run moved on while this process was starting), take the newest one a heartbeat names.
 

@@ -54,7 +54,8 @@ class InnerLoop:
         plan: the fragment plan.
         base_tensors: Θ^base of every fragment (by fragment, then tensor name), each a local
             :class:`~diloco_async.base_file.BaseFile` (read a tensor at a time, not held in
-            RAM); adopted versions replace them.
+            RAM), or a :class:`~diloco_async.base_file.HeldBase` in RAM when the parameters
+            are on an accelerator; adopted versions replace them.
         counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
         start_step: the local step to continue from.
         restored: the inner state was restored (its progress is contributed before a newer version is adopted).
