@@ -1,12 +1,14 @@
 """Memory near the model's size (issue 17 item 3): RSS of a real learner and a real synchronizer.
 
-Each size runs a short real run (a ByteGPT recipe sized with ``--set model.*``, the synchronizer
+Each size runs ``--repeats`` (3) short real runs (a ByteGPT recipe sized with ``--set model.*``, the synchronizer
 and learners as processes over a ``file://`` store, as ``make run`` starts them, without MLflow)
 and samples every process's RSS with psutil. The baselines are the same interpreter with torch
 and the modules each process imports (:data:`BASELINE_CODE`, which also takes one tiny inner step
 for the learner; :data:`SYNC_BASELINE_CODE` for the synchronizer), measured in the same run.
 The run checkpoints (synchronizer and learners' inner states) and merges several rounds while
 it is sampled. Figures, in units of the model's fp32 size (4 bytes per parameter):
+
+Each bar is the mean of a size's runs, printed with its 95% t-interval.
 
 * learner: peak RSS minus the baseline; goal <= 6 (parameters, gradients, AdamW moments, base
   copies: 5, plus activations of a small batch and the comms thread's buffers);
@@ -19,7 +21,7 @@ with H = 4 (bar: it exits 0 after 4 merges at least; its RSS and how long it too
 ``--tokens``: learner tokens/s with sync on against a plain loop at ~48M
 parameters (:mod:`benchmarks.hf_learner`'s method; bar >= 0.95 of the plain loop).
 
-Usage: python -m benchmarks.memory [--quick] [--big] [--tokens] [--sizes 25,50]
+Usage: python -m benchmarks.memory [--quick] [--big] [--tokens] [--sizes 25,50] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.args import positive_int
 from benchmarks.bars import Bar, print_bars
+from benchmarks.stats import mean_interval
 from diloco_async.config import load_config
 from diloco_async.run import RunProcesses
 
@@ -43,6 +47,7 @@ __all__ = ["bars", "main", "SIZES", "measure_run"]
 LEARNER_GOAL = 6.0
 SYNC_GOAL = 4.0
 TOKENS_GOAL = 0.95
+REPEATS = 3  # runs of each size: the synchronizer's peak at 50M varied 3.55-4.02x between single runs
 
 #: model overrides by nominal size in millions of parameters (ByteGPT: 12 L d^2 + 256 d)
 SIZES: dict[int, list[str]] = {
@@ -153,7 +158,8 @@ def measure_run(size_overrides: list[str], workdir: Path, *, learners: int = 2, 
     return out
 
 
-def _size_bars(size: int, mem: RunMemory, base: int, sync_base: int) -> list[Bar]:
+def _ratios(size: int, mem: RunMemory, base: int, sync_base: int) -> tuple[float | None, float | None]:
+    """One run's (learner, synchronizer) peak RSS beyond their baselines in fp32 model sizes, printed."""
     mb = mem.model_bytes
     learner_peak = max((v for k, v in mem.peak_rss.items() if k.startswith("learner")), default=None)
     sync_peak = mem.peak_rss.get("synchronizer")
@@ -164,26 +170,46 @@ def _size_bars(size: int, mem: RunMemory, base: int, sync_base: int) -> list[Bar
           f"peaks " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(mem.peak_rss.items()))
           + f"; learner {lr if lr is None else round(lr, 2)}x, synchronizer {sr if sr is None else round(sr, 2)}x "
           f"beyond the baseline ({mem.seconds:.0f} s, {mem.merges} merges, exit {mem.exit_code})", flush=True)
-    detail = f"peak RSS - baseline, in fp32 model sizes; {mem.n_params / 1e6:.1f}M params"
-    return [Bar(f"learner RSS beyond baseline / model fp32, {size}M", lr, LEARNER_GOAL, "max", detail),
+    return lr, sr
+
+
+def _size_bars(size: int, mems: list[RunMemory], base: int, sync_base: int) -> list[Bar]:
+    """The two RSS bars of ``size`` over its runs: each the mean of the runs' ratios, with its 95%
+    t-interval in the detail (a run without a figure makes the bar unmeasured)."""
+    per_run = [_ratios(size, mem, base, sync_base) for mem in mems]
+
+    def mean_of(vals: list[float | None]) -> tuple[float | None, str]:
+        if any(v is None for v in vals):
+            return None, "not measured in every run"
+        mean, half = mean_interval(vals)
+        if len(vals) == 1:
+            return mean, "one run"
+        return mean, f"mean of {len(vals)} runs +- {half:.2f} ({', '.join(f'{v:.2f}' for v in vals)})"
+
+    lr, lr_detail = mean_of([r[0] for r in per_run])
+    sr, sr_detail = mean_of([r[1] for r in per_run])
+    what = f"peak RSS - baseline, in fp32 model sizes; {mems[0].n_params / 1e6:.1f}M params"
+    return [Bar(f"learner RSS beyond baseline / model fp32, {size}M", lr, LEARNER_GOAL, "max",
+                f"{lr_detail}; {what}"),
             Bar(f"synchronizer RSS beyond baseline / model fp32, {size}M (versions in the store)", sr, SYNC_GOAL,
-                "max", detail)]
+                "max", f"{sr_detail}; {what}")]
 
 
 def bars(quick: bool = False, sizes: tuple[int, ...] = (25, 50), big: bool = False,
-         tokens: bool = False) -> list[Bar]:
-    """Measure and return the memory bars (``quick``: one tiny run, for a test)."""
+         tokens: bool = False, repeats: int = REPEATS) -> list[Bar]:
+    """Measure and return the memory bars: ``repeats`` runs of each size (``quick``: one tiny run,
+    for a test)."""
     out: list[Bar] = []
     with tempfile.TemporaryDirectory() as tmp:
         base, sync_base = baseline_rss_bytes(), baseline_rss_bytes(SYNC_BASELINE_CODE)
         for size in ((1,) if quick else sizes):
-            mem = measure_run(SIZES[size], Path(tmp) / f"m{size}", max_steps=24 if quick else 48,
-                              wall_s=40 if quick else 90)
-            out += _size_bars(size, mem, base, sync_base)
+            mems = [measure_run(SIZES[size], Path(tmp) / f"m{size}-{rep}", max_steps=24 if quick else 48,
+                                wall_s=40 if quick else 90) for rep in range(1 if quick else repeats)]
+            out += _size_bars(size, mems, base, sync_base)
         if big:
             mem = measure_run(SIZES[100], Path(tmp) / "m100", max_steps=24, sync_every=4, wall_s=420,
                               checkpoint_every_s=30)
-            out += _size_bars(100, mem, base, sync_base)
+            out += _size_bars(100, [mem], base, sync_base)
             ok = mem.exit_code == 0 and mem.merges >= 4  # every fragment took an outer step
             print(f"100M run with 2 learners: exit {mem.exit_code} after {mem.seconds:.0f} s, {mem.merges} merges",
                   flush=True)
@@ -200,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one tiny run (for a test)")
     ap.add_argument("--big", action="store_true", help="also the 100M-parameter run with 2 learners")
     ap.add_argument("--tokens", action="store_true", help="also learner tokens/s vs a plain loop at ~48M")
+    ap.add_argument("--repeats", type=positive_int, default=REPEATS, help="runs of each size, for the mean")
     ap.add_argument("--sizes", default="25,50", help="model sizes in M parameters (of 1, 25, 50, 100; none: no runs)")
     args = ap.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip() and s != "none")
-    return print_bars(bars(quick=args.quick, sizes=sizes, big=args.big, tokens=args.tokens), title="memory bars")
+    return print_bars(bars(quick=args.quick, sizes=sizes, big=args.big, tokens=args.tokens,
+                            repeats=args.repeats), title="memory bars")
 
 
 if __name__ == "__main__":

@@ -190,3 +190,20 @@ def test_memory_benchmark_quick_measures_real_processes():
     assert [b.figure.split(",")[0] for b in rows] == ["learner RSS beyond baseline / model fp32",
                                                       "synchronizer RSS beyond baseline / model fp32"]
     assert all(b.value is not None and b.value > 0 for b in rows), rows  # both processes were sampled
+
+
+def test_memory_bars_are_means_over_runs():
+    from benchmarks.memory import RunMemory, _size_bars
+
+    def run(learner_mib: int, sync_mib: int) -> RunMemory:
+        mem = RunMemory(2**20 // 4)  # a 1 MiB model: ratios are MiB beyond the 100 MiB baselines
+        mem.peak_rss = {"synchronizer": (100 + sync_mib) * 2**20, "learner-0": (100 + learner_mib) * 2**20}
+        return mem
+
+    lr, sr = _size_bars(50, [run(5, 3), run(7, 5), run(6, 4)], 100 * 2**20, 100 * 2**20)
+    assert lr.value == pytest.approx(6.0) and lr.ok and "mean of 3 runs" in lr.detail
+    assert sr.value == pytest.approx(4.0) and sr.ok
+    _, sr = _size_bars(50, [run(5, 3), run(5, 6)], 100 * 2**20, 100 * 2**20)
+    assert sr.value == pytest.approx(4.5) and not sr.ok  # one good run does not hide a bad one
+    missing = RunMemory(2**20 // 4)
+    assert _size_bars(50, [run(5, 3), missing], 100 * 2**20, 100 * 2**20)[0].value is None
