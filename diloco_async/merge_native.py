@@ -83,10 +83,11 @@ def usable(*tensors: Tensor | None, out: Tensor | None = None) -> bool:
 def norm_lanes() -> int:
     """The lanes of torch's float32 2-norm (``linalg.vector_norm``) that the kernels reproduce,
     so that :func:`anchor_into` and :func:`accumulate` can give it in the pass that writes their
-    output: 8 with AVX2, 16 with AVX512, after a check once per process that the kernels' norm is
-    torch's, bit for bit, on random tensors of several sizes; 0 (not reproduced: the callers use
-    torch's) when the kernels are not usable, the check fails, or torch runs more than one
-    thread (the norm is then taken outside the kernels, which may split their work)."""
+    output: 8 with AVX2, 16 or 8 with AVX512 (whichever torch's norm turns out to fold, checked
+    once per process: the kernels' norm must be torch's, bit for bit, on random tensors of several
+    sizes); 0 (not reproduced: the callers use torch's) when the kernels are not usable, no
+    width passes the check, or torch runs more than one thread (the norm is then taken outside
+    the kernels, which may split their work)."""
     if _threads() != 1:
         return 0
     if not _lanes:
@@ -95,19 +96,29 @@ def norm_lanes() -> int:
 
 
 def _checked_lanes() -> int:
-    lanes = NORM_LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
-    if not lanes or not usable():
+    """The first lane count, of the CPU capability's width then the other widths of
+    :data:`NORM_LANES`, whose kernel norm is torch's bit for bit on random tensors of several
+    sizes; 0 when none is. Torch does not always reduce at its capability's width: on an AMD EPYC
+    that torch reports as AVX512, its float32 2-norm folds 8 lanes, not 16."""
+    if not usable():
         return 0
-    gen = torch.Generator().manual_seed(20261203)
+    own = NORM_LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
+    if not own:
+        return 0
     lib = _typed()
-    for n in (lanes, 37 * lanes, 8192 + 5 * lanes, 3 * 8192 + 61 * lanes):
-        x = torch.randn(n, generator=gen).mul_(3.0)
-        out, norm = torch.empty(n), _F()
-        zero = torch.zeros(n)
-        lib.dl_anchor(out.data_ptr(), n, x.data_ptr(), zero.data_ptr(), zero.data_ptr(), 1, lanes, ctypes.byref(norm))
-        if norm.value != torch.linalg.vector_norm(out).item():
-            return 0
-    return lanes
+    for lanes in dict.fromkeys([own, *sorted(NORM_LANES.values(), reverse=True)]):
+        gen = torch.Generator().manual_seed(20261203)
+        for n in (lanes, 37 * lanes, 8192 + 5 * lanes, 3 * 8192 + 61 * lanes):
+            x = torch.randn(n, generator=gen).mul_(3.0)
+            out, norm = torch.empty(n), _F()
+            zero = torch.zeros(n)
+            lib.dl_anchor(out.data_ptr(), n, x.data_ptr(), zero.data_ptr(), zero.data_ptr(), 1, lanes,
+                          ctypes.byref(norm))
+            if norm.value != torch.linalg.vector_norm(out).item():
+                break
+        else:
+            return lanes
+    return 0
 
 
 def _overlaps(out: Tensor, others: Sequence[Tensor | None]) -> bool:

@@ -329,3 +329,23 @@ def test_concurrent_builds_into_one_cache(tmp_path):
         assert p.returncode == 0, err[-2000:]
         assert "RESULT True None [2.5, 2.5, 2.5, 2.5, 2.5]" in out, (out, err[-2000:])
     assert [f.suffix for f in cache.iterdir()] == [".so"]
+
+
+def test_norm_lanes_fall_back_to_the_width_torch_folds(one_thread, monkeypatch):
+    """Torch does not always fold its float32 norm at its CPU capability's width (8 lanes on an
+    AMD EPYC it reports as AVX512): the check tries that width first, then the others, and
+    takes the one whose norm is torch's; none of them: 0 (the callers take torch's norm)."""
+    merge_native.reset()
+    found = merge_native.norm_lanes()
+    assert found in (8, 16)
+    cap = torch.backends.cpu.get_cpu_capability()
+    try:
+        monkeypatch.setattr(merge_native, "NORM_LANES", {cap: 4, "OTHER": found})
+        merge_native.reset()
+        assert merge_native.norm_lanes() == found  # 4 first (not torch's), then the width that is
+        monkeypatch.setattr(merge_native, "NORM_LANES", {cap: 4})
+        merge_native.reset()
+        assert merge_native.norm_lanes() == 0
+    finally:
+        monkeypatch.undo()
+        merge_native.reset()
