@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["non_negative_int", "positive_float", "positive_int"]
+__all__ = ["description", "non_negative_int", "positive_float", "positive_int"]
+
+
+def description(doc: str | None) -> str:
+    """A module docstring's first paragraph on one line: the ``--help`` description of its
+    benchmark (its first line alone can stop mid-sentence)."""
+    first = (doc or "").strip().split("\n\n", 1)[0]
+    return " ".join(first.split())
 
 
 def _number(text: str, kind: type) -> int | float:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.args import description
 from benchmarks.bars import Bar, print_bars
 from diloco_async import codec as wire
 from storage.store import ObjectStore
@@ -186,7 +187,7 @@ def bars(quick: bool = False) -> list[Bar]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.codec_store", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.codec_store", description=description(__doc__))
     parser.add_argument("--quick", action="store_true", help="smaller tensor and object, fewer repeats")
     parser.add_argument("--codec-times", metavar="JSON", help=argparse.SUPPRESS)  # the child of bench_codecs
     args = parser.parse_args(argv)

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.args import description
 from diloco_async.chaos.fuzz_run import FuzzResult, run_api_fuzz
 
 
@@ -55,7 +56,7 @@ def print_bars(rows: list[tuple[str, float, str, bool]]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=description(__doc__))
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--concurrency", type=int, default=8)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.args import non_negative_int, positive_float, positive_int
+from benchmarks.args import description, non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
 from diloco_async.config import Config, load_config
 from diloco_async.learner.group import place_workload
@@ -104,7 +104,7 @@ def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warm
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_learner", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_learner", description=description(__doc__))
     ap.add_argument("--config", default="configs/hf-llama-cpu.toml")
     ap.add_argument("--run-s", type=positive_float, default=75.0, help="wall seconds of the run (budget.wall_s)")
     ap.add_argument("--plain-s", type=positive_float, default=25.0, help="seconds of each plain-loop measurement")
@@ -114,10 +114,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="a recipe setting for the plain loop and the run (repeatable)")
     args = ap.parse_args(argv)
+    try:  # a bad --set or recipe is the command line's error, before anything starts
+        cfg = load_config(args.config, args.overrides)
+    except (OSError, ValueError) as err:
+        ap.error(str(err))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         config = args.config
-        cfg = load_config(config, args.overrides)
         n_params = sum(p.numel() for p in build_run_model(cfg).parameters())
         print(f"model {cfg.model.kind}/{cfg.model.hf.architecture}: {n_params / 1e6:.2f}M parameters, batch "
               f"{cfg.learners.batch_size} x {cfg.model.context} tokens, {cfg.learners.threads} thread(s), "

@@ -26,12 +26,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.args import description
 from benchmarks.fuzz import print_bars
 from diloco_async.chaos.kill_matrix import KillMatrix
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kill_matrix", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kill_matrix", description=description(__doc__))
     ap.add_argument("--learner-kills", type=int, default=50)
     ap.add_argument("--sync-kills", type=int, default=20)
     ap.add_argument("--learners", type=int, default=3)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.args import positive_int
+from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_interval
 from diloco_async.config import load_config
@@ -222,7 +222,7 @@ def bars(quick: bool = False, sizes: tuple[int, ...] = (25, 50), big: bool = Fal
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=description(__doc__))
     ap.add_argument("--quick", action="store_true", help="one tiny run (for a test)")
     ap.add_argument("--big", action="store_true", help="also the 100M-parameter run with 2 learners")
     ap.add_argument("--tokens", action="store_true", help="also learner tokens/s vs a plain loop at ~48M")

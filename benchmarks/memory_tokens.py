@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.args import positive_float, positive_int
+from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.hf_learner import in_run_tokens_per_s, plain_loop_tokens_per_s
 from benchmarks.stats import mean_interval
@@ -56,7 +56,7 @@ def tokens_bar(quick: bool = False, repeats: int = 2, run_s: float = 100.0, plai
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_tokens", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_tokens", description=description(__doc__))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--run-s", type=positive_float, default=100.0)

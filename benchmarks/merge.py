@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.args import positive_int
+from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
 from diloco_async import merge as new
 from diloco_async.heap import limit_heap_retention, release_free_memory
@@ -326,7 +326,7 @@ def bars(quick: bool = False, repeat: int | None = None) -> list[Bar]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.merge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.merge", description=description(__doc__))
     parser.add_argument("--quick", action="store_true", help="small fragments, seconds")
     parser.add_argument("--repeat", type=positive_int, default=None, help="best of N (default 3, quick 2)")
     args = parser.parse_args(argv)

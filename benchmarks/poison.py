@@ -28,6 +28,7 @@ from pathlib import Path
 
 import safetensors.torch
 
+from benchmarks.args import description
 from benchmarks.stats import mean_interval
 from diloco_async.chaos.measure import initial_model
 from diloco_async.config import load_config
@@ -99,7 +100,7 @@ def _bars(bases: list[dict], runs: dict[str, list[dict]]) -> list[tuple[str, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.poison", description=__doc__.strip().splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.poison", description=description(__doc__))
     ap.add_argument("--config", default="configs/default.toml")
     ap.add_argument("--modes", default="scale,sign_flip,constant")
     ap.add_argument("--max-steps", type=int, default=1200, help="budget.max_steps of every run")

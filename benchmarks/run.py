@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from benchmarks.args import description
 from benchmarks.bars import Bar, print_bars
 
 __all__ = ["SECTIONS", "main"]
@@ -74,7 +75,7 @@ SECTIONS: dict[str, Callable[[bool], list[Bar]]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=description(__doc__))
     ap.add_argument("--quick", action="store_true", help="small sizes and short runs (seconds per section)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
     args = ap.parse_args(argv)

@@ -29,7 +29,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 
-from benchmarks.args import positive_int
+from benchmarks.args import description, positive_int
 from diloco_async.procs import stop_process
 from storage.store import ObjectStore
 
@@ -186,7 +186,7 @@ def bench_storage(mib: int = 256, repeat: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=description(__doc__))
     parser.add_argument("--mib", type=positive_int, default=256, help="object size in MiB")
     parser.add_argument("--repeat", type=positive_int, default=3, help="timed repeats of each (best is kept)")
     args = parser.parse_args(argv)

@@ -72,7 +72,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.args import positive_float, positive_int
+from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_interval
 from benchmarks.sync_load_learners import RUN_ID, LoadResult, LoadSpec, _generator
@@ -349,7 +349,7 @@ def bars(quick: bool = False, repeats: int = REPEATS) -> list[Bar]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.sync_load", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sync_load", description=description(__doc__))
     ap.add_argument("--quick", action="store_true", help="32 learners for 5 s")
     ap.add_argument("--learners", type=positive_int, default=None, help="one load of N learners instead of the two")
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="measured seconds (with --learners)")

@@ -23,7 +23,7 @@ import time
 
 import psutil
 
-from benchmarks.args import positive_float
+from benchmarks.args import description, positive_float
 from diloco_async.config import load_config
 from flows.train import TrainingRun
 
@@ -82,7 +82,7 @@ def bars(samples: list[tuple[float, int]], minutes: float) -> tuple[float, list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.sync_memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sync_memory", description=description(__doc__))
     ap.add_argument("--minutes", type=positive_float, default=20.0, help="length of the sampled run (default 20)")
     ap.add_argument("--interval", type=positive_float, default=5.0, help="seconds between RSS samples (default 5)")
     ap.add_argument("--config", default="configs/default.toml")

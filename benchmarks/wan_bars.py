@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 
+from benchmarks.args import description
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_interval
 from diloco_async.chaos.measure import eval_at
@@ -109,7 +110,7 @@ def wan_bars(main: dict, compressed: list[dict], baseline: list[dict], tokens_ab
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.wan_bars", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.wan_bars", description=description(__doc__))
     ap.add_argument("main")
     ap.add_argument("--compressed", nargs="+", required=True)
     ap.add_argument("--baseline", nargs="+", required=True)

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.args import description
 from benchmarks.stats import mean_interval
 from diloco_async.timeline import Timeline
 
@@ -139,7 +140,7 @@ def run_abba(scenario: str, pairs: int, tokens: int, seed: int, overrides: list[
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.wan_tokens", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.wan_tokens", description=description(__doc__))
     ap.add_argument("--scenario", default="configs/wan/wan-4-regions.toml")
     ap.add_argument("--pairs", type=int, default=2, help="shaped/unshaped pairs, ABBA order (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=400_000, help="token budget of every run (default %(default)s)")

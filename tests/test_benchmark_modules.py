@@ -88,3 +88,24 @@ def test_a_benchmark_refuses_a_bad_count_before_it_starts(argv):
     done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert f"argument {argv[-2]}" in done.stderr and "must be" in done.stderr
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmark_help_describes_it_in_a_whole_sentence(name):
+    """`--help` showed the docstring's first line, which for hf_learner stopped mid-sentence
+    ("... inside a run, against the"): the description is the first paragraph."""
+    from benchmarks.args import description
+
+    text = description(importlib.import_module(f"benchmarks.{name}").__doc__)
+    assert text.endswith("."), f"benchmarks.{name}: {text[-80:]!r}"
+
+
+@pytest.mark.parametrize("setting", ["nonsense", "foo.bar=1"])
+def test_hf_learner_refuses_a_bad_setting_before_it_starts(setting, capsys):
+    from benchmarks import hf_learner
+
+    with pytest.raises(SystemExit) as stop:
+        hf_learner.main(["--set", setting, "--repeats", "1"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m benchmarks.hf_learner: error:" in err and ("section.field=value" in err or "foo" in err)
