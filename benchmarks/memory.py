@@ -6,9 +6,8 @@ and samples every process's RSS with psutil. The baselines are the same interpre
 and the modules each process imports (:data:`BASELINE_CODE`, which also takes one tiny inner step
 for the learner; :data:`SYNC_BASELINE_CODE` for the synchronizer), measured in the same run.
 The run checkpoints (synchronizer and learners' inner states) and merges several rounds while
-it is sampled. Figures, in units of the model's fp32 size (4 bytes per parameter):
-
-Each bar is the mean of a size's runs, printed with its 95% t-interval.
+it is sampled. Each bar is the mean of a size's runs, printed with its 95% t-interval. Figures,
+in units of the model's fp32 size (4 bytes per parameter):
 
 * learner: peak RSS minus the baseline; goal <= 6 (parameters, gradients, AdamW moments, base
   copies: 5, plus activations of a small batch and the comms thread's buffers);
@@ -38,7 +37,7 @@ import psutil
 
 from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
-from benchmarks.stats import mean_interval
+from benchmarks.stats import mean_over_runs
 from diloco_async.config import load_config
 from diloco_async.run import RunProcesses
 
@@ -177,17 +176,8 @@ def _size_bars(size: int, mems: list[RunMemory], base: int, sync_base: int) -> l
     """The two RSS bars of ``size`` over its runs: each the mean of the runs' ratios, with its 95%
     t-interval in the detail (a run without a figure makes the bar unmeasured)."""
     per_run = [_ratios(size, mem, base, sync_base) for mem in mems]
-
-    def mean_of(vals: list[float | None]) -> tuple[float | None, str]:
-        if any(v is None for v in vals):
-            return None, "not measured in every run"
-        mean, half = mean_interval(vals)
-        if len(vals) == 1:
-            return mean, "one run"
-        return mean, f"mean of {len(vals)} runs +- {half:.2f} ({', '.join(f'{v:.2f}' for v in vals)})"
-
-    lr, lr_detail = mean_of([r[0] for r in per_run])
-    sr, sr_detail = mean_of([r[1] for r in per_run])
+    lr, lr_detail = mean_over_runs([r[0] for r in per_run])
+    sr, sr_detail = mean_over_runs([r[1] for r in per_run])
     what = f"peak RSS - baseline, in fp32 model sizes; {mems[0].n_params / 1e6:.1f}M params"
     return [Bar(f"learner RSS beyond baseline / model fp32, {size}M", lr, LEARNER_GOAL, "max",
                 f"{lr_detail}; {what}"),

@@ -8,7 +8,7 @@ import statistics
 
 from diloco_async.ablation.stats import t_quantile
 
-__all__ = ["mean_interval"]
+__all__ = ["mean_interval", "mean_over_runs"]
 
 
 def mean_interval(values: list[float]) -> tuple[float, float]:
@@ -21,3 +21,16 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return mean, 0.0
     return mean, t_quantile(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def mean_over_runs(values: list[float | None], unit: str = "", digits: int = 2) -> tuple[float | None, str]:
+    """One figure measured once per run: its mean and the words a bar's detail shows for it,
+    ``"mean of N runs +- H<unit> (v1, v2, ...)"`` (95% t-interval, ``digits`` decimals) or ``"one
+    run"``; (None, ``"not measured in every run"``) when a run lacks it, so the bar is a miss."""
+    if not values or any(v is None for v in values):
+        return None, "not measured in every run"
+    mean, half = mean_interval(values)
+    if len(values) == 1:
+        return mean, "one run"
+    shown = ", ".join(f"{v:.{digits}f}" for v in values)
+    return mean, f"mean of {len(values)} runs +- {half:.{digits}f}{unit} ({shown})"

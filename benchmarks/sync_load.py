@@ -63,7 +63,6 @@ import multiprocessing
 import os
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,7 +73,7 @@ import psutil
 
 from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
-from benchmarks.stats import mean_interval
+from benchmarks.stats import mean_over_runs
 from benchmarks.sync_load_learners import RUN_ID, LoadResult, LoadSpec, _generator
 from diloco_async.client import TOKEN_ENV
 
@@ -311,26 +310,20 @@ def _load_bars(results: list[LoadResult], goal_ms: float) -> list[Bar]:
     n = results[0].spec.learners
 
     def mean_of(key: str) -> tuple[float | None, str]:
-        vals = [f[key] for f in figs]
-        if any(v is None for v in vals):
-            return None, "not measured in every run"
-        mean, half = mean_interval(vals)
-        runs = f"mean of {len(vals)} runs +- {half:.1f} ms ({', '.join(f'{v:.1f}' for v in vals)})" \
-            if len(vals) > 1 else "one run"
-        return mean, runs
+        return mean_over_runs([f[key] for f in figs], " ms", digits=1)
 
-    def p50s(key: str) -> str:
-        vals = [f[key] for f in figs if f[key] is not None]
-        return f"p50 {statistics.fmean(vals):.1f} ms" if vals else "p50 n/a"
+    def also(name: str, key: str) -> str:  # context: a p50, or the /health baseline of the same runs
+        mean = mean_of(key)[0]
+        return f"{name} {'n/a' if mean is None else f'{mean:.1f} ms'}"
 
     ann, ann_detail = mean_of("announce_p99_ms")
     hb, hb_detail = mean_of("heartbeat_p99_ms")
     sent = sum(sum(res.sent.values()) for res in results)
     return [
         Bar(f"sync load {n} learners: announce p99 (ms)", ann, goal_ms, "max",
-            detail=f"{ann_detail}; {p50s('announce_p50_ms')}"),
+            detail=f"{ann_detail}; {also('p50', 'announce_p50_ms')}, {also('/health p99', 'health_p99_ms')}"),
         Bar(f"sync load {n} learners: heartbeat p99 (ms)", hb, goal_ms, "max",
-            detail=f"{hb_detail}; {p50s('heartbeat_p50_ms')}"),
+            detail=f"{hb_detail}; {also('p50', 'heartbeat_p50_ms')}"),
         Bar(f"sync load {n} learners: messages dropped", sum(f["dropped"] for f in figs), 0, "max",
             detail=f"{sent} sent over {len(results)} run(s)"),
     ]

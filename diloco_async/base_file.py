@@ -197,10 +197,11 @@ class LazyTensor:
         return self.source[self.name]
 
 
-class HeldBase(Mapping[str, torch.Tensor]):
-    """One fragment version's tensors held in RAM, on CPU, with :class:`BaseFile`'s read API: the
-    base copies of a learner whose parameters, gradients and moments live on an accelerator, so
-    that its host memory holds this one copy of the model and nothing else of that size.
+class HeldBase(dict[str, torch.Tensor]):
+    """One fragment version's tensors held in RAM, on CPU: a dict with :class:`BaseFile`'s
+    ``shape_of`` and ``nbytes``. The base copies of a learner whose parameters, gradients and
+    moments live on an accelerator, so that its host memory holds this one copy of the model and
+    nothing else of that size.
 
     ``base[name]`` is the held tensor itself, not a copy: the learner's code only reads its base
     copies (:func:`~diloco_async.learner.rules.outer_gradient`, ``adopt``, ``apply_decoded``).
@@ -210,28 +211,16 @@ class HeldBase(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
+        super().__init__((name, t.detach().to("cpu").contiguous()) for name, t in tensors.items())
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``. KeyError for an unknown name."""
-        return tuple(self._tensors[name].shape)
+        return tuple(self[name].shape)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all its tensors (in RAM)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+        return sum(t.numel() * t.element_size() for t in self.values())
 
 
 def keep_base(tensors: Mapping[str, torch.Tensor], learner_id: str, *, in_ram: bool) -> BaseFile | HeldBase:
