@@ -76,6 +76,7 @@ class Comms:
         self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
         self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
+        self.pin_device: torch.device | None = None  # ... a CUDA device: those copies are pinned for it
         self._fetch_locks: dict[int, asyncio.Lock] = {}
         # one version decoded at a time, and not while an upload holds its buffers (Uploads.io_slot):
         # one fragment's fp32 in flight
@@ -110,7 +111,7 @@ class Comms:
         streamed into tensors allocated once (:func:`diloco_async.versions.read_version`). Either
         way the result is the synchronizer's published value bit for bit, kept in a local file
         (:class:`~diloco_async.base_file.BaseFile`), not in RAM, unless ``base_in_ram``
-        (:class:`~diloco_async.base_file.HeldBase`). Counts the bytes and seconds
+        (:class:`~diloco_async.base_file.HeldBase`, pinned for ``pin_device``). Counts the bytes and seconds
         (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:
@@ -123,7 +124,8 @@ class Comms:
             tensors, nbytes = read_version(self.store, ObjectRef(v.key, v.nbytes, v.sha256), self.shapes[v.fragment]), \
                 v.nbytes
         self.shared.link.record("down", v.fragment, nbytes, time.monotonic() - t0)
-        tensors = keep_base(tensors, self.learner_id, in_ram=self.base_in_ram)  # a file: the decoded fp32 is freed
+        # a file: the decoded fp32 is freed
+        tensors = keep_base(tensors, self.learner_id, in_ram=self.base_in_ram, pin_device=self.pin_device)
         with self.shared.lock:
             self.shared.stats.bytes_down += nbytes
             held = self._held.get(v.fragment)

@@ -25,6 +25,7 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_differences
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
+from diloco_async.learner.device_copies import on_device
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
@@ -110,6 +111,7 @@ class Learner:
         workload = self.make_workload(cfg, self.index, self.incarnation)
         device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
+        self.comms.pin_device = device if device.type == "cuda" else None  # asynchronous copies to the GPU
         plan = self._check_plan(cfg, jr, workload)
         loop = self._start_point(cfg, jr, workload, plan)
         if self.group is not None:
@@ -181,8 +183,8 @@ class Learner:
             local_step, base_tensors, versions, counters = workload.restore(
                 InnerState(saved.tensors, saved.manifest["inner"]))
             saved.tensors.clear()  # the restored base copies go to local files, out of RAM (on CPU)
-            base_tensors = {p: keep_base(t, self.learner_id, in_ram=self.comms.base_in_ram)
-                            for p, t in base_tensors.items()}
+            base_tensors = {p: keep_base(t, self.learner_id, in_ram=self.comms.base_in_ram,
+                                         pin_device=self.comms.pin_device) for p, t in base_tensors.items()}
             self.shared.base.update(versions)
             start_step = max(start_step, local_step)
             self._restored_step = local_step
@@ -215,7 +217,9 @@ class Learner:
             new, v = self._fetch_initial(v)
             old = base_tensors.get(p)
             keep = old is not None and all(n in old and old.shape_of(n) == new.shape_of(n) for n in new)
-            moved = adopt("rebase" if keep else "overwrite", params, new, base=old)
+            dev = workload.device  # θ's: the base copies are on the host
+            moved = adopt("rebase" if keep else "overwrite", params, on_device(new, dev),
+                          base=on_device(old, dev, names=new) if keep else None)
             with torch.no_grad():
                 for n, val in moved.items():
                     params[n].copy_(val)

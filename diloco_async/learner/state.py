@@ -21,7 +21,9 @@ __all__ = ["UploadJob", "SpooledState", "Stats", "Shared"]
 class UploadJob:
     """One contribution for the comms thread: the outer gradient ``delta`` of ``fragment`` for
     round ``round_n``, taken against ``base_version``, with the counters it covers; or, when
-    ``encoded`` is set, that outer gradient already encoded in the learner's codec (``delta`` empty)."""
+    ``encoded`` is set, that outer gradient already encoded in the learner's codec (``delta`` empty). ``delta`` of a
+    learner on a GPU may still be being copied to the host: read it after ``delta_ready``
+    (:func:`~diloco_async.learner.device_copies.to_host_async`)."""
 
     fragment: int
     round_n: int
@@ -32,6 +34,7 @@ class UploadJob:
     delta: dict[str, torch.Tensor]
     update_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     encoded: dict[str, torch.Tensor] | None = None
+    delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
 from diloco_async.heap import release_free_memory
+from diloco_async.learner.device_copies import on_device, outer_gradient_on_device, to_host_async
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
@@ -63,7 +64,9 @@ class InnerLoop:
             each step boundary's decision and adopted fragments go to the other ranks.
 
     The parameters live on the workload's device; the base copies Θ^base are float32 in local
-    files; the snapshots of contributions and the outer gradients are float32 on CPU.
+    files (pinned host memory for a GPU); the outer gradients are float32 on CPU (taken on the
+    GPU and copied, :mod:`~diloco_async.learner.device_copies`); the snapshots of ``rebase`` are
+    on the parameters' device.
     """
 
     def __init__(self, cfg: Config, shared: Shared, workload: Workload, plan: FragmentPlan, recorder: Recorder, *,
@@ -151,15 +154,15 @@ class InnerLoop:
                 continue
             snap = self.in_flight.pop(p, None)
             params = self.workload.params
-            # mix and rebase read θ: on CPU, as the base copies are (no copy when the model is on CPU)
-            cpu_params = {} if self.lc.adopt == "overwrite" else {n: params[n].detach().cpu() for n in new}
             with torch.no_grad():
                 if self.lc.adopt == "overwrite":  # θ ← Θ^new read from its file one tensor at a time
-                    for n in new:
-                        params[n].copy_(new[n])
-                else:
-                    adopted = adopt(self.lc.adopt, cpu_params, new, mix_alpha=self.lc.mix_alpha,
-                                    base=self.base_tensors[p], snapshot=snap.params if snap and snap.params else None)
+                    for n in new:  # from pinned memory to a GPU: queued, not waited for
+                        params[n].copy_(new[n], non_blocking=True)
+                else:  # mix and rebase on θ's device (the snapshot of rebase is there already)
+                    dev = self.workload.device
+                    adopted = adopt(self.lc.adopt, {n: params[n].detach() for n in new}, on_device(new, dev),
+                                    mix_alpha=self.lc.mix_alpha, base=on_device(self.base_tensors[p], dev, names=new),
+                                    snapshot=snap.params if snap and snap.params else None)
                     for n, val in adopted.items():
                         params[n].copy_(val)
                     del adopted
@@ -205,28 +208,36 @@ class InnerLoop:
 
     def _contribute(self, p: int, n: int) -> None:
         """Snapshot the outer gradient of fragment ``p`` for round ``n`` and queue its upload.
-        θ is read in place on CPU (Δ is the one new fragment-sized tensor); the snapshot θ itself
-        is kept only for the ``rebase`` rule, the one that reads it at adoption. When an upload
-        is already waiting (a late learner answers several rounds at one step), Δ is encoded
-        here one tensor at a time, so fp32 outer gradients do not pile up in the queue."""
+        θ is read in place (Δ is the one new fragment-sized tensor); the snapshot θ itself is kept
+        only for the ``rebase`` rule, the one that reads it at adoption (on θ's device). On the
+        CPU, when an upload is already waiting (a late learner answers several rounds at one
+        step), Δ is encoded here one tensor at a time, so fp32 outer gradients do not pile up in
+        the queue. On a GPU, Δ is taken there and its copy to pinned host memory is queued; the
+        upload thread waits for it (at most one fp32 Δ per fragment, the model's size, in host memory)."""
         params = self.workload.params
         delta: dict[str, torch.Tensor] = {}
         encoded = None
+        on_cpu = self.workload.device.type == "cpu"
+        base = self.base_tensors[p]
         with torch.no_grad():
-            theta = {name: params[name].detach().to("cpu", torch.float32) for name in self.plan.names(p)}
+            theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
+            # on a GPU, Δ is taken there and copied to the host without a wait (device_copies)
+            gradient = outer_gradient if on_cpu else outer_gradient_on_device
             if self.poison != "none":
-                delta = poison_outer_gradient(outer_gradient(self.base_tensors[p], theta), self.poison)
-            elif self.shared.upload_queue.empty():
-                delta = outer_gradient(self.base_tensors[p], theta)
+                delta = poison_outer_gradient(gradient(base, theta), self.poison)
+            elif self.shared.upload_queue.empty() or not on_cpu:
+                delta = gradient(base, theta)
             else:
-                encoded = encoded_outer_gradient(self.base_tensors[p], theta, self.lc.codec)
+                encoded = encoded_outer_gradient(base, theta, self.lc.codec)
+            copy = to_host_async(delta)
             snap = {}
             if self.lc.adopt == "rebase":
                 snap = {name: t.clone() if t.data_ptr() == params[name].data_ptr() else t for name, t in theta.items()}
         prog = self.progress[p]
         self.in_flight[p] = _InFlight(n, snap, prog)
         self.hold.discard(p)
-        job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, delta, encoded=encoded)
+        job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, copy.tensors,
+                        encoded=encoded, delta_ready=copy.event)
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
         self.shared.upload_queue.put(job)

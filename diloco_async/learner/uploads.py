@@ -124,6 +124,9 @@ class Uploads:
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:
         """Encode ``job``'s outer gradient, free it, and put the bytes under ``key``; returns the ref."""
+        if job.delta_ready is not None:  # the copy of Δ from the GPU (training did not wait for it)
+            await asyncio.to_thread(job.delta_ready.synchronize)
+            job.delta_ready = None
         if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
             data = await asyncio.to_thread(wire.encoded_to_bytes, job.encoded, self.codec, meta)
         else:
