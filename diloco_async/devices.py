@@ -7,7 +7,9 @@ The syntax is checked when the config is validated; :func:`check_devices` checks
 the machine that runs the learners, before anything starts; :func:`resolve_device` picks the
 ``torch.device`` of one rank. The outer side never changes with these: outer gradients,
 fragments, the base copies a learner keeps and the synchronizer's outer state stay float32 on
-CPU; only the inner steps run on the device, under ``torch.autocast`` with ``bf16``.
+CPU (a learner on a GPU takes Δ there and copies it back, bit for bit the CPU's:
+:mod:`diloco_async.learner.device_copies`); the inner steps run on the device, under
+``torch.autocast`` with ``bf16``.
 """
 
 from __future__ import annotations
