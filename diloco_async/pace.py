@@ -65,20 +65,23 @@ def bounded_advance(prev: int, reported: int, allowance: int) -> tuple[int, bool
     return reported, False
 
 
-def implausible_contribution(*, c_steps: int, c_tokens: int, learner_step: int, since_heartbeat_s: float,
+def implausible_contribution(*, c_steps: int, c_tokens: int, learner_step: int, since_anchor_s: float,
                              limits: PaceLimits) -> str | None:
     """Why a contribution's counters are impossible, as ``"<code>: <detail>"``, or None.
 
     ``implausible_tokens``: more than ``max_tokens_per_step`` tokens per inner step.
     ``implausible_steps``: more inner steps than the learner's last reported (bounded) step plus
-    what it can have done since that heartbeat (``since_heartbeat_s``, s).
+    what it can have done in ``since_anchor_s`` seconds: since the synchronizer received the
+    message before that heartbeat (the learner composed the heartbeat after that one was
+    answered, so its step was reached no earlier; counting from the heartbeat's own receipt
+    made a heartbeat late in transit shrink an honest learner's allowance).
     """
     if c_tokens > c_steps * limits.max_tokens_per_step:
         return (f"implausible_tokens: c_tokens {c_tokens} > c_steps {c_steps} x {limits.max_tokens_per_step} "
                 "tokens per step")
-    most = learner_step + limits.steps_within(since_heartbeat_s)
+    most = learner_step + limits.steps_within(since_anchor_s)
     if c_steps > most:
-        return (f"implausible_steps: c_steps {c_steps} > step {learner_step} + what {since_heartbeat_s:.1f}s "
+        return (f"implausible_steps: c_steps {c_steps} > step {learner_step} + what {since_anchor_s:.1f}s "
                 f"allow = {most}")
     return None
 

@@ -156,7 +156,7 @@ def test_bounded_advance_by_wall_time():
 
 def test_implausible_contribution():
     lim = limits()
-    kw = {"learner_step": 40, "since_heartbeat_s": 1.0, "limits": lim}
+    kw = {"learner_step": 40, "since_anchor_s": 1.0, "limits": lim}
     assert implausible_contribution(c_steps=4, c_tokens=400, **kw) is None
     assert implausible_contribution(c_steps=4, c_tokens=401, **kw).startswith("implausible_tokens")
     assert implausible_contribution(c_steps=55, c_tokens=100, **kw) is None  # 40 + 5 + 10
@@ -368,3 +368,89 @@ def test_merge_keeps_a_first_time_anti_aligned_learner_at_zero_weight():
                               learner_cosines={"flip": (-0.6,), "a": (0.5,)}, **kw)
     assert again.ok and "flip" not in again.merged
     assert dict(again.dropped)["flip"].startswith("direction_outlier")
+
+
+class _HonestLearner:
+    """A learner at ``rate`` steps/s from step 0 at its join (t = 0), as the synchronizer's
+    registry sees it: each heartbeat is composed when the previous answer came back plus the
+    heartbeat period, and reaches the synchronizer ``delays_s[k]`` seconds later."""
+
+    def __init__(self, rate: float, delays_s: list[float], period_s: float = 0.25) -> None:
+        from diloco_async.messages import JoinRequest
+        from diloco_async.sync.learners import LearnerRegistry
+
+        self.rate, self.delays_s, self.period_s = rate, delays_s, period_s
+        self.pace = PaceLimits(max_steps_per_s=100.0, burst_steps=64, max_tokens_per_step=64)
+        self.registry = LearnerRegistry(self.pace)
+        self.registry.join(JoinRequest(learner_id="a"), 0.0, None)
+        self.clamped: list[str] = []
+        self.refusals: list[str] = []
+
+    def step_at(self, t_s: float) -> int:
+        return math.floor(self.rate * t_s)
+
+    def run(self) -> None:
+        from diloco_async.messages import Heartbeat
+
+        answered_s = 0.0  # the join's answer
+        for delay_s in self.delays_s:
+            composed_s = answered_s + self.period_s
+            received_s = composed_s + delay_s
+            step = self.step_at(composed_s)
+            _, _, clamped = self.registry.heartbeat(
+                Heartbeat(learner_id="a", step=step, tokens_total=step * 64), received_s)
+            self.clamped += clamped
+            answered_s = received_s
+            # a lone learner announces every step it took (c_steps = its whole step count) right now
+            info = self.registry.learners["a"]
+            for now_s in (received_s, received_s + 0.1):
+                c = self.step_at(now_s)
+                why = implausible_contribution(c_steps=c, c_tokens=c * 64, learner_step=info.step,
+                                               since_anchor_s=now_s - info.anchor_s, limits=self.pace)
+                if why:
+                    self.refusals.append(why)
+
+
+@pytest.mark.parametrize("delays_s", [[0.001] * 40, [0.001] * 10 + [1.0] + [0.001] * 10,
+                                      [0.001] * 5 + [0.6, 0.001, 2.0, 0.4, 0.001] * 3])
+def test_an_honest_learner_near_the_pace_bound_is_never_clamped_or_refused_when_heartbeats_are_late(delays_s):
+    """A heartbeat's step is read when it is composed, the pace allowance counts from the
+    message before it (it was composed after that one was answered), not from its own receipt:
+    a heartbeat delayed in transit (a busy event loop, a slow link) made a learner at 90 steps/s
+    look like it ran faster than 100 steps/s + 64 (clamped heartbeats, and contributions refused
+    as implausible_steps, a lone fast learner's first contribution included)."""
+    learner = _HonestLearner(90.0, delays_s)
+    learner.run()
+    assert learner.clamped == [] and learner.refusals == []
+
+
+def test_a_learner_claiming_more_than_the_pace_still_is_clamped_and_refused():
+    """Counting from the message before a heartbeat widens each heartbeat's window by one period,
+    not without bound: a heartbeat may add burst_steps + max_steps_per_s x (two periods), 114
+    steps per 0.25 s here, about 456 steps/s (counting from its own receipt it was 89, about 356
+    steps/s). A learner claiming 600 steps/s is clamped and its contributions are refused."""
+    learner = _HonestLearner(600.0, [0.001] * 20)
+    learner.run()
+    assert "implausible_steps" in learner.clamped and learner.refusals
+    assert all(r.startswith("implausible_steps") for r in learner.refusals)
+
+
+def test_after_a_resume_the_pace_allowance_counts_across_the_gap():
+    """A synchronizer restored from a checkpoint written 20 s ago (its clock has another origin)
+    lets the learners' first heartbeats report the 20 s of steps they took meanwhile: counted
+    from the restore, a learner at 90 steps/s was clamped (and its next contribution refused)
+    after every restart."""
+    from diloco_async.messages import Heartbeat
+
+    learner = _HonestLearner(90.0, [0.001] * 40)
+    learner.run()  # 40 heartbeats: ~10 s of training
+    reg, written_s = learner.registry, 10.05
+    ledgers, learners = reg.to_manifest(written_s)
+    assert learners["a"]["anchor_age_s"] == pytest.approx(written_s - reg.learners["a"].anchor_s)
+    reg.restore(ledgers, learners, 5000.0, checkpoint_age_s=20.0)  # 20 s later, on another clock
+    step = learner.step_at(written_s + 20.3)
+    _, _, clamped = reg.heartbeat(Heartbeat(learner_id="a", step=step, tokens_total=step * 64), 5000.3)
+    assert clamped == [] and reg.learners["a"].step == step
+    reg.restore(ledgers, learners, 5000.0)  # a checkpoint of unknown age: from the restore, as before
+    _, _, clamped = reg.heartbeat(Heartbeat(learner_id="a", step=step, tokens_total=step * 64), 5000.3)
+    assert clamped == ["implausible_steps", "implausible_tokens"]

@@ -63,7 +63,7 @@ def test_incremental_registry_matches_full_passes(seed):
             mark_s = now
             reg.mark_provisioned(now)
         else:  # a checkpoint and a restore from it: every learner not live until it heartbeats
-            ledgers, learners = reg.to_manifest()
+            ledgers, learners = reg.to_manifest(now)
             reg.restore(ledgers, learners, now)
             expected_live = dict.fromkeys(expected_live, False)
             mark_s = None

@@ -39,6 +39,9 @@ class LearnerInfo:
     last_seen_s: float
     live: bool = True
     step: int = 0
+    # from when the advance beyond ``step`` is counted: the receipt of the message before the
+    # heartbeat that reported ``step`` (that heartbeat was composed after it was answered)
+    anchor_s: float = 0.0
     step_time_s: float | None = None
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
@@ -49,10 +52,10 @@ class LearnerInfo:
     reported: bool = False  # sent a heartbeat to this synchronizer process (a restored step may be stale)
     watched: bool = field(default=False, repr=False, compare=False)  # has an entry in the liveness heap
 
-    def to_json(self) -> dict:
-        """What a checkpoint keeps of this slot."""
+    def to_json(self, now_s: float) -> dict:
+        """What a checkpoint written at ``now_s`` keeps of this slot."""
         return {"incarnation": self.incarnation, "step": self.step, "tokens_seen": self.tokens_seen,
-                "bytes_down_seen": self.bytes_down_seen}
+                "bytes_down_seen": self.bytes_down_seen, "anchor_age_s": max(0.0, now_s - self.anchor_s)}
 
 
 class LearnerRegistry:
@@ -150,7 +153,7 @@ class LearnerRegistry:
             else:
                 led.add_badput("starting", req.uptime_s)
             info = self.learners[req.learner_id] = LearnerInfo(req.learner_id, req.incarnation, started, now_s,
-                                                               step=start_step)
+                                                               step=start_step, anchor_s=now_s)
         else:
             if not info.live:
                 self.ledgers[req.learner_id].add_badput("stalled", now_s - info.last_seen_s)
@@ -164,8 +167,11 @@ class LearnerRegistry:
         """Record a heartbeat of a known learner: (was it lost before, new bytes it downloaded,
         what was clamped: ``implausible_steps`` and/or ``implausible_tokens``).
 
-        The step and tokens_total may grow only as fast as the pace limits allow since the last
-        heartbeat; beyond that they are clamped (the rest is credited by later heartbeats). The
+        The step and tokens_total may grow only as fast as the pace limits allow since the
+        message before the last heartbeat (``anchor_s``: the learner composes each heartbeat after
+        the previous answer, so a heartbeat late in transit does not make an honest learner look
+        fast); beyond that they are clamped (the rest is credited by later heartbeats). A step
+        below the last one (an older heartbeat delivered late) changes neither. The
         reported blocked seconds count as ``blocked`` badput, at most the seconds since the last
         heartbeat; the silence of a learner that was lost and is back as the same incarnation
         counts as ``stalled``.
@@ -183,11 +189,14 @@ class LearnerRegistry:
             info.blocked_seen_s = hb.blocked_s
         clamped = []
         step, over = hb.step, False
+        paced_s = now_s - info.anchor_s
         if self.pace is not None and hb.step > info.step:
-            step, over = bounded_advance(info.step, hb.step, self.pace.steps_within(dt_s))
+            step, over = bounded_advance(info.step, hb.step, self.pace.steps_within(paced_s))
         if over:
             clamped.append("implausible_steps")
-        info.live, info.last_seen_s, info.step = True, now_s, step
+        if hb.step >= info.step:
+            info.step, info.anchor_s = step, info.last_seen_s
+        info.live, info.last_seen_s = True, now_s
         if was_lost:
             self._live = None
         self._watch(info)
@@ -195,7 +204,7 @@ class LearnerRegistry:
         if hb.tokens_total >= info.tokens_seen:
             tokens, over = hb.tokens_total, False
             if self.pace is not None:
-                tokens, over = bounded_advance(info.tokens_seen, hb.tokens_total, self.pace.tokens_within(dt_s))
+                tokens, over = bounded_advance(info.tokens_seen, hb.tokens_total, self.pace.tokens_within(paced_s))
             if over:
                 clamped.append("implausible_tokens")
             self.ledgers[hb.learner_id].tokens_processed += tokens - info.tokens_seen
@@ -260,14 +269,18 @@ class LearnerRegistry:
     def everyone_told_to_stop(self) -> bool:
         return all(i.stop_sent or not i.live for i in self.learners.values())
 
-    def to_manifest(self) -> tuple[dict, dict]:
-        """(ledgers, learners) as a checkpoint manifest keeps them."""
+    def to_manifest(self, now_s: float) -> tuple[dict, dict]:
+        """(ledgers, learners) as a checkpoint manifest written at ``now_s`` keeps them."""
         self.flush_provisioned()
         return ({lid: led.to_json() for lid, led in self.ledgers.items()},
-                {lid: i.to_json() for lid, i in self.learners.items()})
+                {lid: i.to_json(now_s) for lid, i in self.learners.items()})
 
-    def restore(self, ledgers: Mapping[str, Mapping], learners: Mapping[str, Mapping], now_s: float) -> None:
-        """Take the registry of a checkpoint: every learner is not live until it heartbeats again."""
+    def restore(self, ledgers: Mapping[str, Mapping], learners: Mapping[str, Mapping], now_s: float,
+                checkpoint_age_s: float = 0.0) -> None:
+        """Take the registry of a checkpoint written ``checkpoint_age_s`` seconds ago: every learner
+        is not live until it heartbeats again; the pace allowance of its next heartbeat counts from
+        where it counted when the checkpoint was written, not from now (the learners trained on
+        while no synchronizer ran)."""
         self.ledgers = {lid: LearnerLedger.from_json(d) for lid, d in ledgers.items()}
         self.learners = {}
         self._heard, self._live = [], None
@@ -277,4 +290,5 @@ class LearnerRegistry:
             self.learners[lid] = LearnerInfo(
                 lid, int(d["incarnation"]), now_s - self.ledgers[lid].provisioned_s, now_s, live=False,
                 step=int(d["step"]), tokens_seen=int(d.get("tokens_seen", 0)),
-                bytes_down_seen=int(d.get("bytes_down_seen", 0)))
+                bytes_down_seen=int(d.get("bytes_down_seen", 0)),
+                anchor_s=now_s - max(0.0, checkpoint_age_s) - float(d.get("anchor_age_s", 0.0)))

@@ -8,6 +8,7 @@ the blocking ones before serving.
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -148,7 +149,8 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
     for f in sync.fragments:
         _restore_fragment(sync, f, ckpt)
         _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
-    sync.registry.restore(m["ledgers"], m["learners"], sync.clock())
+    written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
+    sync.registry.restore(m["ledgers"], m["learners"], sync.clock(), checkpoint_age_s=time.time() - written_unix_s)
     sync.registry.wire.restore(m.get("wire_bytes", {}))
     sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     sync.report.counters.clear()
@@ -251,7 +253,7 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
             if f.published is not f.current:  # compressed downloads (diloco_async/version_codec.py)
                 tensors[tensor_key(f.p, "published", name)] = f.published[name]
     open_round = {p: n for (p, n) in sync.rounds}
-    ledgers, learners = sync.registry.to_manifest()
+    ledgers, learners = sync.registry.to_manifest(sync.clock())
     counters = sync.report.counters
     manifest = {
         "config_hash": config_hash(sync.cfg),
@@ -269,6 +271,7 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included
         "by_reason": {name: dict(getattr(sync.report, attr)) for name, attr in BY_REASON.items()},
         "wall_s": sync.clock() - sync.started_s,
+        "written_unix_s": time.time(),  # a resume counts the learners' pace allowance across the gap
         "epoch": sync.epoch,
         "lease_epoch": sync.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
     }

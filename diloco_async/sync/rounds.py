@@ -147,7 +147,7 @@ class RoundDriver:
         info = self.registry.get(lid)
         if info is not None and rnd is not None and lid not in rnd.state.entries:
             why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
-                                           since_heartbeat_s=self.clock() - info.last_seen_s, limits=self.pace)
+                                           since_anchor_s=self.clock() - info.anchor_s, limits=self.pace)
             if why is not None:
                 code, _, detail = why.partition(": ")
                 return self._reject(lid, code, detail, p, n, ann)
