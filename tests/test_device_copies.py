@@ -71,6 +71,8 @@ def test_on_the_cpu_nothing_is_copied_and_no_event_is_waited_for():
     assert on_device(lazy, torch.device("cpu"), names=["scale"]) is lazy and Lazy.reads == 0
     with pytest.raises(ValueError, match="several devices"):
         to_host_async({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
+    with pytest.raises(NotImplementedError):  # another device (mps) is copied to the host at once: meta cannot be
+        to_host_async({"a": torch.zeros(2, device="meta")})
 
 
 def test_a_held_base_is_pinned_only_for_a_cuda_device():

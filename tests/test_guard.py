@@ -454,3 +454,23 @@ def test_after_a_resume_the_pace_allowance_counts_across_the_gap():
     reg.restore(ledgers, learners, 5000.0)  # a checkpoint of unknown age: from the restore, as before
     _, _, clamped = reg.heartbeat(Heartbeat(learner_id="a", step=step, tokens_total=step * 64), 5000.3)
     assert clamped == ["implausible_steps", "implausible_tokens"]
+
+
+def test_a_heartbeat_resent_or_delivered_late_does_not_move_the_window():
+    """The same heartbeat resent over HTTP after the WebSocket closed (same step), and an older
+    one delivered after a newer one (lower step), leave the step and the window where the
+    newest new step put them: either would start the window after that step was reached."""
+    from diloco_async.messages import Heartbeat
+
+    learner = _HonestLearner(90.0, [0.001] * 8)
+    learner.run()
+    reg = learner.registry
+    info = reg.learners["a"]
+    step, anchor_s, seen_s = info.step, info.anchor_s, info.last_seen_s
+    for late_step, at_s in ((step, seen_s + 1.0), (step - 20, seen_s + 1.1)):  # a resend, then an older one
+        reg.heartbeat(Heartbeat(learner_id="a", step=late_step, tokens_total=late_step * 64), at_s)
+        assert (info.step, info.anchor_s, info.last_seen_s) == (step, anchor_s, at_s)
+    now_s = seen_s + 1.2  # the learner trained on meanwhile: its next heartbeat and contribution pass
+    new = learner.step_at(now_s)
+    _, _, clamped = reg.heartbeat(Heartbeat(learner_id="a", step=new, tokens_total=new * 64), now_s)
+    assert clamped == [] and info.step == new

@@ -97,7 +97,8 @@ def on_device(tensors: Mapping[str, torch.Tensor], device: torch.device,
 def to_host_async(tensors: Mapping[str, torch.Tensor]) -> HostCopy:
     """``tensors`` copied to new pinned host tensors, queued on their device's current stream:
     the call returns at once and the copies are read after :meth:`HostCopy.wait`. CPU tensors
-    are returned as they are (no copy, no event).
+    are returned as they are (no copy, no event); tensors on another accelerator (``mps``) are
+    copied to the host before it returns.
 
     Raises:
         ValueError: the tensors are on more than one device.
@@ -105,8 +106,10 @@ def to_host_async(tensors: Mapping[str, torch.Tensor]) -> HostCopy:
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
-    if not devices or next(iter(devices)).type != "cuda":
+    if not devices or next(iter(devices)).type == "cpu":
         return HostCopy(dict(tensors))
+    if next(iter(devices)).type != "cuda":
+        return HostCopy({name: t.to("cpu") for name, t in tensors.items()})
     out = {}
     for name, t in tensors.items():
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -171,7 +171,8 @@ class LearnerRegistry:
         message before the last heartbeat (``anchor_s``: the learner composes each heartbeat after
         the previous answer, so a heartbeat late in transit does not make an honest learner look
         fast); beyond that they are clamped (the rest is credited by later heartbeats). A step
-        below the last one (an older heartbeat delivered late) changes neither. The
+        not above the last one (an older heartbeat delivered late, or the same one resent)
+        changes neither. The
         reported blocked seconds count as ``blocked`` badput, at most the seconds since the last
         heartbeat; the silence of a learner that was lost and is back as the same incarnation
         counts as ``stalled``.
@@ -194,7 +195,7 @@ class LearnerRegistry:
             step, over = bounded_advance(info.step, hb.step, self.pace.steps_within(paced_s))
         if over:
             clamped.append("implausible_steps")
-        if hb.step >= info.step:
+        if hb.step > info.step:  # a copy of the last heartbeat (resent over HTTP) moves nothing
             info.step, info.anchor_s = step, info.last_seen_s
         info.live, info.last_seen_s = True, now_s
         if was_lost:
