@@ -17,8 +17,8 @@ from diloco_async.base_file import HeldBase, keep_base
 from diloco_async.config import load_config
 from diloco_async.inner_state import capture
 from diloco_async.learner import device_copies
-from diloco_async.learner.device_copies import on_device, outer_gradient_on_device, to_host_async
-from diloco_async.learner.rules import outer_gradient
+from diloco_async.learner.device_copies import to_host_async
+from diloco_async.learner.rules import adopt, outer_gradient
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.learner.uploads import Uploads
@@ -44,10 +44,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.int32)
 
 
-def test_outer_gradient_on_the_cpu_is_the_rule_and_leaves_the_base_alone():
+def test_outer_gradient_on_thetas_device_is_the_rule_and_leaves_the_base_alone():
+    """The rule moves each base tensor to θ's device: when it is there already (the CPU here) it
+    is the base tensor itself, which the subtraction must not write into."""
     base, theta = fragment(0), nudged(fragment(0), 1)
     kept = {n: t.clone() for n, t in base.items()}
-    got, want = outer_gradient_on_device(base, theta), outer_gradient(base, theta)
+    got, want = outer_gradient(base, theta), {n: kept[n] - t for n, t in theta.items()}
     assert got.keys() == want.keys()
     assert all(torch.equal(bits(got[n]), bits(want[n])) for n in want)
     assert all(torch.equal(bits(base[n]), bits(kept[n])) for n in base)  # Θ^base is read, never written
@@ -57,7 +59,6 @@ def test_on_the_cpu_nothing_is_copied_and_no_event_is_waited_for():
     delta = fragment(2)
     copy = to_host_async(delta)
     assert copy.event is None and all(copy.tensors[n] is t for n, t in delta.items())
-    assert copy.wait() is copy.tensors
     assert to_host_async({}).tensors == {}
 
     class Lazy(dict):  # a base file reads a tensor when it is looked up: on the CPU none is looked up early
@@ -67,8 +68,11 @@ def test_on_the_cpu_nothing_is_copied_and_no_event_is_waited_for():
             Lazy.reads += 1
             return super().__getitem__(name)
 
-    lazy = Lazy(fragment(3))
-    assert on_device(lazy, torch.device("cpu"), names=["scale"]) is lazy and Lazy.reads == 0
+    lazy, theta = Lazy(fragment(3)), nudged(fragment(3), 4)
+    adopt("rebase", theta, fragment(5), base=lazy, snapshot=theta)  # rebase from its snapshot reads no base
+    assert Lazy.reads == 0
+    outer_gradient(lazy, theta)  # each base tensor read once, when its Δ is taken
+    assert Lazy.reads == len(theta)
     with pytest.raises(ValueError, match="several devices"):
         to_host_async({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
     with pytest.raises(NotImplementedError):  # another device (mps) is copied to the host at once: meta cannot be

@@ -4,10 +4,11 @@ A learner whose parameters live on a GPU keeps its base copies Θ^base in pinned
 (:class:`~diloco_async.base_file.HeldBase` with ``pin_device``). At a step boundary its training
 thread then only *queues* work on the device's stream and goes on to the next step:
 
-* :func:`outer_gradient_on_device`: Δ = Θ^base − θ of a fragment, taken on the device (each base
-  tensor is copied there from pinned memory without a wait); θ never comes to the host;
+* Δ = Θ^base − θ of a fragment is taken on the device
+  (:func:`~diloco_async.learner.rules.outer_gradient` copies each base tensor there from pinned
+  memory without a wait; ``adopt`` does the same); θ never comes to the host;
 * :func:`to_host_async`: Δ copied into new pinned host tensors, with the event the upload thread
-  waits on (:meth:`HostCopy.wait`) before it encodes them;
+  waits on before it encodes them;
 * :func:`snapshot_on_device` and :func:`side_stream_after`: the inner-state spool copies the
   parameters and AdamW moments it must write on the device (a device-to-device copy, so the
   optimizer step need not wait for the spool), and its thread reads them to the host on a
@@ -25,29 +26,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostCopy", "DeviceMark", "on_device", "outer_gradient_on_device", "to_host_async", "snapshot_on_device",
-           "side_stream_after", "device_free_bytes"]
+__all__ = ["HostCopy", "DeviceMark", "to_host_async", "snapshot_on_device", "side_stream_after", "device_free_bytes"]
 
 
 @dataclass
 class HostCopy:
     """Tensors on the host that may still be being copied from a device: read them only after
-    :meth:`wait`. ``event`` is None when nothing is in flight (CPU tensors)."""
+    ``event.synchronize()``. ``event`` is None when nothing is in flight (CPU tensors)."""
 
     tensors: dict[str, torch.Tensor]
     event: torch.cuda.Event | None = None
-
-    def wait(self) -> dict[str, torch.Tensor]:
-        """Block until the copies are done; returns the host tensors."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        return self.tensors
 
 
 @dataclass(frozen=True)
@@ -66,37 +59,9 @@ class DeviceMark:
         return cls(device, event)
 
 
-def outer_gradient_on_device(base: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]
-                             ) -> dict[str, torch.Tensor]:
-    """Δ = Θ^base − θ for every name of ``theta``, on θ's device (DESIGN §3.4; paper §3).
-
-    Args:
-        base: Θ^base by tensor name, float32 on the host (pinned for an asynchronous copy) or on θ's device.
-        theta: θ by tensor name, float32, on one device.
-
-    Returns:
-        New float32 tensors on θ's device; ``base`` is not modified (also when it is already there).
-
-    Raises:
-        KeyError: ``base`` lacks a name of ``theta``.
-    """
-    return {name: torch.sub(base[name].to(t.device, non_blocking=True), t) for name, t in theta.items()}
-
-
-def on_device(tensors: Mapping[str, torch.Tensor], device: torch.device,
-              names: Iterable[str] | None = None) -> Mapping[str, torch.Tensor]:
-    """``tensors`` (those of ``names``, default all) on ``device``: copied from the host without
-    a wait (asynchronous from pinned memory), left where they are when already there. For the
-    CPU, ``tensors`` itself is returned, so a :class:`~diloco_async.base_file.BaseFile` is still
-    read one tensor at a time, when and if a tensor is used."""
-    if device.type == "cpu":
-        return tensors
-    return {n: tensors[n].to(device, non_blocking=True) for n in (tensors if names is None else names)}
-
-
 def to_host_async(tensors: Mapping[str, torch.Tensor]) -> HostCopy:
     """``tensors`` copied to new pinned host tensors, queued on their device's current stream:
-    the call returns at once and the copies are read after :meth:`HostCopy.wait`. CPU tensors
+    the call returns at once and the copies are read after the returned event. CPU tensors
     are returned as they are (no copy, no event); tensors on another accelerator (``mps``) are
     copied to the host before it returns.
 
@@ -106,16 +71,16 @@ def to_host_async(tensors: Mapping[str, torch.Tensor]) -> HostCopy:
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         raise ValueError(f"tensors on several devices: {sorted(map(str, devices))}")
-    if not devices or next(iter(devices)).type == "cpu":
+    device = next(iter(devices), torch.device("cpu"))
+    if device.type == "cpu":
         return HostCopy(dict(tensors))
-    if next(iter(devices)).type != "cuda":
+    if device.type != "cuda":
         return HostCopy({name: t.to("cpu") for name, t in tensors.items()})
     out = {}
     for name, t in tensors.items():
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        out[name] = host
-    return HostCopy(out, DeviceMark.now(next(iter(devices))).event)
+        out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out[name].copy_(t, non_blocking=True)
+    return HostCopy(out, DeviceMark.now(device).event)
 
 
 def device_free_bytes(device: torch.device) -> int:
@@ -130,15 +95,15 @@ def snapshot_on_device(tensors: dict[str, torch.Tensor], names: set[str], *, max
     device, when those copies take at most ``max_share`` of the device's free memory; returns the
     names replaced (none when they do not fit, or none is on a CUDA device). The copies are
     queued on the current stream: read them after a :class:`DeviceMark` taken after this call."""
-    on_device = [k for k in names if tensors[k].device.type == "cuda"]
-    if not on_device:
+    on_cuda = [k for k in names if tensors[k].device.type == "cuda"]
+    if not on_cuda:
         return set()
-    nbytes = sum(tensors[k].numel() * tensors[k].element_size() for k in on_device)
-    if nbytes > max_share * device_free_bytes(tensors[on_device[0]].device):
+    nbytes = sum(tensors[k].numel() * tensors[k].element_size() for k in on_cuda)
+    if nbytes > max_share * device_free_bytes(tensors[on_cuda[0]].device):
         return set()
-    for k in on_device:
+    for k in on_cuda:
         tensors[k] = tensors[k].detach().clone()
-    return set(on_device)
+    return set(on_cuda)
 
 
 @functools.cache

@@ -25,7 +25,6 @@ from diloco_async.config import Config, config_hash
 from diloco_async.fragments import FragmentPlan, plan_differences
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
-from diloco_async.learner.device_copies import on_device
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
@@ -217,9 +216,7 @@ class Learner:
             new, v = self._fetch_initial(v)
             old = base_tensors.get(p)
             keep = old is not None and all(n in old and old.shape_of(n) == new.shape_of(n) for n in new)
-            dev = workload.device  # θ's: the base copies are on the host
-            moved = adopt("rebase" if keep else "overwrite", params, on_device(new, dev),
-                          base=on_device(old, dev, names=new) if keep else None)
+            moved = adopt("rebase" if keep else "overwrite", params, new, base=old)  # on θ's device
             with torch.no_grad():
                 for n, val in moved.items():
                     params[n].copy_(val)

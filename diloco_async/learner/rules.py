@@ -40,16 +40,24 @@ def outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.
     """Δ = Θ^base − θ for every tensor name of ``params`` (DESIGN §3.4; DiLoCo, paper §3).
 
     Args:
-        base: Θ^base, the adopted version of the fragment, by tensor name.
+        base: Θ^base, the adopted version of the fragment, by tensor name; on the host (pinned,
+            for a learner on a GPU) or on θ's device.
         params: θ, the learner's parameters of the fragment (a snapshot), by tensor name.
 
     Returns:
-        New tensors of the shapes and dtype of ``params`` (float32 in this project).
+        New tensors of the shapes and dtype of ``params`` (float32 in this project), on θ's
+        device: each base tensor is copied there first (without a wait from pinned memory; fp32
+        subtraction is correctly rounded, so Δ is bit for bit the CPU's).
 
     Raises:
         KeyError: ``base`` lacks a name of ``params``.
     """
-    return {name: base[name] - params[name] for name in params}
+    return {name: _to(base[name], t) - t for name, t in params.items()}
+
+
+def _to(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` on ``like``'s device (itself when already there; copied without a wait from pinned memory)."""
+    return x.to(like.device, non_blocking=True)
 
 
 def encoded_outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
@@ -80,7 +88,8 @@ def adopt(rule: str, params: Mapping[str, torch.Tensor], new: Mapping[str, torch
     Args:
         rule: one of :data:`ADOPT_RULES`.
         params: θ, the learner's current parameters, by name (read only).
-        new: Θ^new, the published version, by name.
+        new: Θ^new, the published version, by name (``new``, ``base`` and ``snapshot`` may be on
+            the host: ``mix`` and ``rebase`` compute on θ's device).
         mix_alpha: α of ``mix``, in (0, 1].
         base, snapshot: references of ``rebase`` (``base`` is required when ``snapshot`` is None).
 
@@ -94,12 +103,13 @@ def adopt(rule: str, params: Mapping[str, torch.Tensor], new: Mapping[str, torch
     if rule == "overwrite":
         return dict(new)
     if rule == "mix":
-        return {n: params[n].detach().mul(1 - mix_alpha).add_(val, alpha=mix_alpha) for n, val in new.items()}
+        return {n: params[n].detach().mul(1 - mix_alpha).add_(_to(val, params[n]), alpha=mix_alpha)
+                for n, val in new.items()}
     if rule == "rebase":
         ref = snapshot if snapshot is not None else base
         if ref is None:
             raise ValueError("adopt 'rebase' needs the snapshot or the base it measures progress from")
-        return {n: params[n].detach().add(val - ref[n]) for n, val in new.items()}
+        return {n: params[n].detach().add(_to(val, params[n]) - _to(ref[n], params[n])) for n, val in new.items()}
     raise ValueError(f"unknown adopt rule {rule!r}; expected one of {ADOPT_RULES}")
 
 

@@ -22,7 +22,7 @@ import torch
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
 from diloco_async.heap import release_free_memory
-from diloco_async.learner.device_copies import on_device, outer_gradient_on_device, to_host_async
+from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
@@ -159,10 +159,8 @@ class InnerLoop:
                     for n in new:  # from pinned memory to a GPU: queued, not waited for
                         params[n].copy_(new[n], non_blocking=True)
                 else:  # mix and rebase on θ's device (the snapshot of rebase is there already)
-                    dev = self.workload.device
-                    adopted = adopt(self.lc.adopt, {n: params[n].detach() for n in new}, on_device(new, dev),
-                                    mix_alpha=self.lc.mix_alpha, base=on_device(self.base_tensors[p], dev, names=new),
-                                    snapshot=snap.params if snap and snap.params else None)
+                    adopted = adopt(self.lc.adopt, params, new, mix_alpha=self.lc.mix_alpha,
+                                    base=self.base_tensors[p], snapshot=snap.params if snap and snap.params else None)
                     for n, val in adopted.items():
                         params[n].copy_(val)
                     del adopted
@@ -222,11 +220,10 @@ class InnerLoop:
         with torch.no_grad():
             theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
             # on a GPU, Δ is taken there and copied to the host without a wait (device_copies)
-            gradient = outer_gradient if on_cpu else outer_gradient_on_device
             if self.poison != "none":
-                delta = poison_outer_gradient(gradient(base, theta), self.poison)
+                delta = poison_outer_gradient(outer_gradient(base, theta), self.poison)
             elif self.shared.upload_queue.empty() or not on_cpu:
-                delta = gradient(base, theta)
+                delta = outer_gradient(base, theta)
             else:
                 encoded = encoded_outer_gradient(base, theta, self.lc.codec)
             copy = to_host_async(delta)
