@@ -73,7 +73,7 @@ def test_a_base_file_holds_no_tensor_in_ram(tmp_path):
     assert torch.equal(bits(held["w"]), bits(expected))
 
 
-@pytest.mark.parametrize("damage,reason", [("flip", "sha256"), ("truncate", "short"), ("delete", "missing")])
+@pytest.mark.parametrize("damage,reason", [("flip", "checksum"), ("truncate", "short"), ("delete", "missing")])
 def test_a_damaged_base_file_raises_and_never_yields_a_delta(tmp_path, damage, reason):
     base = awkward(2)
     held = BaseFile.write(base, str(tmp_path))
@@ -171,3 +171,69 @@ def test_the_spool_writes_a_base_held_in_ram_exactly(tmp_path):
     spool_state(state.tensors, path, consume=True)
     loaded = load_file(str(path))
     assert all(torch.equal(bits(loaded[f"base/2/{n}"]), bits(t)) for n, t in ram.items())
+
+
+def test_delta_from_a_base_file_is_taken_in_the_tensor_read_no_second_one(tmp_path, monkeypatch):
+    base = awkward(6)
+    theta = {n: t + 1e-3 for n, t in base.items()}
+    held = BaseFile.write(base, str(tmp_path))
+    read: dict[str, torch.Tensor] = {}
+    lookup = BaseFile.__getitem__
+
+    def recording(self, name):
+        read[name] = lookup(self, name)
+        return read[name]
+
+    monkeypatch.setattr(BaseFile, "__getitem__", recording)
+    delta = outer_gradient(held, theta)
+    for n, d in delta.items():
+        assert d is read[n], n  # Δ written into the tensor the file was read into
+        assert torch.equal(bits(d), bits(base[n] - theta[n])), n
+    theta_before = {n: t.clone() for n, t in theta.items()}
+    outer_gradient(dict(base), theta)  # a plain dict of tensors is read, never written
+    assert all(torch.equal(bits(base[n]), bits(awkward(6)[n])) for n in base)
+    assert all(torch.equal(bits(theta[n]), bits(theta_before[n])) for n in theta)
+
+
+def test_read_into_fills_a_parameter_in_place_and_checks_the_bytes(tmp_path):
+    base = awkward(7)
+    held = BaseFile.write(base, str(tmp_path))
+    model = torch.nn.Linear(48, 64)
+    weight = model.weight
+    ptr = weight.data_ptr()
+    held.read_into("blocks.0.w", weight)  # a parameter that requires grad: written under the hood
+    assert weight.data_ptr() == ptr and weight.requires_grad
+    assert torch.equal(bits(weight.detach()), bits(base["blocks.0.w"]))
+    for wrong in (torch.empty(48, 64), torch.empty(64, 48, dtype=torch.float64), torch.empty(48, 64).t()):
+        with pytest.raises(ValueError, match="read_into blocks.0.w"):
+            held.read_into("blocks.0.w", wrong)
+    with open(held.path, "r+b") as fh:
+        fh.seek(8)
+        fh.write(b"\xff\xff")
+    with pytest.raises(BaseFileError) as err:
+        held.read_into("blocks.0.w", torch.empty(64, 48))
+    assert err.value.reason == "checksum"
+
+
+def test_an_overwrite_adoption_reads_a_base_file_into_the_parameter_without_a_lookup(tmp_path, monkeypatch):
+    from diloco_async.learner.training import _overwrite
+
+    new = awkward(8)
+    held = BaseFile.write(new, str(tmp_path))
+    param = torch.nn.Parameter(torch.zeros(64, 48))
+
+    def no_lookup(self, name):
+        raise AssertionError(f"{name} was read into a new tensor")
+
+    with monkeypatch.context() as m:
+        m.setattr(BaseFile, "__getitem__", no_lookup)
+        with torch.no_grad():
+            _overwrite(param, held, "blocks.0.w")
+    assert torch.equal(bits(param.detach()), bits(new["blocks.0.w"]))
+    # a parameter the file cannot be read into (another dtype), or a base in RAM: copied
+    half = torch.zeros(64, 48, dtype=torch.bfloat16)
+    _overwrite(half, held, "blocks.0.w")
+    assert torch.equal(half, new["blocks.0.w"].to(torch.bfloat16))
+    in_ram = torch.zeros(48)
+    _overwrite(in_ram, HeldBase(new), "blocks.0.b")
+    assert torch.equal(bits(in_ram), bits(new["blocks.0.b"]))

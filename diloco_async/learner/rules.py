@@ -47,12 +47,24 @@ def outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.
     Returns:
         New tensors of the shapes and dtype of ``params`` (float32 in this project), on θ's
         device: each base tensor is copied there first (without a wait from pinned memory; fp32
-        subtraction is correctly rounded, so Δ is bit for bit the CPU's).
+        subtraction is correctly rounded, so Δ is bit for bit the CPU's). Where that copy, or a
+        lookup of a ``base`` whose ``fresh_reads`` is true (a base file), is already a tensor of
+        its own, Δ is computed in it: one new tensor per name, not two.
 
     Raises:
         KeyError: ``base`` lacks a name of ``params``.
     """
-    return {name: _to(base[name], t) - t for name, t in params.items()}
+    fresh = bool(getattr(base, "fresh_reads", False))
+    return {name: _delta(base[name], t, fresh) for name, t in params.items()}
+
+
+def _delta(b: torch.Tensor, t: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """Θ^base − θ of one tensor, in ``b``'s copy on θ's device when that copy is new (or ``b``
+    itself when ``fresh``: a tensor the caller owns), else in a new tensor."""
+    d = _to(b, t)
+    if fresh or d is not b:
+        return d.sub_(t)  # the same correctly rounded fp32 subtraction, written in place
+    return d - t
 
 
 def _to(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -70,8 +82,9 @@ def encoded_outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str
         KeyError: ``base`` lacks a name of ``params``. ValueError: an unknown codec.
     """
     out: dict[str, torch.Tensor] = {}
-    for name in params:
-        out.update(wire.encode({name: base[name] - params[name]}, codec))
+    fresh = bool(getattr(base, "fresh_reads", False))
+    for name, t in params.items():
+        out.update(wire.encode({name: _delta(base[name], t, fresh)}, codec))
     return out
 
 

@@ -14,11 +14,12 @@ import logging
 import os
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from diloco_async.base_file import BaseFile
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
 from diloco_async.heap import release_free_memory
@@ -43,6 +44,17 @@ class _InFlight:
     round_n: int
     params: dict[str, torch.Tensor]
     progress: Progress
+
+
+def _overwrite(param: torch.Tensor, new: Mapping[str, torch.Tensor], name: str) -> None:
+    """θ ← Θ^new of one tensor: read from a base file straight into a CPU parameter (no new
+    tensor, no second copy; the learner stops if the file's bytes are not those written), else
+    copied (from pinned memory to a GPU: queued, not waited for)."""
+    if (isinstance(new, BaseFile) and param.device.type == "cpu" and param.dtype == new.dtype_of(name)
+            and param.is_contiguous()):
+        new.read_into(name, param)
+    else:
+        param.copy_(new[name], non_blocking=True)
 
 
 class InnerLoop:
@@ -156,8 +168,8 @@ class InnerLoop:
             params = self.workload.params
             with torch.no_grad():
                 if self.lc.adopt == "overwrite":  # θ ← Θ^new read from its file one tensor at a time
-                    for n in new:  # from pinned memory to a GPU: queued, not waited for
-                        params[n].copy_(new[n], non_blocking=True)
+                    for n in new:
+                        _overwrite(params[n], new, n)
                 else:  # mix and rebase on θ's device (the snapshot of rebase is there already)
                     adopted = adopt(self.lc.adopt, params, new, mix_alpha=self.lc.mix_alpha,
                                     base=self.base_tensors[p], snapshot=snap.params if snap and snap.params else None)
