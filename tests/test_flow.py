@@ -59,7 +59,9 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert system <= set(run.data.metrics), sorted(run.data.metrics)  # the System metrics tab
     assert len(client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")) >= 2
     goodput = client.get_metric_history(run.info.run_id, "goodput/compute")
-    assert len({m.step for m in goodput}) >= 10, goodput  # a time series, not one dot at the end
+    # a time series, not one dot at the end (a point per 0.25 s of merging: 20-45 here alone, 9 once
+    # under the full suite's load, so the bound is well below that)
+    assert len({m.step for m in goodput}) >= 5, goodput
     # the held-out loss of the published model while it trained: a measured curve, not two points
     curve = sorted(client.get_metric_history(run.info.run_id, "eval/loss"), key=lambda m: m.step)
     assert len({m.step for m in curve}) >= 10 and len({round(m.value, 6) for m in curve}) >= 10, curve
