@@ -158,11 +158,17 @@ class BaseFile(Mapping[str, torch.Tensor]):
             stops on this error and restarts from its inner state).
         """
         e = self._entries[name]
-        if (out.device.type != "cpu" or out.dtype != e.dtype or tuple(out.shape) != e.shape
-                or not out.is_contiguous()):
+        if not self.can_read_into(name, out):
             raise ValueError(f"read_into {name}: needs a contiguous CPU {e.dtype} tensor of shape {e.shape}, "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         self._read(name, e, out.detach())
+
+    def can_read_into(self, name: str, out: torch.Tensor) -> bool:
+        """Whether :meth:`read_into` takes ``out`` for tensor ``name``: a contiguous CPU tensor of
+        its shape and dtype. KeyError for an unknown name."""
+        e = self._entries[name]
+        return (out.device.type == "cpu" and out.dtype == e.dtype and tuple(out.shape) == e.shape
+                and out.is_contiguous())
 
     def _read(self, name: str, e: _Entry, out: torch.Tensor) -> None:
         raw = _raw(out)
@@ -190,10 +196,6 @@ class BaseFile(Mapping[str, torch.Tensor]):
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name`` (no read). KeyError for an unknown name."""
         return self._entries[name].shape
-
-    def dtype_of(self, name: str) -> torch.dtype:
-        """The dtype of tensor ``name`` (no read). KeyError for an unknown name."""
-        return self._entries[name].dtype
 
     def lazy(self, name: str) -> LazyTensor:
         """Tensor ``name`` as a :class:`LazyTensor` (read when written out)."""

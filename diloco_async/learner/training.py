@@ -50,8 +50,7 @@ def _overwrite(param: torch.Tensor, new: Mapping[str, torch.Tensor], name: str) 
     """θ ← Θ^new of one tensor: read from a base file straight into a CPU parameter (no new
     tensor, no second copy; the learner stops if the file's bytes are not those written), else
     copied (from pinned memory to a GPU: queued, not waited for)."""
-    if (isinstance(new, BaseFile) and param.device.type == "cpu" and param.dtype == new.dtype_of(name)
-            and param.is_contiguous()):
+    if isinstance(new, BaseFile) and new.can_read_into(name, param):
         new.read_into(name, param)
     else:
         param.copy_(new[name], non_blocking=True)
