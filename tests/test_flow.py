@@ -39,8 +39,8 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
         "budget.wall_s=120", f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art",
         "tracking.poll_s=0.5", "tracking.system_metrics_s=1",
         # a series point every 0.25 s of merging, a held-out evaluation every 0.25 s: a slower machine
-        # trains longer and gets more points; a faster 2-core machine merged for ~6 s and its
-        # held-out curve had 8-9 steps (2026-12-04), where this one had 8-15 s and 20-45 points
+        # trains longer and gets more points: 8-15 s of merging and 20-45 points on the machine of
+        # earlier stops, ~6 s and 8-9 held-out steps on a faster 2-core machine (2026-12-04)
         "tracking.goodput_series_s=0.25", "tracking.eval_every_s=0.25",
     ]
     summary = train(config="configs/default.toml", overrides=overrides)
