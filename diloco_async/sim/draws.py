@@ -56,6 +56,8 @@ class Barrier:
     Each step every running learner ``m`` takes ``T_m = f_m (1 + s_L z_m)(1 + s_S Zmax_m)``; one
     that is among the ``K`` fastest waits for the ``K``-th fastest. Its productive time is its own
     compute ``f_m (1 + s_L z_m)``; the ratio of sums over sampled steps is cached per running set.
+    It is a share of time, so at most 1: with one slice ``Zmax`` is a plain normal, and a learner
+    the barrier does not hold would otherwise come out faster than its own chips.
     """
 
     own: np.ndarray  # (M, S) compute time per learner and step
@@ -72,7 +74,7 @@ class Barrier:
             if len(idx) >= self.quorum:
                 t = self.step[idx]
                 kth = np.partition(t, self.quorum - 1, axis=0)[self.quorum - 1]
-                out[idx] = self.own[idx].sum(axis=1) / np.maximum(t, kth).sum(axis=1)
+                out[idx] = np.minimum(self.own[idx].sum(axis=1) / np.maximum(t, kth).sum(axis=1), 1.0)
             hit = self.cache[key] = tuple(out.tolist())
         return hit
 
