@@ -82,8 +82,9 @@ def render_status(st: dict) -> Group:
 def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
     """``diloco-async status``: print the synchronizer's view once, or with ``watch`` refresh it every
     ``interval_s`` until the run ends (in place on a terminal; one table per refresh when the output
-    is a pipe or a file). Ctrl-C (exit status 130) or SIGTERM (143) stops watching with one line.
-    Must be called from the main thread (it sets a SIGTERM handler)."""
+    is a pipe or a file). Ctrl-C (exit status 130) or SIGTERM (143) stops watching with one line,
+    also when the command was started with SIGINT ignored (a background job of a script inherits
+    that), as ``train`` does. Must be called from the main thread (it sets both handlers)."""
     console = Console()
     try:
         st = fetch_status(url)
@@ -95,18 +96,19 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
         return 0
     signals: list[int] = []
 
-    def _terminate(signum: int, _frame) -> None:  # SIGTERM stops watching like Ctrl-C does
+    def _stop(signum: int, _frame) -> None:  # Ctrl-C or SIGTERM: stop watching
         signals.append(signum)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _watch(console, url, st, interval_s)
     except KeyboardInterrupt:
         console.print("stopped watching (the run goes on)")
-        return 143 if signals else 130
+        return 143 if signals and signals[0] == signal.SIGTERM else 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _watch(console: Console, url: str, st: dict, interval_s: float) -> int:

@@ -22,12 +22,19 @@ async def _read_until(stream: asyncio.StreamReader, needle: str, count: int, tim
     return text
 
 
-@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_ctrl_c(signum, exit_code):
+# a background job of a non-interactive shell starts with SIGINT ignored (and so do make test's
+# workers when make itself was started that way): Ctrl-C must stop watching all the same
+_SIGINT_IGNORED = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh"]
+
+
+@pytest.mark.parametrize(("signum", "exit_code", "prefix"), [(signal.SIGINT, 130, []), (signal.SIGTERM, 143, []),
+                                                             (signal.SIGINT, 130, _SIGINT_IGNORED)],
+                         ids=["ctrl-c", "sigterm", "ctrl-c-when-started-with-sigint-ignored"])
+async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_ctrl_c(signum, exit_code, prefix):
     async with running(small_config()) as (_sync, client, _store):
         url = str(client.make_url("")).rstrip("/")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flows.cli", "status", url, "--watch",
+            *prefix, sys.executable, "-m", "flows.cli", "status", url, "--watch",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
         try:
             # not a terminal: one table per refresh (2 s apart), not a single one at exit
