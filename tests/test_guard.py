@@ -368,6 +368,7 @@ def test_merge_keeps_a_first_time_anti_aligned_learner_at_zero_weight():
                               learner_cosines={"flip": (-0.6,), "a": (0.5,)}, **kw)
     assert again.ok and "flip" not in again.merged
     assert dict(again.dropped)["flip"].startswith("direction_outlier")
+    assert dict(again.dropped)["flip"].endswith("its learner's previous cosines: -0.600)")  # why it was judged so
 
 
 class _HonestLearner:

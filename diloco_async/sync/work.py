@@ -271,10 +271,11 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
             break
         worst = min(away, key=lambda i: cos[i])
         entry = tuple(seq.pop(worst) for seq in (kept, weights, anchored, raw))
-        if bound is not None and sustained_anti_alignment(learner_cosines.get(ids[worst], ()), cos[worst], bound,
-                                                          memory):
+        record = learner_cosines.get(ids[worst], ())
+        if bound is not None and sustained_anti_alignment(record, cos[worst], bound, memory):
+            recent = ", ".join(f"{x:.3f}" for x in list(record)[-(memory - 1):]) if memory > 1 else ""
             dropped.append((ids[worst], f"direction_outlier: cosine {cos[worst]:.3f} with the rest of its round "
-                                        f"(usual {reference:.3f})"))
+                                        f"(usual {reference:.3f}; its learner's previous cosines: {recent or '-'})"))
         else:
             zeroed.append(entry)
             factors[ids[worst]] = 0.0
