@@ -22,6 +22,7 @@ log = logging.getLogger("diloco.heap")
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
+_M_TRIM_THRESHOLD = -1
 
 
 @functools.cache
@@ -35,7 +36,8 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def limit_heap_retention(arena_max: int = 2, mmap_threshold_bytes: int | None = None) -> bool:
+def limit_heap_retention(arena_max: int = 2, mmap_threshold_bytes: int | None = None,
+                         trim_threshold_bytes: int | None = None) -> bool:
     """Cap the C heap at ``arena_max`` arenas (call before threads start); True where applied.
 
     ``mmap_threshold_bytes``: allocations of at least this size are mapped on their own and given
@@ -43,7 +45,13 @@ def limit_heap_retention(arena_max: int = 2, mmap_threshold_bytes: int | None = 
     each large free (up to 32 MiB by default), which is what lets fragment-sized buffers freed by
     worker threads pile up in the heap. The price is fresh pages (page faults) for every such
     allocation: right for the synchronizer, whose large buffers come and go once per merge,
-    publish or checkpoint; not for a training loop that allocates activations every step.
+    publish or checkpoint; for a training loop, only with a threshold above its per-step buffers.
+
+    ``trim_threshold_bytes``: free memory at the top of an arena is given back to the system on
+    its own only once it exceeds this (bytes). A fixed ``mmap_threshold_bytes`` also fixes this one
+    at glibc's 128 KiB, so a training loop's activations, freed at the end of every step, are
+    handed back and faulted in again at the next one; a large value keeps them, and
+    :func:`release_free_memory` still returns free pages when called.
     """
     libc = _glibc()
     if libc is None:
@@ -51,6 +59,8 @@ def limit_heap_retention(arena_max: int = 2, mmap_threshold_bytes: int | None = 
     ok = bool(libc.mallopt(_M_ARENA_MAX, int(arena_max)))
     if mmap_threshold_bytes is not None:
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes))) and ok
+    if trim_threshold_bytes is not None:
+        ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold_bytes))) and ok
     return ok
 
 

@@ -39,11 +39,23 @@ log = logging.getLogger("diloco.learner")
 #: Folder for per-learner timeline records (``{dir}/{learner_id}.jsonl``); unset: none written.
 TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
 
-#: the learner's C heap maps buffers of this size and more on their own (diloco_async/heap.py).
-#: 4 MiB: the activations and per-step gradient temporaries of a ~50M model (1.6-2.6 MB at batch
-#: 4x64) stay in the heap; at 1 MiB they were fresh pages every step (42-45K faults, 110-130 ms of
-#: system time per 1.3 s step, against 33-48 ms at 4 MiB), for 0.1-0.15x the model less RSS
-LEARNER_MMAP_THRESHOLD_BYTES = 4 << 20
+#: the learner's C heap (diloco_async/heap.py): buffers of LEARNER_MMAP_THRESHOLD_BYTES and more are
+#: mapped on their own and given back when freed; up to LEARNER_TRIM_THRESHOLD_BYTES free at the top
+#: of the heap stay there; one arena for every thread. With a fixed mmap threshold glibc's trim
+#: threshold stays at 128 KiB, so the buffers a step frees at its end went back to the system and
+#: were faulted in again at the next step: the 49M plain loop (batch 4x64, one thread) took 10-17K
+#: page faults and 20-32 ms of system time per ~0.95 s step at 4 MiB, with or without a larger trim
+#: threshold (its AdamW and clipping temporaries are parameter-sized, 4-7 MB), and 24 at 16 / 32 MiB.
+#: 32 / 64 MiB (32 MiB is glibc's own ceiling for its growing threshold): bench-hf's Llama loop at
+#: 2,958-2,963 tokens/s against 2,713-2,742 at 4 MiB and 2,808-2,824 at 16 / 32, and the learner in
+#: a run 0.895 +- 0.025 -> 0.938 +- 0.014 of its plain loop. One arena: the free memory a step keeps
+#: is there for the comms thread's buffers too (RSS at 25M / 50M 5.77 / 5.48x the model with two
+#: arenas at 16 / 32, 5.52 / 5.44x with one; 5.60 / 5.45x at 32 / 64; 5.35 / 5.26x at 4 MiB).
+#: release_free_memory() after each download, upload, adoption and spool still hands the free pages
+#: back (without it 5.88 / 5.58x at 16 / 32)
+LEARNER_MMAP_THRESHOLD_BYTES = 32 << 20
+LEARNER_TRIM_THRESHOLD_BYTES = 64 << 20
+LEARNER_HEAP_ARENAS = 1
 #: the interpreter's switch interval in a learner process (s; CPython's default is 5 ms). The comms
 #: thread and its workers run Python (heartbeats, pushes, uploads, downloads) while the training
 #: thread is inside a torch op; when the op returns, the training thread waits for the GIL until
@@ -89,14 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 def set_up_interpreter() -> None:
     """The learner process's interpreter settings, before the comms thread starts (issue 17): one
     torch thread (``learners.threads`` may raise it once the run's config is known), the switch
-    interval :data:`LEARNER_SWITCH_INTERVAL_S`, and the C heap's mmap threshold."""
+    interval :data:`LEARNER_SWITCH_INTERVAL_S`, and the C heap's thresholds and arenas."""
     torch.set_num_threads(1)
     sys.setswitchinterval(LEARNER_SWITCH_INTERVAL_S)
-    # buffers of 4 MiB and more are mapped on their own and given back when freed; with glibc's
-    # growing threshold, the fragment-sized buffers of downloads, uploads and checkpoints freed on
-    # other threads piled up in the heap (the learner crept from 4.7x to 6.2x the model over a 25M
-    # run; 5.3-5.6x with it)
-    limit_heap_retention(mmap_threshold_bytes=LEARNER_MMAP_THRESHOLD_BYTES)
+    limit_heap_retention(LEARNER_HEAP_ARENAS, mmap_threshold_bytes=LEARNER_MMAP_THRESHOLD_BYTES,
+                         trim_threshold_bytes=LEARNER_TRIM_THRESHOLD_BYTES)
 
 
 def main(argv: list[str] | None = None) -> int:
