@@ -26,7 +26,6 @@ from diloco_async import version_codec
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.config import Config
-from diloco_async.heap import release_free_memory
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
@@ -326,7 +325,7 @@ class Comms:
         try:  # one download per fragment at a time: a delta applies to the version downloaded before it
             async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()), self._download_slot:
                 tensors = await asyncio.to_thread(self.fetch_version, v)
-                await asyncio.to_thread(release_free_memory)  # the decoded fp32, now in a local file
+                self.shared.large_frees.set()  # the download's buffers (the decoded fp32 is in a local file)
         except Exception as err:  # counted in the log; the next heartbeat retries
             log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
             self._downloading.pop(v.fragment, None)  # the next heartbeat retries

@@ -35,7 +35,6 @@ import time
 import psutil
 import torch
 
-from diloco_async.heap import release_free_memory
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.device_copies import DeviceMark, side_stream_after, snapshot_on_device
 from diloco_async.learner.state import Shared, SpooledState
@@ -223,4 +222,4 @@ class StateSpooler:
                  "(and copied %.0f MiB)", self.learner_id, meta["step"], nbytes / 2**20, time.perf_counter() - t0,
                  self.waited_s - waited0, (self.copied_bytes - copied0) / 2**20)
         self.shared.upload_queue.put(SpooledState(path, nbytes, meta))
-        release_free_memory()
+        self.shared.large_frees.set()

@@ -97,3 +97,6 @@ class Shared:
         self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()
         self.upload_queue: queue.Queue[UploadJob | InnerState | SpooledState] = queue.Queue()
         self.state_spooled = threading.Event()  # a spooled inner state waits for its upload
+        # fragment-sized buffers were freed on another thread (a download, an upload, a spool): a
+        # chance for the training thread to hand the heap's free pages back (InnerLoop.heap_release)
+        self.large_frees = threading.Event()

@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from diloco_async.base_file import BaseFile
 from diloco_async.config import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
-from diloco_async.heap import release_free_memory
+from diloco_async.heap import ReleaseWhenItPays, release_free_memory
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
@@ -35,6 +36,12 @@ from diloco_async.workload import Workload, emulated_delay_s, jitter_random
 __all__ = ["InnerLoop"]
 
 log = logging.getLogger("diloco.learner")
+
+#: a release of the C heap's free pages (:class:`~diloco_async.heap.ReleaseWhenItPays`) pays when
+#: the next step faults back at most the model's fp32 size, or when it kept this share of the
+#: model's fp32 size (at least :data:`HEAP_RELEASE_MIN_GAIN_BYTES`) and half what it faulted back
+HEAP_RELEASE_GAIN_OF_MODEL = 0.125
+HEAP_RELEASE_MIN_GAIN_BYTES = 16 << 20
 
 
 @dataclass
@@ -114,6 +121,10 @@ class InnerLoop:
         self.spooler = StateSpooler(learner_id, shared, copy_budget_bytes=param_bytes // 2)
         # the optimizer's step mutates the parameters and moments in place: not while they are spooled
         self._spool_hook = workload.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        model_fp32_bytes = 4 * sum(t.numel() for t in workload.params.values())
+        self.heap_release = ReleaseWhenItPays(
+            model_fp32_bytes, max(HEAP_RELEASE_MIN_GAIN_BYTES, int(HEAP_RELEASE_GAIN_OF_MODEL * model_fp32_bytes)))
+        self._process = psutil.Process()
 
     def run(self) -> None:
         """Train until the stop event is set."""
@@ -134,6 +145,7 @@ class InnerLoop:
                 continue  # adopt or answer what arrived, at this step boundary
             self._maybe_save_inner_state()
             self._inner_step()
+            self._maybe_release_heap(bool(adopted))
         if self.group is not None:
             self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
         self.spooler.join()
@@ -183,9 +195,17 @@ class InnerLoop:
             log.debug("%s adopted fragment %d v%d", self.learner_id, p, v.version)
         for item in deferred:
             sh.adopt_queue.put(item)
-        if adopted_now:
-            release_free_memory()  # the replaced base copies and the download buffers
         return adopted_now
+
+    def _maybe_release_heap(self, adopted: bool) -> None:
+        """After a step: hand the C heap's free pages back when fragment-sized buffers were freed
+        since the last step (an adoption here; a download, upload or spool elsewhere) and
+        :attr:`heap_release` finds that releasing pays."""
+        freed = adopted or self.shared.large_frees.is_set()
+        self.shared.large_frees.clear()
+        if self.heap_release.after_step(self._process.memory_info().rss, freed):
+            release_free_memory()
+            self.heap_release.released(self._process.memory_info().rss)
 
     def _read_outcomes(self) -> None:
         while True:

@@ -20,7 +20,6 @@ import aiohttp
 
 from diloco_async import codec as wire
 from diloco_async.client import SyncClient
-from diloco_async.heap import release_free_memory
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.messages import AnnouncementAck
@@ -135,7 +134,7 @@ class Uploads:
         t0 = time.monotonic()
         ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
         del data
-        release_free_memory()  # the outer gradient and its bytes, freed on this and a worker thread
+        self.shared.large_frees.set()  # the outer gradient and its bytes
         self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
         return ref
 
