@@ -73,9 +73,6 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
-
-
-
 class ReleaseWhenItPays:
     """When a training loop hands its free heap pages back after large frees (downloads, uploads,
     adoptions, spooled inner states): at every chance while releasing pays, rarely once it does not.
