@@ -29,11 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from benchmarks.args import description, non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
 from diloco_async.config import Config, load_config
+from diloco_async.devices import set_cpu_math
 from diloco_async.learner.group import place_workload
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
@@ -49,10 +48,11 @@ def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> t
     The learner's own :class:`~diloco_async.workload.Workload` (the recipe's model, AdamW, warm-up,
     clipping) on learner-0's shard, placed on learner-0's device and precision as the learner places
     it, stepped in this process with ``learners.threads`` threads and nothing else: no synchronizer,
-    no comms thread, no snapshots. Each step ends with the loss read back (a device sync on a GPU),
+    no comms thread, no snapshots; its CPU math set as the learner sets it (``learners.threads``,
+    ``learners.flush_denormal``). Each step ends with the loss read back (a device sync on a GPU),
     as in the learner.
     """
-    torch.set_num_threads(cfg.learners.threads)
+    set_cpu_math(cfg.learners.threads, cfg.learners.flush_denormal)
     workload = Workload.from_config(cfg, 0, 0)
     place_workload(workload, cfg, 0)
     workload.load_data(cfg, 0)

@@ -153,6 +153,7 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
     finally:
         for p in procs + [sync]:
             p.terminate(grace_s=5)
+    assert "CPU subnormals flushed" in log2.read_text()  # learners.flush_denormal, true by default
     restored = log2.read_text().split("restored its inner state from checkpoint ")[1]
     restored_step = int(restored.split("(step ")[1].split(",")[0])
     assert restored_step > 0

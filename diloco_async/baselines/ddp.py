@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config import Config, config_hash, load_config
+from diloco_async.devices import set_cpu_math
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.process_clock import process_uptime_s
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             or rank_jitter(cfg, args.jitter) < 0):
         print("error: need 0 <= rank < world-size, speed > 0, jitter >= 0", file=sys.stderr)
         return EXIT_USAGE
+    set_cpu_math(1, cfg.learners.flush_denormal)  # as the learners compute
     try:
         args.allreduce_latency_s = ring_allreduce_latency_s(link_delay_s_from_env(), args.world_size)
     except ValueError as err:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco_async.config import Config
-from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device
+from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.model import embedding_names
 from diloco_async.parent_death import die_with_parent
@@ -217,7 +217,7 @@ def run_follower(group: LearnerGroup, index: int, incarnation: int,
     if raw is None:
         return 3
     cfg = Config.model_validate(raw)
-    torch.set_num_threads(cfg.learners.threads)
+    set_cpu_math(cfg.learners.threads, cfg.learners.flush_denormal)
     workload = make_workload(cfg, index, incarnation)
     place_workload(workload, cfg, index, group.local_rank)
     plan = plan_fragments(specs_of({n: p.detach() for n, p in workload.params.items()}),

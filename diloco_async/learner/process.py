@@ -22,6 +22,7 @@ import torch
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError
 from diloco_async.config import Config, config_hash
+from diloco_async.devices import set_cpu_math
 from diloco_async.fragments import FragmentPlan, plan_differences
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
@@ -106,7 +107,7 @@ class Learner:
         cfg = self._configure(jr)
         if self.group is not None:
             self.group.share_config(jr.config)
-        torch.set_num_threads(cfg.learners.threads)
+        subnormals_flushed = set_cpu_math(cfg.learners.threads, cfg.learners.flush_denormal)
         workload = self.make_workload(cfg, self.index, self.incarnation)
         device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
@@ -118,10 +119,11 @@ class Learner:
             self.group.wrap(workload)
         sh.ready.set()
         shard_tokens = workload.load_data(cfg, self.index)
-        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), base copies %s, "
-                 "versions %s", self.learner_id, self.index, cfg.learners.count, shard_tokens,
+        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), CPU subnormals %s, "
+                 "base copies %s, versions %s", self.learner_id, self.index, cfg.learners.count, shard_tokens,
                  sum(p.numel() for p in workload.params.values()), device, cfg.learners.precision, workload.world,
-                 "in RAM" if self.comms.base_in_ram else "in local files", sh.base)
+                 "flushed" if subnormals_flushed else "kept", "in RAM" if self.comms.base_in_ram else "in local files",
+                 sh.base)
         if cfg.learners.nice_after_ready:
             os.nice(cfg.learners.nice_after_ready)
         self.recorder.record("ready", step=loop.step, restored=self._restored_step)
