@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p_train.set_defaults(func=_train)
     p_validate = sub.add_parser("validate", help="check a recipe: config, store, data, tokenizer, model, "
                                 "fragment plan (starts nothing)")
-    p_validate.add_argument("recipe", nargs="?", default="default", help="a TOML file or a shipped recipe's name")
+    p_validate.add_argument("recipe", nargs="?", default=argparse.SUPPRESS, help="a TOML file or a recipe's name")
+    p_validate.add_argument("--config", "--recipe", dest="recipe", default="default", help="the same, as for train")
     p_validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     p_validate.set_defaults(func=_validate)
     sub.add_parser("recipes", help="list the shipped recipes with their descriptions").set_defaults(func=_recipes)

@@ -107,9 +107,10 @@ def test_an_override_under_a_value_is_refused_naming_it(capsys):
 def test_a_malformed_recipe_names_its_file_and_line(tmp_path, capsys):
     bad = tmp_path / "broken.toml"
     bad.write_text("[learners]\ncount = 4\nlr = = 0.1\n")
-    assert main(["validate", str(bad)]) == 2
-    out = capsys.readouterr()
-    assert str(bad) in out.out + out.err and "line 3" in out.out + out.err, (out.out, out.err)
+    for argv in (["validate", str(bad)], ["validate", "--config", str(bad)], ["validate", "--recipe", str(bad)]):
+        assert main(argv) == 2  # the recipe positionally, or as --config / --recipe like train takes it
+        out = capsys.readouterr()
+        assert str(bad) in out.out + out.err and "line 3" in out.out + out.err, (argv, out.out, out.err)
 
 
 def test_unreachable_bucket_names_run_store(s3_endpoint, capsys):
