@@ -44,7 +44,8 @@ def loss_curve_png(sink: MlflowSink, path: Path) -> Path:
         hist = sorted(sink.client.get_metric_history(sink.run_id, key), key=lambda m: m.step)
         ax_train.plot([m.step for m in hist], [m.value for m in hist], label=key.split("/")[1], lw=0.8)
     ax_train.set(title="train loss per learner", xlabel="local step", ylabel="nats / token")
-    ax_train.legend(fontsize=8)
+    if ax_train.lines:  # a run too short for any learner to report a loss has nothing to label
+        ax_train.legend(fontsize=8)
     hist = sorted(sink.client.get_metric_history(sink.run_id, "eval/loss"), key=lambda m: m.step)
     ax_eval.plot([m.step for m in hist], [m.value for m in hist], "o-")
     ax_eval.set(title="global model, held-out loss", xlabel="merges", ylabel="nats / token")
