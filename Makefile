@@ -67,8 +67,8 @@ test: data
 ## bench: speed and memory benchmarks, ratios against baselines measured in the same run: bench-hf (an HF
 ##        learner inside a run against a plain loop), then issue 17's goals (benchmarks/run.py: merge, codecs
 ##        and file:// store, S3 store, 256 and 1,000 learners on one synchronizer, learner and synchronizer
-##        RSS, learner tokens/s at ~50M), ending with one bars table; exit 1 on any miss. About 20 minutes,
-##        7 GB free memory. BENCH_ONLY=merge,sync_load runs some sections of benchmarks/run.py only.
+##        RSS, a 100M-parameter run with 2 learners, learner tokens/s at ~50M), ending with one bars table;
+##        exit 1 on any miss. About 25 minutes, 7 GB free memory. BENCH_ONLY=merge,sync_load runs some sections of benchmarks/run.py only.
 BENCH_ONLY ?=
 bench: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner; hf=$$?; \

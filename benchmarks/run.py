@@ -11,6 +11,8 @@ Sections, in order (each module also runs alone as ``python -m benchmarks.<modul
 * ``sync_load`` (benchmarks/sync_load.py): 256 and 1,000 simulated learners on one synchronizer;
 * ``memory`` (benchmarks/memory.py): RSS of real learner and synchronizer processes against the
   model's fp32 size;
+* ``memory_big`` (benchmarks/memory.py --big): a 100M-parameter run with 2 learners completes (skipped
+  with ``--quick``);
 * ``learner`` (benchmarks/memory_tokens.py): learner tokens/s with sync on against a plain loop.
 
 Usage: python -m benchmarks.run [--quick] [--only merge,codec_store,...]
@@ -62,6 +64,12 @@ def _memory(quick: bool) -> list[Bar]:
     return memory.bars(quick=quick)
 
 
+def _memory_big(quick: bool) -> list[Bar]:
+    from benchmarks import memory
+
+    return [] if quick else memory.bars(sizes=(), big=True)
+
+
 def _learner(quick: bool) -> list[Bar]:
     from benchmarks import memory_tokens
 
@@ -70,7 +78,7 @@ def _learner(quick: bool) -> list[Bar]:
 
 SECTIONS: dict[str, Callable[[bool], list[Bar]]] = {
     "merge": _merge, "codec_store": _codec_store, "s3": _s3, "sync_load": _sync_load, "memory": _memory,
-    "learner": _learner,
+    "memory_big": _memory_big, "learner": _learner,
 }
 
 
