@@ -26,11 +26,14 @@ Rates, and why:
   the wall clock. Announcements that arrive after their round merged are answered ``late``
   (answered, so not dropped).
 
-The learners are spread over two load generator processes (``LoadSpec.generators``; the code
-they run is :mod:`benchmarks.sync_load_learners`), each with its collector frozen and disabled
-over the run, so the generator is not what stalls: each one's loop lag is printed beside the
-p99s. The synchronizer runs with ``DILOCO_LOOP_WATCH_S=1``: its own loop lag, collections and
-slowest actor part over the measured window are read back from its log and printed too
+The learners are spread over load generator processes, one per 250 learners and at least two
+(``LoadSpec.generators``, :func:`~benchmarks.sync_load_learners.generators_for`: 2 at 256
+learners, 4 at 1,000; a generator of 500 learners lagged up to 52 ms on its own loop after each
+merge's pushes and timed that backlog as the synchronizer's). The code they run is
+:mod:`benchmarks.sync_load_learners`; each one's collector is frozen and disabled over the run,
+so the generator is not what stalls, and each one's loop lag is printed beside the p99s. The
+synchronizer runs with ``DILOCO_LOOP_WATCH_S=1``: its own loop lag, collections and slowest
+actor part over the measured window are read back from its log and printed too
 (``SYNC_LOAD_LOG=path`` keeps that log).
 
 Figures printed besides the bars: p50s, the generator's loop lag (large when the machine is
@@ -74,7 +77,7 @@ import psutil
 from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_over_runs
-from benchmarks.sync_load_learners import RUN_ID, LoadResult, LoadSpec, _generator
+from benchmarks.sync_load_learners import RUN_ID, LoadResult, LoadSpec, _generator, generators_for
 from diloco_async.client import TOKEN_ENV
 
 __all__ = ["LoadSpec", "LoadResult", "run_load", "bars", "main"]
@@ -336,7 +339,8 @@ def bars(quick: bool = False, repeats: int = REPEATS) -> list[Bar]:
     if quick:
         return _load_bars([run_load(LoadSpec(32, 0.25, 2.0, seconds=5.0, warmup_s=3.0))], GOAL_P99_MS_1000)
     out = _load_bars([run_load(LoadSpec(256, 0.25, 8.0, seconds=30.0)) for _ in range(repeats)], GOAL_P99_MS_256)
-    out += _load_bars([run_load(LoadSpec(1000, 1.0, 10.0, seconds=30.0, warmup_s=8.0)) for _ in range(repeats)],
+    out += _load_bars([run_load(LoadSpec(1000, 1.0, 10.0, seconds=30.0, warmup_s=8.0, generators=generators_for(1000)))
+                       for _ in range(repeats)],
                       GOAL_P99_MS_1000)
     return out
 
@@ -347,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=positive_int, default=None, help="one load of N learners instead of the two")
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="measured seconds (with --learners)")
     ap.add_argument("--heartbeat-s", type=positive_float, default=None, help="heartbeat period (with --learners)")
-    ap.add_argument("--generators", type=positive_int, default=2, help="load generator processes (with --learners)")
+    ap.add_argument("--generators", type=positive_int, default=None,
+                    help="load generator processes (with --learners; default one per 250 learners, at least 2)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="with --learners: the same load first on a synchronizer run from DIR (e.g. "
                          "`git archive main | tar -x -C DIR`), printed as context")
@@ -360,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         hb = args.heartbeat_s or (0.25 if args.learners <= 256 else 1.0)
         goal = GOAL_P99_MS_256 if args.learners <= 256 else GOAL_P99_MS_1000
         spec = LoadSpec(args.learners, hb, 8.0 if args.learners <= 256 else 10.0, args.seconds,
-                        warmup_s=5.0 if args.learners <= 256 else 8.0, generators=args.generators)
+                        warmup_s=5.0 if args.learners <= 256 else 8.0,
+                        generators=args.generators or generators_for(args.learners))
         if args.http_requests:
             spec = dataclasses.replace(spec, ws_requests=False)
         if args.baseline_tree:

@@ -26,10 +26,13 @@ from diloco_async.fragments import FragmentPlan
 from storage import keys
 from storage.store import ObjectStore
 
-__all__ = ["LoadSpec", "LoadResult", "RUN_ID", "STEPS_PER_S", "main"]
+__all__ = ["LoadSpec", "LoadResult", "RUN_ID", "STEPS_PER_S", "LEARNERS_PER_GENERATOR", "generators_for", "main"]
 
 RUN_ID = "load"
 STEPS_PER_S = 10.0  # each simulated learner's inner steps per second
+#: simulated learners one generator process drives at most: a merge pushes two events to each, so a
+#: generator of 500 lagged 20-52 ms on its own loop and timed that backlog as the synchronizer's
+LEARNERS_PER_GENERATOR = 250
 ANNOUNCE_JITTER_S = 0.3  # a learner announces up to this long after it heard of a round (its last steps)
 
 
@@ -43,7 +46,7 @@ class LoadSpec:
     announce_s: float
     seconds: float
     warmup_s: float = 5.0
-    generators: int = 2  # load generator processes the learners are spread over
+    generators: int = 2  # load generator processes the learners are spread over (see generators_for)
     ws_requests: bool = True  # heartbeats and announcements over the WebSocket, as the real learner sends them
 
 
@@ -73,6 +76,12 @@ class LoadResult:
     @property
     def dropped(self) -> int:
         return sum(self.sent.values()) - sum(self.answered.values()) + self.ws_lost
+
+
+def generators_for(learners: int) -> int:
+    """Load generator processes for ``learners`` simulated learners: one per
+    :data:`LEARNERS_PER_GENERATOR`, at least 2."""
+    return max(2, -(-learners // LEARNERS_PER_GENERATOR))
 
 
 class _Learner:

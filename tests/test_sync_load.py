@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.sync_load import LoadSpec, percentile_ms, report, run_load
+from benchmarks.sync_load_learners import generators_for
 
 
 def test_quick_load_is_real_and_nothing_is_dropped():
@@ -27,6 +28,10 @@ def test_quick_load_is_real_and_nothing_is_dropped():
     assert res.heartbeat_s and res.announce_s and res.health_s
     fig = report(res)
     assert fig["dropped"] == 0 and fig["heartbeat_p99_ms"] >= fig["heartbeat_p50_ms"] > 0
+
+
+def test_a_generator_drives_at_most_250_learners_and_there_are_at_least_two():
+    assert [generators_for(n) for n in (1, 32, 256, 500, 501, 1000, 1001)] == [2, 2, 2, 2, 3, 4, 5]
 
 
 def test_percentiles_are_nearest_rank():
