@@ -2,7 +2,7 @@
 
 * :mod:`storage.store`: :class:`ObjectStore` chosen by URL (``file://``, ``memory://``,
   ``s3://``, ``gs://``), exclusive create, streamed parts, timeouts and retries; built from
-  :mod:`storage.refs` (refs, sha256), :mod:`storage.retry` (timeouts, retries),
+  :mod:`storage.refs` (refs), :mod:`storage.digest` (object digests), :mod:`storage.retry` (timeouts, retries),
   :mod:`storage.writer` (exclusive-create writes) and :mod:`storage.reader` (verified reads);
 * :mod:`storage.backends`: one backend per protocol (single requests, no policy);
 * :mod:`storage.keys` and :mod:`storage.checkpoint`: the run layout and its checkpoints;
@@ -12,7 +12,7 @@
 """
 
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
-from storage.store import IntegrityError, ObjectRef, ObjectStore, ObjectWriter, is_transient, sha256_hex
+from storage.store import IntegrityError, ObjectRef, ObjectStore, ObjectWriter, is_transient, object_digest, sha256_hex
 
-__all__ = ["IntegrityError", "ObjectRef", "ObjectStore", "ObjectWriter", "is_transient", "sha256_hex",
+__all__ = ["IntegrityError", "ObjectRef", "ObjectStore", "ObjectWriter", "is_transient", "object_digest", "sha256_hex",
            "STORAGE_OPTIONS_ENV", "storage_options_from_env"]

@@ -1,4 +1,4 @@
-"""Naming and checking one immutable object: :class:`ObjectRef` (key, size, sha256).
+"""Naming and checking one immutable object: :class:`ObjectRef` (key, size, digest).
 
 Readers trust only what a ref names: :func:`check_ref` compares what was read with it and
 raises :class:`IntegrityError` on any difference (DESIGN §5).
@@ -25,7 +25,8 @@ class IntegrityError(ValueError):
 
 
 def sha256_hex(data: bytes) -> str:
-    """Lowercase hex sha256 of ``data`` (64 characters)."""
+    """Lowercase hex sha256 of ``data`` (64 characters): the digest of an object of at most
+    4 MiB; :func:`storage.digest.object_digest` gives that of an object of any size."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -36,7 +37,9 @@ class ObjectRef:
     Attributes:
         key: path relative to the store root, ``/``-separated.
         nbytes: exact size in bytes.
-        sha256: hex digest of the bytes.
+        sha256: hex digest of the bytes (:func:`storage.digest.object_digest`): their sha256 up
+            to 4 MiB; above, the sha256 of the sha256 of each 4 MiB piece. Objects over 4 MiB
+            written before piece digests carry their whole sha256, which readers still accept.
     """
 
     key: str

@@ -42,12 +42,13 @@ import fsspec
 
 from storage import backends, reader, writer
 from storage.credentials import CredentialRefresher
+from storage.digest import object_digest
 from storage.parts import GCS_LIMITS, NO_LIMITS, S3_LIMITS, PartLimits
 from storage.refs import IntegrityError, ObjectRef, sha256_hex
 from storage.retry import RetryPolicy, call_with_retry, is_transient
 from storage.writer import ObjectWriter
 
-__all__ = ["ObjectRef", "ObjectStore", "ObjectWriter", "IntegrityError", "sha256_hex", "is_transient"]
+__all__ = ["ObjectRef", "ObjectStore", "ObjectWriter", "IntegrityError", "object_digest", "sha256_hex", "is_transient"]
 
 MiB = 1 << 20
 

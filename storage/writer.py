@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -24,8 +23,9 @@ from typing import TYPE_CHECKING
 
 from storage import backends
 from storage.credentials import is_expired_credentials
+from storage.digest import PIECE_NBYTES, PieceHasher, hash_threads
 from storage.parts import part_nbytes_for, streaming_part_nbytes
-from storage.refs import IntegrityError, ObjectRef, sha256_hex
+from storage.refs import IntegrityError, ObjectRef
 from storage.retry import is_transient
 
 if TYPE_CHECKING:
@@ -45,9 +45,16 @@ def put_bytes(store: ObjectStore, key: str, data: bytes | bytearray | memoryview
     if len(view) <= store.part_nbytes or not store._backend.multipart:
         path = store._path(key)
         payload = data if isinstance(data, bytes) else bytes(view)
-        hasher = _Hasher(payload)  # hashes in parallel with the upload
         ref = lambda: hasher.ref_for(key, len(payload))  # noqa: E731
-        _put_single(store, key, path, payload, ref)
+        if isinstance(store._backend, backends.LocalBackend) and len(payload) > PIECE_NBYTES:
+            # a local write is a memory copy on this machine's cores: hash beside it on one lane
+            # fewer than the pool has, then on all of them while the file syncs to disk
+            hasher = _Hasher(payload, lanes=hash_threads() - 1)
+            put = lambda: _write_then_sync(store._backend, path, payload, hasher.widen)  # noqa: E731
+            _create_once(store, "put", key, put, ref, (FileExistsError,))
+        else:
+            hasher = _Hasher(payload)  # hashes in parallel with the upload
+            _put_single(store, key, path, payload, ref)
         return ref()
     return upload_chunks(store, key, lambda: iter([view]), len(view))
 
@@ -86,6 +93,18 @@ def _put_single(store: ObjectStore, key: str, path: str, data: bytes, ref: Calla
     """One exclusive PUT of ``data`` to ``path`` (that of ``key``), retried; ``ref()`` names
     the bytes (asked only if needed)."""
     _create_once(store, "put", key, lambda: store._backend.put(path, data), ref, (FileExistsError,))
+
+
+def _write_then_sync(backend: backends.Backend, path: str, data: bytes, written: Callable[[], None]) -> None:
+    """A local exclusive create (temp file, write, fsync, link) with ``written()`` called
+    between the write, a copy into the page cache on this CPU, and the fsync, a wait."""
+    upload = backend.begin(path)
+    try:
+        upload.send(1, 0, data, True)
+        written()
+        upload.commit()
+    finally:
+        upload.abort()
 
 
 def _create_once(store: ObjectStore, verb: str, key: str, create: Callable[[], None],
@@ -149,11 +168,13 @@ def _holds(store: ObjectStore, ref: ObjectRef) -> bool:
 
 
 class _Hasher:
-    """sha256 of one buffer, computed in a thread (hashlib releases the GIL) while it uploads."""
+    """The digest of one buffer (:mod:`storage.digest`), computed beside the upload: its pieces
+    on the shared hashing pool, the rest in a thread of its own."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, lanes: int | None = None) -> None:
         self._digest: str | None = None
         self._data = data
+        self._hasher = PieceHasher(lanes)
         self._thread = None
         if len(data) > _HASH_IN_THREAD_NBYTES:
             self._thread = threading.Thread(target=self._run, daemon=True)
@@ -162,7 +183,12 @@ class _Hasher:
             self._run()
 
     def _run(self) -> None:
-        self._digest = sha256_hex(self._data)
+        self._hasher.update(self._data)
+        self._digest = self._hasher.hexdigest()
+
+    def widen(self) -> None:
+        """Hash on every lane of the pool from now on."""
+        self._hasher.widen()
 
     def ref_for(self, key: str, nbytes: int) -> ObjectRef:
         if self._thread is not None:
@@ -191,7 +217,7 @@ class ObjectWriter:
         self._where = store._where(key)
         self._limits = store.part_limits
         self._fixed_part = None if nbytes is None else part_nbytes_for(nbytes, store.part_nbytes, self._limits)
-        self._hash = hashlib.sha256()
+        self._hash = PieceHasher()  # fed read-only views only (see write)
         self._nbytes = 0
         self._held: collections.deque[memoryview] = collections.deque()  # written, not yet sent
         self._held_nbytes = 0

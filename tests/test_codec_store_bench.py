@@ -20,7 +20,7 @@ def test_quick_bars_measure_every_codec_and_the_store(capsys):
         "file:// put+get / raw file I/O": (0.8, "min"),
     }
     sizes = {b.figure: b.value for b in rows if b.shown}
-    assert sorted(sizes) == ["bf16 encoded size / fp32", "file:// put+get / raw, best two sha256 passes allow",
+    assert sorted(sizes) == ["bf16 encoded size / fp32", "file:// put+get / raw, best whole-object sha256 allows",
                              "int2 encoded size / fp32", "int4 encode+decode / fp32 codec's, default malloc",
                              "int4 encoded size / fp32", "int8 encoded size / fp32"]
     assert 0.49 < sizes["bf16 encoded size / fp32"] < 0.51 and 0.13 < sizes["int4 encoded size / fp32"] < 0.15

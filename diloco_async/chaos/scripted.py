@@ -9,7 +9,6 @@ tasks; neither imports the learner or trains. Used by the API fuzz (:mod:`diloco
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
@@ -24,7 +23,7 @@ from diloco_async.auth import learner_token
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.fragments import FragmentPlan
 from storage import keys
-from storage.store import ObjectStore
+from storage.store import ObjectStore, object_digest
 
 __all__ = ["ScriptedLearners", "Poisoner", "POISONS", "published_extremes"]
 
@@ -180,7 +179,7 @@ class Poisoner:
         ref = await asyncio.to_thread(self.store.put, key, written)
         ack = await client.announce({"learner_id": self.lid, "fragment": p, "round_n": n, "base_version": r["version"],
                                      "c_steps": 4, "c_tokens": 256, "compute_s": 0.2, "key": ref.key,
-                                     "nbytes": len(described), "sha256": hashlib.sha256(described).hexdigest(),
+                                     "nbytes": len(described), "sha256": object_digest(described),
                                      "codec": "fp32", "update_id": uuid.uuid4().hex[:12]})
         self.sent[kind] += 1
         self.acks[f"{kind}/{ack['status']}"] += 1

@@ -22,7 +22,7 @@ from diloco_async.sync.work import put_version
 from diloco_async.versions import VersionHistory, read_version
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
-from storage.store import IntegrityError, ObjectRef, ObjectStore, sha256_hex
+from storage.store import IntegrityError, ObjectRef, ObjectStore, object_digest
 
 if TYPE_CHECKING:
     from diloco_async.sync.actor import Synchronizer
@@ -228,7 +228,7 @@ def _adopt_published(sync: Synchronizer, f: FragmentState, lease_epoch: int) -> 
                         "skipped", f.p, v, epoch, floor)
             continue
         floor = epoch
-        f.history[v], f.refs[v] = tensors, ObjectRef(key, len(data), sha256_hex(data))
+        f.history[v], f.refs[v] = tensors, ObjectRef(key, len(data), object_digest(data))
         f.version, f.current, f.published, f.compact = v, tensors, tensors, None  # (a residual is dropped)
         f.next_round = max(f.next_round, int(meta.get("round") or 0) + 1)
         kept.append(v)
