@@ -32,10 +32,13 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["PIECE_NBYTES", "PieceHasher", "object_digest", "hash_threads"]
+__all__ = ["PIECE_NBYTES", "PieceHasher", "object_digest", "hash_threads", "set_hash_threads"]
 
 #: size of one hashed piece; part of the format (changing it changes every large object's digest)
 PIECE_NBYTES = 4 << 20
+
+#: pieces per hashing thread that may wait or run for one stream before its update blocks
+BACKLOG_PIECES = 2
 
 #: what the piece digests are prefixed with before the top-level sha256
 _TOP_PREFIX = b"diloco-async object digest v1: sha256 of 4194304-byte pieces\n"
@@ -45,6 +48,7 @@ HASH_THREADS_ENV = "DILOCO_HASH_THREADS"
 
 _pool_lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_threads_set: int | None = None  # set_hash_threads's, over the environment's
 
 
 def hash_threads() -> int:
@@ -54,6 +58,8 @@ def hash_threads() -> int:
     Raises:
         ValueError: the variable is set to something other than a whole number ≥ 1.
     """
+    if _threads_set is not None:
+        return _threads_set
     text = os.environ.get(HASH_THREADS_ENV, "").strip()
     if text:
         if not text.isdigit() or int(text) < 1:
@@ -64,6 +70,24 @@ def hash_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(4, cores))
+
+
+def set_hash_threads(threads: int | None) -> None:
+    """Set this process's hashing threads (None: back to :func:`hash_threads`'s default). A
+    learner keeps one core for its training thread: hashing beside it on that core too slowed
+    its steps. Streams already being hashed finish on the pool they started with.
+
+    Raises:
+        ValueError: ``threads`` < 1.
+    """
+    global _threads_set, _pool
+    if threads is not None and threads < 1:
+        raise ValueError(f"hash threads must be >= 1, got {threads}")
+    with _pool_lock:
+        _threads_set = threads
+        old, _pool = _pool, None
+    if old is not None:
+        old.shutdown(wait=False)  # what was queued still runs
 
 
 def _shared_pool() -> concurrent.futures.ThreadPoolExecutor | None:
@@ -99,7 +123,10 @@ class PieceHasher:
     bytes given must not change until :meth:`hexdigest` returns (``bytes``, or views of buffers
     that nobody writes any more). Bytes of a piece that a chunk leaves unfinished are hashed in
     the caller's thread. At most ``lanes`` pieces of this stream are hashed at once (default:
-    every thread of the pool); :meth:`widen` raises that while the stream is being hashed.
+    every thread of the pool); :meth:`widen` raises that while the stream is being hashed. At
+    most :data:`BACKLOG_PIECES` per thread wait or run: :meth:`update` blocks until there is
+    room, so a writer faster than hashing does not pile up its buffers (a synchronizer writing
+    its state held ~0.4 model sizes more without this bound).
     Not thread-safe: one stream, one caller (``widen`` may come from another thread).
     """
 
@@ -111,6 +138,8 @@ class PieceHasher:
         self.nbytes = 0
         self._lanes = max(1, lanes) if lanes is not None else hash_threads()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._backlog = BACKLOG_PIECES * max(self._lanes, hash_threads())
         self._waiting: collections.deque[tuple[concurrent.futures.Future, memoryview]] = collections.deque()
         self._running = 0
 
@@ -133,7 +162,8 @@ class PieceHasher:
                 continue
             future: concurrent.futures.Future = concurrent.futures.Future()
             self._pieces.append(future)
-            with self._lock:
+            with self._room:
+                self._room.wait_for(lambda: len(self._waiting) + self._running < self._backlog)
                 self._waiting.append((future, piece))
             self._start_some()
         if len(view):
@@ -146,7 +176,8 @@ class PieceHasher:
         self._start_some()
 
     def _start_some(self) -> None:
-        assert self._pool is not None
+        if self._pool is None:  # one thread: every piece was hashed in update
+            return
         while True:
             with self._lock:
                 if self._running >= self._lanes or not self._waiting:
@@ -160,8 +191,9 @@ class PieceHasher:
             future.set_result(_piece_digest(piece))
         except BaseException as err:  # the caller gets it from hexdigest
             future.set_exception(err)
-        with self._lock:
+        with self._room:
             self._running -= 1
+            self._room.notify_all()
         self._start_some()
 
     def hexdigest(self) -> str:

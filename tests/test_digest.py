@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -57,10 +58,29 @@ def test_one_lane_then_widened_and_no_pool_agree(monkeypatch):
     narrow.widen()
     assert narrow.hexdigest() == reference_digest(data)
     monkeypatch.setenv(digest.HASH_THREADS_ENV, "1")  # in a fresh process: hashed in the caller's thread
-    out = subprocess.run([sys.executable, "-c", "import sys; from storage.digest import object_digest, _shared_pool; "
-                          "d = sys.stdin.buffer.read(); print(_shared_pool() is None, object_digest(d))"],
-                         input=data, capture_output=True, check=True)
-    assert out.stdout.split() == [b"True", reference_digest(data).encode()]
+    code = ("import sys, tempfile; from storage.digest import object_digest, _shared_pool; "
+            "from storage.store import ObjectStore; d = sys.stdin.buffer.read(); "
+            "s = ObjectStore('file://' + tempfile.mkdtemp()); ref = s.put('k', d); assert s.get(ref) == d; "
+            "print(_shared_pool() is None, object_digest(d), ref.sha256)")
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True)
+    assert out.stdout.split() == [b"True", reference_digest(data).encode(), reference_digest(data).encode()]
+
+
+def test_set_hash_threads_swaps_the_pool_and_refuses_zero():
+    data = blob(3 * PIECE_NBYTES + 1, seed=9)
+    try:
+        for threads in (1, 3, None):
+            digest.set_hash_threads(threads)
+            assert digest.hash_threads() == (threads or digest.hash_threads())
+            assert (digest._shared_pool() is None) == (digest.hash_threads() == 1)
+            narrow = PieceHasher(lanes=1)
+            narrow.update(data)
+            narrow.widen()
+            assert narrow.hexdigest() == object_digest(data) == reference_digest(data)
+        with pytest.raises(ValueError, match=">= 1"):
+            digest.set_hash_threads(0)
+    finally:
+        digest.set_hash_threads(None)
 
 
 def test_a_changed_byte_or_order_changes_the_digest():
@@ -156,3 +176,22 @@ def test_a_legacy_ref_never_passes_bytes_that_differ_from_the_second_read(tmp_pa
         store.get(legacy)
     assert store.faults.injected["corrupt"] == 1 and store.counters.get("legacy_digests", 0) == 0
     assert store.get(legacy) == data  # nothing injected: accepted
+
+
+def test_update_waits_while_the_backlog_is_full(monkeypatch):
+    """A writer faster than hashing holds at most BACKLOG_PIECES per thread of its buffers."""
+    release = threading.Event()
+    real = digest._piece_digest
+    monkeypatch.setattr(digest, "_piece_digest", lambda view: (release.wait(30), real(view))[1])
+    data = blob(12 * PIECE_NBYTES, seed=10)
+    hasher = PieceHasher(lanes=1)
+    feeder = threading.Thread(target=hasher.update, args=(data,))
+    feeder.start()
+    try:
+        feeder.join(0.5)
+        assert feeder.is_alive()  # blocked: the pool is held and the backlog is full
+        assert len(hasher._waiting) + hasher._running == hasher._backlog == digest.BACKLOG_PIECES * digest.hash_threads()
+    finally:
+        release.set()
+    feeder.join(30)
+    assert not feeder.is_alive() and hasher.hexdigest() == reference_digest(data)
