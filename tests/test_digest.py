@@ -190,7 +190,8 @@ def test_update_waits_while_the_backlog_is_full(monkeypatch):
     try:
         feeder.join(0.5)
         assert feeder.is_alive()  # blocked: the pool is held and the backlog is full
-        assert len(hasher._waiting) + hasher._running == hasher._backlog == digest.BACKLOG_PIECES * digest.hash_threads()
+        held = len(hasher._waiting) + hasher._running
+        assert held == hasher._backlog == digest.BACKLOG_PIECES * digest.hash_threads()
     finally:
         release.set()
     feeder.join(30)
