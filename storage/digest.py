@@ -184,7 +184,10 @@ class PieceHasher:
                     return
                 self._running += 1
                 future, piece = self._waiting.popleft()
-            self._pool.submit(self._hash_one, future, piece)
+            try:
+                self._pool.submit(self._hash_one, future, piece)
+            except RuntimeError:  # that pool was shut down (interpreter exit, set_hash_threads): hash here
+                self._hash_one(future, piece)
 
     def _hash_one(self, future: concurrent.futures.Future, piece: memoryview) -> None:
         try:

@@ -196,3 +196,15 @@ def test_update_waits_while_the_backlog_is_full(monkeypatch):
         release.set()
     feeder.join(30)
     assert not feeder.is_alive() and hasher.hexdigest() == reference_digest(data)
+
+
+def test_a_stream_whose_pool_was_shut_down_still_finishes():
+    """At interpreter exit the pool refuses new work; a stream in another thread must not hang."""
+    data = blob(6 * PIECE_NBYTES + 5, seed=11)
+    try:
+        hasher = PieceHasher()
+        digest.set_hash_threads(2)  # shuts down the pool the hasher holds
+        hasher.update(data)
+        assert hasher.hexdigest() == reference_digest(data)
+    finally:
+        digest.set_hash_threads(None)
