@@ -3,8 +3,9 @@
 One sha256 pass runs on one core at a fixed speed (~1.1–1.3 GB/s with the SHA extensions of
 the reference machine), often slower than the page cache writes and reads the same bytes. A
 store that hashes every object it writes and every object it reads then spends most of a
-transfer hashing, however well hashing and I/O overlap (issue 17: ``file://`` put+get at
-0.71–0.73 of raw file I/O, the best two whole-object passes allowed being 0.73–0.82).
+transfer hashing, however well hashing and I/O overlap (issue 17, on the 2-core machine:
+``file://`` put+get at 0.67–0.71 of raw file I/O; the best a store hashing whole objects could
+reach there, each pass overlapped with its own I/O, was 0.66–0.86 from run to run).
 
 So a large object is hashed in pieces, each piece on whichever core is free:
 
@@ -32,7 +33,7 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["PIECE_NBYTES", "PieceHasher", "object_digest", "hash_threads", "set_hash_threads"]
+__all__ = ["PIECE_NBYTES", "PieceHasher", "object_digest", "hash_threads", "set_hash_threads", "usable_cores"]
 
 #: size of one hashed piece; part of the format (changing it changes every large object's digest)
 PIECE_NBYTES = 4 << 20
@@ -65,11 +66,15 @@ def hash_threads() -> int:
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"{HASH_THREADS_ENV}={text!r}: expected a whole number >= 1")
         return int(text)
+    return max(1, min(4, usable_cores()))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count where there is none)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores))
+        return os.cpu_count() or 1
 
 
 def set_hash_threads(threads: int | None) -> None:
@@ -136,10 +141,11 @@ class PieceHasher:
         self._tail = hashlib.sha256()  # the unfinished piece
         self._tail_nbytes = 0
         self.nbytes = 0
-        self._lanes = max(1, lanes) if lanes is not None else hash_threads()
+        threads = hash_threads()
+        self._lanes = max(1, lanes) if lanes is not None else threads
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
-        self._backlog = BACKLOG_PIECES * max(self._lanes, hash_threads())
+        self._backlog = BACKLOG_PIECES * max(self._lanes, threads)
         self._waiting: collections.deque[tuple[concurrent.futures.Future, memoryview]] = collections.deque()
         self._running = 0
 
@@ -213,6 +219,8 @@ class PieceHasher:
 def object_digest(data: bytes | bytearray | memoryview) -> str:
     """The digest an :class:`~storage.refs.ObjectRef` carries for ``data`` (hex, 64 characters):
     its sha256 up to :data:`PIECE_NBYTES`, the sha256 of its pieces' sha256s above."""
+    if memoryview(data).nbytes <= PIECE_NBYTES:  # one piece: its plain sha256, no pool
+        return hashlib.sha256(data).hexdigest()
     hasher = PieceHasher()
     hasher.update(data)
     return hasher.hexdigest()

@@ -28,7 +28,7 @@ from diloco_async.learner.process import Learner
 from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
-from storage.digest import set_hash_threads
+from storage.digest import set_hash_threads, usable_cores
 from storage.latency import LatencyStore
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
@@ -107,7 +107,7 @@ def set_up_interpreter() -> None:
     training thread's core left to it (2 cores, ``make bench``'s learner section at 50M, 2 repeats
     each: 0.947 ± 0.040 of the plain loop hashing on both cores, 0.994 ± 0.094 on one)."""
     torch.set_num_threads(1)
-    set_hash_threads(max(1, min(4, len(os.sched_getaffinity(0)) - 1)))
+    set_hash_threads(max(1, min(4, usable_cores() - 1)))
     sys.setswitchinterval(LEARNER_SWITCH_INTERVAL_S)
     limit_heap_retention(LEARNER_HEAP_ARENAS, mmap_threshold_bytes=LEARNER_MMAP_THRESHOLD_BYTES,
                          trim_threshold_bytes=LEARNER_TRIM_THRESHOLD_BYTES)
