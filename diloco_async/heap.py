@@ -13,7 +13,6 @@ a release also hands back what its next step would reuse.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 
@@ -29,7 +28,9 @@ _M_TRIM_THRESHOLD = -1
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # the symbols already loaded into this process (the C library Python runs on): no search,
+        # where ctypes.util.find_library would start `ldconfig -p` in a subprocess
+        libc = ctypes.CDLL(None)
         libc.malloc_trim  # noqa: B018 - only glibc has it
         libc.mallopt  # noqa: B018
     except (OSError, AttributeError):

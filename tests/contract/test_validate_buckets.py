@@ -1,0 +1,31 @@
+"""`diloco-async validate` / `recipes` and recipe resolution (issue 15, items 3 and 4)."""
+
+from __future__ import annotations
+
+import time
+
+from diloco_async.validate import validate_recipe
+from flows.cli import main
+
+
+def test_unreachable_bucket_names_run_store(s3_endpoint, capsys):
+    opts = s3_endpoint.storage_options["client_kwargs"]["endpoint_url"]
+    argv = ["validate", "default", "--set", "run.store=s3://no-such-bucket-validate/runs",
+            "--set", f'run.storage_options={{client_kwargs={{endpoint_url="{opts}"}}}}']
+    t0 = time.monotonic()
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert "FAIL store" in out.out and "run.store" in out.err, out.out
+    assert time.monotonic() - t0 < 60
+
+
+def test_writable_bucket_passes_and_is_left_empty(s3_endpoint):
+    import fsspec
+
+    from storage_servers import make_bucket
+
+    bucket = make_bucket("s3", s3_endpoint.storage_options)
+    checks = validate_recipe("default", [f"run.store=s3://{bucket}/runs"], s3_endpoint.storage_options)
+    store = [c for c in checks if c.name == "store"][0]
+    assert store.ok, store.detail
+    assert fsspec.filesystem("s3", **s3_endpoint.storage_options).find(bucket) == []

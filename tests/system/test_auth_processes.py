@@ -1,0 +1,153 @@
+"""Per-learner credentials and a synchronizer that hostile requests cannot wear down (issue 14, item 2).
+
+Defect 9: every unauthenticated request appended a metric point and a log line, forever;
+``/status`` went through the actor's queue; any number of learner ids could join; slow request
+bodies were never timed out. Defect 10: one shared run token let any holder act as another
+learner, announce another learner's object, or evict a learner by re-joining its id with a higher
+incarnation.
+
+A real synchronizer behind its real HTTP server on loopback (``make_app`` under an ``AppRunner``
+with the production runner options), driven with aiohttp and raw sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import aiohttp
+import pytest
+from aiohttp import web
+from test_synchronizer import small_config
+
+from diloco_async.auth import learner_token
+from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.procs import LocalProcessLauncher
+from diloco_async.sync import Synchronizer, make_app, runner_options
+from storage.store import ObjectStore
+
+from polling import await_until
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "run-secret-for-tests-0123456789abcdef"  # 32+ characters: weaker ones are refused
+RUN = "run1"
+
+
+def token(lid: str) -> str:
+    return learner_token(SECRET, RUN, lid)
+
+
+class CountingQueue(asyncio.Queue):
+    """The actor's inbox, counting every message put into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts = 0
+
+    def put_nowait(self, item) -> None:
+        self.puts += 1
+        super().put_nowait(item)
+
+
+class Server:
+    """What a test talks to: the URL, an HTTP session, the synchronizer and its store."""
+
+    def __init__(self, sync: Synchronizer, url: str, session: aiohttp.ClientSession, store: ObjectStore) -> None:
+        self.sync, self.url, self.session, self.store = sync, url, session, store
+        self.port = int(url.rsplit(":", 1)[1])
+
+    async def call(self, method: str, path: str, body=None, credential: str | None = None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {credential}"} if credential else {}
+        async with self.session.request(method, self.url + path, json=body, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def status(self) -> dict:
+        code, st = await self.call("GET", "/status")
+        assert code == 200
+        return st
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg):
+    """The synchronizer of run ``run1`` on a memory store, served as the product serves it."""
+    store = ObjectStore(f"memory://auth-{uuid.uuid4().hex}")
+    sync = Synchronizer(cfg, store, RUN)
+    sync.inbox = CountingQueue()
+    await asyncio.to_thread(sync.publish_initial)
+    runner = web.AppRunner(make_app(sync, SECRET), **runner_options(sync))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    actor = asyncio.create_task(sync.run())
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            yield Server(sync, url, session, store)
+    finally:
+        actor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await actor
+        await runner.cleanup()
+
+
+# -- defect 10: one shared token ------------------------------------------------------------
+
+
+async def test_a_learner_token_acts_only_as_that_learner():
+    async with serving(small_config()) as srv:
+        for lid in ("a", "b"):
+            code, answer = await srv.call("POST", "/join", {"learner_id": lid}, token(lid))
+            assert code == 200, answer
+        code, answer = await srv.call("POST", "/heartbeat", {"learner_id": "a", "step": 1}, token("a"))
+        assert code == 200 and answer["known"], answer
+        # a's token as b: join, heartbeat, evicting b by a higher incarnation
+        for path, body in (("/join", {"learner_id": "b"}), ("/join", {"learner_id": "b", "incarnation": 7}),
+                           ("/heartbeat", {"learner_id": "b", "step": 3})):
+            code, answer = await srv.call("POST", path, body, token("a"))
+            assert (code, answer["reason"]) == (403, "forbidden"), (path, answer)
+        # nor b's push channel, nor the operator's routes
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await srv.session.ws_connect(f"{srv.url}/ws?learner_id=b",
+                                         headers={"Authorization": f"Bearer {token('a')}"})
+        assert err.value.status == 403
+        assert (await srv.call("POST", "/checkpoint", {}, token("a")))[0] == 403
+        assert (await srv.call("GET", "/metrics", None, token("a")))[0] == 403
+        # a token of no learner of this run (another run's, or made up) is unauthenticated
+        code, answer = await srv.call("POST", "/join", {"learner_id": "b"}, learner_token(SECRET, "run2", "b"))
+        assert (code, answer["reason"]) == (401, "unauthenticated")
+        async def b_listed():  # /status is a snapshot the actor publishes: it may lag the join a little
+            st = await srv.status()
+            return st if "b" in st["learners"] else None
+
+        st = await await_until(b_listed, 10, "learner b in /status")
+        assert st["learners"]["b"]["incarnation"] == 0 and st["learners"]["b"]["live"]  # b was not evicted
+        assert st["rejected_by_reason"] == {"forbidden": 6, "unauthenticated": 1}
+        # b itself may rejoin with a higher incarnation; the run secret may act as anyone
+        assert (await srv.call("POST", "/join", {"learner_id": "b", "incarnation": 1}, token("b")))[0] == 200
+        assert (await srv.call("POST", "/heartbeat", {"learner_id": "a", "step": 2}, SECRET))[0] == 200
+        async def b_rejoined():  # the rejoin, like the first join, reaches /status with the next snapshot
+            return (await srv.status())["learners"]["b"]["incarnation"] == 1
+
+        await await_until(b_rejoined, 10, "b's incarnation 1 in /status")
+
+
+# -- who holds which credential ---------------------------------------------------------------
+
+
+def test_learner_processes_get_only_their_own_token(tmp_path, monkeypatch):
+    from diloco_async.run import RunProcesses
+
+    monkeypatch.setenv(TOKEN_ENV, SECRET)  # the operator's secret, in the flow's environment
+    cfg = small_config(**{"run.workdir": str(tmp_path), "run.store": f"file://{tmp_path}/store"})
+    run = RunProcesses(cfg, None, [], run_id="r9")
+    assert run.token == SECRET
+    env = run.learner_env("learner-1")
+    assert env[LEARNER_TOKEN_ENV] == learner_token(SECRET, "r9", "learner-1") and TOKEN_ENV not in env
+    # a process started by hand never inherits the run secret from the environment
+    launcher = LocalProcessLauncher(tmp_path / "logs")
+    code = f"import os; print(os.environ.get({TOKEN_ENV!r}), os.environ.get({LEARNER_TOKEN_ENV!r}))"
+    child = launcher.start("probe", ["-c", code], {LEARNER_TOKEN_ENV: "mine"})
+    assert child.proc.wait(timeout=30) == 0
+    assert (tmp_path / "logs" / "probe.log").read_text().split() == ["None", "mine"]

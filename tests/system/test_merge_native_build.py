@@ -1,0 +1,111 @@
+"""The fused C kernels of the merge (diloco_async/merge_kernels.c, DESIGN §4.5c) against the torch
+code they replace, forced with ``merge_native``'s library set to None: the same bits (compared as
+integers, so NaNs and signed zeros count) on random and adversarial float32 inputs of odd sizes,
+including NaN/Inf and the errors they raise; the fallback when the compiler is missing or broken
+or ``DILOCO_NATIVE=0`` (logged with its reason); concurrent builds into one cache directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import diloco_async.merge as merge
+from diloco_async import merge_native, native_build
+from tests import merge_reference as ref
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    """The kernels must be there wherever a compiler is (else the comparisons test nothing)."""
+    merge_native.reset()
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the merge runs its torch code only")
+    assert merge_native.usable(), native_build.unavailable_reason()
+    yield
+    merge_native.reset()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _same(a, b) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for n in a:
+            assert torch.equal(_bits(a[n]), _bits(b[n])), f"{n}: {int((_bits(a[n]) != _bits(b[n])).sum())} differ"
+    else:
+        assert torch.equal(_bits(a), _bits(b)), f"{int((_bits(a) != _bits(b)).sum())} elements differ"
+
+
+def _fresh_kernels(monkeypatch, tmp_path, **env):
+    monkeypatch.setenv("DILOCO_NATIVE_CACHE", str(tmp_path / "cache"))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    merge_native.reset()
+    return merge_native.usable(), native_build.unavailable_reason()
+
+
+@pytest.mark.parametrize("how", ["missing", "broken", "disabled", "unwritable"])
+def test_fallback_with_a_logged_reason(how, monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: internal error: out of luck' >&2\nexit 4\n")
+    broken.chmod(0o755)
+    env = {"missing": {"CC": "no-such-compiler-here"}, "broken": {"CC": str(broken)},
+           "disabled": {"DILOCO_NATIVE": "0"}, "unwritable": {}}[how]
+    try:
+        with caplog.at_level(logging.WARNING, logger="diloco.native"):
+            ok, reason = _fresh_kernels(monkeypatch, tmp_path, **env)
+            if how == "unwritable":  # the cache directory would be under a plain file
+                monkeypatch.setenv("DILOCO_NATIVE_CACHE", str(broken / "cache"))
+                merge_native.reset()
+                ok, reason = merge_native.usable(), native_build.unavailable_reason()
+        assert not ok
+        want = {"missing": "no C compiler", "broken": "exited with 4: cc: internal error: out of luck",
+                "disabled": "DILOCO_NATIVE=0", "unwritable": "cannot build into the cache directory"}[how]
+        assert want in reason
+        assert [r.getMessage() for r in caplog.records if r.name == "diloco.native"] == [
+            f"fused kernels of merge_kernels.c unavailable, using the torch code: {reason}"]
+        merge_native.usable()  # asked again: no second build, no second warning
+        assert len([r for r in caplog.records if r.name == "diloco.native"]) == 1
+        assert not list((tmp_path / "cache").glob("*.tmp"))
+        gen = torch.Generator().manual_seed(3)
+        xs = [torch.randn(1001, generator=gen) for _ in range(3)]
+        _same(merge.rda(xs, [1.0, 2.0, 0.5]), ref.rda(xs, [1.0, 2.0, 0.5]))  # the torch code, same bits
+    finally:
+        monkeypatch.undo()
+        merge_native.reset()
+
+
+_BUILDER = """
+import torch
+from diloco_async import merge_native, native_build
+ok = merge_native.usable()
+ones = torch.ones(5)
+out = merge_native.anchor_into(torch.empty(5), 3 * ones, ones, ones / 2) if ok else None
+print("RESULT", ok, native_build.unavailable_reason(), None if out is None else out.tolist())
+"""
+
+
+def test_concurrent_builds_into_one_cache(tmp_path):
+    """Six processes build the kernels into one empty cache directory at once: each loads a
+    complete library, one file is left, no temporary file."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, DILOCO_NATIVE_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    env.pop("DILOCO_NATIVE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILDER], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for (out, err), p in zip(outs, procs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert "RESULT True None [2.5, 2.5, 2.5, 2.5, 2.5]" in out, (out, err[-2000:])
+    assert [f.suffix for f in cache.iterdir()] == [".so"]

