@@ -224,24 +224,32 @@ async def test_status_and_health_pollers_do_not_touch_the_actors_queue():
                     await r.read()
         await asyncio.gather(*(poller("/status" if i % 2 else "/health") for i in range(24)))
         assert srv.sync.inbox.puts == puts  # 600 polls, no message to the actor
-        t0 = time.monotonic()  # the actor still answers learners at once
+        # the actor still answers learners: the heartbeat goes through its queue and is answered
+        # (the session's 10 s timeout is the failure mode, not a bound on seconds)
         assert (await srv.call("POST", "/heartbeat", {"learner_id": "a", "step": 1}, token("a")))[0] == 200
-        assert time.monotonic() - t0 < 5
+        assert srv.sync.inbox.puts == puts + 1
         code, health = await srv.call("GET", "/health")
         assert code == 200 and health["ok"] and health["phase"] == "running" and health["run_id"] == RUN
 
 
-def _raw(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.settimeout(10)
+def _raw(port: int, timeout_s: float = 10.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    s.settimeout(timeout_s)
     return s
 
 
+BODY_TIMEOUT_S, IDLE_TIMEOUT_S = 0.5, 1.0
+
+
 async def test_slow_bodies_and_slow_headers_time_out():
-    cfg = small_config(**{"synchronizer.request_body_timeout_s": 0.5, "synchronizer.idle_timeout_s": 1.0})
+    """The server answers a stalled body 408 ``body_timeout`` and closes a connection whose headers
+    never end, each after its configured timeout (a lower bound: it waited, then acted). The client
+    waits 60 s for either: a server that never acts fails the test there, not a bound on seconds."""
+    cfg = small_config(**{"synchronizer.request_body_timeout_s": BODY_TIMEOUT_S,
+                          "synchronizer.idle_timeout_s": IDLE_TIMEOUT_S})
     async with serving(cfg) as srv:
         def slow_body() -> tuple[bytes, float]:
-            with _raw(srv.port) as s:
+            with _raw(srv.port, timeout_s=60) as s:
                 t0 = time.monotonic()
                 s.sendall(b"POST /join HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Authorization: Bearer " + SECRET.encode() + b"\r\nContent-Length: 100\r\n\r\n"
@@ -249,7 +257,7 @@ async def test_slow_bodies_and_slow_headers_time_out():
                 return s.recv(200), time.monotonic() - t0
 
         def slow_headers() -> tuple[bytes, float]:
-            with _raw(srv.port) as s:
+            with _raw(srv.port, timeout_s=60) as s:
                 t0 = time.monotonic()
                 s.sendall(b"POST /join HTTP/1.1\r\nHost: x\r\n")  # and never the rest
                 return s.recv(200), time.monotonic() - t0
@@ -257,8 +265,9 @@ async def test_slow_bodies_and_slow_headers_time_out():
         (answer, body_s), (closed, header_s) = await asyncio.gather(asyncio.to_thread(slow_body),
                                                                     asyncio.to_thread(slow_headers))
         assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, answer
-        assert body_s < 5
-        assert closed == b"" and header_s < 5  # the connection is closed, nothing answered
+        assert body_s >= BODY_TIMEOUT_S  # answered by the body timeout, not at once for another reason
+        assert closed == b"", closed  # the connection is closed, nothing answered
+        assert header_s >= IDLE_TIMEOUT_S  # by the idle timeout
         st = await srv.status()
         assert st["rejected_by_reason"] == {"body_timeout": 1}
         assert st["learners"] == {}
