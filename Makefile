@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test bench bench-paper bench-memory-big bench-hf bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -57,12 +57,26 @@ run: data
 gpu-check: data
 	PY=$(PY) scripts/gpu_check.sh
 
-## test: lint (ruff, pyproject.toml [tool.ruff]), then the whole test suite in TEST_WORKERS processes
-##       (pytest-xdist; most tests wait on real processes and servers, so 4 workers on 2 cores pay)
-TEST_WORKERS ?= 4
+## test: lint (ruff, pyproject.toml [tool.ruff]), then each tier of the suite in TEST_WORKERS processes
+##       (pytest-xdist, as many as cores): tests/unit (no process, socket or real sleep), tests/contract
+##       (in-process servers, moto S3, the GCS emulator), tests/system (real processes, Prefect, MLflow).
+##       Every tier runs even when one fails; each prints its 15 slowest tests and its time (docs/testing.md).
+## test-unit: the unit tier alone (about a minute), for the edit loop; test-contract, test-system likewise
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+TIERS ?= unit contract system
+PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 test: data
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	@failed=""; summary=""; for tier in $(TIERS); do \
+	  start=$$(date +%s); echo "== tier $$tier"; \
+	  $(PYTEST_TIER) tests/$$tier || failed="$$failed $$tier"; \
+	  summary="$$summary $$tier $$(( $$(date +%s) - start )) s;"; \
+	done; \
+	echo "== tier times:$$summary"; \
+	if [ -n "$$failed" ]; then echo "== failed tiers:$$failed" >&2; exit 1; fi
+
+test-unit test-contract test-system: test-%: data
+	$(PYTEST_TIER) tests/$*
 
 ## bench: speed and memory benchmarks, ratios against baselines measured in the same run: bench-hf (an HF
 ##        learner inside a run against a plain loop), then issue 17's goals (benchmarks/run.py: merge, codecs

@@ -10,21 +10,19 @@ The suite has three tiers, chosen by where a test file lives (``docs/testing.md`
 
 Each test gets its tier's marker from its location (``-m unit`` and so on), a test of a tier other
 than ``system`` fails when its call runs over :data:`TIER_TEST_LIMIT_S`, and a session fails when a
-process started under it is still alive once it is over (:func:`_leftover_processes`).
+process started under it is still alive once it is over (``tests/session_guard.py``).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import time
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from storage_servers import gcs_endpoint, s3_endpoint  # noqa: F401  (session fixtures: moto S3, fake GCS)
+
+pytest_plugins = ["session_guard"]  # a session fails when a process it started outlives it
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -33,12 +31,6 @@ TIERS = ("unit", "contract", "system")
 #: a call of a unit or contract test that takes longer fails its tier (a system test has only the
 #: pytest-timeout of its module): a slow test there is a misplaced test or a hidden wait
 TIER_TEST_LIMIT_S = 60.0
-
-#: every process started under a pytest session inherits this variable, valued by the session
-SESSION_ENV = "DILOCO_TEST_SESSION"
-
-#: how long a session's leftover processes get to exit on their own after the last test
-LEFTOVER_GRACE_S = 20.0
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -59,12 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: set by location (tests/{tier}/), never by hand")
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), not an xdist worker
-        os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        config.stash[_session_key] = os.environ[SESSION_ENV]
         config.stash[_tier_seconds_key] = {}
 
 
-_session_key = pytest.StashKey[str]()
 _tier_seconds_key = pytest.StashKey[dict]()
 
 
@@ -87,19 +76,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Adds up, in the controller, each tier's test seconds (setup, call and teardown)."""
-    seconds = _controller_stash(report)
-    if seconds is not None:
-        tier = tier_of(ROOT / report.location[0]) or "other"
-        seconds[tier] = seconds.get(tier, 0.0) + report.duration
-
-
 _config: pytest.Config | None = None
-
-
-def _controller_stash(report) -> dict | None:
-    return _config.stash.get(_tier_seconds_key, None) if _config is not None else None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -108,56 +85,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _config = session.config
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Adds up, in the controller, each tier's test seconds (setup, call and teardown)."""
+    seconds = _config.stash.get(_tier_seconds_key, None) if _config is not None else None
+    if seconds is not None:
+        tier = tier_of(ROOT / report.location[0]) or "other"
+        seconds[tier] = seconds.get(tier, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     seconds = config.stash.get(_tier_seconds_key, None)
     if seconds:
         parts = ", ".join(f"{tier} {s:.0f} s" for tier, s in sorted(seconds.items()))
         terminalreporter.write_line(f"test seconds by tier (summed over workers): {parts}")
-
-
-def _leftover_processes(marker: str) -> list[psutil.Process]:
-    """Processes other than this one and its ancestors whose environment carries ``marker``."""
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
-    found = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        if proc.info["pid"] in mine or proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        try:
-            if proc.environ().get(SESSION_ENV) == marker:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fails the session if a process started under it outlives it: every fixture that starts a
-    process stops it and waits for it. Leftovers are named, then killed."""
-    marker = session.config.stash.get(_session_key, None)
-    if marker is None:
-        return
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while (left := _leftover_processes(marker)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if not left:
-        return
-    lines = []
-    for proc in left:
-        try:
-            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:300]}")
-            proc.send_signal(signal.SIGKILL)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    text = (f"{len(lines)} process(es) started by this test session outlived it (killed now):\n"
-            + "\n".join(lines))
-    if reporter is not None:
-        reporter.write_line(text, red=True, bold=True)
-    else:
-        print(text)
-    if session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,10 @@ The unit tier (``tests/unit/``) forbids all three: a unit test runs on injected 
 fakes, so it cannot wait on another process, a port or the wall clock, and cannot fail because the
 machine is busy. This module watches through CPython's audit hooks (PEP 578), which see every
 ``subprocess.Popen``, ``os.fork``/``os.posix_spawn``, ``socket.bind``/``socket.connect`` and
-``time.sleep`` however deep in a library it happens, plus a wrapper around ``asyncio.sleep`` (which
-does not call ``time.sleep``) and ``multiprocessing``'s process start (whose spawn does not raise an
-audit event of its own).
+``time.sleep`` (from Python 3.12) however deep in a library it happens, plus wrappers around
+``asyncio.sleep`` (which does not call ``time.sleep``), ``time.sleep`` before 3.12 (installed before
+the tests import, so a module's ``from time import sleep`` gets the wrapper too) and
+``multiprocessing``'s process start (whose spawn raises no audit event of its own).
 
 An audit hook cannot be removed, so one hook is installed once per interpreter and does nothing
 unless a :class:`Watch` is active. A violation is recorded (so one caught in a library's background
@@ -19,10 +20,11 @@ import asyncio
 import multiprocessing.process
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_SLEEP_S", "TierViolation", "Watch", "watch"]
+__all__ = ["MAX_SLEEP_S", "TierViolation", "Watch", "install", "watch"]
 
 #: the longest real sleep a unit test may take (yielding to the event loop with ``asyncio.sleep(0)``
 #: or a ``time.sleep(0.001)`` spin is allowed; anything that waits on the wall clock is not)
@@ -57,6 +59,9 @@ _active: Watch | None = None
 _installed = False
 _lock = threading.Lock()
 _real_asyncio_sleep = asyncio.sleep
+_real_time_sleep = time.sleep
+#: CPython raises a ``time.sleep`` audit event from 3.12 on; before that, time.sleep is wrapped
+_SLEEP_AUDITED = sys.version_info >= (3, 12)
 _real_process_start = multiprocessing.process.BaseProcess.start
 
 
@@ -75,6 +80,13 @@ def _audit(event: str, args: tuple) -> None:
         current.record("use a socket", f"{event} {args[1]!r}" if len(args) > 1 else event)
 
 
+def _watched_time_sleep(secs: float) -> None:
+    current = _active
+    if current is not None and secs > MAX_SLEEP_S:
+        current.record("sleep", f"time.sleep({secs})")
+    _real_time_sleep(secs)
+
+
 async def _watched_asyncio_sleep(delay, result=None):
     current = _active
     if current is not None and delay > MAX_SLEEP_S:
@@ -89,13 +101,15 @@ def _watched_process_start(self) -> None:
     return _real_process_start(self)
 
 
-def _install() -> None:
+def install() -> None:
     global _installed
     with _lock:
         if _installed:
             return
         sys.addaudithook(_audit)
         asyncio.sleep = _watched_asyncio_sleep
+        if not _SLEEP_AUDITED:
+            time.sleep = _watched_time_sleep
         multiprocessing.process.BaseProcess.start = _watched_process_start
         _installed = True
 
@@ -108,7 +122,7 @@ class watch:  # noqa: N801 (a context manager, used as ``with watch():``)
 
     def __enter__(self) -> Watch:
         global _active
-        _install()
+        install()
         _active = self.state
         return self.state
 

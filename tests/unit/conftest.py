@@ -10,6 +10,8 @@ import pytest
 import tier_guard
 import urllib3.util.connection  # noqa: F401
 
+tier_guard.install()  # before the tests import anything: their `from time import sleep` gets the watched one
+
 # Probes some libraries make once, on import, before any watch starts: they are not what a test does.
 platform.processor()  # cached by the platform module; MLflow asks on import, the first ask runs `uname -p`
 # urllib3.util.connection binds a socket to [::1] on import to learn whether IPv6 works (imported above)

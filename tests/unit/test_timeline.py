@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -382,7 +383,9 @@ def test_shipped_scenarios_and_suites_find_their_recipe_from_any_folder(tmp_path
         'config = "configs/default.toml"', 'config = "configs/no-such-recipe.toml"'))
     with pytest.raises(ValueError, match="no-such-recipe"):
         load_scenario(bad)
-    bad.write_text(chaos.read_text().replace("wall_s = 45.0", "wall_s = inf"))  # would never stop
+    never_stops, n = re.subn(r"(?m)^wall_s = .*$", "wall_s = inf", chaos.read_text())
+    assert n == 1
+    bad.write_text(never_stops)
     with pytest.raises(ValueError, match=r"scenario\.wall_s: Input should be a finite number"):
         load_scenario(bad)
 

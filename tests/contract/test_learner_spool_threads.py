@@ -1,0 +1,111 @@
+"""The learner's inner-state spool runs on its own thread while training goes on (issue 17): the
+file holds the state as captured, bit for bit, because the optimizer's step waits until the
+parameters and moments it mutates are written; the base copies are written after, without a wait."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from diloco_async.config import ModelConfig
+from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.learner.spool import StateSpooler
+from diloco_async.learner.state import Shared, SpooledState
+from diloco_async.model import ByteGPT
+
+
+def trained():
+    torch.manual_seed(0)
+    model = ByteGPT(ModelConfig(n_layer=1, d_model=32, n_head=2, context=8))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randint(0, 256, (2, 9))
+
+    def step():
+        opt.zero_grad()
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+
+    step()
+    return model, opt, step
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as learners run: a multi-threaded CPU backward (attention) may sum in another
+    order from run to run, and this test compares two steps bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_state(tmp_path, one_thread):
+    model, opt, step = trained()
+    params = dict(model.named_parameters())
+    base = {0: {n: p.detach().clone() for n, p in params.items()}}
+    gen = torch.Generator().manual_seed(5)
+    state = capture(params, opt, gen, step=1, base_tensors=base, base_versions={0: 3}, counters={0: (1, 16, 0.1)})
+    expected = {k: v.clone() for k, v in state.tensors.items()}
+    shared = Shared()
+    spooler = StateSpooler("a", shared)
+
+    def before_step(*_args) -> None:
+        spooler.wait_mutable()
+
+    hook = opt.register_step_pre_hook(before_step)
+    path = str(tmp_path / "state.safetensors")
+    os.mkfifo(f"{path}.tmp")  # the spool thread blocks until this test reads: a spool slower than a step
+    spooler.start(state, path)
+    assert shared.state_spooled.is_set() and spooler.writing() and state.tensors == {}
+    trainer = threading.Thread(target=step)  # the next inner step, as the training thread runs it
+    trainer.start()
+    time.sleep(0.3)
+    assert trainer.is_alive(), "the optimizer step did not wait for the spool"
+    assert torch.equal(params["blocks.0.fc.weight"], expected["param/blocks.0.fc.weight"])
+    with open(f"{path}.tmp", "rb") as fh:  # the reader lets the spool go on
+        data = fh.read()
+    trainer.join(10)
+    spooler.join(10)
+    assert not trainer.is_alive() and not spooler.writing()
+    assert not torch.equal(params["blocks.0.fc.weight"], expected["param/blocks.0.fc.weight"])  # it stepped
+    back = st_load(data)
+    assert back.keys() == expected.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in expected.items())
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    start = {k: e["data_offsets"][0] for k, e in header.items() if k != "__metadata__"}
+    mutable = [v for k, v in start.items() if k.startswith(("param/", "exp_avg"))]
+    assert max(mutable) < min(v for k, v in start.items() if k.startswith("base/"))  # what steps mutate first
+    job = shared.upload_queue.get_nowait()
+    assert isinstance(job, SpooledState) and job.nbytes == len(data) and job.meta["step"] == 1
+    assert spooler.waited_s > 0.2
+    hook.remove()
+    # and it restores exactly: the step after the restore equals the step taken above
+    model2, opt2, step2 = trained()
+    restore(InnerState(back, job.meta), dict(model2.named_parameters()), opt2, torch.Generator())
+    step2()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+
+
+def test_over_the_copy_budget_the_step_waits(tmp_path, one_thread):
+    model, opt, step = trained()
+    params = dict(model.named_parameters())
+    state = capture(params, opt, torch.Generator(), step=1, base_tensors={}, base_versions={}, counters={})
+    spooler = StateSpooler("a", Shared(), copy_budget_bytes=1024)
+    hook = opt.register_step_pre_hook(lambda *_args: spooler.wait_mutable() and None)
+    path = str(tmp_path / "state.safetensors")
+    os.mkfifo(f"{path}.tmp")
+    spooler.start(state, path)
+    trainer = threading.Thread(target=step)
+    trainer.start()
+    time.sleep(0.3)
+    assert trainer.is_alive() and spooler.copied_bytes == 0
+    with open(f"{path}.tmp", "rb") as fh:
+        fh.read()
+    trainer.join(10)
+    spooler.join(10)
+    hook.remove()
+    assert not trainer.is_alive() and spooler.waited_s > 0.2
