@@ -129,13 +129,14 @@ async def test_exception_mid_upload_publishes_and_announces_nothing():
 
 
 def test_learner_that_cannot_reach_the_synchronizer_exits_3_after_give_up():
+    """The comms give up after ``give_up_after_s`` without an answer and name why; the join wait
+    (``max_wait_join_s``, which ends with no such reason) is not what ended the run."""
     import socket
-    import time
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     learner = Learner("lonely", 0, url, ObjectStore(f"memory://lonely-{uuid.uuid4().hex}"), TOKEN, give_up_after_s=0.5)
-    t0 = time.monotonic()
-    assert learner.run(max_wait_join_s=60) == 3
-    assert time.monotonic() - t0 < 30  # gave up with the comms, not after max_wait_join_s
+    assert learner.run(max_wait_join_s=30) == 3
+    fatal = learner.shared.fatal or ""
+    assert fatal.startswith("ProtocolError: synchronizer unreachable for"), fatal
