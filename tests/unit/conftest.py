@@ -1,6 +1,6 @@
 """The unit tier: a test here that starts a process, binds or connects a socket, or sleeps for real
-(``time.sleep`` or ``asyncio.sleep`` above :data:`tier_guard.MAX_SLEEP_S`) fails, where it did it
-and again at teardown (so one swallowed by a library or done in a background thread still fails)."""
+(in a thread or on the event loop, longer than :data:`tier_guard.MAX_SLEEP_S`) fails, where it did
+it and again at teardown (so one swallowed by a library or done in a background thread still fails)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import tier_guard
 import urllib3.util.connection  # noqa: F401
 
-tier_guard.install()  # before the tests import anything: their `from time import sleep` gets the watched one
+tier_guard.install()  # before the tests import anything: a module's own reference to the sleep is the watched one
 
 # Probes some libraries make once, on import, before any watch starts: they are not what a test does.
 platform.processor()  # cached by the platform module; MLflow asks on import, the first ask runs `uname -p`
