@@ -3,7 +3,7 @@
 #   docker build -t diloco-async:0.1.0 .
 #   docker run --rm diloco-async:0.1.0 diloco-async validate default
 # Built here? No: the machines this project is tested on have no container daemon;
-# tests/test_container.py checks what can be checked without one (README "Container images").
+# tests/unit/test_container.py checks what can be checked without one (README "Container images").
 #
 # Base pinned to the Python of the tested environment (3.11.7). For a reproducible registry
 # build pin its digest too: FROM python:3.11.7-slim-bookworm@sha256:<digest>

@@ -10,7 +10,7 @@ the learner's value after its inner steps, so a descent step subtracts it.
 In place and by chunks: the merge and the outer step write into preallocated buffers
 (:data:`CHUNK_ELEMENTS` at a time), anchoring is done on the fly (:class:`AnchoredDelta`), and
 the results are bit for bit those of the whole-tensor formulas (same elementwise operations in
-the same order; norms stay whole-tensor reductions). ``tests/test_merge_equivalence.py`` checks
+the same order; norms stay whole-tensor reductions). ``tests/unit/test_merge_equivalence.py`` checks
 this against the previous implementation, ``benchmarks/merge.py`` measures it.
 
 Bad input (mismatched names or shapes, negative or zero total weight, non-finite outer gradients)
