@@ -40,14 +40,14 @@ async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_c
             # not a terminal: one table per refresh (2 s apart), not a single one at exit
             text = await _read_until(proc.stdout, "open rounds", 2, timeout_s=60)
             proc.send_signal(signum)
-            sent = time.monotonic()
-            rest = (await asyncio.wait_for(proc.stdout.read(), 10)).decode(errors="replace")
-            code = await asyncio.wait_for(proc.wait(), 10)
+            # a watch that ignored the signal would go on refreshing: these 60 s are the failure mode
+            rest = (await asyncio.wait_for(proc.stdout.read(), 60)).decode(errors="replace")
+            code = await asyncio.wait_for(proc.wait(), 60)
         finally:
             if proc.returncode is None:
                 proc.kill()
-        assert time.monotonic() - sent < 10
-        assert code == exit_code
+                await proc.wait()
+        assert code == exit_code  # the signal's own code: the watch stopped on it
         assert "stopped watching" in rest
         assert "rejected by reason" in text and "budget" in text and "last heard" in text
         assert "Traceback" not in text + rest and "KeyboardInterrupt" not in text + rest
