@@ -1,5 +1,5 @@
-"""The background held-out evaluator reads the newest published versions from a real file store,
-never a half-written object, and evaluates exactly the model they make."""
+"""The background held-out evaluator's thread against a real file store: each new version evaluated
+once, torch's thread count restored (the evaluator's reads are tests/unit/test_heldout_monitor.py's)."""
 
 from __future__ import annotations
 

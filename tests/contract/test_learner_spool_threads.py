@@ -1,6 +1,7 @@
-"""The learner's inner-state spool runs on its own thread while training goes on (issue 17): the
-file holds the state as captured, bit for bit, because the optimizer's step waits until the
-parameters and moments it mutates are written; the base copies are written after, without a wait."""
+"""The learner's inner-state spool on its own thread against a training thread (issue 17): the
+optimizer's step waits until the parameters and moments it mutates are written, so the file holds
+the state as captured, bit for bit; over the copy budget the step waits too. Real threads that
+wait on a FIFO, so contract tier."""
 
 import json
 import os

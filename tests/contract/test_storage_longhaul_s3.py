@@ -1,13 +1,7 @@
-"""Storage for runs left going for days (issue 14, item 6; defect 12).
-
-* credentials rotated under a running store: moto's server enforcing IAM auth (its documented
-  ``/moto-api/reset-auth`` switch); the rotated-out key is refused, the store renews its
-  filesystem from the environment and goes on;
-* part sizes chosen from the object size and the backend's part limit;
-* a completed object shorter than what was sent is never returned, so never announced;
-* uploads left by a SIGKILLed writer (local temp file, S3 multipart upload) collected by gc after
-  the age threshold, a live upload younger than it left alone.
-"""
+"""Storage for runs left going for days, against moto's S3 server (issue 14, item 6; defect 12):
+credentials rotated under a running store are renewed from the environment; part sizes follow the
+object size and the part limit; a short multipart object is deleted and never returned; a learner
+never announces a short object."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`diloco-async validate` / `recipes` and recipe resolution (issue 15, items 3 and 4)."""
+"""`diloco-async validate` against S3 buckets on moto's server: an unreachable bucket is named as
+``run.store``, a writable one passes and is left empty (issue 15)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Per-learner credentials and a synchronizer that hostile requests cannot wear down (issue 14, item 2).
-
-Defect 9: every unauthenticated request appended a metric point and a log line, forever;
-``/status`` went through the actor's queue; any number of learner ids could join; slow request
-bodies were never timed out. Defect 10: one shared run token let any holder act as another
-learner, announce another learner's object, or evict a learner by re-joining its id with a higher
-incarnation.
-
-A real synchronizer behind its real HTTP server on loopback (``make_app`` under an ``AppRunner``
-with the production runner options), driven with aiohttp and raw sockets.
-"""
+"""Per-learner credentials with real processes (issue 14, item 2; defect 10): a learner token acts
+only as its learner against a synchronizer process, and the learner processes a run starts get
+only their own token (the HTTP side is tests/contract/test_auth.py's)."""
 
 from __future__ import annotations
 

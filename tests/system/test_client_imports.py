@@ -1,4 +1,5 @@
-"""The synchronizer client against a small stand-in server on loopback: routes, headers, errors, timeouts."""
+"""The synchronizer client imports neither torch nor the learner, checked in a fresh process (the
+client's routes, headers, errors and timeouts are tests/contract/test_client.py's)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Data side: sources (text, JSONL, Parquet by fsspec URL or glob), tokenizers (bytes, tokenizer.json,
-a BPE trained once and cached), the shared token cache, the fixed held-out split, bits per byte,
-and every bad input refused with a message naming the value."""
+"""The data side across processes: three processes asking for the same BPE at once train it once and
+agree, and every learner maps the token file instead of copying it (the sources, tokenizers and
+bad inputs in one process are tests/unit/test_data.py's)."""
 
 from __future__ import annotations
 

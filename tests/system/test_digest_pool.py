@@ -1,7 +1,5 @@
-"""The object digest (storage/digest.py, issue 17 item 4): equal to its written-out definition
-(tests/digest_reference.py) at every size and however the bytes are fed; objects over 4 MiB
-written before it (whole-object sha256 in their ref) still read, and only when the bytes are
-theirs; the read buffer's huge-page hint."""
+"""The object digest's hashing pool (storage/digest.py, issue 17 item 4) in a fresh process: one lane,
+then widened, then no pool, all agree (the digest's definition is tests/unit/test_digest.py's)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The learner's inner-state spool runs on its own thread while training goes on (issue 17): the
-file holds the state as captured, bit for bit, because the optimizer's step waits until the
-parameters and moments it mutates are written; the base copies are written after, without a wait."""
+"""The learner's spool in real learner processes: spool folders of killed learners are removed by the
+next one, and the learner process sets its switch interval, threads and heap before anything runs."""
 
 import os
 

@@ -1,8 +1,7 @@
-"""The fused C kernels of the merge (diloco_async/merge_kernels.c, DESIGN §4.5c) against the torch
-code they replace, forced with ``merge_native``'s library set to None: the same bits (compared as
-integers, so NaNs and signed zeros count) on random and adversarial float32 inputs of odd sizes,
-including NaN/Inf and the errors they raise; the fallback when the compiler is missing or broken
-or ``DILOCO_NATIVE=0`` (logged with its reason); concurrent builds into one cache directory."""
+"""The fused merge kernels' build in real compiler processes (diloco_async/merge_kernels.c, DESIGN §4.5c):
+the fallback to the torch code, with its logged reason, when the compiler is broken or the cache
+unwritable, and concurrent builds into one cache directory from several processes. The kernels'
+bits against the torch code are tests/unit/test_merge_native.py's."""
 
 from __future__ import annotations
 

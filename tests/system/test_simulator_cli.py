@@ -1,5 +1,5 @@
-"""Goodput simulator: closed forms, the pinned paper Table 1 reproduction, heterogeneity, the
-calibration file and the ``diloco-async simulate`` command line (issue 5)."""
+"""The ``diloco-async simulate`` command as a process: it imports MLflow and matplotlib only when
+asked, and logs to MLflow (the simulator's math is tests/unit/test_simulator.py's)."""
 
 from __future__ import annotations
 

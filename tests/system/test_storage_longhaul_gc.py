@@ -1,13 +1,5 @@
-"""Storage for runs left going for days (issue 14, item 6; defect 12).
-
-* credentials rotated under a running store: moto's server enforcing IAM auth (its documented
-  ``/moto-api/reset-auth`` switch); the rotated-out key is refused, the store renews its
-  filesystem from the environment and goes on;
-* part sizes chosen from the object size and the backend's part limit;
-* a completed object shorter than what was sent is never returned, so never announced;
-* uploads left by a SIGKILLed writer (local temp file, S3 multipart upload) collected by gc after
-  the age threshold, a live upload younger than it left alone.
-"""
+"""Storage garbage collection after a writer process is SIGKILLed mid-upload (issue 14, item 6): its
+uploads are collected once older than the threshold, on file:// and on moto's S3."""
 
 from __future__ import annotations
 

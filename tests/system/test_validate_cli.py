@@ -1,4 +1,5 @@
-"""`diloco-async validate` / `recipes` and recipe resolution (issue 15, items 3 and 4)."""
+"""`diloco-async validate` as a process on the default recipe: it starts nothing and prints the plan
+(issue 15, items 3 and 4; recipe checks without a process are tests/unit/test_validate.py's)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Storage for runs left going for days (issue 14, item 6; defect 12).
-
-* credentials rotated under a running store: moto's server enforcing IAM auth (its documented
-  ``/moto-api/reset-auth`` switch); the rotated-out key is refused, the store renews its
-  filesystem from the environment and goes on;
-* part sizes chosen from the object size and the backend's part limit;
-* a completed object shorter than what was sent is never returned, so never announced;
-* uploads left by a SIGKILLed writer (local temp file, S3 multipart upload) collected by gc after
-  the age threshold, a live upload younger than it left alone.
-"""
+"""Storage for runs left going for days, without a server (issue 14, item 6; defect 12): part sizes
+follow the object size and S3's limits, a stream of unknown size fits, expired-credential errors are
+recognised and renew the filesystem once per expiry. Against moto: tests/contract/test_storage_longhaul_s3.py;
+after a SIGKILLed writer: tests/system/test_storage_longhaul_gc.py."""
 
 from __future__ import annotations
 
