@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_async.baselines.ddp import rank_jitter, rank_speed, tokens_per_step
+from diloco_async.baselines.ddp import EXIT_PEER_LOST, rank_jitter, rank_speed, tokens_per_step
 from diloco_async.baselines.ddp_checkpoints import (
     DdpCheckpointInfo,
     checkpoint_prefix,
@@ -188,12 +188,12 @@ def test_kill_rank_then_restart_resumes_from_last_checkpoint(tmp_path, group_fac
     g.start(0)
     wait_until(lambda: any(c.step >= 10 for c in ddp_checkpoints(store, "ddp-test")), 40, "checkpoint at step 10")
     g.kill_rank(1)
-    killed_at = time.monotonic()
-    code = wait_until(lambda: g.poll()[0] is not None and (g.poll()[0],), 15, "rank 0 to exit")[0]
-    assert code != 0
-    assert time.monotonic() - killed_at < 10.0
+    # rank 0 leaves on its own, as one that lost a peer (gloo's timeout is 10 s: 60 s of waiting is
+    # the failure mode, not a bound on how soon)
+    code = wait_until(lambda: g.poll()[0] is not None and (g.poll()[0],), 60, "rank 0 to exit")[0]
+    assert code == EXIT_PEER_LOST
     lines0 = read_timeline(g.timeline_path(0))
-    assert lines0[-1]["kind"] == "error"
+    assert lines0[-1]["kind"] == "error" and lines0[-1]["error"].startswith("lost a peer: "), lines0[-1]
     last_before = max(ln["step"] for ln in lines0 if ln["kind"] == "step")
     last_ckpt = ddp_checkpoints(store, "ddp-test")[-1].step
     assert last_ckpt <= last_before
