@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,19 +43,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: every process this module starts (server, workers) carries this variable in its environment, and so
+#: does every process those start (flow runs, learners, synchronizers: Prefect's process worker and
+#: the learner launcher pass their environment on), valued once per stack
+STACK_ENV = "DILOCO_DEPLOYMENTS_TEST_STACK"
+
+
+def _popen(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A process in a session (and process group) of its own, SIGKILLed by the kernel if this
+    process dies without stopping it (a crashed or killed pytest worker runs no finalizer)."""
+    from diloco_async.parent_death import die_with_parent
+
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM, wait, SIGKILL: a process (and its group) started by this module."""
+    """SIGTERM to the process group of a process started by :func:`_popen`, wait, then SIGKILL
+    to the group, and reap the leader."""
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # the leader's pid is its group's id (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        signal_group(signal.SIGTERM)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
+            pass
+    signal_group(signal.SIGKILL)  # what is left of the group, leader included
+    proc.wait(timeout=30)
+
+
+def _pids_with_env(name: str, value: str) -> list[int]:
+    """Live processes other than this one whose environment holds ``name=value``."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0") and _alive(int(d.name)):
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+def _stop_all_with_env(name: str, value: str, grace_s: float = 10.0) -> None:
+    """SIGTERM to every live process whose environment holds ``name=value`` (in whatever session:
+    Prefect starts flow runs, and the launcher learners, in sessions of their own), then SIGKILL to
+    those left after ``grace_s``; returns once none is left (AssertionError after a minute)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 60.0)):
+        for pid in _pids_with_env(name, value):
             try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        while _pids_with_env(name, value) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    left = _pids_with_env(name, value)
+    assert not left, f"processes of the deployments test still alive after SIGKILL: {left}"
 
 
 class PrefectStack:
@@ -71,6 +125,7 @@ class PrefectStack:
                         PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_AUTO_INSTALL_DEPENDENCIES="false",
                         PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS="5",
                         PREFECT_LOGGING_LEVEL="INFO", OMP_NUM_THREADS="1", **{TOKEN_ENV: RUN_SECRET})
+        self.env[STACK_ENV] = self.marker = uuid.uuid4().hex
         self.server: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
@@ -81,10 +136,8 @@ class PrefectStack:
         return out.stdout
 
     def start(self) -> None:
-        log = open(self.home / "server.log", "ab")
-        self.server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                        "--port", str(self.port)], cwd=ROOT, env=self.env, stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.server = _popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                              str(self.port)], self.env, self.home / "server.log")
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -104,18 +157,26 @@ class PrefectStack:
                 c.create_work_pool(WorkPoolCreate(name=pool, type="process",
                                                   base_job_template=ProcessWorker.get_default_base_job_template()))
         for pool in REGIONS:  # workers start up while the deployments are created
-            wlog = open(self.home / f"worker-{pool}.log", "ab")
-            self.workers[pool] = subprocess.Popen(
+            self.workers[pool] = _popen(
                 [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--name", f"worker-{pool}"],
-                cwd=ROOT, env=self.env, stdout=wlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                self.env, self.home / f"worker-{pool}.log")
         self._cli("deploy", "--prefect-file", "prefect.yaml", "--name", "train", "--name", "region-a",
                   "--name", "region-b")
 
     def stop(self) -> None:
-        for proc in self.workers.values():
-            _stop(proc)
-        if self.server is not None:
-            _stop(self.server)
+        """Workers first (no new flow run starts), then every flow run, learner and synchronizer
+        they left, then the server; each step runs even if the one before failed, and none
+        returns while a process of this stack is alive."""
+        try:
+            for proc in self.workers.values():
+                _stop(proc)
+        finally:
+            try:
+                _stop_all_with_env(STACK_ENV, self.marker)  # the workers' flow runs and their children
+            finally:
+                if self.server is not None:
+                    _stop(self.server)
+                _stop_all_with_env(STACK_ENV, self.marker)
 
     def client(self):
         from prefect.client.orchestration import get_client
