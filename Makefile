@@ -64,7 +64,7 @@ gpu-check: data
 ## test-unit: the unit tier alone (about a minute), for the edit loop; test-contract, test-system likewise
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 TIERS ?= unit contract system
-PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 test: data
 	$(VENV)/bin/ruff check .
 	@failed=""; summary=""; for tier in $(TIERS); do \

@@ -63,6 +63,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier is None:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit/, tests/contract/ or tests/system/")
         item.add_marker(getattr(pytest.mark, tier))
+        if config.pluginmanager.hasplugin("xdist") and _uses_a_module_fixture(item):  # `--dist loadgroup` keeps the module on one worker: one set-up
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture (a server, a virtualenv) of its own module: split
+    over two workers, each would set it up once."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope == "module" and Path(d.baseid.split("::")[0]).stem == item.path.stem
+                                    for defs in info.name2fixturedefs.values() for d in defs)
 
 
 @pytest.hookimpl(wrapper=True)
