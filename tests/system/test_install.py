@@ -72,9 +72,13 @@ def test_installed_tool_finds_the_recipes_outside_the_checkout(installed, elsewh
 
 
 def test_installed_tool_trains_the_default_recipe_outside_the_checkout(installed, elsewhere):
-    """A short `train --recipe default` (2 learners, 200k tokens; about 70 s on the 2-core machine)."""
+    """A short `train --recipe default` (2 learners, 40k tokens: about 20 inner steps each, a few
+    merges; 4 held-out batches): the claim is that it runs, merges and checkpoints from outside the
+    checkout, not how far it trains (was 200k tokens; the temporary Prefect server, the imports and
+    the final artifacts are most of what is left)."""
     done = subprocess.run([str(installed / "diloco-async"), "train", "--recipe", "default",
-                           "--set", "budget.tokens=200000", "--set", "learners.count=2"],
+                           "--set", "budget.tokens=40000", "--set", "learners.count=2",
+                           "--set", "data.eval_batches=4"],
                           cwd=elsewhere, env=_clean_env(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
