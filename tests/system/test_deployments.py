@@ -331,25 +331,12 @@ def _wait_training(stack: PrefectStack, train_id: str, who: dict[str, int], time
 BOTH = ["synchronizer.min_quorum=2", "budget.tokens=1000000000", "budget.wall_s=300"]
 
 
-def test_train_deployment_provisions_learners_on_region_pools(stack, tmp_path):
-    train_id = stack.run_train(_overrides(tmp_path, *BOTH, "budget.max_steps=150"))
-    assert stack.wait_state(train_id, TERMINAL, 240) == "COMPLETED", stack.logs_tail()
-    summary = _summary(tmp_path)
-    assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.5
-    assert summary["stop_reason"].startswith("step budget")
-    assert summary["launcher"] == "deployments" and summary["learner_restarts"] == 0
-    runs = stack.learner_runs(train_id)
-    assert [(r.parameters["learner_id"], r.parameters["region"]) for r in runs] == [
-        ("learner-0", "region-a"), ("learner-1", "region-b")]
-    for r in runs:
-        assert r.state.type.value == "COMPLETED", (r.name, r.state)
-    pools = {r.parameters["region"]: r.work_pool_name for r in runs}
-    assert pools == {"region-a": "region-a", "region-b": "region-b"}
-    # the learners were linked to the train flow run as subflow runs
-    assert all(r.parent_task_run_id is not None for r in runs)
-
-
 def test_killed_learner_flow_run_crashes_and_is_reprovisioned(stack, tmp_path):
+    """The train deployment provisions learner i on region pool regions[i % 2]; a learner flow run
+    SIGKILLed mid-run crashes and the train flow provisions its next incarnation on the same pool; the
+    run completes at its step budget with exactly that one restart. (A run of its own without the
+    kill was the same path up to the kill, so the provisioning claims are checked here; the cancel
+    test checks that two learner flow runs, not more, train while nothing fails.)"""
     train_id = stack.run_train(_overrides(tmp_path, *BOTH, "budget.max_steps=400"))
     runs = _wait_training(stack, train_id, {"learner-0": 0})  # kill it before learner-1 even joined
     victim = runs[0]
@@ -367,7 +354,16 @@ def test_killed_learner_flow_run_crashes_and_is_reprovisioned(stack, tmp_path):
     final = {(r.parameters["learner_id"], r.parameters["incarnation"]): r.state.type.value
              for r in stack.learner_runs(train_id)}
     assert final == {("learner-0", 0): "CRASHED", ("learner-0", 1): "COMPLETED", ("learner-1", 0): "COMPLETED"}
-    assert summary["eval_loss_final"] < summary["eval_loss_initial"]
+    # learner i's flow runs (each incarnation) went to regions[i % 2], on that region's pool, as subflow
+    # runs of the train flow run
+    runs = stack.learner_runs(train_id)
+    assert [(r.parameters["learner_id"], r.parameters["incarnation"], r.parameters["region"], r.work_pool_name)
+            for r in runs] == [("learner-0", 0, "region-a", "region-a"), ("learner-0", 1, "region-a", "region-a"),
+                               ("learner-1", 0, "region-b", "region-b")]
+    assert all(r.parent_task_run_id is not None for r in runs)
+    assert summary["launcher"] == "deployments" and summary["stop_reason"].startswith("step budget")
+    # it trained: ~2.5 nats below the initial loss at this budget, so 0.5 is a floor, not a measurement
+    assert summary["eval_loss_final"] < summary["eval_loss_initial"] - 0.5
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary["mlflow_run_id"],
