@@ -24,23 +24,26 @@ def test_validate_default_starts_nothing_and_prints_the_plan(tmp_path):
     (store / "earlier-run" / "manifest.json").write_text("{}")
     before = _files(store)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t0 = time.monotonic()
     proc = psutil.Popen([sys.executable, "-m", "flows.cli", "validate", "configs/default.toml",
                          "--set", f"run.store=file://{store}"], cwd=ROOT, env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children: set[int] = set()
-    while proc.poll() is None:
-        try:
-            children |= {c.pid for c in proc.children(recursive=True)}
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.02)
-    out, err = proc.communicate()
-    elapsed_s = time.monotonic() - t0
+    deadline = time.monotonic() + 300  # the failure mode of a validate that never ends (its speed is no test's)
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                children |= {c.pid for c in proc.children(recursive=True)}
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)  # a sample of its children, not a wait for an effect
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, out + err
     assert not children, f"validate started processes {children}"
     assert _files(store) == before  # the probe object is gone, nothing else written
     assert "4 fragments" in out and "fragment 3:" in out and "bytes" in out
     for step in ("config", "store", "data", "tokenizer", "model", "fragments"):
         assert f"ok   {step}" in out
-    assert elapsed_s < 30  # the 10 s goal is measured on an idle machine (see the report); loaded CI gets slack

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import tomllib
 from pathlib import Path
 
@@ -85,12 +84,12 @@ def test_unknown_recipe_name(capsys):
 
 
 def test_train_refuses_an_unknown_store_scheme_before_starting(capsys):
+    """Refused before anything starts: no process (this tier's guard fails the test on any process
+    start, socket or sleep, however brief; the children check says it again), not a bound on seconds."""
     before = {c.pid for c in psutil.Process().children()}  # another test of this worker may have left some
-    t0 = time.monotonic()
     assert main(["train", "--set", "run.store=ftp://x"]) == 2
     err = capsys.readouterr().err
     assert "run.store" in err and "ftp" in err and "Traceback" not in err
-    assert time.monotonic() - t0 < 10
     assert [c for c in psutil.Process().children() if c.pid not in before] == []
 
 
