@@ -6,6 +6,7 @@ check is a lower bound (at least the added latency), so a loaded machine cannot 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
@@ -37,7 +38,17 @@ def test_the_delay_comes_from_the_environment_and_bad_values_are_refused():
         SyncClient("http://127.0.0.1:1", link_delay_s=-1.0)
 
 
-def test_each_client_request_takes_a_round_trip_longer():
+def test_each_client_request_takes_a_round_trip_longer(monkeypatch):
+    waits: list[float] = []  # the client's own sleeps: the delay it adds, counted rather than timed
+    real_sleep = asyncio.sleep
+
+    def sleep(delay: float, result=None):
+        if sys._getframe(1).f_globals.get("__name__") == "diloco_async.client":
+            waits.append(delay)
+        return real_sleep(delay, result)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+
     async def timed(delay_s: float) -> tuple[float, float]:
         async with SyncClient(url, TOKEN, link_delay_s=delay_s) as c:
             t0 = time.monotonic()
@@ -52,10 +63,13 @@ def test_each_client_request_takes_a_round_trip_longer():
 
     with serving(_app([])) as url:
         requests_s, push_s = asyncio.run(timed(DELAY_S))
-        plain_s, _ = asyncio.run(timed(0.0))
+        delayed, waits[:] = list(waits), []
+        asyncio.run(timed(0.0))
     assert requests_s >= 2 * 2 * DELAY_S  # two requests, a round trip each
     assert push_s >= 2 * DELAY_S + 2 * DELAY_S  # the handshake's round trip, then two messages one way each
-    assert plain_s < requests_s
+    # two requests and the handshake wait a round trip, the two messages one way each ...
+    assert sorted(delayed) == sorted([2 * DELAY_S] * 3 + [DELAY_S] * 2), delayed
+    assert waits == []  # ... and without a delay nothing waits (not "faster": a loaded machine may not be)
 
 
 def test_each_store_request_takes_a_round_trip_longer_also_under_faults(tmp_path):
