@@ -13,7 +13,7 @@ SCRIPTS = {(0, 0): "import sys; sys.exit(3)", (1, 0): "pass"}
 RUNS = "import time; time.sleep(60)"
 
 
-def _check_until(sup: Supervisor, cond, timeout_s: float = 20.0) -> list:
+def _check_until(sup: Supervisor, cond, timeout_s: float = 60.0) -> list:
     deadline = time.monotonic() + timeout_s
     made = []
     while not cond(made):
@@ -49,14 +49,13 @@ def test_supervisor_restarts_failed_learners_after_the_delay(tmp_path):
         sup.slots[0].handle.kill()
         made = _check_until(sup, lambda m: len(m) == 1)
         assert (made[0].incarnation, made[0].reason) == (2, "killed by SIGKILL")
-        # max_restarts = 2 reached: the next death is logged, not restarted
+        # max_restarts = 2 reached: the next death is logged, not restarted, however long after
         sup.slots[0].handle.proc.send_signal(signal.SIGTERM)
         sup.slots[0].handle.wait(timeout=30)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            assert sup.check() == []
-            time.sleep(0.05)
+        now = time.monotonic()
+        assert sup.check(now) == []  # the death is seen ...
         assert sup.slots[0].given_up and "max_restarts=2" in lines[-1]
+        assert sup.check(now + 100 * sup.restart_delay_s) == []  # ... and nothing is due, ever
         assert [r.incarnation for r in sup.restarts] == [1, 2]
         assert sup.next_due() is None
     finally:
