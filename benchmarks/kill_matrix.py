@@ -9,12 +9,15 @@ merge, and one bar per figure:
 * learner SIGKILLs >= ``--learner-kills`` (at least one confirmed mid-upload);
 * synchronizer SIGKILL + resume cycles >= ``--sync-kills``; every resume finished;
 * every restart followed by a merge within 30 s;
-* no merged contribution whose object is incomplete; no published version with a non-finite value.
+* no merged contribution whose object is incomplete; no published version with a non-finite value;
+* then the clean stop (benchmarks/ctrl_c.py, ``--ctrl-c-repeats`` times, 0 to skip): Ctrl-C typed
+  into a pseudo-terminal on ``train``, ``status --watch`` and ``resume``; the median seconds from
+  the Ctrl-C to the prompt of each <= 10, every stop exit status 130 without a traceback.
 
 Exit status 1 when a bar is missed, 0 otherwise.
 
 Usage: python -m benchmarks.kill_matrix [--learner-kills 50] [--sync-kills 20] [--seed 14] [--checkpoint-every 10]
-       [--workdir DIR]
+       [--ctrl-c-repeats 5] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.args import description
+from benchmarks.args import description, non_negative_int
+from benchmarks.ctrl_c import ctrl_c_bars, measure_ctrl_c
 from benchmarks.fuzz import print_bars
 from diloco_async.chaos.kill_matrix import KillMatrix
 
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=3)
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--checkpoint-every", type=float, default=10.0, help="the synchronizer's checkpoint period (s)")
+    ap.add_argument("--ctrl-c-repeats", type=non_negative_int, default=5,
+                    help="repeats of the Ctrl-C stops after the kills (benchmarks/ctrl_c.py; 0: none)")
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -46,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = KillMatrix(workdir, args.seed, args.learners,
                          checkpoint_every_s=args.checkpoint_every).run(args.learner_kills, args.sync_kills)
+        stops = measure_ctrl_c(args.ctrl_c_repeats, workdir / "ctrl-c") if args.ctrl_c_repeats else None
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -58,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"restart -> first merge (s): {merges or '-'}")
     print(f"merges at the end: {res.merges}; merged contribution objects checked: {res.merged_checked}, incomplete: "
           f"{res.merged_incomplete[:5]}; published versions read back: {res.published_read}")
-    return 0 if print_bars(res.bars(args.learner_kills, args.sync_kills)) else 1
+    for stop in stops.bad_stops if stops else []:
+        print(stop)
+    rows = res.bars(args.learner_kills, args.sync_kills)
+    rows += ctrl_c_bars(stops, args.ctrl_c_repeats) if stops else []
+    return 0 if print_bars(rows) else 1
 
 
 if __name__ == "__main__":
