@@ -172,11 +172,15 @@ bench-fuzz: data
 ## bench-kill: the kill matrix (benchmarks/kill_matrix.py): LEARNER_KILLS (default 50) SIGKILLs of real
 ## learners at random moments, some mid-upload, and SYNC_KILLS (default 20) SIGKILL + resume cycles of the
 ## synchronizer: every resume finishes, merges resume within 30 s, no partial object merged, nothing
-## non-finite published
+## non-finite published; then CTRL_C_REPEATS (default 5) Ctrl-C stops typed into a real terminal on
+## train, resume and status --watch (benchmarks/ctrl_c.py): the median to the prompt <= 10 s each, every
+## stop exit 130 without a traceback (tests/system/test_stop.py checks what a stop leaves, not its speed)
 LEARNER_KILLS ?= 50
 SYNC_KILLS ?= 20
+CTRL_C_REPEATS ?= 5
 bench-kill: data
-	$(PY) -m benchmarks.kill_matrix --learner-kills $(LEARNER_KILLS) --sync-kills $(SYNC_KILLS)
+	$(PY) -m benchmarks.kill_matrix --learner-kills $(LEARNER_KILLS) --sync-kills $(SYNC_KILLS) \
+	  --ctrl-c-repeats $(CTRL_C_REPEATS)
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
 ##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both
