@@ -63,7 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier is None:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit/, tests/contract/ or tests/system/")
         item.add_marker(getattr(pytest.mark, tier))
-        if config.pluginmanager.hasplugin("xdist") and _uses_a_module_fixture(item):  # `--dist loadgroup` keeps the module on one worker: one set-up
+        # `--dist loadgroup` keeps such a module on one worker: its fixture is set up once
+        if config.pluginmanager.hasplugin("xdist") and _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 

@@ -4,42 +4,11 @@ once, torch's thread count restored (the evaluator's reads are tests/unit/test_h
 from __future__ import annotations
 
 import torch
+from test_heldout_monitor import FRAGMENTS, RUN, _publish, _setup  # noqa: F401, F811 (shared with unit/test_heldout_monitor.py; fixtures among them)
 
-from diloco_async.config import load_config
 from diloco_async.heldout_monitor import HeldoutMonitor
-from diloco_async.models import build_run_model, plan_of, trainable_parameters
-from diloco_async.sync.work import put_version
-from diloco_async.tokens import HeldoutSplit
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.models import build_run_model
 from tests.polling import wait_until
-
-RUN = "run-eval"
-FRAGMENTS = 2
-
-
-def _setup(tmp_path):
-    cfg = load_config(None, ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16"])
-    torch.manual_seed(0)
-    model = build_run_model(cfg)
-    plan = plan_of(model, FRAGMENTS)
-    store = ObjectStore(f"file://{tmp_path}/store")
-    store.put_json(keys.plan_key(RUN), {"run_id": RUN, "plan": plan.to_json()})  # as the synchronizer writes it
-    gen = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(3):
-        x = torch.randint(0, 256, (4, 17), generator=gen)
-        batches.append((x[:, :-1], x[:, 1:]))
-    split = HeldoutSplit(batches, tokens=10_000, nbytes=12_000)
-    return cfg, model, plan, store, split
-
-
-def _publish(store, plan, model, p, v, scale):
-    """Publish fragment ``p`` of ``model`` scaled by ``scale`` as version ``v``; returns the tensors."""
-    params = trainable_parameters(model)
-    tensors = {n: params[n].detach() * scale for n in plan.names(p)}
-    put_version(store, RUN, p, v, tensors)
-    return tensors
 
 
 def test_the_thread_evaluates_each_new_version_once_and_restores_torch_threads(tmp_path):

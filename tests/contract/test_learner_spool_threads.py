@@ -11,40 +11,15 @@ import time
 import pytest
 import torch
 from safetensors.torch import load as st_load
+from test_learner_spool import one_thread, trained  # noqa: F401, F811 (shared with unit/test_learner_spool.py; fixtures among them)
 
-from diloco_async.config import ModelConfig
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, SpooledState
-from diloco_async.model import ByteGPT
 
 
-def trained():
-    torch.manual_seed(0)
-    model = ByteGPT(ModelConfig(n_layer=1, d_model=32, n_head=2, context=8))
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    x = torch.randint(0, 256, (2, 9))
-
-    def step():
-        opt.zero_grad()
-        model.loss(x[:, :-1], x[:, 1:]).backward()
-        opt.step()
-
-    step()
-    return model, opt, step
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as learners run: a multi-threaded CPU backward (attention) may sum in another
-    order from run to run, and this test compares two steps bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_state(tmp_path, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_state(tmp_path):
     model, opt, step = trained()
     params = dict(model.named_parameters())
     base = {0: {n: p.detach().clone() for n, p in params.items()}}
@@ -91,7 +66,8 @@ def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_sta
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
 
 
-def test_over_the_copy_budget_the_step_waits(tmp_path, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_over_the_copy_budget_the_step_waits(tmp_path):
     model, opt, step = trained()
     params = dict(model.named_parameters())
     state = capture(params, opt, torch.Generator(), step=1, base_tensors={}, base_versions={}, counters={})

@@ -4,84 +4,18 @@ only their own token (the HTTP side is tests/contract/test_auth.py's)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import uuid
-
 import aiohttp
 import pytest
-from aiohttp import web
+from test_auth import RUN, SECRET, CountingQueue, Server, serving, token  # noqa: F401, F811 (shared with contract/test_auth.py; fixtures among them)
 from test_synchronizer import small_config
 
 from diloco_async.auth import learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from diloco_async.procs import LocalProcessLauncher
-from diloco_async.sync import Synchronizer, make_app, runner_options
-from storage.store import ObjectStore
 
 from polling import await_until
 
 pytestmark = pytest.mark.timeout(120)
-
-SECRET = "run-secret-for-tests-0123456789abcdef"  # 32+ characters: weaker ones are refused
-RUN = "run1"
-
-
-def token(lid: str) -> str:
-    return learner_token(SECRET, RUN, lid)
-
-
-class CountingQueue(asyncio.Queue):
-    """The actor's inbox, counting every message put into it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.puts = 0
-
-    def put_nowait(self, item) -> None:
-        self.puts += 1
-        super().put_nowait(item)
-
-
-class Server:
-    """What a test talks to: the URL, an HTTP session, the synchronizer and its store."""
-
-    def __init__(self, sync: Synchronizer, url: str, session: aiohttp.ClientSession, store: ObjectStore) -> None:
-        self.sync, self.url, self.session, self.store = sync, url, session, store
-        self.port = int(url.rsplit(":", 1)[1])
-
-    async def call(self, method: str, path: str, body=None, credential: str | None = None) -> tuple[int, dict]:
-        headers = {"Authorization": f"Bearer {credential}"} if credential else {}
-        async with self.session.request(method, self.url + path, json=body, headers=headers) as r:
-            return r.status, await r.json(content_type=None)
-
-    async def status(self) -> dict:
-        code, st = await self.call("GET", "/status")
-        assert code == 200
-        return st
-
-
-@contextlib.asynccontextmanager
-async def serving(cfg):
-    """The synchronizer of run ``run1`` on a memory store, served as the product serves it."""
-    store = ObjectStore(f"memory://auth-{uuid.uuid4().hex}")
-    sync = Synchronizer(cfg, store, RUN)
-    sync.inbox = CountingQueue()
-    await asyncio.to_thread(sync.publish_initial)
-    runner = web.AppRunner(make_app(sync, SECRET), **runner_options(sync))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    actor = asyncio.create_task(sync.run())
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            yield Server(sync, url, session, store)
-    finally:
-        actor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await actor
-        await runner.cleanup()
 
 
 # -- defect 10: one shared token ------------------------------------------------------------

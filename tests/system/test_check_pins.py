@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from test_container import ROOT  # noqa: F401, F811 (shared with unit/test_container.py; fixtures among them)
 
 
 def _check_pins(constraints: Path) -> subprocess.CompletedProcess:

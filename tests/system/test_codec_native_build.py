@@ -4,12 +4,9 @@ used, with the reason logged (the kernels' bytes are tests/unit/test_codec_nativ
 from __future__ import annotations
 
 import torch
+from test_codec_native import _bits  # noqa: F401, F811 (shared with unit/test_codec_native.py; fixtures among them)
 
 from diloco_async import codec, codec_native, native_build
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_a_broken_compiler_falls_back_to_the_torch_code_with_a_reason(tmp_path, monkeypatch, caplog):

@@ -5,39 +5,16 @@ bad inputs in one process are tests/unit/test_data.py's)."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from diloco_async.data_config import DataConfig
+from test_data import WORDS, data_cfg, prose, text_corpus  # noqa: F401, F811 (shared with unit/test_data.py; fixtures among them)
+
 from diloco_async.tokens import open_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = ("the king queen lord lady sword crown love death night day speak hear thou thee thy good noble "
-         "fair heaven earth father mother son daughter honour grace war peace blood heart").split()
-
-
-def prose(seed: int, n_lines: int = 600) -> str:
-    """Deterministic pseudo-English: lines of words from a small vocabulary (BPE finds merges)."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n_lines):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 12))]
-        lines.append(" ".join(words).capitalize() + rng.choice(".,;!?"))
-    return "\n".join(lines)
-
-
-def text_corpus(folder: Path, n_files: int = 2, n_lines: int = 600) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n_files):
-        (folder / f"part-{i}.txt").write_text(prose(i, n_lines))
-    return f"file://{folder}/*.txt"
-
-
-def data_cfg(urls: str | list[str], cache: Path, **kw) -> DataConfig:
-    return DataConfig(source="urls", urls=[urls] if isinstance(urls, str) else urls, token_cache_dir=str(cache), **kw)
 
 
 _CONCURRENT = textwrap.dedent("""

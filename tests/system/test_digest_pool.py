@@ -3,21 +3,14 @@ then widened, then no pool, all agree (the digest's definition is tests/unit/tes
 
 from __future__ import annotations
 
-import os
-import random
 import subprocess
 import sys
 
-import pytest
+from test_digest import blob, store  # noqa: F401, F811 (shared with unit/test_digest.py; fixtures among them)
 
 from storage import digest
 from storage.digest import PIECE_NBYTES, PieceHasher
-from storage.store import ObjectStore
 from tests.digest_reference import reference_digest
-
-
-def blob(nbytes: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(nbytes)
 
 
 def test_one_lane_then_widened_and_no_pool_agree(monkeypatch):
@@ -35,8 +28,3 @@ def test_one_lane_then_widened_and_no_pool_agree(monkeypatch):
     assert out.stdout.split() == [b"True", reference_digest(data).encode(), reference_digest(data).encode()]
 
 
-@pytest.fixture(params=["file", "memory"])
-def store(request, tmp_path):
-    if request.param == "file":
-        return ObjectStore(f"file://{tmp_path}/s")
-    return ObjectStore(f"memory://digest-{os.getpid()}-{tmp_path.name}")

@@ -14,28 +14,14 @@ statement of the library, those inside functions too (a lazy import is still an 
 from __future__ import annotations
 
 import json
-import pkgutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from test_layers import FORBIDDEN, LIBRARY_PACKAGES, ROOT, library_modules  # noqa: F401, F811 (shared with unit/test_layers.py; fixtures among them)
 
-ROOT = Path(__file__).resolve().parents[2]
-LIBRARY_PACKAGES = ("diloco_async", "storage")
-FORBIDDEN = ("flows", "prefect", "mlflow", "matplotlib", "rich")
 #: Allowed third-party packages the probe imports once before forking (speed only).
 PRELOAD = ("torch", "numpy", "pydantic", "fsspec", "aiohttp", "safetensors")
-
-
-def library_modules() -> list[str]:
-    """Dotted names of every module and package under :data:`LIBRARY_PACKAGES`, from the files on
-    disk (nothing is imported to find them)."""
-    names: list[str] = []
-    for package in LIBRARY_PACKAGES:
-        names.append(package)
-        names += [info.name for info in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}.")]
-    return sorted(names)
 
 
 # Runs in a new interpreter: argv = forbidden, preload, modules (comma-separated). Prints one JSON

@@ -7,43 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_merge_native import _bits, _same, native  # noqa: F401, F811 (shared with unit/test_merge_native.py; fixtures among them)
 
 import diloco_async.merge as merge
 from diloco_async import merge_native, native_build
 from tests import merge_reference as ref
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    """The kernels must be there wherever a compiler is (else the comparisons test nothing)."""
-    merge_native.reset()
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler: the merge runs its torch code only")
-    assert merge_native.usable(), native_build.unavailable_reason()
-    yield
-    merge_native.reset()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _same(a, b) -> None:
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for n in a:
-            assert torch.equal(_bits(a[n]), _bits(b[n])), f"{n}: {int((_bits(a[n]) != _bits(b[n])).sum())} differ"
-    else:
-        assert torch.equal(_bits(a), _bits(b)), f"{int((_bits(a) != _bits(b)).sum())} elements differ"
 
 
 def _fresh_kernels(monkeypatch, tmp_path, **env):

@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_simulator import CALIBRATION, REPO  # noqa: F401, F811 (shared with unit/test_simulator.py; fixtures among them)
 
 from flows.simulate_cli import main as simulate_main
-
-REPO = Path(__file__).resolve().parents[2]
-CALIBRATION = REPO / "configs" / "calibration.toml"
 
 
 def test_simulate_command_imports_mlflow_and_matplotlib_only_when_asked() -> None:

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
-
-ROOT = Path(__file__).resolve().parents[2]
+from test_validate import ROOT  # noqa: F401, F811 (shared with unit/test_validate.py; fixtures among them)
 
 
 def _files(folder: Path) -> list[str]:

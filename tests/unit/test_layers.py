@@ -1,14 +1,8 @@
-"""Layers: the library (``diloco_async/``) and the storage layer (``storage/``) never import the
+"""Layers, read from the source: every import statement of the library (``diloco_async/``,
+``storage/``), those inside functions too (a lazy import is still an import), names none of the
 deployment layer (``flows/``), Prefect, MLflow, matplotlib or rich (STYLE: "The library never
-imports Prefect or MLflow").
-
-Every module of both packages, found by walking the packages on disk (a new module is checked
-without being listed here), is imported on its own in a fresh process; the test fails naming the
-module and what it pulled in. The fresh processes are forks of one new interpreter that has
-imported no module of this project, only a few allowed third-party packages (torch, numpy, ...),
-so that each import costs milliseconds instead of seconds of torch start-up; that interpreter
-checks first that none of the forbidden packages is loaded. A second test reads every import
-statement of the library, those inside functions too (a lazy import is still an import).
+imports Prefect or MLflow"); and the house's size limits. Each module imported alone in a fresh
+process: tests/system/test_layers_imports.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The load generator of ``benchmarks/sync_load.py`` in its quick mode (issue 17): it speaks the
-real protocol to a real synchronizer process (heartbeats and announcements over the WebSocket,
-as the real learner sends them), and every message it sends is answered.
-
-Speed is the benchmark's business: this test checks only that the load is real (joins,
-WebSockets, heartbeats, announcements merged) and counted (nothing dropped, both latencies
-measured), never how fast it was answered.
-"""
+"""The pure parts of ``benchmarks/sync_load.py``'s load generator: how many generator processes a
+load takes, and its percentiles. The load itself, against a real synchronizer process, is
+tests/system/test_sync_load_quick.py's."""
 
 from __future__ import annotations
 
