@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -100,6 +100,12 @@ bench-memory-big: data
 ## About 4 runs of 2-4 minutes.
 bench-poison: data
 	$(PY) -m benchmarks.poison --config $(CONFIG) --out $(BENCH_DIR)/poison.json
+
+## bench-lora: a LoRA fine-tune of a small pretrained Llama through the system, 3 seeds of 240k tokens
+##             (benchmarks/lora_quality.py): its held-out loss below the base's, mean over seeds > 0
+##             (tests/system/test_models_system.py checks only that the adapter alone moved). About 3-10 minutes.
+bench-lora: data
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.lora_quality --out $(BENCH_DIR)/lora_quality.json
 
 ## bench-hf: tokens/s of one learner running configs/hf-llama-cpu.toml inside a run (synchronizer + 1 learner)
 ##           against the same model in a plain torch loop with the same batch, measured in the same run:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.lora_quality import pretrain_base  # the base `make bench-lora` fine-tunes
 from diloco_async import codec as wire
 from diloco_async.auth import learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
@@ -20,16 +21,13 @@ from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_ch
 from diloco_async.learner import Learner
 from diloco_async.models import (
     CausalLM,
-    HfModelConfig,
-    ModelConfig,
     build_model,
     build_run_model,
     trainable_parameters,
 )
 from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.sync import initial_state
-from diloco_async.tokens import Corpus, open_corpus
-from diloco_async.workload import Workload, data_generator
+from diloco_async.workload import Workload
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
@@ -113,22 +111,6 @@ def test_hf_model_trains_through_the_system(tmp_path):
     assert heldout_loss(final, batches) < initial - 1.0
 
 
-def pretrain_base(folder: Path, cfg: Config, steps: int) -> float:
-    """A base model trained in this process on shard 0 and saved with save_pretrained; its held-out loss."""
-    arch = HfModelConfig(architecture="llama", config=dict(LLAMA, hidden_size=128, intermediate_size=256))
-    model = build_model(ModelConfig(kind="hf", context=cfg.model.context, hf=arch), 256, seed=11)
-    corpus = open_corpus(cfg.data, cfg.model.context)
-    shard, gen = corpus.shard(0, 4), data_generator(11, 0, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        x, y = Corpus.sample(shard, 16, cfg.model.context, gen)
-        opt.zero_grad()
-        model.loss(x, y).backward()
-        opt.step()
-    model.net.save_pretrained(str(folder))
-    return heldout_loss(model, heldout_batches(cfg))
-
-
 def test_lora_finetune_moves_only_the_adapter(tmp_path):
     """LoRA on a saved base through the system: the plan, the contributions and the checkpoints hold
     the adapter only, each round's upload is the adapter's size, and the adapter moved off its start.
@@ -142,7 +124,7 @@ def test_lora_finetune_moves_only_the_adapter(tmp_path):
     # 40k tokens: 2 learners x 10 inner steps x 8 x 32 tokens a round, about 8 rounds, >= 4 merges
     path = recipe(tmp_path, learners=2, tokens=40_000, model=model_toml)
     cfg = load_config(path)
-    base_loss = pretrain_base(base_dir, cfg, steps=20)
+    base_loss = pretrain_base(base_dir, cfg, seed=11, steps=20, hidden=128, layers=LLAMA["num_hidden_layers"])
     params0, plan = initial_state(cfg)
     assert params0 and all(".lora_A." in n or ".lora_B." in n for n in params0)
     summary = run_to_the_end(tmp_path, path, 2, "lora")
