@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import threading
 import uuid
 
 import pytest
@@ -115,7 +115,7 @@ async def open_first_round(client):
 
     async def opened():
         return round_of(await status(client), 0, 1)
-    await await_until(opened, 5, "round (0, 1) to open")
+    await await_until(opened, 30, "round (0, 1) to open")
 
 
 def fragment_delta(plan: FragmentPlan, seed: float) -> dict[str, torch.Tensor]:
@@ -136,7 +136,7 @@ async def contribute(client, store, lid, delta, *, tokens=1000, steps=4, sha=Non
     return body, await r.json()
 
 
-async def wait_version(client, fragment, version, timeout_s=15.0) -> dict:
+async def wait_version(client, fragment, version, timeout_s=30.0) -> dict:
     """The status once ``fragment`` has reached ``version`` and its round 1 is closed."""
     async def reached():
         st = await status(client)
@@ -292,7 +292,7 @@ async def test_quorum_not_met_when_only_bad_contributions():
         async def both_settled():  # a verified, b rejected: the quorum decision has been taken
             rnd = round_of(await status(client), 0, 1)
             return rnd if rnd["verified"] == ["a"] and rnd["rejected"] == ["b"] else None
-        rnd = await await_until(both_settled, 10, "both contributions to be verified")
+        rnd = await await_until(both_settled, 30, "both contributions to be verified")
         assert rnd["stage"] == "open" and rnd["pending"] == []
         assert (await status(client))["versions"]["0"] == 0
         await contribute(client, store, "c", fragment_delta(plan, 3))
@@ -312,7 +312,7 @@ async def test_grace_window_and_liveness_on_a_fake_clock():
         async def in_grace():
             rnd = round_of(await status(client), 0, 1)
             return rnd if rnd["stage"] == "grace" else None
-        await await_until(in_grace, 10, "the quorum of two to start the grace window")
+        await await_until(in_grace, 30, "the quorum of two to start the grace window")
         clock.advance(9.9)
         for _ in range(3):  # each answer follows at least one pass of the actor at the new time
             st = await status(client)
@@ -326,7 +326,7 @@ async def test_grace_window_and_liveness_on_a_fake_clock():
         async def all_lost():
             st = await status(client)
             return st if not any(st["learners"][lid]["live"] for lid in LEARNERS) else None
-        st = await await_until(all_lost, 10, "every learner to be marked lost")
+        st = await await_until(all_lost, 30, "every learner to be marked lost")
         assert st["phase"] == "running"
 
 
@@ -348,7 +348,7 @@ async def test_metrics_since_reads_points_older_than_the_memory_tail():
             st = await status(client)
             return st if st["metrics_total"] == body["total"] else None
 
-        await await_until(status_caught_up, 10, "/status to count every metric point")
+        await await_until(status_caught_up, 30, "/status to count every metric point")
         assert len(points) == body["total"] > 8
         assert sync.metrics.in_memory == 8  # the rest is read from the spill file
         losses = [m["value"] for m in points if m["key"] == "learner/a/train_loss"]
@@ -384,13 +384,17 @@ async def test_a_cancelled_actor_stops_even_when_a_message_lands_with_the_cancel
         sync = Synchronizer(small_config(), ObjectStore(f"memory://cancel-{uuid.uuid4().hex}"), "run1")
         await asyncio.to_thread(sync.publish_initial)
         actor = asyncio.create_task(sync.run())
-        await asyncio.sleep(0.2)  # the actor is waiting for its inbox
+
+        async def passed_once(sync: Synchronizer = sync) -> bool:  # then the actor waits in inbox.get()
+            return sync.board.ticked_s is not None  # (the loop's only await)
+
+        await await_until(passed_once, 30, "the actor's first pass")
         dropped = asyncio.get_running_loop().create_future()
         dropped.cancel()  # a request nobody waits for any more: the actor skips it
         sync.inbox.put_nowait(Request("status", None, dropped))
         actor.cancel()
-        done, _ = await asyncio.wait({actor}, timeout=5)
-        assert done, "the actor did not stop within 5 s of its cancel"
+        done, _ = await asyncio.wait({actor}, timeout=30)  # a failure mode: a stuck actor never stops
+        assert done, "the actor did not stop after its cancel"
         assert actor.cancelled()
 
 
@@ -414,7 +418,7 @@ async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
 
         async def opened():
             return round_of(await status(client), 0, 1)
-        await await_until(opened, 10, "round (0, 1) to open")
+        await await_until(opened, 30, "round (0, 1) to open")
         await contribute(client, store, "c", fragment_delta(plan, 3), sha="ab" * 32)  # rejected: thrown away
         await contribute(client, store, "a", fragment_delta(plan, 1))
         await contribute(client, store, "b", fragment_delta(plan, 2))
@@ -422,13 +426,13 @@ async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
         async def settled():  # every learner answered: the round merges without waiting out its grace
             st = await status(client)
             return st if st["rejected_by_reason"] and st["versions"]["0"] >= 1 else None
-        await await_until(settled, 10, "the rejection and the merge")
+        await await_until(settled, 30, "the rejection and the merge")
         clock.advance(60.5)  # heartbeat_timeout_s = 60: everyone lost
 
         async def all_lost():
             st = await status(client)
             return st if not any(st["learners"][lid]["live"] for lid in LEARNERS) else None
-        await await_until(all_lost, 10, "every learner to be marked lost")
+        await await_until(all_lost, 30, "every learner to be marked lost")
         clock.advance(4.0)
         assert (await client.post("/heartbeat", json={"learner_id": "b", "step": 4}, headers=AUTH)).status == 200
         r = await client.post("/join", json={"learner_id": "a", "incarnation": 1, "uptime_s": 2.0}, headers=AUTH)
@@ -437,7 +441,7 @@ async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
         async def judged():
             st = await status(client)
             return st if st["learners"]["a"]["live"] and st["learners"]["b"]["live"] else None
-        st = await await_until(judged, 10, "a and b to be back")
+        st = await await_until(judged, 30, "a and b to be back")
         secs = st["badput_s"]
         assert secs["starting"] == pytest.approx(6.0)  # 3 + 2 + 1 s from process start to join
         assert secs["restarting"] == pytest.approx(2.0)
@@ -451,7 +455,7 @@ async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
         assert st["compute_goodput"] + sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
         assert shares["starting"] == pytest.approx(6.0 / st["provisioned_s"])
         clock.advance(120.0)  # lost again: the stop at the end does not wait for a's new incarnation
-        await await_until(all_lost, 10, "every learner to be marked lost again")
+        await await_until(all_lost, 30, "every learner to be marked lost again")
     records = [json.loads(line) for line in
                store.get_unverified(keys.contribution_log_key("run1", _sync.epoch)).decode().splitlines()]
     fates = {(r["learner"], r["fragment"], r["round"]): r for r in records}
@@ -464,26 +468,37 @@ async def test_badput_by_cause_on_a_fake_clock_adds_up_with_goodput_to_one():
 async def test_verifications_in_flight_are_bounded_by_the_setting(monkeypatch, slots):
     """``synchronizer.verifies_in_flight``: at most that many contributions are fetched and
     verified at once (each holds its payload and a decoded tensor), and the round still merges.
-    The real fetch_and_verify runs, slowed down so that the three announcements overlap."""
+    The real fetch_and_verify runs, each held until all three verifications have arrived (running,
+    or waiting for a slot), so that they overlap as far as the bound lets them, whatever the pace."""
     from diloco_async.sync import rounds
 
     real, running_now, most = rounds.fetch_and_verify, [0], [0]
+    lock, release = threading.Lock(), threading.Event()
 
     def counted(*args, **kw):
-        running_now[0] += 1
-        most[0] = max(most[0], running_now[0])
+        with lock:
+            running_now[0] += 1
+            most[0] = max(most[0], running_now[0])
         try:
-            time.sleep(0.3)
+            release.wait(30)
             return real(*args, **kw)
         finally:
-            running_now[0] -= 1
+            with lock:
+                running_now[0] -= 1
 
     monkeypatch.setattr(rounds, "fetch_and_verify", counted)
     async with running(small_config(**{"synchronizer.min_quorum": 3, "synchronizer.verifies_in_flight": slots})) \
-            as (_sync, client, store):
+            as (sync, client, store):
         plan = await join_all(client)
         await open_first_round(client)
         for i, lid in enumerate(LEARNERS):
             await contribute(client, store, lid, fragment_delta(plan, 0.1 + i))
+
+        async def all_arrived() -> bool:  # in fetch_and_verify, or queued for a slot
+            waiting = sum(not w.done() for w in (getattr(sync.verify_slots, "_waiters", None) or ()))
+            return running_now[0] + waiting == len(LEARNERS)
+
+        await await_until(all_arrived, 30, "three verifications running or waiting for a slot")
+        release.set()
         await wait_version(client, 0, 1)
     assert most[0] == slots
