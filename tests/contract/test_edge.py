@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from test_sync_status_board import actor_passes
 from test_synchronizer import AUTH, LEARNERS, running, small_config
 
 from diloco_async import codec as wire
@@ -40,7 +41,7 @@ def strict_json(text: str):
 async def status(client) -> dict:
     """/status (parsed strictly) from a snapshot newer than the call."""
     async def get() -> dict:
-        r = await asyncio.wait_for(client.get("/status"), 5)
+        r = await asyncio.wait_for(client.get("/status"), 30)
         assert r.status == 200
         return strict_json(await r.text())
 
@@ -50,7 +51,7 @@ async def status(client) -> dict:
 async def post(client, path, body, headers=AUTH):
     """POST a JSON body (a dict) or raw bytes; returns (status, parsed answer or text)."""
     kw = {"json": body} if isinstance(body, dict) else {"data": body}
-    r = await asyncio.wait_for(client.post(path, headers=headers, **kw), 5)
+    r = await asyncio.wait_for(client.post(path, headers=headers, **kw), 30)
     text = await r.text()
     try:
         return r.status, json.loads(text)
@@ -71,7 +72,7 @@ async def wait_open(client, fragment, round_n):
     async def opened():
         st = await status(client)
         return any((r["fragment"], r["round"]) == (fragment, round_n) for r in st["rounds"])
-    await await_until(opened, 10, f"round ({fragment}, {round_n}) to open")
+    await await_until(opened, 30, f"round ({fragment}, {round_n}) to open")
 
 
 def announcement(store, plan, lid, fragment=0, round_n=1, **fields) -> dict:
@@ -89,7 +90,7 @@ def fragment_delta(plan, fragment, seed) -> dict[str, torch.Tensor]:
     return {s.name: torch.randn(s.shape, generator=g) * 0.01 for s in plan.fragments[fragment]}
 
 
-async def wait_version(client, fragment, version, timeout_s=15.0) -> dict:
+async def wait_version(client, fragment, version, timeout_s=30.0) -> dict:
     async def reached():
         st = await status(client)
         return st if st["versions"][str(fragment)] >= version else None
@@ -146,7 +147,7 @@ async def test_huge_step_rejected_and_actor_survives_a_handler_error(caplog):
 
         async def went_on():
             return len(calls) > 1
-        await await_until(went_on, 5, "the actor to go on")
+        await await_until(went_on, 30, "the actor to go on")
         st = await status(client)
         assert st["rejected_by_reason"]["bad_request"] == 2
         assert st["rejected_by_reason"]["handler_error"] == 1
@@ -164,7 +165,7 @@ async def test_enormous_tokens_total_rejected(tokens_total):
         code, answer = await post(client, "/heartbeat", {"learner_id": "a", "step": STEP + 1,
                                                          "tokens_total": tokens_total})
         assert code == 400 and names_field(answer, "tokens_total"), answer
-        await asyncio.sleep(0.2)  # a few passes of the actor
+        await actor_passes(sync.board, 5)  # the budget is checked at every pass
         st = await status(client)
         assert st["phase"] == "running" and st["stop_reason"] is None
         assert st["tokens_processed"] == 0
@@ -204,7 +205,7 @@ async def test_failed_merge_counts_its_contributions_and_the_run_goes_on(monkeyp
         async def abandoned():
             st = await status(client)
             return st if st["rounds_abandoned"] == 1 else None
-        st = await await_until(abandoned, 15, "the round to be abandoned")
+        st = await await_until(abandoned, 30, "the round to be abandoned")
         assert st["rejected_by_reason"] == {"merge_failed": 3}
         assert st["contributions_rejected"] == 3
         assert all(st["learners"][lid]["contributions"] == {"rejected": 1} for lid in LEARNERS)
@@ -250,7 +251,7 @@ async def test_hostile_bodies_get_400_and_the_run_still_merges():
             st = await status(client)
             return st if st["rejected_by_reason"].get("bad_request") == len(HOSTILE) + 5 else None
 
-        st = await await_until(counted, 10, "every hostile body counted in /status")
+        st = await await_until(counted, 30, "every hostile body counted in /status")
         assert st["rejected_by_reason"]["bad_request"] == len(HOSTILE) + 5
         assert st["bad_requests"]["json_too_deep"] == 2
         sync.report.metric("test/not_a_number", float("nan"))  # a metric that could be non-finite
@@ -307,7 +308,7 @@ async def test_out_of_range_fields_get_400_naming_the_field():
             st = await status(client)
             return st if st["rejected_by_reason"].get("bad_request") == len(OUT_OF_RANGE) else None
 
-        st = await await_until(counted, 10, "every bad request counted in /status")
+        st = await await_until(counted, 30, "every bad request counted in /status")
         assert st["rejected_by_reason"] == {"bad_request": len(OUT_OF_RANGE)}
         assert st["bad_requests"]["field:step"] == 2
         assert st["learners"] == {}
