@@ -24,6 +24,8 @@ from diloco_async.sync.http import FANOUT, FANOUT_BATCH, _FanOut
 from diloco_async.sync.process import LoopWatch
 from storage.store import ObjectStore
 
+from polling import await_until
+
 TOKEN = "test-token-push-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -44,25 +46,21 @@ def test_every_websocket_hears_every_event_in_order():
         try:
             sockets = [await session.ws_connect(client.make_url("/ws"), headers=AUTH) for _ in range(n_ws)]
             fanout = client.server.app[FANOUT]
-            for _ in range(200):  # every connection subscribed (its handler ran up to its queue)
-                if len(fanout.queues) == n_ws:
-                    break
-                await asyncio.sleep(0.01)
-            assert len(fanout.queues) == n_ws
+
+            async def subscribed(n: int) -> bool:
+                return len(fanout.queues) == n
+
+            # every connection subscribed (its handler ran up to its queue)
+            await await_until(lambda: subscribed(n_ws), 30, f"{n_ws} subscriptions")
             events = [{"type": "round_open", "fragment": 0, "round_n": 1, "version": 0},
                       {"type": "version", "fragment": 0, "version": 1}, {"type": "stop", "reason": "test"}]
             for ev in events:
                 sync.push.publish(ev)
             for ws in sockets:
-                got = [await asyncio.wait_for(ws.receive_json(), 10) for _ in events]
+                got = [await asyncio.wait_for(ws.receive_json(), 30) for _ in events]
                 assert got == events
             await sockets[0].close()
-            for _ in range(200):
-                if len(fanout.queues) == n_ws - 1:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("a closed WebSocket stayed subscribed")
+            await await_until(lambda: subscribed(n_ws - 1), 30, "the closed WebSocket to be unsubscribed")
             for ws in sockets[1:]:
                 await ws.close()
         finally:
