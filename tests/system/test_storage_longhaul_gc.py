@@ -50,14 +50,15 @@ def test_gc_collects_uploads_of_a_killed_writer_after_the_threshold(kind, tmp_pa
     """Defect 12: a writer SIGKILLed mid-upload leaves a temp file (file://) or an incomplete
     multipart upload (S3). gc leaves it while younger than orphan_age_s, removes it after, and
     never touches a live upload younger than the threshold, which then publishes normally."""
-    env = dict(os.environ)
     if kind == "s3":
         server = request.getfixturevalue("s3_endpoint")
         url = f"s3://{make_bucket('s3', server.storage_options)}/root"
         options = server.storage_options
     else:
         url, options = f"file://{tmp_path}/store", {}
-    env[STORAGE_OPTIONS_ENV] = json.dumps(options)
+    # copied once the S3 server runs: it puts its test credentials into the environment when it starts
+    # (copied before, the writer had none whenever this test was the session's first to use S3)
+    env = {**os.environ, STORAGE_OPTIONS_ENV: json.dumps(options)}
     # one part at a time: write() returns once its parts landed (moto reports a fixed 2010 initiation
     # time, so an upload's age there comes from its parts' upload times)
     store = ObjectStore(url, options, part_nbytes=5 * MiB, max_concurrency=1)
@@ -68,15 +69,21 @@ def test_gc_collects_uploads_of_a_killed_writer_after_the_threshold(kind, tmp_pa
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
+    # gc reads ages off an injected wall clock: the dead upload's last write is before t_dead, the
+    # live one's first after t_live; nothing depends on how long a step took on a loaded machine
+    t_dead = time.time()
     expected = "temp_file" if kind == "file" else "multipart_upload"
     assert _leftovers(store) == [expected]
-    threshold_s = 3.0
-    young = collect_garbage(store, "run", orphan_age_s=threshold_s)
+    threshold_s = 600.0
+    young = collect_garbage(store, "run", orphan_age_s=threshold_s, clock=lambda: t_dead)
     assert young.objects == 0 and _leftovers(store) == [expected]
-    time.sleep(threshold_s + 0.5)
+    time.sleep(2.0)  # a lower bound: the live upload starts at least 2 s after the dead one's last part
+    t_live = time.time()
     live = store.open_writer("run/contrib/p0/r1/B-live")
-    live.write(blob(11 * MiB))  # begun just now: younger than the threshold
-    report = collect_garbage(store, "run", orphan_age_s=threshold_s)
+    live.write(blob(11 * MiB))
+    # threshold_s - 1.5 s after t_live: the live upload is younger than the threshold (store clocks
+    # may truncate to the second), the dead one at least 2 - 1.5 s older
+    report = collect_garbage(store, "run", orphan_age_s=threshold_s, clock=lambda: t_live + threshold_s - 1.5)
     assert report.deleted == {expected: 1} and report.checkpoint is None
     assert _leftovers(store) == [expected]  # the live one only
     ref = live.close()
