@@ -52,8 +52,8 @@ def test_a_guarded_child_in_its_own_session_dies_with_its_sigkilled_parent(tmp_p
     try:
         assert not _gone_within(child, 1.0)  # it runs while its parent lives
         parent.send_signal(signal.SIGKILL)
-        parent.wait(10)
-        assert _gone_within(child, 10.0)
+        parent.wait(30)
+        assert _gone_within(child, 60.0)  # a failure mode, not a bound: a child left alive never goes
     finally:
         for pid in (parent.pid, child):
             try:
@@ -75,8 +75,8 @@ def test_the_temporary_prefect_server_stops_when_its_command_is_sigkilled(tmp_pa
     try:
         assert psutil.pid_exists(server) and not _gone_within(server, 1.0)
         parent.send_signal(signal.SIGKILL)
-        parent.wait(10)
-        assert _gone_within(server, 15.0)  # SIGTERM: uvicorn shuts down
+        parent.wait(30)
+        assert _gone_within(server, 60.0)  # SIGTERM: uvicorn shuts down (60 s: the failure mode, not a bound)
     finally:
         for pid in (parent.pid, server):
             try:
