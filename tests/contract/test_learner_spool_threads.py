@@ -28,8 +28,10 @@ def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_sta
     expected = {k: v.clone() for k, v in state.tensors.items()}
     shared = Shared()
     spooler = StateSpooler("a", shared)
+    stepping = threading.Event()
 
     def before_step(*_args) -> None:
+        stepping.set()
         spooler.wait_mutable()
 
     hook = opt.register_step_pre_hook(before_step)
@@ -39,13 +41,14 @@ def test_the_optimizer_step_waits_for_the_spool_and_the_file_is_the_captured_sta
     assert shared.state_spooled.is_set() and spooler.writing() and state.tensors == {}
     trainer = threading.Thread(target=step)  # the next inner step, as the training thread runs it
     trainer.start()
-    time.sleep(0.3)
+    assert stepping.wait(60), "the training thread never reached its optimizer step"
+    time.sleep(0.3)  # the scenario: a spool slower than a step (nothing reads the FIFO yet)
     assert trainer.is_alive(), "the optimizer step did not wait for the spool"
     assert torch.equal(params["blocks.0.fc.weight"], expected["param/blocks.0.fc.weight"])
     with open(f"{path}.tmp", "rb") as fh:  # the reader lets the spool go on
         data = fh.read()
-    trainer.join(10)
-    spooler.join(10)
+    trainer.join(60)
+    spooler.join(60)
     assert not trainer.is_alive() and not spooler.writing()
     assert not torch.equal(params["blocks.0.fc.weight"], expected["param/blocks.0.fc.weight"])  # it stepped
     back = st_load(data)
@@ -72,17 +75,24 @@ def test_over_the_copy_budget_the_step_waits(tmp_path):
     params = dict(model.named_parameters())
     state = capture(params, opt, torch.Generator(), step=1, base_tensors={}, base_versions={}, counters={})
     spooler = StateSpooler("a", Shared(), copy_budget_bytes=1024)
-    hook = opt.register_step_pre_hook(lambda *_args: spooler.wait_mutable() and None)
+    stepping = threading.Event()
+
+    def before_step(*_args) -> None:
+        stepping.set()
+        spooler.wait_mutable()
+
+    hook = opt.register_step_pre_hook(before_step)
     path = str(tmp_path / "state.safetensors")
     os.mkfifo(f"{path}.tmp")
     spooler.start(state, path)
     trainer = threading.Thread(target=step)
     trainer.start()
-    time.sleep(0.3)
+    assert stepping.wait(60), "the training thread never reached its optimizer step"
+    time.sleep(0.3)  # the scenario: the spool blocked on its FIFO while the step would go on
     assert trainer.is_alive() and spooler.copied_bytes == 0
     with open(f"{path}.tmp", "rb") as fh:
         fh.read()
-    trainer.join(10)
-    spooler.join(10)
+    trainer.join(60)
+    spooler.join(60)
     hook.remove()
     assert not trainer.is_alive() and spooler.waited_s > 0.2
