@@ -81,8 +81,8 @@ def test_sigkill_one_of_three_learners(tmp_path):
         killed_at = fetch_status(url)
         versions_at_kill = min(killed_at["versions"].values())
         # the synchronizer notices the silence and keeps merging with the two others
-        wait_until(lambda: not fetch_status(url)["learners"]["learner-2"]["live"], 10, "learner-2 marked lost")
-        wait_until(lambda: min(fetch_status(url)["versions"].values()) >= versions_at_kill + 3, 30,
+        wait_until(lambda: not fetch_status(url)["learners"]["learner-2"]["live"], 60, "learner-2 marked lost")
+        wait_until(lambda: min(fetch_status(url)["versions"].values()) >= versions_at_kill + 3, 120,
                    "versions to keep rising after the kill")
         metrics = call_blocking(url, TOKEN, "metrics", 0)["metrics"]
         os.kill(sync.pid, signal.SIGTERM)  # a clean stop: final checkpoint, learners told to stop
@@ -142,8 +142,9 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
         wait_until(lambda: "restored its inner state" in log2.read_text(), 60, "the restore")
         wait_until(lambda: fetch_status(url)["learners"]["learner-1"]["contributions"].get("merged", 0)
                    > merged_before + 2, 60, "merged contributions after the restart")
-        st = fetch_status(url)
-        assert st["learners"]["learner-1"]["incarnation"] == 1 and st["learners"]["learner-1"]["live"]
+        # live: a state read when it holds (a 2 s heartbeat timeout may see a loaded learner lost for a moment)
+        wait_until(lambda: fetch_status(url)["learners"]["learner-1"]["live"], 60, "learner-1 live")
+        assert fetch_status(url)["learners"]["learner-1"]["incarnation"] == 1
         os.kill(sync.pid, signal.SIGTERM)
         assert sync.proc.wait(timeout=90) == 0
     finally:
