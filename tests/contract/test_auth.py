@@ -152,7 +152,7 @@ async def test_a_learner_cannot_announce_another_learners_object():
 
         async def opened():
             return any((r["fragment"], r["round"]) == (0, 1) for r in (await srv.status())["rounds"])
-        await await_until(opened, 10, "round (0, 1) to open")
+        await await_until(opened, 30, "round (0, 1) to open")
         body = put_contribution(srv.store, plan, "b")
         stolen = dict(body, learner_id="a", update_id="steal1")
         code, answer = await srv.call("POST", "/announce", stolen, token("a"))
@@ -214,7 +214,7 @@ async def test_status_and_health_pollers_do_not_touch_the_actors_queue():
         async def a_listed():
             return "a" in (await srv.status())["learners"]
 
-        await await_until(a_listed, 10, "learner a in /status")
+        await await_until(a_listed, 30, "learner a in /status")
         puts = srv.sync.inbox.puts
 
         async def poller(path: str) -> None:
@@ -286,7 +286,7 @@ async def test_learners_beyond_the_cap_are_refused():
             st = await srv.status()
             return st if sorted(st["learners"]) == ["a", "b", "c"] and st["rejected_by_reason"] else None
 
-        st = await await_until(three_listed, 10, "learners a, b, c in /status")
+        st = await await_until(three_listed, 30, "learners a, b, c in /status")
         assert sorted(st["learners"]) == ["a", "b", "c"] and st["learners"]["a"]["incarnation"] == 1
         assert st["rejected_by_reason"] == {"learner_cap": 1}
 

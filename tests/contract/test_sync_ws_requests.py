@@ -60,7 +60,7 @@ async def raw_answer(ws: aiohttp.ClientWebSocketResponse, received: list, data: 
     before = len(received)
     await (ws.send_bytes(data) if isinstance(data, bytes) else ws.send_str(data))
     return await await_until(lambda: _async(next((d for d in received[before:] if d.get("type") == "reply"), None)),
-                             10, "the answer to a raw message")
+                             30, "the answer to a raw message")
 
 
 async def _async(value):
@@ -77,7 +77,7 @@ async def open_round(srv, lids=("a", "b")) -> FragmentPlan:
     async def opened():
         return any((r["fragment"], r["round"]) == (0, 1) for r in (await srv.status())["rounds"])
 
-    await await_until(opened, 10, "round (0, 1) to open")
+    await await_until(opened, 30, "round (0, 1) to open")
     return FragmentPlan.from_json(answer["plan"])
 
 
@@ -217,7 +217,7 @@ async def test_the_learners_comms_use_the_socket_and_fall_back_to_http_across_a_
     try:
         # counted by the client when sent and by the server when answered: wait for both (a
         # heartbeat still in flight made the server's count one short under CI's load)
-        await await_until(lambda: _async(sent["ws"] >= 3 and server.app[WS_COUNTS]["heartbeat 200"] >= 3), 20,
+        await await_until(lambda: _async(sent["ws"] >= 3 and server.app[WS_COUNTS]["heartbeat 200"] >= 3), 30,
                           "heartbeats answered over the WebSocket")
         first_epoch, http_before = server.sync.epoch, sent["http"]
         await server.stop()
@@ -253,7 +253,7 @@ async def test_the_actor_handles_the_queued_messages_before_one_clock_driven_pas
         sync.inbox.put_nowait(Request("heartbeat", Heartbeat(learner_id="a", step=i), reply))
     actor = asyncio.create_task(sync.run())
     try:
-        answers = await asyncio.wait_for(asyncio.gather(*replies), 10)
+        answers = await asyncio.wait_for(asyncio.gather(*replies), 30)
     finally:
         actor.cancel()
         await asyncio.gather(actor, return_exceptions=True)

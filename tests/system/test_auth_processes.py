@@ -47,7 +47,7 @@ async def test_a_learner_token_acts_only_as_that_learner():
             st = await srv.status()
             return st if "b" in st["learners"] else None
 
-        st = await await_until(b_listed, 10, "learner b in /status")
+        st = await await_until(b_listed, 60, "learner b in /status")
         assert st["learners"]["b"]["incarnation"] == 0 and st["learners"]["b"]["live"]  # b was not evicted
         assert st["rejected_by_reason"] == {"forbidden": 6, "unauthenticated": 1}
         # b itself may rejoin with a higher incarnation; the run secret may act as anyone
@@ -56,7 +56,7 @@ async def test_a_learner_token_acts_only_as_that_learner():
         async def b_rejoined():  # the rejoin, like the first join, reaches /status with the next snapshot
             return (await srv.status())["learners"]["b"]["incarnation"] == 1
 
-        await await_until(b_rejoined, 10, "b's incarnation 1 in /status")
+        await await_until(b_rejoined, 60, "b's incarnation 1 in /status")
 
 
 # -- who holds which credential ---------------------------------------------------------------
