@@ -101,7 +101,7 @@ class ScriptedLearner:
         def round_open() -> bool:
             call_blocking(self.sync.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": 4 * r})
             return any(x["fragment"] == 0 and x["round"] == r for x in self.sync.status()["rounds"])
-        wait_until(round_open, 20, f"round {r} to open", interval_s=0.05)
+        wait_until(round_open, 60, f"round {r} to open", interval_s=0.05)
         data = wire.encode_to_bytes(self.delta(r), "fp32", {})
         ref = self.store.put(keys.contribution_key(self.run_id, 0, r, "scripted", uuid.uuid4().hex[:8]), data)
         ack = call_blocking(self.sync.url, TOKEN, "announce", {
@@ -109,7 +109,7 @@ class ScriptedLearner:
             "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
             "codec": "fp32", "update_id": f"u{r}"})
         assert ack["status"] == "accepted", ack
-        wait_until(lambda: self.sync.status()["versions"]["0"] >= r, 20, f"version {r} to be published",
+        wait_until(lambda: self.sync.status()["versions"]["0"] >= r, 60, f"version {r} to be published",
                    interval_s=0.05)
 
 
