@@ -58,7 +58,7 @@ from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S", "BATCH_MAX"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S", "BATCH_MAX"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -82,6 +82,15 @@ class Refused(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
+
+
+class Stopped(Exception):
+    """The reply to a request that reaches a synchronizer whose actor has stopped (the run is over,
+    or it was fenced): nothing would ever answer it. HTTP answers it 503, reason ``stopped``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"the synchronizer has stopped and answers no {kind} request")
+        self.kind = kind
 
 
 def _learner_of(body: Any) -> str:
@@ -117,6 +126,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.run_id = run_id
         self.clock = clock
         self.inbox: asyncio.Queue = asyncio.Queue()
+        self.stopped = False  # set when run() returns: request() then raises Stopped at once
         self.push = Broadcaster()
         self.pace = PaceLimits.from_config(cfg)
         self.registry = LearnerRegistry(self.pace, cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
@@ -231,6 +241,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                 if (self.board.wanted() and self.board.due()) or self.finished.is_set():
                     self._guarded(self._publish_status, None)
         finally:
+            self._refuse_what_is_left()
             self.board.close()
             for t in list(self._tasks):
                 t.cancel()
@@ -247,8 +258,25 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         """Close and delete the spill files (the in-memory tails stay readable)."""
         self.report.close()
 
+    def _refuse_what_is_left(self) -> None:
+        """From now on every request is answered :class:`Stopped`, those already queued included: a
+        handler waiting on a reply that never comes held the HTTP server's shutdown for its 60 s."""
+        self.stopped = True
+        while not self.inbox.empty():
+            msg = self.inbox.get_nowait()
+            if isinstance(msg, Request) and not msg.reply.done():
+                msg.reply.set_exception(Stopped(msg.kind))
+
     async def request(self, kind: str, body: Any) -> Any:
-        """Enqueue a request for the actor and wait for its reply (used by the HTTP handlers)."""
+        """Enqueue a request for the actor and wait for its reply (used by the HTTP handlers).
+
+        Raises:
+            Stopped: the actor has stopped (checked before the request is queued; one queued when
+                it stops gets the same answer).
+            Refused, HandlerError: the actor refused the request, or raised handling it.
+        """
+        if self.stopped:
+            raise Stopped(kind)
         fut = asyncio.get_running_loop().create_future()
         await self.inbox.put(Request(kind, body, fut))
         return await fut

@@ -50,7 +50,7 @@ from pydantic import BaseModel
 
 from diloco_async.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
 from diloco_async.messages import Announcement, Heartbeat, JoinRequest, MetricsQuery
-from diloco_async.sync.actor import HandlerError, Refused, Synchronizer
+from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest as _BadRequest
 from diloco_async.sync.bodies import decode as _decode
 from diloco_async.sync.bodies import validate as _validate
@@ -158,7 +158,7 @@ async def _parse_as_learner(request: web.Request, model: type[BaseModel]) -> Any
 
 async def _ask(request: web.Request, kind: str, body: Any) -> Any:
     """The actor's answer to one request; an error while handling it is a 500 with its reason, a
-    refusal (e.g. ``learner_cap``) a 403."""
+    refusal (e.g. ``learner_cap``) a 403, a request to a stopped actor a 503 (reason ``stopped``)."""
     try:
         return await request.app[SYNC].request(kind, body)
     except Refused as err:
@@ -167,6 +167,9 @@ async def _ask(request: web.Request, kind: str, body: Any) -> Any:
     except HandlerError as err:
         raise web.HTTPInternalServerError(text=_dumps({"error": f"handler_error: {err}"}),
                                           content_type="application/json") from None
+    except Stopped as err:
+        raise web.HTTPServiceUnavailable(text=_dumps({"error": f"stopped: {err}", "reason": "stopped"}),
+                                         content_type="application/json") from None
 
 
 async def _join(request: web.Request) -> web.Response:

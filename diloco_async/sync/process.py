@@ -32,7 +32,7 @@ from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.client import TOKEN_ENV
 from diloco_async.config import Config, load_config
 from diloco_async.heap import limit_heap_retention
-from diloco_async.sync.actor import Synchronizer
+from diloco_async.sync.actor import Stopped, Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
@@ -234,12 +234,18 @@ def _handle_stop_signals(loop: asyncio.AbstractEventLoop, sync: Synchronizer) ->
     by :func:`main`) starts it at once."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, lambda s=sig: loop.create_task(sync.request("stop", f"signal {s.name}")))
+            loop.add_signal_handler(sig, lambda s=sig: loop.create_task(_stop(sync, f"signal {s.name}")))
         except (NotImplementedError, RuntimeError):
             pass
     if _EARLY_STOP_SIGNALS:
         log.warning("%s during start-up: stopping cleanly", _EARLY_STOP_SIGNALS[0])
-        loop.create_task(sync.request("stop", f"signal {_EARLY_STOP_SIGNALS[0]}"))
+        loop.create_task(_stop(sync, f"signal {_EARLY_STOP_SIGNALS[0]}"))
+
+
+async def _stop(sync: Synchronizer, reason: str) -> None:
+    """A clean stop for ``reason``; nothing to do when the actor has stopped already."""
+    with contextlib.suppress(Stopped):
+        await sync.request("stop", reason)
 
 
 def _freeze_startup() -> None:

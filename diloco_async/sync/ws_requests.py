@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from diloco_async.auth import FORBIDDEN
 from diloco_async.messages import Announcement, Heartbeat
-from diloco_async.sync.actor import HandlerError, Refused, Synchronizer
+from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest, decode, validate
 from diloco_async.sync.gate import Gate
 from diloco_async.sync.snapshot import dumps
@@ -107,6 +107,8 @@ class LearnerSocket:
             return self._error(rid, kind, 403, err.reason, err.detail)
         except HandlerError as err:
             return self._error(rid, kind, 500, "handler_error", str(err))
+        except Stopped as err:
+            return self._error(rid, kind, 503, "stopped", str(err))
         self.counts[f"{kind} 200"] += 1
         return f'{{"type":"reply","id":{rid},"status":200,"body":{self.reply_json(resp).decode()}}}'
 
