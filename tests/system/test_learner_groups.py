@@ -101,7 +101,10 @@ def group_worker(out: str) -> None:
 
 def test_two_rank_learner_matches_one_process_with_twice_the_batch(tmp_path):
     out = tmp_path / "group.pt"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    # this file runs as a script: the repository, the tests' helpers and the tier folders it imports from
+    path = [REPO, REPO / "tests", REPO / "tests" / "contract", REPO / "tests" / "system"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            __file__, "--group-worker", str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
