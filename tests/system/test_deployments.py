@@ -60,23 +60,27 @@ def _popen(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
                                 preexec_fn=lambda: die_with_parent(signal.SIGKILL))
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM to the process group of a process started by :func:`_popen`, wait, then SIGKILL
-    to the group, and reap the leader."""
-    def signal_group(sig: int) -> None:
+def _stop(*procs: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM to the process groups of processes started by :func:`_popen`, all at once, wait for
+    them together (``grace_s`` in all), then SIGKILL to each group, and reap the leaders."""
+    def signal_group(proc: subprocess.Popen, sig: int) -> None:
         try:
             os.killpg(proc.pid, sig)  # the leader's pid is its group's id (start_new_session)
         except (ProcessLookupError, PermissionError):
             pass
 
-    if proc.poll() is None:
-        signal_group(signal.SIGTERM)
+    for proc in procs:
+        if proc.poll() is None:
+            signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
         try:
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    signal_group(signal.SIGKILL)  # what is left of the group, leader included
-    proc.wait(timeout=30)
+    for proc in procs:
+        signal_group(proc, signal.SIGKILL)  # what is left of the group, leader included
+        proc.wait(timeout=30)
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
@@ -168,8 +172,7 @@ class PrefectStack:
         they left, then the server; each step runs even if the one before failed, and none
         returns while a process of this stack is alive."""
         try:
-            for proc in self.workers.values():
-                _stop(proc)
+            _stop(*self.workers.values())
         finally:
             try:
                 _stop_all_with_env(STACK_ENV, self.marker)  # the workers' flow runs and their children
