@@ -24,9 +24,13 @@ def _names(prefix: str) -> list[str]:
 
 
 @pytest.mark.skipif(_WHY is not None, reason=f"the WAN harness cannot run here: {_WHY}")
-def test_wan_json_on_the_ci_scenario(tmp_path):
+def test_wan_json_on_the_ci_scenario(prefect_server, tmp_path):
+    """Against the session's Prefect server (a temporary one per command is test_stop's newcomer path)."""
+    from prefect.settings import PREFECT_API_URL
+
     before = set(_names("dlw"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_API_URL": PREFECT_API_URL.value()}
     sets = [f"run.workdir={tmp_path}/runs", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
             f"tracking.artifact_location={tmp_path}/mlartifacts"]
     argv = [sys.executable, "-m", "flows.cli", "wan", "--scenario", "configs/wan/wan-ci.toml", "--json",
