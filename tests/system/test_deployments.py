@@ -263,17 +263,7 @@ def _summary(tmp: Path) -> dict:
 
 def _pids_of_flow_run(flow_run_id: str) -> list[int]:
     """Live processes whose environment names this Prefect flow run (its flow-run process)."""
-    needle = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0") and _alive(int(d.name)):
-                found.append(int(d.name))
-        except OSError:
-            continue
-    return found
+    return _pids_with_env("PREFECT__FLOW_RUN_ID", flow_run_id)
 
 
 def _pids_with_arg(text: str) -> list[int]:
