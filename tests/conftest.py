@@ -57,6 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
 _tier_seconds_key = pytest.StashKey[dict]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = tier_of(item.path)
@@ -74,6 +75,24 @@ def _uses_a_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     return info is not None and any(d.scope == "module" and Path(d.baseid.split("::")[0]).stem == item.path.stem
                                     for defs in info.name2fixturedefs.values() for d in defs)
+
+
+_lost_groups: set[str] = set()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under ``--dist loadgroup``: notes the tests whose group (set above) did not
+    reach the scheduler, which then fail at set-up (pytest 9.2 with pytest-xdist 3.8, pytest-xdist#1386:
+    each test of a group runs on any worker and a module's server starts once per worker, silently)."""
+    if getattr(session.config.option, "loadgroup", False):
+        _lost_groups.update(item.nodeid for item in session.items if item.get_closest_marker("xdist_group")
+                            is not None and "@" not in item.nodeid.rsplit("]", 1)[-1])
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid in _lost_groups:
+        pytest.fail("--dist loadgroup lost this test's xdist_group: pytest and pytest-xdist do not agree on "
+                    "node ids (pytest-xdist#1386); install the pins of constraints.txt", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
