@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections import Counter
 from typing import Any
 
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 from pydantic import BaseModel
 
 from diloco_async.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
@@ -306,6 +307,18 @@ class _FanOut(Broadcaster):
 
 
 FANOUT = web.AppKey("fanout", _FanOut)
+#: the push sockets open now (closed by :func:`_close_sockets` when the server shuts down)
+OPEN_SOCKETS = web.AppKey("open_sockets", weakref.WeakSet)
+
+
+async def _close_sockets(app: web.Application) -> None:
+    """On shutdown: close every open push socket with 1001 (going away). aiohttp's shutdown waits
+    for running handlers (up to 60 s) and a push handler runs as long as its learner holds the
+    socket; closed here, the handlers end at once, and each learner sends what it had in flight
+    over HTTP and reconnects (to the synchronizer that replaces this one)."""
+    sockets = list(app[OPEN_SOCKETS])
+    await asyncio.gather(*(ws.close(code=WSCloseCode.GOING_AWAY, message=b"synchronizer stopping")
+                           for ws in sockets), return_exceptions=True)
 
 
 async def _push(request: web.Request) -> web.WebSocketResponse:
@@ -318,6 +331,7 @@ async def _push(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=request.app[SYNC].sc.client_max_size_bytes)
     await ws.prepare(request)
     app = request.app
+    app[OPEN_SOCKETS].add(ws)
     requests = LearnerSocket(app[SYNC], app[GATE], app[REPLY_BYTES].json, lid, request.remote or "?", app[WS_COUNTS])
     push, text = request.app[FANOUT], request.app[EVENT_TEXT]
     handle, q = push.subscribe()
@@ -374,6 +388,8 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
     app[WS_COUNTS] = Counter()
     app[FANOUT] = _FanOut(sync.push.max_queue)
     app.cleanup_ctx.append(app[FANOUT].running)
+    app[OPEN_SOCKETS] = weakref.WeakSet()
+    app.on_shutdown.append(_close_sockets)
     app.add_routes([web.post("/join", _join), web.post("/heartbeat", _heartbeat), web.post("/announce", _announce),
                     web.get("/status", _status), web.get("/metrics", _metrics), web.get("/health", _health),
                     web.get("/ws", _push), web.post("/checkpoint", _checkpoint)])

@@ -23,7 +23,7 @@ from test_synchronizer import small_config
 from diloco_async.client import ChannelClosed, ProtocolError, ReplyError, RequestChannel, SyncClient
 from diloco_async.fragments import FragmentPlan
 from diloco_async.sync import Synchronizer, make_app, runner_options
-from diloco_async.sync.http import WS_COUNTS
+from diloco_async.sync.http import OPEN_SOCKETS, WS_COUNTS
 from storage.store import ObjectStore
 
 from polling import await_until
@@ -260,3 +260,27 @@ async def test_the_actor_handles_the_queued_messages_before_one_clock_driven_pas
     assert all(a.known for a in answers[1:])  # every one handled, in order (the join came first)
     assert left_at_pass[:2] == [41 - BATCH_MAX, 0]  # BATCH_MAX in the first pass, the rest in the next
     assert sync.registry.get("a").step == 39
+
+
+async def test_a_server_shutting_down_closes_every_push_socket_going_away():
+    """The HTTP server's shutdown closes each open push socket with 1001 (going away) instead of
+    waiting up to aiohttp's 60 s for the learners to hang up (a learner then sends what it had in
+    flight over HTTP: the restart test above)."""
+    server = _Restartable()
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{server.port}"
+            sockets = [await session.ws_connect(f"{url}/ws?learner_id={lid}",
+                                                headers={"Authorization": f"Bearer {token(lid)}"})
+                       for lid in ("a", "b")]
+            await await_until(lambda: _async(len(server.app[OPEN_SOCKETS]) == 2), 30, "both sockets open")
+            cleanup = asyncio.create_task(server.runner.cleanup())
+            for ws in sockets:
+                msg = await asyncio.wait_for(ws.receive(), 30)  # no close within 30 s: the failure mode
+                assert (msg.type, msg.data, msg.extra) == (aiohttp.WSMsgType.CLOSE, 1001, "synchronizer stopping")
+            await asyncio.wait_for(cleanup, 30)
+            assert all(ws.closed for ws in [*sockets, *server.app[OPEN_SOCKETS]])
+    finally:
+        server.actor.cancel()
+        await asyncio.gather(server.actor, return_exceptions=True)
