@@ -71,15 +71,18 @@ def test_installed_tool_finds_the_recipes_outside_the_checkout(installed, elsewh
     assert run("--version").stdout.startswith("diloco-async 0.1.0")
 
 
-def test_installed_tool_trains_the_default_recipe_outside_the_checkout(installed, elsewhere):
+def test_installed_tool_trains_the_default_recipe_outside_the_checkout(installed, elsewhere, prefect_server):
     """A short `train --recipe default` (2 learners, 40k tokens: about 20 inner steps each, a few
     merges; 4 held-out batches): the claim is that it runs, merges and checkpoints from outside the
-    checkout, not how far it trains (was 200k tokens; the temporary Prefect server, the imports and
-    the final artifacts are most of what is left)."""
+    checkout, not how far it trains. It reports to the session's Prefect server: a temporary one
+    per command (10 s of start-up) is the newcomer path of test_stop and test_parent_death."""
+    from prefect.settings import PREFECT_API_URL
+
     done = subprocess.run([str(installed / "diloco-async"), "train", "--recipe", "default",
                            "--set", "budget.tokens=40000", "--set", "learners.count=2",
                            "--set", "data.eval_batches=4"],
-                          cwd=elsewhere, env=_clean_env(), capture_output=True, text=True, timeout=400)
+                          cwd=elsewhere, env={**_clean_env(), "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["merges"] > 0 and summary["eval_loss_final"] < summary["eval_loss_initial"]
