@@ -57,23 +57,20 @@ run: data
 gpu-check: data
 	PY=$(PY) scripts/gpu_check.sh
 
-## test: lint (ruff, pyproject.toml [tool.ruff]), then each tier of the suite in TEST_WORKERS processes
-##       (pytest-xdist, as many as cores): tests/unit (no process, socket or real sleep), tests/contract
-##       (in-process servers, moto S3, the GCS emulator), tests/system (real processes, Prefect, MLflow).
-##       Every tier runs even when one fails; each prints its 15 slowest tests and its time (docs/testing.md).
+## test: lint (ruff, pyproject.toml [tool.ruff]), then every tier of the suite in one pytest session of
+##       TEST_WORKERS processes (pytest-xdist, as many as cores), unit tests first: tests/unit (no
+##       process, socket or real sleep), tests/contract (in-process servers, moto S3, the GCS emulator),
+##       tests/system (real processes, Prefect, MLflow). It prints the 15 slowest tests, each tier's test
+##       seconds and the wall time (docs/testing.md). One session, not one per tier: the workers start
+##       once and the tiers' tails overlap.
 ## test-unit: the unit tier alone (about a minute), for the edit loop; test-contract, test-system likewise
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 TIERS ?= unit contract system
 PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 test: data
 	$(VENV)/bin/ruff check .
-	@failed=""; summary=""; for tier in $(TIERS); do \
-	  start=$$(date +%s); echo "== tier $$tier"; \
-	  $(PYTEST_TIER) tests/$$tier || failed="$$failed $$tier"; \
-	  summary="$$summary $$tier $$(( $$(date +%s) - start )) s;"; \
-	done; \
-	echo "== tier times:$$summary"; \
-	if [ -n "$$failed" ]; then echo "== failed tiers:$$failed" >&2; exit 1; fi
+	@start=$$(date +%s); $(PYTEST_TIER) $(addprefix tests/,$(TIERS)); rc=$$?; \
+	echo "== make test: tiers $(TIERS) in $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-unit test-contract test-system: test-%: data
 	$(PYTEST_TIER) tests/$*
