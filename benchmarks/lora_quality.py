@@ -43,7 +43,7 @@ from benchmarks.args import description, non_negative_int, positive_float, posit
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_interval
 
-__all__ = ["SeedResult", "GapStats", "gap_stats", "lora_bars", "recipe_text", "run_seed", "main"]
+__all__ = ["SeedResult", "GapStats", "gap_stats", "lora_bars", "lora_model_toml", "recipe_text", "run_seed", "main"]
 
 GOAL = 0.0  # nats: (base - fine-tuned) must be strictly above this
 FIGURE = "LoRA fine-tune: held-out loss below the base's (nats, mean over seeds)"
@@ -131,9 +131,18 @@ def lora_bars(results: list[SeedResult], on: str = "mean") -> list[Bar]:
             Bar(other_figure, other_value, GOAL, shown=True)]
 
 
-def recipe_text(root: Path, base_dir: Path, tokens: int, wall_s: float) -> str:
-    """The LoRA recipe of tests/system/test_models_system.py (its ``recipe`` with the LoRA model
-    on a saved base), with ``tokens`` as the budget; stores and logs under ``root``."""
+def lora_model_toml(base_dir: Path) -> str:
+    """The ``[model]`` lines of a LoRA fine-tune (r 8, alpha 16, q and v projections) of the HF
+    model saved in ``base_dir``, for :func:`recipe_text`."""
+    return (f'kind = "hf"\n[model.hf]\npretrained = "{base_dir}"\n'
+            '[model.lora]\nr = 8\nalpha = 16.0\ntarget_modules = ["q_proj", "v_proj"]\n')
+
+
+def recipe_text(root: Path, model: str, tokens: int, wall_s: float, learners: int = 2, extra: str = "") -> str:
+    """The recipe of tests/system/test_models_system.py's HF runs and of this benchmark: ``model``
+    (``[model]`` lines after ``context = 32``: :func:`lora_model_toml` here) with ``learners``
+    learners of batch 8, 2 fragments, H = 10, ``tokens`` and ``wall_s`` as the budget, ``extra``
+    (TOML tables) before it; stores and logs under ``root``."""
     return f"""
 [run]
 store = "file://{root}/store"
@@ -143,15 +152,9 @@ cache_dir = "{Path('data').resolve()}"
 eval_batches = 8
 [model]
 context = 32
-kind = "hf"
-[model.hf]
-pretrained = "{base_dir}"
-[model.lora]
-r = 8
-alpha = 16.0
-target_modules = ["q_proj", "v_proj"]
+{model}
 [learners]
-count = 2
+count = {learners}
 batch_size = 8
 checkpoint_every_s = 0.0
 [synchronizer]
@@ -160,6 +163,7 @@ sync_every = 10
 heartbeat_timeout_s = 10.0
 checkpoint_every_s = 5.0
 keep_checkpoints = 0
+{extra}
 [budget]
 tokens = {tokens}
 wall_s = {wall_s}
@@ -206,7 +210,7 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> SeedResult:
     t0 = time.monotonic()
     base_dir = root / "base"
     path = root / "recipe.toml"
-    path.write_text(recipe_text(root, base_dir, args.tokens, args.wall_s))
+    path.write_text(recipe_text(root, lora_model_toml(base_dir), args.tokens, args.wall_s))
     overrides = [*args.overrides, f"run.seed={seed}"]
     cfg = load_config(path, overrides)
     trained = pretrain_base(base_dir, cfg, seed, args.base_steps, args.base_hidden, args.base_layers)

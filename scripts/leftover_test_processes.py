@@ -9,12 +9,13 @@ Found processes are killed after they are named. Sessions still running are left
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
 import psutil
 
-SESSION_ENV = "DILOCO_TEST_SESSION"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from session_guard import session_processes  # noqa: E402 (the suite's own scan, from tests/)
 
 
 def _session_running(session: str) -> bool:
@@ -26,18 +27,14 @@ def _session_running(session: str) -> bool:
 
 
 def main() -> int:
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     left = []
-    for proc in psutil.process_iter(["pid", "status", "cmdline"]):
-        if proc.info["pid"] in mine or proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
+    for proc, session in session_processes(lambda value: not _session_running(value)):
         try:
-            session = proc.environ().get(SESSION_ENV)
-        except (psutil.Error, OSError):
-            continue
-        if session and not _session_running(session):
-            left.append(f"  pid {proc.pid} (session {session}): {' '.join(proc.info['cmdline'] or [])[:300]}")
+            cmdline = " ".join(proc.cmdline())[:300]
             proc.kill()
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile
+        left.append(f"  pid {proc.pid} (session {session}): {cmdline}")
     if left:
         print(f"{len(left)} process(es) started by the test suite are still alive (killed now):", *left,
               sep="\n", file=sys.stderr)

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -32,20 +33,27 @@ LEFTOVER_GRACE_S = 20.0
 _marker_key = pytest.StashKey[str]()
 
 
-def leftover_processes(marker: str) -> list[psutil.Process]:
-    """Processes other than this one and its ancestors whose environment has ``SESSION_ENV=marker``
-    (zombies left out: they hold nothing but a pid)."""
+def session_processes(wanted: Callable[[str], bool]) -> list[tuple[psutil.Process, str]]:
+    """``(process, its SESSION_ENV value)`` for every process other than this one and its ancestors
+    whose environment has a ``SESSION_ENV`` value for which ``wanted`` holds (zombies left out: they
+    hold nothing but a pid). Also used by ``scripts/leftover_test_processes.py``."""
     mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     found = []
     for proc in psutil.process_iter(["pid", "status"]):
         if proc.info["pid"] in mine or proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         try:
-            if proc.environ().get(SESSION_ENV) == marker:
-                found.append(proc)
+            value = proc.environ().get(SESSION_ENV)
         except (psutil.Error, OSError):  # gone, or not ours to read
             continue
+        if value is not None and wanted(value):
+            found.append((proc, value))
     return found
+
+
+def leftover_processes(marker: str) -> list[psutil.Process]:
+    """The processes of :func:`session_processes` started under the session ``marker``."""
+    return [proc for proc, _ in session_processes(lambda value: value == marker)]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.lora_quality import pretrain_base  # the base `make bench-lora` fine-tunes
+from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text  # as `make bench-lora`
 from diloco_async import codec as wire
 from diloco_async.auth import learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
@@ -39,31 +39,7 @@ LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 
 def recipe(tmp_path: Path, *, learners: int, tokens: int, model: str, extra: str = "") -> Path:
     path = tmp_path / "recipe.toml"
-    path.write_text(f"""
-[run]
-store = "file://{tmp_path}/store"
-workdir = "{tmp_path}/runs"
-[data]
-cache_dir = "{Path('data').resolve()}"
-eval_batches = 8
-[model]
-context = 32
-{model}
-[learners]
-count = {learners}
-batch_size = 8
-checkpoint_every_s = 0.0
-[synchronizer]
-num_fragments = 2
-sync_every = 10
-heartbeat_timeout_s = 10.0
-checkpoint_every_s = 5.0
-keep_checkpoints = 0
-{extra}
-[budget]
-tokens = {tokens}
-wall_s = 240.0
-""")
+    path.write_text(recipe_text(tmp_path, model, tokens, 240.0, learners=learners, extra=extra))
     return path
 
 
@@ -119,10 +95,8 @@ def test_lora_finetune_moves_only_the_adapter(tmp_path):
     (240k tokens: 0.022 nats at 120k on a quiet machine, 0 under load) and repeats: it is a
     benchmark's, not this test's (tests must fail only on defects)."""
     base_dir = tmp_path / "base"
-    model_toml = (f'kind = "hf"\n[model.hf]\npretrained = "{base_dir}"\n'
-                  '[model.lora]\nr = 8\nalpha = 16.0\ntarget_modules = ["q_proj", "v_proj"]\n')
     # 40k tokens: 2 learners x 10 inner steps x 8 x 32 tokens a round, about 8 rounds, >= 4 merges
-    path = recipe(tmp_path, learners=2, tokens=40_000, model=model_toml)
+    path = recipe(tmp_path, learners=2, tokens=40_000, model=lora_model_toml(base_dir))
     cfg = load_config(path)
     base_loss = pretrain_base(base_dir, cfg, seed=11, steps=20, hidden=128, layers=LLAMA["num_hidden_layers"])
     params0, plan = initial_state(cfg)

@@ -81,3 +81,23 @@ def test_a_session_whose_processes_are_stopped_passes(tmp_path):
     out = _run_session(tmp_path, TIDY)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "outlived" not in out.stdout
+
+
+def test_the_ci_check_names_and_kills_a_process_of_a_finished_session(tmp_path):
+    """scripts/leftover_test_processes.py (run by .ci/run after `make test`): a process whose
+    session's pytest is gone is named and killed, exit 1; this session's own processes are left alone."""
+    tag = _tag(tmp_path)
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # mine"])
+    orphan = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(600)  # {tag}"], start_new_session=True,
+                              env={**os.environ, "DILOCO_TEST_SESSION": f"gone-{tag}"})
+    try:
+        out = subprocess.run([sys.executable, str(TESTS.parent / "scripts" / "leftover_test_processes.py")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"pid {orphan.pid} (session gone-{tag})" in out.stderr and tag in out.stderr, out.stderr
+        assert orphan.wait(timeout=60) == -9
+        assert mine.poll() is None  # this session's pytest is alive: its processes are not the check's
+    finally:
+        for proc in (mine, orphan):
+            proc.kill()
+            proc.wait()

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from benchmarks.bars import print_bars
-from benchmarks.lora_quality import FIGURE, LOWER_FIGURE, SeedResult, gap_stats, lora_bars, recipe_text
+from benchmarks.lora_quality import FIGURE, LOWER_FIGURE, SeedResult, gap_stats, lora_bars, lora_model_toml, recipe_text
 
 
 def _seeds(*gaps: float, base: float = 2.5) -> list[SeedResult]:
@@ -85,7 +85,7 @@ def test_a_seed_stopped_before_its_token_budget_leaves_the_figure_unmeasured():
 def test_the_recipe_is_the_system_tests_lora_recipe_with_the_budget(tmp_path):
     import tomllib
 
-    doc = tomllib.loads(recipe_text(tmp_path, tmp_path / "base", 123_000, 900.0))
+    doc = tomllib.loads(recipe_text(tmp_path, lora_model_toml(tmp_path / "base"), 123_000, 900.0))
     assert doc["model"]["hf"] == {"pretrained": str(tmp_path / "base")}
     assert doc["model"]["lora"] == {"r": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
     assert (doc["learners"]["count"], doc["learners"]["batch_size"], doc["model"]["context"]) == (2, 8, 32)
