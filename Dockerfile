@@ -3,7 +3,7 @@
 #   docker build -t diloco-async:0.1.0 .
 #   docker run --rm diloco-async:0.1.0 diloco-async validate default
 # Built here? No: the machines this project is tested on have no container daemon;
-# tests/unit/test_container.py checks what can be checked without one (README "Container images").
+# tests/unit/test_container.py checks what can be checked without one (docs/deployments.md "Container images").
 #
 # Base pinned to the Python of the tested environment (3.11.7). For a reproducible registry
 # build pin its digest too: FROM python:3.11.7-slim-bookworm@sha256:<digest>
@@ -42,5 +42,5 @@ RUN pip install --no-deps . \
 USER 10001:10001
 # No ENTRYPOINT: a Prefect Kubernetes or ECS worker replaces the command with its own
 # (`prefect flow-run execute`), and a process started by hand names its own:
-#   python -m diloco_async.server ... / python -m diloco_async.learner ... (README "Running across machines by hand")
+#   python -m diloco_async.server ... / python -m diloco_async.learner ... (docs/deployments.md "Running across machines by hand")
 CMD ["diloco-async", "--help"]

@@ -1,4 +1,4 @@
-"""How soon the prompt is back after Ctrl-C ("Ctrl-C stops a run cleanly within seconds", README; the
+"""How soon the prompt is back after Ctrl-C ("Ctrl-C stops a run cleanly within seconds", docs/running.md; the
 bound is 10 s), measured over repeats. ``make bench-kill`` runs it after the kill matrix (benchmarks/kill_matrix.py,
 ``--ctrl-c-repeats``); ``python -m benchmarks.ctrl_c`` runs it alone.
 

@@ -62,7 +62,7 @@ class RunConfig(_Section):
         description="How the train flow starts learners: 'local' runs each as a subprocess of the flow run (the "
         "embedded default); 'deployments' creates one flow run of the Prefect deployment "
         "`learner_deployment` per learner, on its region's work pool (needs a Prefect server, workers and "
-        "`prefect deploy`, see README).",
+        "`prefect deploy`, see docs/deployments.md).",
     )
     regions: list[str] = Field(
         default_factory=lambda: ["region-a", "region-b"],

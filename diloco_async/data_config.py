@@ -47,7 +47,7 @@ def parse_tokenizer_spec(spec: str) -> tuple[Literal["bytes", "bpe", "file"], in
 
 
 class DataConfig(BaseModel):
-    """Corpus, format, tokenizer and held-out split of a run (README "Your own data")."""
+    """Corpus, format, tokenizer and held-out split of a run (docs/data-and-models.md "Your own data")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 

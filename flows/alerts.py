@@ -14,13 +14,15 @@ internal receiver) with the placeholders ``{{subject}}`` and ``{{body}}``.
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 __all__ = ["DEFAULT_BLOCK_NAME", "DEFAULT_AUTOMATION_NAME", "DEFAULT_FLOWS", "DEFAULT_PAYLOAD", "Installed",
-           "install_alerts", "alert_body", "api_url"]
+           "install_alerts", "alert_body", "api_url", "add_alerts_parser"]
 
 DEFAULT_BLOCK_NAME = "diloco-async-alerts"
 DEFAULT_AUTOMATION_NAME = "diloco-async: train or resume failed"
@@ -116,3 +118,20 @@ def install_alerts(webhook_url: str, *, flows: tuple[str, ...] = DEFAULT_FLOWS,
         for other in extra:
             client.delete_automation(other.id)
         return Installed(block_id, keep.id, False)
+
+
+def add_alerts_parser(sub, handler: Callable[[argparse.Namespace], int]) -> None:
+    """The ``alerts`` subcommand of ``diloco-async`` (its arguments; ``handler`` runs it)."""
+    p_alerts = sub.add_parser("alerts", help="notify a webhook (Slack, Teams, ...) when a `train` or `resume` "
+                                             "run fails or crashes (a Prefect automation; idempotent)")
+    p_alerts.add_argument("--webhook", required=True, metavar="URL", help="http(s) URL the notification is POSTed to")
+    p_alerts.add_argument("--flows", default=",".join(DEFAULT_FLOWS),
+                          help="comma-separated flow names (default: %(default)s)")
+    p_alerts.add_argument("--name", default=DEFAULT_AUTOMATION_NAME,
+                          help="the automation's name; one of that name is updated (default: %(default)s)")
+    p_alerts.add_argument("--block-name", default=DEFAULT_BLOCK_NAME,
+                          help="the Custom Webhook notification block's name (default: %(default)s)")
+    p_alerts.add_argument("--payload", default=None, metavar="JSON",
+                          help='JSON body with {{subject}} and {{body}} placeholders (default: {"text": '
+                               '"{{subject}}\\n{{body}}"}, what Slack, Mattermost and Teams webhooks take)')
+    p_alerts.set_defaults(func=handler)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flows.alerts import add_alerts_parser  # constants and argparse only: Prefect is imported when it runs
 from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 # Quiet, project-local defaults for the embedded Prefect server and MLflow (as the Makefile's); set ones win.
 _ENV_DEFAULTS = {
@@ -368,30 +369,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _add_alerts_parser(sub) -> None:
-    from flows import alerts  # constants only; Prefect is imported when the command runs
-
-    p_alerts = sub.add_parser("alerts", help="notify a webhook (Slack, Teams, ...) when a `train` or `resume` "
-                                             "run fails or crashes (a Prefect automation; idempotent)")
-    p_alerts.add_argument("--webhook", required=True, metavar="URL", help="http(s) URL the notification is POSTed to")
-    p_alerts.add_argument("--flows", default=",".join(alerts.DEFAULT_FLOWS),
-                          help="comma-separated flow names (default: %(default)s)")
-    p_alerts.add_argument("--name", default=alerts.DEFAULT_AUTOMATION_NAME,
-                          help="the automation's name; one of that name is updated (default: %(default)s)")
-    p_alerts.add_argument("--block-name", default=alerts.DEFAULT_BLOCK_NAME,
-                          help="the Custom Webhook notification block's name (default: %(default)s)")
-    p_alerts.add_argument("--payload", default=None, metavar="JSON",
-                          help='JSON body with {{subject}} and {{body}} placeholders (default: {"text": '
-                               '"{{subject}}\\n{{body}}"}, what Slack, Mattermost and Teams webhooks take)')
-    p_alerts.set_defaults(func=_alerts)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    _set_environment_defaults()
-    # `simulate` owns its own flags; hand the rest of the line to it untouched.
-    if argv and argv[0] == "simulate":
-        return _simulate(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser (imports no flow); ``simulate`` parses its own flags (:func:`main`)."""
     parser = argparse.ArgumentParser(prog="diloco-async", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -438,11 +417,20 @@ def main(argv: list[str] | None = None) -> int:
     p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")
     p_token.set_defaults(func=_token)
-    _add_alerts_parser(sub)
+    add_alerts_parser(sub, _alerts)
     from flows.ablate_cli import add_ablate_parser  # argparse only; the flow is imported when it runs
     add_ablate_parser(sub, _run_flow, _weak_secret)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _set_environment_defaults()
+    # `simulate` owns its own flags; hand the rest of the line to it untouched.
+    if argv and argv[0] == "simulate":
+        return _simulate(argv[1:])
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -108,7 +108,7 @@ def test_recipes_resolve_by_name_and_list_with_descriptions(capsys):
     # one entry per recipe, each with its whole leading comment block, not only its first line
     assert [line.split()[0] for line in out.splitlines() if line and not line[0].isspace()] == sorted(names)
     flat = " ".join(out.split())
-    assert 'README.md "Config reference" explains each one.' in flat  # the 5th comment line of default.toml
+    assert 'docs/config.md "Config reference" explains each one.' in flat  # the 4th comment line of default.toml
     assert "the final artifact is the adapter plus LOADING.md" in flat  # lora-finetune, lines 3 and 4
     # a command example is kept on a line of its own, not reflowed into the prose
     assert any(line.strip() == "cp -r <that folder> .local/pretrained/llama-cpu" for line in out.splitlines())
