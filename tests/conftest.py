@@ -67,6 +67,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # `--dist loadgroup` keeps such a module on one worker: its fixture is set up once
         if config.pluginmanager.hasplugin("xdist") and _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    items.sort(key=_run_order)  # stable: a module's tests keep their order
+
+
+#: the system modules with the longest tests (30-50 s each on the 2-core machine), started first so
+#: that the session does not end on one worker running one of them while the other has nothing left
+SLOW_FIRST = ("test_deployments", "test_chaos", "test_wan_cli", "test_ablate", "test_install", "test_models_system",
+              "test_stop", "test_flow", "test_ui", "test_parent_death", "test_poison")
+
+
+def _run_order(item: pytest.Item) -> tuple[int, int]:
+    """Unit tests first, then contract, then system tests, the :data:`SLOW_FIRST` modules first among them."""
+    tier = tier_of(item.path)
+    stem = item.path.stem
+    slow = SLOW_FIRST.index(stem) if tier == "system" and stem in SLOW_FIRST else len(SLOW_FIRST)
+    return TIERS.index(tier), slow
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:

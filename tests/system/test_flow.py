@@ -138,11 +138,11 @@ def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):
     first = train(config="configs/default.toml", overrides=[
         f"run.store=file://{tmp_path}/store", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
         "model.context=32", "learners.count=2", "learners.batch_size=8", "synchronizer.num_fragments=3",
-        "synchronizer.sync_every=12", "synchronizer.checkpoint_every_s=5", "budget.tokens=30000",
+        "synchronizer.sync_every=12", "synchronizer.checkpoint_every_s=5", "budget.tokens=15000",
         "budget.wall_s=120", "data.eval_batches=4", *common])
-    # 30k tokens, then 20k more than the first leg processed (learners of this tiny model outrun the
-    # budget by up to 2x before they hear the stop, so a fixed 60k could already be spent): each leg
-    # ~40 inner steps a learner or more, merges of every fragment; the claim is the continuation
+    # 15k tokens, then 20k more than the first leg processed (learners of this tiny model outrun the
+    # budget by up to 2x before they hear the stop, so a fixed budget could already be spent): each leg
+    # ~30 inner steps a learner or more, merges of every fragment; the claim is the continuation
     # (same run ids, versions and merges go on), not the loss
     more = first["tokens_processed"] + 20_000
     again = resume(checkpoint_url=f"file://{tmp_path}/store/{first['run_id']}",
