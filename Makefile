@@ -61,8 +61,9 @@ gpu-check: data
 ##       TEST_WORKERS processes (pytest-xdist, as many as cores), unit tests first: tests/unit (no
 ##       process, socket or real sleep), tests/contract (in-process servers, moto S3, the GCS emulator),
 ##       tests/system (real processes, Prefect, MLflow). It prints the 15 slowest tests, each tier's test
-##       seconds and the wall time (docs/testing.md). One session, not one per tier: the workers start
-##       once and the tiers' tails overlap.
+##       seconds and the wall time (docs/testing.md; about 10 minutes on 2 cores). One session, not one
+##       per tier: the workers start once and the tiers' tails overlap; the longest system modules
+##       start first. TIERS="unit contract" runs some tiers only.
 ## test-unit: the unit tier alone (about a minute), for the edit loop; test-contract, test-system likewise
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 TIERS ?= unit contract system
