@@ -3,7 +3,7 @@
 Part of :mod:`diloco_async.codec` (which calls these first and runs its torch code when they
 return None). The C code computes the same bits as the torch code: the same float32 divisions
 and multiplications, round half to even, the same packing. It is used when the kernels are built
-(:mod:`diloco_async.native_build`, once per process; ``DILOCO_NATIVE=0`` turns it off) and the
+(:mod:`diloco_async.kernels.build`, once per process; ``DILOCO_NATIVE=0`` turns it off) and the
 input is a contiguous float32 CPU tensor. A tensor with a NaN, an Inf or a subnormal block scale
 goes to the torch code, which treats those blocks as the reference does.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from diloco_async import native_build
+from diloco_async.kernels import build as native_build
 
 __all__ = ["SOURCE", "quantize_packed", "dequantize_packed", "available"]
 
 #: the C source of these kernels, shipped in the package
-SOURCE = Path(__file__).with_name("codec_kernels.c")
+SOURCE = Path(native_build.__file__).with_name("codec_kernels.c")
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _lib: list = []  # [the typed library or None], set on first use
 _BITS = {127: 8, 7: 4, 1: 2}  # qmax → bits per value on the wire

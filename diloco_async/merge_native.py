@@ -3,7 +3,7 @@
 Part of :mod:`diloco_async.merge`. Each function here computes exactly what the torch code beside
 its call computes (the same float32 operations in the same order, ``merge_kernels.c``), in one
 pass over memory instead of one per torch op. They are used only when :func:`usable` says so:
-the kernels are built (:mod:`diloco_async.native_build`, the only I/O, once per process), torch
+the kernels are built (:mod:`diloco_async.kernels.build`, the only I/O, once per process), torch
 runs its AVX2 or AVX512 kernels (whose rounding the C code matches: fused multiply-adds where
 torch uses them) and every tensor is a contiguous float32 CPU tensor; otherwise the callers run
 their torch code. Pure apart from that one-time build.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from diloco_async import native_build
+from diloco_async.kernels import build as native_build
 
 __all__ = ["usable", "norm_lanes", "accumulate", "anchor_into", "outer_step", "STEP_OK", "STEP_BAD_GRAD",
            "STEP_NOT_FINITE"]

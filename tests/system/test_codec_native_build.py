@@ -1,4 +1,4 @@
-"""The codecs' C kernels (diloco_async/codec_kernels.c) with a compiler that fails: the torch code is
+"""The codecs' C kernels (diloco_async/kernels/codec_kernels.c) with a compiler that fails: the torch code is
 used, with the reason logged (the kernels' bytes are tests/unit/test_codec_native.py's)."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from test_codec_native import _bits  # noqa: F401, F811 (shared with unit/test_codec_native.py; fixtures among them)
 
-from diloco_async import codec, codec_native, native_build
+from diloco_async import codec, codec_native
+from diloco_async.kernels import build as native_build
 
 
 def test_a_broken_compiler_falls_back_to_the_torch_code_with_a_reason(tmp_path, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""The fused merge kernels' build in real compiler processes (diloco_async/merge_kernels.c, DESIGN §4.5c):
+"""The fused merge kernels' build in real compiler processes (diloco_async/kernels/merge_kernels.c, DESIGN §4.5c):
 the fallback to the torch code, with its logged reason, when the compiler is broken or the cache
 unwritable, and concurrent builds into one cache directory from several processes. The kernels'
 bits against the torch code are tests/unit/test_merge_native.py's."""
@@ -16,7 +16,8 @@ import torch
 from test_merge_native import _bits, _same, native  # noqa: F401, F811 (shared with unit/test_merge_native.py; fixtures among them)
 
 import diloco_async.merge as merge
-from diloco_async import merge_native, native_build
+from diloco_async import merge_native
+from diloco_async.kernels import build as native_build
 from tests import merge_reference as ref
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,8 @@ def test_fallback_with_a_logged_reason(how, monkeypatch, tmp_path, caplog):
 
 _BUILDER = """
 import torch
-from diloco_async import merge_native, native_build
+from diloco_async import merge_native
+from diloco_async.kernels import build as native_build
 ok = merge_native.usable()
 ones = torch.ones(5)
 out = merge_native.anchor_into(torch.empty(5), 3 * ones, ones, ones / 2) if ok else None

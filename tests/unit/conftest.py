@@ -17,6 +17,22 @@ platform.processor()  # cached by the platform module; MLflow asks on import, th
 # urllib3.util.connection binds a socket to [::1] on import to learn whether IPv6 works (imported above)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels_built():
+    """Builds the C kernels (a compiler process) once, before the guard watches: on a machine whose
+    cache is empty the first unit test that quantizes or merges would otherwise start the compiler.
+    A machine without a compiler keeps the torch code, as in production."""
+    from diloco_async import codec_native
+    from diloco_async.kernels import build
+
+    for source in (build.SOURCE, codec_native.SOURCE):
+        try:
+            build.build(source)
+        except (OSError, RuntimeError):  # BuildError included: no compiler, a failed build
+            pass
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _unit_tier_guard():
     with tier_guard.watch(enforce=True) as seen:

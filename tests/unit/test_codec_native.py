@@ -1,4 +1,4 @@
-"""The int8/int4/int2 codecs' C kernels (diloco_async/codec_kernels.c): used where they can be,
+"""The int8/int4/int2 codecs' C kernels (diloco_async/kernels/codec_kernels.c): used where they can be,
 the same bytes and values as the torch code, and the torch code where they cannot be
 (tests/test_codec_equivalence.py checks both against the frozen reference)."""
 
@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from diloco_async import codec, codec_native, native_build
+from diloco_async import codec, codec_native
+from diloco_async.kernels import build as native_build
 
 CODECS = ("int8", "int4", "int2")
 

@@ -1,4 +1,4 @@
-"""The fused C kernels of the merge (diloco_async/merge_kernels.c, DESIGN §4.5c) against the torch
+"""The fused C kernels of the merge (diloco_async/kernels/merge_kernels.c, DESIGN §4.5c) against the torch
 code they replace, forced with ``merge_native``'s library set to None: the same bits (compared as
 integers, so NaNs and signed zeros count) on random and adversarial float32 inputs of odd sizes,
 including NaN/Inf and the errors they raise; the fallback when the compiler is missing or broken
@@ -15,7 +15,8 @@ import torch
 
 import diloco_async.merge as merge
 import diloco_async.merge_buffers as buffers
-from diloco_async import merge_native, native_build
+from diloco_async import merge_native
+from diloco_async.kernels import build as native_build
 
 SPECIALS = [0.0, -0.0, 1e-45, -1e-45, 1.2e-38, -3e-39, 3e38, -3e38, 1.0, -1.0, 1e-20, 7e19]
 
