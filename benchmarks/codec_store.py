@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.args import description
 from benchmarks.bars import Bar, print_bars
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from storage.store import ObjectStore
 
 __all__ = ["bars", "main", "bench_codecs", "bench_store"]

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import torch
 
-from diloco_async import codec as wire
 from diloco_async.auth import learner_token
 from diloco_async.client import ChannelClosed, ProtocolError, RequestChannel
+from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
 from storage import keys
 from storage.store import ObjectStore

@@ -18,7 +18,7 @@ cycle (Δ, and an adoption) run on the training thread.
 
 A :class:`BaseFile` is a read-only ``Mapping[str, Tensor]`` (each lookup reads the file), so
 code written for dicts of tensors (:func:`~diloco_async.learner.rules.outer_gradient`,
-:func:`~diloco_async.version_codec.apply_decoded`) takes it as it is. Its file is deleted when
+:func:`~diloco_async.codec.versions.apply_decoded`) takes it as it is. Its file is deleted when
 the last reference to it goes (an adopted version replaces the previous one).
 
 A learner whose parameters live on an accelerator keeps its base copies in RAM instead

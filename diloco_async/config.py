@@ -185,7 +185,7 @@ class SynchronizerConfig(_Section):
     max_staleness: int = Field(4, ge=0, description="S, versions kept; older bases are rejected.")
     merge: Literal["rda", "mean"] = Field("rda", description="Merge of outer gradients (DESIGN §4.4).")
     download_codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field(
-        "fp32", description="Codec of the published versions learners download (diloco_async/version_codec.py); "
+        "fp32", description="Codec of the published versions learners download (diloco_async/codec/versions.py); "
         "fp32: the master value itself, else learners adopt (and merges anchor on) its compressed published value.")
     download_mode: Literal["delta", "whole"] = Field(
         "delta", description="Compressed versions travel as version-to-version deltas with error feedback, or "

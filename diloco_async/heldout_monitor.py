@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
 from diloco_async.model import evaluate_loss
 from diloco_async.models import trainable_parameters

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from diloco_async.codec import CODECS
+from diloco_async.codec.wire import CODECS
 
 __all__ = [
     "CompactInfo",
@@ -62,7 +62,7 @@ class _Msg(BaseModel):
 
 class CompactInfo(_Msg):
     """A compressed form of a published version (``synchronizer.download_codec``,
-    :mod:`diloco_async.version_codec`): the payload's object, its codec and mode, the version a
+    :mod:`diloco_async.codec.versions`): the payload's object, its codec and mode, the version a
     delta applies to (None: whole) and the sha256 of the published value it rebuilds."""
 
     key: Key

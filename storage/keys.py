@@ -114,7 +114,7 @@ def compact_prefix(run_id: str) -> str:
 
 
 def compact_key(run_id: str, fragment: int, version: int, codec: str, mode: str) -> str:
-    """The compact payload of ``version`` of ``fragment`` (:mod:`diloco_async.version_codec`)."""
+    """The compact payload of ``version`` of ``fragment`` (:mod:`diloco_async.codec.versions`)."""
     return f"{compact_prefix(run_id)}/p{fragment:03d}/v{version:08d}.{mode}-{codec}.safetensors"
 
 

@@ -18,9 +18,9 @@ from collections import Counter, deque
 import aiohttp
 import torch
 
-from diloco_async import codec as wire
 from diloco_async.auth import learner_token
 from diloco_async.client import ProtocolError, SyncClient
+from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
 from storage import keys
 from storage.store import ObjectStore, object_digest

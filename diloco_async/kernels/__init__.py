@@ -2,6 +2,6 @@
 
 :mod:`~diloco_async.kernels.build` compiles a source with the system compiler into a per-user
 cache and loads it with ``ctypes``; the merge (:mod:`diloco_async.merge.native`) and the codecs
-(:mod:`diloco_async.codec.native`) fall back to their torch code, bit for bit the same, when it
+(:mod:`diloco_async.codec.wire.native`) fall back to their torch code, bit for bit the same, when it
 cannot.
 """

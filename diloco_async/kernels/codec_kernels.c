@@ -1,6 +1,6 @@
 /* Blockwise absmax quantization of the int8/int4/int2 wire codecs, one pass each way (DESIGN §6).
  *
- * Loaded by diloco_async/codec_native.py through ctypes; built by diloco_async/kernels/build.py
+ * Loaded by diloco_async/codec/native.py through ctypes; built by diloco_async/kernels/build.py
  * with -ffp-contract=off and without fast-math, so every float operation below rounds as written.
  * The bits are those of the torch code in codec_blocks.py / codec.py / codec_int2.py:
  *

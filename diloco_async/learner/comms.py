@@ -22,9 +22,9 @@ import time
 import aiohttp
 import torch
 
-from diloco_async import version_codec
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError, SyncClient
+from diloco_async.codec import versions as version_codec
 from diloco_async.config import Config
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
@@ -106,7 +106,7 @@ class Comms:
     def fetch_version(self, v: VersionInfo) -> BaseFile | HeldBase:
         """Download and decode a published version (blocking; verifies size and sha256): its
         compact form when there is one this learner can rebuild exactly (a whole one, or a delta
-        from the version it holds; :mod:`diloco_async.version_codec`), else the fp32 value
+        from the version it holds; :mod:`diloco_async.codec.versions`), else the fp32 value
         streamed into tensors allocated once (:func:`diloco_async.versions.read_version`). Either
         way the result is the synchronizer's published value bit for bit, kept in a local file
         (:class:`~diloco_async.base_file.BaseFile`), not in RAM, unless ``base_in_ram``

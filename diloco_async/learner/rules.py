@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 
 __all__ = ["ADOPT_RULES", "Progress", "outer_gradient", "adopt", "progress_after_adopt"]
 
@@ -74,7 +74,7 @@ def _to(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def encoded_outer_gradient(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                            codec: str) -> dict[str, torch.Tensor]:
-    """:func:`outer_gradient` encoded in ``codec`` (:func:`diloco_async.codec.encode`), one tensor
+    """:func:`outer_gradient` encoded in ``codec`` (:func:`diloco_async.codec.wire.encode`), one tensor
     at a time: only one tensor's fp32 Δ exists at once, not the fragment's. Same bytes as
     encoding :func:`outer_gradient`'s result (encoding is per tensor).
 

@@ -18,8 +18,8 @@ import time
 
 import aiohttp
 
-from diloco_async import codec as wire
 from diloco_async.client import SyncClient
+from diloco_async.codec import wire
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.messages import AnnouncementAck

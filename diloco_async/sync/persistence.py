@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.config import Config, apply_overrides, config_differences, config_hash, load_config
 from diloco_async.policy import budget_spent_at_checkpoint
 from diloco_async.sync.state import FragmentState
@@ -250,7 +250,7 @@ def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dic
         for name in f.names:
             tensors[tensor_key(f.p, "param", name)] = f.current[name]
             tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
-            if f.published is not f.current:  # compressed downloads (diloco_async/version_codec.py)
+            if f.published is not f.current:  # compressed downloads (diloco_async/codec/versions.py)
                 tensors[tensor_key(f.p, "published", name)] = f.published[name]
     open_round = {p: n for (p, n) in sync.rounds}
     ledgers, learners = sync.registry.to_manifest(sync.clock())

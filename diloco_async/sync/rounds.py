@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import fragment_offset
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard

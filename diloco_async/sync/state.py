@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
-from diloco_async.codec_held import EncodedTensors
+from diloco_async.codec.held import EncodedTensors
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer, make_outer_optimizer
@@ -117,7 +117,7 @@ class FragmentState:
     sync_ema: Ema  # seconds of fetch + merge + publish
     embedding_names: list[str] = field(default_factory=list)  # of this fragment, merged with the mean
     # Θ^pub of ``version``: what learners adopt and merges anchor on; ``current`` itself unless
-    # downloads are compressed (diloco_async/version_codec.py), then the master value minus its residual
+    # downloads are compressed (diloco_async/codec/versions.py), then the master value minus its residual
     published: dict[str, torch.Tensor] = field(default_factory=dict)
     compact: CompactInfo | None = None  # the compact form of ``version`` (None: download it whole, fp32)
     next_round: int = 1

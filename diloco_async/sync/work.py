@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from diloco_async import codec as wire
-from diloco_async import version_codec
-from diloco_async.codec_held import EncodedTensors, load_encoded
+from diloco_async.codec import versions as version_codec
+from diloco_async.codec import wire
+from diloco_async.codec.held import EncodedTensors, load_encoded
 from diloco_async.guard import (
     direction_factor,
     leave_one_out_cosines,
@@ -100,7 +100,7 @@ def _fp32_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes
 def publish_compact(store: ObjectStore, run_id: str, f: FragmentState, v: int, encoded: dict[str, torch.Tensor],
                     published: dict[str, torch.Tensor], download: tuple[str, str, int]) -> CompactInfo:
     """Publish the compact form of version ``v`` of ``f`` (after ``f.version``), whose published
-    value is ``published`` (:mod:`diloco_async.version_codec`).
+    value is ``published`` (:mod:`diloco_async.codec.versions`).
 
     Raises:
         FileExistsError: that payload was already published.
@@ -146,13 +146,13 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
     finite), so that the merge need not read Δ once more for them (``AnchoredDelta(norms=...)``).
     The guard's value is that float32 norm, or the float64 one where float32 overflows. It is
     decoded once here for the checks and the norms; what is kept
-    for the merge is the payload as encoded (:class:`~diloco_async.codec_held.EncodedTensors`, decoded
+    for the merge is the payload as encoded (:class:`~diloco_async.codec.held.EncodedTensors`, decoded
     again by the merge), or with ``codec`` fp32 the decoded tensors (name -> fp32 tensor of the
     fragment's shapes), so that a contribution waiting for its merge holds the codec's bytes,
     not fp32's.
 
     The header is checked against the announced codec, the configured ``block_size`` and the
-    expected tensors before anything is decoded (:func:`~diloco_async.codec.check_header`).
+    expected tensors before anything is decoded (:func:`~diloco_async.codec.wire.check_header`).
 
     Raises:
         IntegrityError: size or sha256 differ from the announcement.
@@ -306,7 +306,7 @@ def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, t
              lease_epoch: int, download: tuple[str, str, int],
              ) -> tuple[int, ObjectRef, dict[str, torch.Tensor], CompactInfo | None]:
     """Publish the master value ``new``: (version, ref, published value, compact form). With
-    compressed downloads the published value is Θ^pub (:mod:`diloco_async.version_codec`), put
+    compressed downloads the published value is Θ^pub (:mod:`diloco_async.codec.versions`), put
     whole in fp32 and as its compact payload; else ``new`` itself, with no compact form."""
     if download[0] == "fp32":
         version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=round_n)

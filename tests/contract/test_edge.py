@@ -20,7 +20,7 @@ import torch
 from test_sync_status_board import actor_passes
 from test_synchronizer import AUTH, LEARNERS, running, small_config
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
 from storage import keys
 

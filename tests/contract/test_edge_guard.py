@@ -20,7 +20,7 @@ from test_edge import STEP, announcement, fragment_delta, join_and_step, post, s
 from test_sync_status_board import actor_passes
 from test_synchronizer import LEARNERS, published, running, small_config
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
 from diloco_async.sync.state import Verified
 from storage import keys

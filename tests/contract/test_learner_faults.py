@@ -12,8 +12,8 @@ import json
 import threading
 import uuid
 
-from diloco_async import codec as wire
 from diloco_async.auth import learner_token
+from diloco_async.codec import wire
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner

@@ -17,7 +17,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge import OuterOptimizer, merge_outer_gradients

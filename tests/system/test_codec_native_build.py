@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from test_codec_native import _bits  # noqa: F401, F811 (shared with unit/test_codec_native.py; fixtures among them)
 
-from diloco_async import codec, codec_native
+from diloco_async.codec import native as codec_native
+from diloco_async.codec import wire as codec
 from diloco_async.kernels import build as native_build
 
 

@@ -31,8 +31,8 @@ from test_learner_faults import serve_in_process, stop_in_process
 from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess, any_store, one_checkpoint  # noqa: F401, F811 (fixture)
 from test_storage_contract import BACKENDS, open_store
 
-from diloco_async import codec as wire
 from diloco_async.client import TOKEN_ENV, request_checkpoint
+from diloco_async.codec import wire
 from diloco_async.config import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner

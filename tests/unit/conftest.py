@@ -22,7 +22,7 @@ def _native_kernels_built():
     """Builds the C kernels (a compiler process) once, before the guard watches: on a machine whose
     cache is empty the first unit test that quantizes or merges would otherwise start the compiler.
     A machine without a compiler keeps the torch code, as in production."""
-    from diloco_async import codec_native
+    from diloco_async.codec import native as codec_native
     from diloco_async.kernels import build
 
     for source in (build.SOURCE, codec_native.SOURCE):

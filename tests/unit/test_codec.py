@@ -8,7 +8,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_async.codec import (
+from diloco_async.codec.wire import (
     CODECS,
     SCALE_SUFFIX,
     decode,
@@ -215,7 +215,7 @@ def test_truncated_and_corrupted_bytes(codec):
 def test_held_payload_decodes_as_the_bytes_do_one_tensor_at_a_time(codec):
     """EncodedTensors (what the synchronizer keeps until a merge) decodes to decode_from_bytes's
     tensors bit for bit, whole or one tensor at a time, and refuses an entry not in the specs."""
-    from diloco_async.codec_held import load_encoded
+    from diloco_async.codec.held import load_encoded
 
     gen = torch.Generator().manual_seed(5)
     tensors = {"a": torch.randn(37, 5, generator=gen), "b": torch.randn(300, generator=gen)}

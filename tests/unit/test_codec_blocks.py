@@ -1,4 +1,4 @@
-"""The fast paths of diloco_async/codec_blocks.py give the frozen reference's bits (issue 17, item 4)
+"""The fast paths of diloco_async/codec/blocks.py give the frozen reference's bits (issue 17, item 4)
 where they are most likely to drift: the int32 absmax with several NaN payloads in one block, and
 the rounding by ``M + x / scale`` at every tie of the int8 range."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_async import codec_blocks
+from diloco_async.codec import blocks as codec_blocks
 from tests import codec_reference as ref
 
 
@@ -69,7 +69,7 @@ def test_several_steps_give_the_reference_bits(qmax, chunk_elems, special, monke
 
 @pytest.mark.parametrize("extra", [0, 1, 2, 3])
 def test_int2_levels_table_gives_every_byte_the_arithmetic_unpacking(extra):
-    from diloco_async import codec_int2
+    from diloco_async.codec import int2 as codec_int2
 
     packed = torch.cat([torch.arange(256, dtype=torch.uint8), torch.tensor([0b10_01_11_00], dtype=torch.uint8)])
     n = 4 * 256 + extra  # every byte value whole, then a short last byte of ``extra`` values

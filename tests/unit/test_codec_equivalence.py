@@ -11,7 +11,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_async import codec, codec_int2
+from diloco_async.codec import int2 as codec_int2
+from diloco_async.codec import wire as codec
 from tests import codec_reference as ref
 
 BLOCK_SIZES = [1, 2, 3, 5, 64, 1000]

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from diloco_async import codec, codec_native
+from diloco_async.codec import native as codec_native
+from diloco_async.codec import wire as codec
 from diloco_async.kernels import build as native_build
 
 CODECS = ("int8", "int4", "int2")

@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from diloco_async.config import load_config
 from diloco_async.config_guard import GuardConfig
 from diloco_async.guard import (

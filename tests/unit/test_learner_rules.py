@@ -164,7 +164,7 @@ def test_workload_from_config_steps_its_shard():
 def test_outer_gradient_encoded_tensor_by_tensor_is_the_same_payload(codec):
     """A learner that answers several rounds at one step encodes each Δ as it takes it, one
     tensor at a time: the synchronizer decodes exactly what the whole-fragment path sends."""
-    from diloco_async import codec as wire
+    from diloco_async.codec import wire
     from diloco_async.learner.rules import encoded_outer_gradient
 
     gen = torch.Generator().manual_seed(3)
@@ -186,7 +186,7 @@ def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
     """The training thread queues the fp32 Δ when the upload queue is empty (the comms thread
     encodes it off the training thread), and encodes it itself when an upload already waits:
     a late learner answering several rounds at one step queues no pile of fp32 outer gradients."""
-    from diloco_async import codec as wire
+    from diloco_async.codec import wire
     from diloco_async.learner.state import Shared
     from diloco_async.learner.training import InnerLoop
     from diloco_async.models import plan_of

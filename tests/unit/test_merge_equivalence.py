@@ -193,7 +193,7 @@ def test_published_version_bytes_equal_the_codec_encoding():
     """Publishing serializes the new value straight from the optimizer's tensors: the same header
     (as JSON: safetensors writes the metadata in hash order) and data bytes as
     codec.encode_to_bytes (fp32), which every reader decodes."""
-    from diloco_async import codec
+    from diloco_async.codec import wire as codec
     from diloco_async.sync.work import _fp32_bytes
 
     gen = torch.Generator().manual_seed(5)

@@ -213,8 +213,8 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
     decoded tensors, and the held payload is left as it was for a retry. The float32 norms the
     verification returns are exactly the merge's, and merging with them (as the synchronizer does)
     gives the same version as computing them again."""
-    from diloco_async import codec as wire
-    from diloco_async.codec_held import EncodedTensors
+    from diloco_async.codec import wire
+    from diloco_async.codec.held import EncodedTensors
     from diloco_async.sync.work import fetch_and_verify
     from storage.store import ObjectRef
 

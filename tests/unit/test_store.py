@@ -344,7 +344,7 @@ def test_local_read_left_hanging_cannot_change_what_get_returned(tmp_path, monke
 
 
 def test_gc_collects_compact_versions_as_their_versions(store):
-    """Compressed-download payloads (``compact/p/v...``, diloco_async/version_codec.py) go with the
+    """Compressed-download payloads (``compact/p/v...``, diloco_async/codec/versions.py) go with the
     versions: the ones below a fragment's floor are deleted, the others kept."""
     _run_layout(store)
     for p in (0, 1):

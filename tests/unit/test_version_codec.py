@@ -1,4 +1,4 @@
-"""Download codecs (diloco_async/version_codec.py, issue 13 item 3): the same contract as the
+"""Download codecs (diloco_async/codec/versions.py, issue 13 item 3): the same contract as the
 upload codecs (round-trip bounds, header checks, corrupted / wrong-shape / NaN payloads rejected
 with a reason), and exactness: what a learner rebuilds from a payload in a real fsspec store is
 the synchronizer's published value bit for bit."""
@@ -12,8 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_async.codec import PayloadError
-from diloco_async.version_codec import (
+from diloco_async.codec.versions import (
     DOWNLOAD_CODECS,
     DOWNLOAD_MODES,
     compact_bytes,
@@ -21,6 +20,7 @@ from diloco_async.version_codec import (
     published_digest,
     read_compact,
 )
+from diloco_async.codec.wire import PayloadError
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 SHAPES = {"w": (7, 19), "b": (64,), "s": (), "odd": (3,)}

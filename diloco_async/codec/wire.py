@@ -19,7 +19,7 @@ int2      uint8, shape ``(ceil(n/4),)``   float32, shape ``(ceil(n / block_size)
 ``int8``/``int4``/``int2`` are blockwise absmax quantization over the flattened tensor: block ``k``
 holds elements ``[k·B, (k+1)·B)`` (the last block may be short), ``scale_k = absmax_k / q`` with
 ``q = 127`` (int8), ``q = 7`` (int4) or ``q = 1`` (int2: the ternary levels {-1, 0, +1}·scale, why
-in :mod:`diloco_async.codec_int2`), and each value is ``round(x / scale_k)`` clamped to ``[-q, q]``;
+in :mod:`diloco_async.codec.int2`), and each value is ``round(x / scale_k)`` clamped to ``[-q, q]``;
 a block of zeros has scale 0. ``int4`` packs two signed 4-bit values per byte, element ``2i`` in
 the low nibble and ``2i+1`` in the high nibble (two's complement; an odd ``n`` pads one zero
 nibble); ``int2`` packs four 2-bit values per byte, element ``4i+j`` in bits ``2j..2j+1``. The
@@ -44,10 +44,10 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from diloco_async import codec_native
-from diloco_async.codec_blocks import dequantize, quantize, scale_blocks
-from diloco_async.codec_int2 import int2_packed_numel, pack_int2, unpack_int2_levels
-from diloco_async.codec_int2 import unpack_int2 as unpack_int2  # noqa: F401 - re-exported (tests, callers)
+from diloco_async.codec import native as codec_native
+from diloco_async.codec.blocks import dequantize, quantize, scale_blocks
+from diloco_async.codec.int2 import int2_packed_numel, pack_int2, unpack_int2_levels
+from diloco_async.codec.int2 import unpack_int2 as unpack_int2  # noqa: F401 - re-exported (tests, callers)
 
 __all__ = [
     "CODECS",
@@ -102,7 +102,7 @@ def _check_block_size(block_size: int) -> None:
 
 def _quantize(x: Tensor, qmax: int, block_size: int) -> tuple[Tensor, Tensor]:
     """Flattened ``x`` → (int8 values in ``[-qmax, qmax]``, shape ``(n,)``; float32 scales, shape
-    ``(ceil(n / block_size),)``); see :func:`diloco_async.codec_blocks.quantize`."""
+    ``(ceil(n / block_size),)``); see :func:`diloco_async.codec.blocks.quantize`."""
     q, scale = quantize(x, qmax, block_size)
     return q, scale
 

@@ -13,19 +13,19 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from diloco_async.codec import SCALE_SUFFIX, decode, read_payload
+from diloco_async.codec.wire import SCALE_SUFFIX, decode, read_payload
 
 __all__ = ["EncodedTensors", "load_encoded"]
 
 
 @dataclass(frozen=True)
 class EncodedTensors:
-    """Tensors held in their encoding (the entries :func:`~diloco_async.codec.encode` writes),
+    """Tensors held in their encoding (the entries :func:`~diloco_async.codec.wire.encode` writes),
     decoded when asked.
 
     Attributes:
         encoded: the entries, as read from the payload (checked against ``specs`` when decoded).
-        codec: one of :data:`~diloco_async.codec.CODECS`.
+        codec: one of :data:`~diloco_async.codec.wire.CODECS`.
         specs: name → shape of each tensor.
         block_size: of the int8/int4/int2 scales.
     """
@@ -41,13 +41,13 @@ class EncodedTensors:
         return sum(t.numel() * t.element_size() for t in self.encoded.values())
 
     def decode(self) -> dict[str, Tensor]:
-        """name → new float32 tensor, as :func:`~diloco_async.codec.decode` (the same values at every call)."""
+        """name → new float32 tensor, as :func:`~diloco_async.codec.wire.decode` (the same values at every call)."""
         return decode(self.encoded, self.codec, self.specs, block_size=self.block_size)
 
     def iter_decoded(self) -> Iterator[tuple[str, Tensor]]:
         """(name, new float32 tensor) in the order of ``specs``, one at a time (one tensor's fp32 in
-        memory, not the payload's). Raises ValueError as :func:`~diloco_async.codec.decode` (an unexpected entry before
-        anything is decoded)."""
+        memory, not the payload's). Raises ValueError as :func:`~diloco_async.codec.wire.decode` (an
+        unexpected entry before anything is decoded)."""
         quantized = self.codec not in ("fp32", "bf16")
         expected = set(self.specs) | ({n + SCALE_SUFFIX for n in self.specs} if quantized else set())
         unexpected = sorted(set(self.encoded) - expected)
@@ -59,12 +59,12 @@ class EncodedTensors:
 
 
 def load_encoded(data: bytes, codec: str, specs: dict[str, tuple[int, ...]]) -> tuple[EncodedTensors, dict[str, str]]:
-    """Read the entries of bytes written by :func:`~diloco_async.codec.encode_to_bytes` without
+    """Read the entries of bytes written by :func:`~diloco_async.codec.wire.encode_to_bytes` without
     decoding them: (the payload as :class:`EncodedTensors` of ``specs``, name → shape; the header
     metadata including ``codec`` and ``block_size``).
 
     Raises:
-        ValueError: as :func:`~diloco_async.codec.read_payload`; the entries' dtypes and sizes are
+        ValueError: as :func:`~diloco_async.codec.wire.read_payload`; the entries' dtypes and sizes are
             checked when they are decoded.
     """
     encoded, meta, block_size = read_payload(data, codec)

@@ -10,7 +10,7 @@ version ``v`` (after version ``b``, the fragment's previous one) is published as
   next delta;
 * ``whole`` mode: ``E = Q(Θ_v)`` and ``Θ^pub_v = D(E)`` (no chain).
 
-``Q``/``D`` are :func:`diloco_async.codec.encode` / ``decode`` (fp32/bf16/int8/int4, blockwise
+``Q``/``D`` are :func:`diloco_async.codec.wire.encode` / ``decode`` (fp32/bf16/int8/int4, blockwise
 absmax), and the addition is one fp32 ``torch.add`` on the CPU, so the learner that applies ``E``
 to its copy of ``Θ^pub_b`` gets ``Θ^pub_v`` bit for bit; the payload's header carries the sha256
 of ``Θ^pub_v``'s bytes (:func:`published_digest`) and a learner checks it. ``Θ^pub_v`` is also
@@ -18,7 +18,7 @@ published whole in fp32 at the version's usual key (learners that join late or m
 download it; the synchronizer reads old bases back from it), so anchoring stays exact: the value
 a learner adopted is always the synchronizer's ``history[v]``.
 
-Payload layout: the codec's safetensors entries (:mod:`diloco_async.codec`) with metadata
+Payload layout: the codec's safetensors entries (:mod:`diloco_async.codec.wire`) with metadata
 ``codec``, ``block_size``, ``mode`` (``delta``/``whole``), ``base_version`` (``-1`` for whole),
 ``fragment``, ``version`` and ``published_sha256``.
 """
@@ -33,7 +33,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from diloco_async import codec as wire
+from diloco_async.codec import wire
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["DOWNLOAD_CODECS", "DOWNLOAD_MODES", "compress_version", "compact_bytes", "read_compact",
@@ -132,7 +132,7 @@ def compress_version(master: Mapping[str, Tensor], published_prev: Mapping[str, 
         block_size: quantization block (int8/int4).
 
     Returns:
-        The flat dict of :func:`diloco_async.codec.encode` and the new published value (fp32,
+        The flat dict of :func:`diloco_async.codec.wire.encode` and the new published value (fp32,
         master's shapes), exactly what a learner reconstructs from the payload.
 
     Raises:
@@ -202,7 +202,7 @@ def read_compact(store: ObjectStore, ref: ObjectRef, codec: str, shapes: Mapping
 
     Raises:
         FileNotFoundError: collected. storage.store.IntegrityError: size or digest of the payload.
-        diloco_async.codec.PayloadError: ``codec_header`` (codec, block size, mode, base version
+        diloco_async.codec.wire.PayloadError: ``codec_header`` (codec, block size, mode, base version
             other than announced), ``schema``, ``dtype``, ``shape`` (also of the base), ``non_finite``, or
             ``published_digest`` (the rebuilt value is not the synchronizer's).
         ValueError: otherwise undecodable.

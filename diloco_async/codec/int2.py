@@ -1,6 +1,6 @@
 """Packing of the ``int2`` wire codec (DESIGN §6): four 2-bit values per byte.
 
-Part of :mod:`diloco_async.codec` (import it from there). Pure: torch only.
+Part of :mod:`diloco_async.codec.wire` (import it from there). Pure: torch only.
 
 Levels: ``int2`` is the blockwise absmax scheme of ``int8``/``int4`` with ``q = 1``, i.e. the
 symmetric ternary levels ``{-1, 0, +1}·scale_k``. Of the four 2-bit codes only three are used

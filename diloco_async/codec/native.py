@@ -1,6 +1,6 @@
 """The int8/int4/int2 codecs in one pass each way, in C (``codec_kernels.c``; DESIGN §6).
 
-Part of :mod:`diloco_async.codec` (which calls these first and runs its torch code when they
+Part of :mod:`diloco_async.codec.wire` (which calls these first and runs its torch code when they
 return None). The C code computes the same bits as the torch code: the same float32 divisions
 and multiplications, round half to even, the same packing. It is used when the kernels are built
 (:mod:`diloco_async.kernels.build`, once per process; ``DILOCO_NATIVE=0`` turns it off) and the

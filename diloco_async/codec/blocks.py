@@ -1,6 +1,6 @@
 """Blockwise absmax quantization of the ``int8``/``int4``/``int2`` wire codecs (DESIGN §6).
 
-Part of :mod:`diloco_async.codec` (import it from there; the layout is in its docstring). Pure:
+Part of :mod:`diloco_async.codec.wire` (import it from there; the layout is in its docstring). Pure:
 torch only. Written for speed at the same bits (issue 17, item 4): each full-size step is one
 torch kernel over a whole chunk, in place on a buffer this module owns where it can, so that a
 round trip makes as few passes over memory as its arithmetic needs:
