@@ -1,4 +1,4 @@
-"""PREVIOUS IMPLEMENTATION of ``diloco_async/merge.py`` (main at 98fee35), frozen for comparison.
+"""PREVIOUS IMPLEMENTATION of ``diloco_async/merge/core.py`` (main at 98fee35), frozen for comparison.
 
 Kept verbatim, except this docstring, only as the reference that ``tests/test_merge_equivalence.py``
 and ``benchmarks/merge.py`` compare the in-place merge against (bit for bit, and for speed and

@@ -1,5 +1,5 @@
 /* Fused float32 passes of the synchronizer's merge (DESIGN §4.5c), loaded by
- * diloco_async/kernels/build.py through ctypes and called from diloco_async/merge_native.py.
+ * diloco_async/kernels/build.py through ctypes and called from diloco_async/merge/native.py.
  *
  * Each loop does, per element, the same IEEE float32 operations in the same order as the torch
  * code it replaces (merge.py, merge_buffers.py, outer_step.py), so the results are bit for bit

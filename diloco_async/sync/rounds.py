@@ -18,7 +18,7 @@ from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import fragment_offset
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.heap import release_free_memory
-from diloco_async.merge import token_weight
+from diloco_async.merge.core import token_weight
 from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.pace import PaceLimits, implausible_contribution
 from diloco_async.policy import (

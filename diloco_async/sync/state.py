@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.codec.held import EncodedTensors
 from diloco_async.config import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
-from diloco_async.merge import OuterOptimizer, make_outer_optimizer
+from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
+from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer
 from diloco_async.messages import Announcement, CompactInfo
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy import Ema, FragmentFacts, RoundState
@@ -136,7 +136,7 @@ class FragmentState:
 #: the buffers the merges of all fragments keep free for the next merge, in largest fragments
 #: (fp32): the replaced value and momentum of the last merge and the anchored outer gradients it
 #: kept (``merge_workspace``, up to one fragment), which the next one of an equal-sized fragment
-#: writes without fresh pages (diloco_async/buffer_pool.py; with 2, a 256 MiB merge faulted in
+#: writes without fresh pages (diloco_async/merge/buffer_pool.py; with 2, a 256 MiB merge faulted in
 #: ~225 MiB of fresh pages each time, ~90 ms); more would be resting memory
 MERGE_POOL_FRAGMENTS = 3
 

@@ -30,7 +30,7 @@ from diloco_async.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
-from diloco_async.merge import (
+from diloco_async.merge.core import (
     AnchoredDelta,
     AnchoredNotFinite,
     MergeWorkspace,

@@ -1,4 +1,4 @@
-"""The in-place, chunked merge (diloco_async.merge) against the previous implementation
+"""The in-place, chunked merge (diloco_async.merge.core) against the previous implementation
 (tests/merge_reference.py, frozen): bit-for-bit equal results (``torch.equal``) on random
 fragments, weights, M and dtypes, the RDA fallback, embeddings, zero deltas, anchoring, and outer
 steps over several rounds with momentum, restore and refused steps."""

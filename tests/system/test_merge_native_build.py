@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_merge_native import _bits, _same, native  # noqa: F401, F811 (shared with unit/test_merge_native.py; fixtures among them)
 
-import diloco_async.merge as merge
-from diloco_async import merge_native
+import diloco_async.merge.core as merge
 from diloco_async.kernels import build as native_build
+from diloco_async.merge import native as merge_native
 from tests import merge_reference as ref
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_fallback_with_a_logged_reason(how, monkeypatch, tmp_path, caplog):
 
 _BUILDER = """
 import torch
-from diloco_async import merge_native
+from diloco_async.merge import native as merge_native
 from diloco_async.kernels import build as native_build
 ok = merge_native.usable()
 ones = torch.ones(5)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_async.merge import (
+from diloco_async.merge.core import (
     OuterOptimizer,
     anchor,
     merge_outer_gradients,

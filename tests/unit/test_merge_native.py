@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-import diloco_async.merge as merge
-import diloco_async.merge_buffers as buffers
-from diloco_async import merge_native
+import diloco_async.merge.buffers as buffers
+import diloco_async.merge.core as merge
 from diloco_async.kernels import build as native_build
+from diloco_async.merge import native as merge_native
 
 SPECIALS = [0.0, -0.0, 1e-45, -1e-45, 1.2e-38, -3e-39, 3e38, -3e38, 1.0, -1.0, 1e-20, 7e19]
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from test_merge_equivalence import chunk  # noqa: F401, F811 (fixture: the merge's chunk sizes)
 
-import diloco_async.merge as merge
-import diloco_async.merge_buffers as buffers
-from diloco_async.buffer_pool import SMALL_SPARE_BYTES, BufferPool
+import diloco_async.merge.buffers as buffers
+import diloco_async.merge.core as merge
 from diloco_async.config import load_config
 from diloco_async.fragments import plan_fragments, specs_of
+from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.messages import Announcement
 from diloco_async.sync.state import Contribution, new_fragments
 from diloco_async.sync.work import merge_and_publish, merge_workspace

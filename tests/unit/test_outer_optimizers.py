@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco_async.config import load_config
-from diloco_async.merge import (
+from diloco_async.merge.core import (
     OUTER_OPTIMIZERS,
     DelayedNesterovOuterOptimizer,
     OuterOptimizer,

@@ -1,6 +1,6 @@
 """Fused float32 passes of the merge in C (DESIGN §4.5c), with the conditions for using them.
 
-Part of :mod:`diloco_async.merge`. Each function here computes exactly what the torch code beside
+Part of :mod:`diloco_async.merge.core`. Each function here computes exactly what the torch code beside
 its call computes (the same float32 operations in the same order, ``merge_kernels.c``), in one
 pass over memory instead of one per torch op. They are used only when :func:`usable` says so:
 the kernels are built (:mod:`diloco_async.kernels.build`, the only I/O, once per process), torch

@@ -25,8 +25,8 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from diloco_async import merge_native
-from diloco_async.merge_buffers import (
+from diloco_async.merge import native as merge_native
+from diloco_async.merge.buffers import (
     CHUNK_ELEMENTS,
     MAX_SHARED_DIFFS,
     AnchoredDelta,
@@ -39,13 +39,13 @@ from diloco_async.merge_buffers import (
     _TensorSource,
     check_anchored,
 )
-from diloco_async.outer_optimizers import (
+from diloco_async.merge.outer_optimizers import (
     OUTER_OPTIMIZERS,
     DelayedNesterovOuterOptimizer,
     SgdOuterOptimizer,
     make_outer_optimizer,
 )
-from diloco_async.outer_step import OuterOptimizer, OuterState
+from diloco_async.merge.outer_step import OuterOptimizer, OuterState
 
 __all__ = [
     "token_weight",

@@ -1,6 +1,6 @@
 """The outer Nesterov step of a fragment, in place and by chunks (DESIGN §4.5, §4.5a).
 
-Part of :mod:`diloco_async.merge` (import it from there). Pure: torch only.
+Part of :mod:`diloco_async.merge.core` (import it from there). Pure: torch only.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from diloco_async import merge_buffers as _buf
-from diloco_async import merge_native
-from diloco_async.buffer_pool import BufferPool
-from diloco_async.merge_buffers import _all_finite, _check_finite, _check_same_keys, _check_shapes, _chunks, _flat
+from diloco_async.merge import buffers as _buf
+from diloco_async.merge import native as merge_native
+from diloco_async.merge.buffer_pool import BufferPool
+from diloco_async.merge.buffers import _all_finite, _check_finite, _check_same_keys, _check_shapes, _chunks, _flat
 
 __all__ = ["OuterOptimizer", "OuterState"]
 
@@ -165,7 +165,7 @@ class OuterOptimizer:
         ``grad_of(name)`` returns ``(g, scale)`` (``scale`` a 0-dim tensor or None, as
         ``grad_scales``), called once per tensor in the params' order, so that a merge can write
         each tensor's ``g`` right before the step reads it, while it is still in the cache
-        (:func:`diloco_async.merge.merge_and_step`). Bit for bit :meth:`step_shared` of the same
+        (:func:`diloco_async.merge.core.merge_and_step`). Bit for bit :meth:`step_shared` of the same
         gradients.
 
         Raises:

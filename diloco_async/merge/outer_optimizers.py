@@ -1,15 +1,15 @@
 """Pluggable outer optimizers (``synchronizer.outer_optimizer``, DESIGN §4.5b).
 
-Part of :mod:`diloco_async.merge` (import it from there). Pure: torch only.
+Part of :mod:`diloco_async.merge.core` (import it from there). Pure: torch only.
 
-Three outer optimizers share :class:`~diloco_async.outer_step.OuterOptimizer`'s contract: one
+Three outer optimizers share :class:`~diloco_async.merge.outer_step.OuterOptimizer`'s contract: one
 step per merged round of a fragment, in place and by chunks into new tensors, the state switched
 only once the whole step succeeded (a non-finite ``g`` or, with ``require_finite``, a non-finite
 result leaves it unchanged; the synchronizer restores a ``shared_state`` by reference), and the
 state is the fragment's value ``Θ``, one buffer ``b`` of the same shapes (checkpointed as the
 "momentum") and the step count, so a checkpoint and resume continue bit for bit.
 
-* ``nesterov`` (default, the paper's): :class:`~diloco_async.outer_step.OuterOptimizer`.
+* ``nesterov`` (default, the paper's): :class:`~diloco_async.merge.outer_step.OuterOptimizer`.
 * ``sgd``: plain outer SGD, ``Θ ← Θ − η·g``, no momentum (``b`` stays 0). The ablation baseline:
   what the outer momentum buys.
 * ``delayed-nesterov``: Delayed Nesterov (DN) of Liu et al., "Asynchronous Local-SGD Training for
@@ -38,9 +38,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from diloco_async import merge_buffers as _buf
-from diloco_async.merge_buffers import _all_finite, _chunks, _flat
-from diloco_async.outer_step import OuterOptimizer
+from diloco_async.merge import buffers as _buf
+from diloco_async.merge.buffers import _all_finite, _chunks, _flat
+from diloco_async.merge.outer_step import OuterOptimizer
 
 __all__ = ["OUTER_OPTIMIZERS", "SgdOuterOptimizer", "DelayedNesterovOuterOptimizer", "make_outer_optimizer"]
 
@@ -72,7 +72,7 @@ def _check_chunk(name: str, gc: Tensor, npc: Tensor, require_finite: bool, finit
 class SgdOuterOptimizer(OuterOptimizer):
     """Plain outer SGD: ``Θ ← Θ − η·g``; ``momentum`` is accepted and unused (``b`` stays 0).
 
-    Args and errors as :class:`~diloco_async.outer_step.OuterOptimizer`, except that any
+    Args and errors as :class:`~diloco_async.merge.outer_step.OuterOptimizer`, except that any
     ``momentum`` is accepted."""
 
     def _check_momentum(self, momentum: float) -> None:
@@ -105,7 +105,7 @@ class DelayedNesterovOuterOptimizer(OuterOptimizer):
     """Delayed Nesterov (Liu et al. 2024; the update in the module docstring).
 
     Args:
-        params, lr, momentum, dtype: as :class:`~diloco_async.outer_step.OuterOptimizer`.
+        params, lr, momentum, dtype: as :class:`~diloco_async.merge.outer_step.OuterOptimizer`.
         period: keyword-only; ``N`` ≥ 1, outer steps between two momentum updates.
 
     Raises:
@@ -160,7 +160,7 @@ def make_outer_optimizer(kind: str, params: Mapping[str, Tensor], lr: float, mom
         params: name → the fragment's current value (copied).
         lr, momentum: outer learning rate η and momentum μ (unused by ``sgd``).
         period: ``N`` of ``delayed-nesterov`` (ignored by the others).
-        dtype: the state's dtype, as :class:`~diloco_async.outer_step.OuterOptimizer`.
+        dtype: the state's dtype, as :class:`~diloco_async.merge.outer_step.OuterOptimizer`.
 
     Raises:
         ValueError: an unknown ``kind``, or what the optimizer's constructor raises.

@@ -1,6 +1,6 @@
 """Buffers of the in-place merge: anchoring on the fly, chunking, the shared scratch space.
 
-Part of :mod:`diloco_async.merge` (DESIGN §4.1, §4.5a): :class:`AnchoredDelta` yields a learner's
+Part of :mod:`diloco_async.merge.core` (DESIGN §4.1, §4.5a): :class:`AnchoredDelta` yields a learner's
 anchored outer gradient ``Δ' = (Θ^cur − Θ^base) + Δ`` chunk by chunk without materialising it,
 :func:`check_anchored` computes the norms and finite checks of a round in one pass per tensor,
 and :class:`MergeWorkspace` holds the scratch buffers that the passes reuse. Pure: torch only.
@@ -19,8 +19,8 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from diloco_async import merge_native
-from diloco_async.buffer_pool import BufferPool
+from diloco_async.merge import native as merge_native
+from diloco_async.merge.buffer_pool import BufferPool
 
 __all__ = ["CHUNK_ELEMENTS", "MAX_SHARED_DIFFS", "MergeWorkspace", "AnchoredDelta", "check_anchored"]
 
@@ -71,7 +71,7 @@ class MergeWorkspace:
     two threads at once.
 
     Args:
-        pool: where its buffers come from (:class:`~diloco_async.buffer_pool.BufferPool`, e.g. the
+        pool: where its buffers come from (:class:`~diloco_async.merge.buffer_pool.BufferPool`, e.g. the
             fragment's, so that the next merge reuses them without fresh pages); default
             ``torch.empty``.
         keep_bytes: bytes of anchored ``Δ'`` that :func:`check_anchored` may keep whole (in the
