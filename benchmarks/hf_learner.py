@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.args import description, non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
-from diloco_async.config import Config, load_config
+from diloco_async.config.schema import Config, load_config
 from diloco_async.devices import set_cpu_math
 from diloco_async.learner.group import place_workload
 from diloco_async.models import build_run_model

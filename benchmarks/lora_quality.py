@@ -200,7 +200,7 @@ def pretrain_base(folder: Path, cfg, seed: int, steps: int, hidden: int, layers:
 def run_seed(seed: int, root: Path, args: argparse.Namespace) -> SeedResult:
     """One seed: pre-train and save the base, measure it, fine-tune it through a run, measure the
     fine-tuned model."""
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
     from diloco_async.models import build_run_model
     from diloco_async.run import RunProcesses

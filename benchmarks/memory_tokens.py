@@ -22,7 +22,7 @@ from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.hf_learner import in_run_tokens_per_s, plain_loop_tokens_per_s
 from benchmarks.stats import mean_interval
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 
 __all__ = ["tokens_bar", "main"]
 

@@ -24,7 +24,7 @@ import time
 import psutil
 
 from benchmarks.args import description, positive_float
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from flows.train import TrainingRun
 
 GOAL_RATIO = 1.10

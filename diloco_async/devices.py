@@ -1,7 +1,7 @@
 """Where and how a learner computes: its device, precision, batch size and process group (DESIGN §3).
 
 :class:`LearnerDeviceFields` holds the ``learners.*`` keys of this concern (``LearnerConfig`` in
-:mod:`diloco_async.config` inherits them): ``device``, ``precision``, ``batch_size`` (one value
+:mod:`diloco_async.config.schema` inherits them): ``device``, ``precision``, ``batch_size`` (one value
 or one per learner), ``nproc_per_learner``, ``nnodes``, ``rdzv_endpoint``, ``group_timeout_s``.
 The syntax is checked when the config is validated; :func:`check_devices` checks the hardware of
 the machine that runs the learners, before anything starts; :func:`resolve_device` picks the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.model import evaluate_loss
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.tokens import HeldoutSplit, open_corpus

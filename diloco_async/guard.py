@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_async.config_guard import GuardConfig
+from diloco_async.config.guard import GuardConfig
 
 __all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "LearnerDirections", "leave_one_out_cosines",
            "direction_factor", "sustained_anti_alignment",

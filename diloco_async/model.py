@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # the config package imports the models package, which imports this module
-    from diloco_async.models.config import ModelConfig
+    from diloco_async.config.model import ModelConfig
 
 __all__ = ["ByteGPT", "embedding_names", "evaluate_loss", "generate"]
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 
 __all__ = ["PaceLimits", "bounded_advance", "implausible_contribution", "clamp_step_times"]
 

@@ -12,7 +12,7 @@ import heapq
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco_async.config import BudgetConfig
+from diloco_async.config.schema import BudgetConfig
 from diloco_async.fragments import fragment_offset
 from diloco_async.messages import Announcement
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from diloco_async.auth import check_run_secret, learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.devices import check_devices
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.learner.group import torchrun_args

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.models import build_run_model, plan_of
 from diloco_async.timeline import Interval, Timeline, diloco_timeline_steps
 from storage import keys

@@ -25,7 +25,7 @@ import fsspec
 import numpy as np
 from filelock import FileLock
 
-from diloco_async.data_config import parse_tokenizer_spec
+from diloco_async.config.data import parse_tokenizer_spec
 
 __all__ = ["Tokenizer", "load_tokenizer", "train_bpe", "check_vocab", "token_dtype", "transformers_tokenizer",
            "BPE_SETTINGS", "END_OF_TEXT"]

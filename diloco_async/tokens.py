@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from diloco_async.config.data import DataConfig, parse_tokenizer_spec
 from diloco_async.data import corpus_bytes, corpus_digest, resolve_sources
-from diloco_async.data_config import DataConfig, parse_tokenizer_spec
 from diloco_async.tokenizer import Tokenizer, check_vocab, load_tokenizer, token_dtype
 
 __all__ = ["Corpus", "HeldoutSplit", "open_corpus", "bits_per_byte", "split_point"]

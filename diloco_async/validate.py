@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_async.config import Config, load_config
+from diloco_async.config.schema import Config, load_config
 
 __all__ = ["Check", "validate_recipe", "resolve_recipe", "recipe_field", "list_recipes", "recipe_description",
            "probe_store"]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.tokens import Corpus, open_corpus

@@ -45,7 +45,7 @@ from diloco_async.chaos.scenario import (
     with_user_overrides,
 )
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.evaluation import heldout_batches
 from diloco_async.timeline import Timeline
 from flows.timeline_report import plot_timeline

@@ -111,7 +111,7 @@ def _stop_children_and_exit(code: int) -> None:
 def _check_config(path: str | None, overrides: list[str]) -> str | None:
     """Resolve the recipe (a path or a shipped name), validate it and list its corpus URLs before
     anything starts; print the error (no traceback) and return None if bad, else the recipe's path."""
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from diloco_async.data import resolve_sources
     from diloco_async.validate import resolve_recipe
 
@@ -261,7 +261,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _chaos(args: argparse.Namespace) -> int:
     from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_overrides
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from flows.outpath import check_out
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None

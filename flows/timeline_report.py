@@ -10,7 +10,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.run_timeline import fragment_shares, read_merges, timeline_from_records
 from diloco_async.timeline import Accounting, Timeline, account, read_records
 from storage.store import ObjectStore

@@ -17,7 +17,7 @@ from typing import Any
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from diloco_async.config import TrackingConfig
+from diloco_async.config.schema import TrackingConfig
 
 __all__ = ["MlflowSink", "flatten_params", "resolve_uri", "learners_chart_path", "EXPERIMENT_KIND_TAG",
            "MODEL_TRAINING_KIND", "LEARNERS_CHART_TAG"]

@@ -34,7 +34,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from diloco_async.config import Config, config_hash, load_config
+from diloco_async.config.schema import Config, config_hash, load_config
 from diloco_async.data import corpus_urls
 from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.heldout_monitor import HeldoutMonitor

@@ -49,7 +49,7 @@ def _cleanup(prefix: str) -> int:
 def _check(args: argparse.Namespace, methods: list[str] | None) -> None:
     """Refuse a bad scenario, method or override before starting anything (ValueError, FileNotFoundError)."""
     from diloco_async.chaos import METHODS, check_user_overrides
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from diloco_async.wan.scenario import load_wan_scenario, wan_overrides
     from flows.outpath import check_out
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from diloco_async.auth import learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.fragments import FragmentPlan
 from diloco_async.heldout_monitor import load_versions

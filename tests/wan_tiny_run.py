@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diloco_async.config import load_config  # noqa: E402
+from diloco_async.config.schema import load_config  # noqa: E402
 from diloco_async.procs import ForkServerLauncher  # noqa: E402
 from diloco_async.run import RunProcesses  # noqa: E402
 from diloco_async.wan.launch import NetnsLauncher, start_moto_server  # noqa: E402

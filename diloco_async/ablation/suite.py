@@ -39,8 +39,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diloco_async.ablation.stats import CLAIM_KINDS, Claim
-from diloco_async.config import Config, load_config
-from diloco_async.tomlfile import load_toml_model
+from diloco_async.config.schema import Config, load_config
+from diloco_async.config.tomlfile import load_toml_model
 from diloco_async.validate import recipe_field
 
 __all__ = ["Arm", "Comparison", "SuiteSpec", "Suite", "load_suite", "run_overrides", "check_arms", "figures_of"]

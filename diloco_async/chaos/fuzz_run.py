@@ -30,7 +30,7 @@ from diloco_async.chaos.fuzz import FuzzRequest, RequestGenerator
 from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, published_extremes
 from diloco_async.chaos.slow_clients import SlowClients
 from diloco_async.client import SyncClient
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.run import RunProcesses
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.evaluation import heldout_loss
 from diloco_async.model import ByteGPT
 from diloco_async.timeline import Accounting, Timeline, account

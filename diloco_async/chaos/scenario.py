@@ -19,7 +19,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from diloco_async.tomlfile import load_toml_model
+from diloco_async.config.tomlfile import load_toml_model
 from diloco_async.validate import recipe_field
 
 __all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",

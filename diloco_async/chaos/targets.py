@@ -26,7 +26,7 @@ from pathlib import Path
 from diloco_async.chaos.driver import SlotBook, drive, restarting_intervals
 from diloco_async.chaos.measure import Snapshot
 from diloco_async.chaos.scenario import FaultEvent, Scenario, method_overrides
-from diloco_async.config import Config, load_config
+from diloco_async.config.schema import Config, load_config
 from diloco_async.evaluation import model_from_checkpoint
 from diloco_async.procs import ForkServerLauncher
 from diloco_async.run import RunProcesses

@@ -25,7 +25,7 @@ import torch
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.codec import versions as version_codec
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.model import embedding_names

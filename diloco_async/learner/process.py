@@ -21,7 +21,7 @@ import torch
 
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.client import ProtocolError
-from diloco_async.config import Config, config_hash
+from diloco_async.config.schema import Config, config_hash
 from diloco_async.devices import set_cpu_math
 from diloco_async.fragments import FragmentPlan, plan_differences
 from diloco_async.inner_state import InnerState

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from diloco_async.base_file import BaseFile
-from diloco_async.config import Config
+from diloco_async.config.schema import Config
 from diloco_async.fragments import FragmentPlan, fragment_offset
 from diloco_async.heap import ReleaseWhenItPays, release_free_memory
 from diloco_async.learner.device_copies import to_host_async

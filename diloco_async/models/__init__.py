@@ -1,6 +1,7 @@
 """Model construction for every ``model.kind`` (byte-gpt, hf, factory; LoRA), the section of the
 recipe that chooses it, and the saved artifacts of a finished run."""
 
+from diloco_async.config.model import MODEL_KINDS, HfModelConfig, LoraSettings, ModelConfig
 from diloco_async.models.build import (
     build_model,
     build_run_model,
@@ -11,7 +12,6 @@ from diloco_async.models.build import (
     run_vocab_size,
     trainable_parameters,
 )
-from diloco_async.models.config import MODEL_KINDS, HfModelConfig, LoraSettings, ModelConfig
 from diloco_async.models.export import load_saved_model, save_final_model, upload_folder
 from diloco_async.models.wrapper import CausalLM
 

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from diloco_async.config.model import ModelConfig
 from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.model import ByteGPT
 from diloco_async.model import embedding_names as byte_gpt_embeddings
-from diloco_async.models.config import ModelConfig
 from diloco_async.models.factory import build_factory
 from diloco_async.models.hf import build_hf
 from diloco_async.models.wrapper import CausalLM
 
 if TYPE_CHECKING:
-    from diloco_async.config import Config
+    from diloco_async.config.schema import Config
 
 __all__ = ["build_model", "build_run_model", "run_vocab_size", "trainable_parameters", "embedding_names",
            "identity_of", "plan_of", "frozen_digest"]

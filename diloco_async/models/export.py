@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from diloco_async.models.config import ModelConfig
+from diloco_async.config.model import ModelConfig
 from diloco_async.models.hf import fetch_pretrained, unwrap_hf
 from diloco_async.models.wrapper import CausalLM
 from storage.store import ObjectStore

@@ -3,7 +3,7 @@
 The contract of ``model.factory = "package.module:function"``:
 
 * it is called as ``function(model_cfg, vocab_size)``: ``model_cfg`` is the recipe's
-  :class:`~diloco_async.models.config.ModelConfig` (free settings in ``model_cfg.options``, the
+  :class:`~diloco_async.config.model.ModelConfig` (free settings in ``model_cfg.options``, the
   window length in ``model_cfg.context``), ``vocab_size`` the tokenizer's number of tokens;
 * it returns a ``torch.nn.Module`` whose parameters are float32 on CPU, initialised from torch's
   global RNG (the caller seeds it with the run's seed, so every process builds the same Θ⁰);
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from diloco_async.models.config import ModelConfig
+from diloco_async.config.model import ModelConfig
 from diloco_async.models.wrapper import CausalLM
 
 __all__ = ["load_factory", "build_factory"]

@@ -20,7 +20,7 @@ import fsspec
 import torch
 import torch.nn as nn
 
-from diloco_async.models.config import HfModelConfig, LoraSettings, ModelConfig
+from diloco_async.config.model import HfModelConfig, LoraSettings, ModelConfig
 from diloco_async.models.wrapper import CausalLM
 
 __all__ = ["build_hf", "fetch_pretrained", "hf_config", "apply_lora", "unwrap_hf"]

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from diloco_async.tomlfile import load_toml_model
+from diloco_async.config.tomlfile import load_toml_model
 
 __all__ = [
     "FailureParams",

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from diloco_async.config import Config, config_hash
+from diloco_async.config.schema import Config, config_hash
 from diloco_async.fragments import FragmentPlan
 from diloco_async.goodput import LearnerLedger
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard

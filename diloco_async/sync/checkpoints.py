@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from diloco_async.config import SynchronizerConfig
+from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.heap import release_free_memory
 from diloco_async.sync.persistence import checkpoint_payload
 from diloco_async.sync.state import CheckpointDone

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.client import TOKEN_ENV
-from diloco_async.config import Config, load_config
+from diloco_async.config.schema import Config, load_config
 from diloco_async.heap import limit_heap_retention
 from diloco_async.sync.actor import Stopped, Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
-from diloco_async.config import Config, SynchronizerConfig
+from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.fragments import fragment_offset
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.heap import release_free_memory

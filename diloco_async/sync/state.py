@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from diloco_async.codec.held import EncodedTensors
-from diloco_async.config import Config, SynchronizerConfig
+from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer

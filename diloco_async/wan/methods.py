@@ -143,7 +143,7 @@ class WanDdpTarget(DdpTarget):
     master at its region's address; finished once every rank exited 0."""
 
     def __init__(self, sc: WanScenario, place: WanPlacement, seed: int | None, store_dir: Path) -> None:
-        from diloco_async.config import load_config
+        from diloco_async.config.schema import load_config
 
         overrides = [*wan_overrides(sc, "ddp", seed), f"run.store=file://{store_dir.resolve()}",
                      "run.storage_options={}"]

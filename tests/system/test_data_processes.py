@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _CONCURRENT = textwrap.dedent("""
     import hashlib, json, pathlib, sys, time
     import diloco_async.tokenizer as t
-    from diloco_async.data_config import DataConfig
+    from diloco_async.config.data import DataConfig
     from diloco_async.tokens import open_corpus
     calls = []
     real = t.train_bpe
@@ -53,7 +53,7 @@ def test_concurrent_first_calls_train_once_and_agree(tmp_path):
 _MAPPER = textwrap.dedent("""
     import json, sys
     import numpy as np, psutil
-    from diloco_async.data_config import DataConfig
+    from diloco_async.config.data import DataConfig
     from diloco_async.tokens import open_corpus
     cfg = DataConfig(source="urls", urls=[sys.argv[1]], token_cache_dir=sys.argv[2])
     m = psutil.Process().memory_info()

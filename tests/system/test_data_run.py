@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.model import ByteGPT
 from diloco_async.run import RunProcesses

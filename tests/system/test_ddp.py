@@ -22,7 +22,7 @@ from diloco_async.baselines.ddp_checkpoints import (
     select_checkpoint,
 )
 from diloco_async.baselines.ddp_group import DdpGroup
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.model import evaluate_loss
 from diloco_async.sync import initial_parameters
 from diloco_async.workload import data_generator, emulated_delay_s, jitter_random

@@ -33,7 +33,7 @@ from test_storage_contract import BACKENDS, open_store
 
 from diloco_async.client import TOKEN_ENV, request_checkpoint
 from diloco_async.codec import wire
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
 from diloco_async.sync import Synchronizer

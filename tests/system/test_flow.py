@@ -120,7 +120,7 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     # the logged torch model loads back and gives the same held-out loss
     import mlflow
 
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from diloco_async.evaluation import heldout_batches
 
     mlflow.set_tracking_uri(uri)
@@ -186,7 +186,7 @@ def test_final_model_is_logged_without_pickle_and_registered(tmp_path, caplog):
     import mlflow
     import torch
 
-    from diloco_async.config import TrackingConfig
+    from diloco_async.config.schema import TrackingConfig
     from diloco_async.model import ByteGPT
     from diloco_async.models import ModelConfig
     from flows.artifacts import log_run_artifacts, register_final_model

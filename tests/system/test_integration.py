@@ -161,7 +161,7 @@ def test_signals_that_land_as_the_synchronizer_ends_leave_it_a_clean_exit(tmp_pa
     checkpoint, summary), and those that land while it tears down after its summary must not turn
     the finished run into a process killed by SIGINT (a Ctrl-C that lands as a run ends on its own
     then failed the flow run and fired the failure alert)."""
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from diloco_async.run import RunProcesses
 
     recipe = str(tiny_recipe(tmp_path, learners=1, wall_s=60))

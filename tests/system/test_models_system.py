@@ -16,7 +16,7 @@ from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text 
 from diloco_async.auth import learner_token
 from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.codec import wire
-from diloco_async.config import Config, load_config
+from diloco_async.config.schema import Config, load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.learner import Learner
 from diloco_async.models import (

@@ -106,7 +106,7 @@ def test_random_secrets_of_the_documented_kinds_are_accepted():
 
 def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, capsys):
     from diloco_async.client import TOKEN_ENV
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
     from diloco_async.run import RunProcesses
     from flows.cli import main
     from flows.deployments import _require_token

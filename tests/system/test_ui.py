@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diloco_async.config import TrackingConfig
+from diloco_async.config.schema import TrackingConfig
 from flows.tracking import LEARNERS_CHART_TAG, MlflowSink
 from tests.polling import wait_until
 

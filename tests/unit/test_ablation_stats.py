@@ -200,7 +200,7 @@ def test_every_shipped_suite_loads_and_its_arms_validate(path):
         assert suite.comparisons, "a paper suite compares something"
     need = _NEEDS.get(suite.suite.name)
     if need is not None:
-        from diloco_async import config
+        from diloco_async.config import schema as config
 
         section = {"learners": config.LearnerConfig, "synchronizer": config.SynchronizerConfig}[need[0]]
         if need[1] not in section.model_fields or (need[2] and need[2] not in str(section.model_fields[need[1]])):

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.config import config_hash, load_config
+from diloco_async.config.schema import config_hash, load_config
 
 
 def test_default_recipe_is_complete_and_valid():
@@ -54,7 +54,7 @@ def test_the_default_recipe_lists_every_field():
     import re
     import tomllib
 
-    from diloco_async.config import Config
+    from diloco_async.config.schema import Config
 
     text = Path("configs/default.toml").read_text()
     raw = tomllib.loads(text)

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import diloco_async.tokenizer as tokenizer_mod
-from diloco_async.config import load_config
+from diloco_async.config.data import DataConfig
+from diloco_async.config.schema import load_config
 from diloco_async.data import corpus_bytes, resolve_sources
-from diloco_async.data_config import DataConfig
 from diloco_async.tokenizer import check_vocab, train_bpe
 from diloco_async.tokens import Corpus, bits_per_byte, open_corpus, split_point
 

@@ -14,7 +14,7 @@ from safetensors.torch import load as st_load
 
 from diloco_async.base_file import HeldBase, keep_base
 from diloco_async.codec import wire
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.inner_state import capture
 from diloco_async.learner import device_copies
 from diloco_async.learner.device_copies import to_host_async

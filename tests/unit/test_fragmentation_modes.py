@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_async.config import ModelConfig, config_differences, load_config
+from diloco_async.config.schema import ModelConfig, config_differences, load_config
 from diloco_async.fragments import (
     FRAGMENTATIONS,
     FragmentPlan,

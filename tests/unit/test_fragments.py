@@ -1,6 +1,6 @@
 import pytest
 
-from diloco_async.config import ModelConfig
+from diloco_async.config.schema import ModelConfig
 from diloco_async.fragments import FragmentPlan, TensorSpec, fragment_offset, plan_fragments, specs_of
 from diloco_async.model import ByteGPT, embedding_names
 

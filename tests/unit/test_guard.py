@@ -10,8 +10,8 @@ import safetensors.torch
 import torch
 
 from diloco_async.codec import wire
-from diloco_async.config import load_config
-from diloco_async.config_guard import GuardConfig
+from diloco_async.config.guard import GuardConfig
+from diloco_async.config.schema import load_config
 from diloco_async.guard import (
     DirectionGuard,
     LearnerDirections,

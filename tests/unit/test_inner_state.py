@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from diloco_async.config import ModelConfig
+from diloco_async.config.schema import ModelConfig
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.model import ByteGPT
 

@@ -15,7 +15,7 @@ from test_merge_equivalence import chunk  # noqa: F401, F811 (fixture: the merge
 
 import diloco_async.merge.buffers as buffers
 import diloco_async.merge.core as merge
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.fragments import plan_fragments, specs_of
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.messages import Announcement

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.merge.core import (
     OUTER_OPTIMIZERS,
     DelayedNesterovOuterOptimizer,

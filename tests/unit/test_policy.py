@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco_async.config import BudgetConfig
+from diloco_async.config.schema import BudgetConfig
 from diloco_async.messages import Announcement
 from diloco_async.policy import (
     Ema,
@@ -243,7 +243,7 @@ def test_budget_stop_reason():
 
 
 def test_budget_spent_at_checkpoint_names_the_figure_and_the_override():
-    from diloco_async.config import BudgetConfig
+    from diloco_async.config.schema import BudgetConfig
     from diloco_async.policy import budget_spent_at_checkpoint
 
     manifest = {"global_step": 40, "ledgers": {"a": {"tokens_processed": 600}, "b": {"tokens_processed": 500}}}

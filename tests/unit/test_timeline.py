@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_overrides
-from diloco_async.config import load_config
+from diloco_async.config.schema import load_config
 from diloco_async.timeline import (
     Interval,
     Recorder,

@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from diloco_async.config import STORE_SCHEMES
+from diloco_async.config.schema import STORE_SCHEMES
 from diloco_async.validate import list_recipes, resolve_recipe
 from flows.cli import main
 from storage.backends import PROTOCOLS
@@ -130,7 +130,7 @@ def test_pyproject_lists_every_package_and_ships_configs():
                                               ("file:/tmp/runs", "file:///tmp/runs"), ("memory:", "memory://")])
 def test_config_refuses_a_store_url_without_its_slashes(store, meant):
     """s3:/bucket was taken as a local folder named "s3:" and trained there (a fresh-clone check)."""
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
 
     with pytest.raises(ValueError, match="run.store") as err:
         load_config("configs/default.toml", [f"run.store={store}"])
@@ -141,7 +141,7 @@ def test_config_refuses_a_store_url_without_its_slashes(store, meant):
 
 @pytest.mark.parametrize("store", ["ftp://x", "http://bucket/runs", "sftp://host/runs"])
 def test_config_refuses_an_unknown_store_scheme(store):
-    from diloco_async.config import load_config
+    from diloco_async.config.schema import load_config
 
     with pytest.raises(ValueError, match="run.store"):
         load_config("configs/default.toml", [f"run.store={store}"])

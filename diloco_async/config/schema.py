@@ -15,11 +15,11 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from diloco_async.config_guard import GuardConfig
-from diloco_async.data_config import DataConfig
+from diloco_async.config.data import DataConfig
+from diloco_async.config.guard import GuardConfig
+from diloco_async.config.model import ModelConfig
+from diloco_async.config.tomlfile import read_toml
 from diloco_async.devices import LearnerDeviceFields
-from diloco_async.models.config import ModelConfig
-from diloco_async.tomlfile import read_toml
 
 __all__ = [
     "RunConfig",

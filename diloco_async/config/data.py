@@ -1,6 +1,6 @@
 """The ``[data]`` section of a recipe: where the text comes from, how it is tokenized, what is held out.
 
-Kept beside :mod:`diloco_async.config` (which references :class:`DataConfig`) so that the data
+Kept beside :mod:`diloco_async.config.schema` (which references :class:`DataConfig`) so that the data
 side's fields and their validation live in one place. :func:`parse_tokenizer_spec` is the one
 reader of ``data.tokenizer`` strings.
 """

@@ -1,6 +1,6 @@
 """The ``[guard]`` section of the config: the update guard and the pace limits (issue 14, items 3-4).
 
-Kept apart from :mod:`diloco_async.config` (which references :class:`GuardConfig`) so that
+Kept apart from :mod:`diloco_async.config.schema` (which references :class:`GuardConfig`) so that
 module stays small. What each bound means, and what it does not catch, is in ``docs/`` (threat
 model) and in :mod:`diloco_async.guard` and :mod:`diloco_async.pace`.
 """
