@@ -46,7 +46,7 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 
 data: setup
 	@mkdir -p .local/prefect
-	$(PY) -c "from diloco_async.data import ensure_shakespeare; print(ensure_shakespeare('data'))"
+	$(PY) -c "from diloco_async.data.sources import ensure_shakespeare; print(ensure_shakespeare('data'))"
 
 ## run: the default job (4 learners, K = 1 with grace, Shakespeare) via the Prefect flow `train`
 run: data

@@ -176,9 +176,9 @@ def pretrain_base(folder: Path, cfg, seed: int, steps: int, hidden: int, layers:
     loss in this process (nats/token)."""
     import torch
 
+    from diloco_async.data.tokens import Corpus, open_corpus
     from diloco_async.evaluation import heldout_batches, heldout_loss
     from diloco_async.models import HfModelConfig, ModelConfig, build_model
-    from diloco_async.tokens import Corpus, open_corpus
     from diloco_async.workload import data_generator
 
     arch = HfModelConfig(architecture="llama", config={

@@ -110,7 +110,7 @@ def run_abba(scenario: str, pairs: int, tokens: int, seed: int, overrides: list[
     import torch
 
     from diloco_async.config.schema import load_config
-    from diloco_async.data import corpus_urls
+    from diloco_async.data.sources import corpus_urls
     from diloco_async.evaluation import heldout_batches
     from diloco_async.wan.methods import run_method
     from diloco_async.wan.place import placement

@@ -1,14 +1,14 @@
 """Evaluation of the global model on the held-out text: nats per token, and bits per byte
-(:func:`~diloco_async.tokens.bits_per_byte`) so that runs with different tokenizers compare."""
+(:func:`~diloco_async.data.tokens.bits_per_byte`) so that runs with different tokenizers compare."""
 
 from __future__ import annotations
 
 import torch
 
 from diloco_async.config.schema import Config
+from diloco_async.data.tokens import HeldoutSplit, open_corpus
 from diloco_async.model import evaluate_loss
 from diloco_async.models import build_run_model, trainable_parameters
-from diloco_async.tokens import HeldoutSplit, open_corpus
 from storage.checkpoint import Checkpoint
 
 __all__ = ["model_from_checkpoint", "heldout_loss", "heldout_batches", "heldout_split"]

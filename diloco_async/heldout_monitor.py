@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from diloco_async.codec import wire
+from diloco_async.data.tokens import HeldoutSplit
 from diloco_async.fragments import FragmentPlan
 from diloco_async.model import evaluate_loss
 from diloco_async.models import trainable_parameters
-from diloco_async.tokens import HeldoutSplit
 from storage import keys
 from storage.store import ObjectStore
 

@@ -1,7 +1,7 @@
 """Check a recipe without running it: ``diloco-async validate``.
 
 :func:`validate_recipe` loads the config, probes the store, finds the data, builds the tokenizer,
-the model and the fragment plan with the same builders a run uses (:func:`~diloco_async.tokens.open_corpus`,
+the model and the fragment plan with the same builders a run uses (:func:`~diloco_async.data.tokens.open_corpus`,
 :func:`~diloco_async.models.build_run_model`, :func:`~diloco_async.models.build.plan_of`),
 and returns one :class:`Check` per step, each with its outcome and, when it fails, the recipe field
 at fault. It starts no process and creates no run: the only object it writes is a probe under the
@@ -192,14 +192,14 @@ def _step(checks: list[Check], name: str, field: str | None, fn, *args) -> Any:
 
 
 def _data(cfg: Config) -> tuple[Any, str]:
-    from diloco_async.data import resolve_sources
+    from diloco_async.data.sources import resolve_sources
 
     files = resolve_sources(cfg.data)
     return files, f"{len(files)} file(s), {sum(f.size_bytes for f in files):,} bytes"
 
 
 def _tokens(cfg: Config) -> tuple[Any, str]:
-    from diloco_async.tokens import open_corpus
+    from diloco_async.data.tokens import open_corpus
 
     corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
     corpus.shard(cfg.learners.count - 1, cfg.learners.count)  # every learner gets a usable shard

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from diloco_async.config.schema import Config
+from diloco_async.data.tokens import Corpus, open_corpus
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.models import build_run_model, trainable_parameters
-from diloco_async.tokens import Corpus, open_corpus
 
 __all__ = ["Workload", "inner_optimizer", "inner_step", "warmup_lr", "data_generator", "jitter_random",
            "emulated_delay_s"]
@@ -185,7 +185,7 @@ class Workload:
         return self.world * self.batch_size * self.context
 
     def load_data(self, cfg: Config, index: int) -> int:
-        """Map the tokenized corpus (:func:`~diloco_async.tokens.open_corpus`, built once per machine)
+        """Map the tokenized corpus (:func:`~diloco_async.data.tokens.open_corpus`, built once per machine)
         and keep shard ``index`` of ``learners.count``; returns its size in tokens.
 
         Raises:

@@ -112,7 +112,7 @@ def _check_config(path: str | None, overrides: list[str]) -> str | None:
     """Resolve the recipe (a path or a shipped name), validate it and list its corpus URLs before
     anything starts; print the error (no traceback) and return None if bad, else the recipe's path."""
     from diloco_async.config.schema import load_config
-    from diloco_async.data import resolve_sources
+    from diloco_async.data.sources import resolve_sources
     from diloco_async.validate import resolve_recipe
 
     try:

@@ -35,15 +35,15 @@ from rich.progress import (
 )
 
 from diloco_async.config.schema import Config, config_hash, load_config
-from diloco_async.data import corpus_urls
+from diloco_async.data.sources import corpus_urls
+from diloco_async.data.tokenizer import transformers_tokenizer
+from diloco_async.data.tokens import open_corpus
 from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.supervisor import Restart
 from diloco_async.sync import open_checkpoint
-from diloco_async.tokenizer import transformers_tokenizer
-from diloco_async.tokens import open_corpus
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
 from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent

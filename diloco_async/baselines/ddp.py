@@ -64,12 +64,12 @@ import torch.distributed as dist
 
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config.schema import Config, config_hash, load_config
+from diloco_async.data.tokens import Corpus, open_corpus
 from diloco_async.devices import set_cpu_math
 from diloco_async.inner_state import InnerState, capture, restore
 from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.sync import initial_parameters
-from diloco_async.tokens import Corpus, open_corpus
 from diloco_async.workload import (
     data_generator,
     emulated_delay_s,

@@ -12,16 +12,16 @@ from pathlib import Path
 
 from test_data import WORDS, data_cfg, prose, text_corpus  # noqa: F401, F811 (shared with unit/test_data.py; fixtures among them)
 
-from diloco_async.tokens import open_corpus
+from diloco_async.data.tokens import open_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 _CONCURRENT = textwrap.dedent("""
     import hashlib, json, pathlib, sys, time
-    import diloco_async.tokenizer as t
+    import diloco_async.data.tokenizer as t
     from diloco_async.config.data import DataConfig
-    from diloco_async.tokens import open_corpus
+    from diloco_async.data.tokens import open_corpus
     calls = []
     real = t.train_bpe
     t.train_bpe = lambda text, n: calls.append(1) or real(text, n)
@@ -54,7 +54,7 @@ _MAPPER = textwrap.dedent("""
     import json, sys
     import numpy as np, psutil
     from diloco_async.config.data import DataConfig
-    from diloco_async.tokens import open_corpus
+    from diloco_async.data.tokens import open_corpus
     cfg = DataConfig(source="urls", urls=[sys.argv[1]], token_cache_dir=sys.argv[2])
     m = psutil.Process().memory_info()
     before = m.rss - m.shared

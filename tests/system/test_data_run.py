@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from diloco_async.config.schema import load_config
+from diloco_async.data.tokens import open_corpus
 from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.model import ByteGPT
 from diloco_async.run import RunProcesses
 from diloco_async.sync import initial_parameters
-from diloco_async.tokens import open_corpus
 from storage.checkpoint import latest_checkpoint
 
 PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")

@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import diloco_async.tokenizer as tokenizer_mod
+import diloco_async.data.tokenizer as tokenizer_mod
 from diloco_async.config.data import DataConfig
 from diloco_async.config.schema import load_config
-from diloco_async.data import corpus_bytes, resolve_sources
-from diloco_async.tokenizer import check_vocab, train_bpe
-from diloco_async.tokens import Corpus, bits_per_byte, open_corpus, split_point
+from diloco_async.data.sources import corpus_bytes, resolve_sources
+from diloco_async.data.tokenizer import check_vocab, train_bpe
+from diloco_async.data.tokens import Corpus, bits_per_byte, open_corpus, split_point
 
 WORDS = ("the king queen lord lady sword crown love death night day speak hear thou thee thy good noble "
          "fair heaven earth father mother son daughter honour grace war peace blood heart").split()
@@ -256,8 +256,8 @@ def test_a_trained_bpe_saved_beside_an_hf_model_loads_back_with_autotokenizer(tm
     gives the ids the run trained on; the bytes tokenizer has nothing to save."""
     from transformers import AutoTokenizer
 
+    from diloco_async.data.tokenizer import END_OF_TEXT, transformers_tokenizer
     from diloco_async.models import ModelConfig, build_model, save_final_model
-    from diloco_async.tokenizer import END_OF_TEXT, transformers_tokenizer
 
     cfg = data_cfg(text_corpus(tmp_path / "t"), tmp_path / "c", tokenizer="bpe:300")
     corpus = open_corpus(cfg, context=16, model_vocab=300)

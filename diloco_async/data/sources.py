@@ -8,7 +8,7 @@ by fsspec URLs or globs (file://, memory://, s3://, gs://; no hub).
   nothing or only empty files; :func:`corpus_digest` is the sha256 of their content and of the
   reading settings (the key of every cache built from them).
 * :func:`corpus_bytes` reads the documents (a text file, a JSONL record's field, a Parquet row's
-  column) and joins them with ``\n`` into the corpus bytes that :mod:`diloco_async.tokens` splits
+  column) and joins them with ``\n`` into the corpus bytes that :mod:`diloco_async.data.tokens` splits
   and tokenizes.
 """
 

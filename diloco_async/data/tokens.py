@@ -1,9 +1,9 @@
 """Token files: the corpus tokenized once, cached, and memory-mapped by every process.
 
-:func:`open_corpus` reads the configured corpus (:mod:`diloco_async.data`), splits its bytes into
+:func:`open_corpus` reads the configured corpus (:mod:`diloco_async.data.sources`), splits its bytes into
 a training part and a held-out tail (``data.eval_fraction`` of the bytes, moved back to a UTF-8
 character boundary: the same bytes whatever the tokenizer and the learner count), tokenizes both
-with the configured tokenizer (:mod:`diloco_async.tokenizer`) and writes them to
+with the configured tokenizer (:mod:`diloco_async.data.tokenizer`) and writes them to
 ``{token_cache_dir}/tokens/{corpus digest}-{tokenizer digest}-{eval_fraction}/`` (``train.bin``,
 ``heldout.bin``, ``meta.json`` last), under a file lock and through a temporary folder renamed
 into place. Every later call, in any process, maps those files read-only (``numpy.memmap``): the
@@ -31,8 +31,8 @@ import torch
 from filelock import FileLock
 
 from diloco_async.config.data import DataConfig, parse_tokenizer_spec
-from diloco_async.data import corpus_bytes, corpus_digest, resolve_sources
-from diloco_async.tokenizer import Tokenizer, check_vocab, load_tokenizer, token_dtype
+from diloco_async.data.sources import corpus_bytes, corpus_digest, resolve_sources
+from diloco_async.data.tokenizer import Tokenizer, check_vocab, load_tokenizer, token_dtype
 
 __all__ = ["Corpus", "HeldoutSplit", "open_corpus", "bits_per_byte", "split_point"]
 
@@ -185,7 +185,7 @@ def open_corpus(cfg: DataConfig, context: int, model_vocab: int | None = None) -
         cfg: the ``[data]`` section.
         context: window length T in tokens.
         model_vocab: rows of the model's token embedding; when given, a larger tokenizer is refused
-            (:func:`~diloco_async.tokenizer.check_vocab`) before any BPE is trained.
+            (:func:`~diloco_async.data.tokenizer.check_vocab`) before any BPE is trained.
 
     Raises:
         FileNotFoundError: a data URL matches no file, or the tokenizer.json does not exist.
