@@ -156,7 +156,7 @@ def _wait(pred, timeout_s: float, what: str, term: Terminal, interval_s: float =
 
 
 def _merging(url: str) -> bool:
-    from diloco_async.client import fetch_status
+    from diloco_async.protocol.client import fetch_status
 
     try:
         st = fetch_status(url, timeout_s=10.0)

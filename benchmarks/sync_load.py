@@ -78,7 +78,7 @@ from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_over_runs
 from benchmarks.sync_load_learners import RUN_ID, LoadResult, LoadSpec, _generator, generators_for
-from diloco_async.client import TOKEN_ENV
+from diloco_async.protocol.client import TOKEN_ENV
 
 __all__ = ["LoadSpec", "LoadResult", "run_load", "bars", "main"]
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import aiohttp
 import torch
 
-from diloco_async.auth import learner_token
-from diloco_async.client import ChannelClosed, ProtocolError, RequestChannel
 from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
+from diloco_async.protocol.auth import learner_token
+from diloco_async.protocol.client import ChannelClosed, ProtocolError, RequestChannel
 from storage import keys
 from storage.store import ObjectStore
 
@@ -119,7 +119,7 @@ class _Learner:
 
     async def post(self, kind: str, path: str, body: dict) -> dict | None:
         """Send ``kind`` as the real learner's client does (heartbeats and announcements over the
-        WebSocket when it is open, else HTTP; :class:`diloco_async.client.SyncClient`); the
+        WebSocket when it is open, else HTTP; :class:`diloco_async.protocol.client.SyncClient`); the
         latency from send to answer is measured after the warm-up."""
         self.res.sent[kind] = self.res.sent.get(kind, 0) + 1
         t0 = time.monotonic()

@@ -4,7 +4,7 @@
 :data:`LINK_DELAY_ENV` holds the one-way delay in milliseconds of the link the process's traffic
 crosses. Each process adds it to every exchange that crosses that link:
 
-* a learner's synchronizer client (:class:`~diloco_async.client.SyncClient`): each HTTP request
+* a learner's synchronizer client (:class:`~diloco_async.protocol.client.SyncClient`): each HTTP request
   and the WebSocket handshake wait one round trip (2 x delay), each pushed message one delay;
 * a learner's object store (:class:`~storage.latency.LatencyStore`): each request one round trip;
 * a DDP rank (:mod:`diloco_async.baselines.ddp`): each gradient all-reduce waits

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from diloco_async.config.schema import BudgetConfig
 from diloco_async.fragments import fragment_offset
-from diloco_async.messages import Announcement
+from diloco_async.protocol.messages import Announcement
 
 __all__ = ["budget_spent_at_checkpoint", "GraceDecision", "grace_window", "global_step", "round_due_step",
            "ScheduleDecision", "schedule_rounds", "schedule_shift", "stuck_round_reason", "budget_stop_reason",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 
 __all__ = ["ProcessHandle", "Launcher", "LocalProcess", "LocalProcessLauncher", "ForkedProcess",
            "ForkServerLauncher", "stop_process", "wait_for_ready_file"]

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_async.auth import check_run_secret, learner_token
-from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.config.schema import Config
 from diloco_async.devices import check_devices
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.learner.group import torchrun_args
 from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
+from diloco_async.protocol.auth import check_run_secret, learner_token
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.supervisor import Restart, Supervisor
 from diloco_async.sync import new_run_id
 from storage import keys

@@ -130,8 +130,8 @@ def _weak_secret() -> bool:
     flow makes a fresh random one)."""
     import os
 
-    from diloco_async.auth import check_run_secret
-    from diloco_async.client import TOKEN_ENV
+    from diloco_async.protocol.auth import check_run_secret
+    from diloco_async.protocol.client import TOKEN_ENV
 
     secret = os.environ.get(TOKEN_ENV, "")
     try:
@@ -295,9 +295,9 @@ def _token(args: argparse.Namespace) -> int:
     import os
     import re
 
-    from diloco_async.auth import learner_token
-    from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
-    from diloco_async.messages import LEARNER_ID_PATTERN
+    from diloco_async.protocol.auth import learner_token
+    from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+    from diloco_async.protocol.messages import LEARNER_ID_PATTERN
 
     secret = os.environ.get(TOKEN_ENV, "")
     if not secret:

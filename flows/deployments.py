@@ -18,7 +18,7 @@ Secrets never travel as flow parameters: credentials and the storage options
 (``DILOCO_STORAGE_OPTIONS``, JSON) come from the flow run's environment, i.e. the ``env`` job
 variable of the work pool or of the flow run. The synchronizer and checkpoint flows need the run's
 secret (``DILOCO_RUN_TOKEN``); a learner flow needs only its own token (``DILOCO_LEARNER_TOKEN``,
-see :mod:`diloco_async.auth`), which the ``train`` flow puts in each learner flow run's ``env``.
+see :mod:`diloco_async.protocol.auth`), which the ``train`` flow puts in each learner flow run's ``env``.
 
 Why in-process: a learner or synchronizer started by these flows *is* the flow-run process. A
 process work pool's worker runs each flow run as the leader of its own process group and, on
@@ -42,8 +42,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from diloco_async.auth import check_run_secret
-from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.protocol.auth import check_run_secret
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: F401  (STORAGE_OPTIONS_ENV: re-exported; no torch)
 
 # Only Prefect at import time: on cancellation the process worker imports this module again in a
@@ -208,11 +208,11 @@ def request_checkpoint(sync_url: str, store_url: str, token: str, storage_option
 
     Raises:
         RuntimeError: the synchronizer refused or failed the checkpoint (e.g. a wrong token:
-            ``diloco_async.client.ProtocolError`` with 401, or a learner's token: 403), or no
+            ``diloco_async.protocol.client.ProtocolError`` with 401, or a learner's token: 403), or no
             checkpoint at least as new as the one it reported verifies in the store.
         ConnectionError: the synchronizer is not reachable.
     """
-    from diloco_async.client import call_blocking
+    from diloco_async.protocol.client import call_blocking
     from storage.checkpoint import latest_checkpoint
     from storage.store import ObjectStore
 

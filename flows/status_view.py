@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from diloco_async.client import fetch_status
+from diloco_async.protocol.client import fetch_status
 
 __all__ = ["fetch_status", "render_status", "main"]
 

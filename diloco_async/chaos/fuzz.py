@@ -8,7 +8,7 @@ starts as a valid message of the fuzz's own learners and gets at most one mutati
 out-of-range number, a wrong type, NaN/Infinity, an integer of thousands of digits, deep nesting,
 a huge string, an unknown or missing key, another learner's id, a replayed or stale message, raw
 bytes that are not JSON or not UTF-8. Headers are valid (built by the caller through
-:class:`~diloco_async.client.SyncClient`) or hostile (none, wrong token, another learner's token,
+:class:`~diloco_async.protocol.client.SyncClient`) or hostile (none, wrong token, another learner's token,
 non-ASCII). Pure: no I/O; the same seed gives the same requests.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco_async.messages import COUNT_MAX, STEP_MAX
+from diloco_async.protocol.messages import COUNT_MAX, STEP_MAX
 
 __all__ = ["FuzzRequest", "RequestGenerator", "HeadersFor"]
 

@@ -25,13 +25,13 @@ import aiohttp
 import psutil
 from yarl import URL
 
-from diloco_async.auth import learner_token
 from diloco_async.chaos.fuzz import FuzzRequest, RequestGenerator
 from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, published_extremes
 from diloco_async.chaos.slow_clients import SlowClients
-from diloco_async.client import SyncClient
 from diloco_async.config.schema import load_config
 from diloco_async.fragments import FragmentPlan
+from diloco_async.protocol.auth import learner_token
+from diloco_async.protocol.client import SyncClient
 from diloco_async.run import RunProcesses
 
 __all__ = ["FuzzResult", "run_api_fuzz", "send_request", "fuzz_overrides", "NO_ANSWER", "CLIENT_REFUSED"]

@@ -1,7 +1,7 @@
 """Scripted protocol clients of a live synchronizer: honest learners that keep rounds merging
 without a model, and a poisoner that announces hostile contribution objects (issue 14).
 
-Both speak HTTP through :class:`~diloco_async.client.SyncClient` with the learner's own token
+Both speak HTTP through :class:`~diloco_async.protocol.client.SyncClient` with the learner's own token
 (:func:`learner_token`), write their objects to the run's real store and are driven by asyncio
 tasks; neither imports the learner or trains. Used by the API fuzz (:mod:`diloco_async.chaos.fuzz_run`).
 """
@@ -18,10 +18,10 @@ from collections import Counter, deque
 import aiohttp
 import torch
 
-from diloco_async.auth import learner_token
-from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.codec import wire
 from diloco_async.fragments import FragmentPlan
+from diloco_async.protocol.auth import learner_token
+from diloco_async.protocol.client import ProtocolError, SyncClient
 from storage import keys
 from storage.store import ObjectStore, object_digest
 

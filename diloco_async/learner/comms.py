@@ -4,10 +4,10 @@ It joins, sends heartbeats (which bring open rounds, new versions and the stop s
 the WebSocket push channel, downloads new versions for the training thread, and runs the upload
 pipeline (:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announcements go over
 the push channel's WebSocket while it is open and over HTTP while it is not (before it connects,
-after the synchronizer restarts, until it reconnects): :class:`~diloco_async.client.SyncClient`.
+after the synchronizer restarts, until it reconnects): :class:`~diloco_async.protocol.client.SyncClient`.
 If the synchronizer is unreachable the learner keeps training and reconnects with exponential
 backoff; after ``give_up_after_s`` without any answer the comms fail with
-:class:`~diloco_async.client.ProtocolError` (the learner exits 3).
+:class:`~diloco_async.protocol.client.ProtocolError` (the learner exits 3).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import aiohttp
 import torch
 
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
-from diloco_async.client import ProtocolError, SyncClient
 from diloco_async.codec import versions as version_codec
 from diloco_async.config.schema import Config
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
-from diloco_async.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.priority import BACKGROUND_NICE, lower_thread_priority
-from diloco_async.versions import read_version
+from diloco_async.protocol.client import ProtocolError, SyncClient
+from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
+from diloco_async.protocol.versions import read_version
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Comms", "ControlFaults"]
@@ -107,7 +107,7 @@ class Comms:
         """Download and decode a published version (blocking; verifies size and sha256): its
         compact form when there is one this learner can rebuild exactly (a whole one, or a delta
         from the version it holds; :mod:`diloco_async.codec.versions`), else the fp32 value
-        streamed into tensors allocated once (:func:`diloco_async.versions.read_version`). Either
+        streamed into tensors allocated once (:func:`diloco_async.protocol.versions.read_version`). Either
         way the result is the synchronizer's published value bit for bit, kept in a local file
         (:class:`~diloco_async.base_file.BaseFile`), not in RAM, unless ``base_in_ram``
         (:class:`~diloco_async.base_file.HeldBase`, pinned for ``pin_device``). Counts the bytes and seconds

@@ -3,7 +3,7 @@ torchrun group (``RANK``/``WORLD_SIZE`` set by ``torch.distributed.run``; see
 :mod:`diloco_async.learner.group`): rank 0 runs the :class:`Learner`, the others follow it.
 
 Environment: ``DILOCO_LEARNER_TOKEN`` (required: this learner's own token, see
-:func:`diloco_async.auth.learner_token` and ``diloco-async token``), ``DILOCO_STORAGE_OPTIONS`` (JSON
+:func:`diloco_async.protocol.auth.learner_token` and ``diloco-async token``), ``DILOCO_STORAGE_OPTIONS`` (JSON
 fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records),
 ``DILOCO_LINK_DELAY_MS`` (optional one-way link latency added to every exchange, :mod:`diloco_async.link_delay`).
 Exit codes: 0 stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from diloco_async.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.heap import limit_heap_retention
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
 from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
 from diloco_async.process_clock import process_uptime_s
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.timeline import Recorder
 from storage.digest import set_hash_threads, usable_cores
 from storage.latency import LatencyStore

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import torch
 
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
-from diloco_async.client import ProtocolError
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.devices import set_cpu_math
 from diloco_async.fragments import FragmentPlan, plan_differences
@@ -30,9 +29,10 @@ from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
-from diloco_async.messages import JoinResponse, VersionInfo
 from diloco_async.models import plan_of
 from diloco_async.process_clock import process_uptime_s
+from diloco_async.protocol.client import ProtocolError
+from diloco_async.protocol.messages import JoinResponse, VersionInfo
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload
 from storage import keys
@@ -53,7 +53,7 @@ class Learner:
         index: data shard index in ``[0, learners.count)``.
         sync_url: base URL of the synchronizer, e.g. ``http://127.0.0.1:8765``.
         store: the run's object store (same root as the synchronizer's).
-        token: this learner's own token (:func:`diloco_async.auth.learner_token`).
+        token: this learner's own token (:func:`diloco_async.protocol.auth.learner_token`).
         incarnation: restart count of this slot (0 for the first start).
         give_up_after_s: exit when the synchronizer has not answered for this long.
         recorder: where timeline records go (none written by default).
@@ -62,7 +62,7 @@ class Learner:
         group: rank 0's side of the learner's torchrun group (None: a one-process learner); the
             config, the starting point and every step boundary go to the other ranks.
         link_delay_s: one-way latency added to each exchange with the synchronizer
-            (:class:`~diloco_async.client.SyncClient`; the store's is the caller's, e.g. a
+            (:class:`~diloco_async.protocol.client.SyncClient`; the store's is the caller's, e.g. a
             :class:`~storage.latency.LatencyStore`).
     """
 

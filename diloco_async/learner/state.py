@@ -12,7 +12,7 @@ import torch
 
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.link import LinkMeter
-from diloco_async.messages import JoinResponse, VersionInfo
+from diloco_async.protocol.messages import JoinResponse, VersionInfo
 
 __all__ = ["UploadJob", "SpooledState", "Stats", "Shared"]
 

@@ -18,11 +18,11 @@ import time
 
 import aiohttp
 
-from diloco_async.client import SyncClient
 from diloco_async.codec import wire
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
-from diloco_async.messages import AnnouncementAck
+from diloco_async.protocol.client import SyncClient
+from diloco_async.protocol.messages import AnnouncementAck
 from storage import keys
 from storage.checkpoint import write_state, write_state_file
 from storage.store import ObjectRef, ObjectStore

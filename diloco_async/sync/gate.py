@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from diloco_async.auth import FORBIDDEN, UNAUTHENTICATED, Credentials
+from diloco_async.protocol.auth import FORBIDDEN, UNAUTHENTICATED, Credentials
 from diloco_async.sync.logs import RateLimitedLog
 
 __all__ = ["Gate", "EDGE_REASONS", "BODY_TIMEOUT", "LOG_EVERY_S", "ProtocolErrorFilter", "quiet_protocol_errors"]
@@ -32,7 +32,7 @@ class Gate:
     """Credentials of the run and the edge's refusal counters.
 
     Args:
-        credentials: checks bearer credentials (:class:`~diloco_async.auth.Credentials`).
+        credentials: checks bearer credentials (:class:`~diloco_async.protocol.auth.Credentials`).
         counts: the counters by reason, shared with the status (written only here).
         clock: monotonic clock in seconds of the log's rate limit.
     """

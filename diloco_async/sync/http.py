@@ -1,7 +1,7 @@
 """The synchronizer's HTTP face: an aiohttp application in front of the actor.
 
 Routes (JSON bodies, pydantic-validated) and the credential each needs
-(``Authorization: Bearer <credential>``, see :mod:`diloco_async.auth`):
+(``Authorization: Bearer <credential>``, see :mod:`diloco_async.protocol.auth`):
 
 * ``POST /join``, ``POST /heartbeat``, ``POST /announce`` and the WebSocket ``GET /ws?learner_id=L``
   (pushes ``round_open``, ``version`` and ``stop`` events, and answers the heartbeats and
@@ -23,7 +23,7 @@ same way); a connection that sends no complete request within ``synchronizer.idl
 closed. A join beyond ``synchronizer.max_learners`` gets 403 with reason ``learner_cap``.
 
 A body or query that does not validate (not UTF-8, not JSON, nested too deep, an integer of more
-than 4300 digits, not an object, a field out of its bounds — see :mod:`diloco_async.messages`)
+than 4300 digits, not an object, a field out of its bounds — see :mod:`diloco_async.protocol.messages`)
 gets 400 with ``{"error": "bad_request: ...", "reason": ...}`` naming the field, counted under
 ``bad_request`` and by reason (a body from a sender with no valid credential gets 401 instead).
 JSON out is always standard JSON: non-finite floats become null.
@@ -49,8 +49,8 @@ from typing import Any
 from aiohttp import WSCloseCode, web
 from pydantic import BaseModel
 
-from diloco_async.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
-from diloco_async.messages import Announcement, Heartbeat, JoinRequest, MetricsQuery
+from diloco_async.protocol.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
+from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest, MetricsQuery
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest as _BadRequest
 from diloco_async.sync.bodies import decode as _decode

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from diloco_async.goodput import LearnerLedger
-from diloco_async.messages import Heartbeat, JoinRequest
 from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times
+from diloco_async.protocol.messages import Heartbeat, JoinRequest
 from diloco_async.sync.wire_bytes import WireBytes
 
 __all__ = ["LearnerInfo", "LearnerRegistry"]

@@ -2,7 +2,7 @@
 
 :func:`serve` runs the actor behind its HTTP server until the budget is spent; :func:`main`
 is the command line. The run's secret comes from the environment (``DILOCO_RUN_TOKEN``) and is
-never logged; learners authenticate with tokens derived from it (:mod:`diloco_async.auth`).
+never logged; learners authenticate with tokens derived from it (:mod:`diloco_async.protocol.auth`).
 Extra storage options (JSON) come from ``DILOCO_STORAGE_OPTIONS``.
 
 Before it publishes anything the process takes the run's lease (:mod:`~diloco_async.sync.lease`).
@@ -28,10 +28,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
-from diloco_async.client import TOKEN_ENV
 from diloco_async.config.schema import Config, load_config
 from diloco_async.heap import limit_heap_retention
+from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
+from diloco_async.protocol.client import TOKEN_ENV
 from diloco_async.sync.actor import Stopped, Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import make_app, runner_options

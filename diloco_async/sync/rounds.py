@@ -19,7 +19,6 @@ from diloco_async.fragments import fragment_offset
 from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.heap import release_free_memory
 from diloco_async.merge.core import token_weight
-from diloco_async.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.pace import PaceLimits, implausible_contribution
 from diloco_async.policy import (
     GraceDecision,
@@ -33,6 +32,7 @@ from diloco_async.policy import (
     schedule_shift,
     stuck_round_reason,
 )
+from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from diloco_async.sync.work import fetch_and_verify, merge_and_publish, rejection_reason
 from storage import keys

@@ -20,10 +20,10 @@ from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.fragments import FragmentPlan
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer
-from diloco_async.messages import Announcement, CompactInfo
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy import Ema, FragmentFacts, RoundState
-from diloco_async.versions import VersionHistory
+from diloco_async.protocol.messages import Announcement, CompactInfo
+from diloco_async.protocol.versions import VersionHistory
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from diloco_async.messages import HeartbeatResponse, RoundOpen, VersionInfo
+from diloco_async.protocol.messages import HeartbeatResponse, RoundOpen, VersionInfo
 from diloco_async.sync.state import FragmentState
 
 __all__ = ["VersionInfos", "HeartbeatReplies", "REPLIES_CAP"]
@@ -15,7 +15,7 @@ REPLIES_CAP = 256
 
 
 class VersionInfos:
-    """Every fragment's current :class:`~diloco_async.messages.VersionInfo`, built again only after
+    """Every fragment's current :class:`~diloco_async.protocol.messages.VersionInfo`, built again only after
     a fragment's version (or its object) changed: a heartbeat reply costs no model construction."""
 
     def __init__(self) -> None:

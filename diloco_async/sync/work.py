@@ -39,7 +39,7 @@ from diloco_async.merge.core import (
     merge_and_step,
     token_weight,
 )
-from diloco_async.messages import CompactInfo
+from diloco_async.protocol.messages import CompactInfo
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
 from storage.checkpoint import safetensors_nbytes, write_safetensors

@@ -32,8 +32,8 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel
 
-from diloco_async.auth import FORBIDDEN
-from diloco_async.messages import Announcement, Heartbeat
+from diloco_async.protocol.auth import FORBIDDEN
+from diloco_async.protocol.messages import Announcement, Heartbeat
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest, decode, validate
 from diloco_async.sync.gate import Gate

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from diloco_async.client import ProtocolError, SyncClient, call_blocking, fetch_status, request_checkpoint
+from diloco_async.protocol.client import ProtocolError, SyncClient, call_blocking, fetch_status, request_checkpoint
 
 TOKEN = "client-token"
 

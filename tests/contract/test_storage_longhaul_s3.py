@@ -81,9 +81,9 @@ def test_learner_never_announces_a_short_object(tmp_path):
     a truncated contribution is reported failed and no announcement is sent; a whole one is."""
     from aiohttp import web
 
-    from diloco_async.client import SyncClient
     from diloco_async.learner.state import Shared, UploadJob
     from diloco_async.learner.uploads import Uploads
+    from diloco_async.protocol.client import SyncClient
 
     announced: list[dict] = []
 

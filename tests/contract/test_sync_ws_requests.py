@@ -20,8 +20,8 @@ from aiohttp import web
 from test_auth import RUN, SECRET, put_contribution, serving, token
 from test_synchronizer import small_config
 
-from diloco_async.client import ChannelClosed, ProtocolError, ReplyError, RequestChannel, SyncClient
 from diloco_async.fragments import FragmentPlan
+from diloco_async.protocol.client import ChannelClosed, ProtocolError, ReplyError, RequestChannel, SyncClient
 from diloco_async.sync import Synchronizer, make_app, runner_options
 from diloco_async.sync.http import OPEN_SOCKETS, WS_COUNTS
 from storage.store import ObjectStore
@@ -237,7 +237,7 @@ async def test_the_learners_comms_use_the_socket_and_fall_back_to_http_across_a_
 
 
 async def test_the_actor_handles_the_queued_messages_before_one_clock_driven_pass():
-    from diloco_async.messages import Heartbeat, JoinRequest
+    from diloco_async.protocol.messages import Heartbeat, JoinRequest
     from diloco_async.sync.actor import BATCH_MAX
     from diloco_async.sync.state import Request
 

@@ -10,7 +10,7 @@ import sys
 def test_the_client_imports_neither_torch_nor_the_learner():
     import subprocess
 
-    code = ("import json, sys, diloco_async.client; "
+    code = ("import json, sys, diloco_async.protocol.client; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('torch', 'diloco_async.learner')))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []

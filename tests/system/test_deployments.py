@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.client import TOKEN_ENV, fetch_status
+from diloco_async.protocol.client import TOKEN_ENV, fetch_status
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -382,8 +382,8 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     sync_pids = _pids_with_arg(run_id)
     assert sync_pids and all(before.values()), (before, sync_pids)
     # while it runs: what the scheduled `checkpoint` deployment does, against the live synchronizer
-    from diloco_async.auth import learner_token
-    from diloco_async.client import LEARNER_TOKEN_ENV
+    from diloco_async.protocol.auth import learner_token
+    from diloco_async.protocol.client import LEARNER_TOKEN_ENV
     from flows.deployments import request_checkpoint
 
     learner_env = runs[0].job_variables["env"]  # a learner's flow run gets its own token, not the run secret

@@ -31,11 +31,11 @@ from test_learner_faults import serve_in_process, stop_in_process
 from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess, any_store, one_checkpoint  # noqa: F401, F811 (fixture)
 from test_storage_contract import BACKENDS, open_store
 
-from diloco_async.client import TOKEN_ENV, request_checkpoint
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
 from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
+from diloco_async.protocol.client import TOKEN_ENV, request_checkpoint
 from diloco_async.sync import Synchronizer
 from diloco_async.sync.lease import FencedStore, LeaseExpired, LeaseHeld, LeaseLost, acquire, read_holder
 from diloco_async.sync.process import EXIT_LEASE_HELD, EXIT_LEASE_LOST

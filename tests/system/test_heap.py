@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from diloco_async.client import LEARNER_TOKEN_ENV
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
                                 reason="the settings are glibc's")

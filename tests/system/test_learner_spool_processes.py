@@ -35,8 +35,8 @@ def test_the_learner_process_sets_its_switch_interval_threads_and_heap_before_an
     import subprocess
     import sys
 
-    from diloco_async.client import LEARNER_TOKEN_ENV
     from diloco_async.learner.main import LEARNER_SWITCH_INTERVAL_S
+    from diloco_async.protocol.client import LEARNER_TOKEN_ENV
 
     code = ("import sys, torch; from diloco_async.learner.main import main; "
             "rc = main(['--learner-id', 'l0', '--index', '0', '--sync-url', 'http://127.0.0.1:9', "

@@ -12,8 +12,8 @@ import time
 import pytest
 from test_client import TOKEN, _app, serving
 
-from diloco_async.client import SyncClient
 from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
+from diloco_async.protocol.client import SyncClient
 from diloco_async.wan.methods import WanPlacement
 from diloco_async.wan.scenario import load_wan_scenario
 from storage.faults import FaultyStore
@@ -43,7 +43,7 @@ def test_each_client_request_takes_a_round_trip_longer(monkeypatch):
     real_sleep = asyncio.sleep
 
     def sleep(delay: float, result=None):
-        if sys._getframe(1).f_globals.get("__name__") == "diloco_async.client":
+        if sys._getframe(1).f_globals.get("__name__") == "diloco_async.protocol.client":
             waits.append(delay)
         return real_sleep(delay, result)
 

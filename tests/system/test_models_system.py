@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text  # as `make bench-lora`
-from diloco_async.auth import learner_token
-from diloco_async.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
@@ -26,6 +24,8 @@ from diloco_async.models import (
     trainable_parameters,
 )
 from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
+from diloco_async.protocol.auth import learner_token
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.sync import initial_state
 from diloco_async.workload import Workload
 from storage import keys

@@ -87,7 +87,7 @@ WEAK = ["short-secret", "a" * 64, "ab" * 40]
 
 @pytest.mark.parametrize("secret", WEAK)
 def test_a_weak_run_secret_is_refused_naming_the_variable_and_never_the_secret(secret):
-    from diloco_async.auth import check_run_secret
+    from diloco_async.protocol.auth import check_run_secret
 
     with pytest.raises(ValueError, match="DILOCO_RUN_TOKEN is too weak") as err:
         check_run_secret(secret)
@@ -97,7 +97,7 @@ def test_a_weak_run_secret_is_refused_naming_the_variable_and_never_the_secret(s
 def test_random_secrets_of_the_documented_kinds_are_accepted():
     import secrets
 
-    from diloco_async.auth import MIN_SECRET_CHARS, check_run_secret
+    from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
 
     for secret in (secrets.token_hex(16), secrets.token_hex(32), secrets.token_urlsafe(32)):
         assert check_run_secret(secret) == secret
@@ -105,8 +105,8 @@ def test_random_secrets_of_the_documented_kinds_are_accepted():
 
 
 def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, capsys):
-    from diloco_async.client import TOKEN_ENV
     from diloco_async.config.schema import load_config
+    from diloco_async.protocol.client import TOKEN_ENV
     from diloco_async.run import RunProcesses
     from flows.cli import main
     from flows.deployments import _require_token

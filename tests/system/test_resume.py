@@ -19,8 +19,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from diloco_async.client import TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
 from diloco_async.codec import wire
+from diloco_async.protocol.client import TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
 from storage import keys
 from storage.checkpoint import load_checkpoint
 from storage.options import STORAGE_OPTIONS_ENV

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from benchmarks.ctrl_c import Terminal, command_env, train_overrides
-from diloco_async.client import fetch_status
+from diloco_async.protocol.client import fetch_status
 from storage import keys
 
 from polling import wait_until

@@ -144,7 +144,7 @@ def loop_on(device: str, rule: str):
 @cuda
 @pytest.mark.parametrize("rule", ["overwrite", "rebase", "mix"])
 def test_contribution_and_adoption_on_a_gpu_match_the_cpu(rule):
-    from diloco_async.messages import VersionInfo
+    from diloco_async.protocol.messages import VersionInfo
 
     results = {}
     for device in ("cpu", "cuda"):

@@ -291,7 +291,7 @@ def _direction_round():
     """A fragment and one round of it: three honest outer gradients along a shared trend, the
     negative of a fourth ("flip") and a constant tensor of the usual size ("const")."""
     from diloco_async.fragments import plan_fragments, specs_of
-    from diloco_async.messages import Announcement
+    from diloco_async.protocol.messages import Announcement
     from diloco_async.sync.state import Contribution, new_fragments
 
     torch.manual_seed(0)
@@ -377,7 +377,7 @@ class _HonestLearner:
     heartbeat period, and reaches the synchronizer ``delays_s[k]`` seconds later."""
 
     def __init__(self, rate: float, delays_s: list[float], period_s: float = 0.25) -> None:
-        from diloco_async.messages import JoinRequest
+        from diloco_async.protocol.messages import JoinRequest
         from diloco_async.sync.learners import LearnerRegistry
 
         self.rate, self.delays_s, self.period_s = rate, delays_s, period_s
@@ -391,7 +391,7 @@ class _HonestLearner:
         return math.floor(self.rate * t_s)
 
     def run(self) -> None:
-        from diloco_async.messages import Heartbeat
+        from diloco_async.protocol.messages import Heartbeat
 
         answered_s = 0.0  # the join's answer
         for delay_s in self.delays_s:
@@ -441,7 +441,7 @@ def test_after_a_resume_the_pace_allowance_counts_across_the_gap():
     lets the learners' first heartbeats report the 20 s of steps they took meanwhile: counted
     from the restore, a learner at 90 steps/s was clamped (and its next contribution refused)
     after every restart."""
-    from diloco_async.messages import Heartbeat
+    from diloco_async.protocol.messages import Heartbeat
 
     learner = _HonestLearner(90.0, [0.001] * 40)
     learner.run()  # 40 heartbeats: ~10 s of training
@@ -461,7 +461,7 @@ def test_a_heartbeat_resent_or_delivered_late_does_not_move_the_window():
     """The same heartbeat resent over HTTP after the WebSocket closed (same step), and an older
     one delivered after a newer one (lower step), leave the step and the window where the
     newest new step put them: either would start the window after that step was reached."""
-    from diloco_async.messages import Heartbeat
+    from diloco_async.protocol.messages import Heartbeat
 
     learner = _HonestLearner(90.0, [0.001] * 8)
     learner.run()

@@ -3,7 +3,6 @@
 import pytest
 
 from diloco_async.config.schema import BudgetConfig
-from diloco_async.messages import Announcement
 from diloco_async.policy import (
     Ema,
     FragmentFacts,
@@ -17,6 +16,7 @@ from diloco_async.policy import (
     round_due_step,
     schedule_rounds,
 )
+from diloco_async.protocol.messages import Announcement
 
 
 def test_quorum_then_grace_merges_first_two_and_third_is_late():

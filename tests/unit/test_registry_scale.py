@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from diloco_async.messages import Heartbeat, JoinRequest
+from diloco_async.protocol.messages import Heartbeat, JoinRequest
 from diloco_async.sync.learners import LearnerRegistry
 
 TIMEOUT_S = 5.0

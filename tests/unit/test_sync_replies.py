@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 from diloco_async.config.schema import load_config
-from diloco_async.messages import Announcement, Heartbeat, JoinRequest
+from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest
 from diloco_async.sync import Synchronizer
 from diloco_async.sync.version_infos import REPLIES_CAP
 from storage import keys

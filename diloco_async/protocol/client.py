@@ -3,8 +3,8 @@
 Routes (``diloco_async.server``): ``POST /join``, ``/heartbeat``, ``/announce`` and the WebSocket
 push channel ``GET /ws`` (a learner's own token, or the run secret), ``POST /checkpoint`` and
 ``GET /metrics`` (the run secret), ``GET /status`` and ``/health`` (open); see
-:mod:`diloco_async.auth`. Bodies are JSON objects shaped like the models of
-:mod:`diloco_async.messages`; this module sends and returns plain dicts so that it imports
+:mod:`diloco_async.protocol.auth`. Bodies are JSON objects shaped like the models of
+:mod:`diloco_async.protocol.messages`; this module sends and returns plain dicts so that it imports
 neither torch nor the learner (the status view and the flows use it).
 
 Errors:
@@ -37,7 +37,7 @@ __all__ = ["TOKEN_ENV", "LEARNER_TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "Proto
 #: processes (flows, checkpoint requests); never to a learner.
 TOKEN_ENV = "DILOCO_RUN_TOKEN"
 #: The environment variable that carries a learner's own token
-#: (:func:`diloco_async.auth.learner_token`) to that learner's process.
+#: (:func:`diloco_async.protocol.auth.learner_token`) to that learner's process.
 LEARNER_TOKEN_ENV = "DILOCO_LEARNER_TOKEN"
 #: Seconds one request may take (the default of ``learners.request_timeout_s``).
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
