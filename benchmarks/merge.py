@@ -219,7 +219,7 @@ def measure_guard(nbytes: int, m: int, repeat: int) -> dict:
     """Best-of-``repeat`` seconds of the direction guard's cosines over one round (``work._screen``
     computes them before a merge of 3 or more with the guard on, the default), piece by piece
     and as the previous implementation did (``tests/guard_reference.py``), interleaved."""
-    from diloco_async.guard import leave_one_out_cosines
+    from diloco_async.policy.guard import leave_one_out_cosines
     from tests import guard_reference
 
     _as_the_synchronizer()

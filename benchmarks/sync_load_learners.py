@@ -20,7 +20,7 @@ import aiohttp
 import torch
 
 from diloco_async.codec import wire
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import ChannelClosed, ProtocolError, RequestChannel
 from storage import keys

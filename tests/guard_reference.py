@@ -1,4 +1,4 @@
-"""PREVIOUS IMPLEMENTATION of ``diloco_async.guard.leave_one_out_cosines`` (main at 8c4b547),
+"""PREVIOUS IMPLEMENTATION of ``diloco_async.policy.guard.leave_one_out_cosines`` (main at 8c4b547),
 frozen for comparison: whole tensors converted to float64 (a float64 copy of each tensor per
 read, three reads of each outer gradient). ``benchmarks/merge.py`` times the piece-by-piece
 version against it as context. Not used by the library; do not edit or "fix" it."""

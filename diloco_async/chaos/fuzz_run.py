@@ -29,7 +29,7 @@ from diloco_async.chaos.fuzz import FuzzRequest, RequestGenerator
 from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, published_extremes
 from diloco_async.chaos.slow_clients import SlowClients
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import SyncClient
 from diloco_async.run import RunProcesses

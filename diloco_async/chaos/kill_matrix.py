@@ -32,7 +32,7 @@ from diloco_async.chaos.scripted import published_extremes
 from diloco_async.chaos.targets import PRELOAD
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.procs import ForkServerLauncher
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses

@@ -2,7 +2,7 @@
 
 Kept apart from :mod:`diloco_async.config.schema` (which references :class:`GuardConfig`) so that
 module stays small. What each bound means, and what it does not catch, is in ``docs/`` (threat
-model) and in :mod:`diloco_async.guard` and :mod:`diloco_async.pace`.
+model) and in :mod:`diloco_async.policy.guard` and :mod:`diloco_async.policy.pace`.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco_async.config.schema import Config
 from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
-from diloco_async.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.model import embedding_names
 from diloco_async.parent_death import die_with_parent
+from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.workload import Workload
 
 __all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]

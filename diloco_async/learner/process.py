@@ -22,7 +22,6 @@ import torch
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.devices import set_cpu_math
-from diloco_async.fragments import FragmentPlan, plan_differences
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.group import LearnerGroup, place_workload
@@ -30,6 +29,7 @@ from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
 from diloco_async.models import plan_of
+from diloco_async.policy.fragments import FragmentPlan, plan_differences
 from diloco_async.process_clock import process_uptime_s
 from diloco_async.protocol.client import ProtocolError
 from diloco_async.protocol.messages import JoinResponse, VersionInfo

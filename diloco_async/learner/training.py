@@ -22,7 +22,6 @@ import torch
 
 from diloco_async.base_file import BaseFile
 from diloco_async.config.schema import Config
-from diloco_async.fragments import FragmentPlan, fragment_offset
 from diloco_async.heap import ReleaseWhenItPays, release_free_memory
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.faults import poison_outer_gradient
@@ -30,6 +29,7 @@ from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
+from diloco_async.policy.fragments import FragmentPlan, fragment_offset
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload, emulated_delay_s, jitter_random
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from diloco_async.goodput import LearnerLedger
-from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times
+from diloco_async.policy.pace import PaceLimits, bounded_advance, clamp_step_times
 from diloco_async.protocol.messages import Heartbeat, JoinRequest
 from diloco_async.sync.wire_bytes import WireBytes
 
@@ -64,7 +64,7 @@ class LearnerRegistry:
     Args:
         pace: the pace limits a heartbeat's step and tokens_total are held to (None: unbounded).
         max_step_time_s, step_time_multiple: the clamp of reported step times
-            (:func:`~diloco_async.pace.clamp_step_times`).
+            (:func:`~diloco_async.policy.pace.clamp_step_times`).
     """
 
     def __init__(self, pace: PaceLimits | None = None, max_step_time_s: float = math.inf,
@@ -122,7 +122,7 @@ class LearnerRegistry:
 
     def slowest_step_s(self) -> float | None:
         """Step time (s) of the slowest live learner that reported one, or None; each reported
-        time clamped by :func:`~diloco_async.pace.clamp_step_times`."""
+        time clamped by :func:`~diloco_async.policy.pace.clamp_step_times`."""
         times = [i.step_time_s for i in self.live() if i.step_time_s]
         clamped = clamp_step_times(times, max_s=self.max_step_time_s, multiple=self.step_time_multiple)
         return max(clamped) if clamped else None

@@ -16,7 +16,7 @@ import torch
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, apply_overrides, config_differences, config_hash, load_config
-from diloco_async.policy import budget_spent_at_checkpoint
+from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.protocol.versions import VersionHistory, read_version
 from diloco_async.sync.state import FragmentState
 from diloco_async.sync.work import put_version

@@ -2,7 +2,7 @@
 verify contributions, close them on quorum and grace, merge and publish, apply the result.
 
 :class:`RoundDriver` runs the rounds of :class:`~diloco_async.sync.actor.Synchronizer` on the actor's state and task
-only; decisions are :mod:`diloco_async.policy`'s, blocking work :mod:`diloco_async.sync.work`'s."""
+only; decisions are :mod:`diloco_async.policy.rounds`'s, blocking work :mod:`diloco_async.sync.work`'s."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, SynchronizerConfig
-from diloco_async.fragments import fragment_offset
-from diloco_async.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.heap import release_free_memory
 from diloco_async.merge.core import token_weight
-from diloco_async.pace import PaceLimits, implausible_contribution
-from diloco_async.policy import (
+from diloco_async.policy.fragments import fragment_offset
+from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
+from diloco_async.policy.pace import PaceLimits, implausible_contribution
+from diloco_async.policy.rounds import (
     GraceDecision,
     RoundStage,
     RoundState,

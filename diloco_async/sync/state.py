@@ -17,11 +17,11 @@ import torch
 
 from diloco_async.codec.held import EncodedTensors
 from diloco_async.config.schema import Config, SynchronizerConfig
-from diloco_async.fragments import FragmentPlan
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
-from diloco_async.policy import Ema, FragmentFacts, RoundState
+from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.policy.rounds import Ema, FragmentFacts, RoundState
 from diloco_async.protocol.messages import Announcement, CompactInfo
 from diloco_async.protocol.versions import VersionHistory
 from storage.store import ObjectRef, ObjectStore
@@ -129,7 +129,7 @@ class FragmentState:
             self.published = self.current
 
     def facts(self) -> FragmentFacts:
-        """What :func:`diloco_async.policy.admit_announcement` needs of this fragment."""
+        """What :func:`diloco_async.policy.rounds.admit_announcement` needs of this fragment."""
         return FragmentFacts(self.version, self.next_round, frozenset(self.history))
 
 

@@ -23,13 +23,6 @@ import torch
 from diloco_async.codec import versions as version_codec
 from diloco_async.codec import wire
 from diloco_async.codec.held import EncodedTensors, load_encoded
-from diloco_async.guard import (
-    direction_factor,
-    leave_one_out_cosines,
-    non_finite_tensors,
-    sustained_anti_alignment,
-    tensor_norms,
-)
 from diloco_async.merge.core import (
     AnchoredDelta,
     AnchoredNotFinite,
@@ -38,6 +31,13 @@ from diloco_async.merge.core import (
     check_anchored,
     merge_and_step,
     token_weight,
+)
+from diloco_async.policy.guard import (
+    direction_factor,
+    leave_one_out_cosines,
+    non_finite_tensors,
+    sustained_anti_alignment,
+    tensor_norms,
 )
 from diloco_async.protocol.messages import CompactInfo
 from diloco_async.sync.state import Contribution, FragmentState, Merged
@@ -141,7 +141,7 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
                      block_size: int = wire.DEFAULT_BLOCK_SIZE,
                      ) -> tuple[dict[str, torch.Tensor] | EncodedTensors, dict[str, float], dict[str, torch.Tensor]]:
     """The outer gradient at ``ref``, checked, the L2 norm of each tensor (for the update guard,
-    :mod:`diloco_async.guard`) and the same norms as float32 0-dim tensors, as the merge's RDA
+    :mod:`diloco_async.policy.guard`) and the same norms as float32 0-dim tensors, as the merge's RDA
     computes them (``torch.linalg.vector_norm`` of the float32 tensor, bit for bit; only where
     finite), so that the merge need not read Δ once more for them (``AnchoredDelta(norms=...)``).
     The guard's value is that float32 norm, or the float64 one where float32 overflows. It is
@@ -203,7 +203,7 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
     why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
     cannot take the round down; one that points away from the rest of its round is weighted down,
     and left out when its learner's recent cosines (``learner_cosines``) point away too (the
-    direction guard, :mod:`diloco_async.guard`). Without ``check``, the anchored values are
+    direction guard, :mod:`diloco_async.policy.guard`). Without ``check``, the anchored values are
     taken as finite here (``merge_and_step`` checks them as it goes)."""
     kept, weights, anchored, raw, dropped = [], [], [], [], []
     candidates, failed = [], []  # (index, contribution, weight, anchored, delta); (index, (learner, why))
@@ -253,7 +253,7 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
     judged and one points away from the others (cosine ≤ 0, factor 0), the one pointing away most
     is taken out of the others' consensus and they are judged again without it. It is left out
     (``dropped``, direction_outlier) if it is anti-aligned and its learner keeps pointing away
-    (:func:`~diloco_async.guard.sustained_anti_alignment`; never while the guard warms up, with
+    (:func:`~diloco_async.policy.guard.sustained_anti_alignment`; never while the guard warms up, with
     no ``reference``), else merged at zero weight. So the merged weights never all fall to zero,
     and the cosines that warm the guard up are judged against a consensus without them. Returns
     each learner's cosine (when last judged) and factor."""

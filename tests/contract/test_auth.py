@@ -27,7 +27,7 @@ from aiohttp import web
 from test_synchronizer import fragment_delta, small_config
 
 from diloco_async.codec import wire
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import Credentials, learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from diloco_async.sync import Synchronizer, make_app, runner_options

@@ -21,7 +21,7 @@ from test_sync_status_board import actor_passes
 from test_synchronizer import AUTH, LEARNERS, running, small_config
 
 from diloco_async.codec import wire
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from storage import keys
 
 from polling import await_until, newer_status

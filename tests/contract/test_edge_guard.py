@@ -21,7 +21,7 @@ from test_sync_status_board import actor_passes
 from test_synchronizer import LEARNERS, published, running, small_config
 
 from diloco_async.codec import wire
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.sync.state import Verified
 from storage import keys
 

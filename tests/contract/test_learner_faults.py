@@ -14,8 +14,8 @@ import uuid
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.sync import Synchronizer, make_app
 from storage import keys

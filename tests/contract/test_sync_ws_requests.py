@@ -20,7 +20,7 @@ from aiohttp import web
 from test_auth import RUN, SECRET, put_contribution, serving, token
 from test_synchronizer import small_config
 
-from diloco_async.fragments import FragmentPlan
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import ChannelClosed, ProtocolError, ReplyError, RequestChannel, SyncClient
 from diloco_async.sync import Synchronizer, make_app, runner_options
 from diloco_async.sync.http import OPEN_SOCKETS, WS_COUNTS

@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import FragmentPlan
 from diloco_async.merge.core import OuterOptimizer, merge_outer_gradients
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.persistence import restore
 from storage import keys

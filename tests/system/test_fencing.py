@@ -33,8 +33,8 @@ from test_storage_contract import BACKENDS, open_store
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import FragmentPlan
 from diloco_async.learner import Learner
+from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import TOKEN_ENV, request_checkpoint
 from diloco_async.sync import Synchronizer
 from diloco_async.sync.lease import FencedStore, LeaseExpired, LeaseHeld, LeaseLost, acquire, read_holder

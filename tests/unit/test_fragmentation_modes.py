@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from diloco_async.config.schema import ModelConfig, config_differences, load_config
-from diloco_async.fragments import (
+from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.models.build import plan_of
+from diloco_async.policy.fragments import (
     FRAGMENTATIONS,
     FragmentPlan,
     TensorSpec,
@@ -16,8 +18,6 @@ from diloco_async.fragments import (
     plan_fragments,
     specs_of,
 )
-from diloco_async.model import ByteGPT, embedding_names
-from diloco_async.models.build import plan_of
 
 MODEL = ModelConfig(n_layer=4)
 

@@ -1,8 +1,8 @@
 import pytest
 
 from diloco_async.config.schema import ModelConfig
-from diloco_async.fragments import FragmentPlan, TensorSpec, fragment_offset, plan_fragments, specs_of
 from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.policy.fragments import FragmentPlan, TensorSpec, fragment_offset, plan_fragments, specs_of
 
 
 def test_balanced_greedy_largest_first():

@@ -12,7 +12,8 @@ import torch
 from diloco_async.codec import wire
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.schema import load_config
-from diloco_async.guard import (
+from diloco_async.learner.faults import poison_outer_gradient
+from diloco_async.policy.guard import (
     DirectionGuard,
     LearnerDirections,
     NormGuard,
@@ -22,9 +23,8 @@ from diloco_async.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
-from diloco_async.learner.faults import poison_outer_gradient
-from diloco_async.pace import PaceLimits, bounded_advance, clamp_step_times, implausible_contribution
-from diloco_async.policy import RoundState, schedule_shift, stuck_round_reason
+from diloco_async.policy.pace import PaceLimits, bounded_advance, clamp_step_times, implausible_contribution
+from diloco_async.policy.rounds import RoundState, schedule_shift, stuck_round_reason
 from diloco_async.sync.work import merge_and_publish
 from storage.store import ObjectStore
 
@@ -224,7 +224,7 @@ def test_leave_one_out_cosines_by_pieces_equal_the_whole_fragment_formula(piece,
     """Summed piece by piece (pieces that end inside tensors, several tensors, a zero outer
     gradient, bf16 ones), the cosines are those of whole-fragment float64 vectors (to float32's
     precision)."""
-    import diloco_async.guard as guard
+    import diloco_async.policy.guard as guard
 
     monkeypatch.setattr(guard, "COSINE_PIECE_ELEMENTS", piece)
     gen = torch.Generator().manual_seed(3)
@@ -290,7 +290,7 @@ def test_direction_guard_warms_up_and_keeps_only_whole_positive_cosines():
 def _direction_round():
     """A fragment and one round of it: three honest outer gradients along a shared trend, the
     negative of a fourth ("flip") and a constant tensor of the usual size ("const")."""
-    from diloco_async.fragments import plan_fragments, specs_of
+    from diloco_async.policy.fragments import plan_fragments, specs_of
     from diloco_async.protocol.messages import Announcement
     from diloco_async.sync.state import Contribution, new_fragments
 

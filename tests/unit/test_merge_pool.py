@@ -16,8 +16,8 @@ from test_merge_equivalence import chunk  # noqa: F401, F811 (fixture: the merge
 import diloco_async.merge.buffers as buffers
 import diloco_async.merge.core as merge
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import plan_fragments, specs_of
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
+from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.messages import Announcement
 from diloco_async.sync.state import Contribution, new_fragments
 from diloco_async.sync.work import merge_and_publish, merge_workspace

@@ -13,7 +13,6 @@ import torch
 
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.schema import load_config
-from diloco_async.fragments import FragmentPlan, plan_differences, plan_fragments, specs_of
 from diloco_async.model import ByteGPT
 from diloco_async.models import (
     CausalLM,
@@ -25,6 +24,7 @@ from diloco_async.models import (
     save_final_model,
     trainable_parameters,
 )
+from diloco_async.policy.fragments import FragmentPlan, plan_differences, plan_fragments, specs_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

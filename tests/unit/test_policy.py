@@ -3,7 +3,7 @@
 import pytest
 
 from diloco_async.config.schema import BudgetConfig
-from diloco_async.policy import (
+from diloco_async.policy.rounds import (
     Ema,
     FragmentFacts,
     GraceDecision,
@@ -244,7 +244,7 @@ def test_budget_stop_reason():
 
 def test_budget_spent_at_checkpoint_names_the_figure_and_the_override():
     from diloco_async.config.schema import BudgetConfig
-    from diloco_async.policy import budget_spent_at_checkpoint
+    from diloco_async.policy.rounds import budget_spent_at_checkpoint
 
     manifest = {"global_step": 40, "ledgers": {"a": {"tokens_processed": 600}, "b": {"tokens_processed": 500}}}
     assert budget_spent_at_checkpoint(BudgetConfig(tokens=2000), manifest) is None
@@ -286,7 +286,7 @@ def test_a_learner_refused_before_admission_no_longer_counts_towards_the_quorum(
     """An honest fast learner's first contribution refused as implausible_steps (a heartbeat ~1 s
     stale) left its round waiting for it at 1/2 until the step budget ended the run with no merge:
     the refusal happened before admission, so the round still counted it as able to announce."""
-    from diloco_async.policy import RoundStage, RoundState
+    from diloco_async.policy.rounds import RoundStage, RoundState
 
     rnd = RoundState(fragment=0, round_n=1, opened_s=0.0, min_quorum=2)
     rnd.announce("a", "ka", 0.0)

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco_async.config.schema import BudgetConfig
-from diloco_async.fragments import fragment_offset
+from diloco_async.policy.fragments import fragment_offset
 from diloco_async.protocol.messages import Announcement
 
 __all__ = ["budget_spent_at_checkpoint", "GraceDecision", "grace_window", "global_step", "round_due_step",
