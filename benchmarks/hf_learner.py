@@ -32,10 +32,10 @@ from pathlib import Path
 from benchmarks.args import description, non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
 from diloco_async.config.schema import Config, load_config
-from diloco_async.devices import set_cpu_math
 from diloco_async.learner.group import place_workload
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
+from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.timeline import read_records
 from diloco_async.workload import Workload
 

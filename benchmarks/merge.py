@@ -65,8 +65,8 @@ import torch
 
 from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
-from diloco_async.heap import limit_heap_retention, release_free_memory
 from diloco_async.merge import core as new
+from diloco_async.runtime.heap import limit_heap_retention, release_free_memory
 from diloco_async.sync import process as sync_process
 from diloco_async.sync.work import merge_workspace
 

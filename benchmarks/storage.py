@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from benchmarks.args import description, positive_int
-from diloco_async.procs import stop_process
+from diloco_async.runtime.procs import stop_process
 from storage.store import ObjectStore
 
 __all__ = ["bench_storage", "main"]

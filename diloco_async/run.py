@@ -3,7 +3,7 @@ synchronizer's metric stream.
 
 :class:`RunProcesses` starts the synchronizer (``python -m diloco_async.server``) and waits until
 it listens, starts learner ``i`` as incarnation ``j`` (``python -m diloco_async.learner``) under
-a :class:`~diloco_async.supervisor.Supervisor`, reads new metric points and the run's status
+a :class:`~diloco_async.runtime.supervisor.Supervisor`, reads new metric points and the run's status
 over HTTP, and stops everything. The ``train`` flow (``flows/train.py``) adds MLflow, Prefect
 deployments and the report; the chaos harness (:mod:`diloco_async.chaos.targets`) drives one
 under a fault schedule.
@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from diloco_async.config.schema import Config
-from diloco_async.devices import check_devices
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.learner.group import torchrun_args
-from diloco_async.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
 from diloco_async.protocol.auth import check_run_secret, learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
-from diloco_async.supervisor import Restart, Supervisor
+from diloco_async.runtime.devices import check_devices
+from diloco_async.runtime.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
+from diloco_async.runtime.supervisor import Restart, Supervisor
 from diloco_async.sync import new_run_id
 from storage import keys
 from storage.options import STORAGE_OPTIONS_ENV
@@ -53,7 +53,7 @@ class RunProcesses:
 
     Raises:
         ValueError: with ``run.launcher = "local"``, a learner's device is absent on this machine
-            (before anything starts; see :func:`diloco_async.devices.check_devices`).
+            (before anything starts; see :func:`diloco_async.runtime.devices.check_devices`).
 
     Attributes:
         workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines.

@@ -12,7 +12,7 @@
   the store (deployed with an interval schedule).
 
 With ``run.launcher = "deployments"``, :class:`DeploymentLauncher` starts the ``train`` flow's
-learners as such flow runs; a :class:`FlowRunHandle` follows one (``diloco_async.procs.ProcessHandle``).
+learners as such flow runs; a :class:`FlowRunHandle` follows one (``diloco_async.runtime.procs.ProcessHandle``).
 
 Secrets never travel as flow parameters: credentials and the storage options
 (``DILOCO_STORAGE_OPTIONS``, JSON) come from the flow run's environment, i.e. the ``env`` job
@@ -105,8 +105,8 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
             "--incarnation", str(incarnation), "--give-up-after-s", str(give_up_after_s),
             "--group-timeout-s", str(group_timeout_s)]
     if nproc_per_learner * nnodes > 1:
-        from diloco_async.devices import LearnerDeviceFields
         from diloco_async.learner.group import torchrun_args
+        from diloco_async.runtime.devices import LearnerDeviceFields
 
         group = LearnerDeviceFields(nproc_per_learner=nproc_per_learner, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
         argv = [sys.executable, *torchrun_args(group, f"{run_id}-{learner_id}-{incarnation}"), *args]

@@ -29,7 +29,7 @@ from prefect.logging.handlers import APILogWorker
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, get_current_settings
 
-from diloco_async.parent_death import guarded_argv
+from diloco_async.runtime.parent_death import guarded_argv
 
 __all__ = ["temporary_server", "OwnSessionServer", "drain_prefect_workers", "DRAIN_TIMEOUT_S", "STOP_GRACE_S"]
 

@@ -42,7 +42,7 @@ from diloco_async.evaluation import heldout_loss, heldout_split, model_from_chec
 from diloco_async.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
-from diloco_async.supervisor import Restart
+from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_checkpoint
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher

@@ -21,9 +21,9 @@ from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_ch
 from diloco_async.heldout_monitor import load_versions
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.policy.fragments import FragmentPlan
-from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.procs import stop_process
+from diloco_async.runtime.procs import stop_process
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
           "AWS_DEFAULT_REGION": "us-east-1"}

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from diloco_async.config.schema import load_config  # noqa: E402
-from diloco_async.procs import ForkServerLauncher  # noqa: E402
 from diloco_async.run import RunProcesses  # noqa: E402
+from diloco_async.runtime.procs import ForkServerLauncher  # noqa: E402
 from diloco_async.wan.launch import NetnsLauncher, start_moto_server  # noqa: E402
 from diloco_async.wan.netns import LinkSpec, WanNet, enter_netns  # noqa: E402
 from storage import keys  # noqa: E402

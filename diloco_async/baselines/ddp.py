@@ -15,7 +15,7 @@ emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``; ``--speed``/``
 default to ``learners.speed_factors[r]``/``learners.step_jitter``; the jitter RNG is seeded like
 learner r's), all-reduce the averaged
 gradients (one flat fp32 buffer whose last two elements are the stop flags), clip, AdamW step.
-With ``DILOCO_LINK_DELAY_MS`` set (the WAN harness's regions, :mod:`diloco_async.link_delay`),
+With ``DILOCO_LINK_DELAY_MS`` set (the WAN harness's regions, :mod:`diloco_async.runtime.link_delay`),
 each all-reduce also waits the ring's latency, ``2 (M - 1) x 2 x delay`` (counted in ``wait_s``).
 
 Checkpoints are ``torchrun``-style: every ``--checkpoint-every-steps`` steps rank 0 writes the
@@ -65,10 +65,10 @@ import torch.distributed as dist
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config.schema import Config, config_hash, load_config
 from diloco_async.data.tokens import Corpus, open_corpus
-from diloco_async.devices import set_cpu_math
 from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
-from diloco_async.process_clock import process_uptime_s
+from diloco_async.runtime.devices import set_cpu_math
+from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
+from diloco_async.runtime.process_clock import process_uptime_s
 from diloco_async.sync import initial_parameters
 from diloco_async.workload import (
     data_generator,

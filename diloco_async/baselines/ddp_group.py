@@ -1,7 +1,7 @@
 """Start, signal and stop the M rank processes of the data-parallel baseline.
 
 :class:`DdpGroup` runs one incarnation at a time: ``start(i)`` launches the ranks of incarnation
-``i`` (a fresh rendezvous port each time) through :class:`diloco_async.procs.LocalProcessLauncher`,
+``i`` (a fresh rendezvous port each time) through :class:`diloco_async.runtime.procs.LocalProcessLauncher`,
 each rank in its own process group. ``torchrun`` semantics are the caller's: when any rank dies,
 kill the rest (:meth:`DdpGroup.kill_all`), wait until every slot is available again, then
 ``start(i + 1)``; the new incarnation resumes from the newest checkpoint.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_async.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
+from diloco_async.runtime.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
 from storage.options import STORAGE_OPTIONS_ENV
 
 __all__ = ["DdpGroup", "free_port"]

@@ -33,9 +33,9 @@ from diloco_async.chaos.targets import PRELOAD
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
 from diloco_async.policy.fragments import FragmentPlan
-from diloco_async.procs import ForkServerLauncher
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses
+from diloco_async.runtime.procs import ForkServerLauncher
 from storage import keys
 
 __all__ = ["KillMatrix", "KillMatrixResult", "kill_overrides", "merged_contributions"]

@@ -19,7 +19,7 @@ from diloco_async.config.data import DataConfig
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.tomlfile import read_toml
-from diloco_async.devices import LearnerDeviceFields
+from diloco_async.runtime.devices import LearnerDeviceFields
 
 __all__ = [
     "RunConfig",

@@ -28,10 +28,10 @@ from diloco_async.config.schema import Config
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
-from diloco_async.priority import BACKGROUND_NICE, lower_thread_priority
 from diloco_async.protocol.client import ProtocolError, SyncClient
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.protocol.versions import read_version
+from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority
 from storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Comms", "ControlFaults"]

@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco_async.config.schema import Config
-from diloco_async.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.model import embedding_names
-from diloco_async.parent_death import die_with_parent
 from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.runtime.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
+from diloco_async.runtime.parent_death import die_with_parent
 from diloco_async.workload import Workload
 
 __all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]
@@ -198,7 +198,7 @@ def place_workload(workload: Workload, cfg: Config, index: int, local_rank: int 
     precision; returns the device.
 
     Raises:
-        ValueError: the device is absent here (see :func:`diloco_async.devices.resolve_device`).
+        ValueError: the device is absent here (see :func:`diloco_async.runtime.devices.resolve_device`).
     """
     lc = cfg.learners
     device = resolve_device(lc.device_of(index), local_rank, lc.nproc_per_learner)

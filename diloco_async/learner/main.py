@@ -5,7 +5,8 @@ torchrun group (``RANK``/``WORLD_SIZE`` set by ``torch.distributed.run``; see
 Environment: ``DILOCO_LEARNER_TOKEN`` (required: this learner's own token, see
 :func:`diloco_async.protocol.auth.learner_token` and ``diloco-async token``), ``DILOCO_STORAGE_OPTIONS`` (JSON
 fsspec options of the store), ``DILOCO_TIMELINE_DIR`` (optional folder for timeline records),
-``DILOCO_LINK_DELAY_MS`` (optional one-way link latency added to every exchange, :mod:`diloco_async.link_delay`).
+``DILOCO_LINK_DELAY_MS`` (optional one-way link latency added to every exchange,
+:mod:`diloco_async.runtime.link_delay`).
 Exit codes: 0 stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or
 refused us (or, on a rank other than 0, rank 0 could not join).
 """
@@ -21,12 +22,12 @@ from typing import Any
 
 import torch
 
-from diloco_async.heap import limit_heap_retention
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
-from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
-from diloco_async.process_clock import process_uptime_s
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, ProtocolError
+from diloco_async.runtime.heap import limit_heap_retention
+from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
+from diloco_async.runtime.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
 from storage.digest import set_hash_threads, usable_cores
 from storage.latency import LatencyStore
@@ -40,7 +41,7 @@ log = logging.getLogger("diloco.learner")
 #: Folder for per-learner timeline records (``{dir}/{learner_id}.jsonl``); unset: none written.
 TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
 
-#: the learner's C heap (diloco_async/heap.py): buffers of LEARNER_MMAP_THRESHOLD_BYTES and more are
+#: the learner's C heap (diloco_async/runtime/heap.py): buffers of LEARNER_MMAP_THRESHOLD_BYTES and more are
 #: mapped on their own and given back when freed; up to LEARNER_TRIM_THRESHOLD_BYTES free at the top
 #: of the heap stay there; one arena for every thread. With a fixed mmap threshold glibc's trim
 #: threshold stays at 128 KiB, so the buffers a step frees at its end went back to the system and
@@ -53,7 +54,7 @@ TIMELINE_DIR_ENV = "DILOCO_TIMELINE_DIR"
 #: is there for the comms thread's buffers too (RSS at 25M / 50M 5.77 / 5.48x the model with two
 #: arenas at 16 / 32, 5.52 / 5.44x with one; 5.60 / 5.45x at 32 / 64; 5.35 / 5.26x at 4 MiB).
 #: The training thread still hands the free pages back after large frees when that pays
-#: (diloco_async.heap.ReleaseWhenItPays; without any release 5.88 / 5.58x at 16 / 32)
+#: (diloco_async.runtime.heap.ReleaseWhenItPays; without any release 5.88 / 5.58x at 16 / 32)
 LEARNER_MMAP_THRESHOLD_BYTES = 32 << 20
 LEARNER_TRIM_THRESHOLD_BYTES = 64 << 20
 LEARNER_HEAP_ARENAS = 1

@@ -21,7 +21,6 @@ import torch
 
 from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.config.schema import Config, config_hash
-from diloco_async.devices import set_cpu_math
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.group import LearnerGroup, place_workload
@@ -30,9 +29,10 @@ from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
 from diloco_async.models import plan_of
 from diloco_async.policy.fragments import FragmentPlan, plan_differences
-from diloco_async.process_clock import process_uptime_s
 from diloco_async.protocol.client import ProtocolError
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
+from diloco_async.runtime.devices import set_cpu_math
+from diloco_async.runtime.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload
 from storage import keys

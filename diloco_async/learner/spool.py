@@ -38,7 +38,7 @@ import torch
 from diloco_async.inner_state import InnerState
 from diloco_async.learner.device_copies import DeviceMark, side_stream_after, snapshot_on_device
 from diloco_async.learner.state import Shared, SpooledState
-from diloco_async.priority import BACKGROUND_NICE, lower_thread_priority
+from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority
 from storage.checkpoint import spool_state
 
 __all__ = ["StateSpooler", "MUTABLE_PREFIXES", "new_spool_folder", "remove_dead_spool_folders"]

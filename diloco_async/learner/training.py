@@ -22,7 +22,6 @@ import torch
 
 from diloco_async.base_file import BaseFile
 from diloco_async.config.schema import Config
-from diloco_async.heap import ReleaseWhenItPays, release_free_memory
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
@@ -30,6 +29,7 @@ from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, 
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.policy.fragments import FragmentPlan, fragment_offset
+from diloco_async.runtime.heap import ReleaseWhenItPays, release_free_memory
 from diloco_async.timeline import Recorder
 from diloco_async.workload import Workload, emulated_delay_s, jitter_random
 
@@ -37,7 +37,7 @@ __all__ = ["InnerLoop"]
 
 log = logging.getLogger("diloco.learner")
 
-#: a release of the C heap's free pages (:class:`~diloco_async.heap.ReleaseWhenItPays`) pays when
+#: a release of the C heap's free pages (:class:`~diloco_async.runtime.heap.ReleaseWhenItPays`) pays when
 #: the next step faults back at most the model's fp32 size, or when it kept this share of the
 #: model's fp32 size (at least :data:`HEAP_RELEASE_MIN_GAIN_BYTES`) and half what it faulted back
 HEAP_RELEASE_GAIN_OF_MODEL = 0.125

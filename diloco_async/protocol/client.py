@@ -137,7 +137,7 @@ class SyncClient:
         before_post: awaited with the path before every POST (chaos: delay or drop a control
             message by raising ``aiohttp.ClientConnectionError``).
         link_delay_s: one-way latency this client adds to each exchange with the synchronizer
-            (:mod:`diloco_async.link_delay`; the WAN harness's regions): every request and the
+            (:mod:`diloco_async.runtime.link_delay`; the WAN harness's regions): every request and the
             WebSocket handshake wait one round trip (``2 x link_delay_s``) before they are sent,
             every pushed message waits ``link_delay_s`` before it is handed on. Not part of
             ``request_timeout_s``. Raises ValueError when negative.

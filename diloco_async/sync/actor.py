@@ -27,12 +27,12 @@ from typing import Any
 
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.goodput import LearnerLedger
-from diloco_async.heap import release_free_memory
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits
 from diloco_async.policy.rounds import RoundStage, budget_stop_reason
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
+from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, reporting
 from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async.config.schema import SynchronizerConfig
-from diloco_async.heap import release_free_memory
+from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.persistence import checkpoint_payload
 from diloco_async.sync.state import CheckpointDone
 from storage.checkpoint import write_checkpoint

@@ -29,9 +29,9 @@ from pathlib import Path
 from aiohttp import web
 
 from diloco_async.config.schema import Config, load_config
-from diloco_async.heap import limit_heap_retention
 from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.protocol.client import TOKEN_ENV
+from diloco_async.runtime.heap import limit_heap_retention
 from diloco_async.sync.actor import Stopped, Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import make_app, runner_options
@@ -69,7 +69,7 @@ held the loop 30-340 ms of wall time):
 what survives the young ones is frozen every :data:`FREEZE_EVERY_S` instead, and a full sweep runs
 every :data:`SWEEP_EVERY_S` (:func:`freeze_long_lived`)."""
 
-#: the synchronizer's C heap maps buffers of 4 MiB and more on their own (diloco_async/heap.py):
+#: the synchronizer's C heap maps buffers of 4 MiB and more on their own (diloco_async/runtime/heap.py):
 #: at 25M parameters its peak RSS beyond the baseline fell from 5.6-6.8x to 4-5x the model
 SYNC_MMAP_THRESHOLD_BYTES = 4 << 20
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, SynchronizerConfig
-from diloco_async.heap import release_free_memory
 from diloco_async.merge.core import token_weight
 from diloco_async.policy.fragments import fragment_offset
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
@@ -33,6 +32,7 @@ from diloco_async.policy.rounds import (
     stuck_round_reason,
 )
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
+from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from diloco_async.sync.work import fetch_and_verify, merge_and_publish, rejection_reason
 from storage import keys

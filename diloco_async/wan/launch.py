@@ -1,6 +1,6 @@
 """Place a run's processes in the namespaces of a :class:`~diloco_async.wan.netns.WanNet`.
 
-* :class:`NetnsLauncher` wraps any :class:`~diloco_async.procs.Launcher`: the process named
+* :class:`NetnsLauncher` wraps any :class:`~diloco_async.runtime.procs.Launcher`: the process named
   ``name`` starts inside namespace ``ns_for(name)`` (through :mod:`diloco_async.wan.nsexec`, so a
   fork server keeps its speed: the fork enters the namespace, then runs the preloaded module).
 * :func:`start_moto_server`: moto's S3 server in the hub namespace, on the hub's address.
@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from diloco_async.procs import Launcher, ProcessHandle
+from diloco_async.runtime.procs import Launcher, ProcessHandle
 from diloco_async.wan.netns import WanNet, call_in_netns
 from diloco_async.wan.nsexec import nsexec_argv
 
@@ -37,7 +37,7 @@ MOTO_START_TIMEOUT_S = 60.0
 
 
 class NetnsLauncher:
-    """A :class:`~diloco_async.procs.Launcher` that starts each process inside a network namespace.
+    """A :class:`~diloco_async.runtime.procs.Launcher` that starts each process inside a network namespace.
 
     Args:
         inner: the launcher that really starts processes (``LocalProcessLauncher``,
@@ -45,7 +45,7 @@ class NetnsLauncher:
         ns_for: process name (``"synchronizer"``, ``"learner-3"``, ...) -> namespace, or None to
             start it in the caller's namespace.
         env_for: process name -> extra environment of that process (after the caller's ``env``),
-            e.g. its link's added latency (:data:`~diloco_async.link_delay.LINK_DELAY_ENV`).
+            e.g. its link's added latency (:data:`~diloco_async.runtime.link_delay.LINK_DELAY_ENV`).
 
     ``start(name, argv, env)`` passes ``["-m", "diloco_async.wan.nsexec", ns, *argv]`` to the inner
     launcher, which runs ``python argv...`` inside ``ns`` (see :mod:`diloco_async.wan.nsexec`).

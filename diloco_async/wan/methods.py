@@ -15,7 +15,7 @@ the namespaces of a :class:`~diloco_async.wan.netns.WanNet`:
   a ``file://`` store beside the run.
 
 Link latency: the kernel has no ``netem``, so each process in a region adds its link's one-way
-delay (``links.delay_ms``) itself, told by :data:`~diloco_async.link_delay.LINK_DELAY_ENV`
+delay (``links.delay_ms``) itself, told by :data:`~diloco_async.runtime.link_delay.LINK_DELAY_ENV`
 (:meth:`WanPlacement.env_for`): learners to every store request and synchronizer exchange, DDP
 ranks to every all-reduce (only when the ring crosses regions). The synchronizer and the store in
 the hub add nothing (the learners' round trips already count both directions).
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from diloco_async.chaos.measure import measure
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget, TargetRun
-from diloco_async.link_delay import LINK_DELAY_ENV
+from diloco_async.runtime.link_delay import LINK_DELAY_ENV
 from diloco_async.timeline import Timeline
 from diloco_async.wan.report import WireRun
 from diloco_async.wan.scenario import WanScenario, ddp_max_steps, wan_overrides
@@ -73,7 +73,7 @@ class WanPlacement:
 
     def env_for(self, name: str) -> dict[str, str]:
         """Extra environment of a process by its launcher name: for a process in a region whose
-        link has ``delay_ms`` > 0, :data:`~diloco_async.link_delay.LINK_DELAY_ENV` (learners; DDP
+        link has ``delay_ms`` > 0, :data:`~diloco_async.runtime.link_delay.LINK_DELAY_ENV` (learners; DDP
         ranks only when the ring crosses regions, i.e. more than one region); else ``{}``."""
         if self.net is None or name == "synchronizer" or self.sc.links.delay_ms <= 0:
             return {}

@@ -4,7 +4,7 @@
 enters namespace ``NS`` with ``setns(2)`` (no mount tricks, unlike ``ip netns exec``), then:
 
 * if ``ARGV`` is ``-m module ...`` and ``module`` is already imported (a fork of a
-  :class:`~diloco_async.procs.ForkServerLauncher` server that preloaded it), it calls
+  :class:`~diloco_async.runtime.procs.ForkServerLauncher` server that preloaded it), it calls
   ``module.main(args)`` in this process, as the fork server would have, keeping the fork's speed;
 * otherwise it replaces itself with ``python ARGV...`` (``execv``: same pid, session, environment
   and open log), which keeps the namespace.

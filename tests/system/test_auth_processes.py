@@ -9,9 +9,9 @@ import pytest
 from test_auth import RUN, SECRET, CountingQueue, Server, serving, token  # noqa: F401, F811 (shared with contract/test_auth.py; fixtures among them)
 from test_synchronizer import small_config
 
-from diloco_async.procs import LocalProcessLauncher
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.runtime.procs import LocalProcessLauncher
 
 from polling import await_until
 

@@ -1,4 +1,4 @@
-"""``learners.flush_denormal``: :func:`diloco_async.devices.set_cpu_math` flushes subnormal floats to
+"""``learners.flush_denormal``: :func:`diloco_async.runtime.devices.set_cpu_math` flushes subnormal floats to
 zero in the calling thread and in the intra-op threads started after it, or keeps them."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 # a fresh process: the flush mode is per thread, and pytest's own process may already run intra-op threads
 SCRIPT = """
 import json, sys, torch
-from diloco_async.devices import set_cpu_math
+from diloco_async.runtime.devices import set_cpu_math
 torch.set_num_threads(1)  # as a learner starts
 x = torch.full((1 << 22,), 1e-39)  # subnormal in float32 (smallest normal: 1.18e-38)
 before = int((x * 1.0 == 0).sum())

@@ -52,7 +52,7 @@ STACK_ENV = "DILOCO_DEPLOYMENTS_TEST_STACK"
 def _popen(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """A process in a session (and process group) of its own, SIGKILLed by the kernel if this
     process dies without stopping it (a crashed or killed pytest worker runs no finalizer)."""
-    from diloco_async.parent_death import die_with_parent
+    from diloco_async.runtime.parent_death import die_with_parent
 
     with open(log, "ab") as out:
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from test_integration import TOKEN, learner_env, tiny_recipe
 
-from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.protocol.client import TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.protocol.versions import read_version
+from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
 from storage import keys
 from storage.checkpoint import latest_checkpoint, latest_state, tensor_key
 from storage.store import ObjectRef, ObjectStore, sha256_hex

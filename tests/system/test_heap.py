@@ -1,4 +1,4 @@
-"""The learner process's C heap settings (``diloco_async/heap.py``, issue 17), seen from its RSS:
+"""The learner process's C heap settings (``diloco_async/runtime/heap.py``, issue 17), seen from its RSS:
 a training step's buffers stay mapped from one step to the next, and a fragment-sized buffer
 still goes back to the system when it is freed. Each probe is a fresh learner process (the
 settings are process-wide), set up by ``main`` before it refuses to start without a token."""

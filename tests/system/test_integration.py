@@ -12,9 +12,9 @@ import signal
 import time
 from pathlib import Path
 
-from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, call_blocking, fetch_status
+from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore

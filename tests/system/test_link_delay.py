@@ -12,8 +12,8 @@ import time
 import pytest
 from test_client import TOKEN, _app, serving
 
-from diloco_async.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.protocol.client import SyncClient
+from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.wan.methods import WanPlacement
 from diloco_async.wan.scenario import load_wan_scenario
 from storage.faults import FaultyStore

@@ -23,9 +23,9 @@ from diloco_async.models import (
     build_run_model,
     trainable_parameters,
 )
-from diloco_async.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
+from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.sync import initial_state
 from diloco_async.workload import Workload
 from storage import keys

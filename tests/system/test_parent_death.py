@@ -1,5 +1,5 @@
 """Children in sessions of their own die with the command that started them (SIGKILL, OOM killer):
-the temporary Prefect server (flows/prefect_server.py) and any ``python -m diloco_async.parent_death``."""
+the temporary Prefect server (flows/prefect_server.py) and any ``python -m diloco_async.runtime.parent_death``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _start_parent(code: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:
 def test_a_guarded_child_in_its_own_session_dies_with_its_sigkilled_parent(tmp_path):
     parent, child = _start_parent("""
         import subprocess, sys, time
-        from diloco_async.parent_death import guarded_argv
+        from diloco_async.runtime.parent_death import guarded_argv
         p = subprocess.Popen([sys.executable, *guarded_argv("http.server", ["0", "--bind", "127.0.0.1"])],
                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print("child", p.pid, flush=True)

@@ -1,12 +1,12 @@
-"""Supervision of learners (diloco_async.supervisor.Supervisor) with real local processes."""
+"""Supervision of learners (diloco_async.runtime.supervisor.Supervisor) with real local processes."""
 
 from __future__ import annotations
 
 import signal
 import time
 
-from diloco_async.procs import LocalProcessLauncher
-from diloco_async.supervisor import Supervisor
+from diloco_async.runtime.procs import LocalProcessLauncher
+from diloco_async.runtime.supervisor import Supervisor
 
 # incarnation 0 of learner 0 fails at once; every later one runs until killed; learner 1 exits cleanly
 SCRIPTS = {(0, 0): "import sys; sys.exit(3)", (1, 0): "pass"}
@@ -122,7 +122,7 @@ def test_a_kill_reaches_a_process_that_has_no_group_of_its_own_yet(tmp_path):
     import subprocess
     import sys
 
-    from diloco_async.procs import LocalProcess
+    from diloco_async.runtime.procs import LocalProcess
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # in our group, not its own
     handle = LocalProcess(name="no-session-yet", proc=proc, log_path=tmp_path / "x.log")

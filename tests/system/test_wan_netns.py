@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.procs import LocalProcessLauncher
+from diloco_async.runtime.procs import LocalProcessLauncher
 from diloco_async.wan.launch import NetnsLauncher
 from diloco_async.wan.netns import LinkRateError, LinkSpec, WanNet, cleanup, root_reason
 from diloco_async.wan.netns_core import list_links, list_netns, run_cmd

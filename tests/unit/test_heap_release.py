@@ -1,11 +1,11 @@
 """When the learner's training thread hands the C heap's free pages back
-(:class:`diloco_async.heap.ReleaseWhenItPays`, issue 17): pure, fed resident sizes in MiB."""
+(:class:`diloco_async.runtime.heap.ReleaseWhenItPays`, issue 17): pure, fed resident sizes in MiB."""
 
 from __future__ import annotations
 
 import pytest
 
-from diloco_async.heap import ReleaseWhenItPays
+from diloco_async.runtime.heap import ReleaseWhenItPays
 
 MiB = 1 << 20
 

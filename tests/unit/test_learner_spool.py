@@ -112,7 +112,7 @@ def test_within_the_copy_budget_the_step_copies_what_is_not_spooled_yet_and_goes
 
 
 def test_lower_thread_priority_renices_only_the_calling_thread():
-    from diloco_async.priority import lower_thread_priority
+    from diloco_async.runtime.priority import lower_thread_priority
 
     main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen = {}

@@ -1,5 +1,5 @@
 """Supervision: restart the learners that die while the run goes on, whatever launched them
-(:mod:`diloco_async.procs` locally, Prefect deployments elsewhere)."""
+(:mod:`diloco_async.runtime.procs` locally, Prefect deployments elsewhere)."""
 
 from __future__ import annotations
 

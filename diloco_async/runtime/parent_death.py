@@ -3,7 +3,7 @@
 A process started in a session of its own (so that the terminal's Ctrl-C does not reach it) is not
 stopped either when its parent is SIGKILLed or killed by the OOM killer: the command's temporary
 Prefect server, for one, kept its port and database. :func:`die_with_parent` asks the kernel to
-send a signal when the parent goes; ``python -m diloco_async.parent_death SIG -m MODULE ARGS...``
+send a signal when the parent goes; ``python -m diloco_async.runtime.parent_death SIG -m MODULE ARGS...``
 does so and then runs ``MODULE`` as ``python -m MODULE ARGS...`` would. Elsewhere than Linux it
 does nothing.
 
@@ -46,7 +46,7 @@ def guarded_argv(module: str, args: list[str], sig: int = signal.SIGTERM) -> lis
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[1] != "-m":
-        raise SystemExit("usage: python -m diloco_async.parent_death SIGNAL -m MODULE [ARGS...]")
+        raise SystemExit("usage: python -m diloco_async.runtime.parent_death SIGNAL -m MODULE [ARGS...]")
     die_with_parent(int(argv[0]))
     sys.argv = [argv[2], *argv[3:]]
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
