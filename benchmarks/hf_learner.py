@@ -32,12 +32,12 @@ from pathlib import Path
 from benchmarks.args import description, non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
 from diloco_async.config.schema import Config, load_config
+from diloco_async.inner.workload import Workload
 from diloco_async.learner.group import place_workload
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.timeline import read_records
-from diloco_async.workload import Workload
 
 GOAL = 0.95
 
@@ -45,7 +45,7 @@ GOAL = 0.95
 def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> tuple[float, int]:
     """Tokens/s of learner-0's inner steps alone, after ``warmup_steps``; and the steps timed.
 
-    The learner's own :class:`~diloco_async.workload.Workload` (the recipe's model, AdamW, warm-up,
+    The learner's own :class:`~diloco_async.inner.workload.Workload` (the recipe's model, AdamW, warm-up,
     clipping) on learner-0's shard, placed on learner-0's device and precision as the learner places
     it, stepped in this process with ``learners.threads`` threads and nothing else: no synchronizer,
     no comms thread, no snapshots; its CPU math set as the learner sets it (``learners.threads``,

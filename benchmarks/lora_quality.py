@@ -178,8 +178,8 @@ def pretrain_base(folder: Path, cfg, seed: int, steps: int, hidden: int, layers:
 
     from diloco_async.data.tokens import Corpus, open_corpus
     from diloco_async.evaluation import heldout_batches, heldout_loss
+    from diloco_async.inner.workload import data_generator
     from diloco_async.models import HfModelConfig, ModelConfig, build_model
-    from diloco_async.workload import data_generator
 
     arch = HfModelConfig(architecture="llama", config={
         "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,

@@ -59,7 +59,7 @@ def tensor_key(fragment: int, kind: str, name: str) -> str:
 def _loaded(t: Any) -> torch.Tensor:
     """``t`` itself, or for a lazy tensor (not a ``torch.Tensor``: an object with ``shape``,
     ``dtype``, ``numel()``, ``element_size()`` and ``load()``, such as
-    ``diloco_async.base_file.LazyTensor``) the tensor it loads."""
+    ``diloco_async.inner.base_file.LazyTensor``) the tensor it loads."""
     return t if isinstance(t, torch.Tensor) else t.load()
 
 

@@ -65,12 +65,8 @@ import torch.distributed as dist
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
 from diloco_async.config.schema import Config, config_hash, load_config
 from diloco_async.data.tokens import Corpus, open_corpus
-from diloco_async.inner_state import InnerState, capture, restore
-from diloco_async.runtime.devices import set_cpu_math
-from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
-from diloco_async.runtime.process_clock import process_uptime_s
-from diloco_async.sync import initial_parameters
-from diloco_async.workload import (
+from diloco_async.inner.state import InnerState, capture, restore
+from diloco_async.inner.workload import (
     data_generator,
     emulated_delay_s,
     inner_optimizer,
@@ -78,6 +74,10 @@ from diloco_async.workload import (
     jitter_random,
     warmup_lr,
 )
+from diloco_async.runtime.devices import set_cpu_math
+from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
+from diloco_async.runtime.process_clock import process_uptime_s
+from diloco_async.sync import initial_parameters
 from storage.checkpoint import latest_state, list_state_seqs, write_state
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore

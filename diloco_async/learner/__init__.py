@@ -7,7 +7,7 @@
 * :mod:`~diloco_async.learner.group` — a learner that spans several processes (a torchrun group, DDP);
 * :mod:`~diloco_async.learner.main` — the process entry, ``python -m diloco_async.learner``.
 
-What it trains is a :class:`diloco_async.workload.Workload`.
+What it trains is a :class:`diloco_async.inner.workload.Workload`.
 """
 
 from diloco_async.learner.main import TIMELINE_DIR_ENV, main

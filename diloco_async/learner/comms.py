@@ -22,9 +22,9 @@ import time
 import aiohttp
 import torch
 
-from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.codec import versions as version_codec
 from diloco_async.config.schema import Config
+from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import Shared
 from diloco_async.learner.uploads import Uploads
@@ -109,8 +109,8 @@ class Comms:
         from the version it holds; :mod:`diloco_async.codec.versions`), else the fp32 value
         streamed into tensors allocated once (:func:`diloco_async.protocol.versions.read_version`). Either
         way the result is the synchronizer's published value bit for bit, kept in a local file
-        (:class:`~diloco_async.base_file.BaseFile`), not in RAM, unless ``base_in_ram``
-        (:class:`~diloco_async.base_file.HeldBase`, pinned for ``pin_device``). Counts the bytes and seconds
+        (:class:`~diloco_async.inner.base_file.BaseFile`), not in RAM, unless ``base_in_ram``
+        (:class:`~diloco_async.inner.base_file.HeldBase`, pinned for ``pin_device``). Counts the bytes and seconds
         (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:

@@ -1,7 +1,7 @@
 """Copies between an accelerator learner's device and host memory, off its training thread's path (issue 17).
 
 A learner whose parameters live on a GPU keeps its base copies Θ^base in pinned host memory
-(:class:`~diloco_async.base_file.HeldBase` with ``pin_device``). At a step boundary its training
+(:class:`~diloco_async.inner.base_file.HeldBase` with ``pin_device``). At a step boundary its training
 thread then only *queues* work on the device's stream and goes on to the next step:
 
 * Δ = Θ^base − θ of a fragment is taken on the device

@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from diloco_async.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.config.schema import Config, config_hash
-from diloco_async.inner_state import InnerState
+from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
+from diloco_async.inner.state import InnerState
+from diloco_async.inner.workload import Workload
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
@@ -34,7 +35,6 @@ from diloco_async.protocol.messages import JoinResponse, VersionInfo
 from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.runtime.process_clock import process_uptime_s
 from diloco_async.timeline import Recorder
-from diloco_async.workload import Workload
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs
 from storage.faults import FaultyStore

@@ -1,6 +1,6 @@
 """The learner's inner-state spool, written on a thread of its own while training goes on (issue 17).
 
-The training thread captures its inner state without copies (:func:`diloco_async.inner_state.capture`:
+The training thread captures its inner state without copies (:func:`diloco_async.inner.state.capture`:
 the live parameters, AdamW moments and base copies) between two steps and hands it to a
 :class:`StateSpooler`, whose thread writes it to a local safetensors file
 (:func:`storage.checkpoint.spool_state`) and then queues it for the comms thread to upload.
@@ -35,7 +35,7 @@ import time
 import psutil
 import torch
 
-from diloco_async.inner_state import InnerState
+from diloco_async.inner.state import InnerState
 from diloco_async.learner.device_copies import DeviceMark, side_stream_after, snapshot_on_device
 from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_async.inner_state import InnerState
+from diloco_async.inner.state import InnerState
 from diloco_async.learner.link import LinkMeter
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
 

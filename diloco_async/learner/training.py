@@ -4,7 +4,7 @@ At each step boundary the loop adopts the versions the comms thread downloaded
 (:func:`~diloco_async.learner.rules.adopt`), reads the outcomes of its contributions, and answers
 open rounds by snapshotting the outer gradient of a fragment
 (:func:`~diloco_async.learner.rules.outer_gradient`) for the comms thread to upload. Then it runs
-one inner step of its :class:`~diloco_async.workload.Workload`. With ``learners.barrier`` it waits
+one inner step of its :class:`~diloco_async.inner.workload.Workload`. With ``learners.barrier`` it waits
 like synchronous DiLoCo instead.
 """
 
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from diloco_async.base_file import BaseFile
 from diloco_async.config.schema import Config
+from diloco_async.inner.base_file import BaseFile
+from diloco_async.inner.workload import Workload, emulated_delay_s, jitter_random
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
@@ -31,7 +32,6 @@ from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.policy.fragments import FragmentPlan, fragment_offset
 from diloco_async.runtime.heap import ReleaseWhenItPays, release_free_memory
 from diloco_async.timeline import Recorder
-from diloco_async.workload import Workload, emulated_delay_s, jitter_random
 
 __all__ = ["InnerLoop"]
 
@@ -72,8 +72,8 @@ class InnerLoop:
         workload: model, optimizer and data.
         plan: the fragment plan.
         base_tensors: Θ^base of every fragment (by fragment, then tensor name), each a local
-            :class:`~diloco_async.base_file.BaseFile` (read a tensor at a time, not held in
-            RAM), or a :class:`~diloco_async.base_file.HeldBase` in RAM when the parameters
+            :class:`~diloco_async.inner.base_file.BaseFile` (read a tensor at a time, not held in
+            RAM), or a :class:`~diloco_async.inner.base_file.HeldBase` in RAM when the parameters
             are on an accelerator; adopted versions replace them.
         counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
         start_step: the local step to continue from.

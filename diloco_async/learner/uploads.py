@@ -19,7 +19,7 @@ import time
 import aiohttp
 
 from diloco_async.codec import wire
-from diloco_async.inner_state import InnerState
+from diloco_async.inner.state import InnerState
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.protocol.client import SyncClient
 from diloco_async.protocol.messages import AnnouncementAck

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load as st_load
 from test_learner_spool import one_thread, trained  # noqa: F401, F811 (shared with unit/test_learner_spool.py; fixtures among them)
 
-from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, SpooledState
 

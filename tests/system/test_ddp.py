@@ -23,9 +23,9 @@ from diloco_async.baselines.ddp_checkpoints import (
 )
 from diloco_async.baselines.ddp_group import DdpGroup
 from diloco_async.config.schema import load_config
+from diloco_async.inner.workload import data_generator, emulated_delay_s, jitter_random
 from diloco_async.model import evaluate_loss
 from diloco_async.sync import initial_parameters
-from diloco_async.workload import data_generator, emulated_delay_s, jitter_random
 from storage import keys
 from storage.store import ObjectStore
 
@@ -61,7 +61,7 @@ def test_speed_and_jitter_defaults_come_from_the_config():
         cfg2 = load_config(None, TINY + ["learners.speed_factors=[1.0, 0.5]", "learners.step_jitter=0.2"])
         assert rank_speed(cfg2, 1, None) == 0.5 and rank_speed(cfg2, 0, None) == 1.0
         assert rank_jitter(cfg2, None) == 0.2
-    # the learners' jitter RNG (diloco_async.workload.jitter_random: seed * 65537 + index * 257 + incarnation)
+    # the learners' jitter RNG (diloco_async.inner.workload.jitter_random: seed * 65537 + index * 257 + incarnation)
     assert jitter_random(3, 2, 1).random() == random.Random(3 * 65537 + 2 * 257 + 1).random()
 
 
@@ -86,7 +86,7 @@ def test_select_checkpoint_and_helpers():
     assert param_sha256(p) != param_sha256({"a": torch.ones(3), "b": torch.full((2, 2), 1e-9)})
     g1, g2 = data_generator(0, 1, 0), data_generator(0, 1, 0)
     assert torch.equal(torch.randint(0, 100, (5,), generator=g1), torch.randint(0, 100, (5,), generator=g2))
-    # learner r's seed formula (diloco_async.workload.data_generator)
+    # learner r's seed formula (diloco_async.inner.workload.data_generator)
     expected_seed = 3 * 1_000_003 + 2 * 1009 + 1
     assert torch.equal(torch.randint(0, 100, (5,), generator=data_generator(3, 2, 1)),
                        torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(expected_seed)))

@@ -33,13 +33,13 @@ from test_storage_contract import BACKENDS, open_store
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
+from diloco_async.inner.workload import Workload
 from diloco_async.learner import Learner
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import TOKEN_ENV, request_checkpoint
 from diloco_async.sync import Synchronizer
 from diloco_async.sync.lease import FencedStore, LeaseExpired, LeaseHeld, LeaseLost, acquire, read_holder
 from diloco_async.sync.process import EXIT_LEASE_HELD, EXIT_LEASE_LOST
-from diloco_async.workload import Workload
 from storage import keys
 from storage.checkpoint import latest_checkpoint, list_checkpoint_seqs, write_checkpoint, write_state
 from storage.options import STORAGE_OPTIONS_ENV

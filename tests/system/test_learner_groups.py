@@ -29,6 +29,7 @@ from test_integration import tiny_recipe
 from test_learner_faults import config, run_cluster
 
 from diloco_async.config.schema import load_config
+from diloco_async.inner.workload import Workload
 from diloco_async.learner.group import Decision, LearnerGroup, place_workload
 from diloco_async.learner.rules import outer_gradient
 from diloco_async.model import embedding_names
@@ -36,7 +37,6 @@ from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.devices import check_devices, resolve_device
-from diloco_async.workload import Workload
 from storage import keys
 from storage.store import ObjectStore
 

@@ -16,6 +16,7 @@ from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text 
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, load_config
 from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+from diloco_async.inner.workload import Workload
 from diloco_async.learner import Learner
 from diloco_async.models import (
     CausalLM,
@@ -27,7 +28,6 @@ from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
 from diloco_async.sync import initial_state
-from diloco_async.workload import Workload
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore

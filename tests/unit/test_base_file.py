@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco_async.base_file import BaseFile, BaseFileError, HeldBase, LazyTensor, base_folder, keep_base
 from diloco_async.codec.versions import apply_decoded
-from diloco_async.inner_state import capture, restore
+from diloco_async.inner.base_file import BaseFile, BaseFileError, HeldBase, LazyTensor, base_folder, keep_base
+from diloco_async.inner.state import capture, restore
 from diloco_async.learner.rules import adopt, encoded_outer_gradient, outer_gradient
 from diloco_async.learner.spool import remove_dead_spool_folders
 from diloco_async.runtime.heap import release_free_memory

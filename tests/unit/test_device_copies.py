@@ -12,17 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from diloco_async.base_file import HeldBase, keep_base
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
-from diloco_async.inner_state import capture
+from diloco_async.inner.base_file import HeldBase, keep_base
+from diloco_async.inner.state import capture
+from diloco_async.inner.workload import Workload
 from diloco_async.learner import device_copies
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.rules import adopt, outer_gradient
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.learner.uploads import Uploads
-from diloco_async.workload import Workload
 from storage.store import ObjectStore
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")

@@ -5,7 +5,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from diloco_async.config.schema import ModelConfig
-from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.model import ByteGPT
 
 

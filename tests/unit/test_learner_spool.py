@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from diloco_async.config.schema import ModelConfig
-from diloco_async.inner_state import InnerState, capture
+from diloco_async.inner.state import InnerState, capture
 from diloco_async.learner.spool import MUTABLE_PREFIXES, StateSpooler
 from diloco_async.learner.state import Shared
 from diloco_async.model import ByteGPT

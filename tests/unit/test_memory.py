@@ -10,7 +10,7 @@ from safetensors.torch import save as st_save
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import ModelConfig
-from diloco_async.inner_state import capture
+from diloco_async.inner.state import capture
 from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.learner.uploads import Uploads
 from diloco_async.model import ByteGPT

@@ -25,7 +25,7 @@ import torch
 
 from diloco_async.config.schema import Config
 from diloco_async.data.tokens import Corpus, open_corpus
-from diloco_async.inner_state import InnerState, capture, restore
+from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.models import build_run_model, trainable_parameters
 
 __all__ = ["Workload", "inner_optimizer", "inner_step", "warmup_lr", "data_generator", "jitter_random",
@@ -218,11 +218,11 @@ class Workload:
 
     def capture(self, *, step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],
                 counters: dict[int, tuple[int, int, float]]) -> InnerState:
-        """The inner state to save (see :func:`diloco_async.inner_state.capture`)."""
+        """The inner state to save (see :func:`diloco_async.inner.state.capture`)."""
         return capture(self.params, self.optimizer, self.generator, step=step, base_tensors=base_tensors,
                        base_versions=base_versions, counters=counters)
 
     def restore(self, state: InnerState) -> tuple[int, dict[int, dict[str, torch.Tensor]], dict[int, int],
                                                    dict[int, tuple[int, int, float]]]:
-        """Write a saved inner state back (see :func:`diloco_async.inner_state.restore`)."""
+        """Write a saved inner state back (see :func:`diloco_async.inner.state.restore`)."""
         return restore(state, self.params, self.optimizer, self.generator)

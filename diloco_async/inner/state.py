@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_async.base_file import BaseFile
+from diloco_async.inner.base_file import BaseFile
 
 __all__ = ["InnerState", "capture", "restore"]
 
@@ -44,7 +44,7 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: 
     :class:`~diloco_async.learner.spool.StateSpooler` writes it while training goes on, and the
     optimizer step waits until the parameters and moments are written). Tensors on another device stay there; the
     writer brings them to CPU one at a time. A base held in a local file
-    (:class:`~diloco_async.base_file.BaseFile`) enters as :class:`~diloco_async.base_file.LazyTensor`
+    (:class:`~diloco_async.inner.base_file.BaseFile`) enters as :class:`~diloco_async.inner.base_file.LazyTensor`
     entries, read one at a time by the writer. Only the small AdamW step counters and the RNG
     state are copied."""
     t: dict[str, torch.Tensor] = {}
