@@ -34,10 +34,10 @@ from benchmarks.stats import mean_interval
 from diloco_async.config.schema import Config, load_config
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.group import place_workload
+from diloco_async.metrics.timeline import read_records
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.devices import set_cpu_math
-from diloco_async.timeline import read_records
 
 GOAL = 0.95
 

@@ -177,8 +177,8 @@ def pretrain_base(folder: Path, cfg, seed: int, steps: int, hidden: int, layers:
     import torch
 
     from diloco_async.data.tokens import Corpus, open_corpus
-    from diloco_async.evaluation import heldout_batches, heldout_loss
     from diloco_async.inner.workload import data_generator
+    from diloco_async.metrics.evaluation import heldout_batches, heldout_loss
     from diloco_async.models import HfModelConfig, ModelConfig, build_model
 
     arch = HfModelConfig(architecture="llama", config={
@@ -201,7 +201,7 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> SeedResult:
     """One seed: pre-train and save the base, measure it, fine-tune it through a run, measure the
     fine-tuned model."""
     from diloco_async.config.schema import load_config
-    from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+    from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
     from diloco_async.models import build_run_model
     from diloco_async.run import RunProcesses
     from storage import keys

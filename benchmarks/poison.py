@@ -32,7 +32,7 @@ from benchmarks.args import description
 from benchmarks.stats import mean_interval
 from diloco_async.chaos.measure import initial_model
 from diloco_async.config.schema import load_config
-from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.run import RunProcesses
 from storage import keys
 from storage.checkpoint import latest_checkpoint

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.args import description
 from benchmarks.stats import mean_interval
-from diloco_async.timeline import Timeline
+from diloco_async.metrics.timeline import Timeline
 
 __all__ = ["steady_tokens_per_s", "abba_order", "summarize", "run_abba", "main"]
 
@@ -111,7 +111,7 @@ def run_abba(scenario: str, pairs: int, tokens: int, seed: int, overrides: list[
 
     from diloco_async.config.schema import load_config
     from diloco_async.data.sources import corpus_urls
-    from diloco_async.evaluation import heldout_batches
+    from diloco_async.metrics.evaluation import heldout_batches
     from diloco_async.wan.methods import run_method
     from diloco_async.wan.place import placement
     from diloco_async.wan.scenario import wan_overrides

@@ -34,7 +34,7 @@ from prefect import flow, get_run_logger
 from diloco_async.ablation.analysis import analyse
 from diloco_async.ablation.suite import Arm, Suite, check_arms, figures_of, load_suite, run_overrides
 from diloco_async.config.schema import load_config
-from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
+from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.run import RunProcesses
 from flows.ablate_report import write_report
 from flows.tracking import MlflowSink, flatten_params

@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from diloco_async.metrics.run_timeline import read_contributions, read_merges, rounds_table  # noqa: E402
 from diloco_async.model import ByteGPT, generate  # noqa: E402
 from diloco_async.models import ModelConfig, save_final_model, upload_folder  # noqa: E402
-from diloco_async.run_timeline import read_contributions, read_merges, rounds_table  # noqa: E402
 from flows.tracking import MlflowSink  # noqa: E402
 from storage.store import ObjectStore  # noqa: E402
 
@@ -130,7 +130,7 @@ def _token_example(model: torch.nn.Module, model_cfg: ModelConfig | None) -> np.
 def log_rounds(sink: MlflowSink, store: ObjectStore, run_id: str, epoch: str, name: str = "rounds.jsonl") -> int:
     """Log the per-round artifact ``name``: one JSON line per (fragment, round) of the epoch with
     the version it published and every contribution's learner, fate (merged, zero_weight, late,
-    rejected, abandoned), reason, tokens and staleness (:func:`~diloco_async.run_timeline.rounds_table`,
+    rejected, abandoned), reason, tokens and staleness (:func:`~diloco_async.metrics.run_timeline.rounds_table`,
     from the synchronizer's ``contributions.jsonl`` and ``merges.jsonl``). Returns the rows
     logged; 0 (nothing logged) when the synchronizer wrote neither."""
     rows = rounds_table(read_contributions(store, run_id, epoch), read_merges(store, run_id, epoch))

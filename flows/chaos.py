@@ -46,8 +46,8 @@ from diloco_async.chaos.scenario import (
 )
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget
 from diloco_async.config.schema import load_config
-from diloco_async.evaluation import heldout_batches
-from diloco_async.timeline import Timeline
+from diloco_async.metrics.evaluation import heldout_batches
+from diloco_async.metrics.timeline import Timeline
 from flows.timeline_report import plot_timeline
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import prepare_corpus

@@ -1,6 +1,6 @@
 """Drawings of goodput timelines (matplotlib): one row per learner slot, its states over time and
 the merges of the global model; and the timeline of an ordinary training run, rebuilt from what
-its processes recorded (:mod:`diloco_async.run_timeline`), drawn and accounted.
+its processes recorded (:mod:`diloco_async.metrics.run_timeline`), drawn and accounted.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from diloco_async.config.schema import Config
-from diloco_async.run_timeline import fragment_shares, read_merges, timeline_from_records
-from diloco_async.timeline import Accounting, Timeline, account, read_records
+from diloco_async.metrics.run_timeline import fragment_shares, read_merges, timeline_from_records
+from diloco_async.metrics.timeline import Accounting, Timeline, account, read_records
 from storage.store import ObjectStore
 
 __all__ = ["goodput_subtitle", "plot_timeline", "write_run_timeline"]

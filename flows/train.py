@@ -38,8 +38,8 @@ from diloco_async.config.schema import Config, config_hash, load_config
 from diloco_async.data.sources import corpus_urls
 from diloco_async.data.tokenizer import transformers_tokenizer
 from diloco_async.data.tokens import open_corpus
-from diloco_async.evaluation import heldout_loss, heldout_split, model_from_checkpoint
-from diloco_async.heldout_monitor import HeldoutMonitor
+from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
+from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.supervisor import Restart
@@ -201,7 +201,7 @@ def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: 
 @contextmanager
 def _heldout_curve(run: TrainingRun, sink: MlflowSink) -> Iterator[Callable[[], list[dict]]]:
     """While the run trains, evaluate the newest published global model every
-    ``tracking.eval_every_s`` (:class:`~diloco_async.heldout_monitor.HeldoutMonitor`, one thread);
+    ``tracking.eval_every_s`` (:class:`~diloco_async.metrics.heldout_monitor.HeldoutMonitor`, one thread);
     yields the callable that hands its new ``eval/*`` points over, and logs the rest at the end."""
     every_s = run.cfg.tracking.eval_every_s
     if every_s <= 0:

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from diloco_async.config.schema import load_config
-from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
-from diloco_async.heldout_monitor import load_versions
+from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
+from diloco_async.metrics.heldout_monitor import load_versions
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token

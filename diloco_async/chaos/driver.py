@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from diloco_async.chaos.scenario import FaultEvent
-from diloco_async.timeline import Interval
+from diloco_async.metrics.timeline import Interval
 
 __all__ = ["FaultTarget", "SlotBook", "drive", "restarting_intervals"]
 

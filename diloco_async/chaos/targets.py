@@ -27,11 +27,11 @@ from diloco_async.chaos.driver import SlotBook, drive, restarting_intervals
 from diloco_async.chaos.measure import Snapshot
 from diloco_async.chaos.scenario import FaultEvent, Scenario, method_overrides
 from diloco_async.config.schema import Config, load_config
-from diloco_async.evaluation import model_from_checkpoint
+from diloco_async.metrics.evaluation import model_from_checkpoint
+from diloco_async.metrics.run_timeline import fragment_shares, read_merges
+from diloco_async.metrics.timeline import Interval, Step, Timeline, diloco_timeline_steps, read_records
 from diloco_async.run import RunProcesses
-from diloco_async.run_timeline import fragment_shares, read_merges
 from diloco_async.runtime.procs import ForkServerLauncher
-from diloco_async.timeline import Interval, Step, Timeline, diloco_timeline_steps, read_records
 from storage.checkpoint import list_checkpoint_seqs, load_checkpoint
 
 __all__ = ["PRELOAD", "TargetRun", "ChaosTarget", "DilocoTarget", "DdpTarget", "ddp_timeline_steps"]

@@ -24,11 +24,11 @@ import torch
 
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
+from diloco_async.metrics.timeline import Recorder
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.runtime.heap import limit_heap_retention
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
 from diloco_async.runtime.process_clock import process_uptime_s
-from diloco_async.timeline import Recorder
 from storage.digest import set_hash_threads, usable_cores
 from storage.latency import LatencyStore
 from storage.options import storage_options_from_env

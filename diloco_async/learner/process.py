@@ -28,13 +28,13 @@ from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import Shared
 from diloco_async.learner.training import InnerLoop
+from diloco_async.metrics.timeline import Recorder
 from diloco_async.models import plan_of
 from diloco_async.policy.fragments import FragmentPlan, plan_differences
 from diloco_async.protocol.client import ProtocolError
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
 from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.runtime.process_clock import process_uptime_s
-from diloco_async.timeline import Recorder
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs
 from storage.faults import FaultyStore

@@ -29,9 +29,9 @@ from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
+from diloco_async.metrics.timeline import Recorder
 from diloco_async.policy.fragments import FragmentPlan, fragment_offset
 from diloco_async.runtime.heap import ReleaseWhenItPays, release_free_memory
-from diloco_async.timeline import Recorder
 
 __all__ = ["InnerLoop"]
 

@@ -24,7 +24,7 @@ The model (paper §5.2-5.4, every number in ``configs/calibration.toml``):
   step noise (the heterogeneity case, paper §6.5).
 
 Goodput is productive chip-seconds over provisioned chip-seconds, through
-:func:`diloco_async.goodput.compute_goodput`, the definition the real harness uses. A chip-second is
+:func:`diloco_async.metrics.goodput.compute_goodput`, the definition the real harness uses. A chip-second is
 productive when the chip computes a step of a running, unblocked job; time down, paused, stalled,
 blocked or waiting for a slower slice or learner is not.
 
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diloco_async.goodput import compute_goodput
+from diloco_async.metrics.goodput import compute_goodput
 from diloco_async.sim.calibration import Calibration
 from diloco_async.sim.draws import Draws, expected_max_normal, make_barrier
 from diloco_async.sim.engine import Engine, Jobs

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from diloco_async.config.schema import Config, config_hash
-from diloco_async.goodput import LearnerLedger
+from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits

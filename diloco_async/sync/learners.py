@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from diloco_async.goodput import LearnerLedger
+from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.pace import PaceLimits, bounded_advance, clamp_step_times
 from diloco_async.protocol.messages import Heartbeat, JoinRequest
 from diloco_async.sync.wire_bytes import WireBytes

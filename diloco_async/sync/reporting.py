@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Coroutine
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
-from diloco_async.goodput import MergeGaps, totals, window_goodput
+from diloco_async.metrics.goodput import MergeGaps, totals, window_goodput
 from diloco_async.sync.logs import JsonLinesLog
 from diloco_async.sync.traffic import TrafficPeaks
 from diloco_async.sync.wire_bytes import per_token
@@ -182,7 +182,7 @@ class Reporter:
         the same over the window since the last point (``goodput/compute_rolling``,
         ``goodput/token_rolling``), the uptime so far, and the cumulative badput by cause
         (``badput/<cause>``, shares of the provisioned learner-seconds; with ``goodput/compute``
-        they sum to 1; ``silent_s`` as :func:`~diloco_async.goodput.totals`). ``per_learner``:
+        they sum to 1; ``silent_s`` as :func:`~diloco_async.metrics.goodput.totals`). ``per_learner``:
         also each learner's ``learner/<id>/compute_goodput`` and ``token_goodput`` (at the end)."""
         tot = totals(ledgers, silent_s)
         self.metric("goodput/compute", tot["compute_goodput"])

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from diloco_async.chaos.measure import measure
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget, TargetRun
+from diloco_async.metrics.timeline import Timeline
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV
-from diloco_async.timeline import Timeline
 from diloco_async.wan.report import WireRun
 from diloco_async.wan.scenario import WanScenario, ddp_max_steps, wan_overrides
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from test_heldout_monitor import FRAGMENTS, RUN, _publish, _setup  # noqa: F401, F811 (shared with unit/test_heldout_monitor.py; fixtures among them)
 
-from diloco_async.heldout_monitor import HeldoutMonitor
+from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from tests.polling import wait_until
 

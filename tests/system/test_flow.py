@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from diloco_async.goodput import BADPUT_CAUSES
+from diloco_async.metrics.goodput import BADPUT_CAUSES
 from flows.train import train
 
 _spec = importlib.util.spec_from_file_location(
@@ -121,7 +121,7 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     import mlflow
 
     from diloco_async.config.schema import load_config
-    from diloco_async.evaluation import heldout_batches
+    from diloco_async.metrics.evaluation import heldout_batches
 
     mlflow.set_tracking_uri(uri)
     loaded = mlflow.pytorch.load_model(summary["model_uri"])

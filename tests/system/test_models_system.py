@@ -15,9 +15,9 @@ import torch
 from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text  # as `make bench-lora`
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, load_config
-from diloco_async.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.inner.workload import Workload
 from diloco_async.learner import Learner
+from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.models import (
     CausalLM,
     build_model,

@@ -124,8 +124,8 @@ def tiny_workload(device: str) -> Workload:
 
 def loop_on(device: str, rule: str):
     from diloco_async.learner.training import InnerLoop
+    from diloco_async.metrics.timeline import Recorder
     from diloco_async.models import plan_of
-    from diloco_async.timeline import Recorder
 
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
                              "learners.batch_size=2", "synchronizer.num_fragments=2", f'learners.adopt="{rule}"'])

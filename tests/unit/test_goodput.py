@@ -1,6 +1,6 @@
 import pytest
 
-from diloco_async.goodput import LearnerLedger, compute_goodput, token_goodput, totals, uptime
+from diloco_async.metrics.goodput import LearnerLedger, compute_goodput, token_goodput, totals, uptime
 
 
 def test_scripted_two_learners():
@@ -33,7 +33,7 @@ def test_uptime_gaps_beyond_bound_count_as_down():
 
 
 def test_window_goodput_is_the_goodput_of_what_came_in_between():
-    from diloco_async.goodput import window_goodput
+    from diloco_async.metrics.goodput import window_goodput
 
     before = {"useful_s": 10.0, "provisioned_s": 20.0, "tokens_merged": 100, "tokens_processed": 200}
     after = {"useful_s": 19.0, "provisioned_s": 30.0, "tokens_merged": 190, "tokens_processed": 300}
@@ -45,7 +45,7 @@ def test_window_goodput_is_the_goodput_of_what_came_in_between():
 
 
 def test_badput_fractions_and_goodput_sum_to_one():
-    from diloco_async.goodput import BADPUT_CAUSES, badput_fractions
+    from diloco_async.metrics.goodput import BADPUT_CAUSES, badput_fractions
 
     got = badput_fractions(50.0, 100.0, {"down": 10.0, "starting": 5.0, "thrown_away": 15.0})
     assert got == pytest.approx({"down": 0.1, "starting": 0.05, "restarting": 0.0, "stalled": 0.0, "blocked": 0.0,

@@ -7,8 +7,8 @@ import torch
 
 from diloco_async.config.schema import load_config
 from diloco_async.data.tokens import HeldoutSplit
-from diloco_async.evaluation import heldout_loss
-from diloco_async.heldout_monitor import HeldoutMonitor, load_versions, newest_versions
+from diloco_async.metrics.evaluation import heldout_loss
+from diloco_async.metrics.heldout_monitor import HeldoutMonitor, load_versions, newest_versions
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.sync.work import put_version
 from storage import keys

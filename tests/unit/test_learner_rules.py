@@ -189,8 +189,8 @@ def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
     from diloco_async.codec import wire
     from diloco_async.learner.state import Shared
     from diloco_async.learner.training import InnerLoop
+    from diloco_async.metrics.timeline import Recorder
     from diloco_async.models import plan_of
-    from diloco_async.timeline import Recorder
 
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
                              "learners.batch_size=2", "synchronizer.num_fragments=2", "learners.codec=int4"])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_async.goodput import compute_goodput
+from diloco_async.metrics.goodput import compute_goodput
 from diloco_async.sim import (
     PAPER_TABLE1,
     TABLE1_CHIPS,

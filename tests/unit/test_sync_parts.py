@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from diloco_async.goodput import MergeGaps, uptime
+from diloco_async.metrics.goodput import MergeGaps, uptime
 from diloco_async.sync import logs as logs_module
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog

@@ -12,7 +12,7 @@ import pytest
 
 from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_overrides
 from diloco_async.config.schema import load_config
-from diloco_async.timeline import (
+from diloco_async.metrics.timeline import (
     Interval,
     Recorder,
     Step,
@@ -218,7 +218,7 @@ def test_diloco_steps_after_a_restore_and_a_jump_to_the_global_step(tmp_path):
 
 
 def test_timeline_from_records_finds_restarts_and_downtime(tmp_path):
-    from diloco_async.run_timeline import timeline_from_records
+    from diloco_async.metrics.run_timeline import timeline_from_records
 
     r0 = Recorder(tmp_path / "a.jsonl", inc=0)
     r0.record("start", t=0.0)
@@ -342,7 +342,7 @@ def test_goodput_window_starts_when_every_first_process_is_up():
 
 
 def test_rounds_table_groups_contributions_by_round_with_the_published_version():
-    from diloco_async.run_timeline import rounds_table
+    from diloco_async.metrics.run_timeline import rounds_table
 
     contribs = [
         {"fragment": 1, "round": 1, "learner": "b", "fate": "merged", "reason": "", "c_tokens": 10, "c_steps": 2,
@@ -396,7 +396,7 @@ def test_the_loss_curve_starts_at_theta0_when_every_learner_is_up_never_before()
     import torch
 
     from diloco_async.chaos.measure import Snapshot, initial_model, measure
-    from diloco_async.timeline import Interval, Step, Timeline
+    from diloco_async.metrics.timeline import Interval, Step, Timeline
 
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8"])
     x = torch.randint(0, 256, (2, 8))

@@ -74,7 +74,7 @@ def test_reporter_counts_bytes_and_their_peaks(tmp_path):
 def test_net_points_of_every_learner_only_every_period_else_those_merged(tmp_path):
     """At each merge the per-learner ``net/learner/...`` points are the merged learners' only,
     except the first merge and once every NET_ALL_LEARNERS_S, which write every learner's."""
-    from diloco_async.goodput import LearnerLedger
+    from diloco_async.metrics.goodput import LearnerLedger
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.reporting import NET_ALL_LEARNERS_S
 

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.wan_bars import wan_bars
 from benchmarks.wan_tokens import abba_order, steady_tokens_per_s, summarize
-from diloco_async.timeline import Step, Timeline
+from diloco_async.metrics.timeline import Step, Timeline
 from diloco_async.wan.report import WireRun, figures, json_row, ring_allreduce_bytes, target_loss, time_to_target_s
 from diloco_async.wan.scenario import ddp_max_steps, load_wan_scenario, wan_overrides
 

@@ -12,7 +12,7 @@ A :class:`Timeline` holds, for every learner slot of one run, what it was doing 
 * *merge times* of the global model.
 
 :func:`account` turns it into compute goodput, token goodput and uptime per learner and in total,
-using the definitions of :mod:`diloco_async.goodput`. Every slot is provisioned for the whole run,
+using the definitions of :mod:`diloco_async.metrics.goodput`. Every slot is provisioned for the whole run,
 so time spent down counts against goodput. All times are seconds on one clock (unix time for
 real runs). Pure: no I/O. :class:`Recorder` appends the learner-side records to a JSON-lines
 file; ``flows.timeline_report.plot_timeline`` draws a timeline.
@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco_async.goodput import Goodputs, compute_goodput, token_goodput, uptime
+from diloco_async.metrics.goodput import Goodputs, compute_goodput, token_goodput, uptime
 
 __all__ = ["STATES", "Interval", "Step", "Timeline", "LearnerAccount", "Accounting", "account",
            "availability", "Recorder", "read_records", "diloco_timeline_steps"]

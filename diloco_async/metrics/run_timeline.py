@@ -1,6 +1,6 @@
 """The goodput timeline of an ordinary training run, rebuilt from what the processes recorded.
 
-Every learner process appends its own records (``diloco_async.timeline.Recorder``: start, ready,
+Every learner process appends its own records (``diloco_async.metrics.timeline.Recorder``: start, ready,
 steps, contributions, blocked time, stop) and the synchronizer names the update ids of every
 merge (``merges.jsonl`` in the store). From those alone this module rebuilds each slot's
 timeline: ``starting`` from the slot's first process's start to its first step (``restarting``
@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 
 from diloco_async.config.schema import Config
+from diloco_async.metrics.timeline import Interval, Timeline, diloco_timeline_steps
 from diloco_async.models import build_run_model, plan_of
-from diloco_async.timeline import Interval, Timeline, diloco_timeline_steps
 from storage import keys
 from storage.store import ObjectStore
 

@@ -107,7 +107,7 @@ class HeldoutMonitor:
 
     Args:
         model: a model of the run's kind (built once; its trainable tensors are overwritten).
-        split: the run's fixed held-out windows (:func:`~diloco_async.evaluation.heldout_split`).
+        split: the run's fixed held-out windows (:func:`~diloco_async.metrics.evaluation.heldout_split`).
         store, run_id: where the versions are published; the plan is read from ``plan.json``.
         every_s: seconds between the starts of two passes (> 0).
         after_step: evaluate only models past this step (the caller logged that one itself).
