@@ -62,7 +62,7 @@ SIZES: dict[int, list[str]] = {
 BASELINE_CODE = (
     "import sys, torch; torch.set_num_threads(1); import diloco_async.learner, diloco_async.sync, "
     "diloco_async.server\n"
-    "from diloco_async.config.schema import ModelConfig\nfrom diloco_async.model import ByteGPT\n"
+    "from diloco_async.config.schema import ModelConfig\nfrom diloco_async.models.transformer import ByteGPT\n"
     "from diloco_async.inner.workload import inner_step\n"
     "m = ByteGPT(ModelConfig(n_layer=2, d_model=16, n_head=2, context=8))\n"
     "x = torch.randint(0, 256, (2, 8))\n"

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from diloco_async.metrics.run_timeline import read_contributions, read_merges, rounds_table  # noqa: E402
-from diloco_async.model import ByteGPT, generate  # noqa: E402
 from diloco_async.models import ModelConfig, save_final_model, upload_folder  # noqa: E402
+from diloco_async.models.transformer import ByteGPT, generate  # noqa: E402
 from flows.tracking import MlflowSink  # noqa: E402
 from storage.store import ObjectStore  # noqa: E402
 

@@ -28,7 +28,7 @@ from rich.table import Table
 from diloco_async.chaos.scenario import METHODS, with_user_overrides
 from diloco_async.config.schema import load_config
 from diloco_async.metrics.evaluation import heldout_batches
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 from diloco_async.wan.report import WireRun, json_row, ring_allreduce_bytes, target_loss
 from diloco_async.wan.scenario import WanScenario, load_wan_scenario, wan_overrides
 from flows.tracking import MlflowSink, flatten_params

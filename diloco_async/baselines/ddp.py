@@ -7,7 +7,7 @@ Run one process per rank::
         [--speed F] [--jitter J] [--checkpoint-every-steps N] [--stop-at-unix T] [--max-steps N] \\
         [--gloo-timeout-s S] [--init-timeout-s S]
 
-Rank r trains the same model (:class:`~diloco_async.model.ByteGPT`, ``cfg.model``) on the same
+Rank r trains the same model (:class:`~diloco_async.models.transformer.ByteGPT`, ``cfg.model``) on the same
 data shard as learner r (``Corpus.shard(r, M)``, windows drawn by ``Corpus.sample``), with the
 learners' AdamW settings (``learners.lr``, ``weight_decay``, ``warmup_steps``, ``grad_clip``) and
 batch size per rank (``learners.batch_size``). One step: sample, forward, backward, sleep to

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from diloco_async.config.schema import Config
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs, load_state
 from storage.store import ObjectStore

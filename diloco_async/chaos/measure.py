@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from diloco_async.config.schema import Config
 from diloco_async.metrics.evaluation import heldout_loss
 from diloco_async.metrics.timeline import Accounting, Timeline, account
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 
 __all__ = ["Snapshot", "Measurement", "goodput_window_start", "uptime_max_gap_s", "initial_model", "eval_curve",
            "eval_at", "measure"]

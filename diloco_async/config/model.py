@@ -1,6 +1,6 @@
 """The ``[model]`` section of a recipe: which model the learners train (``model.kind``).
 
-* ``byte-gpt``: the project's own small byte-level transformer (:class:`~diloco_async.model.ByteGPT`),
+* ``byte-gpt``: the project's own small byte-level transformer (:class:`~diloco_async.models.transformer.ByteGPT`),
   shaped by ``vocab_size``, ``n_layer``, ``n_head``, ``d_model``, ``tie_embeddings``.
 * ``hf``: a Hugging Face ``transformers`` causal LM, either built from ``[model.hf]``
   ``architecture`` + ``[model.hf.config]`` (random init with the run's seed) or loaded with

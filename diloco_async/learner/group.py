@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco_async.config.schema import Config
 from diloco_async.inner.workload import Workload
-from diloco_async.model import embedding_names
+from diloco_async.models.transformer import embedding_names
 from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.runtime.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.runtime.parent_death import die_with_parent

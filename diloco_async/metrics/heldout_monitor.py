@@ -24,8 +24,8 @@ import torch
 
 from diloco_async.codec import wire
 from diloco_async.data.tokens import HeldoutSplit
-from diloco_async.model import evaluate_loss
 from diloco_async.models import trainable_parameters
+from diloco_async.models.transformer import evaluate_loss
 from diloco_async.policy.fragments import FragmentPlan
 from storage import keys
 from storage.store import ObjectStore

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 from diloco_async.config.model import ModelConfig
-from diloco_async.model import ByteGPT
-from diloco_async.model import embedding_names as byte_gpt_embeddings
 from diloco_async.models.factory import build_factory
 from diloco_async.models.hf import build_hf
+from diloco_async.models.transformer import ByteGPT
+from diloco_async.models.transformer import embedding_names as byte_gpt_embeddings
 from diloco_async.models.wrapper import CausalLM
 from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
 

@@ -12,7 +12,7 @@ import pytest
 from diloco_async.config.schema import load_config
 from diloco_async.data.tokens import open_corpus
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 from diloco_async.run import RunProcesses
 from diloco_async.sync import initial_parameters
 from storage.checkpoint import latest_checkpoint

@@ -24,7 +24,7 @@ from diloco_async.baselines.ddp_checkpoints import (
 from diloco_async.baselines.ddp_group import DdpGroup
 from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import data_generator, emulated_delay_s, jitter_random
-from diloco_async.model import evaluate_loss
+from diloco_async.models.transformer import evaluate_loss
 from diloco_async.sync import initial_parameters
 from storage import keys
 from storage.store import ObjectStore

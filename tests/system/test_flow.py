@@ -187,8 +187,8 @@ def test_final_model_is_logged_without_pickle_and_registered(tmp_path, caplog):
     import torch
 
     from diloco_async.config.schema import TrackingConfig
-    from diloco_async.model import ByteGPT
     from diloco_async.models import ModelConfig
+    from diloco_async.models.transformer import ByteGPT
     from flows.artifacts import log_run_artifacts, register_final_model
     from flows.tracking import MlflowSink
 

@@ -32,7 +32,7 @@ from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.group import Decision, LearnerGroup, place_workload
 from diloco_async.learner.rules import outer_gradient
-from diloco_async.model import embedding_names
+from diloco_async.models.transformer import embedding_names
 from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses

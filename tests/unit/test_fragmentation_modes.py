@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from diloco_async.config.schema import ModelConfig, config_differences, load_config
-from diloco_async.model import ByteGPT, embedding_names
 from diloco_async.models.build import plan_of
+from diloco_async.models.transformer import ByteGPT, embedding_names
 from diloco_async.policy.fragments import (
     FRAGMENTATIONS,
     FragmentPlan,

@@ -1,7 +1,7 @@
 import pytest
 
 from diloco_async.config.schema import ModelConfig
-from diloco_async.model import ByteGPT, embedding_names
+from diloco_async.models.transformer import ByteGPT, embedding_names
 from diloco_async.policy.fragments import FragmentPlan, TensorSpec, fragment_offset, plan_fragments, specs_of
 
 

@@ -6,7 +6,7 @@ from safetensors.torch import save as st_save
 
 from diloco_async.config.schema import ModelConfig
 from diloco_async.inner.state import InnerState, capture, restore
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 
 
 def make(seed: int = 0):

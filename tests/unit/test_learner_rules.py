@@ -11,7 +11,7 @@ import torch
 from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import Workload, inner_step, warmup_lr
 from diloco_async.learner.rules import Progress, adopt, outer_gradient, progress_after_adopt
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 
 
 def t(*values: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ from diloco_async.config.schema import ModelConfig
 from diloco_async.inner.state import InnerState, capture
 from diloco_async.learner.spool import MUTABLE_PREFIXES, StateSpooler
 from diloco_async.learner.state import Shared
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 from storage.checkpoint import write_state_file
 from storage.store import ObjectStore
 from storage.writer import ObjectWriter

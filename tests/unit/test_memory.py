@@ -13,7 +13,7 @@ from diloco_async.config.schema import ModelConfig
 from diloco_async.inner.state import capture
 from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.learner.uploads import Uploads
-from diloco_async.model import ByteGPT
+from diloco_async.models.transformer import ByteGPT
 from diloco_async.protocol.versions import VersionHistory, read_version
 from storage.checkpoint import (
     list_state_seqs,

@@ -13,7 +13,6 @@ import torch
 
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.schema import load_config
-from diloco_async.model import ByteGPT
 from diloco_async.models import (
     CausalLM,
     build_model,
@@ -24,6 +23,7 @@ from diloco_async.models import (
     save_final_model,
     trainable_parameters,
 )
+from diloco_async.models.transformer import ByteGPT
 from diloco_async.policy.fragments import FragmentPlan, plan_differences, plan_fragments, specs_of
 
 ROOT = Path(__file__).resolve().parents[2]
