@@ -37,24 +37,17 @@ import psutil
 
 from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
+from benchmarks.sizes import SIZES
 from benchmarks.stats import mean_over_runs
 from diloco_async.config.schema import load_config
 from diloco_async.run import RunProcesses
 
-__all__ = ["bars", "main", "SIZES", "measure_run"]
+__all__ = ["bars", "main", "measure_run"]
 
 LEARNER_GOAL = 6.0
 SYNC_GOAL = 4.0
 TOKENS_GOAL = 0.95
 REPEATS = 3  # runs of each size: the synchronizer's peak at 50M varied 3.55-4.02x between single runs
-
-#: model overrides by nominal size in millions of parameters (ByteGPT: 12 L d^2 + 256 d)
-SIZES: dict[int, list[str]] = {
-    1: ["model.n_layer=2", "model.d_model=192", "model.n_head=4"],
-    25: ["model.n_layer=8", "model.d_model=512", "model.n_head=8"],
-    50: ["model.n_layer=10", "model.d_model=640", "model.n_head=10"],
-    100: ["model.n_layer=14", "model.d_model=768", "model.n_head=12"],
-}
 
 #: the baseline process: the interpreter with torch and the project's modules imported, and one
 #: inner step of a 2-layer, 16-wide ByteGPT (so that the code torch loads lazily on a first

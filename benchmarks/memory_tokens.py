@@ -1,6 +1,6 @@
 """Learner tokens/s with sync on against a plain training loop at ~48M parameters (issue 17).
 
-The model is :data:`benchmarks.memory.SIZES` ``[50]`` (a ByteGPT of 49M parameters), batch
+The model is :data:`benchmarks.sizes.SIZES` ``[50]`` (a ByteGPT of 49M parameters), batch
 ``--batch`` windows of 64 tokens, one thread. Method of :mod:`benchmarks.hf_learner`: each repeat
 measures the plain loop (same model, AdamW, batches and threads, in this process), then one
 learner inside a real run (a synchronizer and the learner as processes over a ``file://`` store,
@@ -21,6 +21,7 @@ from pathlib import Path
 from benchmarks.args import description, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.hf_learner import in_run_tokens_per_s, plain_loop_tokens_per_s
+from benchmarks.sizes import SIZES
 from benchmarks.stats import mean_interval
 from diloco_async.config.schema import load_config
 
@@ -32,7 +33,6 @@ GOAL = 0.95
 def tokens_bar(quick: bool = False, repeats: int = 2, run_s: float = 100.0, plain_s: float = 25.0,
                batch: int = 4, warmup_steps: int = 3) -> Bar:
     """Measure and return the tokens/s bar (``quick``: a 1M-parameter model, one short repeat)."""
-    from benchmarks.memory import SIZES
     size = 1 if quick else 50
     overrides = (*SIZES[size], f"learners.batch_size={batch}", "learners.threads=1", "learners.checkpoint_every_s=30",
                  "synchronizer.num_fragments=4")

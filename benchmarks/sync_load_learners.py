@@ -26,7 +26,7 @@ from diloco_async.protocol.client import ChannelClosed, ProtocolError, RequestCh
 from storage import keys
 from storage.store import ObjectStore
 
-__all__ = ["LoadSpec", "LoadResult", "RUN_ID", "STEPS_PER_S", "LEARNERS_PER_GENERATOR", "generators_for", "main"]
+__all__ = ["LoadSpec", "LoadResult", "RUN_ID", "STEPS_PER_S", "LEARNERS_PER_GENERATOR", "generators_for"]
 
 RUN_ID = "load"
 STEPS_PER_S = 10.0  # each simulated learner's inner steps per second
@@ -307,9 +307,3 @@ def _generator(spec: LoadSpec, url: str, secret: str, store_url: str, shard: int
     except BaseException as err:  # the parent reports it
         conn.send(f"{type(err).__name__}: {err}")
     conn.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from benchmarks.sync_load import main as load_main
-
-    return load_main(argv)

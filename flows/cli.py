@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flows import interrupts
 from flows.alerts import add_alerts_parser  # constants and argparse only: Prefect is imported when it runs
 from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
@@ -30,82 +31,6 @@ def _set_environment_defaults() -> None:
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ["PREFECT_HOME"] = os.path.abspath(os.environ["PREFECT_HOME"])
-
-
-def _prepare_environment() -> None:
-    """Make Ctrl-C and SIGTERM a clean stop of the run (:func:`_on_interrupt`)."""
-    import os
-    import signal
-
-    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
-    signal.signal(signal.SIGTERM, _on_interrupt)
-    signal.signal(signal.SIGINT, _on_interrupt)
-
-
-_INTERRUPTS: list[int] = []  # the signals received, in order
-_STOP = {"at_once": False}  # chaos: a comparison cut short measures nothing; the first signal stops it
-
-
-def _children() -> list[tuple[int, str]]:
-    """(pid, command line) of this process's direct children (Linux /proc)."""
-    import os
-
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            if ppid == me:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    out.append((int(entry), fh.read().replace(b"\0", b" ").decode(errors="replace")))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def _on_interrupt(signum, _frame) -> None:
-    """First Ctrl-C or SIGTERM: stop the run cleanly. While a synchronizer runs it gets SIGINT (it
-    writes its final checkpoint and tells the learners to stop; the flow then prints the summary
-    and ends Completed); before one runs, after it exited, or in ``chaos``, the command stops at
-    once (KeyboardInterrupt; the flow stops what it started). Second signal: stop every process
-    now."""
-    import os
-    import signal
-
-    _INTERRUPTS.append(signum)
-    if len(_INTERRUPTS) > 1:
-        _stop_children_and_exit(_exit_code())
-    syncs = [pid for pid, cmd in _children() if "diloco_async.server" in cmd]
-    if not syncs or _STOP["at_once"]:
-        raise KeyboardInterrupt
-    print(f"\n{signal.Signals(signum).name}: stopping the run cleanly (final checkpoint); "
-          "Ctrl-C again to stop at once", file=sys.stderr, flush=True)
-    for pid in syncs:
-        os.kill(pid, signal.SIGINT)  # the synchronizer's clean stop; its stop reason names SIGINT
-
-
-def _exit_code() -> int:
-    """128 + the first signal received (130 for Ctrl-C, 143 for SIGTERM)."""
-    return 128 + _INTERRUPTS[0]
-
-
-def _stop_children_and_exit(code: int) -> None:
-    """Stop every child (the flow's processes, Prefect's temporary server) and exit at once."""
-    import os
-    import signal
-
-    for pid, _cmd in _children():
-        try:
-            os.killpg(pid, signal.SIGTERM)  # each child leads its own process group
-        except OSError:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-    print("interrupted: stopped at once", file=sys.stderr, flush=True)
-    os._exit(code)
 
 
 def _check_config(path: str | None, overrides: list[str]) -> str | None:
@@ -143,54 +68,13 @@ def _weak_secret() -> bool:
     return False
 
 
-def _run_flow(entry, *args, **kwargs) -> int:
-    """Run a flow entry point with the embedded defaults and the Ctrl-C behaviour. Prefect's
-    temporary server (when no ``PREFECT_API_URL`` is set) is this command's own, in its own
-    session: a Ctrl-C does not kill it, and it stops after the flow run's final state was sent."""
-    import os
-    from pathlib import Path
-
-    _prepare_environment()
-    try:
-        from flows.prefect_server import temporary_server
-
-        with temporary_server(Path(os.environ["PREFECT_HOME"]) / "temporary-server.log"):
-            code = entry(*args, **kwargs)
-    except KeyboardInterrupt:
-        code = 0
-    if _INTERRUPTS:
-        import signal
-
-        if code <= 128:  # else the flow finished after the stop and said where its final checkpoint is
-            print(f"interrupted ({signal.Signals(_INTERRUPTS[0]).name}): stopped", file=sys.stderr, flush=True)
-        _exit_now(_exit_code())
-    if code > 128:  # stopped by a signal the flow itself took (SIGTERM while training)
-        _exit_now(code)
-    return code
-
-
-def _exit_now(code: int) -> None:
-    """Exit after a stop without the interpreter's teardown of every imported module (torch,
-    MLflow, Prefect: seconds on a loaded machine): the exit handlers run and the output is flushed
-    first; everything the run started has already stopped."""
-    import atexit
-    import logging
-    import os
-
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _train(args: argparse.Namespace) -> int:
     recipe = _check_config(args.config, args.set or [])
     if recipe is None or _weak_secret():
         return 2
     from flows.train import run_train_cli
 
-    return _run_flow(run_train_cli, recipe, overrides=args.set or [])
+    return interrupts.run_flow(run_train_cli, recipe, overrides=args.set or [])
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -251,7 +135,7 @@ def _resume(args: argparse.Namespace) -> int:
         return 2
     from flows.train import run_resume_cli
 
-    return _run_flow(run_resume_cli, args.checkpoint_url, config, overrides=args.set or [])
+    return interrupts.run_flow(run_resume_cli, args.checkpoint_url, config, overrides=args.set or [])
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -286,8 +170,8 @@ def _chaos(args: argparse.Namespace) -> int:
         return 2
     from flows.chaos import run_chaos_cli
 
-    _STOP["at_once"] = True
-    return _run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
+    interrupts.STOP["at_once"] = True
+    return interrupts.run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -419,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_token.set_defaults(func=_token)
     add_alerts_parser(sub, _alerts)
     from flows.ablate_cli import add_ablate_parser  # argparse only; the flow is imported when it runs
-    add_ablate_parser(sub, _run_flow, _weak_secret)
+    add_ablate_parser(sub, interrupts.run_flow, _weak_secret)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")
     return parser
 

@@ -76,9 +76,9 @@ def wan_command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from flows import cli
+    from flows import interrupts
     from flows.wan import run_wan_cli
 
-    cli._STOP["at_once"] = True  # a comparison cut short measures nothing: the first signal stops it
-    return cli._run_flow(run_wan_cli, args.scenario, methods, args.json, args.set or [], args.out, args.seed,
+    interrupts.STOP["at_once"] = True  # a comparison cut short measures nothing: the first signal stops it
+    return interrupts.run_flow(run_wan_cli, args.scenario, methods, args.json, args.set or [], args.out, args.seed,
                          not args.unshaped)

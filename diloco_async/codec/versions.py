@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import safetensors.torch
 import torch
@@ -36,7 +37,7 @@ from torch import Tensor
 from diloco_async.codec import wire
 from storage.store import ObjectRef, ObjectStore
 
-__all__ = ["DOWNLOAD_CODECS", "DOWNLOAD_MODES", "compress_version", "compact_bytes", "read_compact",
+__all__ = ["DOWNLOAD_CODECS", "DOWNLOAD_MODES", "compress_version", "compact_bytes", "read_compact", "CompactForm",
            "published_digest", "apply_decoded"]
 
 DOWNLOAD_CODECS = ("fp32", "bf16", "int8", "int4", "int2")
@@ -189,16 +190,27 @@ def _decode_payload(data: bytes, codec: str, shapes: Mapping[str, tuple[int, ...
     return _decode_int2(encoded, shapes, block_size), meta
 
 
-def read_compact(store: ObjectStore, ref: ObjectRef, codec: str, shapes: Mapping[str, tuple[int, ...]], *,
-                 mode: str, block_size: int, base: Mapping[str, Tensor] | None, base_version: int | None,
-                 digest: str) -> dict[str, Tensor]:
+@dataclass(frozen=True)
+class CompactForm:
+    """How a compact payload was announced: its ``codec``, ``mode`` (``whole`` or ``delta``),
+    ``block_size`` (elements), the version a delta applies to (``base_version``, None for whole)
+    and the :func:`published_digest` of the value it rebuilds (``digest``, hex sha256)."""
+
+    codec: str
+    mode: str
+    block_size: int
+    base_version: int | None
+    digest: str
+
+
+def read_compact(store: ObjectStore, ref: ObjectRef, shapes: Mapping[str, tuple[int, ...]], form: CompactForm,
+                 base: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Download a compact payload and rebuild Θ^pub (fp32, the names and shapes of ``shapes``).
 
     Args:
         store, ref: where the payload is (size and sha256 verified).
-        codec, mode, block_size: as announced.
-        base, base_version: Θ^pub of the version the delta applies to (delta mode).
-        digest: the announced :func:`published_digest` of the result.
+        form: the payload as announced (codec, mode, block size, base version, digest).
+        base: Θ^pub of ``form.base_version``, the version the delta applies to (delta mode).
 
     Raises:
         FileNotFoundError: collected. storage.store.IntegrityError: size or digest of the payload.
@@ -207,6 +219,8 @@ def read_compact(store: ObjectStore, ref: ObjectRef, codec: str, shapes: Mapping
             ``published_digest`` (the rebuilt value is not the synchronizer's).
         ValueError: otherwise undecodable.
     """
+    codec, mode, block_size, base_version, digest = (form.codec, form.mode, form.block_size, form.base_version,
+                                                     form.digest)
     _check_mode(mode)
     if mode == "delta" and base is None:
         raise ValueError("a delta payload needs the base it applies to")

@@ -145,10 +145,9 @@ class Comms:
                      "%s", self.learner_id, v.fragment, v.version, c.base_version, held and f"v{held[0]}")
             return None
         try:
-            return version_codec.read_compact(
-                self.store, ObjectRef(c.key, c.nbytes, c.sha256), c.codec, self.shapes[v.fragment], mode=c.mode,
-                block_size=c.block_size, base=held[1] if held else None, base_version=c.base_version,
-                digest=c.published_sha256)
+            form = version_codec.CompactForm(c.codec, c.mode, c.block_size, c.base_version, c.published_sha256)
+            return version_codec.read_compact(self.store, ObjectRef(c.key, c.nbytes, c.sha256), self.shapes[v.fragment],
+                                              form, base=held[1] if held else None)
         except Exception as err:  # noqa: BLE001 - the whole fp32 version is there to fall back on
             log.warning("%s compact download of fragment %d v%d failed (%s); downloading it whole", self.learner_id,
                         v.fragment, v.version, err)

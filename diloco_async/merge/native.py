@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from diloco_async.kernels import build as native_build
 
-__all__ = ["usable", "norm_lanes", "accumulate", "anchor_into", "outer_step", "STEP_OK", "STEP_BAD_GRAD",
-           "STEP_NOT_FINITE"]
+__all__ = ["usable", "norm_lanes", "accumulate", "anchor_into", "outer_step", "NesterovSettings", "STEP_OK",
+           "STEP_BAD_GRAD", "STEP_NOT_FINITE"]
 
 #: torch CPU capabilities whose elementwise kernels round as the C code does
 CAPABILITIES = ("AVX2", "AVX512")
@@ -195,9 +196,21 @@ def anchor_into(out: Tensor, cur: Tensor, base: Tensor, delta: Tensor, *, want_n
     return (out, norm) if want_norm else out
 
 
-def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, scale: Tensor | None, mu: float,
-               neg_lr: float, require_finite: bool, chunk: int) -> int:
-    """One tensor's Nesterov step with momentum, by chunks of ``chunk`` elements:
+@dataclass(frozen=True)
+class NesterovSettings:
+    """The scalars of one fused outer step: momentum ``mu``, ``neg_lr`` (−η), whether a non-finite
+    result is reported (``require_finite``), and the chunk length in elements."""
+
+    mu: float
+    neg_lr: float
+    require_finite: bool
+    chunk: int
+
+
+def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, scale: Tensor | None,
+               step: NesterovSettings) -> int:
+    """One tensor's Nesterov step with momentum (``step``: μ, −η, the finite check), by chunks of
+    ``step.chunk`` elements:
     ``gc = g·scale`` (or ``g``), ``nb = b·μ + gc``, ``new_p = p + (−η)·(gc + μ·nb)`` as torch rounds
     them (``OuterOptimizer._step_tensor``); ``new_b`` may be ``g`` itself.
 
@@ -215,9 +228,9 @@ def outer_step(new_p: Tensor, new_b: Tensor, p: Tensor, b: Tensor, g: Tensor, sc
             new_b.data_ptr() != g.data_ptr() and _overlaps(new_b, [g]))):
         raise ValueError("outer_step needs contiguous float32 CPU tensors of one size, outputs apart from inputs")
     s = 1.0 if scale is None else float(scale.item())
-    status = _typed().dl_outer_step(new_p.data_ptr(), new_b.data_ptr(), n, chunk, p.data_ptr(), b.data_ptr(),
-                                  g.data_ptr(), s, int(scale is not None), mu, neg_lr, int(require_finite),
-                                  _threads())
+    status = _typed().dl_outer_step(new_p.data_ptr(), new_b.data_ptr(), n, step.chunk, p.data_ptr(), b.data_ptr(),
+                                  g.data_ptr(), s, int(scale is not None), step.mu, step.neg_lr,
+                                  int(step.require_finite), _threads())
     if status < 0:
         raise MemoryError(f"outer_step: no memory for the finite flags of {n} elements")
     return status

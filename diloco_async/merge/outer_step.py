@@ -241,8 +241,9 @@ class OuterOptimizer:
         operations, the same finite checks per chunk, the same errors (DESIGN §4.5c)."""
         new_p = self._empty_like(p)
         new_b = g if in_place else self._empty_like(p)
+        step = merge_native.NesterovSettings(self._mu, -self._lr, require_finite, _buf.CHUNK_ELEMENTS)
         status = merge_native.outer_step(new_p.view(-1), new_b.view(-1), p.view(-1), b.view(-1), g.view(-1), scale,
-                                         self._mu, -self._lr, require_finite, _buf.CHUNK_ELEMENTS)
+                                         step)
         if status == merge_native.STEP_BAD_GRAD:
             raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
         return new_p, new_b, status != merge_native.STEP_NOT_FINITE

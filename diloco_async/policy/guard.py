@@ -70,7 +70,8 @@ import torch
 
 from diloco_async.config.guard import GuardConfig
 
-__all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "LearnerDirections", "leave_one_out_cosines",
+__all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "DirectionCheck", "NO_DIRECTION_CHECK", "LearnerDirections",
+           "leave_one_out_cosines",
            "direction_factor", "sustained_anti_alignment",
            "MIN_REFERENCE_COSINE", "tensor_norms", "non_finite_tensors"]
 
@@ -249,6 +250,23 @@ def direction_factor(cosine: float | None, reference_cosine: float | None, fract
     return min(1.0, max(0.0, cosine / (fraction * reference_cosine)))
 
 
+@dataclass(frozen=True)
+class DirectionCheck:
+    """The direction guard's inputs for one round (:mod:`diloco_async.policy.guard`): ``reference``,
+    the median recent leave-one-out cosine (None while the guard warms up); ``fraction``
+    (``guard.direction_fraction``; 0 turns the guard off); each learner's recent cosines
+    (``learner_cosines``), of which the last ``memory`` count (``guard.direction_memory``)."""
+
+    reference: float | None = None
+    fraction: float = 0.0
+    learner_cosines: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    memory: int = 1
+
+
+#: the direction guard off (fraction 0)
+NO_DIRECTION_CHECK = DirectionCheck()
+
+
 class DirectionGuard:
     """The recent leave-one-out cosines of one fragment's contributions (owned by the
     synchronizer's actor; the merging thread gets :meth:`reference` as a plain float)."""
@@ -264,6 +282,11 @@ class DirectionGuard:
             return None
         median = statistics.median(self.recent)
         return median if median >= MIN_REFERENCE_COSINE else None
+
+    def check(self, learners: LearnerDirections) -> DirectionCheck:
+        """The inputs of one round's direction guard: this fragment's reference, the learners' records."""
+        return DirectionCheck(self.reference(), self.cfg.direction_fraction, learners.snapshot(),
+                              self.cfg.direction_memory)
 
     def record(self, cosine: float | None, factor: float) -> None:
         """Add the cosine of a merged contribution kept at full weight (positive ones only)."""

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 from diloco_async.config.schema import BudgetConfig
 from diloco_async.policy.fragments import fragment_offset
-from diloco_async.protocol.messages import Announcement
 
 __all__ = ["budget_spent_at_checkpoint", "GraceDecision", "grace_window", "global_step", "round_due_step",
            "ScheduleDecision", "schedule_rounds", "schedule_shift", "stuck_round_reason", "budget_stop_reason",
-           "RoundStage", "Admission", "FragmentFacts", "admit_announcement", "RoundState", "Ema"]
+           "RoundStage", "Admission", "RoundState", "Ema"]
 
 DUPLICATE_REASON = "already announced; acknowledged once, merged at most once"
 
@@ -366,72 +365,6 @@ class RoundState:
 
     def abandon(self) -> None:
         self._move(RoundStage.ABANDONED)
-
-
-@dataclass(frozen=True)
-class FragmentFacts:
-    """What admission needs to know of one fragment: its current version, its next round
-    number and the versions kept as possible bases (the last S + 1)."""
-
-    version: int
-    next_round: int
-    kept_versions: frozenset[int]
-
-
-def admit_announcement(
-    ann: Announcement,
-    *,
-    now_s: float,
-    learner_known: bool,
-    fragment: FragmentFacts | None,
-    round_state: RoundState | None,
-    settled_key: str | None,
-    key_prefix: str,
-    codecs: Collection[str],
-    max_staleness: int,
-) -> Admission:
-    """Admit a contribution's announcement into its round, or say why not (DESIGN §3.4-§3.5, §10).
-
-    Checks, in order: the learner joined; the fragment exists; the round is open (a closed round
-    answers ``duplicate`` for the same key already settled there, ``late`` otherwise; a round
-    never opened is rejected); a repeat of the same key is a duplicate; c_steps ≥ 1; the base
-    version is still kept; the key lies under ``key_prefix`` (the round's contribution prefix);
-    the codec is known. Then :meth:`RoundState.announce` registers it at ``now_s`` (s).
-
-    Args:
-        ann: the announcement.
-        learner_known: the learner has joined.
-        fragment: the facts of fragment ``ann.fragment``; None when it does not exist.
-        round_state: the open round ``(ann.fragment, ann.round_n)``; None when not open.
-        settled_key: the key this learner had settled in that round once it closed, if any.
-        key_prefix: where the round's contributions must live.
-        codecs: the known codecs.
-        max_staleness: S, named in the too-stale reason.
-    """
-    p, n = ann.fragment, ann.round_n
-    if not learner_known:
-        return Admission("rejected", "unknown_learner: join first")
-    if fragment is None:
-        return Admission("rejected", f"bad_fragment: fragment {p} does not exist")
-    if round_state is None:
-        if settled_key == ann.key:
-            return Admission("duplicate", DUPLICATE_REASON)
-        if n < fragment.next_round:  # a replay of an old message, or one that arrived too late
-            return Admission("late", f"round p{p} r{n} is closed")
-        return Admission("rejected", f"unknown_round: round p{p} r{n} is not open")
-    prior = round_state.entries.get(ann.learner_id)
-    if prior is not None and prior.key == ann.key:
-        return Admission("duplicate", DUPLICATE_REASON)
-    if ann.c_steps < 1:
-        return Admission("rejected", "no_progress: c_steps = 0 carries no weight")
-    if ann.base_version not in fragment.kept_versions:
-        return Admission("rejected", f"too_stale: base version {ann.base_version}, current {fragment.version}, "
-                         f"keeping {max_staleness}")
-    if not ann.key.startswith(key_prefix):
-        return Admission("rejected", f"bad_key: key {ann.key!r} is outside this round's prefix")
-    if ann.codec not in codecs:
-        return Admission("rejected", f"bad_codec: {ann.codec}")
-    return round_state.announce(ann.learner_id, ann.key, now_s)
 
 
 class Ema:

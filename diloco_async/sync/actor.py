@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from diloco_async.config.schema import Config, config_hash
@@ -33,17 +34,18 @@ from diloco_async.policy.pace import PaceLimits
 from diloco_async.policy.rounds import RoundStage, budget_stop_reason
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.runtime.heap import release_free_memory
-from diloco_async.sync import persistence, reporting
-from diloco_async.sync.checkpoints import CheckpointBook, Checkpointing
+from diloco_async.sync import persistence, summary
+from diloco_async.sync.checkpoints import Checkpointing
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
 from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
-from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter, uptime_max_gap_s
+from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
+    CheckpointBook,
     CheckpointDone,
     FinalWritten,
     Merged,
@@ -97,6 +99,15 @@ def _learner_of(body: Any) -> str:
     return str(getattr(body, "learner_id", "-"))
 
 
+@dataclass(frozen=True)
+class MemoryTails:
+    """Records kept in memory, the rest spilled to disk: metric points, merge records, settled announcements."""
+
+    metrics: int = METRICS_TAIL
+    merges: int = MERGES_TAIL
+    settled: int = SETTLED_CAP
+
+
 class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     """The synchronizer of one run.
 
@@ -106,8 +117,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         run_id: this run's id.
         clock: monotonic clock in seconds (injectable for tests).
         spill_dir: folder of the metric and merge spill files (default: the temporary folder).
-        metrics_tail, merges_tail, settled_cap: records kept in memory (see
-            :mod:`~diloco_async.sync.reporting` and :data:`~diloco_async.sync.rounds.SETTLED_CAP`).
+        tails: the records kept in memory (:class:`MemoryTails`).
         lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write
             and delete checks it first, and a lost lease ends :meth:`run` at once with
             :class:`~diloco_async.sync.lease.LeaseLost` (the caller renews it:
@@ -116,8 +126,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
 
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
-                 metrics_tail: int = METRICS_TAIL, merges_tail: int = MERGES_TAIL,
-                 settled_cap: int = SETTLED_CAP, lease: Lease | None = None) -> None:
+                 tails: MemoryTails = MemoryTails(), lease: Lease | None = None) -> None:
         self.cfg = cfg
         self.sc = cfg.synchronizer
         self.lease = lease
@@ -135,7 +144,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.waiting: list[tuple[int, int]] = []
         self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
         self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
-        self.settled = BoundedMap(settled_cap)
+        self.settled = BoundedMap(tails.settled)
         self.started_s = clock()
         self.life = Lifecycle()
         self._drain_until_s = 0.0
@@ -147,7 +156,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.resumed_from: int | None = None
         self.checkpoints = CheckpointBook(self.started_s)
         self.g: int | None = None
-        self.report = Reporter(self.started_s, run_id, spill_dir, metrics_tail, merges_tail, clock=clock)
+        self.report = Reporter(self.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
@@ -207,11 +216,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
 
     def summary(self) -> dict:
         """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
-        return reporting.summary(self)
+        return summary.summary(self)
 
     def status(self) -> dict:
         """The summary, open rounds and lifecycle phase (``GET /status``)."""
-        return reporting.status(self)
+        return summary.status(self)
 
     # -- the actor loop -----------------------------------------------------------------------
 
@@ -419,7 +428,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         merges = self.report.counters["merges"]
         if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
             self._goodput_merges, self._goodput_at_s = merges, now
-            uptime = self.report.merge_gaps.uptime(now, uptime_max_gap_s(self))
+            uptime = self.report.merge_gaps.uptime(now, summary.uptime_max_gap_s(self))
             self.report.goodput_series(self.ledgers, uptime, self.registry.silent_s(now))
 
     def _liveness(self, now: float) -> None:

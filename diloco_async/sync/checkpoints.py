@@ -1,8 +1,8 @@
 """Checkpoints of the running synchronizer: when one is due, writing it in a thread, answering
 ``POST /checkpoint``, and collecting garbage behind it (DESIGN §5).
 
-:class:`CheckpointBook` is the bookkeeping (plain values, the actor's clock); :class:`Checkpointing`
-is the part of the actor that starts checkpoints and takes their outcome.
+:class:`~diloco_async.sync.state.CheckpointBook` is the bookkeeping (plain values, the actor's clock);
+:class:`Checkpointing` is the part of the actor that starts checkpoints and takes their outcome.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.persistence import checkpoint_payload
-from diloco_async.sync.state import CheckpointDone
+from diloco_async.sync.state import CheckpointBook, CheckpointDone
 from storage.checkpoint import write_checkpoint
 from storage.gc import collect_garbage
 from storage.store import ObjectStore
@@ -23,7 +23,7 @@ from storage.store import ObjectStore
 if TYPE_CHECKING:
     from diloco_async.sync.reporting import Reporter
 
-__all__ = ["CheckpointBook", "Checkpointing"]
+__all__ = ["Checkpointing"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -33,47 +33,6 @@ log = logging.getLogger("diloco.synchronizer")
 #: parameters in the synchronizer's peaks (issue 17 item 3); a checkpoint runs in the background,
 #: so its upload speed matters less than the process's size.
 CHECKPOINT_PARTS_IN_FLIGHT = 1
-
-
-class CheckpointBook:
-    """Which checkpoint is next, whether one (or a garbage collection) is in flight, who waits for
-    it, and when the periodic one is due. Times are seconds on the actor's clock."""
-
-    def __init__(self, started_s: float) -> None:
-        self.seq = 0  # the newest sequence number taken
-        self.last_seq: int | None = None  # newest checkpoint this process wrote
-        self.in_flight = False
-        self.gc_in_flight = False
-        self.waiters: list = []  # futures of POST /checkpoint requests
-        self._merges_at_checkpoint = -1
-        self._last_s = started_s
-
-    def due(self, now_s: float, merges: int, every_s: float) -> bool:
-        """A periodic checkpoint is due: none in flight, a merge since the last, ``every_s`` passed."""
-        return not self.in_flight and merges > self._merges_at_checkpoint and now_s - self._last_s >= every_s
-
-    def begin(self, now_s: float, merges: int) -> int:
-        """Take the next sequence number for a checkpoint starting now."""
-        self.seq += 1
-        self._merges_at_checkpoint = merges
-        self.in_flight = True
-        self._last_s = now_s
-        return self.seq
-
-    def done(self, msg: CheckpointDone) -> list:
-        """Record the outcome; returns the waiters to answer. A failure retries at the next period."""
-        self.in_flight = False
-        waiters, self.waiters = self.waiters, []
-        if msg.ok:
-            self.last_seq = msg.seq
-        else:
-            self._merges_at_checkpoint = -1
-        return waiters
-
-    def resumed(self, seq: int, listed: list[int], merges: int) -> None:
-        """After a resume from ``seq``: never reuse a listed (even torn) sequence number."""
-        self.seq = max([seq, *listed])
-        self._merges_at_checkpoint = merges
 
 
 def _write_and_trim(store: ObjectStore, run_id: str, seq: int, tensors: dict, manifest: dict) -> None:

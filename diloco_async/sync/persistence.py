@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,20 +18,18 @@ from diloco_async.config.schema import Config, apply_overrides, config_differenc
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.protocol.versions import VersionHistory, read_version
 from diloco_async.sync.state import FragmentState
+from diloco_async.sync.view import ActorView
 from diloco_async.sync.work import put_version
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
 from storage.store import IntegrityError, ObjectRef, ObjectStore, object_digest
-
-if TYPE_CHECKING:
-    from diloco_async.sync.actor import Synchronizer
 
 __all__ = ["publish_initial", "open_checkpoint", "no_such_run", "restore", "checkpoint_payload"]
 
 log = logging.getLogger("diloco.synchronizer")
 
 
-def publish_initial(sync: Synchronizer) -> None:
+def publish_initial(sync: ActorView) -> None:
     """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
     sync.store.put_json(keys.plan_key(sync.run_id), {
         "run_id": sync.run_id, "plan": sync.plan.to_json(), "schema_hash": sync.plan.schema_hash,
@@ -111,7 +108,7 @@ def no_such_run(store: ObjectStore, run_id: str) -> str:
     return f"{where}; runs in that store: {shown}"
 
 
-def _check_compatible(sync: Synchronizer, ckpt: Checkpoint) -> None:
+def _check_compatible(sync: ActorView, ckpt: Checkpoint) -> None:
     m = ckpt.manifest
     if m.get("run_id") != sync.run_id:
         raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {sync.run_id!r}")
@@ -129,7 +126,7 @@ BY_REASON = {"rejected": "rejected_by_reason", "bad_requests": "bad_requests", "
              "abandoned": "abandoned_by_reason", "edge": "edge_rejections"}
 
 
-def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
+def restore(sync: ActorView, ckpt: Checkpoint) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
     Restores every fragment's value, momentum and outer-step count, versions, round counters,
@@ -169,7 +166,7 @@ def restore(sync: Synchronizer, ckpt: Checkpoint) -> None:
              c["contributions_rejected"], sync.registry.tokens_processed(), c["bytes_in"], c["bytes_out"])
 
 
-def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) -> None:
+def _restore_fragment(sync: ActorView, f: FragmentState, ckpt: Checkpoint) -> None:
     m, key = ckpt.manifest, str(f.p)
     params = {n: ckpt.tensors[tensor_key(f.p, "param", n)].clone() for n in f.names}
     mom = {n: ckpt.tensors[tensor_key(f.p, "momentum", n)].clone() for n in f.names}
@@ -196,7 +193,7 @@ def _restore_fragment(sync: Synchronizer, f: FragmentState, ckpt: Checkpoint) ->
         del f.refs[v]
 
 
-def _adopt_published(sync: Synchronizer, f: FragmentState, lease_epoch: int) -> None:
+def _adopt_published(sync: ActorView, f: FragmentState, lease_epoch: int) -> None:
     """Keep the versions of ``f`` published after the checkpoint (blocking; store reads).
 
     Each listed version above the checkpoint's is read, decoded and checked (shapes, finite
@@ -242,7 +239,7 @@ def _adopt_published(sync: Synchronizer, f: FragmentState, lease_epoch: int) -> 
                 "current value (momentum from the checkpoint); next round %d", f.p, kept, f.version, f.next_round)
 
 
-def checkpoint_payload(sync: Synchronizer) -> tuple[dict[str, torch.Tensor], dict]:
+def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, manifest) of a checkpoint of the outer state now: every Θ_p and momentum buffer,
     versions, round counters, version refs, ledgers, learners and counters."""
     tensors: dict[str, torch.Tensor] = {}

@@ -1,5 +1,6 @@
 """What the synchronizer reports: counters, the metric stream, the merge log, the run summary and
-the live status (DESIGN §7).
+the live status (DESIGN §7); the run summary and the status are built by
+:mod:`diloco_async.sync.summary` from the actor's state.
 
 Metric points are ``{"key", "value", "step", "timestamp_ms"}`` with units in the key
 (``sync/grace_s``, ``net/bytes_in``); ``GET /metrics?since=N`` serves them by number and the
@@ -26,16 +27,13 @@ from typing import TYPE_CHECKING, Any
 from diloco_async.metrics.goodput import MergeGaps, totals, window_goodput
 from diloco_async.sync.logs import JsonLinesLog
 from diloco_async.sync.traffic import TrafficPeaks
-from diloco_async.sync.wire_bytes import per_token
 from storage import keys
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
-    from diloco_async.sync.actor import Synchronizer
     from diloco_async.sync.learners import LearnerRegistry
 
-__all__ = ["Reporter", "summary", "with_checkpoint_outcome", "status", "write_final", "METRICS_TAIL", "MERGES_TAIL",
-           "UPTIME_MIN_GAP_S", "METRICS_BATCH"]
+__all__ = ["Reporter", "write_final", "METRICS_TAIL", "MERGES_TAIL", "UPTIME_MIN_GAP_S", "METRICS_BATCH"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -210,108 +208,6 @@ class Reporter:
         self.metrics.close()
         self.merge_log.close()
         self.fates.close()
-
-
-def uptime_max_gap_s(sync: Synchronizer) -> float:
-    """The longest gap between merges that still counts as up (s): four rounds' worth of the
-    slowest learner's steps per fragment, at least :data:`UPTIME_MIN_GAP_S`."""
-    slowest = sync.registry.slowest_step_s() or 1.0
-    return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.fragments)), UPTIME_MIN_GAP_S)
-
-
-def _net_summary(reg: LearnerRegistry) -> dict:
-    """Bytes per token up and down, and the bytes by fragment, for the summary and /status."""
-    tokens = reg.tokens_processed()
-    up = sum(b["up"] for b in reg.wire.by_fragment.values())
-    down = sum(b["down"] for b in reg.wire.by_fragment.values())
-    return {"bytes_up_per_token": per_token(up, tokens), "bytes_down_per_token": per_token(down, tokens),
-            "bytes_by_fragment": reg.wire.fragments_json(tokens)}
-
-
-def _learner_net(reg: LearnerRegistry, lid: str) -> dict:
-    """A learner's bytes (per token) and whether its link keeps up (``link_bound``, with the figures)."""
-    i = reg.learners[lid]
-    need, budget = i.link_s_per_fragment, i.link_budget_s
-    return {**reg.wire.learner_json(lid, reg.ledgers[lid].tokens_processed), "link_s_per_fragment": need,
-            "link_budget_s": budget, "link_bound": need is not None and budget is not None and need > budget}
-
-
-def summary(sync: Synchronizer) -> dict:
-    """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes (and the peak
-    bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`)."""
-    now = sync.clock()
-    rep, reg, c = sync.report, sync.registry, sync.report.counters
-    reg.flush_provisioned()
-    max_gap = uptime_max_gap_s(sync)
-    return {
-        "run_id": sync.run_id,
-        "epoch": sync.epoch,
-        "resumed_from": sync.resumed_from,
-        "stop_reason": sync.life.stop_reason,
-        "wall_s": now - sync.started_s,
-        **totals(reg.ledgers, reg.silent_s(now)),
-        "uptime": rep.merge_gaps.uptime(now, max_gap),
-        "uptime_max_gap_s": max_gap,
-        "merges": c["merges"],
-        "contributions_merged": c["contributions_merged"],
-        "contributions_late": c["contributions_late"],
-        "contributions_rejected": c["contributions_rejected"],
-        "rejected_by_reason": {**rep.rejected_by_reason, **{k: v for k, v in rep.edge_rejections.items() if v}},
-        "bad_requests": dict(rep.bad_requests),
-        "actor_errors": c["actor_errors"],
-        "rounds_abandoned": c["rounds_abandoned"],
-        "rounds_abandoned_by_reason": dict(rep.abandoned_by_reason),
-        "clamped_by_reason": dict(rep.clamped_by_reason),
-        "contributions_clipped": c["contributions_clipped"],
-        "contributions_downweighted": c["contributions_downweighted"],
-        "verifications_dropped": c["verifications_dropped"],
-        "duplicates": c["duplicates"],
-        "versions": {f.p: f.version for f in sync.fragments},
-        "bytes_in": c["bytes_in"],
-        "bytes_out": c["bytes_out"],
-        **rep.traffic.figures(),  # since this process started (a resumed run starts them again)
-        **_net_summary(reg),
-        "checkpoints": c["checkpoints"],
-        "last_checkpoint_seq": sync.checkpoints.last_seq,
-        "global_step": sync.g,
-        "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
-                           **reg.ledgers[lid].to_json(),
-                           "compute_goodput": reg.ledgers[lid].compute_goodput,
-                           "token_goodput": reg.ledgers[lid].token_goodput, **_learner_net(reg, lid)}
-                     for lid, i in reg.learners.items()},
-    }
-
-
-def with_checkpoint_outcome(figures: dict, sync: Synchronizer) -> dict:
-    """``figures`` (a :func:`summary` taken when the final checkpoint began) with that checkpoint's
-    outcome: ``checkpoints`` and ``last_checkpoint_seq`` as they are now."""
-    return {**figures, "checkpoints": sync.report.counters["checkpoints"],
-            "last_checkpoint_seq": sync.checkpoints.last_seq}
-
-
-def status(sync: Synchronizer) -> dict:
-    """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners),
-    each learner's seconds since its last message (``heartbeat_age_s``), the budget, the lifecycle
-    phase and the number of metric points so far."""
-    s = summary(sync)
-    rounds = []
-    for (p, n), r in sorted(sync.rounds.items()):
-        entries = r.state.entries
-        rounds.append({"fragment": p, "round": n, "stage": r.state.stage.value,
-                       "announced": sorted(entries), "verified": r.state.verified,
-                       "rejected": sorted(lid for lid, e in entries.items() if e.verified is False),
-                       "pending": sorted(r.state.pending), "late": list(r.state.late)})
-    s["rounds"] = rounds
-    now = sync.clock()
-    for lid, info in sync.registry.learners.items():  # seconds since each learner was last heard from
-        s["learners"][lid]["heartbeat_age_s"] = max(0.0, now - info.last_seen_s)
-    budget = sync.cfg.budget
-    s["budget"] = {"tokens": budget.tokens, "max_steps": budget.max_steps, "wall_s": budget.wall_s}
-    s["stopping"] = sync.life.stop_reason
-    s["phase"] = sync.life.phase.value
-    s["finished"] = sync.final_summary is not None
-    s["metrics_total"] = len(sync.report.metrics)
-    return s
 
 
 def write_final(store: ObjectStore, run_id: str, epoch: str, final_summary: dict, rep: Reporter) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.merge.core import token_weight
+from diloco_async.policy.admission import AnnouncementRules, admit_announcement
 from diloco_async.policy.fragments import fragment_offset
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits, implausible_contribution
@@ -23,7 +24,6 @@ from diloco_async.policy.rounds import (
     GraceDecision,
     RoundStage,
     RoundState,
-    admit_announcement,
     global_step,
     grace_window,
     round_due_step,
@@ -33,8 +33,8 @@ from diloco_async.policy.rounds import (
 )
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
+from diloco_async.sync import work
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
-from diloco_async.sync.work import fetch_and_verify, merge_and_publish, rejection_reason
 from storage import keys
 from storage.store import ObjectRef, ObjectStore
 
@@ -154,8 +154,8 @@ class RoundDriver:
         adm = admit_announcement(
             ann, now_s=self.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
-            key_prefix=keys.contribution_round_prefix(self.run_id, p, n) + "/", codecs=wire.CODECS,
-            max_staleness=self.sc.max_staleness)
+            rules=AnnouncementRules(keys.contribution_round_prefix(self.run_id, p, n) + "/", wire.CODECS,
+                                    self.sc.max_staleness))
         if adm.status == "rejected":
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
         if adm.status == "duplicate":
@@ -209,10 +209,10 @@ class RoundDriver:
         try:
             async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
                 delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
-                    fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    work.fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
                     timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
-            reason = rejection_reason(err, ann.key, self.sc.storage_timeout_s)
+            reason = work.rejection_reason(err, ann.key, self.sc.storage_timeout_s)
         await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms, norms32))
 
     def _on_verified(self, msg: Verified) -> None:
@@ -343,13 +343,13 @@ class RoundDriver:
                 await asyncio.wait_for(rnd.none_pending.wait(), self.sc.storage_timeout_s + 1.0)
         n = rnd.state.round_n
         try:
-            # the contributions are fixed here, on the actor's loop: the worker thread gets its own list
-            contribs = [c for c in rnd.contributions.values() if c.delta is not None]
+            contribs = [c for c in rnd.contributions.values() if c.delta is not None]  # the thread's own list
             async with self.merge_slots:
-                result = await asyncio.to_thread(
-                    merge_and_publish, self.store, self.run_id, f, n, contribs, self.sc.merge, quorum_wait_s,
-                    self.lease_epoch, self.direction_guards[f.p].reference(), self.cfg.guard.direction_fraction,
-                    self.learner_directions.snapshot(), self.cfg.guard.direction_memory, self.sc.download)
+                directions = self.direction_guards[f.p].check(self.learner_directions)
+                result = await asyncio.to_thread(work.merge_and_publish, self.store, self.run_id, f, n, contribs,
+                                                 self.sc.merge, directions=directions,
+                                                 publish=work.PublishSettings(self.lease_epoch, self.sc.download))
+            result.quorum_wait_s = quorum_wait_s
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")

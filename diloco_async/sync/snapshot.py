@@ -2,7 +2,7 @@
 
 Polling the status must not queue behind the actor's work (48 pollers once raised a learner's
 heartbeat latency a hundredfold), and building it must not stall the actor when nobody reads it
-(at 1,000 learners one :func:`reporting.status` takes 25-35 ms of the event loop). So:
+(at 1,000 learners one :func:`~diloco_async.sync.summary.status` takes 25-35 ms of the event loop). So:
 
 * After every pass of its loop the actor ticks the board (:meth:`StatusBoard.tick`, O(1): the
   time and the lifecycle phase); ``/health`` is served from that alone.

@@ -20,8 +20,9 @@ from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
+from diloco_async.policy.admission import FragmentFacts
 from diloco_async.policy.fragments import FragmentPlan
-from diloco_async.policy.rounds import Ema, FragmentFacts, RoundState
+from diloco_async.policy.rounds import Ema, RoundState
 from diloco_async.protocol.messages import Announcement, CompactInfo
 from diloco_async.protocol.versions import VersionHistory
 from storage.store import ObjectRef, ObjectStore
@@ -39,6 +40,7 @@ __all__ = [
     "Verified",
     "Merged",
     "CheckpointDone",
+    "CheckpointBook",
     "FinalWritten",
 ]
 
@@ -256,3 +258,44 @@ class FinalWritten:
     """The final metrics, summary and merge log are in the store (or failed to get there)."""
 
     ok: bool
+
+
+class CheckpointBook:
+    """Which checkpoint is next, whether one (or a garbage collection) is in flight, who waits for
+    it, and when the periodic one is due. Times are seconds on the actor's clock."""
+
+    def __init__(self, started_s: float) -> None:
+        self.seq = 0  # the newest sequence number taken
+        self.last_seq: int | None = None  # newest checkpoint this process wrote
+        self.in_flight = False
+        self.gc_in_flight = False
+        self.waiters: list = []  # futures of POST /checkpoint requests
+        self._merges_at_checkpoint = -1
+        self._last_s = started_s
+
+    def due(self, now_s: float, merges: int, every_s: float) -> bool:
+        """A periodic checkpoint is due: none in flight, a merge since the last, ``every_s`` passed."""
+        return not self.in_flight and merges > self._merges_at_checkpoint and now_s - self._last_s >= every_s
+
+    def begin(self, now_s: float, merges: int) -> int:
+        """Take the next sequence number for a checkpoint starting now."""
+        self.seq += 1
+        self._merges_at_checkpoint = merges
+        self.in_flight = True
+        self._last_s = now_s
+        return self.seq
+
+    def done(self, msg: CheckpointDone) -> list:
+        """Record the outcome; returns the waiters to answer. A failure retries at the next period."""
+        self.in_flight = False
+        waiters, self.waiters = self.waiters, []
+        if msg.ok:
+            self.last_seq = msg.seq
+        else:
+            self._merges_at_checkpoint = -1
+        return waiters
+
+    def resumed(self, seq: int, listed: list[int], merges: int) -> None:
+        """After a resume from ``seq``: never reuse a listed (even torn) sequence number."""
+        self.seq = max([seq, *listed])
+        self._merges_at_checkpoint = merges

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
-from diloco_async.sync import reporting
+from diloco_async.sync import reporting, summary
 from diloco_async.sync.lifecycle import Phase
 from diloco_async.sync.state import FinalWritten
 
@@ -83,7 +83,7 @@ class Stopping:
             self._start_checkpoint()
         elif phase is Phase.FINAL_CHECKPOINT:
             self.life.move(Phase.WRITING_SUMMARY)
-            self.final_summary = reporting.with_checkpoint_outcome(self._final_figures, self)
+            self.final_summary = summary.with_checkpoint_outcome(self._final_figures, self)
             self.report.goodput_series(self.ledgers, self.final_summary["uptime"],
                                        self.registry.silent_s(now), per_learner=True)
             self.report.seal()  # the spill files are complete: nothing more goes to the store

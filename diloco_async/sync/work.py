@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,8 @@ from diloco_async.merge.core import (
     token_weight,
 )
 from diloco_async.policy.guard import (
+    NO_DIRECTION_CHECK,
+    DirectionCheck,
     direction_factor,
     leave_one_out_cosines,
     non_finite_tensors,
@@ -46,7 +49,7 @@ from storage.checkpoint import safetensors_nbytes, write_safetensors
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "rejection_reason",
-           "merge_and_publish", "merge_workspace", "VERSION_SKIPS"]
+           "merge_and_publish", "merge_workspace", "VERSION_SKIPS", "PublishSettings"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -195,14 +198,22 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
     return f"storage_error: {type(err).__name__}: {err}"
 
 
-def _screen(f: FragmentState, contribs: list[Contribution], direction_reference: float | None = None,
-            direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
-            direction_memory: int = 1, workspace: MergeWorkspace | None = None, check: bool = True,
+@dataclass(frozen=True)
+class PublishSettings:
+    """How a merged value is published: under the lease epoch ``lease_epoch`` (fencing, 0: none)
+    and, for compressed downloads, as ``download`` = (codec, mode, block size) (``synchronizer.download``)."""
+
+    lease_epoch: int = 0
+    download: tuple[str, str, int] = ("fp32", "delta", 64)
+
+
+def _screen(f: FragmentState, contribs: list[Contribution], directions: DirectionCheck = NO_DIRECTION_CHECK,
+            workspace: MergeWorkspace | None = None, check: bool = True,
             ) -> tuple[list, list, list, list[tuple[str, str]], dict, dict]:
     """Weight and anchor each contribution on its own: (kept, weights, anchored, dropped as (learner,
     why), cosines, factors). A contribution whose weight or anchored outer gradient is not finite
     cannot take the round down; one that points away from the rest of its round is weighted down,
-    and left out when its learner's recent cosines (``learner_cosines``) point away too (the
+    and left out when its learner's recent cosines (``directions``) point away too (the
     direction guard, :mod:`diloco_async.policy.guard`). Without ``check``, the anchored values are
     taken as finite here (``merge_and_step`` checks them as it goes)."""
     kept, weights, anchored, raw, dropped = [], [], [], [], []
@@ -233,8 +244,7 @@ def _screen(f: FragmentState, contribs: list[Contribution], direction_reference:
         anchored.append(a)
         raw.append(delta)
     dropped.extend(why for _, why in sorted(failed, key=lambda x: x[0]))
-    cosines, factors = _judge_directions(kept, weights, anchored, raw, dropped, direction_reference,
-                                         direction_fraction, learner_cosines or {}, direction_memory)
+    cosines, factors = _judge_directions(kept, weights, anchored, raw, dropped, directions)
     weights = [w * factors[c.ann.learner_id] for c, w in zip(kept, weights, strict=True)]
     return kept, weights, anchored, dropped, cosines, factors
 
@@ -247,8 +257,7 @@ def _check_one(a: AnchoredDelta) -> dict[str, int] | BaseException:
 
 
 def _judge_directions(kept: list, weights: list, anchored: list, raw: list, dropped: list,
-                      reference: float | None, fraction: float, learner_cosines: Mapping[str, Sequence[float]],
-                      memory: int) -> tuple[dict[str, float | None], dict[str, float]]:
+                      directions: DirectionCheck) -> tuple[dict[str, float | None], dict[str, float]]:
     """The direction guard over one round (lists changed in place): while three or more are
     judged and one points away from the others (cosine ≤ 0, factor 0), the one pointing away most
     is taken out of the others' consensus and they are judged again without it. It is left out
@@ -257,6 +266,8 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
     no ``reference``), else merged at zero weight. So the merged weights never all fall to zero,
     and the cosines that warm the guard up are judged against a consensus without them. Returns
     each learner's cosine (when last judged) and factor."""
+    reference, fraction, memory = directions.reference, directions.fraction, directions.memory
+    learner_cosines = directions.learner_cosines
     cosines: dict[str, float | None] = {}
     factors: dict[str, float] = {}
     bound = None if reference is None else -fraction * reference
@@ -303,11 +314,11 @@ def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mo
 
 
 def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, torch.Tensor], round_n: int,
-             lease_epoch: int, download: tuple[str, str, int],
-             ) -> tuple[int, ObjectRef, dict[str, torch.Tensor], CompactInfo | None]:
+             settings: PublishSettings) -> tuple[int, ObjectRef, dict[str, torch.Tensor], CompactInfo | None]:
     """Publish the master value ``new``: (version, ref, published value, compact form). With
     compressed downloads the published value is Θ^pub (:mod:`diloco_async.codec.versions`), put
     whole in fp32 and as its compact payload; else ``new`` itself, with no compact form."""
+    lease_epoch, download = settings.lease_epoch, settings.download
     if download[0] == "fp32":
         version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=round_n)
         return version, ref, new, None
@@ -317,10 +328,9 @@ def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, t
 
 
 def _merge_leaving_one_out(f: FragmentState, kept: list, anchored: list, weights: list[float], merge_mode: str,
-                           ws: MergeWorkspace, restore, first: str, dropped: list,
-                           ) -> tuple[dict[str, torch.Tensor] | None, list]:
+                           ws: MergeWorkspace, restore) -> tuple[dict[str, torch.Tensor] | None, list, str | None]:
     """After a failed merge: merge again leaving out one contribution at a time; the first that
-    makes it succeed is dropped (``dropped``, saying why). Returns (new value or None, kept)."""
+    makes it succeed is left out. Returns (new value or None, kept, the learner left out or None)."""
     for i in range(len(kept) if len(kept) > 1 else 0):
         rest = [j for j in range(len(kept)) if j != i]
         try:
@@ -328,25 +338,23 @@ def _merge_leaving_one_out(f: FragmentState, kept: list, anchored: list, weights
         except Exception:  # noqa: BLE001 - try the next one
             restore()
             continue
-        dropped.append((kept[i].ann.learner_id, f"the round merges without it ({first})"))
-        return new, [kept[j] for j in rest]
-    return None, kept
+        return new, [kept[j] for j in rest], kept[i].ann.learner_id
+    return None, kept, None
 
 
 def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n: int,
-                      contribs: list[Contribution], merge_mode: str, quorum_wait_s: float,
-                      lease_epoch: int = 0, direction_reference: float | None = None,
-                      direction_fraction: float = 0.0, learner_cosines: Mapping[str, Sequence[float]] | None = None,
-                      direction_memory: int = 1, download: tuple[str, str, int] = ("fp32", "delta", 64)) -> Merged:
+                      contribs: list[Contribution], merge_mode: str, *,
+                      directions: DirectionCheck = NO_DIRECTION_CHECK,
+                      publish: PublishSettings = PublishSettings()) -> Merged:
     """Merge one round of fragment ``f`` and publish version ``f.version + 1`` (or the next free
     number, :func:`publish_next_version`).
 
     Each outer gradient is clipped where the guard said so, anchored on the current value
     (``merge.anchor``, DESIGN §4.1), weighted by c_tokens²/c_steps (§4.2) and merged with RDA or
     the mean (§4.4); the outer Nesterov step (§4.5) gives the new value. With a
-    ``direction_reference`` (the median recent leave-one-out cosine), each weight is also
+    ``directions.reference`` (the median recent leave-one-out cosine), each weight is also
     multiplied by its direction factor; an anti-aligned contribution whose learner's recent
-    cosines (``learner_cosines``, the last ``direction_memory``) point away too is dropped
+    cosines (``directions.learner_cosines``, the last ``directions.memory``) point away too is dropped
     (``direction_outlier``). A contribution whose
     weight or anchored value is not finite is dropped (``Merged.dropped``); if the merge or step
     still fails, the round is retried leaving out one contribution at a time, and the first that
@@ -355,7 +363,6 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     """
     t0 = time.perf_counter()
     p, n = f.p, round_n
-    guard = (direction_reference, direction_fraction, learner_cosines, direction_memory)
     before = f.optimizer.shared_state()  # by reference: a step never writes the tensors it replaces
 
     def restore() -> None:
@@ -364,7 +371,7 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     new, err = None, None
     for check in (False, True):  # checked as merged; a non-finite Δ' is rare: screen again, checks first
         ws = merge_workspace(f.optimizer)  # scratch of this merge, shared by the norm pass and the merge
-        kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, *guard, ws, check=check)
+        kept, weights, anchored, dropped, cosines, factors = _screen(f, contribs, directions, ws, check=check)
         if not kept or sum(weights) <= 0:
             return Merged(p, n, False, "no contribution with a positive token weight", dropped=dropped,
                           cosines=cosines, factors=factors)
@@ -378,16 +385,17 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         break
     if new is None:
         first = f"{type(err).__name__}: {err}"
-        new, kept = _merge_leaving_one_out(f, kept, anchored, weights, merge_mode, ws, restore, first, dropped)
+        new, kept, left_out = _merge_leaving_one_out(f, kept, anchored, weights, merge_mode, ws, restore)
         if new is None:
             return Merged(p, n, False, first, dropped=dropped)
+        dropped.append((left_out, f"the round merges without it ({first})"))
     try:
-        version, ref, published, compact = _publish(store, run_id, f, new, n, lease_epoch, download)
+        version, ref, published, compact = _publish(store, run_id, f, new, n, publish)
     except Exception as err:
         restore()
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
     return Merged(p, n, True, "published", new=new, published=published, compact=compact,
                   momentum=f.optimizer.shared_state().momentum, ref=ref, version=version,
                   outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
-                  seconds=time.perf_counter() - t0, quorum_wait_s=quorum_wait_s, dropped=dropped,
+                  seconds=time.perf_counter() - t0, dropped=dropped,
                   cosines=cosines, factors=factors)

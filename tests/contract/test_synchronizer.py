@@ -22,6 +22,7 @@ from diloco_async.config.schema import load_config
 from diloco_async.merge.core import OuterOptimizer, merge_outer_gradients
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.sync import Synchronizer, make_app
+from diloco_async.sync.actor import MemoryTails
 from diloco_async.sync.persistence import restore
 from storage import keys
 from storage.checkpoint import latest_checkpoint
@@ -331,7 +332,7 @@ async def test_grace_window_and_liveness_on_a_fake_clock():
 
 
 async def test_metrics_since_reads_points_older_than_the_memory_tail():
-    async with running(small_config(), metrics_tail=8) as (sync, client, _store):
+    async with running(small_config(), tails=MemoryTails(metrics=8)) as (sync, client, _store):
         await join_all(client)
         for step in range(1, 21):
             r = await client.post("/heartbeat", json={"learner_id": "a", "step": step, "train_loss": 1.0 / step},

@@ -14,6 +14,7 @@ from diloco_async.config.guard import GuardConfig
 from diloco_async.config.schema import load_config
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.policy.guard import (
+    DirectionCheck,
     DirectionGuard,
     LearnerDirections,
     NormGuard,
@@ -318,8 +319,8 @@ def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
     direction_outlier, one sending a constant tensor of the usual norm keeps little or no weight,
     the honest ones keep theirs."""
     f, contribs = _direction_round()
-    res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2, contribs, "rda", 0.0,
-                            direction_reference=0.5, direction_fraction=0.5, direction_memory=1)
+    res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2, contribs, "rda",
+                            directions=DirectionCheck(reference=0.5, fraction=0.5, memory=1))
     assert res.ok, res.reason
     dropped = dict(res.dropped)
     assert dropped["flip"].startswith("direction_outlier: cosine -")
@@ -360,12 +361,12 @@ def test_merge_keeps_a_first_time_anti_aligned_learner_at_zero_weight():
     """The round of the test above with direction_memory 4: the flip has no record yet, so it is
     merged at zero weight; with a record that points away it is left out."""
     f, contribs = _direction_round()
-    kw = {"direction_reference": 0.5, "direction_fraction": 0.5, "direction_memory": 4}
-    first = merge_and_publish(ObjectStore(f"memory://dir1-{id(f)}"), "r", f, 2, contribs, "rda", 0.0, **kw)
+    first = merge_and_publish(ObjectStore(f"memory://dir1-{id(f)}"), "r", f, 2, contribs, "rda",
+                              directions=DirectionCheck(reference=0.5, fraction=0.5, memory=4))
     assert first.ok and "flip" in first.merged and first.factors["flip"] == 0.0, first.dropped
     f, contribs = _direction_round()
-    again = merge_and_publish(ObjectStore(f"memory://dir2-{id(f)}"), "r", f, 2, contribs, "rda", 0.0,
-                              learner_cosines={"flip": (-0.6,), "a": (0.5,)}, **kw)
+    again = merge_and_publish(ObjectStore(f"memory://dir2-{id(f)}"), "r", f, 2, contribs, "rda",
+                              directions=DirectionCheck(0.5, 0.5, {"flip": (-0.6,), "a": (0.5,)}, memory=4))
     assert again.ok and "flip" not in again.merged
     assert dict(again.dropped)["flip"].startswith("direction_outlier")
     assert dict(again.dropped)["flip"].endswith("its learner's previous cosines: -0.600)")  # why it was judged so

@@ -167,7 +167,7 @@ def test_repeated_merges_of_a_fragment_reuse_buffers_and_keep_published_versions
                                c_tokens=256, compute_s=1.0, key=f"k/{n}/{i}", nbytes=1, sha256="0" * 64,
                                codec="fp32", update_id=f"u-{n}-{i}")
             contribs.append(Contribution(ann, {k: torch.randn(t.shape) * 1e-2 for k, t in f.current.items()}))
-        res = merge_and_publish(store, "r", f, n, contribs, "rda", 0.0)
+        res = merge_and_publish(store, "r", f, n, contribs, "rda")
         assert res.ok, res.reason
         f.version, f.current, f.momentum, f.outer_steps = res.version, res.new, res.momentum, res.outer_steps
         f.published = res.published
@@ -249,7 +249,7 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
             compute_s=1.0, key=f"c/{i}", nbytes=1, sha256="0" * 64, codec=codec, update_id=f"u-{i}"), d,
             norms=verified_norms[i] if deltas is held else {})
             for i, d in enumerate(deltas)]
-        res = merge_and_publish(store, f"r-{len(results)}", f, 1, contribs, "rda", 0.0)
+        res = merge_and_publish(store, f"r-{len(results)}", f, 1, contribs, "rda")
         assert res.ok, res.reason
         results.append(res.new)
     _assert_equal(results[0], results[1])
@@ -341,7 +341,7 @@ def test_merge_and_publish_drops_a_contribution_whose_anchored_value_overflows_a
             learner_id=f"l{i}", fragment=0, round_n=1, base_version=7 if i == 1 else 0, c_steps=4,
             c_tokens=256 * (i + 1), compute_s=1.0, key=f"c/{i}", nbytes=1, sha256="0" * 64, codec="fp32",
             update_id=f"u-{i}"), d) for i, d in enumerate(deltas) if with_bad or i != 1]
-        res = merge_and_publish(store, f"r-{with_bad}", f, 1, contribs, "rda", 0.0)
+        res = merge_and_publish(store, f"r-{with_bad}", f, 1, contribs, "rda")
         assert res.ok, res.reason
         results.append(res)
     bad, clean = results

@@ -3,13 +3,12 @@
 import pytest
 
 from diloco_async.config.schema import BudgetConfig
+from diloco_async.policy.admission import AnnouncementRules, FragmentFacts, admit_announcement
 from diloco_async.policy.rounds import (
     Ema,
-    FragmentFacts,
     GraceDecision,
     RoundStage,
     RoundState,
-    admit_announcement,
     budget_stop_reason,
     global_step,
     grace_window,
@@ -160,7 +159,7 @@ FRAGMENT_0 = FragmentFacts(version=0, next_round=2, kept_versions=frozenset({0})
 
 def admit(ann, *, now_s=0.0, known=True, fragment=FRAGMENT_0, rnd=None, settled=None):
     return admit_announcement(ann, now_s=now_s, learner_known=known, fragment=fragment, round_state=rnd,
-                              settled_key=settled, key_prefix=PREFIX, codecs=("fp32", "bf16"), max_staleness=4)
+                              settled_key=settled, rules=AnnouncementRules(PREFIX, ("fp32", "bf16"), 4))
 
 
 @pytest.mark.parametrize("kw, code", [

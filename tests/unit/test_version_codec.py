@@ -15,6 +15,7 @@ import torch
 from diloco_async.codec.versions import (
     DOWNLOAD_CODECS,
     DOWNLOAD_MODES,
+    CompactForm,
     compact_bytes,
     compress_version,
     published_digest,
@@ -49,8 +50,8 @@ def publish(store: ObjectStore, master, prev, codec, mode, block_size=64, base_v
 
 
 def rebuild(store, ref, codec, mode, base, block_size=64, base_version=0, digest=None, shapes=SHAPES):
-    return read_compact(store, ref, codec, shapes, mode=mode, block_size=block_size, base=base,
-                        base_version=base_version if mode == "delta" else None, digest=digest)
+    form = CompactForm(codec, mode, block_size, base_version if mode == "delta" else None, digest)
+    return read_compact(store, ref, shapes, form, base=base)
 
 
 @pytest.fixture

@@ -1,0 +1,47 @@
+"""What the synchronizer's state looks like to the modules that read the whole of it.
+
+:class:`ActorView` is the part of :class:`~diloco_async.sync.actor.Synchronizer` that
+:mod:`~diloco_async.sync.persistence` (publish, checkpoint payload, restore) and
+:mod:`~diloco_async.sync.summary` (summary, status) read or, for a restore, set. They take the view
+rather than the actor's class, so that neither imports the actor that imports them. Only the
+actor's own task calls them (one asyncio task owns the state, DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from diloco_async.config.schema import Config, SynchronizerConfig
+from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.sync.learners import LearnerRegistry
+from diloco_async.sync.lifecycle import Lifecycle
+from diloco_async.sync.reporting import Reporter
+from diloco_async.sync.state import CheckpointBook, FragmentState, Round
+from storage.store import ObjectStore
+
+__all__ = ["ActorView"]
+
+
+@runtime_checkable
+class ActorView(Protocol):
+    """The synchronizer's state, by name (types as the actor holds them; times on ``clock``, s)."""
+
+    cfg: Config
+    sc: SynchronizerConfig
+    run_id: str
+    epoch: str  # changes at every (re)start of the process
+    store: ObjectStore  # fenced by the lease when there is one (FencedStore has its interface)
+    lease_epoch: int
+    clock: Callable[[], float]
+    started_s: float
+    plan: FragmentPlan
+    fragments: list[FragmentState]
+    rounds: dict[tuple[int, int], Round]
+    registry: LearnerRegistry
+    report: Reporter
+    checkpoints: CheckpointBook
+    life: Lifecycle
+    g: int | None  # the global step of the newest merge
+    resumed_from: int | None  # the checkpoint sequence number this process resumed from
+    final_summary: dict | None
