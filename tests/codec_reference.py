@@ -1,5 +1,5 @@
 """A frozen copy of the int8/int4 quantization of ``diloco_async/codec/wire.py`` as it was before
-issue 17 vectorised it (main at 98fee35): the reference that tests/test_codec_equivalence.py
+issue 17 vectorised it (main at 98fee35): the reference that tests/unit/test_codec_equivalence.py
 compares the fast code with, bit for bit. Do not edit; it is the old format's definition."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PREVIOUS IMPLEMENTATION of ``diloco_async/merge/core.py`` (main at 98fee35), frozen for comparison.
 
-Kept verbatim, except this docstring, only as the reference that ``tests/test_merge_equivalence.py``
+Kept verbatim, except this docstring, only as the reference that ``tests/unit/test_merge_equivalence.py``
 and ``benchmarks/merge.py`` compare the in-place merge against (bit for bit, and for speed and
 memory as context). Not used by the library; do not edit or "fix" it.
 

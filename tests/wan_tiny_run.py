@@ -1,5 +1,5 @@
 """A tiny Decoupled DiLoCo run across an emulated WAN link, as one process (run by
-tests/test_wan_netns.py as a child, so that a test can SIGKILL it mid-run).
+tests/system/test_wan_netns.py as a child, so that a test can SIGKILL it mid-run).
 
 ``python tests/wan_tiny_run.py --prefix P --workdir DIR [--learners 1] [--mbit 4]``:
 
@@ -40,7 +40,7 @@ RUN_TIMEOUT_S = 240.0
 
 
 def recipe(workdir: Path, endpoint: str, hub_addr: str, learners: int, tokens: int) -> Path:
-    """The tiny recipe of tests/test_integration.py, its store on moto in the hub."""
+    """The tiny recipe of tests/system/test_integration.py, its store on moto in the hub."""
     text = f"""
 [run]
 store = "s3://wan-tiny/runs"

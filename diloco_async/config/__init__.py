@@ -1,8 +1,8 @@
 """The configuration tree (pydantic): a recipe (TOML) plus ``--set`` overrides, validated once.
 
-:mod:`~diloco_async.config.schema.schema` is the tree and the recipe loader; its sections live beside
-it: :mod:`~diloco_async.config.schema.model` (the model), :mod:`~diloco_async.config.schema.data` (the
-text and its tokenizer), :mod:`~diloco_async.config.schema.guard` (the update guard and the pace
-limits); :mod:`~diloco_async.config.schema.tomlfile` reads every TOML file of the project with one
+:mod:`~diloco_async.config.schema` is the tree and the recipe loader; its sections live beside
+it: :mod:`~diloco_async.config.model` (the model), :mod:`~diloco_async.config.data` (the
+text and its tokenizer), :mod:`~diloco_async.config.guard` (the update guard and the pace
+limits); :mod:`~diloco_async.config.tomlfile` reads every TOML file of the project with one
 set of error messages. Generated reference: ``docs/reference/config.md``.
 """

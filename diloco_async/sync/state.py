@@ -131,7 +131,7 @@ class FragmentState:
             self.published = self.current
 
     def facts(self) -> FragmentFacts:
-        """What :func:`diloco_async.policy.rounds.admit_announcement` needs of this fragment."""
+        """What :func:`diloco_async.policy.admission.admit_announcement` needs of this fragment."""
         return FragmentFacts(self.version, self.next_round, frozenset(self.history))
 
 

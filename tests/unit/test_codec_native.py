@@ -1,6 +1,6 @@
 """The int8/int4/int2 codecs' C kernels (diloco_async/kernels/codec_kernels.c): used where they can be,
 the same bytes and values as the torch code, and the torch code where they cannot be
-(tests/test_codec_equivalence.py checks both against the frozen reference)."""
+(tests/unit/test_codec_equivalence.py checks both against the frozen reference)."""
 
 from __future__ import annotations
 
