@@ -92,6 +92,8 @@ docs: setup
 ##        RSS, a 100M-parameter run with 2 learners, learner tokens/s at ~50M), ending with one bars table;
 ##        exit 1 on any miss. About 25 minutes, 7 GB free memory. BENCH_ONLY=merge,sync_load runs some sections of benchmarks/run.py only.
 BENCH_ONLY ?=
+# every bars table is also merged into docs/figures.json (benchmarks/bars.py; the docs' "Current figures")
+bench: export BENCH_RESULTS ?= $(CURDIR)/docs/figures.json
 bench: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner; hf=$$?; \
 	$(PY) -m benchmarks.run $(if $(BENCH_ONLY),--only $(BENCH_ONLY)); run=$$?; \

@@ -99,6 +99,17 @@ def test_the_figures_page_shows_the_results_file_or_says_there_are_none(tmp_path
     assert "| merge speed-up \\| x | 2.346 | ≥ 2 | ok | `abc1234` | 2026-12-06 | 3 repeats |" in page
 
 
+def test_the_figures_page_renders_what_the_bars_table_recorded(tmp_path):
+    from benchmarks.bars import Bar, record_bars
+
+    path = tmp_path / "figures.json"
+    record_bars(path, "merge bars", [Bar("merge / torch", 2.5, 2.0, detail="median of 5"),
+                                     Bar("peak RSS (GB)", None, 7.0, "max")], commit="abc1234", date="2026-12-06")
+    rows = [line for line in docs_reference.figures_page(path).splitlines() if line.startswith("| ") and "`" in line]
+    assert rows == ["| merge / torch | 2.5 | ≥ 2 | ok | `abc1234` | 2026-12-06 | median of 5 |",
+                    "| peak RSS (GB) | n/a | ≤ 7 | MISS | `abc1234` | 2026-12-06 |  |"]
+
+
 def test_the_site_uses_githubs_anchors():
     assert docs_hooks.github_slug("Check a recipe before running it: validate") == (
         "check-a-recipe-before-running-it-validate")
