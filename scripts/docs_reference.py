@@ -104,7 +104,9 @@ def _toml(value: Any) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text as one table cell: pipes escaped outside code spans (inside them a table keeps them whole)."""
+    parts = re.split(r"(`[^`]*`)", text.replace("\n", " "))
+    return "".join(p if p.startswith("`") else p.replace("|", "\\|") for p in parts)
 
 
 def _default(info: FieldInfo) -> str:
