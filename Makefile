@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -70,11 +70,21 @@ TIERS ?= unit contract system
 PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 test: data
 	$(VENV)/bin/ruff check .
+	$(MKDOCS_BUILD)
 	@start=$$(date +%s); $(PYTEST_TIER) $(addprefix tests/,$(TIERS)); rc=$$?; \
 	echo "== make test: tiers $(TIERS) in $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-unit test-contract test-system: test-%: data
 	$(PYTEST_TIER) tests/$*
+
+## docs: the docs site (mkdocs.yml, the built-in theme) into SITE_DIR, --strict: a broken link or anchor,
+##       or a page missing from the nav, fails it; the config reference, module map and current figures
+##       are generated as it builds (scripts/docs_hooks.py; docs/testing.md "The docs site"). A few seconds.
+SITE_DIR ?= .local/site
+# not --quiet: mkdocs 1.6.1 then drops the warnings before --strict counts them, and passes a broken link
+MKDOCS_BUILD = $(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
+docs: setup
+	$(MKDOCS_BUILD)
 
 ## bench: speed and memory benchmarks, ratios against baselines measured in the same run: bench-hf (an HF
 ##        learner inside a run against a plain loop), then issue 17's goals (benchmarks/run.py: merge, codecs
@@ -82,6 +92,8 @@ test-unit test-contract test-system: test-%: data
 ##        RSS, a 100M-parameter run with 2 learners, learner tokens/s at ~50M), ending with one bars table;
 ##        exit 1 on any miss. About 25 minutes, 7 GB free memory. BENCH_ONLY=merge,sync_load runs some sections of benchmarks/run.py only.
 BENCH_ONLY ?=
+# every bars table is also merged into docs/figures.json (benchmarks/bars.py; the docs' "Current figures")
+bench: export BENCH_RESULTS ?= $(CURDIR)/docs/figures.json
 bench: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner; hf=$$?; \
 	$(PY) -m benchmarks.run $(if $(BENCH_ONLY),--only $(BENCH_ONLY)); run=$$?; \

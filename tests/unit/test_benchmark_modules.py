@@ -59,6 +59,30 @@ def test_bars_table_misses_a_missed_or_unmeasured_goal():
     assert print_bars([Bar("never measured", None, 1.0)], io.StringIO()) == 1
 
 
+def test_bars_are_merged_into_the_results_file_per_table_and_figure(tmp_path, monkeypatch):
+    import io
+    import json
+
+    from benchmarks.bars import RESULTS_ENV, Bar, print_bars, record_bars
+
+    path = tmp_path / "sub" / "figures.json"
+    record_bars(path, "make bench: bars", [Bar("a ratio", 0.3, 0.25), Bar("a peak", None, 2.0, "max", "no run")],
+                commit="abc1234", date="2026-12-06")
+    record_bars(path, "merge bars", [Bar("speed-up", 3.0, 2.0, shown=True)], commit="abc1234", date="2026-12-06")
+    data = record_bars(path, "make bench: bars", [Bar("a ratio", 0.2, 0.25)], commit="def5678", date="2026-12-07")
+    assert data == json.loads(path.read_text())
+    assert data["make bench: bars"] == {
+        "a ratio": {"value": 0.2, "goal": 0.25, "kind": "min", "result": "MISS", "detail": "", "commit": "def5678",
+                    "date": "2026-12-07"},
+        "a peak": {"value": None, "goal": 2.0, "kind": "max", "result": "MISS", "detail": "no run",
+                   "commit": "abc1234", "date": "2026-12-06"}}
+    assert data["merge bars"]["speed-up"]["result"] == "shown"
+    assert [p.name for p in path.parent.iterdir()] == ["figures.json"]  # no temporary file left
+    monkeypatch.delenv(RESULTS_ENV, raising=False)
+    print_bars([Bar("a ratio", 1.0, 0.25)], io.StringIO(), title="make bench: bars")  # no file named: none written
+    assert json.loads(path.read_text()) == data
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "2.5", "x"])
 def test_positive_int_refuses_what_is_not_a_count(value):
     import argparse

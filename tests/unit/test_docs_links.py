@@ -1,11 +1,14 @@
 """The README and the pages under docs/ hold together: every relative link reaches a file (and a
 heading, for an anchor into a markdown file), the README stays a five-minute read, and every
-`make` target and `diloco-async` subcommand it names exists. Pure file reading: no network, no process."""
+`make` target and `diloco-async` subcommand it names exists. A page the docs site generates as it
+builds (scripts/docs_reference.py ``GENERATED_PAGES``: docs/reference/config.md, ...) counts as a file,
+with the headings of its generated text. Pure file reading: no network, no process."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,11 @@ import pytest
 from flows.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is not a package
+from docs_reference import GENERATED_PAGES  # noqa: E402
+
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 MAX_README_LINES = 300
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -44,11 +51,18 @@ def github_slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
 
 
+def generated(path: Path) -> str | None:
+    """The text of the page the docs site generates at ``path`` (under docs/), else None."""
+    make = GENERATED_PAGES.get(path.relative_to(DOCS).as_posix()) if path.is_relative_to(DOCS) else None
+    return None if make is None else make()
+
+
 def anchors(page: Path) -> set[str]:
     """Every anchor of a markdown page; a repeated heading gets -1, -2, ... as on GitHub."""
     seen: dict[str, int] = {}
     out = set()
-    for match in _HEADING.finditer(_FENCE.sub("", page.read_text())):
+    text = page.read_text() if page.exists() else generated(page) or ""
+    for match in _HEADING.finditer(_FENCE.sub("", text)):
         slug = github_slug(match.group(1))
         out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
         seen[slug] = seen.get(slug, 0) + 1
@@ -67,7 +81,7 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         name = f"{page.relative_to(root)}: {target}"
-        if not dest.exists():
+        if not dest.exists() and generated(dest) is None:
             broken.append(f"{name} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{name} (no heading with that anchor in {dest.relative_to(root)})")
