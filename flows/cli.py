@@ -47,20 +47,18 @@ _STOP = {"at_once": False}  # chaos: a comparison cut short measures nothing; th
 
 
 def _children() -> list[tuple[int, str]]:
-    """(pid, command line) of this process's direct children (Linux /proc)."""
-    import os
+    """(pid, command line joined by spaces) of this process's direct children (psutil). A zombie
+    child is listed with an empty command line (its process group may outlive it); one that is
+    gone by the time it is read is left out."""
+    import psutil
 
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
+    out = []
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            if ppid == me:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    out.append((int(entry), fh.read().replace(b"\0", b" ").decode(errors="replace")))
-        except (OSError, ValueError, IndexError):
+            out.append((child.pid, " ".join(child.cmdline())))
+        except psutil.ZombieProcess:
+            out.append((child.pid, ""))
+        except psutil.Error:
             continue
     return out
 
