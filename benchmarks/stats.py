@@ -1,18 +1,17 @@
-"""Small statistics for benchmark bars measured over several seeds or repeats (the t quantile is
-the ablation statistics' own, :func:`diloco_async.ablation.stats.t_quantile`)."""
+"""Small statistics for benchmark bars measured over several seeds or repeats (``scipy.stats``)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 
-from diloco_async.ablation.stats import t_quantile
+from scipy import stats
 
 __all__ = ["mean_interval", "mean_over_runs"]
 
 
 def mean_interval(values: list[float]) -> tuple[float, float]:
-    """(mean, half-width of its 95% t-interval; 0 for a single value).
+    """(mean, half-width of its 95% t-interval; 0 for a single value): ``t.ppf(0.975, n - 1)``
+    times the standard error of the mean (``scipy.stats.sem``).
 
     Raises:
         statistics.StatisticsError: ``values`` is empty.
@@ -20,7 +19,7 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, 0.0
-    return mean, t_quantile(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, float(stats.t.ppf(0.975, len(values) - 1) * stats.sem(values))
 
 
 def mean_over_runs(values: list[float | None], unit: str = "", digits: int = 2) -> tuple[float | None, str]:

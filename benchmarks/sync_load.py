@@ -72,6 +72,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 from benchmarks.args import description, positive_float, positive_int
@@ -88,11 +89,11 @@ REPEATS = 3  # runs of each load in `make bench`: a p99 of one 30 s run swings w
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
-    """The ``q``-quantile (0..1, nearest rank) of ``values`` (s), in ms; None when empty."""
+    """The ``q``-quantile (0..1, nearest rank: the ``ceil(q n)``-th smallest, numpy's
+    ``inverted_cdf``) of ``values`` (s), in ms; None when empty."""
     if not values:
         return None
-    s = sorted(values)
-    return 1000.0 * s[min(len(s) - 1, max(0, int(round(q * len(s))) - 1))]
+    return 1000.0 * float(np.quantile(values, q, method="inverted_cdf"))
 
 
 def _config_args(spec: LoadSpec, store_url: str) -> list[str]:

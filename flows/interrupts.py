@@ -31,11 +31,15 @@ STOP = {"at_once": False}  # chaos: a comparison cut short measures nothing; the
 
 
 def children() -> list[tuple[int, str]]:
-    """(pid, command line) of this process's direct children (psutil; one that exits meanwhile is left out)."""
+    """(pid, command line joined by spaces) of this process's direct children (psutil). A zombie
+    child is listed with an empty command line (its process group may outlive it); one that is
+    gone by the time it is read is left out."""
     out = []
     for child in psutil.Process().children():
         try:
             out.append((child.pid, " ".join(child.cmdline())))
+        except psutil.ZombieProcess:
+            out.append((child.pid, ""))
         except psutil.Error:
             continue
     return out

@@ -1,10 +1,10 @@
 """Statistics of an ablation: intervals per arm, paired differences and a verdict per claim.
 
-Pure functions, no I/O. Intervals are two-sided at ``confidence`` (0.95 by default): Student t
-(the t quantile from the regularized incomplete beta function, no SciPy) and a percentile
-bootstrap of the mean with a seeded generator. A comparison of arm ``b`` against arm ``a``
-is the difference ``b - a``: per seed when both arms ran the same seeds (paired: same model
-initialisation and data order), else Welch's interval of the difference of means.
+Pure functions, no I/O, on ``scipy.stats``. Intervals are two-sided at ``confidence`` (0.95 by
+default): Student t and a percentile bootstrap of the mean with a seeded generator. A comparison
+of arm ``b`` against arm ``a`` is the difference ``b - a``: per seed when both arms ran the same
+seeds (paired: same model initialisation and data order), else Welch's interval of the
+difference of means.
 
 A :class:`Claim` is what the paper says about ``b - a``, fixed in the suite file before running:
 
@@ -20,9 +20,13 @@ A :class:`Claim` is what the paper says about ``b - a``, fixed in the suite file
 from __future__ import annotations
 
 import math
-import random
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats
 
 __all__ = ["Interval", "Claim", "CLAIM_KINDS", "VERDICTS", "t_quantile", "t_cdf", "t_interval",
            "bootstrap_interval", "difference_interval", "verdict"]
@@ -80,62 +84,30 @@ class Claim:
             raise ValueError("an equivalence claim needs a margin > 0, fixed before running")
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 400):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta function I_x(a, b) for x in [0, 1]."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    ln_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(ln_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(ln_front) * _betacf(b, a, 1.0 - x) / b
-
-
 def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with ``df`` > 0 degrees of freedom (need not be an integer)."""
-    if df <= 0:
+    """P(T <= t) for Student's t with ``df`` > 0 degrees of freedom (need not be an integer):
+    ``scipy.stats.t.cdf``.
+
+    Raises:
+        ValueError: ``df`` <= 0 (SciPy would answer NaN).
+    """
+    if not df > 0:
         raise ValueError(f"degrees of freedom must be > 0, got {df}")
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
+    return float(stats.t.cdf(t, df))
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on
-    :func:`t_cdf` to 1e-10), e.g. ``t_quantile(0.975, 4)`` = 2.7764.
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (``scipy.stats.t.ppf``),
+    e.g. ``t_quantile(0.975, 4)`` = 2.7764.
 
     Raises:
-        ValueError: ``p`` not in (0, 1) or ``df`` <= 0.
+        ValueError: ``p`` not in (0, 1) or ``df`` <= 0 (SciPy would answer NaN or an infinity).
     """
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:
-        low, high = high, high * 2.0
-    while high - low > 1e-10 * max(1.0, high):
-        mid = (low + high) / 2.0
-        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
-    return (low + high) / 2.0
+    if not df > 0:
+        raise ValueError(f"degrees of freedom must be > 0, got {df}")
+    return float(stats.t.ppf(p, df))
 
 
 def _finite(values: list[float], what: str) -> list[float]:
@@ -148,68 +120,86 @@ def _finite(values: list[float], what: str) -> list[float]:
     return out
 
 
+def _check_confidence(confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+
+
+def _ends(test: Callable[[], Any], confidence: float, mean: float, spread: float) -> tuple[float, float]:
+    """The two-sided ``confidence`` interval of the SciPy t test ``test()``, as floats; with no
+    ``spread`` (sd or standard error 0) the point ``[mean, mean]``, where SciPy would warn of a
+    catastrophic cancellation or answer NaN."""
+    if spread == 0.0:
+        return mean, mean
+    ci = test().confidence_interval(confidence_level=confidence)
+    return float(ci.low), float(ci.high)
+
+
 def t_interval(values: list[float], confidence: float = 0.95, method: str = "t") -> Interval:
-    """Mean, sd and the Student t interval of the mean of ``values`` (floats, any unit).
+    """Mean, sd and the Student t interval of the mean of ``values`` (floats, any unit): the
+    interval of ``scipy.stats.ttest_1samp``; ``method`` only labels the result.
 
     Raises:
         ValueError: no values, a non-finite value, or ``confidence`` not in (0, 1).
     """
     xs = _finite(values, "t_interval")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    _check_confidence(confidence)
     mean = statistics.fmean(xs)
     if len(xs) < 2:
         return Interval(mean, 0.0, len(xs), -math.inf, math.inf, method, confidence)
     sd = statistics.stdev(xs)
-    half = t_quantile(0.5 + confidence / 2.0, len(xs) - 1) * sd / math.sqrt(len(xs))
-    return Interval(mean, sd, len(xs), mean - half, mean + half, method, confidence)
+    low, high = _ends(lambda: stats.ttest_1samp(xs, 0.0), confidence, mean, sd)
+    return Interval(mean, sd, len(xs), low, high, method, confidence)
 
 
 def bootstrap_interval(values: list[float], seed: int, confidence: float = 0.95,
                        resamples: int = 4000) -> Interval:
-    """Percentile bootstrap interval of the mean: ``resamples`` resamples with replacement drawn
-    by ``random.Random(seed)`` (the same seed gives the same interval).
+    """Percentile bootstrap interval of the mean (``scipy.stats.bootstrap``, ``method="percentile"``):
+    ``resamples`` resamples with replacement drawn by ``numpy.random.default_rng(seed)`` (the same
+    seed gives the same interval).
 
     Raises:
-        ValueError: no values, a non-finite value, ``resamples`` < 100.
+        ValueError: no values, a non-finite value, ``resamples`` < 100, ``confidence`` not in (0, 1).
     """
     xs = _finite(values, "bootstrap_interval")
     if resamples < 100:
         raise ValueError(f"resamples must be >= 100, got {resamples}")
+    _check_confidence(confidence)
     mean, n = statistics.fmean(xs), len(xs)
-    sd = statistics.stdev(xs) if n > 1 else 0.0
     if n < 2:
-        return Interval(mean, sd, n, -math.inf, math.inf, "bootstrap", confidence)
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(xs, k=n)) for _ in range(resamples))
-    tail = (1.0 - confidence) / 2.0
-    low = means[max(0, int(math.floor(tail * resamples)))]
-    high = means[min(resamples - 1, int(math.ceil((1.0 - tail) * resamples)) - 1)]
-    return Interval(mean, sd, n, low, high, "bootstrap", confidence)
+        return Interval(mean, 0.0, n, -math.inf, math.inf, "bootstrap", confidence)
+    boot = stats.bootstrap((np.asarray(xs),), np.mean, n_resamples=resamples, confidence_level=confidence,
+                           method="percentile", rng=np.random.default_rng(seed))
+    low, high = float(boot.confidence_interval.low), float(boot.confidence_interval.high)
+    return Interval(mean, statistics.stdev(xs), n, low, high, "bootstrap", confidence)
 
 
 def difference_interval(a: dict[int, float], b: dict[int, float], confidence: float = 0.95) -> Interval:
-    """Interval of ``b - a``, each a map seed -> value. When at least two seeds are in both,
-    the paired t interval of the per-seed differences over the shared seeds; otherwise Welch's t
-    interval of the difference of the two means (Welch-Satterthwaite degrees of freedom).
+    """Interval of ``b - a``, each a map seed -> value. When at least two seeds are in both, the
+    paired t interval over the shared seeds (``scipy.stats.ttest_rel``; ``sd`` is that of the
+    per-seed differences); otherwise Welch's t interval of the difference of the two means
+    (``scipy.stats.ttest_ind(equal_var=False)``, Welch-Satterthwaite degrees of freedom; ``sd`` is
+    the standard error of the difference, ``n`` the smaller arm).
 
     Raises:
-        ValueError: an arm without values, or a non-finite value.
+        ValueError: an arm without values, a non-finite value, or ``confidence`` not in (0, 1).
     """
+    _check_confidence(confidence)
     shared = sorted(set(a) & set(b))
     if len(shared) >= 2:
-        return t_interval([b[s] - a[s] for s in shared], confidence, method="paired-t")
+        xa = _finite([a[s] for s in shared], "arm a")
+        xb = _finite([b[s] for s in shared], "arm b")
+        diffs = [vb - va for va, vb in zip(xa, xb, strict=True)]
+        mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+        low, high = _ends(lambda: stats.ttest_rel(xb, xa), confidence, mean, sd)
+        return Interval(mean, sd, len(shared), low, high, "paired-t", confidence)
     xa, xb = _finite(list(a.values()), "arm a"), _finite(list(b.values()), "arm b")
-    diff = statistics.fmean(xb) - statistics.fmean(xa)
-    if len(xa) < 2 or len(xb) < 2:
-        return Interval(diff, 0.0, min(len(xa), len(xb)), -math.inf, math.inf, "welch-t", confidence)
-    va, vb = statistics.variance(xa) / len(xa), statistics.variance(xb) / len(xb)
-    se = math.sqrt(va + vb)
-    if se == 0.0:
-        return Interval(diff, 0.0, min(len(xa), len(xb)), diff, diff, "welch-t", confidence)
-    df = (va + vb) ** 2 / (va ** 2 / (len(xa) - 1) + vb ** 2 / (len(xb) - 1))
-    half = t_quantile(0.5 + confidence / 2.0, df) * se
-    return Interval(diff, se, min(len(xa), len(xb)), diff - half, diff + half, "welch-t", confidence)
+    diff, n = statistics.fmean(xb) - statistics.fmean(xa), min(len(xa), len(xb))
+    if n < 2:
+        return Interval(diff, 0.0, n, -math.inf, math.inf, "welch-t", confidence)
+    se = math.sqrt(statistics.variance(xa) / len(xa) + statistics.variance(xb) / len(xb))
+    low, high = _ends(lambda: stats.ttest_ind(xb, xa, equal_var=False), confidence, diff, se)
+    return Interval(diff, se, n, low, high, "welch-t", confidence)
 
 
 def verdict(diff: Interval, claim: Claim) -> str:

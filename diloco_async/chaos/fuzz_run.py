@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import psutil
 from yarl import URL
 
@@ -211,8 +212,11 @@ def _rss(pid: int) -> int:
 
 
 def _p99_ms(latencies, start: float, end: float) -> float:
-    inside = sorted(s for t, s in latencies if start <= t < end)
-    return 1000 * inside[min(len(inside) - 1, int(0.99 * len(inside)))] if inside else float("nan")
+    """The 99th percentile (numpy's ``higher``: the ``ceil(0.99 (n - 1))``-th of the sorted, from
+    0) of the latencies (s) of the ``(t, latency)`` pairs with ``start <= t < end``, in ms; NaN when
+    none."""
+    inside = [s for t, s in latencies if start <= t < end]
+    return 1000 * float(np.quantile(inside, 0.99, method="higher")) if inside else float("nan")
 
 
 async def _phases(run: RunProcesses, client: SyncClient, gen: RequestGenerator, honest: ScriptedLearners,

@@ -9,6 +9,7 @@ after a failure is.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,10 +62,10 @@ def goodput_window_start(tl: Timeline) -> float:
 
 
 def uptime_max_gap_s(tl: Timeline, cfg: Config) -> float:
-    """Merge gap beyond which the run counts as down: 4 typical rounds of one fragment (median
+    """Merge gap beyond which the run counts as down: 4 typical rounds of one fragment (upper median
     step seconds × H / P), at least 5 s."""
-    step_s = sorted(st.t1 - st.t0 for st in tl.steps)
-    typical = step_s[len(step_s) // 2] if step_s else 1.0
+    step_s = [st.t1 - st.t0 for st in tl.steps]
+    typical = statistics.median_high(step_s) if step_s else 1.0
     return max(5.0, 4 * typical * cfg.synchronizer.sync_every / max(1, cfg.synchronizer.num_fragments))
 
 

@@ -14,6 +14,7 @@ Pure: plain values in (times in seconds on any clock), decisions with reasons ou
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,5 @@ def clamp_step_times(times: Sequence[float], *, max_s: float, multiple: float) -
     (paper Eq. 3 uses the slowest learner's step time) beyond what its peers make plausible."""
     if not times:
         return []
-    ordered = sorted(times)
-    cap = min(max_s, multiple * ordered[(len(ordered) - 1) // 2])
+    cap = min(max_s, multiple * statistics.median_low(times))
     return [min(t, cap) for t in times]

@@ -3,12 +3,12 @@ barrier's per-learner compute shares (paper §4, §5.3). Seeded generators in, n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
+from scipy.special import log_ndtr, ndtri_exp
 
 from diloco_async.sim.calibration import RecoveryParams
 
@@ -25,8 +25,7 @@ def sample_recovery_s(rng: np.random.Generator, p: RecoveryParams, size: int) ->
 
 
 _X = np.linspace(-9.0, 12.0, 21_001)
-_LOG_Q = np.log([0.5 * math.erfc(x / math.sqrt(2.0)) for x in _X])  # log P(Z > x)
-_LOG_PHI = np.log([0.5 * math.erfc(-x / math.sqrt(2.0)) for x in _X])  # log P(Z <= x)
+_LOG_PHI = log_ndtr(_X)  # log P(Z <= x)
 
 
 @lru_cache(maxsize=4096)
@@ -42,11 +41,14 @@ def expected_max_normal(n: int) -> float:
 
 
 def sample_max_normal(rng: np.random.Generator, n: int, size: int) -> np.ndarray:
-    """Draws of the max of ``n`` standard normals: ``Q^-1(1 - U^(1/n))`` on the quadrature grid."""
+    """Draws of the max of ``n`` standard normals: ``Q^-1(1 - U^(1/n)) = -Phi^-1(1 - U^(1/n))``,
+    the tail probability kept as its log (``scipy.special.ndtri_exp``) and the draws clipped to
+    the quadrature grid's [-9, 12], so that ``U = 0`` gives 12, not an infinity."""
     if n == 1:
         return rng.standard_normal(size)
-    log_tail = np.log(-np.expm1(np.log1p(-rng.random(size)) / n))
-    return np.interp(log_tail, _LOG_Q[::-1], _X[::-1])
+    with np.errstate(divide="ignore"):  # U = 0: log(0) = -inf, clipped below
+        log_tail = np.log(-np.expm1(np.log1p(-rng.random(size)) / n))
+    return np.clip(-ndtri_exp(log_tail), _X[0], _X[-1])
 
 
 @dataclass

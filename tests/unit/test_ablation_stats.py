@@ -131,6 +131,16 @@ def test_non_inferiority():
     assert verdict(worse, Claim("not-lower", 0.05)) == "reproduced"
 
 
+@pytest.mark.filterwarnings("error")  # SciPy warns of a catastrophic cancellation on data without spread
+def test_no_spread_gives_a_point_interval():
+    paired = difference_interval({0: 1.0, 1: 2.0, 2: 5.0}, {0: 1.5, 1: 2.5, 2: 5.5})
+    welch = difference_interval({0: 1.0, 1: 1.0}, {2: 3.0, 3: 3.0})
+    same = t_interval([0.25, 0.25, 0.25])
+    assert (paired.method, paired.low, paired.high, paired.sd) == ("paired-t", 0.5, 0.5, 0.0)
+    assert (welch.method, welch.low, welch.high) == ("welch-t", 2.0, 2.0)
+    assert (same.low, same.high) == (0.25, 0.25)
+
+
 def test_an_infinite_interval_is_inconclusive_whatever_the_claim():
     inf = Interval(-5.0, 0.0, 1, -math.inf, math.inf, "t")
     for claim in (Claim("lower"), Claim("higher"), Claim("equivalent", 1.0), Claim("not-higher", 0.0)):

@@ -26,7 +26,7 @@ from diloco_async.sim import (
 )
 from diloco_async.sim import simulator as sim_mod
 from diloco_async.sim.calibration import Calibration, load_calibration
-from diloco_async.sim.draws import make_barrier
+from diloco_async.sim.draws import make_barrier, sample_max_normal
 from flows.simulate_cli import main as simulate_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,6 +151,25 @@ def test_recovery_sampler_matches_its_cdf(cal: Calibration) -> None:
     for q in (5.0, 26.0, 100.0, 400.0):
         cdf = (1 - math.exp(-((q / p.scale_s) ** p.shape_k))) ** p.shape_alpha
         assert np.mean(x <= q) == pytest.approx(cdf, abs=0.005)
+
+
+@pytest.mark.parametrize("n", [2, 16, 4096])
+def test_max_normal_sampler_matches_its_cdf_and_mean(n: int) -> None:
+    x = sample_max_normal(np.random.default_rng(1), n, 200_000)
+    assert np.isfinite(x).all()
+    for q in (-0.5, 0.5, 1.5, 2.5, 3.5, 4.0):
+        cdf = (0.5 * math.erfc(-q / math.sqrt(2.0))) ** n  # Phi(q)^n
+        assert np.mean(x <= q) == pytest.approx(cdf, abs=0.005)
+    assert x.mean() == pytest.approx(expected_max_normal(n), abs=0.01)
+
+
+def test_max_normal_sampler_never_draws_an_infinity() -> None:
+    class Ends:  # a generator at both ends of [0, 1)
+        def random(self, size: int) -> np.ndarray:
+            return np.array([0.0, 1.0 - 2.0 ** -53][:size])
+
+    top, bottom = sample_max_normal(Ends(), 8, 2)
+    assert top == 12.0 and -9.0 <= bottom < 0.0
 
 
 # ---------------------------------------------------------------------------------------------

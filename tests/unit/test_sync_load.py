@@ -18,6 +18,9 @@ def test_percentiles_are_nearest_rank():
     values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
     assert percentile_ms(values, 0.99) == 99.0 and percentile_ms(values, 0.5) == 50.0
     assert percentile_ms([], 0.99) is None
+    # the ceil(q n)-th smallest: of 5 the 3rd (q n = 2.5), of 51 the 51st (q n = 50.49)
+    assert percentile_ms([i / 1000 for i in range(1, 6)], 0.5) == 3.0
+    assert percentile_ms([i / 1000 for i in range(1, 52)], 0.99) == 51.0
 
 
 def test_the_load_bars_are_means_of_the_runs_p99s_and_drops_add_up():
