@@ -4,7 +4,7 @@ Runs a recipe (default ``configs/default.toml``, ``make run``'s) once with three
 (the baseline, measured in the same invocation: four learner slots, the fourth left empty, so
 each honest learner trains on the same quarter of the corpus as in the poisoned runs) and once
 per poison mode with a fourth learner that sends poisoned outer gradients
-(``learners.poison``: ``scale`` = x1e6, ``sign_flip``, ``constant``). Both runs stop at the same
+(``faults.poison``: ``scale`` = x1e6, ``sign_flip``, ``constant``). Both runs stop at the same
 global step (``budget.max_steps``), so the honest learners do the same work. Reports per run:
 the final held-out loss (nats/byte) of the last checkpoint, the largest absolute value of any
 published version, whether every published value is finite, and the rejections by reason; then
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"seed": seed, "baseline": bases[-1]}), flush=True)
         for mode in modes:
             runs[mode].append(run_once(args.config, [*seeded, "learners.count=4",
-                                                     f'learners.poison=["none", "none", "none", "{mode}"]']))
+                                                     f'faults.poison=["none", "none", "none", "{mode}"]']))
             print(json.dumps({"seed": seed, mode: runs[mode][-1]}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"seeds": seeds, "baseline": bases, **runs}, indent=2))

@@ -12,7 +12,7 @@ data shard as learner r (``Corpus.shard(r, M)``, windows drawn by ``Corpus.sampl
 learners' AdamW settings (``learners.lr``, ``weight_decay``, ``warmup_steps``, ``grad_clip``) and
 batch size per rank (``learners.batch_size``). One step: sample, forward, backward, sleep to
 emulate slower hardware (``dt*(1/speed-1) + dt*jitter*|N(0,1)|``; ``--speed``/``--jitter``
-default to ``learners.speed_factors[r]``/``learners.step_jitter``; the jitter RNG is seeded like
+default to ``faults.speed_factors[r]``/``faults.step_jitter``; the jitter RNG is seeded like
 learner r's), all-reduce the averaged
 gradients (one flat fp32 buffer whose last two elements are the stop flags), clip, AdamW step.
 With ``DILOCO_LINK_DELAY_MS`` set (the WAN harness's regions, :mod:`diloco_async.runtime.link_delay`),
@@ -96,16 +96,16 @@ EXIT_RENDEZVOUS = 5
 # ------------------------------------------------------------------ pure helpers -------------
 
 def rank_speed(cfg: Config, rank: int, speed: float | None) -> float:
-    """``speed`` when given, else ``learners.speed_factors[rank]`` of the config (1.0 when unset)."""
+    """``speed`` when given, else ``faults.speed_factors[rank]`` of the config (1.0 when unset)."""
     if speed is not None:
         return float(speed)
-    factors = list(getattr(cfg.learners, "speed_factors", []) or [])
+    factors = cfg.faults.speed_factors
     return float(factors[rank]) if rank < len(factors) else 1.0
 
 
 def rank_jitter(cfg: Config, jitter: float | None) -> float:
-    """``jitter`` when given, else ``learners.step_jitter`` of the config (0.0 when unset)."""
-    return float(jitter) if jitter is not None else float(getattr(cfg.learners, "step_jitter", 0.0) or 0.0)
+    """``jitter`` when given, else ``faults.step_jitter`` of the config (0.0 when unset)."""
+    return float(jitter) if jitter is not None else cfg.faults.step_jitter
 
 
 def tokens_per_step(world_size: int, batch_size: int, context: int) -> int:
@@ -207,8 +207,8 @@ class _Rank:
                                 jitter_random(cfg.run.seed, self.rank, a.incarnation))
         log.info("rank %d/%d ready at step %d: shard of %d tokens, %d parameters", self.rank, self.world,
                  self.step, len(shard), sum(reduce.numels))
-        if cfg.learners.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
-            os.nice(cfg.learners.nice_after_ready)
+        if cfg.faults.nice_after_ready:  # as the learners do (chaos runs: many machines on one host)
+            os.nice(cfg.faults.nice_after_ready)
         self.timeline.write("ready", t=time.time(), step=self.step)
         if isinstance(lc.batch_size, list):
             raise ValueError(f"the DDP baseline needs one learners.batch_size for every rank, got {lc.batch_size}")
@@ -331,9 +331,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default=None, help="TOML recipe (defaults when omitted)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--speed", type=float, default=None,
-                    help="relative hardware speed (0.5: half speed); default learners.speed_factors[rank] or 1.0")
+                    help="relative hardware speed (0.5: half speed); default faults.speed_factors[rank] or 1.0")
     ap.add_argument("--jitter", type=float, default=None,
-                    help="per-step jitter, fraction of the step time; default learners.step_jitter or 0.0")
+                    help="per-step jitter, fraction of the step time; default faults.step_jitter or 0.0")
     ap.add_argument("--checkpoint-every-steps", type=int, default=0, help="0: only the final checkpoint")
     ap.add_argument("--stop-at-unix", type=float, default=None, help="stop (all ranks) at this unix time")
     ap.add_argument("--max-steps", type=int, default=None, help="stop when the group step reaches this")

@@ -16,13 +16,14 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diloco_async.runtime.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
 from storage.options import STORAGE_OPTIONS_ENV
 
-__all__ = ["DdpGroup", "free_port"]
+__all__ = ["DdpGroup", "RankSchedule", "RankPlacement", "free_port"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,49 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """How the ranks of a :class:`DdpGroup` train and stop.
+
+    Args:
+        speeds: relative speed per rank (len M; None: the ranks take ``faults.speed_factors``
+            of the config, 1.0 where unset).
+        jitter: per-step jitter as a fraction of the step time (None: ``faults.step_jitter``).
+        checkpoint_every_steps: rank 0 checkpoints every this many steps (0: only at the stop).
+        stop_at_unix: every rank stops at this unix time (None: on SIGTERM or ``max_steps`` only).
+        max_steps: the group stops when its step reaches this (None: no limit).
+        gloo_timeout_s: timeout of one collective; a rank whose peer is gone exits after at most this.
+        init_timeout_s: timeout of the rendezvous.
+    """
+
+    speeds: Sequence[float] | None = None
+    jitter: float | None = None
+    checkpoint_every_steps: int = 0
+    stop_at_unix: float | None = None
+    max_steps: int | None = None
+    gloo_timeout_s: float = 30.0
+    init_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where the ranks of a :class:`DdpGroup` run, and their environment.
+
+    Args:
+        storage_options: fsspec options of the store (passed in the environment, never on the command line).
+        env: extra environment of the ranks.
+        master_addr: where rank 0 listens (loopback; in WAN runs rank 0's address in its region's
+            namespace, and the launcher places each rank there). Off loopback the ranks pick their
+            gloo interface from ``rank_env`` (``GLOO_SOCKET_IFNAME``), not ``lo``.
+        rank_env: extra environment of single ranks (rank -> variables), after ``env``.
+    """
+
+    storage_options: dict[str, Any] | None = None
+    env: dict[str, str] | None = None
+    master_addr: str = "127.0.0.1"
+    rank_env: dict[int, dict[str, str]] | None = None
 
 
 class DdpGroup:
@@ -45,34 +89,19 @@ class DdpGroup:
         store: object store root URL (absolute ``file://`` paths recommended: the ranks run in
             this process's working directory).
         workdir: ``timeline/ddp-rank-{r}.jsonl`` (appended over incarnations) and ``logs/`` go here.
-        speeds: relative speed per rank (len M; None: the ranks take ``learners.speed_factors``
-            of the config, 1.0 where unset).
-        jitter: per-step jitter as a fraction of the step time (None: ``learners.step_jitter``).
-        checkpoint_every_steps: rank 0 checkpoints every this many steps (0: only at the stop).
-        stop_at_unix: every rank stops at this unix time (None: on SIGTERM or ``max_steps`` only).
-        max_steps: the group stops when its step reaches this (None: no limit).
-        gloo_timeout_s: timeout of one collective; a rank whose peer is gone exits after at most this.
-        init_timeout_s: timeout of the rendezvous.
-        storage_options: fsspec options of the store (passed in the environment, never on the command line).
-        env: extra environment of the ranks.
-        master_addr: where rank 0 listens (loopback; in WAN runs rank 0's address in its region's
-            namespace, and the launcher places each rank there). Off loopback the ranks pick their
-            gloo interface from ``rank_env`` (``GLOO_SOCKET_IFNAME``), not ``lo``.
-        rank_env: extra environment of single ranks (rank -> variables), after ``env``.
+        schedule: speeds, jitter, checkpoints, stop and timeouts of the ranks (:class:`RankSchedule`).
+        placement: the ranks' store options, environment and master address (:class:`RankPlacement`).
 
     Raises:
-        ValueError: ``world_size`` < 1 or ``speeds`` of another length.
+        ValueError: ``world_size`` < 1 or ``schedule.speeds`` of another length.
     """
 
     def __init__(self, config: str | os.PathLike | None, overrides: Sequence[str], world_size: int, run_id: str,
-                 store: str, workdir: str | os.PathLike, speeds: Sequence[float] | None = None,
-                 jitter: float | None = None, checkpoint_every_steps: int = 0, stop_at_unix: float | None = None,
-                 max_steps: int | None = None, gloo_timeout_s: float = 30.0, init_timeout_s: float = 120.0,
-                 storage_options: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                 master_addr: str = "127.0.0.1", rank_env: dict[int, dict[str, str]] | None = None) -> None:
+                 store: str, workdir: str | os.PathLike, schedule: RankSchedule = RankSchedule(),
+                 placement: RankPlacement = RankPlacement()) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        speeds = list(speeds) if speeds is not None else None
+        speeds = list(schedule.speeds) if schedule.speeds is not None else None
         if speeds is not None and len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for {world_size} ranks")
         self.config = str(Path(config).resolve()) if config is not None else None
@@ -82,19 +111,19 @@ class DdpGroup:
         self.store = store
         self.workdir = Path(workdir)
         self.speeds = speeds
-        self.jitter = jitter
-        self.checkpoint_every_steps = checkpoint_every_steps
-        self.stop_at_unix = stop_at_unix
-        self.max_steps = max_steps
-        self.gloo_timeout_s = gloo_timeout_s
-        self.init_timeout_s = init_timeout_s
+        self.jitter = schedule.jitter
+        self.checkpoint_every_steps = schedule.checkpoint_every_steps
+        self.stop_at_unix = schedule.stop_at_unix
+        self.max_steps = schedule.max_steps
+        self.gloo_timeout_s = schedule.gloo_timeout_s
+        self.init_timeout_s = schedule.init_timeout_s
         self.launcher = LocalProcessLauncher(self.workdir / "logs")
         pythonpath = os.pathsep.join(p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.master_addr = master_addr
-        self.rank_env = dict(rank_env or {})
-        loopback = {"GLOO_SOCKET_IFNAME": "lo"} if master_addr.startswith("127.") else {}
+        self.master_addr = placement.master_addr
+        self.rank_env = dict(placement.rank_env or {})
+        loopback = {"GLOO_SOCKET_IFNAME": "lo"} if self.master_addr.startswith("127.") else {}
         self.env = {"PYTHONPATH": pythonpath, **loopback,
-                    STORAGE_OPTIONS_ENV: json.dumps(storage_options or {}), **(env or {})}
+                    STORAGE_OPTIONS_ENV: json.dumps(placement.storage_options or {}), **(placement.env or {})}
         self.handles: dict[int, LocalProcess | ForkedProcess] = {}
         self.incarnation: int | None = None
         self.port: int | None = None

@@ -4,7 +4,7 @@ checkpoint, again and again; then check what the store holds.
 
 A run of real processes (:class:`~diloco_async.run.RunProcesses` with the chaos harness's fork
 server, a tiny model on the Shakespeare corpus, a ``file://`` store that is never collected).
-The learners' store is slowed by the fault layer (``learners.storage_faults``: every ``put``
+The learners' store is slowed by the fault layer (``faults.storage_faults``: every ``put``
 takes ``upload_hold_s`` longer), so each upload is in flight for a window that the learner's log
 line ``uploading fragment p round n ... to KEY`` opens: a kill inside that window is a
 mid-upload kill, confirmed when the key never appears in the store.
@@ -61,7 +61,7 @@ def kill_overrides(workdir: Path, learners: int, upload_hold_s: float, port: int
             f"data.cache_dir={Path('data').resolve()}", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
             "model.context=32", f"learners.count={learners}", "learners.batch_size=8", "learners.checkpoint_every_s=0",
             "learners.restart_delay_s=0.5", "learners.max_restarts=100000",
-            f"learners.storage_faults={{p_slow=1.0, slow_s={upload_hold_s}, ops=[\"put\"]}}",
+            f"faults.storage_faults={{p_slow=1.0, slow_s={upload_hold_s}, ops=[\"put\"]}}",
             f"synchronizer.port={port}", "synchronizer.num_fragments=3", "synchronizer.sync_every=8",
             "synchronizer.min_quorum=1", "synchronizer.heartbeat_timeout_s=3",
             f"synchronizer.checkpoint_every_s={checkpoint_every_s}",

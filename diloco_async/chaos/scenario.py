@@ -228,14 +228,14 @@ def method_overrides(sc: Scenario, method: str) -> list[str]:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     s = sc.scenario
     speeds = ",".join(repr(v) for v in sc.speed_factors())
-    out = [*s.overrides, f"learners.count={s.slots}", f"learners.speed_factors=[{speeds}]",
-           f"learners.step_jitter={sc.stragglers.jitter}",
-           f"learners.control_drop_prob={sc.control.drop_prob}", f"learners.control_delay_s={sc.control.delay_s}",
+    out = [*s.overrides, f"learners.count={s.slots}", f"faults.speed_factors=[{speeds}]",
+           f"faults.step_jitter={sc.stragglers.jitter}",
+           f"faults.control_drop_prob={sc.control.drop_prob}", f"faults.control_delay_s={sc.control.delay_s}",
            f"synchronizer.checkpoint_every_s={s.snapshot_every_s}", "synchronizer.keep_checkpoints=0",
            f"budget.wall_s={s.wall_s + 600}", "budget.tokens=1000000000000"]
     st = sc.storage
     if st.p_transient or st.p_slow:
-        out.append(f"learners.storage_faults={{p_transient={st.p_transient!r}, p_slow={st.p_slow!r}, "
+        out.append(f"faults.storage_faults={{p_transient={st.p_transient!r}, p_slow={st.p_slow!r}, "
                    f"slow_s={st.slow_s!r}}}")
     if method == "sync-diloco":
         out += [f"synchronizer.min_quorum={s.slots}", "synchronizer.grace_enabled=false", "learners.barrier=true"]

@@ -20,8 +20,9 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diloco_async.chaos.driver import SlotBook, drive, restarting_intervals
 from diloco_async.chaos.measure import Snapshot
@@ -33,6 +34,9 @@ from diloco_async.metrics.timeline import Interval, Step, Timeline, diloco_timel
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.procs import ForkServerLauncher
 from storage.checkpoint import list_checkpoint_seqs, load_checkpoint
+
+if TYPE_CHECKING:
+    from diloco_async.baselines.ddp_group import RankPlacement
 
 __all__ = ["PRELOAD", "TargetRun", "ChaosTarget", "DilocoTarget", "DdpTarget", "ddp_timeline_steps"]
 
@@ -231,12 +235,13 @@ def ddp_timeline_steps(learner: str, records: Sequence[dict], final_step: int) -
 
 
 class DdpTarget(ChaosTarget):
-    """``ddp`` (module docstring). ``group_kwargs`` go to the
-    :class:`~diloco_async.baselines.ddp_group.DdpGroup` (WAN runs: ``master_addr``, ``rank_env``,
-    ``max_steps``)."""
+    """``ddp`` (module docstring). ``max_steps`` and ``placement`` go to the
+    :class:`~diloco_async.baselines.ddp_group.DdpGroup` (WAN runs: ``master_addr``, ``env``; the
+    store options are the recipe's)."""
 
-    def __init__(self, sc: Scenario, overrides: list[str] | None = None, **group_kwargs) -> None:
-        from diloco_async.baselines.ddp_group import DdpGroup
+    def __init__(self, sc: Scenario, overrides: list[str] | None = None, *, max_steps: int | None = None,
+                 placement: RankPlacement | None = None) -> None:
+        from diloco_async.baselines.ddp_group import DdpGroup, RankPlacement, RankSchedule
         from diloco_async.sync import new_run_id
         from storage.store import ObjectStore
 
@@ -246,9 +251,11 @@ class DdpTarget(ChaosTarget):
         self.store = ObjectStore(self.cfg.run.store, self.cfg.run.storage_options)
         self.group = DdpGroup(config=sc.scenario.config, overrides=self.overrides, world_size=sc.scenario.slots,
                               run_id=self.run_id, store=self.store.url, workdir=self.workdir,
-                              speeds=sc.speed_factors(), jitter=sc.stragglers.jitter,
-                              checkpoint_every_steps=sc.ddp.checkpoint_every_steps,
-                              storage_options=self.cfg.run.storage_options, **group_kwargs)
+                              schedule=RankSchedule(speeds=sc.speed_factors(), jitter=sc.stragglers.jitter,
+                                                    checkpoint_every_steps=sc.ddp.checkpoint_every_steps,
+                                                    max_steps=max_steps),
+                              placement=replace(placement or RankPlacement(),
+                                                storage_options=self.cfg.run.storage_options))
         self.group.launcher = ForkServerLauncher(self.workdir / "logs", PRELOAD)
         self.running = False
         self.incarnation = 0

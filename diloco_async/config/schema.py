@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from diloco_async.config.data import DataConfig
+from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.tomlfile import read_toml
@@ -28,6 +29,7 @@ __all__ = [
     "SynchronizerConfig",
     "BudgetConfig",
     "TrackingConfig",
+    "FaultsConfig",
     "Config",
     "load_config",
     "apply_overrides",
@@ -123,41 +125,13 @@ class LearnerConfig(_Section, LearnerDeviceFields):
     barrier: bool = Field(
         False, description="Wait after each contribution until its round published (synchronous DiLoCo baseline)."
     )
-    speed_factors: list[float] = Field(
-        default_factory=list,
-        description="Emulated hardware speed per learner index (1.0 = as fast as this machine; 0.5 = half "
-                    "speed); missing indexes run at 1.0. Chaos scenarios set it.",
-    )
-    step_jitter: float = Field(0.0, ge=0, description="Relative per-step slowdown noise, |N(0, jitter)| x step time.")
-    control_drop_prob: float = Field(
-        0.0, ge=0, lt=1, description="Chance that a control message (heartbeat, announce) is dropped before sending."
-    )
-    control_delay_s: float = Field(
-        0.0, ge=0, description="Mean extra delay of a control message (exponential), seconds."
-    )
-    nice_after_ready: int = Field(
-        0, ge=0, le=19,
-        description="Lower the process priority by this much once ready to train (chaos runs that emulate many "
-                    "machines on one host: a restarting learner's start-up is then not slowed by the others' "
-                    "training).",
-    )
-    storage_faults: dict[str, Any] = Field(
-        default_factory=dict,
-        description="FaultPlan arguments (p_transient, p_hang, p_slow, slow_s, hold_s, ops) for the learners' store.",
-    )
-    poison: list[Literal["none", "scale", "sign_flip", "constant"]] = Field(
-        default_factory=list,
-        description="Fault injection (tests of the update guard): per learner index, the poisoned outer gradients "
-                    "it sends: 'scale' (x 1e6), 'sign_flip', 'constant' (every element the tensor's RMS, so the norm "
-                    "is unchanged); missing indexes and 'none' are honest.",
-    )
-
-    @model_validator(mode="after")
-    def _check_speeds(self) -> LearnerConfig:
-        bad = [s for s in self.speed_factors if not 0 < s <= 1]
-        if bad:
-            raise ValueError(f"learners.speed_factors must be in (0, 1], got {bad}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_faults(cls, data: Any) -> Any:
+        message = moved_keys_message(data) if isinstance(data, dict) else None
+        if message:
+            raise ValueError(message)
+        return data
 
 
 class SynchronizerConfig(_Section):
@@ -280,6 +254,7 @@ class Config(_Section):
     budget: BudgetConfig = BudgetConfig(tokens=4_000_000)
     guard: GuardConfig = GuardConfig()
     tracking: TrackingConfig = TrackingConfig()
+    faults: FaultsConfig = FaultsConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -379,6 +354,8 @@ def _training_dict(d: dict) -> dict:
             for part in parents:
                 node = node.get(part) or {}
             node.pop(leaf, None)
+        if section in d and not d[section]:  # a section all operational ([faults]) is left out, not kept empty
+            del d[section]
     return d
 
 
@@ -390,12 +367,12 @@ _OPERATIONAL = {
     "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "flush_denormal",
                  "checkpoint_every_s",
                  "device", "rdzv_endpoint", "group_timeout_s",
-                 "restart_delay_s", "max_restarts",
-                 "speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults", "poison",
-                 "nice_after_ready"),
+                 "restart_delay_s", "max_restarts"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s", "lease_ttl_s",
                      "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s", "verifies_in_flight"),
+    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults", "poison",
+               "nice_after_ready"),
 }
 
 

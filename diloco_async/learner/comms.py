@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import threading
 import time
 
@@ -26,7 +25,7 @@ from diloco_async.codec import versions as version_codec
 from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.learner.link import link_budget_s
-from diloco_async.learner.state import Shared
+from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.uploads import Uploads
 from diloco_async.protocol.client import ProtocolError, SyncClient
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
@@ -34,44 +33,38 @@ from diloco_async.protocol.versions import read_version
 from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority
 from storage.store import ObjectRef, ObjectStore
 
-__all__ = ["Comms", "ControlFaults"]
+__all__ = ["Comms"]
 
 log = logging.getLogger("diloco.learner")
 
 _UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 
 
-class ControlFaults:
-    """Chaos (``learners.control_delay_s``, ``control_drop_prob``): delay a control message by an
-    exponential time of mean ``delay_s``, or drop it before it is sent with chance ``drop_prob``."""
-
-    def __init__(self, delay_s: float, drop_prob: float, rng: random.Random) -> None:
-        self.delay_s, self.drop_prob, self.rng = delay_s, drop_prob, rng
-
-    async def __call__(self, path: str) -> None:
-        if self.delay_s > 0:
-            await asyncio.sleep(self.rng.expovariate(1.0 / self.delay_s))
-        if self.rng.random() < self.drop_prob:
-            raise aiohttp.ClientConnectionError(f"chaos: {path} dropped before sending")
-
-
 class Comms:
-    """The comms thread of learner ``learner_id``; :meth:`start` it, then :meth:`configure` it
-    once the run's config is known (the training thread does both)."""
+    """The comms thread of learner ``slot``; :meth:`start` it, then :meth:`configure` it
+    once the run's config is known (the training thread does both).
 
-    def __init__(self, learner_id: str, incarnation: int, sync_url: str, token: str, store: ObjectStore,
-                 shared: Shared, started_s: float, give_up_after_s: float, link_delay_s: float = 0.0) -> None:
-        self.learner_id, self.incarnation = learner_id, incarnation
+    Args:
+        slot: the learner's id and incarnation.
+        endpoint: the synchronizer's URL, this learner's token, the give-up time and link delay.
+        store: the run's object store.
+        shared: state shared with the training thread.
+        started_s: ``time.monotonic()`` at the process's start (its uptime is reported at join).
+    """
+
+    def __init__(self, slot: LearnerSlot, endpoint: SyncEndpoint, store: ObjectStore, shared: Shared,
+                 started_s: float) -> None:
+        learner_id = slot.learner_id
+        self.learner_id, self.incarnation = learner_id, slot.incarnation
         self.store = store
         self.shared = shared
         self.started_s = started_s
-        self.give_up_after_s = give_up_after_s
+        self.give_up_after_s = endpoint.give_up_after_s
         self.heartbeat_s = 0.25  # until the run's config is known
         self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # fragment -> tensor shapes, to decode versions
         self.epoch: str | None = None  # the synchronizer's; a change means it restarted
-        self.faults: ControlFaults | None = None
-        self.client = SyncClient(sync_url, token, before_post=self._before_post, link_delay_s=link_delay_s)
-        self.uploads = Uploads(learner_id, incarnation, store, shared)
+        self.client = SyncClient(endpoint.url.rstrip("/"), endpoint.token, link_delay_s=endpoint.link_delay_s)
+        self.uploads = Uploads(learner_id, slot.incarnation, store, shared)
         self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
         self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
@@ -91,17 +84,15 @@ class Comms:
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout=timeout_s)
 
-    def configure(self, cfg: Config, store: ObjectStore, chaos_rng: random.Random) -> None:
-        """Apply the run's config: the store (maybe wrapped with faults), timeouts, heartbeat
-        period, codec and control-message faults."""
+    def configure(self, cfg: Config, store: ObjectStore) -> None:
+        """Apply the run's config: the store (the learner's, maybe wrapped), timeouts, heartbeat
+        period and codec."""
         lc = cfg.learners
         self.store = store
         self.uploads.configure(store, lc.codec, lc.storage_timeout_s)
         self.heartbeat_s = lc.heartbeat_s
         self.sync_every, self.num_fragments = cfg.synchronizer.sync_every, cfg.synchronizer.num_fragments
         self.client.request_timeout_s = lc.request_timeout_s
-        if lc.control_delay_s > 0 or lc.control_drop_prob > 0:
-            self.faults = ControlFaults(lc.control_delay_s, lc.control_drop_prob, chaos_rng)
 
     def fetch_version(self, v: VersionInfo) -> BaseFile | HeldBase:
         """Download and decode a published version (blocking; verifies size and sha256): its
@@ -152,10 +143,6 @@ class Comms:
             log.warning("%s compact download of fragment %d v%d failed (%s); downloading it whole", self.learner_id,
                         v.fragment, v.version, err)
             return None
-
-    async def _before_post(self, path: str) -> None:
-        if self.faults is not None:
-            await self.faults(path)
 
     def _main(self) -> None:
         lower_thread_priority(BACKGROUND_NICE)  # the training thread comes first (its executor threads inherit it)

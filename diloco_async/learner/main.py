@@ -24,6 +24,7 @@ import torch
 
 from diloco_async.learner.group import LearnerGroup, run_follower
 from diloco_async.learner.process import Learner
+from diloco_async.learner.state import LearnerSlot, SyncEndpoint
 from diloco_async.metrics.timeline import Recorder
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, ProtocolError
 from diloco_async.runtime.heap import limit_heap_retention
@@ -152,9 +153,9 @@ def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | Non
     recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
     # the process's own start (interpreter and imports included), as the synchronizer's ledger counts it
     recorder.record("start", t=time.time() - process_uptime_s())
-    learner = Learner(args.learner_id, args.index, args.sync_url, store, token,
-                      incarnation=args.incarnation, give_up_after_s=args.give_up_after_s, recorder=recorder,
-                      group=group, link_delay_s=delay_s)
+    slot = LearnerSlot(args.learner_id, args.index, args.incarnation)
+    endpoint = SyncEndpoint(args.sync_url, token, give_up_after_s=args.give_up_after_s, link_delay_s=delay_s)
+    learner = Learner(slot, endpoint, store, recorder=recorder, group=group)
     try:
         code = learner.run()
     except ProtocolError as err:

@@ -12,8 +12,6 @@ Two threads:
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
 from collections.abc import Callable
 
@@ -24,10 +22,11 @@ from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.inner.state import InnerState
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.comms import Comms
+from diloco_async.learner.faults import LearnerFaults
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
-from diloco_async.learner.state import Shared
-from diloco_async.learner.training import InnerLoop
+from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
+from diloco_async.learner.training import InnerLoop, StartPoint
 from diloco_async.metrics.timeline import Recorder
 from diloco_async.models import plan_of
 from diloco_async.policy.fragments import FragmentPlan, plan_differences
@@ -37,7 +36,6 @@ from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.runtime.process_clock import process_uptime_s
 from storage import keys
 from storage.checkpoint import latest_state, list_state_seqs
-from storage.faults import FaultyStore
 from storage.store import ObjectStore
 
 __all__ = ["Learner"]
@@ -49,41 +47,40 @@ class Learner:
     """One learner.
 
     Args:
-        learner_id: unique id of the learner slot (``[A-Za-z0-9_.-]``).
-        index: data shard index in ``[0, learners.count)``.
-        sync_url: base URL of the synchronizer, e.g. ``http://127.0.0.1:8765``.
+        slot: the learner slot's id (``[A-Za-z0-9_.-]``), data shard index in ``[0, learners.count)``
+            and incarnation (restart count, 0 for the first start).
+        endpoint: the synchronizer's base URL, this learner's own token, how long to wait for an
+            answer before exiting, and the one-way latency added to each exchange with it
+            (:class:`~diloco_async.protocol.client.SyncClient`; the store's is the caller's, e.g. a
+            :class:`~storage.latency.LatencyStore`).
         store: the run's object store (same root as the synchronizer's).
-        token: this learner's own token (:func:`diloco_async.protocol.auth.learner_token`).
-        incarnation: restart count of this slot (0 for the first start).
-        give_up_after_s: exit when the synchronizer has not answered for this long.
         recorder: where timeline records go (none written by default).
         make_workload: builds what this learner trains from (run config, index, incarnation);
             the place where another model plugs in. It is then put on its device and precision.
         group: rank 0's side of the learner's torchrun group (None: a one-process learner); the
             config, the starting point and every step boundary go to the other ranks.
-        link_delay_s: one-way latency added to each exchange with the synchronizer
-            (:class:`~diloco_async.protocol.client.SyncClient`; the store's is the caller's, e.g. a
-            :class:`~storage.latency.LatencyStore`).
+
+    The run's ``[faults]`` (chaos and guard tests) are applied here, once the config is known, by
+    wrapping the store, the client transport and the workload (:class:`~diloco_async.learner.faults.LearnerFaults`).
     """
 
-    def __init__(self, learner_id: str, index: int, sync_url: str, store: ObjectStore, token: str,
-                 incarnation: int = 0, give_up_after_s: float = 120.0,
+    def __init__(self, slot: LearnerSlot, endpoint: SyncEndpoint, store: ObjectStore,
                  recorder: Recorder | None = None,
                  make_workload: Callable[[Config, int, int], Workload] = Workload.from_config,
-                 group: LearnerGroup | None = None, link_delay_s: float = 0.0) -> None:
-        self.learner_id = learner_id
+                 group: LearnerGroup | None = None) -> None:
+        self.slot = slot
+        self.learner_id = slot.learner_id
         self.group = group
         self.make_workload = make_workload
-        self.index = index
-        self.incarnation = incarnation
+        self.index = slot.index
+        self.incarnation = slot.incarnation
+        self.faults: LearnerFaults | None = None  # known with the run's config
         self.store = store
         self.recorder = recorder or Recorder(None)
         self.shared = Shared()
         self._restored_step = 0  # steps up to here are in the restored inner state (timeline attribution)
         self.stop_event = self.shared.stop_event
-        self.comms = Comms(learner_id, incarnation, sync_url.rstrip("/"), token, store, self.shared,
-                           started_s=time.monotonic() - process_uptime_s(), give_up_after_s=give_up_after_s,
-                           link_delay_s=link_delay_s)
+        self.comms = Comms(slot, endpoint, store, self.shared, started_s=time.monotonic() - process_uptime_s())
 
     def run(self, max_wait_join_s: float = 120.0) -> int:
         """Join, load the newest versions, train until told to stop. Returns the exit code
@@ -108,7 +105,8 @@ class Learner:
         if self.group is not None:
             self.group.share_config(jr.config)
         subnormals_flushed = set_cpu_math(cfg.learners.threads, cfg.learners.flush_denormal)
-        workload = self.make_workload(cfg, self.index, self.incarnation)
+        assert self.faults is not None
+        workload = self.faults.wrap_workload(self.make_workload(cfg, self.index, self.incarnation))
         device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
         self.comms.pin_device = device if device.type == "cuda" else None  # asynchronous copies to the GPU
@@ -124,8 +122,6 @@ class Learner:
                  sum(p.numel() for p in workload.params.values()), device, cfg.learners.precision, workload.world,
                  "flushed" if subnormals_flushed else "kept", "in RAM" if self.comms.base_in_ram else "in local files",
                  sh.base)
-        if cfg.learners.nice_after_ready:
-            os.nice(cfg.learners.nice_after_ready)
         self.recorder.record("ready", step=loop.step, restored=self._restored_step)
         loop.run()
         sh.stop_event.set()
@@ -137,7 +133,8 @@ class Learner:
         return 0
 
     def _configure(self, jr: JoinResponse) -> Config:
-        """The run's config from the join answer; storage and control-message faults wired in.
+        """The run's config from the join answer; the comms configured, the run's faults wrapped
+        around the store and the client transport.
 
         Raises:
             ProtocolError: the config does not hash to the synchronizer's hash.
@@ -145,13 +142,10 @@ class Learner:
         cfg = Config.model_validate(jr.config)
         if config_hash(cfg) != jr.config_hash:
             raise ProtocolError("config hash from the synchronizer does not match its config")
-        chaos_rng = random.Random(cfg.run.seed * 7919 + self.index * 104729 + self.incarnation)
-        if cfg.learners.storage_faults:
-            faults = dict(cfg.learners.storage_faults)
-            faults.setdefault("seed", cfg.run.seed * 31 + self.index * 1_000_003 + self.incarnation)
-            self.store = FaultyStore(self.store, **faults)
-            log.warning("%s: storage faults injected: %s", self.learner_id, faults)
-        self.comms.configure(cfg, self.store, chaos_rng)
+        self.faults = LearnerFaults(cfg.faults, cfg.run.seed, self.slot)
+        self.store = self.faults.wrap_store(self.store)
+        self.comms.configure(cfg, self.store)
+        self.faults.wrap_transport(self.comms)
         return cfg
 
     def _check_plan(self, cfg: Config, jr: JoinResponse, workload: Workload) -> FragmentPlan:
@@ -194,9 +188,9 @@ class Learner:
             self._rebase_to_join(jr.versions, workload, base_tensors, counters)
         else:
             base_tensors = self._load_versions(jr.versions, workload)
-        return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id,
-                         index=self.index, incarnation=self.incarnation, base_tensors=base_tensors,
-                         counters=counters, start_step=start_step, restored=saved is not None, group=self.group)
+        start = StartPoint(base_tensors, counters, start_step, restored=saved is not None)
+        return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
+                         group=self.group)
 
     def _rebase_to_join(self, versions: list[VersionInfo], workload: Workload,
                         base_tensors: dict[int, BaseFile | HeldBase],

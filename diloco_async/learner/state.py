@@ -14,7 +14,31 @@ from diloco_async.inner.state import InnerState
 from diloco_async.learner.link import LinkMeter
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
 
-__all__ = ["UploadJob", "SpooledState", "Stats", "Shared"]
+__all__ = ["LearnerSlot", "SyncEndpoint", "UploadJob", "SpooledState", "Stats", "Shared"]
+
+
+@dataclass(frozen=True)
+class LearnerSlot:
+    """Who a learner process is: its slot id (``[A-Za-z0-9_.-]``, at most 64 characters), its data
+    shard ``index`` in ``[0, learners.count)`` and its ``incarnation`` (restart count: 0 the first start)."""
+
+    learner_id: str
+    index: int
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class SyncEndpoint:
+    """How a learner reaches its synchronizer: base ``url`` (e.g. ``http://127.0.0.1:8765``, no
+    trailing slash needed), this learner's own ``token``
+    (:func:`diloco_async.protocol.auth.learner_token`), ``give_up_after_s`` (seconds without any
+    answer before the comms fail), ``link_delay_s`` (one-way latency added to each exchange, the
+    WAN harness's regions, :class:`~diloco_async.protocol.client.SyncClient`)."""
+
+    url: str
+    token: str
+    give_up_after_s: float = 120.0
+    link_delay_s: float = 0.0
 
 
 @dataclass

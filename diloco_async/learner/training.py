@@ -15,16 +15,15 @@ import os
 import queue
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile
-from diloco_async.inner.workload import Workload, emulated_delay_s, jitter_random
+from diloco_async.inner.workload import Workload
 from diloco_async.learner.device_copies import to_host_async
-from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
@@ -33,7 +32,7 @@ from diloco_async.metrics.timeline import Recorder
 from diloco_async.policy.fragments import FragmentPlan, fragment_offset
 from diloco_async.runtime.heap import ReleaseWhenItPays, release_free_memory
 
-__all__ = ["InnerLoop"]
+__all__ = ["InnerLoop", "StartPoint"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -42,6 +41,26 @@ log = logging.getLogger("diloco.learner")
 #: model's fp32 size (at least :data:`HEAP_RELEASE_MIN_GAIN_BYTES`) and half what it faulted back
 HEAP_RELEASE_GAIN_OF_MODEL = 0.125
 HEAP_RELEASE_MIN_GAIN_BYTES = 16 << 20
+
+
+@dataclass
+class StartPoint:
+    """Where a learner's training loop starts.
+
+    Args:
+        base_tensors: Θ^base of every fragment (by fragment, then tensor name), each a local
+            :class:`~diloco_async.inner.base_file.BaseFile` (read a tensor at a time, not held in
+            RAM), or a :class:`~diloco_async.inner.base_file.HeldBase` in RAM when the parameters
+            are on an accelerator; adopted versions replace them.
+        counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
+        step: the local step to continue from.
+        restored: the inner state was restored (its progress is contributed before a newer version is adopted).
+    """
+
+    base_tensors: dict[int, dict[str, torch.Tensor]]
+    counters: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    step: int = 0
+    restored: bool = False
 
 
 @dataclass
@@ -71,13 +90,9 @@ class InnerLoop:
         shared: state shared with the comms thread.
         workload: model, optimizer and data.
         plan: the fragment plan.
-        base_tensors: Θ^base of every fragment (by fragment, then tensor name), each a local
-            :class:`~diloco_async.inner.base_file.BaseFile` (read a tensor at a time, not held in
-            RAM), or a :class:`~diloco_async.inner.base_file.HeldBase` in RAM when the parameters
-            are on an accelerator; adopted versions replace them.
-        counters: progress restored with the inner state, by fragment (steps, tokens, compute s).
-        start_step: the local step to continue from.
-        restored: the inner state was restored (its progress is contributed before a newer version is adopted).
+        recorder: where timeline records go.
+        learner_id: the learner's id (logs, spool folders).
+        start: the base copies, restored counters and step it starts from (:class:`StartPoint`).
         group: rank 0's side of the learner's process group, or None for a one-process learner:
             each step boundary's decision and adopted fragments go to the other ranks.
 
@@ -88,26 +103,22 @@ class InnerLoop:
     """
 
     def __init__(self, cfg: Config, shared: Shared, workload: Workload, plan: FragmentPlan, recorder: Recorder, *,
-                 learner_id: str, index: int, incarnation: int, base_tensors: dict[int, dict[str, torch.Tensor]],
-                 counters: dict[int, tuple[int, int, float]], start_step: int, restored: bool,
-                 group: LearnerGroup | None = None) -> None:
+                 learner_id: str, start: StartPoint, group: LearnerGroup | None = None) -> None:
         lc = cfg.learners
         self.group = group
         self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
         self.learner_id = learner_id
-        self.base_tensors = base_tensors
+        self.base_tensors = start.base_tensors
+        counters, restored = start.counters, start.restored
         P, H = plan.num_fragments, cfg.synchronizer.sync_every
         self.P, self.H = P, H
         self.progress = [Progress(*counters.get(p, (0, 0, 0.0))) for p in range(P)]
         self.in_flight: dict[int, _InFlight] = {}  # cleared on adoption, or when it will not be merged
         self.answered: set[tuple[int, int]] = set()
         self.ema_alpha = cfg.synchronizer.ema_alpha
-        self.step = start_step  # a restarted slot continues its step count
+        self.step = start.step  # a restarted slot continues its step count
         self.offsets = [fragment_offset(p, P, H) for p in range(P)]
         self.next_n = [max(1, -(-(self.step - self.offsets[p]) // H)) for p in range(P)]  # next round each owes
-        self.speed = lc.speed_factors[index] if index < len(lc.speed_factors) else 1.0
-        self.poison = lc.poison[index] if index < len(lc.poison) else "none"  # fault injection (tests)
-        self.jitter_rng = jitter_random(cfg.run.seed, index, incarnation)
         # After an inner-state restore, the restored progress on a fragment is contributed (on its
         # old base, if the synchronizer still keeps it) before a newer version of the fragment is
         # adopted: an overwrite first would throw that progress away. Held for two rounds at most.
@@ -251,9 +262,7 @@ class InnerLoop:
         with torch.no_grad():
             theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
             # on a GPU, Δ is taken there and copied to the host without a wait (device_copies)
-            if self.poison != "none":
-                delta = poison_outer_gradient(outer_gradient(base, theta), self.poison)
-            elif self.shared.upload_queue.empty() or not on_cpu:
+            if self.shared.upload_queue.empty() or not on_cpu:
                 delta = outer_gradient(base, theta)
             else:
                 encoded = encoded_outer_gradient(base, theta, self.lc.codec)
@@ -342,12 +351,10 @@ class InnerLoop:
     # ------------------------------------------------------------------ one inner step --------
 
     def _inner_step(self) -> None:
-        lc, tokens = self.lc, self.workload.tokens_per_step
+        tokens = self.workload.tokens_per_step
         t0 = time.perf_counter()
         t0_unix = time.time()
         loss = self.workload.step(self.step)
-        if self.speed < 1.0 or lc.step_jitter > 0:  # emulated slower or noisy hardware (chaos)
-            time.sleep(emulated_delay_s(time.perf_counter() - t0, self.speed, lc.step_jitter, self.jitter_rng))
         dt = time.perf_counter() - t0
         self.step += 1
         self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens)

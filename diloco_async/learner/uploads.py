@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -46,9 +47,19 @@ class Uploads:
         # held while a contribution is encoded and put or an inner state is uploaded; the comms
         # thread's downloads hold it too, so their fragment-sized buffers never overlap (issue 17)
         self.io_slot = asyncio.Lock()
+        #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
+        #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
+        self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
 
     def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float) -> None:
         self.store, self.codec, self.storage_timeout_s = store, codec, storage_timeout_s
+
+    def encode(self, job: UploadJob, meta: dict[str, str]) -> bytes:
+        """``job``'s outer gradient as a wire payload in ``codec`` with ``meta`` (one the training
+        thread encoded already is only serialized)."""
+        if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
+            return wire.encoded_to_bytes(job.encoded, self.codec, meta)
+        return wire.encode_to_bytes(job.delta, self.codec, meta)
 
     async def run(self, client: SyncClient) -> None:
         """Until the stop: upload and announce contributions, save inner states."""
@@ -126,10 +137,7 @@ class Uploads:
         if job.delta_ready is not None:  # the copy of Δ from the GPU (training did not wait for it)
             await asyncio.to_thread(job.delta_ready.synchronize)
             job.delta_ready = None
-        if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
-            data = await asyncio.to_thread(wire.encoded_to_bytes, job.encoded, self.codec, meta)
-        else:
-            data = await asyncio.to_thread(wire.encode_to_bytes, job.delta, self.codec, meta)
+        data = await asyncio.to_thread(self.encode_payload, job, meta)
         job.delta, job.encoded = {}, None  # the outer gradient is freed before the upload and the announce
         t0 = time.monotonic()
         ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from diloco_async.baselines.ddp_group import RankPlacement
 from diloco_async.chaos.measure import measure
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget, TargetRun
 from diloco_async.metrics.timeline import Timeline
@@ -148,11 +149,12 @@ class WanDdpTarget(DdpTarget):
         overrides = [*wan_overrides(sc, "ddp", seed), f"run.store=file://{store_dir.resolve()}",
                      "run.storage_options={}"]
         cfg = load_config(sc.scenario.config, overrides)
-        kwargs: dict = {"max_steps": ddp_max_steps(sc, int(cfg.learners.batch_size), cfg.model.context)}
+        placement = RankPlacement()
         if place.net is not None:  # every rank's gloo socket on its region-side veth: one name in every region
-            kwargs["master_addr"] = place.net.regions[sc.region_of(0)].addr
-            kwargs["env"] = {"GLOO_SOCKET_IFNAME": place.net.region_ifname}
-        super().__init__(sc, overrides, **kwargs)
+            placement = RankPlacement(master_addr=place.net.regions[sc.region_of(0)].addr,
+                                      env={"GLOO_SOCKET_IFNAME": place.net.region_ifname})
+        super().__init__(sc, overrides, max_steps=ddp_max_steps(sc, int(cfg.learners.batch_size), cfg.model.context),
+                         placement=placement)
         self.group.launcher = place.wrap(self.group.launcher)
         self.finished = False
 

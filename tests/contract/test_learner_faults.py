@@ -14,7 +14,7 @@ import uuid
 
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
-from diloco_async.learner import Learner
+from diloco_async.learner import Learner, LearnerSlot, SyncEndpoint
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.sync import Synchronizer, make_app
@@ -68,8 +68,8 @@ async def run_cluster(cfg, stores: dict[str, ObjectStore], until) -> Synchronize
     sync = Synchronizer(cfg, ObjectStore(store.url), "frun")
     await asyncio.to_thread(sync.publish_initial)
     runner, url, actor = await serve_in_process(sync, TOKEN)
-    learners = [Learner(lid, i, url, st, learner_token(TOKEN, "frun", lid), give_up_after_s=30)
-                for i, (lid, st) in enumerate(stores.items())]
+    learners = [Learner(LearnerSlot(lid, i), SyncEndpoint(url, learner_token(TOKEN, "frun", lid), give_up_after_s=30),
+                        st) for i, (lid, st) in enumerate(stores.items())]
     threads = [threading.Thread(target=learner.run, daemon=True) for learner in learners]
     for t in threads:
         t.start()
@@ -136,7 +136,8 @@ def test_learner_that_cannot_reach_the_synchronizer_exits_3_after_give_up():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    learner = Learner("lonely", 0, url, ObjectStore(f"memory://lonely-{uuid.uuid4().hex}"), TOKEN, give_up_after_s=0.5)
+    learner = Learner(LearnerSlot("lonely", 0), SyncEndpoint(url, TOKEN, give_up_after_s=0.5),
+                      ObjectStore(f"memory://lonely-{uuid.uuid4().hex}"))
     assert learner.run(max_wait_join_s=30) == 3
     fatal = learner.shared.fatal or ""
     assert fatal.startswith("ProtocolError: synchronizer unreachable for"), fatal

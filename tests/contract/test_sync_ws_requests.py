@@ -205,13 +205,13 @@ class _Restartable:
 
 async def test_the_learners_comms_use_the_socket_and_fall_back_to_http_across_a_restart(tmp_path):
     from diloco_async.learner.comms import Comms
-    from diloco_async.learner.state import Shared
+    from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 
     server = _Restartable()
     await server.start()
     shared = Shared()
-    comms = Comms("a", 0, f"http://127.0.0.1:{server.port}", token("a"), ObjectStore(f"file://{tmp_path}/s"),
-                  shared, time.monotonic(), give_up_after_s=60.0)
+    endpoint = SyncEndpoint(f"http://127.0.0.1:{server.port}", token("a"), give_up_after_s=60.0)
+    comms = Comms(LearnerSlot("a", 0), endpoint, ObjectStore(f"file://{tmp_path}/s"), shared, time.monotonic())
     sent = comms.client.sent_by_transport
     comms.start()
     try:

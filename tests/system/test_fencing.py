@@ -34,7 +34,7 @@ from test_storage_contract import BACKENDS, open_store
 from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import Workload
-from diloco_async.learner import Learner
+from diloco_async.learner import Learner, LearnerSlot, SyncEndpoint
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import TOKEN_ENV, request_checkpoint
 from diloco_async.sync import Synchronizer
@@ -306,7 +306,8 @@ async def test_restored_learner_never_contributes_on_a_base_older_than_its_join_
     learners, threads = [], []
 
     def start(lid: str, index: int) -> None:
-        learners.append(Learner(lid, index, url, ObjectStore(mem), TOKEN, give_up_after_s=30))
+        endpoint = SyncEndpoint(url, TOKEN, give_up_after_s=30)
+        learners.append(Learner(LearnerSlot(lid, index), endpoint, ObjectStore(mem)))
         threads.append(threading.Thread(target=learners[-1].run, daemon=True))
         threads[-1].start()
 

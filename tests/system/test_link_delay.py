@@ -107,10 +107,10 @@ def test_the_wan_placement_gives_the_delay_to_processes_in_regions_only():
 def test_each_ddp_all_reduce_waits_the_rings_latency(tmp_path):
     from test_ddp import TINY, read_timeline
 
-    from diloco_async.baselines.ddp_group import DdpGroup
+    from diloco_async.baselines.ddp_group import DdpGroup, RankPlacement, RankSchedule
 
-    g = DdpGroup(None, TINY, 2, "ddp-delay", f"file://{tmp_path}/store", tmp_path / "work", max_steps=4,
-                 env={LINK_DELAY_ENV: str(DELAY_S * 1000)})
+    g = DdpGroup(None, TINY, 2, "ddp-delay", f"file://{tmp_path}/store", tmp_path / "work", RankSchedule(max_steps=4),
+                 RankPlacement(env={LINK_DELAY_ENV: str(DELAY_S * 1000)}))
     try:
         g.start(0)
         codes = g.wait(60)

@@ -16,7 +16,7 @@ from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text 
 from diloco_async.codec import wire
 from diloco_async.config.schema import Config, load_config
 from diloco_async.inner.workload import Workload
-from diloco_async.learner import Learner
+from diloco_async.learner import Learner, LearnerSlot, SyncEndpoint
 from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.models import (
     CausalLM,
@@ -150,7 +150,7 @@ def test_a_learner_with_another_model_is_refused_at_join_naming_the_tensor(tmp_p
 
     try:
         url = wait_for_ready_file(ready, sync, timeout_s=120)["url"]
-        learner = Learner("learner-0", 0, url, ObjectStore(f"file://{tmp_path}/store"), TOKEN,
+        learner = Learner(LearnerSlot("learner-0", 0), SyncEndpoint(url, TOKEN), ObjectStore(f"file://{tmp_path}/store"),
                           make_workload=other_model)
         with pytest.raises(ProtocolError, match=r"refused at join.*tensor net\.model\.layers\.0\.mlp\.down_proj"
                                                 r"\.weight: shape \[64, 96\] float32 here, shape \[64, 128\] "

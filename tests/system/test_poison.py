@@ -1,6 +1,6 @@
 """A poisoned learner among three honest ones, real processes (issue 14, item 3).
 
-The fourth learner sends its outer gradients x 1e6 (``learners.poison``): every one of them is
+The fourth learner sends its outer gradients x 1e6 (``faults.poison``): every one of them is
 rejected as ``norm_outlier``, nothing non-finite or huge is published, and the run still trains.
 How close its held-out loss stays to that of the three honest learners alone is a quality claim
 judged over seeds: ``make bench-poison`` (benchmarks/poison.py: within 2% of the honest run's, at
@@ -35,7 +35,7 @@ def test_scaled_poison_rejected_and_loss_kept(tmp_path):
     # and 320 (about 2 s of this tiny model's training) once ended before it was ready: it started
     # 2.3 s after the others under CI's load
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=960"]
-    poisoned = run_once(recipe, [*common, "learners.count=4", 'learners.poison=["none", "none", "none", "scale"]'],
+    poisoned = run_once(recipe, [*common, "learners.count=4", 'faults.poison=["none", "none", "none", "scale"]'],
                         timeout_s=280)
     print(f"poisoned: {poisoned}")
     assert poisoned["global_step"] >= 960
@@ -62,7 +62,7 @@ def test_sign_flipped_poison_left_out_by_the_direction_guard(tmp_path):
     # K = 3: every round holds 3 or more contributions, a majority to judge the fourth by
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=720", "synchronizer.min_quorum=3"]  # see above
     poisoned = run_once(recipe, [*common, "learners.count=4",
-                                 'learners.poison=["none", "none", "none", "sign_flip"]'], timeout_s=280)
+                                 'faults.poison=["none", "none", "none", "sign_flip"]'], timeout_s=280)
     print(f"poisoned: {poisoned}")
     rejected = poisoned["rejected_by_reason"]
     poisoner = poisoned["learners"]["learner-3"]

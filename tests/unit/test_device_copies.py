@@ -123,7 +123,7 @@ def tiny_workload(device: str) -> Workload:
 
 
 def loop_on(device: str, rule: str):
-    from diloco_async.learner.training import InnerLoop
+    from diloco_async.learner.training import InnerLoop, StartPoint
     from diloco_async.metrics.timeline import Recorder
     from diloco_async.models import plan_of
 
@@ -136,8 +136,8 @@ def loop_on(device: str, rule: str):
                          pin_device=pin) for p in range(2)}
     shared = Shared()
     shared.base.update({0: 0, 1: 0})
-    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="lrn-g", index=0, incarnation=0,
-                     base_tensors=base, counters={0: (3, 48, 0.1)}, start_step=3, restored=False)
+    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="lrn-g",
+                     start=StartPoint(base, counters={0: (3, 48, 0.1)}, step=3))
     return loop, shared, plan
 
 

@@ -188,7 +188,7 @@ def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
     a late learner answering several rounds at one step queues no pile of fp32 outer gradients."""
     from diloco_async.codec import wire
     from diloco_async.learner.state import Shared
-    from diloco_async.learner.training import InnerLoop
+    from diloco_async.learner.training import InnerLoop, StartPoint
     from diloco_async.metrics.timeline import Recorder
     from diloco_async.models import plan_of
 
@@ -199,8 +199,7 @@ def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
     base = {p: {n: w.params[n].detach().clone() + 0.5 for n in plan.names(p)} for p in range(2)}
     shared = Shared()
     shared.base.update({0: 0, 1: 0})
-    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="learner-0", index=0, incarnation=0,
-                     base_tensors=base, counters={}, start_step=0, restored=False)
+    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="learner-0", start=StartPoint(base))
     loop._contribute(0, 1)
     loop._contribute(1, 1)
     first, second = shared.upload_queue.get_nowait(), shared.upload_queue.get_nowait()
@@ -221,12 +220,12 @@ def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):
     import time
 
     from diloco_async.learner.comms import Comms
-    from diloco_async.learner.state import Shared
+    from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
     from storage.store import ObjectStore
 
     shared = Shared()
-    comms = Comms("a", 0, "http://127.0.0.1:9", "token", ObjectStore(f"file://{tmp_path}/s"), shared,
-                  time.monotonic(), give_up_after_s=10.0)
+    comms = Comms(LearnerSlot("a", 0), SyncEndpoint("http://127.0.0.1:9", "token", give_up_after_s=10.0),
+                  ObjectStore(f"file://{tmp_path}/s"), shared, time.monotonic())
     assert comms.heartbeat_body()["blocked_s"] == 0.0
     shared.stats.blocked_s, shared.stats.blocked_since_s = 2.0, time.time() - 10.0  # a block began 10 s ago
     assert comms.heartbeat_body()["blocked_s"] == pytest.approx(12.0, abs=0.5)
