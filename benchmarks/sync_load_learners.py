@@ -84,22 +84,36 @@ def generators_for(learners: int) -> int:
     return max(2, -(-learners // LEARNERS_PER_GENERATOR))
 
 
+@dataclass
+class _Generator:
+    """What the simulated learners of one generator process share: the synchronizer's URL, one HTTP
+    session, the store, the fragment plans, the load, the results, when measuring starts (a
+    one-element list, set once) and the stop event."""
+
+    url: str
+    session: aiohttp.ClientSession
+    store: ObjectStore
+    plans: dict
+    spec: LoadSpec
+    res: LoadResult
+    measure_from: list[float]
+    stop: asyncio.Event
+
+
 class _Learner:
     """One simulated learner: join, WebSocket, heartbeats, announcements."""
 
-    def __init__(self, lid: str, token: str, url: str, session: aiohttp.ClientSession, store: ObjectStore,
-                 plans: dict, spec: LoadSpec, res: LoadResult, measure_from: list[float],
-                 stop: asyncio.Event, rng: random.Random) -> None:
-        self.lid, self.url, self.session, self.store, self.plans = lid, url, session, store, plans
+    def __init__(self, lid: str, token: str, gen: _Generator, rng: random.Random) -> None:
+        self.lid, self.url, self.session, self.store, self.plans = lid, gen.url, gen.session, gen.store, gen.plans
         self.headers = {"Authorization": f"Bearer {token}"}
-        self.spec, self.res, self.measure_from, self.stop, self.rng = spec, res, measure_from, stop, rng
+        self.spec, self.res, self.measure_from, self.stop, self.rng = gen.spec, gen.res, gen.measure_from, gen.stop, rng
         self.versions: dict[int, int] = {}
         self.channel: RequestChannel | None = None  # requests over the WebSocket while it is open
         self.started = time.monotonic()
-        self.last_announce = time.monotonic() - rng.uniform(0, spec.announce_s)
+        self.last_announce = time.monotonic() - rng.uniform(0, gen.spec.announce_s)
         self.announced: set[tuple[int, int]] = set()
         self.tasks: set[asyncio.Task] = set()
-        self.payloads: dict[int, bytes] = plans.setdefault("payloads", {})  # type: ignore[assignment]
+        self.payloads: dict[int, bytes] = gen.plans.setdefault("payloads", {})  # type: ignore[assignment]
 
     def step(self) -> int:
         return int((time.monotonic() - self.started) * STEPS_PER_S)
@@ -274,8 +288,9 @@ async def _drive(spec: LoadSpec, url: str, secret: str, store: ObjectStore, shar
     mine = range(shard, spec.learners, shards)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        learners = [_Learner(f"l{i:04d}", learner_token(secret, RUN_ID, f"l{i:04d}"), url, session, store, plans,
-                             spec, res, measure_from, stop, random.Random(seeds[i])) for i in mine]
+        gen = _Generator(url, session, store, plans, spec, res, measure_from, stop)
+        learners = [_Learner(f"l{i:04d}", learner_token(secret, RUN_ID, f"l{i:04d}"), gen, random.Random(seeds[i]))
+                    for i in mine]
         await asyncio.sleep(max(0.0, t_go - time.monotonic()))
         tasks = []
         for i, lr in enumerate(learners):  # joins spread over about a second

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict, Field
 
 from diloco_async.protocol.auth import check_run_secret
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
@@ -50,8 +51,8 @@ from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noq
 # separate process to run on_cancellation hooks, and the flow run reads Cancelled only after that.
 # torch and the rest load inside the flows.
 
-__all__ = ["learner", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV", "STORE_URL_ENV",
-           "FlowRunHandle", "DeploymentLauncher"]
+__all__ = ["learner", "LearnerLaunch", "synchronizer", "checkpoint", "request_checkpoint", "SYNC_URL_ENV",
+           "STORE_URL_ENV", "FlowRunHandle", "DeploymentLauncher"]
 
 SYNC_URL_ENV = "DILOCO_SYNC_URL"
 STORE_URL_ENV = "DILOCO_STORE_URL"
@@ -65,10 +66,23 @@ def _require_token(name: str = TOKEN_ENV) -> str:
     return check_run_secret(token, name) if name == TOKEN_ENV else token
 
 
+class LearnerLaunch(BaseModel):
+    """How the ``learner`` flow starts its learner: the torchrun group (``learners.*`` of the recipe;
+    1 x 1 is one process, the flow run's own) and the patience of its comms."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nproc_per_learner: int = Field(1, ge=1, description="Ranks of the learner's group on each node.")
+    nnodes: int = Field(1, ge=1, description="Nodes of the learner's group.")
+    rdzv_endpoint: str = Field("", description="host:port of the group's rendezvous when nnodes > 1.")
+    group_timeout_s: float = Field(300.0, gt=0, description="Seconds the group's ranks wait for one another.")
+    give_up_after_s: float = Field(120.0, gt=0, description="Seconds without reaching the synchronizer before "
+                                   "the learner gives up.")
+
+
 @flow(name="learner", log_prints=True)
 def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: str, incarnation: int = 0,
-            run_id: str | None = None, give_up_after_s: float = 120.0, nproc_per_learner: int = 1,
-            nnodes: int = 1, rdzv_endpoint: str = "", group_timeout_s: float = 300.0) -> dict:
+            run_id: str | None = None, launch: LearnerLaunch | None = None) -> dict:
     """Run one learner until the synchronizer tells it to stop; returns what it did.
 
     The learner runs in this flow run's process, so cancelling the flow run (its worker signals
@@ -84,9 +98,8 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
         store_url: the run's object-store root (``s3://bucket/prefix``, ``file:///...``).
         incarnation: 0 for the first start, +1 for each restart.
         run_id: the run id (for names and logs; the synchronizer is the authority).
-        give_up_after_s: seconds without reaching the synchronizer before the learner gives up.
-        nproc_per_learner, nnodes, rdzv_endpoint, group_timeout_s: the learner's torchrun group
-            (``learners.*`` of the recipe); 1 and 1: one process, this one.
+        launch: the learner's torchrun group and patience (:class:`LearnerLaunch`; default: one
+            process, this one, giving up after 120 s without the synchronizer).
 
     Raises:
         ValueError: ``DILOCO_LEARNER_TOKEN`` (this learner's own token) missing from the
@@ -100,15 +113,17 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
     storage_options_from_env()
     logger.info("%s (incarnation %d) of run %s in region %s: pid %d, synchronizer %s, store %s", learner_id,
                 incarnation, run_id or "?", region, os.getpid(), sync_url, store_url)
+    launch = launch or LearnerLaunch()
     t0 = time.monotonic()
     args = ["--learner-id", learner_id, "--index", str(index), "--sync-url", sync_url, "--store", store_url,
-            "--incarnation", str(incarnation), "--give-up-after-s", str(give_up_after_s),
-            "--group-timeout-s", str(group_timeout_s)]
-    if nproc_per_learner * nnodes > 1:
+            "--incarnation", str(incarnation), "--give-up-after-s", str(launch.give_up_after_s),
+            "--group-timeout-s", str(launch.group_timeout_s)]
+    if launch.nproc_per_learner * launch.nnodes > 1:
         from diloco_async.learner.group import torchrun_args
         from diloco_async.runtime.devices import LearnerDeviceFields
 
-        group = LearnerDeviceFields(nproc_per_learner=nproc_per_learner, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
+        group = LearnerDeviceFields(nproc_per_learner=launch.nproc_per_learner, nnodes=launch.nnodes,
+                                    rdzv_endpoint=launch.rdzv_endpoint)
         argv = [sys.executable, *torchrun_args(group, f"{run_id}-{learner_id}-{incarnation}"), *args]
         logger.info("%s runs as a torchrun group: %s", learner_id, " ".join(argv[1:]))
         code = subprocess.run(argv, stdin=subprocess.DEVNULL, check=False).returncode

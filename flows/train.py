@@ -121,8 +121,8 @@ class TrainingRun(RunProcesses):
         lc = self.cfg.learners
         if lc.ranks_per_learner == 1:
             return {}
-        return {"nproc_per_learner": lc.nproc_per_learner, "nnodes": lc.nnodes, "rdzv_endpoint": lc.rdzv_endpoint,
-                "group_timeout_s": lc.group_timeout_s}
+        return {"launch": {"nproc_per_learner": lc.nproc_per_learner, "nnodes": lc.nnodes,
+                           "rdzv_endpoint": lc.rdzv_endpoint, "group_timeout_s": lc.group_timeout_s}}
 
     def learner_flow_runs(self) -> list[dict]:
         """Every learner flow run this run created (deployments launcher), oldest first."""

@@ -40,6 +40,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 EXPERIMENT = "diloco-async"
@@ -205,13 +206,26 @@ def _rendered(page: str, run: dict, html: str) -> bool:
     return page not in ("model-metrics", "system-metrics", "learners") or "scatterlayer" in html
 
 
+@dataclass(frozen=True)
+class Browser:
+    """How Chromium renders a page: the window size (``"width,height"``, pixels), the virtual-time
+    budget of the first try (ms; a retry gets a multiple of it), how many tries a page gets
+    (``attempts``), whether every page's DOM is kept (``dump_dom``), and the binary (None: found)."""
+
+    window: str = "1600,1200"
+    budget_ms: int = 20000
+    attempts: int = 3
+    dump_dom: bool = False
+    chromium_path: str | None = None
+
+
 def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id: str | None = None,
-                   pages: tuple[str, ...] = ("overview", "model-metrics"), window: str = "1600,1200",
-                   budget_ms: int = 20000, dump_dom: bool = False, expect: tuple[str, ...] = (),
-                   chromium_path: str | None = None, attempts: int = 3) -> dict:
+                   pages: tuple[str, ...] = ("overview", "model-metrics"), expect: tuple[str, ...] = (),
+                   browser: Browser = Browser()) -> dict:
     """Screenshot (and optionally dump) the pages of one run; returns what was written. A page whose
     DOM shows it still loading is loaded again (fresh profile, longer budget), ``attempts`` at most."""
-    binary = find_chromium(chromium_path)
+    window, budget_ms, attempts, dump_dom = browser.window, browser.budget_ms, browser.attempts, browser.dump_dom
+    binary = find_chromium(browser.chromium_path)
     run = find_run(base, experiment, run_id)
     ui, resolver = page_base(base)
     out.mkdir(parents=True, exist_ok=True)
@@ -275,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def shoot(base: str) -> dict:
         return screenshot_run(base, Path(args.out), experiment=args.experiment, run_id=args.run_id, pages=pages,
-                              window=args.window_size, budget_ms=args.budget_ms, dump_dom=args.dump_dom,
-                              expect=tuple(args.expect), chromium_path=args.chromium)
+                              expect=tuple(args.expect), browser=Browser(args.window_size, args.budget_ms,
+                                                                         dump_dom=args.dump_dom,
+                                                                         chromium_path=args.chromium))
 
     try:
         if args.url:
