@@ -3,7 +3,8 @@
 * :mod:`storage.store`: :class:`ObjectStore` chosen by URL (``file://``, ``memory://``,
   ``s3://``, ``gs://``), exclusive create, streamed parts, timeouts and retries; built from
   :mod:`storage.refs` (refs), :mod:`storage.digest` (object digests), :mod:`storage.retry` (timeouts, retries),
-  :mod:`storage.writer` (exclusive-create writes) and :mod:`storage.reader` (verified reads);
+  :mod:`storage.writer` (exclusive-create writes) and :mod:`storage.reader` (verified reads),
+  which see the store as a :class:`~storage.access.StoreAccess`;
 * :mod:`storage.backends`: one backend per protocol (single requests, no policy);
 * :mod:`storage.keys` and :mod:`storage.checkpoint`: the run layout and its checkpoints;
 * :mod:`storage.options`: the storage options passed to child processes in the environment;

@@ -37,11 +37,11 @@ def blob(nbytes: int, seed: int = 0) -> bytes:
     return hashlib.shake_256(f"fault-{seed}".encode()).digest(nbytes)
 
 
-def local_store(kind: str, tmp_path, **policy) -> ObjectStore:
-    policy = {"part_nbytes": PART, "timeout_s": 5.0, "retries": 3, "backoff_s": 0.01, **policy}
+def local_store(kind: str, tmp_path, **retry) -> ObjectStore:
+    policy = RetryPolicy(**{"timeout_s": 5.0, "retries": 3, "backoff_s": 0.01, **retry})
     if kind == "memory":
-        return ObjectStore(f"memory://faults-{uuid.uuid4().hex}", **policy)
-    return ObjectStore(f"file://{tmp_path}/store", **policy)
+        return ObjectStore(f"memory://faults-{uuid.uuid4().hex}", policy=policy, part_nbytes=PART)
+    return ObjectStore(f"file://{tmp_path}/store", policy=policy, part_nbytes=PART)
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -190,7 +190,7 @@ def test_hung_s3_part_upload_is_aborted_and_cleaned_up(s3_endpoint, released):
     # 2 s: part 1 and the abort must each fit in the timeout on a loaded machine (with 0.5 s a slow
     # part 1 timed out, then the abort call did too, and the upload stayed: a flaky test, not C08)
     store = ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, part_nbytes=5 * MiB,
-                        timeout_s=2.0, retries=0)
+                        policy=RetryPolicy(timeout_s=2.0, retries=0))
     faulty = FaultyStore(store)
     released(faulty.faults)
     faulty.faults.slow("send", 0.0)  # part 1 passes
@@ -411,11 +411,13 @@ def test_retry_policy_rejects_bad_settings():
         RetryPolicy(retries=-1)
     with pytest.raises(ValueError, match="deadline_s=0"):
         RetryPolicy(deadline_s=0)
-    assert ObjectStore("memory://policy", timeout_s=None, retries=0).policy == RetryPolicy(timeout_s=None, retries=0)
+    assert ObjectStore("memory://policy").policy == RetryPolicy()
+    policy = RetryPolicy(timeout_s=None, retries=0)
+    assert ObjectStore("memory://policy", policy=policy).policy is policy
 
 
 def test_backoff_doubles_with_jitter_up_to_the_cap_and_resets():
-    backoff = Backoff(RetryPolicy(backoff_s=1.0, max_backoff_s=4.0), rng=random.Random(0))
+    backoff = Backoff(1.0, 4.0, rng=random.Random(0))
     pauses = [backoff.next_pause_s() for _ in range(5)]
     for pause, delay in zip(pauses, [1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
         assert 0.5 * delay <= pause <= delay
