@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from storage import backends
@@ -62,9 +63,9 @@ def upload_chunks(access: StoreAccess, key: str, chunks: Callable[[], Iterator[b
                   nbytes: int | None = None, max_concurrency: int | None = None) -> ObjectRef:
     """Stream ``chunks()`` (``nbytes`` in all, if known: it sets the part size) through a writer;
     restart from the source if the backend cannot resend one part (GCS resumable uploads) and
-    the failure was transient (or the credentials expired and were renewed). ``max_concurrency``:
-    parts in flight at most (None: the store's)."""
-    attempt = 0
+    the failure was transient (after the policy's backoff) or the credentials expired and were
+    renewed (at once). ``max_concurrency``: parts in flight at most (None: the store's)."""
+    attempt, backoff = 0, access.policy.backoff()
     while True:
         attempt += 1
         try:
@@ -77,7 +78,10 @@ def upload_chunks(access: StoreAccess, key: str, chunks: Callable[[], Iterator[b
             if access.backend.resend_parts or attempt > access.policy.retries or not retryable:
                 raise
             access.count("upload_restarts")
-            log.warning("%s: upload failed (%s: %s), starting it again", access.where(key), type(err).__name__, err)
+            pause_s = 0.0 if is_expired_credentials(err) else backoff.next_pause_s()
+            log.warning("%s: upload failed (%s: %s), starting it again in %.2f s", access.where(key),
+                        type(err).__name__, err, pause_s)
+            time.sleep(pause_s)
 
 
 def _joined(pieces: list[memoryview]) -> bytes:

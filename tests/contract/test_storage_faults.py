@@ -84,6 +84,24 @@ def test_transient_errors_in_parts_are_retried(kind, tmp_path):
     assert faulty.get(w.ref) == data
 
 
+def test_an_upload_that_cannot_resend_a_part_restarts_after_the_policys_backoff(tmp_path, monkeypatch):
+    """Where a failed part cannot be sent again (GCS resumable uploads), the whole upload starts
+    over from the source, after the store's backoff like any other retry (pauses recorded here)."""
+    from storage import writer
+
+    pauses: list[float] = []
+    monkeypatch.setattr(writer, "time", type("Clock", (), {"sleep": staticmethod(pauses.append)}))
+    faulty = FaultyStore(local_store("memory", tmp_path, retries=2, backoff_s=0.04))
+    faulty._backend.resend_parts = False  # as on GCS
+    faulty.faults.fail("send", times=2)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data := blob(2 * PART + 1))
+    ref = faulty.put_from_file("restarted", src)
+    assert faulty.get(ref) == data
+    assert faulty.counters["upload_restarts"] == 2 and faulty.counters["retries"] == 0
+    assert len(pauses) == 2 and 0.02 <= pauses[0] <= 0.04 and 0.04 <= pauses[1] <= 0.08, pauses
+
+
 def test_retries_stop_at_the_policy_and_publish_nothing(kind, tmp_path):
     faulty = FaultyStore(local_store(kind, tmp_path, retries=2))
     faulty.faults.fail("put", times=3)
