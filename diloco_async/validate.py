@@ -150,9 +150,11 @@ def probe_store(url: str, storage_options: dict[str, Any], timeout_s: float = 10
     Raises:
         ValueError: unknown scheme. OSError (or a backend error): unreachable or not writable.
     """
+    from storage.retry import RetryPolicy
     from storage.store import ObjectStore
 
-    store = ObjectStore(url, storage_options, timeout_s=timeout_s, retries=1, deadline_s=2 * timeout_s)
+    policy = RetryPolicy(timeout_s=timeout_s, retries=1, deadline_s=2 * timeout_s)
+    store = ObjectStore(url, storage_options, policy=policy)
     key = f"validate-probe-{uuid.uuid4().hex}"
     store.put(key, b"diloco-async validate probe")
     try:

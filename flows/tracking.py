@@ -18,6 +18,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from diloco_async.config.schema import TrackingConfig
+from storage.retry import Backoff
 
 __all__ = ["MlflowSink", "flatten_params", "resolve_uri", "learners_chart_path", "EXPERIMENT_KIND_TAG",
            "MODEL_TRAINING_KIND", "LEARNERS_CHART_TAG"]
@@ -141,6 +142,9 @@ class MlflowSink:
         return True
 
     def _call(self, fn, *args, **kwargs) -> None:
+        """``fn(*args, **kwargs)``, tried 3 times with the project's one backoff between (from
+        0.2 s, jittered); every failure is counted in ``errors`` and logged, never raised."""
+        backoff = Backoff(0.2, 1.0)
         for attempt in range(3):
             try:
                 fn(*args, **kwargs)
@@ -148,7 +152,8 @@ class MlflowSink:
             except Exception as err:  # the tracking store must never stop training
                 self.errors += 1
                 log.warning("MLflow call %s failed (attempt %d): %s", fn.__name__, attempt + 1, err)
-                time.sleep(0.2 * (attempt + 1))
+                if attempt < 2:
+                    time.sleep(backoff.next_pause_s())
 
     def log_points(self, points: Iterable[Mapping[str, Any]]) -> int:
         """Log metric points ``{key, value, step, timestamp_ms}``; null and non-finite values are

@@ -1,4 +1,5 @@
-"""One backend per URL protocol: single requests, no retries, no timeouts (the store adds those).
+"""One backend per URL protocol: single requests, no retries, no timeouts (the store adds those;
+the filesystems underneath are built not to retry either, :mod:`storage.filesystems`).
 
 A backend works on full paths (``bucket/key``, ``/abs/path``) and offers:
 
@@ -25,6 +26,8 @@ from typing import Any, Protocol
 
 import fsspec
 from fsspec.asyn import sync
+
+from storage.filesystems import new_filesystem
 
 __all__ = ["Backend", "Upload", "Stream", "IntoStream", "make_backend", "new_filesystem", "PROTOCOLS", "PART_QUANTUM",
            "TEMP_PREFIX"]
@@ -428,23 +431,7 @@ class _GcsUpload:
 _BACKENDS = {"file": LocalBackend, "memory": MemoryBackend, "s3": S3Backend, "gs": GcsBackend}
 
 
-def new_filesystem(protocol: str, storage_options: dict[str, Any],
-                   stale: fsspec.AbstractFileSystem | None = None) -> fsspec.AbstractFileSystem:
-    """The filesystem for ``protocol``, with listing caches off on S3 and GCS unless the options
-    say otherwise (a store must see its own writes). ``stale``: a filesystem whose credentials
-    expired; it is dropped from fsspec's instance cache first, so neither this call nor any
-    later one hands it back, and the new one reads the credentials afresh."""
-    options = dict(storage_options)
-    if protocol in ("s3", "gs"):
-        options.setdefault("use_listings_cache", False)
-    if stale is not None:
-        cache = getattr(type(stale), "_cache", {})
-        token = getattr(stale, "_fs_token_", None)
-        if cache.get(token) is stale:
-            cache.pop(token, None)
-    return fsspec.filesystem(protocol, **options)
-
-
 def make_backend(protocol: str, storage_options: dict[str, Any]) -> Backend:
-    """The backend for ``protocol`` on a :func:`new_filesystem`."""
+    """The backend for ``protocol`` on a :func:`~storage.filesystems.new_filesystem` (one attempt
+    per request: the store retries)."""
     return _BACKENDS[protocol](new_filesystem(protocol, storage_options))

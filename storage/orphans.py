@@ -67,11 +67,12 @@ def find_orphans(store: ObjectStore, prefix: str, older_than_s: float,
     """
     if older_than_s < 0:
         raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
-    base = store._path(prefix) if prefix.strip("/") else store.root
+    access = store.access
+    base = access.path(prefix) if prefix.strip("/") else access.root
     if store.protocol == "file":
         found = _temp_files(base, clock())
     elif store.protocol == "s3":
-        found = store._call(f"list uploads {store._where(prefix)}", _multipart_uploads, store.fs, base,
+        found = access.call(f"list uploads {access.where(prefix)}", _multipart_uploads, store.fs, base,
                             older_than_s, clock())
     else:
         found = []
@@ -87,7 +88,7 @@ def drop_orphan(store: ObjectStore, orphan: Orphan) -> None:
         except FileNotFoundError:
             pass
     elif orphan.kind == "multipart_upload":
-        store._call(f"abort upload {orphan.path}", _abort_upload, store.fs, orphan.path, orphan.upload_id)
+        store.access.call(f"abort upload {orphan.path}", _abort_upload, store.fs, orphan.path, orphan.upload_id)
     else:
         raise ValueError(f"unknown orphan kind {orphan.kind!r}")
 

@@ -1,4 +1,5 @@
-"""Verified reads of one object, for :class:`~storage.store.ObjectStore` (DESIGN §5).
+"""Verified reads of one object, for :class:`~storage.store.ObjectStore` (DESIGN §5); each
+function takes the store as a :class:`~storage.access.StoreAccess`.
 
 A small object is read in one request and checked against its :class:`~storage.refs.ObjectRef`.
 A large one streams in chunks of ``part_nbytes`` (from a local file: of at most
@@ -24,18 +25,16 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from storage import backends
+from storage.access import StoreAccess
 from storage.credentials import is_expired_credentials
 from storage.digest import PIECE_NBYTES, PieceHasher, object_digest
 from storage.refs import IntegrityError, ObjectRef, check_ref
-from storage.retry import Backoff, is_transient
+from storage.retry import is_transient
 
-if TYPE_CHECKING:
-    from storage.store import ObjectStore
-
-__all__ = ["read_object", "read_to_file", "read_verified", "stream_range", "INTO_CHUNK_NBYTES"]
+__all__ = ["read_object", "read_unverified", "read_to_file", "read_verified", "stream_range", "INTO_CHUNK_NBYTES"]
 
 log = logging.getLogger("diloco.storage")
 
@@ -43,39 +42,44 @@ log = logging.getLogger("diloco.storage")
 INTO_CHUNK_NBYTES = 4 << 20
 
 
-def read_object(store: ObjectStore, ref: ObjectRef) -> bytes:
+def read_object(access: StoreAccess, ref: ObjectRef) -> bytes:
     """The bytes ``ref`` names, verified (see :meth:`ObjectStore.get`)."""
-    into = store._backend.reads_into
-    if ref.nbytes <= store.part_nbytes and not (into and ref.nbytes > INTO_CHUNK_NBYTES):
-        data = store.get_unverified(ref.key)
-        _check(store, ref, len(data), object_digest(data))
+    into = access.backend.reads_into
+    if ref.nbytes <= access.part_nbytes and not (into and ref.nbytes > INTO_CHUNK_NBYTES):
+        data = read_unverified(access, ref.key)
+        _check(access, ref, len(data), object_digest(data))
         return data
     if into:
-        return _read_into_bytes(store, ref)
+        return _read_into_bytes(access, ref)
     chunks: list[bytes] = []
-    read_verified(store, ref, chunks.append)
+    read_verified(access, ref, chunks.append)
     return b"".join(chunks)
 
 
-def _read_into_bytes(store: ObjectStore, ref: ObjectRef) -> bytes:
+def read_unverified(access: StoreAccess, key: str) -> bytes:
+    """The bytes under ``key`` in one request, unchecked (see :meth:`ObjectStore.get_unverified`)."""
+    return access.call(f"read {access.where(key)}", access.backend.read, access.path(key), None, None)
+
+
+def _read_into_bytes(access: StoreAccess, ref: ObjectRef) -> bytes:
     """:func:`read_object` on a backend that ``reads_into``: chunks land in the result, each one
     hashed while the next is read; the size is checked before anything is allocated."""
-    path, where = store._path(ref.key), store._where(ref.key)
-    size = store._call(f"size {where}", store._backend.size, path)
+    path, where = access.path(ref.key), access.where(ref.key)
+    size = access.call(f"size {where}", access.backend.size, path)
     if size != ref.nbytes:
         raise IntegrityError(f"{ref.key}: size {size} bytes, expected {ref.nbytes}", reason="size_mismatch")
     target = _Target(ref.nbytes)
     hasher = PieceHasher()
-    chunk_nbytes = min(store.part_nbytes, INTO_CHUNK_NBYTES)
-    pos, failures, backoff = 0, 0, Backoff(store.policy)
+    chunk_nbytes = min(access.part_nbytes, INTO_CHUNK_NBYTES)
+    pos, failures, backoff = 0, 0, access.policy.backoff()
     while pos < ref.nbytes:
         reader = None
         try:
-            stream = store._call(f"open {where} at {pos}", store._backend.open_stream, path, pos, ref.nbytes,
+            stream = access.call(f"open {where} at {pos}", access.backend.open_stream, path, pos, ref.nbytes,
                                  retry=False)  # retried by this loop
             reader = PrefetchInto(stream, target, pos, ref.nbytes, chunk_nbytes)
             while pos < ref.nbytes:
-                n = reader.next(store.policy.timeout_s, f"read {where} at {pos}")
+                n = reader.next(access.policy.timeout_s, f"read {where} at {pos}")
                 if not n:
                     raise IntegrityError(f"{where}: size {pos} bytes, expected {ref.nbytes} (ended early)",
                                          reason="size_mismatch")
@@ -85,18 +89,18 @@ def _read_into_bytes(store: ObjectStore, ref: ObjectRef) -> bytes:
                 backoff.reset()
         except Exception as err:
             if isinstance(err, TimeoutError):
-                store._count("timeouts")
-            if not (is_transient(err) or is_expired_credentials(err)) or failures >= store.policy.retries:
+                access.count("timeouts")
+            if not (is_transient(err) or is_expired_credentials(err)) or failures >= access.policy.retries:
                 raise
             failures += 1
-            store._count("retries")
+            access.count("retries")
             log.warning("read %s: %s: %s at byte %d, reopening (retry %d of %d)",
-                        where, type(err).__name__, err, pos, failures, store.policy.retries)
+                        where, type(err).__name__, err, pos, failures, access.policy.retries)
             time.sleep(backoff.next_pause_s())
         finally:
             if reader is not None and reader.close():
                 target = target.moved(pos)  # a hung read may still land in the old buffer: leave it to it
-    _check(store, ref, pos, hasher.hexdigest())
+    _check(access, ref, pos, hasher.hexdigest())
     return target.take()
 
 
@@ -182,7 +186,7 @@ class _Target:
         return data if isinstance(data, bytes) else bytes(data)
 
 
-def read_to_file(store: ObjectStore, ref: ObjectRef, local_path: str | os.PathLike) -> None:
+def read_to_file(access: StoreAccess, ref: ObjectRef, local_path: str | os.PathLike) -> None:
     """Stream ``ref`` into a temporary file next to ``local_path``; rename it over
     ``local_path`` once verified, delete it otherwise (see :meth:`ObjectStore.get_to_file`)."""
     local_path = os.fspath(local_path)
@@ -191,14 +195,14 @@ def read_to_file(store: ObjectStore, ref: ObjectRef, local_path: str | os.PathLi
     tmp = os.path.join(folder, f"{backends.TEMP_PREFIX}{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as fh:
-            read_verified(store, ref, fh.write)
+            read_verified(access, ref, fh.write)
         os.replace(tmp, local_path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def read_verified(store: ObjectStore, ref: ObjectRef, sink: Callable[[bytes], Any]) -> None:
+def read_verified(access: StoreAccess, ref: ObjectRef, sink: Callable[[bytes], Any]) -> None:
     """Hand every chunk of ``ref`` to ``sink``, hashing on the way; raise at the end if what
     went through is not what ``ref`` names (a size mismatch is caught before any chunk).
 
@@ -206,39 +210,39 @@ def read_verified(store: ObjectStore, ref: ObjectRef, sink: Callable[[bytes], An
         FileNotFoundError: no object under ``ref.key``.
         IntegrityError: its size or sha256 differs from ``ref``.
     """
-    path, where = store._path(ref.key), store._where(ref.key)
-    size = store._call(f"size {where}", store._backend.size, path)
+    path, where = access.path(ref.key), access.where(ref.key)
+    size = access.call(f"size {where}", access.backend.size, path)
     if size != ref.nbytes:
         raise IntegrityError(f"{ref.key}: size {size} bytes, expected {ref.nbytes}", reason="size_mismatch")
     hasher = PieceHasher()
     nbytes = 0
-    for chunk in stream_range(store, path, where, ref.nbytes):
+    for chunk in stream_range(access, path, where, ref.nbytes):
         hasher.update(chunk)  # while the next chunk is on its way
         sink(chunk)
         nbytes += len(chunk)
-    _check(store, ref, nbytes, hasher.hexdigest())
+    _check(access, ref, nbytes, hasher.hexdigest())
 
 
-def _check(store: ObjectStore, ref: ObjectRef, nbytes: int, digest: str) -> None:
+def _check(access: StoreAccess, ref: ObjectRef, nbytes: int, digest: str) -> None:
     """:func:`~storage.refs.check_ref`, accepting an object over :data:`~storage.digest.PIECE_NBYTES`
     written before piece digests (its ref carries the whole-object sha256) once
     :func:`_is_legacy_object` has checked that the bytes read are that object's."""
     try:
         check_ref(ref, nbytes, digest)
     except IntegrityError as err:
-        if err.reason != "digest" or ref.nbytes <= PIECE_NBYTES or not _is_legacy_object(store, ref, digest):
+        if err.reason != "digest" or ref.nbytes <= PIECE_NBYTES or not _is_legacy_object(access, ref, digest):
             raise
 
 
-def _is_legacy_object(store: ObjectStore, ref: ObjectRef, seen: str) -> bool:
+def _is_legacy_object(access: StoreAccess, ref: ObjectRef, seen: str) -> bool:
     """Whether ``ref`` names, by its whole-object sha256, the same bytes whose piece digest a read
     just computed as ``seen``. The object is read again and both digests are computed on that
     pass: the piece digest ties the second read to the bytes the caller already has, the whole
     sha256 ties them to ``ref``. Only a mismatch pays this (an older object or a corrupt one)."""
-    where = store._where(ref.key)
+    where = access.where(ref.key)
     pieces, whole = PieceHasher(), hashlib.sha256()
     try:
-        for chunk in stream_range(store, store._path(ref.key), where, ref.nbytes):
+        for chunk in stream_range(access, access.path(ref.key), where, ref.nbytes):
             pieces.update(chunk)
             whole.update(chunk)
     except Exception as err:  # the first read's IntegrityError is what the caller gets
@@ -246,23 +250,23 @@ def _is_legacy_object(store: ObjectStore, ref: ObjectRef, seen: str) -> bool:
         return False
     if pieces.hexdigest() != seen or whole.hexdigest() != ref.sha256:
         return False
-    store._count("legacy_digests")
+    access.count("legacy_digests")
     log.info("read %s: accepted by its whole-object sha256 (written before piece digests)", where)
     return True
 
 
-def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iterator[bytes]:
+def stream_range(access: StoreAccess, path: str, where: str, nbytes: int) -> Iterator[bytes]:
     """Chunks of ``[0, nbytes)`` of one object, the next one prefetched. Each chunk read is
     bounded by ``timeout_s``; after a transient error the stream reopens where it stopped
     (``retries`` times in a row at most, with the policy's backoff between)."""
-    policy = store.policy
-    pos, failures, backoff = 0, 0, Backoff(policy)
+    policy = access.policy
+    pos, failures, backoff = 0, 0, policy.backoff()
     while pos < nbytes:
         reader = None
         try:
-            stream = store._call(f"open {where} at {pos}", store._backend.open_stream, path, pos, nbytes,
+            stream = access.call(f"open {where} at {pos}", access.backend.open_stream, path, pos, nbytes,
                                  retry=False)  # retried by this loop
-            reader = Prefetch(stream, _chunk_nbytes(store))
+            reader = Prefetch(stream, _chunk_nbytes(access))
             while pos < nbytes:
                 chunk = reader.next(policy.timeout_s, f"read {where} at {pos}")
                 if not chunk:
@@ -274,11 +278,11 @@ def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iter
                 yield chunk
         except Exception as err:
             if isinstance(err, TimeoutError):
-                store._count("timeouts")
+                access.count("timeouts")
             if not (is_transient(err) or is_expired_credentials(err)) or failures >= policy.retries:
                 raise
             failures += 1
-            store._count("retries")
+            access.count("retries")
             log.warning("read %s: %s: %s at byte %d, reopening (retry %d of %d)",
                         where, type(err).__name__, err, pos, failures, policy.retries)
             time.sleep(backoff.next_pause_s())
@@ -287,11 +291,11 @@ def stream_range(store: ObjectStore, path: str, where: str, nbytes: int) -> Iter
                 reader.close()
 
 
-def _chunk_nbytes(store: ObjectStore) -> int:
+def _chunk_nbytes(access: StoreAccess) -> int:
     """Bytes per chunk of a streamed read: ``part_nbytes`` (fewer requests on S3 and GCS), at
     most :data:`INTO_CHUNK_NBYTES` from a local file, where a read costs no request and two
     chunks in memory (the one in use, the one prefetched) are all it holds."""
-    return min(store.part_nbytes, INTO_CHUNK_NBYTES) if store._backend.reads_into else store.part_nbytes
+    return min(access.part_nbytes, INTO_CHUNK_NBYTES) if access.backend.reads_into else access.part_nbytes
 
 
 class Prefetch:

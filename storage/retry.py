@@ -57,14 +57,16 @@ def is_transient(err: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How long one backend call may take and how often it is tried again.
+    """How long one backend call may take and how often it is tried again: the ``policy`` of an
+    :class:`~storage.store.ObjectStore` (its defaults are the store's).
 
     Attributes:
         timeout_s: bound on one attempt (one request or one part); None: unbounded.
         retries: further attempts after a transient error or a timeout.
         backoff_s: wait before the first retry; doubles each time, up to ``max_backoff_s``,
-            with jitter (see :class:`Backoff`).
-        deadline_s: bound on one call including all its retries.
+            with jitter (see :class:`Backoff`), seconds.
+        max_backoff_s: the longest wait between two attempts, seconds.
+        deadline_s: bound on one call including all its retries, seconds.
 
     Raises:
         ValueError: a bound that is not positive, or a negative count or wait.
@@ -79,26 +81,46 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
-        if self.retries < 0 or self.backoff_s < 0 or self.deadline_s <= 0:
+        if self.retries < 0 or self.backoff_s < 0 or self.max_backoff_s < 0 or self.deadline_s <= 0:
             raise ValueError(f"invalid retry policy: retries={self.retries}, backoff_s={self.backoff_s}, "
-                             f"deadline_s={self.deadline_s}")
+                             f"max_backoff_s={self.max_backoff_s}, deadline_s={self.deadline_s}")
+
+    def backoff(self, rng: random.Random | None = None) -> Backoff:
+        """The :class:`Backoff` of this policy (``backoff_s`` doubling up to ``max_backoff_s``)."""
+        return Backoff(self.backoff_s, self.max_backoff_s, rng)
 
 
 class Backoff:
-    """Jittered exponential pauses: the n-th pause (from 0) is drawn uniformly from
-    ``[0.5, 1] * min(backoff_s * 2**n, max_backoff_s)`` seconds; :meth:`reset` starts over."""
+    """Jittered exponential pauses: the project's one backoff, for every retry loop (store calls,
+    streamed reads, the learner's reconnects and announcements, the tracking client).
 
-    def __init__(self, policy: RetryPolicy, rng: random.Random | None = None) -> None:
-        self.policy = policy
+    The n-th pause (from 0) is drawn uniformly from ``[0.5, 1] x`` the n-th delay in seconds, where
+    the first delay is ``first_s`` and each next one doubles, up to ``max_s``; :meth:`reset` (after
+    a success) starts over. The jitter spreads out clients that failed together (learners after a
+    synchronizer restart, parts of one upload).
+
+    Args:
+        first_s: the first delay, seconds.
+        max_s: the largest delay, seconds.
+        rng: the random source of the jitter (tests pass a seeded one; default: :mod:`random`).
+
+    Raises:
+        ValueError: a negative delay.
+    """
+
+    def __init__(self, first_s: float, max_s: float, rng: random.Random | None = None) -> None:
+        if first_s < 0 or max_s < 0:
+            raise ValueError(f"backoff delays must be >= 0, got first_s={first_s}, max_s={max_s}")
+        self.first_s, self.max_s = first_s, max_s
         self._uniform = (rng or random).uniform
         self.reset()
 
     def reset(self) -> None:
-        self._delay_s = self.policy.backoff_s
+        self._delay_s = self.first_s
 
     def next_pause_s(self) -> float:
         pause_s = self._delay_s * self._uniform(0.5, 1.0)
-        self._delay_s = min(self._delay_s * 2, self.policy.max_backoff_s)
+        self._delay_s = min(self._delay_s * 2, self.max_s)
         return pause_s
 
 
@@ -149,7 +171,7 @@ def call_with_retry(policy: RetryPolicy, what: str, fn: Callable[..., Any], *arg
         whatever the last attempt raised; ``TimeoutError`` for an attempt that took too long.
     """
     deadline = clock() + policy.deadline_s
-    backoff = Backoff(policy)
+    backoff = policy.backoff()
     attempt = renewed = 0
     while True:
         attempt += 1

@@ -25,13 +25,16 @@
 This module is the façade; the parts live in :mod:`storage.refs` (refs and hashing),
 :mod:`storage.retry` (timeouts and retries), :mod:`storage.writer` (exclusive-create writes,
 :class:`ObjectWriter`), :mod:`storage.reader` (verified streaming reads) and
-:mod:`storage.backends` (one backend per protocol).
+:mod:`storage.backends` (one backend per protocol). The store hands the reader and the writer a
+:class:`~storage.access.StoreAccess` (backend, root, policy, part settings, its retrying ``call``
+and its counters); they import nothing of this module.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 import json
 import os
 import threading
@@ -41,6 +44,7 @@ from typing import Any
 import fsspec
 
 from storage import backends, reader, writer
+from storage.access import StoreAccess
 from storage.credentials import CredentialRefresher
 from storage.digest import object_digest
 from storage.parts import GCS_LIMITS, NO_LIMITS, S3_LIMITS, PartLimits
@@ -64,12 +68,13 @@ class ObjectStore:
             absolute, so child processes see the same folder.
         storage_options: passed to fsspec (endpoints, credentials). Never logged; credentials
             may equally come from the environment (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``).
-        timeout_s: bound on one backend call (one request or one part); a call that takes
-            longer raises ``TimeoutError`` (and is retried).
-        retries: further attempts after a transient error or a timeout.
-        backoff_s: wait before the first retry; doubles each time, up to ``max_backoff_s``,
-            with jitter.
-        deadline_s: bound on one call including all its retries.
+        policy: timeouts and retries of one backend call (:class:`~storage.retry.RetryPolicy`:
+            ``timeout_s`` bounds one request or one part, a call that takes longer raises
+            ``TimeoutError`` and is retried; ``retries`` further attempts after a transient
+            error, ``backoff_s`` doubling up to ``max_backoff_s`` with jitter in between;
+            ``deadline_s`` bounds one call with all its retries). Default: ``RetryPolicy()``
+            (60 s, 3 retries, 0.5..8 s, 300 s). This is the only layer that retries under the
+            store: the s3fs, botocore and gcsfs retries are off (docs/storage.md).
         part_nbytes: size of one upload part and of one chunk read. Objects larger than this
             stream in parts (larger ones where the backend's part count needs it). A multiple of
             256 KiB, and at least 5 MiB on S3.
@@ -82,7 +87,8 @@ class ObjectStore:
             environment or profile are read again).
 
     Attributes:
-        policy: the :class:`~storage.retry.RetryPolicy` made of the five settings above.
+        policy, part_nbytes, max_concurrency, part_limits: as given (or their defaults).
+        access: the :class:`~storage.access.StoreAccess` its reader and writer work through.
         counters: retries, timeouts, aborted uploads, ``credentials_refreshed``,
             ``size_mismatch`` ... of this store and its children.
 
@@ -91,9 +97,8 @@ class ObjectStore:
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
-                 timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
-                 max_backoff_s: float = 8.0, deadline_s: float = 300.0,
-                 part_nbytes: int = 16 * MiB, max_concurrency: int = 4, part_limits: PartLimits | None = None,
+                 policy: RetryPolicy | None = None, part_nbytes: int = 16 * MiB, max_concurrency: int = 4,
+                 part_limits: PartLimits | None = None,
                  refresh_options: Callable[[], dict[str, Any]] | None = None) -> None:
         protocol, path = fsspec.core.split_protocol(url)
         protocol = _PROTOCOL_ALIASES.get(protocol, protocol)
@@ -102,66 +107,87 @@ class ObjectStore:
                              f"{sorted(backends.PROTOCOLS)}")
         if protocol == "file":
             path = os.path.abspath(path)
-        self.policy = RetryPolicy(timeout_s, retries, backoff_s, max_backoff_s, deadline_s)
+        policy = RetryPolicy() if policy is None else policy
         if part_nbytes < backends.PART_QUANTUM or part_nbytes % backends.PART_QUANTUM:
             raise ValueError(f"part_nbytes must be a positive multiple of 256 KiB, got {part_nbytes}")
-        self.part_limits = part_limits or _PART_LIMITS.get(protocol, NO_LIMITS)
-        if part_nbytes < self.part_limits.min_part_nbytes:
-            raise ValueError(f"part_nbytes must be at least {self.part_limits.min_part_nbytes} bytes on "
+        part_limits = part_limits or _PART_LIMITS.get(protocol, NO_LIMITS)
+        if part_nbytes < part_limits.min_part_nbytes:
+            raise ValueError(f"part_nbytes must be at least {part_limits.min_part_nbytes} bytes on "
                              f"{protocol}, got {part_nbytes}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        self.protocol = protocol
-        self.root = path.rstrip("/") if path not in ("/", "") else path
-        self.url = f"{protocol}://{self.root}"
         self.storage_options = dict(storage_options or {})
-        self.part_nbytes, self.max_concurrency = part_nbytes, max_concurrency
-        self._backend: backends.Backend = backends.make_backend(protocol, self.storage_options)
         self._refresh_options = refresh_options
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()
         self._refresher = CredentialRefresher(self._renew_filesystem, self._count)
+        self._access = StoreAccess(
+            backend=backends.make_backend(protocol, self.storage_options), protocol=protocol,
+            root=path.rstrip("/") if path not in ("/", "") else path, policy=policy, part_nbytes=part_nbytes,
+            max_concurrency=max_concurrency, part_limits=part_limits,
+            call=functools.partial(call_with_retry, policy, count=self._count, refresher=self._refresher),
+            count=self._count)
 
     def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"{type(self).__name__}({self.url!r})"
 
     @property
+    def access(self) -> StoreAccess:
+        return self._access
+
+    @property
+    def protocol(self) -> str:
+        return self._access.protocol
+
+    @property
+    def root(self) -> str:
+        return self._access.root
+
+    @property
+    def url(self) -> str:
+        return self._access.url
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return self._access.policy
+
+    @property
+    def part_nbytes(self) -> int:
+        return self._access.part_nbytes
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._access.max_concurrency
+
+    @property
+    def part_limits(self) -> PartLimits:
+        return self._access.part_limits
+
+    @property
+    def _backend(self) -> backends.Backend:  # the test and emulation wrappers look underneath
+        return self._access.backend
+
+    @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The fsspec filesystem underneath (for tools and tests; product code uses the methods)."""
-        return self._backend.fs
+        return self._access.backend.fs
 
     def child(self, prefix: str) -> ObjectStore:
         """A store rooted at ``{root}/{prefix}`` sharing options, policy, backend and counters."""
         other = copy.copy(self)
-        other.root = self._path(prefix)
-        other.url = f"{self.protocol}://{other.root}"
+        other._access = self._access.under(prefix)
         return other
-
-    # -- used by storage.reader and storage.writer ------------------------------------------------
-
-    def _path(self, key: str) -> str:
-        key = key.strip("/")
-        if not key or ".." in key.split("/") or key.rsplit("/", 1)[-1].startswith(backends.TEMP_PREFIX):
-            raise ValueError(f"invalid object key {key!r}")
-        return f"{self.root}/{key}"
-
-    def _where(self, key: str) -> str:
-        return f"{self.url}/{key.strip('/')}"
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
             self.counters[name] += n
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, retry: bool = True) -> Any:
-        """One backend call under the timeout, retried on transient errors (see module doc)."""
-        return call_with_retry(self.policy, what, fn, *args, retry=retry, count=self._count,
-                               refresher=self._refresher)
-
     def _renew_filesystem(self) -> None:
         """A new fsspec filesystem (fresh credentials) under the backend this store and its
         children share; uploads in progress continue on it."""
         options = self.storage_options if self._refresh_options is None else dict(self._refresh_options())
-        self._backend.fs = backends.new_filesystem(self.protocol, options, stale=self._backend.fs)
+        backend = self._access.backend
+        backend.fs = backends.new_filesystem(self.protocol, options, stale=backend.fs)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -173,7 +199,7 @@ class ObjectStore:
             TimeoutError, OSError: the store did not take it within the retry policy (nothing
                 is published).
         """
-        return writer.put_bytes(self, key, data)
+        return writer.put_bytes(self._access, key, data)
 
     def put_json(self, key: str, obj: Any) -> ObjectRef:
         return self.put(key, json.dumps(obj, sort_keys=True, indent=1).encode())
@@ -195,7 +221,7 @@ class ObjectStore:
                     yield chunk
 
         nbytes = os.stat(local_path).st_size  # FileNotFoundError before anything is started
-        return writer.upload_chunks(self, key, chunks, nbytes, max_concurrency)
+        return writer.upload_chunks(self._access, key, chunks, nbytes, max_concurrency)
 
     def open_writer(self, key: str, nbytes: int | None = None, max_concurrency: int | None = None) -> ObjectWriter:
         """A writer that streams one object to ``key``; use it as a context manager. ``nbytes``,
@@ -205,11 +231,12 @@ class ObjectStore:
         The object is published when the block exits normally and never when it raises: the
         upload is aborted and the key stays absent (C11). ``writer.ref`` names what was written.
         """
-        return ObjectWriter(self, key, nbytes, max_concurrency)
+        return ObjectWriter(self._access, key, nbytes, max_concurrency)
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing key is not an error."""
-        self._call(f"delete {self._where(key)}", self._backend.delete, self._path(key))
+        a = self._access
+        a.call(f"delete {a.where(key)}", a.backend.delete, a.path(key))
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -220,7 +247,7 @@ class ObjectStore:
             FileNotFoundError: no object under ``ref.key``.
             IntegrityError: its size or sha256 differs from ``ref``.
         """
-        return reader.read_object(self, ref)
+        return reader.read_object(self._access, ref)
 
     def get_to_file(self, ref: ObjectRef, local_path: str | os.PathLike) -> None:
         """Stream and verify one object into ``local_path`` (replaced atomically, only when the
@@ -230,7 +257,7 @@ class ObjectStore:
             FileNotFoundError: no object under ``ref.key``.
             IntegrityError: its size or sha256 differs from ``ref``.
         """
-        reader.read_to_file(self, ref, local_path)
+        reader.read_to_file(self._access, ref, local_path)
 
     def verify(self, ref: ObjectRef) -> None:
         """Read ``ref`` through without keeping it; raise if it does not match.
@@ -238,7 +265,7 @@ class ObjectStore:
         Raises:
             FileNotFoundError, IntegrityError: as :meth:`get`.
         """
-        reader.read_verified(self, ref, lambda chunk: None)
+        reader.read_verified(self._access, ref, lambda chunk: None)
 
     def stream(self, ref: ObjectRef, sink: Callable[[bytes], Any]) -> None:
         """Hand every chunk of ``ref`` to ``sink`` in order, hashing on the way (memory stays at
@@ -248,17 +275,18 @@ class ObjectStore:
         Raises:
             FileNotFoundError, IntegrityError: as :meth:`get`.
         """
-        reader.read_verified(self, ref, sink)
+        reader.read_verified(self._access, ref, sink)
 
     def get_unverified(self, key: str) -> bytes:
         """Read an object that carries its own integrity data (a manifest, a plan)."""
-        return self._call(f"read {self._where(key)}", self._backend.read, self._path(key), None, None)
+        return reader.read_unverified(self._access, key)
 
     def get_json(self, key: str) -> Any:
         return json.loads(self.get_unverified(key))
 
     def exists(self, key: str) -> bool:
-        return self._call(f"exists {self._where(key)}", self._backend.exists, self._path(key))
+        a = self._access
+        return a.call(f"exists {a.where(key)}", a.backend.exists, a.path(key))
 
     def list(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (recursive, sorted), relative to the root; temp files skipped.
@@ -272,11 +300,12 @@ class ObjectStore:
         """Names of the folders directly under ``prefix`` (``""``: the root), sorted: one
         non-recursive listing (on S3/GCS, the common prefixes). A root that does not exist has none.
         Like :meth:`list`, it may lag behind writes."""
-        base = self._path(prefix) if prefix.strip("/") else self.root
-        return self._call(f"list folders {self._where(prefix)}", self._folders, base)
+        a = self._access
+        base = a.path(prefix) if prefix.strip("/") else a.root
+        return a.call(f"list folders {a.where(prefix)}", self._folders, base)
 
     def _folders(self, base: str) -> list[str]:
-        fs = self._backend.fs
+        fs = self._access.backend.fs
         fs.invalidate_cache(base)
         try:
             entries = fs.ls(base, detail=True)
@@ -287,8 +316,9 @@ class ObjectStore:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """``{key: nbytes}`` of the objects under ``prefix`` (as :meth:`list`; ``""``: all)."""
-        base = self._path(prefix) if prefix.strip("/") else self.root
-        found = self._call(f"list {self._where(prefix)}", self._backend.find, base)
+        a = self._access
+        base = a.path(prefix) if prefix.strip("/") else a.root
+        found = a.call(f"list {a.where(prefix)}", a.backend.find, base)
         root = self.root.lstrip("/")
         out = {}
         for p, nbytes in found.items():

@@ -66,4 +66,4 @@ def wrap_store(outer: ObjectStore, inner: ObjectStore, backend: Backend) -> None
     under it: the same URL, policy and counters (shared), ``outer.inner`` naming the real store."""
     vars(outer).update(vars(inner))
     outer.inner = inner
-    outer._backend = backend
+    outer._access = inner.access.on(backend)

@@ -1,4 +1,5 @@
-"""Exclusive-create writes, for :class:`~storage.store.ObjectStore` (DESIGN §5, bug case C11).
+"""Exclusive-create writes, for :class:`~storage.store.ObjectStore` (DESIGN §5, bug case C11); each
+function takes the store as a :class:`~storage.access.StoreAccess`.
 
 * :func:`put_bytes`: an object that fits one part (or a backend without parts) goes out in one
   exclusive PUT, hashed in a thread while it travels; a larger one goes through a writer.
@@ -18,18 +19,17 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from storage import backends
+from storage.access import StoreAccess
 from storage.credentials import is_expired_credentials
 from storage.digest import PIECE_NBYTES, PieceHasher, hash_threads
 from storage.parts import part_nbytes_for, streaming_part_nbytes
+from storage.reader import read_verified
 from storage.refs import IntegrityError, ObjectRef
 from storage.retry import is_transient
-
-if TYPE_CHECKING:
-    from storage.store import ObjectStore
 
 __all__ = ["ObjectWriter", "put_bytes", "upload_chunks"]
 
@@ -39,46 +39,49 @@ log = logging.getLogger("diloco.storage")
 _HASH_IN_THREAD_NBYTES = 1 << 20
 
 
-def put_bytes(store: ObjectStore, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+def put_bytes(access: StoreAccess, key: str, data: bytes | bytearray | memoryview) -> ObjectRef:
     """Write ``data`` under ``key`` once (see :meth:`ObjectStore.put`)."""
     view = memoryview(data).cast("B")
-    if len(view) <= store.part_nbytes or not store._backend.multipart:
-        path = store._path(key)
+    if len(view) <= access.part_nbytes or not access.backend.multipart:
+        path = access.path(key)
         payload = data if isinstance(data, bytes) else bytes(view)
         ref = lambda: hasher.ref_for(key, len(payload))  # noqa: E731
-        if isinstance(store._backend, backends.LocalBackend) and len(payload) > PIECE_NBYTES:
+        if isinstance(access.backend, backends.LocalBackend) and len(payload) > PIECE_NBYTES:
             # a local write is a memory copy on this machine's cores: hash beside it on one lane
             # fewer than the pool has, then on all of them while the file syncs to disk
             hasher = _Hasher(payload, lanes=hash_threads() - 1)
-            put = lambda: _write_then_sync(store._backend, path, payload, hasher.widen)  # noqa: E731
-            _create_once(store, "put", key, put, ref, (FileExistsError,))
+            put = lambda: _write_then_sync(access.backend, path, payload, hasher.widen)  # noqa: E731
+            _create_once(access, "put", key, put, ref, (FileExistsError,))
         else:
             hasher = _Hasher(payload)  # hashes in parallel with the upload
-            _put_single(store, key, path, payload, ref)
+            _put_single(access, key, path, payload, ref)
         return ref()
-    return upload_chunks(store, key, lambda: iter([view]), len(view))
+    return upload_chunks(access, key, lambda: iter([view]), len(view))
 
 
-def upload_chunks(store: ObjectStore, key: str, chunks: Callable[[], Iterator[bytes]],
+def upload_chunks(access: StoreAccess, key: str, chunks: Callable[[], Iterator[bytes]],
                   nbytes: int | None = None, max_concurrency: int | None = None) -> ObjectRef:
     """Stream ``chunks()`` (``nbytes`` in all, if known: it sets the part size) through a writer;
     restart from the source if the backend cannot resend one part (GCS resumable uploads) and
-    the failure was transient (or the credentials expired and were renewed). ``max_concurrency``:
-    parts in flight at most (None: the store's)."""
-    attempt = 0
+    the failure was transient (after the policy's backoff) or the credentials expired and were
+    renewed (at once). ``max_concurrency``: parts in flight at most (None: the store's)."""
+    attempt, backoff = 0, access.policy.backoff()
     while True:
         attempt += 1
         try:
-            with ObjectWriter(store, key, nbytes, max_concurrency) as writer:
+            with ObjectWriter(access, key, nbytes, max_concurrency) as writer:
                 for chunk in chunks():
                     writer.write(chunk)
             return writer.ref
         except Exception as err:
             retryable = is_transient(err) or is_expired_credentials(err)
-            if store._backend.resend_parts or attempt > store.policy.retries or not retryable:
+            if access.backend.resend_parts or attempt > access.policy.retries or not retryable:
                 raise
-            store._count("upload_restarts")
-            log.warning("%s: upload failed (%s: %s), starting it again", store._where(key), type(err).__name__, err)
+            access.count("upload_restarts")
+            pause_s = 0.0 if is_expired_credentials(err) else backoff.next_pause_s()
+            log.warning("%s: upload failed (%s: %s), starting it again in %.2f s", access.where(key),
+                        type(err).__name__, err, pause_s)
+            time.sleep(pause_s)
 
 
 def _joined(pieces: list[memoryview]) -> bytes:
@@ -89,10 +92,10 @@ def _joined(pieces: list[memoryview]) -> bytes:
     return b"".join(pieces)
 
 
-def _put_single(store: ObjectStore, key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
+def _put_single(access: StoreAccess, key: str, path: str, data: bytes, ref: Callable[[], ObjectRef]) -> None:
     """One exclusive PUT of ``data`` to ``path`` (that of ``key``), retried; ``ref()`` names
     the bytes (asked only if needed)."""
-    _create_once(store, "put", key, lambda: store._backend.put(path, data), ref, (FileExistsError,))
+    _create_once(access, "put", key, lambda: access.backend.put(path, data), ref, (FileExistsError,))
 
 
 def _write_then_sync(backend: backends.Backend, path: str, data: bytes, written: Callable[[], None]) -> None:
@@ -107,7 +110,7 @@ def _write_then_sync(backend: backends.Backend, path: str, data: bytes, written:
         upload.abort()
 
 
-def _create_once(store: ObjectStore, verb: str, key: str, create: Callable[[], None],
+def _create_once(access: StoreAccess, verb: str, key: str, create: Callable[[], None],
                  ref: Callable[[], ObjectRef], ambiguous: tuple[type[Exception], ...]) -> None:
     """``create()`` (an exclusive create) under the retry policy. When a retry fails with one of
     ``ambiguous`` (the key exists; for a completion also: no upload left), an earlier attempt
@@ -116,7 +119,7 @@ def _create_once(store: ObjectStore, verb: str, key: str, create: Callable[[], N
     Raises:
         FileExistsError: the key holds something else.
     """
-    where = store._where(key)
+    where = access.where(key)
     attempts = 0
 
     def attempt() -> None:
@@ -125,43 +128,43 @@ def _create_once(store: ObjectStore, verb: str, key: str, create: Callable[[], N
         create()
 
     try:
-        store._call(f"{verb} {where}", attempt)
+        access.call(f"{verb} {where}", attempt)
     except ambiguous as err:
-        if attempts > 1 and _holds(store, ref()):
+        if attempts > 1 and _holds(access, ref()):
             return  # an earlier attempt that timed out did land: same bytes, done
         if isinstance(err, FileExistsError):
             raise FileExistsError(f"object exists: {where}") from None
         raise
-    _check_size(store, ref())
+    _check_size(access, ref())
 
 
-def _check_size(store: ObjectStore, ref: ObjectRef) -> None:
+def _check_size(access: StoreAccess, ref: ObjectRef) -> None:
     """After a create: the store must hold exactly ``ref.nbytes`` under ``ref.key``. A short (or
     long) object is deleted and never handed to a caller, so it is never announced.
 
     Raises:
         IntegrityError: reason ``size_mismatch``.
     """
-    path, where = store._path(ref.key), store._where(ref.key)
-    held = store._call(f"size {where}", store._backend.size, path)
+    path, where = access.path(ref.key), access.where(ref.key)
+    held = access.call(f"size {where}", access.backend.size, path)
     if held == ref.nbytes:
         return
-    store._count("size_mismatch")
+    access.count("size_mismatch")
     log.error("%s: the store holds %d bytes after the write, %d were sent: deleting it", where, held, ref.nbytes)
     try:
-        store._call(f"delete {where}", store._backend.delete, path)
+        access.call(f"delete {where}", access.backend.delete, path)
     except Exception as err:  # never referenced by anyone; gc or an operator removes it
-        store._count("delete_failures")
+        access.count("delete_failures")
         log.warning("%s: could not delete the short object (%s: %s)", where, type(err).__name__, err)
     raise IntegrityError(f"{where}: size_mismatch: the store holds {held} bytes, {ref.nbytes} were written",
                          reason="size_mismatch")
 
 
-def _holds(store: ObjectStore, ref: ObjectRef) -> bool:
+def _holds(access: StoreAccess, ref: ObjectRef) -> bool:
     """Whether ``ref.key`` holds exactly ``ref`` (after an ambiguous retry)."""
     try:
-        store.verify(ref)
-        log.info("%s: an earlier attempt landed; identical bytes, accepted", store._where(ref.key))
+        read_verified(access, ref, lambda chunk: None)
+        log.info("%s: an earlier attempt landed; identical bytes, accepted", access.where(ref.key))
         return True
     except (FileNotFoundError, IntegrityError):
         return False
@@ -207,16 +210,19 @@ class ObjectWriter:
     the last part is held back until ``close`` so that a backend that must mark the final part
     (GCS) can. An object that fits one part is sent with
     a single exclusive PUT at close. Use as a context manager; ``ref`` is set after close.
+
+    Made by :meth:`ObjectStore.open_writer <storage.store.ObjectStore.open_writer>` (``access``: that
+    store's :class:`~storage.access.StoreAccess`).
     """
 
-    def __init__(self, store: ObjectStore, key: str, nbytes: int | None = None,
+    def __init__(self, access: StoreAccess, key: str, nbytes: int | None = None,
                  max_concurrency: int | None = None) -> None:
-        self.store, self.key = store, key.strip("/")
-        self._concurrency = store.max_concurrency if max_concurrency is None else max(1, int(max_concurrency))
-        self._path = store._path(key)
-        self._where = store._where(key)
-        self._limits = store.part_limits
-        self._fixed_part = None if nbytes is None else part_nbytes_for(nbytes, store.part_nbytes, self._limits)
+        self.access, self.key = access, key.strip("/")
+        self._concurrency = access.max_concurrency if max_concurrency is None else max(1, int(max_concurrency))
+        self._path = access.path(key)
+        self._where = access.where(key)
+        self._limits = access.part_limits
+        self._fixed_part = None if nbytes is None else part_nbytes_for(nbytes, access.part_nbytes, self._limits)
         self._hash = PieceHasher()  # fed read-only views only (see write)
         self._nbytes = 0
         self._held: collections.deque[memoryview] = collections.deque()  # written, not yet sent
@@ -264,7 +270,7 @@ class ObjectWriter:
     def _next_part_nbytes(self) -> int:
         if self._fixed_part is not None:
             return self._fixed_part
-        return streaming_part_nbytes(self._parts + 1, self.store.part_nbytes, self._limits)
+        return streaming_part_nbytes(self._parts + 1, self.access.part_nbytes, self._limits)
 
     def _take(self, nbytes: int) -> list[memoryview]:
         """The first ``nbytes`` held, as the pieces that hold them (views: nothing is copied)."""
@@ -284,35 +290,35 @@ class ObjectWriter:
         """Start uploading one part made of ``pieces``; hash it while it travels. The pieces are
         joined into one ``bytes`` (one copy) unless the backend writes at offsets (local files),
         where each piece is written where it belongs, straight from the caller's memory."""
-        store = self.store
+        access = self.access
         if self._limits.max_parts is not None and self._parts >= self._limits.max_parts:
             raise ValueError(f"{self._where}: part {self._parts + 1} is past the backend's limit of "
                              f"{self._limits.max_parts} parts (the object is larger than announced)")
         chunk: bytes | list[memoryview]
-        if store._backend.writes_at_offsets:
+        if access.backend.writes_at_offsets:
             chunk, nbytes = pieces, sum(len(p) for p in pieces)
         else:
             chunk = _joined(pieces)
             nbytes = len(chunk)
         self._nbytes += nbytes
         if self._upload is None:
-            self._upload = store._call(f"begin upload {self._where}", store._backend.begin, self._path)
-            if store._backend.parallel_parts and self._concurrency > 1:
+            self._upload = access.call(f"begin upload {self._where}", access.backend.begin, self._path)
+            if access.backend.parallel_parts and self._concurrency > 1:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self._concurrency,
                                                                    thread_name_prefix="storage-part")
         self._parts += 1
         args = (self._parts, self._offset, chunk, last)
         self._offset += nbytes
         what = f"upload part {self._parts} of {self._where}"
-        resend = store._backend.resend_parts
+        resend = access.backend.resend_parts
         if self._pool is not None:
             while len(self._pending) >= self._concurrency:
                 self._pending.popleft().result()
-            self._pending.append(self._pool.submit(store._call, what, self._send_part, *args, retry=resend))
+            self._pending.append(self._pool.submit(access.call, what, self._send_part, *args, retry=resend))
         for piece in pieces:
             self._hash.update(piece)
         if self._pool is None:
-            store._call(what, self._send_part, *args, retry=resend)
+            access.call(what, self._send_part, *args, retry=resend)
 
     def _send_part(self, number: int, offset: int, data: bytes | list[memoryview], last: bool) -> None:
         if self._state == "aborted":  # stop a part's retries once the upload is dropped
@@ -342,14 +348,14 @@ class ObjectWriter:
                 self._hash.update(data)
                 self._nbytes += len(data)
                 self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
-                _put_single(self.store, self.key, self._path, data, lambda: self.ref)
+                _put_single(self.access, self.key, self._path, data, lambda: self.ref)
             else:
                 self._send(self._take(self._held_nbytes), last=True)
                 while self._pending:
                     self._pending.popleft().result()
                 self.ref = ObjectRef(self.key, self._nbytes, self._hash.hexdigest())
                 # after a lost answer the retry finds its own object (or no upload left to complete)
-                _create_once(self.store, "complete upload", self.key, self._upload.commit, lambda: self.ref,
+                _create_once(self.access, "complete upload", self.key, self._upload.commit, lambda: self.ref,
                              (FileExistsError, FileNotFoundError))
         except BaseException:
             self.abort()
@@ -367,16 +373,16 @@ class ObjectWriter:
             fut.cancel()
         running = [fut for fut in self._pending if not fut.cancelled()]
         if running:  # let parts on the wire land first, so the abort is the last word
-            concurrent.futures.wait(running, timeout=self.store.policy.timeout_s)
+            concurrent.futures.wait(running, timeout=self.access.policy.timeout_s)
         self._pending.clear()
         self._held.clear()
         self._held_nbytes = 0
         if self._upload is not None:
-            self.store._count("aborted_uploads")
+            self.access.count("aborted_uploads")
             try:
-                self.store._call(f"abort upload {self._where}", self._upload.abort)
+                self.access.call(f"abort upload {self._where}", self._upload.abort)
             except Exception as err:  # the upload stays invisible; lifecycle rules or gc reap it
-                self.store._count("abort_failures")
+                self.access.count("abort_failures")
                 log.warning("%s: could not abort the upload (%s: %s); nothing was published",
                             self._where, type(err).__name__, err)
         self._shutdown()

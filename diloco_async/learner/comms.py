@@ -26,7 +26,7 @@ from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
-from diloco_async.learner.uploads import Uploads
+from diloco_async.learner.uploads import Uploads, synchronizer_backoff
 from diloco_async.protocol.client import ProtocolError, SyncClient
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.protocol.versions import read_version
@@ -184,7 +184,7 @@ class Comms:
 
     async def _heartbeat_loop(self) -> None:
         sh = self.shared
-        backoff = 0.1
+        backoff = synchronizer_backoff()
         last_ok = time.monotonic()
         while not sh.stop_event.is_set():
             try:
@@ -194,7 +194,8 @@ class Comms:
                     sh.joined.set()
                     log.info("%s joined run %s", self.learner_id, sh.join_response.run_id)
                 resp = HeartbeatResponse.model_validate(await self.client.heartbeat(self.heartbeat_body()))
-                last_ok, backoff = time.monotonic(), 0.1
+                last_ok = time.monotonic()
+                backoff.reset()
                 if not self._on_heartbeat(resp):
                     await self._join()  # unknown to the synchronizer
                     continue
@@ -209,10 +210,10 @@ class Comms:
                 silent = time.monotonic() - last_ok
                 if silent > self.give_up_after_s:
                     raise ProtocolError(f"synchronizer unreachable for {silent:.0f}s") from err
+                pause_s = backoff.next_pause_s()
                 log.warning("%s synchronizer unreachable (%s); retrying in %.1fs, training continues",
-                            self.learner_id, type(err).__name__, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                            self.learner_id, type(err).__name__, pause_s)
+                await asyncio.sleep(pause_s)
 
     def _on_heartbeat(self, resp: HeartbeatResponse) -> bool:
         """Take in a heartbeat's answer: epoch, open rounds, versions. False: rejoin (the
@@ -270,20 +271,19 @@ class Comms:
     async def _push_loop(self) -> None:
         """Receive pushed events over the WebSocket; reconnect with backoff; heartbeats cover gaps."""
         sh = self.shared
-        backoff = 0.1
+        backoff = synchronizer_backoff()
         while not sh.stop_event.is_set():
             if not sh.joined.is_set():
                 await asyncio.sleep(0.05)
                 continue
             try:
                 async with self.client.push(self.learner_id) as events:
-                    backoff = 0.1
+                    backoff.reset()
                     async for event in events:
                         self._on_push(event)
             except _UNREACHABLE as err:
                 log.debug("%s push channel down (%s)", self.learner_id, err)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await asyncio.sleep(backoff.next_pause_s())
 
     def _on_push(self, event: dict) -> None:
         sh = self.shared

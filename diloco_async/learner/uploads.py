@@ -26,11 +26,23 @@ from diloco_async.protocol.client import SyncClient
 from diloco_async.protocol.messages import AnnouncementAck
 from storage import keys
 from storage.checkpoint import write_state, write_state_file
+from storage.retry import Backoff
 from storage.store import ObjectRef, ObjectStore
 
-__all__ = ["Uploads"]
+__all__ = ["Uploads", "synchronizer_backoff"]
 
 log = logging.getLogger("diloco.learner")
+
+#: first and largest pause between tries of the synchronizer, seconds
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 5.0
+
+
+def synchronizer_backoff() -> Backoff:
+    """The pauses between a learner's tries of the synchronizer (an announcement, a heartbeat, the
+    push channel's reconnect): the project's one :class:`~storage.retry.Backoff`, from
+    :data:`RETRY_FIRST_S` doubling up to :data:`RETRY_MAX_S`, jittered so that learners cut off
+    together (a synchronizer restart) do not come back in step."""
+    return Backoff(RETRY_FIRST_S, RETRY_MAX_S)
 
 
 class Uploads:
@@ -149,15 +161,14 @@ class Uploads:
     async def _announce(self, client: SyncClient, job: UploadJob, body: dict) -> str:
         """Announce until acknowledged (same update id every time), stopped, or 60 s passed;
         returns the ack's status, or ``failed``."""
-        backoff = 0.1
+        backoff = synchronizer_backoff()
         deadline = time.monotonic() + 60.0
         while not self.shared.stop_event.is_set() and time.monotonic() < deadline:
             try:
                 ack = AnnouncementAck.model_validate(await client.announce(body))
             except (TimeoutError, aiohttp.ClientError, OSError) as err:
                 log.warning("%s announce failed (%s); retrying with the same update id", self.learner_id, err)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.next_pause_s())
                 continue
             level = logging.INFO if ack.status in ("accepted", "duplicate") else logging.WARNING
             log.log(level, "%s fragment %d round %d: %s (%s)", self.learner_id, job.fragment, job.round_n,

@@ -20,6 +20,7 @@ from diloco_async.protocol.auth import learner_token
 from diloco_async.sync import Synchronizer, make_app
 from storage import keys
 from storage.faults import FaultyStore
+from storage.retry import RetryPolicy
 from storage.store import ObjectStore
 
 from polling import await_until
@@ -91,7 +92,7 @@ def stored_metrics(store: ObjectStore, status: dict) -> list[dict]:
 
 async def test_hung_upload_times_out_and_rounds_close_on_quorum_plus_grace():
     mem = f"memory://faults-{uuid.uuid4().hex}"
-    hung = FaultyStore(ObjectStore(mem, timeout_s=1.0, retries=0))
+    hung = FaultyStore(ObjectStore(mem, policy=RetryPolicy(timeout_s=1.0, retries=0)))
     hung.faults.hang("put", times=1000)  # every upload of learner c blocks
     hung.faults.hang("begin", times=1000)
     stores = {"a": ObjectStore(mem), "b": ObjectStore(mem), "c": hung}
@@ -112,7 +113,7 @@ async def test_hung_upload_times_out_and_rounds_close_on_quorum_plus_grace():
 
 async def test_exception_mid_upload_publishes_and_announces_nothing():
     mem = f"memory://faults-{uuid.uuid4().hex}"
-    torn = FaultyStore(ObjectStore(mem, retries=0))
+    torn = FaultyStore(ObjectStore(mem, policy=RetryPolicy(retries=0)))
     torn.faults.tear(after_nbytes=64)  # learner c's first upload dies after 64 bytes
     stores = {"a": ObjectStore(mem), "b": ObjectStore(mem), "c": torn}
     st = await run_cluster(config(**{"synchronizer.min_quorum": 1}), stores,

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from storage.faults import FaultyStore, SimulatedCrash
+from storage.retry import RetryPolicy
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 from tests.digest_reference import reference_digest
 
@@ -20,15 +21,15 @@ PART = 5 * MiB  # the S3 minimum, so "large" objects of a few parts stay cheap
 BACKENDS = ["memory", "file", "s3", "gs"]
 
 
-def open_store(kind: str, request, tmp_path, **policy) -> ObjectStore:
-    policy = {"part_nbytes": PART, "timeout_s": 30.0, "retries": 2, "backoff_s": 0.05, **policy}
+def open_store(kind: str, request, tmp_path, **retry) -> ObjectStore:
+    policy = RetryPolicy(**{"timeout_s": 30.0, "retries": 2, "backoff_s": 0.05, **retry})
     if kind == "memory":
-        return ObjectStore(f"memory://contract-{uuid.uuid4().hex}", **policy)
+        return ObjectStore(f"memory://contract-{uuid.uuid4().hex}", policy=policy, part_nbytes=PART)
     if kind == "file":
-        return ObjectStore(f"file://{tmp_path}/store", **policy)
+        return ObjectStore(f"file://{tmp_path}/store", policy=policy, part_nbytes=PART)
     server = request.getfixturevalue("s3_endpoint" if kind == "s3" else "gcs_endpoint")
     bucket = make_bucket(kind, server.storage_options)
-    return ObjectStore(f"{kind}://{bucket}/root", server.storage_options, **policy)
+    return ObjectStore(f"{kind}://{bucket}/root", server.storage_options, policy=policy, part_nbytes=PART)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -213,7 +214,8 @@ def test_child_store_shares_objects(store):
 
 def test_repr_and_logs_hold_no_credentials(caplog):
     secret = "s3cr3t-" + uuid.uuid4().hex
-    store = ObjectStore(f"memory://creds-{uuid.uuid4().hex}", {"key": secret, "secret": secret}, backoff_s=0.01)
+    store = ObjectStore(f"memory://creds-{uuid.uuid4().hex}", {"key": secret, "secret": secret},
+                        policy=RetryPolicy(backoff_s=0.01))
     faulty = FaultyStore(store)
     faulty.faults.fail("put", times=1)
     with caplog.at_level("DEBUG", logger="diloco"):

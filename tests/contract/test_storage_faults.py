@@ -37,11 +37,11 @@ def blob(nbytes: int, seed: int = 0) -> bytes:
     return hashlib.shake_256(f"fault-{seed}".encode()).digest(nbytes)
 
 
-def local_store(kind: str, tmp_path, **policy) -> ObjectStore:
-    policy = {"part_nbytes": PART, "timeout_s": 5.0, "retries": 3, "backoff_s": 0.01, **policy}
+def local_store(kind: str, tmp_path, **retry) -> ObjectStore:
+    policy = RetryPolicy(**{"timeout_s": 5.0, "retries": 3, "backoff_s": 0.01, **retry})
     if kind == "memory":
-        return ObjectStore(f"memory://faults-{uuid.uuid4().hex}", **policy)
-    return ObjectStore(f"file://{tmp_path}/store", **policy)
+        return ObjectStore(f"memory://faults-{uuid.uuid4().hex}", policy=policy, part_nbytes=PART)
+    return ObjectStore(f"file://{tmp_path}/store", policy=policy, part_nbytes=PART)
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -82,6 +82,24 @@ def test_transient_errors_in_parts_are_retried(kind, tmp_path):
     with faulty.open_writer("big") as w:
         w.write(data)
     assert faulty.get(w.ref) == data
+
+
+def test_an_upload_that_cannot_resend_a_part_restarts_after_the_policys_backoff(tmp_path, monkeypatch):
+    """Where a failed part cannot be sent again (GCS resumable uploads), the whole upload starts
+    over from the source, after the store's backoff like any other retry (pauses recorded here)."""
+    from storage import writer
+
+    pauses: list[float] = []
+    monkeypatch.setattr(writer, "time", type("Clock", (), {"sleep": staticmethod(pauses.append)}))
+    faulty = FaultyStore(local_store("memory", tmp_path, retries=2, backoff_s=0.04))
+    faulty._backend.resend_parts = False  # as on GCS
+    faulty.faults.fail("send", times=2)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data := blob(2 * PART + 1))
+    ref = faulty.put_from_file("restarted", src)
+    assert faulty.get(ref) == data
+    assert faulty.counters["upload_restarts"] == 2 and faulty.counters["retries"] == 0
+    assert len(pauses) == 2 and 0.02 <= pauses[0] <= 0.04 and 0.04 <= pauses[1] <= 0.08, pauses
 
 
 def test_retries_stop_at_the_policy_and_publish_nothing(kind, tmp_path):
@@ -190,7 +208,7 @@ def test_hung_s3_part_upload_is_aborted_and_cleaned_up(s3_endpoint, released):
     # 2 s: part 1 and the abort must each fit in the timeout on a loaded machine (with 0.5 s a slow
     # part 1 timed out, then the abort call did too, and the upload stayed: a flaky test, not C08)
     store = ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, part_nbytes=5 * MiB,
-                        timeout_s=2.0, retries=0)
+                        policy=RetryPolicy(timeout_s=2.0, retries=0))
     faulty = FaultyStore(store)
     released(faulty.faults)
     faulty.faults.slow("send", 0.0)  # part 1 passes
@@ -411,11 +429,13 @@ def test_retry_policy_rejects_bad_settings():
         RetryPolicy(retries=-1)
     with pytest.raises(ValueError, match="deadline_s=0"):
         RetryPolicy(deadline_s=0)
-    assert ObjectStore("memory://policy", timeout_s=None, retries=0).policy == RetryPolicy(timeout_s=None, retries=0)
+    assert ObjectStore("memory://policy").policy == RetryPolicy()
+    policy = RetryPolicy(timeout_s=None, retries=0)
+    assert ObjectStore("memory://policy", policy=policy).policy is policy
 
 
 def test_backoff_doubles_with_jitter_up_to_the_cap_and_resets():
-    backoff = Backoff(RetryPolicy(backoff_s=1.0, max_backoff_s=4.0), rng=random.Random(0))
+    backoff = Backoff(1.0, 4.0, rng=random.Random(0))
     pauses = [backoff.next_pause_s() for _ in range(5)]
     for pause, delay in zip(pauses, [1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
         assert 0.5 * delay <= pause <= delay

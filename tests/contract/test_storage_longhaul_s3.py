@@ -15,6 +15,7 @@ import pytest
 
 from storage.faults import FaultyStore
 from storage.parts import PartLimits
+from storage.retry import RetryPolicy
 from storage.store import IntegrityError, ObjectStore
 
 from storage_servers import make_bucket
@@ -28,8 +29,8 @@ def blob(nbytes: int, seed: int = 0) -> bytes:
 
 def _s3_store(s3_endpoint, **kw) -> ObjectStore:
     bucket = make_bucket("s3", s3_endpoint.storage_options)
-    policy = {"part_nbytes": 5 * MiB, "timeout_s": 30.0, "retries": 2, "backoff_s": 0.05, **kw}
-    return ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, **policy)
+    policy = RetryPolicy(timeout_s=30.0, retries=2, backoff_s=0.05)
+    return ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, policy=policy, part_nbytes=5 * MiB, **kw)
 
 
 def _etag_parts(store: ObjectStore, key: str) -> int:
@@ -151,8 +152,8 @@ def test_rotated_credentials_renew_the_filesystem(s3_endpoint, monkeypatch):
     _use_key(monkeypatch, key_a)
     _moto_auth(s3_endpoint.url, "0")
     try:
-        store = ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, part_nbytes=5 * MiB, retries=0,
-                            timeout_s=30.0)
+        store = ObjectStore(f"s3://{bucket}/run", s3_endpoint.storage_options, part_nbytes=5 * MiB,
+                            policy=RetryPolicy(timeout_s=30.0, retries=0))
         store.put("before", b"1")  # key A (a client cached from before may be renewed once here)
         base = store.counters["credentials_refreshed"]
 
@@ -177,7 +178,7 @@ def test_rotated_credentials_renew_the_filesystem(s3_endpoint, monkeypatch):
         assert store.counters["credentials_refreshed"] == base + 2
         assert store.get(w.ref) == data
 
-        fresh = ObjectStore(store.url, s3_endpoint.storage_options, part_nbytes=5 * MiB, retries=0)
+        fresh = ObjectStore(store.url, s3_endpoint.storage_options, part_nbytes=5 * MiB, policy=RetryPolicy(retries=0))
         fresh.put("later", b"3")
         assert fresh.counters["credentials_refreshed"] == 0
 
@@ -186,7 +187,8 @@ def test_rotated_credentials_renew_the_filesystem(s3_endpoint, monkeypatch):
             return {**s3_endpoint.storage_options, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
 
         handed_out = [key_c]
-        explicit = ObjectStore(store.url, options(key_c), retries=0, refresh_options=lambda: options(handed_out[-1]))
+        explicit = ObjectStore(store.url, options(key_c), policy=RetryPolicy(retries=0),
+                               refresh_options=lambda: options(handed_out[-1]))
         explicit.put("explicit-before", b"4")
         handed_out.append(admin.create_access_key(UserName=user)["AccessKey"])
         rotate(key_c, handed_out[-1])

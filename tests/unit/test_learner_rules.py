@@ -231,3 +231,63 @@ def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):
     assert comms.heartbeat_body()["blocked_s"] == pytest.approx(12.0, abs=0.5)
     shared.stats.blocked_s, shared.stats.blocked_since_s = 12.0, None  # it ended
     assert comms.heartbeat_body()["blocked_s"] == 12.0
+
+
+def test_an_announcement_is_retried_with_the_projects_one_backoff(tmp_path, monkeypatch):
+    """A failed announcement is sent again (same body, same update id) after the pauses of
+    :func:`synchronizer_backoff` (storage.retry.Backoff from 0.1 s doubling to 5 s, jittered to
+    half or more of each delay), until it is acknowledged; the pauses are recorded, not slept."""
+    import asyncio
+    import random
+
+    import aiohttp
+
+    from diloco_async.learner import uploads
+    from diloco_async.learner.state import Shared, UploadJob
+    from storage.retry import Backoff
+    from storage.store import ObjectStore
+
+    class Client:
+        def __init__(self) -> None:
+            self.bodies: list[dict] = []
+
+        async def announce(self, body: dict) -> dict:
+            self.bodies.append(body)
+            if len(self.bodies) <= 7:
+                raise aiohttp.ClientConnectionError("synchronizer down")
+            return {"status": "accepted", "reason": ""}
+
+    class Paused:
+        def __init__(self) -> None:
+            self.pauses: list[float] = []
+
+        async def sleep(self, pause_s: float) -> None:
+            self.pauses.append(pause_s)
+
+    up = uploads.Uploads("a", 0, ObjectStore(f"file://{tmp_path}/s"), Shared())
+    paused = Paused()
+    monkeypatch.setattr(uploads, "asyncio", paused)
+    monkeypatch.setattr(uploads, "synchronizer_backoff", lambda: Backoff(0.1, 5.0, rng=random.Random(1)))
+    client, body = Client(), {"update_id": "u1"}
+    job = UploadJob(fragment=0, round_n=1, base_version=0, c_steps=1, c_tokens=1, compute_s=0.0, delta={})
+    assert asyncio.run(up._announce(client, job, body)) == "accepted"
+    assert client.bodies == [body] * 8
+    same = Backoff(0.1, 5.0, rng=random.Random(1))
+    assert paused.pauses == [same.next_pause_s() for _ in range(7)]
+    assert paused.pauses != [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0]  # jittered, not in step with other learners
+
+
+def test_backoff_doubles_to_its_cap_jittered_and_starts_over_on_reset():
+    import random
+
+    from storage.retry import Backoff
+
+    backoff = Backoff(0.1, 5.0, rng=random.Random(0))
+    pauses = [backoff.next_pause_s() for _ in range(8)]
+    for pause_s, delay_s in zip(pauses, [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0], strict=True):
+        assert 0.5 * delay_s <= pause_s <= delay_s
+    assert len(set(pauses)) == len(pauses)  # jittered: no two learners (or tries) in step
+    backoff.reset()
+    assert 0.05 <= backoff.next_pause_s() <= 0.1
+    with pytest.raises(ValueError, match="backoff delays must be >= 0"):
+        Backoff(-1.0, 5.0)

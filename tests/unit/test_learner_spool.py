@@ -17,7 +17,6 @@ from diloco_async.learner.state import Shared
 from diloco_async.models.transformer import ByteGPT
 from storage.checkpoint import write_state_file
 from storage.store import ObjectStore
-from storage.writer import ObjectWriter
 
 
 def trained():
@@ -72,7 +71,7 @@ def test_the_spooled_state_is_uploaded_one_part_at_a_time(tmp_path):
         return sum(t.name.startswith("storage-part") for t in threading.enumerate())
 
     for concurrency, threads in ((None, 1), (1, 0)):
-        with ObjectWriter(store, f"o{concurrency}", len(data), max_concurrency=concurrency) as w:
+        with store.open_writer(f"o{concurrency}", len(data), max_concurrency=concurrency) as w:
             for i in range(0, len(data), 100_000):
                 w.write(data[i:i + 100_000])
             assert (part_threads() > 0) == bool(threads)

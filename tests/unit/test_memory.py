@@ -149,7 +149,7 @@ def test_a_streamed_read_of_a_local_file_holds_small_chunks(tmp_path):
         store = ObjectStore(root, part_nbytes=16 << 20)
         ref = store.put("obj", data)
         sizes: list[int] = []
-        reader.read_verified(store, ref, lambda chunk, sizes=sizes: sizes.append(len(chunk)))
+        store.stream(ref, lambda chunk, sizes=sizes: sizes.append(len(chunk)))
         assert sum(sizes) == len(data) and max(sizes) == most, (root, sizes)
 
 

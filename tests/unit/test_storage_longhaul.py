@@ -10,6 +10,7 @@ import pytest
 from storage.credentials import is_expired_credentials
 from storage.faults import FaultyStore
 from storage.parts import GCS_LIMITS, S3_LIMITS, PartLimits, part_nbytes_for, streaming_part_nbytes
+from storage.retry import RetryPolicy
 from storage.store import ObjectStore
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -73,7 +74,7 @@ def test_expired_token_from_the_fault_layer_renews_once_per_expiry(tmp_path):
     from s3fs.errors import translate_boto_error
 
     expired = translate_boto_error(ClientError({"Error": {"Code": "ExpiredToken", "Message": "expired"}}, "Put"))
-    store = FaultyStore(ObjectStore(f"file://{tmp_path}/s", retries=0))
+    store = FaultyStore(ObjectStore(f"file://{tmp_path}/s", policy=RetryPolicy(retries=0)))
     old_fs = store.fs
     store.faults.fail("put", error=expired)
     store.put("k", b"x")

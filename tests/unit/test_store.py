@@ -14,6 +14,7 @@ import torch
 
 from storage import keys
 from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
+from storage.retry import RetryPolicy
 from storage.store import IntegrityError, ObjectStore
 
 
@@ -318,8 +319,8 @@ def test_local_read_left_hanging_cannot_change_what_get_returned(tmp_path, monke
     has let go of: the bytes already returned, and verified, stay what was verified."""
     from storage import backends, reader
 
-    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 * 1024, timeout_s=0.3, retries=2,
-                        backoff_s=0.01)
+    store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 * 1024,
+                        policy=RetryPolicy(timeout_s=0.3, retries=2, backoff_s=0.01))
     data = _big(8 * 256 * 1024 + 3, seed=1)
     ref = store.put("big", data)
     gate, landed = threading.Event(), threading.Event()
