@@ -57,7 +57,8 @@ run: data
 gpu-check: data
 	PY=$(PY) scripts/gpu_check.sh
 
-## test: lint (ruff, pyproject.toml [tool.ruff]), then every tier of the suite in one pytest session of
+## test: lint (ruff, pyproject.toml [tool.ruff]), the import contracts (lint-imports, pyproject.toml
+##       [tool.importlinter]: layers, no import cycle), the strict docs build, then every tier of the suite in one pytest session of
 ##       TEST_WORKERS processes (pytest-xdist, as many as cores), unit tests first: tests/unit (no
 ##       process, socket or real sleep), tests/contract (in-process servers, moto S3, the GCS emulator),
 ##       tests/system (real processes, Prefect, MLflow). It prints the 15 slowest tests, each tier's test
@@ -70,6 +71,7 @@ TIERS ?= unit contract system
 PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 test: data
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(MKDOCS_BUILD)
 	@start=$$(date +%s); $(PYTEST_TIER) $(addprefix tests/,$(TIERS)); rc=$$?; \
 	echo "== make test: tiers $(TIERS) in $$(( $$(date +%s) - start )) s"; exit $$rc

@@ -1,8 +1,8 @@
-"""Layers, read from the source: every import statement of the library (``diloco_async/``,
-``storage/``), those inside functions too (a lazy import is still an import), names none of the
+"""Layers, read from the source by import-linter (pyproject.toml [tool.importlinter]): every import of
+the library (``diloco_async/``, ``storage/``), lazy and type-only ones too, names none of the
 deployment layer (``flows/``), Prefect, MLflow, matplotlib or rich (STYLE: "The library never
-imports Prefect or MLflow"); and the house's size limits. Each module imported alone in a fresh
-process: tests/system/test_layers_imports.py.
+imports Prefect or MLflow"); no package has an import cycle; and the house's size limits. Each
+module imported alone in a fresh process: tests/system/test_layers_imports.py.
 """
 
 from __future__ import annotations
@@ -32,20 +32,21 @@ def test_the_walk_finds_the_packages_and_their_subpackages():
     assert any(n.startswith("diloco_async.sim.") for n in names)  # a subpackage is walked into
 
 
-def test_no_import_statement_of_the_library_names_the_deployment_layer():
-    found = []
-    for package in LIBRARY_PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                else:
-                    continue
-                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
-                          if n.split(".")[0] in FORBIDDEN]
-    assert not found, "\n".join(found)
+def test_the_import_contracts_hold():
+    """pyproject.toml's [tool.importlinter] contracts, checked in this process (``make test`` also
+    runs ``lint-imports``): the library (every import, lazy ones and type-only ones included) names
+    none of the deployment layer, Prefect, MLflow, matplotlib or rich; storage imports nothing of
+    training; no package has an import cycle among its modules and subpackages."""
+    import tomllib
+
+    from importlinter.cli import lint_imports
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    forbidden = {c["name"]: c for c in contracts if c["type"] == "forbidden"}
+    library = next(c for c in forbidden.values() if c["source_modules"] == list(LIBRARY_PACKAGES))
+    assert set(FORBIDDEN) <= set(library["forbidden_modules"])
+    assert any(c["type"] == "acyclic_siblings" for c in contracts)
+    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
 
 
 # Size limits (STYLE 12): a module owns one idea, a function does one thing. Tests are exempt.
