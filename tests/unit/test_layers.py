@@ -36,7 +36,9 @@ def test_the_import_contracts_hold():
     """pyproject.toml's [tool.importlinter] contracts, checked in this process (``make test`` also
     runs ``lint-imports``): the library (every import, lazy ones and type-only ones included) names
     none of the deployment layer, Prefect, MLflow, matplotlib or rich; storage imports nothing of
-    training; no package has an import cycle among its modules and subpackages."""
+    training; no package has an import cycle among its modules and subpackages; the library's
+    packages keep their layers (docs/architecture.md); a package's internals are imported only by
+    the modules each contract names."""
     import tomllib
 
     from importlinter.cli import lint_imports
@@ -46,6 +48,9 @@ def test_the_import_contracts_hold():
     library = next(c for c in forbidden.values() if c["source_modules"] == list(LIBRARY_PACKAGES))
     assert set(FORBIDDEN) <= set(library["forbidden_modules"])
     assert any(c["type"] == "acyclic_siblings" for c in contracts)
+    assert any(c["type"] == "layers" and c["containers"] == ["diloco_async"] and c["exhaustive"] for c in contracts)
+    assert {"diloco_async.sync.*", "diloco_async.learner.*", "diloco_async.merge.*", "storage.reader"} <= {
+        m for c in contracts if c["type"] == "protected" for m in c["protected_modules"]}
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
 
 
