@@ -40,8 +40,8 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 EXPERIMENT = "diloco-async"
 ALIAS = "mlflow-ui"  # a host name the MLflow UI does not treat as "local" (no Assistant panel)
@@ -206,8 +206,7 @@ def _rendered(page: str, run: dict, html: str) -> bool:
     return page not in ("model-metrics", "system-metrics", "learners") or "scatterlayer" in html
 
 
-@dataclass(frozen=True)
-class Browser:
+class Browser(NamedTuple):
     """How Chromium renders a page: the window size (``"width,height"``, pixels), the virtual-time
     budget of the first try (ms; a retry gets a multiple of it), how many tries a page gets
     (``attempts``), whether every page's DOM is kept (``dump_dom``), and the binary (None: found)."""
@@ -221,9 +220,10 @@ class Browser:
 
 def screenshot_run(base: str, out: Path, *, experiment: str = EXPERIMENT, run_id: str | None = None,
                    pages: tuple[str, ...] = ("overview", "model-metrics"), expect: tuple[str, ...] = (),
-                   browser: Browser = Browser()) -> dict:
+                   browser: Browser | None = None) -> dict:
     """Screenshot (and optionally dump) the pages of one run; returns what was written. A page whose
     DOM shows it still loading is loaded again (fresh profile, longer budget), ``attempts`` at most."""
+    browser = browser or Browser()
     window, budget_ms, attempts, dump_dom = browser.window, browser.budget_ms, browser.attempts, browser.dump_dom
     binary = find_chromium(browser.chromium_path)
     run = find_run(base, experiment, run_id)

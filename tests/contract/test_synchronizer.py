@@ -471,9 +471,9 @@ async def test_verifications_in_flight_are_bounded_by_the_setting(monkeypatch, s
     verified at once (each holds its payload and a decoded tensor), and the round still merges.
     The real fetch_and_verify runs, each held until all three verifications have arrived (running,
     or waiting for a slot), so that they overlap as far as the bound lets them, whatever the pace."""
-    from diloco_async.sync import rounds
+    from diloco_async.sync import work
 
-    real, running_now, most = rounds.fetch_and_verify, [0], [0]
+    real, running_now, most = work.fetch_and_verify, [0], [0]
     lock, release = threading.Lock(), threading.Event()
 
     def counted(*args, **kw):
@@ -487,7 +487,7 @@ async def test_verifications_in_flight_are_bounded_by_the_setting(monkeypatch, s
             with lock:
                 running_now[0] -= 1
 
-    monkeypatch.setattr(rounds, "fetch_and_verify", counted)
+    monkeypatch.setattr(work, "fetch_and_verify", counted)
     async with running(small_config(**{"synchronizer.min_quorum": 3, "synchronizer.verifies_in_flight": slots})) \
             as (sync, client, store):
         plan = await join_all(client)

@@ -65,7 +65,7 @@ def test_ci_suite_runs_resumes_and_reports(prefect_server, tmp_path):
 def test_cli_refuses_a_bad_suite_before_starting_anything(tmp_path, monkeypatch, capsys):
     """Exit status 2 with the reason, before anything starts: one case through a fresh interpreter,
     the other in this process (a second interpreter only paid the imports again)."""
-    from flows import cli
+    from flows import cli, interrupts
 
     bad = tmp_path / "bad.toml"
     text = (ROOT / SUITE).read_text().replace('b = "rda"', 'b = "rdaa"', 1)
@@ -78,7 +78,7 @@ def test_cli_refuses_a_bad_suite_before_starting_anything(tmp_path, monkeypatch,
     arm.write_text((ROOT / SUITE).read_text().replace('"synchronizer.merge=mean"', '"synchronizer.merge=median"'))
     for key, value in cli._ENV_DEFAULTS.items():  # main() sets these in the environment: undone after the test
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(cli, "_run_flow", lambda *a, **k: pytest.fail(f"not refused: the suite would start {a}"))
+    monkeypatch.setattr(interrupts, "run_flow", lambda *a, **k: pytest.fail(f"not refused: the suite would start {a}"))
     code = cli.main(["ablate", "--suite", str(arm)])
     err = capsys.readouterr().err
     assert code == 2 and "arm 'mean'" in err and "merge" in err, err

@@ -136,7 +136,7 @@ def test_chaos_cli_rejects_a_bad_scenario(tmp_path, monkeypatch, capsys):
     """The command line refuses a bad scenario file with exit status 2 and no traceback, before
     anything starts; methods, overrides and fields the harness owns are refused the same way (those
     checked in this process: a fresh interpreter per case only paid torch's import again)."""
-    from flows import cli
+    from flows import cli, interrupts
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 5\neval_tokens = 1\n[failures]\nmtbf = 1\n')
@@ -148,7 +148,8 @@ def test_chaos_cli_rejects_a_bad_scenario(tmp_path, monkeypatch, capsys):
     for key, value in cli._ENV_DEFAULTS.items():  # main() sets these in the environment: undone after the test
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    monkeypatch.setattr(cli, "_run_flow", lambda *a, **k: pytest.fail(f"not refused: the comparison would start {a}"))
+    monkeypatch.setattr(interrupts, "run_flow",
+                        lambda *a, **k: pytest.fail(f"not refused: the comparison would start {a}"))
     for args, why in ((["--methods", "decoupled,dp"], "unknown method dp"),
                       (["--set", "learners.lr=fast"], "learners.lr"),
                       (["--set", "learners.count=7"], "sets learners.count itself"),

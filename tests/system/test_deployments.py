@@ -424,7 +424,8 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
 def test_deployments_module_loads_no_torch():
     """A process worker imports flows.deployments again to run cancellation hooks: only Prefect and
     the light client/options modules may load at import time, never torch."""
-    code = ("import sys, flows.deployments as d; from diloco_async import client; from storage import options; "
+    code = ("import sys, flows.deployments as d; from diloco_async.protocol import client; "
+            "from storage import options; "
             "assert d.TOKEN_ENV is client.TOKEN_ENV and d.STORAGE_OPTIONS_ENV is options.STORAGE_OPTIONS_ENV; "
             "print(sorted(m for m in ('torch', 'diloco_async.sync', 'diloco_async.learner') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -22,8 +22,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_SKIP = shutil.ignore_patterns(".git", ".local", ".venv", "data", "build", "dist", "*.egg-info", "__pycache__",
-                               ".pytest_cache", ".hypothesis")
+_SKIP_ANYWHERE = shutil.ignore_patterns("*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis")
+_SKIP_AT_ROOT = {".git", ".local", ".venv", "data", "build", "dist"}  # diloco_async/data/ is a package
+
+
+def _SKIP(directory: str, names: list[str]) -> set[str]:
+    at_root = {n for n in names if n in _SKIP_AT_ROOT} if Path(directory) == ROOT else set()
+    return set(_SKIP_ANYWHERE(directory, names)) | at_root
 
 
 def _clean_env() -> dict[str, str]:
