@@ -144,7 +144,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_overrides
+    from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_config
     from diloco_async.config.schema import load_config
     from flows.outpath import check_out
 
@@ -157,10 +157,11 @@ def _chaos(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"unknown method {', '.join(bad)}; known: {', '.join(METHODS)}")
         check_user_overrides(sc, args.set or [])
-        for m in methods or sc.scenario.methods:
-            try:
-                load_config(sc.scenario.config, [*method_overrides(sc, m), *(args.set or [])])
-            except ValueError as err:  # name the field first, not the harness's own overrides
+        try:
+            base = load_config(sc.scenario.config, [*sc.scenario.overrides, *(args.set or [])])
+            for m in methods or sc.scenario.methods:
+                method_config(sc, m, base)
+        except ValueError as err:  # name the field first, not the harness's own overrides
                 lines = str(err).splitlines()
                 raise ValueError("invalid override: " + "; ".join(x.strip() for x in lines[1:]) if len(lines) > 1
                                  else str(err)) from None
