@@ -123,13 +123,16 @@ def _recipes(_args: argparse.Namespace) -> int:
 def _resume(args: argparse.Namespace) -> int:
     from diloco_async.sync import open_checkpoint
     from diloco_async.validate import resolve_recipe
+    from flows.resolve import resume_config
     from storage.options import storage_options_from_env
 
     if _weak_secret():
         return 2
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
         config = str(resolve_recipe(args.config)) if args.config else None
-        open_checkpoint(args.checkpoint_url, config, args.set or [], storage_options_from_env())
+        options = storage_options_from_env()
+        given = resume_config(args.checkpoint_url, config, args.set or [], options)
+        open_checkpoint(args.checkpoint_url, given, options)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

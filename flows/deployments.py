@@ -151,15 +151,13 @@ def _announce_when_listening(ready: Path, done: threading.Event, info: dict[str,
 
 
 def _synchronizer_config(config: str | None, overrides: list[str], resume_url: str | None) -> Config | None:
-    """The synchronizer's config, resolved once here: the recipe with ``overrides``; when resuming
-    without a recipe, the run's stored config with them (None: none given, the stored one as it is)."""
+    """The synchronizer's config, resolved once here: the recipe with ``overrides``; when resuming,
+    :func:`flows.resolve.resume_config` (None: no recipe and no override, the stored config as it is)."""
     from diloco_async.config.schema import load_config
-    from diloco_async.sync import stored_config
+    from flows.resolve import resume_config
 
-    if resume_url and config is None:
-        if not overrides:
-            return None
-        return load_config(None, overrides, base=stored_config(resume_url, storage_options_from_env()))
+    if resume_url:
+        return resume_config(resume_url, config, overrides, storage_options_from_env())
     return load_config(config, overrides)
 
 

@@ -43,9 +43,10 @@ from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.supervisor import Restart
-from diloco_async.sync import open_checkpoint, stored_config
+from diloco_async.sync import open_checkpoint
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
+from flows.resolve import resume_config
 from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
@@ -391,8 +392,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     """
     logger = get_run_logger()
     overrides = list(overrides or [])
-    base = stored_config(checkpoint_url, {}) if config is None else None
-    given = None if config is None and not overrides else load_config(config, overrides, base=base)
+    given = resume_config(checkpoint_url, config, overrides, {})  # the one parse of the resume's config
     cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, given, {})
     prepare_corpus(cfg)
     prepare_tokens(cfg)
