@@ -12,6 +12,8 @@ import signal
 import time
 from pathlib import Path
 
+from resolved_config import resolved_args
+
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
@@ -60,7 +62,7 @@ def test_sigkill_one_of_three_learners(tmp_path):
     recipe = tiny_recipe(tmp_path, learners=3, wall_s=300)
     launcher = LocalProcessLauncher(tmp_path / "logs")
     env = {TOKEN_ENV: TOKEN}
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(recipe),
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(recipe, [], tmp_path),
                                            "--run-id", "itest", "--ready-file", str(tmp_path / "ready.json")], env)
     procs = {}
     try:
@@ -117,7 +119,7 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
     recipe.write_text(recipe.read_text().replace("batch_size = 8", "batch_size = 8\ncheckpoint_every_s = 1.0"))
     launcher = LocalProcessLauncher(tmp_path / "logs")
     env = {TOKEN_ENV: TOKEN}
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(recipe),
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(recipe, [], tmp_path),
                                            "--run-id", "rtest", "--ready-file", str(tmp_path / "ready.json")], env)
     procs = []
 
@@ -166,7 +168,7 @@ def test_signals_that_land_as_the_synchronizer_ends_leave_it_a_clean_exit(tmp_pa
 
     recipe = str(tiny_recipe(tmp_path, learners=1, wall_s=60))
     overrides = [f"run.workdir={tmp_path}/runs"]
-    rp = RunProcesses(load_config(recipe, overrides), recipe, overrides)
+    rp = RunProcesses(load_config(recipe, overrides))
     rp.start_synchronizer()
     sent = 0
     try:
