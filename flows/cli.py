@@ -93,6 +93,9 @@ def _validate(args: argparse.Namespace) -> int:
     if failed:
         print(f"error: {', '.join(c.field or c.name for c in failed)} invalid", file=sys.stderr)
         return 2
+    if args.write_resolved:  # what `python -m diloco_async.server --resolved-config` takes (a run by hand)
+        from flows.resolve import write_recipe_resolved
+        print(f"resolved config: {write_recipe_resolved(args.recipe, args.set or [], args.write_resolved)}")
     print("valid: no process started, no run created")
     return 0
 
@@ -276,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_validate.add_argument("recipe", nargs="?", default=argparse.SUPPRESS, help="a TOML file or a recipe's name")
     p_validate.add_argument("--config", "--recipe", dest="recipe", default="default", help="the same, as for train")
     p_validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    p_validate.add_argument("--write-resolved", default=None, metavar="DIR",
+                            help="when valid, write DIR/resolved-config.json: the recipe with its overrides, for "
+                                 "python -m diloco_async.server --resolved-config (a run by hand)")
     p_validate.set_defaults(func=_validate)
     sub.add_parser("recipes", help="list the shipped recipes with their descriptions").set_defaults(func=_recipes)
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")

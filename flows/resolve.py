@@ -15,7 +15,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from diloco_async.config.schema import Config
 
-__all__ = ["resume_config"]
+__all__ = ["resume_config", "write_recipe_resolved"]
+
+
+def write_recipe_resolved(recipe: str | None, overrides: list[str], folder: str) -> str:
+    """Resolve ``recipe`` (a path or a shipped recipe's name; None: the defaults) with ``overrides``
+    and write it to ``folder/resolved-config.json`` (``diloco-async validate --write-resolved``: the
+    file ``python -m diloco_async.server --resolved-config`` takes in a run started by hand); its path.
+
+    Raises:
+        FileNotFoundError: no such recipe. ValueError: it does not validate.
+    """
+    from diloco_async.config.resolved import write_resolved
+    from diloco_async.config.schema import load_config
+    from diloco_async.validate import resolve_recipe
+
+    return str(write_resolved(load_config(None if recipe is None else resolve_recipe(recipe), overrides), folder))
 
 
 def resume_config(checkpoint_url: str, config: str | None, overrides: list[str],

@@ -111,6 +111,36 @@ def test_the_process_command_lines_take_a_resolved_config_only():
         assert "--resolved-config" in options and not {"--config", "--set"} & options
 
 
+def test_a_resume_resolves_its_config_once_from_the_recipe_or_the_stored_one():
+    """``resume URL --set budget.tokens=N`` without a recipe: the run's stored config with the
+    override; with a recipe: the recipe with it; neither: None (the stored config as it is)."""
+    import time
+
+    from flows.resolve import resume_config
+    from storage import keys
+    from storage.store import ObjectStore
+
+    root = f"memory://resume-{time.time_ns()}"
+    stored = load_config(None, ["learners.count=2", "synchronizer.outer_lr=0.5"])
+    ObjectStore(root).put_json(keys.config_key("r1"), stored.public_dict())
+    url = keys.checkpoint_url(root, "r1", 3)
+    assert resume_config(url, None, [], {}) is None
+    cfg = resume_config(url, None, ["budget.tokens=12345"], {})
+    assert (cfg.learners.count, cfg.synchronizer.outer_lr, cfg.budget.tokens) == (2, 0.5, 12345)
+    own = resume_config(url, str(ROOT / "configs/default.toml"), ["budget.tokens=12345"], {})
+    assert own.model_dump() == load_config(ROOT / "configs/default.toml", ["budget.tokens=12345"]).model_dump()
+    with pytest.raises(ValueError, match="no run 'r2'"):
+        resume_config(keys.checkpoint_url(root, "r2", 1), None, ["budget.tokens=1"], {})
+
+
+def test_validate_writes_the_resolved_config_a_run_by_hand_starts_from(tmp_path):
+    from diloco_async.validate import resolve_recipe
+    from flows.resolve import write_recipe_resolved
+
+    path = write_recipe_resolved("default", ["learners.count=2"], str(tmp_path))
+    assert read_resolved(path).model_dump() == load_config(resolve_recipe("default"), ["learners.count=2"]).model_dump()
+
+
 # -- the source tree: one parser, no override strings built by harnesses -----------------------
 
 #: the resolver (the config package) and the library's own CLI command ``diloco-async validate``
