@@ -36,8 +36,8 @@ from diloco_async.ablation.suite import Arm, Suite, arm_overrides, figures_of, l
 from diloco_async.config.schema import load_config
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.run import RunProcesses
-from flows.ablate_cli import check_arms
 from flows.ablate_report import write_report
+from flows.resolve import check_arms
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import prepare_corpus
 from storage import keys

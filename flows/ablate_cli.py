@@ -5,43 +5,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from diloco_async.ablation.suite import Suite
-    from diloco_async.config.schema import Config
-
-__all__ = ["add_ablate_parser", "check_arms"]
-
-
-def check_arms(suite: Suite, extra: Sequence[str] = ()) -> dict[str, Config]:
-    """Resolve every arm's recipe once (the suite's recipe with
-    :func:`~diloco_async.ablation.suite.arm_overrides`) and build its run config at the first seed;
-    arm name -> config.
-
-    Raises:
-        ValueError: naming the arm when one does not validate (e.g. a key this build does not have),
-            or when ``extra`` sets a field the suite owns (:func:`~diloco_async.ablation.suite.check_extra`).
-    """
-    from diloco_async.ablation.suite import arm_overrides, check_extra, run_config
-    from diloco_async.config.schema import load_config
-
-    check_extra(suite, extra)
-    out = {}
-    for arm in suite.arms:
-        try:
-            base = load_config(suite.suite.config, arm_overrides(suite, arm, extra))
-            out[arm.name] = run_config(suite, arm, suite.suite.seeds[0], base)
-        except (ValueError, FileNotFoundError) as err:
-            raise ValueError(f"suite {suite.suite.name!r}, arm {arm.name!r}: {err}") from None
-    return out
+__all__ = ["add_ablate_parser"]
 
 
 def _ablate(args: argparse.Namespace, run_flow: Callable[..., int], weak_secret: Callable[[], bool]) -> int:
     """Check the suite file and every arm's recipe, then run the ``ablate`` flow."""
     from diloco_async.ablation.suite import load_suite
     from flows.outpath import check_out
+    from flows.resolve import check_arms
 
     if weak_secret():
         return 2

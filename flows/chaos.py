@@ -197,8 +197,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     logger = get_run_logger()
     sc, chosen = _scenario_and_methods(scenario, methods, overrides)
     schedule = make_schedule(sc)
-    base = scenario_recipe(sc)
-    cfg = method_config(sc, "decoupled", base)
+    cfg = method_config(sc, "decoupled", base := scenario_recipe(sc))  # the recipe parsed once, for every method
     prepare_corpus(cfg)
     batches = heldout_batches(cfg)
     torch.set_num_threads(1)

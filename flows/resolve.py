@@ -1,4 +1,5 @@
-"""The resume's config, resolved once at the entry point (issue 42, item 2).
+"""Configs resolved once at an entry point (issue 42, item 2): a resume's, an ablation suite's
+arms', and the file a run started by hand takes.
 
 ``diloco-async resume``, the ``resume`` flow and the ``synchronizer`` deployment take a checkpoint
 URL, an optional recipe and ``--set`` strings; :func:`resume_config` parses them once into a
@@ -10,12 +11,14 @@ are lazy: :mod:`flows.deployments` loads nothing but Prefect at import time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from diloco_async.ablation.suite import Suite
     from diloco_async.config.schema import Config
 
-__all__ = ["resume_config", "write_recipe_resolved"]
+__all__ = ["resume_config", "write_recipe_resolved", "check_arms"]
 
 
 def write_recipe_resolved(recipe: str | None, overrides: list[str], folder: str) -> str:
@@ -50,3 +53,26 @@ def resume_config(checkpoint_url: str, config: str | None, overrides: list[str],
         return None
     base = stored_config(checkpoint_url, storage_options) if config is None else None
     return load_config(config, overrides, base=base)
+
+
+def check_arms(suite: Suite, extra: Sequence[str] = ()) -> dict[str, Config]:
+    """Resolve every arm's recipe once (the suite's recipe with
+    :func:`~diloco_async.ablation.suite.arm_overrides`) and build its run config at the first seed;
+    arm name -> config.
+
+    Raises:
+        ValueError: naming the arm when one does not validate (e.g. a key this build does not have),
+            or when ``extra`` sets a field the suite owns (:func:`~diloco_async.ablation.suite.check_extra`).
+    """
+    from diloco_async.ablation.suite import arm_overrides, check_extra, run_config
+    from diloco_async.config.schema import load_config
+
+    check_extra(suite, extra)
+    out = {}
+    for arm in suite.arms:
+        try:
+            base = load_config(suite.suite.config, arm_overrides(suite, arm, extra))
+            out[arm.name] = run_config(suite, arm, suite.suite.seeds[0], base)
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"suite {suite.suite.name!r}, arm {arm.name!r}: {err}") from None
+    return out
