@@ -186,3 +186,25 @@ def test_signals_that_land_as_the_synchronizer_ends_leave_it_a_clean_exit(tmp_pa
     assert "finished: signal SIGINT" in log and "Traceback" not in log, log[-3000:]
     summary = rp.store.get_json(keys.summary_key(rp.run_id, str(rp.epoch)))
     assert summary["stop_reason"] == "signal SIGINT"
+
+
+def test_the_processes_run_with_exactly_the_resolved_config_they_are_given(tmp_path):
+    """The recipe and its overrides are parsed once, by whoever starts the run; the synchronizer
+    reads that value (``resolved-config.json``) and publishes it as the run's ``config.json``, and a
+    learner joining takes the same value from it: no process parses the recipe again (issue 42)."""
+    from diloco_async.config.schema import load_config
+    from diloco_async.run import RunProcesses
+
+    recipe = tiny_recipe(tmp_path, learners=1, wall_s=60)
+    cfg = load_config(recipe, [f"run.workdir={tmp_path}/runs", "synchronizer.outer_lr=0.375",
+                               "synchronizer.num_fragments=2", "learners.lr=0.00125"])
+    recipe.write_text("this is no longer a recipe [")  # a process that parsed it again would fail
+    rp = RunProcesses(cfg)
+    try:
+        url = rp.start_synchronizer()
+        joined = call_blocking(url, learner_token(rp.token, rp.run_id, "learner-0"), "join",
+                               {"learner_id": "learner-0", "incarnation": 0})
+    finally:
+        rp.stop_all()
+    assert rp.store.get_json(keys.config_key(rp.run_id)) == cfg.public_dict()
+    assert joined["config"]["synchronizer"]["outer_lr"] == 0.375 and joined["config"]["learners"]["lr"] == 0.00125
