@@ -53,9 +53,9 @@ def test_reading_a_bad_resolved_config_names_the_file_and_the_field(tmp_path):
 
 def test_with_fields_sets_typed_values_and_validates_the_whole_config():
     cfg = with_fields(Config(), {"learners.count": 3, "budget.wall_s": 60.0, "model.hf.cache_dir": "/tmp/hf",
-                                 "learners.storage_faults": {"p_slow": 1.0, "ops": ["put"]}})
+                                 "faults.storage_faults": {"p_slow": 1.0, "ops": ["put"]}})
     assert (cfg.learners.count, cfg.budget.wall_s, cfg.model.hf.cache_dir) == (3, 60.0, "/tmp/hf")
-    assert cfg.learners.storage_faults == {"p_slow": 1.0, "ops": ["put"]}
+    assert cfg.faults.storage_faults == {"p_slow": 1.0, "ops": ["put"]}
     assert cfg.budget.tokens == Config().budget.tokens  # fields not named keep their values
     with pytest.raises(ValueError, match="learners.bogus: unknown field"):
         with_fields(cfg, {"learners.bogus": 1})
