@@ -47,7 +47,7 @@ def resume_config(checkpoint_url: str, config: str | None, overrides: list[str],
         ValueError: the URL is malformed, the store holds no such run, or an override is invalid.
     """
     from diloco_async.config.schema import load_config
-    from diloco_async.sync.persistence import stored_config
+    from diloco_async.sync import stored_config
 
     if config is None and not overrides:
         return None
