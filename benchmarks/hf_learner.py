@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks.args import description, non_negative_int, positive_float, positive_int
 from benchmarks.stats import mean_interval
+from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, load_config
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.group import place_workload
@@ -68,14 +69,12 @@ def plain_loop_tokens_per_s(cfg: Config, seconds: float, warmup_steps: int) -> t
     return timed * workload.tokens_per_step / (time.perf_counter() - t_start), timed
 
 
-def in_run_tokens_per_s(config: Path | None, workdir: Path, seconds: float, warmup_steps: int,
-                        extra_overrides: tuple[str, ...] = ()) -> tuple[float, int]:
-    """Tokens/s of learner-0 in a run of one learner, from its step records; and the steps timed.
-    ``extra_overrides``: more ``section.field=value`` settings of the run (e.g. the model size)."""
-    overrides = [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs", "learners.count=1",
-                 f"budget.wall_s={seconds}", "budget.tokens=1000000000000", "synchronizer.min_quorum=1",
-                 *extra_overrides]
-    run = RunProcesses(load_config(config, overrides), None if config is None else str(config), overrides)
+def in_run_tokens_per_s(base: Config, workdir: Path, seconds: float, warmup_steps: int) -> tuple[float, int]:
+    """Tokens/s of learner-0 in a run of one learner of ``base`` (the resolved recipe, e.g. with the
+    model size), from its step records; and the steps timed."""
+    run = RunProcesses(with_fields(base, {
+        "run.store": f"file://{workdir}/store", "run.workdir": f"{workdir}/runs", "learners.count": 1,
+        "budget.wall_s": float(seconds), "budget.tokens": 1_000_000_000_000, "synchronizer.min_quorum": 1}))
     try:
         run.start_synchronizer()
         run.start_learner(0)
@@ -120,7 +119,6 @@ def main(argv: list[str]) -> int:
         ap.error(str(err))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        config = args.config
         n_params = sum(p.numel() for p in build_run_model(cfg).parameters())
         print(f"model {cfg.model.kind}/{cfg.model.hf.architecture}: {n_params / 1e6:.2f}M parameters, batch "
               f"{cfg.learners.batch_size} x {cfg.model.context} tokens, {cfg.learners.threads} thread(s), "
@@ -129,8 +127,7 @@ def main(argv: list[str]) -> int:
         for rep in range(args.repeats):
             before, n_before = plain_loop_tokens_per_s(cfg, args.plain_s, args.warmup_steps)
             print(f"[{rep}] plain loop (before): {before:9.1f} tokens/s over {n_before} steps", flush=True)
-            inside, n_inside = in_run_tokens_per_s(config, Path(tmp) / f"r{rep}", args.run_s, args.warmup_steps,
-                                                  tuple(args.overrides))
+            inside, n_inside = in_run_tokens_per_s(cfg, Path(tmp) / f"r{rep}", args.run_s, args.warmup_steps)
             print(f"[{rep}] learner in a run:    {inside:9.1f} tokens/s over {n_inside} steps", flush=True)
             after, n_after = plain_loop_tokens_per_s(cfg, args.plain_s, args.warmup_steps)
             print(f"[{rep}] plain loop (after):  {after:9.1f} tokens/s over {n_after} steps", flush=True)

@@ -200,6 +200,7 @@ def pretrain_base(folder: Path, cfg, seed: int, steps: int, hidden: int, layers:
 def run_seed(seed: int, root: Path, args: argparse.Namespace) -> SeedResult:
     """One seed: pre-train and save the base, measure it, fine-tune it through a run, measure the
     fine-tuned model."""
+    from diloco_async.config.resolved import with_fields
     from diloco_async.config.schema import load_config
     from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
     from diloco_async.models import build_run_model
@@ -211,15 +212,14 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> SeedResult:
     base_dir = root / "base"
     path = root / "recipe.toml"
     path.write_text(recipe_text(root, lora_model_toml(base_dir), args.tokens, args.wall_s))
-    overrides = [*args.overrides, f"run.seed={seed}"]
-    cfg = load_config(path, overrides)
+    cfg = with_fields(load_config(path, args.overrides), {"run.seed": seed})  # the one parse of the recipe
     trained = pretrain_base(base_dir, cfg, seed, args.base_steps, args.base_hidden, args.base_layers)
     batches = heldout_batches(cfg)
     base = heldout_loss(build_run_model(cfg), batches)  # the base as the run loads it, adapter at its start
     t_base = time.monotonic() - t0
     print(f"[seed {seed}] base: {args.base_steps} steps in {t_base:.0f} s, held-out {trained:.4f} nats "
           f"(as the run loads it: {base:.4f})", flush=True)
-    rp = RunProcesses(cfg, str(path), overrides)
+    rp = RunProcesses(cfg)
     restarts = 0
     try:
         rp.start_synchronizer()

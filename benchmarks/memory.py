@@ -39,7 +39,8 @@ from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.sizes import SIZES
 from benchmarks.stats import mean_over_runs
-from diloco_async.config.schema import load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 from diloco_async.run import RunProcesses
 
 __all__ = ["bars", "main", "measure_run"]
@@ -100,25 +101,25 @@ class RunMemory:
         return 4 * self.n_params
 
 
-def _n_params(overrides: list[str]) -> int:
+def _n_params(size: dict[str, int]) -> int:
     from diloco_async.models import build_run_model, trainable_parameters
-    cfg = load_config(None, overrides)
+    cfg = with_fields(Config(), size)
     return sum(p.numel() for p in trainable_parameters(build_run_model(cfg)).values())
 
 
-def measure_run(size_overrides: list[str], workdir: Path, *, learners: int = 2, wall_s: float = 60.0,
+def measure_run(size: dict[str, int], workdir: Path, *, learners: int = 2, wall_s: float = 60.0,
                 max_steps: int = 48, sync_every: int = 8, checkpoint_every_s: float = 8.0,
                 interval_s: float = 0.1) -> RunMemory:
     """A short real run of ``learners`` learners; the peak RSS of every process, sampled every
     ``interval_s``, until the synchronizer exits (budget ``max_steps`` global steps or ``wall_s``)."""
-    overrides = [*size_overrides, f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs",
-                 f"learners.count={learners}", "learners.batch_size=2", "learners.warmup_steps=2",
-                 f"learners.checkpoint_every_s={checkpoint_every_s:g}",
-                 f"synchronizer.checkpoint_every_s={checkpoint_every_s:g}", f"synchronizer.sync_every={sync_every}",
-                 "synchronizer.num_fragments=4", f"budget.wall_s={wall_s:g}", "budget.tokens=1000000000000",
-                 f"budget.max_steps={max_steps}", "tracking.eval_every_s=0"]
-    out = RunMemory(_n_params(size_overrides))
-    run = RunProcesses(load_config(None, overrides), None, overrides)
+    cfg = with_fields(Config(), {
+        **size, "run.store": f"file://{workdir}/store", "run.workdir": f"{workdir}/runs",
+        "learners.count": learners, "learners.batch_size": 2, "learners.warmup_steps": 2,
+        "learners.checkpoint_every_s": checkpoint_every_s, "synchronizer.checkpoint_every_s": checkpoint_every_s,
+        "synchronizer.sync_every": sync_every, "synchronizer.num_fragments": 4, "budget.wall_s": wall_s,
+        "budget.tokens": 1_000_000_000_000, "budget.max_steps": max_steps, "tracking.eval_every_s": 0.0})
+    out = RunMemory(_n_params(size))
+    run = RunProcesses(cfg)
     t0 = time.monotonic()
     try:
         run.start_synchronizer()

@@ -23,7 +23,8 @@ from benchmarks.bars import Bar, print_bars
 from benchmarks.hf_learner import in_run_tokens_per_s, plain_loop_tokens_per_s
 from benchmarks.sizes import SIZES
 from benchmarks.stats import mean_interval
-from diloco_async.config.schema import load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 
 __all__ = ["tokens_bar", "main"]
 
@@ -34,16 +35,15 @@ def tokens_bar(quick: bool = False, repeats: int = 2, run_s: float = 100.0, plai
                batch: int = 4, warmup_steps: int = 3) -> Bar:
     """Measure and return the tokens/s bar (``quick``: a 1M-parameter model, one short repeat)."""
     size = 1 if quick else 50
-    overrides = (*SIZES[size], f"learners.batch_size={batch}", "learners.threads=1", "learners.checkpoint_every_s=30",
-                 "synchronizer.num_fragments=4")
+    cfg = with_fields(Config(), {**SIZES[size], "learners.batch_size": batch, "learners.threads": 1,
+                                 "learners.checkpoint_every_s": 30.0, "synchronizer.num_fragments": 4})
     if quick:
         repeats, run_s, plain_s = 1, 25.0, 5.0
-    cfg = load_config(None, list(overrides))
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(repeats):
             before, _ = plain_loop_tokens_per_s(cfg, plain_s, warmup_steps)
-            inside, n = in_run_tokens_per_s(None, Path(tmp) / f"r{rep}", run_s, warmup_steps, overrides)
+            inside, n = in_run_tokens_per_s(cfg, Path(tmp) / f"r{rep}", run_s, warmup_steps)
             after, _ = plain_loop_tokens_per_s(cfg, plain_s, warmup_steps)
             ratios.append(inside / ((before + after) / 2))
             print(f"[{rep}] plain {before:8.1f} / {after:8.1f} tokens/s, learner in a run {inside:8.1f} tokens/s "

@@ -31,7 +31,8 @@ import safetensors.torch
 from benchmarks.args import description
 from benchmarks.stats import mean_interval
 from diloco_async.chaos.measure import initial_model
-from diloco_async.config.schema import load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config, load_config
 from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.run import RunProcesses
 from storage import keys
@@ -53,12 +54,11 @@ def published_extremes(store, run_id: str) -> tuple[float, bool]:
     return largest, finite
 
 
-def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0, started: int | None = None) -> dict:
-    """One run of the recipe with ``overrides``, until its budget stops it; its figures. Only the
-    first ``started`` learner slots are started (default: every slot), so a baseline can leave
-    the poisoner's slot empty while every honest learner keeps its data shard."""
-    cfg = load_config(config, overrides)
-    rp = RunProcesses(cfg, config, overrides)
+def run_once(cfg: Config, timeout_s: float = 1800.0, started: int | None = None) -> dict:
+    """One run of ``cfg``, until its budget stops it; its figures. Only the first ``started``
+    learner slots are started (default: every slot), so a baseline can leave the poisoner's slot
+    empty while every honest learner keeps its data shard."""
+    rp = RunProcesses(cfg)
     t0 = time.monotonic()
     try:
         rp.start_synchronizer()
@@ -75,7 +75,7 @@ def run_once(config: str | None, overrides: list[str], timeout_s: float = 1800.0
     batches = heldout_batches(cfg)
     loss = heldout_loss(model_from_checkpoint(cfg, ckpt), batches)
     largest, finite = published_extremes(rp.store, rp.run_id)
-    return {"run_id": rp.run_id, "overrides": overrides, "loss": loss,
+    return {"run_id": rp.run_id, "seed": cfg.run.seed, "poison": list(cfg.faults.poison), "loss": loss,
             "initial_loss": heldout_loss(initial_model(cfg), batches), "max_abs_published": largest,
             "all_finite": finite, "wall_s": time.monotonic() - t0, "merges": summary["merges"],
             "global_step": summary["global_step"], "rejected_by_reason": summary["rejected_by_reason"],
@@ -108,18 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="section.field=value")
     ap.add_argument("--out", default=".local/bench/poison.json")
     args = ap.parse_args(argv)
-    common = [*args.set, "budget.tokens=1000000000000", f"budget.max_steps={args.max_steps}", "budget.wall_s=3600"]
+    common = with_fields(load_config(args.config, args.set),  # the one parse of the recipe and --set
+                         {"budget.tokens": 1_000_000_000_000, "budget.max_steps": args.max_steps,
+                          "budget.wall_s": 3600.0, "learners.count": 4})
     seeds = [int(x) for x in args.seeds.split(",")]
     modes = args.modes.split(",")
     bases, runs = [], {mode: [] for mode in modes}
     for seed in seeds:
-        seeded = [*common, f"run.seed={seed}"]
+        seeded = with_fields(common, {"run.seed": seed})
         # the baseline: the same four slots (the same data shards), the poisoner's left empty
-        bases.append(run_once(args.config, [*seeded, "learners.count=4"], started=3))
+        bases.append(run_once(seeded, started=3))
         print(json.dumps({"seed": seed, "baseline": bases[-1]}), flush=True)
         for mode in modes:
-            runs[mode].append(run_once(args.config, [*seeded, "learners.count=4",
-                                                     f'faults.poison=["none", "none", "none", "{mode}"]']))
+            runs[mode].append(run_once(with_fields(seeded, {"faults.poison": ["none", "none", "none", mode]})))
             print(json.dumps({"seed": seed, mode: runs[mode][-1]}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"seeds": seeds, "baseline": bases, **runs}, indent=2))

@@ -96,20 +96,20 @@ def percentile_ms(values: list[float], q: float) -> float | None:
     return 1000.0 * float(np.quantile(values, q, method="inverted_cdf"))
 
 
-def _config_args(spec: LoadSpec, store_url: str) -> list[str]:
-    sets = [
-        "model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8", "model.vocab_size=64",
-        f"learners.count={spec.learners}", "synchronizer.num_fragments=2", "synchronizer.sync_every=40",
-        "synchronizer.min_quorum=4", "synchronizer.grace_initial_s=0.2", "synchronizer.grace_cap_s=0.5",
-        "synchronizer.heartbeat_timeout_s=5", "synchronizer.checkpoint_every_s=100000",
-        f"synchronizer.max_learners={spec.learners}", "synchronizer.drain_s=0", "synchronizer.port=0",
-        "synchronizer.host=127.0.0.1", "synchronizer.max_staleness=8", "budget.wall_s=100000",
-        f"run.store={store_url}",
-    ]
-    out = []
-    for s in sets:
-        out += ["--set", s]
-    return out
+def sync_config(spec: LoadSpec, store_url: str, folder: Path) -> Path:
+    """Write the synchronizer's resolved config under ``spec`` (a tiny model, ``spec.learners``
+    learner slots, K = 4) to ``folder``; returns its path."""
+    from diloco_async.config.resolved import with_fields, write_resolved
+    from diloco_async.config.schema import Config
+
+    return write_resolved(with_fields(Config(), {
+        "model.n_layer": 1, "model.d_model": 16, "model.n_head": 2, "model.context": 8, "model.vocab_size": 64,
+        "learners.count": spec.learners, "synchronizer.num_fragments": 2, "synchronizer.sync_every": 40,
+        "synchronizer.min_quorum": 4, "synchronizer.grace_initial_s": 0.2, "synchronizer.grace_cap_s": 0.5,
+        "synchronizer.heartbeat_timeout_s": 5.0, "synchronizer.checkpoint_every_s": 100000.0,
+        "synchronizer.max_learners": spec.learners, "synchronizer.drain_s": 0.0, "synchronizer.port": 0,
+        "synchronizer.host": "127.0.0.1", "synchronizer.max_staleness": 8, "budget.wall_s": 100000.0,
+        "budget.tokens": None, "run.store": store_url}), folder)
 
 
 def _merge(spec: LoadSpec, parts: list[LoadResult]) -> LoadResult:
@@ -227,7 +227,7 @@ def run_load(spec: LoadSpec, source_dir: str | None = None) -> LoadResult:
     profile = os.environ.get("SYNC_LOAD_PROFILE")  # a path: the synchronizer runs under cProfile
     cmd = [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []), "-m", "diloco_async.sync",
            "--run-id", RUN_ID, "--ready-file", str(ready),
-           *_config_args(spec, store_url)]
+           "--resolved-config", str(sync_config(spec, store_url, work))]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=source_dir)
     try:

@@ -24,6 +24,7 @@ import time
 import psutil
 
 from benchmarks.args import description, positive_float
+from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import load_config
 from flows.train import TrainingRun
 
@@ -87,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=positive_float, default=5.0, help="seconds between RSS samples (default 5)")
     ap.add_argument("--config", default="configs/default.toml")
     args = ap.parse_args(argv)
-    overrides = [f"budget.wall_s={args.minutes * 60 + 120:g}", "budget.tokens=1000000000000"]
-    cfg = load_config(args.config, overrides)
-    run = TrainingRun(cfg, args.config, overrides)
+    cfg = with_fields(load_config(args.config), {"budget.wall_s": args.minutes * 60 + 120.0,
+                                                 "budget.tokens": 1_000_000_000_000})
+    run = TrainingRun(cfg)
     print(f"run {run.run_id}: {cfg.learners.count} learners, sampling the synchronizer's RSS every "
           f"{args.interval:g} s for {args.minutes:g} min (logs in {run.workdir / 'logs'})", flush=True)
     try:

@@ -114,10 +114,11 @@ def run_abba(scenario: str, pairs: int, tokens: int, seed: int, overrides: list[
     from diloco_async.metrics.evaluation import heldout_batches
     from diloco_async.wan.methods import run_method
     from diloco_async.wan.place import placement
-    from diloco_async.wan.scenario import wan_overrides
+    from diloco_async.wan.scenario import wan_config
 
     sc = _scenario(scenario, tokens, overrides)
-    cfg = load_config(sc.scenario.config, wan_overrides(sc, "decoupled", seed))
+    base = load_config(sc.scenario.config, list(sc.scenario.overrides))  # the one parse of the recipe
+    cfg = wan_config(sc, "decoupled", base, seed)
     corpus_urls(cfg.data)  # the corpus on disk before any learner starts (no Prefect: not a flow)
     batches = heldout_batches(cfg)[:1]  # the loss curve is not this benchmark's figure: one batch
     torch.set_num_threads(1)
@@ -126,7 +127,7 @@ def run_abba(scenario: str, pairs: int, tokens: int, seed: int, overrides: list[
     with placement(sc, shaped=True) as shaped, placement(sc, shaped=False) as unshaped:
         for i, kind in enumerate(abba_order(pairs)):
             t0 = time.time()
-            wire, run = run_method(sc, "decoupled", shaped if kind == "shaped" else unshaped, batches, seed)
+            wire, run = run_method(sc, "decoupled", base, shaped if kind == "shaped" else unshaped, batches, seed)
             runs.append({"kind": kind, "pair": i // 2, "tokens_per_s": steady_tokens_per_s(run.timeline),
                          "tokens_per_s_whole_run": wire.tokens_per_s_per_learner, "tokens": wire.tokens,
                          "t_start_unix": t0, "wall_s": time.time() - t0})

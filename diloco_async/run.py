@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diloco_async.config.resolved import write_resolved
 from diloco_async.config.schema import Config
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.learner.group import torchrun_args
@@ -42,9 +43,9 @@ class RunProcesses:
     """The synchronizer and learner processes of one run, started on this machine.
 
     Args:
-        cfg: the run's recipe.
-        config_path: the recipe file the processes load (None: defaults), with ``overrides``.
-        overrides: ``section.field=value`` strings.
+        cfg: the run's resolved config (parsed once by the caller); written to
+            ``{workdir}/resolved-config.json``, which the synchronizer reads
+            (:mod:`diloco_async.config.resolved`).
         run_id: id of a new run (a fresh one when None; the URL's run when resuming).
         resume_url: continue from ``{store}/{run_id}/checkpoints/{seq}`` instead of starting a run.
         run_secret: the run's secret (admin credential); default ``$DILOCO_RUN_TOKEN`` when set
@@ -56,7 +57,8 @@ class RunProcesses:
             (before anything starts; see :func:`diloco_async.runtime.devices.check_devices`).
 
     Attributes:
-        workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines.
+        workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines, the resolved config.
+        config_file: ``{workdir}/resolved-config.json``, the value every process of the run reads.
         token: the run's secret: only the synchronizer's environment carries it.
         env: environment shared by every process (storage options, timeline folder); no credential.
             The synchronizer also gets ``DILOCO_RUN_TOKEN``, each learner only its own token in
@@ -67,14 +69,11 @@ class RunProcesses:
         learners: learner id -> handle of its newest incarnation; ``retired``: earlier ones.
     """
 
-    def __init__(self, cfg: Config, config_path: str | None, overrides: list[str],
-                 run_id: str | None = None, resume_url: str | None = None,
+    def __init__(self, cfg: Config, run_id: str | None = None, resume_url: str | None = None,
                  launcher: Launcher | None = None, run_secret: str | None = None) -> None:
         if cfg.run.launcher == "local":
             check_devices(cfg.learners)
         self.cfg = cfg
-        self.config_path = config_path
-        self.overrides = overrides
         if run_id is None and resume_url:
             run_id = keys.split_checkpoint_url(resume_url)[1]
         self.run_id = run_id or new_run_id()
@@ -84,6 +83,7 @@ class RunProcesses:
         self.token = check_run_secret(given, TOKEN_ENV) if given else secrets.token_urlsafe(32)
         self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_file = write_resolved(cfg, self.workdir)
         self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
         self.launcher = launcher if launcher is not None else LocalProcessLauncher(self.workdir / "logs")
         self.env = {"HF_HUB_OFFLINE": "1",  # models and tokenizers: local files only
@@ -107,12 +107,6 @@ class RunProcesses:
         """The environment of ``learner_id``'s process: :attr:`env` and that learner's own token."""
         return {**self.env, LEARNER_TOKEN_ENV: learner_token(self.token, self.run_id, learner_id)}
 
-    def _config_args(self) -> list[str]:
-        args = ["--config", str(Path(self.config_path).resolve())] if self.config_path else []
-        for item in self.overrides:
-            args += ["--set", item]
-        return args
-
     def start_synchronizer(self) -> str:
         """Start the synchronizer, wait until it listens and return its URL.
 
@@ -122,7 +116,8 @@ class RunProcesses:
         ready = self.workdir / "synchronizer.ready.json"
         ready.unlink(missing_ok=True)
         which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
-        argv = ["-m", "diloco_async.server", *self._config_args(), *which, "--ready-file", str(ready)]
+        argv = ["-m", "diloco_async.server", "--resolved-config", str(self.config_file), *which,
+                "--ready-file", str(ready)]
         self.sync = self.launcher.start("synchronizer", argv, {**self.env, TOKEN_ENV: self.token})
         info = wait_for_ready_file(ready, self.sync)
         self.sync_url, self.epoch = info["url"], info["epoch"]

@@ -32,11 +32,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from diloco_async.ablation.analysis import analyse
-from diloco_async.ablation.suite import Arm, Suite, check_arms, figures_of, load_suite, run_overrides
+from diloco_async.ablation.suite import Arm, Suite, arm_overrides, figures_of, load_suite, run_config, run_fields
 from diloco_async.config.schema import load_config
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.run import RunProcesses
 from flows.ablate_report import write_report
+from flows.resolve import check_arms
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import prepare_corpus
 from storage import keys
@@ -70,7 +71,9 @@ def load_records(out: Path, suite: Suite, extra: list[str]) -> dict[tuple[str, i
             except (OSError, ValueError):
                 continue
             figures = rec.get("figures") or {}
-            if rec.get("overrides") == [*run_overrides(suite, arm, seed), *extra] and figures \
+            if rec.get("overrides") == arm_overrides(suite, arm, extra) \
+                    and rec.get("fields") == run_fields(suite, arm, seed) \
+                    and rec.get("synchronous", False) == arm.synchronous and figures \
                     and set(suite.suite.figures) <= set(figures):
                 out_[(arm.name, seed)] = rec
     return out_
@@ -119,9 +122,9 @@ def run_one(suite: Suite, arm: Arm, seed: int, extra: list[str], parent_id: str)
             stopped and its MLflow run ends FAILED. KeyboardInterrupt: stopped, MLflow run KILLED.
     """
     s = suite.suite
-    overrides = [*run_overrides(suite, arm, seed), *extra]
-    cfg = load_config(s.config, overrides)
-    run = RunProcesses(cfg, s.config, overrides)
+    overrides = arm_overrides(suite, arm, extra)
+    cfg = run_config(suite, arm, seed, load_config(s.config, overrides))  # the one parse of this run's recipe
+    run = RunProcesses(cfg)
     sink = MlflowSink(cfg.tracking)
     sink.start(f"ablate-{s.name}-{arm.name}-s{seed}", flatten_params(cfg.public_dict()),
                {"mlflow.parentRunId": parent_id, "diloco.run_id": run.run_id, "diloco.ablate.suite": s.name,
@@ -137,7 +140,8 @@ def run_one(suite: Suite, arm: Arm, seed: int, extra: list[str], parent_id: str)
         if not str(summary.get("stop_reason", "")).startswith("token budget reached"):
             log.warning("%s seed %d stopped before its token budget (%s): not at equal tokens",
                         arm.name, seed, summary.get("stop_reason"))
-        record = {"suite": s.name, "arm": arm.name, "seed": seed, "overrides": overrides, "run_id": run.run_id,
+        record = {"suite": s.name, "arm": arm.name, "seed": seed, "overrides": overrides,
+                  "fields": run_fields(suite, arm, seed), "synchronous": arm.synchronous, "run_id": run.run_id,
                   "mlflow_run_id": sink.run_id, "figures": figures, "run_wall_s": time.monotonic() - t0,
                   "summary": {k: summary.get(k) for k in _KEPT}}
         for name, value in figures.items():

@@ -12,8 +12,9 @@ __all__ = ["add_ablate_parser"]
 
 def _ablate(args: argparse.Namespace, run_flow: Callable[..., int], weak_secret: Callable[[], bool]) -> int:
     """Check the suite file and every arm's recipe, then run the ``ablate`` flow."""
-    from diloco_async.ablation.suite import check_arms, load_suite
+    from diloco_async.ablation.suite import load_suite
     from flows.outpath import check_out
+    from flows.resolve import check_arms
 
     if weak_secret():
         return 2

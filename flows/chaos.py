@@ -41,18 +41,18 @@ from diloco_async.chaos.scenario import (
     Scenario,
     load_scenario,
     make_schedule,
-    method_overrides,
+    method_config,
     with_user_overrides,
 )
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget
-from diloco_async.config.schema import load_config
+from diloco_async.config.schema import Config, load_config
 from diloco_async.metrics.evaluation import heldout_batches
 from diloco_async.metrics.timeline import Timeline
 from flows.timeline_report import plot_timeline
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import prepare_corpus
 
-__all__ = ["chaos", "run_chaos_cli", "MethodResult"]
+__all__ = ["chaos", "run_chaos_cli", "MethodResult", "scenario_recipe"]
 
 TABLE_FIELDS = ("compute_goodput", "token_goodput", "uptime", "eval_loss_equal_time", "eval_loss_equal_tokens",
                 "wall_s")
@@ -86,18 +86,19 @@ class MethodResult:
                 "eval_curve": [list(c) for c in self.curve]}
 
 
-def _run_method(sc: Scenario, method: str, events: list[FaultEvent], parent: MlflowSink, outdir: Path,
-                batches) -> MethodResult:
-    """Run one method under the schedule as its own MLflow run (a child of ``parent``)."""
+def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent], parent: MlflowSink,
+                outdir: Path, batches) -> MethodResult:
+    """Run one method under the schedule as its own MLflow run (a child of ``parent``); ``base``: the
+    scenario's recipe with every override, resolved once (:func:`scenario_recipe`)."""
     s = sc.scenario
-    cfg0 = load_config(s.config, method_overrides(sc, method))
+    cfg0 = method_config(sc, method, base)
     sink = MlflowSink(cfg0.tracking)
     sink.start(f"chaos-{s.name}-{method}", flatten_params({"scenario": sc.model_dump(), "method": method}),
                {"mlflow.parentRunId": parent.run_id or "", "diloco.chaos.scenario": s.name,
                 "diloco.chaos.method": method})
     status = "FAILED"
     try:
-        target = DdpTarget(sc) if method == "ddp" else DilocoTarget(sc, method, on_metrics=sink.log_points)
+        target = DdpTarget(sc, cfg0) if method == "ddp" else DilocoTarget(sc, cfg0, on_metrics=sink.log_points)
         run = target.run(events)
         m = measure(run.timeline, run.snapshots, run.cfg, batches, s.eval_tokens)
         acc = m.accounting
@@ -151,6 +152,16 @@ def _table(name: str, rows: list[dict], availability: float) -> Table:
     return t
 
 
+def scenario_recipe(sc: Scenario) -> Config:
+    """The recipe of a chaos or WAN scenario with its overrides (the scenario file's, then the
+    user's), parsed once: the base every method's config is built from (typed fields, no strings).
+
+    Raises:
+        FileNotFoundError: no such recipe. ValueError: an override or the recipe does not validate.
+    """
+    return load_config(sc.scenario.config, list(sc.scenario.overrides))
+
+
 def _scenario_and_methods(scenario: str, methods: list[str] | None,
                           overrides: list[str] | None) -> tuple[Scenario, list[str]]:
     """The scenario file with the user's ``overrides`` after its own, and the methods to run.
@@ -186,7 +197,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     logger = get_run_logger()
     sc, chosen = _scenario_and_methods(scenario, methods, overrides)
     schedule = make_schedule(sc)
-    cfg = load_config(sc.scenario.config, method_overrides(sc, "decoupled"))
+    cfg = method_config(sc, "decoupled", base := scenario_recipe(sc))  # the recipe parsed once, for every method
     prepare_corpus(cfg)
     batches = heldout_batches(cfg)
     torch.set_num_threads(1)
@@ -203,7 +214,7 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     try:
         for m in chosen:
             logger.info("method %s: starting", m)
-            res = _run_method(sc, m, list(schedule.events), parent, outdir, batches)
+            res = _run_method(sc, m, base, list(schedule.events), parent, outdir, batches)
             rows.append(res.row())
             parent.log_artifact(res.timeline_png)
             logger.info("method %s: compute goodput %.3f, token goodput %.3f, eval loss %.4f", m,

@@ -93,6 +93,9 @@ def _validate(args: argparse.Namespace) -> int:
     if failed:
         print(f"error: {', '.join(c.field or c.name for c in failed)} invalid", file=sys.stderr)
         return 2
+    if args.write_resolved:  # what `python -m diloco_async.server --resolved-config` takes (a run by hand)
+        from flows.resolve import write_recipe_resolved
+        print(f"resolved config: {write_recipe_resolved(args.recipe, args.set or [], args.write_resolved)}")
     print("valid: no process started, no run created")
     return 0
 
@@ -123,13 +126,16 @@ def _recipes(_args: argparse.Namespace) -> int:
 def _resume(args: argparse.Namespace) -> int:
     from diloco_async.sync import open_checkpoint
     from diloco_async.validate import resolve_recipe
+    from flows.resolve import resume_config
     from storage.options import storage_options_from_env
 
     if _weak_secret():
         return 2
     try:  # refuse a wrong URL or a config that differs from the checkpoint's before starting anything
         config = str(resolve_recipe(args.config)) if args.config else None
-        open_checkpoint(args.checkpoint_url, config, args.set or [], storage_options_from_env())
+        options = storage_options_from_env()
+        given = resume_config(args.checkpoint_url, config, args.set or [], options)
+        open_checkpoint(args.checkpoint_url, given, options)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -144,7 +150,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_overrides
+    from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_config
     from diloco_async.config.schema import load_config
     from flows.outpath import check_out
 
@@ -157,10 +163,11 @@ def _chaos(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"unknown method {', '.join(bad)}; known: {', '.join(METHODS)}")
         check_user_overrides(sc, args.set or [])
-        for m in methods or sc.scenario.methods:
-            try:
-                load_config(sc.scenario.config, [*method_overrides(sc, m), *(args.set or [])])
-            except ValueError as err:  # name the field first, not the harness's own overrides
+        try:
+            base = load_config(sc.scenario.config, [*sc.scenario.overrides, *(args.set or [])])
+            for m in methods or sc.scenario.methods:
+                method_config(sc, m, base)
+        except ValueError as err:  # name the field first, not the harness's own overrides
                 lines = str(err).splitlines()
                 raise ValueError("invalid override: " + "; ".join(x.strip() for x in lines[1:]) if len(lines) > 1
                                  else str(err)) from None
@@ -272,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_validate.add_argument("recipe", nargs="?", default=argparse.SUPPRESS, help="a TOML file or a recipe's name")
     p_validate.add_argument("--config", "--recipe", dest="recipe", default="default", help="the same, as for train")
     p_validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    p_validate.add_argument("--write-resolved", default=None, metavar="DIR",
+                            help="when valid, write DIR/resolved-config.json: the recipe with its overrides, for "
+                                 "python -m diloco_async.server --resolved-config (a run by hand)")
     p_validate.set_defaults(func=_validate)
     sub.add_parser("recipes", help="list the shipped recipes with their descriptions").set_defaults(func=_recipes)
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")

@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +46,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from diloco_async.protocol.auth import check_run_secret
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: F401  (STORAGE_OPTIONS_ENV: re-exported; no torch)
+
+if TYPE_CHECKING:
+    from diloco_async.config.schema import Config
 
 # Only Prefect at import time: on cancellation the process worker imports this module again in a
 # separate process to run on_cancellation hooks, and the flow run reads Cancelled only after that.
@@ -147,6 +150,17 @@ def _announce_when_listening(ready: Path, done: threading.Event, info: dict[str,
         time.sleep(0.2)
 
 
+def _synchronizer_config(config: str | None, overrides: list[str], resume_url: str | None) -> Config | None:
+    """The synchronizer's config, resolved once here: the recipe with ``overrides``; when resuming,
+    :func:`flows.resolve.resume_config` (None: no recipe and no override, the stored config as it is)."""
+    from diloco_async.config.schema import load_config
+    from flows.resolve import resume_config
+
+    if resume_url:
+        return resume_config(resume_url, config, overrides, storage_options_from_env())
+    return load_config(config, overrides)
+
+
 @flow(name="synchronizer", log_prints=True)
 def synchronizer(config: str | None = "configs/default.toml", overrides: list[str] | None = None,
                  run_id: str | None = None, resume_url: str | None = None,
@@ -177,15 +191,17 @@ def synchronizer(config: str | None = "configs/default.toml", overrides: list[st
     _require_token()
     if run_id and resume_url:
         raise ValueError("give run_id (a new run) or resume_url (continue a run), not both")
-    args: list[str] = ["--config", config] if config else []
-    for item in overrides or []:
-        args += ["--set", item]
+    from diloco_async.config.resolved import write_resolved
+
+    folder = Path(tempfile.mkdtemp(prefix="diloco-sync-"))
+    cfg = _synchronizer_config(config, list(overrides or []), resume_url)
+    args: list[str] = ["--resolved-config", str(write_resolved(cfg, folder))] if cfg is not None else []
     if resume_url:
         args += ["--resume", resume_url]
     else:
         run_id = run_id or new_run_id()
         args += ["--run-id", run_id]
-    ready = Path(ready_file) if ready_file else Path(tempfile.mkdtemp(prefix="diloco-sync-")) / "ready.json"
+    ready = Path(ready_file) if ready_file else folder / "ready.json"
     args += ["--ready-file", str(ready)]
     done = threading.Event()
     info: dict[str, Any] = {}

@@ -46,6 +46,7 @@ from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_checkpoint
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
+from flows.resolve import resume_config
 from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
@@ -85,9 +86,8 @@ class TrainingRun(RunProcesses):
     started as flow runs of the ``learner/{region}`` deployments when ``run.launcher =
     "deployments"``, and supervision decisions in the flow run's log."""
 
-    def __init__(self, cfg: Config, config_path: str | None, overrides: list[str],
-                 run_id: str | None = None, resume_url: str | None = None) -> None:
-        super().__init__(cfg, config_path, overrides, run_id=run_id, resume_url=resume_url)
+    def __init__(self, cfg: Config, run_id: str | None = None, resume_url: str | None = None) -> None:
+        super().__init__(cfg, run_id=run_id, resume_url=resume_url)
         self.deployer: DeploymentLauncher | None = None
         if cfg.run.launcher == "deployments":
             from prefect.runtime import flow_run
@@ -359,11 +359,11 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     """
     logger = get_run_logger()
     overrides = list(overrides or [])
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides)  # the one parse of the run's recipe: processes get the value
     model0 = build_run_model(cfg)  # Θ^0, as the synchronizer builds it; a model that cannot be built stops here
     prepare_corpus(cfg)
     prepare_tokens(cfg)
-    run = TrainingRun(cfg, config, overrides)
+    run = TrainingRun(cfg)
     sink = MlflowSink(cfg.tracking)
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
@@ -392,11 +392,11 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     """
     logger = get_run_logger()
     overrides = list(overrides or [])
-    cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, config, overrides, {})
+    given = resume_config(checkpoint_url, config, overrides, {})  # the one parse of the resume's config
+    cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, given, {})
     prepare_corpus(cfg)
     prepare_tokens(cfg)
-    run = TrainingRun(cfg, config, overrides, run_id=run_id,
-                      resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))
+    run = TrainingRun(cfg, run_id=run_id, resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))
     sink = MlflowSink(cfg.tracking)
     if not sink.resume(run_id):
         sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),

@@ -26,11 +26,12 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco_async.chaos.scenario import METHODS, with_user_overrides
-from diloco_async.config.schema import load_config
+from diloco_async.config.schema import Config
 from diloco_async.metrics.evaluation import heldout_batches
 from diloco_async.models.transformer import ByteGPT
 from diloco_async.wan.report import WireRun, json_row, ring_allreduce_bytes, target_loss
-from diloco_async.wan.scenario import WanScenario, load_wan_scenario, wan_overrides
+from diloco_async.wan.scenario import WanScenario, load_wan_scenario, wan_config
+from flows.chaos import scenario_recipe
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import prepare_corpus
 
@@ -64,14 +65,14 @@ def _log_method(sink: MlflowSink, row: dict, wire: WireRun) -> None:
     sink.log_dict(row, "wan_row.json")
 
 
-def _model_bytes(sc: WanScenario) -> int:
-    cfg = load_config(sc.scenario.config, wan_overrides(sc, "decoupled"))
+def _model_bytes(cfg: Config) -> int:
     return 4 * sum(p.numel() for p in ByteGPT(cfg.model).parameters())
 
 
-def _run_all(sc: WanScenario, chosen: list[str], seed: int | None, shaped: bool, parent: MlflowSink,
+def _run_all(sc: WanScenario, base: Config, chosen: list[str], seed: int | None, shaped: bool, parent: MlflowSink,
              batches) -> tuple[list[dict], dict]:
-    """Run every chosen method in one placement; returns the rows and the links' verification."""
+    """Run every chosen method in one placement; returns the rows and the links' verification. ``base``:
+    the scenario's recipe with every override, resolved once (:func:`flows.chaos.scenario_recipe`)."""
     from diloco_async.wan.methods import run_method
     from diloco_async.wan.place import placement
 
@@ -82,14 +83,14 @@ def _run_all(sc: WanScenario, chosen: list[str], seed: int | None, shaped: bool,
         verified = dict(getattr(place.net, "verified", {}) or {})
         logger.info("links: %s", json.dumps(verified))
         for m in chosen:
-            sink = MlflowSink(load_config(sc.scenario.config, wan_overrides(sc, m)).tracking)
+            sink = MlflowSink(wan_config(sc, m, base).tracking)
             sink.start(f"wan-{sc.scenario.name}-{m}", flatten_params({"method": m, "seed": seed, "shaped": shaped}),
                        {"mlflow.parentRunId": parent.run_id or "", "diloco.wan.scenario": sc.scenario.name,
                         "diloco.wan.method": m})
             status = "FAILED"
             try:
                 logger.info("method %s: starting", m)
-                wires[m], _ = run_method(sc, m, place, batches, seed, on_metrics=sink.log_points)
+                wires[m], _ = run_method(sc, m, base, place, batches, seed, on_metrics=sink.log_points)
                 target = target_loss(sc.target.rule, wires, sc.target.loss)
                 rows.append(json_row(wires[m], target))
                 _log_method(sink, rows[-1], wires[m])
@@ -122,7 +123,8 @@ def wan(scenario: str = "configs/wan/wan-ci.toml", methods: list[str] | None = N
         RuntimeError: not root / no ``tc`` (the reason), or a method's processes failed.
     """
     sc, chosen = _scenario(scenario, methods, overrides)
-    cfg = load_config(sc.scenario.config, wan_overrides(sc, "decoupled"))
+    base = scenario_recipe(sc)
+    cfg = wan_config(sc, "decoupled", base)
     prepare_corpus(cfg)
     batches = heldout_batches(cfg)
     torch.set_num_threads(1)
@@ -132,8 +134,8 @@ def wan(scenario: str = "configs/wan/wan-ci.toml", methods: list[str] | None = N
     parent.start(f"wan-{sc.scenario.name}", params, {"diloco.wan.scenario": sc.scenario.name})
     status = "FAILED"
     try:
-        rows, verified = _run_all(sc, chosen, seed, shaped, parent, batches)
-        model_bytes = _model_bytes(sc)
+        rows, verified = _run_all(sc, base, chosen, seed, shaped, parent, batches)
+        model_bytes = _model_bytes(cfg)
         per_token = 2 * ring_allreduce_bytes(model_bytes, sc.scenario.slots) / (cfg.learners.batch_size
                                                                                * cfg.model.context)
         report = {"scenario": sc.scenario.name, "seed": seed, "shaped": shaped,

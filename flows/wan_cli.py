@@ -50,7 +50,7 @@ def _check(args: argparse.Namespace, methods: list[str] | None) -> None:
     """Refuse a bad scenario, method or override before starting anything (ValueError, FileNotFoundError)."""
     from diloco_async.chaos import METHODS, check_user_overrides
     from diloco_async.config.schema import load_config
-    from diloco_async.wan.scenario import load_wan_scenario, wan_overrides
+    from diloco_async.wan.scenario import load_wan_scenario, wan_config
     from flows.outpath import check_out
 
     sc = load_wan_scenario(args.scenario)
@@ -58,8 +58,9 @@ def _check(args: argparse.Namespace, methods: list[str] | None) -> None:
     if bad:
         raise ValueError(f"unknown method {', '.join(bad)}; known: {', '.join(METHODS)}")
     check_user_overrides(sc, args.set or [])
+    base = load_config(sc.scenario.config, [*sc.scenario.overrides, *(args.set or [])])
     for m in methods or sc.scenario.methods:
-        load_config(sc.scenario.config, [*wan_overrides(sc, m, args.seed), *(args.set or [])])
+        wan_config(sc, m, base, args.seed)
     check_out(args.out, "file")
 
 

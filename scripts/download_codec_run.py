@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from diloco_async.config.resolved import with_fields, write_resolved
 from diloco_async.config.schema import load_config
 from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.metrics.heldout_monitor import load_versions
@@ -41,12 +42,11 @@ def ddp_bytes_per_token(params: int, workers: int, tokens_per_step: int) -> floa
 def run(name: str, overrides: list[str], timeout_s: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"dlc-{name}-"))
     store_url = f"file://{tmp}/store"
-    sets = [*overrides, f"run.store={store_url}", f"run.workdir={tmp}/runs"]
-    cfg = load_config(RECIPE, sets)
+    cfg = with_fields(load_config(RECIPE, overrides), {"run.store": store_url, "run.workdir": f"{tmp}/runs"})
     launcher = LocalProcessLauncher(tmp / "logs")
-    args = [a for o in sets for a in ("--set", o)]
     t0 = time.monotonic()
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", RECIPE, *args, "--run-id", name,
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--resolved-config",
+                                           str(write_resolved(cfg, tmp)), "--run-id", name,
                                            "--ready-file", str(tmp / "ready.json")], {TOKEN_ENV: TOKEN})
     learners = []
     try:

@@ -87,7 +87,7 @@ def drive(net: WanNet, endpoint: str, workdir: Path, learners: int, tokens: int)
     fsspec.filesystem("s3", **cfg.run.storage_options).mkdir("wan-tiny")
     inner = ForkServerLauncher(workdir / "logs", preload=PRELOAD)
     launcher = NetnsLauncher(inner, lambda name: net.ns_of(None if name == "synchronizer" else "r0"))
-    rp = RunProcesses(cfg, str(path), [], launcher=launcher)
+    rp = RunProcesses(cfg, launcher=launcher)
     try:
         sync_url = rp.start_synchronizer()
         for i in range(learners):

@@ -16,6 +16,7 @@ A suite file::
     [[arms]]
     name = "mean"
     set = ["synchronizer.merge=mean"]
+    # synchronous = true                 # run the arm as synchronous DiLoCo (K = M, no grace, barrier)
 
     [[comparisons]]                      # the difference b - a of one figure, and the paper's claim
     name = "RDA vs plain mean (M = 8)"
@@ -34,16 +35,20 @@ per token processed), ``tokens``, ``wall_s``, or any other numeric key of the ru
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diloco_async.ablation.stats import CLAIM_KINDS, Claim
-from diloco_async.config.schema import Config, load_config
+from diloco_async.config.resolved import synchronous_diloco, synchronous_fields, with_fields
+from diloco_async.config.schema import Config
 from diloco_async.config.tomlfile import load_toml_model
 from diloco_async.validate import recipe_field
 
-__all__ = ["Arm", "Comparison", "SuiteSpec", "Suite", "load_suite", "run_overrides", "check_arms", "figures_of"]
+__all__ = ["Arm", "Comparison", "SuiteSpec", "Suite", "load_suite", "arm_overrides", "run_fields",
+           "run_config", "owned_fields", "check_extra", "figures_of"]
 
 #: figures computed from a run (the rest are read from the summary by name)
 COMPUTED_FIGURES = ("eval_loss", "bytes_per_token", "tokens")
@@ -56,10 +61,13 @@ class _Strict(BaseModel):
 
 
 class Arm(_Strict):
-    """One arm: a name (file-name safe) and its ``section.field=value`` overrides."""
+    """One arm: a name (file-name safe), its ``section.field=value`` overrides and whether it runs
+    as synchronous DiLoCo (:func:`~diloco_async.config.resolved.synchronous_diloco`, after ``set``)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     set: list[str] = Field(default_factory=list)
+    synchronous: bool = Field(False, description="synchronous DiLoCo: K = M, no grace window, learners wait "
+                                                 "at each round (the paper's synchronous baseline)")
     description: str = ""
 
 
@@ -145,34 +153,47 @@ def load_suite(path: str | Path) -> Suite:
     return load_toml_model(path, Suite, "suite", "merge.toml")
 
 
-def run_overrides(suite: Suite, arm: Arm, seed: int) -> list[str]:
-    """The ``--set`` list of one run: the suite's overrides, the arm's, then the seed and the
-    token and wall budgets (those last, so every arm runs the same budget)."""
+def arm_overrides(suite: Suite, arm: Arm, extra: Sequence[str] = ()) -> list[str]:
+    """The ``--set`` strings of an arm as written by people: the suite's overrides, the arm's, then
+    ``extra`` (the command line's); the entry point parses them once with the suite's recipe."""
+    return [*suite.suite.overrides, *arm.set, *extra]
+
+
+def run_fields(suite: Suite, arm: Arm, seed: int) -> dict[str, Any]:
+    """The fields the suite sets on every run of ``arm``: the seed, the token and wall budgets (every
+    arm runs the same budget) and the run name."""
     s = suite.suite
-    return [*s.overrides, *arm.set, f"run.seed={seed}", f"budget.tokens={s.tokens}", f"budget.wall_s={s.wall_s}",
-            f"run.name=ablate-{s.name}-{arm.name}"]
+    return {"run.seed": seed, "budget.tokens": s.tokens, "budget.wall_s": s.wall_s,
+            "run.name": f"ablate-{s.name}-{arm.name}"}
 
 
-def check_arms(suite: Suite, extra: list[str] = ()) -> dict[str, Config]:
-    """Load every arm's recipe (first seed) with ``extra`` overrides after its own; arm name ->
-    config. Raises ValueError naming the arm when one does not validate (e.g. a key this build
-    does not have), or when ``extra`` sets a field the suite owns: the seed, the budgets, the run
-    name or a field an arm varies (overriding those would fake the replication or erase the arms'
-    difference)."""
-    owned = {"run.seed", "budget.tokens", "budget.wall_s", "run.name"}
+def run_config(suite: Suite, arm: Arm, seed: int, base: Config) -> Config:
+    """The config of one run: ``base`` (the recipe with :func:`arm_overrides`, resolved once) with
+    :func:`run_fields`, then synchronous DiLoCo when the arm says so.
+
+    Raises:
+        ValueError: the result does not validate.
+    """
+    cfg = with_fields(base, run_fields(suite, arm, seed))
+    return synchronous_diloco(cfg) if arm.synchronous else cfg
+
+
+def owned_fields(suite: Suite) -> set[str]:
+    """The ``section.field`` names the suite sets itself (seed, budgets, run name, every field an arm
+    varies): an ``extra`` override of one would fake the replication or erase the arms' difference."""
+    owned = set(run_fields(suite, suite.arms[0], 0))
     owned |= {item.split("=", 1)[0].strip() for arm in suite.arms for item in arm.set}
-    taken = sorted({item.split("=", 1)[0].strip() for item in extra} & owned)
+    if any(arm.synchronous for arm in suite.arms):
+        owned |= set(synchronous_fields(1))
+    return owned
+
+
+def check_extra(suite: Suite, extra: Sequence[str]) -> None:
+    """Raises ValueError when ``extra`` sets a field of :func:`owned_fields`."""
+    taken = sorted({item.split("=", 1)[0].strip() for item in extra} & owned_fields(suite))
     if taken:
         raise ValueError(f"suite {suite.suite.name!r} sets {', '.join(taken)} itself (per arm, seed or budget); "
                          "change the suite file instead")
-    out = {}
-    for arm in suite.arms:
-        try:
-            out[arm.name] = load_config(suite.suite.config, [*run_overrides(suite, arm, suite.suite.seeds[0]),
-                                                             *extra])
-        except (ValueError, FileNotFoundError) as err:
-            raise ValueError(f"suite {suite.suite.name!r}, arm {arm.name!r}: {err}") from None
-    return out
 
 
 def figures_of(summary: dict, eval_loss: float, names: list[str]) -> dict[str, float | None]:

@@ -63,7 +63,8 @@ import torch
 import torch.distributed as dist
 
 from diloco_async.baselines.ddp_checkpoints import checkpoint_prefix, model_from_params, param_sha256
-from diloco_async.config.schema import Config, config_hash, load_config
+from diloco_async.config.resolved import read_resolved
+from diloco_async.config.schema import Config, config_hash
 from diloco_async.data.tokens import Corpus, open_corpus
 from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.inner.workload import (
@@ -328,8 +329,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--store", required=True, help="object store root URL")
     ap.add_argument("--timeline", required=True, help="JSON-lines file this rank appends to")
     ap.add_argument("--incarnation", type=int, default=0, help="restart count of the group")
-    ap.add_argument("--config", default=None, help="TOML recipe (defaults when omitted)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--resolved-config", default=None, metavar="RESOLVED.json",
+                    help="the run's resolved config (JSON, diloco_async.config.resolved; defaults when omitted)")
     ap.add_argument("--speed", type=float, default=None,
                     help="relative hardware speed (0.5: half speed); default faults.speed_factors[rank] or 1.0")
     ap.add_argument("--jitter", type=float, default=None,
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = read_resolved(args.resolved_config) if args.resolved_config else Config()
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

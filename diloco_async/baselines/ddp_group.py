@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco_async.config.resolved import write_resolved
+from diloco_async.config.schema import Config
 from diloco_async.runtime.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
 from storage.options import STORAGE_OPTIONS_ENV
 
@@ -82,8 +84,8 @@ class DdpGroup:
     """The rank processes of one data-parallel run.
 
     Args:
-        config: TOML recipe path, or None for the defaults.
-        overrides: ``section.field=value`` strings applied on top (``--set``).
+        cfg: the run's resolved config; written to ``workdir/resolved-config.json``, which every rank
+            reads (:mod:`diloco_async.config.resolved`).
         world_size: M, the number of ranks.
         run_id: checkpoints go to ``{store}/{run_id}/ddp/checkpoints/``.
         store: object store root URL (absolute ``file://`` paths recommended: the ranks run in
@@ -96,20 +98,19 @@ class DdpGroup:
         ValueError: ``world_size`` < 1 or ``schedule.speeds`` of another length.
     """
 
-    def __init__(self, config: str | os.PathLike | None, overrides: Sequence[str], world_size: int, run_id: str,
-                 store: str, workdir: str | os.PathLike, schedule: RankSchedule = RankSchedule(),
-                 placement: RankPlacement = RankPlacement()) -> None:
+    def __init__(self, cfg: Config, world_size: int, run_id: str, store: str, workdir: str | os.PathLike,
+                 schedule: RankSchedule = RankSchedule(), placement: RankPlacement = RankPlacement()) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         speeds = list(schedule.speeds) if schedule.speeds is not None else None
         if speeds is not None and len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for {world_size} ranks")
-        self.config = str(Path(config).resolve()) if config is not None else None
-        self.overrides = list(overrides)
+        self.cfg = cfg
         self.world_size = world_size
         self.run_id = run_id
         self.store = store
         self.workdir = Path(workdir)
+        self.config_file = write_resolved(cfg, self.workdir)
         self.speeds = speeds
         self.jitter = schedule.jitter
         self.checkpoint_every_steps = schedule.checkpoint_every_steps
@@ -145,10 +146,7 @@ class DdpGroup:
             argv += ["--speed", repr(float(self.speeds[rank]))]
         if self.jitter is not None:
             argv += ["--jitter", repr(float(self.jitter))]
-        if self.config is not None:
-            argv += ["--config", self.config]
-        for item in self.overrides:
-            argv += ["--set", item]
+        argv += ["--resolved-config", str(self.config_file)]
         if self.stop_at_unix is not None:
             argv += ["--stop-at-unix", repr(float(self.stop_at_unix))]
         if self.max_steps is not None:

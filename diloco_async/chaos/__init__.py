@@ -30,8 +30,8 @@ from diloco_async.chaos.scenario import (
                                          harness_fields,
                                          load_scenario,
                                          make_schedule,
-                                         method_overrides,
+                                         method_config,
 )
 
-__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
+__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_config",
            "harness_fields", "check_user_overrides"]

@@ -29,13 +29,14 @@ from yarl import URL
 from diloco_async.chaos.fuzz import FuzzRequest, RequestGenerator
 from diloco_async.chaos.scripted import Poisoner, ScriptedLearners, published_extremes
 from diloco_async.chaos.slow_clients import SlowClients
-from diloco_async.config.schema import load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import SyncClient
 from diloco_async.run import RunProcesses
 
-__all__ = ["FuzzResult", "run_api_fuzz", "send_request", "fuzz_overrides", "NO_ANSWER", "CLIENT_REFUSED"]
+__all__ = ["FuzzResult", "run_api_fuzz", "send_request", "fuzz_config", "NO_ANSWER", "CLIENT_REFUSED"]
 
 log = logging.getLogger("diloco.chaos.fuzz")
 
@@ -49,16 +50,17 @@ FUZZ_IDS = [f"fuzz-{i}" for i in range(6)]
 POISONER = "poisoner-0"
 
 
-def fuzz_overrides(workdir: Path) -> list[str]:
+def fuzz_config(workdir: Path) -> Config:
     """The run the fuzz targets: a tiny model, 2 fragments, H = 4, K = 2, short timeouts; 10
     learner slots, so the honest learners, the poisoner and the fuzz's own ids fit under a learner
     cap (the fuzz also sends other ids: those may be refused)."""
-    return [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs", "model.n_layer=1",
-            "model.d_model=16", "model.n_head=2", "model.context=8", "learners.count=10",
-            "synchronizer.num_fragments=2", "synchronizer.sync_every=4", "synchronizer.min_quorum=2",
-            "synchronizer.grace_initial_s=0.2", "synchronizer.grace_cap_s=0.5",
-            "synchronizer.heartbeat_timeout_s=3", "synchronizer.checkpoint_every_s=100000",
-            "synchronizer.drain_s=0", "budget.wall_s=3600", "budget.tokens=1000000000000000"]
+    return with_fields(Config(), {
+        "run.store": f"file://{workdir}/store", "run.workdir": f"{workdir}/runs", "model.n_layer": 1,
+        "model.d_model": 16, "model.n_head": 2, "model.context": 8, "learners.count": 10,
+        "synchronizer.num_fragments": 2, "synchronizer.sync_every": 4, "synchronizer.min_quorum": 2,
+        "synchronizer.grace_initial_s": 0.2, "synchronizer.grace_cap_s": 0.5,
+        "synchronizer.heartbeat_timeout_s": 3.0, "synchronizer.checkpoint_every_s": 100000.0,
+        "synchronizer.drain_s": 0.0, "budget.wall_s": 3600.0, "budget.tokens": 1_000_000_000_000_000})
 
 
 @dataclass
@@ -286,8 +288,7 @@ def run_api_fuzz(requests: int, seed: int, workdir: str | os.PathLike, concurren
         RuntimeError: the synchronizer did not start, or honest rounds did not merge before the fuzz.
     """
     workdir = Path(workdir).resolve()
-    overrides = fuzz_overrides(workdir)
-    run = RunProcesses(load_config(None, overrides), None, overrides)
+    run = RunProcesses(fuzz_config(workdir))
     result = FuzzResult(slow_clients=slow_clients, slow_limit_s=slow_limit_s)
     try:
         run.start_synchronizer()

@@ -31,14 +31,15 @@ import torch
 from diloco_async.chaos.scripted import published_extremes
 from diloco_async.chaos.targets import PRELOAD
 from diloco_async.codec import wire
-from diloco_async.config.schema import load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.procs import ForkServerLauncher
 from storage import keys
 
-__all__ = ["KillMatrix", "KillMatrixResult", "kill_overrides", "merged_contributions"]
+__all__ = ["KillMatrix", "KillMatrixResult", "kill_config", "merged_contributions"]
 
 log = logging.getLogger("diloco.chaos.kills")
 
@@ -52,20 +53,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def kill_overrides(workdir: Path, learners: int, upload_hold_s: float, port: int,
-                   checkpoint_every_s: float = 10.0) -> list[str]:
+def kill_config(workdir: Path, learners: int, upload_hold_s: float, port: int,
+                checkpoint_every_s: float = 10.0) -> Config:
     """A tiny real run: ``learners`` learners, 3 fragments, H = 8, K = 1, a checkpoint every
     ``checkpoint_every_s`` (so a kill often comes after versions the checkpoint lacks), nothing
     collected, slow uploads, restarts without limit."""
-    return [f"run.store=file://{workdir}/store", f"run.workdir={workdir}/runs",
-            f"data.cache_dir={Path('data').resolve()}", "model.n_layer=1", "model.d_model=32", "model.n_head=2",
-            "model.context=32", f"learners.count={learners}", "learners.batch_size=8", "learners.checkpoint_every_s=0",
-            "learners.restart_delay_s=0.5", "learners.max_restarts=100000",
-            f"faults.storage_faults={{p_slow=1.0, slow_s={upload_hold_s}, ops=[\"put\"]}}",
-            f"synchronizer.port={port}", "synchronizer.num_fragments=3", "synchronizer.sync_every=8",
-            "synchronizer.min_quorum=1", "synchronizer.heartbeat_timeout_s=3",
-            f"synchronizer.checkpoint_every_s={checkpoint_every_s}",
-            "synchronizer.keep_checkpoints=0", "synchronizer.drain_s=0", "budget.wall_s=36000"]
+    return with_fields(Config(), {
+        "run.store": f"file://{workdir}/store", "run.workdir": f"{workdir}/runs",
+        "data.cache_dir": str(Path("data").resolve()), "model.n_layer": 1, "model.d_model": 32, "model.n_head": 2,
+        "model.context": 32, "learners.count": learners, "learners.batch_size": 8, "learners.checkpoint_every_s": 0.0,
+        "learners.restart_delay_s": 0.5, "learners.max_restarts": 100000,
+        "faults.storage_faults": {"p_slow": 1.0, "slow_s": upload_hold_s, "ops": ["put"]},
+        "synchronizer.port": port, "synchronizer.num_fragments": 3, "synchronizer.sync_every": 8,
+        "synchronizer.min_quorum": 1, "synchronizer.heartbeat_timeout_s": 3.0,
+        "synchronizer.checkpoint_every_s": checkpoint_every_s,
+        "synchronizer.keep_checkpoints": 0, "synchronizer.drain_s": 0.0,
+        "budget.wall_s": 36000.0, "budget.tokens": None})
 
 
 @dataclass
@@ -149,8 +152,8 @@ class KillMatrix:
         self.upload_hold_s = upload_hold_s
         self.checkpoint_every_s = checkpoint_every_s
         self.resume_limit_s = 120.0  # a resume that does not listen within this is a failed resume
-        overrides = kill_overrides(self.workdir, learners, upload_hold_s, _free_port(), checkpoint_every_s)
-        self.run_procs = RunProcesses(load_config(None, overrides), None, overrides)
+        self.run_procs = RunProcesses(kill_config(self.workdir, learners, upload_hold_s, _free_port(),
+                                                  checkpoint_every_s))
         self.run_procs.launcher = ForkServerLauncher(self.run_procs.workdir / "logs", PRELOAD)
         self.learners = learners
         self.result = KillMatrixResult(log_dir=str(self.run_procs.workdir / "logs"))

@@ -15,14 +15,22 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diloco_async.config.resolved import (
+    decoupled_diloco,
+    decoupled_fields,
+    synchronous_diloco,
+    synchronous_fields,
+    with_fields,
+)
+from diloco_async.config.schema import Config
 from diloco_async.config.tomlfile import load_toml_model
 from diloco_async.validate import recipe_field
 
-__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_overrides",
+__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_config",
            "harness_fields", "check_user_overrides", "with_user_overrides"]
 
 ScenarioT = TypeVar("ScenarioT", bound="Scenario")
@@ -206,7 +214,7 @@ def harness_fields(sc: Scenario) -> set[str]:
     """The ``section.field`` names the harness sets for every method (slots, faults, quorum,
     grace, barrier, checkpoints, budget): a user override of one of them would change what the
     methods are, so :func:`check_user_overrides` refuses it."""
-    return {o.split("=", 1)[0] for m in METHODS for o in method_overrides(sc, m)[len(sc.scenario.overrides):]}
+    return {*_common_fields(sc), *synchronous_fields(sc.scenario.slots), *decoupled_fields()}
 
 
 def check_user_overrides(sc: Scenario, overrides: list[str]) -> None:
@@ -217,31 +225,39 @@ def check_user_overrides(sc: Scenario, overrides: list[str]) -> None:
                          "change the scenario file instead")
 
 
-def method_overrides(sc: Scenario, method: str) -> list[str]:
-    """Config overrides (``section.field=value``) that make the shared recipe run ``method``
-    under this scenario's learner-side faults (speeds, jitter, control and storage faults).
+def _common_fields(sc: Scenario) -> dict[str, Any]:
+    """The fields every method gets: M slots, the learner-side faults (speeds, jitter, control and
+    storage faults), the snapshot period, and a budget that only the scenario's wall time ends."""
+    s = sc.scenario
+    out: dict[str, Any] = {
+        "learners.count": s.slots, "faults.speed_factors": list(sc.speed_factors()),
+        "faults.step_jitter": sc.stragglers.jitter,
+        "faults.control_drop_prob": sc.control.drop_prob, "faults.control_delay_s": sc.control.delay_s,
+        "synchronizer.checkpoint_every_s": s.snapshot_every_s, "synchronizer.keep_checkpoints": 0,
+        "budget.wall_s": s.wall_s + 600, "budget.tokens": 1_000_000_000_000}
+    st = sc.storage
+    if st.p_transient or st.p_slow:
+        out["faults.storage_faults"] = {"p_transient": st.p_transient, "p_slow": st.p_slow, "slow_s": st.slow_s}
+    return out
+
+
+def method_config(sc: Scenario, method: str, base: Config) -> Config:
+    """``base`` (the scenario's recipe with its overrides and the user's, resolved once by the
+    entry point) as ``method`` under this scenario's learner-side faults: typed fields, validated
+    (:func:`~diloco_async.config.resolved.with_fields`); ``sync-diloco`` is
+    :func:`~diloco_async.config.resolved.synchronous_diloco`.
 
     Raises:
-        ValueError: an unknown method.
+        ValueError: an unknown method, or the result does not validate.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    s = sc.scenario
-    speeds = ",".join(repr(v) for v in sc.speed_factors())
-    out = [*s.overrides, f"learners.count={s.slots}", f"faults.speed_factors=[{speeds}]",
-           f"faults.step_jitter={sc.stragglers.jitter}",
-           f"faults.control_drop_prob={sc.control.drop_prob}", f"faults.control_delay_s={sc.control.delay_s}",
-           f"synchronizer.checkpoint_every_s={s.snapshot_every_s}", "synchronizer.keep_checkpoints=0",
-           f"budget.wall_s={s.wall_s + 600}", "budget.tokens=1000000000000"]
-    st = sc.storage
-    if st.p_transient or st.p_slow:
-        out.append(f"faults.storage_faults={{p_transient={st.p_transient!r}, p_slow={st.p_slow!r}, "
-                   f"slow_s={st.slow_s!r}}}")
+    cfg = with_fields(base, _common_fields(sc))
     if method == "sync-diloco":
-        out += [f"synchronizer.min_quorum={s.slots}", "synchronizer.grace_enabled=false", "learners.barrier=true"]
-    elif method == "decoupled":
-        out += ["synchronizer.min_quorum=1", "synchronizer.grace_enabled=true", "learners.barrier=false"]
-    return out
+        return synchronous_diloco(cfg)
+    if method == "decoupled":
+        return decoupled_diloco(cfg)
+    return cfg
 
 
 def with_user_overrides(sc: ScenarioT, overrides: list[str] | None,

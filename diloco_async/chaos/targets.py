@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 from diloco_async.chaos.driver import SlotBook, drive, restarting_intervals
 from diloco_async.chaos.measure import Snapshot
-from diloco_async.chaos.scenario import FaultEvent, Scenario, method_overrides
-from diloco_async.config.schema import Config, load_config
+from diloco_async.chaos.scenario import FaultEvent, Scenario
+from diloco_async.config.schema import Config
 from diloco_async.metrics.evaluation import model_from_checkpoint
 from diloco_async.metrics.run_timeline import fragment_shares, read_merges
 from diloco_async.metrics.timeline import Interval, Step, Timeline, diloco_timeline_steps, read_records
@@ -59,15 +59,15 @@ class TargetRun:
 
 
 class ChaosTarget:
-    """The common part of both targets: the recipe of ``method`` under the scenario, the slot
+    """The common part of both targets: the config of the method under the scenario, the slot
     bookkeeping, and :meth:`run`. Subclasses implement the :class:`FaultTarget` hooks and
-    ``_start``, ``_stop``, ``_close``, ``_collect``. ``overrides``: the recipe overrides of the
-    method (default :func:`~diloco_async.chaos.scenario.method_overrides`; WAN runs add theirs)."""
+    ``_start``, ``_stop``, ``_close``, ``_collect``. ``cfg``: the method's resolved config
+    (:func:`~diloco_async.chaos.scenario.method_config` of the scenario's recipe; WAN runs add their
+    fields), which every process of the run reads."""
 
-    def __init__(self, sc: Scenario, method: str, overrides: list[str] | None = None) -> None:
+    def __init__(self, sc: Scenario, cfg: Config) -> None:
         self.sc = sc
-        self.overrides = method_overrides(sc, method) if overrides is None else list(overrides)
-        self.cfg = load_config(sc.scenario.config, self.overrides)
+        self.cfg = cfg
         self.slots = SlotBook(sc.scenario.slots)
 
     def run(self, events: Sequence[FaultEvent]) -> TargetRun:
@@ -110,11 +110,10 @@ class DilocoTarget(ChaosTarget):
         on_metrics: receives the synchronizer's new metric points every 2 s and at the end.
     """
 
-    def __init__(self, sc: Scenario, method: str,
-                 on_metrics: Callable[[list[dict]], None] = lambda points: None,
-                 overrides: list[str] | None = None) -> None:
-        super().__init__(sc, method, overrides)
-        self.procs = RunProcesses(self.cfg, sc.scenario.config, self.overrides)
+    def __init__(self, sc: Scenario, cfg: Config,
+                 on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
+        super().__init__(sc, cfg)
+        self.procs = RunProcesses(self.cfg)
         self.procs.launcher = ForkServerLauncher(self.procs.workdir / "logs", PRELOAD)
         self.timeline_dir = self.procs.workdir / "timeline"
         self.on_metrics = on_metrics
@@ -239,17 +238,17 @@ class DdpTarget(ChaosTarget):
     :class:`~diloco_async.baselines.ddp_group.DdpGroup` (WAN runs: ``master_addr``, ``env``; the
     store options are the recipe's)."""
 
-    def __init__(self, sc: Scenario, overrides: list[str] | None = None, *, max_steps: int | None = None,
+    def __init__(self, sc: Scenario, cfg: Config, *, max_steps: int | None = None,
                  placement: RankPlacement | None = None) -> None:
         from diloco_async.baselines.ddp_group import DdpGroup, RankPlacement, RankSchedule
         from diloco_async.sync import new_run_id
         from storage.store import ObjectStore
 
-        super().__init__(sc, "ddp", overrides)
+        super().__init__(sc, cfg)
         self.run_id = new_run_id()
         self.workdir = Path(self.cfg.run.workdir).resolve() / self.run_id
         self.store = ObjectStore(self.cfg.run.store, self.cfg.run.storage_options)
-        self.group = DdpGroup(config=sc.scenario.config, overrides=self.overrides, world_size=sc.scenario.slots,
+        self.group = DdpGroup(cfg=self.cfg, world_size=sc.scenario.slots,
                               run_id=self.run_id, store=self.store.url, workdir=self.workdir,
                               schedule=RankSchedule(speeds=sc.speed_factors(), jitter=sc.stragglers.jitter,
                                                     checkpoint_every_steps=sc.ddp.checkpoint_every_steps,

@@ -1,7 +1,8 @@
 """Typed configuration tree (pydantic). A recipe file (TOML) is complete and validated;
 unknown keys are rejected with a message that names the field.
 
-Load with :func:`load_config`; override single fields with ``section.field=value`` strings.
+Load with :func:`load_config` (once, at an entry point); override single fields with ``section.field=value``
+strings there. Processes and harnesses pass the value on (:mod:`diloco_async.config.resolved`).
 """
 
 from __future__ import annotations
@@ -319,16 +320,19 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML recipe (or the defaults when ``path`` is None) and apply overrides.
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Read a TOML recipe (or ``base``, a config as plain data, e.g. a run's stored ``config.json``;
+    or the defaults when both are None) and apply overrides. The one parser of recipes and ``--set``
+    strings: entry points call it once and pass the :class:`Config` on (:mod:`diloco_async.config.resolved`).
 
     Raises:
         FileNotFoundError: the recipe does not exist.
         ValueError: the recipe is not valid TOML (the message names the file and the line), or a
             field is unknown or invalid (the message names every offending field).
     """
-    raw: dict = {}
-    source = "(defaults)"
+    raw: dict = dict(base or {})
+    source = "(defaults)" if base is None else "(stored config)"
     if path is not None:
         source = str(path)
         raw = read_toml(path, "recipe")

@@ -23,7 +23,7 @@
 from diloco_async.sync.actor import Synchronizer
 from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lifecycle import Phase
-from diloco_async.sync.persistence import open_checkpoint
+from diloco_async.sync.persistence import open_checkpoint, stored_config
 from diloco_async.sync.process import STORAGE_OPTIONS_ENV, TOKEN_ENV, main, serve
 from diloco_async.sync.state import Broadcaster, initial_parameters, initial_state, new_run_id
 
@@ -39,6 +39,7 @@ __all__ = [
     "serve",
     "main",
     "open_checkpoint",
+    "stored_config",
     "TOKEN_ENV",
     "STORAGE_OPTIONS_ENV",
 ]

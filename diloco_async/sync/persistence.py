@@ -14,7 +14,8 @@ from functools import partial
 import torch
 
 from diloco_async.codec import wire
-from diloco_async.config.schema import Config, apply_overrides, config_differences, config_hash, load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config, config_differences, config_hash
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.protocol.versions import VersionHistory, read_version
 from diloco_async.sync.state import FragmentState
@@ -24,7 +25,7 @@ from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
 from storage.store import IntegrityError, ObjectRef, ObjectStore, object_digest
 
-__all__ = ["publish_initial", "open_checkpoint", "no_such_run", "restore", "checkpoint_payload"]
+__all__ = ["publish_initial", "stored_config", "open_checkpoint", "no_such_run", "restore", "checkpoint_payload"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -42,12 +43,29 @@ def publish_initial(sync: ActorView) -> None:
              sync.plan.schema_hash[:12])
 
 
-def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
+def stored_config(url: str, storage_options: dict) -> dict:
+    """The run's own ``config.json`` (public fields, plain data) from the store of a checkpoint URL,
+    for a resume without a recipe: the entry point applies the user's overrides to it once
+    (``load_config(None, overrides, base=...)``).
+
+    Raises:
+        ValueError: the URL is malformed, or the store holds no such run (the message lists the runs it holds).
+    """
+    root, run_id, _ = keys.split_checkpoint_url(url)
+    try:
+        return ObjectStore(root, storage_options).get_json(keys.config_key(run_id))
+    except FileNotFoundError:
+        raise ValueError(no_such_run(ObjectStore(root, storage_options), run_id)) from None
+
+
+def open_checkpoint(url: str, cfg: Config | None,
                     storage_options: dict) -> tuple[Config, ObjectStore, str, Checkpoint]:
     """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
 
-    The config is the given recipe, or the run's own ``config.json`` from the store when none
-    is given; overrides apply on top (a budget may be extended; training fields must match).
+    ``cfg`` is the resolved config of the resume (a recipe or the run's stored config, with the
+    user's overrides applied once by the entry point), or None for the run's own ``config.json``
+    as it is; either way ``run.store`` becomes the URL's store. Training fields must match the
+    checkpoint's (a budget may be extended).
 
     Raises:
         ValueError: nothing verifies at that URL, the URL is malformed, the config differs from the
@@ -55,16 +73,12 @@ def open_checkpoint(url: str, config_path: str | None, overrides: list[str],
             that extends it).
     """
     root, run_id, seq = keys.split_checkpoint_url(url)
-    if config_path is None:
-        try:
-            stored = ObjectStore(root, storage_options).get_json(keys.config_key(run_id))
-        except FileNotFoundError:
-            raise ValueError(no_such_run(ObjectStore(root, storage_options), run_id)) from None
-        raw = apply_overrides(stored, overrides)
+    if cfg is None:
+        raw = stored_config(url, storage_options)
         raw["run"]["store"] = root
         cfg = Config.model_validate(raw)
-    else:
-        cfg = load_config(config_path, [*overrides, f"run.store={root}"])
+    elif cfg.run.store != root:
+        cfg = with_fields(cfg, {"run.store": root})
     store = ObjectStore(root, {**cfg.run.storage_options, **storage_options})
     if seq is None:
         ckpt = latest_checkpoint(store, run_id)

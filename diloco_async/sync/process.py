@@ -28,7 +28,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from diloco_async.config.schema import Config, load_config
+from diloco_async.config.resolved import read_resolved
+from diloco_async.config.schema import Config
 from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.protocol.client import TOKEN_ENV
 from diloco_async.runtime.heap import limit_heap_retention
@@ -284,16 +285,26 @@ def _release(lease: Lease) -> None:
         log.warning("could not release lease epoch %d: %s: %s", lease.lease_epoch, type(err).__name__, err)
 
 
-def _take_lease(args: argparse.Namespace, cfg: Config, store: ObjectStore, run_id: str, ckpt: Checkpoint | None,
+def _take_lease(resume_url: str | None, cfg: Config, store: ObjectStore, run_id: str, ckpt: Checkpoint | None,
                 env_options: dict) -> tuple[Lease, Config, ObjectStore, Checkpoint | None]:
     """Take the run's lease; a resume from the newest checkpoint then picks it again, so one
     written by the previous holder meanwhile is not missed."""
     lease = acquire(store, run_id, cfg.synchronizer.lease_ttl_s, cfg.synchronizer.lease_renew_s)
     lease.start_renewing()
-    if ckpt is not None and keys.split_checkpoint_url(args.resume)[2] is None \
+    if ckpt is not None and resume_url is not None and keys.split_checkpoint_url(resume_url)[2] is None \
             and max(list_checkpoint_seqs(store, run_id), default=0) > ckpt.seq:
-        cfg, store, _, ckpt = open_checkpoint(args.resume, args.config, args.set, env_options)
+        cfg, store, _, ckpt = open_checkpoint(resume_url, cfg, env_options)
     return lease, cfg, store, ckpt
+
+
+def _given_config(path: str | None) -> Config | None:
+    """The resolved config at ``path`` (None: none given). Raises ValueError: no such file, or not a config."""
+    if path is None:
+        return None
+    try:
+        return read_resolved(path)
+    except FileNotFoundError:
+        raise ValueError(f"no resolved config at {path}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,10 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                f"learner tokens derive from it), {STORAGE_OPTIONS_ENV} (optional JSON fsspec options of the store). "
                f"exit codes: 0 finished, 2 bad arguments, config, secret or checkpoint, {EXIT_LEASE_HELD} another "
                f"synchronizer holds the run, {EXIT_LEASE_LOST} the lease was taken over while running.")
-    ap.add_argument("--config", default=None, metavar="RECIPE.toml",
-                    help="recipe file (TOML); the built-in defaults when omitted")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set synchronizer.port=8470 (repeatable)")
+    ap.add_argument("--resolved-config", default=None, metavar="RESOLVED.json",
+                    help="the run's resolved config (JSON written by diloco_async.config.resolved.write_resolved: the "
+                         "recipe and its overrides, parsed once by whoever starts the run); without it the built-in "
+                         "defaults, or with --resume the run's own config.json from the store")
     ap.add_argument("--run-id", default=None,
                     help="id of a new run: its objects go under {run.store}/{run_id}/ (not with --resume)")
     ap.add_argument("--resume", default=None, metavar="CHECKPOINT_URL",
@@ -348,13 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     env_options = storage_options_from_env()
     try:
+        given = _given_config(args.resolved_config)
         if args.resume:
-            cfg, store, run_id, ckpt = open_checkpoint(args.resume, args.config, args.set, env_options)
+            cfg, store, run_id, ckpt = open_checkpoint(args.resume, given, env_options)
         else:
-            cfg = load_config(args.config, args.set)
+            cfg = given if given is not None else Config()
             store = ObjectStore(cfg.run.store, {**cfg.run.storage_options, **env_options})
             run_id, ckpt = args.run_id, None
-        lease, cfg, store, ckpt = _take_lease(args, cfg, store, run_id, ckpt, env_options)
+        lease, cfg, store, ckpt = _take_lease(args.resume, cfg, store, run_id, ckpt, env_options)
         asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt, lease=lease))
     except ValueError as err:
         log.error("%s", err)

@@ -39,10 +39,12 @@ from pathlib import Path
 from diloco_async.baselines.ddp_group import RankPlacement
 from diloco_async.chaos.measure import measure
 from diloco_async.chaos.targets import DdpTarget, DilocoTarget, TargetRun
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 from diloco_async.metrics.timeline import Timeline
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV
 from diloco_async.wan.report import WireRun
-from diloco_async.wan.scenario import WanScenario, ddp_max_steps, wan_overrides
+from diloco_async.wan.scenario import WanScenario, ddp_max_steps, wan_config
 
 __all__ = ["S3_TEST_ENV", "WanPlacement", "WanDilocoTarget", "WanDdpTarget", "run_method", "timeline_rates"]
 
@@ -92,21 +94,24 @@ class WanPlacement:
 
         return NetnsLauncher(launcher, self.ns_for, self.env_for)
 
-    def diloco_overrides(self, method: str, seed: int | None, run_name: str) -> list[str]:
+    def diloco_config(self, method: str, base: Config, seed: int | None, run_name: str) -> Config:
+        """The config of a DiLoCo method here: :func:`~diloco_async.wan.scenario.wan_config` with the
+        synchronizer in the hub, the store on the hub's S3 server under ``run_name``, no learner checkpoints."""
         host = self.net.hub_addr if self.net is not None else "127.0.0.1"
-        return [*wan_overrides(self.sc, method, seed), f"synchronizer.host={host}",
-                f"run.store=s3://{self.bucket}/{run_name}", "learners.checkpoint_every_s=0",
-                f'run.storage_options={{client_kwargs={{endpoint_url="{self.endpoint_url}"}}}}']
+        return with_fields(wan_config(self.sc, method, base, seed), {
+            "synchronizer.host": host, "run.store": f"s3://{self.bucket}/{run_name}",
+            "learners.checkpoint_every_s": 0.0,
+            "run.storage_options": {"client_kwargs": {"endpoint_url": self.endpoint_url}}})
 
 
 class WanDilocoTarget(DilocoTarget):
     """``sync-diloco`` / ``decoupled`` placed by a :class:`WanPlacement`; finished once the
     synchronizer exited 0 (the token budget is reached)."""
 
-    def __init__(self, sc: WanScenario, method: str, place: WanPlacement, seed: int | None,
+    def __init__(self, sc: WanScenario, method: str, base: Config, place: WanPlacement, seed: int | None,
                  on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
         self.place, self.prefix = place, f"{method}-{time.time_ns()}"
-        super().__init__(sc, method, on_metrics, place.diloco_overrides(method, seed, self.prefix))
+        super().__init__(sc, place.diloco_config(method, base, seed, self.prefix), on_metrics)
         self.procs.launcher = place.wrap(self.procs.launcher)
         self.finished = False
 
@@ -143,17 +148,14 @@ class WanDdpTarget(DdpTarget):
     """``ddp`` placed by a :class:`WanPlacement`: ``max_steps`` of the token budget, rank 0 the
     master at its region's address; finished once every rank exited 0."""
 
-    def __init__(self, sc: WanScenario, place: WanPlacement, seed: int | None, store_dir: Path) -> None:
-        from diloco_async.config.schema import load_config
-
-        overrides = [*wan_overrides(sc, "ddp", seed), f"run.store=file://{store_dir.resolve()}",
-                     "run.storage_options={}"]
-        cfg = load_config(sc.scenario.config, overrides)
+    def __init__(self, sc: WanScenario, base: Config, place: WanPlacement, seed: int | None, store_dir: Path) -> None:
+        cfg = with_fields(wan_config(sc, "ddp", base, seed),
+                          {"run.store": f"file://{store_dir.resolve()}", "run.storage_options": {}})
         placement = RankPlacement()
         if place.net is not None:  # every rank's gloo socket on its region-side veth: one name in every region
             placement = RankPlacement(master_addr=place.net.regions[sc.region_of(0)].addr,
                                       env={"GLOO_SOCKET_IFNAME": place.net.region_ifname})
-        super().__init__(sc, overrides, max_steps=ddp_max_steps(sc, int(cfg.learners.batch_size), cfg.model.context),
+        super().__init__(sc, cfg, max_steps=ddp_max_steps(sc, int(cfg.learners.batch_size), cfg.model.context),
                          placement=placement)
         self.group.launcher = place.wrap(self.group.launcher)
         self.finished = False
@@ -185,17 +187,18 @@ def _counters(net) -> dict[str, dict[str, int]]:
     return net.link_counters() if net is not None else {}
 
 
-def run_method(sc: WanScenario, method: str, place: WanPlacement, batches, seed: int | None = None,
+def run_method(sc: WanScenario, method: str, base: Config, place: WanPlacement, batches, seed: int | None = None,
                on_metrics: Callable[[list[dict]], None] = lambda points: None) -> tuple[WireRun, TargetRun]:
     """Run one method over the placement's links until its token budget; return what was
-    measured (:class:`~diloco_async.wan.report.WireRun`) and the chaos target's run."""
+    measured (:class:`~diloco_async.wan.report.WireRun`) and the chaos target's run. ``base``: the
+    scenario's recipe with every override, resolved once by the entry point."""
     for k, v in S3_TEST_ENV.items():
         os.environ.setdefault(k, v)
     if method == "ddp":
         store_dir = Path(".local/wan-ddp-store")
-        target = WanDdpTarget(sc, place, seed, store_dir)
+        target = WanDdpTarget(sc, base, place, seed, store_dir)
     else:
-        target = WanDilocoTarget(sc, method, place, seed, on_metrics)
+        target = WanDilocoTarget(sc, method, base, place, seed, on_metrics)
     before, t0 = _counters(place.net), time.time()
     run = target.run([])  # no fault events: a WAN scenario's faults are its links
     after, t1 = _counters(place.net), time.time()

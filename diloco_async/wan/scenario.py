@@ -20,13 +20,15 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from diloco_async.chaos.scenario import Scenario, _Section, load_scenario, method_overrides
+from diloco_async.chaos.scenario import Scenario, _Section, load_scenario, method_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 
-__all__ = ["Links", "Target", "Budget", "WanScenario", "load_wan_scenario", "wan_overrides", "ddp_max_steps"]
+__all__ = ["Links", "Target", "Budget", "WanScenario", "load_wan_scenario", "wan_config", "ddp_max_steps"]
 
 _REGION = re.compile(r"[a-z0-9-]{1,8}")
 
@@ -109,15 +111,15 @@ def ddp_max_steps(sc: WanScenario, batch_size: int, context: int) -> int:
     return max(1, math.ceil(sc.budget.tokens / (sc.scenario.slots * batch_size * context)))
 
 
-def wan_overrides(sc: WanScenario, method: str, seed: int | None = None) -> list[str]:
-    """The chaos overrides of ``method`` (:func:`~diloco_async.chaos.scenario.method_overrides`)
-    with the WAN run's own on top: the token budget (the run ends there or at the scenario's wall
-    time, whichever comes first) and, when given, the seed of the model and data.
+def wan_config(sc: WanScenario, method: str, base: Config, seed: int | None = None) -> Config:
+    """``base`` as ``method`` under the chaos harness (:func:`~diloco_async.chaos.scenario.method_config`)
+    with the WAN run's own fields on top: the token budget (the run ends there or at the scenario's
+    wall time, whichever comes first) and, when given, the seed of the model and data.
 
     Raises:
-        ValueError: an unknown method.
+        ValueError: an unknown method, or the result does not validate.
     """
-    out = [*method_overrides(sc, method), f"budget.tokens={sc.budget.tokens}"]
+    fields: dict[str, Any] = {"budget.tokens": sc.budget.tokens}
     if seed is not None:
-        out.append(f"run.seed={int(seed)}")
-    return out
+        fields["run.seed"] = int(seed)
+    return with_fields(method_config(sc, method, base), fields)

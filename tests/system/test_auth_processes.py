@@ -67,7 +67,7 @@ def test_learner_processes_get_only_their_own_token(tmp_path, monkeypatch):
 
     monkeypatch.setenv(TOKEN_ENV, SECRET)  # the operator's secret, in the flow's environment
     cfg = small_config(**{"run.workdir": str(tmp_path), "run.store": f"file://{tmp_path}/store"})
-    run = RunProcesses(cfg, None, [], run_id="r9")
+    run = RunProcesses(cfg, run_id="r9")
     assert run.token == SECRET
     env = run.learner_env("learner-1")
     assert env[LEARNER_TOKEN_ENV] == learner_token(SECRET, "r9", "learner-1") and TOKEN_ENV not in env

@@ -36,7 +36,7 @@ def test_two_learners_train_on_a_bpe_tokenizer(tmp_path):
     corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)  # as the flow prepares it
     assert corpus.vocab_size == 512 and corpus.heldout_bytes > 1.5 * len(corpus.heldout)
 
-    run = RunProcesses(cfg, "configs/default.toml", overrides)
+    run = RunProcesses(cfg)
     try:
         run.start_synchronizer()
         for i in range(2):

@@ -22,6 +22,7 @@ from diloco_async.baselines.ddp_checkpoints import (
     select_checkpoint,
 )
 from diloco_async.baselines.ddp_group import DdpGroup, RankSchedule
+from diloco_async.config.resolved import read_resolved
 from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import data_generator, emulated_delay_s, jitter_random
 from diloco_async.models.transformer import evaluate_loss
@@ -92,25 +93,27 @@ def test_select_checkpoint_and_helpers():
 
 
 def test_group_argv_and_validation(tmp_path):
-    g = DdpGroup(None, ["model.n_layer=1"], 2, "rid", "memory://x", tmp_path,
+    cfg = load_config(None, ["model.n_layer=1"])
+    g = DdpGroup(cfg, 2, "rid", "memory://x", tmp_path,
                  RankSchedule(speeds=[1.0, 0.5], jitter=0.1, checkpoint_every_steps=7, stop_at_unix=123.5, max_steps=9,
                               gloo_timeout_s=5))
     argv = g.argv(1, 3, 4242)
     s = " ".join(argv)
     for part in ["-m diloco_async.baselines.ddp", "--rank 1", "--world-size 2", "--master-port 4242", "--run-id rid",
                  "--incarnation 3", "--speed 0.5", "--jitter 0.1", "--checkpoint-every-steps 7",
-                 "--stop-at-unix 123.5", "--max-steps 9", "--gloo-timeout-s 5.0", "--set model.n_layer=1",
+                 "--stop-at-unix 123.5", "--max-steps 9", "--gloo-timeout-s 5.0",
+                 f"--resolved-config {tmp_path / 'resolved-config.json'}",
                  f"--timeline {tmp_path / 'timeline' / 'ddp-rank-1.jsonl'}"]:
         assert part in s, part
-    assert "--config" not in argv
-    plain = DdpGroup("configs/default.toml", [], 2, "rid", "memory://x", tmp_path).argv(0, 0, 1)
+    assert "--config" not in argv and "--set" not in argv  # the ranks read the value, never a recipe
+    assert read_resolved(argv[argv.index("--resolved-config") + 1]).model_dump() == cfg.model_dump()
+    plain = DdpGroup(load_config("configs/default.toml"), 2, "rid", "memory://x", tmp_path / "p").argv(0, 0, 1)
     assert "--speed" not in plain and "--jitter" not in plain and "--stop-at-unix" not in plain
-    assert plain[plain.index("--config") + 1] == str(Path("configs/default.toml").resolve())
     assert g.poll() == {}
     with pytest.raises(ValueError):
-        DdpGroup(None, [], 2, "rid", "memory://x", tmp_path, RankSchedule(speeds=[1.0]))
+        DdpGroup(cfg, 2, "rid", "memory://x", tmp_path, RankSchedule(speeds=[1.0]))
     with pytest.raises(ValueError):
-        DdpGroup(None, [], 0, "rid", "memory://x", tmp_path)
+        DdpGroup(cfg, 0, "rid", "memory://x", tmp_path)
 
 
 # ------------------------------------------------------------------ real processes -----------
@@ -135,7 +138,8 @@ def group_factory(tmp_path):
     groups = []
 
     def make(**schedule) -> DdpGroup:
-        g = DdpGroup(None, TINY, 2, "ddp-test", f"file://{tmp_path}/store", tmp_path / "work", RankSchedule(**schedule))
+        g = DdpGroup(load_config(None, TINY), 2, "ddp-test", f"file://{tmp_path}/store", tmp_path / "work",
+                     RankSchedule(**schedule))
         groups.append(g)
         return g
 

@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 import torch
+from resolved_config import resolved_args
 from test_integration import TOKEN, learner_env, tiny_recipe
 
 from diloco_async.protocol.client import TOKEN_ENV, call_blocking, fetch_status
@@ -67,8 +68,9 @@ def _run(tmp_path: Path) -> tuple[dict, list]:
     recipe.write_text(text.replace("checkpoint_every_s = 2.0", "checkpoint_every_s = 2.0\nkeep_checkpoints = 0\n"
                                    "download_codec = \"int4\"\ndownload_mode = \"delta\""))
     launcher = LocalProcessLauncher(tmp_path / "logs")
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(recipe), "--run-id", "dtest",
-                                           "--ready-file", str(tmp_path / "ready.json")], {TOKEN_ENV: TOKEN})
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(recipe, [], tmp_path),
+                                           "--run-id", "dtest", "--ready-file", str(tmp_path / "ready.json")],
+                          {TOKEN_ENV: TOKEN})
     procs = []
     try:
         url = wait_for_ready_file(tmp_path / "ready.json", sync, timeout_s=60)["url"]

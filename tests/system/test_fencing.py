@@ -28,7 +28,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_learner_faults import serve_in_process, stop_in_process
-from test_resume import OVERRIDES, TOKEN, ScriptedLearner, SyncProcess, any_store, one_checkpoint  # noqa: F401, F811 (fixture)
+from test_resume import (  # noqa: F401, F811 (fixture)
+    OVERRIDES,
+    TOKEN,
+    ScriptedLearner,
+    SyncProcess,
+    any_store,
+    one_checkpoint,
+    sync_command,
+)
 from test_storage_contract import BACKENDS, open_store
 
 from diloco_async.codec import wire
@@ -139,13 +147,12 @@ def test_stale_checkpoint_never_becomes_the_newest():
 def start_sync(tmp: Path, store_url: str, args: list[str], options: dict | None = None
                ) -> tuple[subprocess.Popen, Path]:
     """A synchronizer process that may refuse to start: (process, its log file)."""
-    sets = [a for o in OVERRIDES + [f"run.store={store_url}"] for a in ("--set", o)]
     env = {TOKEN_ENV: TOKEN, "PATH": "/usr/bin:/bin", STORAGE_OPTIONS_ENV: json.dumps(options or {}),
            **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
     name = f"sync-{time.monotonic_ns()}"
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sets, *args,
+        proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sync_command(tmp, store_url, args),
                                  "--ready-file", str(tmp / f"{name}.ready.json")], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     return proc, log

@@ -12,6 +12,8 @@ import signal
 import time
 from pathlib import Path
 
+from resolved_config import resolved_args
+
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
@@ -60,7 +62,7 @@ def test_sigkill_one_of_three_learners(tmp_path):
     recipe = tiny_recipe(tmp_path, learners=3, wall_s=300)
     launcher = LocalProcessLauncher(tmp_path / "logs")
     env = {TOKEN_ENV: TOKEN}
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(recipe),
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(recipe, [], tmp_path),
                                            "--run-id", "itest", "--ready-file", str(tmp_path / "ready.json")], env)
     procs = {}
     try:
@@ -117,7 +119,7 @@ def test_restarted_learner_restores_its_inner_state(tmp_path):
     recipe.write_text(recipe.read_text().replace("batch_size = 8", "batch_size = 8\ncheckpoint_every_s = 1.0"))
     launcher = LocalProcessLauncher(tmp_path / "logs")
     env = {TOKEN_ENV: TOKEN}
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(recipe),
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(recipe, [], tmp_path),
                                            "--run-id", "rtest", "--ready-file", str(tmp_path / "ready.json")], env)
     procs = []
 
@@ -166,7 +168,7 @@ def test_signals_that_land_as_the_synchronizer_ends_leave_it_a_clean_exit(tmp_pa
 
     recipe = str(tiny_recipe(tmp_path, learners=1, wall_s=60))
     overrides = [f"run.workdir={tmp_path}/runs"]
-    rp = RunProcesses(load_config(recipe, overrides), recipe, overrides)
+    rp = RunProcesses(load_config(recipe, overrides))
     rp.start_synchronizer()
     sent = 0
     try:
@@ -184,3 +186,25 @@ def test_signals_that_land_as_the_synchronizer_ends_leave_it_a_clean_exit(tmp_pa
     assert "finished: signal SIGINT" in log and "Traceback" not in log, log[-3000:]
     summary = rp.store.get_json(keys.summary_key(rp.run_id, str(rp.epoch)))
     assert summary["stop_reason"] == "signal SIGINT"
+
+
+def test_the_processes_run_with_exactly_the_resolved_config_they_are_given(tmp_path):
+    """The recipe and its overrides are parsed once, by whoever starts the run; the synchronizer
+    reads that value (``resolved-config.json``) and publishes it as the run's ``config.json``, and a
+    learner joining takes the same value from it: no process parses the recipe again (issue 42)."""
+    from diloco_async.config.schema import load_config
+    from diloco_async.run import RunProcesses
+
+    recipe = tiny_recipe(tmp_path, learners=1, wall_s=60)
+    cfg = load_config(recipe, [f"run.workdir={tmp_path}/runs", "synchronizer.outer_lr=0.375",
+                               "synchronizer.num_fragments=2", "learners.lr=0.00125"])
+    recipe.write_text("this is no longer a recipe [")  # a process that parsed it again would fail
+    rp = RunProcesses(cfg)
+    try:
+        url = rp.start_synchronizer()
+        joined = call_blocking(url, learner_token(rp.token, rp.run_id, "learner-0"), "join",
+                               {"learner_id": "learner-0", "incarnation": 0})
+    finally:
+        rp.stop_all()
+    assert rp.store.get_json(keys.config_key(rp.run_id)) == cfg.public_dict()
+    assert joined["config"]["synchronizer"]["outer_lr"] == 0.375 and joined["config"]["learners"]["lr"] == 0.00125

@@ -178,7 +178,7 @@ def test_bad_devices_are_errors_that_name_the_value(tmp_path):
         cfg = load_config(None, ['learners.device="cuda"', f'run.workdir="{tmp_path}/runs"',
                                  f'run.store="file://{tmp_path}/store"'])
         with pytest.raises(ValueError, match="learner 0: learners.device='cuda' but no CUDA GPU"):
-            RunProcesses(cfg, None, [])
+            RunProcesses(cfg)
         assert not (tmp_path / "runs").exists()
 
 
@@ -192,7 +192,7 @@ def test_learner_group_command_lines(tmp_path):
                              "learners.nproc_per_learner=2", "learners.nnodes=2",
                              'learners.rdzv_endpoint="head:29400"'])
     launcher = Recorder()
-    run = RunProcesses(cfg, None, [], run_id="r1", launcher=launcher)
+    run = RunProcesses(cfg, run_id="r1", launcher=launcher)
     run.sync_url = "http://127.0.0.1:1"
     run.learner_handle(3, 2)
     argv = " ".join(launcher.argv)
@@ -200,7 +200,7 @@ def test_learner_group_command_lines(tmp_path):
     assert "--rdzv-backend c10d --rdzv-endpoint head:29400 --rdzv-id r1-learner-3-2" in argv
     assert "--module diloco_async.learner --learner-id learner-3 --index 3" in argv and "--incarnation 2" in argv
     one = load_config(None, [f'run.workdir="{tmp_path}/runs"', f'run.store="file://{tmp_path}/store"'])
-    run = RunProcesses(one, None, [], run_id="r2", launcher=launcher)
+    run = RunProcesses(one, run_id="r2", launcher=launcher)
     run.sync_url = "http://127.0.0.1:1"
     run.learner_handle(0, 0)
     assert launcher.argv[:2] == ["-m", "diloco_async.learner"]
@@ -250,7 +250,7 @@ def ranks_of(handle) -> dict[int, psutil.Process]:
 
 def test_two_rank_learner_trains_end_to_end_and_a_killed_rank_restarts_its_group(tmp_path):
     recipe, overrides = tiny_recipe(tmp_path, learners=1, wall_s=600), group_overrides(tmp_path)
-    run = RunProcesses(load_config(recipe, overrides), str(recipe), overrides)
+    run = RunProcesses(load_config(recipe, overrides))
     try:
         url = run.start_synchronizer()
         handle = run.start_learner(0)

@@ -108,9 +108,10 @@ def test_each_ddp_all_reduce_waits_the_rings_latency(tmp_path):
     from test_ddp import TINY, read_timeline
 
     from diloco_async.baselines.ddp_group import DdpGroup, RankPlacement, RankSchedule
+    from diloco_async.config.schema import load_config
 
-    g = DdpGroup(None, TINY, 2, "ddp-delay", f"file://{tmp_path}/store", tmp_path / "work", RankSchedule(max_steps=4),
-                 RankPlacement(env={LINK_DELAY_ENV: str(DELAY_S * 1000)}))
+    g = DdpGroup(load_config(None, TINY), 2, "ddp-delay", f"file://{tmp_path}/store", tmp_path / "work",
+                 RankSchedule(max_steps=4), RankPlacement(env={LINK_DELAY_ENV: str(DELAY_S * 1000)}))
     try:
         g.start(0)
         codes = g.wait(60)

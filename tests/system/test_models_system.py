@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from resolved_config import resolved_args
 
 from benchmarks.lora_quality import lora_model_toml, pretrain_base, recipe_text  # as `make bench-lora`
 from diloco_async.codec import wire
@@ -53,8 +54,8 @@ def run_to_the_end(tmp_path: Path, path: Path, learners: int, run_id: str) -> di
     launcher = LocalProcessLauncher(tmp_path / "logs")
     env = {TOKEN_ENV: TOKEN, "HF_HUB_OFFLINE": "1"}
     ready = tmp_path / "ready.json"
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(path), "--run-id", run_id,
-                                           "--ready-file", str(ready)], env)
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(path, [], tmp_path),
+                                           "--run-id", run_id, "--ready-file", str(ready)], env)
     procs = []
     try:
         url = wait_for_ready_file(ready, sync, timeout_s=120)["url"]
@@ -138,8 +139,8 @@ def test_a_learner_with_another_model_is_refused_at_join_naming_the_tensor(tmp_p
     path = recipe(tmp_path, learners=1, tokens=10_000_000, model=hf_model_toml(LLAMA))
     launcher = LocalProcessLauncher(tmp_path / "logs")
     ready = tmp_path / "ready.json"
-    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", "--config", str(path), "--run-id", "mm",
-                                           "--ready-file", str(ready)], {TOKEN_ENV: TOKEN})
+    sync = launcher.start("synchronizer", ["-m", "diloco_async.server", *resolved_args(path, [], tmp_path),
+                                           "--run-id", "mm", "--ready-file", str(ready)], {TOKEN_ENV: TOKEN})
 
     def other_model(cfg: Config, index: int, incarnation: int) -> Workload:
         wider = cfg.model.hf.model_copy(update={"config": dict(cfg.model.hf.config, intermediate_size=96)})

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from resolved_config import resolved_args
 
 from storage import keys
 from storage.options import STORAGE_OPTIONS_ENV
@@ -113,8 +114,9 @@ def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, caps
 
     secret = "operator-pet-name"
     store = f"file://{tmp_path}/store"
-    server = subprocess.run([sys.executable, "-m", "diloco_async.server", "--run-id", "weak", "--set",
-                             f"run.store={store}"], env={**os.environ, TOKEN_ENV: secret},
+    server = subprocess.run([sys.executable, "-m", "diloco_async.server", "--run-id", "weak",
+                             *resolved_args(None, [f"run.store={store}"], tmp_path)],
+                            env={**os.environ, TOKEN_ENV: secret},
                             capture_output=True, text=True, timeout=120)
     assert server.returncode == 2 and f"{TOKEN_ENV} is too weak" in server.stderr, server.stderr
     assert secret not in server.stdout + server.stderr
@@ -122,7 +124,7 @@ def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, caps
     monkeypatch.setenv(TOKEN_ENV, secret)
     cfg = load_config(None, [f"run.store={store}", f"run.workdir={tmp_path}/runs"])
     with pytest.raises(ValueError, match=f"{TOKEN_ENV} is too weak"):
-        RunProcesses(cfg, None, [], run_id="weak")
+        RunProcesses(cfg, run_id="weak")
     with pytest.raises(ValueError, match=f"{TOKEN_ENV} is too weak"):
         _require_token()
     for argv in (["token", "--run-id", "weak", "--learner-id", "learner-0"],

@@ -14,6 +14,7 @@ import pytest
 from test_integration import tiny_recipe
 
 from benchmarks.poison import run_once
+from diloco_async.config.schema import load_config
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -35,8 +36,8 @@ def test_scaled_poison_rejected_and_loss_kept(tmp_path):
     # and 320 (about 2 s of this tiny model's training) once ended before it was ready: it started
     # 2.3 s after the others under CI's load
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=960"]
-    poisoned = run_once(recipe, [*common, "learners.count=4", 'faults.poison=["none", "none", "none", "scale"]'],
-                        timeout_s=280)
+    poisoned = run_once(load_config(recipe, [*common, "learners.count=4",
+                                             'faults.poison=["none", "none", "none", "scale"]']), timeout_s=280)
     print(f"poisoned: {poisoned}")
     assert poisoned["global_step"] >= 960
     assert poisoned["all_finite"] and poisoned["max_abs_published"] < 100, poisoned
@@ -61,8 +62,8 @@ def test_sign_flipped_poison_left_out_by_the_direction_guard(tmp_path):
     recipe = str(tiny_recipe(tmp_path, learners=3, wall_s=240))
     # K = 3: every round holds 3 or more contributions, a majority to judge the fourth by
     common = [f"run.workdir={tmp_path}/runs", "budget.max_steps=720", "synchronizer.min_quorum=3"]  # see above
-    poisoned = run_once(recipe, [*common, "learners.count=4",
-                                 'faults.poison=["none", "none", "none", "sign_flip"]'], timeout_s=280)
+    poisoned = run_once(load_config(recipe, [*common, "learners.count=4",
+                                             'faults.poison=["none", "none", "none", "sign_flip"]']), timeout_s=280)
     print(f"poisoned: {poisoned}")
     rejected = poisoned["rejected_by_reason"]
     poisoner = poisoned["learners"]["learner-3"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from resolved_config import resolved_args
 
 from diloco_async.codec import wire
 from diloco_async.protocol.client import TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
@@ -38,15 +39,28 @@ OVERRIDES = [
 ]
 
 
+def sync_command(tmp: Path, store_url: str, args: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+    """The synchronizer's arguments: ``--set X`` items of ``args`` join :data:`OVERRIDES`, the store
+    and ``extra``, resolved once into ``--resolved-config``; the rest of ``args`` follows."""
+    sets, rest = [*OVERRIDES, f"run.store={store_url}", *extra], []
+    items = iter(args)
+    for a in items:
+        if a == "--set":
+            sets.append(next(items))
+        else:
+            rest.append(a)
+    return [*resolved_args(None, sets, tmp / f"config-{uuid.uuid4().hex[:6]}"), *rest]
+
+
 class SyncProcess:
     def __init__(self, tmp: Path, store_url: str, args: list[str], options: dict | None = None,
                  extra: tuple[str, ...] = ()) -> None:
         self.ready = tmp / f"ready-{uuid.uuid4().hex[:6]}.json"
-        sets = [a for o in OVERRIDES + [f"run.store={store_url}", *extra] for a in ("--set", o)]
         env = {TOKEN_ENV: TOKEN, "PATH": "/usr/bin:/bin", STORAGE_OPTIONS_ENV: json.dumps(options or {}),
                **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
         self.log = open(tmp / f"sync-{uuid.uuid4().hex[:6]}.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server", *sets, *args,
+        self.proc = subprocess.Popen([sys.executable, "-m", "diloco_async.server",
+                                      *sync_command(tmp, store_url, args, extra),
                                       "--ready-file", str(self.ready)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         def ready() -> bool:
@@ -298,9 +312,10 @@ def test_resume_skips_a_checkpoint_torn_by_a_crash(tmp_path, store_url):
 
 def test_resume_refuses_a_different_config(tmp_path, store_url):
     seq = one_checkpoint(tmp_path, store_url, "runC")
-    sets = [a for o in OVERRIDES + [f"run.store={store_url}", "synchronizer.outer_lr=0.5"] for a in ("--set", o)]
-    proc = subprocess.run([sys.executable, "-m", "diloco_async.server", *sets, "--config", "configs/default.toml",
-                           "--resume", keys.checkpoint_url(store_url, "runC", seq)],
+    given = resolved_args("configs/default.toml", [*OVERRIDES, f"run.store={store_url}", "synchronizer.outer_lr=0.5"],
+                          tmp_path)
+    url = keys.checkpoint_url(store_url, "runC", seq)
+    proc = subprocess.run([sys.executable, "-m", "diloco_async.server", *given, "--resume", url],
                           env={TOKEN_ENV: TOKEN, "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

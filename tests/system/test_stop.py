@@ -143,7 +143,7 @@ def test_ctrl_c_on_train_stops_cleanly_and_the_resume_starts_from_every_printed_
     assert printed["merges"] >= before["merges"]
     # where a resume starts: the newest checkpoint, restored as `resume` restores it
     url = re.search(r"diloco-async resume (\S+)", "\n".join(last)).group(1)
-    cfg, store, run_id, ckpt = open_checkpoint(url, None, [], {})
+    cfg, store, run_id, ckpt = open_checkpoint(url, None, {})
     assert f"at checkpoint {ckpt.seq};" in text
     summary = store.get_json(keys.summary_key(run_id, ckpt.manifest["epoch"]))  # what the summary table showed
 

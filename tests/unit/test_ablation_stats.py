@@ -18,7 +18,9 @@ from diloco_async.ablation.stats import (
     t_quantile,
     verdict,
 )
-from diloco_async.ablation.suite import Suite, check_arms, figures_of, load_suite, run_overrides
+from diloco_async.ablation.suite import Suite, arm_overrides, figures_of, load_suite, run_config, run_fields
+from diloco_async.config.schema import load_config
+from flows.resolve import check_arms
 
 # two-sided 95% (p = 0.975) and 90% (p = 0.95) Student t quantiles from printed tables
 T_TABLE = [(1, 0.975, 12.706), (2, 0.975, 4.303), (3, 0.975, 3.182), (4, 0.975, 2.776), (5, 0.975, 2.571),
@@ -172,8 +174,25 @@ def test_suite_checks_name_the_problem():
     with pytest.raises(ValueError, match="margin > 0"):
         _suite(expect="equivalent")
     s = _suite()
-    assert run_overrides(s, s.arm("a"), 2)[:2] == ["synchronizer.merge=mean", "run.seed=2"]
-    assert "budget.tokens=1000" in run_overrides(s, s.arm("b"), 0)
+    assert arm_overrides(s, s.arm("a"), ["learners.lr=0.01"]) == ["synchronizer.merge=mean", "learners.lr=0.01"]
+    cfg = run_config(s, s.arm("a"), 2, load_config(None, arm_overrides(s, s.arm("a"))))
+    assert (cfg.synchronizer.merge, cfg.run.seed, cfg.budget.tokens, cfg.budget.wall_s, cfg.run.name) == (
+        "mean", 2, 1000, 60.0, "ablate-t-a")
+
+
+def test_a_synchronous_arm_is_synchronous_diloco():
+    """``synchronous = true`` is the one named baseline (K = M, no grace, barrier), after the arm's set,
+    and its fields belong to the suite (a user override of them is refused)."""
+    s = Suite.model_validate({
+        "suite": {"name": "t", "seeds": [0], "tokens": 1000, "tokens_why": "test", "wall_s": 60.0,
+                  "figures": ["eval_loss"], "overrides": ["learners.count=3"]},
+        "arms": [{"name": "k3", "synchronous": True}, {"name": "k1", "set": ["synchronizer.min_quorum=1"]}]})
+    arms = check_arms(s)
+    k3 = arms["k3"]
+    assert (k3.synchronizer.min_quorum, k3.synchronizer.grace_enabled, k3.learners.barrier) == (3, False, True)
+    assert (arms["k1"].synchronizer.min_quorum, arms["k1"].learners.barrier) == (1, False)
+    with pytest.raises(ValueError, match="learners.barrier"):
+        check_arms(s, ["learners.barrier=false"])
 
 
 def test_figures_of_a_summary():
@@ -266,7 +285,8 @@ def test_saved_records_are_reused_only_for_the_same_runs_and_figures(tmp_path):
     arm, seed = suite.arms[0], suite.suite.seeds[0]
     path = record_path(tmp_path, arm.name, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"overrides": run_overrides(suite, arm, seed), "figures": {f: 1.0 for f in suite.suite.figures}}
+    record = {"overrides": arm_overrides(suite, arm, []), "fields": run_fields(suite, arm, seed),
+              "figures": {f: 1.0 for f in suite.suite.figures}}
     path.write_text(json.dumps(record))
     assert set(load_records(tmp_path, suite, [])) == {(arm.name, seed)}
     assert load_records(tmp_path, suite, ["learners.lr=0.001"]) == {}  # other overrides: stale

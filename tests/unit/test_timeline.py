@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_overrides
+from diloco_async.chaos import Scenario, load_scenario, make_schedule, method_config
 from diloco_async.config.schema import load_config
 from diloco_async.metrics.timeline import (
     Interval,
@@ -151,8 +151,13 @@ def test_scenario_files_load_and_schedules_repeat():
         sc = load_scenario(path)
         s1, s2 = make_schedule(sc), make_schedule(sc)
         assert s1 == s2, path
+        base = load_config(sc.scenario.config, sc.scenario.overrides)
         for m in sc.scenario.methods:
-            load_config(sc.scenario.config, method_overrides(sc, m))  # every method's recipe is valid
+            cfg = method_config(sc, m, base)  # every method's config is valid
+            assert cfg.learners.count == sc.scenario.slots
+            expected = {"sync-diloco": (True, sc.scenario.slots), "decoupled": (False, 1)}
+            assert (cfg.learners.barrier, cfg.synchronizer.min_quorum) == expected.get(
+                m, (False, base.synchronizer.min_quorum))
     storm = load_scenario("configs/chaos/storm.toml")
     assert storm.scenario.slots == 8 and storm.failures.mtbf_s == 120 and storm.failures.recovery_mean_s == 30
     assert storm.speed_factors().count(0.5) == 1
@@ -183,7 +188,7 @@ def test_bad_scenarios_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="failures.mtbf"):
         load_scenario(p)
     with pytest.raises(ValueError, match="unknown method"):
-        method_overrides(load_scenario("configs/chaos/storm.toml"), "allreduce")
+        method_config(load_scenario("configs/chaos/storm.toml"), "allreduce", load_config())
 
 
 def test_recorder_lines_are_json(tmp_path):

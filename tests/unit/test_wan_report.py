@@ -10,9 +10,10 @@ import pytest
 
 from benchmarks.wan_bars import wan_bars
 from benchmarks.wan_tokens import abba_order, steady_tokens_per_s, summarize
+from diloco_async.config.schema import load_config
 from diloco_async.metrics.timeline import Step, Timeline
 from diloco_async.wan.report import WireRun, figures, json_row, ring_allreduce_bytes, target_loss, time_to_target_s
-from diloco_async.wan.scenario import ddp_max_steps, load_wan_scenario, wan_overrides
+from diloco_async.wan.scenario import ddp_max_steps, load_wan_scenario, wan_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +23,8 @@ def test_the_shipped_scenarios_parse_with_their_links_and_budget():
     assert sc.scenario.slots == 4 and [sc.region_of(i) for i in range(4)] == ["r0", "r1", "r2", "r3"]
     assert sc.link_settings() == [(r, 7.5, 7.5, 0.0) for r in ("r0", "r1", "r2", "r3")]
     assert sc.target.rule == "ddp-final" and sc.budget.tokens == 1_200_000
-    over = wan_overrides(sc, "decoupled", seed=2)
-    assert over[-2:] == ["budget.tokens=1200000", "run.seed=2"] and "synchronizer.min_quorum=1" in over
+    cfg = wan_config(sc, "decoupled", load_config(sc.scenario.config, sc.scenario.overrides), seed=2)
+    assert (cfg.budget.tokens, cfg.run.seed, cfg.synchronizer.min_quorum) == (1_200_000, 2, 1)
     assert ddp_max_steps(sc, 16, 64) == math.ceil(1_200_000 / (4 * 16 * 64))
     ci = load_wan_scenario(ROOT / "configs/wan/wan-ci.toml")
     assert ci.scenario.methods == ["ddp", "decoupled"] and len(ci.links.regions) == 2
