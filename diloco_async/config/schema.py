@@ -103,9 +103,9 @@ class LearnerConfig(_Section, LearnerDeviceFields):
 
     count: int = Field(4, ge=1, description="M, the number of learner processes.")
     lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float = Field(0.1, ge=0, description="Inner AdamW decoupled weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up of the inner learning rate.")
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(1.0, gt=0, description="Clip of the global gradient norm of each inner step.")
     adopt: Literal["overwrite", "mix", "rebase"] = Field(
         "overwrite", description="How a published version is adopted (DESIGN §3.8)."
     )
@@ -136,7 +136,7 @@ class LearnerConfig(_Section, LearnerDeviceFields):
 
 
 class SynchronizerConfig(_Section):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="Address the synchronizer listens on (0.0.0.0: every interface).")
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
     num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
     sync_every: int = Field(24, ge=1, description="H, inner steps between two rounds of one fragment.")
@@ -171,8 +171,8 @@ class SynchronizerConfig(_Section):
     def download(self) -> tuple[str, str, int]:
         """(download_codec, download_mode, download_block_size)."""
         return self.download_codec, self.download_mode, self.download_block_size
-    outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate of the merged outer gradient (paper §3).")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (paper §3).")
     outer_optimizer: Literal["nesterov", "sgd", "delayed-nesterov"] = Field(
         "nesterov", description="Outer optimizer of every fragment (DESIGN §4.5b): the paper's Nesterov, plain SGD "
         "(no momentum), or Delayed Nesterov (Liu et al. 2024: momentum updated every outer_momentum_every steps).")
@@ -224,7 +224,7 @@ class BudgetConfig(_Section):
 
 class TrackingConfig(_Section):
     mlflow_uri: str = Field("sqlite:///.local/mlflow.db", description="MLflow tracking URI.")
-    experiment: str = Field("diloco-async")
+    experiment: str = Field("diloco-async", description="MLflow experiment the runs are logged to.")
     artifact_location: str = Field(
         ".local/store/mlartifacts",
         description="Artifact root of a new experiment (beside the runs in the default store).",

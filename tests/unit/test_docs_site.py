@@ -59,6 +59,20 @@ def test_the_config_reference_has_a_row_for_every_field_of_every_model():
     assert len(rows) == len(fields), f"rows that are no field: {sorted(set(rows) - set(fields))}"
 
 
+def test_every_leaf_field_of_the_config_says_what_it_is():
+    """The reference is generated from the descriptions: a field without one is a hole in it."""
+    def leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]]:
+        out = []
+        for name, info in model.model_fields.items():
+            sub = [a for a in (typing.get_args(info.annotation) or (info.annotation,))
+                   if isinstance(a, type) and issubclass(a, BaseModel)]
+            out += leaves(sub[0], f"{prefix}{name}.") if sub else [(prefix + name, info.description)]
+        return out
+
+    bare = [name for name, description in leaves(Config) if not description]
+    assert not bare, f"config fields without a description: {bare}"
+
+
 def test_each_row_gives_the_fields_type_default_and_description():
     rows = table_rows(docs_reference.config_reference())
     kind, default, description = rows["learners.count"]
