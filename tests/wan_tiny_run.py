@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tiny_recipe import tiny_recipe_text  # noqa: E402
+
 from diloco_async.config.schema import load_config  # noqa: E402
 from diloco_async.run import RunProcesses  # noqa: E402
 from diloco_async.runtime.procs import ForkServerLauncher  # noqa: E402
@@ -40,33 +42,11 @@ RUN_TIMEOUT_S = 240.0
 
 
 def recipe(workdir: Path, endpoint: str, hub_addr: str, learners: int, tokens: int) -> Path:
-    """The tiny recipe of tests/system/test_integration.py, its store on moto in the hub."""
-    text = f"""
-[run]
-store = "s3://wan-tiny/runs"
-workdir = "{workdir}/runs"
-[run.storage_options.client_kwargs]
-endpoint_url = "{endpoint}"
-[data]
-cache_dir = "{(ROOT / 'data').resolve()}"
-[model]
-n_layer = 1
-d_model = 32
-n_head = 2
-context = 32
-[learners]
-count = {learners}
-batch_size = 8
-[synchronizer]
-host = "{hub_addr}"
-num_fragments = 3
-sync_every = 12
-heartbeat_timeout_s = 5.0
-checkpoint_every_s = 5.0
-[budget]
-tokens = {tokens}
-wall_s = 120
-"""
+    """The tiny recipe of the system tests (tests/tiny_recipe.py), its store on moto in the hub."""
+    run = f'store = "s3://wan-tiny/runs"\nworkdir = "{workdir}/runs"\n[run.storage_options.client_kwargs]\n' \
+          f'endpoint_url = "{endpoint}"'
+    text = tiny_recipe_text(learners, run=run, budget=f"tokens = {tokens}\nwall_s = 120",
+                            synchronizer=f'host = "{hub_addr}"', checkpoint_every_s=5.0)
     path = workdir / "tiny-wan.toml"
     path.write_text(text)
     return path

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from resolved_config import resolved_args
+from tiny_recipe import tiny_recipe_text
 
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, call_blocking, fetch_status
@@ -32,27 +33,7 @@ def learner_env(run_id: str, learner_id: str) -> dict[str, str]:
 
 
 def tiny_recipe(tmp_path: Path, learners: int, wall_s: float) -> Path:
-    text = f"""
-[run]
-store = "file://{tmp_path}/store"
-[data]
-cache_dir = "{Path('data').resolve()}"
-[model]
-n_layer = 1
-d_model = 32
-n_head = 2
-context = 32
-[learners]
-count = {learners}
-batch_size = 8
-[synchronizer]
-num_fragments = 3
-sync_every = 12
-heartbeat_timeout_s = 5.0
-checkpoint_every_s = 2.0
-[budget]
-wall_s = {wall_s}
-"""
+    text = tiny_recipe_text(learners, run=f'store = "file://{tmp_path}/store"', budget=f"wall_s = {wall_s}")
     path = tmp_path / "tiny.toml"
     path.write_text(text)
     return path
