@@ -95,7 +95,13 @@ def _validate(args: argparse.Namespace) -> int:
         return 2
     if args.write_resolved:  # what `python -m diloco_async.server --resolved-config` takes (a run by hand)
         from flows.resolve import write_recipe_resolved
-        print(f"resolved config: {write_recipe_resolved(args.recipe, args.set or [], args.write_resolved)}")
+        try:
+            written = write_recipe_resolved(args.recipe, args.set or [], args.write_resolved)
+        except OSError as err:
+            print(f"error: --write-resolved {args.write_resolved}: cannot write the resolved config there "
+                  f"({type(err).__name__}: {err})", file=sys.stderr)
+            return 2
+        print(f"resolved config: {written}")
     print("valid: no process started, no run created")
     return 0
 

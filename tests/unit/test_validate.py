@@ -77,6 +77,20 @@ def test_a_malformed_recipe_names_its_file_and_line(tmp_path, capsys):
         assert str(bad) in out.out + out.err and "line 3" in out.out + out.err, (argv, out.out, out.err)
 
 
+def test_write_resolved_writes_the_value_or_says_why_not(tmp_path, capsys):
+    """``validate --write-resolved DIR`` writes DIR/resolved-config.json; a DIR that cannot be a
+    folder (a file is there) is refused with exit 2 and a message, not a traceback."""
+    from diloco_async.config.resolved import read_resolved
+
+    assert main(["validate", "default", "--set", "learners.count=3", "--write-resolved", str(tmp_path / "ok")]) == 0
+    assert read_resolved(tmp_path / "ok" / "resolved-config.json").learners.count == 3
+    capsys.readouterr()
+    (tmp_path / "a-file").write_text("x")
+    assert main(["validate", "default", "--write-resolved", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert "--write-resolved" in err and "cannot write the resolved config there" in err and "Traceback" not in err
+
+
 def test_unknown_recipe_name(capsys):
     assert main(["validate", "no-such-recipe"]) == 2
     out = capsys.readouterr()
