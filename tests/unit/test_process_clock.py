@@ -22,11 +22,15 @@ class _FakeProcess:
 
 
 def test_this_process_existed_before_this_test_module_was_imported():
+    before_s = time.time()
     uptime_s = process_uptime_s()
+    after_s = time.time()
     # the start is rounded down to a kernel tick, so the uptime is never short of the truth
     assert uptime_s >= time.monotonic() - _TEST_IMPORTED_S
-    # psutil's own epoch reading agrees to within its boot time's whole second (and a tick)
-    assert abs((time.time() - uptime_s) - psutil.Process().create_time()) <= 1.02
+    # psutil's own epoch reading of the start agrees to within its boot time's whole second (and a
+    # tick), whenever between the two readings of the wall clock the uptime was taken
+    start_s = psutil.Process().create_time()
+    assert before_s - uptime_s - 1.02 <= start_s <= after_s - uptime_s + 1.02
 
 
 def test_the_uptime_is_boot_clock_less_start_ticks_not_the_epoch_difference(monkeypatch):
