@@ -64,14 +64,15 @@ gpu-check: data
 ##       [tool.importlinter]: layers, no import cycle), the strict docs build, then every tier of the suite in one pytest session of
 ##       TEST_WORKERS processes (pytest-xdist, as many as cores), unit tests first: tests/unit (no
 ##       process, socket or real sleep), tests/contract (in-process servers, moto S3, the GCS emulator),
-##       tests/system (real processes, Prefect, MLflow). It prints the 15 slowest tests, each tier's test
-##       seconds and the wall time (docs/testing.md; about 10 minutes on 2 cores). One session, not one
+##       tests/system (real processes, Prefect, MLflow). It prints each skip with its reason, the 15
+##       slowest tests, each tier's test seconds and the wall time (docs/testing.md; about 10 minutes
+##       on 2 cores). One session, not one
 ##       per tier: the workers start once and the tiers' tails overlap; the longest system modules
 ##       start first. TIERS="unit contract" runs some tiers only.
 ## test-unit: the unit tier alone (about a minute), for the edit loop; test-contract, test-system likewise
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 TIERS ?= unit contract system
-PYTEST_TIER = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+PYTEST_TIER = $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup --durations=15
 test: data
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
