@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from diloco_async.config.schema import Config, _format_error
+from diloco_async.config.schema import Config, _format_error, set_dotted
 
 __all__ = ["RESOLVED_CONFIG_FILE", "write_resolved", "read_resolved", "with_fields", "synchronous_fields",
            "decoupled_fields", "synchronous_diloco", "decoupled_diloco"]
@@ -70,15 +70,7 @@ def with_fields(cfg: Config, fields: Mapping[str, Any]) -> Config:
     """
     raw = cfg.model_dump()
     for name, value in fields.items():
-        parts = name.split(".")
-        if len(parts) < 2:
-            raise ValueError(f"field {name!r} must name a section and a field, e.g. learners.count")
-        node = raw
-        for depth, part in enumerate(parts[:-1]):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"field {name!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
-        node[parts[-1]] = value
+        set_dotted(raw, name, value, f"field {name!r}")
     try:
         return Config.model_validate(raw)
     except ValidationError as err:

@@ -25,6 +25,7 @@ from diloco_async.runtime.devices import LearnerDeviceFields
 
 __all__ = [
     "RunConfig",
+    "set_dotted",
     "ModelConfig",
     "LearnerConfig",
     "SynchronizerConfig",
@@ -294,17 +295,26 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.field=value")
         key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        if len(parts) < 2:
-            raise ValueError(f"override {item!r} must name a section and a field, e.g. learners.count=2")
-        node = out
-        for depth, part in enumerate(parts[:-1]):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a section "
-                                 "with fields")
-        node[parts[-1]] = _parse_value(value.strip())
+        set_dotted(out, key.strip(), _parse_value(value.strip()), f"override {item!r}")
     return out
+
+
+def set_dotted(raw: dict, name: str, value: Any, label: str) -> None:
+    """Set ``raw[section][...][field] = value`` for ``name`` = ``section.field`` (or deeper), making
+    missing sections; ``label`` names the input in errors (an override, a field).
+
+    Raises:
+        ValueError: a name without a section, or one whose section is a value.
+    """
+    parts = name.split(".")
+    if len(parts) < 2:
+        raise ValueError(f"{label} must name a section and a field, e.g. learners.count")
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{label}: {'.'.join(parts[:depth + 1])} is a value, not a section with fields")
+    node[parts[-1]] = value
 
 
 def _format_error(err: ValidationError, source: str) -> str:
