@@ -61,6 +61,7 @@ __all__ = [
     "read_payload",
     "PayloadError",
     "check_header",
+    "encoded_nbytes",
 ]
 
 CODECS = ("fp32", "bf16", "int8", "int4", "int2")
@@ -73,6 +74,7 @@ _PAD = {"int8": 1, "int4": 2, "int2": 4}  # values per packed byte: quantize pad
 _HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 # dtype of a payload's value entries
 _ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "int8": "I8", "int4": "U8", "int2": "U8"}
+_ST_ITEMSIZE = {"F32": 4, "BF16": 2, "I8": 1, "U8": 1}  # bytes per element of each safetensors dtype
 
 
 class PayloadError(ValueError):
@@ -380,6 +382,22 @@ def _expected_layout(codec: str, specs: Mapping[str, tuple[int, ...]], block_siz
             out[name] = (_ST_DTYPE[codec], [packed])
             out[name + SCALE_SUFFIX] = ("F32", [math.ceil(n / block_size)])
     return out
+
+
+def encoded_nbytes(codec: str, specs: Mapping[str, tuple[int, ...]], block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of the tensors :func:`encode` writes for ``specs`` (name → shape): the values and,
+    for int8/int4/int2, the float32 block scales (layout in the module docstring). A payload of
+    :func:`encode_to_bytes` is this plus its safetensors header (8 bytes of length, then the JSON
+    of names, shapes and metadata: a few hundred bytes). What the capacity plan
+    (:mod:`diloco_async.capacity`) counts on the wire.
+
+    Raises:
+        ValueError: an unknown codec or a bad block size.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    return sum(_ST_ITEMSIZE[dtype] * math.prod(shape)
+               for dtype, shape in _expected_layout(codec, specs, block_size).values())
 
 
 def _read_header(data: bytes) -> dict:

@@ -15,6 +15,7 @@ from diloco_async.codec.wire import (
     decode_from_bytes,
     encode,
     encode_to_bytes,
+    encoded_nbytes,
 )
 
 SHAPES = {"w": (7, 19), "b": (64,), "s": (), "odd": (3,)}  # 133, 64, 1, 3 elements
@@ -233,3 +234,17 @@ def test_held_payload_decodes_as_the_bytes_do_one_tensor_at_a_time(codec):
     held_more, _ = load_encoded(data, codec, {"a": specs["a"]})  # "b" is not announced
     with pytest.raises(ValueError, match="not in the announced specs"):
         next(held_more.iter_decoded())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_encoded_nbytes_is_the_payload_less_its_header(codec):
+    """What the capacity plan counts on the wire is what encode_to_bytes writes, header aside (odd sizes:
+    a short last block, an int4/int2 pad)."""
+    tensors = {"w": torch.randn(33, 7), "b": torch.randn(5), "e": torch.randn(129)}
+    for block_size in (1, 16, 64):
+        data = encode_to_bytes(tensors, codec, block_size=block_size)
+        header = int.from_bytes(data[:8], "little")
+        assert encoded_nbytes(codec, {k: tuple(t.shape) for k, t in tensors.items()}, block_size) == \
+            len(data) - 8 - header
+    with pytest.raises(ValueError, match="int3"):
+        encoded_nbytes("int3", {"w": (4,)})
