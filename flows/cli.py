@@ -7,6 +7,7 @@ import sys
 
 from flows import interrupts
 from flows.alerts import add_alerts_parser  # constants and argparse only: Prefect is imported when it runs
+from flows.plan_cli import add_plan_parser  # argparse only: the plan's library is imported when it runs
 from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
 __all__ = ["build_parser", "main"]
@@ -255,6 +256,7 @@ _EPILOG = """examples:
   diloco-async chaos --scenario configs/chaos/storm.toml
   diloco-async ablate --suite configs/ablations/merge.toml   a paper ablation, with intervals
   diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
+  diloco-async plan --params 12B --regions 4 --link-gbps 2 --step-s 3   memory and links, before renting
   diloco-async simulate --help"""
 
 
@@ -312,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokens and the eval-loss curve) to FILE as JSON")
     p_chaos.set_defaults(func=_chaos)
     add_wan_parser(sub)
+    add_plan_parser(sub)
     p_token = sub.add_parser("token", help="print a learner's own token (run secret: $DILOCO_RUN_TOKEN)")
     p_token.add_argument("--run-id", required=True, help="the run's id (printed by train, in the store's layout)")
     p_token.add_argument("--learner-id", required=True, help="e.g. learner-4")
