@@ -14,6 +14,9 @@ in units of the model's fp32 size (4 bytes per parameter):
 * synchronizer: peak RSS minus the baseline, minus the S kept versions in their compact form
   (published versions live in the store and are decoded on demand, so that term is 0 in RAM);
   goal <= 4 (value, momentum, the merge's working set).
+* each of the two against the capacity plan of the same config (:mod:`diloco_async.capacity`,
+  docs/capacity-plan.md): ``|measured / planned - 1|``, goal <= 0.15 (not in ``--quick``, whose 1M model
+  is mostly fixed buffers).
 
 ``--big`` (``make bench-memory-big``): a 100M-parameter run with 2 learners, 24 global steps
 with H = 4 (bar: it exits 0 after 4 merges at least; its RSS and how long it took are printed).
@@ -39,15 +42,18 @@ from benchmarks.args import description, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.sizes import SIZES
 from benchmarks.stats import mean_over_runs
+from diloco_async.capacity import make_plan
+from diloco_async.capacity.recipe import inputs_from_config
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config
 from diloco_async.run import RunProcesses
 
-__all__ = ["bars", "main", "measure_run"]
+__all__ = ["bars", "main", "measure_run", "run_fields", "plan_bars"]
 
 LEARNER_GOAL = 6.0
 SYNC_GOAL = 4.0
 TOKENS_GOAL = 0.95
+PLAN_GOAL = 0.15  # issue 40: the capacity plan within 15% of the measured RSS
 REPEATS = 3  # runs of each size: the synchronizer's peak at 50M varied 3.55-4.02x between single runs
 
 #: the baseline process: the interpreter with torch and the project's modules imported, and one
@@ -107,17 +113,24 @@ def _n_params(size: dict[str, int]) -> int:
     return sum(p.numel() for p in trainable_parameters(build_run_model(cfg)).values())
 
 
+def run_fields(size: dict[str, int], *, learners: int = 2, sync_every: int = 8) -> dict[str, object]:
+    """The fields of a measured run that shape its memory (the model, M, the batch, H, P): what
+    :func:`measure_run` sets, and what the capacity plan of the run is given."""
+    return {**size, "learners.count": learners, "learners.batch_size": 2, "synchronizer.sync_every": sync_every,
+            "synchronizer.num_fragments": 4}
+
+
 def measure_run(size: dict[str, int], workdir: Path, *, learners: int = 2, wall_s: float = 60.0,
                 max_steps: int = 48, sync_every: int = 8, checkpoint_every_s: float = 8.0,
                 interval_s: float = 0.1) -> RunMemory:
     """A short real run of ``learners`` learners; the peak RSS of every process, sampled every
     ``interval_s``, until the synchronizer exits (budget ``max_steps`` global steps or ``wall_s``)."""
     cfg = with_fields(Config(), {
-        **size, "run.store": f"file://{workdir}/store", "run.workdir": f"{workdir}/runs",
-        "learners.count": learners, "learners.batch_size": 2, "learners.warmup_steps": 2,
+        **run_fields(size, learners=learners, sync_every=sync_every), "run.store": f"file://{workdir}/store",
+        "run.workdir": f"{workdir}/runs", "learners.warmup_steps": 2,
         "learners.checkpoint_every_s": checkpoint_every_s, "synchronizer.checkpoint_every_s": checkpoint_every_s,
-        "synchronizer.sync_every": sync_every, "synchronizer.num_fragments": 4, "budget.wall_s": wall_s,
-        "budget.tokens": 1_000_000_000_000, "budget.max_steps": max_steps, "tracking.eval_every_s": 0.0})
+        "budget.wall_s": wall_s, "budget.tokens": 1_000_000_000_000, "budget.max_steps": max_steps,
+        "tracking.eval_every_s": 0.0})
     out = RunMemory(_n_params(size))
     run = RunProcesses(cfg)
     t0 = time.monotonic()
@@ -179,6 +192,22 @@ def _size_bars(size: int, mems: list[RunMemory], base: int, sync_base: int) -> l
                 "max", f"{sr_detail}; {what}")]
 
 
+def plan_bars(size: int, fields: dict[str, object], learner: float | None, sync: float | None) -> list[Bar]:
+    """How far the measured RSS ratios (``learner``, ``sync``: fp32 model sizes beyond the baselines,
+    None when not measured) are from the capacity plan of the run's config ``fields``."""
+    plan = make_plan(inputs_from_config(with_fields(Config(), fields)))
+    model = 4 * plan.inputs.model.n_params
+    out = []
+    pairs = (("learner", learner, plan.learner_rank), ("synchronizer", sync, plan.synchronizer_shard))
+    for who, measured, mem in pairs:
+        planned = mem.host_bytes / model
+        off = None if measured is None else abs(measured / planned - 1)
+        out.append(Bar(f"{who} RSS off the capacity plan, {size}M: |measured / planned - 1|", off, PLAN_GOAL, "max",
+                       f"measured {measured if measured is None else round(measured, 2)}, planned {planned:.2f} "
+                       "fp32 model sizes (docs/capacity-plan.md)"))
+    return out
+
+
 def bars(quick: bool = False, sizes: tuple[int, ...] = (25, 50), big: bool = False,
          tokens: bool = False, repeats: int = REPEATS) -> list[Bar]:
     """Measure and return the memory bars: ``repeats`` runs of each size (``quick``: one tiny run,
@@ -189,11 +218,16 @@ def bars(quick: bool = False, sizes: tuple[int, ...] = (25, 50), big: bool = Fal
         for size in ((1,) if quick else sizes):
             mems = [measure_run(SIZES[size], Path(tmp) / f"m{size}-{rep}", max_steps=24 if quick else 48,
                                 wall_s=40 if quick else 90) for rep in range(1 if quick else repeats)]
-            out += _size_bars(size, mems, base, sync_base)
+            measured = _size_bars(size, mems, base, sync_base)
+            out += measured
+            if not quick:
+                out += plan_bars(size, run_fields(SIZES[size]), measured[0].value, measured[1].value)
         if big:
             mem = measure_run(SIZES[100], Path(tmp) / "m100", max_steps=24, sync_every=4, wall_s=420,
                               checkpoint_every_s=30)
-            out += _size_bars(100, [mem], base, sync_base)
+            measured = _size_bars(100, [mem], base, sync_base)
+            out += measured + plan_bars(100, run_fields(SIZES[100], sync_every=4), measured[0].value,
+                                        measured[1].value)
             ok = mem.exit_code == 0 and mem.merges >= 4  # every fragment took an outer step
             print(f"100M run with 2 learners: exit {mem.exit_code} after {mem.seconds:.0f} s, {mem.merges} merges",
                   flush=True)

@@ -87,6 +87,15 @@ def test_the_table_of_measurements_holds_what_its_sources_say():
         assert f"({up}, {down})" in lines[0] and f"| {row['tokens_per_s_per_learner']:,} |" in lines[0], lines[0]
 
 
+def test_the_memory_rows_are_the_configs_the_memory_bench_runs():
+    from benchmarks.memory import run_fields
+    from benchmarks.sizes import SIZES
+
+    for row in MEASURED["memory"]:
+        size = int(row["name"].split(", ")[1].rstrip("M"))
+        assert row["fields"] == run_fields(SIZES[size], sync_every=4 if size == 100 else 8), row["name"]
+
+
 # -- the formulas, worked by hand ------------------------------------------------------------------
 
 def test_traffic_of_a_bare_count_by_hand():

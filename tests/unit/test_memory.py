@@ -200,3 +200,16 @@ def test_memory_bars_are_means_over_runs():
     assert sr.value == pytest.approx(4.5) and not sr.ok  # one good run does not hide a bad one
     missing = RunMemory(2**20 // 4)
     assert _size_bars(50, [run(5, 3), missing], 100 * 2**20, 100 * 2**20)[0].value is None
+
+
+def test_the_capacity_plan_bars_measure_the_distance_to_the_plan():
+    from benchmarks.memory import PLAN_GOAL, plan_bars, run_fields
+    from benchmarks.sizes import SIZES
+
+    on_plan = plan_bars(25, run_fields(SIZES[25]), 1.0, 1.0)  # planned ratios, found below
+    planned = [float(b.detail.split("planned ")[1].split()[0]) for b in on_plan]
+    assert 5 < planned[0] < 7 and 3 < planned[1] < 4.5  # the learner's and the synchronizer's, in model sizes
+    learner, sync = plan_bars(25, run_fields(SIZES[25]), planned[0], planned[1] * (1 + 2 * PLAN_GOAL))
+    assert learner.ok and learner.value == pytest.approx(0, abs=0.01)
+    assert not sync.ok and sync.value == pytest.approx(2 * PLAN_GOAL, abs=0.01)
+    assert not plan_bars(25, run_fields(SIZES[25]), None, None)[0].ok  # not measured: a miss
