@@ -7,11 +7,18 @@ model) and in :mod:`diloco_async.policy.guard` and :mod:`diloco_async.policy.pac
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["GuardConfig"]
+__all__ = ["GuardConfig", "REMOVED_GUARD_KEYS"]
+
+#: keys a ``[guard]`` table may no longer set, with what replaced them (issue 47)
+REMOVED_GUARD_KEYS = {
+    "max_steps_per_s": "the pace bound is calibrated to each learner since issue 47: set "
+                       "guard.pace_initial_steps_per_s (the bound before a learner's pace is measured) and "
+                       "guard.pace_tolerance (the multiple of its measured pace after that) instead",
+}
 
 
 class GuardConfig(BaseModel):
@@ -48,21 +55,48 @@ class GuardConfig(BaseModel):
         "its learner's last direction_memory cosines (over all fragments, this one included; at least 2 of them "
         "known, unless this is 1) is anti-aligned too; otherwise it is merged with zero weight. One noisy honest "
         "round does not reject an honest learner; a learner that keeps pointing away is left out.")
-    max_steps_per_s: float = Field(
-        100.0, gt=0, description="Fastest plausible inner-step rate of one learner: a reported step, c_steps and "
-        "tokens_total cannot grow faster than this (plus burst_steps). Raise it for hardware that runs more "
-        "than 100 inner steps per second.")
+    pace_initial_steps_per_s: float = Field(
+        1000.0, gt=0, description="Inner-step rate bound of a learner whose pace is not measured yet (its first "
+        "pace_warmup_s seconds heard stepping): a reported step, c_steps and tokens_total cannot grow faster than "
+        "this (plus burst_steps). Generous on purpose: it only has to catch jumps until the learner is measured.")
+    pace_warmup_s: float = Field(
+        3.0, gt=0, description="Seconds the synchronizer hears a learner stepping (from its first heartbeat that "
+        "advanced its step) before its measured pace replaces pace_initial_steps_per_s.")
+    pace_tolerance: float = Field(
+        4.0, ge=1, description="After the warm-up, a learner's rate bound is this multiple of its measured pace: "
+        "the steps credited to it divided by the seconds it was heard since its first step. A learner may speed "
+        "up this much over its own history; a sudden jump beyond it is clamped (heartbeats) or refused "
+        "(implausible_steps).")
+    pace_growth: float = Field(
+        1.25, ge=1, description="A learner's measured pace credits at most this multiple of the pace measured so "
+        "far (steps beyond it are still taken, only not measured): a learner that claims the most it may at every "
+        "heartbeat raises its bound only as (seconds heard)^(pace_growth - 1), while an honest one that speeds up "
+        "is measured at its new pace within seconds.")
+    pace_floor_steps_per_s: float = Field(
+        10.0, gt=0, description="Lowest rate bound after the warm-up (a learner measured at almost no steps, "
+        "e.g. stalled right after its first step, can still resume).")
     burst_steps: int = Field(64, ge=0, description="Steps a learner may report beyond the rate bound at once.")
     max_tokens_per_step: int | None = Field(
         None, ge=1, description="Most tokens one inner step can process; None = 2 x learners.batch_size x "
         "model.context.")
     max_step_time_s: float = Field(
-        600.0, gt=0, description="A reported step time (s) is clamped to at most this ...")
+        600.0, gt=0, description="The step time of the grace window is each live learner's step time as the "
+        "synchronizer measures it from its heartbeats (seconds heard per step credited; self-reported step times "
+        "play no part), clamped to at most this ...")
     step_time_multiple: float = Field(
-        8.0, ge=1, description="... and to at most this multiple of the (lower) median step time of the live "
-        "learners, so one learner's claim cannot stretch every round's grace window.")
+        8.0, ge=1, description="... and to at most this multiple of the (lower) median measured step time of the "
+        "live learners, so one learner's pace cannot stretch every round's grace window.")
     round_timeout_s: float = Field(
         300.0, gt=0, description="An open round without quorum is abandoned (reason round_timeout) and reopened "
         "after this many seconds; sooner (reason quorum_unreachable) once its live learners cannot make the "
         "quorum for heartbeat_timeout_s, and at once when enough learners are live but rejected "
         "contributions stand in the way.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            removed = [f"guard.{k} was removed: {why}" for k, why in REMOVED_GUARD_KEYS.items() if k in data]
+            if removed:
+                raise ValueError("; ".join(removed))
+        return data

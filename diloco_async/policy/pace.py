@@ -1,12 +1,28 @@
-"""Pace limits (issue 14, items 3-4): how fast a learner's reported progress can plausibly grow.
+"""Pace limits (issue 14, items 3-4; issue 47): how fast a learner's reported progress can plausibly
+grow, calibrated to what the synchronizer measured that learner doing.
 
-A learner reports its local step, step time and tokens processed in heartbeats, and c_steps and
-c_tokens with each contribution. None of it can be verified, but all of it is bounded by wall
-time: in ``dt`` seconds a learner cannot take more than ``burst_steps + max_steps_per_s · dt``
-inner steps, nor process more than ``max_tokens_per_step`` tokens per step. The synchronizer
-accepts a report up to that bound and counts what it clamped (a clamped heartbeat still proves
-liveness; the rest of its progress is credited at the next heartbeats, so an honest learner
-loses nothing); a contribution beyond it is rejected.
+A learner reports its local step and tokens processed in heartbeats, and c_steps and c_tokens with
+each contribution. None of it can be verified, but all of it is bounded by wall time: in ``dt``
+seconds a learner cannot take more than ``burst_steps + r · dt`` inner steps, nor process more
+than ``max_tokens_per_step`` tokens per step. The rate bound ``r`` is this learner's own:
+
+* ``initial_steps_per_s`` until the synchronizer has heard the learner stepping for ``warmup_s``
+  seconds (its pace is not measured yet);
+* then ``max(floor_steps_per_s, tolerance · m)``, with ``m`` its measured pace: the steps the
+  synchronizer credited it divided by the seconds it heard it, since its first heartbeat that
+  advanced its step (:class:`PaceMeter`).
+
+The measurement counts *credited* steps (after the clamp), so a sudden jump is clamped (and a
+contribution claiming it refused) before it can raise the bound; the bound follows a learner
+that speeds up by less than ``tolerance`` over its whole history so far. The synchronizer accepts a
+report up to the bound and counts what it clamped (a clamped heartbeat still proves liveness;
+the rest of its progress is credited at the next heartbeats, so an honest learner loses nothing);
+a contribution beyond it is rejected.
+
+The same measurement gives the step time of the grace window (paper Eq. 3): seconds heard per
+step credited, over roughly the last :data:`RECENT_S` seconds (:meth:`PaceMeter.step_time_s`),
+clamped against the live learners' lower median (:func:`clamp_step_times`). A learner's
+self-reported step time plays no part in it.
 
 Pure: plain values in (times in seconds on any clock), decisions with reasons out.
 """
@@ -15,22 +31,144 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from diloco_async.config.schema import Config
 
-__all__ = ["PaceLimits", "bounded_advance", "implausible_contribution", "clamp_step_times"]
+__all__ = ["RECENT_S", "CREDIT_S", "PaceMeter", "PaceLimits", "PaceBound", "bounded_advance",
+           "implausible_contribution", "clamp_step_times"]
+
+#: time constant (s) of a learner's recent pace, the step time of the grace window: long enough
+#: to span many heartbeats (0.25 s each by default), short enough to follow a learner that slowed down
+RECENT_S = 30.0
+
+#: seconds of credit a :class:`PaceMeter` holds: a heartbeat that comes late (its steps arrive with
+#: the next one, after a short interval) is measured in full when it is at most this late
+CREDIT_S = 2.0
+
+
+@dataclass
+class PaceMeter:
+    """One learner's pace as the synchronizer measured it from its heartbeats.
+
+    The measurement starts at the first heartbeat that advanced the learner's step (start-up and
+    model loading before it do not count). Each later heartbeat adds the seconds since the
+    previous one and the steps credited to it (after the pace clamp), drawn from a credit that
+    refills at a given rate (:meth:`PaceLimits.credit_rate`) and holds :data:`CREDIT_S` seconds of
+    it: the heartbeat's own bound is wider (a burst, a window over two heartbeat periods), and
+    measured in full, what a heartbeat may claim would raise the bound again at every heartbeat.
+    The first heartbeat after the learner was lost (:meth:`silence`) adds nothing (its silence is
+    no measure of its pace).
+
+    Attributes:
+        started: a heartbeat advanced the step; the measurement runs.
+        silent: the learner was lost since its last heartbeat; the next one is not measured.
+        credit: steps that may still be credited.
+        steps, heard_s: credited steps and seconds heard since the start (the pace bound's
+            measurement: a long memory, so it rises slowly).
+        recent_steps, recent_heard_s: the same, each decayed by ``exp(-dt / RECENT_S)`` (the grace
+            window's step time: follows a learner that slowed down within about ``RECENT_S``).
+    """
+
+    started: bool = False
+    silent: bool = False
+    credit: float = 0.0
+    steps: float = 0.0
+    heard_s: float = 0.0
+    recent_steps: float = 0.0
+    recent_heard_s: float = 0.0
+
+    def silence(self) -> None:
+        """The learner was lost (or the synchronizer restarted): its next heartbeat is not measured."""
+        self.silent = True
+
+    def record(self, advance: int, interval_s: float, credit_steps_per_s: float) -> None:
+        """A heartbeat: its step advanced by ``advance`` (≥ 0, after the clamp) ``interval_s``
+        seconds after the previous message; the credit refills at ``credit_steps_per_s`` first."""
+        if self.silent:
+            self.silent = False
+            return
+        if not self.started:
+            self.started = advance > 0
+            return
+        interval_s = max(interval_s, 0.0)
+        self.credit = min(self.credit + credit_steps_per_s * interval_s, credit_steps_per_s * CREDIT_S)
+        credited = min(float(max(advance, 0)), self.credit)
+        self.credit -= credited
+        self.steps += credited
+        self.heard_s += interval_s
+        decay = math.exp(-interval_s / RECENT_S)
+        self.recent_steps = self.recent_steps * decay + credited
+        self.recent_heard_s = self.recent_heard_s * decay + interval_s
+
+    def steps_per_s(self) -> float | None:
+        """The measured pace (steps/s) over the whole measurement; None before any second was heard."""
+        return self.steps / self.heard_s if self.heard_s > 0 else None
+
+    def step_time_s(self) -> float | None:
+        """Seconds per step over about the last ``RECENT_S`` seconds; None before a step was measured."""
+        return self.recent_heard_s / self.recent_steps if self.recent_steps > 0 else None
+
+    def to_json(self) -> dict:
+        """What a checkpoint keeps (the recent part starts again from the whole measurement)."""
+        return {"started": self.started, "steps": self.steps, "heard_s": self.heard_s}
+
+    @classmethod
+    def from_json(cls, d: Mapping | None) -> PaceMeter:
+        """A meter from :meth:`to_json` (a checkpoint without one: a meter that has not started)."""
+        if not d:
+            return cls()
+        steps, heard_s = float(d.get("steps", 0.0)), float(d.get("heard_s", 0.0))
+        return cls(started=bool(d.get("started", False)), steps=steps, heard_s=heard_s, recent_steps=steps,
+                   recent_heard_s=heard_s)
+
+
+@dataclass(frozen=True)
+class PaceBound:
+    """The most one learner can have done: ``burst_steps`` plus ``steps_per_s`` (steps/s) times the
+    seconds, ``max_tokens_per_step`` tokens a step; ``reason`` says where the rate comes from."""
+
+    steps_per_s: float
+    burst_steps: int
+    max_tokens_per_step: int
+    reason: str
+
+    def steps_within(self, dt_s: float) -> int:
+        """Most inner steps in ``dt_s`` seconds (a negative ``dt_s`` counts as 0)."""
+        return self.burst_steps + math.floor(max(dt_s, 0.0) * self.steps_per_s)
+
+    def tokens_within(self, dt_s: float) -> int:
+        """Most tokens processed in ``dt_s`` seconds."""
+        return self.steps_within(dt_s) * self.max_tokens_per_step
 
 
 @dataclass(frozen=True)
 class PaceLimits:
-    """The fastest plausible learner: ``max_steps_per_s`` (steps/s), ``burst_steps`` at once,
-    ``max_tokens_per_step`` (tokens)."""
+    """The pace policy: ``initial_steps_per_s`` before a learner's pace is measured (for its first
+    ``warmup_s`` seconds heard stepping), then ``tolerance`` × its measured steps/s, at least
+    ``floor_steps_per_s``; ``burst_steps`` at once; ``max_tokens_per_step`` (tokens). The
+    measurement credits at most ``growth`` × the measured pace (:meth:`credit_rate`).
 
-    max_steps_per_s: float
+    Raises:
+        ValueError: a rate or the warm-up not positive, a tolerance or growth under 1, a negative burst.
+    """
+
+    initial_steps_per_s: float
+    tolerance: float
+    floor_steps_per_s: float
+    warmup_s: float
     burst_steps: int
     max_tokens_per_step: int
+    growth: float = 1.25
+
+    def __post_init__(self) -> None:
+        if min(self.initial_steps_per_s, self.floor_steps_per_s, self.warmup_s) <= 0:
+            raise ValueError(f"pace rates and warm-up must be > 0, got initial {self.initial_steps_per_s}, "
+                             f"floor {self.floor_steps_per_s}, warm-up {self.warmup_s}s")
+        if min(self.tolerance, self.growth) < 1 or self.burst_steps < 0:
+            raise ValueError(f"pace tolerance and growth must be >= 1 and burst >= 0, got {self.tolerance}, "
+                             f"{self.growth}, {self.burst_steps}")
 
     @classmethod
     def from_config(cls, cfg: Config) -> PaceLimits:
@@ -42,15 +180,35 @@ class PaceLimits:
         lc = cfg.learners
         batch = max(lc.batch_size) if isinstance(lc.batch_size, list) else lc.batch_size
         per_step = g.max_tokens_per_step or 2 * lc.ranks_per_learner * batch * cfg.model.context
-        return cls(g.max_steps_per_s, g.burst_steps, per_step)
+        return cls(g.pace_initial_steps_per_s, g.pace_tolerance, g.pace_floor_steps_per_s, g.pace_warmup_s,
+                   g.burst_steps, per_step, g.pace_growth)
 
-    def steps_within(self, dt_s: float) -> int:
-        """Most inner steps in ``dt_s`` seconds (a negative ``dt_s`` counts as 0)."""
-        return self.burst_steps + math.floor(max(dt_s, 0.0) * self.max_steps_per_s)
+    def _measured(self, meter: PaceMeter | None) -> float | None:
+        """The measured pace (steps/s) once the warm-up is over, else None."""
+        return meter.steps_per_s() if meter is not None and meter.heard_s >= self.warmup_s else None
 
-    def tokens_within(self, dt_s: float) -> int:
-        """Most tokens processed in ``dt_s`` seconds."""
-        return self.steps_within(dt_s) * self.max_tokens_per_step
+    def credit_rate(self, meter: PaceMeter | None) -> float:
+        """Steps/s the measurement of a learner with ``meter`` may credit: ``initial_steps_per_s`` in
+        its warm-up, then ``growth`` × its measured pace, at least the floor. The measured pace of a
+        learner that claims the most it may at every heartbeat so grows only as (time)^(growth - 1):
+        its bound about doubles each time its measured seconds are multiplied by 16 (growth 1.25),
+        while an honest learner that speeds up is measured at its new pace within seconds (and
+        ``tolerance`` covers the speed-up meanwhile)."""
+        measured = self._measured(meter)
+        if measured is None:
+            return self.initial_steps_per_s
+        return max(self.floor_steps_per_s, self.growth * measured)
+
+    def bound(self, meter: PaceMeter | None) -> PaceBound:
+        """The bound of a learner with ``meter`` (None: nothing measured, as in its warm-up)."""
+        measured = self._measured(meter)
+        if measured is None:
+            rate, why = self.initial_steps_per_s, "initial, pace not measured yet"
+        elif self.tolerance * measured >= self.floor_steps_per_s:
+            rate, why = self.tolerance * measured, f"{self.tolerance:g} x measured {measured:.1f} steps/s"
+        else:
+            rate, why = self.floor_steps_per_s, f"floor; measured {measured:.1f} steps/s"
+        return PaceBound(rate, self.burst_steps, self.max_tokens_per_step, why)
 
 
 def bounded_advance(prev: int, reported: int, allowance: int) -> tuple[int, bool]:
@@ -67,30 +225,31 @@ def bounded_advance(prev: int, reported: int, allowance: int) -> tuple[int, bool
 
 
 def implausible_contribution(*, c_steps: int, c_tokens: int, learner_step: int, since_anchor_s: float,
-                             limits: PaceLimits) -> str | None:
+                             bound: PaceBound) -> str | None:
     """Why a contribution's counters are impossible, as ``"<code>: <detail>"``, or None.
 
     ``implausible_tokens``: more than ``max_tokens_per_step`` tokens per inner step.
     ``implausible_steps``: more inner steps than the learner's last reported (bounded) step plus
-    what it can have done in ``since_anchor_s`` seconds: since the synchronizer received the
-    message before that heartbeat (the learner composed the heartbeat after that one was
-    answered, so its step was reached no earlier; counting from the heartbeat's own receipt
+    what it can have done in ``since_anchor_s`` seconds at its rate bound: since the synchronizer
+    received the message before that heartbeat (the learner composed the heartbeat after that one
+    was answered, so its step was reached no earlier; counting from the heartbeat's own receipt
     made a heartbeat late in transit shrink an honest learner's allowance).
     """
-    if c_tokens > c_steps * limits.max_tokens_per_step:
-        return (f"implausible_tokens: c_tokens {c_tokens} > c_steps {c_steps} x {limits.max_tokens_per_step} "
+    if c_tokens > c_steps * bound.max_tokens_per_step:
+        return (f"implausible_tokens: c_tokens {c_tokens} > c_steps {c_steps} x {bound.max_tokens_per_step} "
                 "tokens per step")
-    most = learner_step + limits.steps_within(since_anchor_s)
+    most = learner_step + bound.steps_within(since_anchor_s)
     if c_steps > most:
         return (f"implausible_steps: c_steps {c_steps} > step {learner_step} + what {since_anchor_s:.1f}s "
-                f"allow = {most}")
+                f"allow at {bound.steps_per_s:.0f} steps/s ({bound.reason}) = {most}")
     return None
 
 
 def clamp_step_times(times: Sequence[float], *, max_s: float, multiple: float) -> list[float]:
-    """Reported step times (s) of the live learners, each clamped to at most ``max_s`` and to
-    ``multiple`` times their lower median, so one learner cannot stretch the grace window
-    (paper Eq. 3 uses the slowest learner's step time) beyond what its peers make plausible."""
+    """Measured step times (s) of the live learners (:meth:`PaceMeter.step_time_s`), each clamped
+    to at most ``max_s`` and to ``multiple`` times their lower median, so one learner cannot stretch
+    the grace window (paper Eq. 3 uses the slowest learner's step time) beyond what its peers make
+    plausible."""
     if not times:
         return []
     cap = min(max_s, multiple * statistics.median_low(times))

@@ -137,7 +137,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.stopped = False  # set when run() returns: request() then raises Stopped at once
         self.push = Broadcaster()
-        self.pace = PaceLimits.from_config(cfg)
+        self.pace = PaceLimits.from_config(cfg)  # calibrated per learner by the registry
         self.registry = LearnerRegistry(self.pace, cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
         self.schedule_shift_steps = 0
         self.rounds: dict[tuple[int, int], Round] = {}
@@ -384,7 +384,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         for reason in clamped:
             if self.report.clamp(reason):
                 log.warning("heartbeat of learner=%s clamped (%s): step %d, tokens_total %d grow faster than the "
-                            "pace limits allow; %d so far", lid, reason, hb.step, hb.tokens_total,
+                            "learner's pace bound allows; %d so far", lid, reason, hb.step, hb.tokens_total,
                             self.report.clamped_by_reason[reason])
         if was_lost:
             log.info("learner %s is back", lid)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from diloco_async.metrics.goodput import LearnerLedger
-from diloco_async.policy.pace import PaceLimits, bounded_advance, clamp_step_times
+from diloco_async.policy.pace import PaceBound, PaceLimits, PaceMeter, bounded_advance, clamp_step_times
 from diloco_async.protocol.messages import Heartbeat, JoinRequest
 from diloco_async.sync.wire_bytes import WireBytes
 
@@ -42,7 +42,7 @@ class LearnerInfo:
     # from when the advance beyond ``step`` is counted: the receipt of the message before the
     # heartbeat that reported ``step`` (that heartbeat was composed after it was answered)
     anchor_s: float = 0.0
-    step_time_s: float | None = None
+    meter: PaceMeter = field(default_factory=PaceMeter)  # its pace, measured from its heartbeats
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
     blocked_seen_s: float = 0.0  # blocked_s reported by the current incarnation
@@ -55,16 +55,18 @@ class LearnerInfo:
     def to_json(self, now_s: float) -> dict:
         """What a checkpoint written at ``now_s`` keeps of this slot."""
         return {"incarnation": self.incarnation, "step": self.step, "tokens_seen": self.tokens_seen,
-                "bytes_down_seen": self.bytes_down_seen, "anchor_age_s": max(0.0, now_s - self.anchor_s)}
+                "bytes_down_seen": self.bytes_down_seen, "anchor_age_s": max(0.0, now_s - self.anchor_s),
+                "pace": self.meter.to_json()}
 
 
 class LearnerRegistry:
     """Learners by id, with their goodput ledgers (DESIGN §7).
 
     Args:
-        pace: the pace limits a heartbeat's step and tokens_total are held to (None: unbounded).
-        max_step_time_s, step_time_multiple: the clamp of reported step times
-            (:func:`~diloco_async.policy.pace.clamp_step_times`).
+        pace: the pace limits a heartbeat's step and tokens_total are held to (None: unbounded),
+            each learner's calibrated by its :class:`~diloco_async.policy.pace.PaceMeter`.
+        max_step_time_s, step_time_multiple: the clamp of the measured step times of the grace
+            window (:func:`~diloco_async.policy.pace.clamp_step_times`).
     """
 
     def __init__(self, pace: PaceLimits | None = None, max_step_time_s: float = math.inf,
@@ -121,11 +123,20 @@ class LearnerRegistry:
             heapq.heappush(self._heard, (info.last_seen_s, next(self._ties), info))
 
     def slowest_step_s(self) -> float | None:
-        """Step time (s) of the slowest live learner that reported one, or None; each reported
-        time clamped by :func:`~diloco_async.policy.pace.clamp_step_times`."""
-        times = [i.step_time_s for i in self.live() if i.step_time_s]
+        """Step time (s) of the slowest live learner, as the synchronizer measured it from its heartbeats
+        (:meth:`~diloco_async.policy.pace.PaceMeter.step_time_s`; a self-reported step time plays no part),
+        or None before any was measured; each clamped by :func:`~diloco_async.policy.pace.clamp_step_times`
+        to a multiple of the live learners' lower median. O(N)."""
+        times = [t for i in self.live() if (t := i.meter.step_time_s()) is not None]
         clamped = clamp_step_times(times, max_s=self.max_step_time_s, multiple=self.step_time_multiple)
         return max(clamped) if clamped else None
+
+    def pace_bound(self, learner_id: str) -> PaceBound | None:
+        """The pace bound of a known learner, calibrated by what was measured of it (None: unbounded)."""
+        info = self.learners.get(learner_id)
+        if self.pace is None or info is None:
+            return None
+        return self.pace.bound(info.meter)
 
     def join(self, req: JoinRequest, now_s: float, global_step: int | None) -> int:
         """Register a (re)joining learner; returns the local step it continues from.
@@ -167,12 +178,13 @@ class LearnerRegistry:
         """Record a heartbeat of a known learner: (was it lost before, new bytes it downloaded,
         what was clamped: ``implausible_steps`` and/or ``implausible_tokens``).
 
-        The step and tokens_total may grow only as fast as the pace limits allow since the
+        The step and tokens_total may grow only as fast as the learner's pace bound allows since the
         message before the last heartbeat (``anchor_s``: the learner composes each heartbeat after
         the previous answer, so a heartbeat late in transit does not make an honest learner look
         fast); beyond that they are clamped (the rest is credited by later heartbeats). A step
         not above the last one (an older heartbeat delivered late, or the same one resent)
-        changes neither. The
+        changes neither. The step credited, and the seconds since the previous heartbeat, feed the
+        learner's :class:`~diloco_async.policy.pace.PaceMeter` (which calibrates its bound). The
         reported blocked seconds count as ``blocked`` badput, at most the seconds since the last
         heartbeat; the silence of a learner that was lost and is back as the same incarnation
         counts as ``stalled``.
@@ -191,21 +203,24 @@ class LearnerRegistry:
         clamped = []
         step, over = hb.step, False
         paced_s = now_s - info.anchor_s
-        if self.pace is not None and hb.step > info.step:
-            step, over = bounded_advance(info.step, hb.step, self.pace.steps_within(paced_s))
+        bound = self.pace.bound(info.meter) if self.pace is not None else None
+        if bound is not None and hb.step > info.step:
+            step, over = bounded_advance(info.step, hb.step, bound.steps_within(paced_s))
         if over:
             clamped.append("implausible_steps")
+        advance = 0
         if hb.step > info.step:  # a copy of the last heartbeat (resent over HTTP) moves nothing
+            advance = step - info.step
             info.step, info.anchor_s = step, info.last_seen_s
+        info.meter.record(advance, dt_s, self.pace.credit_rate(info.meter) if self.pace is not None else math.inf)
         info.live, info.last_seen_s = True, now_s
         if was_lost:
             self._live = None
         self._watch(info)
-        info.step_time_s = hb.step_time_s
         if hb.tokens_total >= info.tokens_seen:
             tokens, over = hb.tokens_total, False
-            if self.pace is not None:
-                tokens, over = bounded_advance(info.tokens_seen, hb.tokens_total, self.pace.tokens_within(paced_s))
+            if bound is not None:
+                tokens, over = bounded_advance(info.tokens_seen, hb.tokens_total, bound.tokens_within(paced_s))
             if over:
                 clamped.append("implausible_tokens")
             self.ledgers[hb.learner_id].tokens_processed += tokens - info.tokens_seen
@@ -231,6 +246,7 @@ class LearnerRegistry:
                 continue  # lost already, or replaced by a new incarnation (which has its own entry)
             if now_s - info.last_seen_s > timeout_s:
                 info.live = False
+                info.meter.silence()
                 lost.append(info)
             else:  # heard from since it was pushed: back in, at its newest time
                 self._watch(info)
@@ -281,15 +297,16 @@ class LearnerRegistry:
         """Take the registry of a checkpoint written ``checkpoint_age_s`` seconds ago: every learner
         is not live until it heartbeats again; the pace allowance of its next heartbeat counts from
         where it counted when the checkpoint was written, not from now (the learners trained on
-        while no synchronizer ran)."""
+        while no synchronizer ran), and its pace bound is calibrated by the pace measured until then."""
         self.ledgers = {lid: LearnerLedger.from_json(d) for lid, d in ledgers.items()}
         self.learners = {}
         self._heard, self._live = [], None
         self._tokens_processed = sum(led.tokens_processed for led in self.ledgers.values())
         self._provisioned_at_s, self._provisioned_flushed = None, True
         for lid, d in learners.items():
-            self.learners[lid] = LearnerInfo(
+            info = self.learners[lid] = LearnerInfo(
                 lid, int(d["incarnation"]), now_s - self.ledgers[lid].provisioned_s, now_s, live=False,
                 step=int(d["step"]), tokens_seen=int(d.get("tokens_seen", 0)),
-                bytes_down_seen=int(d.get("bytes_down_seen", 0)),
+                bytes_down_seen=int(d.get("bytes_down_seen", 0)), meter=PaceMeter.from_json(d.get("pace")),
                 anchor_s=now_s - max(0.0, checkpoint_age_s) - float(d.get("anchor_age_s", 0.0)))
+            info.meter.silence()  # the gap since the checkpoint is no measure of its pace

@@ -19,7 +19,7 @@ from diloco_async.merge.core import token_weight
 from diloco_async.policy.admission import AnnouncementRules, admit_announcement
 from diloco_async.policy.fragments import fragment_offset
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
-from diloco_async.policy.pace import PaceLimits, implausible_contribution
+from diloco_async.policy.pace import implausible_contribution
 from diloco_async.policy.rounds import (
     GraceDecision,
     RoundStage,
@@ -68,7 +68,6 @@ class RoundDriver:
     norm_guard: NormGuard
     direction_guards: list[DirectionGuard]
     learner_directions: LearnerDirections
-    pace: PaceLimits
     schedule_shift_steps: int  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
     store: ObjectStore
     run_id: str
@@ -145,9 +144,10 @@ class RoundDriver:
         f = self.fragments[p] if 0 <= p < len(self.fragments) else None
         rnd = self.rounds.get((p, n))
         info = self.registry.get(lid)
-        if info is not None and rnd is not None and lid not in rnd.state.entries:
+        bound = self.registry.pace_bound(lid)
+        if info is not None and bound is not None and rnd is not None and lid not in rnd.state.entries:
             why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
-                                           since_anchor_s=self.clock() - info.anchor_s, limits=self.pace)
+                                           since_anchor_s=self.clock() - info.anchor_s, bound=bound)
             if why is not None:
                 code, _, detail = why.partition(": ")
                 return self._reject(lid, code, detail, p, n, ann)

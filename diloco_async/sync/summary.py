@@ -40,6 +40,15 @@ def _learner_net(reg: LearnerRegistry, lid: str) -> dict:
             "link_budget_s": budget, "link_bound": need is not None and budget is not None and need > budget}
 
 
+def _learner_pace(reg: LearnerRegistry, lid: str) -> dict:
+    """A learner's pace as measured from its heartbeats (steps/s over its whole measurement; seconds
+    per step, recent) and the rate bound it is held to (steps/s, and where that comes from)."""
+    meter, bound = reg.learners[lid].meter, reg.pace_bound(lid)
+    return {"measured_steps_per_s": meter.steps_per_s(), "measured_step_time_s": meter.step_time_s(),
+            "pace_bound_steps_per_s": bound.steps_per_s if bound is not None else None,
+            "pace_bound": bound.reason if bound is not None else None}
+
+
 def summary(sync: ActorView) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes (and the peak
     bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`)."""
@@ -81,7 +90,8 @@ def summary(sync: ActorView) -> dict:
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                            **reg.ledgers[lid].to_json(),
                            "compute_goodput": reg.ledgers[lid].compute_goodput,
-                           "token_goodput": reg.ledgers[lid].token_goodput, **_learner_net(reg, lid)}
+                           "token_goodput": reg.ledgers[lid].token_goodput, **_learner_net(reg, lid),
+                           **_learner_pace(reg, lid)}
                      for lid, i in reg.learners.items()},
     }
 

@@ -132,7 +132,8 @@ def test_header_garbage_is_a_codec_header_error(data):
 
 
 def limits() -> PaceLimits:
-    return PaceLimits(max_steps_per_s=10.0, burst_steps=5, max_tokens_per_step=100)
+    return PaceLimits(initial_steps_per_s=10.0, tolerance=4.0, floor_steps_per_s=1.0, warmup_s=2.0, burst_steps=5,
+                      max_tokens_per_step=100)
 
 
 def test_pace_limits_from_config():
@@ -147,7 +148,7 @@ def test_pace_limits_from_config():
 
 
 def test_bounded_advance_by_wall_time():
-    lim = limits()
+    lim = limits().bound(None)  # the initial bound: 10 steps/s
     assert lim.steps_within(2.0) == 25 and lim.steps_within(-1.0) == 5
     assert lim.tokens_within(2.0) == 2500
     assert bounded_advance(100, 10**12, lim.steps_within(2.0)) == (125, True)
@@ -156,12 +157,13 @@ def test_bounded_advance_by_wall_time():
 
 
 def test_implausible_contribution():
-    lim = limits()
-    kw = {"learner_step": 40, "since_anchor_s": 1.0, "limits": lim}
+    kw = {"learner_step": 40, "since_anchor_s": 1.0, "bound": limits().bound(None)}
     assert implausible_contribution(c_steps=4, c_tokens=400, **kw) is None
     assert implausible_contribution(c_steps=4, c_tokens=401, **kw).startswith("implausible_tokens")
     assert implausible_contribution(c_steps=55, c_tokens=100, **kw) is None  # 40 + 5 + 10
-    assert implausible_contribution(c_steps=56, c_tokens=100, **kw).startswith("implausible_steps")
+    why = implausible_contribution(c_steps=56, c_tokens=100, **kw)
+    assert why == ("implausible_steps: c_steps 56 > step 40 + what 1.0s allow at 10 steps/s (initial, pace not "
+                   "measured yet) = 55")
 
 
 def test_step_times_clamped_to_the_peers():
@@ -377,13 +379,17 @@ class _HonestLearner:
     registry sees it: each heartbeat is composed when the previous answer came back plus the
     heartbeat period, and reaches the synchronizer ``delays_s[k]`` seconds later."""
 
-    def __init__(self, rate: float, delays_s: list[float], period_s: float = 0.25) -> None:
+    def __init__(self, rate: float, delays_s: list[float], period_s: float = 0.25, pace: PaceLimits | None = None
+                 ) -> None:
         from diloco_async.protocol.messages import JoinRequest
         from diloco_async.sync.learners import LearnerRegistry
 
         self.rate, self.delays_s, self.period_s = rate, delays_s, period_s
-        self.pace = PaceLimits(max_steps_per_s=100.0, burst_steps=64, max_tokens_per_step=64)
+        self.pace = pace or PaceLimits(initial_steps_per_s=100.0, tolerance=4.0, floor_steps_per_s=10.0,
+                                       warmup_s=3.0, burst_steps=64, max_tokens_per_step=64)
         self.registry = LearnerRegistry(self.pace)
+        self.clamped_at: list[float] = []  # receipt times (s) of the clamped heartbeats
+        self.refused_at: list[float] = []
         self.registry.join(JoinRequest(learner_id="a"), 0.0, None)
         self.clamped: list[str] = []
         self.refusals: list[str] = []
@@ -402,15 +408,18 @@ class _HonestLearner:
             _, _, clamped = self.registry.heartbeat(
                 Heartbeat(learner_id="a", step=step, tokens_total=step * 64), received_s)
             self.clamped += clamped
+            self.clamped_at += [received_s] * bool(clamped)
             answered_s = received_s
             # a lone learner announces every step it took (c_steps = its whole step count) right now
             info = self.registry.learners["a"]
             for now_s in (received_s, received_s + 0.1):
                 c = self.step_at(now_s)
                 why = implausible_contribution(c_steps=c, c_tokens=c * 64, learner_step=info.step,
-                                               since_anchor_s=now_s - info.anchor_s, limits=self.pace)
+                                               since_anchor_s=now_s - info.anchor_s,
+                                               bound=self.registry.pace_bound("a"))
                 if why:
                     self.refusals.append(why)
+                    self.refused_at.append(now_s)
 
 
 @pytest.mark.parametrize("delays_s", [[0.001] * 40, [0.001] * 10 + [1.0] + [0.001] * 10,
@@ -426,15 +435,22 @@ def test_an_honest_learner_near_the_pace_bound_is_never_clamped_or_refused_when_
     assert learner.clamped == [] and learner.refusals == []
 
 
-def test_a_learner_claiming_more_than_the_pace_still_is_clamped_and_refused():
+def test_a_learner_faster_than_the_initial_bound_is_clamped_only_until_its_pace_is_measured():
     """Counting from the message before a heartbeat widens each heartbeat's window by one period,
-    not without bound: a heartbeat may add burst_steps + max_steps_per_s x (two periods), 114
-    steps per 0.25 s here, about 456 steps/s (counting from its own receipt it was 89, about 356
-    steps/s). A learner claiming 600 steps/s is clamped and its contributions are refused."""
-    learner = _HonestLearner(600.0, [0.001] * 20)
+    not without bound: before its pace is measured, a heartbeat may add burst_steps +
+    initial_steps_per_s x (two periods), 114 steps per 0.25 s here, about 456 steps/s. A learner
+    at 600 steps/s is clamped and its contributions are refused in its warm-up (3 s heard
+    stepping). Changed by issue 47: it was refused for as long as it ran at that pace (the bound
+    was a fixed 100 steps/s); now its measured pace sets its bound after the warm-up, and a
+    learner steadily at 600 steps/s is not told from an honest fast one."""
+    learner = _HonestLearner(600.0, [0.001] * 40)
     learner.run()
     assert "implausible_steps" in learner.clamped and learner.refusals
     assert all(r.startswith("implausible_steps") for r in learner.refusals)
+    # the warm-up ends 3 s after its first step (0.25 s); five beats later the steps it held back are credited
+    assert max(learner.clamped_at + learner.refused_at) < 3.25 + 5 * 0.25 < 10.0  # 10 s run
+    bound = learner.registry.pace_bound("a")  # 4 x a measured pace that lags (it counts the clamped warm-up)
+    assert bound.reason.startswith("4 x measured") and bound.steps_per_s > 4 * 100.0
 
 
 def test_after_a_resume_the_pace_allowance_counts_across_the_gap():
