@@ -37,7 +37,8 @@ class ScriptedLearners:
     Args:
         url: the synchronizer's URL. run_id, run_secret: the run's id and secret. store: the run's store.
         learner_ids: ids of the honest learners. interval_s: seconds between two heartbeats.
-        steps_per_beat: inner steps reported per heartbeat.
+        steps_per_beat: inner steps reported per heartbeat. step_time_s: the step time (s) each
+            heartbeat reports (None: none).
 
     Attributes:
         acks: announcement answers by status; ``errors``: failed calls by kind; ``latencies``:
@@ -45,9 +46,10 @@ class ScriptedLearners:
     """
 
     def __init__(self, url: str, run_id: str, run_secret: str, store: ObjectStore, learner_ids: list[str],
-                 interval_s: float = 0.1, steps_per_beat: int = 1) -> None:
+                 interval_s: float = 0.1, steps_per_beat: int = 1, step_time_s: float | None = 0.05) -> None:
         self.url, self.run_id, self.secret, self.store = url, run_id, run_secret, store
         self.ids, self.interval_s, self.steps_per_beat = learner_ids, interval_s, steps_per_beat
+        self.step_time_s = step_time_s
         self.acks: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.latencies: deque[tuple[float, float]] = deque(maxlen=100_000)  # (monotonic s, heartbeat s)
@@ -74,8 +76,10 @@ class ScriptedLearners:
                         joined = True
                     step += self.steps_per_beat
                     t0 = time.monotonic()
-                    hb = await client.heartbeat({"learner_id": lid, "incarnation": incarnation, "step": step,
-                                                 "step_time_s": 0.05, "tokens_total": step * 64})
+                    body = {"learner_id": lid, "incarnation": incarnation, "step": step, "tokens_total": step * 64}
+                    if self.step_time_s is not None:
+                        body["step_time_s"] = self.step_time_s
+                    hb = await client.heartbeat(body)
                     self.latencies.append((t0, time.monotonic() - t0))
                     if not hb["known"]:  # evicted (or the synchronizer restarted): join again
                         self.errors["rejoin"] += 1
