@@ -4,7 +4,9 @@ grow, calibrated to what the synchronizer measured that learner doing.
 A learner reports its local step and tokens processed in heartbeats, and c_steps and c_tokens with
 each contribution. None of it can be verified, but all of it is bounded by wall time: in ``dt``
 seconds a learner cannot take more than ``burst_steps + r · dt`` inner steps, nor process more
-than ``max_tokens_per_step`` tokens per step. The rate bound ``r`` is this learner's own:
+than ``max_tokens_per_step`` tokens per step, however many messages it sends (the burst is a
+token bucket, :class:`PaceBurst`: a message spends it and the rate refills it, it does not renew
+per message). The rate bound ``r`` is this learner's own:
 
 * ``initial_steps_per_s`` until the synchronizer has heard the learner stepping for ``warmup_s``
   seconds (its pace is not measured yet);
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 from diloco_async.config.schema import Config
 
-__all__ = ["RECENT_S", "CREDIT_S", "PaceMeter", "PaceLimits", "PaceBound", "bounded_advance",
+__all__ = ["RECENT_S", "CREDIT_S", "PaceMeter", "PaceBurst", "PaceLimits", "PaceBound", "bounded_advance",
            "implausible_contribution", "clamp_step_times"]
 
 #: time constant (s) of a learner's recent pace, the step time of the grace window: long enough
@@ -124,23 +126,82 @@ class PaceMeter:
                    recent_heard_s=heard_s)
 
 
+@dataclass
+class PaceBurst:
+    """What is left of one learner's burst, in steps and in tokens (None: all of it, as at a join).
+
+    A token bucket of at most ``burst_steps`` (tokens: times ``max_tokens_per_step``) that the rate
+    bound refills and each message spends, so the burst does not renew per message: a learner that
+    sent a heartbeat every millisecond, each allowed ``burst_steps`` on top of the rate, had 64,000
+    steps/s credited. A message's allowance is what is left plus ``r`` × its window, which starts at
+    the receipt of the message before the last one that advanced the counter (why:
+    :func:`implausible_contribution`); consecutive windows overlap by the interval the next window
+    counts again, so what a message leaves is its unused allowance less ``r`` × that overlap, at
+    most the burst (:meth:`PaceBound.left_after`; it may be negative). Over any run of messages a
+    learner is so credited at most ``burst_steps + r · T`` steps, ``T`` the seconds their windows
+    cover (from the start of the first one's window to the last one's receipt) and ``r`` the
+    highest bound meanwhile; an honest learner at up to ``r`` loses nothing (the steps it reports
+    in that run were taken within those seconds).
+    """
+
+    steps: float | None = None
+    tokens: float | None = None
+
+    def rejoined(self) -> PaceBurst:
+        """The burst of a new incarnation of the learner (its window starts at its join): what was
+        left, no more (a rejoin does not refill it), no debt (its new window counts nothing again)."""
+        return PaceBurst(*(None if left is None else max(left, 0.0) for left in (self.steps, self.tokens)))
+
+    def to_json(self) -> dict:
+        """What a checkpoint keeps."""
+        return {"steps": self.steps, "tokens": self.tokens}
+
+    @classmethod
+    def from_json(cls, d: Mapping | None) -> PaceBurst:
+        """A burst from :meth:`to_json` (a checkpoint without one: full)."""
+        d = d or {}
+        return cls(*(None if d.get(k) is None else float(d[k]) for k in ("steps", "tokens")))
+
+
 @dataclass(frozen=True)
 class PaceBound:
-    """The most one learner can have done: ``burst_steps`` plus ``steps_per_s`` (steps/s) times the
-    seconds, ``max_tokens_per_step`` tokens a step; ``reason`` says where the rate comes from."""
+    """The most one learner can have done: what is left of its burst (``steps_left``, at most
+    ``burst_steps``; None: all of it) plus ``steps_per_s`` (steps/s) times the seconds of its
+    window, ``max_tokens_per_step`` tokens a step (``tokens_left``: its burst of tokens left);
+    ``reason`` says where the rate comes from."""
 
     steps_per_s: float
     burst_steps: int
     max_tokens_per_step: int
     reason: str
+    steps_left: float | None = None
+    tokens_left: float | None = None
 
     def steps_within(self, dt_s: float) -> int:
-        """Most inner steps in ``dt_s`` seconds (a negative ``dt_s`` counts as 0)."""
-        return self.burst_steps + math.floor(max(dt_s, 0.0) * self.steps_per_s)
+        """Most inner steps in ``dt_s`` seconds (a negative ``dt_s`` counts as 0), at least 0."""
+        return max(0, math.floor(self.burst_left() + max(dt_s, 0.0) * self.steps_per_s))
 
     def tokens_within(self, dt_s: float) -> int:
-        """Most tokens processed in ``dt_s`` seconds."""
-        return self.steps_within(dt_s) * self.max_tokens_per_step
+        """Most tokens processed in ``dt_s`` seconds, at least 0."""
+        rate = self.steps_per_s * self.max_tokens_per_step
+        return max(0, math.floor(self.burst_left(tokens=True) + max(dt_s, 0.0) * rate))
+
+    def left_after(self, window_s: float, credited: int, recounted_s: float, *, tokens: bool = False) -> float:
+        """What a message leaves of the burst (steps, or tokens with ``tokens``; :class:`PaceBurst`):
+        what was left plus the rate × its window of ``window_s`` seconds, less what was ``credited``
+        to it and less the rate × ``recounted_s``, the seconds of that window that the next window
+        counts again; at most the burst. At least ``-rate × recounted_s`` when ``credited`` is at
+        most the message's allowance."""
+        per_step = self.max_tokens_per_step if tokens else 1
+        refill = self.steps_per_s * per_step * max(window_s - max(recounted_s, 0.0), 0.0)
+        return min(float(self.burst_steps * per_step), self.burst_left(tokens=tokens) + refill - max(credited, 0))
+
+    def burst_left(self, *, tokens: bool = False) -> float:
+        """Steps (or tokens) of the burst left; negative: the part of the last window that the
+        next window counts again was used (:class:`PaceBurst`)."""
+        per_step = self.max_tokens_per_step if tokens else 1
+        left = self.tokens_left if tokens else self.steps_left
+        return self.burst_steps * per_step if left is None else min(left, self.burst_steps * per_step)
 
 
 @dataclass(frozen=True)
@@ -199,8 +260,9 @@ class PaceLimits:
             return self.initial_steps_per_s
         return max(self.floor_steps_per_s, self.growth * measured)
 
-    def bound(self, meter: PaceMeter | None) -> PaceBound:
-        """The bound of a learner with ``meter`` (None: nothing measured, as in its warm-up)."""
+    def bound(self, meter: PaceMeter | None, burst: PaceBurst | None = None) -> PaceBound:
+        """The bound of a learner with ``meter`` (None: nothing measured, as in its warm-up) and
+        ``burst`` left (None: all of it)."""
         measured = self._measured(meter)
         if measured is None:
             rate, why = self.initial_steps_per_s, "initial, pace not measured yet"
@@ -208,7 +270,8 @@ class PaceLimits:
             rate, why = self.tolerance * measured, f"{self.tolerance:g} x measured {measured:.1f} steps/s"
         else:
             rate, why = self.floor_steps_per_s, f"floor; measured {measured:.1f} steps/s"
-        return PaceBound(rate, self.burst_steps, self.max_tokens_per_step, why)
+        burst = burst or PaceBurst()
+        return PaceBound(rate, self.burst_steps, self.max_tokens_per_step, why, burst.steps, burst.tokens)
 
 
 def bounded_advance(prev: int, reported: int, allowance: int) -> tuple[int, bool]:
@@ -230,18 +293,20 @@ def implausible_contribution(*, c_steps: int, c_tokens: int, learner_step: int, 
 
     ``implausible_tokens``: more than ``max_tokens_per_step`` tokens per inner step.
     ``implausible_steps``: more inner steps than the learner's last reported (bounded) step plus
-    what it can have done in ``since_anchor_s`` seconds at its rate bound: since the synchronizer
-    received the message before that heartbeat (the learner composed the heartbeat after that one
-    was answered, so its step was reached no earlier; counting from the heartbeat's own receipt
-    made a heartbeat late in transit shrink an honest learner's allowance).
+    what it can have done in ``since_anchor_s`` seconds at its rate bound, plus what is left of its
+    burst (``bound.steps_left``: the same allowance as a heartbeat received now; an announcement
+    spends nothing, it only reads it): since the synchronizer received the message before that
+    heartbeat (the learner composed the heartbeat after that one was answered, so its step was
+    reached no earlier; counting from the heartbeat's own receipt made a heartbeat late in transit
+    shrink an honest learner's allowance).
     """
     if c_tokens > c_steps * bound.max_tokens_per_step:
         return (f"implausible_tokens: c_tokens {c_tokens} > c_steps {c_steps} x {bound.max_tokens_per_step} "
                 "tokens per step")
     most = learner_step + bound.steps_within(since_anchor_s)
     if c_steps > most:
-        return (f"implausible_steps: c_steps {c_steps} > step {learner_step} + what {since_anchor_s:.1f}s "
-                f"allow at {bound.steps_per_s:.0f} steps/s ({bound.reason}) = {most}")
+        return (f"implausible_steps: c_steps {c_steps} > step {learner_step} + burst left {bound.burst_left():.0f} "
+                f"+ what {since_anchor_s:.1f}s allow at {bound.steps_per_s:.0f} steps/s ({bound.reason}) = {most}")
     return None
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from diloco_async.metrics.goodput import LearnerLedger
-from diloco_async.policy.pace import PaceBound, PaceLimits, PaceMeter, bounded_advance, clamp_step_times
+from diloco_async.policy.pace import PaceBound, PaceBurst, PaceLimits, PaceMeter, bounded_advance, clamp_step_times
 from diloco_async.protocol.messages import Heartbeat, JoinRequest
 from diloco_async.sync.wire_bytes import WireBytes
 
@@ -43,6 +43,7 @@ class LearnerInfo:
     # heartbeat that reported ``step`` (that heartbeat was composed after it was answered)
     anchor_s: float = 0.0
     meter: PaceMeter = field(default_factory=PaceMeter)  # its pace, measured from its heartbeats
+    burst: PaceBurst = field(default_factory=PaceBurst)  # what is left of its burst (a token bucket)
     tokens_seen: int = 0  # tokens_total reported by the current incarnation
     bytes_down_seen: int = 0
     blocked_seen_s: float = 0.0  # blocked_s reported by the current incarnation
@@ -56,7 +57,7 @@ class LearnerInfo:
         """What a checkpoint written at ``now_s`` keeps of this slot."""
         return {"incarnation": self.incarnation, "step": self.step, "tokens_seen": self.tokens_seen,
                 "bytes_down_seen": self.bytes_down_seen, "anchor_age_s": max(0.0, now_s - self.anchor_s),
-                "pace": self.meter.to_json()}
+                "pace": self.meter.to_json(), "pace_burst": self.burst.to_json()}
 
 
 class LearnerRegistry:
@@ -136,7 +137,7 @@ class LearnerRegistry:
         info = self.learners.get(learner_id)
         if self.pace is None or info is None:
             return None
-        return self.pace.bound(info.meter)
+        return self.pace.bound(info.meter, info.burst)
 
     def join(self, req: JoinRequest, now_s: float, global_step: int | None) -> int:
         """Register a (re)joining learner; returns the local step it continues from.
@@ -163,8 +164,9 @@ class LearnerRegistry:
                 led.add_badput("restarting", now_s - process_start_s)
             else:
                 led.add_badput("starting", req.uptime_s)
-            info = self.learners[req.learner_id] = LearnerInfo(req.learner_id, req.incarnation, started, now_s,
-                                                               step=start_step, anchor_s=now_s)
+            info = self.learners[req.learner_id] = LearnerInfo(
+                req.learner_id, req.incarnation, started, now_s, step=start_step, anchor_s=now_s,
+                burst=info.burst.rejoined() if info is not None else PaceBurst())  # a rejoin refills no burst
         else:
             if not info.live:
                 self.ledgers[req.learner_id].add_badput("stalled", now_s - info.last_seen_s)
@@ -181,7 +183,8 @@ class LearnerRegistry:
         The step and tokens_total may grow only as fast as the learner's pace bound allows since the
         message before the last heartbeat (``anchor_s``: the learner composes each heartbeat after
         the previous answer, so a heartbeat late in transit does not make an honest learner look
-        fast); beyond that they are clamped (the rest is credited by later heartbeats). A step
+        fast), plus what is left of its burst (:class:`~diloco_async.policy.pace.PaceBurst`, which
+        no message renews); beyond that they are clamped (the rest is credited by later heartbeats). A step
         not above the last one (an older heartbeat delivered late, or the same one resent)
         changes neither. The step credited, and the seconds since the previous heartbeat, feed the
         learner's :class:`~diloco_async.policy.pace.PaceMeter` (which calibrates its bound). The
@@ -203,9 +206,10 @@ class LearnerRegistry:
         clamped = []
         step, over = hb.step, False
         paced_s = now_s - info.anchor_s
-        bound = self.pace.bound(info.meter) if self.pace is not None else None
+        bound = self.pace_bound(hb.learner_id)
         if bound is not None and hb.step > info.step:
             step, over = bounded_advance(info.step, hb.step, bound.steps_within(paced_s))
+            info.burst.steps = bound.left_after(paced_s, step - info.step, dt_s)  # the next window: from last_seen_s
         if over:
             clamped.append("implausible_steps")
         advance = 0
@@ -221,6 +225,8 @@ class LearnerRegistry:
             tokens, over = hb.tokens_total, False
             if bound is not None:
                 tokens, over = bounded_advance(info.tokens_seen, hb.tokens_total, bound.tokens_within(paced_s))
+                info.burst.tokens = bound.left_after(paced_s, tokens - info.tokens_seen, now_s - info.anchor_s,
+                                                     tokens=True)
             if over:
                 clamped.append("implausible_tokens")
             self.ledgers[hb.learner_id].tokens_processed += tokens - info.tokens_seen
@@ -297,7 +303,8 @@ class LearnerRegistry:
         """Take the registry of a checkpoint written ``checkpoint_age_s`` seconds ago: every learner
         is not live until it heartbeats again; the pace allowance of its next heartbeat counts from
         where it counted when the checkpoint was written, not from now (the learners trained on
-        while no synchronizer ran), and its pace bound is calibrated by the pace measured until then."""
+        while no synchronizer ran), with the burst it had left, and its pace bound is calibrated by the
+        pace measured until then."""
         self.ledgers = {lid: LearnerLedger.from_json(d) for lid, d in ledgers.items()}
         self.learners = {}
         self._heard, self._live = [], None
@@ -308,5 +315,6 @@ class LearnerRegistry:
                 lid, int(d["incarnation"]), now_s - self.ledgers[lid].provisioned_s, now_s, live=False,
                 step=int(d["step"]), tokens_seen=int(d.get("tokens_seen", 0)),
                 bytes_down_seen=int(d.get("bytes_down_seen", 0)), meter=PaceMeter.from_json(d.get("pace")),
+                burst=PaceBurst.from_json(d.get("pace_burst")),
                 anchor_s=now_s - max(0.0, checkpoint_age_s) - float(d.get("anchor_age_s", 0.0)))
             info.meter.silence()  # the gap since the checkpoint is no measure of its pace

@@ -162,8 +162,8 @@ def test_implausible_contribution():
     assert implausible_contribution(c_steps=4, c_tokens=401, **kw).startswith("implausible_tokens")
     assert implausible_contribution(c_steps=55, c_tokens=100, **kw) is None  # 40 + 5 + 10
     why = implausible_contribution(c_steps=56, c_tokens=100, **kw)
-    assert why == ("implausible_steps: c_steps 56 > step 40 + what 1.0s allow at 10 steps/s (initial, pace not "
-                   "measured yet) = 55")
+    assert why == ("implausible_steps: c_steps 56 > step 40 + burst left 5 + what 1.0s allow at 10 steps/s (initial, "
+                   "pace not measured yet) = 55")
 
 
 def test_step_times_clamped_to_the_peers():
@@ -437,18 +437,20 @@ def test_an_honest_learner_near_the_pace_bound_is_never_clamped_or_refused_when_
 
 def test_a_learner_faster_than_the_initial_bound_is_clamped_only_until_its_pace_is_measured():
     """Counting from the message before a heartbeat widens each heartbeat's window by one period,
-    not without bound: before its pace is measured, a heartbeat may add burst_steps +
-    initial_steps_per_s x (two periods), 114 steps per 0.25 s here, about 456 steps/s. A learner
-    at 600 steps/s is clamped and its contributions are refused in its warm-up (3 s heard
-    stepping). Changed by issue 47: it was refused for as long as it ran at that pace (the bound
-    was a fixed 100 steps/s); now its measured pace sets its bound after the warm-up, and a
-    learner steadily at 600 steps/s is not told from an honest fast one."""
-    learner = _HonestLearner(600.0, [0.001] * 40)
+    not the steps credited: before its pace is measured a learner is credited at most burst_steps
+    + initial_steps_per_s x the seconds (100 steps/s here; the burst is spent once, not granted
+    per heartbeat). A learner at 300 steps/s is clamped and its contributions are refused in its
+    warm-up (3 s heard stepping). Changed by issue 47: it was refused for as long as it ran at that
+    pace (the bound was a fixed 100 steps/s); now its measured pace sets its bound after the
+    warm-up (4 x about 120 steps/s), the steps it held back are credited within a few seconds, and
+    a learner steadily at 300 steps/s is not told from an honest fast one."""
+    learner = _HonestLearner(300.0, [0.001] * 40)
     learner.run()
     assert "implausible_steps" in learner.clamped and learner.refusals
     assert all(r.startswith("implausible_steps") for r in learner.refusals)
-    # the warm-up ends 3 s after its first step (0.25 s); five beats later the steps it held back are credited
-    assert max(learner.clamped_at + learner.refused_at) < 3.25 + 5 * 0.25 < 10.0  # 10 s run
+    # the warm-up ends 3 s after its first step (0.25 s); the ~600 steps held back by then are
+    # credited at the bound's surplus over its pace (~160 steps/s), in about 4 s
+    assert max(learner.clamped_at + learner.refused_at) < 3.25 + 4.0 < 10.0  # 10 s run
     bound = learner.registry.pace_bound("a")  # 4 x a measured pace that lags (it counts the clamped warm-up)
     assert bound.reason.startswith("4 x measured") and bound.steps_per_s > 4 * 100.0
 

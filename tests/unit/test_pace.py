@@ -144,7 +144,7 @@ def test_a_jump_beyond_the_measured_pace_is_clamped_and_refused():
 
 def test_a_sustained_tenfold_speed_up_is_clamped():
     """A learner measured at 300 steps/s that claims 3000 steps/s from then on: each heartbeat adds
-    at most the bound (4 x the measured pace, over about two heartbeat periods + 64), so its
+    at most the bound (4 x the measured pace) x the seconds since the previous one, so its
     heartbeats are clamped."""
     reg, now_s, step = honest_then(300.0, 20.0)
     clamped_count = 0
@@ -158,11 +158,11 @@ def test_a_sustained_tenfold_speed_up_is_clamped():
 
 @pytest.mark.parametrize(("period_s", "seconds", "claim"), [(0.25, 300.0, 10**6), (0.001, 10.0, 64)])
 def test_a_learner_that_claims_the_most_it_may_raises_its_bound_only_slowly(period_s, seconds, claim):
-    """A liar that claims more than it may at every heartbeat (10^6 steps more every 0.25 s; or,
-    since each heartbeat may add burst_steps beyond the rate, 64 more every millisecond) is
-    clamped, but what is credited is measured only up to growth (1.25) x its measured pace: its
-    measured pace grows as (seconds heard / warm-up)^0.25 from the initial 1000 steps/s, about 3.2x
-    in five minutes, not as the 4th power of time (the bound's own tolerance)."""
+    """A liar that claims more than it may at every heartbeat (10^6 steps more every 0.25 s, or 64
+    more every millisecond, the burst the old rule granted each heartbeat) is clamped, but what is
+    credited is measured only up to growth (1.25) x its measured pace: its measured pace grows as
+    (seconds heard / warm-up)^0.25 from the initial 1000 steps/s, about 3.2x in five minutes, not
+    as the 4th power of time (the bound's own tolerance)."""
     limits = default_limits()
     reg = LearnerRegistry(limits)
     reg.join(JoinRequest(learner_id="a"), 0.0, None)
@@ -174,6 +174,71 @@ def test_a_learner_that_claims_the_most_it_may_raises_its_bound_only_slowly(peri
     most = limits.initial_steps_per_s * (meter.heard_s / limits.warmup_s) ** (limits.growth - 1)
     assert meter.steps_per_s() <= most * 1.01
     assert reg.pace_bound("a").steps_per_s <= 4 * most * 1.01
+
+
+def flood(limits: PaceLimits, seconds: float, *, rejoin: bool) -> tuple[LearnerRegistry, list[tuple[float, int, int]]]:
+    """A liar that sends a heartbeat every 1 ms claiming 64 steps (and 64 x 64 tokens) more than it
+    was credited, each the burst the old rule granted per heartbeat; with ``rejoin`` it also joins
+    as a new incarnation 0.5 ms before each. Returns the registry and, per heartbeat, (receipt time,
+    step credited, tokens credited since the start, over every incarnation)."""
+    reg = LearnerRegistry(limits)
+    reg.join(JoinRequest(learner_id="a"), 0.0, None)
+    seen, tokens_before = [(0.0, 0, 0)], 0
+    for k in range(1, round(seconds * 1000) + 1):
+        now_s = k / 1000
+        if rejoin:
+            tokens_before += reg.learners["a"].tokens_seen
+            reg.join(JoinRequest(learner_id="a", incarnation=k), now_s - 0.0005, None)
+        info = reg.learners["a"]
+        step, tokens = info.step + 64, info.tokens_seen + 64 * 64
+        reg.heartbeat(Heartbeat(learner_id="a", incarnation=info.incarnation, step=step, tokens_total=tokens), now_s)
+        seen.append((now_s, info.step, tokens_before + info.tokens_seen))
+    return reg, seen
+
+
+@pytest.mark.parametrize("rejoin", [False, True])
+def test_the_burst_does_not_renew_with_each_message(rejoin):
+    """Each heartbeat could add burst_steps (64) beyond the rate, and heartbeats are not rate-limited:
+    one every 1 ms had 64,000 steps/s more credited (and a contribution of that many steps
+    accepted). The burst is now a token bucket the rate refills: over any run of heartbeats a
+    learner is credited at most burst_steps + r x the seconds their windows cover (the run and the
+    two intervals before it, 2 ms here), tokens likewise, whether it sends heartbeats or rejoins as
+    a new incarnation before each; the largest contribution it may announce is what a heartbeat
+    would be credited at the same moment."""
+    limits = default_limits()  # initial 1000 steps/s for the 3 s warm-up, then 4 x measured
+    reg, seen = flood(limits, 10.0, rejoin=rejoin)
+    assert seen[1000][1] <= 64 + 1000 * 1.0  # the first second, from its join: burst + r x 1 s
+    assert seen[1000][2] <= (64 + 1000 * 1.0) * 64
+    most_r = 4 * limits.initial_steps_per_s * (10.0 / limits.warmup_s) ** (limits.growth - 1)  # in 10 s
+    for i in range(0, len(seen) - 1000, 250):  # every 1 s span, and every 0.25 s one
+        for j in (i + 250, i + 1000):
+            span_s = seen[j][0] - seen[max(i - 1, 0)][0]  # from the message before the first credited
+            assert seen[j][1] - seen[i][1] <= 64 + most_r * span_s + 1, (i, j)
+            assert seen[j][2] - seen[i][2] <= (64 + most_r * span_s + 1) * 64, (i, j)
+    info, bound = reg.learners["a"], reg.pace_bound("a")  # a contribution announced 1 ms after the last heartbeat:
+    kw = {"c_tokens": 64, "learner_step": info.step, "bound": bound, "since_anchor_s": 10.001 - info.anchor_s}
+    most = next(c for c in range(info.step, 10**6) if implausible_contribution(c_steps=c + 1, **kw))
+    assert implausible_contribution(c_steps=most + 1, **kw).startswith("implausible_steps")
+    # the most it may announce is what a heartbeat received then is credited (the same burst left)
+    reg.heartbeat(Heartbeat(learner_id="a", incarnation=info.incarnation, step=10**9, tokens_total=info.tokens_seen),
+                  10.001)
+    assert info.step == most and most - seen[-1001][1] <= 64 + bound.steps_per_s * (10.001 - seen[-1002][0]) + 1
+
+
+def test_the_burst_left_is_spent_and_kept_by_a_checkpoint():
+    """An honest learner that used none of its burst has all of it; one that claimed the most it
+    may has spent it (what it has left is negative: the next window counts the last interval again)
+    and a checkpoint and a rejoin keep that (a rejoin forgives the debt, not more)."""
+    reg, now_s, step = honest_then(300.0, 5.0)
+    assert reg.pace_bound("a").burst_left() == 64.0
+    reg.heartbeat(Heartbeat(learner_id="a", step=step + 10**6, tokens_total=(step + 10**6) * 64), now_s + 0.25)
+    left = reg.pace_bound("a").burst_left()
+    assert -reg.pace_bound("a").steps_per_s * 0.25 - 1 <= left < 0
+    ledgers, learners = reg.to_manifest(now_s + 0.25)
+    reg.restore(ledgers, learners, 100.0, checkpoint_age_s=0.0)
+    assert reg.pace_bound("a").burst_left() == pytest.approx(left)
+    reg.join(JoinRequest(learner_id="a", incarnation=1), 100.0, None)
+    assert reg.pace_bound("a").burst_left() == 0.0
 
 
 def test_a_silence_is_not_measured_and_a_restore_keeps_the_measurement():
