@@ -75,7 +75,9 @@ class GuardConfig(BaseModel):
     pace_floor_steps_per_s: float = Field(
         10.0, gt=0, description="Lowest rate bound after the warm-up (a learner measured at almost no steps, "
         "e.g. stalled right after its first step, can still resume).")
-    burst_steps: int = Field(64, ge=0, description="Steps a learner may report beyond the rate bound at once.")
+    burst_steps: int = Field(
+        64, ge=0, description="Steps a learner may report beyond its rate bound: a token bucket per learner that "
+        "the rate refills and each heartbeat spends, not renewed per message (nor by a rejoin).")
     max_tokens_per_step: int | None = Field(
         None, ge=1, description="Most tokens one inner step can process; None = 2 x learners.batch_size x "
         "model.context.")
