@@ -383,10 +383,11 @@ _OPERATIONAL = {
                  "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
-                     "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s", "lease_ttl_s",
-                     "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s", "verifies_in_flight"),
-    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults", "poison",
-               "nice_after_ready"),
+                     "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s",
+                     "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
+                     "verifies_in_flight"),
+    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
+               "storage_fault_learners", "poison", "nice_after_ready"),
 }
 
 
