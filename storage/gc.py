@@ -15,9 +15,11 @@ incomplete S3 multipart uploads: :mod:`storage.orphans`) under the run's prefix 
 older than ``orphan_age_s`` (default 24 h); younger ones may be live uploads and are left alone.
 
 Never deleted: the newest verified checkpoint, any checkpoint newer than it (it may be in
-progress), ``plan.json``/``config.json``, learners' own state, keys this module cannot parse, and
-anything of a fragment the manifest does not mention. A listing that lags behind only makes
-collection delete less.
+progress), ``plan.json``/``config.json``, learners' own state, keys this module cannot parse,
+anything of a fragment the manifest does not mention, and the versions (and their compact forms)
+named in ``keep_versions``: those live learners were told to read and may not have finished
+reading (the synchronizer's read leases, :class:`diloco_async.policy.catchup.ReadLeases`). A
+listing that lags behind only makes collection delete less.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from storage import keys
@@ -53,6 +55,8 @@ class GcReport:
         deleted_nbytes: bytes deleted by kind.
         deleted_checkpoints: sequence numbers of the checkpoints removed.
         kept_checkpoints: sequence numbers of the checkpoints left.
+        kept_for_reads: objects (versions and compact forms) behind the floor left for the
+            learners' reads (``keep_versions``).
     """
 
     run_id: str
@@ -63,6 +67,7 @@ class GcReport:
     deleted_nbytes: dict[str, int] = field(default_factory=lambda: collections.Counter())
     deleted_checkpoints: list[int] = field(default_factory=list)
     kept_checkpoints: list[int] = field(default_factory=list)
+    kept_for_reads: int = 0
 
     @property
     def objects(self) -> int:
@@ -75,7 +80,8 @@ class GcReport:
 
 def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 2, dry_run: bool = False,
                     orphan_age_s: float | None = DEFAULT_ORPHAN_AGE_S,
-                    clock: Callable[[], float] = time.time) -> GcReport:
+                    clock: Callable[[], float] = time.time,
+                    keep_versions: Mapping[int, Collection[int]] | None = None) -> GcReport:
     """Delete what no resume from the newest verified checkpoint can need, and leftover uploads.
 
     Args:
@@ -85,6 +91,7 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
         dry_run: report without deleting.
         orphan_age_s: leftover uploads older than this many seconds are removed (None: none).
         clock: wall-clock seconds since the epoch, for the leftovers' ages.
+        keep_versions: fragment -> versions never deleted (with their compact forms), whatever the floor.
 
     Raises:
         ValueError: ``keep_checkpoints`` < 1, or a negative ``orphan_age_s``.
@@ -104,6 +111,7 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
     version_floor = _version_floors(manifest)
     round_floor = {p: int(n) - 1 for p, n in manifest.get("next_round", {}).items()}
 
+    kept = {str(p): set(vs) for p, vs in (keep_versions or {}).items()}
     doomed: list[tuple[str, str, int]] = []  # (kind, key, nbytes), in deletion order
     doomed += _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)
     for kind, prefix, parse, floors in (
@@ -116,6 +124,9 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
                 continue
             p, n = str(parsed[0]), parsed[1]
             if p in floors and n < floors[p]:
+                if kind != "contrib" and n in kept.get(p, ()):
+                    report.kept_for_reads += 1  # a live learner may still be reading it
+                    continue
                 doomed.append((kind, key, nbytes))
 
     for kind, key, nbytes in doomed:
@@ -123,9 +134,9 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
             store.delete(key)
         report.deleted[kind] += 1
         report.deleted_nbytes[kind] += nbytes
-    log.info("gc %s: %s; %s %d objects, %d bytes (%s); checkpoints kept %s",
+    log.info("gc %s: %s; %s %d objects, %d bytes (%s); checkpoints kept %s; %d objects kept for learners' reads",
              run_id, report.reason, "would delete" if dry_run else "deleted", report.objects, report.nbytes,
-             dict(report.deleted), report.kept_checkpoints)
+             dict(report.deleted), report.kept_checkpoints, report.kept_for_reads)
     return report
 
 

@@ -44,6 +44,11 @@ class FaultsConfig(BaseModel):
         default_factory=dict,
         description="FaultPlan arguments (p_transient, p_hang, p_slow, slow_s, hold_s, ops) for the learners' store.",
     )
+    storage_fault_learners: list[int] = Field(
+        default_factory=list,
+        description="Learner indexes whose store gets storage_faults (e.g. [1]: one learner with slow reads beside "
+                    "healthy ones); empty: every learner's.",
+    )
     poison: list[Literal["none", "scale", "sign_flip", "constant"]] = Field(
         default_factory=list,
         description="Fault injection (tests of the update guard): per learner index, the poisoned outer gradients "
@@ -56,11 +61,15 @@ class FaultsConfig(BaseModel):
         bad = [s for s in self.speed_factors if not 0 < s <= 1]
         if bad:
             raise ValueError(f"faults.speed_factors must be in (0, 1], got {bad}")
+        negative = [i for i in self.storage_fault_learners if i < 0]
+        if negative:
+            raise ValueError(f"faults.storage_fault_learners must be learner indexes >= 0, got {negative}")
         return self
 
 
-#: the keys that moved from ``[learners]`` to ``[faults]`` (issue 42)
-MOVED_FROM_LEARNERS = tuple(FaultsConfig.model_fields)
+#: the keys that moved from ``[learners]`` to ``[faults]`` (issue 42); fields added since never lived there
+MOVED_FROM_LEARNERS = ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "nice_after_ready",
+                       "storage_faults", "poison")
 
 
 def moved_keys_message(section: dict) -> str | None:

@@ -189,6 +189,10 @@ class SynchronizerConfig(_Section):
         3, ge=0, description="After each checkpoint, collect garbage behind the newest verified one, keeping "
         "this many complete checkpoints (0: never collect)."
     )
+    read_lease_versions: int = Field(
+        64, ge=0, description="Garbage collection never deletes a version a live learner was told to read and has "
+        "not finished reading (its read lease, from its heartbeats: policy/catchup.py), up to this many versions "
+        "behind the fragment's current one; older ones are collected as usual (a learner then reads a newer one).")
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
     orphan_age_s: float = Field(
         86400.0, gt=0, description="Garbage collection also removes temporary files and multipart uploads left by "
@@ -383,10 +387,11 @@ _OPERATIONAL = {
                  "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
-                     "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s", "lease_ttl_s",
-                     "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s", "verifies_in_flight"),
-    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults", "poison",
-               "nice_after_ready"),
+                     "read_lease_versions", "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s",
+                     "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
+                     "verifies_in_flight"),
+    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
+               "storage_fault_learners", "poison", "nice_after_ready"),
 }
 
 

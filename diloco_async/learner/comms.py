@@ -13,10 +13,13 @@ backoff; after ``give_up_after_s`` without any answer the comms fail with
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import torch
@@ -27,6 +30,7 @@ from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.learner.link import link_budget_s
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.uploads import Uploads, synchronizer_backoff
+from diloco_async.policy.catchup import FetchChoice, version_to_fetch
 from diloco_async.protocol.client import ProtocolError, SyncClient
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.protocol.versions import read_version
@@ -65,14 +69,21 @@ class Comms:
         self.epoch: str | None = None  # the synchronizer's; a change means it restarted
         self.client = SyncClient(endpoint.url.rstrip("/"), endpoint.token, link_delay_s=endpoint.link_delay_s)
         self.uploads = Uploads(learner_id, slot.incarnation, store, shared)
-        self._downloading: dict[int, int] = {}
         self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
         self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
         self.pin_device: torch.device | None = None  # ... a CUDA device: those copies are pinned for it
-        self._fetch_locks: dict[int, asyncio.Lock] = {}
-        # one version decoded at a time, and not while an upload holds its buffers (Uploads.io_slot):
-        # one fragment's fp32 in flight
-        self._download_slot = self.uploads.io_slot
+        # Downloads (DESIGN §3.8, issue 47): one task per fragment at most, which reads the newest
+        # version told (policy/catchup.py: the ones in between are skipped), in the download lane:
+        # one version decoded at a time (one fragment's fp32 in flight), beside the uploads, which
+        # never wait for it (Uploads.run takes them one at a time)
+        self._download_slot = asyncio.Lock()
+        self._fetchers: dict[int, asyncio.Task] = {}  # fragment -> its download task
+        self._gone: dict[int, int] = {}  # fragment -> newest version found collected (never asked for again)
+        self._reading: dict[int, int] = {}  # fragment -> version read now (under shared.lock): the read lease
+        self._wake: asyncio.Event | None = None  # set: send the next heartbeat now (the comms loop's)
+        #: versions downloaded, versions skipped (never downloaded: a newer one was told first), versions
+        #: found collected before they were read; logged when the comms end
+        self.downloads: collections.Counter[str] = collections.Counter()
         self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
@@ -123,6 +134,27 @@ class Comms:
                 self._held[v.fragment] = (v.version, tensors)
         return tensors
 
+    @contextlib.contextmanager
+    def reading(self, v: VersionInfo) -> Iterator[None]:
+        """Name ``v`` as being read (heartbeats report it: ``fetching_versions``, the read lease
+        that keeps it from garbage collection) for the duration of the ``with``. Any thread."""
+        with self.shared.lock:
+            self._reading[v.fragment] = v.version
+        try:
+            yield
+        finally:
+            with self.shared.lock:
+                if self._reading.get(v.fragment) == v.version:
+                    del self._reading[v.fragment]
+
+    def told(self, v: VersionInfo) -> None:
+        """Take in a version the synchronizer told of: the newest of each fragment is kept (a
+        heartbeat's answer may arrive after a newer version was pushed)."""
+        with self.shared.lock:
+            cur = self.shared.newest_versions.get(v.fragment)
+            if cur is None or v.version > cur.version:
+                self.shared.newest_versions[v.fragment] = v
+
     def _fetch_compact(self, v: VersionInfo) -> dict[str, torch.Tensor] | None:
         """The published value rebuilt from ``v``'s compact form; None when there is none or this
         learner does not hold the version its delta applies to, or it failed (logged)."""
@@ -154,6 +186,7 @@ class Comms:
 
     async def _run(self) -> None:
         sh = self.shared
+        self._wake = asyncio.Event()
         async with self.client:
             tasks = [asyncio.create_task(self._heartbeat_loop()),
                      asyncio.create_task(self.uploads.run(self.client)),
@@ -170,6 +203,13 @@ class Comms:
             await asyncio.gather(*tasks, return_exceptions=True)
             log.info("%s heartbeats and announcements sent by transport: %s", self.learner_id,
                      dict(sorted(self.client.sent_by_transport.items())))
+            fetchers = list(self._fetchers.values())
+            for t in fetchers:
+                t.cancel()
+            await asyncio.gather(*fetchers, return_exceptions=True)
+            log.info("%s versions downloaded %d, skipped %d (a newer one was told first), found collected %d",
+                     self.learner_id, self.downloads["downloaded"], self.downloads["skipped"],
+                     self.downloads["collected"])
             if sh.joined.is_set() and sh.fatal is None:
                 # Last word: final counters, and the synchronizer learns we heard the stop.
                 try:
@@ -190,6 +230,8 @@ class Comms:
             try:
                 if not sh.joined.is_set():
                     sh.join_response = await self._join()
+                    for v in sh.join_response.versions:
+                        self.told(v)
                     self.epoch = sh.join_response.epoch
                     sh.joined.set()
                     log.info("%s joined run %s", self.learner_id, sh.join_response.run_id)
@@ -203,7 +245,7 @@ class Comms:
                     log.info("%s told to stop", self.learner_id)
                     sh.stop_event.set()
                     return
-                await asyncio.sleep(self.heartbeat_s)
+                await self._until_next_heartbeat()
             except ProtocolError:
                 raise
             except _UNREACHABLE as err:
@@ -215,6 +257,17 @@ class Comms:
                             self.learner_id, type(err).__name__, pause_s)
                 await asyncio.sleep(pause_s)
 
+    async def _until_next_heartbeat(self) -> None:
+        """Wait ``heartbeat_s``, or less when woken (a version found collected: the next heartbeat
+        brings the newest one)."""
+        assert self._wake is not None
+        try:
+            async with asyncio.timeout(self.heartbeat_s):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
     def _on_heartbeat(self, resp: HeartbeatResponse) -> bool:
         """Take in a heartbeat's answer: epoch, open rounds, versions. False: rejoin (the
         synchronizer does not know this learner), nothing else taken in."""
@@ -225,7 +278,8 @@ class Comms:
             self.epoch = resp.epoch
             with sh.lock:
                 sh.open_rounds.clear()
-            self._downloading.clear()
+                sh.newest_versions.clear()  # the restarted synchronizer's versions replace them
+            self._gone.clear()
             sh.epoch_changed.set()
         if not resp.known:
             log.warning("%s unknown to the synchronizer; rejoining", self.learner_id)
@@ -238,7 +292,6 @@ class Comms:
             for k, version in listed.items():
                 sh.open_rounds.setdefault(k, (version, now))
         for v in resp.versions:
-            sh.newest_versions[v.fragment] = v
             self._maybe_download(v)
         return True
 
@@ -255,7 +308,11 @@ class Comms:
                     "step_time_s": s.step_time_s, "tokens_total": s.tokens_total, "train_loss": loss,
                     "tokens_per_s": tps, "bytes_down": s.bytes_down, "bytes_up": s.bytes_up,
                     "uptime_s": now - self.started_s, "blocked_s": s.blocked_now_s(time.time()),
-                    "base_versions": {str(k): v for k, v in sh.base.items()}}
+                    "base_versions": {str(k): v for k, v in sh.base.items()},
+                    # the read lease (policy/catchup.py): no read of a version older than these starts
+                    # from now on, and those in progress are named
+                    "known_versions": {str(p): v.version for p, v in sh.newest_versions.items()},
+                    "fetching_versions": {str(p): v for p, v in self._reading.items()}}
             step_time_s = s.step_time_s
             s.loss_sum, s.loss_count, s.window_tokens, s.window_start_s = 0.0, 0, 0, now
         if loss is not None and not math.isfinite(loss):
@@ -298,22 +355,58 @@ class Comms:
             sh.stop_event.set()
 
     def _maybe_download(self, v: VersionInfo) -> None:
-        if not self.shared.ready.is_set():
+        """Take in a version told of (heartbeat or push) and, if this learner has none of its
+        fragment in flight and holds an older one, start that fragment's download task."""
+        self.told(v)
+        p = v.fragment
+        if not self.shared.ready.is_set() or p in self._fetchers:
+            return  # a fragment's task takes the newest version told when the lane frees up
+        if self._choice(p)[1].version is None:
             return
-        have = max(self.shared.base.get(v.fragment, -1), self._downloading.get(v.fragment, -1))
-        if v.version > have:
-            self._downloading[v.fragment] = v.version
-            task = asyncio.create_task(self._download(v))
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+        task = asyncio.create_task(self._fetch_newest(p))
+        self._fetchers[p] = task
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
-    async def _download(self, v: VersionInfo) -> None:
-        try:  # one download per fragment at a time: a delta applies to the version downloaded before it
-            async with self._fetch_locks.setdefault(v.fragment, asyncio.Lock()), self._download_slot:
-                tensors = await asyncio.to_thread(self.fetch_version, v)
-                self.shared.large_frees.set()  # the download's buffers (the decoded fp32 is in a local file)
-        except Exception as err:  # counted in the log; the next heartbeat retries
-            log.warning("%s download of fragment %d v%d failed: %s", self.learner_id, v.fragment, v.version, err)
-            self._downloading.pop(v.fragment, None)  # the next heartbeat retries
-            return
-        self.shared.adopt_queue.put((v, tensors))
+    def _choice(self, p: int) -> tuple[VersionInfo | None, FetchChoice]:
+        """The version of fragment ``p`` to download now (:func:`~diloco_async.policy.catchup.version_to_fetch`)."""
+        with self.shared.lock:
+            told = self.shared.newest_versions.get(p)
+            held = max(self.shared.base.get(p, -1), self._held.get(p, (-1,))[0])
+        return told, version_to_fetch(told.version if told else None, held, self._gone.get(p, -1))
+
+    async def _fetch_newest(self, p: int) -> None:
+        """Download fragment ``p``'s newest version told, and again while a newer one was told
+        meanwhile; each in the download lane, one fragment at a time, the fragments in turn (the
+        lane is first come, first served). A version found collected is not asked for again: the
+        newest told is read instead, at once, or after a heartbeat sent now. Another failure ends
+        the task (logged); the next heartbeat starts it again."""
+        sh, v = self.shared, None
+        try:
+            while not sh.stop_event.is_set():
+                async with self._download_slot:
+                    v, choice = self._choice(p)
+                    if v is None or choice.version is None:
+                        return
+                    if choice.skipped:
+                        self.downloads["skipped"] += choice.skipped
+                        log.info("%s fragment %d: reading v%d (%s)", self.learner_id, p, v.version, choice.reason)
+                    try:
+                        with self.reading(v):
+                            tensors = await asyncio.to_thread(self.fetch_version, v)
+                    except FileNotFoundError as err:
+                        self._gone[p] = max(self._gone.get(p, -1), v.version)
+                        self.downloads["collected"] += 1
+                        log.warning("%s fragment %d v%d was collected before it was read (%s); reading the newest "
+                                    "version told instead", self.learner_id, p, v.version, err)
+                        assert self._wake is not None
+                        self._wake.set()  # a heartbeat now: it names the newest version
+                        continue
+                    self.downloads["downloaded"] += 1
+                    sh.large_frees.set()  # the download's buffers (the decoded fp32 is in a local file)
+                sh.adopt_queue.put((v, tensors))
+                del tensors
+        except Exception as err:  # counted in the log; the next heartbeat starts the task again
+            log.warning("%s download of fragment %d v%s failed: %s", self.learner_id, p, v.version if v else "?", err)
+        finally:
+            self._fetchers.pop(p, None)

@@ -146,8 +146,10 @@ class LearnerFaults:
         return values[index] if index < len(values) else default
 
     def wrap_store(self, store: ObjectStore) -> ObjectStore:
-        """``store``, or a :class:`~storage.faults.FaultyStore` over it (``faults.storage_faults``)."""
-        if not self.faults.storage_faults:
+        """``store``, or a :class:`~storage.faults.FaultyStore` over it (``faults.storage_faults``, for
+        the learner indexes of ``faults.storage_fault_learners``, or every learner when that is empty)."""
+        chosen = self.faults.storage_fault_learners
+        if not self.faults.storage_faults or (chosen and self.slot.index not in chosen):
             return store
         plan = dict(self.faults.storage_faults)
         plan.setdefault("seed", self.seed * 31 + self.slot.index * 1_000_003 + self.slot.incarnation)

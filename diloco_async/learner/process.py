@@ -237,16 +237,21 @@ class Learner:
         return base_tensors
 
     def _fetch_initial(self, v: VersionInfo, attempts: int = 20) -> tuple[BaseFile | HeldBase, VersionInfo]:
-        """Download the version named at join; if garbage collection removed it meanwhile (the
-        run moved on while this process was starting), take the newest one a heartbeat names.
+        """Download the version named at join, or a newer one told since (its read named in the
+        heartbeats: the read lease of policy/catchup.py); if garbage collection removed it meanwhile
+        (the run moved on while this process was starting), take the newest one a heartbeat names.
 
         Raises:
             FileNotFoundError: no listed version of the fragment could be read after ``attempts``.
         """
         heartbeat_s = self.comms.heartbeat_s
         for _ in range(attempts):
+            newer = self.shared.newest_versions.get(v.fragment)
+            if newer is not None and newer.version > v.version:
+                v = newer
             try:
-                return self.comms.fetch_version(v), v
+                with self.comms.reading(v):
+                    return self.comms.fetch_version(v), v
             except FileNotFoundError:
                 log.warning("%s: fragment %d version %d is gone (collected); taking a newer one",
                             self.learner_id, v.fragment, v.version)

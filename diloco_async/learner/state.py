@@ -98,8 +98,8 @@ class Stats:
 class Shared:
     """State of one learner shared by the training thread and the comms thread.
 
-    Under ``lock``: ``stats``, ``open_rounds`` and ``base``. The queues and events are thread-safe;
-    ``join_response``, ``newest_versions`` and ``fatal`` are written by the comms thread only.
+    Under ``lock``: ``stats``, ``open_rounds``, ``base`` and ``newest_versions``. The queues and events
+    are thread-safe; ``join_response``, ``newest_versions`` and ``fatal`` are written by the comms thread only.
     """
 
     def __init__(self) -> None:
@@ -115,7 +115,7 @@ class Shared:
         # (fragment, round) -> (version the round builds on, when heard of)
         self.open_rounds: dict[tuple[int, int], tuple[int, float]] = {}
         self.base: dict[int, int] = {}  # fragment -> version adopted
-        self.newest_versions: dict[int, VersionInfo] = {}  # from the latest heartbeat
+        self.newest_versions: dict[int, VersionInfo] = {}  # the newest told of each fragment (join, heartbeat, push)
         # outcomes of our contributions, for the training thread: (fragment, round, status)
         self.outcomes: queue.Queue[tuple[int, int, str]] = queue.Queue()
         self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()

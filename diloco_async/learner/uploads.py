@@ -6,6 +6,11 @@ learner's own inner-state checkpoints travel the same queue and are written with
 :func:`storage.checkpoint.write_state` (or, spooled to a local file by the spool thread,
 :class:`~diloco_async.learner.spool.StateSpooler`, :func:`storage.checkpoint.write_state_file`);
 the newest one is kept (an older one is deleted only once a newer one is complete).
+
+Uploads run one at a time, in the order queued (:meth:`Uploads.run` awaits each), so two uploads'
+buffers never overlap. They do not wait for the downloads, which take their own lane one at a time
+(:class:`~diloco_async.learner.comms.Comms`): a contribution is never queued behind a slow read of
+a version that will be superseded before it is adopted (issue 47; DESIGN §5, learner memory).
 """
 
 from __future__ import annotations
@@ -56,9 +61,6 @@ class Uploads:
         self.storage_timeout_s = 60.0
         self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
-        # held while a contribution is encoded and put or an inner state is uploaded; the comms
-        # thread's downloads hold it too, so their fragment-sized buffers never overlap (issue 17)
-        self.io_slot = asyncio.Lock()
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
@@ -81,8 +83,7 @@ class Uploads:
             except queue.Empty:
                 continue
             if isinstance(job, (InnerState, SpooledState)):
-                async with self.io_slot:
-                    await self._save_inner_state(job)
+                await self._save_inner_state(job)
             else:
                 await self._upload_and_announce(client, job)
             del job  # not held (with its outer gradient) until the next item arrives
@@ -129,8 +130,7 @@ class Uploads:
         log.info("%s uploading fragment %d round %d (base v%d) to %s", self.learner_id, job.fragment, job.round_n,
                  job.base_version, key)
         try:
-            async with self.io_slot:  # not while a download or an inner-state upload holds its buffers
-                ref = await self._encode_and_put(job, key, meta)
+            ref = await self._encode_and_put(job, key, meta)  # one upload at a time (this loop)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
                         job.round_n, getattr(err, "reason", type(err).__name__), err)

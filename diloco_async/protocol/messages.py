@@ -127,6 +127,12 @@ class Heartbeat(_Msg):
         None, ge=0, le=1e6, description="Seconds of network work (upload + download) one fragment's sync takes.")
     link_budget_s: float | None = Field(
         None, ge=0, le=1e9, description="Seconds of H/P inner steps: the time one fragment's sync may take.")
+    known_versions: dict[FragmentIndex, Step] = Field(
+        default_factory=dict, max_length=FRAGMENTS_MAX, description="Newest version of each fragment this learner "
+        "was told of: it starts no read of an older one (its read lease, policy/catchup.py).")
+    fetching_versions: dict[FragmentIndex, Step] = Field(
+        default_factory=dict, max_length=FRAGMENTS_MAX, description="The version of each fragment it is reading "
+        "from the store now (kept from garbage collection until a heartbeat no longer names it).")
 
 
 class RoundOpen(_Msg):

@@ -28,6 +28,7 @@ from typing import Any
 
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.metrics.goodput import LearnerLedger
+from diloco_async.policy.catchup import ReadLeases
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits
@@ -139,6 +140,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.push = Broadcaster()
         self.pace = PaceLimits.from_config(cfg)  # calibrated per learner by the registry
         self.registry = LearnerRegistry(self.pace, cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
+        self.read_leases = ReadLeases(self.sc.read_lease_versions)  # versions gc keeps for the learners' reads
         self.schedule_shift_steps = 0
         self.rounds: dict[tuple[int, int], Round] = {}
         self.waiting: list[tuple[int, int]] = []
@@ -368,6 +370,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
                                        f"(synchronizer.max_learners={self.sc.max_learners})")
         start_step = self.registry.join(req, self.clock(), self.g)
+        self.read_leases.joined(req.learner_id, {f.p: f.version for f in self.fragments})  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
         return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
@@ -381,6 +384,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         if info is None or info.incarnation != hb.incarnation:
             return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.epoch)
         was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.clock())
+        self.read_leases.heartbeat(lid, hb.known_versions, hb.fetching_versions)
         for reason in clamped:
             if self.report.clamp(reason):
                 log.warning("heartbeat of learner=%s clamped (%s): step %d, tokens_total %d grow faster than the "

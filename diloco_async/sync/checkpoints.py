@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.persistence import checkpoint_payload
-from diloco_async.sync.state import CheckpointBook, CheckpointDone
+from diloco_async.sync.state import CheckpointBook, CheckpointDone, FragmentState
 from storage.checkpoint import write_checkpoint
 from storage.gc import collect_garbage
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
+    from diloco_async.policy.catchup import ReadLeases
+    from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.reporting import Reporter
 
 __all__ = ["Checkpointing"]
@@ -56,6 +58,9 @@ class Checkpointing:
     inbox: asyncio.Queue
     report: Reporter
     checkpoints: CheckpointBook
+    read_leases: ReadLeases
+    registry: LearnerRegistry
+    fragments: list[FragmentState]
 
     def _spawn(self, coro) -> None:  # provided by the actor
         raise NotImplementedError
@@ -86,16 +91,21 @@ class Checkpointing:
         self.report.metric("sync/checkpoints", self.report.counters["checkpoints"])
         if self.sc.keep_checkpoints and not self.checkpoints.gc_in_flight:
             self.checkpoints.gc_in_flight = True
-            self._spawn(self._collect_garbage())
+            # the versions live learners may still be reading, taken now: a learner told of a version
+            # later reads one at least as new as those its leases name (policy/catchup.py)
+            keep = self.read_leases.keep(self.registry.live_ids(), {f.p: f.version for f in self.fragments})
+            self._spawn(self._collect_garbage(keep))
 
-    async def _collect_garbage(self) -> None:
-        """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py)."""
+    async def _collect_garbage(self, keep_versions: dict[int, set[int]]) -> None:
+        """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
+        but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
             done = await asyncio.to_thread(collect_garbage, self.store, self.run_id,
                                              keep_checkpoints=self.sc.keep_checkpoints,
-                                             orphan_age_s=self.sc.orphan_age_s)
+                                             orphan_age_s=self.sc.orphan_age_s, keep_versions=keep_versions)
             self.report.counters["gc_deleted_objects"] += done.objects
             self.report.counters["gc_deleted_bytes"] += done.nbytes
+            self.report.counters["gc_kept_for_reads"] += done.kept_for_reads
             self.report.metric("storage/gc_deleted_bytes", self.report.counters["gc_deleted_bytes"])
         except Exception as err:  # collection is an optimisation: count, log, go on
             self.report.counters["gc_failures"] += 1

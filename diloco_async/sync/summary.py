@@ -86,6 +86,9 @@ def summary(sync: ActorView) -> dict:
         **_net_summary(reg),
         "checkpoints": c["checkpoints"],
         "last_checkpoint_seq": sync.checkpoints.last_seq,
+        # garbage collection: objects deleted, and versions left for live learners' reads (policy/catchup.py)
+        "gc_deleted_objects": c["gc_deleted_objects"],
+        "gc_kept_for_reads": c["gc_kept_for_reads"],
         "global_step": sync.g,
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                            **reg.ledgers[lid].to_json(),

@@ -301,6 +301,41 @@ async def test_quorum_not_met_when_only_bad_contributions():
         assert st["contributions_merged"] == 2
 
 
+async def test_garbage_collection_keeps_the_version_a_live_learner_is_still_reading():
+    """Read leases (issue 47): with no version kept behind the current one (max_staleness = 0), gc
+    after a checkpoint would delete v0 of fragment 0 once v1 is out; while learner c's heartbeats
+    say it is still reading v0, v0 stays (counted), and it goes once c's read has ended."""
+    async with running(small_config(**{"synchronizer.max_staleness": 0})) as (sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        for lid, seed in zip(LEARNERS, (1, 2, 3), strict=True):
+            await contribute(client, store, lid, fragment_delta(plan, seed))
+        await wait_version(client, 0, 1)
+        v0 = keys.version_key("run1", 0, 0)
+
+        async def heartbeats(c_reading: dict[str, int]) -> None:
+            for lid in LEARNERS:
+                body = {"learner_id": lid, "step": 4, "known_versions": {"0": 1, "1": 0},
+                        "fetching_versions": c_reading if lid == "c" else {}}
+                assert (await client.post("/heartbeat", json=body, headers=AUTH)).status == 200
+
+        async def kept_for_reads() -> dict | None:
+            st = await status(client)
+            return st if st["gc_kept_for_reads"] else None
+
+        async def v0_collected() -> bool:
+            return not await asyncio.to_thread(store.exists, v0)
+
+        await heartbeats({"0": 0})
+        await asyncio.wait_for(sync.request("checkpoint", None), 30)
+        st = await await_until(kept_for_reads, 30, "gc behind the first checkpoint to keep v0 for c")
+        assert st["gc_kept_for_reads"] == 1 and store.exists(v0)
+        await heartbeats({})  # c's read ended
+        await asyncio.wait_for(sync.request("checkpoint", None), 30)
+        await await_until(v0_collected, 30, "gc behind the second checkpoint to delete v0")
+        assert not store.exists(v0) and store.exists(keys.version_key("run1", 1, 0))
+
+
 async def test_grace_window_and_liveness_on_a_fake_clock():
     # K = 2 of 3, no step time reported yet: the grace window is the initial 10 s of the fake clock.
     clock = FakeClock()

@@ -104,6 +104,18 @@ def test_storage_faults_wrap_the_store_with_a_seeded_plan():
     assert store.faults.injected["slow"] == 1
 
 
+def test_storage_faults_go_only_to_the_chosen_learners():
+    """``faults.storage_fault_learners``: one learner with a faulty store beside healthy ones (issue 47)."""
+    overrides = ("faults.storage_faults={p_slow=1.0, slow_s=0.0, ops=[\"read\"]}", "faults.storage_fault_learners=[1]")
+    for index, faulty in ((0, False), (1, True), (2, False)):
+        store = ObjectStore(f"memory://chosen-{uuid.uuid4().hex}")
+        assert isinstance(faults_of(*overrides, index=index).wrap_store(store), FaultyStore) is faulty
+    with pytest.raises(ValueError, match=r"faults\.storage_fault_learners must be learner indexes >= 0, got \[-1\]"):
+        load_config(None, ["faults.storage_fault_learners=[-1]"])
+    assert all(k in FaultsConfig.model_fields for k in MOVED_FROM_LEARNERS)
+    assert "storage_fault_learners" not in MOVED_FROM_LEARNERS  # added under [faults], never under [learners]
+
+
 def test_control_faults_go_on_the_client_and_drop_messages():
     f = faults_of("faults.control_drop_prob=0.5", "faults.control_delay_s=0.0")
     comms = _Comms()

@@ -136,6 +136,24 @@ def test_gc_deletes_behind_the_newest_verified_checkpoint(store):
     assert again.objects == 0
 
 
+def test_gc_keeps_the_versions_learners_are_still_reading(store):
+    """``keep_versions`` (the synchronizer's read leases, issue 47): a version behind the floor that a
+    live learner may still be reading is kept with its compact form and counted; contributions are
+    not versions and go as before."""
+    _run_layout(store)
+    store.put(keys.compact_key("run", 0, 1, "bf16", "whole"), b"compact v1")
+    store.put(keys.compact_key("run", 0, 2, "bf16", "whole"), b"compact v2")
+    report = collect_garbage(store, "run", keep_checkpoints=2, keep_versions={0: {1}, 1: {2, 9}})
+    left = set(store.list("run"))
+    assert {keys.version_key("run", 0, 1), keys.compact_key("run", 0, 1, "bf16", "whole"),
+            keys.version_key("run", 1, 2)} <= left
+    assert not {keys.version_key("run", 0, 2), keys.version_key("run", 1, 1),
+                keys.compact_key("run", 0, 2, "bf16", "whole")} & left
+    assert report.kept_for_reads == 3 and report.deleted["globals"] == 2 and report.deleted["compact"] == 1
+    assert report.deleted["contrib"] == 10  # as without leases
+    assert collect_garbage(store, "run", keep_checkpoints=2).deleted == {"globals": 2, "compact": 1}  # lease over
+
+
 def test_gc_keeps_at_least_the_newest_verified_checkpoint(tmp_path):
     store = ObjectStore(f"file://{tmp_path}/s")
     _run_layout(store)
