@@ -2,16 +2,15 @@
 
 HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed messages; the
 actor handles each message without awaiting, so every state change is atomic. Blocking work
-(fetching and verifying contributions, merging and publishing, checkpoints) runs in
-``asyncio.to_thread`` and posts its result back to the inbox. After each message (after each
-batch of at most :data:`BATCH_MAX` messages that were queued already), and at least every 50 ms,
-:meth:`Synchronizer._advance` moves the clock-driven part: liveness, budgets, due
-rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
-The work per message does not grow with the learners (issue 17; DESIGN §2.1): the registry keeps
-liveness, tokens and provisioned seconds incrementally; the schedule and the rounds' quorum
-checks, which look at every live learner, run once the inbox is empty (but at most every
-:data:`SWEEP_MIN_S` of real time: at 1,000 learners the inbox empties after almost every message)
-or every :data:`SWEEP_S`.
+(fetching and verifying contributions, merging and publishing, checkpoints) runs in ``asyncio.to_thread``
+and posts its result back to the inbox. After each message (after each batch of at most :data:`BATCH_MAX`
+messages that were queued already), and at least every 50 ms, :meth:`Synchronizer._advance` moves the
+clock-driven part: liveness, budgets, due rounds, quorum and grace, checkpoints and the
+:class:`~diloco_async.sync.lifecycle.Phase`. The work per message does not grow with the learners
+(issue 17; DESIGN §2.1): the registry keeps liveness, tokens and provisioned seconds incrementally; the
+schedule and the rounds' quorum checks, which look at every live learner, run once the inbox is empty
+(but at most every :data:`SWEEP_MIN_S` of real time: at 1,000 learners the inbox empties after almost
+every message) or every :data:`SWEEP_S`.
 """
 
 from __future__ import annotations
@@ -119,10 +118,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         clock: monotonic clock in seconds (injectable for tests).
         spill_dir: folder of the metric and merge spill files (default: the temporary folder).
         tails: the records kept in memory (:class:`MemoryTails`).
-        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write
-            and delete checks it first, and a lost lease ends :meth:`run` at once with
-            :class:`~diloco_async.sync.lease.LeaseLost` (the caller renews it:
-            :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
+        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write and delete
+            checks it first, and a lost lease ends :meth:`run` at once with :class:`~diloco_async.sync.lease.LeaseLost`
+            (the caller renews it: :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
     """
 
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
@@ -175,9 +173,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self._sweep_pending = False  # a sweep was put off (SWEEP_MIN_S): the next pass comes sooner
         self._versions = VersionInfos()
         self._replies = HeartbeatReplies(self._versions)
-        #: the longest run (s) of each part of the actor's work since a reader last cleared it
-        #: (the loop watch of :mod:`~diloco_async.sync.process`): a message by its kind, a part by its name
-        self.part_times: dict[str, float] = {}
+        self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 

@@ -197,12 +197,7 @@ class LearnerRegistry:
         if not info.reported:
             info.reported, self._all_reported = True, None
         dt_s = now_s - info.last_seen_s
-        led = self.ledgers[hb.learner_id]
-        if was_lost:
-            led.add_badput("stalled", dt_s)
-        if hb.blocked_s >= info.blocked_seen_s:
-            led.add_badput("blocked", min(hb.blocked_s - info.blocked_seen_s, max(0.0, dt_s)))
-            info.blocked_seen_s = hb.blocked_s
+        self._badput_since_last(info, hb, dt_s, was_lost)
         clamped = []
         step, over = hb.step, False
         paced_s = now_s - info.anchor_s
@@ -239,6 +234,16 @@ class LearnerRegistry:
             bytes_down = hb.bytes_down - info.bytes_down_seen
             info.bytes_down_seen = hb.bytes_down
         return was_lost, bytes_down, clamped
+
+    def _badput_since_last(self, info: LearnerInfo, hb: Heartbeat, dt_s: float, was_lost: bool) -> None:
+        """The badput a heartbeat reports or reveals: ``stalled`` for the silence of a learner that
+        was lost, ``blocked`` for the reported blocked seconds (at most ``dt_s``)."""
+        led = self.ledgers[hb.learner_id]
+        if was_lost:
+            led.add_badput("stalled", dt_s)
+        if hb.blocked_s >= info.blocked_seen_s:
+            led.add_badput("blocked", min(hb.blocked_s - info.blocked_seen_s, max(0.0, dt_s)))
+            info.blocked_seen_s = hb.blocked_s
 
     def mark_lost(self, now_s: float, timeout_s: float) -> list[LearnerInfo]:
         """Mark learners silent for more than ``timeout_s`` as not live; returns them (longest
