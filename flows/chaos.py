@@ -20,11 +20,13 @@ parent run) with its timeline PNG, and the table.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from prefect.states import Cancelled
 from rich.console import Console
 from rich.table import Table
 
-from diloco_async.chaos.measure import Measurement, measure
+from diloco_async.chaos.measure import Measurement, learner_shares, measure, speed_weighted_goodput
 from diloco_async.chaos.scenario import (
     FaultEvent,
     Scenario,
@@ -52,7 +54,7 @@ from flows.timeline_report import plot_timeline
 from flows.tracking import MlflowSink, flatten_params
 from flows.train import prepare_corpus
 
-__all__ = ["chaos", "run_chaos_cli", "MethodResult", "scenario_recipe"]
+__all__ = ["chaos", "run_chaos_cli", "MethodResult", "scenario_recipe", "link_skip", "learners_table"]
 
 TABLE_FIELDS = ("compute_goodput", "token_goodput", "uptime", "eval_loss_equal_time", "eval_loss_equal_tokens",
                 "wall_s")
@@ -78,18 +80,60 @@ class MethodResult:
     mlflow_run_id: str = ""
     #: held-out loss of each snapshot of the global model: (seconds, tokens, loss)
     curve: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
+    #: DiLoCo methods: each slot's merged share against its compute share
+    #: (:func:`~diloco_async.chaos.measure.learner_shares`); [] for DDP
+    learners: list[dict] = field(default_factory=list, repr=False)
+    #: compute goodput in compute actually available (:func:`~diloco_async.chaos.measure.speed_weighted_goodput`)
+    speed_weighted_compute_goodput: float = 0.0
 
     def row(self) -> dict:
         return {"method": self.method, **{k: getattr(self, k) for k in TABLE_FIELDS},
                 "availability": self.availability, "tokens_merged": self.tokens_merged,
                 "failures": self.failures, "restarts": self.restarts, "mlflow_run_id": self.mlflow_run_id,
-                "eval_curve": [list(c) for c in self.curve]}
+                "eval_curve": [list(c) for c in self.curve], "learners": self.learners,
+                "speed_weighted_compute_goodput": self.speed_weighted_compute_goodput}
+
+
+def _up_s(tl: Timeline, slots: int) -> list[float]:
+    """Seconds each slot was not down over the whole timeline (a slot not in it: 0)."""
+    span = tl.end_s - tl.start_s
+    out = []
+    for i in range(slots):
+        lid = f"slot-{i}"
+        down = sum(max(0.0, min(iv.t1, tl.end_s) - max(iv.t0, tl.start_s))
+                   for iv in tl.intervals if iv.learner == lid and iv.state == "down")
+        out.append(max(0.0, span - down) if lid in tl.learners else 0.0)
+    return out
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a method's processes run: ``place``, the placement of a scenario with a ``[link]``
+    (:class:`~diloco_async.wan.slot_link.SlotLinkPlacement`; None: every process here), and
+    ``skip``, the slots whose learner does not run, with the reason."""
+
+    place: object | None = None
+    skip: dict[int, str] = field(default_factory=dict)
+
+
+def _target(sc: Scenario, method: str, base: Config, cfg0: Config, sink: MlflowSink, where: _Where):
+    """The method's target: DDP's, a DiLoCo target in the link's placement, or a DiLoCo target
+    here with the skipped slots left out."""
+    if method == "ddp":
+        return DdpTarget(sc, cfg0)
+    if where.place is not None:
+        from diloco_async.wan.methods import WanDilocoTarget
+
+        return WanDilocoTarget(sc, method, base, where.place, None,  # type: ignore[arg-type]
+                               on_metrics=sink.log_points)
+    return DilocoTarget(sc, cfg0, on_metrics=sink.log_points, skip=dict(where.skip))
 
 
 def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent], parent: MlflowSink,
-                outdir: Path, batches) -> MethodResult:
+                outdir: Path, batches, where: _Where = _Where()) -> MethodResult:
     """Run one method under the schedule as its own MLflow run (a child of ``parent``); ``base``: the
-    scenario's recipe with every override, resolved once (:func:`scenario_recipe`)."""
+    scenario's recipe with every override, resolved once (:func:`scenario_recipe`); ``where``: the
+    link's placement and the skipped slots."""
     s = sc.scenario
     cfg0 = method_config(sc, method, base)
     sink = MlflowSink(cfg0.tracking)
@@ -98,10 +142,14 @@ def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent
                 "diloco.chaos.method": method})
     status = "FAILED"
     try:
-        target = DdpTarget(sc, cfg0) if method == "ddp" else DilocoTarget(sc, cfg0, on_metrics=sink.log_points)
+        target = _target(sc, method, base, cfg0, sink, where)
         run = target.run(events)
         m = measure(run.timeline, run.snapshots, run.cfg, batches, s.eval_tokens)
         acc = m.accounting
+        speeds = sc.speed_factors()
+        shares = [] if method == "ddp" else learner_shares(speeds, _up_s(run.timeline, s.slots), run.ledgers,
+                                                           run.skipped)
+        weighted = speed_weighted_goodput(acc, {f"slot-{i}": v for i, v in enumerate(speeds)})
         png = outdir / f"timeline-{method}.png"
         plot_timeline(run.timeline, png, mark_s=m.window_start_s,
                       title=f"{s.name}: {method} (compute goodput {acc.compute_goodput:.3f} from the dashed line)")
@@ -110,7 +158,8 @@ def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent
                            eval_loss_equal_tokens=m.eval_loss_equal_tokens, wall_s=acc.wall_s,
                            availability=acc.availability, tokens_merged=acc.to_json()["tokens_merged"],
                            failures=run.slots.failures, restarts=run.slots.restarts, accounting=acc.to_json(),
-                           timeline_png=str(png), mlflow_run_id=sink.run_id or "", curve=m.curve)
+                           timeline_png=str(png), mlflow_run_id=sink.run_id or "", curve=m.curve,
+                           learners=shares, speed_weighted_compute_goodput=weighted)
         _log_method(sink, res, m, run.timeline)
         status = "FINISHED"
         return res
@@ -132,6 +181,10 @@ def _log_method(sink: MlflowSink, res: MethodResult, m: Measurement, tl: Timelin
             sink.log_metric(f"chaos/{key}", float(value))
     for lid, a in m.accounting.learners.items():
         sink.log_metric(f"chaos/{lid}/compute_goodput", a.compute_goodput)
+    for ln in res.learners:
+        for key in ("compute_share", "merged_share", "tokens_merged"):
+            if ln[key] is not None:
+                sink.log_metric(f"chaos/slot-{ln['slot']}/{key}", float(ln[key]))
     sink.log_artifact(Path(res.timeline_png))
     sink.log_dict(m.accounting.to_json(), "goodput_accounting.json")
     sink.log_dict({"timeline": {"start_s": m.window_start_s, "end_s": tl.end_s, "merges_s": tl.merges_s,
@@ -150,6 +203,29 @@ def _table(name: str, rows: list[dict], availability: float) -> Table:
         t.add_row(r["method"], f"{r['compute_goodput']:.3f}", f"{r['token_goodput']:.3f}", f"{r['uptime']:.3f}",
                   f"{r['eval_loss_equal_time']:.4f}", eqt, f"{r['wall_s']:.1f}", str(r["failures"]))
     return t
+
+
+def link_skip(sc: Scenario) -> dict[int, str]:
+    """Slot -> why it is skipped: the slot of a shaped ``[link]`` that cannot be built on this
+    machine (not root, no ``tc``; :func:`~diloco_async.wan.slot_link.link_skip_reason`); {} otherwise.
+    Decided on the scenario as written, so its full-speed baseline skips the same slot."""
+    from diloco_async.wan.slot_link import link_skip_reason
+
+    why = link_skip_reason(sc.link)
+    return {} if why is None or sc.link is None else {sc.link.slot: why}
+
+
+@contextlib.contextmanager
+def _placement(sc: Scenario, skip: dict[int, str], workdir: Path) -> Iterator[object | None]:
+    """The link's placement of a scenario with a ``[link]`` whose slot is not skipped
+    (:func:`~diloco_async.wan.slot_link.slot_link_placement`), else None (every process here)."""
+    if sc.link is None or sc.link.slot in skip:
+        yield None
+        return
+    from diloco_async.wan.slot_link import slot_link_placement
+
+    with slot_link_placement(sc, workdir) as place:
+        yield place
 
 
 def scenario_recipe(sc: Scenario) -> Config:
@@ -174,7 +250,7 @@ def _scenario_and_methods(scenario: str, methods: list[str] | None,
 
 @flow(name="chaos", log_prints=True)
 def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | None = None,
-          overrides: list[str] | None = None, log_table: bool = True) -> list[dict]:
+          overrides: list[str] | None = None, log_table: bool = True, full_speed: bool = False) -> list[dict]:
     """Run every method of a chaos scenario under its fault schedule; return the table rows.
 
     Args:
@@ -183,12 +259,20 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
         overrides: ``section.field=value`` applied to every method's recipe after the scenario's
             own (e.g. where the store, process logs and MLflow runs go).
         log_table: also write the table to the flow run's log (the CLI prints it itself).
+        full_speed: run the scenario with every learner at full speed instead
+            (:meth:`~diloco_async.chaos.scenario.Scenario.at_full_speed`: the heterogeneity bars' baseline).
+
+    A scenario with a ``[link]`` runs in that link's placement (:mod:`diloco_async.wan.slot_link`:
+    network namespaces, needs root); where it cannot be built, the link's slot is skipped (its
+    learner never runs) in the scenario and in its full-speed baseline alike, and every row's
+    ``learners`` says so.
 
     Returns:
         One dict per method: ``method``, ``compute_goodput``, ``token_goodput``, ``uptime``,
         ``eval_loss_equal_time``, ``eval_loss_equal_tokens`` (None when the method never had
         that many tokens in its model), ``wall_s``, plus ``availability``, ``tokens_merged``,
-        ``failures``, ``restarts`` and ``mlflow_run_id``.
+        ``failures``, ``restarts``, ``mlflow_run_id``, ``learners`` (each slot's merged share
+        against its compute share, DiLoCo methods) and ``speed_weighted_compute_goodput``.
 
     Raises:
         ValueError: a bad scenario file or an unknown method.
@@ -196,6 +280,9 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     """
     logger = get_run_logger()
     sc, chosen = _scenario_and_methods(scenario, methods, overrides)
+    skip = link_skip(sc)
+    if full_speed:
+        sc = sc.at_full_speed()
     schedule = make_schedule(sc)
     cfg = method_config(sc, "decoupled", base := scenario_recipe(sc))  # the recipe parsed once, for every method
     prepare_corpus(cfg)
@@ -211,14 +298,17 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
                 sc.scenario.name, sc.scenario.slots, sc.scenario.wall_s, len(schedule.events), schedule.availability())
     status, m = "FAILED", chosen[0]
     rows: list[dict] = []
+    for slot, why in skip.items():
+        logger.warning("slot %d is skipped: %s", slot, why)
     try:
-        for m in chosen:
-            logger.info("method %s: starting", m)
-            res = _run_method(sc, m, base, list(schedule.events), parent, outdir, batches)
-            rows.append(res.row())
-            parent.log_artifact(res.timeline_png)
-            logger.info("method %s: compute goodput %.3f, token goodput %.3f, eval loss %.4f", m,
-                        res.compute_goodput, res.token_goodput, res.eval_loss_equal_time)
+        with _placement(sc, skip, Path(cfg.run.workdir)) as place:
+            for m in chosen:
+                logger.info("method %s: starting", m)
+                res = _run_method(sc, m, base, list(schedule.events), parent, outdir, batches, _Where(place, skip))
+                rows.append(res.row())
+                parent.log_artifact(res.timeline_png)
+                logger.info("method %s: compute goodput %.3f, token goodput %.3f, eval loss %.4f", m,
+                            res.compute_goodput, res.token_goodput, res.eval_loss_equal_time)
         parent.log_dict(rows, "chaos_table.json")
         (outdir / "chaos_table.json").write_text(json.dumps(rows, indent=1))
         status = "FINISHED"
@@ -235,26 +325,79 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     return rows
 
 
+def _fmt_share(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def learners_table(name: str, row: dict) -> Table:
+    """One method's ``learners`` (:func:`~diloco_async.chaos.measure.learner_shares`) as a table:
+    per slot its speed, what makes it different, its compute share, its merged share of the tokens,
+    their ratio, the tokens it had merged and its contributions by outcome."""
+    t = Table(title=f"{name}, {row['method']}: each learner's merged share of the tokens against its share of "
+                    f"the compute (speed x time up)")
+    for col in ("slot", "speed", "note", "compute share", "merged share", "merged / compute", "tokens merged",
+                "contributions"):
+        t.add_column(col, justify="left" if col in ("slot", "note", "contributions") else "right")
+    for ln in row["learners"]:
+        contrib = ", ".join(f"{k} {v}" for k, v in sorted(ln["contributions"].items())) or "none"
+        t.add_row(f"slot-{ln['slot']}", f"{ln['speed']:g}", ln.get("note") or ("skipped: " + ln["skipped"]
+                                                                             if ln["skipped"] else ""),
+                  _fmt_share(ln["compute_share"]), _fmt_share(ln["merged_share"]),
+                  _fmt_share(ln["merged_over_compute"]), f"{ln['tokens_merged']:.0f}", contrib)
+    return t
+
+
+def _notes(sc: Scenario, skip: dict[int, str], full_speed: bool) -> dict[int, str]:
+    """Slot -> what sets it apart in the run (slow storage, the shaped link, skipped)."""
+    notes: dict[int, str] = {}
+    st = sc.storage
+    if st.slots and not full_speed and (st.p_slow or st.p_transient):
+        for i in st.slots:
+            notes[i] = f"storage: p_slow {st.p_slow:g} x {st.slow_s:g} s on {','.join(st.ops or ['every op'])}"
+    if sc.link is not None:
+        i = sc.link.slot
+        notes[i] = (f"skipped: {skip[i]}" if i in skip else
+                    "link unshaped (full-speed baseline)" if full_speed else
+                    f"link {sc.link.up_mbit:g}/{sc.link.down_mbit:g} Mbit/s, {sc.link.delay_ms:g} ms")
+    return notes
+
+
 def run_chaos_cli(scenario: str, methods: list[str] | None, as_json: bool,
-                  overrides: list[str] | None = None, out: str | None = None) -> int:
+                  overrides: list[str] | None = None, out: str | None = None, full_speed: bool = False) -> int:
     """Entry of ``diloco-async chaos``; ``out``: also write the full rows (with ``availability``,
-    ``tokens_merged``, ``failures`` and ``eval_curve``) there as JSON."""
+    ``tokens_merged``, ``failures``, ``eval_curve`` and ``learners``) there as JSON, with the
+    scenario's name, ``wall_s``, ``seed`` (``run.seed``), ``full_speed``, ``speeds`` and ``skipped``;
+    ``full_speed``: the scenario's full-speed baseline (:func:`chaos`)."""
     try:
-        rows = chaos(scenario=scenario, methods=methods, overrides=list(overrides or []), log_table=False)
+        rows = chaos(scenario=scenario, methods=methods, overrides=list(overrides or []), log_table=False,
+                     full_speed=full_speed)
     except CancelledRun as err:
         print(f"chaos run stopped: {err}", file=sys.stderr)
         return 130
     except Exception as err:
         print(f"chaos run failed: {err}", file=sys.stderr)
         return 1
-    sc = load_scenario(scenario)
+    sc, _ = with_user_overrides(load_scenario(scenario), overrides, methods)
+    skip = link_skip(sc)
+    run_sc = sc.at_full_speed() if full_speed else sc
     availability = make_schedule(sc).availability()
+    notes = _notes(sc, skip, full_speed)
+    for r in rows:
+        for ln in r["learners"]:
+            ln["note"] = notes.get(ln["slot"], "")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"scenario": sc.scenario.name, "availability": availability,
-                                         "eval_tokens": sc.scenario.eval_tokens, "rows": rows}, indent=1))
-    Console(file=sys.stderr if as_json else sys.stdout, width=None if sys.stdout.isatty() else 140).print(
-        _table(sc.scenario.name, rows, availability))
+        Path(out).write_text(json.dumps({
+            "scenario": sc.scenario.name, "availability": availability, "eval_tokens": sc.scenario.eval_tokens,
+            "wall_s": sc.scenario.wall_s, "seed": scenario_recipe(sc).run.seed, "full_speed": full_speed,
+            "speeds": run_sc.speed_factors(), "skipped": {str(k): v for k, v in skip.items()},
+            "link": None if run_sc.link is None else run_sc.link.model_dump(), "rows": rows}, indent=1))
+    console = Console(file=sys.stderr if as_json else sys.stdout, width=None if sys.stdout.isatty() else 140)
+    console.print(_table(sc.scenario.name + (" at full speed" if full_speed else ""), rows, availability))
+    if notes or any(v < 1.0 for v in run_sc.speed_factors()):
+        for r in rows:
+            if r["learners"]:
+                console.print(learners_table(sc.scenario.name + (" at full speed" if full_speed else ""), r))
     if as_json:
         keys_ = ("method",) + TABLE_FIELDS
         print(json.dumps([{k: r[k] for k in keys_} for r in rows]))

@@ -185,7 +185,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from flows.chaos import run_chaos_cli
 
     interrupts.STOP["at_once"] = True
-    return interrupts.run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out)
+    return interrupts.run_flow(run_chaos_cli, args.scenario, methods, args.json, args.set or [], args.out,
+                               args.full_speed)
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override a field of every method's recipe, e.g. --set run.store=s3://bucket/chaos")
     p_chaos.add_argument("--out", default=None, metavar="FILE", help="also write every row (with availability, "
                          "tokens and the eval-loss curve) to FILE as JSON")
+    p_chaos.add_argument("--full-speed", action="store_true",
+                         help="run the scenario with every learner at full speed (no speed factors, no slot's own "
+                              "storage faults, the link unshaped): the heterogeneity bars' baseline")
     p_chaos.set_defaults(func=_chaos)
     add_wan_parser(sub)
     add_plan_parser(sub)

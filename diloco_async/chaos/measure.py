@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from diloco_async.config.schema import Config
@@ -19,7 +19,7 @@ from diloco_async.metrics.timeline import Accounting, Timeline, account
 from diloco_async.models.transformer import ByteGPT
 
 __all__ = ["Snapshot", "Measurement", "goodput_window_start", "uptime_max_gap_s", "initial_model", "eval_curve",
-           "eval_at", "measure"]
+           "eval_at", "measure", "learner_shares", "speed_weighted_goodput"]
 
 #: one point of a loss curve: (seconds since the first snapshot, tokens in the model, loss in nats/byte)
 CurvePoint = tuple[float, float, float]
@@ -109,3 +109,60 @@ def measure(tl: Timeline, snaps: Sequence[Snapshot], cfg: Config, batches, eval_
     curve = eval_curve([Snapshot(window.start_s, 0.0, lambda: initial_model(cfg)), *later], batches)
     eq_time, eq_tokens = eval_at(curve, eval_tokens)
     return Measurement(acc, window.start_s, curve, eq_time, eq_tokens)
+
+
+def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapping[str, Mapping],
+                   skipped: Mapping[int, str] | None = None) -> list[dict]:
+    """Each slot's merged share of the tokens against its share of the compute (issue 47).
+
+    Args:
+        speeds: speed factor of every slot (index order, in (0, 1]).
+        up_s: seconds each slot's learner was up (not down, not skipped) over the run.
+        ledgers: learner id ``learner-i`` -> the synchronizer's ledger of it (``tokens_merged``,
+            ``tokens_processed``, ``contributions``: :func:`~diloco_async.chaos.targets.read_summary_ledgers`);
+            a slot without one merged and processed nothing.
+        skipped: slot -> why its learner never ran (its ``up_s`` is taken as 0).
+
+    Returns:
+        One dict per slot: ``slot``, ``speed``, ``up_s``, ``compute_share`` (speed x up_s over the sum
+        over slots), ``tokens_merged``, ``tokens_processed``, ``merged_share`` (tokens_merged over the
+        sum; None when nothing was merged), ``merged_over_compute`` (merged_share / compute_share; None
+        when either is None or the compute share is 0), ``contributions`` (by outcome) and
+        ``skipped`` (the reason, or None).
+
+    Raises:
+        ValueError: ``speeds`` and ``up_s`` differ in length, or a speed or an up-time is negative.
+    """
+    skipped = dict(skipped or {})
+    if len(speeds) != len(up_s):
+        raise ValueError(f"{len(speeds)} speeds but {len(up_s)} up-times")
+    if any(s < 0 for s in speeds) or any(u < 0 for u in up_s):
+        raise ValueError(f"speeds and up-times must be >= 0, got {list(speeds)}, {list(up_s)}")
+    ups = [0.0 if i in skipped else float(u) for i, u in enumerate(up_s)]
+    compute = [float(s) * u for s, u in zip(speeds, ups, strict=True)]
+    led = [ledgers.get(f"learner-{i}", {}) for i in range(len(speeds))]
+    merged = [float(x.get("tokens_merged", 0.0)) for x in led]
+    total_c, total_m = sum(compute), sum(merged)
+    rows = []
+    for i, speed in enumerate(speeds):
+        c_share = compute[i] / total_c if total_c > 0 else 0.0
+        m_share = merged[i] / total_m if total_m > 0 else None
+        rows.append({"slot": i, "speed": float(speed), "up_s": ups[i], "compute_share": c_share,
+                     "tokens_merged": merged[i], "tokens_processed": float(led[i].get("tokens_processed", 0.0)),
+                     "merged_share": m_share,
+                     "merged_over_compute": m_share / c_share if m_share is not None and c_share > 0 else None,
+                     "contributions": dict(led[i].get("contributions", {})), "skipped": skipped.get(i)})
+    return rows
+
+
+def speed_weighted_goodput(acc: Accounting, speeds: Mapping[str, float]) -> float:
+    """Compute goodput counted in compute actually available: useful compute seconds x the slot's
+    speed factor over provisioned, not-down seconds x its speed factor, summed over the slots of
+    ``acc`` (``speeds``: slot name ``slot-i`` -> factor; 1.0 when absent). With every speed 1 and no
+    slot down, this is ``acc.compute_goodput``. 0.0 when nothing was available."""
+    useful = avail = 0.0
+    for lid, a in acc.learners.items():
+        s = float(speeds.get(lid, 1.0))
+        useful += s * a.useful_s
+        avail += s * max(0.0, a.provisioned_s - a.down_s)
+    return min(1.0, useful / avail) if avail > 0 else 0.0

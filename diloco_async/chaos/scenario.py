@@ -29,8 +29,10 @@ from diloco_async.config.resolved import (
 from diloco_async.config.schema import Config
 from diloco_async.config.tomlfile import load_toml_model
 from diloco_async.validate import recipe_field
+from storage.faults import OPS
 
-__all__ = ["METHODS", "Scenario", "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_config",
+__all__ = ["METHODS", "Scenario", "LinkSlot", "StorageFaults",
+           "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_config",
            "harness_fields", "check_user_overrides", "with_user_overrides"]
 
 ScenarioT = TypeVar("ScenarioT", bound="Scenario")
@@ -69,9 +71,30 @@ class ControlFaults(_Section):
 
 
 class StorageFaults(_Section):
-    p_transient: float = Field(0.0, ge=0, le=1)
-    p_slow: float = Field(0.0, ge=0, le=1)
-    slow_s: float = Field(0.05, ge=0)
+    p_transient: float = Field(0.0, ge=0, le=1, description="Chance a store call fails with a transient error.")
+    p_slow: float = Field(0.0, ge=0, le=1, description="Chance a store call takes slow_s longer.")
+    slow_s: float = Field(0.05, ge=0, description="Extra seconds of a slow store call.")
+    ops: list[Literal[OPS]] | None = Field(  # type: ignore[valid-type]
+        None, description="The store operations the faults hit (storage.faults.OPS; 'read' is one whole read or "
+                          "one chunk of a streamed one); None: every operation.")
+    slots: list[int] = Field(default_factory=list,
+                             description="The slots whose store is faulty (e.g. [3]: one learner with slow reads); "
+                                         "empty: every slot's.")
+
+
+class LinkSlot(_Section):
+    """One learner slot behind a shaped link (``tc tbf`` in network namespaces: needs root). The
+    synchronizer, the store (moto's S3 server) and the other learners share the hub namespace;
+    this slot's learner runs in a region namespace joined to it by the shaped link."""
+
+    slot: int = Field(ge=0, description="The slot whose learner sits behind the link.")
+    up_mbit: float = Field(gt=0, description="Learner -> hub rate, Mbit/s (10^6 bit/s, tc tbf).")
+    down_mbit: float = Field(gt=0, description="Hub -> learner rate, Mbit/s.")
+    delay_ms: float = Field(0.0, ge=0, description="One-way added latency, ms (added by the learner itself).")
+    tolerance: float = Field(0.15, gt=0, lt=1, description="A link measured outside +-tolerance refuses the run.")
+    verify_bytes: int | None = Field(None, ge=1, description="Bytes of the timed transfer that verifies the link.")
+    shaped: bool = Field(True, description="False: the slot's learner runs in the hub beside the others, unshaped "
+                                           "(the full-speed baseline keeps the same store and placement).")
 
 
 class DdpSettings(_Section):
@@ -105,6 +128,7 @@ class Scenario(_Section):
     stalls: StallModel = StallModel()
     control: ControlFaults = ControlFaults()
     storage: StorageFaults = StorageFaults()
+    link: LinkSlot | None = None
     ddp: DdpSettings = DdpSettings()
 
     @model_validator(mode="after")
@@ -114,11 +138,31 @@ class Scenario(_Section):
                 raise ValueError(f"stragglers.speed: slot {k!r} is not in 0..{self.scenario.slots - 1}")
             if not 0 < v <= 1:
                 raise ValueError(f"stragglers.speed[{k}] must be in (0, 1], got {v}")
+        slots = self.scenario.slots
+        bad = [i for i in self.storage.slots if not 0 <= i < slots]
+        if bad:
+            raise ValueError(f"storage.slots: {bad} not in 0..{slots - 1}")
+        if self.link is not None and self.link.slot >= slots:
+            raise ValueError(f"link.slot = {self.link.slot} is not in 0..{slots - 1}")
+        if self.link is not None and "ddp" in self.scenario.methods:
+            raise ValueError("a scenario with a [link] runs the DiLoCo methods only (sync-diloco, decoupled), not ddp")
         return self
 
     def speed_factors(self) -> list[float]:
         """Speed factor of every slot, index order."""
         return [float(self.stragglers.speed.get(str(i), 1.0)) for i in range(self.scenario.slots)]
+
+    def at_full_speed(self: ScenarioT) -> ScenarioT:
+        """The same scenario with every learner at full speed: the baseline of the heterogeneity
+        bars. No speed factors (the jitter stays), no storage faults that only some slots have
+        (faults every slot has stay), and the shaped link's slot unshaped in the same placement
+        (same store, same processes). Failures, stalls and control faults stay."""
+        update: dict[str, Any] = {"stragglers": self.stragglers.model_copy(update={"speed": {}})}
+        if self.storage.slots:
+            update["storage"] = StorageFaults()
+        if self.link is not None:
+            update["link"] = self.link.model_copy(update={"shaped": False})
+        return self.model_copy(update=update)
 
 
 def load_scenario(path: str | Path, model: type[Scenario] = Scenario) -> Scenario:
@@ -214,7 +258,8 @@ def harness_fields(sc: Scenario) -> set[str]:
     """The ``section.field`` names the harness sets for every method (slots, faults, quorum,
     grace, barrier, checkpoints, budget): a user override of one of them would change what the
     methods are, so :func:`check_user_overrides` refuses it."""
-    return {*_common_fields(sc), *synchronous_fields(sc.scenario.slots), *decoupled_fields()}
+    return {*_common_fields(sc), "faults.storage_faults", "faults.storage_fault_learners",
+            *synchronous_fields(sc.scenario.slots), *decoupled_fields()}
 
 
 def check_user_overrides(sc: Scenario, overrides: list[str]) -> None:
@@ -237,7 +282,12 @@ def _common_fields(sc: Scenario) -> dict[str, Any]:
         "budget.wall_s": s.wall_s + 600, "budget.tokens": 1_000_000_000_000}
     st = sc.storage
     if st.p_transient or st.p_slow:
-        out["faults.storage_faults"] = {"p_transient": st.p_transient, "p_slow": st.p_slow, "slow_s": st.slow_s}
+        plan: dict[str, Any] = {"p_transient": st.p_transient, "p_slow": st.p_slow, "slow_s": st.slow_s}
+        if st.ops is not None:
+            plan["ops"] = list(st.ops)
+        out["faults.storage_faults"] = plan
+        if st.slots:
+            out["faults.storage_fault_learners"] = list(st.slots)
     return out
 
 

@@ -20,7 +20,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,12 +33,15 @@ from diloco_async.metrics.run_timeline import fragment_shares, read_merges
 from diloco_async.metrics.timeline import Interval, Step, Timeline, diloco_timeline_steps, read_records
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.procs import ForkServerLauncher
+from storage import keys
 from storage.checkpoint import list_checkpoint_seqs, load_checkpoint
+from storage.store import ObjectStore
 
 if TYPE_CHECKING:
     from diloco_async.baselines.ddp_group import RankPlacement
 
-__all__ = ["PRELOAD", "TargetRun", "ChaosTarget", "DilocoTarget", "DdpTarget", "ddp_timeline_steps"]
+__all__ = ["PRELOAD", "TargetRun", "ChaosTarget", "DilocoTarget", "DdpTarget", "ddp_timeline_steps",
+           "read_summary_ledgers"]
 
 log = logging.getLogger("diloco.chaos")
 
@@ -50,12 +53,22 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "diloco_async.learner"
 
 @dataclass
 class TargetRun:
-    """What one method's run under the schedule gave."""
+    """What one method's run under the schedule gave.
+
+    Attributes:
+        ledgers: learner id (``learner-i``) -> the synchronizer's ledger of it in its run summary
+            (``tokens_merged``, ``tokens_processed``, ``contributions`` by outcome, ...); empty for
+            DDP or when the synchronizer wrote no summary.
+        skipped: slot -> why its learner never ran (e.g. its shaped link needs root); such a
+            slot is not in the timeline.
+    """
 
     timeline: Timeline
     snapshots: list[Snapshot]
     cfg: Config
     slots: SlotBook
+    ledgers: dict[str, dict] = field(default_factory=dict)
+    skipped: dict[int, str] = field(default_factory=dict)
 
 
 class ChaosTarget:
@@ -69,6 +82,8 @@ class ChaosTarget:
         self.sc = sc
         self.cfg = cfg
         self.slots = SlotBook(sc.scenario.slots)
+        self.skipped: dict[int, str] = {}
+        self.ledgers: dict[str, dict] = {}
 
     def run(self, events: Sequence[FaultEvent]) -> TargetRun:
         """Start the method, apply ``events`` for the scenario's wall time, stop it, and read
@@ -84,7 +99,11 @@ class ChaosTarget:
         finally:
             self._close()
         tl, snaps = self._collect(t_start, t_end)
-        return TargetRun(tl, snaps, self.cfg, self.slots)
+        return TargetRun(tl, snaps, self.cfg, self.slots, dict(self.ledgers), dict(self.skipped))
+
+    def active_slots(self) -> list[int]:
+        """The slots whose processes run (every slot but the :attr:`skipped` ones)."""
+        return [i for i in range(self.slots.n) if i not in self.skipped]
 
     def on_cont(self, slot: int) -> None:
         raise NotImplementedError
@@ -108,11 +127,22 @@ class DilocoTarget(ChaosTarget):
 
     Args:
         on_metrics: receives the synchronizer's new metric points every 2 s and at the end.
+        skip: slot -> why its learner does not run (never started, never restarted, left out of
+            the timeline; a fault event of it is ignored). Only with K = 1: a synchronous round
+            would wait for it forever.
+
+    Raises:
+        ValueError: a skipped slot with ``synchronizer.min_quorum`` above the slots that run.
     """
 
     def __init__(self, sc: Scenario, cfg: Config,
-                 on_metrics: Callable[[list[dict]], None] = lambda points: None) -> None:
+                 on_metrics: Callable[[list[dict]], None] = lambda points: None,
+                 skip: dict[int, str] | None = None) -> None:
         super().__init__(sc, cfg)
+        self.skipped = dict(skip or {})
+        if self.skipped and cfg.synchronizer.min_quorum > sc.scenario.slots - len(self.skipped):
+            raise ValueError(f"slots {sorted(self.skipped)} are skipped ({'; '.join(self.skipped.values())}) but "
+                             f"synchronizer.min_quorum = {cfg.synchronizer.min_quorum} needs that many learners")
         self.procs = RunProcesses(self.cfg)
         self.procs.launcher = ForkServerLauncher(self.procs.workdir / "logs", PRELOAD)
         self.timeline_dir = self.procs.workdir / "timeline"
@@ -127,12 +157,16 @@ class DilocoTarget(ChaosTarget):
     def _start(self) -> float:
         self.procs.start_synchronizer()
         t_start = time.time()
-        for i in range(self.slots.n):
+        for i in self.active_slots():
             self.slots.launched[i].append(time.time())
             self.procs.start_learner(i, 0)
+        for i, why in self.skipped.items():
+            log.warning("learner-%d skipped: %s", i, why)
         return t_start
 
     def on_fail(self, slot: int, duration_s: float) -> None:
+        if slot in self.skipped:
+            return
         self.slots.failures += 1
         now = time.time()
         if slot in self.slots.stalled_since:
@@ -144,6 +178,8 @@ class DilocoTarget(ChaosTarget):
         self.slots.open_down(slot, now)
 
     def on_recover(self, slot: int) -> None:
+        if slot in self.skipped:
+            return
         self.slots.close("down", slot, time.time())
         self.incarnation[slot] += 1
         self.slots.restarts += 1
@@ -152,7 +188,7 @@ class DilocoTarget(ChaosTarget):
         self.killed.discard(slot)
 
     def on_stall(self, slot: int) -> None:
-        if slot in self.killed:
+        if slot in self.killed or slot in self.skipped:
             return
         self._learner(slot).signal_group(signal.SIGSTOP)
         self.slots.stalled_since[slot] = time.time()
@@ -166,7 +202,7 @@ class DilocoTarget(ChaosTarget):
         sync = self.procs.sync
         if sync is not None and sync.poll() is not None:
             raise RuntimeError(f"synchronizer exited early (code {sync.poll()}); log {sync.log_path}")
-        for i in range(self.slots.n):
+        for i in self.active_slots():
             h = self.procs.learners.get(f"learner-{i}")
             if i not in self.killed and h is not None and h.poll() is not None:
                 log.warning("learner-%d exited with %s; restarting", i, h.poll())  # supervision: at once
@@ -184,15 +220,17 @@ class DilocoTarget(ChaosTarget):
         self.procs.stop_all()
 
     def _collect(self, t_start: float, t_end: float) -> tuple[Timeline, list[Snapshot]]:
-        """Each slot's steps (merged share from the merge log), restarts and blocked time; the
-        synchronizer's checkpoints (tokens merged so far) as snapshots."""
-        procs, n = self.procs, self.slots.n
+        """Each running slot's steps (merged share from the merge log), restarts and blocked time;
+        the synchronizer's checkpoints (tokens merged so far) as snapshots; its per-learner ledgers
+        from the run summary (:attr:`ledgers`)."""
+        procs, active = self.procs, self.active_slots()
         merges = read_merges(procs.store, procs.run_id, str(procs.epoch))
         merged_ids = {u for m in merges for u in m["update_ids"]}
         shares = fragment_shares(self.cfg)
-        tl = Timeline(learners=[f"slot-{i}" for i in range(n)], start_s=t_start, end_s=t_end,
+        self.ledgers = read_summary_ledgers(procs.store, procs.run_id, str(procs.epoch))
+        tl = Timeline(learners=[f"slot-{i}" for i in active], start_s=t_start, end_s=t_end,
                       intervals=list(self.slots.intervals), merges_s=[m["t"] for m in merges])
-        for i in range(n):
+        for i in active:
             recs = read_records(self.timeline_dir / f"learner-{i}.jsonl")
             tl.steps += diloco_timeline_steps(f"slot-{i}", recs, merged_ids, shares)
             tl.intervals += restarting_intervals(f"slot-{i}", self.slots.launched[i], recs, self.slots.ended[i], t_end)
@@ -204,6 +242,22 @@ class DilocoTarget(ChaosTarget):
             snaps.append(Snapshot(t_start + float(ck.manifest["wall_s"]), tokens,
                                   lambda ck=ck: model_from_checkpoint(self.cfg, ck)))
         return tl, snaps
+
+
+def read_summary_ledgers(store: ObjectStore, run_id: str, epoch: str) -> dict[str, dict]:
+    """Learner id -> its entry of the synchronizer's run summary (``summary.json`` of the epoch:
+    the ledger's ``tokens_merged``, ``tokens_processed``, ``contributions`` by outcome, ...); {}
+    when the synchronizer wrote no summary (it was killed) or the summary is unreadable (logged)."""
+    try:
+        doc = store.get_json(keys.summary_key(run_id, epoch))
+    except FileNotFoundError:
+        log.warning("run %s epoch %s: no summary.json; no per-learner ledgers", run_id, epoch)
+        return {}
+    except ValueError as err:
+        log.warning("run %s epoch %s: summary.json unreadable (%s); no per-learner ledgers", run_id, epoch, err)
+        return {}
+    learners = doc.get("learners") if isinstance(doc, dict) else None
+    return {str(k): dict(v) for k, v in learners.items()} if isinstance(learners, dict) else {}
 
 
 def ddp_timeline_steps(learner: str, records: Sequence[dict], final_step: int) -> list[Step]:

@@ -60,6 +60,14 @@ class WanScenario(Scenario):
     target: Target = Target()
     budget: Budget
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_single_link(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("link") is not None:
+            raise ValueError("a WAN scenario shapes every region's link in [links]; [link] (one shaped slot) is for "
+                             "chaos scenarios")
+        return data
+
     @model_validator(mode="after")
     def _check_links(self) -> WanScenario:
         ln = self.links
