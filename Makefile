@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -147,15 +147,34 @@ bench-paper: data
 
 ## bench-chaos: the full "storm" scenario (8 slots, a failure per slot every 120 s, 30 s down, one
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free
-## (5 minutes each) and one half-speed learner (K = M against K = 1, 90 s each); then the bars as
-## ratios (benchmarks/chaos_bars.py). About 40 minutes.
+## (5 minutes each) and one half-speed learner (K = M against K = 1, 90 s each); then the
+## heterogeneous fleet (bench-het's runs, about 15 minutes); then the bars as ratios
+## (benchmarks/chaos_bars.py, benchmarks/het_bars.py; exit 1 if either misses). About 55 minutes.
+## bench-het: the heterogeneous fleet alone (issue 47, configs/chaos/heterogeneous.toml: learners at 1x,
+## 0.5x and 0.1x speed, one with 3 s store reads, one behind a 4 Mbit/s link, shaped as root, else skipped),
+## Decoupled DiLoCo 90 s per run, for each of HET_SEEDS the scenario then its --full-speed baseline; then
+## the bars (benchmarks/het_bars.py): every learner's merged share of the tokens >= 0.8 x its compute
+## share, compute goodput in compute available >= 0.9 x the full-speed fleet's. About 15 minutes.
 BENCH_DIR ?= .local/bench
+HET_SEEDS ?= 0 1 2
+HET_CHAOS := $(VENV)/bin/diloco-async chaos --scenario configs/chaos/heterogeneous.toml
+HET_RUNS = for s in $(HET_SEEDS); do \
+	  $(HET_CHAOS) --set run.seed=$$s --out $(BENCH_DIR)/chaos-het-$$s.json || exit 1; \
+	  $(HET_CHAOS) --set run.seed=$$s --full-speed --out $(BENCH_DIR)/chaos-het-full-$$s.json || exit 1; \
+	done
+HET_BARS = $(PY) -m benchmarks.het_bars --het $(HET_SEEDS:%=$(BENCH_DIR)/chaos-het-%.json) \
+	--full $(HET_SEEDS:%=$(BENCH_DIR)/chaos-het-full-%.json)
 bench-chaos: data
 	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/storm.toml --out $(BENCH_DIR)/chaos-storm.json
 	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/failure-free.toml --out $(BENCH_DIR)/chaos-failure-free.json
 	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/straggler.toml --out $(BENCH_DIR)/chaos-straggler.json
-	$(PY) -m benchmarks.chaos_bars $(BENCH_DIR)/chaos-storm.json $(BENCH_DIR)/chaos-failure-free.json \
-		$(BENCH_DIR)/chaos-straggler.json
+	$(HET_RUNS)
+	status=0; $(PY) -m benchmarks.chaos_bars $(BENCH_DIR)/chaos-storm.json $(BENCH_DIR)/chaos-failure-free.json \
+		$(BENCH_DIR)/chaos-straggler.json || status=1; $(HET_BARS) || status=1; exit $$status
+
+bench-het: data
+	$(HET_RUNS)
+	$(HET_BARS)
 
 ## bench-wan: issue 13 over emulated regions (needs root and iproute2 tc): configs/wan/wan-4-regions.toml,
 ## DDP, synchronous and Decoupled DiLoCo over four 7.5 Mbit/s links (DDP capped at 300 s); Decoupled DiLoCo

@@ -141,7 +141,7 @@ class Scenario(_Section):
         slots = self.scenario.slots
         bad = [i for i in self.storage.slots if not 0 <= i < slots]
         if bad:
-            raise ValueError(f"storage.slots: {bad} not in 0..{slots - 1}")
+            raise ValueError(f"[storage] slots: {bad} not in 0..{slots - 1}")
         if self.link is not None and self.link.slot >= slots:
             raise ValueError(f"link.slot = {self.link.slot} is not in 0..{slots - 1}")
         if self.link is not None and "ddp" in self.scenario.methods:
