@@ -157,7 +157,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from diloco_async.chaos import METHODS, check_user_overrides, load_scenario, method_config
+    from diloco_async.chaos import METHODS, load_scenario, method_config
+    from diloco_async.chaos.scenario import with_user_overrides
     from diloco_async.config.schema import load_config
     from flows.outpath import check_out
 
@@ -169,7 +170,7 @@ def _chaos(args: argparse.Namespace) -> int:
         bad = [m for m in methods or [] if m not in METHODS]
         if bad:
             raise ValueError(f"unknown method {', '.join(bad)}; known: {', '.join(METHODS)}")
-        check_user_overrides(sc, args.set or [])
+        with_user_overrides(sc, args.set or [], methods)  # the fields the harness sets; ddp with a [link]
         try:
             base = load_config(sc.scenario.config, [*sc.scenario.overrides, *(args.set or [])])
             for m in methods or sc.scenario.methods:

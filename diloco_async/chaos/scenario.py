@@ -317,7 +317,8 @@ def with_user_overrides(sc: ScenarioT, overrides: list[str] | None,
     with a ``scenario`` section (chaos and WAN scenarios alike).
 
     Raises:
-        ValueError: an override of a field the harness sets, an unknown method.
+        ValueError: an override of a field the harness sets, an unknown method, ``ddp`` in a
+            scenario with a ``[link]``.
     """
     check_user_overrides(sc, list(overrides or []))
     if overrides:
@@ -327,4 +328,6 @@ def with_user_overrides(sc: ScenarioT, overrides: list[str] | None,
     for m in chosen:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    if sc.link is not None and "ddp" in chosen:
+        raise ValueError("a scenario with a [link] runs the DiLoCo methods only (sync-diloco, decoupled), not ddp")
     return sc, chosen

@@ -60,6 +60,10 @@ def test_a_link_is_for_diloco_methods_and_not_for_wan_scenarios(tmp_path):
            "link": {"slot": 0, "up_mbit": 4, "down_mbit": 4}}
     with pytest.raises(ValueError, match="DiLoCo methods only"):
         Scenario.model_validate(raw)
+    from diloco_async.chaos.scenario import with_user_overrides
+
+    with pytest.raises(ValueError, match="DiLoCo methods only"):  # nor when the command line asks for it
+        with_user_overrides(load_scenario("configs/chaos/heterogeneous-ci.toml"), None, ["decoupled", "ddp"])
     text = open("configs/wan/wan-ci.toml").read() + "\n[link]\nslot = 0\nup_mbit = 4\ndown_mbit = 4\n"
     (tmp_path / "w.toml").write_text(text)
     with pytest.raises(ValueError, match=r"\[link\] \(one shaped slot\) is for chaos scenarios"):
