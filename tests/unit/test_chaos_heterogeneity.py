@@ -99,6 +99,10 @@ def test_speed_weighted_goodput_counts_the_compute_available():
     assert speed_weighted_goodput(acc, {}) == pytest.approx(acc.compute_goodput) == pytest.approx(0.4)
     # slot-1 (nothing merged) at a tenth of the speed: little of the compute available was lost
     assert speed_weighted_goodput(acc, {"slot-1": 0.1}) == pytest.approx(8.0 / 11.0)
+    # a slow slot's merged compute counts at its speed: 8 s + 10 s x 0.1 of 10 s + 10 s x 0.1
+    both = Timeline(["slot-0", "slot-1"], 0.0, 10.0,
+                    steps=[Step("slot-0", 0.0, 8.0, 10, useful=1.0), Step("slot-1", 0.0, 10.0, 10, useful=1.0)])
+    assert speed_weighted_goodput(account(both, 5.0), {"slot-1": 0.1}) == pytest.approx(9.0 / 11.0)
     down = Timeline(["slot-0"], 0.0, 10.0, intervals=[Interval("slot-0", "down", 0.0, 5.0)],
                     steps=[Step("slot-0", 5.0, 10.0, 10, useful=1.0)])
     assert speed_weighted_goodput(account(down, 5.0), {}) == pytest.approx(1.0)  # time down is not available
