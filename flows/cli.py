@@ -235,7 +235,7 @@ def _alerts(args: argparse.Namespace) -> int:
         return 2
     print(f"{'created' if done.created else 'updated'} automation {args.name!r} ({done.automation_id}): "
           f"a Failed or Crashed run of {', '.join(flows)} notifies block {args.block_name!r} "
-          f"({done.block_document_id}) at {args.webhook} [server {api_url()}]")
+          f"({done.block_document_id}) at {args.webhook} on the Prefect server {api_url()}")
     return 0
 
 

@@ -114,8 +114,8 @@ def learner(region: str, learner_id: str, index: int, sync_url: str, store_url: 
     logger = get_run_logger()
     _require_token(LEARNER_TOKEN_ENV)
     storage_options_from_env()
-    logger.info("%s (incarnation %d) of run %s in region %s: pid %d, synchronizer %s, store %s", learner_id,
-                incarnation, run_id or "?", region, os.getpid(), sync_url, store_url)
+    logger.info("%s (incarnation %d) of run %s in region %s, pid %d: store %s and synchronizer %s", learner_id,
+                incarnation, run_id or "?", region, os.getpid(), store_url, sync_url)
     launch = launch or LearnerLaunch()
     t0 = time.monotonic()
     args = ["--learner-id", learner_id, "--index", str(index), "--sync-url", sync_url, "--store", store_url,

@@ -242,7 +242,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     t0 = time.monotonic()
     sink.start_children(f"learner-{i}" for i in range(cfg.learners.count))
     url = run.start_synchronizer()
-    logger.info("synchronizer at %s; starting %d learners", url, cfg.learners.count)
+    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, url)
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
     with _heldout_curve(run, sink) as pending:

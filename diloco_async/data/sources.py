@@ -131,7 +131,7 @@ def resolve_sources(cfg: DataConfig) -> list[SourceFile]:
             raise FileNotFoundError(f"data.urls: {url!r} matches no file")
         files = [SourceFile(fs.unstrip_protocol(p), _file_format(p, cfg.format)[0], int(fs.size(p))) for p in paths]
         if not any(f.size_bytes for f in files):
-            raise ValueError(f"data.urls: {url!r} matches only empty files ({len(files)}: {files[0].url}, ...)")
+            raise ValueError(f"data.urls: {url!r} matches only empty files: {len(files)}, the first {files[0].url}")
         out.extend(files)
     return out
 

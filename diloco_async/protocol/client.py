@@ -89,7 +89,7 @@ class RequestChannel:
             TimeoutError: no answer within ``timeout_s``.
         """
         if self.closed or self.ws.closed:
-            raise ChannelClosed(f"{self.url}/ws: closed")
+            raise ChannelClosed(f"closed: {self.url}/ws")
         rid, self._next_id = self._next_id, self._next_id + 1
         fut = self._pending[rid] = asyncio.get_running_loop().create_future()
         try:
@@ -97,7 +97,7 @@ class RequestChannel:
             async with asyncio.timeout(timeout_s):
                 doc = await fut
         except (ConnectionError, aiohttp.ClientConnectionError) as err:
-            raise ChannelClosed(f"{self.url}/ws: {type(err).__name__}: {err}") from err
+            raise ChannelClosed(f"{type(err).__name__}: {err} on {self.url}/ws") from err
         finally:
             self._pending.pop(rid, None)
         status = doc.get("status")
@@ -122,7 +122,7 @@ class RequestChannel:
         self.closed = True
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(ChannelClosed(f"{self.url}/ws: closed before the answer"))
+                fut.set_exception(ChannelClosed(f"closed before the answer: {self.url}/ws"))
 
 
 class SyncClient:
@@ -317,11 +317,11 @@ def call_blocking(url: str, token: str | None, method: str, *args: Any,
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(asyncio.run, once()).result()
     except aiohttp.ContentTypeError as err:
-        raise ValueError(f"{url}: {method} answered no JSON ({err.message})") from err
+        raise ValueError(f"{method} answered no JSON ({err.message}) at {url}") from err
     except aiohttp.ClientError as err:
         if isinstance(err, OSError):  # ClientOSError, ClientConnectorError (TimeoutError is one already)
             raise
-        raise ConnectionError(f"{url}: {method} failed: {type(err).__name__}: {err}") from err
+        raise ConnectionError(f"{method} failed ({type(err).__name__}: {err}) at {url}") from err
 
 
 def fetch_status(url: str, timeout_s: float = 5.0) -> dict:

@@ -110,7 +110,8 @@ _RUNS_SHOWN = 20
 def no_such_run(store: ObjectStore, run_id: str) -> str:
     """The message for a run id that the store does not hold: where it looked, and the run ids it
     does hold (folders with a ``config.json``; one listing plus at most 20 existence checks)."""
-    where = f"no run {run_id!r} in store {store.url} (looked for {store.url}/{keys.config_key(run_id)})"
+    # the URL before a space, not before punctuation: a terminal links a URL up to the next space
+    where = f"no run {run_id!r} in store {store.url} (no {keys.config_key(run_id)} there)"
     try:
         folders = store.folders()
         runs = [f for f in folders[:_RUNS_SHOWN * 2] if store.exists(keys.config_key(f))][:_RUNS_SHOWN]
