@@ -1,6 +1,7 @@
 """Check a recipe without running it: ``diloco-async validate``.
 
-:func:`validate_recipe` loads the config, probes the store, finds the data, builds the tokenizer,
+:func:`validate_recipe` loads the config, checks the learners' devices on this machine as ``train``
+does, probes the store, finds the data, builds the tokenizer,
 the model and the fragment plan with the same builders a run uses (:func:`~diloco_async.data.tokens.open_corpus`,
 :func:`~diloco_async.models.build_run_model`, :func:`~diloco_async.models.build.plan_of`),
 and returns one :class:`Check` per step, each with its outcome and, when it fails, the recipe field
@@ -36,7 +37,7 @@ class Check:
     """One step of a validation.
 
     Attributes:
-        name: the step (``config``, ``store``, ``data``, ``tokenizer``, ``model``, ``fragments``).
+        name: the step (``config``, ``devices``, ``store``, ``data``, ``tokenizer``, ``model``, ``fragments``).
         ok: whether it passed.
         detail: what was found (passed) or the error (failed).
         field: the recipe field at fault when it failed (e.g. ``run.store``), else None.
@@ -193,6 +194,18 @@ def _step(checks: list[Check], name: str, field: str | None, fn, *args) -> Any:
     return value
 
 
+def _devices(cfg: Config) -> tuple[Any, str]:
+    """The learners' devices, checked as ``train`` checks them with the local launcher
+    (:func:`~diloco_async.runtime.devices.check_devices`, same message); with the deployments
+    launcher each region's worker resolves its learner's device when the learner starts."""
+    if cfg.run.launcher != "local":
+        return None, f"{cfg.learners.device!r}: resolved by each region's worker when its learner starts"
+    from diloco_async.runtime.devices import check_devices
+
+    found = [str(d) for d in check_devices(cfg.learners)]
+    return found, ", ".join(f"{d} x{found.count(d)}" for d in dict.fromkeys(found)) + " (rank 0 of each learner)"
+
+
 def _data(cfg: Config) -> tuple[Any, str]:
     from diloco_async.data.sources import resolve_sources
 
@@ -260,6 +273,7 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
     except (ValueError, FileNotFoundError, tomllib.TOMLDecodeError) as err:
         return [Check("config", False, str(err), _config_field(str(err)) or "recipe")]
     checks.append(Check("config", True, where))
+    _step(checks, "devices", "learners.device", _devices, cfg)
     options = {**cfg.run.storage_options, **(storage_options or {})}
     _step(checks, "store", "run.store", lambda: (None, f"{probe_store(cfg.run.store, options)} is writable"))
     files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, cfg)

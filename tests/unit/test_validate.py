@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from diloco_async.config.schema import STORE_SCHEMES
+from diloco_async.runtime.devices import cuda_device_count, mps_available
 from diloco_async.validate import list_recipes, resolve_recipe
 from flows.cli import main
 from storage.backends import PROTOCOLS
@@ -95,6 +96,31 @@ def test_unknown_recipe_name(capsys):
     assert main(["validate", "no-such-recipe"]) == 2
     out = capsys.readouterr()
     assert "no-such-recipe" in out.out and "default" in out.out
+
+
+def _absent_devices() -> list[str]:
+    """``learners.device`` values this machine lacks: one GPU past the visible ones always, plus
+    ``cuda`` without a GPU and ``mps`` without MPS."""
+    absent = [f"cuda:{cuda_device_count()}"]
+    return absent + (["cuda"] if cuda_device_count() == 0 else []) + ([] if mps_available() else ["mps"])
+
+
+@pytest.mark.parametrize("device", _absent_devices())
+def test_validate_checks_devices_as_train_does(device, capsys):
+    """`validate` fails a device this machine lacks with the message the local launcher raises
+    before a run starts (issue 46: it said "valid" for learners.device=cuda on a CPU-only machine)."""
+    from diloco_async.config.schema import load_config
+    from diloco_async.run import RunProcesses
+
+    setting = f'learners.device="{device}"'
+    with pytest.raises(ValueError) as train_refused:  # raised first thing: nothing is created
+        RunProcesses(load_config(resolve_recipe("default"), [setting]))
+    assert main(["validate", "default", "--set", setting]) == 2
+    out = capsys.readouterr()
+    assert f"FAIL devices    [learners.device] ValueError: {train_refused.value}" in out.out, out.out
+    assert repr(device) in out.out and "learners.device invalid" in out.err
+    assert main(["validate", "default", "--set", 'learners.device="cpu"']) == 0
+    assert "ok   devices    cpu x4" in capsys.readouterr().out
 
 
 def test_train_refuses_an_unknown_store_scheme_before_starting(capsys):
