@@ -5,9 +5,12 @@ does, probes the store, finds the data, builds the tokenizer,
 the model and the fragment plan with the same builders a run uses (:func:`~diloco_async.data.tokens.open_corpus`,
 :func:`~diloco_async.models.build_run_model`, :func:`~diloco_async.models.build.plan_of`),
 and returns one :class:`Check` per step, each with its outcome and, when it fails, the recipe field
-at fault. It starts no process and creates no run: the only object it writes is a probe under the
-store's root, deleted again at once. (Building the tokenizer fills the local token cache,
-``data.token_cache_dir``, as the first run would.)
+at fault. It starts no process, creates no run and leaves no file behind: the only object it writes
+is a probe under the store's root, deleted again at once (with the folders it made for it, for a
+local store that does not exist yet). The corpus download, the token cache and the pretrained-model
+cache are read where the recipe puts them when they already hold what it needs, and otherwise
+written to a temporary folder, removed at the end (:func:`scratch_caches`); ``fill_caches=True``
+(``validate --fill-caches``) fills the recipe's own caches instead, as the first run would.
 
 :func:`resolve_recipe` turns a recipe name (``default``) into its file: from ``configs/`` in a
 source checkout, else from the installed package ``diloco_recipes`` (configs/ shipped as package
@@ -16,10 +19,13 @@ data). :func:`list_recipes` gives the names with their descriptions (each file's
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import re
+import tempfile
 import tomllib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,7 @@ from typing import Any
 from diloco_async.config.schema import Config, load_config
 
 __all__ = ["Check", "validate_recipe", "resolve_recipe", "recipe_field", "list_recipes", "recipe_description",
-           "probe_store"]
+           "probe_store", "scratch_caches"]
 
 _CHECKOUT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -142,11 +148,22 @@ def list_recipes() -> list[tuple[str, list[str]]]:
     return sorted(found.items())
 
 
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
 def probe_store(url: str, storage_options: dict[str, Any], timeout_s: float = 10.0) -> str:
-    """Write a small probe object under the store root, read it back and delete it.
+    """Write a small probe object under the store root, read it back and delete it; for a local
+    store, the folders made for it are removed again (the run makes them).
 
     Returns:
-        The store URL (without options).
+        What was found: ``{store URL} is writable``, and for a local store whose folder does
+        not exist yet, that the run makes it.
 
     Raises:
         ValueError: unknown scheme. OSError (or a backend error): unreachable or not writable.
@@ -156,14 +173,44 @@ def probe_store(url: str, storage_options: dict[str, Any], timeout_s: float = 10
 
     policy = RetryPolicy(timeout_s=timeout_s, retries=1, deadline_s=2 * timeout_s)
     store = ObjectStore(url, storage_options, policy=policy)
+    made = _missing_folders(Path(store.root)) if store.protocol in ("file", "local") else []
     key = f"validate-probe-{uuid.uuid4().hex}"
-    store.put(key, b"diloco-async validate probe")
     try:
+        store.put(key, b"diloco-async validate probe")
         if not store.exists(key):
             raise OSError(f"probe {key} written but not listed")
-    finally:
         store.delete(key)
-    return store.url
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty: something else was written there meanwhile
+                folder.rmdir()
+    return f"{store.url} is writable" + (" (the folder does not exist yet: a run makes it)" if made else "")
+
+
+def _linked(cache: Path, scratch: Path, complete: Callable[[Path], bool]) -> str:
+    """``scratch``, made, holding a link to each entry of the folder ``cache`` that is complete."""
+    scratch.mkdir(parents=True)
+    if cache.is_dir():
+        for entry in cache.iterdir():
+            if complete(entry):
+                (scratch / entry.name).symlink_to(entry.resolve())
+    return str(scratch)
+
+
+def scratch_caches(cfg: Config, scratch: Path) -> Config:
+    """``cfg`` with its local caches moved under ``scratch``, so that building the corpus, the
+    tokenizer and the model writes nothing where the recipe's caches are; what they already hold
+    complete stays readable through links: the Shakespeare download (its ``.complete`` marker),
+    trained tokenizers (``*.json``, written by rename), token folders (with their ``meta.json``,
+    written last) and pretrained-model copies (renamed into place when complete)."""
+    data, tokens = cfg.data, Path(cfg.data.token_cache_dir)
+    _linked(tokens / "tokenizers", scratch / "tokens" / "tokenizers", lambda e: e.name.endswith(".json"))
+    _linked(tokens / "tokens", scratch / "tokens" / "tokens", lambda e: (e / "meta.json").is_file())
+    cache_dir = _linked(Path(data.cache_dir), scratch / "data", lambda e: (e / ".complete").is_file())
+    models = _linked(Path(cfg.model.hf.cache_dir), scratch / "models", lambda e: ".tmp-" not in e.name)
+    return cfg.model_copy(update={
+        "data": data.model_copy(update={"cache_dir": cache_dir, "token_cache_dir": str(scratch / "tokens")}),
+        "model": cfg.model.model_copy(update={"hf": cfg.model.hf.model_copy(update={"cache_dir": models})})})
 
 
 _FIELD = re.compile(r"^\s+([A-Za-z_][\w.]*):", re.M)
@@ -250,7 +297,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
-                    storage_options: dict[str, Any] | None = None) -> list[Check]:
+                    storage_options: dict[str, Any] | None = None, fill_caches: bool = False) -> list[Check]:
     """Check a recipe (a path or a shipped recipe name) with ``--set`` overrides, without running it.
 
     Args:
@@ -258,6 +305,9 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
         overrides: ``section.field=value`` strings.
         storage_options: extra fsspec options for the store (e.g. from the environment), over
             ``run.storage_options``.
+        fill_caches: download and build into the recipe's own caches (``data.cache_dir``,
+            ``data.token_cache_dir``, ``model.hf.cache_dir``), as the first run would; by default
+            what they lack is built in a temporary folder (:func:`scratch_caches`).
 
     Returns:
         The checks in order; a failed ``config`` check is the only one (nothing else can be built).
@@ -275,11 +325,13 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
     checks.append(Check("config", True, where))
     _step(checks, "devices", "learners.device", _devices, cfg)
     options = {**cfg.run.storage_options, **(storage_options or {})}
-    _step(checks, "store", "run.store", lambda: (None, f"{probe_store(cfg.run.store, options)} is writable"))
-    files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, cfg)
-    if files is not None:
-        _step(checks, "tokenizer", "data.tokenizer", _tokens, cfg)
-    built = _step(checks, "model", "model", _model, cfg)
-    if built is not None:
-        _step(checks, "fragments", "synchronizer.num_fragments", _plan, cfg, *built)
+    _step(checks, "store", "run.store", lambda: (None, probe_store(cfg.run.store, options)))
+    with tempfile.TemporaryDirectory(prefix="diloco-validate-") as scratch:
+        built_cfg = cfg if fill_caches else scratch_caches(cfg, Path(scratch))
+        files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, built_cfg)
+        if files is not None:
+            _step(checks, "tokenizer", "data.tokenizer", _tokens, built_cfg)
+        built = _step(checks, "model", "model", _model, built_cfg)
+        if built is not None:
+            _step(checks, "fragments", "synchronizer.num_fragments", _plan, cfg, *built)
     return checks

@@ -83,7 +83,7 @@ def _validate(args: argparse.Namespace) -> int:
     from diloco_async.validate import validate_recipe
     from storage.options import storage_options_from_env
 
-    checks = validate_recipe(args.recipe, args.set or [], storage_options_from_env())
+    checks = validate_recipe(args.recipe, args.set or [], storage_options_from_env(), fill_caches=args.fill_caches)
     for c in checks:
         head, *rest = c.detail.splitlines() or [""]
         where = "" if c.ok else f" [{c.field}]"
@@ -103,7 +103,7 @@ def _validate(args: argparse.Namespace) -> int:
                   f"({type(err).__name__}: {err})", file=sys.stderr)
             return 2
         print(f"resolved config: {written}")
-    print("valid: no process started, no run created")
+    print("valid: no process started, no run created" + (", caches filled" if args.fill_caches else ""))
     return 0
 
 
@@ -270,6 +270,22 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _add_validate_parser(sub) -> None:
+    p = sub.add_parser("validate", help="check a recipe: config, devices, store, data, tokenizer, model, "
+                       "fragment plan (starts nothing, writes nothing)")
+    p.add_argument("recipe", nargs="?", default=argparse.SUPPRESS, help="a TOML file or a recipe's name")
+    p.add_argument("--config", "--recipe", dest="recipe", default="default", help="the same, as for train")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    p.add_argument("--write-resolved", default=None, metavar="DIR",
+                   help="when valid, write DIR/resolved-config.json: the recipe with its overrides, for "
+                        "python -m diloco_async.server --resolved-config (a run by hand)")
+    p.add_argument("--fill-caches", action="store_true",
+                   help="download the corpus and build the tokens and model copies into the recipe's caches "
+                        "(data.cache_dir, data.token_cache_dir, model.hf.cache_dir), as the first run would; "
+                        "by default validate writes no file outside a temporary folder")
+    p.set_defaults(func=_validate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's parser (imports no flow); ``simulate`` parses its own flags (:func:`main`)."""
     parser = argparse.ArgumentParser(prog="diloco-async", description=_DESCRIPTION, epilog=_EPILOG,
@@ -284,15 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, e.g. --set learners.count=2 (repeatable)",
     )
     p_train.set_defaults(func=_train)
-    p_validate = sub.add_parser("validate", help="check a recipe: config, store, data, tokenizer, model, "
-                                "fragment plan (starts nothing)")
-    p_validate.add_argument("recipe", nargs="?", default=argparse.SUPPRESS, help="a TOML file or a recipe's name")
-    p_validate.add_argument("--config", "--recipe", dest="recipe", default="default", help="the same, as for train")
-    p_validate.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
-    p_validate.add_argument("--write-resolved", default=None, metavar="DIR",
-                            help="when valid, write DIR/resolved-config.json: the recipe with its overrides, for "
-                                 "python -m diloco_async.server --resolved-config (a run by hand)")
-    p_validate.set_defaults(func=_validate)
+    _add_validate_parser(sub)
     sub.add_parser("recipes", help="list the shipped recipes with their descriptions").set_defaults(func=_recipes)
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")
     p_resume.add_argument("checkpoint_url",

@@ -46,3 +46,26 @@ def test_validate_default_starts_nothing_and_prints_the_plan(tmp_path):
     assert "4 fragments" in out and "fragment 3:" in out and "bytes" in out
     for step in ("config", "store", "data", "tokenizer", "model", "fragments"):
         assert f"ok   {step}" in out
+
+
+def _validate_in(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flows.cli", "validate", "default",
+                           "--set", f'data.cache_dir="{ROOT / "data"}"', *extra],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_validate_writes_nothing_to_the_current_folder_unless_asked(tmp_path):
+    """Run from an empty folder, the default recipe (store file://.local/store, token cache
+    .local/tokens, both relative) leaves that folder empty (issue 46: it created ./.local);
+    ``--write-resolved DIR`` writes DIR/resolved-config.json and nothing else."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = _validate_in(cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _files(cwd) == []
+    assert "ok   store      file://" in proc.stdout and "does not exist yet" in proc.stdout
+    assert "ok   tokenizer" in proc.stdout
+    proc = _validate_in(cwd, "--write-resolved", "out")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _files(cwd) == ["out", "out/resolved-config.json"]

@@ -92,6 +92,28 @@ def test_write_resolved_writes_the_value_or_says_why_not(tmp_path, capsys):
     assert "--write-resolved" in err and "cannot write the resolved config there" in err and "Traceback" not in err
 
 
+def test_validate_reads_the_caches_it_finds_and_fills_them_only_when_asked(tmp_path, capsys):
+    """Without --fill-caches the token cache is left as it is: empty, it stays empty (the corpus is
+    tokenized in a temporary folder); filled, it is read (a token count edited into its meta.json
+    shows); the store's folder is not made. With --fill-caches the cache is filled as a run would."""
+    import json
+
+    tokens, store = tmp_path / "tokens", tmp_path / "store"
+    tokens.mkdir()
+    argv = ["validate", "default", "--set", f'data.token_cache_dir="{tokens}"', "--set", f'run.store="file://{store}"']
+    assert main(argv) == 0
+    assert list(tokens.iterdir()) == [] and not store.exists()
+    assert main([*argv, "--fill-caches"]) == 0
+    assert "caches filled" in capsys.readouterr().out
+    (meta_file,) = tokens.glob("tokens/*/meta.json")
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "train_tokens": 1234567}))
+    before = sorted(tokens.rglob("*"))
+    assert main(argv) == 0
+    assert "1,234,567 training" in capsys.readouterr().out
+    assert sorted(tokens.rglob("*")) == before and not store.exists()
+
+
 def test_unknown_recipe_name(capsys):
     assert main(["validate", "no-such-recipe"]) == 2
     out = capsys.readouterr()
