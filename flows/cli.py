@@ -8,6 +8,7 @@ import sys
 from flows import interrupts
 from flows.alerts import add_alerts_parser  # constants and argparse only: Prefect is imported when it runs
 from flows.plan_cli import add_plan_parser  # argparse only: the plan's library is imported when it runs
+from flows.runs_cli import add_runs_parser  # argparse only: the store is opened when it runs
 from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
 __all__ = ["build_parser", "main"]
@@ -255,6 +256,7 @@ _EPILOG = """examples:
   diloco-async validate default                        check a recipe without running anything
   diloco-async status http://127.0.0.1:40929 --watch   follow a running synchronizer
   diloco-async resume file://.local/store/<run_id>     continue from the newest checkpoint
+  diloco-async runs ls file://.local/store             a store's runs, checkpoints and their state
   diloco-async chaos --scenario configs/chaos/storm.toml
   diloco-async ablate --suite configs/ablations/merge.toml   a paper ablation, with intervals
   diloco-async alerts --webhook https://hooks.slack.com/services/...   notify when a run fails
@@ -314,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_status.add_argument("sync_url", help="e.g. http://127.0.0.1:40929 (printed by train)")
     p_status.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
     p_status.set_defaults(func=_status)
+    add_runs_parser(sub)
     p_chaos = sub.add_parser("chaos", help="run DDP, synchronous and Decoupled DiLoCo under one fault schedule")
     p_chaos.add_argument("--scenario", required=True, help="scenario file, e.g. configs/chaos/storm.toml")
     p_chaos.add_argument("--methods", default=None, help="comma-separated subset of ddp,sync-diloco,decoupled")

@@ -30,6 +30,7 @@ from storage import keys
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["Checkpoint", "write_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoint_seqs",
+           "verify_checkpoint",
            "write_state", "load_state", "latest_state", "list_state_seqs", "tensor_key", "write_safetensors",
            "safetensors_nbytes", "spool_state", "write_state_file", "read_safetensors"]
 
@@ -357,6 +358,16 @@ def _verify_state(store: ObjectStore, prefix: str, seq: int) -> Checkpoint:
     manifest = store.get_json(keys.state_manifest_key(prefix, seq))
     store.verify(ObjectRef.from_json(manifest["state"]))
     return Checkpoint(seq=seq, manifest=manifest, tensors={})
+
+
+def verify_checkpoint(store: ObjectStore, run_id: str, seq: int) -> Checkpoint:
+    """Verify synchronizer checkpoint ``seq`` as it streams by, without keeping its tensors (see
+    :func:`_verify_state`; ``tensors`` is empty).
+
+    Raises:
+        FileNotFoundError: no manifest or no state file. IntegrityError: short or wrong digest.
+    """
+    return _verify_state(store, keys.checkpoint_prefix(run_id), seq)
 
 
 def latest_checkpoint(store: ObjectStore, run_id: str, load: bool = True) -> Checkpoint | None:
