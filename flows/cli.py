@@ -154,7 +154,7 @@ def _resume(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from flows.status_view import main as status_main
-    return status_main(args.sync_url, watch=args.watch)
+    return status_main(args.sync_url, watch=args.watch, wide=args.wide)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -315,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_status = sub.add_parser("status", help="show a running synchronizer's learners and rounds")
     p_status.add_argument("sync_url", help="e.g. http://127.0.0.1:40929 (printed by train)")
     p_status.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
+    p_status.add_argument("--wide", action="store_true", help="more columns: each learner's bytes per token and "
+                          "link figures, the learner ids of each round (the default fits 100 columns)")
     p_status.set_defaults(func=_status)
     add_runs_parser(sub)
     p_chaos = sub.add_parser("chaos", help="run DDP, synchronous and Decoupled DiLoCo under one fault schedule")

@@ -1,10 +1,13 @@
-"""`diloco-async status <sync-url>`: the synchronizer's /status as tables (learners, rounds)."""
+"""`diloco-async status <sync-url>`: the synchronizer's /status as tables (the run, learners, open
+rounds and recent merges) in 100 columns; ``--wide`` adds what does not fit (bytes per token per
+learner, link figures, the learner ids of each round)."""
 
 from __future__ import annotations
 
 import signal
 import time
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -26,65 +29,123 @@ def budget_progress(st: dict) -> str:
 
 
 def _bytes(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+    """Bytes in MiB, GiB or TiB (one decimal)."""
+    if n is None:
+        return "-"
+    unit, size = next((u, s) for u, s in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)) if n >= s or u == "MiB")
+    return f"{n / size:,.1f} {unit}"
 
 
 def _per_token(up: float | None, down: float | None) -> str:
     return " / ".join("-" if x is None else f"{x:.2f}" for x in (up, down))
 
 
-def _link(info: dict) -> str:
-    """``link-bound: needs X s per fragment, has Y s`` (red), ``ok X / Y s``, or ``-``."""
+def _count(n: int | float | None) -> str:
+    """A count in at most 6 characters: ``950``, ``162.8k``, ``12.3M``, ``4.1G``."""
+    if n is None:
+        return "-"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def _link(info: dict, wide: bool) -> str:
+    """``ok`` or ``bound`` (red: the link needs more seconds per fragment than the learner has),
+    with both figures when ``wide``; ``-`` when not measured yet."""
     need, budget = info.get("link_s_per_fragment"), info.get("link_budget_s")
     if need is None or budget is None:
         return "-"
     if info.get("link_bound"):
-        return f"[red]link-bound: needs {need:.3f} s per fragment, has {budget:.3f} s[/red]"
-    return f"ok {need:.3f} / {budget:.3f} s"
+        return (f"[red]link-bound: needs {need:.3f} s per fragment, has {budget:.3f} s[/red]" if wide
+                else "[red]bound[/red]")
+    return f"ok {need:.3f} / {budget:.3f} s" if wide else "ok"
 
 
-def render_status(st: dict) -> Group:
-    """Tables of the run figures (budget, bytes, rejections by reason), the learners (with the
-    seconds since each was last heard from) and the open rounds."""
-    head = Table(title=f"run {st['run_id']} — {'stopping: ' + st['stopping'] if st.get('stopping') else 'training'}")
-    for col in ("wall s", "budget", "global step", "merges", "merged / late / rejected", "compute goodput",
-                "token goodput", "bytes in / out", "B/token up / down"):
-        head.add_column(col, justify="right")
-    head.add_row(f"{st['wall_s']:.0f}", budget_progress(st), str(st.get("global_step")), str(st["merges"]),
-                 f"{st['contributions_merged']} / {st['contributions_late']} / {st['contributions_rejected']}",
-                 f"{st['compute_goodput']:.3f}", f"{st['token_goodput']:.3f}",
-                 f"{_bytes(st.get('bytes_in'))} / {_bytes(st.get('bytes_out'))}",
-                 _per_token(st.get("bytes_up_per_token"), st.get("bytes_down_per_token")))
-    learners = Table(title="learners")
-    for col in ("learner", "state", "last heard", "step", "incarnation", "tokens", "merged", "late", "rejected",
-                "goodput", "B/token up / down", "link"):
-        learners.add_column(col, justify="right" if col not in ("learner", "state") else "left",
-                            no_wrap=col == "learner", min_width=len("learner-00") if col == "learner" else None)
+def _table(title: str, columns: list[str], left: tuple[str, ...] = (), wrap: tuple[str, ...] = ()) -> Table:
+    """A table without vertical rules (two spaces between columns), so that the tables fit 100
+    columns; only the columns named in ``wrap`` wrap."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right", no_wrap=col not in wrap)
+    return table
+
+
+def _run_figures(st: dict, wide: bool) -> Table:
+    """The run as label / value lines (no table wider than its longest value)."""
+    state = "stopping: " + st["stopping"] if st.get("stopping") else "training"
+    versions = ", ".join(f"p{p}: v{v}" for p, v in sorted(st["versions"].items(), key=lambda kv: int(kv[0])))
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.get("rejected_by_reason", {}).items())) or "none"
+    per_token = _per_token(st.get("bytes_up_per_token"), st.get("bytes_down_per_token"))
+    rows = [("run", f"{st['run_id']} ({state})"),
+            ("progress", f"wall {st['wall_s']:.0f} s · global step {st.get('global_step')} · merges {st['merges']}"),
+            ("budget", budget_progress(st)),
+            ("contributions", f"{st['contributions_merged']} merged · {st['contributions_late']} late · "
+                              f"{st['contributions_rejected']} rejected"),
+            ("rejected by reason", reasons),
+            ("goodput", f"compute {st['compute_goodput']:.3f} · token {st['token_goodput']:.3f}"),
+            ("traffic", f"{_bytes(st.get('bytes_in'))} in · {_bytes(st.get('bytes_out'))} out"),
+            ("B/token up / down", per_token),
+            ("versions", versions)]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(max_width=None if wide else 80)
+    for label, value in rows:
+        grid.add_row(label, value)
+    return grid
+
+
+def _learners(st: dict, wide: bool) -> Table:
+    columns = ["learner", "state", "last heard", "step", "incarnation", "tokens", "merged / late / rej", "goodput"]
+    table = _table("learners", columns + (["B/token up / down"] if wide else []) + ["link"],
+                   left=("learner", "state", "link"))
     for lid, info in sorted(st["learners"].items()):
         c = info.get("contributions", {})
         age = info.get("heartbeat_age_s")
-        learners.add_row(lid, "live" if info["live"] else "[red]lost[/red]", "-" if age is None else f"{age:.1f}s ago",
-                         str(info["step"]), str(info["incarnation"]), str(info["tokens_processed"]),
-                         str(c.get("merged", 0)), str(c.get("late", 0)), str(c.get("rejected", 0)),
-                         f"{info['compute_goodput']:.3f}",
-                         _per_token(info.get("bytes_up_per_token"), info.get("bytes_down_per_token")), _link(info))
-    rounds = Table(title="open rounds")
-    for col in ("fragment", "round", "stage", "announced", "verified"):
-        rounds.add_column(col)
+        row = [lid, "live" if info["live"] else "[red]lost[/red]", "-" if age is None else f"{age:.1f} s",
+               str(info["step"]), str(info["incarnation"]), _count(info["tokens_processed"]),
+               f"{c.get('merged', 0)} / {c.get('late', 0)} / {c.get('rejected', 0)}", f"{info['compute_goodput']:.3f}"]
+        if wide:
+            row.append(_per_token(info.get("bytes_up_per_token"), info.get("bytes_down_per_token")))
+        table.add_row(*row, _link(info, wide))
+    return table
+
+
+def _names(ids: list[str], wide: bool) -> str:
+    """Learner ids when ``wide``, else their number (the ids can be long and many)."""
+    return ", ".join(ids) or "-" if wide else str(len(ids))
+
+
+def _rounds(st: dict, wide: bool) -> Table:
+    """The open rounds (stage, seconds open, learners announced and verified), then the last merges
+    (the version each made, its learners, how long ago): a round is open for a fraction of a second,
+    so between two refreshes most have opened and merged already."""
+    names = ("announced", "verified / merged")
+    table = _table("open rounds and recent merges", ["fragment", "round", "state", *names, "when"],
+                   left=("state", *names), wrap=names)
     for r in st.get("rounds", []):
-        rounds.add_row(str(r["fragment"]), str(r["round"]), r["stage"], ", ".join(r["announced"]),
-                       ", ".join(r["verified"]))
-    versions = ", ".join(f"p{p}: v{v}" for p, v in sorted(st["versions"].items(), key=lambda kv: int(kv[0])))
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(st.get("rejected_by_reason", {}).items())) or "none"
-    return Group(head, learners, rounds, f"versions  {versions}", f"rejected by reason  {reasons}")
+        table.add_row(str(r["fragment"]), str(r["round"]), r["stage"], _names(r["announced"], wide),
+                      _names(r["verified"], wide), f"open {r.get('open_s', 0.0):.1f} s")
+    for m in st.get("recent_merges", []):
+        table.add_row(str(m["fragment"]), str(m["round"]), f"merged: v{m['version']}", "",
+                      _names(m["learners"], wide), f"{m['age_s']:.1f} s ago")
+    return table
 
 
-def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
+def render_status(st: dict, wide: bool = False) -> Group:
+    """The run's figures, the learners (with the seconds since each was last heard from) and the
+    open rounds with the last merges, in 100 columns; ``wide`` adds each learner's bytes per token,
+    its link's figures and the learner ids of each round."""
+    return Group(_run_figures(st, wide), "", _learners(st, wide), _rounds(st, wide))
+
+
+def main(url: str, watch: bool = False, interval_s: float = 2.0, wide: bool = False) -> int:
     """``diloco-async status``: print the synchronizer's view once, or with ``watch`` refresh it every
     ``interval_s`` until the run ends (in place on a terminal; one table per refresh when the output
-    is a pipe or a file). Ctrl-C (exit status 130) or SIGTERM (143) stops watching with one line,
-    also when the command was started with SIGINT ignored (a background job of a script inherits
-    that), as ``train`` does. Must be called from the main thread (it sets both handlers)."""
+    is a pipe or a file); ``wide``: see :func:`render_status`. Ctrl-C (exit status 130) or SIGTERM
+    (143) stops watching with one line, also when the command was started with SIGINT ignored (a
+    background job of a script inherits that), as ``train`` does. Must be called from the main
+    thread (it sets both handlers)."""
     console = Console()
     try:
         st = fetch_status(url)
@@ -92,7 +153,7 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
         console.print(f"[red]error:[/red] no answer from {url}/status ({err})")
         return 2
     if not watch:
-        console.print(render_status(st))
+        console.print(render_status(st, wide))
         return 0
     signals: list[int] = []
 
@@ -102,7 +163,7 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(console, url, st, interval_s)
+        return _watch(console, url, st, interval_s, wide)
     except KeyboardInterrupt:
         console.print("stopped watching (the run goes on)")
         return 143 if signals and signals[0] == signal.SIGTERM else 130
@@ -111,10 +172,10 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0) -> int:
             signal.signal(sig, handler)
 
 
-def _watch(console: Console, url: str, st: dict, interval_s: float) -> int:
-    live = Live(render_status(st), console=console, refresh_per_second=4) if console.is_terminal else None
+def _watch(console: Console, url: str, st: dict, interval_s: float, wide: bool) -> int:
+    live = Live(render_status(st, wide), console=console, refresh_per_second=4) if console.is_terminal else None
     if live is None:
-        console.print(render_status(st))
+        console.print(render_status(st, wide))
     else:
         live.start()
     try:
@@ -126,9 +187,9 @@ def _watch(console: Console, url: str, st: dict, interval_s: float) -> int:
                 console.print("synchronizer gone")
                 return 0
             if live is None:
-                console.print(render_status(st))
+                console.print(render_status(st, wide))
             else:
-                live.update(render_status(st))
+                live.update(render_status(st, wide))
     finally:
         if live is not None:
             live.stop()

@@ -1,11 +1,13 @@
 """The run summary and the live status, read from the synchronizer's state (DESIGN §7).
 
 :func:`summary` gives the run figures (goodput, merges, rejections by reason, versions, bytes);
-:func:`status` adds the open rounds, heartbeat ages, budget and phase for ``GET /status``. Both run
+:func:`status` adds the open rounds, the last merges, heartbeat ages, budget and phase for ``GET /status``. Both run
 on the actor's task and only read (:class:`~diloco_async.sync.view.ActorView` names what they read).
 """
 
 from __future__ import annotations
+
+import time
 
 from diloco_async.metrics.goodput import totals
 from diloco_async.sync.learners import LearnerRegistry
@@ -13,7 +15,11 @@ from diloco_async.sync.reporting import UPTIME_MIN_GAP_S
 from diloco_async.sync.view import ActorView
 from diloco_async.sync.wire_bytes import per_token
 
-__all__ = ["summary", "status", "with_checkpoint_outcome", "uptime_max_gap_s"]
+__all__ = ["summary", "status", "with_checkpoint_outcome", "uptime_max_gap_s", "RECENT_MERGES"]
+
+#: merges listed in /status (``recent_merges``): a round is open for a fraction of a second, so the
+#: open rounds alone are mostly empty between two polls of ``status --watch``
+RECENT_MERGES = 6
 
 
 def uptime_max_gap_s(sync: ActorView) -> float:
@@ -106,20 +112,33 @@ def with_checkpoint_outcome(figures: dict, sync: ActorView) -> dict:
             "last_checkpoint_seq": sync.checkpoints.last_seq}
 
 
+def _recent_merges(sync: ActorView, count: int) -> list[dict]:
+    """The last ``count`` merges, newest first, from the merge log's tail in memory: fragment,
+    round, the version it made, the merged learners and its age (s, wall clock: the log's ``t``)."""
+    log = sync.report.merge_log
+    n = min(count, log.in_memory)
+    now_unix = time.time()
+    return [{"fragment": m["fragment"], "round": m["round"], "version": m["version"],
+             "learners": [c["learner"] for c in m.get("contributions", [])], "age_s": max(0.0, now_unix - m["t"])}
+            for m in reversed(log.read(len(log) - n, n) or [])]
+
+
 def status(sync: ActorView) -> dict:
-    """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners),
-    each learner's seconds since its last message (``heartbeat_age_s``), the budget, the lifecycle
-    phase and the number of metric points so far."""
+    """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners,
+    seconds open), the last :data:`RECENT_MERGES` merges (``recent_merges``), each learner's seconds
+    since its last message (``heartbeat_age_s``), the budget, the lifecycle phase and the number of
+    metric points so far."""
     s = summary(sync)
+    now = sync.clock()
     rounds = []
     for (p, n), r in sorted(sync.rounds.items()):
         entries = r.state.entries
-        rounds.append({"fragment": p, "round": n, "stage": r.state.stage.value,
+        rounds.append({"fragment": p, "round": n, "stage": r.state.stage.value, "open_s": now - r.state.opened_s,
                        "announced": sorted(entries), "verified": r.state.verified,
                        "rejected": sorted(lid for lid, e in entries.items() if e.verified is False),
                        "pending": sorted(r.state.pending), "late": list(r.state.late)})
     s["rounds"] = rounds
-    now = sync.clock()
+    s["recent_merges"] = _recent_merges(sync, RECENT_MERGES)
     for lid, info in sync.registry.learners.items():  # seconds since each learner was last heard from
         s["learners"][lid]["heartbeat_age_s"] = max(0.0, now - info.last_seen_s)
     budget = sync.cfg.budget

@@ -410,6 +410,34 @@ async def test_status_view_renders_a_live_synchronizer():
         assert "p0: v0" in text
 
 
+async def test_status_lists_the_last_merges_and_the_view_shows_them_in_100_columns():
+    """A round is open for a fraction of a second in a run, so `status --watch` (every 2 s) almost
+    never caught one open: /status lists the last merges too, and the view shows them."""
+    from rich.console import Console
+
+    from flows.status_view import render_status
+
+    async with running(small_config()) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        st = await status(client)
+        assert round_of(st, 0, 1)["open_s"] >= 0 and st["recent_merges"] == []
+        for i, lid in enumerate(LEARNERS):
+            await contribute(client, store, lid, fragment_delta(plan, i + 1))
+        st = await wait_version(client, 0, 1)
+        (merge,) = st["recent_merges"]
+        assert (merge["fragment"], merge["round"], merge["version"]) == (0, 1, 1) and merge["age_s"] >= 0
+        assert sorted(merge["learners"]) == LEARNERS
+        texts = []
+        for wide in (False, True):
+            console = Console(record=True, width=200)
+            console.print(render_status(st, wide))
+            texts.append(console.export_text())
+            assert "merged: v1" in texts[-1] and "open rounds" in texts[-1]
+        assert max(len(line.rstrip()) for line in texts[0].splitlines()) <= 100  # --wide may take more
+        assert ", ".join(merge["learners"]) in texts[1] and ", ".join(merge["learners"]) not in texts[0]
+
+
 async def test_a_cancelled_actor_stops_even_when_a_message_lands_with_the_cancel():
     """A message put into the inbox in the same pass as the actor's cancel: on Python 3.11,
     ``asyncio.wait_for`` returns the finished get() and swallows the cancel (CPython gh-86296), so
