@@ -41,6 +41,7 @@ from diloco_async.chaos.measure import Measurement, learner_shares, measure, spe
 from diloco_async.chaos.scenario import (
     FaultEvent,
     Scenario,
+    Schedule,
     load_scenario,
     make_schedule,
     method_config,
@@ -285,30 +286,18 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
         sc = sc.at_full_speed()
     schedule = make_schedule(sc)
     cfg = method_config(sc, "decoupled", base := scenario_recipe(sc))  # the recipe parsed once, for every method
-    prepare_corpus(cfg)
-    batches = heldout_batches(cfg)
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the fork server and every process forked from it
-    parent = MlflowSink(cfg.tracking)
-    parent.start(f"chaos-{sc.scenario.name}", flatten_params({"scenario": sc.model_dump()}),
-                 {"diloco.chaos.scenario": sc.scenario.name})
-    outdir = Path(cfg.run.workdir).resolve() / f"chaos-{sc.scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    outdir.mkdir(parents=True, exist_ok=True)
+    batches = _prepare(cfg)
+    parent, outdir = _parent_run(sc, cfg)
     logger.info("scenario %s: %d slots, %.0f s per method, %d fault events, planned availability %.3f",
                 sc.scenario.name, sc.scenario.slots, sc.scenario.wall_s, len(schedule.events), schedule.availability())
     status, m = "FAILED", chosen[0]
     rows: list[dict] = []
-    for slot, why in skip.items():
-        logger.warning("slot %d is skipped: %s", slot, why)
+    if skip:
+        logger.warning("skipped: %s", "; ".join(f"slot {slot}: {why}" for slot, why in skip.items()))
     try:
         with _placement(sc, skip, Path(cfg.run.workdir)) as place:
             for m in chosen:
-                logger.info("method %s: starting", m)
-                res = _run_method(sc, m, base, list(schedule.events), parent, outdir, batches, _Where(place, skip))
-                rows.append(res.row())
-                parent.log_artifact(res.timeline_png)
-                logger.info("method %s: compute goodput %.3f, token goodput %.3f, eval loss %.4f", m,
-                            res.compute_goodput, res.token_goodput, res.eval_loss_equal_time)
+                rows.append(_one_method(sc, m, base, schedule, parent, outdir, batches, _Where(place, skip)))
         parent.log_dict(rows, "chaos_table.json")
         (outdir / "chaos_table.json").write_text(json.dumps(rows, indent=1))
         status = "FINISHED"
@@ -319,10 +308,46 @@ def chaos(scenario: str = "configs/chaos/storm-ci.toml", methods: list[str] | No
     finally:
         parent.end(status)
     if log_table:
-        console = Console(width=140, record=True, file=open(os.devnull, "w"))
-        console.print(_table(sc.scenario.name, rows, schedule.availability()))
-        logger.info("\n%s", console.export_text())
+        _log_table(sc, rows, schedule.availability())
     return rows
+
+
+def _one_method(sc: Scenario, m: str, base: Config, schedule: Schedule, parent: MlflowSink, outdir: Path,
+                batches: list, where: _Where) -> dict:
+    """Run method ``m`` of the scenario under its fault ``schedule``; its table row."""
+    logger = get_run_logger()
+    logger.info("method %s: starting", m)
+    res = _run_method(sc, m, base, list(schedule.events), parent, outdir, batches, where)
+    parent.log_artifact(res.timeline_png)
+    logger.info("method %s: compute goodput %.3f, token goodput %.3f, eval loss %.4f", m,
+                res.compute_goodput, res.token_goodput, res.eval_loss_equal_time)
+    return res.row()
+
+
+def _log_table(sc: Scenario, rows: list[dict], availability: float) -> None:
+    """The scenario's table in the flow run's log."""
+    console = Console(width=140, record=True, file=open(os.devnull, "w"))
+    console.print(_table(sc.scenario.name, rows, availability))
+    get_run_logger().info("\n%s", console.export_text())
+
+
+def _prepare(cfg: Config) -> list:
+    """The corpus made ready and the held-out batches; one thread per process from here on."""
+    prepare_corpus(cfg)
+    batches = heldout_batches(cfg)
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the fork server and every process forked from it
+    return batches
+
+
+def _parent_run(sc: Scenario, cfg: Config) -> tuple[MlflowSink, Path]:
+    """The scenario's parent MLflow run, started, and its output folder (made) under the run's workdir."""
+    parent = MlflowSink(cfg.tracking)
+    parent.start(f"chaos-{sc.scenario.name}", flatten_params({"scenario": sc.model_dump()}),
+                 {"diloco.chaos.scenario": sc.scenario.name})
+    outdir = Path(cfg.run.workdir).resolve() / f"chaos-{sc.scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    outdir.mkdir(parents=True, exist_ok=True)
+    return parent, outdir
 
 
 def _fmt_share(v: float | None) -> str:
