@@ -112,6 +112,10 @@ class LearnerConfig(_Section, LearnerDeviceFields):
     )
     mix_alpha: float = Field(0.5, gt=0, le=1, description="Weight of the global version when adopt='mix'.")
     codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("bf16", description="Wire codec (DESIGN §6).")
+    link_codecs: list[Literal["fp32", "bf16", "int8", "int4", "int2"]] = Field(
+        default_factory=list, description="Upload codecs a link-bound learner steps down to, one at a time, after "
+        "`codec` (each more compressed than the one before), and back up when its link keeps up with margin "
+        "(DESIGN §3 'A link-bound learner adapts'); empty: always `codec`.")
     heartbeat_s: float = Field(0.25, gt=0, description="Heartbeat period.")
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
     request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
@@ -127,6 +131,16 @@ class LearnerConfig(_Section, LearnerDeviceFields):
     barrier: bool = Field(
         False, description="Wait after each contribution until its round published (synchronous DiLoCo baseline)."
     )
+    @model_validator(mode="after")
+    def _link_codecs_compress_further(self) -> LearnerConfig:
+        order = ("fp32", "bf16", "int8", "int4", "int2")  # least to most compressed (DESIGN §6)
+        ladder = [self.codec, *self.link_codecs]
+        for a, b in zip(ladder, ladder[1:], strict=False):
+            if order.index(b) <= order.index(a):
+                raise ValueError(f"learners.link_codecs = {self.link_codecs}: {b!r} is not more compressed than "
+                                 f"{a!r} before it (learners.codec = {self.codec!r} comes first)")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _moved_to_faults(cls, data: Any) -> Any:

@@ -27,10 +27,11 @@ import torch
 from diloco_async.codec import versions as version_codec
 from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
-from diloco_async.learner.link import link_budget_s
+from diloco_async.learner.link import UploadCodecs, link_budget_s
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.uploads import Uploads, synchronizer_backoff
 from diloco_async.policy.catchup import FetchChoice, version_to_fetch
+from diloco_async.policy.link_bound import download_yields
 from diloco_async.protocol.client import ProtocolError, SyncClient
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.protocol.versions import read_version
@@ -42,6 +43,8 @@ __all__ = ["Comms"]
 log = logging.getLogger("diloco.learner")
 
 _UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
+#: the most seconds a link-bound learner's read waits for its pending uploads (policy/link_bound.py)
+UPLOADS_FIRST_MAX_S = 2.0
 
 
 class Comms:
@@ -85,6 +88,7 @@ class Comms:
         #: found collected before they were read; logged when the comms end
         self.downloads: collections.Counter[str] = collections.Counter()
         self.sync_every, self.num_fragments = 1, 1  # H and P, for the link-bound check
+        self.upload_codecs = UploadCodecs(learner_id, ["bf16"])  # configure() sets learners.codec's ladder
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self._main, name=f"{learner_id}-comms", daemon=True)
@@ -103,6 +107,9 @@ class Comms:
         self.uploads.configure(store, lc.codec, lc.storage_timeout_s)
         self.heartbeat_s = lc.heartbeat_s
         self.sync_every, self.num_fragments = cfg.synchronizer.sync_every, cfg.synchronizer.num_fragments
+        # a link-bound learner steps its upload codec down learners.link_codecs (policy/link_bound.py)
+        self.upload_codecs = UploadCodecs(self.learner_id, [lc.codec, *lc.link_codecs], self.num_fragments)
+        self.shared.upload_codec = None  # learners.codec until the link is measured
         self.client.request_timeout_s = lc.request_timeout_s
 
     def fetch_version(self, v: VersionInfo) -> BaseFile | HeldBase:
@@ -210,6 +217,9 @@ class Comms:
             log.info("%s versions downloaded %d, skipped %d (a newer one was told first), found collected %d",
                      self.learner_id, self.downloads["downloaded"], self.downloads["skipped"],
                      self.downloads["collected"])
+            log.info("%s uploads: codec %s now, %d codec change(s); reads that waited for uploads %d",
+                     self.learner_id, self.upload_codecs.codec, self.upload_codecs.changes,
+                     self.downloads["waited_for_uploads"])
             if sh.joined.is_set() and sh.fatal is None:
                 # Last word: final counters, and the synchronizer learns we heard the stop.
                 try:
@@ -319,7 +329,8 @@ class Comms:
             body["train_loss"] = None
         up, down = sh.link.bytes_snapshot()
         budget_s = link_budget_s(step_time_s, self.sync_every, self.num_fragments)
-        need_s, _bound = sh.link.check(budget_s)
+        need_s, bound = sh.link.check(budget_s)
+        sh.upload_codec = self.upload_codecs.update(sh.link, bound, need_s, budget_s)
         body.update(bytes_up_by_fragment={str(p): n for p, n in up.items()},
                     bytes_down_by_fragment={str(p): n for p, n in down.items()},
                     link_s_per_fragment=need_s, link_budget_s=budget_s)
@@ -375,6 +386,22 @@ class Comms:
             held = max(self.shared.base.get(p, -1), self._held.get(p, (-1,))[0])
         return told, version_to_fetch(told.version if told else None, held, self._gone.get(p, -1))
 
+    async def _uploads_first(self) -> None:
+        """A link-bound learner's next read waits for its pending contributions' uploads (at most
+        :data:`UPLOADS_FIRST_MAX_S`; :func:`~diloco_async.policy.link_bound.download_yields`), when
+        it adapts to its link (``learners.link_codecs`` set)."""
+        if len(self.upload_codecs.ladder) == 1:
+            return
+        t0 = time.monotonic()
+        while not self.shared.stop_event.is_set():
+            wait, _why = download_yields(self.shared.link.bound, self.uploads.pending(), time.monotonic() - t0,
+                                         UPLOADS_FIRST_MAX_S)
+            if not wait:
+                break
+            await asyncio.sleep(0.02)
+        if time.monotonic() - t0 > 0.02:
+            self.downloads["waited_for_uploads"] += 1
+
     async def _fetch_newest(self, p: int) -> None:
         """Download fragment ``p``'s newest version told, and again while a newer one was told
         meanwhile; each in the download lane, one fragment at a time, the fragments in turn (the
@@ -385,6 +412,7 @@ class Comms:
         try:
             while not sh.stop_event.is_set():
                 async with self._download_slot:
+                    await self._uploads_first()
                     v, choice = self._choice(p)
                     if v is None or choice.version is None:
                         return

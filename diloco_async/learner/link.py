@@ -6,7 +6,9 @@ must fit in the time of H/P inner steps, or the link falls behind the compute (u
 versions arrive late). The learner never waits for the network on its training thread (uploads
 and downloads run on the comms thread); :class:`LinkMeter` measures the seconds each transfer
 takes, by fragment, and says when the link cannot keep up ("link-bound"), with the figures, in
-the log and in the heartbeat (``link_s_per_fragment``, ``link_budget_s``).
+the log and in the heartbeat (``link_s_per_fragment``, ``link_budget_s``). A link-bound learner
+adapts: :class:`UploadCodecs` steps its upload codec down a configured ladder
+(``learners.link_codecs``; :mod:`diloco_async.policy.link_bound`) and back up when the link keeps up.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
-__all__ = ["LinkMeter", "link_budget_s"]
+from diloco_async.policy.link_bound import LinkFigures, check_ladder, upload_codec_step
+
+__all__ = ["LinkMeter", "UploadCodecs", "link_budget_s"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -46,6 +51,7 @@ class LinkMeter:
         self._lock = threading.Lock()
         self._s: dict[str, dict[int, float]] = {"up": {}, "down": {}}
         self.bytes_by_fragment: dict[str, dict[int, int]] = {"up": {}, "down": {}}
+        self.uploads = 0  # upload transfers recorded
         self.bound = False
         self.confirm = confirm
         self._streak = 0  # checks in a row that disagree with ``bound``
@@ -66,6 +72,13 @@ class LinkMeter:
             ema[fragment] = seconds if old is None else old + self.alpha * (seconds - old)
             counts = self.bytes_by_fragment[direction]
             counts[fragment] = counts.get(fragment, 0) + nbytes
+            self.uploads += direction == "up"
+
+    def upload_s_per_fragment(self) -> float | None:
+        """The mean over fragments uploaded of the upload seconds (EMA); None before any upload."""
+        with self._lock:
+            up = self._s["up"]
+            return sum(up.values()) / len(up) if up else None
 
     def seconds_per_fragment(self) -> float | None:
         """The mean over fragments of (upload seconds + download seconds): the network time one
@@ -75,6 +88,11 @@ class LinkMeter:
             if not frags:
                 return None
             return sum(self._s["up"].get(p, 0.0) + self._s["down"].get(p, 0.0) for p in frags) / len(frags)
+
+    def forget_uploads(self) -> None:
+        """Drop the upload seconds measured so far (the codec changed: they no longer predict the next)."""
+        with self._lock:
+            self._s["up"].clear()
 
     def bytes_snapshot(self) -> tuple[dict[int, int], dict[int, int]]:
         """(bytes up by fragment, bytes down by fragment) since the process started (copies)."""
@@ -102,3 +120,44 @@ class LinkMeter:
                         "carry one fragment per H/P steps", self.learner_id, need, budget_s)
             self._logged_s = now_s
         return need, self.bound
+
+
+class UploadCodecs:
+    """The codec this learner encodes its next contributions with; the comms thread updates it
+    once per heartbeat from the :class:`LinkMeter` (:func:`~diloco_async.policy.link_bound.upload_codec_step`)
+    and logs each change with its figures. The training and upload threads read :attr:`codec`.
+
+    Args:
+        learner_id: for the log. ladder: ``learners.codec`` then ``learners.link_codecs``.
+        settle_uploads: uploads measured at a codec before it changes again (the meter's upload
+            seconds are forgotten at each change; one per fragment measures them all again).
+
+    Raises:
+        ValueError: a ladder that is not ever more compressed (:func:`~diloco_async.policy.link_bound.check_ladder`).
+    """
+
+    def __init__(self, learner_id: str, ladder: Sequence[str], settle_uploads: int = 4) -> None:
+        self.learner_id, self.ladder, self.settle_uploads = learner_id, check_ladder(ladder), settle_uploads
+        self.index = 0
+        self._uploads_at_change = 0
+        self.changes = 0  # steps down or up so far
+
+    @property
+    def codec(self) -> str:
+        return self.ladder[self.index]
+
+    def update(self, meter: LinkMeter, bound: bool, need_s: float | None, budget_s: float | None) -> str:
+        """The codec after this heartbeat's check of ``meter`` (``bound``, ``need_s`` and
+        ``budget_s`` from :meth:`LinkMeter.check`)."""
+        if len(self.ladder) == 1:
+            return self.codec
+        figures = LinkFigures(bound, need_s, meter.upload_s_per_fragment(), budget_s)
+        step = upload_codec_step(self.ladder, self.index, figures, meter.uploads - self._uploads_at_change,
+                                 self.settle_uploads)
+        if step.index != self.index:
+            log.warning("%s upload codec %s -> %s: %s", self.learner_id, self.codec, self.ladder[step.index],
+                        step.reason)
+            self.index, self._uploads_at_change = step.index, meter.uploads
+            meter.forget_uploads()
+            self.changes += 1
+        return self.codec

@@ -45,7 +45,7 @@ class SyncEndpoint:
 class UploadJob:
     """One contribution for the comms thread: the outer gradient ``delta`` of ``fragment`` for
     round ``round_n``, taken against ``base_version``, with the counters it covers; or, when
-    ``encoded`` is set, that outer gradient already encoded in the learner's codec (``delta`` empty). ``delta`` of a
+    ``encoded`` is set, that outer gradient already encoded in ``codec`` (``delta`` empty). ``delta`` of a
     learner on a GPU may still be being copied to the host: read it after ``delta_ready``
     (:func:`~diloco_async.learner.device_copies.to_host_async`)."""
 
@@ -59,6 +59,7 @@ class UploadJob:
     update_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     encoded: dict[str, torch.Tensor] | None = None
     delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
+    codec: str = "bf16"  # the wire codec of this contribution (learners.codec, or a link-bound step-down)
 
 
 @dataclass
@@ -106,6 +107,9 @@ class Shared:
         self.lock = threading.Lock()
         self.stats = Stats()
         self.link = LinkMeter("learner")  # seconds and bytes of transfers (the comms thread names it)
+        # the codec of the next contributions: learners.codec, or a step-down of a link-bound learner
+        # (UploadCodecs, written by the comms thread; read whole); None: learners.codec
+        self.upload_codec: str | None = None
         self.stop_event = threading.Event()
         self.joined = threading.Event()
         self.ready = threading.Event()  # plan known: versions can be decoded

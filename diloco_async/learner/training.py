@@ -258,6 +258,7 @@ class InnerLoop:
         delta: dict[str, torch.Tensor] = {}
         encoded = None
         on_cpu = self.workload.device.type == "cpu"
+        codec = self.shared.upload_codec or self.lc.codec  # a step-down while the link is bound
         base = self.base_tensors[p]
         with torch.no_grad():
             theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
@@ -265,7 +266,7 @@ class InnerLoop:
             if self.shared.upload_queue.empty() or not on_cpu:
                 delta = outer_gradient(base, theta)
             else:
-                encoded = encoded_outer_gradient(base, theta, self.lc.codec)
+                encoded = encoded_outer_gradient(base, theta, codec)
             copy = to_host_async(delta)
             snap = {}
             if self.lc.adopt == "rebase":
@@ -274,7 +275,7 @@ class InnerLoop:
         self.in_flight[p] = _InFlight(n, snap, prog)
         self.hold.discard(p)
         job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, copy.tensors,
-                        encoded=encoded, delta_ready=copy.event)
+                        encoded=encoded, delta_ready=copy.event, codec=codec)
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
         self.shared.upload_queue.put(job)

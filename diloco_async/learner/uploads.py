@@ -61,6 +61,7 @@ class Uploads:
         self.storage_timeout_s = 60.0
         self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
+        self._uploading = 0  # contributions taken off the queue and not yet announced (0 or 1)
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
@@ -69,11 +70,11 @@ class Uploads:
         self.store, self.codec, self.storage_timeout_s = store, codec, storage_timeout_s
 
     def encode(self, job: UploadJob, meta: dict[str, str]) -> bytes:
-        """``job``'s outer gradient as a wire payload in ``codec`` with ``meta`` (one the training
-        thread encoded already is only serialized)."""
+        """``job``'s outer gradient as a wire payload in its codec (``job.codec``) with ``meta`` (one
+        the training thread encoded already is only serialized)."""
         if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
-            return wire.encoded_to_bytes(job.encoded, self.codec, meta)
-        return wire.encode_to_bytes(job.delta, self.codec, meta)
+            return wire.encoded_to_bytes(job.encoded, job.codec, meta)
+        return wire.encode_to_bytes(job.delta, job.codec, meta)
 
     async def run(self, client: SyncClient) -> None:
         """Until the stop: upload and announce contributions, save inner states."""
@@ -85,8 +86,16 @@ class Uploads:
             if isinstance(job, (InnerState, SpooledState)):
                 await self._save_inner_state(job)
             else:
-                await self._upload_and_announce(client, job)
+                self._uploading = 1
+                try:
+                    await self._upload_and_announce(client, job)
+                finally:
+                    self._uploading = 0
             del job  # not held (with its outer gradient) until the next item arrives
+
+    def pending(self) -> int:
+        """Items waiting in the upload queue plus the contribution being uploaded or announced."""
+        return self.shared.upload_queue.qsize() + self._uploading
 
     def _prune_inner_states(self, newest: int, keep: int = 1) -> None:
         """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
@@ -127,8 +136,8 @@ class Uploads:
         key = keys.contribution_key(run_id, job.fragment, job.round_n, self.learner_id, job.update_id)
         meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
                 "base_version": str(job.base_version)}
-        log.info("%s uploading fragment %d round %d (base v%d) to %s", self.learner_id, job.fragment, job.round_n,
-                 job.base_version, key)
+        log.info("%s uploading fragment %d round %d (base v%d, %s) to %s", self.learner_id, job.fragment,
+                 job.round_n, job.base_version, job.codec, key)
         try:
             ref = await self._encode_and_put(job, key, meta)  # one upload at a time (this loop)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
@@ -141,7 +150,7 @@ class Uploads:
         body = {"learner_id": self.learner_id, "fragment": job.fragment, "round_n": job.round_n,
                 "base_version": job.base_version, "c_steps": job.c_steps, "c_tokens": job.c_tokens,
                 "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
-                "codec": self.codec, "update_id": job.update_id}
+                "codec": job.codec, "update_id": job.update_id}
         self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:
