@@ -99,7 +99,7 @@ class PoisonedPayloads:
     def __call__(self, job: UploadJob, meta: dict[str, str]) -> bytes:
         delta = job.delta
         if job.encoded is not None:
-            delta, job.encoded = wire.decode(job.encoded, job.codec, self.shapes_of(job.fragment)), None
+            delta, job.encoded = wire.decode(job.encoded, job.codec or self.codec, self.shapes_of(job.fragment)), None
         job.delta = poison_outer_gradient(delta, self.mode)
         return self.encode(job, meta)
 

@@ -59,7 +59,7 @@ class UploadJob:
     update_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     encoded: dict[str, torch.Tensor] | None = None
     delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
-    codec: str = "bf16"  # the wire codec of this contribution (learners.codec, or a link-bound step-down)
+    codec: str | None = None  # its wire codec (a link-bound step-down); None: the uploads' (learners.codec)
 
 
 @dataclass

@@ -70,11 +70,15 @@ class Uploads:
         self.store, self.codec, self.storage_timeout_s = store, codec, storage_timeout_s
 
     def encode(self, job: UploadJob, meta: dict[str, str]) -> bytes:
-        """``job``'s outer gradient as a wire payload in its codec (``job.codec``) with ``meta`` (one
-        the training thread encoded already is only serialized)."""
+        """``job``'s outer gradient as a wire payload in its codec (:meth:`codec_of`) with ``meta``
+        (one the training thread encoded already is only serialized)."""
         if job.encoded is not None:  # encoded by the training thread (diloco_async/learner/training.py)
-            return wire.encoded_to_bytes(job.encoded, job.codec, meta)
-        return wire.encode_to_bytes(job.delta, job.codec, meta)
+            return wire.encoded_to_bytes(job.encoded, self.codec_of(job), meta)
+        return wire.encode_to_bytes(job.delta, self.codec_of(job), meta)
+
+    def codec_of(self, job: UploadJob) -> str:
+        """The codec of ``job``: its own (a link-bound learner's step-down), else ``learners.codec``."""
+        return job.codec or self.codec
 
     async def run(self, client: SyncClient) -> None:
         """Until the stop: upload and announce contributions, save inner states."""
@@ -137,7 +141,7 @@ class Uploads:
         meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
                 "base_version": str(job.base_version)}
         log.info("%s uploading fragment %d round %d (base v%d, %s) to %s", self.learner_id, job.fragment,
-                 job.round_n, job.base_version, job.codec, key)
+                 job.round_n, job.base_version, self.codec_of(job), key)
         try:
             ref = await self._encode_and_put(job, key, meta)  # one upload at a time (this loop)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
@@ -150,7 +154,7 @@ class Uploads:
         body = {"learner_id": self.learner_id, "fragment": job.fragment, "round_n": job.round_n,
                 "base_version": job.base_version, "c_steps": job.c_steps, "c_tokens": job.c_tokens,
                 "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
-                "codec": job.codec, "update_id": job.update_id}
+                "codec": self.codec_of(job), "update_id": job.update_id}
         self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:

@@ -121,3 +121,29 @@ def test_the_config_refuses_a_ladder_that_does_not_compress_further():
         LearnerConfig(link_codecs=["int4", "int8"])
     with pytest.raises(ValidationError, match=r"'bf16' is not more compressed than 'bf16'.*learners.codec"):
         LearnerConfig(link_codecs=["bf16"])
+
+
+def test_a_contribution_travels_in_its_own_codec(tmp_path):
+    """A step-down codec chosen at the snapshot is the payload's codec (the synchronizer checks the
+    payload against the codec the announcement names); a job without one takes learners.codec."""
+    import asyncio
+
+    import torch
+
+    from diloco_async.codec import wire
+    from diloco_async.learner.state import Shared, UploadJob
+    from diloco_async.learner.uploads import Uploads
+    from storage.store import ObjectStore
+
+    store = ObjectStore(f"file://{tmp_path}/s")
+    up = Uploads("learner-4", 0, store, Shared())
+    up.configure(store, "bf16", 10.0)
+    delta = {"w": torch.linspace(-1.0, 1.0, 256)}
+    for codec, key in (("int4", "run/a"), (None, "run/b")):
+        job = UploadJob(0, 1, 0, 3, 48, 0.1, dict(delta), codec=codec)
+        ref = asyncio.run(up._encode_and_put(job, key, {"fragment": "0"}))
+        want = codec or "bf16"
+        assert up.codec_of(job) == want
+        got, _ = wire.decode_from_bytes(store.get(ref), want, {"w": (256,)})
+        assert torch.allclose(got["w"], delta["w"], atol=0.15)
+        assert ref.nbytes < 400 if want == "int4" else ref.nbytes > 600  # 128 + 16 bytes of values and scales, or 512
