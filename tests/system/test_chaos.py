@@ -208,6 +208,12 @@ def test_heterogeneous_ci_every_learner_in_the_report(prefect_server, tmp_path):
     assert not any("storage faults injected" in p.read_text() for p in _learner_logs(tmp_path, 0))
     if shaped:  # the link's learner ran behind its link
         assert by[4]["note"] == "link 4/4 Mbit/s, 25 ms" and by[4]["tokens_processed"] > 0, by[4]
+        # FAILS WITHOUT THE ADAPTATION (issue 47, "a link-bound learner adapts"; with
+        # learners.link_codecs = [] every contribution of the link's learner is `late`): it stepped
+        # its upload codec down, and contributions it sent in a step-down codec were merged.
+        assert by[4]["contributions"].get("merged", 0) >= 1 and by[4]["tokens_merged"] > 0, by[4]
+        log4 = "".join(p.read_text() for p in _learner_logs(tmp_path, 4))
+        assert "upload codec bf16 -> int8: link-bound" in log4
     else:
         assert by[4]["skipped"] and "needs root" in by[4]["skipped"] and by[4]["compute_share"] == 0.0, by[4]
     # FAILS ON A MAIN WITHOUT THE CATCH-UP FIX (issue 47, item 1: a learner with slow storage reads
