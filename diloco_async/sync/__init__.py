@@ -6,6 +6,7 @@
 ``rounds``          schedule and open rounds, admit and verify contributions, quorum, grace,
                     merge and apply (mixed into the actor)
 ``state``           fragments, rounds, contributions, internal messages, the push channel
+``fragment_book``   :class:`FragmentBook`: the fragments this synchronizer holds (all of the plan, or a subset)
 ``learners``        the learner registry and goodput ledgers
 ``lifecycle``       :class:`Phase` and its allowed transitions
 ``work``            blocking work run in threads: fetch and verify, merge and publish

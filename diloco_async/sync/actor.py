@@ -28,7 +28,6 @@ from typing import Any
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.catchup import ReadLeases
-from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits
 from diloco_async.policy.rounds import RoundStage, budget_stop_reason
@@ -36,6 +35,7 @@ from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinReq
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
 from diloco_async.sync.checkpoints import Checkpointing
+from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
 from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
 from diloco_async.sync.lifecycle import Lifecycle, Phase
@@ -53,7 +53,6 @@ from diloco_async.sync.state import (
     Round,
     Verified,
     initial_state,
-    new_fragments,
 )
 from diloco_async.sync.stopping import Stopping
 from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
@@ -160,12 +159,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
-        self.plan: FragmentPlan = plan
-        self.fragments = new_fragments(self.plan, params, self.sc, self.store)
+        self.book = FragmentBook.build(plan, params, self.sc, self.store)  # every fragment of the plan
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
-        self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
+        self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.book]
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
         self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
@@ -366,12 +364,12 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
                                        f"(synchronizer.max_learners={self.sc.max_learners})")
         start_step = self.registry.join(req, self.clock(), self.g)
-        self.read_leases.joined(req.learner_id, {f.p: f.version for f in self.fragments})  # told below
+        self.read_leases.joined(req.learner_id, self.book.versions())  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
         return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
-                            plan=self.plan.to_json(), schema_hash=self.plan.schema_hash,
-                            versions=self._versions(self.fragments), epoch=self.epoch, start_step=start_step)
+                            plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
+                            versions=self._versions(self.book), epoch=self.epoch, start_step=start_step)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id
@@ -395,10 +393,10 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
         opens = () if stop else tuple(
-            (p, n, self.fragments[p].version) for (p, n), rnd in sorted(self.rounds.items())
+            (p, n, self.book[p].version) for (p, n), rnd in sorted(self.rounds.items())
             if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries)
         info.stop_sent = info.stop_sent or stop
-        return self._replies(self.fragments, opens, stop, self.epoch)  # shared by learners in the same state
+        return self._replies(self.book, opens, stop, self.epoch)  # shared by learners in the same state
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once

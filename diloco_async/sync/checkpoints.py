@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.persistence import checkpoint_payload
-from diloco_async.sync.state import CheckpointBook, CheckpointDone, FragmentState
+from diloco_async.sync.state import CheckpointBook, CheckpointDone
 from storage.checkpoint import write_checkpoint
 from storage.gc import collect_garbage
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
     from diloco_async.policy.catchup import ReadLeases
+    from diloco_async.sync.fragment_book import FragmentBook
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.reporting import Reporter
 
@@ -60,7 +61,7 @@ class Checkpointing:
     checkpoints: CheckpointBook
     read_leases: ReadLeases
     registry: LearnerRegistry
-    fragments: list[FragmentState]
+    book: FragmentBook
 
     def _spawn(self, coro) -> None:  # provided by the actor
         raise NotImplementedError
@@ -93,7 +94,7 @@ class Checkpointing:
             self.checkpoints.gc_in_flight = True
             # the versions live learners may still be reading, taken now: a learner told of a version
             # later reads one at least as new as those its leases name (policy/catchup.py)
-            keep = self.read_leases.keep(self.registry.live_ids(), {f.p: f.version for f in self.fragments})
+            keep = self.read_leases.keep(self.registry.live_ids(), self.book.versions())
             self._spawn(self._collect_garbage(keep))
 
     async def _collect_garbage(self, keep_versions: dict[int, set[int]]) -> None:

@@ -33,14 +33,14 @@ log = logging.getLogger("diloco.synchronizer")
 def publish_initial(sync: ActorView) -> None:
     """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
     sync.store.put_json(keys.plan_key(sync.run_id), {
-        "run_id": sync.run_id, "plan": sync.plan.to_json(), "schema_hash": sync.plan.schema_hash,
+        "run_id": sync.run_id, "plan": sync.book.plan.to_json(), "schema_hash": sync.book.plan.schema_hash,
         "config_hash": config_hash(sync.cfg),
     })
     sync.store.put_json(keys.config_key(sync.run_id), sync.cfg.public_dict())
-    for f in sync.fragments:
+    for f in sync.book:
         f.refs[0] = put_version(sync.store, sync.run_id, f.p, 0, f.current, lease_epoch=sync.lease_epoch)
-    log.info("synchronizer run=%s: %d fragments, schema %s…", sync.run_id, sync.plan.num_fragments,
-             sync.plan.schema_hash[:12])
+    log.info("synchronizer run=%s: %d fragments, schema %s…", sync.run_id, sync.book.plan.num_fragments,
+             sync.book.plan.schema_hash[:12])
 
 
 def stored_config(url: str, storage_options: dict) -> dict:
@@ -130,9 +130,9 @@ def _check_compatible(sync: ActorView, ckpt: Checkpoint) -> None:
     if m["config_hash"] != config_hash(sync.cfg):
         diffs = config_differences(m.get("config", {}), sync.cfg.public_dict())
         raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
-    if m["schema_hash"] != sync.plan.schema_hash:
+    if m["schema_hash"] != sync.book.plan.schema_hash:
         raise ValueError(f"fragment plan differs from checkpoint {ckpt.seq}'s "
-                         f"(schema {m['schema_hash'][:12]} vs {sync.plan.schema_hash[:12]})")
+                         f"(schema {m['schema_hash'][:12]} vs {sync.book.plan.schema_hash[:12]})")
 
 
 #: the counters by reason a checkpoint keeps (manifest ``by_reason``) -> their Reporter attribute,
@@ -158,7 +158,7 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
     """
     _check_compatible(sync, ckpt)
     m = ckpt.manifest
-    for f in sync.fragments:
+    for f in sync.book:
         _restore_fragment(sync, f, ckpt)
         _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
@@ -174,7 +174,7 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
     sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.store, sync.run_id), sync.report.counters["merges"])
     sync.resumed_from = ckpt.seq
     log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
-             {f.p: f.version for f in sync.fragments}, {f.p: f.next_round for f in sync.fragments})
+             {f.p: f.version for f in sync.book}, {f.p: f.next_round for f in sync.book})
     c = sync.report.counters
     log.info("resumed counts: merges %d, contributions merged/late/rejected %d/%d/%d, tokens processed %d, "
              "bytes in/out %d/%d", c["merges"], c["contributions_merged"], c["contributions_late"],
@@ -258,7 +258,7 @@ def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, manifest) of a checkpoint of the outer state now: every Θ_p and momentum buffer,
     versions, round counters, version refs, ledgers, learners and counters."""
     tensors: dict[str, torch.Tensor] = {}
-    for f in sync.fragments:
+    for f in sync.book:
         for name in f.names:
             tensors[tensor_key(f.p, "param", name)] = f.current[name]
             tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
@@ -270,12 +270,12 @@ def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
     manifest = {
         "config_hash": config_hash(sync.cfg),
         "config": sync.cfg.public_dict(),
-        "schema_hash": sync.plan.schema_hash,
-        "versions": {str(f.p): f.version for f in sync.fragments},
-        "outer_steps": {str(f.p): f.outer_steps for f in sync.fragments},
+        "schema_hash": sync.book.plan.schema_hash,
+        "versions": {str(f.p): f.version for f in sync.book},
+        "outer_steps": {str(f.p): f.outer_steps for f in sync.book},
         # a round in flight is not in this checkpoint: a resumed run opens it again
-        "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in sync.fragments},
-        "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in sync.fragments},
+        "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in sync.book},
+        "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in sync.book},
         "global_step": sync.g,
         "wire_bytes": sync.registry.wire.to_json(),
         "ledgers": ledgers,

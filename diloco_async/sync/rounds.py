@@ -39,6 +39,7 @@ from storage import keys
 from storage.store import ObjectRef, ObjectStore
 
 if TYPE_CHECKING:
+    from diloco_async.sync.fragment_book import FragmentBook
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.lifecycle import Lifecycle
     from diloco_async.sync.logs import BoundedMap
@@ -77,7 +78,7 @@ class RoundDriver:
     registry: LearnerRegistry
     report: Reporter
     life: Lifecycle
-    fragments: list[FragmentState]
+    book: FragmentBook
     rounds: dict[tuple[int, int], Round]
     waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
     merge_slots: asyncio.Semaphore  # merges_in_flight (one working set each); verify_slots: verifies_in_flight
@@ -92,7 +93,7 @@ class RoundDriver:
 
     def _open_round(self, f: FragmentState, n: int, now: float) -> None:
         """Open round n of fragment f and tell every learner (the one place a round opens)."""
-        f.busy, f.next_round = True, n + 1
+        self.book.begin_round(f, n)
         self.rounds[(f.p, n)] = Round(RoundState(f.p, n, now, self.sc.min_quorum))
         self.report.counters["rounds_opened"] += 1
         self.push.publish({"type": "round_open", **RoundOpen(fragment=f.p, round_n=n, version=f.version).model_dump()})
@@ -108,30 +109,30 @@ class RoundDriver:
         if g != self.g:
             self.g = g
             self.report.metric("sync/global_step", g, g)
-        H, num = self.sc.sync_every, len(self.fragments)
+        H, num = self.sc.sync_every, self.book.plan.num_fragments
         # judged only on steps reported to this process: after a resume, the restored steps are the
         # checkpoint's and lag the versions kept since, which would look like a schedule out of reach
         current = self.registry.all_live_reported()
-        due = [round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.fragments]
+        due = [round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.book]
         shift, why = (schedule_shift(g=g, shift=self.schedule_shift_steps, sync_every=H, next_due=due) if current
                       else (self.schedule_shift_steps, None))
         if why is not None:
             self.schedule_shift_steps = shift
             self.report.count("schedule_shifts")
             log.warning("schedule out of reach of the live learners: %s", why)
-        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.fragments],
-                                   busy={f.p for f in self.fragments if f.busy}, waiting=self.waiting,
+        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.book],
+                                   busy={f.p for f in self.book if f.busy}, waiting=self.waiting,
                                    open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
                                    sync_every=self.sc.sync_every)
         self.waiting = list(decision.waiting)
         for p, n in decision.open_now:
-            self._open_round(self.fragments[p], n, now)
+            self._open_round(self.book[p], n, now)
 
     def _open_last_rounds(self, now: float) -> list[str]:
         """A last round of every fragment that has none in flight (the drain before a stop)."""
         self.waiting.clear()
         opened = []
-        for f in self.fragments:
+        for f in self.book:
             if not f.busy:
                 opened.append(f"p{f.p} r{f.next_round}")
                 self._open_round(f, f.next_round, now)
@@ -141,7 +142,7 @@ class RoundDriver:
 
     def _on_announce(self, ann: Announcement) -> AnnouncementAck:
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
-        f = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        f = self.book.get(p)
         rnd = self.rounds.get((p, n))
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)
@@ -181,7 +182,7 @@ class RoundDriver:
         and, for one announced and not merged (late, rejected, abandoned), its compute seconds
         times the fragment's share as ``thrown_away`` badput (DESIGN §7). ``staleness_versions``:
         versions of the fragment published after the contribution's base and before the decision."""
-        f = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        f = self.book.get(p)
         rec: dict = {"t": time.time(), "fragment": p, "round": n, "learner": learner, "fate": fate, "reason": reason}
         if ann is not None:
             published = f.version - (1 if fate in ("merged", "zero_weight") else 0) if f is not None else None
@@ -273,7 +274,7 @@ class RoundDriver:
                     quorum_wait = (st.quorum_s or now) - st.opened_s
                     if len(st.verified) == 1 and len(live_ids) > 1:
                         log.info("fragment %d round %d: quorum of one (%s)", p, n, why)
-                    self._spawn(self._merge_task(self.fragments[p], rnd, quorum_wait))
+                    self._spawn(self._merge_task(self.book[p], rnd, quorum_wait))
 
     def _progress_open(self, rnd: Round, now: float) -> bool:
         """An open round: start its grace window once the quorum is met; abandon it at a stop.
@@ -285,7 +286,7 @@ class RoundDriver:
             if self.sc.grace_enabled:
                 decision = grace_window(
                     step_time_s=self.registry.slowest_step_s(), quorum_wait_s=quorum_wait,
-                    sync_time_s=self.fragments[p].sync_ema.value, tau=self.sc.max_open_rounds,
+                    sync_time_s=self.book[p].sync_ema.value, tau=self.sc.max_open_rounds,
                     gamma=self.sc.grace_gamma, cap_s=self.sc.grace_cap_s, initial_s=self.sc.grace_initial_s)
             else:
                 decision = GraceDecision(0.0, "grace window disabled")
@@ -307,7 +308,7 @@ class RoundDriver:
         st = rnd.state
         st.abandon()
         self.rounds.pop((st.fragment, st.round_n))
-        self.fragments[st.fragment].busy = False
+        self.book.end_round(self.book[st.fragment])
         for lid, entry in st.entries.items():
             self.settled[(lid, st.fragment, st.round_n)] = entry.key
         for lid, contrib in rnd.contributions.items():  # accepted, never merged
@@ -331,7 +332,7 @@ class RoundDriver:
             return False
         code, _, detail = why.partition(": ")
         self._abandon(rnd, code, detail)
-        f = self.fragments[st.fragment]
+        f = self.book[st.fragment]
         if self.life.running and len(live) >= self.sc.min_quorum and len(self.rounds) < self.sc.max_open_rounds:
             self._open_round(f, f.next_round, now)
         return True
@@ -356,9 +357,9 @@ class RoundDriver:
         await self.inbox.put(result)
 
     def _on_merged(self, res: Merged) -> None:
-        f = self.fragments[res.fragment]
+        f = self.book[res.fragment]
         rnd = self.rounds.pop((res.fragment, res.round_n))
-        f.busy = False
+        self.book.end_round(f)
         for lid, entry in rnd.state.entries.items():
             self.settled[(lid, res.fragment, res.round_n)] = entry.key
         dropped = dict(res.dropped)
@@ -394,12 +395,7 @@ class RoundDriver:
 
     def _adopt_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
         """The new version becomes the fragment's value; learners are told; ledgers credited."""
-        f.version = res.version
-        f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
-        f.published, f.compact = res.published or res.new, res.compact
-        f.history[f.version], f.refs[f.version] = f.published, res.ref
-        for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
-            del f.history[old]
+        self.book.adopt(f, res, self.sc.max_staleness)
         f.optimizer.pool.trim()  # the shared merge pool's budget; then the heap (issue 17 item 3)
         release_free_memory()
         f.sync_ema.update(res.seconds)

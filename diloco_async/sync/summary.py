@@ -26,7 +26,7 @@ def uptime_max_gap_s(sync: ActorView) -> float:
     """The longest gap between merges that still counts as up (s): four rounds' worth of the
     slowest learner's steps per fragment, at least :data:`UPTIME_MIN_GAP_S`."""
     slowest = sync.registry.slowest_step_s() or 1.0
-    return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.fragments)), UPTIME_MIN_GAP_S)
+    return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.book)), UPTIME_MIN_GAP_S)
 
 
 def _net_summary(reg: LearnerRegistry) -> dict:
@@ -85,7 +85,7 @@ def summary(sync: ActorView) -> dict:
         "contributions_downweighted": c["contributions_downweighted"],
         "verifications_dropped": c["verifications_dropped"],
         "duplicates": c["duplicates"],
-        "versions": {f.p: f.version for f in sync.fragments},
+        "versions": sync.book.versions(),
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],
         **rep.traffic.figures(),  # since this process started (a resumed run starts them again)

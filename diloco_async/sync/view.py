@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from diloco_async.config.schema import Config, SynchronizerConfig
-from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle
 from diloco_async.sync.reporting import Reporter
-from diloco_async.sync.state import CheckpointBook, FragmentState, Round
+from diloco_async.sync.state import CheckpointBook, Round
 from storage.store import ObjectStore
 
 __all__ = ["ActorView"]
@@ -35,8 +35,7 @@ class ActorView(Protocol):
     lease_epoch: int
     clock: Callable[[], float]
     started_s: float
-    plan: FragmentPlan
-    fragments: list[FragmentState]
+    book: FragmentBook  # the fragments this synchronizer holds (and the plan)
     rounds: dict[tuple[int, int], Round]
     registry: LearnerRegistry
     report: Reporter

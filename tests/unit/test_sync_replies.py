@@ -28,7 +28,7 @@ def test_replies_are_shared_and_each_learner_hears_its_own_open_rounds():
 
         first = [beat(lid) for lid in ids]
         assert first[0] is first[1] is first[2] and first[0].open_rounds == []  # one model for all
-        sync._open_round(sync.fragments[0], 1, sync.clock())
+        sync._open_round(sync.book[0], 1, sync.clock())
         ref = f"{keys.contribution_round_prefix('run1', 0, 1)}/a/x"
         ann = Announcement(learner_id="a", fragment=0, round_n=1, base_version=0, c_steps=1, c_tokens=8,
                            compute_s=0.1, key=ref, nbytes=10, sha256="0" * 64, codec="fp32", update_id="u1")
@@ -36,9 +36,9 @@ def test_replies_are_shared_and_each_learner_hears_its_own_open_rounds():
         a, b, c = (beat(lid) for lid in ids)
         assert a.open_rounds == [] and a is not b  # a announced: round 1 of fragment 0 is not news to it
         assert b is c and [(r.fragment, r.round_n, r.version) for r in b.open_rounds] == [(0, 1, 0)]
-        assert [v.version for v in b.versions] == [f.version for f in sync.fragments]
-        sync.fragments[1].version += 1  # a new version (its ref too): a new reply, with it
-        sync.fragments[1].refs[sync.fragments[1].version] = sync.fragments[1].refs[0]
+        assert [v.version for v in b.versions] == [f.version for f in sync.book]
+        sync.book[1].version += 1  # a new version (its ref too): a new reply, with it
+        sync.book[1].refs[sync.book[1].version] = sync.book[1].refs[0]
         b2 = beat("b")
         assert b2 is not b and [v.version for v in b2.versions] == [0, 1]
         assert len(sync._replies._replies) <= REPLIES_CAP
@@ -60,7 +60,7 @@ def test_the_actor_is_what_persistence_and_summary_read():
     try:
         assert isinstance(sync, ActorView)
         hints = typing.get_type_hints(ActorView)
-        assert set(hints) >= {"cfg", "store", "fragments", "registry", "report", "checkpoints", "life"}
+        assert set(hints) >= {"cfg", "store", "book", "registry", "report", "checkpoints", "life"}
         for name, hint in hints.items():
             if isinstance(hint, type) and hint is not ObjectStore:  # the store may be fenced (FencedStore)
                 assert isinstance(getattr(sync, name), hint), name
