@@ -9,6 +9,7 @@
 ``fragment_book``   :class:`FragmentBook`: the fragments this synchronizer holds (all of the plan, or a subset)
 ``learners``        the learner registry and goodput ledgers
 ``lifecycle``       :class:`Phase` and its allowed transitions
+``sweeps``          :class:`SweepTimer`: when the parts that look at every live learner run
 ``work``            blocking work run in threads: fetch and verify, merge and publish
 ``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
 ``lease``           the run's lease (fencing a second synchronizer), fenced writes

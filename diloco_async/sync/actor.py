@@ -9,8 +9,8 @@ clock-driven part: liveness, budgets, due rounds, quorum and grace, checkpoints 
 :class:`~diloco_async.sync.lifecycle.Phase`. The work per message does not grow with the learners
 (issue 17; DESIGN §2.1): the registry keeps liveness, tokens and provisioned seconds incrementally; the
 schedule and the rounds' quorum checks, which look at every live learner, run once the inbox is empty
-(but at most every :data:`SWEEP_MIN_S` of real time: at 1,000 learners the inbox empties after almost
-every message) or every :data:`SWEEP_S`.
+(but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of real time) or every
+:data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
 from diloco_async.sync.checkpoints import Checkpointing
 from diloco_async.sync.fragment_book import FragmentBook
-from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
+from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
@@ -55,16 +55,15 @@ from diloco_async.sync.state import (
     initial_state,
 )
 from diloco_async.sync.stopping import Stopping
+from diloco_async.sync.sweeps import SWEEP_MIN_S, SweepTimer
 from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S", "BATCH_MAX"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", "BATCH_MAX"]
 
 log = logging.getLogger("diloco.synchronizer")
 
-SWEEP_S = 0.01  # seconds (actor's clock) at most between two runs of the schedule and the rounds' checks
-SWEEP_MIN_S = 0.005  # seconds (real time) at least between two of them while messages keep coming
 BATCH_MAX = 32
 """Messages handled at most per pass of the actor: those already queued are handled one after the
 other, then the clock-driven part runs once for all of them (issue 17: one pass per message cost
@@ -166,9 +165,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.book]
         self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
-        self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
-        self._swept_real_s = -float("inf")  # the same, time.monotonic() (SWEEP_MIN_S)
-        self._sweep_pending = False  # a sweep was put off (SWEEP_MIN_S): the next pass comes sooner
+        self._sweeps = SweepTimer()
         self._versions = VersionInfos()
         self._replies = HeartbeatReplies(self._versions)
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
@@ -186,10 +183,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     @property
     def metrics(self) -> JsonLinesLog:
         return self.report.metrics
-
-    @property
-    def learners(self) -> dict[str, LearnerInfo]:
-        return self.registry.learners
 
     @property
     def ledgers(self) -> dict[str, LearnerLedger]:
@@ -231,7 +224,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                 # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as wait_for's inner
                 # get() finishes is swallowed (CPython gh-86296), and a cancelled actor then loops for good
                 try:
-                    async with asyncio.timeout(SWEEP_MIN_S if self._sweep_pending else 0.05):
+                    async with asyncio.timeout(SWEEP_MIN_S if self._sweeps.pending else 0.05):
                         msg = await self.inbox.get()
                 except TimeoutError:
                     msg = None
@@ -411,12 +404,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
-        real_s = time.monotonic()  # see SWEEP_S and SWEEP_MIN_S
-        sweep = ((self.inbox.empty() and real_s - self._swept_real_s >= SWEEP_MIN_S)
-                 or now - self._swept_s >= SWEEP_S)
-        self._sweep_pending = not sweep
-        if sweep:
-            self._swept_s, self._swept_real_s = now, real_s
+        sweep = self._sweeps.due(now, self.inbox.empty())
         for part in (self._liveness, self._check_budget, *((self._schedule, self._progress_rounds) if sweep else ()),
                      self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
             self._guarded(part, now)
