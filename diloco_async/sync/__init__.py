@@ -12,7 +12,8 @@
 ``sweeps``          :class:`SweepTimer`: when the parts that look at every live learner run
 ``work``            blocking work run in threads: fetch and verify, merge and publish
 ``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
-``lease``           the run's lease (fencing a second synchronizer), fenced writes
+``lease``           the run's lease (fencing a second synchronizer), fenced writes, the actor's :class:`Fence`
+``context``         :class:`ActorContext`: what the actor's components share and none changes
 ``reporting``       counters, metric stream, merge log, summary and status
 ``logs``            bounded in-memory logs that spill to local disk; rate-limited log lines
 ``http``            the aiohttp application in front of the actor

@@ -35,9 +35,10 @@ from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinReq
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
 from diloco_async.sync.checkpoints import Checkpointing
+from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
-from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
+from diloco_async.sync.lease import Fence, Lease
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
@@ -106,7 +107,7 @@ class MemoryTails:
     settled: int = SETTLED_CAP
 
 
-class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
+class Synchronizer(RoundDriver, Checkpointing, Stopping):
     """The synchronizer of one run.
 
     Args:
@@ -124,14 +125,13 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
                  tails: MemoryTails = MemoryTails(), lease: Lease | None = None) -> None:
-        self.cfg = cfg
         self.sc = cfg.synchronizer
-        self.lease = lease
-        self.lease_epoch = lease.lease_epoch if lease is not None else 0
-        self.store = FencedStore(store, lease) if lease is not None else store
-        self.run_id = run_id
-        self.clock = clock
+        self.fence = Fence(store, lease)
         self.inbox: asyncio.Queue = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self.ctx = ActorContext(cfg, run_id, epoch=uuid.uuid4().hex[:12], store=self.fence.store,
+                                lease_epoch=self.fence.lease_epoch, clock=clock, started_s=clock(),
+                                inbox=self.inbox, spawn=self._spawn)
         self.stopped = False  # set when run() returns: request() then raises Stopped at once
         self.push = Broadcaster()
         self.pace = PaceLimits.from_config(cfg)  # calibrated per learner by the registry
@@ -143,27 +143,24 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
         self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
         self.settled = BoundedMap(tails.settled)
-        self.started_s = clock()
         self.life = Lifecycle()
         self._drain_until_s = 0.0
         self.finished = asyncio.Event()
         self.final_summary: dict | None = None
         self._final_figures: dict = {}  # the summary taken with the final checkpoint
-        self._tasks: set[asyncio.Task] = set()
-        self.epoch = uuid.uuid4().hex[:12]  # changes at every (re)start: learners reset round state
         self.resumed_from: int | None = None
-        self.checkpoints = CheckpointBook(self.started_s)
+        self.checkpoints = CheckpointBook(self.ctx.started_s)
         self.g: int | None = None
-        self.report = Reporter(self.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
+        self.report = Reporter(self.ctx.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
-        self.book = FragmentBook.build(plan, params, self.sc, self.store)  # every fragment of the plan
+        self.book = FragmentBook.build(plan, params, self.sc, self.ctx.store)  # every fragment of the plan
         self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.book]
-        self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
+        self._goodput_merges, self._goodput_at_s = 0, self.ctx.started_s  # the last goodput series point
         self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
         self._sweeps = SweepTimer()
         self._versions = VersionInfos()
@@ -171,6 +168,15 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
+
+    @property
+    def run_id(self) -> str:
+        return self.ctx.run_id
+
+    @property
+    def epoch(self) -> str:
+        """This process's epoch (changes at every (re)start: learners reset their round state)."""
+        return self.ctx.epoch
 
     @property
     def counters(self) -> Counter[str]:
@@ -247,8 +253,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             self.close()
         if self.life.phase is Phase.FENCED:
-            assert self.lease is not None and self.lease.lost
-            raise LeaseLost(self.lease.lost)
+            self.fence.raise_lost()
         assert self.final_summary is not None
         return self.final_summary
 
@@ -356,21 +361,22 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
                                        f"(synchronizer.max_learners={self.sc.max_learners})")
-        start_step = self.registry.join(req, self.clock(), self.g)
+        start_step = self.registry.join(req, self.ctx.clock(), self.g)
         self.read_leases.joined(req.learner_id, self.book.versions())  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
-        return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
+        cfg = self.ctx.cfg
+        return JoinResponse(run_id=self.ctx.run_id, config=cfg.public_dict(), config_hash=config_hash(cfg),
                             plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
-                            versions=self._versions(self.book), epoch=self.epoch, start_step=start_step)
+                            versions=self._versions(self.book), epoch=self.ctx.epoch, start_step=start_step)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id
         info = self.registry.get(lid)
         stop = self.life.stopped
         if info is None or info.incarnation != hb.incarnation:
-            return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.epoch)
-        was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.clock())
+            return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.ctx.epoch)
+        was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.ctx.clock())
         self.read_leases.heartbeat(lid, hb.known_versions, hb.fetching_versions)
         for reason in clamped:
             if self.report.clamp(reason):
@@ -389,7 +395,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
             (p, n, self.book[p].version) for (p, n), rnd in sorted(self.rounds.items())
             if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries)
         info.stop_sent = info.stop_sent or stop
-        return self._replies(self.book, opens, stop, self.epoch)  # shared by learners in the same state
+        return self._replies(self.book, opens, stop, self.ctx.epoch)  # shared by learners in the same state
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once
@@ -400,7 +406,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
 
     def _advance(self) -> None:
         """One pass of the clock-driven part; each part is guarded on its own (:meth:`_guarded`)."""
-        now = self.clock()
+        now = self.ctx.clock()
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
@@ -409,10 +415,14 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                      self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
             self._guarded(part, now)
 
+    def _check_lease(self, now: float) -> None:
+        if self.fence.check(self.life, self.report.counters):
+            self.finished.set()
+
     def _goodput_series(self, now: float) -> None:
         """A point of the goodput time series every ``tracking.goodput_series_s`` while merges go on."""
         merges = self.report.counters["merges"]
-        if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
+        if merges > self._goodput_merges and now - self._goodput_at_s >= self.ctx.cfg.tracking.goodput_series_s:
             self._goodput_merges, self._goodput_at_s = merges, now
             uptime = self.report.merge_gaps.uptime(now, summary.uptime_max_gap_s(self))
             self.report.goodput_series(self.ledgers, uptime, self.registry.silent_s(now))
@@ -426,8 +436,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
 
     def _check_budget(self, now: float) -> None:
         if self.life.running:
-            reason = budget_stop_reason(self.cfg.budget, tokens=self.registry.tokens_processed(), g=self.g,
-                                        elapsed_s=now - self.started_s)
+            reason = budget_stop_reason(self.ctx.cfg.budget, tokens=self.registry.tokens_processed(), g=self.g,
+                                        elapsed_s=now - self.ctx.started_s)
             if reason is not None:
                 self._begin_stop(reason)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async.config.schema import SynchronizerConfig
@@ -22,6 +21,7 @@ from storage.store import ObjectStore
 
 if TYPE_CHECKING:
     from diloco_async.policy.catchup import ReadLeases
+    from diloco_async.sync.context import ActorContext
     from diloco_async.sync.fragment_book import FragmentBook
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.reporting import Reporter
@@ -53,9 +53,7 @@ class Checkpointing:
     """Starts checkpoints and takes their outcome; mixed into the actor, which owns these."""
 
     sc: SynchronizerConfig
-    store: ObjectStore
-    run_id: str
-    clock: Callable[[], float]
+    ctx: ActorContext
     inbox: asyncio.Queue
     report: Reporter
     checkpoints: CheckpointBook
@@ -67,12 +65,12 @@ class Checkpointing:
         raise NotImplementedError
 
     def _start_checkpoint(self) -> None:
-        seq = self.checkpoints.begin(self.clock(), self.report.counters["merges"])
+        seq = self.checkpoints.begin(self.ctx.clock(), self.report.counters["merges"])
         tensors, manifest = checkpoint_payload(self)
 
         async def write() -> None:
             try:
-                await asyncio.to_thread(_write_and_trim, self.store, self.run_id, seq, tensors, manifest)
+                await asyncio.to_thread(_write_and_trim, self.ctx.store, self.ctx.run_id, seq, tensors, manifest)
                 await self.inbox.put(CheckpointDone(seq, True, "written"))
             except Exception as err:
                 await self.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
@@ -101,7 +99,7 @@ class Checkpointing:
         """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
         but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
-            done = await asyncio.to_thread(collect_garbage, self.store, self.run_id,
+            done = await asyncio.to_thread(collect_garbage, self.ctx.store, self.ctx.run_id,
                                              keep_checkpoints=self.sc.keep_checkpoints,
                                              orphan_age_s=self.sc.orphan_age_s, keep_versions=keep_versions)
             self.report.counters["gc_deleted_objects"] += done.objects

@@ -380,7 +380,7 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
     """
     if not run_secret:
         raise ValueError("the run secret must be a non-empty string")
-    app = web.Application(middlewares=[_auth], client_max_size=sync.sc.client_max_size_bytes)
+    app = web.Application(middlewares=[_auth], client_max_size=sync.ctx.sc.client_max_size_bytes)
     app[SYNC] = sync
     app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
     app[EVENT_TEXT] = _EventText()
@@ -400,4 +400,4 @@ def runner_options(sync: Synchronizer) -> dict[str, Any]:
     """Keyword arguments of ``web.AppRunner`` for this synchronizer: ``keepalive_timeout`` closes a
     connection that sends no complete request within ``synchronizer.idle_timeout_s`` (a slow
     client cannot hold a connection by trickling its headers)."""
-    return {"access_log": None, "keepalive_timeout": sync.sc.idle_timeout_s}
+    return {"access_log": None, "keepalive_timeout": sync.ctx.sc.idle_timeout_s}

@@ -32,14 +32,14 @@ log = logging.getLogger("diloco.synchronizer")
 
 def publish_initial(sync: ActorView) -> None:
     """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
-    sync.store.put_json(keys.plan_key(sync.run_id), {
-        "run_id": sync.run_id, "plan": sync.book.plan.to_json(), "schema_hash": sync.book.plan.schema_hash,
-        "config_hash": config_hash(sync.cfg),
+    sync.ctx.store.put_json(keys.plan_key(sync.ctx.run_id), {
+        "run_id": sync.ctx.run_id, "plan": sync.book.plan.to_json(), "schema_hash": sync.book.plan.schema_hash,
+        "config_hash": config_hash(sync.ctx.cfg),
     })
-    sync.store.put_json(keys.config_key(sync.run_id), sync.cfg.public_dict())
+    sync.ctx.store.put_json(keys.config_key(sync.ctx.run_id), sync.ctx.cfg.public_dict())
     for f in sync.book:
-        f.refs[0] = put_version(sync.store, sync.run_id, f.p, 0, f.current, lease_epoch=sync.lease_epoch)
-    log.info("synchronizer run=%s: %d fragments, schema %s…", sync.run_id, sync.book.plan.num_fragments,
+        f.refs[0] = put_version(sync.ctx.store, sync.ctx.run_id, f.p, 0, f.current, lease_epoch=sync.ctx.lease_epoch)
+    log.info("synchronizer run=%s: %d fragments, schema %s…", sync.ctx.run_id, sync.book.plan.num_fragments,
              sync.book.plan.schema_hash[:12])
 
 
@@ -125,10 +125,10 @@ def no_such_run(store: ObjectStore, run_id: str) -> str:
 
 def _check_compatible(sync: ActorView, ckpt: Checkpoint) -> None:
     m = ckpt.manifest
-    if m.get("run_id") != sync.run_id:
-        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {sync.run_id!r}")
-    if m["config_hash"] != config_hash(sync.cfg):
-        diffs = config_differences(m.get("config", {}), sync.cfg.public_dict())
+    if m.get("run_id") != sync.ctx.run_id:
+        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {sync.ctx.run_id!r}")
+    if m["config_hash"] != config_hash(sync.ctx.cfg):
+        diffs = config_differences(m.get("config", {}), sync.ctx.cfg.public_dict())
         raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
     if m["schema_hash"] != sync.book.plan.schema_hash:
         raise ValueError(f"fragment plan differs from checkpoint {ckpt.seq}'s "
@@ -162,7 +162,7 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
         _restore_fragment(sync, f, ckpt)
         _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
-    sync.registry.restore(m["ledgers"], m["learners"], sync.clock(), checkpoint_age_s=time.time() - written_unix_s)
+    sync.registry.restore(m["ledgers"], m["learners"], sync.ctx.clock(), checkpoint_age_s=time.time() - written_unix_s)
     sync.registry.wire.restore(m.get("wire_bytes", {}))
     sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     sync.report.counters.clear()
@@ -171,9 +171,10 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
         counts = getattr(sync.report, attr)
         counts.clear()
         counts.update(m.get("by_reason", {}).get(name, {}))
-    sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.store, sync.run_id), sync.report.counters["merges"])
+    sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.ctx.store, sync.ctx.run_id),
+                             sync.report.counters["merges"])
     sync.resumed_from = ckpt.seq
-    log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
+    log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.ctx.run_id, ckpt.seq,
              {f.p: f.version for f in sync.book}, {f.p: f.next_round for f in sync.book})
     c = sync.report.counters
     log.info("resumed counts: merges %d, contributions merged/late/rejected %d/%d/%d, tokens processed %d, "
@@ -195,12 +196,12 @@ def _restore_fragment(sync: ActorView, f: FragmentState, ckpt: Checkpoint) -> No
     f.compact = None  # a learner missing the current version downloads it whole
     f.version, f.next_round = int(m["versions"][key]), int(m["next_round"][key])
     f.refs = {int(v): ObjectRef.from_json(r) for v, r in m["version_refs"][key].items()}
-    f.history = VersionHistory(sync.store, f.shapes, f.refs)
+    f.history = VersionHistory(sync.ctx.store, f.shapes, f.refs)
     f.history[f.version] = f.published
     for v, ref in sorted(f.refs.items()):
         if v != f.version:
             try:  # read through and checked, then kept in the store only (read back when a merge needs it)
-                read_version(sync.store, ref, f.shapes)
+                read_version(sync.ctx.store, ref, f.shapes)
                 f.history[v] = {}
             except (FileNotFoundError, IntegrityError, ValueError) as err:
                 log.warning("fragment %d: version %d unavailable after resume (%s)", f.p, v, err)
@@ -218,14 +219,14 @@ def _adopt_published(sync: ActorView, f: FragmentState, lease_epoch: int) -> Non
     parameters; the momentum and outer-step count stay the checkpoint's; the next round follows
     the newest round a kept version merged. Unreadable versions are skipped (logged).
     """
-    prefix = keys.fragment_versions_prefix(sync.run_id, f.p)
-    listed = sorted({pv[1] for pv in map(partial(keys.parse_version_key, sync.run_id), sync.store.list(prefix))
+    prefix = keys.fragment_versions_prefix(sync.ctx.run_id, f.p)
+    listed = sorted({pv[1] for pv in map(partial(keys.parse_version_key, sync.ctx.run_id), sync.ctx.store.list(prefix))
                      if pv is not None and pv[0] == f.p and pv[1] > f.version})
     floor, kept = lease_epoch, []
     for v in listed:
-        key = keys.version_key(sync.run_id, f.p, v)
+        key = keys.version_key(sync.ctx.run_id, f.p, v)
         try:
-            data = sync.store.get_unverified(key)
+            data = sync.ctx.store.get_unverified(key)
             tensors, meta = wire.decode_from_bytes(data, "fp32", f.shapes)
             if meta.get("fragment") != str(f.p) or meta.get("version") != str(v):
                 raise ValueError(f"its header names fragment {meta.get('fragment')} version {meta.get('version')}")
@@ -247,7 +248,7 @@ def _adopt_published(sync: ActorView, f: FragmentState, lease_epoch: int) -> Non
     if not kept:
         return
     f.optimizer.load_state(f.current, f.momentum if f.outer_steps > 0 else None, steps_taken=f.outer_steps)
-    for old in [v for v in f.history if v < f.version - sync.sc.max_staleness]:
+    for old in [v for v in f.history if v < f.version - sync.ctx.sc.max_staleness]:
         del f.history[old]
         f.refs.pop(old, None)
     log.warning("fragment %d: versions %s were published after the checkpoint and are kept; version %d is the "
@@ -265,11 +266,11 @@ def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
             if f.published is not f.current:  # compressed downloads (diloco_async/codec/versions.py)
                 tensors[tensor_key(f.p, "published", name)] = f.published[name]
     open_round = {p: n for (p, n) in sync.rounds}
-    ledgers, learners = sync.registry.to_manifest(sync.clock())
+    ledgers, learners = sync.registry.to_manifest(sync.ctx.clock())
     counters = sync.report.counters
     manifest = {
-        "config_hash": config_hash(sync.cfg),
-        "config": sync.cfg.public_dict(),
+        "config_hash": config_hash(sync.ctx.cfg),
+        "config": sync.ctx.cfg.public_dict(),
         "schema_hash": sync.book.plan.schema_hash,
         "versions": {str(f.p): f.version for f in sync.book},
         "outer_steps": {str(f.p): f.outer_steps for f in sync.book},
@@ -282,9 +283,9 @@ def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
         "learners": learners,
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included
         "by_reason": {name: dict(getattr(sync.report, attr)) for name, attr in BY_REASON.items()},
-        "wall_s": sync.clock() - sync.started_s,
+        "wall_s": sync.ctx.clock() - sync.ctx.started_s,
         "written_unix_s": time.time(),  # a resume counts the learners' pace allowance across the gap
-        "epoch": sync.epoch,
-        "lease_epoch": sync.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
+        "epoch": sync.ctx.epoch,
+        "lease_epoch": sync.ctx.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
     }
     return tensors, manifest

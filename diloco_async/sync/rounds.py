@@ -10,11 +10,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
-from diloco_async.config.schema import Config, SynchronizerConfig
+from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.merge.core import token_weight
 from diloco_async.policy.admission import AnnouncementRules, admit_announcement
 from diloco_async.policy.fragments import fragment_offset
@@ -36,9 +35,10 @@ from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import work
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from storage import keys
-from storage.store import ObjectRef, ObjectStore
+from storage.store import ObjectRef
 
 if TYPE_CHECKING:
+    from diloco_async.sync.context import ActorContext
     from diloco_async.sync.fragment_book import FragmentBook
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.lifecycle import Lifecycle
@@ -64,15 +64,12 @@ def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
 class RoundDriver:
     """Rounds of every fragment; mixed into the actor, which owns the attributes below."""
 
-    cfg: Config
+    ctx: ActorContext
     sc: SynchronizerConfig
     norm_guard: NormGuard
     direction_guards: list[DirectionGuard]
     learner_directions: LearnerDirections
     schedule_shift_steps: int  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
-    store: ObjectStore
-    run_id: str
-    clock: Callable[[], float]
     inbox: asyncio.Queue
     push: Broadcaster
     registry: LearnerRegistry
@@ -84,7 +81,6 @@ class RoundDriver:
     merge_slots: asyncio.Semaphore  # merges_in_flight (one working set each); verify_slots: verifies_in_flight
     settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
     g: int | None  # the global step
-    lease_epoch: int  # of this synchronizer's lease on the run (0: none)
 
     def _spawn(self, coro) -> None:  # provided by the actor
         raise NotImplementedError
@@ -148,14 +144,14 @@ class RoundDriver:
         bound = self.registry.pace_bound(lid)
         if info is not None and bound is not None and rnd is not None and lid not in rnd.state.entries:
             why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
-                                           since_anchor_s=self.clock() - info.anchor_s, bound=bound)
+                                           since_anchor_s=self.ctx.clock() - info.anchor_s, bound=bound)
             if why is not None:
                 code, _, detail = why.partition(": ")
                 return self._reject(lid, code, detail, p, n, ann)
         adm = admit_announcement(
-            ann, now_s=self.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
+            ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
-            rules=AnnouncementRules(keys.contribution_round_prefix(self.run_id, p, n) + "/", wire.CODECS,
+            rules=AnnouncementRules(keys.contribution_round_prefix(self.ctx.run_id, p, n) + "/", wire.CODECS,
                                     self.sc.max_staleness))
         if adm.status == "rejected":
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
@@ -171,7 +167,7 @@ class RoundDriver:
         # its first step = the learner's last reported step - c_steps (a lagging heartbeat only
         # makes this earlier, so more lenient, never stricter)
         first_step = (info.step if info is not None else 0) - ann.c_steps
-        rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.cfg.learners.warmup_steps)
+        rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.ctx.cfg.learners.warmup_steps)
         rnd.none_pending.clear()
         self._spawn(self._verify(f, ann))
         return AnnouncementAck(status="accepted", reason=adm.reason)
@@ -197,7 +193,7 @@ class RoundDriver:
                 ann: Announcement | None = None) -> AnnouncementAck:
         self._decided(learner, p, n, "rejected", f"{reason}: {detail}" if detail else reason, ann)
         if (rnd := self.rounds.get((p, n))) is not None and ann is not None and learner in self.registry:
-            rnd.state.refuse(learner, ann.key, self.clock())  # not admitted: the quorum stops waiting for it
+            rnd.state.refuse(learner, ann.key, self.ctx.clock())  # not admitted: the quorum stops waiting for it
         if learner in self.registry.ledgers:
             self.registry.ledgers[learner].count("rejected")
         log.warning("rejected contribution learner=%s fragment=%d round=%d: %s (%s)", learner, p, n, reason, detail)
@@ -210,7 +206,7 @@ class RoundDriver:
         try:
             async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
                 delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
-                    work.fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    work.fetch_and_verify, self.ctx.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
                     timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = work.rejection_reason(err, ann.key, self.sc.storage_timeout_s)
@@ -326,7 +322,7 @@ class RoundDriver:
         elif st.unreachable_since_s is None:
             st.unreachable_since_s = now
         why = stuck_round_reason(now_s=now, opened_s=st.opened_s, unreachable_since_s=st.unreachable_since_s,
-                                 timeout_s=self.cfg.guard.round_timeout_s, enough_live=len(live) >= st.min_quorum,
+                                 timeout_s=self.ctx.cfg.guard.round_timeout_s, enough_live=len(live) >= st.min_quorum,
                                  unreachable_wait_s=self.sc.heartbeat_timeout_s)
         if why is None:
             return False
@@ -347,9 +343,9 @@ class RoundDriver:
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]  # the thread's own list
             async with self.merge_slots:
                 directions = self.direction_guards[f.p].check(self.learner_directions)
-                result = await asyncio.to_thread(work.merge_and_publish, self.store, self.run_id, f, n, contribs,
-                                                 self.sc.merge, directions=directions,
-                                                 publish=work.PublishSettings(self.lease_epoch, self.sc.download))
+                result = await asyncio.to_thread(work.merge_and_publish, self.ctx.store, self.ctx.run_id, f, n,
+                                                 contribs, self.sc.merge, directions=directions,
+                                                 publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download))
             result.quorum_wait_s = quorum_wait_s
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
@@ -404,7 +400,7 @@ class RoundDriver:
             compact=f.compact).model_dump()})
         self.report.counters["merges"] += 1
         self.report.counters["contributions_merged"] += len(res.merged)
-        self.report.merged(self.clock(), {
+        self.report.merged(self.ctx.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version,
             "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged],
             "contributions": [_merged_contribution(lid, rnd.contributions[lid].ann) for lid in res.merged]})
@@ -434,7 +430,7 @@ class RoundDriver:
         rep.metric("sync/contributions_late", c["contributions_late"])
         rep.metric("sync/contributions_rejected", c["contributions_rejected"])
         rep.metric("sync/live_learners", len(self.registry.live()))
-        rep.net(self.registry, res.merged, self.clock())
+        rep.net(self.registry, res.merged, self.ctx.clock())
         rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))
         rep.metric(f"sync/fragment/{f.p}/version", f.version)
         log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",

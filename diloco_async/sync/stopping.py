@@ -30,7 +30,7 @@ class Stopping:
     # the actor's state (see Synchronizer)
     life: Any
     sc: Any
-    clock: Any
+    ctx: Any
     rounds: dict
     registry: Any
     push: Any
@@ -38,9 +38,6 @@ class Stopping:
     checkpoints: Any
     report: Any
     inbox: asyncio.Queue
-    store: Any
-    run_id: str
-    epoch: str
     finished: asyncio.Event
     final_summary: dict | None
     _final_figures: dict
@@ -54,7 +51,7 @@ class Stopping:
     def _begin_stop(self, reason: str) -> None:
         """Stop: first drain (a last round of every fragment, at most ``drain_s``), then tell the
         learners to stop, close the open rounds, write the final checkpoint and the summary."""
-        now = self.clock()
+        now = self.ctx.clock()
         if self.life.running and self.sc.drain_s > 0 and self.registry.live():
             self.life.move(Phase.DRAINING)
             self.life.drain_reason = reason
@@ -96,7 +93,7 @@ class Stopping:
     async def _write_final(self) -> None:
         ok = True
         try:
-            await asyncio.to_thread(reporting.write_final, self.store, self.run_id, self.epoch,
+            await asyncio.to_thread(reporting.write_final, self.ctx.store, self.ctx.run_id, self.ctx.epoch,
                                     self.final_summary, self.report)
         except Exception as err:
             log.error("could not write the final summary: %s", err)

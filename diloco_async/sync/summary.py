@@ -26,7 +26,7 @@ def uptime_max_gap_s(sync: ActorView) -> float:
     """The longest gap between merges that still counts as up (s): four rounds' worth of the
     slowest learner's steps per fragment, at least :data:`UPTIME_MIN_GAP_S`."""
     slowest = sync.registry.slowest_step_s() or 1.0
-    return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.book)), UPTIME_MIN_GAP_S)
+    return max(4 * slowest * sync.ctx.sc.sync_every / max(1, len(sync.book)), UPTIME_MIN_GAP_S)
 
 
 def _net_summary(reg: LearnerRegistry) -> dict:
@@ -58,16 +58,16 @@ def _learner_pace(reg: LearnerRegistry, lid: str) -> dict:
 def summary(sync: ActorView) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes (and the peak
     bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`)."""
-    now = sync.clock()
+    now = sync.ctx.clock()
     rep, reg, c = sync.report, sync.registry, sync.report.counters
     reg.flush_provisioned()
     max_gap = uptime_max_gap_s(sync)
     return {
-        "run_id": sync.run_id,
-        "epoch": sync.epoch,
+        "run_id": sync.ctx.run_id,
+        "epoch": sync.ctx.epoch,
         "resumed_from": sync.resumed_from,
         "stop_reason": sync.life.stop_reason,
-        "wall_s": now - sync.started_s,
+        "wall_s": now - sync.ctx.started_s,
         **totals(reg.ledgers, reg.silent_s(now)),
         "uptime": rep.merge_gaps.uptime(now, max_gap),
         "uptime_max_gap_s": max_gap,
@@ -129,7 +129,7 @@ def status(sync: ActorView) -> dict:
     since its last message (``heartbeat_age_s``), the budget, the lifecycle phase and the number of
     metric points so far."""
     s = summary(sync)
-    now = sync.clock()
+    now = sync.ctx.clock()
     rounds = []
     for (p, n), r in sorted(sync.rounds.items()):
         entries = r.state.entries
@@ -141,7 +141,7 @@ def status(sync: ActorView) -> dict:
     s["recent_merges"] = _recent_merges(sync, RECENT_MERGES)
     for lid, info in sync.registry.learners.items():  # seconds since each learner was last heard from
         s["learners"][lid]["heartbeat_age_s"] = max(0.0, now - info.last_seen_s)
-    budget = sync.cfg.budget
+    budget = sync.ctx.cfg.budget
     s["budget"] = {"tokens": budget.tokens, "max_steps": budget.max_steps, "wall_s": budget.wall_s}
     s["stopping"] = sync.life.stop_reason
     s["phase"] = sync.life.phase.value

@@ -9,16 +9,14 @@ actor's own task calls them (one asyncio task owns the state, DESIGN §4).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from diloco_async.config.schema import Config, SynchronizerConfig
+from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle
 from diloco_async.sync.reporting import Reporter
 from diloco_async.sync.state import CheckpointBook, Round
-from storage.store import ObjectStore
 
 __all__ = ["ActorView"]
 
@@ -27,14 +25,7 @@ __all__ = ["ActorView"]
 class ActorView(Protocol):
     """The synchronizer's state, by name (types as the actor holds them; times on ``clock``, s)."""
 
-    cfg: Config
-    sc: SynchronizerConfig
-    run_id: str
-    epoch: str  # changes at every (re)start of the process
-    store: ObjectStore  # fenced by the lease when there is one (FencedStore has its interface)
-    lease_epoch: int
-    clock: Callable[[], float]
-    started_s: float
+    ctx: ActorContext  # config, run id, epoch, store, lease epoch, clock, start
     book: FragmentBook  # the fragments this synchronizer holds (and the plan)
     rounds: dict[tuple[int, int], Round]
     registry: LearnerRegistry
