@@ -3,8 +3,9 @@
 ==================  ===================================================================
 ``actor``           :class:`Synchronizer`: the inbox, dispatch, learner messages, checkpoints,
                     the clock-driven part and the lifecycle
-``rounds``          schedule and open rounds, admit and verify contributions, quorum, grace,
-                    merge and apply (mixed into the actor)
+``rounds``          :class:`RoundTable`: the open rounds and the global step; schedule and
+                    open rounds, admit and verify contributions, quorum, grace, merge and apply
+``guard``           :class:`UpdateGuard`: the update guard's memory (norms, directions)
 ``state``           fragments, rounds, contributions, internal messages, the push channel
 ``fragment_book``   :class:`FragmentBook`: the fragments this synchronizer holds (all of the plan, or a subset)
 ``learners``        the learner registry and goodput ledgers

@@ -28,9 +28,8 @@ from typing import Any
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.catchup import ReadLeases
-from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits
-from diloco_async.policy.rounds import RoundStage, budget_stop_reason
+from diloco_async.policy.rounds import budget_stop_reason
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
@@ -40,9 +39,9 @@ from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lease import Fence, Lease
 from diloco_async.sync.lifecycle import Lifecycle, Phase
-from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
+from diloco_async.sync.logs import JsonLinesLog, RateLimitedLog
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
-from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
+from diloco_async.sync.rounds import SETTLED_CAP, RoundTable
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
@@ -51,7 +50,6 @@ from diloco_async.sync.state import (
     FinalWritten,
     Merged,
     Request,
-    Round,
     Verified,
     initial_state,
 )
@@ -107,7 +105,7 @@ class MemoryTails:
     settled: int = SETTLED_CAP
 
 
-class Synchronizer(RoundDriver, Checkpointing, Stopping):
+class Synchronizer(Checkpointing, Stopping):
     """The synchronizer of one run.
 
     Args:
@@ -134,15 +132,9 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
                                 inbox=self.inbox, spawn=self._spawn)
         self.stopped = False  # set when run() returns: request() then raises Stopped at once
         self.push = Broadcaster()
-        self.pace = PaceLimits.from_config(cfg)  # calibrated per learner by the registry
-        self.registry = LearnerRegistry(self.pace, cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
+        self.registry = LearnerRegistry(PaceLimits.from_config(cfg),  # calibrated per learner by the registry
+                                        cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
         self.read_leases = ReadLeases(self.sc.read_lease_versions)  # versions gc keeps for the learners' reads
-        self.schedule_shift_steps = 0
-        self.rounds: dict[tuple[int, int], Round] = {}
-        self.waiting: list[tuple[int, int]] = []
-        self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
-        self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
-        self.settled = BoundedMap(tails.settled)
         self.life = Lifecycle()
         self._drain_until_s = 0.0
         self.finished = asyncio.Event()
@@ -150,18 +142,15 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
         self._final_figures: dict = {}  # the summary taken with the final checkpoint
         self.resumed_from: int | None = None
         self.checkpoints = CheckpointBook(self.ctx.started_s)
-        self.g: int | None = None
         self.report = Reporter(self.ctx.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
         self.book = FragmentBook.build(plan, params, self.sc, self.ctx.store)  # every fragment of the plan
-        self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
-        self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.book]
         self._goodput_merges, self._goodput_at_s = 0, self.ctx.started_s  # the last goodput series point
-        self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
+        self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
         self._sweeps = SweepTimer()
         self._versions = VersionInfos()
         self._replies = HeartbeatReplies(self._versions)
@@ -297,9 +286,9 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
         if isinstance(msg, Request):
             self._on_request(msg)
         elif isinstance(msg, Verified):
-            self._on_verified(msg)
+            self.table.on_verified(msg)
         elif isinstance(msg, Merged):
-            self._on_merged(msg)
+            self.table.on_merged(msg)
         elif isinstance(msg, CheckpointDone):
             self._on_checkpoint_done(msg)
         elif isinstance(msg, FinalWritten):
@@ -316,7 +305,7 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
         if msg.kind == "metrics":
             self.report.answer_metrics(int(msg.body), msg.reply, self._spawn)
             return
-        handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self._on_announce,
+        handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self.table.on_announce,
                    "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
         try:
             msg.reply.set_result(handler(msg.body))
@@ -361,7 +350,7 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
         if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
                                        f"(synchronizer.max_learners={self.sc.max_learners})")
-        start_step = self.registry.join(req, self.ctx.clock(), self.g)
+        start_step = self.registry.join(req, self.ctx.clock(), self.table.g)
         self.read_leases.joined(req.learner_id, self.book.versions())  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
@@ -391,9 +380,7 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
                            ("step_time_s", hb.step_time_s), ("link_s_per_fragment", hb.link_s_per_fragment)):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
-        opens = () if stop else tuple(
-            (p, n, self.book[p].version) for (p, n), rnd in sorted(self.rounds.items())
-            if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries)
+        opens = () if stop else self.table.opens_for(lid)
         info.stop_sent = info.stop_sent or stop
         return self._replies(self.book, opens, stop, self.ctx.epoch)  # shared by learners in the same state
 
@@ -410,9 +397,9 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
-        sweep = self._sweeps.due(now, self.inbox.empty())
-        for part in (self._liveness, self._check_budget, *((self._schedule, self._progress_rounds) if sweep else ()),
-                     self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
+        swept = (self.table.schedule, self.table.progress_rounds) if self._sweeps.due(now, self.inbox.empty()) else ()
+        for part in (self._liveness, self._check_budget, *swept, self._check_drain, self._checkpoint_if_due,
+                     self._goodput_series, self._progress_stop):
             self._guarded(part, now)
 
     def _check_lease(self, now: float) -> None:
@@ -436,7 +423,7 @@ class Synchronizer(RoundDriver, Checkpointing, Stopping):
 
     def _check_budget(self, now: float) -> None:
         if self.life.running:
-            reason = budget_stop_reason(self.ctx.cfg.budget, tokens=self.registry.tokens_processed(), g=self.g,
+            reason = budget_stop_reason(self.ctx.cfg.budget, tokens=self.registry.tokens_processed(), g=self.table.g,
                                         elapsed_s=now - self.ctx.started_s)
             if reason is not None:
                 self._begin_stop(reason)

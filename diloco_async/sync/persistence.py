@@ -164,7 +164,7 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
     sync.registry.restore(m["ledgers"], m["learners"], sync.ctx.clock(), checkpoint_age_s=time.time() - written_unix_s)
     sync.registry.wire.restore(m.get("wire_bytes", {}))
-    sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
+    sync.table.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     sync.report.counters.clear()
     sync.report.counters.update(m["counters"])
     for name, attr in BY_REASON.items():  # (absent from checkpoints written before they were kept)
@@ -265,7 +265,7 @@ def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
             tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
             if f.published is not f.current:  # compressed downloads (diloco_async/codec/versions.py)
                 tensors[tensor_key(f.p, "published", name)] = f.published[name]
-    open_round = {p: n for (p, n) in sync.rounds}
+    open_round = {p: n for (p, n) in sync.table.rounds}
     ledgers, learners = sync.registry.to_manifest(sync.ctx.clock())
     counters = sync.report.counters
     manifest = {
@@ -277,7 +277,7 @@ def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
         # a round in flight is not in this checkpoint: a resumed run opens it again
         "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in sync.book},
         "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in sync.book},
-        "global_step": sync.g,
+        "global_step": sync.table.g,
         "wire_bytes": sync.registry.wire.to_json(),
         "ledgers": ledgers,
         "learners": learners,

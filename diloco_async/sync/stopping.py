@@ -31,10 +31,9 @@ class Stopping:
     life: Any
     sc: Any
     ctx: Any
-    rounds: dict
+    table: Any
     registry: Any
     push: Any
-    waiting: list
     checkpoints: Any
     report: Any
     inbox: asyncio.Queue
@@ -44,8 +43,8 @@ class Stopping:
     _drain_until_s: float
 
     def _check_drain(self, now: float) -> None:
-        if self.life.phase is Phase.DRAINING and (not self.rounds or now >= self._drain_until_s):
-            log.info("drain finished (%s)", "every last round closed" if not self.rounds else "timeout")
+        if self.life.phase is Phase.DRAINING and (not self.table.rounds or now >= self._drain_until_s):
+            log.info("drain finished (%s)", "every last round closed" if not self.table.rounds else "timeout")
             self._begin_stop(self.life.drain_reason)
 
     def _begin_stop(self, reason: str) -> None:
@@ -56,7 +55,7 @@ class Stopping:
             self.life.move(Phase.DRAINING)
             self.life.drain_reason = reason
             self._drain_until_s = now + self.sc.drain_s
-            opened = self._open_last_rounds(now)
+            opened = self.table.open_last_rounds(now)
             log.info("stopping (%s): draining, last rounds %s, at most %.0fs", reason, ", ".join(opened) or "-",
                      self.sc.drain_s)
             return
@@ -64,11 +63,11 @@ class Stopping:
         self.life.stop_reason, self.life.stop_since_s = reason, now
         log.info("stopping: %s", reason)
         self.push.publish({"type": "stop", "reason": reason})
-        self.waiting.clear()
+        self.table.waiting.clear()
 
     def _progress_stop(self, now: float) -> None:
         """STOPPING -> final checkpoint -> summary written -> every learner told -> FINISHED."""
-        if not self.life.stopped or self.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
+        if not self.life.stopped or self.table.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
             return
         phase = self.life.phase
         if phase is Phase.STOPPING:

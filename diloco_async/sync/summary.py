@@ -95,7 +95,7 @@ def summary(sync: ActorView) -> dict:
         # garbage collection: objects deleted, and versions left for live learners' reads (policy/catchup.py)
         "gc_deleted_objects": c["gc_deleted_objects"],
         "gc_kept_for_reads": c["gc_kept_for_reads"],
-        "global_step": sync.g,
+        "global_step": sync.table.g,
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                            **reg.ledgers[lid].to_json(),
                            "compute_goodput": reg.ledgers[lid].compute_goodput,
@@ -131,7 +131,7 @@ def status(sync: ActorView) -> dict:
     s = summary(sync)
     now = sync.ctx.clock()
     rounds = []
-    for (p, n), r in sorted(sync.rounds.items()):
+    for (p, n), r in sorted(sync.table.rounds.items()):
         entries = r.state.entries
         rounds.append({"fragment": p, "round": n, "stage": r.state.stage.value, "open_s": now - r.state.opened_s,
                        "announced": sorted(entries), "verified": r.state.verified,

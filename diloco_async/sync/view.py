@@ -16,7 +16,8 @@ from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle
 from diloco_async.sync.reporting import Reporter
-from diloco_async.sync.state import CheckpointBook, Round
+from diloco_async.sync.rounds import RoundTable
+from diloco_async.sync.state import CheckpointBook
 
 __all__ = ["ActorView"]
 
@@ -27,11 +28,10 @@ class ActorView(Protocol):
 
     ctx: ActorContext  # config, run id, epoch, store, lease epoch, clock, start
     book: FragmentBook  # the fragments this synchronizer holds (and the plan)
-    rounds: dict[tuple[int, int], Round]
+    table: RoundTable  # the open rounds and the global step
     registry: LearnerRegistry
     report: Reporter
     checkpoints: CheckpointBook
     life: Lifecycle
-    g: int | None  # the global step of the newest merge
     resumed_from: int | None  # the checkpoint sequence number this process resumed from
     final_summary: dict | None

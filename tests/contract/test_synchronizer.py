@@ -559,7 +559,7 @@ async def test_verifications_in_flight_are_bounded_by_the_setting(monkeypatch, s
             await contribute(client, store, lid, fragment_delta(plan, 0.1 + i))
 
         async def all_arrived() -> bool:  # in fetch_and_verify, or queued for a slot
-            waiting = sum(not w.done() for w in (getattr(sync.verify_slots, "_waiters", None) or ()))
+            waiting = sum(not w.done() for w in (getattr(sync.table.verify_slots, "_waiters", None) or ()))
             return running_now[0] + waiting == len(LEARNERS)
 
         await await_until(all_arrived, 30, "three verifications running or waiting for a slot")

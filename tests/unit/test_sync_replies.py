@@ -28,11 +28,11 @@ def test_replies_are_shared_and_each_learner_hears_its_own_open_rounds():
 
         first = [beat(lid) for lid in ids]
         assert first[0] is first[1] is first[2] and first[0].open_rounds == []  # one model for all
-        sync._open_round(sync.book[0], 1, sync.ctx.clock())
+        sync.table.open_round(sync.book[0], 1, sync.ctx.clock())
         ref = f"{keys.contribution_round_prefix('run1', 0, 1)}/a/x"
         ann = Announcement(learner_id="a", fragment=0, round_n=1, base_version=0, c_steps=1, c_tokens=8,
                            compute_s=0.1, key=ref, nbytes=10, sha256="0" * 64, codec="fp32", update_id="u1")
-        sync.rounds[(0, 1)].state.announce("a", ann.key, sync.ctx.clock())
+        sync.table.rounds[(0, 1)].state.announce("a", ann.key, sync.ctx.clock())
         a, b, c = (beat(lid) for lid in ids)
         assert a.open_rounds == [] and a is not b  # a announced: round 1 of fragment 0 is not news to it
         assert b is c and [(r.fragment, r.round_n, r.version) for r in b.open_rounds] == [(0, 1, 0)]
@@ -60,7 +60,7 @@ def test_the_actor_is_what_persistence_and_summary_read():
     try:
         assert isinstance(sync, ActorView)
         hints = typing.get_type_hints(ActorView)
-        assert set(hints) >= {"ctx", "book", "registry", "report", "checkpoints", "life"}
+        assert set(hints) >= {"ctx", "book", "table", "registry", "report", "checkpoints", "life"}
         for name, hint in hints.items():
             if isinstance(hint, type) and hint is not ObjectStore:  # the store may be fenced (FencedStore)
                 assert isinstance(getattr(sync, name), hint), name
