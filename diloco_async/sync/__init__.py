@@ -12,7 +12,8 @@
 ``lifecycle``       :class:`Phase` and its allowed transitions
 ``sweeps``          :class:`SweepTimer`: when the parts that look at every live learner run
 ``work``            blocking work run in threads: fetch and verify, merge and publish
-``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
+``persistence``     initial publish, checkpoint payload, restore
+``checkpoints``     :class:`Checkpointer`: the checkpoint book; starts checkpoints, takes their outcome, GC
 ``lease``           the run's lease (fencing a second synchronizer), fenced writes, the actor's :class:`Fence`
 ``context``         :class:`ActorContext`: what the actor's components share and none changes
 ``reporting``       counters, metric stream, merge log, summary and status

@@ -23,6 +23,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from diloco_async.config.schema import Config, config_hash
@@ -33,7 +34,7 @@ from diloco_async.policy.rounds import budget_stop_reason
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
-from diloco_async.sync.checkpoints import Checkpointing
+from diloco_async.sync.checkpoints import Checkpointer
 from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
@@ -45,7 +46,6 @@ from diloco_async.sync.rounds import SETTLED_CAP, RoundTable
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
-    CheckpointBook,
     CheckpointDone,
     FinalWritten,
     Merged,
@@ -105,7 +105,7 @@ class MemoryTails:
     settled: int = SETTLED_CAP
 
 
-class Synchronizer(Checkpointing, Stopping):
+class Synchronizer(Stopping):
     """The synchronizer of one run.
 
     Args:
@@ -140,9 +140,9 @@ class Synchronizer(Checkpointing, Stopping):
         self.finished = asyncio.Event()
         self.final_summary: dict | None = None
         self._final_figures: dict = {}  # the summary taken with the final checkpoint
-        self.resumed_from: int | None = None
-        self.checkpoints = CheckpointBook(self.ctx.started_s)
         self.report = Reporter(self.ctx.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
+        self.checkpoints = Checkpointer(self.ctx, self.report, partial(persistence.checkpoint_payload, self),
+                                        self._versions_being_read)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
@@ -290,7 +290,7 @@ class Synchronizer(Checkpointing, Stopping):
         elif isinstance(msg, Merged):
             self.table.on_merged(msg)
         elif isinstance(msg, CheckpointDone):
-            self._on_checkpoint_done(msg)
+            self.checkpoints.on_done(msg)
         elif isinstance(msg, FinalWritten):
             self.life.move(Phase.FINISHING)
 
@@ -298,9 +298,7 @@ class Synchronizer(Checkpointing, Stopping):
         if msg.reply.cancelled():
             return
         if msg.kind == "checkpoint":  # answered when the checkpoint is written
-            self.checkpoints.waiters.append(msg.reply)
-            if not self.checkpoints.in_flight:
-                self._start_checkpoint()
+            self.checkpoints.request(msg.reply)
             return
         if msg.kind == "metrics":
             self.report.answer_metrics(int(msg.body), msg.reply, self._spawn)
@@ -402,6 +400,10 @@ class Synchronizer(Checkpointing, Stopping):
                      self._goodput_series, self._progress_stop):
             self._guarded(part, now)
 
+    def _versions_being_read(self) -> dict[int, set[int]]:
+        """Fragment -> the versions live learners may still be reading (their read leases)."""
+        return self.read_leases.keep(self.registry.live_ids(), self.book.versions())
+
     def _check_lease(self, now: float) -> None:
         if self.fence.check(self.life, self.report.counters):
             self.finished.set()
@@ -429,5 +431,5 @@ class Synchronizer(Checkpointing, Stopping):
                 self._begin_stop(reason)
 
     def _checkpoint_if_due(self, now: float) -> None:
-        if self.life.running and self.checkpoints.due(now, self.counters["merges"], self.sc.checkpoint_every_s):
-            self._start_checkpoint()
+        if self.life.running:
+            self.checkpoints.start_if_due(now)

@@ -171,9 +171,8 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
         counts = getattr(sync.report, attr)
         counts.clear()
         counts.update(m.get("by_reason", {}).get(name, {}))
-    sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.ctx.store, sync.ctx.run_id),
-                             sync.report.counters["merges"])
-    sync.resumed_from = ckpt.seq
+    sync.checkpoints.book.resumed(ckpt.seq, list_checkpoint_seqs(sync.ctx.store, sync.ctx.run_id),
+                                  sync.report.counters["merges"])
     log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.ctx.run_id, ckpt.seq,
              {f.p: f.version for f in sync.book}, {f.p: f.next_round for f in sync.book})
     c = sync.report.counters

@@ -280,6 +280,7 @@ class CheckpointBook:
         self.in_flight = False
         self.gc_in_flight = False
         self.waiters: list = []  # futures of POST /checkpoint requests
+        self.resumed_from: int | None = None  # the checkpoint this process resumed from
         self._merges_at_checkpoint = -1
         self._last_s = started_s
 
@@ -307,5 +308,6 @@ class CheckpointBook:
 
     def resumed(self, seq: int, listed: list[int], merges: int) -> None:
         """After a resume from ``seq``: never reuse a listed (even torn) sequence number."""
+        self.resumed_from = seq
         self.seq = max([seq, *listed])
         self._merges_at_checkpoint = merges

@@ -67,7 +67,8 @@ class Stopping:
 
     def _progress_stop(self, now: float) -> None:
         """STOPPING -> final checkpoint -> summary written -> every learner told -> FINISHED."""
-        if not self.life.stopped or self.table.rounds or self.checkpoints.in_flight or self.checkpoints.gc_in_flight:
+        book = self.checkpoints.book
+        if not self.life.stopped or self.table.rounds or book.in_flight or book.gc_in_flight:
             return
         phase = self.life.phase
         if phase is Phase.STOPPING:
@@ -76,7 +77,7 @@ class Stopping:
             # continues every counter from the value the summary reports (learners still heard from
             # while the checkpoint is written count in neither)
             self._final_figures = self.summary()
-            self._start_checkpoint()
+            self.checkpoints.start()
         elif phase is Phase.FINAL_CHECKPOINT:
             self.life.move(Phase.WRITING_SUMMARY)
             self.final_summary = summary.with_checkpoint_outcome(self._final_figures, self)

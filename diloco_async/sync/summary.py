@@ -65,7 +65,7 @@ def summary(sync: ActorView) -> dict:
     return {
         "run_id": sync.ctx.run_id,
         "epoch": sync.ctx.epoch,
-        "resumed_from": sync.resumed_from,
+        "resumed_from": sync.checkpoints.book.resumed_from,
         "stop_reason": sync.life.stop_reason,
         "wall_s": now - sync.ctx.started_s,
         **totals(reg.ledgers, reg.silent_s(now)),
@@ -91,7 +91,7 @@ def summary(sync: ActorView) -> dict:
         **rep.traffic.figures(),  # since this process started (a resumed run starts them again)
         **_net_summary(reg),
         "checkpoints": c["checkpoints"],
-        "last_checkpoint_seq": sync.checkpoints.last_seq,
+        "last_checkpoint_seq": sync.checkpoints.book.last_seq,
         # garbage collection: objects deleted, and versions left for live learners' reads (policy/catchup.py)
         "gc_deleted_objects": c["gc_deleted_objects"],
         "gc_kept_for_reads": c["gc_kept_for_reads"],
@@ -109,7 +109,7 @@ def with_checkpoint_outcome(figures: dict, sync: ActorView) -> dict:
     """``figures`` (a :func:`summary` taken when the final checkpoint began) with that checkpoint's
     outcome: ``checkpoints`` and ``last_checkpoint_seq`` as they are now."""
     return {**figures, "checkpoints": sync.report.counters["checkpoints"],
-            "last_checkpoint_seq": sync.checkpoints.last_seq}
+            "last_checkpoint_seq": sync.checkpoints.book.last_seq}
 
 
 def _recent_merges(sync: ActorView, count: int) -> list[dict]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from diloco_async.sync.checkpoints import Checkpointer
 from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle
 from diloco_async.sync.reporting import Reporter
 from diloco_async.sync.rounds import RoundTable
-from diloco_async.sync.state import CheckpointBook
 
 __all__ = ["ActorView"]
 
@@ -31,7 +31,6 @@ class ActorView(Protocol):
     table: RoundTable  # the open rounds and the global step
     registry: LearnerRegistry
     report: Reporter
-    checkpoints: CheckpointBook
+    checkpoints: Checkpointer  # its book: sequence numbers, in flight, resumed from
     life: Lifecycle
-    resumed_from: int | None  # the checkpoint sequence number this process resumed from
     final_summary: dict | None
