@@ -11,6 +11,7 @@
 ``learners``        the learner registry and goodput ledgers
 ``lifecycle``       :class:`Phase` and its allowed transitions
 ``sweeps``          :class:`SweepTimer`: when the parts that look at every live learner run
+``stopping``        :class:`StopSequence`: drain, tell the learners, final checkpoint, summary, finish
 ``work``            blocking work run in threads: fetch and verify, merge and publish
 ``persistence``     initial publish, checkpoint payload, restore
 ``checkpoints``     :class:`Checkpointer`: the checkpoint book; starts checkpoints, takes their outcome, GC

@@ -53,7 +53,7 @@ from diloco_async.sync.state import (
     Verified,
     initial_state,
 )
-from diloco_async.sync.stopping import Stopping
+from diloco_async.sync.stopping import StopSequence
 from diloco_async.sync.sweeps import SWEEP_MIN_S, SweepTimer
 from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
@@ -105,7 +105,7 @@ class MemoryTails:
     settled: int = SETTLED_CAP
 
 
-class Synchronizer(Stopping):
+class Synchronizer:
     """The synchronizer of one run.
 
     Args:
@@ -136,10 +136,6 @@ class Synchronizer(Stopping):
                                         cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
         self.read_leases = ReadLeases(self.sc.read_lease_versions)  # versions gc keeps for the learners' reads
         self.life = Lifecycle()
-        self._drain_until_s = 0.0
-        self.finished = asyncio.Event()
-        self.final_summary: dict | None = None
-        self._final_figures: dict = {}  # the summary taken with the final checkpoint
         self.report = Reporter(self.ctx.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
         self.checkpoints = Checkpointer(self.ctx, self.report, partial(persistence.checkpoint_payload, self),
                                         self._versions_being_read)
@@ -151,6 +147,8 @@ class Synchronizer(Stopping):
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self._goodput_merges, self._goodput_at_s = 0, self.ctx.started_s  # the last goodput series point
         self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
+        self.stop_sequence = StopSequence(self.ctx, self.life, self.table, self.registry, self.checkpoints,
+                                          self.report, self.push, self.summary)
         self._sweeps = SweepTimer()
         self._versions = VersionInfos()
         self._replies = HeartbeatReplies(self._versions)
@@ -188,6 +186,11 @@ class Synchronizer(Stopping):
     def stop_reason(self) -> str | None:
         return self.life.stop_reason
 
+    @property
+    def final_summary(self) -> dict | None:
+        """The summary the run ends with (None until the final checkpoint's outcome is known)."""
+        return self.stop_sequence.final_summary
+
     # -- start-up, reports --------------------------------------------------------------------
 
     def publish_initial(self) -> None:
@@ -215,7 +218,7 @@ class Synchronizer(Stopping):
             LeaseLost: another synchronizer took the run's lease; nothing was published since.
         """
         try:
-            while not self.finished.is_set():
+            while not self.life.ended:
                 # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as wait_for's inner
                 # get() finishes is swallowed (CPython gh-86296), and a cancelled actor then loops for good
                 try:
@@ -231,7 +234,7 @@ class Synchronizer(Stopping):
                         self._guarded(self._dispatch, self.inbox.get_nowait())
                 self._advance()
                 self.board.tick(self.life.phase.value)  # O(1): /health; /status is built when asked
-                if (self.board.wanted() and self.board.due()) or self.finished.is_set():
+                if (self.board.wanted() and self.board.due()) or self.life.ended:
                     self._guarded(self._publish_status, None)
         finally:
             self._refuse_what_is_left()
@@ -243,8 +246,8 @@ class Synchronizer(Stopping):
             self.close()
         if self.life.phase is Phase.FENCED:
             self.fence.raise_lost()
-        assert self.final_summary is not None
-        return self.final_summary
+        assert self.stop_sequence.final_summary is not None
+        return self.stop_sequence.final_summary
 
     def close(self) -> None:
         """Close and delete the spill files (the in-memory tails stay readable)."""
@@ -292,7 +295,7 @@ class Synchronizer(Stopping):
         elif isinstance(msg, CheckpointDone):
             self.checkpoints.on_done(msg)
         elif isinstance(msg, FinalWritten):
-            self.life.move(Phase.FINISHING)
+            self.stop_sequence.final_written(msg)
 
     def _on_request(self, msg: Request) -> None:
         if msg.reply.cancelled():
@@ -384,7 +387,7 @@ class Synchronizer(Stopping):
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once
-            self._begin_stop(str(reason))
+            self.stop_sequence.begin(str(reason))
         return True
 
     # -- the clock-driven part ----------------------------------------------------------------
@@ -396,8 +399,9 @@ class Synchronizer(Stopping):
         if self.life.phase is Phase.FENCED:
             return
         swept = (self.table.schedule, self.table.progress_rounds) if self._sweeps.due(now, self.inbox.empty()) else ()
-        for part in (self._liveness, self._check_budget, *swept, self._check_drain, self._checkpoint_if_due,
-                     self._goodput_series, self._progress_stop):
+        stop = self.stop_sequence
+        for part in (self._liveness, self._check_budget, *swept, stop.check_drain, self._checkpoint_if_due,
+                     self._goodput_series, stop.progress):
             self._guarded(part, now)
 
     def _versions_being_read(self) -> dict[int, set[int]]:
@@ -405,8 +409,7 @@ class Synchronizer(Stopping):
         return self.read_leases.keep(self.registry.live_ids(), self.book.versions())
 
     def _check_lease(self, now: float) -> None:
-        if self.fence.check(self.life, self.report.counters):
-            self.finished.set()
+        self.fence.check(self.life, self.report.counters)  # a lost lease: FENCED, and the loop ends
 
     def _goodput_series(self, now: float) -> None:
         """A point of the goodput time series every ``tracking.goodput_series_s`` while merges go on."""
@@ -428,7 +431,7 @@ class Synchronizer(Stopping):
             reason = budget_stop_reason(self.ctx.cfg.budget, tokens=self.registry.tokens_processed(), g=self.table.g,
                                         elapsed_s=now - self.ctx.started_s)
             if reason is not None:
-                self._begin_stop(reason)
+                self.stop_sequence.begin(reason)
 
     def _checkpoint_if_due(self, now: float) -> None:
         if self.life.running:

@@ -8,10 +8,12 @@ on the actor's task and only read (:class:`~diloco_async.sync.view.ActorView` na
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from diloco_async.metrics.goodput import totals
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.reporting import UPTIME_MIN_GAP_S
+from diloco_async.sync.state import CheckpointBook
 from diloco_async.sync.view import ActorView
 from diloco_async.sync.wire_bytes import per_token
 
@@ -105,11 +107,10 @@ def summary(sync: ActorView) -> dict:
     }
 
 
-def with_checkpoint_outcome(figures: dict, sync: ActorView) -> dict:
+def with_checkpoint_outcome(figures: dict, counters: Counter[str], checkpoints: CheckpointBook) -> dict:
     """``figures`` (a :func:`summary` taken when the final checkpoint began) with that checkpoint's
-    outcome: ``checkpoints`` and ``last_checkpoint_seq`` as they are now."""
-    return {**figures, "checkpoints": sync.report.counters["checkpoints"],
-            "last_checkpoint_seq": sync.checkpoints.book.last_seq}
+    outcome: ``checkpoints`` (of ``counters``) and ``last_checkpoint_seq`` as they are now."""
+    return {**figures, "checkpoints": counters["checkpoints"], "last_checkpoint_seq": checkpoints.last_seq}
 
 
 def _recent_merges(sync: ActorView, count: int) -> list[dict]:
