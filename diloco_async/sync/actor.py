@@ -123,7 +123,6 @@ class Synchronizer:
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
                  tails: MemoryTails = MemoryTails(), lease: Lease | None = None) -> None:
-        self.sc = cfg.synchronizer
         self.fence = Fence(store, lease)
         self.inbox: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
@@ -134,24 +133,23 @@ class Synchronizer:
         self.push = Broadcaster()
         self.registry = LearnerRegistry(PaceLimits.from_config(cfg),  # calibrated per learner by the registry
                                         cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
-        self.read_leases = ReadLeases(self.sc.read_lease_versions)  # versions gc keeps for the learners' reads
+        self.read_leases = ReadLeases(cfg.synchronizer.read_lease_versions)  # versions gc keeps for the learners' reads
         self.life = Lifecycle()
         self.report = Reporter(self.ctx.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
-        self.checkpoints = Checkpointer(self.ctx, self.report, partial(persistence.checkpoint_payload, self),
-                                        self._versions_being_read)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
-        self.book = FragmentBook.build(plan, params, self.sc, self.ctx.store)  # every fragment of the plan
+        self.book = FragmentBook.build(plan, params, cfg.synchronizer, self.ctx.store)  # every fragment of the plan
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
-        self._goodput_merges, self._goodput_at_s = 0, self.ctx.started_s  # the last goodput series point
         self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
+        self.checkpoints = Checkpointer(self.ctx, self.report, partial(
+            persistence.checkpoint_payload, self.ctx, book=self.book, table=self.table, registry=self.registry,
+            report=self.report), gc_keep=self._versions_being_read)
         self.stop_sequence = StopSequence(self.ctx, self.life, self.table, self.registry, self.checkpoints,
                                           self.report, self.push, self.summary)
         self._sweeps = SweepTimer()
-        self._versions = VersionInfos()
-        self._replies = HeartbeatReplies(self._versions)
+        self._replies = HeartbeatReplies(VersionInfos())
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
@@ -195,19 +193,22 @@ class Synchronizer:
 
     def publish_initial(self) -> None:
         """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
-        persistence.publish_initial(self)
+        persistence.publish_initial(self.ctx, self.book)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Continue from a verified checkpoint of this run; see :func:`persistence.restore`."""
-        persistence.restore(self, ckpt)
+        persistence.restore(ckpt, self.ctx, book=self.book, table=self.table, registry=self.registry,
+                            report=self.report, checkpoints=self.checkpoints.book)
 
     def summary(self) -> dict:
         """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
-        return summary.summary(self)
+        return summary.summary(self.ctx, book=self.book, table=self.table, registry=self.registry,
+                               report=self.report, checkpoints=self.checkpoints.book, life=self.life)
 
     def status(self) -> dict:
         """The summary, open rounds and lifecycle phase (``GET /status``)."""
-        return summary.status(self)
+        return summary.status(self.summary(), self.ctx, table=self.table, registry=self.registry,
+                              report=self.report, life=self.life, finished=self.final_summary is not None)
 
     # -- the actor loop -----------------------------------------------------------------------
 
@@ -348,9 +349,10 @@ class Synchronizer:
     # -- learner messages ---------------------------------------------------------------------
 
     def _on_join(self, req: JoinRequest) -> JoinResponse:
-        if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
+        cap = self.ctx.sc.max_learners
+        if req.learner_id not in self.registry and len(self.registry.learners) >= cap:
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
-                                       f"(synchronizer.max_learners={self.sc.max_learners})")
+                                       f"(synchronizer.max_learners={cap})")
         start_step = self.registry.join(req, self.ctx.clock(), self.table.g)
         self.read_leases.joined(req.learner_id, self.book.versions())  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
@@ -358,7 +360,7 @@ class Synchronizer:
         cfg = self.ctx.cfg
         return JoinResponse(run_id=self.ctx.run_id, config=cfg.public_dict(), config_hash=config_hash(cfg),
                             plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
-                            versions=self._versions(self.book), epoch=self.ctx.epoch, start_step=start_step)
+                            versions=self._replies.versions(self.book), epoch=self.ctx.epoch, start_step=start_step)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id
@@ -413,14 +415,13 @@ class Synchronizer:
 
     def _goodput_series(self, now: float) -> None:
         """A point of the goodput time series every ``tracking.goodput_series_s`` while merges go on."""
-        merges = self.report.counters["merges"]
-        if merges > self._goodput_merges and now - self._goodput_at_s >= self.ctx.cfg.tracking.goodput_series_s:
-            self._goodput_merges, self._goodput_at_s = merges, now
-            uptime = self.report.merge_gaps.uptime(now, summary.uptime_max_gap_s(self))
+        if self.report.goodput_point_due(now, self.ctx.cfg.tracking.goodput_series_s):
+            max_gap_s = summary.uptime_max_gap_s(self.registry, self.ctx.sc.sync_every, len(self.book))
+            uptime = self.report.merge_gaps.uptime(now, max_gap_s)
             self.report.goodput_series(self.ledgers, uptime, self.registry.silent_s(now))
 
     def _liveness(self, now: float) -> None:
-        for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):
+        for info in self.registry.mark_lost(now, self.ctx.sc.heartbeat_timeout_s):
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))

@@ -46,7 +46,7 @@ class HeartbeatReplies:
     they are handed out (callers must not change them either)."""
 
     def __init__(self, versions: VersionInfos) -> None:
-        self._versions = versions
+        self.versions = versions  # the current version infos, shared with the join replies
         self._replies: dict[tuple, HeartbeatResponse] = {}
 
     def __call__(self, fragments: Iterable[FragmentState], opens: tuple[tuple[int, int, int], ...], stop: bool,
@@ -59,5 +59,5 @@ class HeartbeatReplies:
                 self._replies.clear()
             reply = self._replies[key] = HeartbeatResponse(
                 open_rounds=[RoundOpen(fragment=p, round_n=n, version=v) for p, n, v in opens],
-                versions=self._versions(fragments), stop=stop, epoch=epoch)
+                versions=self.versions(fragments), stop=stop, epoch=epoch)
         return reply

@@ -23,7 +23,6 @@ from diloco_async.merge.core import OuterOptimizer, merge_outer_gradients
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.actor import MemoryTails
-from diloco_async.sync.persistence import restore
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
@@ -182,7 +181,7 @@ async def test_nan_contribution_rejected_round_goes_on(caplog):
     assert ck is not None and all(torch.isfinite(t).all() for t in ck.tensors.values())
     assert ck.manifest["versions"]["0"] == 1
     resumed = Synchronizer(small_config(), store, "run1")  # the counters by reason continue on a resume
-    await asyncio.to_thread(restore, resumed, ck)
+    await asyncio.to_thread(resumed.restore, ck)
     assert resumed.report.rejected_by_reason == {"non_finite": 1}
     assert resumed.report.counters["contributions_merged"] == 2
 

@@ -93,3 +93,58 @@ def test_a_book_refuses_a_fragment_held_twice():
     f = FragmentBook.build(plan, params, sc, indices=[2])[2]
     with pytest.raises(ValueError, match="fragment index 2"):
         FragmentBook(plan, [f, f])
+
+
+def test_persistence_restores_a_book_of_some_fragments_from_a_checkpoint_of_the_whole_run():
+    """persistence takes the actor's components, not the actor: a checkpoint written from the
+    components of a synchronizer over the whole plan restores a book over fragment 1 alone (with a
+    round table, learner registry, reporter and checkpoint book of its own)."""
+    import asyncio
+
+    from diloco_async.sync import persistence
+    from diloco_async.sync.context import ActorContext
+    from diloco_async.sync.learners import LearnerRegistry
+    from diloco_async.sync.lifecycle import Lifecycle
+    from diloco_async.sync.reporting import Reporter
+    from diloco_async.sync.rounds import RoundTable
+    from diloco_async.sync.state import Broadcaster, CheckpointBook, initial_state
+    from storage.checkpoint import latest_checkpoint, write_checkpoint
+
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
+                             "synchronizer.num_fragments=2"])
+    store = ObjectStore(f"memory://book-{uuid.uuid4().hex}")
+
+    def components(indices):
+        ctx = ActorContext(cfg, "run1", uuid.uuid4().hex[:12], store, 0, lambda: 100.0, 100.0, asyncio.Queue(),
+                           lambda coro: coro.close())
+        params, plan = initial_state(cfg)
+        book = FragmentBook.build(plan, params, cfg.synchronizer, store, indices)
+        registry, report = LearnerRegistry(), Reporter(100.0, "run1")
+        table = RoundTable(ctx, book, registry, report, Broadcaster(), Lifecycle())
+        return ctx, book, table, registry, report
+
+    ctx, book, table, registry, report = components(None)
+    persistence.publish_initial(ctx, book)
+    f = book[1]  # one merged round of fragment 1, as the round table runs it
+    book.begin_round(f, 1)
+    res = merge_and_publish(store, "run1", f, 1, [_contribution(lid, 1, f.shapes, seed) for seed, lid in
+                                                  enumerate("ab")], cfg.synchronizer.merge)
+    assert res.ok, res.reason
+    book.adopt(f, res, cfg.synchronizer.max_staleness)
+    book.end_round(f)
+    report.counters["merges"] += 1
+    table.g = 7
+    tensors, manifest = persistence.checkpoint_payload(ctx, book=book, table=table, registry=registry, report=report)
+    write_checkpoint(store, "run1", 1, tensors, manifest)
+    report.close()
+
+    ctx2, part, table2, registry2, report2 = components([1])
+    checkpoints = CheckpointBook(100.0)
+    persistence.restore(latest_checkpoint(store, "run1"), ctx2, book=part, table=table2, registry=registry2,
+                        report=report2, checkpoints=checkpoints)
+    report2.close()
+    assert part.indices == (1,) and part.versions() == {1: 1} and part[1].next_round == 2
+    assert all(torch.equal(part[1].current[n], f.current[n]) and torch.equal(part[1].momentum[n], f.momentum[n])
+               for n in f.names)
+    assert part[1].optimizer.steps_taken == 1 and part[1].refs[1] == res.ref
+    assert table2.g == 7 and report2.counters["merges"] == 1 and checkpoints.resumed_from == 1

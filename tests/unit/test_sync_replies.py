@@ -44,25 +44,3 @@ def test_replies_are_shared_and_each_learner_hears_its_own_open_rounds():
         assert len(sync._replies._replies) <= REPLIES_CAP
     finally:
         sync.close()
-
-
-def test_the_actor_is_what_persistence_and_summary_read():
-    """persistence.py and summary.py take an ActorView, not the actor's class (no import cycle):
-    every name the view declares is there on a real Synchronizer, with the declared type where the
-    type is a class."""
-    import typing
-
-    from diloco_async.sync.view import ActorView
-
-    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
-                             "synchronizer.num_fragments=2"])
-    sync = Synchronizer(cfg, ObjectStore(f"memory://view-{uuid.uuid4().hex}"), "run1")
-    try:
-        assert isinstance(sync, ActorView)
-        hints = typing.get_type_hints(ActorView)
-        assert set(hints) >= {"ctx", "book", "table", "registry", "report", "checkpoints", "life"}
-        for name, hint in hints.items():
-            if isinstance(hint, type) and hint is not ObjectStore:  # the store may be fenced (FencedStore)
-                assert isinstance(getattr(sync, name), hint), name
-    finally:
-        sync.close()
