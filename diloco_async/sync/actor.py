@@ -11,6 +11,13 @@ clock-driven part: liveness, budgets, due rounds, quorum and grace, checkpoints 
 schedule and the rounds' quorum checks, which look at every live learner, run once the inbox is empty
 (but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of real time) or every
 :data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
+
+The actor's state lives in components, each the one owner of its part (issue 40 item 5; the table
+in docs/architecture.md): the fragment book (:class:`~diloco_async.sync.fragment_book.FragmentBook`),
+the round table (:class:`~diloco_async.sync.rounds.RoundTable`), the learner registry, the reporter,
+the checkpointer and its checkpoint book, the fence, the lifecycle and the stop sequence; what they
+share and none changes is the :class:`~diloco_async.sync.context.ActorContext`. The actor routes
+messages to them and runs the clock-driven part; persistence and the summary take the components.
 """
 
 from __future__ import annotations
@@ -106,7 +113,7 @@ class MemoryTails:
 
 
 class Synchronizer:
-    """The synchronizer of one run.
+    """The synchronizer of one run: the actor over its components (see the module doc).
 
     Args:
         cfg: the validated config.
@@ -162,10 +169,6 @@ class Synchronizer:
     def epoch(self) -> str:
         """This process's epoch (changes at every (re)start: learners reset their round state)."""
         return self.ctx.epoch
-
-    @property
-    def counters(self) -> Counter[str]:
-        return self.report.counters
 
     @property
     def rejected_by_reason(self) -> Counter[str]:
@@ -296,7 +299,7 @@ class Synchronizer:
         elif isinstance(msg, CheckpointDone):
             self.checkpoints.on_done(msg)
         elif isinstance(msg, FinalWritten):
-            self.stop_sequence.final_written(msg)
+            self.stop_sequence.final_written()
 
     def _on_request(self, msg: Request) -> None:
         if msg.reply.cancelled():
@@ -318,7 +321,7 @@ class Synchronizer:
             msg.reply.set_exception(err)
         except Exception as err:  # an error while handling one message must not kill the actor
             self.rejected_by_reason["handler_error"] += 1
-            self.counters["requests_rejected"] += 1
+            self.report.counters["requests_rejected"] += 1
             log.exception("%s of learner=%s failed: handler_error", msg.kind, _learner_of(msg.body))
             msg.reply.set_exception(HandlerError(f"{msg.kind} failed: {type(err).__name__}"))
 
@@ -331,8 +334,8 @@ class Synchronizer:
         except Exception as err:
             if isinstance(arg, Request) and not arg.reply.done():  # its sender must not wait forever
                 arg.reply.set_exception(HandlerError(f"{arg.kind} failed: {type(err).__name__}"))
-            self.counters["actor_errors"] += 1
-            n = self.counters["actor_errors"]
+            self.report.counters["actor_errors"] += 1
+            n = self.report.counters["actor_errors"]
             if n & (n - 1) == 0:  # a part that fails at every pass logs log2(n) times, not n
                 self.report.metric("sync/actor_errors", n)
                 log.exception("actor error in %s (%d so far); the run goes on", getattr(part, "__name__", "?"), n)

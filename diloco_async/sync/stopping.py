@@ -102,7 +102,7 @@ class StopSequence:
                                            or now - (self.life.stop_since_s or now) > FINISH_WAIT_S):
             self.life.move(Phase.FINISHED)
 
-    def final_written(self, msg: FinalWritten) -> None:
+    def final_written(self) -> None:
         """The final metrics, summary and logs are in the store (or failed to get there): FINISHING."""
         self.life.move(Phase.FINISHING)
 
