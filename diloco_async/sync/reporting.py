@@ -1,6 +1,6 @@
 """What the synchronizer reports: counters, the metric stream, the merge log, the run summary and
 the live status (DESIGN §7); the run summary and the status are built by
-:mod:`diloco_async.sync.summary` from the actor's state.
+:mod:`diloco_async.sync.summary` from the actor's components.
 
 Metric points are ``{"key", "value", "step", "timestamp_ms"}`` with units in the key
 (``sync/grace_s``, ``net/bytes_in``); ``GET /metrics?since=N`` serves them by number and the
