@@ -12,11 +12,11 @@ schedule and the rounds' quorum checks, which look at every live learner, run on
 (but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of real time) or every
 :data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
 
-The actor's state lives in components, each the one owner of its part (issue 40 item 5; the table
-in docs/architecture.md): the fragment book (:class:`~diloco_async.sync.fragment_book.FragmentBook`),
-the round table (:class:`~diloco_async.sync.rounds.RoundTable`), the learner registry, the reporter,
-the checkpointer and its checkpoint book, the fence, the lifecycle and the stop sequence; what they
-share and none changes is the :class:`~diloco_async.sync.context.ActorContext`. The actor routes
+The actor's state lives in components, each the one owner of its part (issue 40 item 5; the table in
+docs/architecture.md): the fragment book (:class:`~diloco_async.sync.fragment_book.FragmentBook`), the
+round table (:class:`~diloco_async.sync.rounds.RoundTable`), the learner registry, the read leases, the
+reporter, the checkpointer and its checkpoint book, the fence, the lifecycle and the stop sequence; what
+they share and none changes is the :class:`~diloco_async.sync.context.ActorContext`. The actor routes
 messages to them and runs the clock-driven part; persistence and the summary take the components.
 """
 
