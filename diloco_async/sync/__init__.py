@@ -1,17 +1,25 @@
 """The synchronizer (DESIGN §2-§5) as a package.
 
 ==================  ===================================================================
-``actor``           :class:`Synchronizer`: the inbox, dispatch, learner messages, checkpoints,
-                    the clock-driven part and the lifecycle
-``rounds``          schedule and open rounds, admit and verify contributions, quorum, grace,
-                    merge and apply (mixed into the actor)
-``state``           fragments, rounds, contributions, internal messages, the push channel
+``actor``           :class:`Synchronizer`: the inbox, dispatch to the components below,
+                    learner messages, the clock-driven part
+``context``         :class:`ActorContext`: what the actor's components share and none changes
+``fragment_book``   :class:`FragmentBook`: the fragments held (the whole plan, or a subset)
+``rounds``          :class:`RoundTable`: the open rounds and the global step; schedule and
+                    open rounds, admit and verify contributions, quorum, grace, merge and apply
+``guard``           :class:`UpdateGuard`: the update guard's memory (norms, directions)
 ``learners``        the learner registry and goodput ledgers
+``reporting``       counters, metric stream, merge log; ``summary``: the summary and status
+``checkpoints``     :class:`Checkpointer` and its checkpoint book: starts checkpoints, takes
+                    their outcome, collects garbage
+``lease``           the run's lease (fencing a second synchronizer), fenced writes, the actor's
+                    :class:`Fence`
 ``lifecycle``       :class:`Phase` and its allowed transitions
+``sweeps``          :class:`SweepTimer`: when the parts that look at every live learner run
+``stopping``        :class:`StopSequence`: drain, tell the learners, final checkpoint, summary
+``state``           fragments, rounds, contributions, internal messages, the push channel
 ``work``            blocking work run in threads: fetch and verify, merge and publish
-``persistence``     initial publish, checkpoint payload, restore, checkpoint bookkeeping
-``lease``           the run's lease (fencing a second synchronizer), fenced writes
-``reporting``       counters, metric stream, merge log, summary and status
+``persistence``     initial publish, checkpoint payload, restore (of the components)
 ``logs``            bounded in-memory logs that spill to local disk; rate-limited log lines
 ``http``            the aiohttp application in front of the actor
 ``gate``            credentials and the counters of requests refused at the edge

@@ -9,8 +9,15 @@ clock-driven part: liveness, budgets, due rounds, quorum and grace, checkpoints 
 :class:`~diloco_async.sync.lifecycle.Phase`. The work per message does not grow with the learners
 (issue 17; DESIGN §2.1): the registry keeps liveness, tokens and provisioned seconds incrementally; the
 schedule and the rounds' quorum checks, which look at every live learner, run once the inbox is empty
-(but at most every :data:`SWEEP_MIN_S` of real time: at 1,000 learners the inbox empties after almost
-every message) or every :data:`SWEEP_S`.
+(but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of real time) or every
+:data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
+
+The actor's state lives in components, each the one owner of its part (issue 40 item 5; the table in
+docs/architecture.md): the fragment book (:class:`~diloco_async.sync.fragment_book.FragmentBook`), the
+round table (:class:`~diloco_async.sync.rounds.RoundTable`), the learner registry, the read leases, the
+reporter, the checkpointer and its checkpoint book, the fence, the lifecycle and the stop sequence; what
+they share and none changes is the :class:`~diloco_async.sync.context.ActorContext`. The actor routes
+messages to them and runs the clock-driven part; persistence and the summary take the components.
 """
 
 from __future__ import annotations
@@ -23,49 +30,46 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.catchup import ReadLeases
-from diloco_async.policy.fragments import FragmentPlan
-from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import PaceLimits
-from diloco_async.policy.rounds import RoundStage, budget_stop_reason
+from diloco_async.policy.rounds import budget_stop_reason
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
-from diloco_async.sync.checkpoints import Checkpointing
-from diloco_async.sync.learners import LearnerInfo, LearnerRegistry
-from diloco_async.sync.lease import FencedStore, Fencing, Lease, LeaseLost
+from diloco_async.sync.checkpoints import Checkpointer
+from diloco_async.sync.context import ActorContext
+from diloco_async.sync.fragment_book import FragmentBook
+from diloco_async.sync.learners import LearnerRegistry
+from diloco_async.sync.lease import Fence, Lease
 from diloco_async.sync.lifecycle import Lifecycle, Phase
-from diloco_async.sync.logs import BoundedMap, JsonLinesLog, RateLimitedLog
+from diloco_async.sync.logs import JsonLinesLog, RateLimitedLog
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
-from diloco_async.sync.rounds import SETTLED_CAP, RoundDriver
+from diloco_async.sync.rounds import SETTLED_CAP, RoundTable
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
-    CheckpointBook,
     CheckpointDone,
     FinalWritten,
     Merged,
     Request,
-    Round,
     Verified,
     initial_state,
-    new_fragments,
 )
-from diloco_async.sync.stopping import Stopping
+from diloco_async.sync.stopping import StopSequence
+from diloco_async.sync.sweeps import SWEEP_MIN_S, SweepTimer
 from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
 from storage.checkpoint import Checkpoint
 from storage.store import ObjectStore
 
-__all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", "SWEEP_S", "SWEEP_MIN_S", "BATCH_MAX"]
+__all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", "BATCH_MAX"]
 
 log = logging.getLogger("diloco.synchronizer")
 
-SWEEP_S = 0.01  # seconds (actor's clock) at most between two runs of the schedule and the rounds' checks
-SWEEP_MIN_S = 0.005  # seconds (real time) at least between two of them while messages keep coming
 BATCH_MAX = 32
 """Messages handled at most per pass of the actor: those already queued are handled one after the
 other, then the clock-driven part runs once for all of them (issue 17: one pass per message cost
@@ -108,8 +112,8 @@ class MemoryTails:
     settled: int = SETTLED_CAP
 
 
-class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
-    """The synchronizer of one run.
+class Synchronizer:
+    """The synchronizer of one run: the actor over its components (see the module doc).
 
     Args:
         cfg: the validated config.
@@ -126,60 +130,45 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
                  tails: MemoryTails = MemoryTails(), lease: Lease | None = None) -> None:
-        self.cfg = cfg
-        self.sc = cfg.synchronizer
-        self.lease = lease
-        self.lease_epoch = lease.lease_epoch if lease is not None else 0
-        self.store = FencedStore(store, lease) if lease is not None else store
-        self.run_id = run_id
-        self.clock = clock
+        self.fence = Fence(store, lease)
         self.inbox: asyncio.Queue = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self.ctx = ActorContext(cfg, run_id, epoch=uuid.uuid4().hex[:12], store=self.fence.store,
+                                lease_epoch=self.fence.lease_epoch, clock=clock, started_s=clock(),
+                                inbox=self.inbox, spawn=self._spawn)
         self.stopped = False  # set when run() returns: request() then raises Stopped at once
         self.push = Broadcaster()
-        self.pace = PaceLimits.from_config(cfg)  # calibrated per learner by the registry
-        self.registry = LearnerRegistry(self.pace, cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
-        self.read_leases = ReadLeases(self.sc.read_lease_versions)  # versions gc keeps for the learners' reads
-        self.schedule_shift_steps = 0
-        self.rounds: dict[tuple[int, int], Round] = {}
-        self.waiting: list[tuple[int, int]] = []
-        self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
-        self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
-        self.settled = BoundedMap(tails.settled)
-        self.started_s = clock()
+        self.registry = LearnerRegistry(PaceLimits.from_config(cfg),  # calibrated per learner by the registry
+                                        cfg.guard.max_step_time_s, cfg.guard.step_time_multiple)
+        self.read_leases = ReadLeases(cfg.synchronizer.read_lease_versions)  # versions gc keeps for the learners' reads
         self.life = Lifecycle()
-        self._drain_until_s = 0.0
-        self.finished = asyncio.Event()
-        self.final_summary: dict | None = None
-        self._final_figures: dict = {}  # the summary taken with the final checkpoint
-        self._tasks: set[asyncio.Task] = set()
-        self.epoch = uuid.uuid4().hex[:12]  # changes at every (re)start: learners reset round state
-        self.resumed_from: int | None = None
-        self.checkpoints = CheckpointBook(self.started_s)
-        self.g: int | None = None
-        self.report = Reporter(self.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
+        self.report = Reporter(self.ctx.started_s, run_id, spill_dir, tails.metrics, tails.merges, clock=clock)
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
-        self.plan: FragmentPlan = plan
-        self.fragments = new_fragments(self.plan, params, self.sc, self.store)
-        self.norm_guard = NormGuard(cfg.guard, {n: t.numel() for n, t in params.items()})
+        self.book = FragmentBook.build(plan, params, cfg.synchronizer, self.ctx.store)  # every fragment of the plan
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
-        self.direction_guards = [DirectionGuard(cfg.guard) for _ in self.fragments]
-        self._goodput_merges, self._goodput_at_s = 0, self.started_s  # the last goodput series point
-        self.learner_directions = LearnerDirections(cfg.guard.direction_memory)
-        self._swept_s = -float("inf")  # when the schedule and the rounds last ran (clock s)
-        self._swept_real_s = -float("inf")  # the same, time.monotonic() (SWEEP_MIN_S)
-        self._sweep_pending = False  # a sweep was put off (SWEEP_MIN_S): the next pass comes sooner
-        self._versions = VersionInfos()
-        self._replies = HeartbeatReplies(self._versions)
+        self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
+        self.checkpoints = Checkpointer(self.ctx, self.report, partial(
+            persistence.checkpoint_payload, self.ctx, book=self.book, table=self.table, registry=self.registry,
+            report=self.report), gc_keep=self._versions_being_read)
+        self.stop_sequence = StopSequence(self.ctx, self.life, self.table, self.registry, self.checkpoints,
+                                          self.report, self.push, self.summary)
+        self._sweeps = SweepTimer()
+        self._replies = HeartbeatReplies(VersionInfos())
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 
     @property
-    def counters(self) -> Counter[str]:
-        return self.report.counters
+    def run_id(self) -> str:
+        return self.ctx.run_id
+
+    @property
+    def epoch(self) -> str:
+        """This process's epoch (changes at every (re)start: learners reset their round state)."""
+        return self.ctx.epoch
 
     @property
     def rejected_by_reason(self) -> Counter[str]:
@@ -190,10 +179,6 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         return self.report.metrics
 
     @property
-    def learners(self) -> dict[str, LearnerInfo]:
-        return self.registry.learners
-
-    @property
     def ledgers(self) -> dict[str, LearnerLedger]:
         self.registry.flush_provisioned()
         return self.registry.ledgers
@@ -202,23 +187,31 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     def stop_reason(self) -> str | None:
         return self.life.stop_reason
 
+    @property
+    def final_summary(self) -> dict | None:
+        """The summary the run ends with (None until the final checkpoint's outcome is known)."""
+        return self.stop_sequence.final_summary
+
     # -- start-up, reports --------------------------------------------------------------------
 
     def publish_initial(self) -> None:
         """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
-        persistence.publish_initial(self)
+        persistence.publish_initial(self.ctx, self.book)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Continue from a verified checkpoint of this run; see :func:`persistence.restore`."""
-        persistence.restore(self, ckpt)
+        persistence.restore(ckpt, self.ctx, book=self.book, table=self.table, registry=self.registry,
+                            report=self.report, checkpoints=self.checkpoints.book)
 
     def summary(self) -> dict:
         """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
-        return summary.summary(self)
+        return summary.summary(self.ctx, book=self.book, table=self.table, registry=self.registry,
+                               report=self.report, checkpoints=self.checkpoints.book, life=self.life)
 
     def status(self) -> dict:
         """The summary, open rounds and lifecycle phase (``GET /status``)."""
-        return summary.status(self)
+        return summary.status(self.summary(), self.ctx, table=self.table, registry=self.registry,
+                              report=self.report, life=self.life, finished=self.final_summary is not None)
 
     # -- the actor loop -----------------------------------------------------------------------
 
@@ -229,11 +222,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
             LeaseLost: another synchronizer took the run's lease; nothing was published since.
         """
         try:
-            while not self.finished.is_set():
+            while not self.life.ended:
                 # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as wait_for's inner
                 # get() finishes is swallowed (CPython gh-86296), and a cancelled actor then loops for good
                 try:
-                    async with asyncio.timeout(SWEEP_MIN_S if self._sweep_pending else 0.05):
+                    async with asyncio.timeout(SWEEP_MIN_S if self._sweeps.pending else 0.05):
                         msg = await self.inbox.get()
                 except TimeoutError:
                     msg = None
@@ -245,7 +238,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                         self._guarded(self._dispatch, self.inbox.get_nowait())
                 self._advance()
                 self.board.tick(self.life.phase.value)  # O(1): /health; /status is built when asked
-                if (self.board.wanted() and self.board.due()) or self.finished.is_set():
+                if (self.board.wanted() and self.board.due()) or self.life.ended:
                     self._guarded(self._publish_status, None)
         finally:
             self._refuse_what_is_left()
@@ -256,10 +249,9 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             self.close()
         if self.life.phase is Phase.FENCED:
-            assert self.lease is not None and self.lease.lost
-            raise LeaseLost(self.lease.lost)
-        assert self.final_summary is not None
-        return self.final_summary
+            self.fence.raise_lost()
+        assert self.stop_sequence.final_summary is not None
+        return self.stop_sequence.final_summary
 
     def close(self) -> None:
         """Close and delete the spill files (the in-memory tails stay readable)."""
@@ -301,26 +293,24 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         if isinstance(msg, Request):
             self._on_request(msg)
         elif isinstance(msg, Verified):
-            self._on_verified(msg)
+            self.table.on_verified(msg)
         elif isinstance(msg, Merged):
-            self._on_merged(msg)
+            self.table.on_merged(msg)
         elif isinstance(msg, CheckpointDone):
-            self._on_checkpoint_done(msg)
+            self.checkpoints.on_done(msg)
         elif isinstance(msg, FinalWritten):
-            self.life.move(Phase.FINISHING)
+            self.stop_sequence.final_written()
 
     def _on_request(self, msg: Request) -> None:
         if msg.reply.cancelled():
             return
         if msg.kind == "checkpoint":  # answered when the checkpoint is written
-            self.checkpoints.waiters.append(msg.reply)
-            if not self.checkpoints.in_flight:
-                self._start_checkpoint()
+            self.checkpoints.request(msg.reply)
             return
         if msg.kind == "metrics":
             self.report.answer_metrics(int(msg.body), msg.reply, self._spawn)
             return
-        handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self._on_announce,
+        handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self.table.on_announce,
                    "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
         try:
             msg.reply.set_result(handler(msg.body))
@@ -331,7 +321,7 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
             msg.reply.set_exception(err)
         except Exception as err:  # an error while handling one message must not kill the actor
             self.rejected_by_reason["handler_error"] += 1
-            self.counters["requests_rejected"] += 1
+            self.report.counters["requests_rejected"] += 1
             log.exception("%s of learner=%s failed: handler_error", msg.kind, _learner_of(msg.body))
             msg.reply.set_exception(HandlerError(f"{msg.kind} failed: {type(err).__name__}"))
 
@@ -344,8 +334,8 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
         except Exception as err:
             if isinstance(arg, Request) and not arg.reply.done():  # its sender must not wait forever
                 arg.reply.set_exception(HandlerError(f"{arg.kind} failed: {type(err).__name__}"))
-            self.counters["actor_errors"] += 1
-            n = self.counters["actor_errors"]
+            self.report.counters["actor_errors"] += 1
+            n = self.report.counters["actor_errors"]
             if n & (n - 1) == 0:  # a part that fails at every pass logs log2(n) times, not n
                 self.report.metric("sync/actor_errors", n)
                 log.exception("actor error in %s (%d so far); the run goes on", getattr(part, "__name__", "?"), n)
@@ -362,24 +352,26 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
     # -- learner messages ---------------------------------------------------------------------
 
     def _on_join(self, req: JoinRequest) -> JoinResponse:
-        if req.learner_id not in self.registry and len(self.registry.learners) >= self.sc.max_learners:
+        cap = self.ctx.sc.max_learners
+        if req.learner_id not in self.registry and len(self.registry.learners) >= cap:
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
-                                       f"(synchronizer.max_learners={self.sc.max_learners})")
-        start_step = self.registry.join(req, self.clock(), self.g)
-        self.read_leases.joined(req.learner_id, {f.p: f.version for f in self.fragments})  # told below
+                                       f"(synchronizer.max_learners={cap})")
+        start_step = self.registry.join(req, self.ctx.clock(), self.table.g)
+        self.read_leases.joined(req.learner_id, self.book.versions())  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
-        return JoinResponse(run_id=self.run_id, config=self.cfg.public_dict(), config_hash=config_hash(self.cfg),
-                            plan=self.plan.to_json(), schema_hash=self.plan.schema_hash,
-                            versions=self._versions(self.fragments), epoch=self.epoch, start_step=start_step)
+        cfg = self.ctx.cfg
+        return JoinResponse(run_id=self.ctx.run_id, config=cfg.public_dict(), config_hash=config_hash(cfg),
+                            plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
+                            versions=self._replies.versions(self.book), epoch=self.ctx.epoch, start_step=start_step)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id
         info = self.registry.get(lid)
         stop = self.life.stopped
         if info is None or info.incarnation != hb.incarnation:
-            return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.epoch)
-        was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.clock())
+            return HeartbeatResponse(open_rounds=[], versions=[], stop=stop, known=False, epoch=self.ctx.epoch)
+        was_lost, bytes_down, clamped = self.registry.heartbeat(hb, self.ctx.clock())
         self.read_leases.heartbeat(lid, hb.known_versions, hb.fetching_versions)
         for reason in clamped:
             if self.report.clamp(reason):
@@ -394,45 +386,45 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
                            ("step_time_s", hb.step_time_s), ("link_s_per_fragment", hb.link_s_per_fragment)):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
-        opens = () if stop else tuple(
-            (p, n, self.fragments[p].version) for (p, n), rnd in sorted(self.rounds.items())
-            if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and lid not in rnd.state.entries)
+        opens = () if stop else self.table.opens_for(lid)
         info.stop_sent = info.stop_sent or stop
-        return self._replies(self.fragments, opens, stop, self.epoch)  # shared by learners in the same state
+        return self._replies(self.book, opens, stop, self.ctx.epoch)  # shared by learners in the same state
 
     def _on_stop(self, reason: str) -> bool:
         if not self.life.stopped:  # a second stop while draining stops at once
-            self._begin_stop(str(reason))
+            self.stop_sequence.begin(str(reason))
         return True
 
     # -- the clock-driven part ----------------------------------------------------------------
 
     def _advance(self) -> None:
         """One pass of the clock-driven part; each part is guarded on its own (:meth:`_guarded`)."""
-        now = self.clock()
+        now = self.ctx.clock()
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
-        real_s = time.monotonic()  # see SWEEP_S and SWEEP_MIN_S
-        sweep = ((self.inbox.empty() and real_s - self._swept_real_s >= SWEEP_MIN_S)
-                 or now - self._swept_s >= SWEEP_S)
-        self._sweep_pending = not sweep
-        if sweep:
-            self._swept_s, self._swept_real_s = now, real_s
-        for part in (self._liveness, self._check_budget, *((self._schedule, self._progress_rounds) if sweep else ()),
-                     self._check_drain, self._checkpoint_if_due, self._goodput_series, self._progress_stop):
+        swept = (self.table.schedule, self.table.progress_rounds) if self._sweeps.due(now, self.inbox.empty()) else ()
+        stop = self.stop_sequence
+        for part in (self._liveness, self._check_budget, *swept, stop.check_drain, self._checkpoint_if_due,
+                     self._goodput_series, stop.progress):
             self._guarded(part, now)
+
+    def _versions_being_read(self) -> dict[int, set[int]]:
+        """Fragment -> the versions live learners may still be reading (their read leases)."""
+        return self.read_leases.keep(self.registry.live_ids(), self.book.versions())
+
+    def _check_lease(self, now: float) -> None:
+        self.fence.check(self.life, self.report.counters)  # a lost lease: FENCED, and the loop ends
 
     def _goodput_series(self, now: float) -> None:
         """A point of the goodput time series every ``tracking.goodput_series_s`` while merges go on."""
-        merges = self.report.counters["merges"]
-        if merges > self._goodput_merges and now - self._goodput_at_s >= self.cfg.tracking.goodput_series_s:
-            self._goodput_merges, self._goodput_at_s = merges, now
-            uptime = self.report.merge_gaps.uptime(now, summary.uptime_max_gap_s(self))
+        if self.report.goodput_point_due(now, self.ctx.cfg.tracking.goodput_series_s):
+            max_gap_s = summary.uptime_max_gap_s(self.registry, self.ctx.sc.sync_every, len(self.book))
+            uptime = self.report.merge_gaps.uptime(now, max_gap_s)
             self.report.goodput_series(self.ledgers, uptime, self.registry.silent_s(now))
 
     def _liveness(self, now: float) -> None:
-        for info in self.registry.mark_lost(now, self.sc.heartbeat_timeout_s):
+        for info in self.registry.mark_lost(now, self.ctx.sc.heartbeat_timeout_s):
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
@@ -440,11 +432,11 @@ class Synchronizer(RoundDriver, Checkpointing, Fencing, Stopping):
 
     def _check_budget(self, now: float) -> None:
         if self.life.running:
-            reason = budget_stop_reason(self.cfg.budget, tokens=self.registry.tokens_processed(), g=self.g,
-                                        elapsed_s=now - self.started_s)
+            reason = budget_stop_reason(self.ctx.cfg.budget, tokens=self.registry.tokens_processed(), g=self.table.g,
+                                        elapsed_s=now - self.ctx.started_s)
             if reason is not None:
-                self._begin_stop(reason)
+                self.stop_sequence.begin(reason)
 
     def _checkpoint_if_due(self, now: float) -> None:
-        if self.life.running and self.checkpoints.due(now, self.counters["merges"], self.sc.checkpoint_every_s):
-            self._start_checkpoint()
+        if self.life.running:
+            self.checkpoints.start_if_due(now)

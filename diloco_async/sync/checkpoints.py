@@ -2,7 +2,7 @@
 ``POST /checkpoint``, and collecting garbage behind it (DESIGN §5).
 
 :class:`~diloco_async.sync.state.CheckpointBook` is the bookkeeping (plain values, the actor's clock);
-:class:`Checkpointing` is the part of the actor that starts checkpoints and takes their outcome.
+:class:`Checkpointer` is the actor's component that owns it, starts checkpoints and takes their outcome.
 """
 
 from __future__ import annotations
@@ -12,20 +12,19 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.runtime.heap import release_free_memory
-from diloco_async.sync.persistence import checkpoint_payload
-from diloco_async.sync.state import CheckpointBook, CheckpointDone, FragmentState
+from diloco_async.sync.state import CheckpointBook, CheckpointDone
 from storage.checkpoint import write_checkpoint
 from storage.gc import collect_garbage
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
-    from diloco_async.policy.catchup import ReadLeases
-    from diloco_async.sync.learners import LearnerRegistry
+    import torch
+
+    from diloco_async.sync.context import ActorContext
     from diloco_async.sync.reporting import Reporter
 
-__all__ = ["Checkpointing"]
+__all__ = ["Checkpointer"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -48,38 +47,54 @@ def _write_and_trim(store: ObjectStore, run_id: str, seq: int, tensors: dict, ma
         release_free_memory()
 
 
-class Checkpointing:
-    """Starts checkpoints and takes their outcome; mixed into the actor, which owns these."""
+class Checkpointer:
+    """The run's checkpoints as the actor takes them: owns the :class:`CheckpointBook` (sequence
+    numbers, what is in flight, who waits, when the periodic one is due, where this process
+    resumed from), starts a checkpoint of ``payload()`` in a thread and takes its outcome.
 
-    sc: SynchronizerConfig
-    store: ObjectStore
-    run_id: str
-    clock: Callable[[], float]
-    inbox: asyncio.Queue
-    report: Reporter
-    checkpoints: CheckpointBook
-    read_leases: ReadLeases
-    registry: LearnerRegistry
-    fragments: list[FragmentState]
+    Args:
+        ctx: the actor's context (store, run id, clock, inbox, spawn).
+        report: the reporter (counts ``checkpoints``, ``checkpoints_failed``, ``gc_*``).
+        payload: the (tensors, manifest) of a checkpoint of the state now
+            (:func:`~diloco_async.sync.persistence.checkpoint_payload`), on the actor's task.
+        gc_keep: fragment -> the versions a garbage collection starting now must leave (the live
+            learners' read leases, :class:`~diloco_async.policy.catchup.ReadLeases`), on the actor's task.
+    """
 
-    def _spawn(self, coro) -> None:  # provided by the actor
-        raise NotImplementedError
+    def __init__(self, ctx: ActorContext, report: Reporter, payload: Callable[[], tuple[dict[str, torch.Tensor], dict]],
+                 gc_keep: Callable[[], dict[int, set[int]]]) -> None:
+        self.ctx, self.sc = ctx, ctx.sc
+        self.report = report
+        self.payload, self.gc_keep = payload, gc_keep
+        self.book = CheckpointBook(ctx.started_s)
 
-    def _start_checkpoint(self) -> None:
-        seq = self.checkpoints.begin(self.clock(), self.report.counters["merges"])
-        tensors, manifest = checkpoint_payload(self)
+    def request(self, reply: asyncio.Future) -> None:
+        """``POST /checkpoint``: ``reply`` is answered when the next checkpoint is written (one is
+        started unless one is in flight)."""
+        self.book.waiters.append(reply)
+        if not self.book.in_flight:
+            self.start()
+
+    def start_if_due(self, now: float) -> None:
+        """The periodic checkpoint, every ``synchronizer.checkpoint_every_s`` with a merge since the last."""
+        if self.book.due(now, self.report.counters["merges"], self.sc.checkpoint_every_s):
+            self.start()
+
+    def start(self) -> None:
+        seq = self.book.begin(self.ctx.clock(), self.report.counters["merges"])
+        tensors, manifest = self.payload()
 
         async def write() -> None:
             try:
-                await asyncio.to_thread(_write_and_trim, self.store, self.run_id, seq, tensors, manifest)
-                await self.inbox.put(CheckpointDone(seq, True, "written"))
+                await asyncio.to_thread(_write_and_trim, self.ctx.store, self.ctx.run_id, seq, tensors, manifest)
+                await self.ctx.inbox.put(CheckpointDone(seq, True, "written"))
             except Exception as err:
-                await self.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
+                await self.ctx.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
 
-        self._spawn(write())
+        self.ctx.spawn(write())
 
-    def _on_checkpoint_done(self, msg: CheckpointDone) -> None:
-        for fut in self.checkpoints.done(msg):
+    def on_done(self, msg: CheckpointDone) -> None:
+        for fut in self.book.done(msg):
             if not fut.done():
                 fut.set_result({"seq": msg.seq, "ok": msg.ok, "reason": msg.reason})
         if not msg.ok:
@@ -89,18 +104,17 @@ class Checkpointing:
         self.report.counters["checkpoints"] += 1
         log.info("checkpoint %d written", msg.seq)
         self.report.metric("sync/checkpoints", self.report.counters["checkpoints"])
-        if self.sc.keep_checkpoints and not self.checkpoints.gc_in_flight:
-            self.checkpoints.gc_in_flight = True
+        if self.sc.keep_checkpoints and not self.book.gc_in_flight:
+            self.book.gc_in_flight = True
             # the versions live learners may still be reading, taken now: a learner told of a version
             # later reads one at least as new as those its leases name (policy/catchup.py)
-            keep = self.read_leases.keep(self.registry.live_ids(), {f.p: f.version for f in self.fragments})
-            self._spawn(self._collect_garbage(keep))
+            self.ctx.spawn(self._collect_garbage(self.gc_keep()))
 
     async def _collect_garbage(self, keep_versions: dict[int, set[int]]) -> None:
         """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
         but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
-            done = await asyncio.to_thread(collect_garbage, self.store, self.run_id,
+            done = await asyncio.to_thread(collect_garbage, self.ctx.store, self.ctx.run_id,
                                              keep_checkpoints=self.sc.keep_checkpoints,
                                              orphan_age_s=self.sc.orphan_age_s, keep_versions=keep_versions)
             self.report.counters["gc_deleted_objects"] += done.objects
@@ -111,4 +125,4 @@ class Checkpointing:
             self.report.counters["gc_failures"] += 1
             log.warning("garbage collection failed: %s: %s", type(err).__name__, err)
         finally:
-            self.checkpoints.gc_in_flight = False
+            self.book.gc_in_flight = False

@@ -119,7 +119,7 @@ async def _read(request: web.Request) -> bytes:
     try:
         if request.content.is_eof():  # received whole already (the common case): nothing to wait for
             return await request.read()
-        async with asyncio.timeout(request.app[SYNC].sc.request_body_timeout_s):
+        async with asyncio.timeout(request.app[SYNC].ctx.sc.request_body_timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         request.app[SYNC].count_bad_request("too_large")
@@ -328,7 +328,7 @@ async def _push(request: web.Request) -> web.WebSocketResponse:
         _check(request, creds.as_learner(_credential(request), lid), f"learner {lid[:64]!r}")
     else:
         _check(request, creds.as_admin(_credential(request)), "the operator")
-    ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=request.app[SYNC].sc.client_max_size_bytes)
+    ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=request.app[SYNC].ctx.sc.client_max_size_bytes)
     await ws.prepare(request)
     app = request.app
     app[OPEN_SOCKETS].add(ws)
@@ -380,7 +380,7 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
     """
     if not run_secret:
         raise ValueError("the run secret must be a non-empty string")
-    app = web.Application(middlewares=[_auth], client_max_size=sync.sc.client_max_size_bytes)
+    app = web.Application(middlewares=[_auth], client_max_size=sync.ctx.sc.client_max_size_bytes)
     app[SYNC] = sync
     app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
     app[EVENT_TEXT] = _EventText()
@@ -400,4 +400,4 @@ def runner_options(sync: Synchronizer) -> dict[str, Any]:
     """Keyword arguments of ``web.AppRunner`` for this synchronizer: ``keepalive_timeout`` closes a
     connection that sends no complete request within ``synchronizer.idle_timeout_s`` (a slow
     client cannot hold a connection by trickling its headers)."""
-    return {"access_log": None, "keepalive_timeout": sync.sc.idle_timeout_s}
+    return {"access_log": None, "keepalive_timeout": sync.ctx.sc.idle_timeout_s}

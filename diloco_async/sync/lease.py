@@ -33,13 +33,13 @@ successor's objects nor becomes the checkpoint a resume picks (docs/resume-and-f
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +50,7 @@ from diloco_async.sync.lifecycle import Lifecycle, Phase
 from storage import keys
 from storage.store import ObjectStore
 
-__all__ = ["Holder", "Lease", "LeaseHeld", "LeaseLost", "LeaseExpired", "FencedStore", "Fencing", "acquire",
+__all__ = ["Holder", "Lease", "LeaseHeld", "LeaseLost", "LeaseExpired", "FencedStore", "Fence", "acquire",
            "read_holder"]
 
 log = logging.getLogger("diloco.synchronizer")
@@ -329,26 +329,39 @@ class FencedStore:
         self._store.delete(key)
 
 
-class Fencing:
-    """The actor's side of the lease (the renewal runs in the lease's own thread); mixed into
-    the actor, which owns these attributes."""
+class Fence:
+    """The actor's side of its lease on the run (the renewal runs in the lease's own thread): the
+    lease, its epoch and the store whose every write and delete checks it.
 
-    lease: Lease | None
-    life: Lifecycle
-    finished: asyncio.Event
-    counters: Any
+    Args:
+        store: the run's object store.
+        lease: this process's lease on the run (:func:`acquire`), or None: no fencing (epoch 0,
+            the store as it is).
+    """
 
-    def _check_lease(self, now: float) -> None:
-        """A lost lease (seen by the renewal or by a fenced write) ends the run here at once:
-        no round, checkpoint or summary is written any more; learners are not told to stop."""
+    def __init__(self, store: ObjectStore, lease: Lease | None = None) -> None:
+        self.lease = lease
+        self.lease_epoch = lease.lease_epoch if lease is not None else 0
+        self.store = FencedStore(store, lease) if lease is not None else store
+
+    def check(self, life: Lifecycle, counters: Counter[str]) -> bool:
+        """Called at every pass of the actor. A lost lease (seen by the renewal or by a fenced
+        write) moves ``life`` to FENCED at once: no round, checkpoint or summary is written any
+        more; learners are not told to stop. Keeps ``lease_renewal_failures`` in ``counters``
+        (with a lease) and counts ``lease_lost``. True: the run was fenced by this call."""
         if self.lease is None:
-            return
-        self.counters["lease_renewal_failures"] = self.lease.renewal_failures
-        if not self.lease.lost or self.life.phase in (Phase.FENCED, Phase.FINISHED):
-            return
-        self.counters["lease_lost"] += 1
+            return False
+        counters["lease_renewal_failures"] = self.lease.renewal_failures
+        if not self.lease.lost or life.phase in (Phase.FENCED, Phase.FINISHED):
+            return False
+        counters["lease_lost"] += 1
         log.error("%s; this synchronizer stops publishing and checkpointing and exits (phase was %s)",
-                  self.lease.lost, self.life.phase.value)
-        self.life.move(Phase.FENCED)
-        self.life.stop_reason = "lease_lost"
-        self.finished.set()
+                  self.lease.lost, life.phase.value)
+        life.move(Phase.FENCED)
+        life.stop_reason = "lease_lost"
+        return True
+
+    def raise_lost(self) -> None:
+        """After the actor stopped FENCED: raise :class:`LeaseLost` with the reason."""
+        assert self.lease is not None and self.lease.lost
+        raise LeaseLost(self.lease.lost)

@@ -75,6 +75,11 @@ class Lifecycle:
         return self.phase is Phase.RUNNING
 
     @property
+    def ended(self) -> bool:
+        """The actor loop ends: FINISHED, or FENCED."""
+        return self.phase in (Phase.FINISHED, Phase.FENCED)
+
+    @property
     def stopped(self) -> bool:
         """Learners are (being) told to stop: STOPPING or any later phase."""
         return self.phase in _STOPPED

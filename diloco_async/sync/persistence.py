@@ -1,5 +1,7 @@
 """The synchronizer's durable state (DESIGN §5): the initial publish, checkpoint payloads, and
-resume (open a checkpoint URL, restore the actor from it).
+resume (open a checkpoint URL, restore the actor's components from it). The functions take the
+components they read or set (:mod:`~diloco_async.sync.fragment_book`, the round table, the learner
+registry, the reporter, the checkpoint book), never the actor.
 
 The functions here are blocking (store calls) except :func:`checkpoint_payload`; the actor runs
 the blocking ones before serving.
@@ -18,8 +20,12 @@ from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, config_differences, config_hash
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.protocol.versions import VersionHistory, read_version
-from diloco_async.sync.state import FragmentState
-from diloco_async.sync.view import ActorView
+from diloco_async.sync.context import ActorContext
+from diloco_async.sync.fragment_book import FragmentBook
+from diloco_async.sync.learners import LearnerRegistry
+from diloco_async.sync.reporting import Reporter
+from diloco_async.sync.rounds import RoundTable
+from diloco_async.sync.state import CheckpointBook, FragmentState
 from diloco_async.sync.work import put_version
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
@@ -30,17 +36,17 @@ __all__ = ["publish_initial", "stored_config", "open_checkpoint", "no_such_run",
 log = logging.getLogger("diloco.synchronizer")
 
 
-def publish_initial(sync: ActorView) -> None:
-    """Write plan.json, config.json and version 0 of every fragment (blocking; call once)."""
-    sync.store.put_json(keys.plan_key(sync.run_id), {
-        "run_id": sync.run_id, "plan": sync.plan.to_json(), "schema_hash": sync.plan.schema_hash,
-        "config_hash": config_hash(sync.cfg),
+def publish_initial(ctx: ActorContext, book: FragmentBook) -> None:
+    """Write plan.json, config.json and version 0 of every fragment of ``book`` (blocking; call once)."""
+    ctx.store.put_json(keys.plan_key(ctx.run_id), {
+        "run_id": ctx.run_id, "plan": book.plan.to_json(), "schema_hash": book.plan.schema_hash,
+        "config_hash": config_hash(ctx.cfg),
     })
-    sync.store.put_json(keys.config_key(sync.run_id), sync.cfg.public_dict())
-    for f in sync.fragments:
-        f.refs[0] = put_version(sync.store, sync.run_id, f.p, 0, f.current, lease_epoch=sync.lease_epoch)
-    log.info("synchronizer run=%s: %d fragments, schema %s…", sync.run_id, sync.plan.num_fragments,
-             sync.plan.schema_hash[:12])
+    ctx.store.put_json(keys.config_key(ctx.run_id), ctx.cfg.public_dict())
+    for f in book:
+        f.refs[0] = put_version(ctx.store, ctx.run_id, f.p, 0, f.current, lease_epoch=ctx.lease_epoch)
+    log.info("synchronizer run=%s: %d fragments, schema %s…", ctx.run_id, book.plan.num_fragments,
+             book.plan.schema_hash[:12])
 
 
 def stored_config(url: str, storage_options: dict) -> dict:
@@ -123,16 +129,16 @@ def no_such_run(store: ObjectStore, run_id: str) -> str:
     return f"{where}; runs in that store: {shown}"
 
 
-def _check_compatible(sync: ActorView, ckpt: Checkpoint) -> None:
+def _check_compatible(ctx: ActorContext, book: FragmentBook, ckpt: Checkpoint) -> None:
     m = ckpt.manifest
-    if m.get("run_id") != sync.run_id:
-        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {sync.run_id!r}")
-    if m["config_hash"] != config_hash(sync.cfg):
-        diffs = config_differences(m.get("config", {}), sync.cfg.public_dict())
+    if m.get("run_id") != ctx.run_id:
+        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {ctx.run_id!r}")
+    if m["config_hash"] != config_hash(ctx.cfg):
+        diffs = config_differences(m.get("config", {}), ctx.cfg.public_dict())
         raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
-    if m["schema_hash"] != sync.plan.schema_hash:
+    if m["schema_hash"] != book.plan.schema_hash:
         raise ValueError(f"fragment plan differs from checkpoint {ckpt.seq}'s "
-                         f"(schema {m['schema_hash'][:12]} vs {sync.plan.schema_hash[:12]})")
+                         f"(schema {m['schema_hash'][:12]} vs {book.plan.schema_hash[:12]})")
 
 
 #: the counters by reason a checkpoint keeps (manifest ``by_reason``) -> their Reporter attribute,
@@ -141,13 +147,16 @@ BY_REASON = {"rejected": "rejected_by_reason", "bad_requests": "bad_requests", "
              "abandoned": "abandoned_by_reason", "edge": "edge_rejections"}
 
 
-def restore(sync: ActorView, ckpt: Checkpoint) -> None:
+def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: RoundTable,
+            registry: LearnerRegistry, report: Reporter, checkpoints: CheckpointBook) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
-    Restores every fragment's value, momentum and outer-step count, versions, round counters,
-    the global step, the learner registry, the goodput ledgers and every counter, so the next
-    outer step equals the one an uninterrupted run would take. Versions published after the
-    checkpoint (by a synchronizer that died before checkpointing again) are kept: each one that
+    Restores every fragment of ``book`` (the checkpoint may hold more): its value, momentum,
+    outer-step count, versions and round counter; the global step of ``table``, the learners and
+    goodput ledgers of ``registry``, every counter of ``report`` and the sequence numbers of
+    ``checkpoints``, so the next outer step equals the one an uninterrupted run would take.
+    Versions published after the checkpoint (by a synchronizer that died before checkpointing
+    again) are kept: each one that
     verifies joins the history and the newest becomes the fragment's value, with the checkpoint's
     momentum (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them
     are not stranded.
@@ -156,32 +165,31 @@ def restore(sync: ActorView, ckpt: Checkpoint) -> None:
         ValueError: the checkpoint belongs to another run, or its config or fragment plan
             differs from this one (the message names the differing fields).
     """
-    _check_compatible(sync, ckpt)
+    _check_compatible(ctx, book, ckpt)
     m = ckpt.manifest
-    for f in sync.fragments:
-        _restore_fragment(sync, f, ckpt)
-        _adopt_published(sync, f, int(m.get("lease_epoch", 0)))
+    for f in book:
+        _restore_fragment(ctx.store, f, ckpt)
+        _adopt_published(ctx, f, int(m.get("lease_epoch", 0)))
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
-    sync.registry.restore(m["ledgers"], m["learners"], sync.clock(), checkpoint_age_s=time.time() - written_unix_s)
-    sync.registry.wire.restore(m.get("wire_bytes", {}))
-    sync.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
-    sync.report.counters.clear()
-    sync.report.counters.update(m["counters"])
+    registry.restore(m["ledgers"], m["learners"], ctx.clock(), checkpoint_age_s=time.time() - written_unix_s)
+    registry.wire.restore(m.get("wire_bytes", {}))
+    table.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
+    report.counters.clear()
+    report.counters.update(m["counters"])
     for name, attr in BY_REASON.items():  # (absent from checkpoints written before they were kept)
-        counts = getattr(sync.report, attr)
+        counts = getattr(report, attr)
         counts.clear()
         counts.update(m.get("by_reason", {}).get(name, {}))
-    sync.checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(sync.store, sync.run_id), sync.report.counters["merges"])
-    sync.resumed_from = ckpt.seq
-    log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", sync.run_id, ckpt.seq,
-             {f.p: f.version for f in sync.fragments}, {f.p: f.next_round for f in sync.fragments})
-    c = sync.report.counters
+    checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(ctx.store, ctx.run_id), report.counters["merges"])
+    log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", ctx.run_id, ckpt.seq,
+             {f.p: f.version for f in book}, {f.p: f.next_round for f in book})
+    c = report.counters
     log.info("resumed counts: merges %d, contributions merged/late/rejected %d/%d/%d, tokens processed %d, "
              "bytes in/out %d/%d", c["merges"], c["contributions_merged"], c["contributions_late"],
-             c["contributions_rejected"], sync.registry.tokens_processed(), c["bytes_in"], c["bytes_out"])
+             c["contributions_rejected"], registry.tokens_processed(), c["bytes_in"], c["bytes_out"])
 
 
-def _restore_fragment(sync: ActorView, f: FragmentState, ckpt: Checkpoint) -> None:
+def _restore_fragment(store: ObjectStore, f: FragmentState, ckpt: Checkpoint) -> None:
     m, key = ckpt.manifest, str(f.p)
     params = {n: ckpt.tensors[tensor_key(f.p, "param", n)].clone() for n in f.names}
     mom = {n: ckpt.tensors[tensor_key(f.p, "momentum", n)].clone() for n in f.names}
@@ -195,12 +203,12 @@ def _restore_fragment(sync: ActorView, f: FragmentState, ckpt: Checkpoint) -> No
     f.compact = None  # a learner missing the current version downloads it whole
     f.version, f.next_round = int(m["versions"][key]), int(m["next_round"][key])
     f.refs = {int(v): ObjectRef.from_json(r) for v, r in m["version_refs"][key].items()}
-    f.history = VersionHistory(sync.store, f.shapes, f.refs)
+    f.history = VersionHistory(store, f.shapes, f.refs)
     f.history[f.version] = f.published
     for v, ref in sorted(f.refs.items()):
         if v != f.version:
             try:  # read through and checked, then kept in the store only (read back when a merge needs it)
-                read_version(sync.store, ref, f.shapes)
+                read_version(store, ref, f.shapes)
                 f.history[v] = {}
             except (FileNotFoundError, IntegrityError, ValueError) as err:
                 log.warning("fragment %d: version %d unavailable after resume (%s)", f.p, v, err)
@@ -208,7 +216,7 @@ def _restore_fragment(sync: ActorView, f: FragmentState, ckpt: Checkpoint) -> No
         del f.refs[v]
 
 
-def _adopt_published(sync: ActorView, f: FragmentState, lease_epoch: int) -> None:
+def _adopt_published(ctx: ActorContext, f: FragmentState, lease_epoch: int) -> None:
     """Keep the versions of ``f`` published after the checkpoint (blocking; store reads).
 
     Each listed version above the checkpoint's is read, decoded and checked (shapes, finite
@@ -218,14 +226,14 @@ def _adopt_published(sync: ActorView, f: FragmentState, lease_epoch: int) -> Non
     parameters; the momentum and outer-step count stay the checkpoint's; the next round follows
     the newest round a kept version merged. Unreadable versions are skipped (logged).
     """
-    prefix = keys.fragment_versions_prefix(sync.run_id, f.p)
-    listed = sorted({pv[1] for pv in map(partial(keys.parse_version_key, sync.run_id), sync.store.list(prefix))
+    prefix = keys.fragment_versions_prefix(ctx.run_id, f.p)
+    listed = sorted({pv[1] for pv in map(partial(keys.parse_version_key, ctx.run_id), ctx.store.list(prefix))
                      if pv is not None and pv[0] == f.p and pv[1] > f.version})
     floor, kept = lease_epoch, []
     for v in listed:
-        key = keys.version_key(sync.run_id, f.p, v)
+        key = keys.version_key(ctx.run_id, f.p, v)
         try:
-            data = sync.store.get_unverified(key)
+            data = ctx.store.get_unverified(key)
             tensors, meta = wire.decode_from_bytes(data, "fp32", f.shapes)
             if meta.get("fragment") != str(f.p) or meta.get("version") != str(v):
                 raise ValueError(f"its header names fragment {meta.get('fragment')} version {meta.get('version')}")
@@ -247,44 +255,45 @@ def _adopt_published(sync: ActorView, f: FragmentState, lease_epoch: int) -> Non
     if not kept:
         return
     f.optimizer.load_state(f.current, f.momentum if f.outer_steps > 0 else None, steps_taken=f.outer_steps)
-    for old in [v for v in f.history if v < f.version - sync.sc.max_staleness]:
+    for old in [v for v in f.history if v < f.version - ctx.sc.max_staleness]:
         del f.history[old]
         f.refs.pop(old, None)
     log.warning("fragment %d: versions %s were published after the checkpoint and are kept; version %d is the "
                 "current value (momentum from the checkpoint); next round %d", f.p, kept, f.version, f.next_round)
 
 
-def checkpoint_payload(sync: ActorView) -> tuple[dict[str, torch.Tensor], dict]:
+def checkpoint_payload(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registry: LearnerRegistry,
+                       report: Reporter) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, manifest) of a checkpoint of the outer state now: every Θ_p and momentum buffer,
     versions, round counters, version refs, ledgers, learners and counters."""
     tensors: dict[str, torch.Tensor] = {}
-    for f in sync.fragments:
+    for f in book:
         for name in f.names:
             tensors[tensor_key(f.p, "param", name)] = f.current[name]
             tensors[tensor_key(f.p, "momentum", name)] = f.momentum[name]
             if f.published is not f.current:  # compressed downloads (diloco_async/codec/versions.py)
                 tensors[tensor_key(f.p, "published", name)] = f.published[name]
-    open_round = {p: n for (p, n) in sync.rounds}
-    ledgers, learners = sync.registry.to_manifest(sync.clock())
-    counters = sync.report.counters
+    open_round = {p: n for (p, n) in table.rounds}
+    ledgers, learners = registry.to_manifest(ctx.clock())
+    counters = report.counters
     manifest = {
-        "config_hash": config_hash(sync.cfg),
-        "config": sync.cfg.public_dict(),
-        "schema_hash": sync.plan.schema_hash,
-        "versions": {str(f.p): f.version for f in sync.fragments},
-        "outer_steps": {str(f.p): f.outer_steps for f in sync.fragments},
+        "config_hash": config_hash(ctx.cfg),
+        "config": ctx.cfg.public_dict(),
+        "schema_hash": book.plan.schema_hash,
+        "versions": {str(f.p): f.version for f in book},
+        "outer_steps": {str(f.p): f.outer_steps for f in book},
         # a round in flight is not in this checkpoint: a resumed run opens it again
-        "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in sync.fragments},
-        "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in sync.fragments},
-        "global_step": sync.g,
-        "wire_bytes": sync.registry.wire.to_json(),
+        "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in book},
+        "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in book},
+        "global_step": table.g,
+        "wire_bytes": registry.wire.to_json(),
         "ledgers": ledgers,
         "learners": learners,
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included
-        "by_reason": {name: dict(getattr(sync.report, attr)) for name, attr in BY_REASON.items()},
-        "wall_s": sync.clock() - sync.started_s,
+        "by_reason": {name: dict(getattr(report, attr)) for name, attr in BY_REASON.items()},
+        "wall_s": ctx.clock() - ctx.started_s,
         "written_unix_s": time.time(),  # a resume counts the learners' pace allowance across the gap
-        "epoch": sync.epoch,
-        "lease_epoch": sync.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
+        "epoch": ctx.epoch,
+        "lease_epoch": ctx.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
     }
     return tensors, manifest

@@ -1,6 +1,6 @@
 """What the synchronizer reports: counters, the metric stream, the merge log, the run summary and
 the live status (DESIGN §7); the run summary and the status are built by
-:mod:`diloco_async.sync.summary` from the actor's state.
+:mod:`diloco_async.sync.summary` from the actor's components.
 
 Metric points are ``{"key", "value", "step", "timestamp_ms"}`` with units in the key
 (``sync/grace_s``, ``net/bytes_in``); ``GET /metrics?since=N`` serves them by number and the
@@ -80,6 +80,7 @@ class Reporter:
         self.fates = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-contributions-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
         self._goodput_before: dict | None = None  # totals at the last goodput_series point
+        self._goodput_merges, self._goodput_at_s = 0, started_s  # merges and time of the last goodput point
 
     def metric(self, key: str, value: float, step: int | None = None) -> None:
         """One metric point; ``step`` defaults to the number of merges so far. A non-finite value
@@ -172,6 +173,15 @@ class Reporter:
     def fate(self, record: dict) -> None:
         """Record what became of one contribution (a contribution record, see the module doc)."""
         self.fates.append(record)
+
+    def goodput_point_due(self, now_s: float, every_s: float) -> bool:
+        """A point of the goodput time series is due at ``now_s`` (actor's clock): a merge since the
+        last point and ``every_s`` passed. True marks the point taken."""
+        merges = self.counters["merges"]
+        if merges > self._goodput_merges and now_s - self._goodput_at_s >= every_s:
+            self._goodput_merges, self._goodput_at_s = merges, now_s
+            return True
+        return False
 
     def goodput_series(self, ledgers: dict, uptime: float, silent_s: dict[str, float] | None = None,
                        per_learner: bool = False) -> None:

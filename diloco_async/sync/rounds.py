@@ -1,7 +1,7 @@
 """The rounds of the synchronizer actor (DESIGN §3.2-§3.7): schedule and open them, admit and
 verify contributions, close them on quorum and grace, merge and publish, apply the result.
 
-:class:`RoundDriver` runs the rounds of :class:`~diloco_async.sync.actor.Synchronizer` on the actor's state and task
+:class:`RoundTable` is the actor's component that owns the rounds and runs them on the actor's task
 only; decisions are :mod:`diloco_async.policy.rounds`'s, blocking work :mod:`diloco_async.sync.work`'s."""
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
-from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.merge.core import token_weight
 from diloco_async.policy.admission import AnnouncementRules, admit_announcement
 from diloco_async.policy.fragments import fragment_offset
-from diloco_async.policy.guard import DirectionGuard, LearnerDirections, NormGuard
 from diloco_async.policy.pace import implausible_contribution
 from diloco_async.policy.rounds import (
     GraceDecision,
@@ -34,18 +31,21 @@ from diloco_async.policy.rounds import (
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import work
+from diloco_async.sync.guard import UpdateGuard
+from diloco_async.sync.logs import BoundedMap
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from storage import keys
-from storage.store import ObjectRef, ObjectStore
+from storage.store import ObjectRef
 
 if TYPE_CHECKING:
+    from diloco_async.sync.context import ActorContext
+    from diloco_async.sync.fragment_book import FragmentBook
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.lifecycle import Lifecycle
-    from diloco_async.sync.logs import BoundedMap
     from diloco_async.sync.reporting import Reporter
     from diloco_async.sync.state import Broadcaster
 
-__all__ = ["RoundDriver", "SETTLED_CAP"]
+__all__ = ["RoundTable", "SETTLED_CAP"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -60,45 +60,53 @@ def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
             "token_weight": token_weight(ann.c_tokens, ann.c_steps), "base_version": ann.base_version}
 
 
-class RoundDriver:
-    """Rounds of every fragment; mixed into the actor, which owns the attributes below."""
+class RoundTable:
+    """The rounds of the fragments in a :class:`~diloco_async.sync.fragment_book.FragmentBook`, and
+    the state they need: the open rounds and their contributions, the due rounds waiting for a slot,
+    the settled announcements, the merge and verify slots, the global step and the schedule's
+    shift; it holds the update guard's memory (:class:`~diloco_async.sync.guard.UpdateGuard`).
 
-    cfg: Config
-    sc: SynchronizerConfig
-    norm_guard: NormGuard
-    direction_guards: list[DirectionGuard]
-    learner_directions: LearnerDirections
-    schedule_shift_steps: int  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
-    store: ObjectStore
-    run_id: str
-    clock: Callable[[], float]
-    inbox: asyncio.Queue
-    push: Broadcaster
-    registry: LearnerRegistry
-    report: Reporter
-    life: Lifecycle
-    fragments: list[FragmentState]
-    rounds: dict[tuple[int, int], Round]
-    waiting: list[tuple[int, int]]  # due rounds waiting for a free slot
-    merge_slots: asyncio.Semaphore  # merges_in_flight (one working set each); verify_slots: verifies_in_flight
-    settled: BoundedMap[tuple[str, int, int], str]  # (learner, fragment, round) -> key
-    g: int | None  # the global step
-    lease_epoch: int  # of this synchronizer's lease on the run (0: none)
+    Reads the learner registry and the lifecycle; changes the book's fragments through its methods,
+    credits the learners' ledgers, counts and logs through the reporter, pushes round and version
+    events. Runs on the actor's task; blocking work goes to threads (:mod:`~diloco_async.sync.work`)
+    and comes back to the actor's inbox as :class:`Verified` and :class:`Merged`.
 
-    def _spawn(self, coro) -> None:  # provided by the actor
-        raise NotImplementedError
+    Args:
+        ctx: the actor's context (config, store, clock, inbox, spawn).
+        book, registry, report, push, life: the actor's components this one works with.
+        settled_cap: (learner, fragment, round) keys of closed rounds remembered.
+    """
+
+    def __init__(self, ctx: ActorContext, book: FragmentBook, registry: LearnerRegistry, report: Reporter,
+                 push: Broadcaster, life: Lifecycle, settled_cap: int = SETTLED_CAP) -> None:
+        self.ctx, self.sc = ctx, ctx.sc
+        self.book, self.registry, self.report, self.push, self.life = book, registry, report, push, life
+        self.rounds: dict[tuple[int, int], Round] = {}
+        self.waiting: list[tuple[int, int]] = []  # due rounds waiting for a free slot
+        self.settled: BoundedMap[tuple[str, int, int], str] = BoundedMap(settled_cap)  # -> the entry's key
+        self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
+        self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
+        self.g: int | None = None  # the global step
+        self.schedule_shift_steps = 0  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
+        self.guard = UpdateGuard(ctx.cfg.guard, book, report)  # the update guard's memory
+
+    def opens_for(self, learner_id: str) -> tuple[tuple[int, int, int], ...]:
+        """The rounds open (or in their grace window) that ``learner_id`` has not announced to, as
+        ``(fragment, round_n, version)``, by fragment and round."""
+        return tuple((p, n, self.book[p].version) for (p, n), rnd in sorted(self.rounds.items())
+                     if rnd.state.stage in (RoundStage.OPEN, RoundStage.GRACE) and learner_id not in rnd.state.entries)
 
     # -- open ---------------------------------------------------------------------------------
 
-    def _open_round(self, f: FragmentState, n: int, now: float) -> None:
+    def open_round(self, f: FragmentState, n: int, now: float) -> None:
         """Open round n of fragment f and tell every learner (the one place a round opens)."""
-        f.busy, f.next_round = True, n + 1
+        self.book.begin_round(f, n)
         self.rounds[(f.p, n)] = Round(RoundState(f.p, n, now, self.sc.min_quorum))
         self.report.counters["rounds_opened"] += 1
         self.push.publish({"type": "round_open", **RoundOpen(fragment=f.p, round_n=n, version=f.version).model_dump()})
         log.info("round open: fragment %d round %d (g=%s, live=%d)", f.p, n, self.g, len(self.registry.live()))
 
-    def _schedule(self, now: float) -> None:
+    def schedule(self, now: float) -> None:
         """While running: move the global step and open the rounds it makes due."""
         if not self.life.running:
             return
@@ -108,53 +116,53 @@ class RoundDriver:
         if g != self.g:
             self.g = g
             self.report.metric("sync/global_step", g, g)
-        H, num = self.sc.sync_every, len(self.fragments)
+        H, num = self.sc.sync_every, self.book.plan.num_fragments
         # judged only on steps reported to this process: after a resume, the restored steps are the
         # checkpoint's and lag the versions kept since, which would look like a schedule out of reach
         current = self.registry.all_live_reported()
-        due = [round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.fragments]
+        due = [round_due_step(fragment_offset(f.p, num, H), f.next_round, H) for f in self.book]
         shift, why = (schedule_shift(g=g, shift=self.schedule_shift_steps, sync_every=H, next_due=due) if current
                       else (self.schedule_shift_steps, None))
         if why is not None:
             self.schedule_shift_steps = shift
             self.report.count("schedule_shifts")
             log.warning("schedule out of reach of the live learners: %s", why)
-        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.fragments],
-                                   busy={f.p for f in self.fragments if f.busy}, waiting=self.waiting,
+        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.book],
+                                   busy={f.p for f in self.book if f.busy}, waiting=self.waiting,
                                    open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
                                    sync_every=self.sc.sync_every)
         self.waiting = list(decision.waiting)
         for p, n in decision.open_now:
-            self._open_round(self.fragments[p], n, now)
+            self.open_round(self.book[p], n, now)
 
-    def _open_last_rounds(self, now: float) -> list[str]:
+    def open_last_rounds(self, now: float) -> list[str]:
         """A last round of every fragment that has none in flight (the drain before a stop)."""
         self.waiting.clear()
         opened = []
-        for f in self.fragments:
+        for f in self.book:
             if not f.busy:
                 opened.append(f"p{f.p} r{f.next_round}")
-                self._open_round(f, f.next_round, now)
+                self.open_round(f, f.next_round, now)
         return opened
 
     # -- contributions ------------------------------------------------------------------------
 
-    def _on_announce(self, ann: Announcement) -> AnnouncementAck:
+    def on_announce(self, ann: Announcement) -> AnnouncementAck:
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
-        f = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        f = self.book.get(p)
         rnd = self.rounds.get((p, n))
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)
         if info is not None and bound is not None and rnd is not None and lid not in rnd.state.entries:
             why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
-                                           since_anchor_s=self.clock() - info.anchor_s, bound=bound)
+                                           since_anchor_s=self.ctx.clock() - info.anchor_s, bound=bound)
             if why is not None:
                 code, _, detail = why.partition(": ")
                 return self._reject(lid, code, detail, p, n, ann)
         adm = admit_announcement(
-            ann, now_s=self.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
+            ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
-            rules=AnnouncementRules(keys.contribution_round_prefix(self.run_id, p, n) + "/", wire.CODECS,
+            rules=AnnouncementRules(keys.contribution_round_prefix(self.ctx.run_id, p, n) + "/", wire.CODECS,
                                     self.sc.max_staleness))
         if adm.status == "rejected":
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
@@ -170,9 +178,9 @@ class RoundDriver:
         # its first step = the learner's last reported step - c_steps (a lagging heartbeat only
         # makes this earlier, so more lenient, never stricter)
         first_step = (info.step if info is not None else 0) - ann.c_steps
-        rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.cfg.learners.warmup_steps)
+        rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.ctx.cfg.learners.warmup_steps)
         rnd.none_pending.clear()
-        self._spawn(self._verify(f, ann))
+        self.ctx.spawn(self._verify(f, ann))
         return AnnouncementAck(status="accepted", reason=adm.reason)
 
     def _decided(self, learner: str, p: int, n: int, fate: str, reason: str = "",
@@ -181,7 +189,7 @@ class RoundDriver:
         and, for one announced and not merged (late, rejected, abandoned), its compute seconds
         times the fragment's share as ``thrown_away`` badput (DESIGN §7). ``staleness_versions``:
         versions of the fragment published after the contribution's base and before the decision."""
-        f = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        f = self.book.get(p)
         rec: dict = {"t": time.time(), "fragment": p, "round": n, "learner": learner, "fate": fate, "reason": reason}
         if ann is not None:
             published = f.version - (1 if fate in ("merged", "zero_weight") else 0) if f is not None else None
@@ -196,7 +204,7 @@ class RoundDriver:
                 ann: Announcement | None = None) -> AnnouncementAck:
         self._decided(learner, p, n, "rejected", f"{reason}: {detail}" if detail else reason, ann)
         if (rnd := self.rounds.get((p, n))) is not None and ann is not None and learner in self.registry:
-            rnd.state.refuse(learner, ann.key, self.clock())  # not admitted: the quorum stops waiting for it
+            rnd.state.refuse(learner, ann.key, self.ctx.clock())  # not admitted: the quorum stops waiting for it
         if learner in self.registry.ledgers:
             self.registry.ledgers[learner].count("rejected")
         log.warning("rejected contribution learner=%s fragment=%d round=%d: %s (%s)", learner, p, n, reason, detail)
@@ -209,13 +217,13 @@ class RoundDriver:
         try:
             async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
                 delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
-                    work.fetch_and_verify, self.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    work.fetch_and_verify, self.ctx.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
                     timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = work.rejection_reason(err, ann.key, self.sc.storage_timeout_s)
-        await self.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms, norms32))
+        await self.ctx.inbox.put(Verified(f.p, ann.round_n, ann.learner_id, delta, reason, ann.nbytes, norms, norms32))
 
-    def _on_verified(self, msg: Verified) -> None:
+    def on_verified(self, msg: Verified) -> None:
         rnd = self.rounds.get((msg.fragment, msg.round_n))
         if rnd is None:  # its round was abandoned (at a stop, a timeout) before the fetch finished
             self.report.count("verifications_dropped")
@@ -223,7 +231,7 @@ class RoundDriver:
                      msg.fragment, msg.round_n)
             return
         if msg.delta is not None:
-            msg = self._guard_norms(msg, rnd)
+            msg = self.guard.screen(msg, rnd)
         if msg.delta is None:
             reason, _, detail = msg.reason.partition(": ")
             contrib = rnd.contributions.get(msg.learner)
@@ -240,27 +248,9 @@ class RoundDriver:
         if not rnd.state.pending_count:
             rnd.none_pending.set()
 
-    def _guard_norms(self, msg: Verified, rnd: Round) -> Verified:
-        """The update guard on a verified contribution: reject it (``delta`` None, reason
-        ``norm_outlier``), or mark its outlier tensors to be clipped, or record its norms."""
-        contrib = rnd.contributions.get(msg.learner)
-        lr_warmup = contrib.lr_warmup if contrib is not None else True
-        steps = contrib.ann.c_steps if contrib is not None else 1
-        verdict = self.norm_guard.check(msg.norms, lr_warmup, steps)
-        if verdict.status == "reject":
-            return Verified(msg.fragment, msg.round_n, msg.learner, None, verdict.reason, msg.nbytes)
-        if verdict.status == "clip":
-            rnd.contributions[msg.learner].scales = verdict.scales
-            self.report.count("contributions_clipped")
-            log.warning("clipped contribution learner=%s fragment=%d round=%d: %s", msg.learner, msg.fragment,
-                        msg.round_n, verdict.reason)
-        elif not lr_warmup:
-            self.norm_guard.record(msg.norms, steps)
-        return msg
-
     # -- quorum, grace, merge -----------------------------------------------------------------
 
-    def _progress_rounds(self, now: float) -> None:
+    def progress_rounds(self, now: float) -> None:
         live_ids = self.registry.live_ids()
         for (p, n), rnd in list(self.rounds.items()):
             st = rnd.state
@@ -273,7 +263,7 @@ class RoundDriver:
                     quorum_wait = (st.quorum_s or now) - st.opened_s
                     if len(st.verified) == 1 and len(live_ids) > 1:
                         log.info("fragment %d round %d: quorum of one (%s)", p, n, why)
-                    self._spawn(self._merge_task(self.fragments[p], rnd, quorum_wait))
+                    self.ctx.spawn(self._merge_task(self.book[p], rnd, quorum_wait))
 
     def _progress_open(self, rnd: Round, now: float) -> bool:
         """An open round: start its grace window once the quorum is met; abandon it at a stop.
@@ -285,7 +275,7 @@ class RoundDriver:
             if self.sc.grace_enabled:
                 decision = grace_window(
                     step_time_s=self.registry.slowest_step_s(), quorum_wait_s=quorum_wait,
-                    sync_time_s=self.fragments[p].sync_ema.value, tau=self.sc.max_open_rounds,
+                    sync_time_s=self.book[p].sync_ema.value, tau=self.sc.max_open_rounds,
                     gamma=self.sc.grace_gamma, cap_s=self.sc.grace_cap_s, initial_s=self.sc.grace_initial_s)
             else:
                 decision = GraceDecision(0.0, "grace window disabled")
@@ -307,7 +297,7 @@ class RoundDriver:
         st = rnd.state
         st.abandon()
         self.rounds.pop((st.fragment, st.round_n))
-        self.fragments[st.fragment].busy = False
+        self.book.end_round(self.book[st.fragment])
         for lid, entry in st.entries.items():
             self.settled[(lid, st.fragment, st.round_n)] = entry.key
         for lid, contrib in rnd.contributions.items():  # accepted, never merged
@@ -325,15 +315,15 @@ class RoundDriver:
         elif st.unreachable_since_s is None:
             st.unreachable_since_s = now
         why = stuck_round_reason(now_s=now, opened_s=st.opened_s, unreachable_since_s=st.unreachable_since_s,
-                                 timeout_s=self.cfg.guard.round_timeout_s, enough_live=len(live) >= st.min_quorum,
+                                 timeout_s=self.ctx.cfg.guard.round_timeout_s, enough_live=len(live) >= st.min_quorum,
                                  unreachable_wait_s=self.sc.heartbeat_timeout_s)
         if why is None:
             return False
         code, _, detail = why.partition(": ")
         self._abandon(rnd, code, detail)
-        f = self.fragments[st.fragment]
+        f = self.book[st.fragment]
         if self.life.running and len(live) >= self.sc.min_quorum and len(self.rounds) < self.sc.max_open_rounds:
-            self._open_round(f, f.next_round, now)
+            self.open_round(f, f.next_round, now)
         return True
 
     async def _merge_task(self, f: FragmentState, rnd: Round, quorum_wait_s: float) -> None:
@@ -345,20 +335,20 @@ class RoundDriver:
         try:
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]  # the thread's own list
             async with self.merge_slots:
-                directions = self.direction_guards[f.p].check(self.learner_directions)
-                result = await asyncio.to_thread(work.merge_and_publish, self.store, self.run_id, f, n, contribs,
-                                                 self.sc.merge, directions=directions,
-                                                 publish=work.PublishSettings(self.lease_epoch, self.sc.download))
+                directions = self.guard.direction_check(f.p)
+                result = await asyncio.to_thread(work.merge_and_publish, self.ctx.store, self.ctx.run_id, f, n,
+                                                 contribs, self.sc.merge, directions=directions,
+                                                 publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download))
             result.quorum_wait_s = quorum_wait_s
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)
             result = Merged(f.p, n, False, f"{type(err).__name__}: {err}")
-        await self.inbox.put(result)
+        await self.ctx.inbox.put(result)
 
-    def _on_merged(self, res: Merged) -> None:
-        f = self.fragments[res.fragment]
+    def on_merged(self, res: Merged) -> None:
+        f = self.book[res.fragment]
         rnd = self.rounds.pop((res.fragment, res.round_n))
-        f.busy = False
+        self.book.end_round(f)
         for lid, entry in rnd.state.entries.items():
             self.settled[(lid, res.fragment, res.round_n)] = entry.key
         dropped = dict(res.dropped)
@@ -375,11 +365,7 @@ class RoundDriver:
         for lid, why in dropped.items():  # left out so that the others could merge
             self._reject(lid, _dropped_code(why, "merge_failed"), why.removeprefix("direction_outlier: "), f.p,
                          res.round_n, rnd.contributions[lid].ann)
-        guard = self.direction_guards[f.p]
-        for lid in res.merged:
-            guard.record(res.cosines.get(lid), res.factors.get(lid, 1.0))
-        for lid, cosine in res.cosines.items():  # merged or left out: each learner's record
-            self.learner_directions.record(lid, cosine)
+        self.guard.record_merge(res)
         weak = [lid for lid in res.merged if res.factors.get(lid, 1.0) < 1.0]
         for lid in weak:
             if res.factors[lid] <= 0.0:  # merged with no weight: it moved nothing (counted per learner)
@@ -394,12 +380,7 @@ class RoundDriver:
 
     def _adopt_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
         """The new version becomes the fragment's value; learners are told; ledgers credited."""
-        f.version = res.version
-        f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
-        f.published, f.compact = res.published or res.new, res.compact
-        f.history[f.version], f.refs[f.version] = f.published, res.ref
-        for old in [v for v in f.history if v < f.version - self.sc.max_staleness]:
-            del f.history[old]
+        self.book.adopt(f, res, self.sc.max_staleness)
         f.optimizer.pool.trim()  # the shared merge pool's budget; then the heap (issue 17 item 3)
         release_free_memory()
         f.sync_ema.update(res.seconds)
@@ -408,7 +389,7 @@ class RoundDriver:
             compact=f.compact).model_dump()})
         self.report.counters["merges"] += 1
         self.report.counters["contributions_merged"] += len(res.merged)
-        self.report.merged(self.clock(), {
+        self.report.merged(self.ctx.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version,
             "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged],
             "contributions": [_merged_contribution(lid, rnd.contributions[lid].ann) for lid in res.merged]})
@@ -438,7 +419,7 @@ class RoundDriver:
         rep.metric("sync/contributions_late", c["contributions_late"])
         rep.metric("sync/contributions_rejected", c["contributions_rejected"])
         rep.metric("sync/live_learners", len(self.registry.live()))
-        rep.net(self.registry, res.merged, self.clock())
+        rep.net(self.registry, res.merged, self.ctx.clock())
         rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))
         rep.metric(f"sync/fragment/{f.p}/version", f.version)
         log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,16 +151,25 @@ def merge_pool(largest_fragment_bytes: int) -> BufferPool:
 
 
 def new_fragments(plan: FragmentPlan, params: dict[str, torch.Tensor], sc: SynchronizerConfig,
-                  store: ObjectStore | None = None) -> list[FragmentState]:
-    """Version 0 of every fragment of ``plan``, cut from the model's ``params``. Kept versions
-    older than the newest are read back from ``store`` (None: they stay in RAM)."""
+                  store: ObjectStore | None = None, indices: Sequence[int] | None = None) -> list[FragmentState]:
+    """Version 0 of the fragments ``indices`` of ``plan`` (None: every fragment), in that order, cut
+    from the model's ``params``. Kept versions older than the newest are read back from ``store``
+    (None: they stay in RAM). Their optimizers share one merge pool sized by the largest of them.
+
+    Raises:
+        ValueError: an index outside the plan.
+    """
+    indices = range(plan.num_fragments) if indices is None else list(indices)
+    if not indices or any(not 0 <= p < plan.num_fragments for p in indices):
+        raise ValueError(f"fragment indices {list(indices)} are not a non-empty subset of the plan's "
+                         f"{plan.num_fragments} fragments")
     out = []
     optimizers = [make_outer_optimizer(sc.outer_optimizer, plan.fragment_of(params, p), sc.outer_lr,
                                        sc.outer_momentum, period=sc.outer_momentum_every)
-                  for p in range(plan.num_fragments)]
+                  for p in indices]
     pool = merge_pool(max(sum(t.numel() * t.element_size() for t in o.shared_state().params.values())
                           for o in optimizers))
-    for p, optimizer in enumerate(optimizers):
+    for p, optimizer in zip(indices, optimizers, strict=True):
         names = plan.names(p)
         optimizer.pool = pool  # one pool for every fragment: its free buffers are a fixed budget
         cur = optimizer.shared_state().params  # the optimizer's own copy: one fp32 copy, never written
@@ -270,6 +280,7 @@ class CheckpointBook:
         self.in_flight = False
         self.gc_in_flight = False
         self.waiters: list = []  # futures of POST /checkpoint requests
+        self.resumed_from: int | None = None  # the checkpoint this process resumed from
         self._merges_at_checkpoint = -1
         self._last_s = started_s
 
@@ -297,5 +308,6 @@ class CheckpointBook:
 
     def resumed(self, seq: int, listed: list[int], merges: int) -> None:
         """After a resume from ``seq``: never reuse a listed (even torn) sequence number."""
+        self.resumed_from = seq
         self.seq = max([seq, *listed])
         self._merges_at_checkpoint = merges

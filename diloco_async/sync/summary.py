@@ -1,18 +1,23 @@
 """The run summary and the live status, read from the synchronizer's state (DESIGN §7).
 
 :func:`summary` gives the run figures (goodput, merges, rejections by reason, versions, bytes);
-:func:`status` adds the open rounds, the last merges, heartbeat ages, budget and phase for ``GET /status``. Both run
-on the actor's task and only read (:class:`~diloco_async.sync.view.ActorView` names what they read).
+:func:`status` adds the open rounds, the last merges, heartbeat ages, budget and phase for ``GET /status``.
+Both run on the actor's task and only read the components they are given (never the actor).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from diloco_async.metrics.goodput import totals
+from diloco_async.sync.context import ActorContext
+from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
-from diloco_async.sync.reporting import UPTIME_MIN_GAP_S
-from diloco_async.sync.view import ActorView
+from diloco_async.sync.lifecycle import Lifecycle
+from diloco_async.sync.reporting import UPTIME_MIN_GAP_S, Reporter
+from diloco_async.sync.rounds import RoundTable
+from diloco_async.sync.state import CheckpointBook
 from diloco_async.sync.wire_bytes import per_token
 
 __all__ = ["summary", "status", "with_checkpoint_outcome", "uptime_max_gap_s", "RECENT_MERGES"]
@@ -22,11 +27,12 @@ __all__ = ["summary", "status", "with_checkpoint_outcome", "uptime_max_gap_s", "
 RECENT_MERGES = 6
 
 
-def uptime_max_gap_s(sync: ActorView) -> float:
+def uptime_max_gap_s(registry: LearnerRegistry, sync_every: int, fragments: int) -> float:
     """The longest gap between merges that still counts as up (s): four rounds' worth of the
-    slowest learner's steps per fragment, at least :data:`UPTIME_MIN_GAP_S`."""
-    slowest = sync.registry.slowest_step_s() or 1.0
-    return max(4 * slowest * sync.sc.sync_every / max(1, len(sync.fragments)), UPTIME_MIN_GAP_S)
+    slowest learner's steps per fragment (``fragments``: those merged here), at least
+    :data:`UPTIME_MIN_GAP_S`."""
+    slowest = registry.slowest_step_s() or 1.0
+    return max(4 * slowest * sync_every / max(1, fragments), UPTIME_MIN_GAP_S)
 
 
 def _net_summary(reg: LearnerRegistry) -> dict:
@@ -55,19 +61,20 @@ def _learner_pace(reg: LearnerRegistry, lid: str) -> dict:
             "pace_bound": bound.reason if bound is not None else None}
 
 
-def summary(sync: ActorView) -> dict:
+def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registry: LearnerRegistry,
+            report: Reporter, checkpoints: CheckpointBook, life: Lifecycle) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes (and the peak
     bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`)."""
-    now = sync.clock()
-    rep, reg, c = sync.report, sync.registry, sync.report.counters
+    now = ctx.clock()
+    rep, reg, c = report, registry, report.counters
     reg.flush_provisioned()
-    max_gap = uptime_max_gap_s(sync)
+    max_gap = uptime_max_gap_s(reg, ctx.sc.sync_every, len(book))
     return {
-        "run_id": sync.run_id,
-        "epoch": sync.epoch,
-        "resumed_from": sync.resumed_from,
-        "stop_reason": sync.life.stop_reason,
-        "wall_s": now - sync.started_s,
+        "run_id": ctx.run_id,
+        "epoch": ctx.epoch,
+        "resumed_from": checkpoints.resumed_from,
+        "stop_reason": life.stop_reason,
+        "wall_s": now - ctx.started_s,
         **totals(reg.ledgers, reg.silent_s(now)),
         "uptime": rep.merge_gaps.uptime(now, max_gap),
         "uptime_max_gap_s": max_gap,
@@ -85,17 +92,17 @@ def summary(sync: ActorView) -> dict:
         "contributions_downweighted": c["contributions_downweighted"],
         "verifications_dropped": c["verifications_dropped"],
         "duplicates": c["duplicates"],
-        "versions": {f.p: f.version for f in sync.fragments},
+        "versions": book.versions(),
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],
         **rep.traffic.figures(),  # since this process started (a resumed run starts them again)
         **_net_summary(reg),
         "checkpoints": c["checkpoints"],
-        "last_checkpoint_seq": sync.checkpoints.last_seq,
+        "last_checkpoint_seq": checkpoints.last_seq,
         # garbage collection: objects deleted, and versions left for live learners' reads (policy/catchup.py)
         "gc_deleted_objects": c["gc_deleted_objects"],
         "gc_kept_for_reads": c["gc_kept_for_reads"],
-        "global_step": sync.g,
+        "global_step": table.g,
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                            **reg.ledgers[lid].to_json(),
                            "compute_goodput": reg.ledgers[lid].compute_goodput,
@@ -105,17 +112,16 @@ def summary(sync: ActorView) -> dict:
     }
 
 
-def with_checkpoint_outcome(figures: dict, sync: ActorView) -> dict:
+def with_checkpoint_outcome(figures: dict, counters: Counter[str], checkpoints: CheckpointBook) -> dict:
     """``figures`` (a :func:`summary` taken when the final checkpoint began) with that checkpoint's
-    outcome: ``checkpoints`` and ``last_checkpoint_seq`` as they are now."""
-    return {**figures, "checkpoints": sync.report.counters["checkpoints"],
-            "last_checkpoint_seq": sync.checkpoints.last_seq}
+    outcome: ``checkpoints`` (of ``counters``) and ``last_checkpoint_seq`` as they are now."""
+    return {**figures, "checkpoints": counters["checkpoints"], "last_checkpoint_seq": checkpoints.last_seq}
 
 
-def _recent_merges(sync: ActorView, count: int) -> list[dict]:
+def _recent_merges(report: Reporter, count: int) -> list[dict]:
     """The last ``count`` merges, newest first, from the merge log's tail in memory: fragment,
     round, the version it made, the merged learners and its age (s, wall clock: the log's ``t``)."""
-    log = sync.report.merge_log
+    log = report.merge_log
     n = min(count, log.in_memory)
     now_unix = time.time()
     return [{"fragment": m["fragment"], "round": m["round"], "version": m["version"],
@@ -123,28 +129,30 @@ def _recent_merges(sync: ActorView, count: int) -> list[dict]:
             for m in reversed(log.read(len(log) - n, n) or [])]
 
 
-def status(sync: ActorView) -> dict:
-    """:func:`summary` plus the open rounds (announced, verified, rejected and pending learners,
-    seconds open), the last :data:`RECENT_MERGES` merges (``recent_merges``), each learner's seconds
-    since its last message (``heartbeat_age_s``), the budget, the lifecycle phase and the number of
-    metric points so far."""
-    s = summary(sync)
-    now = sync.clock()
+def status(figures: dict, ctx: ActorContext, *, table: RoundTable, registry: LearnerRegistry, report: Reporter,
+           life: Lifecycle, finished: bool) -> dict:
+    """``figures`` (a :func:`summary` taken now, changed in place and returned) plus the open rounds
+    (announced, verified, rejected and pending learners, seconds open), the last
+    :data:`RECENT_MERGES` merges (``recent_merges``), each learner's seconds since its last message
+    (``heartbeat_age_s``), the budget, the lifecycle phase, whether the run's final summary is fixed
+    (``finished``) and the number of metric points so far."""
+    s = figures
+    now = ctx.clock()
     rounds = []
-    for (p, n), r in sorted(sync.rounds.items()):
+    for (p, n), r in sorted(table.rounds.items()):
         entries = r.state.entries
         rounds.append({"fragment": p, "round": n, "stage": r.state.stage.value, "open_s": now - r.state.opened_s,
                        "announced": sorted(entries), "verified": r.state.verified,
                        "rejected": sorted(lid for lid, e in entries.items() if e.verified is False),
                        "pending": sorted(r.state.pending), "late": list(r.state.late)})
     s["rounds"] = rounds
-    s["recent_merges"] = _recent_merges(sync, RECENT_MERGES)
-    for lid, info in sync.registry.learners.items():  # seconds since each learner was last heard from
+    s["recent_merges"] = _recent_merges(report, RECENT_MERGES)
+    for lid, info in registry.learners.items():  # seconds since each learner was last heard from
         s["learners"][lid]["heartbeat_age_s"] = max(0.0, now - info.last_seen_s)
-    budget = sync.cfg.budget
+    budget = ctx.cfg.budget
     s["budget"] = {"tokens": budget.tokens, "max_steps": budget.max_steps, "wall_s": budget.wall_s}
-    s["stopping"] = sync.life.stop_reason
-    s["phase"] = sync.life.phase.value
-    s["finished"] = sync.final_summary is not None
-    s["metrics_total"] = len(sync.report.metrics)
+    s["stopping"] = life.stop_reason
+    s["phase"] = life.phase.value
+    s["finished"] = finished
+    s["metrics_total"] = len(report.metrics)
     return s

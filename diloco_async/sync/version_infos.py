@@ -3,7 +3,7 @@ and the heartbeat replies themselves, shared by the learners in the same state (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from diloco_async.protocol.messages import HeartbeatResponse, RoundOpen, VersionInfo
 from diloco_async.sync.state import FragmentState
@@ -22,7 +22,7 @@ class VersionInfos:
         self._key: tuple = ()
         self._infos: list[VersionInfo] = []
 
-    def __call__(self, fragments: Sequence[FragmentState]) -> list[VersionInfo]:
+    def __call__(self, fragments: Iterable[FragmentState]) -> list[VersionInfo]:
         """A new list (the caller may keep it) of the fragments' current versions, by fragment."""
         key = self.key(fragments)
         if key != self._key or not self._infos:
@@ -34,7 +34,7 @@ class VersionInfos:
         return list(self._infos)
 
     @staticmethod
-    def key(fragments: Sequence[FragmentState]) -> tuple:
+    def key(fragments: Iterable[FragmentState]) -> tuple:
         """What the versions told depend on (equal keys: equal version infos)."""
         return tuple((f.version, f.refs[f.version].key, f.refs[f.version].sha256, f.compact) for f in fragments)
 
@@ -46,10 +46,10 @@ class HeartbeatReplies:
     they are handed out (callers must not change them either)."""
 
     def __init__(self, versions: VersionInfos) -> None:
-        self._versions = versions
+        self.versions = versions  # the current version infos, shared with the join replies
         self._replies: dict[tuple, HeartbeatResponse] = {}
 
-    def __call__(self, fragments: Sequence[FragmentState], opens: tuple[tuple[int, int, int], ...], stop: bool,
+    def __call__(self, fragments: Iterable[FragmentState], opens: tuple[tuple[int, int, int], ...], stop: bool,
                  epoch: str) -> HeartbeatResponse:
         """The reply; ``opens``: the open rounds to tell, each ``(fragment, round_n, version)``."""
         key = (VersionInfos.key(fragments), opens, stop, epoch)
@@ -59,5 +59,5 @@ class HeartbeatReplies:
                 self._replies.clear()
             reply = self._replies[key] = HeartbeatResponse(
                 open_rounds=[RoundOpen(fragment=p, round_n=n, version=v) for p, n, v in opens],
-                versions=self._versions(fragments), stop=stop, epoch=epoch)
+                versions=self.versions(fragments), stop=stop, epoch=epoch)
         return reply

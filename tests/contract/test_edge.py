@@ -135,7 +135,7 @@ async def test_huge_step_rejected_and_actor_survives_a_handler_error(caplog):
         sync.registry.heartbeat = real
 
         # and one raised by the clock-driven part of the actor
-        real_schedule = sync._schedule
+        real_schedule = sync.table.schedule
         calls = []
 
         def schedule_once_broken(now):
@@ -143,7 +143,7 @@ async def test_huge_step_rejected_and_actor_survives_a_handler_error(caplog):
             if len(calls) == 1:
                 raise OverflowError("injected")
             return real_schedule(now)
-        sync._schedule = schedule_once_broken
+        sync.table.schedule = schedule_once_broken
 
         async def went_on():
             return len(calls) > 1

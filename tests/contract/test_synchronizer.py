@@ -23,7 +23,6 @@ from diloco_async.merge.core import OuterOptimizer, merge_outer_gradients
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.actor import MemoryTails
-from diloco_async.sync.persistence import restore
 from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
@@ -182,7 +181,7 @@ async def test_nan_contribution_rejected_round_goes_on(caplog):
     assert ck is not None and all(torch.isfinite(t).all() for t in ck.tensors.values())
     assert ck.manifest["versions"]["0"] == 1
     resumed = Synchronizer(small_config(), store, "run1")  # the counters by reason continue on a resume
-    await asyncio.to_thread(restore, resumed, ck)
+    await asyncio.to_thread(resumed.restore, ck)
     assert resumed.report.rejected_by_reason == {"non_finite": 1}
     assert resumed.report.counters["contributions_merged"] == 2
 
@@ -559,7 +558,7 @@ async def test_verifications_in_flight_are_bounded_by_the_setting(monkeypatch, s
             await contribute(client, store, lid, fragment_delta(plan, 0.1 + i))
 
         async def all_arrived() -> bool:  # in fetch_and_verify, or queued for a slot
-            waiting = sum(not w.done() for w in (getattr(sync.verify_slots, "_waiters", None) or ()))
+            waiting = sum(not w.done() for w in (getattr(sync.table.verify_slots, "_waiters", None) or ()))
             return running_now[0] + waiting == len(LEARNERS)
 
         await await_until(all_arrived, 30, "three verifications running or waiting for a slot")

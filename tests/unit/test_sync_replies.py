@@ -28,41 +28,19 @@ def test_replies_are_shared_and_each_learner_hears_its_own_open_rounds():
 
         first = [beat(lid) for lid in ids]
         assert first[0] is first[1] is first[2] and first[0].open_rounds == []  # one model for all
-        sync._open_round(sync.fragments[0], 1, sync.clock())
+        sync.table.open_round(sync.book[0], 1, sync.ctx.clock())
         ref = f"{keys.contribution_round_prefix('run1', 0, 1)}/a/x"
         ann = Announcement(learner_id="a", fragment=0, round_n=1, base_version=0, c_steps=1, c_tokens=8,
                            compute_s=0.1, key=ref, nbytes=10, sha256="0" * 64, codec="fp32", update_id="u1")
-        sync.rounds[(0, 1)].state.announce("a", ann.key, sync.clock())
+        sync.table.rounds[(0, 1)].state.announce("a", ann.key, sync.ctx.clock())
         a, b, c = (beat(lid) for lid in ids)
         assert a.open_rounds == [] and a is not b  # a announced: round 1 of fragment 0 is not news to it
         assert b is c and [(r.fragment, r.round_n, r.version) for r in b.open_rounds] == [(0, 1, 0)]
-        assert [v.version for v in b.versions] == [f.version for f in sync.fragments]
-        sync.fragments[1].version += 1  # a new version (its ref too): a new reply, with it
-        sync.fragments[1].refs[sync.fragments[1].version] = sync.fragments[1].refs[0]
+        assert [v.version for v in b.versions] == [f.version for f in sync.book]
+        sync.book[1].version += 1  # a new version (its ref too): a new reply, with it
+        sync.book[1].refs[sync.book[1].version] = sync.book[1].refs[0]
         b2 = beat("b")
         assert b2 is not b and [v.version for v in b2.versions] == [0, 1]
         assert len(sync._replies._replies) <= REPLIES_CAP
-    finally:
-        sync.close()
-
-
-def test_the_actor_is_what_persistence_and_summary_read():
-    """persistence.py and summary.py take an ActorView, not the actor's class (no import cycle):
-    every name the view declares is there on a real Synchronizer, with the declared type where the
-    type is a class."""
-    import typing
-
-    from diloco_async.sync.view import ActorView
-
-    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
-                             "synchronizer.num_fragments=2"])
-    sync = Synchronizer(cfg, ObjectStore(f"memory://view-{uuid.uuid4().hex}"), "run1")
-    try:
-        assert isinstance(sync, ActorView)
-        hints = typing.get_type_hints(ActorView)
-        assert set(hints) >= {"cfg", "store", "fragments", "registry", "report", "checkpoints", "life"}
-        for name, hint in hints.items():
-            if isinstance(hint, type) and hint is not ObjectStore:  # the store may be fenced (FencedStore)
-                assert isinstance(getattr(sync, name), hint), name
     finally:
         sync.close()
