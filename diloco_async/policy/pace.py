@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from diloco_async.config.schema import Config
 
@@ -80,6 +80,14 @@ class PaceMeter:
     heard_s: float = 0.0
     recent_steps: float = 0.0
     recent_heard_s: float = 0.0
+
+    def rejoined(self) -> PaceMeter:
+        """The meter of the slot's next incarnation: the same measurement, its first heartbeat not
+        measured (the restart's gap is no measure of its pace), so a learner that rejoins keeps the
+        bound it earned rather than going back to the initial one (issue 47)."""
+        nxt = replace(self)
+        nxt.silence()
+        return nxt
 
     def silence(self) -> None:
         """The learner was lost (or the synchronizer restarted): its next heartbeat is not measured."""

@@ -164,9 +164,12 @@ class LearnerRegistry:
                 led.add_badput("restarting", now_s - process_start_s)
             else:
                 led.add_badput("starting", req.uptime_s)
+            # a rejoin refills no burst and keeps the slot's measured pace (the restart's gap is not
+            # measured): a new incarnation does not go back to the initial bound
             info = self.learners[req.learner_id] = LearnerInfo(
                 req.learner_id, req.incarnation, started, now_s, step=start_step, anchor_s=now_s,
-                burst=info.burst.rejoined() if info is not None else PaceBurst())  # a rejoin refills no burst
+                burst=info.burst.rejoined() if info is not None else PaceBurst(),
+                meter=info.meter.rejoined() if info is not None else PaceMeter())
         else:
             if not info.live:
                 self.ledgers[req.learner_id].add_badput("stalled", now_s - info.last_seen_s)

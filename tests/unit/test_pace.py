@@ -325,3 +325,25 @@ def test_no_measurement_yet_gives_the_initial_grace_whatever_is_claimed():
         reg.heartbeat(Heartbeat(learner_id=lid, step=5, step_time_s=1e6 if lid == "b" else None), 0.25)
     assert reg.slowest_step_s() is None
     assert merged_after_s(reg) == pytest.approx(0.5)
+
+
+def test_a_new_incarnation_keeps_the_pace_its_slot_was_measured_at():
+    """A learner measured at 100 steps/s that restarts (a new incarnation) keeps that measurement:
+    its bound stays 4 x 100, not the initial 1000 steps/s, so rejoining every few seconds buys a
+    liar nothing; the heartbeat after the restart is not measured (the gap is no pace)."""
+    limits = default_limits()
+    reg = LearnerRegistry(limits)
+    reg.join(JoinRequest(learner_id="a"), 0.0, None)
+    now_s, step = 0.0, 0
+    for _ in range(40):  # 10 s at 100 steps/s, heartbeats every 0.25 s
+        now_s, step = now_s + 0.25, step + 25
+        reg.heartbeat(Heartbeat(learner_id="a", step=step, tokens_total=step * 64), now_s)
+    before = reg.pace_bound("a").steps_per_s
+    assert before == pytest.approx(4 * 100, rel=0.05)
+    reg.join(JoinRequest(learner_id="a", incarnation=1), now_s + 2.0, None)
+    assert reg.pace_bound("a").steps_per_s == pytest.approx(before)
+    meter = reg.learners["a"].meter
+    heard_s = meter.heard_s
+    info = reg.learners["a"]
+    reg.heartbeat(Heartbeat(learner_id="a", incarnation=1, step=info.step + 10, tokens_total=640), now_s + 2.25)
+    assert meter.heard_s == heard_s  # the first heartbeat after the restart adds nothing
