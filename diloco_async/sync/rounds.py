@@ -127,10 +127,10 @@ class RoundTable:
             self.schedule_shift_steps = shift
             self.report.count("schedule_shifts")
             log.warning("schedule out of reach of the live learners: %s", why)
-        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.book],
+        decision = schedule_rounds(g=g + shift, next_rounds={f.p: f.next_round for f in self.book},
                                    busy={f.p for f in self.book if f.busy}, waiting=self.waiting,
                                    open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
-                                   sync_every=self.sc.sync_every)
+                                   sync_every=self.sc.sync_every, num_fragments=num)
         self.waiting = list(decision.waiting)
         for p, n in decision.open_now:
             self.open_round(self.book[p], n, now)

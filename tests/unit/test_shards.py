@@ -7,6 +7,7 @@ import pytest
 
 from diloco_async.capacity.sizes import shard_fragments
 from diloco_async.config.schema import Config, _training_dict, config_hash, load_config
+from diloco_async.policy.rounds import schedule_rounds
 from diloco_async.policy.shards import assignment, fragments_of, shard_of
 
 
@@ -59,3 +60,14 @@ def test_shards_is_a_training_field_and_s1_hashes_as_before_shards_existed():
     # what a run recorded before the field existed: the hash of a training dict without it
     recorded = hashlib.sha256(json.dumps(_training_dict(old), sort_keys=True, separators=(",", ":")).encode())
     assert config_hash(one) == recorded.hexdigest()
+
+
+def test_a_shard_schedules_its_own_fragments_at_the_whole_plans_offsets():
+    full = schedule_rounds(g=5, next_rounds=[1, 1, 1, 1], busy=(), waiting=(), open_count=0, max_open_rounds=4,
+                           sync_every=4)
+    mine = schedule_rounds(g=5, next_rounds={1: 1, 3: 1}, busy=(), waiting=(), open_count=0, max_open_rounds=4,
+                           sync_every=4, num_fragments=4)
+    # offsets floor(p * 4 / 4) = p: at g = 5 fragments 0 and 1 are due (round 1 at 4 + p); fragment 1 at
+    # the offset of a 2-fragment plan (2) would not be
+    assert full.open_now == ((0, 1), (1, 1))
+    assert mine.open_now == ((1, 1),)

@@ -1,0 +1,169 @@
+"""Synchronizer shards as real processes (issue 40 items 1-2; DESIGN §2.2).
+
+* S = 1 leaves exactly today's keys in the store (no ``shards`` folder, no ``shards.json``);
+* S = 2: two synchronizer processes (``--shard 0``, ``--shard 1``) driven by a scripted learner
+  that heartbeats to both and announces each fragment to its owner publish the same versions,
+  bit for bit (sha256 of every version object), as one synchronizer with the same seed and the
+  same contributions; each shard's lease, checkpoints and epochs lie under its own root;
+* a second process for a held shard exits 4 naming the holder; a shard index outside [0, S) exits 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from pathlib import Path
+
+import torch
+from test_fencing import start_sync
+from test_resume import TOKEN, SyncProcess
+
+from diloco_async.codec import wire
+from diloco_async.protocol.client import call_blocking, fetch_status, request_checkpoint
+from diloco_async.sync.process import EXIT_LEASE_HELD
+from storage import keys
+from storage.store import ObjectStore
+
+from polling import wait_until
+
+TWO_FRAGMENTS = ("synchronizer.num_fragments=2", "synchronizer.max_open_rounds=2")
+ROUNDS = 3
+
+
+class Shards:
+    """``len(procs)`` synchronizer processes of one run, one per shard, in shard order."""
+
+    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int) -> None:
+        extra = (*TWO_FRAGMENTS, f"synchronizer.shards={shards}")
+        self.procs: list[SyncProcess] = []
+        for i in range(shards):
+            self.procs.append(SyncProcess(tmp, store_url, ["--run-id", run_id, "--shard", str(i)], extra=extra))
+
+    def owner(self, p: int) -> SyncProcess:
+        return self.procs[p % len(self.procs)]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+
+
+def drive(shards: Shards, store: ObjectStore, learner: str = "scripted") -> None:
+    """One scripted learner: joins every shard, then for rounds 1..ROUNDS reports step 4r+2 to every
+    shard (round r of fragment 0 is due at 4r, of fragment 1 at 4r+2: H = 4, P = 2), contributes a
+    fixed outer gradient per (fragment, round) to the fragment's owner and waits for the version."""
+    plans = []
+    for i, proc in enumerate(shards.procs):
+        jr = call_blocking(proc.url, TOKEN, "join", {"learner_id": learner, "incarnation": 0})
+        assert (jr["shard"], jr["shards"]) == (i, len(shards.procs)), jr
+        plans.append(jr["plan"])
+    assert all(plan == plans[0] for plan in plans)  # every shard serves the whole plan
+    run_id = jr["run_id"]
+    shapes = [{s["name"]: tuple(s["shape"]) for s in frag} for frag in plans[0]["fragments"]]
+    for r in range(1, ROUNDS + 1):
+        for p in range(2):
+            owner = shards.owner(p)
+
+            def round_open(p: int = p, r: int = r, owner: SyncProcess = owner) -> bool:
+                for proc in shards.procs:
+                    call_blocking(proc.url, TOKEN, "heartbeat", {"learner_id": learner, "step": 4 * r + 2})
+                return any(x["fragment"] == p and x["round"] == r for x in owner.status()["rounds"])
+            wait_until(round_open, 60, f"round {r} of fragment {p} to open", interval_s=0.05)
+            g = torch.Generator().manual_seed(1000 * p + r)
+            delta = {n: torch.randn(shape, generator=g) * 0.05 for n, shape in sorted(shapes[p].items())}
+            ref = store.put(keys.contribution_key(run_id, p, r, learner, uuid.uuid4().hex[:8]),
+                            wire.encode_to_bytes(delta, "fp32", {}))
+            ack = call_blocking(owner.url, TOKEN, "announce", {
+                "learner_id": learner, "fragment": p, "round_n": r, "base_version": r - 1, "c_steps": 4,
+                "c_tokens": 4 * 64, "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
+                "codec": "fp32", "update_id": f"u{p}-{r}"})
+            assert ack["status"] == "accepted", ack
+        for p in range(2):
+            wait_until(lambda p=p, r=r: shards.owner(p).status()["versions"][str(p)] >= r, 60,
+                       f"version {r} of fragment {p}", interval_s=0.05)
+
+
+def version_digests(store: ObjectStore, run_id: str) -> dict[tuple[int, int], str]:
+    """(fragment, version) -> sha256 of the version object, for every published version."""
+    out = {}
+    for key in store.list(keys.versions_prefix(run_id)):
+        pv = keys.parse_version_key(run_id, key)
+        if pv is not None:
+            out[pv] = hashlib.sha256(store.get_unverified(key)).hexdigest()
+    return out
+
+
+def key_shapes(store: ObjectStore, run_id: str) -> set[str]:
+    """Every key of the run with its epoch, nonce and lease renewal numbers replaced by placeholders."""
+    out = set()
+    for key in store.list(run_id):
+        k = key[len(run_id) + 1:]
+        k = re.sub(r"epochs/[0-9a-f]{12}/", "epochs/{epoch}/", k)
+        k = re.sub(r"-[0-9a-f]{8}\.safetensors$", "-{nonce}.safetensors", k)
+        k = re.sub(r"renewal-\d{8}\.json$", "renewal-{k}.json", k)
+        out.add(k)
+    return out
+
+
+def run(tmp: Path, store_url: str, run_id: str, shards: int) -> ObjectStore:
+    store = ObjectStore(store_url)
+    procs = Shards(tmp, store_url, run_id, shards)
+    try:
+        drive(procs, store)
+        for proc in procs.procs:
+            request_checkpoint(proc.url, TOKEN, timeout_s=30.0)
+    finally:
+        procs.stop()
+    return store
+
+
+def test_one_shard_leaves_exactly_todays_keys(tmp_path):
+    store_url = f"file://{tmp_path}/store"
+    store = run(tmp_path, store_url, "one", 1)
+    versions = {f"globals/p{p:03d}/v{v:08d}.safetensors" for p in range(2) for v in range(ROUNDS + 1)}
+    contribs = {f"contrib/p{p:03d}/r{r:08d}/scripted-{{nonce}}.safetensors" for p in range(2)
+                for r in range(1, ROUNDS + 1)}
+    state = {f"checkpoints/{s:08d}/{name}" for s in (1, 2) for name in ("state.safetensors", "manifest.json")}
+    epochs = {f"epochs/{{epoch}}/{name}" for name in ("summary.json", "metrics.jsonl", "merges.jsonl",
+                                                       "contributions.jsonl")}
+    lease = {"lease/00000001/claim.json", "lease/00000001/released.json"}
+    shapes = {k for k in key_shapes(store, "one") if not k.startswith("lease/00000001/renewal-")}
+    kept = {k for k in shapes if k.startswith("contrib/")}  # garbage collection removes those behind the checkpoint
+    assert kept <= contribs and f"contrib/p001/r{ROUNDS:08d}/scripted-{{nonce}}.safetensors" in kept
+    assert shapes - kept == {"plan.json", "config.json", *versions, *state, *epochs, *lease}
+
+
+def test_two_shards_publish_the_same_versions_bit_for_bit_as_one(tmp_path):
+    store_url = f"file://{tmp_path}/store"
+    one = version_digests(run(tmp_path, store_url, "one", 1), "one")
+    store = run(tmp_path, store_url, "two", 2)
+    two = version_digests(store, "two")
+    assert set(one) == {(p, v) for p in range(2) for v in range(ROUNDS + 1)}
+    assert two == one
+    shapes = key_shapes(store, "two")
+    assert "shards.json" in shapes and "lease/00000001/claim.json" not in shapes
+    assert store.get_json(keys.shards_manifest_key("two"))["fragments"] == {"0": [0], "1": [1]}
+    for i in range(2):
+        root = f"shards/{i:03d}"
+        assert {f"{root}/lease/00000001/claim.json", f"{root}/lease/00000001/released.json",
+                f"{root}/checkpoints/00000001/manifest.json", f"{root}/epochs/{{epoch}}/summary.json"} <= shapes
+        manifest = store.get_json(f"two/{root}/checkpoints/00000001/manifest.json")
+        assert set(manifest["versions"]) == {str(i)}, manifest["versions"]  # each shard checkpoints its own
+
+
+def test_a_second_process_for_a_held_shard_exits_naming_the_holder(tmp_path):
+    store_url = f"file://{tmp_path}/store"
+    extra = ["--set", TWO_FRAGMENTS[0], "--set", "synchronizer.shards=2"]
+    procs = Shards(tmp_path, store_url, "held", 2)
+    try:
+        holder = procs.procs[1]
+        second, log = start_sync(tmp_path, store_url, ["--run-id", "held", "--shard", "1", *extra])
+        bad, bad_log = start_sync(tmp_path, store_url, ["--run-id", "held2", "--shard", "2", *extra])
+        assert second.wait(timeout=90) == EXIT_LEASE_HELD, log.read_text()
+        out = log.read_text()
+        assert f"pid={holder.proc.pid} epoch=1" in out and "held/shards/001" in out, out
+        assert bad.wait(timeout=90) == 2, bad_log.read_text()
+        assert "shard 2 is outside [0, 2)" in bad_log.read_text()
+        assert fetch_status(holder.url)["versions"] == {"1": 0}  # the holder serves on
+    finally:
+        procs.stop()
