@@ -26,6 +26,7 @@ import aiohttp
 
 from diloco_async.codec import wire
 from diloco_async.inner.state import InnerState
+from diloco_async.learner.sharded_client import ShardedSyncClient
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.protocol.client import SyncClient
 from diloco_async.protocol.messages import AnnouncementAck
@@ -80,7 +81,7 @@ class Uploads:
         """The codec of ``job``: its own (a link-bound learner's step-down), else ``learners.codec``."""
         return job.codec or self.codec
 
-    async def run(self, client: SyncClient) -> None:
+    async def run(self, client: SyncClient | ShardedSyncClient) -> None:
         """Until the stop: upload and announce contributions, save inner states."""
         while not self.shared.stop_event.is_set():
             try:
@@ -135,7 +136,7 @@ class Uploads:
                     pass
                 self.shared.state_spooled.clear()
 
-    async def _upload_and_announce(self, client: SyncClient, job: UploadJob) -> None:
+    async def _upload_and_announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob) -> None:
         run_id = self.shared.join_response.run_id  # type: ignore[union-attr]
         key = keys.contribution_key(run_id, job.fragment, job.round_n, self.learner_id, job.update_id)
         meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
@@ -171,7 +172,7 @@ class Uploads:
         self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
         return ref
 
-    async def _announce(self, client: SyncClient, job: UploadJob, body: dict) -> str:
+    async def _announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> str:
         """Announce until acknowledged (same update id every time), stopped, or 60 s passed;
         returns the ack's status, or ``failed``."""
         backoff = synchronizer_backoff()

@@ -10,17 +10,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 from test_fencing import start_sync
 from test_resume import TOKEN, SyncProcess
 
 from diloco_async.codec import wire
-from diloco_async.protocol.client import call_blocking, fetch_status, request_checkpoint
+from diloco_async.learner.sharded_client import ShardedSyncClient, ShardListMismatch
+from diloco_async.protocol.auth import learner_token
+from diloco_async.protocol.client import LEARNER_TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
 from storage.store import ObjectStore
@@ -165,5 +172,74 @@ def test_a_second_process_for_a_held_shard_exits_naming_the_holder(tmp_path):
         assert bad.wait(timeout=90) == 2, bad_log.read_text()
         assert "shard 2 is outside [0, 2)" in bad_log.read_text()
         assert fetch_status(holder.url)["versions"] == {"1": 0}  # the holder serves on
+    finally:
+        procs.stop()
+
+
+def test_the_fan_out_client_joins_every_shard_routes_announcements_and_merges_answers(tmp_path):
+    store_url = f"file://{tmp_path}/store"
+    store = ObjectStore(store_url)
+    procs = Shards(tmp_path, store_url, "fan", 2)
+    urls = [p.url for p in procs.procs]
+
+    async def scenario() -> None:
+        async with ShardedSyncClient(urls, learner_token(TOKEN, "fan", "L")) as client:
+            jr = await client.join({"learner_id": "L", "incarnation": 0})
+            assert sorted(v["fragment"] for v in jr["versions"]) == [0, 1]  # one version 0 from each shard
+            assert jr["epoch"].count("+") == 1
+            events: list[dict] = []
+            async with client.push("L") as stream:
+                async def read() -> None:
+                    async for event in stream:
+                        events.append(event)
+                reader = asyncio.create_task(read())
+                for _ in range(600):  # step 6: round 1 of both fragments due (offsets 0 and 2, H = 4)
+                    hb = await client.heartbeat({"learner_id": "L", "step": 6})
+                    if {r["fragment"] for r in hb["open_rounds"]} == {0, 1}:
+                        break
+                    await asyncio.sleep(0.05)
+                assert {(r["fragment"], r["round_n"]) for r in hb["open_rounds"]} == {(0, 1), (1, 1)}, hb
+                assert not hb["stop"] and hb["known"]
+                shapes = {s["name"]: tuple(s["shape"]) for s in jr["plan"]["fragments"][1]}
+                data = wire.encode_to_bytes({n: torch.full(s, 0.01) for n, s in sorted(shapes.items())}, "fp32", {})
+                ref = store.put(keys.contribution_key("fan", 1, 1, "L", uuid.uuid4().hex[:8]), data)
+                ack = await client.announce({
+                    "learner_id": "L", "fragment": 1, "round_n": 1, "base_version": 0, "c_steps": 4, "c_tokens": 256,
+                    "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256, "codec": "fp32",
+                    "update_id": "u1"})
+                assert ack["status"] == "accepted", ack  # shard 1 owns fragment 1
+                for _ in range(600):
+                    if any(e.get("type") == "version" and e.get("fragment") == 1 for e in events):
+                        break
+                    await asyncio.sleep(0.05)
+                reader.cancel()
+            assert any(e.get("type") == "version" and e["fragment"] == 1 and e["version"] == 1 for e in events), events
+            assert any(e.get("type") == "round_open" and e["fragment"] == 0 for e in events), events  # from shard 0
+
+        async with ShardedSyncClient(urls[::-1], learner_token(TOKEN, "fan", "M")) as wrong:
+            with pytest.raises(ShardListMismatch, match=rf"{urls[1]} is position 0 .* answers shard=1 of "
+                                                        r"synchronizer\.shards=2"):
+                await wrong.join({"learner_id": "M", "incarnation": 0})
+        async with ShardedSyncClient(urls[:1], learner_token(TOKEN, "fan", "N")) as short:
+            with pytest.raises(ShardListMismatch, match=r"lists 1 shard URL\(s\)"):
+                await short.join({"learner_id": "N", "incarnation": 0})
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        procs.stop()
+
+
+def test_a_learner_given_the_shards_in_the_wrong_order_exits_2_naming_both(tmp_path):
+    store_url = f"file://{tmp_path}/store"
+    procs = Shards(tmp_path, store_url, "order", 2)
+    try:
+        urls = ",".join(p.url for p in procs.procs[::-1])
+        env = {**os.environ, LEARNER_TOKEN_ENV: learner_token(TOKEN, "order", "L0")}
+        out = subprocess.run([sys.executable, "-m", "diloco_async.learner", "--learner-id", "L0", "--index", "0",
+                              "--sync-url", urls, "--store", store_url], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2, out.stderr[-3000:]
+        assert f"{procs.procs[1].url} is position 0" in out.stderr and "answers shard=1" in out.stderr, out.stderr
     finally:
         procs.stop()
