@@ -23,11 +23,15 @@ import pytest
 import torch
 from test_fencing import start_sync
 from test_resume import TOKEN, SyncProcess
+from tiny_recipe import ROOT
 
 from diloco_async.codec import wire
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config
 from diloco_async.learner.sharded_client import ShardedSyncClient, ShardListMismatch
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
+from diloco_async.run import RunProcesses
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
 from storage.store import ObjectStore
@@ -243,3 +247,34 @@ def test_a_learner_given_the_shards_in_the_wrong_order_exits_2_naming_both(tmp_p
         assert f"{procs.procs[1].url} is position 0" in out.stderr and "answers shard=1" in out.stderr, out.stderr
     finally:
         procs.stop()
+
+
+def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finish(tmp_path):
+    cfg = with_fields(Config(), {
+        "run.store": f"file://{tmp_path}/store", "run.workdir": f"{tmp_path}/runs",
+        "data.cache_dir": str((ROOT / "data").resolve()),
+        "model.n_layer": 1, "model.d_model": 16, "model.n_head": 2, "model.context": 16,
+        "learners.count": 2, "learners.batch_size": 2, "learners.heartbeat_s": 0.25,
+        "synchronizer.num_fragments": 2, "synchronizer.shards": 2, "synchronizer.sync_every": 8,
+        "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": 100000.0,
+        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": 25.0})
+    run = RunProcesses(cfg, run_id="real")
+    try:
+        run.start_synchronizer()
+        assert len(run.shard_syncs) == 2 and run.learner_sync_url == ",".join(run.shard_urls)
+        for i in range(2):
+            run.start_learner(i)
+        for shard in run.shard_syncs:
+            assert shard.wait(timeout=300) == 0, shard.log_path
+        run.finished_cleanly = True
+        for handle in run.learners.values():
+            assert handle.wait(timeout=60) == 0, handle.log_path
+    finally:
+        run.stop_all()
+    store = ObjectStore(cfg.run.store)
+    newest = {p: max(v for (q, v) in version_digests(store, "real") if q == p) for p in range(2)}
+    assert min(newest.values()) >= 3, newest  # both shards merged real learners' contributions
+    for i in range(2):
+        summaries = [k for k in store.list(f"real/shards/{i:03d}/epochs") if k.endswith("summary.json")]
+        assert summaries, f"shard {i} wrote no summary"
+        assert store.get_json(summaries[0])["merges"] >= 3
