@@ -118,6 +118,12 @@ class RunProcesses:
         in shard order (DESIGN §2.2)."""
         return ",".join(self.shard_urls) if self.shard_urls else str(self.sync_url)
 
+    def _shard_argv(self, i: int, which: list[str], ready: Path, port: int | None = None) -> list[str]:
+        shards = self.cfg.synchronizer.shards
+        return ["-m", "diloco_async.server", "--resolved-config", str(self.config_file), *which,
+                "--ready-file", str(ready), *(["--shard", str(i)] if shards > 1 else []),
+                *(["--port", str(port)] if port is not None else [])]
+
     def start_synchronizer(self) -> str:
         """Start the synchronizer (``synchronizer.shards`` processes, one per shard, each with its
         own ready file), wait until every one listens and return the first one's URL.
@@ -132,8 +138,7 @@ class RunProcesses:
             ready = self.workdir / f"{name}.ready.json"
             ready.unlink(missing_ok=True)
             which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
-            argv = ["-m", "diloco_async.server", "--resolved-config", str(self.config_file), *which,
-                    "--ready-file", str(ready), *(["--shard", str(i)] if shards > 1 else [])]
+            argv = self._shard_argv(i, which, ready)
             self.shard_syncs.append(self.launcher.start(name, argv, {**self.env, TOKEN_ENV: self.token}))
             self.sync = self.shard_syncs[0]
             info = wait_for_ready_file(ready, self.shard_syncs[-1])
@@ -170,9 +175,40 @@ class RunProcesses:
 
     def supervise(self) -> list[Restart]:
         """Restart learners that died (non-zero exit, signal, crashed or failed flow run) after
-        ``learners.restart_delay_s`` seconds, as their next incarnation. Call it while the
-        synchronizer runs; returns the restarts made by this call."""
+        ``learners.restart_delay_s`` seconds, as their next incarnation, and (with
+        ``synchronizer.shards`` > 1) shards that died (:meth:`restart_dead_shards`). Call it while
+        the synchronizer runs; returns the learner restarts made by this call."""
+        if self.cfg.synchronizer.shards > 1:
+            self.restart_dead_shards()
         return self.supervisor.check()
+
+    def restart_dead_shards(self) -> list[int]:
+        """Restart every shard process that died (a non-zero exit or a signal; 0 is a finished
+        shard) with ``--resume {store}/{run_id} --shard I`` (its newest verified checkpoint) on the
+        port it had, so the learners' URLs stay valid; waits until each listens. The other shards
+        run on meanwhile. Returns the shards restarted.
+
+        Raises:
+            RuntimeError: a restarted shard exited before it was ready (e.g. no checkpoint yet).
+        """
+        restarted = []
+        for i, handle in enumerate(self.shard_syncs):
+            code = handle.poll()
+            if code is None or code == 0:
+                continue
+            port = int(self.shard_urls[i].rsplit(":", 1)[1])
+            self._log(f"synchronizer shard {i} exited with code {code}: restarting it from its newest checkpoint "
+                      f"on port {port}")
+            ready = self.workdir / f"synchronizer-{i}.ready.json"
+            ready.unlink(missing_ok=True)
+            argv = self._shard_argv(i, ["--resume", f"{self.store.url}/{self.run_id}"], ready, port)
+            self.retired.append(handle)
+            self.shard_syncs[i] = self.launcher.start(f"synchronizer-{i}", argv, {**self.env, TOKEN_ENV: self.token})
+            wait_for_ready_file(ready, self.shard_syncs[i])
+            if i == 0:
+                self.sync = self.shard_syncs[0]
+            restarted.append(i)
+        return restarted
 
     def pull_metrics(self) -> list[dict]:
         """New metric points from the synchronizer; [] when it is not answering."""

@@ -63,6 +63,7 @@ class Uploads:
         self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
         self._uploading = 0  # contributions taken off the queue and not yet announced (0 or 1)
+        self._announcing: set[asyncio.Task] = set()  # with shards: announcements retried beside the uploads
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
@@ -83,24 +84,30 @@ class Uploads:
 
     async def run(self, client: SyncClient | ShardedSyncClient) -> None:
         """Until the stop: upload and announce contributions, save inner states."""
-        while not self.shared.stop_event.is_set():
-            try:
-                job = await asyncio.to_thread(self.shared.upload_queue.get, True, 0.2)
-            except queue.Empty:
-                continue
-            if isinstance(job, (InnerState, SpooledState)):
-                await self._save_inner_state(job)
-            else:
-                self._uploading = 1
+        try:
+            while not self.shared.stop_event.is_set():
                 try:
-                    await self._upload_and_announce(client, job)
-                finally:
-                    self._uploading = 0
-            del job  # not held (with its outer gradient) until the next item arrives
+                    job = await asyncio.to_thread(self.shared.upload_queue.get, True, 0.2)
+                except queue.Empty:
+                    continue
+                if isinstance(job, (InnerState, SpooledState)):
+                    await self._save_inner_state(job)
+                else:
+                    self._uploading = 1
+                    try:
+                        await self._upload_and_announce(client, job)
+                    finally:
+                        self._uploading = 0
+                del job  # not held (with its outer gradient) until the next item arrives
+        finally:
+            for task in list(self._announcing):  # with shards: announcements still being retried
+                task.cancel()
+            await asyncio.gather(*self._announcing, return_exceptions=True)
 
     def pending(self) -> int:
-        """Items waiting in the upload queue plus the contribution being uploaded or announced."""
-        return self.shared.upload_queue.qsize() + self._uploading
+        """Items waiting in the upload queue plus the contributions being uploaded or announced (with
+        shards, announcements run beside the uploads: each one being retried counts)."""
+        return self.shared.upload_queue.qsize() + self._uploading + len(self._announcing)
 
     def _prune_inner_states(self, newest: int, keep: int = 1) -> None:
         """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
@@ -156,6 +163,14 @@ class Uploads:
                 "base_version": job.base_version, "c_steps": job.c_steps, "c_tokens": job.c_tokens,
                 "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
                 "codec": self.codec_of(job), "update_id": job.update_id}
+        if len(getattr(client, "clients", ())) > 1:  # shards: one that is down must not hold the others' announcements
+            task = asyncio.create_task(self._announce_and_report(client, job, body))
+            self._announcing.add(task)
+            task.add_done_callback(self._announcing.discard)
+            return
+        await self._announce_and_report(client, job, body)
+
+    async def _announce_and_report(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> None:
         self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from diloco_async.config.resolved import read_resolved
+from diloco_async.config.resolved import read_resolved, with_fields
 from diloco_async.config.schema import Config
 from diloco_async.policy.shards import check_shard
 from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
@@ -183,7 +183,8 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
 
     With ``synchronizer.shards = S > 1`` it owns the fragments of
     :func:`~diloco_async.policy.shards.fragments_of` ``shard``, takes the lease of that shard (under
-    :func:`storage.keys.synchronizer_root`) and listens on ``synchronizer.port + shard`` (0: a free port).
+    :func:`storage.keys.synchronizer_root`); it listens on ``synchronizer.port`` (0: a free port; the
+    command line puts shard ``I`` on the recipe's port + ``I``, or on ``--port``).
 
     With ``resume``, the outer state comes from that verified checkpoint of the same run. The
     run's ``lease`` is taken here when not given; it is released after a clean finish.
@@ -211,7 +212,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     quiet_protocol_errors()  # unparseable requests: one rate-limited line, not a traceback each
     runner = web.AppRunner(make_app(sync, token), **runner_options(sync))
     await runner.setup()
-    site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port and cfg.synchronizer.port + shard)
+    site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     url = f"http://{cfg.synchronizer.host}:{port}"
@@ -306,6 +307,19 @@ def _take_lease(resume_url: str | None, cfg: Config, store: ObjectStore, run_id:
 
 
 
+def _shard_port(cfg: Config, shard: int, port: int | None) -> Config:
+    """``cfg`` listening where shard ``shard`` does: on ``port`` when given (a restarted shard keeps
+    its learners' URL), else on ``synchronizer.port + shard`` (a free port when it is 0). The port is
+    operational: the config hash is unchanged.
+
+    Raises:
+        ValueError: the port is outside [0, 65535] (named).
+    """
+    sc = cfg.synchronizer
+    chosen = port if port is not None else (sc.port and sc.port + shard)
+    return cfg if chosen == sc.port else with_fields(cfg, {"synchronizer.port": chosen})
+
+
 def _given_config(path: str | None) -> Config | None:
     """The resolved config at ``path`` (None: none given). Raises ValueError: no such file, or not a config."""
     if path is None:
@@ -337,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shard", type=int, default=0, metavar="I",
                     help="serve shard I of synchronizer.shards (0 <= I < shards; default 0): the fragments p with "
                          "p mod shards = I, on port synchronizer.port + I (a free port when it is 0)")
+    ap.add_argument("--port", type=int, default=None, metavar="PORT",
+                    help="listen on this port instead of synchronizer.port + I (a launcher restarting a shard passes "
+                         "the port it had, so the learners' URLs stay valid)")
     ap.add_argument("--ready-file", default=None, metavar="PATH",
                     help="once the server listens, write {url, run_id, pid, epoch, lease_epoch} as JSON to this "
                          "file (atomically; for the process that started this one)")
@@ -379,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             store = ObjectStore(cfg.run.store, {**cfg.run.storage_options, **env_options})
             run_id, ckpt = args.run_id, None
         check_shard(args.shard, cfg.synchronizer.shards)
+        cfg = _shard_port(cfg, args.shard, args.port)
         lease, cfg, store, ckpt = _take_lease(args.resume, cfg, store, run_id, ckpt, env_options, args.shard)
         asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt, lease=lease, shard=args.shard))
     except ValueError as err:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -34,6 +35,7 @@ from diloco_async.protocol.client import LEARNER_TOKEN_ENV, call_blocking, fetch
 from diloco_async.run import RunProcesses
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
+from storage.checkpoint import list_checkpoint_seqs
 from storage.store import ObjectStore
 
 from polling import wait_until
@@ -278,3 +280,40 @@ def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finis
         summaries = [k for k in store.list(f"real/shards/{i:03d}/epochs") if k.endswith("summary.json")]
         assert summaries, f"shard {i} wrote no summary"
         assert store.get_json(summaries[0])["merges"] >= 3
+
+
+def newest_version(store: ObjectStore, run_id: str, p: int) -> int:
+    return max((v for (q, v) in version_digests(store, run_id) if q == p), default=-1)
+
+
+def test_a_killed_shard_stops_only_its_fragments_and_resumes_on_its_old_port(tmp_path):
+    cfg = with_fields(Config(), {
+        "run.store": f"file://{tmp_path}/store", "run.workdir": f"{tmp_path}/runs",
+        "data.cache_dir": str((ROOT / "data").resolve()),
+        "model.n_layer": 1, "model.d_model": 16, "model.n_head": 2, "model.context": 16,
+        "learners.count": 2, "learners.batch_size": 2, "learners.heartbeat_s": 0.25,
+        "synchronizer.num_fragments": 2, "synchronizer.shards": 2, "synchronizer.sync_every": 8,
+        "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": 1.0,
+        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": 600.0})
+    store = ObjectStore(cfg.run.store)
+    run = RunProcesses(cfg, run_id="kill")
+    try:
+        run.start_synchronizer()
+        for i in range(2):
+            run.start_learner(i)
+        wait_until(lambda: min(newest_version(store, "kill", p) for p in range(2)) >= 2
+                   and list_checkpoint_seqs(store, "kill/shards/001"), 120,
+                   "both fragments merged, shard 1 checkpointed")
+        old_url, victim = run.shard_urls[1], run.shard_syncs[1]
+        victim.kill()
+        wait_until(lambda: victim.poll() is not None, 30, "shard 1 to die")
+        v0, v1 = newest_version(store, "kill", 0), newest_version(store, "kill", 1)
+        wait_until(lambda: newest_version(store, "kill", 0) >= v0 + 3, 120, "shard 0 to merge on without shard 1")
+        assert victim.poll() is not None and newest_version(store, "kill", 1) == v1  # nobody merged fragment 1
+        run.supervise()  # the launcher restarts the dead shard from its newest checkpoint
+        assert run.shard_syncs[1] is not victim and run.shard_syncs[1].poll() is None
+        assert json.loads((run.workdir / "synchronizer-1.ready.json").read_text())["url"] == old_url
+        wait_until(lambda: newest_version(store, "kill", 1) >= v1 + 2, 120, "the resumed shard 1 to merge again")
+        assert run.shard_syncs[0].poll() is None  # shard 0 never stopped
+    finally:
+        run.stop_all()
