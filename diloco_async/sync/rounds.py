@@ -28,6 +28,7 @@ from diloco_async.policy.rounds import (
     schedule_shift,
     stuck_round_reason,
 )
+from diloco_async.policy.shards import shard_of
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import work
@@ -150,6 +151,10 @@ class RoundTable:
     def on_announce(self, ann: Announcement) -> AnnouncementAck:
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
         f = self.book.get(p)
+        if f is None and 0 <= p < self.book.plan.num_fragments:  # a fragment of the plan that another shard owns
+            owner, shards = shard_of(p, self.sc.shards), self.sc.shards
+            return self._reject(lid, "bad_fragment", f"fragment {p} belongs to synchronizer shard {owner}, not to "
+                                f"this shard {self.ctx.shard} (synchronizer.shards={shards})", p, n, ann)
         rnd = self.rounds.get((p, n))
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)

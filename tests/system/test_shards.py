@@ -214,6 +214,12 @@ def test_the_fan_out_client_joins_every_shard_routes_announcements_and_merges_an
                     "compute_s": 0.1, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256, "codec": "fp32",
                     "update_id": "u1"})
                 assert ack["status"] == "accepted", ack  # shard 1 owns fragment 1
+                wrong = await client.clients[1].announce({  # fragment 0 handed to shard 1 by hand: named, counted
+                    "learner_id": "L", "fragment": 0, "round_n": 1, "base_version": 0, "c_steps": 4, "c_tokens": 256,
+                    "compute_s": 0.1, "key": keys.contribution_key("fan", 0, 1, "L", "beef0000"), "nbytes": 1,
+                    "sha256": "0" * 64, "codec": "fp32", "update_id": "u0"})
+                assert wrong["status"] == "rejected" and "belongs to synchronizer shard 0, not to this shard 1" \
+                    in wrong["reason"], wrong
                 for _ in range(600):
                     if any(e.get("type") == "version" and e.get("fragment") == 1 for e in events):
                         break
