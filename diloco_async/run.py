@@ -1,8 +1,9 @@
 """The processes of one run: the synchronizer, the learners, the environment they share and the
 synchronizer's metric stream.
 
-:class:`RunProcesses` starts the synchronizer (``python -m diloco_async.server``) and waits until
-it listens, starts learner ``i`` as incarnation ``j`` (``python -m diloco_async.learner``) under
+:class:`RunProcesses` starts the synchronizer (``python -m diloco_async.server``; one process per
+shard with ``synchronizer.shards`` > 1, DESIGN §2.2) and waits until it listens, starts learner
+``i`` as incarnation ``j`` (``python -m diloco_async.learner``) under
 a :class:`~diloco_async.runtime.supervisor.Supervisor`, reads new metric points and the run's status
 over HTTP, and stops everything. The ``train`` flow (``flows/train.py``) adds MLflow, Prefect
 deployments and the report; the chaos harness (:mod:`diloco_async.chaos.targets`) drives one
@@ -63,7 +64,9 @@ class RunProcesses:
         env: environment shared by every process (storage options, timeline folder); no credential.
             The synchronizer also gets ``DILOCO_RUN_TOKEN``, each learner only its own token in
             ``DILOCO_LEARNER_TOKEN`` (:meth:`learner_env`).
-        sync: the synchronizer's handle once started.
+        sync: the synchronizer's handle once started (shard 0's with ``synchronizer.shards`` > 1).
+        shard_syncs: every shard's handle, in shard order (``[sync]`` with one shard); ``shard_urls``
+            their URLs; :attr:`learner_sync_url` what the learners get (the URLs comma-separated).
         finished_cleanly: set by the caller when the synchronizer exited 0; :meth:`stop_all` then
             lets the learners finish on their own for up to ``learner_exit_wait_s`` seconds (30).
         learners: learner id -> handle of its newest incarnation; ``retired``: earlier ones.
@@ -92,7 +95,9 @@ class RunProcesses:
         self.sync: Any | None = None
         self.learners: dict[str, Any] = {}  # learner id -> process handle (newest incarnation)
         self.retired: list[Any] = []  # handles of earlier incarnations
-        self.sync_url: str | None = None
+        self.sync_url: str | None = None  # shard 0's: status and metrics come from it (not aggregated yet)
+        self.shard_syncs: list[Any] = []
+        self.shard_urls: list[str] = []
         self.metrics_next = 0
         self.finished_cleanly = False
         self.learner_exit_wait_s = 30.0
@@ -107,21 +112,40 @@ class RunProcesses:
         """The environment of ``learner_id``'s process: :attr:`env` and that learner's own token."""
         return {**self.env, LEARNER_TOKEN_ENV: learner_token(self.token, self.run_id, learner_id)}
 
+    @property
+    def learner_sync_url(self) -> str:
+        """The ``--sync-url`` of a learner: the synchronizer's URL, or every shard's, comma-separated
+        in shard order (DESIGN §2.2)."""
+        return ",".join(self.shard_urls) if self.shard_urls else str(self.sync_url)
+
+    def _shard_argv(self, i: int, which: list[str], ready: Path, port: int | None = None) -> list[str]:
+        shards = self.cfg.synchronizer.shards
+        return ["-m", "diloco_async.server", "--resolved-config", str(self.config_file), *which,
+                "--ready-file", str(ready), *(["--shard", str(i)] if shards > 1 else []),
+                *(["--port", str(port)] if port is not None else [])]
+
     def start_synchronizer(self) -> str:
-        """Start the synchronizer, wait until it listens and return its URL.
+        """Start the synchronizer (``synchronizer.shards`` processes, one per shard, each with its
+        own ready file), wait until every one listens and return the first one's URL.
 
         Raises:
-            RuntimeError: it exited before it was ready. TimeoutError: not ready after 120 s.
+            RuntimeError: one exited before it was ready. TimeoutError: not ready after 120 s.
         """
-        ready = self.workdir / "synchronizer.ready.json"
-        ready.unlink(missing_ok=True)
-        which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
-        argv = ["-m", "diloco_async.server", "--resolved-config", str(self.config_file), *which,
-                "--ready-file", str(ready)]
-        self.sync = self.launcher.start("synchronizer", argv, {**self.env, TOKEN_ENV: self.token})
-        info = wait_for_ready_file(ready, self.sync)
-        self.sync_url, self.epoch = info["url"], info["epoch"]
-        return self.sync_url
+        shards = self.cfg.synchronizer.shards
+        self.shard_syncs, self.shard_urls = [], []
+        for i in range(shards):
+            name = "synchronizer" if shards == 1 else f"synchronizer-{i}"
+            ready = self.workdir / f"{name}.ready.json"
+            ready.unlink(missing_ok=True)
+            which = ["--resume", self.resume_url] if self.resume_url else ["--run-id", self.run_id]
+            argv = self._shard_argv(i, which, ready)
+            self.shard_syncs.append(self.launcher.start(name, argv, {**self.env, TOKEN_ENV: self.token}))
+            self.sync = self.shard_syncs[0]
+            info = wait_for_ready_file(ready, self.shard_syncs[-1])
+            self.shard_urls.append(info["url"])
+            if i == 0:
+                self.sync_url, self.epoch = info["url"], info["epoch"]
+        return str(self.sync_url)
 
     def learner_handle(self, index: int, incarnation: int) -> Any:
         """Start the process of learner ``index`` as ``incarnation`` and return its handle: one
@@ -131,7 +155,7 @@ class RunProcesses:
         entry = ["-m", "diloco_async.learner"]
         if lc.ranks_per_learner > 1:
             entry = torchrun_args(lc, f"{self.run_id}-{lid}-{incarnation}")
-        argv = [*entry, "--learner-id", lid, "--index", str(index), "--sync-url", str(self.sync_url),
+        argv = [*entry, "--learner-id", lid, "--index", str(index), "--sync-url", self.learner_sync_url,
                 "--store", self.store.url, "--incarnation", str(incarnation),
                 "--group-timeout-s", str(lc.group_timeout_s)]
         return self.launcher.start(lid, argv, self.learner_env(lid))
@@ -151,9 +175,40 @@ class RunProcesses:
 
     def supervise(self) -> list[Restart]:
         """Restart learners that died (non-zero exit, signal, crashed or failed flow run) after
-        ``learners.restart_delay_s`` seconds, as their next incarnation. Call it while the
-        synchronizer runs; returns the restarts made by this call."""
+        ``learners.restart_delay_s`` seconds, as their next incarnation, and (with
+        ``synchronizer.shards`` > 1) shards that died (:meth:`restart_dead_shards`). Call it while
+        the synchronizer runs; returns the learner restarts made by this call."""
+        if self.cfg.synchronizer.shards > 1:
+            self.restart_dead_shards()
         return self.supervisor.check()
+
+    def restart_dead_shards(self) -> list[int]:
+        """Restart every shard process that died (a non-zero exit or a signal; 0 is a finished
+        shard) with ``--resume {store}/{run_id} --shard I`` (its newest verified checkpoint) on the
+        port it had, so the learners' URLs stay valid; waits until each listens. The other shards
+        run on meanwhile. Returns the shards restarted.
+
+        Raises:
+            RuntimeError: a restarted shard exited before it was ready (e.g. no checkpoint yet).
+        """
+        restarted = []
+        for i, handle in enumerate(self.shard_syncs):
+            code = handle.poll()
+            if code is None or code == 0:
+                continue
+            port = int(self.shard_urls[i].rsplit(":", 1)[1])
+            self._log(f"synchronizer shard {i} exited with code {code}: restarting it from its newest checkpoint "
+                      f"on port {port}")
+            ready = self.workdir / f"synchronizer-{i}.ready.json"
+            ready.unlink(missing_ok=True)
+            argv = self._shard_argv(i, ["--resume", f"{self.store.url}/{self.run_id}"], ready, port)
+            self.retired.append(handle)
+            self.shard_syncs[i] = self.launcher.start(f"synchronizer-{i}", argv, {**self.env, TOKEN_ENV: self.token})
+            wait_for_ready_file(ready, self.shard_syncs[i])
+            if i == 0:
+                self.sync = self.shard_syncs[0]
+            restarted.append(i)
+        return restarted
 
     def pull_metrics(self) -> list[dict]:
         """New metric points from the synchronizer; [] when it is not answering."""
@@ -202,13 +257,16 @@ class RunProcesses:
                 time.sleep(0.5)
         elif self.sync is not None and self.sync.poll() is None and hasattr(self.sync, "signal_group") \
                 and not any(hasattr(h, "request_cancel") for h in handles):  # flow runs: cancelled, below
+            live = [h for h in self.shard_syncs or [self.sync] if h.poll() is None]
             for _ in range(2):
-                self.sync.signal_group(signal.SIGTERM)
+                for shard in live:
+                    shard.signal_group(signal.SIGTERM)
                 time.sleep(0.2)  # two signals, not one coalesced: the first starts the drain, the second ends it
         for handle in handles:  # cancel every learner flow run first: their workers stop them in parallel
             if hasattr(handle, "request_cancel"):
                 handle.request_cancel()
-        for handle in list(self.learners.values()) + ([self.sync] if self.sync else []):
+        syncs = self.shard_syncs or ([self.sync] if self.sync else [])
+        for handle in list(self.learners.values()) + syncs:
             if hasattr(handle, "request_cancel"):
                 continue  # a flow run is stopped by its worker; nothing to wait for here
             handle.terminate(grace_s=10.0)

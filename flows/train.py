@@ -112,7 +112,7 @@ class TrainingRun(RunProcesses):
         if self.deployer is None:
             return super().learner_handle(index, incarnation)
         return self.deployer.start_learner(index, incarnation, {
-            "sync_url": str(self.sync_url), "store_url": self.store.url, "run_id": self.run_id,
+            "sync_url": self.learner_sync_url, "store_url": self.store.url, "run_id": self.run_id,
             **self.group_parameters()}, env=self.learner_env(f"learner-{index}"))
 
     def group_parameters(self) -> dict[str, Any]:

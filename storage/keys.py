@@ -10,6 +10,12 @@ Every object key of a run is built here, and keys read back from a listing are p
     {run_id}/learners/{learner}/{seq:08d}/...                          (a learner's inner state)
     {run_id}/epochs/{epoch}/summary.json, metrics.jsonl, merges.jsonl
     {run_id}/lease/{lease_epoch:08d}/claim.json, renewal-{k:08d}.json, released.json  (fencing)
+    {run_id}/shards.json                                               (the shard assignment, S > 1)
+
+With ``synchronizer.shards = S > 1`` what one synchronizer shard's lifetime owns (its lease,
+checkpoints and epochs) lies under ``{run_id}/shards/{shard:03d}/`` instead of ``{run_id}/``
+(:func:`synchronizer_root`); fragment objects (contributions, versions, compact forms) keep their
+keys, since the shards' fragments are disjoint. With S = 1 every key is as above.
 
 A *state folder* ``{prefix}/{seq:08d}/`` holds ``state.safetensors`` and its ``manifest.json``
 (:mod:`storage.checkpoint`); checkpoints, DDP checkpoints and learners' inner states are state
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["plan_key", "config_key",
+__all__ = ["plan_key", "config_key", "synchronizer_root", "shards_manifest_key",
            "contributions_prefix", "contribution_round_prefix", "contribution_key", "parse_contribution_key",
            "contribution_learner",
            "versions_prefix", "fragment_versions_prefix", "version_key", "parse_version_key",
@@ -48,6 +54,26 @@ def plan_key(run_id: str) -> str:
 
 def config_key(run_id: str) -> str:
     return f"{run_id}/config.json"
+
+
+def synchronizer_root(run_id: str, shard: int = 0, shards: int = 1) -> str:
+    """Where synchronizer shard ``shard`` of ``shards`` keeps what its lifetime owns (lease,
+    checkpoints, epochs): ``run_id`` itself when ``shards == 1`` (every key as before shards
+    existed), else ``{run_id}/shards/{shard:03d}``. The lease, checkpoint and epoch key functions
+    take this root in place of the run id.
+
+    Raises:
+        ValueError: ``shard`` outside ``[0, shards)``.
+    """
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} is outside [0, {shards}) for synchronizer.shards={shards}")
+    return run_id if shards == 1 else f"{run_id}/shards/{shard:03d}"
+
+
+def shards_manifest_key(run_id: str) -> str:
+    """The run's shard assignment (``{"shards", "fragments", "schema_hash"}``), created once by the
+    first shard to start; only when ``synchronizer.shards > 1``."""
+    return f"{run_id}/shards.json"
 
 
 # -- contributions and global versions -------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from diloco_async.capacity.inputs import ModelShape, SyncSetup
 from diloco_async.codec.wire import DEFAULT_BLOCK_SIZE, encoded_nbytes
 from diloco_async.policy.fragments import TensorSpec, plan_fragments
+from diloco_async.policy.shards import assignment
 
 __all__ = ["FragmentSizes", "fragment_sizes", "shard_fragments"]
 
@@ -60,10 +61,11 @@ def fragment_sizes(shape: ModelShape, sync: SyncSetup) -> FragmentSizes:
 
 
 def shard_fragments(num_fragments: int, shards: int) -> list[list[int]]:
-    """Fragments of each synchronizer shard: fragment p on shard p mod S (the plan's assumption;
-    balanced fragments are near equal, so another even assignment gives the same sizes)."""
-    out: list[list[int]] = [[] for _ in range(shards)]
-    for p in range(num_fragments):
-        out[p % shards].append(p)
-    assert all(out), f"{shards} shards for {num_fragments} fragments"
-    return out
+    """Fragments of each synchronizer shard: the synchronizer's own assignment, fragment p on shard
+    p mod S (:func:`diloco_async.policy.shards.assignment`; balanced fragments are near equal, so
+    the sizes follow).
+
+    Raises:
+        ValueError: more shards than fragments (a shard would own nothing).
+    """
+    return list(assignment(shards, num_fragments).values())

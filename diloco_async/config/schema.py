@@ -154,6 +154,10 @@ class SynchronizerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the synchronizer listens on (0.0.0.0: every interface).")
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
     num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
+    shards: int = Field(
+        1, ge=1, description="S, synchronizer processes the fragments are divided among (fragment p on shard "
+        "p mod S, diloco_async.policy.shards; <= num_fragments). 1: one synchronizer, as before shards existed. "
+        "A training field: a learner or resume with another S is refused.")
     sync_every: int = Field(24, ge=1, description="H, inner steps between two rounds of one fragment.")
     max_open_rounds: int = Field(2, ge=1, description="tau, rounds open at once.")
     merges_in_flight: int = Field(
@@ -283,6 +287,8 @@ class Config(_Section):
                 f"synchronizer.min_quorum={self.synchronizer.min_quorum} exceeds learners.count={self.learners.count}"
             )
         sc = self.synchronizer
+        if sc.shards > sc.num_fragments:
+            raise ValueError(f"synchronizer.shards={sc.shards} exceeds synchronizer.num_fragments={sc.num_fragments}")
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
             raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
                              f"(lease_ttl_s={sc.lease_ttl_s})")
@@ -379,6 +385,8 @@ def _training_dict(d: dict) -> dict:
     d = json.loads(json.dumps(d))
     for key in ("budget", "tracking"):
         d.pop(key, None)
+    if d.get("synchronizer", {}).get("shards") == 1:  # S = 1 hashes as before shards existed (old runs resume)
+        del d["synchronizer"]["shards"]
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")

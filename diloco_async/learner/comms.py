@@ -4,7 +4,8 @@ It joins, sends heartbeats (which bring open rounds, new versions and the stop s
 the WebSocket push channel, downloads new versions for the training thread, and runs the upload
 pipeline (:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announcements go over
 the push channel's WebSocket while it is open and over HTTP while it is not (before it connects,
-after the synchronizer restarts, until it reconnects): :class:`~diloco_async.protocol.client.SyncClient`.
+after the synchronizer restarts, until it reconnects): :class:`~diloco_async.protocol.client.SyncClient`,
+one per synchronizer shard behind :class:`~diloco_async.learner.sharded_client.ShardedSyncClient`.
 If the synchronizer is unreachable the learner keeps training and reconnects with exponential
 backoff; after ``give_up_after_s`` without any answer the comms fail with
 :class:`~diloco_async.protocol.client.ProtocolError` (the learner exits 3).
@@ -28,11 +29,12 @@ from diloco_async.codec import versions as version_codec
 from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.learner.link import UploadCodecs, link_budget_s
+from diloco_async.learner.sharded_client import ShardedSyncClient, ShardListMismatch, split_sync_urls
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.uploads import Uploads, synchronizer_backoff
 from diloco_async.policy.catchup import FetchChoice, version_to_fetch
 from diloco_async.policy.link_bound import download_yields
-from diloco_async.protocol.client import ProtocolError, SyncClient
+from diloco_async.protocol.client import ProtocolError
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.protocol.versions import read_version
 from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority
@@ -70,7 +72,9 @@ class Comms:
         self.heartbeat_s = 0.25  # until the run's config is known
         self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}  # fragment -> tensor shapes, to decode versions
         self.epoch: str | None = None  # the synchronizer's; a change means it restarted
-        self.client = SyncClient(endpoint.url.rstrip("/"), endpoint.token, link_delay_s=endpoint.link_delay_s)
+        # one client per synchronizer shard (a comma-separated URL list, in shard order), used as one
+        self.client = ShardedSyncClient(split_sync_urls(endpoint.url), endpoint.token,
+                                        link_delay_s=endpoint.link_delay_s)
         self.uploads = Uploads(learner_id, slot.incarnation, store, shared)
         self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
         self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
@@ -203,6 +207,7 @@ class Comms:
                 for t in tasks:
                     if t.done() and t.exception() is not None:
                         sh.fatal = f"{type(t.exception()).__name__}: {t.exception()}"
+                        sh.fatal_code = 2 if isinstance(t.exception(), ShardListMismatch) else 3
                         log.error("%s comms failed: %s", self.learner_id, sh.fatal)
                         sh.stop_event.set()
             for t in tasks:

@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "this id's")
     ap.add_argument("--index", type=int, required=True,
                     help="data shard index, 0-based: learner i of M trains on the i-th M-th of the training tokens")
-    ap.add_argument("--sync-url", required=True, help="the synchronizer's base URL, e.g. http://host:8470")
+    ap.add_argument("--sync-url", required=True,
+                    help="the synchronizer's base URL, e.g. http://host:8470; with synchronizer.shards = S > 1 the S "
+                         "shards' URLs, comma-separated, in shard order (exit 2 when they disagree with the shards)")
     ap.add_argument("--store", required=True,
                     help="the run's object store root URL, without the run id (file://, s3://bucket/prefix, "
                          "gs://bucket/prefix)")

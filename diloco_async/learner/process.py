@@ -84,7 +84,8 @@ class Learner:
 
     def run(self, max_wait_join_s: float = 120.0) -> int:
         """Join, load the newest versions, train until told to stop. Returns the exit code
-        (0, or 3 when the synchronizer could not be joined or the comms failed).
+        (0, or 3 when the synchronizer could not be joined or the comms failed; 2 when the shard URLs
+        disagree with the shards' join answers).
 
         Raises:
             ProtocolError: the synchronizer's config or fragment plan does not match this learner's.
@@ -98,7 +99,7 @@ class Learner:
                 sh.stop_event.set()
                 if self.group is not None:
                     self.group.share_config(None)
-                return 3
+                return sh.fatal_code if sh.fatal else 3
         jr = sh.join_response
         assert jr is not None
         cfg = self._configure(jr)

@@ -116,6 +116,7 @@ class Shared:
         self.epoch_changed = threading.Event()  # the synchronizer restarted
         self.join_response: JoinResponse | None = None
         self.fatal: str | None = None
+        self.fatal_code = 3  # the exit code of a fatal comms error (2: the shard URLs disagree with the run)
         # (fragment, round) -> (version the round builds on, when heard of)
         self.open_rounds: dict[tuple[int, int], tuple[int, float]] = {}
         self.base: dict[int, int] = {}  # fragment -> version adopted

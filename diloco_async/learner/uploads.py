@@ -26,6 +26,7 @@ import aiohttp
 
 from diloco_async.codec import wire
 from diloco_async.inner.state import InnerState
+from diloco_async.learner.sharded_client import ShardedSyncClient
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.protocol.client import SyncClient
 from diloco_async.protocol.messages import AnnouncementAck
@@ -62,6 +63,7 @@ class Uploads:
         self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
         self._uploading = 0  # contributions taken off the queue and not yet announced (0 or 1)
+        self._announcing: set[asyncio.Task] = set()  # with shards: announcements retried beside the uploads
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
@@ -80,26 +82,32 @@ class Uploads:
         """The codec of ``job``: its own (a link-bound learner's step-down), else ``learners.codec``."""
         return job.codec or self.codec
 
-    async def run(self, client: SyncClient) -> None:
+    async def run(self, client: SyncClient | ShardedSyncClient) -> None:
         """Until the stop: upload and announce contributions, save inner states."""
-        while not self.shared.stop_event.is_set():
-            try:
-                job = await asyncio.to_thread(self.shared.upload_queue.get, True, 0.2)
-            except queue.Empty:
-                continue
-            if isinstance(job, (InnerState, SpooledState)):
-                await self._save_inner_state(job)
-            else:
-                self._uploading = 1
+        try:
+            while not self.shared.stop_event.is_set():
                 try:
-                    await self._upload_and_announce(client, job)
-                finally:
-                    self._uploading = 0
-            del job  # not held (with its outer gradient) until the next item arrives
+                    job = await asyncio.to_thread(self.shared.upload_queue.get, True, 0.2)
+                except queue.Empty:
+                    continue
+                if isinstance(job, (InnerState, SpooledState)):
+                    await self._save_inner_state(job)
+                else:
+                    self._uploading = 1
+                    try:
+                        await self._upload_and_announce(client, job)
+                    finally:
+                        self._uploading = 0
+                del job  # not held (with its outer gradient) until the next item arrives
+        finally:
+            for task in list(self._announcing):  # with shards: announcements still being retried
+                task.cancel()
+            await asyncio.gather(*self._announcing, return_exceptions=True)
 
     def pending(self) -> int:
-        """Items waiting in the upload queue plus the contribution being uploaded or announced."""
-        return self.shared.upload_queue.qsize() + self._uploading
+        """Items waiting in the upload queue plus the contributions being uploaded or announced (with
+        shards, announcements run beside the uploads: each one being retried counts)."""
+        return self.shared.upload_queue.qsize() + self._uploading + len(self._announcing)
 
     def _prune_inner_states(self, newest: int, keep: int = 1) -> None:
         """Delete this slot's inner states older than the ``keep`` newest (the newest is verified
@@ -135,7 +143,7 @@ class Uploads:
                     pass
                 self.shared.state_spooled.clear()
 
-    async def _upload_and_announce(self, client: SyncClient, job: UploadJob) -> None:
+    async def _upload_and_announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob) -> None:
         run_id = self.shared.join_response.run_id  # type: ignore[union-attr]
         key = keys.contribution_key(run_id, job.fragment, job.round_n, self.learner_id, job.update_id)
         meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
@@ -155,6 +163,14 @@ class Uploads:
                 "base_version": job.base_version, "c_steps": job.c_steps, "c_tokens": job.c_tokens,
                 "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
                 "codec": self.codec_of(job), "update_id": job.update_id}
+        if len(getattr(client, "clients", ())) > 1:  # shards: one that is down must not hold the others' announcements
+            task = asyncio.create_task(self._announce_and_report(client, job, body))
+            self._announcing.add(task)
+            task.add_done_callback(self._announcing.discard)
+            return
+        await self._announce_and_report(client, job, body)
+
+    async def _announce_and_report(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> None:
         self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:
@@ -171,7 +187,7 @@ class Uploads:
         self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
         return ref
 
-    async def _announce(self, client: SyncClient, job: UploadJob, body: dict) -> str:
+    async def _announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> str:
         """Announce until acknowledged (same update id every time), stopped, or 60 s passed;
         returns the ack's status, or ``failed``."""
         backoff = synchronizer_backoff()

@@ -103,12 +103,13 @@ class ScheduleDecision:
 def schedule_rounds(
     *,
     g: int,
-    next_rounds: Sequence[int],
+    next_rounds: Sequence[int] | Mapping[int, int],
     busy: Collection[int],
     waiting: Sequence[tuple[int, int]],
     open_count: int,
     max_open_rounds: int,
     sync_every: int,
+    num_fragments: int | None = None,
 ) -> ScheduleDecision:
     """Which rounds become due at global step ``g`` and which of them open now (DESIGN §3.2).
 
@@ -120,18 +121,21 @@ def schedule_rounds(
 
     Args:
         g: the global step (:func:`global_step`).
-        next_rounds: per fragment, the number of its next round (≥ 1).
+        next_rounds: per fragment, the number of its next round (≥ 1); a mapping fragment -> next
+            round when the synchronizer (a shard, DESIGN §2.2) schedules only some of the fragments.
         busy: fragments with a round open or merging.
         waiting: rounds already due and waiting for a free slot.
         open_count: rounds open now.
         max_open_rounds: τ (≥ 1).
         sync_every: H, inner steps between two rounds of one fragment.
+        num_fragments: P of the offsets (None: ``len(next_rounds)``).
     """
-    num = len(next_rounds)
+    num = len(next_rounds) if num_fragments is None else num_fragments
+    rounds = next_rounds.items() if isinstance(next_rounds, Mapping) else enumerate(next_rounds)
     queue = list(waiting)
     queued = {p for p, _ in queue}
     newly = 0
-    for p, n in enumerate(next_rounds):
+    for p, n in rounds:
         off = fragment_offset(p, num, sync_every)
         if p not in busy and p not in queued and g >= round_due_step(off, n, sync_every):
             queue.append((p, max(n, (g - off) // sync_every)))

@@ -102,6 +102,10 @@ class JoinResponse(_Msg):
     versions: list[VersionInfo]
     epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
     start_step: int = Field(0, ge=0, description="Local step a restarted learner slot continues from.")
+    shard: int = Field(0, ge=0, description="This synchronizer's shard index (DESIGN §2.2); its versions and "
+                       "rounds are those of its own fragments, fragment p on shard p mod shards.")
+    shards: int = Field(1, ge=1, description="synchronizer.shards: how many shards the run's fragments are divided "
+                        "among (1: one synchronizer, as before shards existed).")
 
 
 class Heartbeat(_Msg):

@@ -38,6 +38,7 @@ from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.catchup import ReadLeases
 from diloco_async.policy.pace import PaceLimits
 from diloco_async.policy.rounds import budget_stop_reason
+from diloco_async.policy.shards import check_shard, fragments_of
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
@@ -125,17 +126,24 @@ class Synchronizer:
         lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write and delete
             checks it first, and a lost lease ends :meth:`run` at once with :class:`~diloco_async.sync.lease.LeaseLost`
             (the caller renews it: :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
+        shard: this synchronizer's shard of ``synchronizer.shards`` (DESIGN §2.2): its fragment book holds
+            :func:`~diloco_async.policy.shards.fragments_of` it; its lease, checkpoints and epochs lie
+            under :attr:`~diloco_async.sync.context.ActorContext.owner_id`.
+
+    Raises:
+        ValueError: ``shard`` outside ``[0, synchronizer.shards)``.
     """
 
     def __init__(self, cfg: Config, store: ObjectStore, run_id: str,
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
-                 tails: MemoryTails = MemoryTails(), lease: Lease | None = None) -> None:
+                 tails: MemoryTails = MemoryTails(), lease: Lease | None = None, shard: int = 0) -> None:
+        check_shard(shard, cfg.synchronizer.shards)
         self.fence = Fence(store, lease)
         self.inbox: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self.ctx = ActorContext(cfg, run_id, epoch=uuid.uuid4().hex[:12], store=self.fence.store,
                                 lease_epoch=self.fence.lease_epoch, clock=clock, started_s=clock(),
-                                inbox=self.inbox, spawn=self._spawn)
+                                inbox=self.inbox, spawn=self._spawn, shard=shard)
         self.stopped = False  # set when run() returns: request() then raises Stopped at once
         self.push = Broadcaster()
         self.registry = LearnerRegistry(PaceLimits.from_config(cfg),  # calibrated per learner by the registry
@@ -146,7 +154,8 @@ class Synchronizer:
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
-        self.book = FragmentBook.build(plan, params, cfg.synchronizer, self.ctx.store)  # every fragment of the plan
+        owned = fragments_of(shard, cfg.synchronizer.shards, plan.num_fragments)  # every fragment with one shard
+        self.book = FragmentBook.build(plan, params, cfg.synchronizer, self.ctx.store, owned)
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
@@ -363,7 +372,8 @@ class Synchronizer:
         cfg = self.ctx.cfg
         return JoinResponse(run_id=self.ctx.run_id, config=cfg.public_dict(), config_hash=config_hash(cfg),
                             plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
-                            versions=self._replies.versions(self.book), epoch=self.ctx.epoch, start_step=start_step)
+                            versions=self._replies.versions(self.book), epoch=self.ctx.epoch, start_step=start_step,
+                            shard=self.ctx.shard, shards=self.ctx.sc.shards)
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id

@@ -86,7 +86,7 @@ class Checkpointer:
 
         async def write() -> None:
             try:
-                await asyncio.to_thread(_write_and_trim, self.ctx.store, self.ctx.run_id, seq, tensors, manifest)
+                await asyncio.to_thread(_write_and_trim, self.ctx.store, self.ctx.owner_id, seq, tensors, manifest)
                 await self.ctx.inbox.put(CheckpointDone(seq, True, "written"))
             except Exception as err:
                 await self.ctx.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
@@ -114,7 +114,7 @@ class Checkpointer:
         """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
         but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
-            done = await asyncio.to_thread(collect_garbage, self.ctx.store, self.ctx.run_id,
+            done = await asyncio.to_thread(collect_garbage, self.ctx.store, self.ctx.owner_id,
                                              keep_checkpoints=self.sc.keep_checkpoints,
                                              orphan_age_s=self.sc.orphan_age_s, keep_versions=keep_versions)
             self.report.counters["gc_deleted_objects"] += done.objects

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_async.config.schema import Config, SynchronizerConfig
+from storage import keys
 from storage.store import ObjectStore
 
 __all__ = ["ActorContext"]
@@ -35,6 +36,7 @@ class ActorContext:
         started_s: when the actor was made, on ``clock``.
         inbox: the actor's queue; worker tasks post their results to it.
         spawn: starts a task that the actor cancels and awaits when it stops.
+        shard: this synchronizer's shard index, in ``[0, cfg.synchronizer.shards)`` (DESIGN §2.2).
     """
 
     cfg: Config
@@ -46,8 +48,16 @@ class ActorContext:
     started_s: float
     inbox: asyncio.Queue
     spawn: Callable[[Coroutine[Any, Any, None]], None]
+    shard: int = 0
 
     @property
     def sc(self) -> SynchronizerConfig:
         """The ``[synchronizer]`` section of :attr:`cfg`."""
         return self.cfg.synchronizer
+
+    @property
+    def owner_id(self) -> str:
+        """The key root of what this synchronizer's lifetime owns (checkpoints, epochs; the lease
+        is taken under it too): the run id with one shard, ``{run_id}/shards/{shard:03d}`` with
+        more (:func:`storage.keys.synchronizer_root`)."""
+        return keys.synchronizer_root(self.run_id, self.shard, self.sc.shards)

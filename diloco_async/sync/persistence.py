@@ -9,6 +9,7 @@ the blocking ones before serving.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from functools import partial
@@ -19,6 +20,7 @@ from diloco_async.codec import wire
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, config_differences, config_hash
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
+from diloco_async.policy.shards import assignment
 from diloco_async.protocol.versions import VersionHistory, read_version
 from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
@@ -37,16 +39,63 @@ log = logging.getLogger("diloco.synchronizer")
 
 
 def publish_initial(ctx: ActorContext, book: FragmentBook) -> None:
-    """Write plan.json, config.json and version 0 of every fragment of ``book`` (blocking; call once)."""
-    ctx.store.put_json(keys.plan_key(ctx.run_id), {
+    """Write plan.json, config.json and version 0 of every fragment of ``book`` (blocking; call once).
+
+    With ``synchronizer.shards > 1`` the first shard to start writes plan.json and config.json
+    and the others find them equal to their own (:func:`check_assignment` first).
+
+    Raises:
+        ValueError: another shard wrote a different plan, config or assignment.
+    """
+    check_assignment(ctx, book)
+    _put_or_same(ctx, keys.plan_key(ctx.run_id), {
         "run_id": ctx.run_id, "plan": book.plan.to_json(), "schema_hash": book.plan.schema_hash,
         "config_hash": config_hash(ctx.cfg),
     })
-    ctx.store.put_json(keys.config_key(ctx.run_id), ctx.cfg.public_dict())
+    _put_or_same(ctx, keys.config_key(ctx.run_id), ctx.cfg.public_dict())
     for f in book:
         f.refs[0] = put_version(ctx.store, ctx.run_id, f.p, 0, f.current, lease_epoch=ctx.lease_epoch)
     log.info("synchronizer run=%s: %d fragments, schema %s…", ctx.run_id, book.plan.num_fragments,
              book.plan.schema_hash[:12])
+
+
+def _put_or_same(ctx: ActorContext, key: str, doc: dict) -> None:
+    """Create ``key``; with shards, one that another shard created must hold ``doc`` too."""
+    try:
+        ctx.store.put_json(key, doc)
+    except FileExistsError:
+        if ctx.sc.shards == 1:
+            raise
+        if ctx.store.get_json(key) != json.loads(json.dumps(doc)):
+            raise ValueError(f"{ctx.store.url}/{key} was written by another shard with other contents than "
+                             f"shard {ctx.shard}'s") from None
+
+
+def check_assignment(ctx: ActorContext, book: FragmentBook) -> None:
+    """With ``synchronizer.shards > 1``: create the run's shard assignment ``{run_id}/shards.json``
+    (``{"shards", "fragments": {shard: [fragment, ...]}, "schema_hash"}``; exclusive create: the
+    first shard to start writes it), or read the one there and refuse to serve under another
+    (blocking). With one shard nothing is read or written.
+
+    Raises:
+        ValueError: the stored assignment differs from this synchronizer's (the message names both).
+    """
+    sc = ctx.sc
+    if sc.shards == 1:
+        return
+    mine = {"shards": sc.shards, "schema_hash": book.plan.schema_hash,
+            "fragments": {str(i): f for i, f in assignment(sc.shards, book.plan.num_fragments).items()}}
+    key = keys.shards_manifest_key(ctx.run_id)
+    try:
+        ctx.store.put_json(key, mine)
+        log.info("run %s: shard assignment written (%d shards)", ctx.run_id, sc.shards)
+        return
+    except FileExistsError:
+        stored = ctx.store.get_json(key)
+    for field in ("shards", "fragments", "schema_hash"):
+        if stored.get(field) != mine[field]:
+            raise ValueError(f"{ctx.store.url}/{key} assigns {field}={stored.get(field)!r}, but shard {ctx.shard} "
+                             f"has {field}={mine[field]!r}: a run keeps the shard assignment it started with")
 
 
 def stored_config(url: str, storage_options: dict) -> dict:
@@ -64,9 +113,12 @@ def stored_config(url: str, storage_options: dict) -> dict:
         raise ValueError(no_such_run(ObjectStore(root, storage_options), run_id)) from None
 
 
-def open_checkpoint(url: str, cfg: Config | None,
-                    storage_options: dict) -> tuple[Config, ObjectStore, str, Checkpoint]:
+def open_checkpoint(url: str, cfg: Config | None, storage_options: dict,
+                    shard: int = 0) -> tuple[Config, ObjectStore, str, Checkpoint]:
     """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
+
+    With ``synchronizer.shards > 1`` the checkpoint is shard ``shard``'s (under
+    :func:`storage.keys.synchronizer_root`); a sequence number in the URL is that shard's.
 
     ``cfg`` is the resolved config of the resume (a recipe or the run's stored config, with the
     user's overrides applied once by the entry point), or None for the run's own ``config.json``
@@ -74,7 +126,8 @@ def open_checkpoint(url: str, cfg: Config | None,
     checkpoint's (a budget may be extended).
 
     Raises:
-        ValueError: nothing verifies at that URL, the URL is malformed, the config differs from the
+        ValueError: ``shard`` is outside ``[0, shards)``, nothing verifies at that URL, the URL is
+            malformed, the config differs from the
             checkpoint's, or the checkpoint already spent the budget (the message names the override
             that extends it).
     """
@@ -86,21 +139,22 @@ def open_checkpoint(url: str, cfg: Config | None,
     elif cfg.run.store != root:
         cfg = with_fields(cfg, {"run.store": root})
     store = ObjectStore(root, {**cfg.run.storage_options, **storage_options})
+    owner = keys.synchronizer_root(run_id, shard, cfg.synchronizer.shards)
     if seq is None:
-        ckpt = latest_checkpoint(store, run_id)
+        ckpt = latest_checkpoint(store, owner)
         if ckpt is None:
             if not store.exists(keys.config_key(run_id)):
                 raise ValueError(no_such_run(store, run_id))
-            raise ValueError(f"no verified checkpoint under {root}/{run_id}")
+            raise ValueError(f"no verified checkpoint under {root}/{owner}")
     else:
         try:
-            ckpt = load_checkpoint(store, run_id, seq)
+            ckpt = load_checkpoint(store, owner, seq)
         except FileNotFoundError:
             if not store.exists(keys.config_key(run_id)):
                 raise ValueError(no_such_run(store, run_id)) from None
-            raise ValueError(f"checkpoint {seq} of run {run_id} is incomplete or missing (no manifest)") from None
+            raise ValueError(f"checkpoint {seq} of {owner} is incomplete or missing (no manifest)") from None
         except IntegrityError as err:
-            raise ValueError(f"checkpoint {seq} of run {run_id} does not verify: {err}") from None
+            raise ValueError(f"checkpoint {seq} of {owner} does not verify: {err}") from None
     if ckpt.manifest.get("config_hash") != config_hash(cfg):
         diffs = config_differences(ckpt.manifest.get("config", {}), cfg.public_dict())
         raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
@@ -131,8 +185,8 @@ def no_such_run(store: ObjectStore, run_id: str) -> str:
 
 def _check_compatible(ctx: ActorContext, book: FragmentBook, ckpt: Checkpoint) -> None:
     m = ckpt.manifest
-    if m.get("run_id") != ctx.run_id:
-        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {ctx.run_id!r}")
+    if m.get("run_id") != ctx.owner_id:  # with shards: {run_id}/shards/{shard:03d}, so one shard's is no other's
+        raise ValueError(f"checkpoint {ckpt.seq} belongs to run {m.get('run_id')!r}, not {ctx.owner_id!r}")
     if m["config_hash"] != config_hash(ctx.cfg):
         diffs = config_differences(m.get("config", {}), ctx.cfg.public_dict())
         raise ValueError(f"config differs from checkpoint {ckpt.seq}'s: " + ("; ".join(diffs) or "hash only"))
@@ -166,6 +220,7 @@ def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: R
             differs from this one (the message names the differing fields).
     """
     _check_compatible(ctx, book, ckpt)
+    check_assignment(ctx, book)
     m = ckpt.manifest
     for f in book:
         _restore_fragment(ctx.store, f, ckpt)
@@ -180,7 +235,7 @@ def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: R
         counts = getattr(report, attr)
         counts.clear()
         counts.update(m.get("by_reason", {}).get(name, {}))
-    checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(ctx.store, ctx.run_id), report.counters["merges"])
+    checkpoints.resumed(ckpt.seq, list_checkpoint_seqs(ctx.store, ctx.owner_id), report.counters["merges"])
     log.info("resumed run %s from checkpoint %d: versions %s, next rounds %s", ctx.run_id, ckpt.seq,
              {f.p: f.version for f in book}, {f.p: f.next_round for f in book})
     c = report.counters

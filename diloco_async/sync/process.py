@@ -28,8 +28,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from diloco_async.config.resolved import read_resolved
+from diloco_async.config.resolved import read_resolved, with_fields
 from diloco_async.config.schema import Config
+from diloco_async.policy.shards import check_shard
 from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.protocol.client import TOKEN_ENV
 from diloco_async.runtime.heap import limit_heap_retention
@@ -176,13 +177,19 @@ class LoopWatch:
 
 
 async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_file: str | None = None,
-                resume: Checkpoint | None = None, lease: Lease | None = None) -> dict:
-    """Run a synchronizer until its budget is spent; returns the run summary.
+                resume: Checkpoint | None = None, lease: Lease | None = None, shard: int = 0) -> dict:
+    """Run a synchronizer (shard ``shard`` of ``synchronizer.shards``) until its budget is spent;
+    returns the run summary.
+
+    With ``synchronizer.shards = S > 1`` it owns the fragments of
+    :func:`~diloco_async.policy.shards.fragments_of` ``shard``, takes the lease of that shard (under
+    :func:`storage.keys.synchronizer_root`); it listens on ``synchronizer.port`` (0: a free port; the
+    command line puts shard ``I`` on the recipe's port + ``I``, or on ``--port``).
 
     With ``resume``, the outer state comes from that verified checkpoint of the same run. The
     run's ``lease`` is taken here when not given; it is released after a clean finish.
 
-    Writes ``{"url", "run_id", "pid", "epoch", "lease_epoch"}`` to ``ready_file`` (atomically)
+    Writes ``{"url", "run_id", "pid", "epoch", "lease_epoch", "shard", "shards"}`` to ``ready_file`` (atomically)
     once the server listens. SIGTERM and SIGINT start a clean stop (final checkpoint, learners
     told to stop).
 
@@ -192,9 +199,10 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     """
     sc = cfg.synchronizer
     if lease is None:
-        lease = await asyncio.to_thread(acquire, store, run_id, sc.lease_ttl_s, sc.lease_renew_s)
+        lease = await asyncio.to_thread(acquire, store, keys.synchronizer_root(run_id, shard, sc.shards),
+                                        sc.lease_ttl_s, sc.lease_renew_s)
     lease.start_renewing()
-    sync = Synchronizer(cfg, store, run_id, lease=lease)
+    sync = Synchronizer(cfg, store, run_id, lease=lease, shard=shard)
     try:
         await asyncio.to_thread(sync.publish_initial if resume is None else partial(sync.restore, resume))
     except BaseException:
@@ -208,14 +216,14 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     url = f"http://{cfg.synchronizer.host}:{port}"
-    log.info("synchronizer run=%s listening on %s", run_id, url)
+    log.info("synchronizer run=%s shard %d/%d listening on %s", run_id, shard, sc.shards, url)
     loop = asyncio.get_running_loop()
     _handle_stop_signals(loop, sync)
     _freeze_startup()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
-                                   "lease_epoch": lease.lease_epoch}))
+                                   "lease_epoch": lease.lease_epoch, "shard": shard, "shards": sc.shards}))
         tmp.replace(ready_file)
     watchers = [loop.create_task(LoopWatch(_watch_period_s(), sync.part_times).run()),
                 loop.create_task(freeze_long_lived())]
@@ -286,15 +294,30 @@ def _release(lease: Lease) -> None:
 
 
 def _take_lease(resume_url: str | None, cfg: Config, store: ObjectStore, run_id: str, ckpt: Checkpoint | None,
-                env_options: dict) -> tuple[Lease, Config, ObjectStore, Checkpoint | None]:
-    """Take the run's lease; a resume from the newest checkpoint then picks it again, so one
-    written by the previous holder meanwhile is not missed."""
-    lease = acquire(store, run_id, cfg.synchronizer.lease_ttl_s, cfg.synchronizer.lease_renew_s)
+                env_options: dict, shard: int = 0) -> tuple[Lease, Config, ObjectStore, Checkpoint | None]:
+    """Take the lease of the run's shard ``shard`` (the run's own with one shard); a resume from the
+    newest checkpoint then picks it again, so one written by the previous holder meanwhile is not missed."""
+    owner = keys.synchronizer_root(run_id, shard, cfg.synchronizer.shards)
+    lease = acquire(store, owner, cfg.synchronizer.lease_ttl_s, cfg.synchronizer.lease_renew_s)
     lease.start_renewing()
     if ckpt is not None and resume_url is not None and keys.split_checkpoint_url(resume_url)[2] is None \
-            and max(list_checkpoint_seqs(store, run_id), default=0) > ckpt.seq:
-        cfg, store, _, ckpt = open_checkpoint(resume_url, cfg, env_options)
+            and max(list_checkpoint_seqs(store, owner), default=0) > ckpt.seq:
+        cfg, store, _, ckpt = open_checkpoint(resume_url, cfg, env_options, shard)
     return lease, cfg, store, ckpt
+
+
+
+def _shard_port(cfg: Config, shard: int, port: int | None) -> Config:
+    """``cfg`` listening where shard ``shard`` does: on ``port`` when given (a restarted shard keeps
+    its learners' URL), else on ``synchronizer.port + shard`` (a free port when it is 0). The port is
+    operational: the config hash is unchanged.
+
+    Raises:
+        ValueError: the port is outside [0, 65535] (named).
+    """
+    sc = cfg.synchronizer
+    chosen = port if port is not None else (sc.port and sc.port + shard)
+    return cfg if chosen == sc.port else with_fields(cfg, {"synchronizer.port": chosen})
 
 
 def _given_config(path: str | None) -> Config | None:
@@ -325,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="id of a new run: its objects go under {run.store}/{run_id}/ (not with --resume)")
     ap.add_argument("--resume", default=None, metavar="CHECKPOINT_URL",
                     help="continue a run: {store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")
+    ap.add_argument("--shard", type=int, default=0, metavar="I",
+                    help="serve shard I of synchronizer.shards (0 <= I < shards; default 0): the fragments p with "
+                         "p mod shards = I, on port synchronizer.port + I (a free port when it is 0)")
+    ap.add_argument("--port", type=int, default=None, metavar="PORT",
+                    help="listen on this port instead of synchronizer.port + I (a launcher restarting a shard passes "
+                         "the port it had, so the learners' URLs stay valid)")
     ap.add_argument("--ready-file", default=None, metavar="PATH",
                     help="once the server listens, write {url, run_id, pid, epoch, lease_epoch} as JSON to this "
                          "file (atomically; for the process that started this one)")
@@ -361,13 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         given = _given_config(args.resolved_config)
         if args.resume:
-            cfg, store, run_id, ckpt = open_checkpoint(args.resume, given, env_options)
+            cfg, store, run_id, ckpt = open_checkpoint(args.resume, given, env_options, args.shard)
         else:
             cfg = given if given is not None else Config()
             store = ObjectStore(cfg.run.store, {**cfg.run.storage_options, **env_options})
             run_id, ckpt = args.run_id, None
-        lease, cfg, store, ckpt = _take_lease(args.resume, cfg, store, run_id, ckpt, env_options)
-        asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt, lease=lease))
+        check_shard(args.shard, cfg.synchronizer.shards)
+        cfg = _shard_port(cfg, args.shard, args.port)
+        lease, cfg, store, ckpt = _take_lease(args.resume, cfg, store, run_id, ckpt, env_options, args.shard)
+        asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt, lease=lease, shard=args.shard))
     except ValueError as err:
         log.error("%s", err)
         print(f"error: {err}", file=sys.stderr)

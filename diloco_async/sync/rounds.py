@@ -28,6 +28,7 @@ from diloco_async.policy.rounds import (
     schedule_shift,
     stuck_round_reason,
 )
+from diloco_async.policy.shards import shard_of
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import work
@@ -127,10 +128,10 @@ class RoundTable:
             self.schedule_shift_steps = shift
             self.report.count("schedule_shifts")
             log.warning("schedule out of reach of the live learners: %s", why)
-        decision = schedule_rounds(g=g + shift, next_rounds=[f.next_round for f in self.book],
+        decision = schedule_rounds(g=g + shift, next_rounds={f.p: f.next_round for f in self.book},
                                    busy={f.p for f in self.book if f.busy}, waiting=self.waiting,
                                    open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
-                                   sync_every=self.sc.sync_every)
+                                   sync_every=self.sc.sync_every, num_fragments=num)
         self.waiting = list(decision.waiting)
         for p, n in decision.open_now:
             self.open_round(self.book[p], n, now)
@@ -150,6 +151,10 @@ class RoundTable:
     def on_announce(self, ann: Announcement) -> AnnouncementAck:
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
         f = self.book.get(p)
+        if f is None and 0 <= p < self.book.plan.num_fragments:  # a fragment of the plan that another shard owns
+            owner, shards = shard_of(p, self.sc.shards), self.sc.shards
+            return self._reject(lid, "bad_fragment", f"fragment {p} belongs to synchronizer shard {owner}, not to "
+                                f"this shard {self.ctx.shard} (synchronizer.shards={shards})", p, n, ann)
         rnd = self.rounds.get((p, n))
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)

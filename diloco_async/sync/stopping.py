@@ -109,7 +109,7 @@ class StopSequence:
     async def _write_final(self) -> None:
         ok = True
         try:
-            await asyncio.to_thread(reporting.write_final, self.ctx.store, self.ctx.run_id, self.ctx.epoch,
+            await asyncio.to_thread(reporting.write_final, self.ctx.store, self.ctx.owner_id, self.ctx.epoch,
                                     self.final_summary, self.report)
         except Exception as err:
             log.error("could not write the final summary: %s", err)
