@@ -349,7 +349,7 @@ async def test_restored_learner_never_contributes_on_a_base_older_than_its_join_
     assert bases and min(bases) >= joined_at >= 3, (bases, joined_at)
     # and every upload a began (one cut short by the stop published nothing)
     begun = [int(m.group(1)) for r in caplog.records
-             if (m := re.match(r"a uploading fragment 0 round \d+ \(base v(\d+)\)", r.getMessage()))]
+             if (m := re.match(r"a uploading fragment 0 round \d+ \(base v(\d+)[,)]", r.getMessage()))]
     assert len(begun) >= len(bases) and min(begun) >= joined_at, (begun, joined_at)
     refused = [r.getMessage() for r in caplog.records
                if r.getMessage().startswith("rejected contribution learner=a ")]  # the synchronizer's word
