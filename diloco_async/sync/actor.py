@@ -72,9 +72,8 @@ __all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", 
 log = logging.getLogger("diloco.synchronizer")
 
 BATCH_MAX = 32
-"""Messages handled at most per pass of the actor: those already queued are handled one after the
-other, then the clock-driven part runs once for all of them (issue 17: one pass per message cost
-more than the heartbeat itself at 1,000 learners)."""
+"""Messages handled at most per pass of the actor: those already queued, one after the other, then the
+clock-driven part once for all (issue 17: a pass per message cost more than a heartbeat at 1,000 learners)."""
 LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
@@ -92,8 +91,7 @@ class Refused(Exception):
 
 
 class Stopped(Exception):
-    """The reply to a request that reaches a synchronizer whose actor has stopped (the run is over,
-    or it was fenced): nothing would ever answer it. HTTP answers it 503, reason ``stopped``."""
+    """A request reached a stopped actor (run over, or fenced): nothing would answer it; HTTP 503 ``stopped``."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(f"the synchronizer has stopped and answers no {kind} request")
@@ -154,8 +152,8 @@ class Synchronizer:
         self.board = StatusBoard()  # what GET /status and /health serve, published by the actor
         self.refusals = RateLimitedLog(log)
         params, plan = initial_state(cfg)  # the trainable parameters only (with LoRA: the adapter)
-        owned = fragments_of(shard, cfg.synchronizer.shards, plan.num_fragments)  # every fragment with one shard
-        self.book = FragmentBook.build(plan, params, cfg.synchronizer, self.ctx.store, owned)
+        self.book = FragmentBook.build(plan, params, cfg.synchronizer, self.ctx.store,
+                                       fragments_of(shard, cfg.synchronizer.shards, plan.num_fragments))
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
