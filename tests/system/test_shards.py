@@ -257,15 +257,24 @@ def test_a_learner_given_the_shards_in_the_wrong_order_exits_2_naming_both(tmp_p
         procs.stop()
 
 
-def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finish(tmp_path):
-    cfg = with_fields(Config(), {
+def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float) -> Config:
+    """A tiny model, 2 learners, 2 fragments on 2 shards, under ``tmp_path``."""
+    return with_fields(Config(), {
         "run.store": f"file://{tmp_path}/store", "run.workdir": f"{tmp_path}/runs",
         "data.cache_dir": str((ROOT / "data").resolve()),
         "model.n_layer": 1, "model.d_model": 16, "model.n_head": 2, "model.context": 16,
         "learners.count": 2, "learners.batch_size": 2, "learners.heartbeat_s": 0.25,
         "synchronizer.num_fragments": 2, "synchronizer.shards": 2, "synchronizer.sync_every": 8,
-        "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": 100000.0,
-        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": 25.0})
+        "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": checkpoint_every_s,
+        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": wall_s})
+
+
+def newest_version(store: ObjectStore, run_id: str, p: int) -> int:
+    return max((v for (q, v) in version_digests(store, run_id) if q == p), default=-1)
+
+
+def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finish(tmp_path):
+    cfg = two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=25.0)
     run = RunProcesses(cfg, run_id="real")
     try:
         run.start_synchronizer()
@@ -280,7 +289,7 @@ def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finis
     finally:
         run.stop_all()
     store = ObjectStore(cfg.run.store)
-    newest = {p: max(v for (q, v) in version_digests(store, "real") if q == p) for p in range(2)}
+    newest = {p: newest_version(store, "real", p) for p in range(2)}
     assert min(newest.values()) >= 3, newest  # both shards merged real learners' contributions
     for i in range(2):
         summaries = [k for k in store.list(f"real/shards/{i:03d}/epochs") if k.endswith("summary.json")]
@@ -288,19 +297,8 @@ def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finis
         assert store.get_json(summaries[0])["merges"] >= 3
 
 
-def newest_version(store: ObjectStore, run_id: str, p: int) -> int:
-    return max((v for (q, v) in version_digests(store, run_id) if q == p), default=-1)
-
-
 def test_a_killed_shard_stops_only_its_fragments_and_resumes_on_its_old_port(tmp_path):
-    cfg = with_fields(Config(), {
-        "run.store": f"file://{tmp_path}/store", "run.workdir": f"{tmp_path}/runs",
-        "data.cache_dir": str((ROOT / "data").resolve()),
-        "model.n_layer": 1, "model.d_model": 16, "model.n_head": 2, "model.context": 16,
-        "learners.count": 2, "learners.batch_size": 2, "learners.heartbeat_s": 0.25,
-        "synchronizer.num_fragments": 2, "synchronizer.shards": 2, "synchronizer.sync_every": 8,
-        "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": 1.0,
-        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": 600.0})
+    cfg = two_shard_run(tmp_path, checkpoint_every_s=1.0, wall_s=600.0)
     store = ObjectStore(cfg.run.store)
     run = RunProcesses(cfg, run_id="kill")
     try:
