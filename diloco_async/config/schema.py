@@ -20,6 +20,12 @@ from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
+from diloco_async.config.schedules import (
+    InnerScheduleFields,
+    OuterScheduleFields,
+    check_schedules,
+    drop_default_schedule_fields,
+)
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.runtime.devices import LearnerDeviceFields
 
@@ -99,8 +105,9 @@ class RunConfig(_Section):
         return self
 
 
-class LearnerConfig(_Section, LearnerDeviceFields):
-    """The learners; device, precision, batch size and process-group keys in :class:`LearnerDeviceFields`."""
+class LearnerConfig(_Section, LearnerDeviceFields, InnerScheduleFields):
+    """The learners; device, precision, batch size and process-group keys in :class:`LearnerDeviceFields`,
+    the learning-rate schedule and gradient accumulation in :class:`InnerScheduleFields`."""
 
     count: int = Field(4, ge=1, description="M, the number of learner processes.")
     lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
@@ -150,7 +157,9 @@ class LearnerConfig(_Section, LearnerDeviceFields):
         return data
 
 
-class SynchronizerConfig(_Section):
+class SynchronizerConfig(_Section, OuterScheduleFields):
+    """The synchronizer; the outer learning-rate schedule's keys in :class:`OuterScheduleFields`."""
+
     host: str = Field("127.0.0.1", description="Address the synchronizer listens on (0.0.0.0: every interface).")
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
     num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
@@ -292,6 +301,7 @@ class Config(_Section):
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
             raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
                              f"(lease_ttl_s={sc.lease_ttl_s})")
+        check_schedules(self)
         return self
 
     def public_dict(self) -> dict:
@@ -348,7 +358,7 @@ def _format_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        elif e["type"] == "literal_error":
+        elif e["type"] == "literal_error" or isinstance(e.get("input"), int | float | str):
             msg = f"{msg} (got {e.get('input')!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
@@ -387,6 +397,7 @@ def _training_dict(d: dict) -> dict:
         d.pop(key, None)
     if d.get("synchronizer", {}).get("shards") == 1:  # S = 1 hashes as before shards existed (old runs resume)
         del d["synchronizer"]["shards"]
+    drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")

@@ -98,8 +98,14 @@ class OuterOptimizer:
 
     @property
     def lr(self) -> float:
-        """Outer learning rate η."""
+        """Outer learning rate η of the next step (``synchronizer.outer_lr_schedule`` sets it before each)."""
         return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"outer lr must be finite and > 0, got {value}")
+        self._lr = float(value)
 
     @property
     def mu(self) -> float:

@@ -371,7 +371,7 @@ class Synchronizer:
         return JoinResponse(run_id=self.ctx.run_id, config=cfg.public_dict(), config_hash=config_hash(cfg),
                             plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
                             versions=self._replies.versions(self.book), epoch=self.ctx.epoch, start_step=start_step,
-                            shard=self.ctx.shard, shards=self.ctx.sc.shards)
+                            shard=self.ctx.shard, shards=self.ctx.sc.shards, tokens_merged=self.book.tokens_merged())
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id

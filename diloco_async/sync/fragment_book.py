@@ -19,6 +19,7 @@ import torch
 
 from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.policy.schedules import OuterSchedule
 from diloco_async.sync.state import FragmentState, Merged, new_fragments
 from storage.store import ObjectStore
 
@@ -82,6 +83,11 @@ class FragmentBook:
         """The current version of every held fragment, by index."""
         return {f.p: f.version for f in self}
 
+    def tokens_merged(self) -> float:
+        """Tokens merged by the run as far as these fragments know: each one's merged tokens times its
+        share of the model, summed (over every shard's book: the whole run's; the inner lr schedule's progress)."""
+        return sum(f.share * f.tokens_merged for f in self)
+
     def numel(self) -> dict[str, int]:
         """Elements of every tensor of the held fragments (what the update guard may be shown)."""
         return {n: math.prod(shape) for f in self for n, shape in f.shapes.items()}
@@ -92,6 +98,12 @@ class FragmentBook:
         """Round ``n`` of ``f`` is in flight; the next one it opens is ``n + 1``."""
         f.busy, f.next_round = True, n + 1
 
+    def set_outer_lr(self, f: FragmentState, schedule: OuterSchedule, round_tokens: int) -> float:
+        """Set η of ``f``'s next outer step (on the actor's task, before the merge's thread starts):
+        the schedule at ``f``'s merged tokens plus this round's ``round_tokens``; returns it."""
+        f.optimizer.lr = schedule.lr(f.tokens_merged + round_tokens)
+        return f.optimizer.lr
+
     def end_round(self, f: FragmentState) -> None:
         """``f``'s round in flight is over (merged, failed or abandoned)."""
         f.busy = False
@@ -101,6 +113,7 @@ class FragmentBook:
         ``max_staleness`` a contribution may lag behind leave the history (DESIGN §3.5)."""
         f.version = res.version
         f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
+        f.tokens_merged += res.tokens
         f.published, f.compact = res.published or res.new, res.compact
         f.history[f.version], f.refs[f.version] = f.published, res.ref
         for old in [v for v in f.history if v < f.version - max_staleness]:

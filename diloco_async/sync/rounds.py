@@ -28,6 +28,7 @@ from diloco_async.policy.rounds import (
     schedule_shift,
     stuck_round_reason,
 )
+from diloco_async.policy.schedules import OuterSchedule
 from diloco_async.policy.shards import shard_of
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
@@ -90,6 +91,7 @@ class RoundTable:
         self.g: int | None = None  # the global step
         self.schedule_shift_steps = 0  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
         self.guard = UpdateGuard(ctx.cfg.guard, book, report)  # the update guard's memory
+        self.outer_schedule = OuterSchedule.from_config(ctx.cfg)  # η of each fragment's outer steps
 
     def opens_for(self, learner_id: str) -> tuple[tuple[int, int, int], ...]:
         """The rounds open (or in their grace window) that ``learner_id`` has not announced to, as
@@ -341,6 +343,7 @@ class RoundTable:
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]  # the thread's own list
             async with self.merge_slots:
                 directions = self.guard.direction_check(f.p)
+                self.book.set_outer_lr(f, self.outer_schedule, sum(c.ann.c_tokens for c in contribs))
                 result = await asyncio.to_thread(work.merge_and_publish, self.ctx.store, self.ctx.run_id, f, n,
                                                  contribs, self.sc.merge, directions=directions,
                                                  publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download))

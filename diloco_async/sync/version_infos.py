@@ -52,12 +52,14 @@ class HeartbeatReplies:
     def __call__(self, fragments: Iterable[FragmentState], opens: tuple[tuple[int, int, int], ...], stop: bool,
                  epoch: str) -> HeartbeatResponse:
         """The reply; ``opens``: the open rounds to tell, each ``(fragment, round_n, version)``."""
-        key = (VersionInfos.key(fragments), opens, stop, epoch)
+        fragments = list(fragments)
+        merged = sum(f.share * f.tokens_merged for f in fragments)  # the inner lr schedule's progress
+        key = (VersionInfos.key(fragments), opens, stop, epoch, merged)
         reply = self._replies.get(key)
         if reply is None:
             if len(self._replies) >= REPLIES_CAP:
                 self._replies.clear()
             reply = self._replies[key] = HeartbeatResponse(
                 open_rounds=[RoundOpen(fragment=p, round_n=n, version=v) for p, n, v in opens],
-                versions=self.versions(fragments), stop=stop, epoch=epoch)
+                versions=self.versions(fragments), stop=stop, epoch=epoch, tokens_merged=merged)
         return reply
