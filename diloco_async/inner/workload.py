@@ -174,6 +174,7 @@ class Workload:
         self.batch_size, self.context = batch_size, context
         self.schedule, self.grad_clip = schedule, grad_clip
         self.grad_accum_steps = grad_accum_steps
+        self.last_lr = 0.0  # the learning rate of the last step
         self.shard: np.ndarray | None = None
         self.device, self.amp_dtype = torch.device("cpu"), None
         self.rank, self.world = 0, 1
@@ -246,7 +247,8 @@ class Workload:
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             batches.append((x, y))
         no_sync = getattr(self.train_model, "no_sync", None) if self.world > 1 else None
-        loss = accumulated_step(self.train_model, self.optimizer, batches, lr=self.schedule.lr(step, tokens_merged),
+        self.last_lr = self.schedule.lr(step, tokens_merged)
+        loss = accumulated_step(self.train_model, self.optimizer, batches, lr=self.last_lr,
                                 grad_clip=self.grad_clip, amp_dtype=self.amp_dtype, no_sync=no_sync)
         if self.mean_loss is not None:
             loss = self.mean_loss(loss)

@@ -360,7 +360,8 @@ class InnerLoop:
         loss = self.workload.step(self.step, tokens_merged)
         dt = time.perf_counter() - t0
         self.step += 1
-        self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens)
+        self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens,
+                             lr=self.workload.last_lr, tokens_merged=tokens_merged)
         self.progress = [prog.plus(tokens, dt) for prog in self.progress]
         with self.shared.lock:
             s = self.shared.stats
