@@ -23,8 +23,9 @@ class InnerScheduleFields(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     lr_schedule: Literal["constant", "cosine", "wsd"] = Field(
-        "constant", description="Inner learning rate over the run's global progress (tokens merged / "
-        "budget.tokens, heard from the synchronizer: a late or restarted learner is at the run's point): "
+        "constant", description="Inner learning rate over the run's global progress (tokens processed by "
+        "all learners, as the synchronizer counts them, / budget.tokens: a late or restarted learner is at the "
+        "run's point): "
         "'constant' (the warm-up, then lr), 'cosine' (down to lr_final_fraction x lr), 'wsd' "
         "(warmup-stable-decay: lr until the last lr_decay_fraction of the budget, then linear down to "
         "lr_final_fraction x lr). Times the warm-up of warmup_steps. Not 'constant': needs budget.tokens.")
@@ -51,8 +52,8 @@ class OuterScheduleFields(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     outer_lr_schedule: Literal["constant", "linear_warmup", "cosine"] = Field(
-        "constant", description="Outer lr of each fragment over that fragment's merged tokens (this round's "
-        "included) / budget.tokens, kept in checkpoints (DESIGN §4.5d): 'constant' (outer_lr), 'linear_warmup' "
+        "constant", description="Outer lr of each fragment's steps over the run's progress when it merges (tokens "
+        "processed / budget.tokens, kept in checkpoints; DESIGN §4.5d): 'constant' (outer_lr), 'linear_warmup' "
         "(up to outer_lr over the first outer_lr_warmup_fraction of the budget), 'cosine' (down to "
         "outer_lr_final_fraction x outer_lr). Not 'constant': needs budget.tokens.")
     outer_lr_warmup_fraction: float = Field(

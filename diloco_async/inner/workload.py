@@ -227,9 +227,9 @@ class Workload:
         self.shard = corpus.shard(index, cfg.learners.count)
         return len(self.shard)
 
-    def step(self, step: int, tokens_merged: float = 0.0) -> float:
-        """One inner step, the ``step``-th of this learner (it sets the warm-up), at ``tokens_merged``
-        tokens merged by the run (the schedule's progress): ``grad_accum_steps`` micro-batches of the
+    def step(self, step: int, run_tokens: float = 0.0) -> float:
+        """One inner step, the ``step``-th of this learner (it sets the warm-up), at ``run_tokens``
+        tokens processed by the run (the schedule's progress): ``grad_accum_steps`` micro-batches of the
         shard, each of ``world * batch_size`` windows of which this rank takes its slice, under the
         group's ``no_sync`` but the last; returns the training loss (nats/token, the mean over them).
 
@@ -247,7 +247,7 @@ class Workload:
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             batches.append((x, y))
         no_sync = getattr(self.train_model, "no_sync", None) if self.world > 1 else None
-        self.last_lr = self.schedule.lr(step, tokens_merged)
+        self.last_lr = self.schedule.lr(step, run_tokens)
         loss = accumulated_step(self.train_model, self.optimizer, batches, lr=self.last_lr,
                                 grad_clip=self.grad_clip, amp_dtype=self.amp_dtype, no_sync=no_sync)
         if self.mean_loss is not None:

@@ -248,7 +248,7 @@ class Comms:
                     for v in sh.join_response.versions:
                         self.told(v)
                     self.epoch = sh.join_response.epoch
-                    sh.tokens_merged = sh.join_response.tokens_merged  # the run's point on the lr schedule
+                    sh.run_tokens = sh.join_response.run_tokens  # the run's point on the lr schedule
                     sh.joined.set()
                     log.info("%s joined run %s", self.learner_id, sh.join_response.run_id)
                 resp = HeartbeatResponse.model_validate(await self.client.heartbeat(self.heartbeat_body()))
@@ -300,7 +300,7 @@ class Comms:
         if not resp.known:
             log.warning("%s unknown to the synchronizer; rejoining", self.learner_id)
             return False
-        sh.tokens_merged = resp.tokens_merged
+        sh.run_tokens = resp.run_tokens
         now = time.monotonic()
         with sh.lock:
             listed = {(r.fragment, r.round_n): r.version for r in resp.open_rounds}

@@ -14,7 +14,7 @@ on CPU; NCCL for CUDA tensors):
    ``DistributedDataParallel`` broadcasts its parameters;
 3. **each step boundary**: rank 0 broadcasts a :class:`Decision` (stop, step or wait, the
    fragments it adopted) and then the tensors of every adopted fragment, so each rank adopts
-   the same versions at the same inner step, and the tokens merged it last heard, so each rank
+   the same versions at the same inner step, and the run's tokens it last heard of, so each rank
    steps with the same learning rate (the schedule's progress). DDP averages the gradients, so the ranks stay
    identical, and the outer gradient rank 0 sends covers the whole group's batch. The token
    count of a step covers every rank (``Workload.tokens_per_step``).
@@ -71,7 +71,7 @@ class Decision:
     stop: bool = False
     step: bool = True  # False: wait (barrier), no inner step this time
     adopted: list[int] = field(default_factory=list)  # fragments whose new values follow
-    tokens_merged: float = 0.0  # the run's tokens merged as rank 0 last heard (the lr schedule's progress)
+    run_tokens: float = 0.0  # the run's tokens processed as rank 0 last heard (the lr schedule's progress)
 
 
 class DataParallelLoss(DistributedDataParallel):
@@ -162,12 +162,12 @@ class LearnerGroup:
         if self.is_leader:
             assert decision is not None
             msg[0], msg[1] = int(decision.stop), int(decision.step)
-            msg[2:3] = torch.tensor([decision.tokens_merged], dtype=torch.float64).view(torch.int64)  # its bits
+            msg[2:3] = torch.tensor([decision.run_tokens], dtype=torch.float64).view(torch.int64)  # its bits
             for p in decision.adopted:
                 msg[3 + p] = 1
         dist.broadcast(msg, src=0)
-        merged = float(msg[2:3].view(torch.float64)[0])
-        return Decision(bool(msg[0]), bool(msg[1]), [p for p in range(num_fragments) if msg[3 + p]], merged)
+        run_tokens = float(msg[2:3].view(torch.float64)[0])
+        return Decision(bool(msg[0]), bool(msg[1]), [p for p in range(num_fragments) if msg[3 + p]], run_tokens)
 
     def share_fragments(self, params: dict[str, torch.nn.Parameter], plan: FragmentPlan, fragments: list[int]) -> None:
         """Broadcast rank 0's values of every tensor of ``fragments`` into each rank's parameters."""
@@ -237,5 +237,5 @@ def run_follower(group: LearnerGroup, index: int, incarnation: int,
         if d.stop:
             return 0
         if d.step:
-            workload.step(step, d.tokens_merged)
+            workload.step(step, d.run_tokens)
             step += 1

@@ -8,11 +8,11 @@
   ``shard`` is not its URL's position, raises :class:`ShardListMismatch` (the learner exits 2); the
   shards' plans must be equal. The answers merge: versions (disjoint by fragment) concatenated, the
   run's config and plan of the first, the highest ``start_step``, the epochs joined with ``+``, the
-  tokens merged summed (each shard counts its own fragments).
+  highest ``run_tokens`` (every shard counts every learner's heartbeats).
 * ``heartbeat`` goes to every shard (each computes the global step from the same heartbeats); the
   answers merge: open rounds and versions concatenated, ``stop`` when every shard answered stop,
   the epochs joined (an unreachable shard's as it last answered, so it does not look restarted), the
-  tokens merged summed (an unreachable shard's as it last answered). A
+  highest ``run_tokens`` (an unreachable shard's as it last answered). A
   shard that answers ``known=False`` is joined again at once (that shard only). A shard that cannot
   be reached is logged, counted (:attr:`ShardedSyncClient.unreachable`) and left out of the answer
   while another answers; when none answers the first error is raised (the comms' retry and give-up
@@ -71,7 +71,7 @@ class ShardedSyncClient:
         self.clients = [SyncClient(u, token, link_delay_s=link_delay_s) for u in self.urls]
         self._join_body: dict | None = None
         self._epochs = [""] * len(self.urls)  # each shard's epoch as last answered
-        self._merged = [0.0] * len(self.urls)  # each shard's tokens merged as last answered
+        self._run_tokens = [0.0] * len(self.urls)  # each shard's run_tokens as last answered
         self.unreachable: Counter[int] = Counter()  #: heartbeats a shard did not answer, by shard
 
     @property
@@ -140,8 +140,8 @@ class ShardedSyncClient:
         merged["start_step"] = max(int(a.get("start_step", 0)) for a in answers)
         self._epochs = [a["epoch"] for a in answers]
         merged["epoch"] = "+".join(self._epochs)
-        self._merged = [float(a.get("tokens_merged", 0.0)) for a in answers]
-        merged["tokens_merged"] = sum(self._merged)
+        self._run_tokens = [float(a.get("run_tokens", 0.0)) for a in answers]
+        merged["run_tokens"] = max(self._run_tokens)
         return merged
 
     async def heartbeat(self, body: dict) -> dict:
@@ -162,7 +162,7 @@ class ShardedSyncClient:
                 self._check(i, await self.clients[i].join(self._join_body))  # that shard only
                 a = await self.clients[i].heartbeat(body)
             self._epochs[i] = a.get("epoch", self._epochs[i])
-            self._merged[i] = float(a.get("tokens_merged", self._merged[i]))
+            self._run_tokens[i] = float(a.get("run_tokens", self._run_tokens[i]))
             got.append(a)
         if not got:
             raise next(a for a in answers if isinstance(a, BaseException))
@@ -171,7 +171,7 @@ class ShardedSyncClient:
                 "stop": all(a.get("stop", False) for a in got) and len(got) == len(self.clients),
                 "known": all(a.get("known", True) for a in got),
                 "epoch": "+".join(self._epochs),  # an unreachable shard's as last answered
-                "tokens_merged": sum(self._merged)}
+                "run_tokens": max(self._run_tokens)}
 
     async def announce(self, body: dict) -> dict:
         """An announcement to the shard that owns its fragment."""

@@ -115,9 +115,9 @@ class Shared:
         self.ready = threading.Event()  # plan known: versions can be decoded
         self.epoch_changed = threading.Event()  # the synchronizer restarted
         self.join_response: JoinResponse | None = None
-        # tokens merged by the run (join and heartbeat answers): the inner lr schedule's progress
-        # (policy/schedules.py); written by the comms thread, read whole by the training thread
-        self.tokens_merged = 0.0
+        # tokens processed by the run as the synchronizer last told (join and heartbeat answers): the
+        # inner lr schedule's progress (policy/schedules.py); written by the comms thread, read whole
+        self.run_tokens = 0.0
         self.fatal: str | None = None
         self.fatal_code = 3  # the exit code of a fatal comms error (2: the shard URLs disagree with the run)
         # (fragment, round) -> (version the round builds on, when heard of)

@@ -150,14 +150,14 @@ class InnerLoop:
             self._read_outcomes()
             self._answer_rounds()
             blocked = self.lc.barrier and self._barrier_blocked()
-            merged = self.shared.tokens_merged  # the run's progress for the lr schedule, as last heard
+            run_tokens = self.shared.run_tokens  # the run's progress for the lr schedule, as last heard
             if self.group is not None:
-                self.group.boundary(Decision(stop=False, step=not blocked, adopted=adopted, tokens_merged=merged),
+                self.group.boundary(Decision(stop=False, step=not blocked, adopted=adopted, run_tokens=run_tokens),
                                     self.workload, self.plan)
             if blocked:
                 continue  # adopt or answer what arrived, at this step boundary
             self._maybe_save_inner_state()
-            self._inner_step(merged)
+            self._inner_step(run_tokens)
             self._maybe_release_heap(bool(adopted))
         if self.group is not None:
             self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
@@ -353,15 +353,15 @@ class InnerLoop:
 
     # ------------------------------------------------------------------ one inner step --------
 
-    def _inner_step(self, tokens_merged: float) -> None:
+    def _inner_step(self, run_tokens: float) -> None:
         tokens = self.workload.tokens_per_step
         t0 = time.perf_counter()
         t0_unix = time.time()
-        loss = self.workload.step(self.step, tokens_merged)
+        loss = self.workload.step(self.step, run_tokens)
         dt = time.perf_counter() - t0
         self.step += 1
         self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens,
-                             lr=self.workload.last_lr, tokens_merged=tokens_merged)
+                             lr=self.workload.last_lr, run_tokens=run_tokens)
         self.progress = [prog.plus(tokens, dt) for prog in self.progress]
         with self.shared.lock:
             s = self.shared.stats

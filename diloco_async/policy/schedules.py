@@ -1,11 +1,18 @@
 """Learning-rate schedules over the run's global progress (issue 44 item 5; DESIGN §3.9, §4.5d). Pure: no I/O.
 
-The progress variable is the run's, not a process's: ``p = tokens merged / budget.tokens``,
-clamped to [0, 1]. A learner hears the tokens merged (every fragment's merged tokens weighted by
-its share of the model, summed over the synchronizer's shards) in its join answer and in every
-heartbeat answer, so a learner that joins late or restarts is at the run's point on the inner
-schedule, not at its start. The synchronizer steps each fragment's outer learning rate by that
-fragment's own merged tokens (including the round being merged), which its checkpoint keeps.
+The progress variable is the run's, not a process's: ``p = run tokens / budget.tokens``, clamped
+to [0, 1], where the run tokens are the tokens processed by all learners as the synchronizer counts
+them for its token budget (the count it stops on, so ``p`` reaches 1 when the run ends). A
+learner is told them (:func:`told_tokens`: rounded down to 0.1% of the budget, so heartbeat
+replies stay shared) in its join answer and in every heartbeat answer, so a learner that joins
+late or restarts is at the run's point on the inner schedule, not at its start. The synchronizer
+takes each fragment's outer learning rate at the same progress when that fragment merges; the
+count is in its checkpoints (the learners' ledgers), so a resume continues the schedule.
+
+Not the tokens *merged*: a contribution counts only the steps since the learner last adopted the
+fragment (overwrite adoption drops the rest), so the merged tokens end well short of the budget (27%
+of it in a two-learner tiny run where adoption lags many steps), and a schedule over them would
+never decay.
 
 ``torch.optim.lr_scheduler`` counts its own ``step()`` calls: a step count is what must *not*
 drive these schedules (a restarted learner's count is its own, and merges per fragment depend on
@@ -30,7 +37,8 @@ from dataclasses import dataclass
 
 from diloco_async.config.schema import Config
 
-__all__ = ["INNER_SCHEDULES", "OUTER_SCHEDULES", "progress", "warmup_lr", "cosine_multiplier", "wsd_multiplier",
+__all__ = ["INNER_SCHEDULES", "OUTER_SCHEDULES", "progress", "told_tokens", "warmup_lr", "cosine_multiplier",
+           "wsd_multiplier",
            "linear_warmup_multiplier", "InnerSchedule", "OuterSchedule"]
 
 INNER_SCHEDULES = ("constant", "cosine", "wsd")
@@ -39,17 +47,31 @@ OUTER_SCHEDULES = ("constant", "linear_warmup", "cosine")
 """Names of ``synchronizer.outer_lr_schedule``."""
 
 
-def progress(tokens_merged: float, budget_tokens: int | None) -> float:
-    """The run's progress ``tokens_merged / budget_tokens`` in [0, 1]; 0 without a token budget.
+def progress(run_tokens: float, budget_tokens: int | None) -> float:
+    """The run's progress ``run_tokens / budget_tokens`` in [0, 1]; 0 without a token budget.
 
     Raises:
-        ValueError: ``tokens_merged`` negative or not finite.
+        ValueError: ``run_tokens`` negative or not finite.
     """
-    if not (math.isfinite(tokens_merged) and tokens_merged >= 0):
-        raise ValueError(f"tokens merged must be finite and >= 0, got {tokens_merged}")
+    if not (math.isfinite(run_tokens) and run_tokens >= 0):
+        raise ValueError(f"run tokens must be finite and >= 0, got {run_tokens}")
     if not budget_tokens:
         return 0.0
-    return min(1.0, tokens_merged / budget_tokens)
+    return min(1.0, run_tokens / budget_tokens)
+
+
+#: the run tokens a learner is told move in steps of this share of budget.tokens
+TOLD_STEP_OF_BUDGET = 1000
+
+
+def told_tokens(tokens_processed: int, budget_tokens: int | None) -> int:
+    """The run tokens a learner is told: ``tokens_processed`` rounded down to a multiple of
+    ``budget_tokens // 1000`` (at least 1), or 0 without a token budget (nothing follows it then).
+    The schedules move by at most 0.1% of their span between two values told."""
+    if not budget_tokens:
+        return 0
+    step = max(1, budget_tokens // TOLD_STEP_OF_BUDGET)
+    return tokens_processed // step * step
 
 
 def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
@@ -110,13 +132,13 @@ class InnerSchedule:
         return cls(lc.lr_schedule, lc.lr, lc.warmup_steps, cfg.budget.tokens, lc.lr_decay_fraction,
                    lc.lr_final_fraction)
 
-    def multiplier(self, tokens_merged: float) -> float:
+    def multiplier(self, run_tokens: float) -> float:
         """The schedule's factor at the run's progress (1 for ``constant``).
 
         Raises:
-            ValueError: an unknown schedule, or ``tokens_merged`` negative or not finite.
+            ValueError: an unknown schedule, or ``run_tokens`` negative or not finite.
         """
-        p = progress(tokens_merged, self.budget_tokens)
+        p = progress(run_tokens, self.budget_tokens)
         if self.kind == "constant":
             return 1.0
         if self.kind == "cosine":
@@ -125,11 +147,11 @@ class InnerSchedule:
             return wsd_multiplier(p, self.decay_fraction, self.final_fraction)
         raise ValueError(f"unknown learners.lr_schedule {self.kind!r}; known: {', '.join(INNER_SCHEDULES)}")
 
-    def lr(self, step: int, tokens_merged: float = 0.0) -> float:
-        """The learning rate of the step after ``step`` done steps, at ``tokens_merged`` tokens merged
+    def lr(self, step: int, run_tokens: float = 0.0) -> float:
+        """The learning rate of the step after ``step`` done steps, at ``run_tokens`` tokens processed
         by the run: the warm-up times :meth:`multiplier` (``constant``: the warm-up alone, unchanged)."""
         warm = warmup_lr(self.base_lr, step, self.warmup_steps)
-        return warm if self.kind == "constant" else warm * self.multiplier(tokens_merged)
+        return warm if self.kind == "constant" else warm * self.multiplier(run_tokens)
 
 
 @dataclass(frozen=True)
@@ -150,14 +172,14 @@ class OuterSchedule:
         return cls(sc.outer_lr_schedule, sc.outer_lr, cfg.budget.tokens, sc.outer_lr_warmup_fraction,
                    sc.outer_lr_final_fraction)
 
-    def lr(self, fragment_tokens: float) -> float:
-        """η of a fragment's outer step once ``fragment_tokens`` tokens (this round's included) are
-        merged into it (always > 0: ``constant`` gives ``outer_lr`` itself).
+    def lr(self, run_tokens: float) -> float:
+        """η of an outer step taken when the run has processed ``run_tokens`` tokens (always > 0:
+        ``constant`` gives ``outer_lr`` itself).
 
         Raises:
-            ValueError: an unknown schedule, or ``fragment_tokens`` negative or not finite.
+            ValueError: an unknown schedule, or ``run_tokens`` negative or not finite.
         """
-        p = progress(fragment_tokens, self.budget_tokens)
+        p = progress(run_tokens, self.budget_tokens)
         if self.kind == "constant":
             return self.base_lr
         if self.kind == "linear_warmup":
@@ -167,4 +189,4 @@ class OuterSchedule:
         else:
             raise ValueError(f"unknown synchronizer.outer_lr_schedule {self.kind!r}; known: "
                              f"{', '.join(OUTER_SCHEDULES)}")
-        return self.base_lr * max(m, 1e-6)  # the optimizer takes η > 0 (a warm-up's first merge has p > 0 anyway)
+        return self.base_lr * max(m, 1e-6)  # the optimizer takes η > 0 (a warm-up's first merge may come at p = 0)

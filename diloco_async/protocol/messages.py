@@ -106,9 +106,9 @@ class JoinResponse(_Msg):
                        "rounds are those of its own fragments, fragment p on shard p mod shards.")
     shards: int = Field(1, ge=1, description="synchronizer.shards: how many shards the run's fragments are divided "
                         "among (1: one synchronizer, as before shards existed).")
-    tokens_merged: float = Field(0.0, ge=0, le=COUNT_MAX, description="Tokens merged by the run so far (each "
-                                 "fragment's weighted by its share of the model; this shard's fragments): the "
-                                 "progress of the learning-rate schedule (policy/schedules.py).")
+    run_tokens: float = Field(0.0, ge=0, le=COUNT_MAX, description="Tokens processed by the run's learners as the "
+                              "synchronizer counts them for budget.tokens, rounded down to 0.1% of it: the progress "
+                              "of the learning-rate schedule (policy/schedules.py).")
 
 
 class Heartbeat(_Msg):
@@ -154,7 +154,7 @@ class HeartbeatResponse(_Msg):
     stop: bool = False
     known: bool = Field(True, description="False: the synchronizer does not know this learner; rejoin.")
     epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
-    tokens_merged: float = Field(0.0, ge=0, le=COUNT_MAX, description="As in the join answer, now.")
+    run_tokens: float = Field(0.0, ge=0, le=COUNT_MAX, description="As in the join answer, now.")
 
 
 class Announcement(_Msg):

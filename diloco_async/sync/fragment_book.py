@@ -83,11 +83,6 @@ class FragmentBook:
         """The current version of every held fragment, by index."""
         return {f.p: f.version for f in self}
 
-    def tokens_merged(self) -> float:
-        """Tokens merged by the run as far as these fragments know: each one's merged tokens times its
-        share of the model, summed (over every shard's book: the whole run's; the inner lr schedule's progress)."""
-        return sum(f.share * f.tokens_merged for f in self)
-
     def numel(self) -> dict[str, int]:
         """Elements of every tensor of the held fragments (what the update guard may be shown)."""
         return {n: math.prod(shape) for f in self for n, shape in f.shapes.items()}
@@ -98,10 +93,10 @@ class FragmentBook:
         """Round ``n`` of ``f`` is in flight; the next one it opens is ``n + 1``."""
         f.busy, f.next_round = True, n + 1
 
-    def set_outer_lr(self, f: FragmentState, schedule: OuterSchedule, round_tokens: int) -> float:
+    def set_outer_lr(self, f: FragmentState, schedule: OuterSchedule, run_tokens: int) -> float:
         """Set η of ``f``'s next outer step (on the actor's task, before the merge's thread starts):
-        the schedule at ``f``'s merged tokens plus this round's ``round_tokens``; returns it."""
-        f.optimizer.lr = schedule.lr(f.tokens_merged + round_tokens)
+        the schedule at ``run_tokens``, the tokens processed by the run now; returns it."""
+        f.optimizer.lr = schedule.lr(run_tokens)
         return f.optimizer.lr
 
     def end_round(self, f: FragmentState) -> None:
@@ -113,7 +108,6 @@ class FragmentBook:
         ``max_staleness`` a contribution may lag behind leave the history (DESIGN §3.5)."""
         f.version = res.version
         f.current, f.momentum, f.outer_steps = res.new, res.momentum, res.outer_steps
-        f.tokens_merged += res.tokens
         f.published, f.compact = res.published or res.new, res.compact
         f.history[f.version], f.refs[f.version] = f.published, res.ref
         for old in [v for v in f.history if v < f.version - max_staleness]:

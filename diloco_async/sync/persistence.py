@@ -251,7 +251,6 @@ def _restore_fragment(store: ObjectStore, f: FragmentState, ckpt: Checkpoint) ->
     steps = int(m["outer_steps"][key])
     f.optimizer.load_state(params, mom if steps > 0 else None, steps_taken=steps)
     f.current, f.momentum, f.outer_steps = params, mom, steps
-    f.tokens_merged = float(m.get("tokens_merged", {}).get(key, 0.0))  # (absent from older checkpoints)
     # compressed downloads: the published value learners adopted (the master value less its residual)
     pub_keys = {n: tensor_key(f.p, "published", n) for n in f.names}
     f.published = ({n: ckpt.tensors[k].clone() for n, k in pub_keys.items()}
@@ -338,7 +337,6 @@ def checkpoint_payload(ctx: ActorContext, *, book: FragmentBook, table: RoundTab
         "schema_hash": book.plan.schema_hash,
         "versions": {str(f.p): f.version for f in book},
         "outer_steps": {str(f.p): f.outer_steps for f in book},
-        "tokens_merged": {str(f.p): f.tokens_merged for f in book},  # the outer lr schedule's progress
         # a round in flight is not in this checkpoint: a resumed run opens it again
         "next_round": {str(f.p): open_round.get(f.p, f.next_round) for f in book},
         "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in book},

@@ -343,7 +343,7 @@ class RoundTable:
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]  # the thread's own list
             async with self.merge_slots:
                 directions = self.guard.direction_check(f.p)
-                self.book.set_outer_lr(f, self.outer_schedule, sum(c.ann.c_tokens for c in contribs))
+                self.book.set_outer_lr(f, self.outer_schedule, self.registry.tokens_processed())
                 result = await asyncio.to_thread(work.merge_and_publish, self.ctx.store, self.ctx.run_id, f, n,
                                                  contribs, self.sc.merge, directions=directions,
                                                  publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download))

@@ -126,7 +126,6 @@ class FragmentState:
     next_round: int = 1
     busy: bool = False
     outer_steps: int = 0
-    tokens_merged: float = 0.0  # c_tokens of the contributions merged into it (its outer lr schedule's progress)
 
     def __post_init__(self) -> None:
         if not self.published:  # downloads not compressed: the published value is the value itself
@@ -249,7 +248,6 @@ class Merged:
     ref: ObjectRef | None = None
     version: int = 0  # the version published (the fragment's next, unless a number was taken)
     merged: list[str] = field(default_factory=list)
-    tokens: int = 0  # c_tokens of the merged contributions
     seconds: float = 0.0
     quorum_wait_s: float = 0.0
     outer_steps: int = 0

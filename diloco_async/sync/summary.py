@@ -93,7 +93,6 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
         "verifications_dropped": c["verifications_dropped"],
         "duplicates": c["duplicates"],
         "versions": book.versions(),
-        "tokens_merged": book.tokens_merged(),  # this synchronizer's fragments, by share (the lr schedules' progress)
         "outer_lr": {f.p: f.optimizer.lr for f in book},  # η of each fragment's last outer step
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],

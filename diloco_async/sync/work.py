@@ -397,6 +397,5 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     return Merged(p, n, True, "published", new=new, published=published, compact=compact,
                   momentum=f.optimizer.shared_state().momentum, ref=ref, version=version,
                   outer_steps=f.optimizer.steps_taken, merged=[c.ann.learner_id for c in kept],
-                  tokens=sum(c.ann.c_tokens for c in kept),
                   seconds=time.perf_counter() - t0, dropped=dropped,
                   cosines=cosines, factors=factors)

@@ -1,6 +1,6 @@
 """Learning-rate schedules and gradient accumulation (issue 44 item 5): the schedules' values at
 known points, bad schedules refused at load naming the values, gradient accumulation equal to one
-large batch, the run's tokens merged in join and heartbeat answers (summed over shards), and the
+large batch, the run's tokens in join and heartbeat answers (the highest of the shards'), and the
 outer schedule continued across a synchronizer checkpoint and resume."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from diloco_async.policy.schedules import (
     cosine_multiplier,
     linear_warmup_multiplier,
     progress,
+    told_tokens,
     warmup_lr,
     wsd_multiplier,
 )
@@ -54,13 +55,15 @@ def test_cosine_wsd_and_warmup_at_known_points():
     assert linear_warmup_multiplier(0.05, 0.1) == pytest.approx(0.5) and linear_warmup_multiplier(0.2, 0.1) == 1.0
     assert progress(250, 1000) == 0.25 and progress(2000, 1000) == 1.0 and progress(5, None) == 0.0
     for bad in (-1.0, math.nan, math.inf):
-        with pytest.raises(ValueError, match="tokens merged"):
+        with pytest.raises(ValueError, match="run tokens must be finite"):
             progress(bad, 1000)
+    assert told_tokens(123_456, 1_000_000) == 123_000 and told_tokens(999, 1_000_000) == 0  # 0.1% steps
+    assert told_tokens(17, 500) == 17 and told_tokens(5_000, None) == 0
     with pytest.raises(ValueError, match="decay fraction must be in"):
         wsd_multiplier(0.5, 0.0, 0.1)
 
 
-def test_the_inner_schedule_is_the_warmup_times_the_shape_at_the_runs_tokens_merged():
+def test_the_inner_schedule_is_the_warmup_times_the_shape_at_the_runs_tokens():
     constant = InnerSchedule("constant", 3e-3, 20, budget_tokens=1000)
     for step in (0, 5, 19, 20, 500):
         for merged in (0.0, 400.0, 5000.0):  # constant: the warm-up alone, whatever the progress
@@ -195,105 +198,128 @@ def test_a_workload_with_accumulation_counts_and_trains_on_every_micro_batch():
     assert drawn == [2, 2, 2, 6]  # three micro-batches of batch_size windows, against one batch of 6
 
 
-# ------------------------------------------------------------------ the run's tokens merged --
+# ------------------------------------------------------------------ the run's tokens ---------
 
 
-def _merge(sync: Synchronizer, p: int, lids: str, c_tokens: int, seed: int) -> float:
-    """One round of fragment ``p`` merged as the round table does it (its outer lr set first); returns η."""
-    f = sync.book[p]
-    n = f.next_round
-    contribs = []
-    for i, lid in enumerate(lids):
-        g = torch.Generator().manual_seed(seed * 10 + i)
-        ann = Announcement(learner_id=lid, fragment=p, round_n=n, base_version=f.version, c_steps=4,
-                           c_tokens=c_tokens, compute_s=1.0, key=f"k/{lid}/{n}", nbytes=1, sha256="0" * 64,
-                           codec="fp32", update_id=f"u-{lid}-{p}-{n}")
-        contribs.append(Contribution(ann, {name: torch.randn(s, generator=g) * 1e-2 for name, s in f.shapes.items()}))
-    sync.book.begin_round(f, n)
-    lr = sync.book.set_outer_lr(f, sync.table.outer_schedule, sum(c.ann.c_tokens for c in contribs))
-    res = merge_and_publish(sync.ctx.store, sync.ctx.run_id, f, n, contribs, sync.ctx.sc.merge)
-    assert res.ok, res.reason
-    sync.book.adopt(f, res, sync.ctx.sc.max_staleness)
-    sync.book.end_round(f)
-    return lr
+class _Run:
+    """A synchronizer on a fake clock, driven as the actor's handlers and round table drive it."""
+
+    def __init__(self, store: ObjectStore, *overrides: str) -> None:
+        cfg = load_config(None, [*TINY, "synchronizer.num_fragments=2", "budget.tokens=4000", *overrides])
+        self.now = [0.0]
+        self.sync = Synchronizer(cfg, store, "run1", clock=lambda: self.now[0])
+        self.tokens = {"a": 0, "b": 0}
+
+    def beat(self, lid: str, tokens: int):
+        """``tokens`` more tokens processed by ``lid``, heard 10 s later (within every pace bound)."""
+        self.now[0] += 10.0
+        self.tokens[lid] += tokens
+        return self.sync._on_heartbeat(Heartbeat(learner_id=lid, step=self.tokens[lid] // 64,
+                                                 tokens_total=self.tokens[lid], uptime_s=self.now[0]))
+
+    def merge(self, p: int, seed: int) -> float:
+        """One round of fragment ``p`` by a and b, merged as the round table does it (its outer lr
+        set first); returns η."""
+        sync, f = self.sync, self.sync.book[p]
+        n, contribs = f.next_round, []
+        for i, lid in enumerate("ab"):
+            g = torch.Generator().manual_seed(seed * 10 + i)
+            ann = Announcement(learner_id=lid, fragment=p, round_n=n, base_version=f.version, c_steps=4,
+                               c_tokens=256, compute_s=1.0, key=f"k/{lid}/{n}", nbytes=1, sha256="0" * 64,
+                               codec="fp32", update_id=f"u-{lid}-{p}-{n}")
+            contribs.append(Contribution(ann, {m: torch.randn(s, generator=g) * 1e-2 for m, s in f.shapes.items()}))
+        sync.book.begin_round(f, n)
+        lr = sync.book.set_outer_lr(f, sync.table.outer_schedule, sync.registry.tokens_processed())
+        res = merge_and_publish(sync.ctx.store, sync.ctx.run_id, f, n, contribs, sync.ctx.sc.merge)
+        assert res.ok, res.reason
+        sync.book.adopt(f, res, sync.ctx.sc.max_staleness)
+        sync.book.end_round(f)
+        return lr
 
 
-def _sync(store: ObjectStore, *overrides: str) -> Synchronizer:
-    cfg = load_config(None, [*TINY, "synchronizer.num_fragments=2", "budget.tokens=4000", *overrides])
-    return Synchronizer(cfg, store, "run1")
-
-
-def test_join_and_heartbeat_answers_carry_the_runs_tokens_merged():
-    sync = _sync(ObjectStore(f"memory://sched-{uuid.uuid4().hex}"))
+def test_join_and_heartbeat_answers_carry_the_runs_tokens():
+    run = _Run(ObjectStore(f"memory://sched-{uuid.uuid4().hex}"))
+    sync = run.sync
     try:
         sync.publish_initial()
-        assert sync._on_join(JoinRequest(learner_id="a", uptime_s=1.0)).tokens_merged == 0.0
-        _merge(sync, 0, "ab", 300, seed=1)  # 600 tokens merged into fragment 0
-        _merge(sync, 1, "a", 100, seed=2)
-        share0, share1 = sync.book[0].share, sync.book[1].share
-        expected = share0 * 600 + share1 * 100
-        assert sync._on_join(JoinRequest(learner_id="b", uptime_s=1.0)).tokens_merged == pytest.approx(expected)
-        reply = sync._on_heartbeat(Heartbeat(learner_id="a", step=8, tokens_total=400, uptime_s=2.0))
-        assert reply.tokens_merged == pytest.approx(expected)
-        assert sync.summary()["tokens_merged"] == pytest.approx(expected)
+        assert sync._on_join(JoinRequest(learner_id="a", uptime_s=1.0)).run_tokens == 0.0
+        sync._on_join(JoinRequest(learner_id="b", uptime_s=1.0))
+        for _ in range(3):
+            run.beat("a", 300)
+            reply = run.beat("b", 217)
+        assert sync.registry.tokens_processed() == 1551
+        assert reply.run_tokens == 1548  # rounded down to 0.1% of the 4000-token budget: steps of 4
+        assert sync._on_join(JoinRequest(learner_id="c", uptime_s=1.0)).run_tokens == 1548  # a late joiner
     finally:
         sync.close()
 
 
 class _Shard:
-    def __init__(self, i: int, merged: list[float]) -> None:
-        self.i, self.merged, self.down = i, merged, False
+    def __init__(self, i: int, told: list[float]) -> None:
+        self.i, self.told, self.down = i, told, False
 
     async def join(self, body: dict) -> dict:
         return {"shard": self.i, "shards": 2, "schema_hash": "s", "run_id": "r", "versions": [], "epoch": f"e{self.i}",
-                "start_step": 0, "tokens_merged": self.merged[self.i]}
+                "start_step": 0, "run_tokens": self.told[self.i]}
 
     async def heartbeat(self, body: dict) -> dict:
         if self.down:
             raise ConnectionError("shard down")
-        return {"open_rounds": [], "versions": [], "epoch": f"e{self.i}", "tokens_merged": self.merged[self.i]}
+        return {"open_rounds": [], "versions": [], "epoch": f"e{self.i}", "run_tokens": self.told[self.i]}
 
 
-def test_a_sharded_learner_hears_the_sum_of_its_shards_tokens_merged():
-    merged = [100.0, 40.0]
+def test_a_sharded_learner_takes_the_highest_run_tokens_of_its_shards():
+    """Every shard hears every heartbeat, so each counts the whole run; one that heard a
+    heartbeat fewer (or restarted from a checkpoint) lags, and the learner takes the highest."""
+    told = [100.0, 140.0]
     client = ShardedSyncClient(["http://a", "http://b"], None)
-    client.clients = [_Shard(0, merged), _Shard(1, merged)]
-    assert asyncio.run(client.join({}))["tokens_merged"] == 140.0
-    merged[:] = [300.0, 90.0]
-    assert asyncio.run(client.heartbeat({}))["tokens_merged"] == 390.0
-    client.clients[1].down, merged[0] = True, 500.0
-    assert asyncio.run(client.heartbeat({}))["tokens_merged"] == 590.0  # shard 1 as it last answered
+    client.clients = [_Shard(0, told), _Shard(1, told)]
+    assert asyncio.run(client.join({}))["run_tokens"] == 140.0
+    told[:] = [300.0, 290.0]
+    assert asyncio.run(client.heartbeat({}))["run_tokens"] == 300.0
+    client.clients[0].down, told[1] = True, 320.0
+    assert asyncio.run(client.heartbeat({}))["run_tokens"] == 320.0
+    told[1] = 200.0  # shard 1 restarted from an older checkpoint: shard 0 as it last answered is higher
+    assert asyncio.run(client.heartbeat({}))["run_tokens"] == 300.0
 
 
 # ------------------------------------------------------------------ the outer schedule resumes
 
 
 def test_a_resume_mid_schedule_gives_the_outer_lr_and_values_of_an_uninterrupted_run():
-    """Four merges of fragment 0 under the cosine outer schedule, against two, a checkpoint, a
-    resume in a new synchronizer, and two more: the same η at every step and the same values."""
+    """Four merges of fragment 0 under the cosine outer schedule, 1000 tokens processed before each,
+    against two, a checkpoint, a resume in a new synchronizer, and two more: the same η at every
+    step and the same values, bit for bit."""
+    schedule = ('synchronizer.outer_lr_schedule="cosine"', "synchronizer.outer_lr_final_fraction=0.0")
+
     def run(interrupt: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
         store = ObjectStore(f"memory://outer-{uuid.uuid4().hex}")
-        sync = _sync(store, 'synchronizer.outer_lr_schedule="cosine"', "synchronizer.outer_lr_final_fraction=0.0")
-        sync.publish_initial()
+        r = _Run(store, *schedule)
+        r.sync.publish_initial()
+        for lid in "ab":
+            r.sync._on_join(JoinRequest(learner_id=lid, uptime_s=1.0))
         lrs = []
         for k in range(4):
             if interrupt and k == 2:  # a checkpoint, the process gone, a new one resumed from it
-                tensors, manifest = persistence.checkpoint_payload(sync.ctx, book=sync.book, table=sync.table,
-                                                                   registry=sync.registry, report=sync.report)
+                s = r.sync
+                tensors, manifest = persistence.checkpoint_payload(s.ctx, book=s.book, table=s.table,
+                                                                   registry=s.registry, report=s.report)
                 write_checkpoint(store, "run1", 1, tensors, manifest)
-                sync.close()
-                sync = _sync(store, 'synchronizer.outer_lr_schedule="cosine"',
-                             "synchronizer.outer_lr_final_fraction=0.0")
-                sync.restore(latest_checkpoint(store, "run1"))
-            lrs.append(_merge(sync, 0, "ab", 500, seed=k))
-        values = {n: t.clone() for n, t in sync.book[0].current.items()}
-        sync.close()
+                s.close()
+                tokens, now = r.tokens, r.now[0]
+                r = _Run(store, *schedule)
+                r.tokens, r.now[0] = tokens, now
+                r.sync.restore(latest_checkpoint(store, "run1"))
+            r.beat("a", 500)
+            r.beat("b", 500)
+            lrs.append(r.merge(0, seed=k))
+        values = {n: t.clone() for n, t in r.sync.book[0].current.items()}
+        r.sync.close()
         return lrs, values
 
     straight, straight_values = run(False)
     resumed, resumed_values = run(True)
-    # 1000 tokens per merge of a 4000-token budget: progress 0.25, 0.5, 0.75, 1 (this round's included)
-    assert straight == pytest.approx([0.7 * (1 + math.cos(math.pi * k / 4)) / 2 for k in (1, 2, 3, 4)][:3] +
-                                     [0.7 * 1e-6])
+    # progress 0.25, 0.5, 0.75 and 1 of the 4000-token budget at the four merges
+    assert straight == pytest.approx([0.7 * (1 + math.cos(math.pi * k / 4)) / 2 for k in (1, 2, 3)] + [0.7e-6])
     assert resumed == straight
     assert all(torch.equal(resumed_values[n], straight_values[n]) for n in straight_values)
