@@ -130,12 +130,12 @@ bench-hf: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
 
 ## bench-paper: the paper's ablations (configs/ablations/*.toml except ci.toml: merge, heterogeneity,
-##              precision, fragmentation, adoption, outer-optimizer), 3 seeds per arm, each (arm, seed) a
+##              precision, fragmentation, adoption, outer-optimizer; and schedules), 3 seeds per arm, each (arm, seed) a
 ##              real run; a table per suite (paper, our mean ± 95% interval, paired difference, verdict),
 ##              then every suite's table from $(ABLATE_DIR)/<suite>/report.md. Resumable: finished runs
 ##              are kept there and not re-run. About 60-90 minutes on 2 cores; exit 1 if a suite failed.
 ABLATE_DIR ?= .local/ablate
-ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer
+ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer schedules
 bench-paper: data
 	@failed=""; for s in $(ABLATE_SUITES); do \
 	  $(VENV)/bin/diloco-async ablate --suite configs/ablations/$$s.toml --out $(ABLATE_DIR)/$$s || failed="$$failed $$s"; \

@@ -1,4 +1,6 @@
-"""Learning-rate schedules over the run's global progress (issue 44 item 5; DESIGN §3.9, §4.5d). Pure: no I/O.
+"""Learning-rate schedules over the run's global progress (issue 44 item 5). Pure: no I/O.
+
+DESIGN §3 "The inner learning rate follows the run" and §4.5d.
 
 The progress variable is the run's, not a process's: ``p = run tokens / budget.tokens``, clamped
 to [0, 1], where the run tokens are the tokens processed by all learners as the synchronizer counts
