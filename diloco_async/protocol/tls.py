@@ -166,8 +166,9 @@ def check_client_files(cert_path: str | os.PathLike, key_path: str | os.PathLike
             uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
         except x509.ExtensionNotFound:
             uris = []
-        if learner_uri(learner_id) not in uris:
-            raise ValueError(f"certificate {cert_path} names {uris or 'no diloco:// URI'}, not "
+        named = [u for u in uris if u.startswith("diloco://")]  # exactly one, as peer_identity reads it
+        if named != [learner_uri(learner_id)]:
+            raise ValueError(f"certificate {cert_path} names {named or 'no diloco:// URI'}, not only "
                              f"{learner_uri(learner_id)}: the synchronizer would refuse it")
 
 

@@ -120,7 +120,7 @@ def test_a_learners_certificate_must_name_it(certs, tmp_path):
     paths, _ = certs
     crt, key = paths["client_certs"] / "learner-0.crt", paths["client_certs"] / "learner-0.key"
     check_client_files(crt, key, NOW, "learner-0")
-    with pytest.raises(ValueError, match="names \\['diloco://learner/learner-0'\\], not diloco://learner/learner-1"):
+    with pytest.raises(ValueError, match="names \\['diloco://learner/learner-0'\\], not only diloco://learner/learner-1"):
         check_client_files(crt, key, NOW, "learner-1")
     env = {CA_ENV: str(paths["ca"]), CERT_ENV: str(crt), KEY_ENV: str(key)}
     check_tls_env("learner-0", "https://127.0.0.1:1", env, NOW)
@@ -189,3 +189,15 @@ def test_the_certs_command_writes_a_run_ca_server_and_client_certificates(tmp_pa
 def test_issue_refuses_unknown_roles():
     with pytest.raises(ValueError, match="role must be"):
         issue(None, None, "x", ["x"], NOW, NOW, "admin")
+
+
+def test_validate_checks_the_tls_files_as_train_does(tmp_path, capsys):
+    paths = make_run_certificates(tmp_path / "run", ["127.0.0.1"], [])  # valid now: validate reads the clock
+    other = make_run_certificates(tmp_path / "other", ["127.0.0.1"], [])
+    assert cli_main(["validate", "default", "--set", "network.mode='tls'"]) == 2
+    out = capsys.readouterr().out
+    assert "FAIL network" in out and "needs the synchronizer's certificate and key" in out, out
+    sets = [f"network.{k}='{v}'" for k, v in (("server_cert", paths["server_cert"]), ("server_key", paths["server_key"]),
+                                              ("ca", other["ca"]))]
+    assert cli_main(["validate", "default", "--set", "network.mode='tls'", *sum((["--set", s] for s in sets), [])]) == 2
+    assert f"CA bundle {other['ca']} does not verify" in capsys.readouterr().out
