@@ -197,7 +197,7 @@ def test_validate_checks_the_tls_files_as_train_does(tmp_path, capsys):
     assert cli_main(["validate", "default", "--set", "network.mode='tls'"]) == 2
     out = capsys.readouterr().out
     assert "FAIL network" in out and "needs the synchronizer's certificate and key" in out, out
-    sets = [f"network.{k}='{v}'" for k, v in (("server_cert", paths["server_cert"]), ("server_key", paths["server_key"]),
-                                              ("ca", other["ca"]))]
-    assert cli_main(["validate", "default", "--set", "network.mode='tls'", *sum((["--set", s] for s in sets), [])]) == 2
+    files = {"server_cert": paths["server_cert"], "server_key": paths["server_key"], "ca": other["ca"]}
+    sets = [arg for k, v in files.items() for arg in ("--set", f"network.{k}='{v}'")]
+    assert cli_main(["validate", "default", "--set", "network.mode='tls'", *sets]) == 2
     assert f"CA bundle {other['ca']} does not verify" in capsys.readouterr().out
