@@ -168,8 +168,8 @@ def check_client_files(cert_path: str | os.PathLike, key_path: str | os.PathLike
             uris = []
         named = [u for u in uris if u.startswith("diloco://")]  # exactly one, as peer_identity reads it
         if named != [learner_uri(learner_id)]:
-            raise ValueError(f"certificate {cert_path} names {named or 'no diloco:// URI'}, not only "
-                             f"{learner_uri(learner_id)}: the synchronizer would refuse it")
+            raise ValueError(f"certificate {cert_path} names {named!r} instead of only {learner_uri(learner_id)!r} "
+                             "(SAN URI): the synchronizer would refuse it")
 
 
 def server_context(cert_path: str, key_path: str, client_ca: str | None = None) -> ssl.SSLContext:

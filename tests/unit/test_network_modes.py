@@ -120,7 +120,7 @@ def test_a_learners_certificate_must_name_it(certs, tmp_path):
     paths, _ = certs
     crt, key = paths["client_certs"] / "learner-0.crt", paths["client_certs"] / "learner-0.key"
     check_client_files(crt, key, NOW, "learner-0")
-    with pytest.raises(ValueError, match="names \\['diloco://learner/learner-0'\\], not only diloco://learner/learner-1"):
+    with pytest.raises(ValueError, match="names \\['diloco://learner/learner-0'\\] instead of only 'diloco://learner/learner-1'"):
         check_client_files(crt, key, NOW, "learner-1")
     env = {CA_ENV: str(paths["ca"]), CERT_ENV: str(crt), KEY_ENV: str(key)}
     check_tls_env("learner-0", "https://127.0.0.1:1", env, NOW)
