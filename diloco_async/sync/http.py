@@ -22,6 +22,10 @@ received within ``synchronizer.request_body_timeout_s`` gets 408 (``body_timeout
 same way); a connection that sends no complete request within ``synchronizer.idle_timeout_s`` is
 closed. A join beyond ``synchronizer.max_learners`` gets 403 with reason ``learner_cap``.
 
+With mutual TLS (``network.client_ca``, docs/network-modes.md) a learner's route also needs the
+connection's verified certificate to name that learner (``diloco://learner/<id>``; else 401
+``no_client_certificate`` or 403 ``certificate_identity``), an admin route the operator's.
+
 A body or query that does not validate (not UTF-8, not JSON, nested too deep, an integer of more
 than 4300 digits, not an object, a field out of its bounds — see :mod:`diloco_async.protocol.messages`)
 gets 400 with ``{"error": "bad_request: ...", "reason": ...}`` naming the field, counted under
