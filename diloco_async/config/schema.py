@@ -16,16 +16,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from diloco_async.config import schedules
 from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
-from diloco_async.config.schedules import (
-    InnerScheduleFields,
-    OuterScheduleFields,
-    check_schedules,
-    drop_default_schedule_fields,
-)
+from diloco_async.config.network import NetworkConfig
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.runtime.devices import LearnerDeviceFields
 
@@ -38,6 +34,7 @@ __all__ = [
     "BudgetConfig",
     "TrackingConfig",
     "FaultsConfig",
+    "NetworkConfig",
     "Config",
     "load_config",
     "apply_overrides",
@@ -105,9 +102,8 @@ class RunConfig(_Section):
         return self
 
 
-class LearnerConfig(_Section, LearnerDeviceFields, InnerScheduleFields):
-    """The learners; device, precision, batch size and process-group keys in :class:`LearnerDeviceFields`,
-    the learning-rate schedule and gradient accumulation in :class:`InnerScheduleFields`."""
+class LearnerConfig(_Section, LearnerDeviceFields, schedules.InnerScheduleFields):
+    """The learners; devices, batch and process group: :class:`LearnerDeviceFields`; lr schedule: ``schedules``."""
 
     count: int = Field(4, ge=1, description="M, the number of learner processes.")
     lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
@@ -157,9 +153,8 @@ class LearnerConfig(_Section, LearnerDeviceFields, InnerScheduleFields):
         return data
 
 
-class SynchronizerConfig(_Section, OuterScheduleFields):
-    """The synchronizer; the outer learning-rate schedule's keys in :class:`OuterScheduleFields`."""
-
+class SynchronizerConfig(_Section, schedules.OuterScheduleFields):
+    """The synchronizer; the outer learning-rate schedule's keys in ``schedules.OuterScheduleFields``."""
     host: str = Field("127.0.0.1", description="Address the synchronizer listens on (0.0.0.0: every interface).")
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
     num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
@@ -288,6 +283,7 @@ class Config(_Section):
     guard: GuardConfig = GuardConfig()
     tracking: TrackingConfig = TrackingConfig()
     faults: FaultsConfig = FaultsConfig()
+    network: NetworkConfig = NetworkConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -301,7 +297,8 @@ class Config(_Section):
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
             raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
                              f"(lease_ttl_s={sc.lease_ttl_s})")
-        check_schedules(self)
+        schedules.check_schedules(self)
+        self.network.check_learners(self.learners.count)
         return self
 
     def public_dict(self) -> dict:
@@ -397,7 +394,7 @@ def _training_dict(d: dict) -> dict:
         d.pop(key, None)
     if d.get("synchronizer", {}).get("shards") == 1:  # S = 1 hashes as before shards existed (old runs resume)
         del d["synchronizer"]["shards"]
-    drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
+    schedules.drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")
@@ -425,6 +422,7 @@ _OPERATIONAL = {
                      "verifies_in_flight"),
     "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
                "storage_fault_learners", "poison", "nice_after_ready"),
+    "network": tuple(NetworkConfig.model_fields),  # how learners reach the synchronizer, never what they compute
 }
 
 
