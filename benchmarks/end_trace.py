@@ -9,9 +9,12 @@ tokens and staleness (versions published after their base), the norm of the publ
 ``‖Θ_v - Θ_{v-1}‖`` and the held-out loss of the whole model just after it (nats/token).
 
 For the last merge of every fragment the final checkpoint's momentum ``b`` splits the last outer
-step (Nesterov, DESIGN §4.5: ``Θ_v = Θ_{v-1} - η(g + μb)``) into its gradient part ``η‖g‖`` and
-its momentum part ``ημ‖b‖``, and two counterfactual final models are evaluated: without the last
-merge of every fragment, and with it as a plain SGD step ``Θ_{v-1} - ηg``.
+step (Nesterov, DESIGN §4.5: ``Θ_v = Θ_{v-1} - η(g + λμb)``, λ = ``synchronizer.drain_lookahead``
+for a drain's last round, 1 before issue 44's fix) into its gradient part ``η‖g‖`` and its
+momentum part ``ημ‖b‖``, and two counterfactual final models are evaluated: without the last
+merge of every fragment, and with it as a plain SGD step ``Θ_{v-1} - ηg``. The split assumes that
+every fragment's last merge was a drain's last round (true unless a round was in flight when the
+drain began).
 """
 
 from __future__ import annotations
@@ -70,11 +73,12 @@ def _last_steps(cfg: Config, store, run_id: str, plan: FragmentPlan, ckpt: Check
     """The last outer step of every fragment split into η‖g‖ and ημ‖b‖, and the counterfactual
     final models (without those steps; with them as plain SGD steps)."""
     eta, mu = cfg.synchronizer.outer_lr, cfg.synchronizer.outer_momentum
+    lam = getattr(cfg.synchronizer, "drain_lookahead", 1.0)  # 1: the full Nesterov step (before the field)
     prev_all, sgd_all, final_all, parts = {}, {}, {}, {}
     for p, v in final.items():
         cur, prev = _version(store, run_id, plan, p, v), _version(store, run_id, plan, p, v - 1)
         b = {n: ckpt.tensors[tensor_key(p, "momentum", n)] for n in cur}
-        g = {n: (prev[n] - cur[n]) / eta - mu * b[n] for n in cur}
+        g = {n: (prev[n] - cur[n]) / eta - lam * mu * b[n] for n in cur}
         parts[p] = {"version": v, "eta_g": eta * _norm(g), "eta_mu_b": eta * mu * _norm(b),
                     "step": _norm({n: prev[n] - cur[n] for n in cur})}
         prev_all.update(prev)
