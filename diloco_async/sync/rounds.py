@@ -266,6 +266,8 @@ class RoundTable:
                 continue
             if st.stage is RoundStage.GRACE:
                 why = st.should_merge(now, live_ids)
+                if why is None and rnd.drain_until_s is not None and self.life.stopped:  # nobody contributes now
+                    why = "stopped during the drain"
                 if why is not None:
                     st.start_merge()
                     quorum_wait = (st.quorum_s or now) - st.opened_s

@@ -162,6 +162,25 @@ async def test_a_drains_last_round_waits_for_every_learner_and_takes_no_lookahea
             torch.testing.assert_close(t.double(), want, rtol=1e-5, atol=1e-6)
 
 
+async def test_a_second_stop_during_the_drain_merges_the_last_round_at_once():
+    """A second stop while draining stops at once (the learners are told to stop and contribute no
+    more): the last round merges what it has without waiting for the drain's end (the fake clock
+    never moves here)."""
+    clock = FakeClock()
+    async with running(config(), clock) as (sync, client, store):
+        for lid in LEARNERS:
+            r = await client.post("/join", json={"learner_id": lid}, headers=AUTH)
+        plan = FragmentPlan.from_json((await r.json())["plan"])
+        await heartbeats(client, 2)
+        await asyncio.wait_for(sync.request("stop", "budget spent"), 30)
+        await await_until(lambda: _open(client, 1), 30, "the drain's last round to open")
+        await announce(client, store, "a", 1, 0, deltas(plan, 3)[0])
+        await in_grace(client, 1)
+        await asyncio.wait_for(sync.request("stop", "Ctrl-C again"), 30)
+        st = await wait_version(client, 1)
+        assert st["contributions_merged"] == 1 and st["phase"] != "draining"
+
+
 async def _open(client, n: int) -> dict | None:
     rnd = round_of(await status(client), n)
     return rnd if rnd is not None and rnd["stage"] in ("open", "grace") else None
