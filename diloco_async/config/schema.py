@@ -232,6 +232,9 @@ class SynchronizerConfig(_Section, schedules.OuterScheduleFields):
         10.0, ge=0, description="On a stop, first open a last round of every fragment so the learners' progress "
         "since their last contribution is merged; wait at most this long for those rounds (0: stop at once)."
     )
+    drain_lookahead: float = Field(
+        0.0, ge=0, le=1, description="Share of the Nesterov look-ahead (eta*mu*b) a drain's last round of a fragment "
+        "applies: 0 takes it as the plain step -eta*g, 1 as the full step of any round (docs/end-of-run.md).")
     lease_ttl_s: float = Field(30.0, gt=0, description="A run's lease not renewed this long may be taken over "
                                "by another synchronizer (docs/resume-and-fencing.md).")
     lease_renew_s: float = Field(5.0, gt=0, description="Renewal period of the lease; below lease_ttl_s / 2.")
@@ -418,6 +421,7 @@ _OPERATIONAL = {
                  "restart_delay_s", "max_restarts"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "read_lease_versions", "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s",
+                     "drain_lookahead",
                      "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
                      "verifies_in_flight"),
     "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",

@@ -138,14 +138,17 @@ class RoundTable:
         for p, n in decision.open_now:
             self.open_round(self.book[p], n, now)
 
-    def open_last_rounds(self, now: float) -> list[str]:
-        """A last round of every fragment that has none in flight (the drain before a stop)."""
+    def open_last_rounds(self, now: float, until_s: float) -> list[str]:
+        """A last round of every fragment that has none in flight (the drain before a stop). Each
+        waits for every live learner until ``until_s`` (the drain's end), not a grace window, and
+        takes ``synchronizer.drain_lookahead`` of the momentum look-ahead (docs/end-of-run.md)."""
         self.waiting.clear()
         opened = []
         for f in self.book:
             if not f.busy:
                 opened.append(f"p{f.p} r{f.next_round}")
                 self.open_round(f, f.next_round, now)
+                self.rounds[(f.p, f.next_round - 1)].drain_until_s = until_s
         return opened
 
     # -- contributions ------------------------------------------------------------------------
@@ -265,6 +268,8 @@ class RoundTable:
                 continue
             if st.stage is RoundStage.GRACE:
                 why = st.should_merge(now, live_ids)
+                if why is None and rnd.drain_until_s is not None and self.life.stopped:  # nobody contributes now
+                    why = "stopped during the drain"
                 if why is not None:
                     st.start_merge()
                     quorum_wait = (st.quorum_s or now) - st.opened_s
@@ -279,7 +284,9 @@ class RoundTable:
         p, n = st.fragment, st.round_n
         if st.quorum_met():
             quorum_wait = now - st.opened_s
-            if self.sc.grace_enabled:
+            if rnd.drain_until_s is not None:  # the run's last merge of p: every learner's progress, not a quorum's
+                decision = GraceDecision(max(0.0, rnd.drain_until_s - now), "a drain's last round")
+            elif self.sc.grace_enabled:
                 decision = grace_window(
                     step_time_s=self.registry.slowest_step_s(), quorum_wait_s=quorum_wait,
                     sync_time_s=self.book[p].sync_ema.value, tau=self.sc.max_open_rounds,
@@ -344,9 +351,11 @@ class RoundTable:
             async with self.merge_slots:
                 directions = self.guard.direction_check(f.p)
                 self.book.set_outer_lr(f, self.outer_schedule, self.registry.tokens_processed())
+                lookahead = 1.0 if rnd.drain_until_s is None else self.sc.drain_lookahead
                 result = await asyncio.to_thread(work.merge_and_publish, self.ctx.store, self.ctx.run_id, f, n,
                                                  contribs, self.sc.merge, directions=directions,
-                                                 publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download))
+                                                 publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download,
+                                                                              lookahead))
             result.quorum_wait_s = quorum_wait_s
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)

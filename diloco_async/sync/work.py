@@ -201,10 +201,13 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
 @dataclass(frozen=True)
 class PublishSettings:
     """How a merged value is published: under the lease epoch ``lease_epoch`` (fencing, 0: none)
-    and, for compressed downloads, as ``download`` = (codec, mode, block size) (``synchronizer.download``)."""
+    and, for compressed downloads, as ``download`` = (codec, mode, block size) (``synchronizer.download``);
+    with ``lookahead`` < 1 (a drain's last round) after taking back ``1 - lookahead`` of the step's
+    momentum look-ahead (``OuterOptimizer.take_back_lookahead``; docs/end-of-run.md)."""
 
     lease_epoch: int = 0
     download: tuple[str, str, int] = ("fp32", "delta", 64)
+    lookahead: float = 1.0
 
 
 def _screen(f: FragmentState, contribs: list[Contribution], directions: DirectionCheck = NO_DIRECTION_CHECK,
@@ -389,6 +392,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         if new is None:
             return Merged(p, n, False, first, dropped=dropped)
         dropped.append((left_out, f"the round merges without it ({first})"))
+    if publish.lookahead < 1.0:
+        new = f.optimizer.take_back_lookahead(1.0 - publish.lookahead)
     try:
         version, ref, published, compact = _publish(store, run_id, f, new, n, publish)
     except Exception as err:
