@@ -20,6 +20,7 @@ from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
+from diloco_async.config.parallelism import check_parallelism
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.runtime.devices import LearnerDeviceFields
 
@@ -292,6 +293,7 @@ class Config(_Section):
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
             raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
                              f"(lease_ttl_s={sc.lease_ttl_s})")
+        check_parallelism(self)
         return self
 
     def public_dict(self) -> dict:
