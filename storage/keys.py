@@ -105,7 +105,7 @@ def contribution_key(run_id: str, fragment: int, round_n: int, learner: str, non
 def contribution_shard_key(run_id: str, fragment: int, round_n: int, learner: str, nonce: str, rank: int,
                            world: int) -> str:
     """Where rank ``rank`` of a sharded learner group of ``world`` ranks puts its shard of the
-    group's contribution ``nonce`` (DESIGN §3.10): ``{learner}-{nonce}.rank{r:03d}of{N:03d}.safetensors``
+    group's contribution ``nonce`` (DESIGN §3.1): ``{learner}-{nonce}.rank{r:03d}of{N:03d}.safetensors``
     beside the whole contributions of the round.
 
     Raises:

@@ -1,4 +1,4 @@
-"""Ranged reads of an object, checked piece by piece against its digest (DESIGN §3.10, §5).
+"""Ranged reads of an object, checked piece by piece against its digest (DESIGN §3.1, §5).
 
 An object's digest (:mod:`storage.digest`) is the sha256 of the sha256 of each of its pieces of
 :data:`~storage.digest.PIECE_NBYTES` (one piece: that piece's plain sha256). A reader that wants

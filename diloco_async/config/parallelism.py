@@ -1,5 +1,5 @@
 """What a learner group sharded with FSDP2 (``learners.parallelism = "fsdp"``) supports yet, checked
-before anything starts (DESIGN §3.10).
+before anything starts (DESIGN §3.1).
 
 A sharded group takes its outer gradients, adopts versions and keeps its base copies shard by
 shard (``diloco_async/learner/fsdp_outer.py``). The features below read or write whole fragments

@@ -1,4 +1,4 @@
-"""A learner group's model sharded with FSDP2 (``learners.parallelism = "fsdp"``; DESIGN §3.10).
+"""A learner group's model sharded with FSDP2 (``learners.parallelism = "fsdp"``; DESIGN §3.1).
 
 :func:`shard_workload` applies torch's ``fully_shard`` to each transformer block, then to the
 root, and builds the inner optimizer again over the sharded parameters (AdamW's moments are then

@@ -1,4 +1,4 @@
-"""The outer loop of a learner group sharded with FSDP2, shard by shard (DESIGN §3.10).
+"""The outer loop of a learner group sharded with FSDP2, shard by shard (DESIGN §3.1).
 
 No rank holds a whole fragment. Each rank keeps Θ^base of its own rows of every parameter
 (:attr:`ShardedOuter.base`, fp32 on the host), and at the step boundaries rank 0 decides:
@@ -35,8 +35,7 @@ from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.messages import VersionInfo
 from storage import keys
 from storage.pieces import PieceReader, check_pieces, merge_piece_digests
-from storage.refs import IntegrityError, ObjectRef
-from storage.store import ObjectStore
+from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["ContributionOrder", "ShardedUpload", "ShardedOuter", "read_own_rows", "shard_payload"]
 

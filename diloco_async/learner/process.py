@@ -197,7 +197,7 @@ class Learner:
                          group=self.group)
 
     def _start_sharded(self, cfg: Config, jr: JoinResponse, workload: Workload, plan: FragmentPlan) -> InnerLoop:
-        """A sharded group's start (``parallelism = "fsdp"``, DESIGN §3.10): rank 0's step on every
+        """A sharded group's start (``parallelism = "fsdp"``, DESIGN §3.1): rank 0's step on every
         rank, the model sharded, and every rank's rows of the versions named at join (or newer ones
         told since) read and adopted. The comms thread then only tells of new versions: the ranks
         read their rows at the step boundary where rank 0 adopts them."""

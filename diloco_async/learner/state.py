@@ -61,7 +61,7 @@ class UploadJob:
     encoded: dict[str, torch.Tensor] | None = None
     delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
     codec: str | None = None  # its wire codec (a link-bound step-down); None: the uploads' (learners.codec)
-    shards: list[ObjectRef] | None = None  # a sharded group's shard objects, by rank, already put (DESIGN §3.10)
+    shards: list[ObjectRef] | None = None  # a sharded group's shard objects, by rank, already put (DESIGN §3.1)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def synchronizer_backoff() -> Backoff:
 
 
 def sharded_ref(shards: list[ObjectRef]) -> ObjectRef:
-    """What a sharded group's announcement names as its object (DESIGN §3.10): shard 0's key, the
+    """What a sharded group's announcement names as its object (DESIGN §3.1): shard 0's key, the
     shards' total size and :func:`~diloco_async.protocol.messages.shard_list_digest` of the list."""
     listed = [ShardObject(key=r.key, nbytes=r.nbytes, sha256=r.sha256) for r in shards]
     return ObjectRef(shards[0].key, sum(r.nbytes for r in shards), shard_list_digest(listed))

@@ -160,7 +160,7 @@ class HeartbeatResponse(_Msg):
 
 
 class ShardObject(_Msg):
-    """One rank's shard of a sharded learner group's contribution: an object of its own (DESIGN §3.10)."""
+    """One rank's shard of a sharded learner group's contribution: an object of its own (DESIGN §3.1)."""
 
     key: Key
     nbytes: Count
@@ -169,13 +169,13 @@ class ShardObject(_Msg):
 
 def shard_list_digest(shards: list[ShardObject]) -> str:
     """The ``sha256`` an announcement of the shard objects ``shards`` carries: the sha256 of one
-    line ``key nbytes sha256`` per shard, in rank order (DESIGN §3.10)."""
+    line ``key nbytes sha256`` per shard, in rank order (DESIGN §3.1)."""
     lines = "".join(f"{s.key} {s.nbytes} {s.sha256}\n" for s in shards)
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
 class Announcement(_Msg):
-    """A contribution uploaded and ready: DESIGN §3.4. A sharded learner group (DESIGN §3.10)
+    """A contribution uploaded and ready: DESIGN §3.4. A sharded learner group (DESIGN §3.1)
     names its N shard objects in ``shards`` (rank order); ``key`` is then shard 0's, ``nbytes``
     their total and ``sha256`` :func:`shard_list_digest` of the list."""
 

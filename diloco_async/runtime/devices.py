@@ -47,7 +47,7 @@ class LearnerDeviceFields(BaseModel):
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="How a learner group of several ranks holds the model: 'ddp' (every rank the whole model, "
         "DistributedDataParallel) or 'fsdp' (torch's fully_shard, FSDP2: each rank 1/N of the parameters, "
-        "gradients, AdamW moments and base copies, and of each outer gradient; DESIGN §3.10). fsdp needs "
+        "gradients, AdamW moments and base copies, and of each outer gradient; DESIGN §3.1). fsdp needs "
         "nproc_per_learner x nnodes >= 2.")
     nnodes: int = Field(1, ge=1, description="Nodes of each learner's torchrun group (multi-node needs rdzv_endpoint).")
     rdzv_endpoint: str = Field("", description="host:port of the c10d rendezvous of a multi-node learner group.")

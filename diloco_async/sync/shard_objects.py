@@ -1,4 +1,4 @@
-"""A sharded learner group's contribution, reassembled from its shard objects (DESIGN §3.10).
+"""A sharded learner group's contribution, reassembled from its shard objects (DESIGN §3.1).
 
 A learner group sharded with FSDP2 puts one object per rank for a contribution (each holds the
 rows of dim 0 that rank holds of every tensor of the fragment, named in its ``rows`` metadata)

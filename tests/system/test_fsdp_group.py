@@ -1,4 +1,4 @@
-"""Learner groups sharded with FSDP2 (``learners.parallelism = "fsdp"``, DESIGN §3.10).
+"""Learner groups sharded with FSDP2 (``learners.parallelism = "fsdp"``, DESIGN §3.1).
 
 * equivalence: a 2-rank FSDP2 group (torchrun, gloo) and a 2-rank DDP group of the same model,
   batch and data, started from the same published version, give the same outer gradient per

@@ -1,4 +1,4 @@
-"""The sharded data path of an FSDP2 learner group, without processes (DESIGN §3.10).
+"""The sharded data path of an FSDP2 learner group, without processes (DESIGN §3.1).
 
 * a rank reads only the pieces that hold its rows of a published version (ranged reads), and the
   piece digests of all ranks together check against the version's digest; a changed byte is caught;
@@ -19,8 +19,7 @@ from diloco_async.protocol.messages import ShardObject, shard_list_digest
 from diloco_async.sync.shard_objects import ShardError, fetch_shards
 from diloco_async.sync.work import put_version, rejection_reason
 from storage.pieces import check_pieces, merge_piece_digests
-from storage.refs import IntegrityError
-from storage.store import ObjectStore
+from storage.store import IntegrityError, ObjectStore
 
 SHAPES = {"a.weight": (4096, 1024), "b.bias": (3,), "c.weight": (5, 7)}  # 16 MiB and more: 5 pieces of 4 MiB
 
@@ -110,7 +109,8 @@ def test_a_missing_or_corrupt_shard_refuses_the_contribution_whole(tmp_path):
     with pytest.raises(ShardError) as err:
         fetch_shards(store, shards, shard_list_digest(shards), "fp32", SHAPES)
     assert err.value.reason == "missing_shard"
-    assert rejection_reason(err.value, shards[0].key, 60.0) == f"missing_shard: shard 1 of 2 ({shards[1].key}) is missing"
+    want = f"missing_shard: shard 1 of 2 ({shards[1].key}) is missing"
+    assert rejection_reason(err.value, shards[0].key, 60.0) == want  # the reason the round table counts
 
 
 def test_rows_that_do_not_tile_a_tensor_are_refused(tmp_path):
