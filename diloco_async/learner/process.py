@@ -206,6 +206,7 @@ class Learner:
         group.share_start(workload, jr.start_step)
         group.shard(workload, cfg, self.store, self.learner_id, plan)
         self.comms.defer_reads = True
+        self.comms.base_in_ram = True  # each rank's rows of Θ^base (ShardedOuter.base)
         versions = []
         for v in jr.versions:
             newer = self.shared.newest_versions.get(v.fragment)

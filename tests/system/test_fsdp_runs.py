@@ -137,8 +137,16 @@ def test_two_fsdp_learners_train_end_to_end_and_a_killed_rank_restarts_its_group
         ranks[0].send_signal(signal.SIGKILL)  # rank 0 of learner-1: the rank that speaks for its group
         wait_until(lambda: run.supervise() or run.supervisor.restarts, 90, "the group to be restarted")
         assert run.supervisor.restarts[0].index == 1 and run.supervisor.restarts[0].incarnation == 1
-        wait_until(lambda: versions() >= at_kill + 2, 600, "merges to go on after the restart", interval_s=0.5)
+        assert versions() >= at_kill
+
+        def rejoined() -> bool:  # the new incarnation's group joined and trains (learner-0 merged on meanwhile)
+            run.supervise()
+            me = fetch_status(url)["learners"]["learner-1"]
+            return me["incarnation"] == 1 and me["live"] and me["step"] > 0
+        wait_until(rejoined, 300, "learner-1's restarted group to rejoin and train", interval_s=0.5)
         assert sorted(ranks_of(run.learners["learner-1"])) == [0, 1]
+        at_rejoin = versions()
+        wait_until(lambda: versions() >= at_rejoin + 2, 600, "merges to go on after the restart", interval_s=0.5)
         points = call_blocking(url, run.token, "metrics", 0)["metrics"]
     finally:
         if run.sync is not None:
