@@ -6,7 +6,8 @@
   counted in ``/status``, and the round merges the good one;
 * a run of 2 learners x 2 FSDP2 ranks (torchrun, gloo) through ``RunProcesses``: every
   contribution travels as one shard object per rank, versions are published, the learners'
-  loss falls; SIGKILL of rank 0 of one learner restarts that learner's group and merges go on.
+  loss falls; SIGKILL of rank 0 of one learner and, separately, of rank 1 of the other restarts
+  each group as the learner's next incarnation, which rejoins, and merges go on.
 """
 
 from __future__ import annotations
@@ -147,6 +148,17 @@ def test_two_fsdp_learners_train_end_to_end_and_a_killed_rank_restarts_its_group
         assert sorted(ranks_of(run.learners["learner-1"])) == [0, 1]
         at_rejoin = versions()
         wait_until(lambda: versions() >= at_rejoin + 2, 600, "merges to go on after the restart", interval_s=0.5)
+        others = wait_until(lambda: ranks_of(handles[0]) if len(ranks_of(handles[0])) == 2 else None, 30, "ranks")
+        others[1].send_signal(signal.SIGKILL)  # rank 1 of learner-0, separately: a rank that only trains
+
+        def second_rejoined() -> bool:
+            run.supervise()
+            me = fetch_status(url)["learners"]["learner-0"]
+            return me["incarnation"] == 1 and me["live"] and me["step"] > 0
+        wait_until(second_rejoined, 300, "learner-0's restarted group to rejoin and train", interval_s=0.5)
+        assert [(r.index, r.incarnation) for r in run.supervisor.restarts] == [(1, 1), (0, 1)]
+        at_second = versions()
+        wait_until(lambda: versions() >= at_second + 2, 600, "merges after the second restart", interval_s=0.5)
         points = call_blocking(url, run.token, "metrics", 0)["metrics"]
     finally:
         if run.sync is not None:
