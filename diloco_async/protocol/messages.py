@@ -194,6 +194,11 @@ class Announcement(_Msg):
     shards: list[ShardObject] | None = Field(None, min_length=1, max_length=SHARDS_MAX,
                                              description="The shard objects of a sharded group, by rank.")
 
+    def object_keys(self) -> list[str]:
+        """Every key this announcement names: ``key`` and each shard object's (each must lie under
+        the announcing learner's own contribution prefix, DESIGN §10)."""
+        return [self.key, *(s.key for s in self.shards or ())]
+
 
 class AnnouncementAck(_Msg):
     status: Literal["accepted", "duplicate", "late", "rejected"]

@@ -3,7 +3,8 @@
 * a synchronizer process, scripted learners over HTTP and a ``file://`` store: a contribution
   announced as two shard objects is reassembled and merged; one whose shard object was deleted,
   or corrupted, before the merge is refused with its reason (``missing_shard``, ``shard_digest``),
-  counted in ``/status``, and the round merges the good one;
+  counted in ``/status``, and the round merges the good one; a shard object under another
+  learner's prefix is refused at the edge (403);
 * a run of 2 learners x 2 FSDP2 ranks (torchrun, gloo) through ``RunProcesses``: every
   contribution travels as one shard object per rank, versions are published, the learners'
   loss falls; SIGKILL of rank 0 of one learner and, separately, of rank 1 of the other restarts
@@ -17,6 +18,7 @@ import os
 import signal
 import uuid
 
+import pytest
 import torch
 from test_integration import tiny_recipe
 from test_learner_groups import ranks_of
@@ -27,7 +29,7 @@ from diloco_async.learner.fsdp import local_rows
 from diloco_async.learner.fsdp_outer import shard_payload
 from diloco_async.learner.sharded_client import ShardedSyncClient
 from diloco_async.protocol.auth import learner_token
-from diloco_async.protocol.client import call_blocking, fetch_status
+from diloco_async.protocol.client import ProtocolError, call_blocking, fetch_status
 from diloco_async.protocol.messages import ShardObject, shard_list_digest
 from diloco_async.run import RunProcesses
 from storage import keys
@@ -72,6 +74,20 @@ async def contribute(url: str, store: ObjectStore, lid: str, spoil) -> dict:
             "shards": [s.model_dump() for s in shards]})
 
 
+async def announce_anothers_shard(url: str, victim_key: str) -> None:
+    """Learner ``thief`` announces a sharded contribution whose shard 1 is another learner's object."""
+    async with ShardedSyncClient([url], learner_token(TOKEN, RUN, "thief")) as client:
+        await client.join({"learner_id": "thief", "incarnation": 0})
+        own = keys.contribution_shard_key(RUN, 0, 2, "thief", "beef", 0, 2)
+        shards = [ShardObject(key=own, nbytes=1, sha256="0" * 64), ShardObject(key=victim_key, nbytes=1,
+                                                                             sha256="0" * 64)]
+        with pytest.raises(ProtocolError, match="not under its own contribution prefix"):
+            await client.announce({
+                "learner_id": "thief", "fragment": 0, "round_n": 2, "base_version": 1, "c_steps": 4,
+                "c_tokens": 128, "compute_s": 0.1, "key": own, "nbytes": 2, "sha256": shard_list_digest(shards),
+                "codec": "fp32", "update_id": "steal", "shards": [s.model_dump() for s in shards]})
+
+
 def test_a_contribution_with_a_missing_or_corrupt_shard_is_refused_and_counted(tmp_path):
     store_url = f"file://{tmp_path}/store"
     store = ObjectStore(store_url)
@@ -99,6 +115,9 @@ def test_a_contribution_with_a_missing_or_corrupt_shard_is_refused_and_counted(t
         assert ack["status"] == "accepted", ack
         wait_until(lambda: sync.status()["versions"] == {"0": 1}, 60, "the good sharded contribution's merge")
         assert sync.status()["rejected_by_reason"] == {"missing_shard": 1, "shard_digest": 1}
+        # a shard object under another learner's prefix is refused at the edge (403), as a whole key is
+        asyncio.run(announce_anothers_shard(sync.url, keys.contribution_shard_key(RUN, 0, 1, "good", "x", 1, 2)))
+        assert sync.status()["rejected_by_reason"].get("forbidden") == 1
     finally:
         sync.stop()
     log = open(sync.log.name).read()
