@@ -22,6 +22,7 @@ from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.network import NetworkConfig
+from diloco_async.config.parallelism import check_parallelism
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.runtime.devices import LearnerDeviceFields
 
@@ -302,6 +303,7 @@ class Config(_Section):
                              f"(lease_ttl_s={sc.lease_ttl_s})")
         schedules.check_schedules(self)
         self.network.check_learners(self.learners.count)
+        check_parallelism(self)
         return self
 
     def public_dict(self) -> dict:

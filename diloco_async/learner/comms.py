@@ -79,6 +79,7 @@ class Comms:
         self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
         self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
         self.pin_device: torch.device | None = None  # ... a CUDA device: those copies are pinned for it
+        self.defer_reads = False  # a sharded group (fsdp): versions are told, each rank reads its rows itself
         # Downloads (DESIGN §3.8, issue 47): one task per fragment at most, which reads the newest
         # version told (policy/catchup.py: the ones in between are skipped), in the download lane:
         # one version decoded at a time (one fragment's fp32 in flight), beside the uploads, which
@@ -130,6 +131,8 @@ class Comms:
             FileNotFoundError: the version was collected; storage.store.IntegrityError;
             ValueError: not an fp32 version of this fragment's tensors.
         """
+        if self.defer_reads:  # a sharded group: each rank reads its own rows at the step boundary
+            return {}
         t0 = time.monotonic()
         tensors, nbytes = self._fetch_compact(v), v.compact.nbytes if v.compact else 0
         if tensors is None:

@@ -13,6 +13,7 @@ import torch
 from diloco_async.inner.state import InnerState
 from diloco_async.learner.link import LinkMeter
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
+from storage.store import ObjectRef
 
 __all__ = ["LearnerSlot", "SyncEndpoint", "UploadJob", "SpooledState", "Stats", "Shared"]
 
@@ -60,6 +61,7 @@ class UploadJob:
     encoded: dict[str, torch.Tensor] | None = None
     delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
     codec: str | None = None  # its wire codec (a link-bound step-down); None: the uploads' (learners.codec)
+    shards: list[ObjectRef] | None = None  # a sharded group's shard objects, by rank, already put (DESIGN §3.1)
 
 
 @dataclass

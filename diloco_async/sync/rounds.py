@@ -37,7 +37,6 @@ from diloco_async.sync.guard import UpdateGuard
 from diloco_async.sync.logs import BoundedMap
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from storage import keys
-from storage.store import ObjectRef
 
 if TYPE_CHECKING:
     from diloco_async.sync.context import ActorContext
@@ -222,12 +221,11 @@ class RoundTable:
         return AnnouncementAck(status="rejected", reason=f"{reason}: {detail}")
 
     async def _verify(self, f: FragmentState, ann: Announcement) -> None:
-        ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
         delta, norms, norms32, reason = None, {}, {}, "ok"
         try:
             async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
                 delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
-                    work.fetch_and_verify, self.ctx.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    work.fetch_contribution, self.ctx.store, ann, f.shapes, wire.DEFAULT_BLOCK_SIZE),
                     timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = work.rejection_reason(err, ann.key, self.sc.storage_timeout_s)
