@@ -45,7 +45,9 @@ def _check_config(path: str | None, overrides: list[str]) -> str | None:
     try:
         resolved = str(resolve_recipe(path or "default"))
         if (cfg := load_config(resolved, overrides)).data.source == "urls":
-            resolve_sources(cfg.data)  # a URL matching no file, or only empty ones, is refused here
+            local = [u for u in cfg.data.urls if not u.startswith("hf://")]  # Hub data: the flow fetches it
+            if local:
+                resolve_sources(cfg.data.model_copy(update={"urls": local}))  # a URL matching no file is refused
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
