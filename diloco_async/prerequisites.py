@@ -140,7 +140,8 @@ def build_base(cfg: Config, say: Callable[[str], None] = log.info) -> Path:
     hf, folder = cfg.model.hf, Path(str(cfg.model.hf.pretrained).removeprefix("file://")).expanduser()
     spec = hf.pretrain
     if spec is None:
-        raise ValueError(f"model.hf.pretrained={hf.pretrained!r}: no such folder, and no [model.hf.pretrain] to build it")
+        raise ValueError(f"model.hf.pretrained={hf.pretrained!r}: no such folder, and no [model.hf.pretrain] "
+                         "to build it")
     data = cfg.data.model_copy(update={"tokenizer": spec.tokenizer})
     corpus = open_corpus(data, cfg.model.context, model_vocab=cfg.model.vocab_size)
     arch = ModelConfig(kind="hf", vocab_size=cfg.model.vocab_size, context=cfg.model.context,

@@ -113,7 +113,8 @@ def _download(args: argparse.Namespace) -> str:
         why = (f"{what} is not cached in {args.cache_dir} and the Hub was not reached "
                f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}): {str(err).splitlines()[0]}")
     except (HfHubHTTPError, OSError) as err:
-        why = f"{what} could not be downloaded from {constants.ENDPOINT}: {type(err).__name__}: {str(err).splitlines()[0]}"
+        first = str(err).splitlines()[0] if str(err) else ""
+        why = f"{what} could not be downloaded from {constants.ENDPOINT}: {type(err).__name__}: {first}"
     print(f"error: {why}", file=sys.stderr)
     raise SystemExit(2)
 
