@@ -155,7 +155,7 @@ def build_base(cfg: Config, say: Callable[[str], None] = log.info) -> Path:
         loss = model.loss(x, y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 25 == 0 or step == spec.steps:
             say(f"pre-training the base {folder}: step {step}/{spec.steps}, loss {losses[-1]:.3f}, "
                 f"{time.monotonic() - t0:.0f} s")

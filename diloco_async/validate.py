@@ -33,7 +33,11 @@ from typing import Any
 from diloco_async.config.schema import Config, load_config
 
 __all__ = ["Check", "validate_recipe", "resolve_recipe", "recipe_field", "list_recipes", "recipe_description",
-           "probe_store", "scratch_caches"]
+           "probe_store", "scratch_caches", "list_scenarios", "SCENARIO_COMMANDS"]
+
+#: the scenario folders of configs/ and the command that runs a file of each
+SCENARIO_COMMANDS = {"chaos": "diloco-async chaos --scenario", "wan": "diloco-async wan --scenario",
+                     "ablations": "diloco-async ablate --suite"}
 
 _CHECKOUT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -146,6 +150,23 @@ def list_recipes() -> list[tuple[str, list[str]]]:
             if sections <= set(Config.model_fields):
                 found[entry.name.removesuffix(".toml")] = recipe_description(text)
     return sorted(found.items())
+
+
+def list_scenarios() -> list[tuple[str, str, list[str]]]:
+    """(folder, file, description paragraphs) of every chaos, WAN and ablation scenario file
+    (:data:`SCENARIO_COMMANDS`), sorted; the file as ``configs/<folder>/<name>.toml`` in a source
+    checkout, else its installed path; a name found in the checkout hides the installed one."""
+    found: dict[tuple[str, str], tuple[str, list[str]]] = {}
+    for root in _recipe_dirs():
+        for kind in SCENARIO_COMMANDS:
+            folder = root / kind
+            if not folder.is_dir():
+                continue
+            for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+                if entry.name.endswith(".toml") and (kind, entry.name) not in found:
+                    shown = f"configs/{kind}/{entry.name}" if root == _CHECKOUT_CONFIGS else str(entry)
+                    found[(kind, entry.name)] = (shown, recipe_description(entry.read_text()))
+    return [(kind, *found[(kind, name)]) for kind, name in sorted(found)]
 
 
 def _missing_folders(path: Path) -> list[Path]:
