@@ -47,7 +47,8 @@ class Check:
     """One step of a validation.
 
     Attributes:
-        name: the step (``config``, ``devices``, ``store``, ``data``, ``tokenizer``, ``model``, ``fragments``).
+        name: the step (``config``, ``devices``, ``store``, ``prepare``, ``data``, ``tokenizer``, ``model``,
+            ``fragments``).
         ok: whether it passed.
         detail: what was found (passed) or the error (failed).
         field: the recipe field at fault when it failed (e.g. ``run.store``), else None.
@@ -301,6 +302,24 @@ def _model(cfg: Config) -> tuple[Any, str]:
     return (model,), f"{len(params)} trainable tensors, {sum(p.numel() for p in params.values()):,} parameters"
 
 
+def _prerequisites(cfg: Config, scratch: Path | None) -> tuple[Config, str]:
+    """Make what the flow makes before a run starts (:func:`~diloco_async.prerequisites.prepare`:
+    Hub downloads, a missing base model); with a ``scratch`` folder (no ``--fill-caches``) a missing
+    base is built there untrained (0 steps: the same shapes and tokenizer) and read from there."""
+    from diloco_async.prerequisites import prepare
+
+    hf = cfg.model.hf
+    if scratch is not None and hf.pretrain is not None and not Path(str(hf.pretrained)).expanduser().is_dir():
+        base, tok = scratch / "base", cfg.data.tokenizer
+        if Path(tok).parent == Path(str(hf.pretrained)):  # the tokenizer saved with the base
+            tok = str(base / Path(tok).name)
+        hf = hf.model_copy(update={"pretrained": str(base), "pretrain": hf.pretrain.model_copy(update={"steps": 0})})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf}),
+                                     "data": cfg.data.model_copy(update={"tokenizer": tok})})
+    done = prepare(cfg)
+    return cfg, "; ".join(done) if done else "nothing to download or build"
+
+
 def _plan(cfg: Config, model: Any) -> tuple[Any, str]:
     from diloco_async.models.build import plan_of
 
@@ -349,6 +368,10 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
     _step(checks, "store", "run.store", lambda: (None, probe_store(cfg.run.store, options)))
     with tempfile.TemporaryDirectory(prefix="diloco-validate-") as scratch:
         built_cfg = cfg if fill_caches else scratch_caches(cfg, Path(scratch))
+        built_cfg = _step(checks, "prepare", "model.hf.pretrained", _prerequisites, built_cfg,
+                          None if fill_caches else Path(scratch))
+        if built_cfg is None:
+            return checks
         files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, built_cfg)
         if files is not None:
             _step(checks, "tokenizer", "data.tokenizer", _tokens, built_cfg)

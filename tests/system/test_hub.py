@@ -12,15 +12,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hub_standin import HubStandIn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, PLAYS = "org/tiny-llama", "org/plays"
+# whole `train` runs (a temporary Prefect server each); on a loaded 2-core machine they take minutes.
+# The limit is the failure mode only.
+pytestmark = [pytest.mark.timeout(1500)]
 
 
 def _tiny_llama(folder: Path) -> None:
@@ -80,8 +85,25 @@ eval_every_s = 0
 def _train(tmp: Path, recipe: Path, hub: HubStandIn) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HF_HUB_OFFLINE"))}
     env.update(HF_ENDPOINT=hub.url, PREFECT_HOME=str(tmp / "prefect"))
-    return subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(recipe)], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_command([sys.executable, "-m", "flows.cli", "train", "--config", str(recipe)], tmp, env)
+
+
+def run_command(argv: list[str], cwd: Path, env: dict[str, str],
+                timeout_s: float = 1400) -> subprocess.CompletedProcess:
+    """``argv`` in its own process group, to the end; the group is stopped whatever happens."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def test_a_hub_model_and_hub_data_are_fetched_once_per_run_and_train(tmp_path):

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from test_hub import run_command
 
 from diloco_async.config.schema import load_config
 from diloco_async.prerequisites import prepare, prerequisites
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.timeout(1500)]  # a whole `train` (a temporary Prefect server): the failure mode only
 
 SMALL = ["model.hf.pretrain.steps=3", "model.hf.pretrain.batch_size=2", "model.context=32",
          "learners.count=2", "learners.batch_size=4", "synchronizer.num_fragments=2", "synchronizer.sync_every=4",
@@ -29,8 +32,7 @@ def test_lora_finetune_runs_on_a_fresh_clone_building_its_base_once(tmp_path, mo
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"))
     argv = [sys.executable, "-m", "flows.cli", "train", "--recipe", "lora-finetune"]
-    done = subprocess.run([*argv, *(a for s in SMALL for a in ("--set", s))], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = run_command([*argv, *(a for s in SMALL for a in ("--set", s))], tmp_path, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     base = tmp_path / ".local" / "pretrained" / "llama-cpu"
     assert {"config.json", "model.safetensors", "tokenizer.json", "pretrain.json"} <= {p.name for p in base.iterdir()}
