@@ -33,7 +33,7 @@ from typing import Any
 from diloco_async.config.schema import Config, load_config
 
 __all__ = ["Check", "validate_recipe", "resolve_recipe", "recipe_field", "list_recipes", "recipe_description",
-           "probe_store", "scratch_caches", "list_scenarios", "SCENARIO_COMMANDS"]
+           "probe_store", "scratch_caches", "list_scenarios", "SCENARIO_COMMANDS", "recipe_prerequisites"]
 
 #: the scenario folders of configs/ and the command that runs a file of each
 SCENARIO_COMMANDS = {"chaos": "diloco-async chaos --scenario", "wan": "diloco-async wan --scenario",
@@ -151,6 +151,18 @@ def list_recipes() -> list[tuple[str, list[str]]]:
             if sections <= set(Config.model_fields):
                 found[entry.name.removesuffix(".toml")] = recipe_description(text)
     return sorted(found.items())
+
+
+def recipe_prerequisites(name_or_path: str) -> list[Any]:
+    """What a recipe (a path or a shipped name) needs before it runs
+    (:func:`~diloco_async.prerequisites.prerequisites`: reads only local folders).
+
+    Raises:
+        FileNotFoundError: no such recipe. ValueError: it does not validate.
+    """
+    from diloco_async.prerequisites import prerequisites
+
+    return prerequisites(load_config(resolve_recipe(name_or_path)))
 
 
 def list_scenarios() -> list[tuple[str, str, list[str]]]:

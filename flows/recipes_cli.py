@@ -27,12 +27,10 @@ def _paragraphs(paragraphs: list[str], width: int) -> list[str]:
 
 def _needs(name: str, width: int) -> list[str]:
     """One wrapped line per prerequisite of recipe ``name`` (or why it could not be read)."""
-    from diloco_async.config.schema import load_config
-    from diloco_async.prerequisites import prerequisites
-    from diloco_async.validate import resolve_recipe
+    from diloco_async.validate import recipe_prerequisites
 
     try:
-        found = prerequisites(load_config(resolve_recipe(name)))
+        found = recipe_prerequisites(name)
     except (ValueError, FileNotFoundError) as err:
         return [f"{_INDENT}needs: (the recipe does not load here: {err})"]
     lines = []
