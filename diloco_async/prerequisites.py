@@ -195,7 +195,7 @@ def prepare(cfg: Config, say: Callable[[str], None] = log.info) -> list[str]:
         if hub is not None:
             folder = download_snapshot(hub.repo_id, hub.revision, cfg.data.cache_dir, "dataset",
                                        hub_allow_patterns(hub.path), field="data.urls")
-            done.append(f"Hub data {url}: {folder}")
+            done.append(f"Hub data in {folder}, from {url}")
     if cfg.model.kind == "hf" and hf.pretrain is not None and not Path(str(hf.pretrained)).expanduser().is_dir():
         done.append(f"base model built: {build_base(cfg, say)}")
     for line in done:

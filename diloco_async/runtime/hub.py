@@ -114,7 +114,7 @@ def _download(args: argparse.Namespace) -> str:
                f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}): {str(err).splitlines()[0]}")
     except (HfHubHTTPError, OSError) as err:
         first = str(err).splitlines()[0] if str(err) else ""
-        why = f"{what} could not be downloaded from {constants.ENDPOINT}: {type(err).__name__}: {first}"
+        why = f"{what} could not be downloaded ({type(err).__name__}: {first}) from {constants.ENDPOINT}"
     print(f"error: {why}", file=sys.stderr)
     raise SystemExit(2)
 
