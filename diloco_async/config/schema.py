@@ -61,9 +61,8 @@ class RunConfig(_Section):
         description="Root URL of the object store (file://, memory://, s3://, gs://). Each run lives "
         "under {store}/{run_id}/. A relative file:// path is taken from the working directory.",
     )
-    storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec storage options (endpoint, profile). Never logged."
-    )
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (endpoint, "
+                                            "profile). Never logged.")
     workdir: str = Field(".local/runs", description="Local folder for process logs of a run.")
     launcher: Literal["local", "deployments"] = Field(
         "local",
@@ -111,9 +110,8 @@ class LearnerConfig(_Section, LearnerDeviceFields, schedules.InnerScheduleFields
     weight_decay: float = Field(0.1, ge=0, description="Inner AdamW decoupled weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up of the inner learning rate.")
     grad_clip: float = Field(1.0, gt=0, description="Clip of the global gradient norm of each inner step.")
-    adopt: Literal["overwrite", "mix", "rebase"] = Field(
-        "overwrite", description="How a published version is adopted (DESIGN §3.8)."
-    )
+    adopt: Literal["overwrite", "mix", "rebase"] = Field("overwrite", description="How a published version is "
+                                                         "adopted (DESIGN §3.8).")
     mix_alpha: float = Field(0.5, gt=0, le=1, description="Weight of the global version when adopt='mix'.")
     codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("bf16", description="Wire codec (DESIGN §6).")
     link_codecs: list[Literal["fp32", "bf16", "int8", "int4", "int2"]] = Field(
@@ -233,9 +231,8 @@ class SynchronizerConfig(_Section, schedules.OuterScheduleFields):
         10.0, ge=0, description="On a stop, first open a last round of every fragment so the learners' progress "
         "since their last contribution is merged; wait at most this long for those rounds (0: stop at once)."
     )
-    drain_lookahead: float = Field(
-        0.0, ge=0, le=1, description="Share of the Nesterov look-ahead (eta*mu*b) a drain's last round of a fragment "
-        "applies: 0 takes it as the plain step -eta*g, 1 as the full step of any round (docs/end-of-run.md).")
+    drain_lookahead: float = Field(0.0, ge=0, le=1, description="Share of the Nesterov look-ahead (eta*mu*b) "
+                                   "a drain's last round takes: 0 plain step -eta*g, 1 full (docs/end-of-run.md).")
     lease_ttl_s: float = Field(30.0, gt=0, description="A run's lease not renewed this long may be taken over "
                                "by another synchronizer (docs/resume-and-fencing.md).")
     lease_renew_s: float = Field(5.0, gt=0, description="Renewal period of the lease; below lease_ttl_s / 2.")
@@ -291,11 +288,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.synchronizer.min_quorum > self.learners.count:
-            raise ValueError(
-                f"synchronizer.min_quorum={self.synchronizer.min_quorum} exceeds learners.count={self.learners.count}"
-            )
         sc = self.synchronizer
+        if sc.min_quorum > self.learners.count:
+            raise ValueError(f"synchronizer.min_quorum={sc.min_quorum} exceeds learners.count={self.learners.count}")
         if sc.shards > sc.num_fragments:
             raise ValueError(f"synchronizer.shards={sc.shards} exceeds synchronizer.num_fragments={sc.num_fragments}")
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:

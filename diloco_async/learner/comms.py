@@ -6,9 +6,8 @@ pipeline (:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announ
 the push channel's WebSocket while it is open and over HTTP while it is not (before it connects,
 after the synchronizer restarts, until it reconnects): :class:`~diloco_async.protocol.client.SyncClient`,
 one per synchronizer shard behind :class:`~diloco_async.learner.sharded_client.ShardedSyncClient`.
-If the synchronizer is unreachable the learner keeps training and reconnects with exponential
-backoff; after ``give_up_after_s`` without any answer the comms fail with
-:class:`~diloco_async.protocol.client.ProtocolError` (the learner exits 3).
+If the synchronizer is unreachable the learner keeps training and reconnects with backoff; after
+``give_up_after_s`` without an answer: :class:`~diloco_async.protocol.client.ProtocolError` (exit 3).
 """
 
 from __future__ import annotations
@@ -272,10 +271,9 @@ class Comms:
                 if silent > self.give_up_after_s:
                     raise ProtocolError(f"synchronizer unreachable for {silent:.0f}s") from err
                 pause_s = backoff.next_pause_s()
-                why = f"{type(err).__name__}: {err}"[:300] if isinstance(err, aiohttp.ClientSSLError) \
-                    else type(err).__name__  # a TLS refusal says why (a certificate the other side refused)
+                why = f"{type(err).__name__}: {err}"[:300] if isinstance(err, aiohttp.ClientSSLError) else ""
                 log.warning("%s synchronizer unreachable (%s); retrying in %.1fs, training continues",
-                            self.learner_id, why, pause_s)
+                            self.learner_id, why or type(err).__name__, pause_s)  # a TLS refusal says why
                 await asyncio.sleep(pause_s)
 
     async def _until_next_heartbeat(self) -> None:

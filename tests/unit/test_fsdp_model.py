@@ -11,6 +11,7 @@ from diloco_async.learner.fsdp import fsdp_units, shard_workload
 from diloco_async.models import build_model
 from diloco_async.models.transformer import ByteGPT
 from diloco_async.models.wrapper import CausalLM
+from diloco_async.policy.schedules import InnerSchedule
 
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
               "num_key_value_heads": 2}
@@ -54,6 +55,7 @@ def test_a_0_dim_parameter_cannot_be_sharded_and_is_named():
     model.scale = torch.nn.Parameter(torch.tensor(1.0))
     model.w = torch.nn.Parameter(torch.ones(4, 2))
     opt = inner_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
-    workload = Workload(model, opt, torch.Generator(), batch_size=1, context=4, lr=1e-3, warmup_steps=0, grad_clip=1.0)
+    workload = Workload(model, opt, torch.Generator(), batch_size=1, context=4,
+                        schedule=InnerSchedule("constant", 1e-3, 0), grad_clip=1.0)
     with pytest.raises(ValueError, match="parameter scale is 0-dim"):
         shard_workload(workload, 0, 2)
