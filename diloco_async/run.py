@@ -23,6 +23,7 @@ from typing import Any
 
 from diloco_async.config.resolved import write_resolved
 from diloco_async.config.schema import Config
+from diloco_async.inner.optimizers import check_inner_optimizer
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.learner.group import torchrun_args
 from diloco_async.protocol.auth import check_run_secret, learner_token
@@ -56,7 +57,9 @@ class RunProcesses:
 
     Raises:
         ValueError: with ``run.launcher = "local"``, a learner's device is absent on this machine
-            (before anything starts; see :func:`diloco_async.runtime.devices.check_devices`).
+            (before anything starts; see :func:`diloco_async.runtime.devices.check_devices`);
+            ``learners.optimizer = "muon"`` on a model without 2-D hidden weights
+            (:func:`diloco_async.inner.optimizers.check_inner_optimizer`).
 
     Attributes:
         workdir: ``{run.workdir}/{run_id}``: logs, ready file, learner timelines, the resolved config.
@@ -78,6 +81,7 @@ class RunProcesses:
         if cfg.run.launcher == "local":
             check_devices(cfg.learners)
         check_network(cfg)  # its TLS files, before anything starts (docs/network-modes.md)
+        check_inner_optimizer(cfg)  # learners.optimizer = "muon" needs 2-D hidden weights
         self.cfg = cfg
         if run_id is None and resume_url:
             run_id = keys.split_checkpoint_url(resume_url)[1]

@@ -33,6 +33,10 @@ def fsdp_conflicts(cfg: Any) -> list[str]:
                    "fp32 published version; compact downloads are not sharded yet")
     if lc.barrier:
         out.append("learners.barrier=true: the synchronous baseline runs with ddp only")
+    if lc.optimizer == "muon":
+        out.append("learners.optimizer='muon': torch 2.13's Muon does not orthogonalise a row-sharded DTensor "
+                   "gradient as it does the whole matrix (measured: its update differs from the unsharded one by "
+                   "the update's own size), so a sharded group would train another model; use ddp")
     return out
 
 

@@ -1,7 +1,7 @@
 """The configuration keys of the learning-rate schedules and gradient accumulation (issue 44 item 5).
 
 :class:`InnerScheduleFields` holds ``learners.lr_schedule``, ``lr_decay_fraction``,
-``lr_final_fraction`` and ``grad_accum_steps`` (``LearnerConfig`` inherits them);
+``lr_final_fraction``, ``grad_accum_steps`` and ``optimizer`` (issue 44 item 4; ``LearnerConfig`` inherits them);
 :class:`OuterScheduleFields` holds ``synchronizer.outer_lr_schedule``, ``outer_lr_warmup_fraction`` and
 ``outer_lr_final_fraction`` (``SynchronizerConfig`` inherits them). :func:`check_schedules` is the
 cross-section check, run when the whole config is validated, so a bad schedule is refused before
@@ -18,7 +18,7 @@ __all__ = ["InnerScheduleFields", "OuterScheduleFields", "check_schedules", "dro
 
 
 class InnerScheduleFields(BaseModel):
-    """The learner keys of the inner learning-rate schedule and of gradient accumulation."""
+    """The learner keys of the inner learning-rate schedule, of gradient accumulation and of the inner optimizer."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,6 +37,13 @@ class InnerScheduleFields(BaseModel):
         1, ge=1, le=4096, description="Micro-batches of batch_size windows accumulated per inner optimizer step "
         "(a small device reaches the recipe's batch): a step trains on, and counts, grad_accum_steps x "
         "batch_size x context tokens per rank; a learner group's DDP all-reduces once, at the last micro-batch.")
+
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="Inner optimizer: 'adamw' (every trainable parameter), or 'muon' (torch.optim.Muon "
+        "for the 2-D hidden weight matrices, AdamW for embeddings, the output head, norms and biases; with "
+        "LoRA, Muon trains the adapter matrices). Muon's lr is scaled to match AdamW's update RMS "
+        "(adjust_lr_fn='match_rms_adamw'), so one lr, weight_decay and lr_schedule serve both. 'muon' on a "
+        "model without 2-D hidden weights is refused before the run starts (DESIGN §3).")
 
     @field_validator("grad_accum_steps", mode="before")
     @classmethod
@@ -99,10 +106,10 @@ def check_schedules(cfg: Any) -> None:
                          f"learners) reach {where} with learners.lr_schedule = {lc.lr_schedule!r}")
 
 
-#: the schedule keys at their defaults are left out of the config hash, so runs and checkpoints
-#: from before the schedules existed hash (and resume) as before
+#: the schedule keys (and learners.optimizer) at their defaults are left out of the config hash, so
+#: runs and checkpoints from before they existed hash (and resume) as before
 _DEFAULTS = {"learners": {"lr_schedule": "constant", "lr_decay_fraction": 0.2, "lr_final_fraction": 0.1,
-                          "grad_accum_steps": 1},
+                          "grad_accum_steps": 1, "optimizer": "adamw"},
              "synchronizer": {"outer_lr_schedule": "constant", "outer_lr_warmup_fraction": 0.1,
                               "outer_lr_final_fraction": 0.1}}
 

@@ -1,10 +1,12 @@
 """A learner's own inner state, for an exact restore after a restart (DESIGN §5, cases C02, C03).
 
 Captured: parameters θ, AdamW state (``exp_avg``, ``exp_avg_sq`` and ``step`` of every
-parameter), the data sampler's RNG state, the base copy Θ^base of every fragment with its version,
-and the per-fragment counters (steps, tokens, compute seconds) since each base. Restoring writes
-AdamW's per-parameter state entries explicitly: AdamW creates them lazily, so a restore that only
-copied into existing entries of a fresh optimizer would silently drop the moments (C02).
+parameter; with ``learners.optimizer = "muon"`` Muon's ``momentum_buffer`` of each hidden matrix
+instead, :mod:`diloco_async.inner.optimizers`), the data sampler's RNG state, the base copy
+Θ^base of every fragment with its version, and the per-fragment counters (steps, tokens, compute
+seconds) since each base. Restoring writes the optimizer's per-parameter state entries explicitly:
+AdamW and Muon create them lazily, so a restore that only copied into existing entries of a fresh
+optimizer would silently drop the moments (C02).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class InnerState:
 
     Attributes:
         tensors: flat name → tensor map (safetensors-ready): ``param/{n}``, ``exp_avg/{n}``,
-            ``exp_avg_sq/{n}``, ``adam_step/{n}`` (float32 scalars), ``base/{p}/{n}`` and ``rng``
+            ``exp_avg_sq/{n}``, ``adam_step/{n}`` (float32 scalars), ``muon_momentum/{n}`` (Muon's
+            parameters), ``base/{p}/{n}`` and ``rng``
             (uint8 generator state).
         meta: JSON-ready: ``step`` (local step), ``base_versions`` {p: v}, ``counters``
             {p: [c_steps, c_tokens, c_secs]}.
@@ -34,7 +37,7 @@ class InnerState:
     meta: dict = field(default_factory=dict)
 
 
-def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: torch.Generator, *,
+def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer, gen: torch.Generator, *,
             step: int, base_tensors: dict[int, dict[str, torch.Tensor]], base_versions: dict[int, int],
             counters: dict[int, tuple[int, int, float]]) -> InnerState:
     """The inner state as a flat name → tensor map, **without copies** (issue 17 item 3): the
@@ -51,10 +54,12 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: 
     for name, p in params.items():
         t[f"param/{name}"] = p.detach()
         st = opt.state.get(p, {})
-        if st:
+        if "exp_avg" in st:
             t[f"exp_avg/{name}"] = st["exp_avg"].detach()
             t[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach()
             t[f"adam_step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
+        elif "momentum_buffer" in st:  # a Muon parameter (learners.optimizer = "muon")
+            t[f"muon_momentum/{name}"] = st["momentum_buffer"].detach()
     for p_idx, tensors in base_tensors.items():
         for name in tensors:  # a base kept in a local file stays there until written out
             t[f"base/{p_idx}/{name}"] = (tensors.lazy(name) if isinstance(tensors, BaseFile)
@@ -65,7 +70,7 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW, gen: 
     return InnerState(t, meta)
 
 
-def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch.optim.AdamW,
+def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
             gen: torch.Generator) -> tuple[int, dict[int, dict[str, torch.Tensor]], dict[int, int],
                                               dict[int, tuple[int, int, float]]]:
     """Write a captured state back into the model, the optimizer and the generator.
@@ -90,6 +95,8 @@ def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch
                 step_value = t[f"adam_step/{name}"].clone().to(torch.float32)
                 opt.state[p] = {"step": step_value, "exp_avg": t[f"exp_avg/{name}"].to(p.device),
                                 "exp_avg_sq": t[f"exp_avg_sq/{name}"].to(p.device)}
+            elif f"muon_momentum/{name}" in t:
+                opt.state[p] = {"momentum_buffer": t[f"muon_momentum/{name}"].to(p.device)}
     gen.set_state(t["rng"].clone())
     base_tensors: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in t.items():

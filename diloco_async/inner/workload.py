@@ -27,11 +27,13 @@ import torch
 
 from diloco_async.config.schema import Config
 from diloco_async.data.tokens import Corpus, open_corpus
+from diloco_async.inner.optimizers import MuonWithAdamW, check_muon_model
 from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.policy.schedules import InnerSchedule, warmup_lr
 
-__all__ = ["Workload", "inner_optimizer", "inner_step", "accumulated_step", "warmup_lr", "data_generator",
+__all__ = ["Workload", "inner_optimizer", "optimizer_of", "inner_step", "accumulated_step", "warmup_lr",
+           "data_generator",
            "jitter_random",
            "emulated_delay_s"]
 
@@ -62,7 +64,8 @@ def accumulated_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Args:
         model: has ``loss(inputs, targets)`` returning a scalar loss (nats/token).
-        optimizer: the inner optimizer (AdamW) over ``model``'s parameters.
+        optimizer: the inner optimizer (AdamW, or :class:`~diloco_async.inner.optimizers.MuonWithAdamW`)
+            over ``model``'s parameters.
         micro_batches: (inputs, targets) pairs, int64 [B, T] token windows and their next tokens
             (equal B: the mean of the micro-batch means is the batch's mean).
         lr: learning rate of every parameter group for this step.
@@ -114,6 +117,25 @@ def inner_optimizer(params, *, lr: float, weight_decay: float) -> torch.optim.Ad
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except RuntimeError:  # no fused kernel for this device or dtype
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
+
+
+def optimizer_of(kind: str, model: torch.nn.Module, *, lr: float, weight_decay: float,
+                 what: str = "") -> torch.optim.Optimizer | MuonWithAdamW:
+    """The inner optimizer ``kind`` (``learners.optimizer``) over ``model``'s trainable parameters:
+    ``"adamw"`` (:func:`inner_optimizer`), or ``"muon"``: Muon for the 2-D hidden weight matrices and
+    AdamW for the rest (:class:`~diloco_async.inner.optimizers.MuonWithAdamW`).
+
+    Raises:
+        ValueError: ``"muon"`` on a model (``what`` names it) with no 2-D hidden weight matrix;
+            an unknown ``kind``.
+    """
+    params = trainable_parameters(model)
+    if kind == "adamw":
+        return inner_optimizer(params.values(), lr=lr, weight_decay=weight_decay)
+    if kind == "muon":
+        return MuonWithAdamW(params, check_muon_model(model, what), lr=lr, weight_decay=weight_decay,
+                             adamw=inner_optimizer)
+    raise ValueError(f"learners.optimizer = {kind!r}: unknown; expected 'adamw' or 'muon'")
 
 
 def data_generator(seed: int, index: int, incarnation: int) -> torch.Generator:
@@ -184,12 +206,12 @@ class Workload:
     @classmethod
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
         """Learner ``index``'s workload of a run: the recipe's model (``build_run_model``: every
-        learner builds the same frozen base), AdamW over its trainable parameters with
-        ``learners.lr``/``weight_decay`` (:func:`inner_optimizer`), the run's inner learning-rate schedule
+        learner builds the same frozen base), its inner optimizer (``learners.optimizer``,
+        :func:`optimizer_of`) with ``learners.lr``/``weight_decay``, the run's inner learning-rate schedule
         and gradient accumulation, and the sampler seeded by (run seed, index, incarnation)."""
         lc = cfg.learners
         model = build_run_model(cfg)
-        opt = inner_optimizer(trainable_parameters(model).values(), lr=lc.lr, weight_decay=lc.weight_decay)
+        opt = optimizer_of(lc.optimizer, model, lr=lc.lr, weight_decay=lc.weight_decay, what=repr(cfg.model.kind))
         return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size_of(index),
                    context=cfg.model.context, schedule=InnerSchedule.from_config(cfg), grad_clip=lc.grad_clip,
                    grad_accum_steps=lc.grad_accum_steps)

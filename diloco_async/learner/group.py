@@ -68,6 +68,17 @@ def torchrun_args(lc: LearnerDeviceFields, rdzv_id: str) -> list[str]:
     return args + ["--module", "diloco_async.learner"]
 
 
+def _on_cpu(value):
+    """``value`` (an optimizer's state dict: nested dicts, lists, tensors) with its tensors on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.to("cpu")
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
 @dataclass
 class Decision:
     """What every rank does at one step boundary, as rank 0 decided it. A sharded group
@@ -139,13 +150,11 @@ class LearnerGroup:
         return box[0]
 
     def share_start(self, workload: Workload, step: int = 0) -> int:
-        """Give every rank rank 0's AdamW state, sampler state and local step; returns the step."""
+        """Give every rank rank 0's inner optimizer state, sampler state and local step; returns the step."""
         box: list = [None]
         if self.is_leader:
-            opt = workload.optimizer.state_dict()
-            state = {k: {n: v.to("cpu") if isinstance(v, torch.Tensor) else v for n, v in st.items()}
-                     for k, st in opt["state"].items()}
-            box = [{"opt": {**opt, "state": state}, "rng": workload.generator.get_state(), "step": step}]
+            opt = _on_cpu(workload.optimizer.state_dict())  # AdamW's, or Muon's and AdamW's
+            box = [{"opt": opt, "rng": workload.generator.get_state(), "step": step}]
         dist.broadcast_object_list(box, src=0, device=self._cpu)
         if not self.is_leader:
             workload.optimizer.load_state_dict(box[0]["opt"])

@@ -80,7 +80,7 @@ def remove_dead_spool_folders(learner_id: str, parent: str | None = None) -> lis
 
 
 #: the state's tensors that training mutates in place (optimizer step, adoption)
-MUTABLE_PREFIXES = ("param/", "exp_avg/", "exp_avg_sq/")
+MUTABLE_PREFIXES = ("param/", "exp_avg/", "exp_avg_sq/", "muon_momentum/")
 
 
 def _nbytes(t) -> int:
