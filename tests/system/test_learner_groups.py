@@ -71,13 +71,14 @@ def adopted_values(workload: Workload) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=g) * 0.02 for n, p in workload.params.items() if "emb" in n}
 
 
-def group_worker(out: str, accum: int = 1) -> None:
+def group_worker(out: str, accum: int = 1, optimizer: str = "adamw") -> None:
     """One rank of the equivalence test's torchrun group (run as a script under torchrun), with
-    ``accum`` micro-batches of PER_RANK_BATCH / accum windows per step."""
+    ``accum`` micro-batches of PER_RANK_BATCH / accum windows per step and inner ``optimizer``."""
     torch.set_num_threads(1)
     group = LearnerGroup.from_env(60.0)
     assert group is not None
-    cfg = small_config(PER_RANK_BATCH // accum, f"learners.grad_accum_steps={accum}")
+    cfg = small_config(PER_RANK_BATCH // accum, f"learners.grad_accum_steps={accum}",
+                       f"learners.optimizer={optimizer}")
     torch.manual_seed(1 + group.rank)  # different inits: rank 0's reaches the others by the group's broadcasts
     workload = Workload.from_config(cfg, 0, 0)
     place_workload(workload, cfg, 0, group.local_rank)
@@ -101,21 +102,22 @@ def group_worker(out: str, accum: int = 1) -> None:
     group.close()
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_two_rank_learner_matches_one_process_with_twice_the_batch(tmp_path, accum):
+@pytest.mark.parametrize(("accum", "optimizer"), [(1, "adamw"), (2, "adamw"), (1, "muon")])
+def test_two_rank_learner_matches_one_process_with_twice_the_batch(tmp_path, accum, optimizer):
     out = tmp_path / "group.pt"
     # this file runs as a script: the repository, the tests' helpers and the tier folders it imports from
     path = [REPO, REPO / "tests", REPO / "tests" / "contract", REPO / "tests" / "system"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           __file__, "--group-worker", str(out), "--accum", str(accum)], env=env,
+                           __file__, "--group-worker", str(out), "--accum", str(accum),
+                           "--optimizer", optimizer], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     group = torch.load(out)
 
     torch.manual_seed(1)  # rank 0's initialisation
-    cfg = small_config(2 * PER_RANK_BATCH)
+    cfg = small_config(2 * PER_RANK_BATCH, f"learners.optimizer={optimizer}")
     single = Workload.from_config(cfg, 0, 0)
     single.load_data(cfg, 0)
 
@@ -292,5 +294,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--group-worker", required=True)
     ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--optimizer", default="adamw")
     args = ap.parse_args()
-    group_worker(args.group_worker, args.accum)
+    group_worker(args.group_worker, args.accum, args.optimizer)
