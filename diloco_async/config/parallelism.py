@@ -37,6 +37,9 @@ def fsdp_conflicts(cfg: Any) -> list[str]:
         out.append("learners.optimizer='muon': torch 2.13's Muon does not orthogonalise a row-sharded DTensor "
                    "gradient as it does the whole matrix (measured: its update differs from the unsharded one by "
                    "the update's own size), so a sharded group would train another model; use ddp")
+    if lc.error_feedback:
+        out.append("learners.error_feedback=true: the residual of a sharded group's rows is not kept per rank yet "
+                   "(each rank encodes and puts its own shard)")
     return out
 
 
