@@ -73,6 +73,7 @@ from diloco_async.inner.workload import (
     emulated_delay_s,
     inner_optimizer,
     jitter_random,
+    optimizer_of,
 )
 from diloco_async.policy.schedules import InnerSchedule
 from diloco_async.runtime.devices import set_cpu_math
@@ -256,12 +257,15 @@ class _Rank:
             raise  # not reached: fail exits
 
     def _restore(self) -> None:
-        """The model and AdamW: from the newest verified checkpoint, else the seeded Θ^0."""
+        """The model and its inner optimizer (``learners.optimizer``): from the newest verified
+        checkpoint, else the seeded Θ^0."""
         cfg, lc = self.cfg, self.cfg.learners
         params0, _ = initial_parameters(cfg)
         self.model = model_from_params(cfg, params0)
         self.params = dict(self.model.named_parameters())
-        self.opt = inner_optimizer(list(self.params.values()), lr=lc.lr, weight_decay=lc.weight_decay)
+        self.opt = (optimizer_of("muon", self.model, lr=lc.lr, weight_decay=lc.weight_decay, what=repr(cfg.model.kind))
+                    if lc.optimizer == "muon" else
+                    inner_optimizer(list(self.params.values()), lr=lc.lr, weight_decay=lc.weight_decay))
         saved = latest_state(self.store, self.prefix)
         if saved is not None:
             self.step = restore(InnerState(saved.tensors, saved.manifest["inner"]), self.params, self.opt,

@@ -24,10 +24,12 @@ from diloco_async.baselines.ddp_checkpoints import (
 from diloco_async.baselines.ddp_group import DdpGroup, RankSchedule
 from diloco_async.config.resolved import read_resolved
 from diloco_async.config.schema import load_config
+from diloco_async.inner.optimizers import muon_parameter_names
 from diloco_async.inner.workload import data_generator, emulated_delay_s, jitter_random
 from diloco_async.models.transformer import evaluate_loss
 from diloco_async.sync import initial_parameters
 from storage import keys
+from storage.checkpoint import latest_state
 from storage.store import ObjectStore
 
 from polling import wait_until
@@ -137,8 +139,8 @@ def check_step_lines(lines: list[dict]) -> None:
 def group_factory(tmp_path):
     groups = []
 
-    def make(**schedule) -> DdpGroup:
-        g = DdpGroup(load_config(None, TINY), 2, "ddp-test", f"file://{tmp_path}/store", tmp_path / "work",
+    def make(extra: tuple[str, ...] = (), **schedule) -> DdpGroup:
+        g = DdpGroup(load_config(None, [*TINY, *extra]), 2, "ddp-test", f"file://{tmp_path}/store", tmp_path / "work",
                      RankSchedule(**schedule))
         groups.append(g)
         return g
@@ -185,6 +187,21 @@ def test_two_ranks_train_checkpoint_and_agree(tmp_path, group_factory):
     assert param_sha256(dict(early.named_parameters())) != param_sha256(final)
     x = torch.randint(0, 256, (2, 32))
     assert evaluate_loss(model, [(x[:, :-1], x[:, 1:])]) > 0
+
+
+def test_two_ranks_train_with_muon_and_checkpoint_its_momentum(tmp_path, group_factory):
+    g = group_factory(("learners.optimizer=muon",), checkpoint_every_steps=5, max_steps=10)
+    g.start(0)
+    codes = g.wait(60)
+    assert codes == {0: 0, 1: 0}, [h.log_path.read_text()[-2000:] for h in g.handles.values()]
+    store = ObjectStore(f"file://{tmp_path}/store")
+    saved = latest_state(store, keys.ddp_checkpoint_prefix("ddp-test"))
+    assert saved is not None and saved.manifest["inner"]["step"] == 10
+    hidden = muon_parameter_names(load_final_ddp_model(load_config(None, TINY), store, "ddp-test"))
+    assert hidden and {f"muon_momentum/{n}" for n in hidden} <= set(saved.tensors)
+    assert "exp_avg/tok_emb.weight" in saved.tensors
+    ends = {read_timeline(g.timeline_path(r))[-1]["param_sha256"] for r in range(2)}
+    assert len(ends) == 1  # both ranks took the same Muon and AdamW steps
 
 
 def test_kill_rank_then_restart_resumes_from_last_checkpoint(tmp_path, group_factory):
