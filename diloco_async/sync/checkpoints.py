@@ -16,6 +16,7 @@ from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.state import CheckpointBook, CheckpointDone
 from storage.checkpoint import write_checkpoint
 from storage.gc import collect_garbage
+from storage.run_checkpoints import write_run_manifest
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -87,11 +88,31 @@ class Checkpointer:
         async def write() -> None:
             try:
                 await asyncio.to_thread(_write_and_trim, self.ctx.store, self.ctx.owner_id, seq, tensors, manifest)
+                if self.sc.shards > 1:  # publish, then mark: the run checkpoint naming it comes last
+                    await self._write_run_manifest(seq)
                 await self.ctx.inbox.put(CheckpointDone(seq, True, "written"))
             except Exception as err:
                 await self.ctx.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
 
         self.ctx.spawn(write())
+
+    async def _write_run_manifest(self, seq: int) -> None:
+        """With several shards, the run checkpoint naming this shard's checkpoint ``seq`` and each
+        other shard's newest (storage/run_checkpoints.py). A failure is counted
+        (``run_checkpoints_failed``) and logged; the shard's own checkpoint stands (a resume of this
+        shard alone reads it; the next checkpoint writes a run checkpoint again)."""
+        try:
+            run_seq = await asyncio.to_thread(write_run_manifest, self.ctx.store, self.ctx.run_id, self.sc.shards)
+        except Exception as err:
+            self.report.counters["run_checkpoints_failed"] += 1
+            log.warning("run checkpoint naming shard %d's checkpoint %d failed: %s: %s", self.ctx.shard, seq,
+                        type(err).__name__, err)
+            return
+        if run_seq is None:
+            log.info("checkpoint %d of shard %d: no run checkpoint yet (another shard has none)", seq, self.ctx.shard)
+        else:
+            self.report.counters["run_checkpoints"] += 1
+            log.info("run checkpoint %d names shard %d's checkpoint %d", run_seq, self.ctx.shard, seq)
 
     def on_done(self, msg: CheckpointDone) -> None:
         for fut in self.book.done(msg):

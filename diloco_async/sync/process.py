@@ -39,6 +39,7 @@ from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
+from diloco_async.sync.run_stop import RunStop
 from storage import keys
 from storage.checkpoint import Checkpoint, list_checkpoint_seqs
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
@@ -225,10 +226,13 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
         tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
                                    "lease_epoch": lease.lease_epoch, "shard": shard, "shards": sc.shards}))
         tmp.replace(ready_file)
+    run_stop = RunStop(sync) if sc.shards > 1 else None  # the budget stop is the run's (DESIGN §2.2)
     watchers = [loop.create_task(LoopWatch(_watch_period_s(), sync.part_times).run()),
-                loop.create_task(freeze_long_lived())]
+                loop.create_task(freeze_long_lived()), *([loop.create_task(run_stop.run())] if run_stop else [])]
     try:
         summary = await sync.run()
+        if run_stop is not None and run_stop.own_budget_reason() is not None:  # it stopped between two polls
+            await asyncio.to_thread(run_stop.publish, str(run_stop.own_budget_reason()))
     finally:
         await _cancel(watchers)
         _ignore_stop_signals(loop)

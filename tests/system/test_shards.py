@@ -30,8 +30,15 @@ from diloco_async.codec import wire
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config
 from diloco_async.learner.sharded_client import ShardedSyncClient, ShardListMismatch
+from diloco_async.metrics.evaluation import model_from_checkpoint
 from diloco_async.protocol.auth import learner_token
-from diloco_async.protocol.client import LEARNER_TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
+from diloco_async.protocol.client import (
+    LEARNER_TOKEN_ENV,
+    ProtocolError,
+    call_blocking,
+    fetch_status,
+    request_checkpoint,
+)
 from diloco_async.run import RunProcesses
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
@@ -47,8 +54,8 @@ ROUNDS = 3
 class Shards:
     """``len(procs)`` synchronizer processes of one run, one per shard, in shard order."""
 
-    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int) -> None:
-        extra = (*TWO_FRAGMENTS, f"synchronizer.shards={shards}")
+    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int, extra: tuple[str, ...] = ()) -> None:
+        extra = (*TWO_FRAGMENTS, f"synchronizer.shards={shards}", *extra)
         self.procs: list[SyncProcess] = []
         for i in range(shards):
             self.procs.append(SyncProcess(tmp, store_url, ["--run-id", run_id, "--shard", str(i)], extra=extra))
@@ -257,7 +264,42 @@ def test_a_learner_given_the_shards_in_the_wrong_order_exits_2_naming_both(tmp_p
         procs.stop()
 
 
-def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float) -> Config:
+def test_the_budget_stop_is_the_runs_one_shard_decides_and_every_shard_stops(tmp_path):
+    """Only shard 0 hears the steps that spend ``budget.max_steps`` (the scripted learner tells shard 1
+    step 2): shard 0 stops on its budget and publishes the run's stop, shard 1 follows it with that
+    reason; both exit 0 and the store holds one stop (DESIGN §2.2)."""
+    store_url = f"file://{tmp_path}/store"
+    store = ObjectStore(store_url)
+    procs = Shards(tmp_path, store_url, "stop", 2, extra=("budget.max_steps=10",))
+    try:
+        for proc in procs.procs:
+            call_blocking(proc.url, TOKEN, "join", {"learner_id": "scripted", "incarnation": 0})
+
+        def both_exited() -> bool:
+            for proc, step in zip(procs.procs, (12, 2), strict=True):
+                if proc.proc.poll() is None:
+                    try:
+                        call_blocking(proc.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": step},
+                                      request_timeout_s=5.0)
+                    except (OSError, ProtocolError):
+                        pass  # stopping: the server is closing
+            return all(p.proc.poll() is not None for p in procs.procs)
+        wait_until(both_exited, 120, "both shards to stop", interval_s=0.1)
+        assert [p.proc.returncode for p in procs.procs] == [0, 0]
+    finally:
+        procs.stop()
+    stops = [k for k in store.list("stop/stops") if k.endswith(".json")]
+    assert len(stops) == 1, stops
+    marker = store.get_json(stops[0])
+    assert marker["shard"] == 0 and marker["reason"].startswith("step budget reached"), marker
+    reasons = [store.get_json(next(k for k in store.list(f"stop/shards/{i:03d}/epochs") if k.endswith("summary.json")))
+               for i in range(2)]
+    assert reasons[0]["stop_reason"] == marker["reason"]
+    assert reasons[1]["stop_reason"] == f"{marker['reason']} (the run's stop, decided by synchronizer shard 0)"
+    assert reasons[1]["global_step"] < 10  # shard 1 never saw the budget spent itself
+
+
+def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float, tokens: int | None = None) -> Config:
     """A tiny model, 2 learners, 2 fragments on 2 shards, under ``tmp_path``."""
     return with_fields(Config(), {
         "run.store": f"file://{tmp_path}/store", "run.workdir": f"{tmp_path}/runs",
@@ -266,21 +308,40 @@ def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float) -> Conf
         "learners.count": 2, "learners.batch_size": 2, "learners.heartbeat_s": 0.25,
         "synchronizer.num_fragments": 2, "synchronizer.shards": 2, "synchronizer.sync_every": 8,
         "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": checkpoint_every_s,
-        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": wall_s})
+        "synchronizer.drain_s": 0.0, "budget.tokens": tokens, "budget.wall_s": wall_s})
 
 
 def newest_version(store: ObjectStore, run_id: str, p: int) -> int:
     return max((v for (q, v) in version_digests(store, run_id) if q == p), default=-1)
 
 
-def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finish(tmp_path):
-    cfg = two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=25.0)
+def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resumed_from_one_run_checkpoint(tmp_path):
+    """RunProcesses with S = 2 and two real learners under a token budget: the launcher's status is
+    the run's (a row per shard, every fragment's version, each learner's tokens counted once), the run
+    stops once on the tokens, the final summary aggregates both shards' figures, the run checkpoint
+    names both shards' final checkpoints and holds the whole model, and a resume from it starts every
+    shard from the checkpoint it names (issue 40 item 3; DESIGN §2.2)."""
+    budget = 3000
+    cfg = two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=600.0, tokens=budget)
+    store = ObjectStore(cfg.run.store)
     run = RunProcesses(cfg, run_id="real")
+    seen: list[dict] = []
     try:
         run.start_synchronizer()
         assert len(run.shard_syncs) == 2 and run.learner_sync_url == ",".join(run.shard_urls)
         for i in range(2):
             run.start_learner(i)
+
+        def merged_twice() -> bool:
+            st = run.status()
+            seen[:] = [st] if st is not None else []
+            return st is not None and min(st["versions"].values(), default=0) >= 1 and st["merges"] >= 2
+        wait_until(merged_twice, 300, "both shards to merge")
+        st = seen[0]
+        assert [(r["shard"], r["url"], r["reachable"]) for r in st["shards"]] == [
+            (0, run.shard_urls[0], True), (1, run.shard_urls[1], True)]
+        assert set(st["versions"]) == {"0", "1"} and st["merges"] == sum(r["merges"] for r in st["shards"])
+        assert st["tokens_processed"] == sum(led["tokens_processed"] for led in st["learners"].values())
         for shard in run.shard_syncs:
             assert shard.wait(timeout=300) == 0, shard.log_path
         run.finished_cleanly = True
@@ -288,13 +349,32 @@ def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finis
             assert handle.wait(timeout=60) == 0, handle.log_path
     finally:
         run.stop_all()
-    store = ObjectStore(cfg.run.store)
-    newest = {p: newest_version(store, "real", p) for p in range(2)}
-    assert min(newest.values()) >= 3, newest  # both shards merged real learners' contributions
-    for i in range(2):
-        summaries = [k for k in store.list(f"real/shards/{i:03d}/epochs") if k.endswith("summary.json")]
-        assert summaries, f"shard {i} wrote no summary"
-        assert store.get_json(summaries[0])["merges"] >= 3
+    shard_docs = [store.get_json(keys.summary_key(root, epoch)) for root, epoch in zip(run.owner_roots(),
+                                                                                      run.shard_epochs, strict=True)]
+    summary = run.final_summary()
+    assert summary["stop_reason"].startswith("token budget reached"), summary["stop_reason"]
+    assert all(d["stop_reason"].startswith("token budget reached") for d in shard_docs)
+    assert len([k for k in store.list("real/stops") if k.endswith(".json")]) == 1  # the run stopped once
+    # each learner's tokens once (as with one synchronizer), not once per shard
+    assert budget <= summary["tokens_processed"] < sum(d["tokens_processed"] for d in shard_docs)
+    assert summary["merges"] == sum(d["merges"] for d in shard_docs) and min(summary["versions"].values()) >= 1
+    assert summary["tokens_merged"] == pytest.approx(sum(d["tokens_merged"] for d in shard_docs))
+    ckpt = run.final_checkpoint()
+    named = store.get_json(keys.run_manifest_key("real", ckpt.seq))["checkpoints"]
+    finals = {str(i): d["last_checkpoint_seq"] for i, d in enumerate(shard_docs)}
+    assert {i: e["seq"] for i, e in named.items()} == finals
+    assert ckpt.manifest["versions"] == summary["versions"]
+    model_from_checkpoint(cfg, ckpt)  # every fragment's tensors: the whole model
+
+    more = with_fields(cfg, {"budget.tokens": 10 * budget})
+    resumed = RunProcesses(more, run_id="real", resume_url=keys.checkpoint_url(store.url, "real", ckpt.seq))
+    try:
+        resumed.start_synchronizer()
+        st = resumed.status()
+        assert [r["resumed_from"] for r in st["shards"]] == [named["0"]["seq"], named["1"]["seq"]]
+        assert st["versions"] == summary["versions"]
+    finally:
+        resumed.stop_all()
 
 
 def test_a_killed_shard_stops_only_its_fragments_and_resumes_on_its_old_port(tmp_path):
