@@ -165,6 +165,15 @@ def aggregate_status(per_shard: Sequence[Mapping[str, Any] | None],
     learners = _learners(docs)
     out.update(_run_totals(docs, learners))
     out["learners"] = learners
+    _add_counts(docs, out)
+    _add_bytes(docs, out)
+    _add_state(docs, per_shard, out)
+    out["shards"] = [_shard_row(i, d, urls[i] if urls else None) for i, d in enumerate(per_shard)]
+    return out
+
+
+def _add_counts(docs: Sequence[Mapping[str, Any]], out: dict[str, Any]) -> None:
+    """The owned counts summed, what every shard sees the largest, the versions joined."""
     for key in OWNED_COUNTS:
         if any(key in d for d in docs):
             out[key] = sum(int(d.get(key) or 0) for d in docs)
@@ -176,15 +185,25 @@ def aggregate_status(per_shard: Sequence[Mapping[str, Any] | None],
             out[key] = max(d[key] for d in docs if d.get(key) is not None)
     out["versions"] = dict(sorted({p: v for d in docs for p, v in (d.get("versions") or {}).items()}.items(),
                                   key=lambda kv: int(kv[0])))
+
+
+def _add_bytes(docs: Sequence[Mapping[str, Any]], out: dict[str, Any]) -> None:
+    """Bytes by fragment (:func:`_bytes_by_fragment`), per token of the run, and the peaks summed
+    (an upper bound: the shards' busiest seconds need not coincide)."""
     tokens = int(out.get("tokens_processed") or 0)
     out["bytes_by_fragment"] = _bytes_by_fragment(docs, tokens)
     up = sum(b["bytes_up"] for b in out["bytes_by_fragment"].values())
     down = sum(b["bytes_down"] for b in out["bytes_by_fragment"].values())
     out["bytes_up_per_token"] = up / tokens if tokens else None
     out["bytes_down_per_token"] = down / tokens if tokens else None
-    for key in ("peak_bytes_in_per_s", "peak_bytes_out_per_s", "peak_bytes_per_s"):  # an upper bound: peaks add
+    for key in ("peak_bytes_in_per_s", "peak_bytes_out_per_s", "peak_bytes_per_s"):
         if any(key in d for d in docs):
             out[key] = sum(float(d.get(key) or 0.0) for d in docs)
+
+
+def _add_state(docs: Sequence[Mapping[str, Any]], per_shard: Sequence[Mapping[str, Any] | None],
+               out: dict[str, Any]) -> None:
+    """Uptime, epochs, stop reason, phase, whether finished, open rounds and the newest merges."""
     out["uptime"] = _uptime(docs)
     out["epoch"] = "+".join(str(d.get("epoch")) if d else "?" for d in per_shard)
     out["stop_reason"] = next((d["stop_reason"] for d in docs if d.get("stop_reason")), None)
@@ -201,8 +220,6 @@ def aggregate_status(per_shard: Sequence[Mapping[str, Any] | None],
     if "recent_merges" in out:
         merges = sorted((m for d in docs for m in d.get("recent_merges") or []), key=lambda m: m["age_s"])
         out["recent_merges"] = merges[:max(len(d.get("recent_merges") or []) for d in docs)]
-    out["shards"] = [_shard_row(i, d, urls[i] if urls else None) for i, d in enumerate(per_shard)]
-    return out
 
 
 LEARNER_FIGURES = ("train_loss", "tokens_per_s", "step_time_s", "link_s_per_fragment", "alive")

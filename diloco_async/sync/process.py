@@ -191,8 +191,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     run's ``lease`` is taken here when not given; it is released after a clean finish.
 
     Writes ``{"url", "run_id", "pid", "epoch", "lease_epoch", "shard", "shards"}`` to ``ready_file`` (atomically)
-    once the server listens. SIGTERM and SIGINT start a clean stop (final checkpoint, learners
-    told to stop).
+    once the server listens. SIGTERM and SIGINT start a clean stop (final checkpoint, learners told).
 
     Raises:
         LeaseHeld: another synchronizer holds the run's lease (nothing was written).
@@ -221,18 +220,15 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     loop = asyncio.get_running_loop()
     _handle_stop_signals(loop, sync)
     _freeze_startup()
-    if ready_file:
-        tmp = Path(ready_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
-                                   "lease_epoch": lease.lease_epoch, "shard": shard, "shards": sc.shards}))
-        tmp.replace(ready_file)
+    _write_ready(ready_file, {"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
+                              "lease_epoch": lease.lease_epoch, "shard": shard, "shards": sc.shards})
     run_stop = RunStop(sync) if sc.shards > 1 else None  # the budget stop is the run's (DESIGN §2.2)
     watchers = [loop.create_task(LoopWatch(_watch_period_s(), sync.part_times).run()),
                 loop.create_task(freeze_long_lived()), *([loop.create_task(run_stop.run())] if run_stop else [])]
     try:
         summary = await sync.run()
-        if run_stop is not None and run_stop.own_budget_reason() is not None:  # it stopped between two polls
-            await asyncio.to_thread(run_stop.publish, str(run_stop.own_budget_reason()))
+        if run_stop is not None:
+            await run_stop.finish()
     finally:
         await _cancel(watchers)
         _ignore_stop_signals(loop)
@@ -240,6 +236,14 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _write_ready(ready_file: str | None, doc: dict) -> None:
+    """``doc`` as JSON at ``ready_file`` (written beside it, then renamed: atomically); nothing without one."""
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(ready_file)
 
 
 def _handle_stop_signals(loop: asyncio.AbstractEventLoop, sync: Synchronizer) -> None:

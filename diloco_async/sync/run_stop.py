@@ -109,6 +109,12 @@ class RunStop:
                     log.warning("run stop of shard %d: %s: %s (%d so far)", self.ctx.shard, type(err).__name__, err,
                                 counters["run_stop_errors"])
 
+    async def finish(self) -> None:
+        """After the actor stopped: publish its budget stop if it stopped between two polls."""
+        reason = self.own_budget_reason()
+        if reason is not None:
+            await asyncio.to_thread(self.publish, reason)
+
     async def step(self) -> None:
         """One poll (see :meth:`run`)."""
         reason = self.own_budget_reason()

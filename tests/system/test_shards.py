@@ -34,12 +34,14 @@ from diloco_async.metrics.evaluation import model_from_checkpoint
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import (
     LEARNER_TOKEN_ENV,
+    TOKEN_ENV,
     ProtocolError,
     call_blocking,
     fetch_status,
     request_checkpoint,
 )
 from diloco_async.run import RunProcesses
+from diloco_async.sync import open_run
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
 from storage.checkpoint import list_checkpoint_seqs
@@ -375,6 +377,19 @@ def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resume
         assert st["versions"] == summary["versions"]
     finally:
         resumed.stop_all()
+
+    # a run checkpoint naming a shard that never started: refused before anything starts, naming it
+    forged = {**store.get_json(keys.run_manifest_key("real", ckpt.seq)), "seq": 90}
+    forged["checkpoints"]["2"] = dict(forged["checkpoints"]["1"])
+    store.put_json(keys.run_manifest_key("real", 90), forged)
+    url = keys.checkpoint_url(store.url, "real", 90)
+    with pytest.raises(ValueError, match="run checkpoint 90 of run real names synchronizer shard 2, which never "
+                                         r"started: the run has synchronizer\.shards=2"):
+        open_run(url, None, {})
+    refused = subprocess.run([sys.executable, "-m", "diloco_async.server", "--resume", url, "--shard", "1"],
+                             env={**os.environ, TOKEN_ENV: TOKEN}, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "names synchronizer shard 2, which never started" in refused.stderr, \
+        refused.stderr[-2000:]
 
 
 def test_a_killed_shard_stops_only_its_fragments_and_resumes_on_its_old_port(tmp_path):
