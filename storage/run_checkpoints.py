@@ -33,7 +33,7 @@ from storage.checkpoint import Checkpoint, load_checkpoint, verify_checkpoint
 from storage.store import IntegrityError, ObjectStore
 
 __all__ = ["RunCheckpoint", "write_run_manifest", "list_run_manifest_seqs", "open_run_checkpoint",
-           "latest_run_checkpoint", "newest_complete_checkpoint", "RUN_MANIFEST_TRIES"]
+           "latest_run_checkpoint", "newest_complete_checkpoint", "named_checkpoint", "RUN_MANIFEST_TRIES"]
 
 log = logging.getLogger("diloco.checkpoint")
 
@@ -133,6 +133,16 @@ def write_run_manifest(store: ObjectStore, run_id: str, shards: int) -> int | No
             continue
     raise RuntimeError(f"run checkpoint of {run_id}: {RUN_MANIFEST_TRIES} sequence numbers in a row were taken "
                        f"by other shards")
+
+
+def named_checkpoint(store: ObjectStore, run_id: str, shard: int) -> int | None:
+    """The checkpoint of shard ``shard`` that the run's newest run checkpoint names (its manifest read,
+    not verified), or None when there is none: what a shard's garbage collection stays behind."""
+    seqs = list_run_manifest_seqs(store, run_id)
+    if not seqs:
+        return None
+    entry = (store.get_json(keys.run_manifest_key(run_id, seqs[-1])).get("checkpoints") or {}).get(str(shard))
+    return None if entry is None else int(entry["seq"])
 
 
 def open_run_checkpoint(store: ObjectStore, run_id: str, shards: int, seq: int, load: bool = False,

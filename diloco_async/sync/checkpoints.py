@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.state import CheckpointBook, CheckpointDone
 from storage.checkpoint import write_checkpoint
-from storage.gc import collect_garbage
-from storage.run_checkpoints import write_run_manifest
+from storage.gc import GcReport, ShardScope, collect_garbage
+from storage.run_checkpoints import named_checkpoint, write_run_manifest
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -46,6 +46,22 @@ def _write_and_trim(store: ObjectStore, run_id: str, seq: int, tensors: dict, ma
                          consume=True)
     finally:
         release_free_memory()
+
+
+def _collect(ctx: ActorContext, keep_versions: dict[int, set[int]]) -> GcReport | None:
+    """One garbage collection (blocking): behind the newest verified checkpoint, or with several
+    shards behind the checkpoint of this shard that the newest run checkpoint names, in the run's
+    versions and contributions of this shard's fragments (storage/gc.py); None while no run
+    checkpoint names one (nothing to collect behind)."""
+    sc = ctx.sc
+    scope = None
+    if sc.shards > 1:
+        behind = named_checkpoint(ctx.store, ctx.run_id, ctx.shard)
+        if behind is None:
+            return None
+        scope = ShardScope(ctx.run_id, behind)
+    return collect_garbage(ctx.store, ctx.owner_id, keep_checkpoints=sc.keep_checkpoints,
+                           orphan_age_s=sc.orphan_age_s, keep_versions=keep_versions, shard=scope)
 
 
 class Checkpointer:
@@ -135,9 +151,9 @@ class Checkpointer:
         """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
         but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
-            done = await asyncio.to_thread(collect_garbage, self.ctx.store, self.ctx.owner_id,
-                                             keep_checkpoints=self.sc.keep_checkpoints,
-                                             orphan_age_s=self.sc.orphan_age_s, keep_versions=keep_versions)
+            done = await asyncio.to_thread(_collect, self.ctx, keep_versions)
+            if done is None:
+                return
             self.report.counters["gc_deleted_objects"] += done.objects
             self.report.counters["gc_deleted_bytes"] += done.nbytes
             self.report.counters["gc_kept_for_reads"] += done.kept_for_reads

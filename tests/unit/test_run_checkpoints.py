@@ -12,9 +12,11 @@ import torch
 
 from storage import keys
 from storage.checkpoint import tensor_key, write_checkpoint
+from storage.gc import ShardScope, collect_garbage
 from storage.run_checkpoints import (
     latest_run_checkpoint,
     list_run_manifest_seqs,
+    named_checkpoint,
     open_run_checkpoint,
     write_run_manifest,
 )
@@ -107,3 +109,34 @@ def test_a_bad_run_checkpoint_is_refused_naming_the_shard(store):
     with pytest.raises(ValueError, match="checkpoint 1 of synchronizer shard 1, whose state does not verify"):
         open_run_checkpoint(store, RUN, 2, 1)
     assert latest_run_checkpoint(store, RUN, 2) is None
+
+
+def test_a_shard_collects_its_own_fragments_behind_the_checkpoint_the_run_checkpoint_names(store):
+    """Versions and contributions lie under the run's root, checkpoints under each shard's: shard 0
+    deletes fragment 0's old versions and contributions and its own old checkpoints, behind the
+    checkpoint the newest run checkpoint names (not behind a newer one of its own), and leaves
+    fragment 1 and shard 1 alone."""
+    for p in range(2):
+        for v in range(6):
+            store.put(keys.version_key(RUN, p, v), b"v" * 10)
+        for n in range(1, 6):
+            store.put(keys.contribution_key(RUN, p, n, "L", "n0"), b"c" * 10)
+    roots = [keys.synchronizer_root(RUN, i, 2) for i in range(2)]
+    for seq, (shard, version) in enumerate([(0, 2), (0, 4)], start=1):
+        write_checkpoint(store, roots[shard], seq, {tensor_key(shard, "param", "w"): torch.ones(2)},
+                         {"versions": {str(shard): version}, "next_round": {str(shard): version + 1}})
+    write_checkpoint(store, roots[1], 1, {tensor_key(1, "param", "w"): torch.ones(2)},
+                     {"versions": {"1": 3}, "next_round": {"1": 4}})
+    assert write_run_manifest(store, RUN, 2) == 1
+    write_checkpoint(store, roots[0], 3, {tensor_key(0, "param", "w"): torch.ones(2)},  # not named by a run
+                     {"versions": {"0": 5}, "next_round": {"0": 6}})                   # checkpoint yet
+    assert named_checkpoint(store, RUN, 0) == 2 and named_checkpoint(store, RUN, 1) == 1
+    done = collect_garbage(store, roots[0], keep_checkpoints=1, orphan_age_s=None,
+                           shard=ShardScope(RUN, named_checkpoint(store, RUN, 0)))
+    left = set(store.list(RUN))
+    assert {v for v in range(6) if keys.version_key(RUN, 0, v) in left} == {4, 5}  # behind checkpoint 2's v4
+    assert {n for n in range(1, 6) if keys.contribution_key(RUN, 0, n, "L", "n0") in left} == {4, 5}
+    assert all(keys.version_key(RUN, 1, v) in left for v in range(6))  # fragment 1 is shard 1's
+    assert all(keys.contribution_key(RUN, 1, n, "L", "n0") in left for n in range(1, 6))
+    assert done.deleted_checkpoints == [1] and done.kept_checkpoints == [2, 3]
+    assert open_run_checkpoint(store, RUN, 2, 1).seq == 1  # the run checkpoint still verifies
