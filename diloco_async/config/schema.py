@@ -120,6 +120,9 @@ class LearnerConfig(_Section, LearnerDeviceFields):
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
     request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
+    announce_timeout_s: float = Field(
+        60.0, ge=1, le=3600, description="How long (s) a contribution's announcement is retried (same update id) "
+        "before it is given up and counted undeliverable to the synchronizer (shard) owning its fragment.")
     checkpoint_every_s: float = Field(
         30.0, ge=0, description="Period of the learner's own inner-state checkpoints (0: never)."
     )
@@ -404,7 +407,8 @@ _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
     "data": ("cache_dir", "token_cache_dir"),
     "model": ("hf.cache_dir",),
-    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "flush_denormal",
+    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "announce_timeout_s", "threads",
+                 "flush_denormal",
                  "checkpoint_every_s",
                  "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts"),
@@ -413,7 +417,7 @@ _OPERATIONAL = {
                      "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
                      "verifies_in_flight"),
     "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
-               "storage_fault_learners", "poison", "nice_after_ready"),
+               "storage_fault_learners", "poison", "nice_after_ready", "unreachable_shard"),
 }
 
 

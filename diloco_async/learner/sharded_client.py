@@ -9,7 +9,9 @@
   shards' plans must be equal. The answers merge: versions (disjoint by fragment) concatenated, the
   run's config and plan of the first, the highest ``start_step``, the epochs joined with ``+``.
 * ``heartbeat`` goes to every shard (each computes the global step from the same heartbeats); the
-  answers merge: open rounds and versions concatenated, ``stop`` when every shard answered stop,
+  answers merge: open rounds and versions concatenated, ``stop`` when every shard that answered
+  said stop (the budget stop is the run's: the shards follow the first that stops, DESIGN §2.2; a
+  learner cut off from one shard then still hears it from the others),
   the epochs joined (an unreachable shard's as it last answered, so it does not look restarted). A
   shard that answers ``known=False`` is joined again at once (that shard only). A shard that cannot
   be reached is logged, counted (:attr:`ShardedSyncClient.unreachable`) and left out of the answer
@@ -162,7 +164,7 @@ class ShardedSyncClient:
             raise next(a for a in answers if isinstance(a, BaseException))
         return {"open_rounds": [r for a in got for r in a.get("open_rounds", [])],
                 "versions": [v for a in got for v in a.get("versions", [])],
-                "stop": all(a.get("stop", False) for a in got) and len(got) == len(self.clients),
+                "stop": all(a.get("stop", False) for a in got),
                 "known": all(a.get("known", True) for a in got),
                 "epoch": "+".join(self._epochs)}  # an unreachable shard's as last answered
 

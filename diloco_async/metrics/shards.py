@@ -21,8 +21,7 @@ __all__ = ["aggregate_status", "aggregate_learner", "OWNED_COUNTS", "OWNED_BADPU
 
 OWNED_COUNTS = ("merges", "contributions_merged", "contributions_late", "contributions_rejected", "actor_errors",
                 "rounds_abandoned", "contributions_clipped", "contributions_downweighted", "verifications_dropped",
-                "duplicates", "bytes_in", "checkpoints", "gc_deleted_objects", "gc_kept_for_reads", "metrics_total",
-                "contributions_undeliverable")
+                "duplicates", "bytes_in", "checkpoints", "gc_deleted_objects", "gc_kept_for_reads", "metrics_total")
 """Counts each shard keeps of its own fragments or requests: the run's is their sum."""
 OWNED_BY_REASON = ("rejected_by_reason", "bad_requests", "rounds_abandoned_by_reason", "clamped_by_reason")
 """Counts by reason, summed reason by reason."""
@@ -66,7 +65,8 @@ def aggregate_learner(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                   for c in OBSERVED_CAUSES})
     out.update(led.to_json(), compute_goodput=led.compute_goodput, token_goodput=led.token_goodput,
                live=any(r.get("live") for r in rows), step=max(int(r.get("step", 0)) for r in rows),
-               incarnation=max(int(r.get("incarnation", 0)) for r in rows))
+               incarnation=max(int(r.get("incarnation", 0)) for r in rows),
+               undeliverable=max(int(r.get("undeliverable", 0)) for r in rows))
     if any("bytes_up" in r for r in rows):
         up, down = sum(int(r.get("bytes_up", 0)) for r in rows), max(int(r.get("bytes_down", 0)) for r in rows)
         tokens = led.tokens_processed
@@ -169,6 +169,10 @@ def aggregate_status(per_shard: Sequence[Mapping[str, Any] | None],
     _add_bytes(docs, out)
     _add_state(docs, per_shard, out)
     out["shards"] = [_shard_row(i, d, urls[i] if urls else None) for i, d in enumerate(per_shard)]
+    for row in out["shards"]:  # a shard's undeliverable: those of its fragments, as any shard heard of them
+        if row["reachable"]:
+            row["contributions_undeliverable"] = sum(out["undeliverable_by_fragment"].get(p, 0)
+                                                     for p in row.get("versions") or {})
     return out
 
 
@@ -185,6 +189,14 @@ def _add_counts(docs: Sequence[Mapping[str, Any]], out: dict[str, Any]) -> None:
             out[key] = max(d[key] for d in docs if d.get(key) is not None)
     out["versions"] = dict(sorted({p: v for d in docs for p, v in (d.get("versions") or {}).items()}.items(),
                                   key=lambda kv: int(kv[0])))
+    # learners tell every shard what they could not deliver, so the largest any shard heard of, fragment
+    # by fragment (the owner may be the shard they cannot reach)
+    undeliverable: dict[str, int] = {}
+    for d in docs:
+        for p, n in (d.get("undeliverable_by_fragment") or {}).items():
+            undeliverable[p] = max(undeliverable.get(p, 0), int(n))
+    out["undeliverable_by_fragment"] = dict(sorted(undeliverable.items(), key=lambda kv: int(kv[0])))
+    out["contributions_undeliverable"] = sum(undeliverable.values())
 
 
 def _add_bytes(docs: Sequence[Mapping[str, Any]], out: dict[str, Any]) -> None:

@@ -236,6 +236,7 @@ def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: R
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
     registry.restore(m["ledgers"], m["learners"], ctx.clock(), checkpoint_age_s=time.time() - written_unix_s)
     registry.wire.restore(m.get("wire_bytes", {}))
+    registry.undeliverable.restore(m.get("undeliverable", {}))  # (absent from checkpoints before shards)
     table.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     report.counters.clear()
     report.counters.update(m["counters"])
@@ -350,6 +351,7 @@ def checkpoint_payload(ctx: ActorContext, *, book: FragmentBook, table: RoundTab
         "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in book},
         "global_step": table.g,
         "wire_bytes": registry.wire.to_json(),
+        "undeliverable": registry.undeliverable.to_json(),
         "ledgers": ledgers,
         "learners": learners,
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included

@@ -392,6 +392,46 @@ def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resume
         refused.stderr[-2000:]
 
 
+def merged_learners(store: ObjectStore, root: str, epoch: str) -> set[tuple[int, str]]:
+    """(fragment, learner) of every contribution a shard process merged, from its merge log."""
+    lines = store.get_unverified(keys.merge_log_key(root, epoch)).decode().splitlines()
+    return {(m["fragment"], c["learner"]) for m in map(json.loads, filter(None, lines)) for c in m["contributions"]}
+
+
+def test_a_learner_cut_off_from_one_shard_keeps_contributing_to_the_other_and_counts_what_it_could_not_deliver(
+        tmp_path):
+    """learner-1's announcements to shard 1 all fail (faults.unreachable_shard, in its client): its
+    contributions of fragment 0 are merged by shard 0 as usual, those of fragment 1 are given up
+    after learners.announce_timeout_s and counted undeliverable, reported by both shards and in the
+    run's summary on shard 1's row; it still hears the run's stop and exits 0 (DESIGN §2.2)."""
+    cfg = with_fields(two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=600.0, tokens=30000),
+                      {"faults.unreachable_shard": [-1, 1], "learners.announce_timeout_s": 2.0})
+    store = ObjectStore(cfg.run.store)
+    run = RunProcesses(cfg, run_id="cut")
+    try:
+        run.start_synchronizer()
+        for i in range(2):
+            run.start_learner(i)
+        for shard in run.shard_syncs:
+            assert shard.wait(timeout=300) == 0, shard.log_path
+        run.finished_cleanly = True
+        for handle in run.learners.values():
+            assert handle.wait(timeout=60) == 0, handle.log_path
+    finally:
+        run.stop_all()
+    merged = [merged_learners(store, root, epoch) for root, epoch in zip(run.owner_roots(), run.shard_epochs,
+                                                                       strict=True)]
+    assert (0, "learner-1") in merged[0] and (1, "learner-0") in merged[1]
+    assert (1, "learner-1") not in merged[1]  # nothing of learner-1 reached shard 1
+    summary = run.final_summary()
+    lost = summary["contributions_undeliverable"]
+    assert lost >= 1 and summary["undeliverable_by_fragment"] == {"1": lost}, summary["undeliverable_by_fragment"]
+    assert [r["contributions_undeliverable"] for r in summary["shards"]] == [0, lost]
+    assert summary["learners"]["learner-1"]["undeliverable"] == lost and \
+        summary["learners"]["learner-0"]["undeliverable"] == 0
+    assert "counted undeliverable" in (run.workdir / "logs" / "learner-1.log").read_text()
+
+
 def test_a_killed_shard_stops_only_its_fragments_and_resumes_on_its_old_port(tmp_path):
     cfg = two_shard_run(tmp_path, checkpoint_every_s=1.0, wall_s=600.0)
     store = ObjectStore(cfg.run.store)

@@ -108,3 +108,28 @@ def test_a_shard_that_does_not_answer_is_a_row_not_a_failure():
         aggregate_status([None, None])
     with pytest.raises(ValueError, match="1 shard URL"):
         aggregate_status([s0, None], urls=["http://a"])
+
+
+def test_undeliverable_contributions_counted_once_by_the_fragments_owner():
+    """Learners tell every shard what they could not deliver: each fragment's count is the largest
+    any shard heard (the owner may be the one they cannot reach); a shard's row counts its fragments."""
+    l0 = {"L": {**learner(10, 5, 100, 50), "undeliverable": 3}}
+    s0 = shard_doc(0, l0, merges=3, epoch="e0", version=3)
+    s1 = shard_doc(1, {"L": learner(10, 5, 100, 50)}, merges=1, epoch="e1", version=1)
+    s0["undeliverable_by_fragment"], s1["undeliverable_by_fragment"] = {"1": 3}, {"1": 1}
+    run = aggregate_status([s0, s1])
+    assert run["undeliverable_by_fragment"] == {"1": 3} and run["contributions_undeliverable"] == 3
+    assert [r["contributions_undeliverable"] for r in run["shards"]] == [0, 3]
+    assert run["learners"]["L"]["undeliverable"] == 3
+
+
+def test_a_learners_undeliverable_counts_survive_its_restarts_and_the_shards_resume():
+    from diloco_async.sync.undeliverable import Undeliverable
+
+    u = Undeliverable()
+    assert u.heartbeat("L", 0, {1: 2}) == 2 and u.heartbeat("L", 0, {1: 2}) == 0  # the same report again
+    assert u.heartbeat("L", 1, {1: 1, 0: 1}) == 2  # a new incarnation reports from 0
+    assert u.by_fragment() == {"0": 1, "1": 3} and u.total({1}) == 3 and u.learner_total("L") == 4
+    again = Undeliverable()
+    again.restore(u.to_json())  # a checkpoint: the next report adds only what is new
+    assert again.heartbeat("L", 1, {1: 2, 0: 1}) == 1 and again.by_fragment() == {"0": 1, "1": 4}
