@@ -126,14 +126,28 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
         return report
     report = GcReport(run_id, newest.seq, f"behind verified checkpoint {newest.seq}", dry_run)
     _collect_orphans(store, run_id, orphan_age_s, clock, report)
-    manifest = newest.manifest
+    doomed = _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)  # (kind, key, nbytes), in order
+    doomed += _behind_floors(store, run_id if shard is None else shard.run_id, newest.manifest,
+                             {str(p): set(vs) for p, vs in (keep_versions or {}).items()}, report)
+
+    for kind, key, nbytes in doomed:
+        if not dry_run:
+            store.delete(key)
+        report.deleted[kind] += 1
+        report.deleted_nbytes[kind] += nbytes
+    log.info("gc %s: %s; %s %d objects, %d bytes (%s); checkpoints kept %s; %d objects kept for learners' reads",
+             run_id, report.reason, "would delete" if dry_run else "deleted", report.objects, report.nbytes,
+             dict(report.deleted), report.kept_checkpoints, report.kept_for_reads)
+    return report
+
+
+def _behind_floors(store: ObjectStore, data: str, manifest: dict, kept: Mapping[str, set[int]],
+                   report: GcReport) -> list[tuple[str, str, int]]:
+    """The versions, compact versions and contributions of run ``data`` behind what ``manifest``
+    still needs, of the fragments it mentions, but not the versions ``kept`` (counted in ``report``)."""
     version_floor = _version_floors(manifest)
     round_floor = {p: int(n) - 1 for p, n in manifest.get("next_round", {}).items()}
-
-    kept = {str(p): set(vs) for p, vs in (keep_versions or {}).items()}
-    data = run_id if shard is None else shard.run_id
-    doomed: list[tuple[str, str, int]] = []  # (kind, key, nbytes), in deletion order
-    doomed += _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)
+    doomed = []
     for kind, prefix, parse, floors in (
             ("globals", keys.versions_prefix(data), keys.parse_version_key, version_floor),
             ("compact", keys.compact_prefix(data), keys.parse_compact_key, version_floor),
@@ -148,16 +162,7 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
                     report.kept_for_reads += 1  # a live learner may still be reading it
                     continue
                 doomed.append((kind, key, nbytes))
-
-    for kind, key, nbytes in doomed:
-        if not dry_run:
-            store.delete(key)
-        report.deleted[kind] += 1
-        report.deleted_nbytes[kind] += nbytes
-    log.info("gc %s: %s; %s %d objects, %d bytes (%s); checkpoints kept %s; %d objects kept for learners' reads",
-             run_id, report.reason, "would delete" if dry_run else "deleted", report.objects, report.nbytes,
-             dict(report.deleted), report.kept_checkpoints, report.kept_for_reads)
-    return report
+    return doomed
 
 
 def _verified(store: ObjectStore, run_id: str, seq: int) -> Checkpoint | None:
