@@ -245,8 +245,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 110)
     t0 = time.monotonic()
     sink.start_children(f"learner-{i}" for i in range(cfg.learners.count))
-    url = run.start_synchronizer()
-    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, url)
+    run.start_synchronizer()
+    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, run.learner_sync_url)
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
     with _heldout_curve(run, sink) as pending:
