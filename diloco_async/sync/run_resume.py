@@ -43,9 +43,9 @@ def open_run(url: str, cfg: Config | None, storage_options: dict) -> tuple[Confi
     if seq is None:
         rc = latest_run_checkpoint(store, run_id, shards, load=True)
         if rc is None:
-            raise ValueError(f"no run checkpoint of run {run_id} verifies (of "
-                             f"{len(list_run_manifest_seqs(store, run_id))} under "
-                             f"{store.url}/{keys.checkpoint_prefix(run_id)}): a run with synchronizer.shards="
+            found = len(list_run_manifest_seqs(store, run_id))
+            raise ValueError(f"no run checkpoint of run {run_id} verifies ({found} "
+                             f"under {store.url}/{keys.checkpoint_prefix(run_id)} ); a run with synchronizer.shards="
                              f"{shards} resumes from one run-{{seq}}.json naming a checkpoint of every shard")
     else:
         rc = open_run_checkpoint(store, run_id, shards, seq, load=True)
