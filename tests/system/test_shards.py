@@ -45,6 +45,7 @@ from diloco_async.sync import open_run
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
 from storage.checkpoint import list_checkpoint_seqs
+from storage.run_checkpoints import list_run_manifest_seqs
 from storage.store import ObjectStore
 
 from polling import wait_until
@@ -56,11 +57,13 @@ ROUNDS = 3
 class Shards:
     """``len(procs)`` synchronizer processes of one run, one per shard, in shard order."""
 
-    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int, extra: tuple[str, ...] = (),
+                 resume: str | None = None) -> None:
         extra = (*TWO_FRAGMENTS, f"synchronizer.shards={shards}", *extra)
+        which = ["--resume", resume] if resume else ["--run-id", run_id]
         self.procs: list[SyncProcess] = []
         for i in range(shards):
-            self.procs.append(SyncProcess(tmp, store_url, ["--run-id", run_id, "--shard", str(i)], extra=extra))
+            self.procs.append(SyncProcess(tmp, store_url, [*which, "--shard", str(i)], extra=extra))
 
     def owner(self, p: int) -> SyncProcess:
         return self.procs[p % len(self.procs)]
@@ -70,7 +73,7 @@ class Shards:
             proc.stop()
 
 
-def drive(shards: Shards, store: ObjectStore, learner: str = "scripted") -> None:
+def drive(shards: Shards, store: ObjectStore, learner: str = "scripted", rounds: range = range(1, ROUNDS + 1)) -> None:
     """One scripted learner: joins every shard, then for rounds 1..ROUNDS reports step 4r+2 to every
     shard (round r of fragment 0 is due at 4r, of fragment 1 at 4r+2: H = 4, P = 2), contributes a
     fixed outer gradient per (fragment, round) to the fragment's owner and waits for the version."""
@@ -82,7 +85,7 @@ def drive(shards: Shards, store: ObjectStore, learner: str = "scripted") -> None
     assert all(plan == plans[0] for plan in plans)  # every shard serves the whole plan
     run_id = jr["run_id"]
     shapes = [{s["name"]: tuple(s["shape"]) for s in frag} for frag in plans[0]["fragments"]]
-    for r in range(1, ROUNDS + 1):
+    for r in rounds:
         for p in range(2):
             owner = shards.owner(p)
 
@@ -171,6 +174,32 @@ def test_two_shards_publish_the_same_versions_bit_for_bit_as_one(tmp_path):
                 f"{root}/checkpoints/00000001/manifest.json", f"{root}/epochs/{{epoch}}/summary.json"} <= shapes
         manifest = store.get_json(f"two/{root}/checkpoints/00000001/manifest.json")
         assert set(manifest["versions"]) == {str(i)}, manifest["versions"]  # each shard checkpoints its own
+
+
+def test_a_resume_from_one_run_checkpoint_restores_both_shards_bit_for_bit(tmp_path):
+    """S = 1 and S = 2 driven alike, checkpointed and stopped; S = 2 resumed from its newest run
+    checkpoint (each shard from the checkpoint of its own it names), S = 1 from its checkpoint; the
+    same contributions for three more rounds publish the same versions, bit for bit: each shard's
+    values, momentum and rounds were restored exactly (issue 40 item 3)."""
+    store_url = f"file://{tmp_path}/store"
+    store = run(tmp_path, store_url, "one", 1)
+    run(tmp_path, store_url, "two", 2)
+    seq = list_run_manifest_seqs(store, "two")[-1]
+    named = store.get_json(keys.run_manifest_key("two", seq))["checkpoints"]
+    assert {i: e["versions"] for i, e in named.items()} == {"0": {"0": ROUNDS}, "1": {"1": ROUNDS}}
+    more = range(ROUNDS + 1, 2 * ROUNDS + 1)
+    for run_id, shards, url in (("one", 1, f"{store_url}/one"),
+                                ("two", 2, keys.checkpoint_url(store_url, "two", seq))):
+        procs = Shards(tmp_path, store_url, run_id, shards, resume=url)
+        try:
+            if shards == 2:
+                assert [p.status()["resumed_from"] for p in procs.procs] == [named["0"]["seq"], named["1"]["seq"]]
+            drive(procs, store, rounds=more)
+        finally:
+            procs.stop()
+    one, two = version_digests(store, "one"), version_digests(store, "two")
+    assert {(p, v) for p in range(2) for v in more} <= set(one)  # (older ones: collected behind the checkpoints)
+    assert two == one
 
 
 def test_a_second_process_for_a_held_shard_exits_naming_the_holder(tmp_path):
