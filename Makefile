@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -202,6 +202,13 @@ bench-wan: data
 MINUTES ?= 20
 bench-sync-memory: data
 	$(PY) -m benchmarks.sync_memory --minutes $(MINUTES)
+
+## bench-tls: a learner's tokens/s in a run with mutual TLS against the same run in direct mode, TLS_PAIRS
+##            (default 3) interleaved pairs of TLS_RUN_S (60) seconds each; bar: tls / direct >= 0.98
+TLS_PAIRS ?= 3
+TLS_RUN_S ?= 60
+bench-tls: data
+	$(PY) -m benchmarks.tls_tokens --pairs $(TLS_PAIRS) --run-s $(TLS_RUN_S)
 
 ## bench-fuzz: FUZZ_REQUESTS (default 10,000) seeded valid, boundary and hostile requests on every route of a
 ## live synchronizer, honest scripted learners merging meanwhile: zero 5xx, alive, merging, RSS growth < 10%

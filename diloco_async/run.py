@@ -28,10 +28,11 @@ from diloco_async.learner.group import torchrun_args
 from diloco_async.metrics.shards import aggregate_status, run_points, shard_points
 from diloco_async.protocol.auth import check_run_secret, learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
+from diloco_async.protocol.tls import client_context_from_env
 from diloco_async.runtime.devices import check_devices
 from diloco_async.runtime.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
 from diloco_async.runtime.supervisor import Restart, Supervisor
-from diloco_async.sync import new_run_id
+from diloco_async.sync import check_network, learner_tls_env, new_run_id, operator_tls_env
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint
 from storage.options import STORAGE_OPTIONS_ENV
@@ -79,6 +80,7 @@ class RunProcesses:
                  launcher: Launcher | None = None, run_secret: str | None = None) -> None:
         if cfg.run.launcher == "local":
             check_devices(cfg.learners)
+        check_network(cfg)  # its TLS files, before anything starts (docs/network-modes.md)
         self.cfg = cfg
         if run_id is None and resume_url:
             run_id = keys.split_checkpoint_url(resume_url)[1]
@@ -102,6 +104,8 @@ class RunProcesses:
         self.shard_syncs: list[Any] = []
         self.shard_urls: list[str] = []
         self.shard_epochs: list[str] = []  # each shard process's epoch (its summary and metrics lie under it)
+        tls_env = operator_tls_env(cfg)  # the operator's requests (metrics, status) over HTTPS
+        self.operator_ssl = client_context_from_env(tls_env) if tls_env else None
         self.metrics_next = 0
         self.shard_metrics_next: list[int] = []  # with several shards: the metric stream's cursor of each
         self.finished_cleanly = False
@@ -114,8 +118,11 @@ class RunProcesses:
         log.warning("%s", line)
 
     def learner_env(self, learner_id: str) -> dict[str, str]:
-        """The environment of ``learner_id``'s process: :attr:`env` and that learner's own token."""
-        return {**self.env, LEARNER_TOKEN_ENV: learner_token(self.token, self.run_id, learner_id)}
+        """The environment of ``learner_id``'s process: :attr:`env`, that learner's own token and, in
+        ``tls`` mode, its CA bundle (and with mutual TLS its certificate and key)."""
+        index = int(learner_id.rsplit("-", 1)[1])
+        return {**self.env, LEARNER_TOKEN_ENV: learner_token(self.token, self.run_id, learner_id),
+                **learner_tls_env(self.cfg, index)}
 
     @property
     def learner_sync_url(self) -> str:
@@ -246,7 +253,8 @@ class RunProcesses:
         points: list[dict] = []
         while True:
             try:
-                body = call_blocking(url, self.token, "metrics", start, request_timeout_s=5.0)
+                body = call_blocking(url, self.token, "metrics", start, request_timeout_s=5.0,
+                                     ssl_context=self.operator_ssl)
             except (OSError, ValueError, ProtocolError):
                 return points, start
             points.extend(body["metrics"])
@@ -261,7 +269,7 @@ class RunProcesses:
         docs = []
         for url in self.shard_urls or [str(self.sync_url)]:
             try:
-                docs.append(fetch_status(url))
+                docs.append(fetch_status(url, ssl_context=self.operator_ssl))
             except (OSError, ValueError):
                 docs.append(None)
         if all(d is None for d in docs):

@@ -223,7 +223,7 @@ def _config_field(message: str) -> str | None:
     bad_override = re.search(r"override '([^'=]*)=", message)  # names no section.field (the example would)
     if bad_override:
         return bad_override.group(1) or None
-    named = re.search(r"\b((?:run|data|model|learners|synchronizer|budget|tracking)\.\w+)", message)
+    named = re.search(r"\b((?:run|data|model|learners|synchronizer|budget|tracking|network)\.\w+)", message)
     if named:
         return named.group(1)
     m = _FIELD.search(message)
@@ -251,6 +251,20 @@ def _devices(cfg: Config) -> tuple[Any, str]:
 
     found = [str(d) for d in check_devices(cfg.learners)]
     return found, ", ".join(f"{d} x{found.count(d)}" for d in dict.fromkeys(found)) + " (rank 0 of each learner)"
+
+
+def _network(cfg: Config) -> tuple[Any, str]:
+    """The TLS files of a ``tls`` run, checked as ``train`` checks them before it starts anything
+    (:func:`~diloco_async.sync.check_network`; docs/network-modes.md)."""
+    from diloco_async.sync import check_network
+
+    check_network(cfg)
+    modes = cfg.network.modes(cfg.learners.count)
+    if "tls" not in modes:
+        return None, "direct: plain HTTP and WebSocket"
+    mutual = cfg.network.client_ca is not None
+    return None, (f"tls{' with mutual TLS' if mutual else ''}: the synchronizer's certificate, its key and "
+                  f"the CA bundle checked{', and every client certificate' if mutual else ''}")
 
 
 def _data(cfg: Config) -> tuple[Any, str]:
@@ -324,6 +338,7 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
         return [Check("config", False, str(err), _config_field(str(err)) or "recipe")]
     checks.append(Check("config", True, where))
     _step(checks, "devices", "learners.device", _devices, cfg)
+    _step(checks, "network", "network", _network, cfg)
     options = {**cfg.run.storage_options, **(storage_options or {})}
     _step(checks, "store", "run.store", lambda: (None, probe_store(cfg.run.store, options)))
     with tempfile.TemporaryDirectory(prefix="diloco-validate-") as scratch:

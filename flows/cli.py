@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_token.add_argument("--env", action="store_true", help="print DILOCO_LEARNER_TOKEN=<token> (for an env file)")
     p_token.set_defaults(func=_token)
     add_alerts_parser(sub, _alerts)
+    from flows.certs import add_certs_parser  # cryptography only, no flow
+    add_certs_parser(sub)
     from flows.ablate_cli import add_ablate_parser  # argparse only; the flow is imported when it runs
     add_ablate_parser(sub, interrupts.run_flow, _weak_secret)
     sub.add_parser("simulate", help="goodput simulator at paper scale (see `simulate --help`)")

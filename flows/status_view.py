@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import Counter
 
 from rich import box
 from rich.console import Console, Group
@@ -111,13 +112,22 @@ def _run_figures(st: dict, wide: bool) -> Table:
             ("goodput", f"compute {st['compute_goodput']:.3f} · token {st['token_goodput']:.3f}"),
             ("traffic", f"{_bytes(st.get('bytes_in'))} in · {_bytes(st.get('bytes_out'))} out"),
             ("B/token up / down", per_token),
-            ("versions", versions)]
+            ("versions", versions),
+            ("network", _network(st))]
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(max_width=None if wide else 80)
     for label, value in rows:
         grid.add_row(label, value)
     return grid
+
+
+def _network(st: dict) -> str:
+    """Learners by network mode and the requests refused by mode, e.g. ``tls 4 · refused tls 3``."""
+    modes = Counter(info.get("network_mode", "direct") for info in st["learners"].values())
+    refused = st.get("refused_by_mode") or {}
+    parts = [f"{m} {n}" for m, n in sorted(modes.items())] or ["no learner yet"]
+    return " · ".join(parts + [f"refused {m} {n}" for m, n in sorted(refused.items())])
 
 
 def _learners(st: dict, wide: bool) -> Table:
@@ -127,7 +137,8 @@ def _learners(st: dict, wide: bool) -> Table:
     for lid, info in sorted(st["learners"].items()):
         c = info.get("contributions", {})
         age = info.get("heartbeat_age_s")
-        row = [lid, "live" if info["live"] else "[red]lost[/red]", "-" if age is None else f"{age:.1f} s",
+        mode = f" {info.get('network_mode', 'direct')}" if wide else ""  # the run's figures sum the modes up
+        row = [lid, ("live" if info["live"] else "[red]lost[/red]") + mode, "-" if age is None else f"{age:.1f} s",
                str(info["step"]), str(info["incarnation"]), _count(info["tokens_processed"]),
                f"{c.get('merged', 0)} / {c.get('late', 0)} / {c.get('rejected', 0)}", f"{info['compute_goodput']:.3f}"]
         if wide:

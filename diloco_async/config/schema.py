@@ -20,6 +20,7 @@ from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
+from diloco_async.config.network import NetworkConfig
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.runtime.devices import LearnerDeviceFields
 
@@ -32,6 +33,7 @@ __all__ = [
     "BudgetConfig",
     "TrackingConfig",
     "FaultsConfig",
+    "NetworkConfig",
     "Config",
     "load_config",
     "apply_overrides",
@@ -282,6 +284,7 @@ class Config(_Section):
     guard: GuardConfig = GuardConfig()
     tracking: TrackingConfig = TrackingConfig()
     faults: FaultsConfig = FaultsConfig()
+    network: NetworkConfig = NetworkConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -295,6 +298,7 @@ class Config(_Section):
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
             raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
                              f"(lease_ttl_s={sc.lease_ttl_s})")
+        self.network.check_learners(self.learners.count)
         return self
 
     def public_dict(self) -> dict:
@@ -418,6 +422,7 @@ _OPERATIONAL = {
                      "verifies_in_flight"),
     "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
                "storage_fault_learners", "poison", "nice_after_ready", "unreachable_shard"),
+    "network": tuple(NetworkConfig.model_fields),  # how learners reach the synchronizer, never what they compute
 }
 
 

@@ -268,8 +268,10 @@ class Comms:
                 if silent > self.give_up_after_s:
                     raise ProtocolError(f"synchronizer unreachable for {silent:.0f}s") from err
                 pause_s = backoff.next_pause_s()
+                why = f"{type(err).__name__}: {err}"[:300] if isinstance(err, aiohttp.ClientSSLError) \
+                    else type(err).__name__  # a TLS refusal says why (a certificate the other side refused)
                 log.warning("%s synchronizer unreachable (%s); retrying in %.1fs, training continues",
-                            self.learner_id, type(err).__name__, pause_s)
+                            self.learner_id, why, pause_s)
                 await asyncio.sleep(pause_s)
 
     async def _until_next_heartbeat(self) -> None:

@@ -14,6 +14,7 @@ refused us (or, on a rank other than 0, rank 0 could not join).
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from diloco_async.learner.process import Learner
 from diloco_async.learner.state import LearnerSlot, SyncEndpoint
 from diloco_async.metrics.timeline import Recorder
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, ProtocolError
+from diloco_async.protocol.tls import CA_ENV, CERT_ENV, KEY_ENV, check_client_files, read_certificates
 from diloco_async.runtime.heap import limit_heap_retention
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
 from diloco_async.runtime.process_clock import process_uptime_s
@@ -35,7 +37,8 @@ from storage.latency import LatencyStore
 from storage.options import storage_options_from_env
 from storage.store import ObjectStore
 
-__all__ = ["TIMELINE_DIR_ENV", "LEARNER_SWITCH_INTERVAL_S", "build_parser", "main", "set_up_interpreter"]
+__all__ = ["TIMELINE_DIR_ENV", "LEARNER_SWITCH_INTERVAL_S", "build_parser", "main", "set_up_interpreter",
+           "check_tls_env"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "data shard and exchanges outer gradients through the store.",
         epilog=f"environment: {LEARNER_TOKEN_ENV} (required: this learner's own token, from the operator's "
                "`diloco-async token`), DILOCO_STORAGE_OPTIONS (optional JSON fsspec options of the store), "
+               "DILOCO_TLS_CA, DILOCO_TLS_CERT, DILOCO_TLS_KEY (an https:// synchronizer: the CA bundle that "
+               "verifies it, and with mutual TLS this learner's certificate and key), "
                f"{TIMELINE_DIR_ENV} (optional folder for timeline records), {LINK_DELAY_ENV} (optional one-way "
                "link latency in ms added to every store request and synchronizer exchange). exit codes: 0 "
                "stopped by the synchronizer, 2 usage or a device absent here, 3 the synchronizer was lost or "
@@ -130,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {LEARNER_TOKEN_ENV} is not set: give this learner its own token, from the operator's "
               f"`diloco-async token --run-id RUN --learner-id {args.learner_id}`", file=sys.stderr)
         return 2
+    try:
+        check_tls_env(args.learner_id, args.sync_url, os.environ, dt.datetime.now(dt.UTC))
+    except ValueError as err:
+        print(f"error: {args.learner_id}: {err}", file=sys.stderr)
+        return 2
     group = LearnerGroup.from_env(args.group_timeout_s)
     try:
         if group is not None and not group.is_leader:
@@ -141,6 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if group is not None:
             group.close()
+
+
+def check_tls_env(learner_id: str, sync_url: str, env: dict | os._Environ, now: dt.datetime) -> None:
+    """Before anything starts, a learner of an ``https://`` synchronizer checks its TLS files
+    (docs/network-modes.md): the CA bundle of ``DILOCO_TLS_CA`` holds a certificate; its own
+    ``DILOCO_TLS_CERT`` / ``DILOCO_TLS_KEY`` (mutual TLS) are a pair, valid at ``now`` and name
+    ``learner_id``. Raises ValueError naming the file (and the expiry)."""
+    if not sync_url.startswith("https://"):
+        return
+    if env.get(CA_ENV):
+        read_certificates(env[CA_ENV], f"{CA_ENV} bundle")
+    if bool(env.get(CERT_ENV)) != bool(env.get(KEY_ENV)):
+        raise ValueError(f"{CERT_ENV} and {KEY_ENV} go together: set both or neither")
+    if env.get(CERT_ENV):
+        check_client_files(env[CERT_ENV], env[KEY_ENV], now, learner_id)
 
 
 def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | None) -> int:

@@ -22,11 +22,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+
+from diloco_async.protocol.tls import client_context_from_env
 
 __all__ = ["TOKEN_ENV", "LEARNER_TOKEN_ENV", "DEFAULT_REQUEST_TIMEOUT_S", "ProtocolError", "ReplyError",
            "ChannelClosed", "RequestChannel", "SyncClient",
@@ -144,6 +147,11 @@ class SyncClient:
         ws_requests: send heartbeats and announcements over the push channel's WebSocket while
             :meth:`push` holds it open (:class:`RequestChannel`), over HTTP otherwise; a request
             whose socket closes before the answer is sent again over HTTP. False: always HTTP.
+        ssl_context: how an ``https://`` synchronizer is verified and which client certificate is
+            presented (mutual TLS); None: from ``DILOCO_TLS_CA`` / ``_CERT`` / ``_KEY``
+            (:func:`~diloco_async.protocol.tls.client_context_from_env`). Requests and the WebSocket
+            go through ``HTTPS_PROXY`` / ``HTTP_PROXY`` unless ``NO_PROXY`` names the host
+            (aiohttp's ``trust_env``; docs/network-modes.md).
 
     ``sent_by_transport`` counts the heartbeats and announcements sent (answered or not), by
     ``"ws"`` and ``"http"``.
@@ -152,7 +160,8 @@ class SyncClient:
     def __init__(self, url: str, token: str | None = None, *,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  before_post: Callable[[str], Awaitable[None]] | None = None,
-                 link_delay_s: float = 0.0, ws_requests: bool = True) -> None:
+                 link_delay_s: float = 0.0, ws_requests: bool = True,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         if not 0 <= link_delay_s < float("inf"):
             raise ValueError(f"link_delay_s must be a finite number >= 0, got {link_delay_s!r}")
         self.url = url.rstrip("/")
@@ -161,13 +170,18 @@ class SyncClient:
         self.request_timeout_s = request_timeout_s
         self.before_post = before_post
         self.ws_requests = ws_requests
+        self.ssl_context = ssl_context
         self.sent_by_transport: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
         self._channel: RequestChannel | None = None  # the push channel's socket while it is open
 
     async def __aenter__(self) -> SyncClient:
         # no session-wide timeout: each request carries request_timeout_s as it is when sent
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        ctx = self.ssl_context
+        if ctx is None and self.url.startswith("https://"):
+            ctx = client_context_from_env()
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=True,
+                                              connector=aiohttp.TCPConnector(ssl=ctx if ctx is not None else True))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -296,9 +310,11 @@ async def _events(ws: aiohttp.ClientWebSocketResponse, delay_s: float = 0.0,
 
 
 def call_blocking(url: str, token: str | None, method: str, *args: Any,
-                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Any:
+                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                  ssl_context: ssl.SSLContext | None = None) -> Any:
     """Run one :class:`SyncClient` method to completion from synchronous code, e.g.
     ``call_blocking(url, token, "metrics", 0)``; safe to call from a thread that runs an event loop.
+    ``ssl_context``: as :class:`SyncClient`'s.
 
     Raises:
         ProtocolError: HTTP 401, 403 or 413.
@@ -306,7 +322,7 @@ def call_blocking(url: str, token: str | None, method: str, *args: Any,
         ValueError: the answer is not JSON.
     """
     async def once() -> Any:
-        async with SyncClient(url, token, request_timeout_s=request_timeout_s) as client:
+        async with SyncClient(url, token, request_timeout_s=request_timeout_s, ssl_context=ssl_context) as client:
             return await getattr(client, method)(*args)
 
     try:
@@ -324,13 +340,13 @@ def call_blocking(url: str, token: str | None, method: str, *args: Any,
         raise ConnectionError(f"{method} failed ({type(err).__name__}: {err}) at {url}") from err
 
 
-def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
-    """``GET {url}/status`` from synchronous code (open route, no token).
+def fetch_status(url: str, timeout_s: float = 5.0, ssl_context: ssl.SSLContext | None = None) -> dict:
+    """``GET {url}/status`` from synchronous code (open route, no token; ``ssl_context`` as :class:`SyncClient`'s).
 
     Raises:
         ConnectionError (OSError): the synchronizer does not answer.
     """
-    return call_blocking(url, None, "status", request_timeout_s=timeout_s)
+    return call_blocking(url, None, "status", request_timeout_s=timeout_s, ssl_context=ssl_context)
 
 
 def request_checkpoint(url: str, token: str, timeout_s: float = 300.0) -> dict:

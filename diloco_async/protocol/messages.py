@@ -91,6 +91,9 @@ class JoinRequest(_Msg):
     learner_id: LearnerId
     incarnation: Step = Field(0, description="Restart count of this learner slot.")
     uptime_s: Seconds = Field(0.0, description="Seconds since the learner process started.")
+    network_mode: Literal["direct", "tls"] = Field(
+        "direct", description="How the learner reaches the synchronizer (config network.mode); set by the "
+        "synchronizer's edge from the port the join came on, whatever the learner sent.")
 
 
 class JoinResponse(_Msg):

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Protocol
 
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.protocol.tls import CERT_ENV, KEY_ENV
 
 __all__ = ["ProcessHandle", "Launcher", "LocalProcess", "LocalProcessLauncher", "ForkedProcess",
            "ForkServerLauncher", "stop_process", "wait_for_ready_file"]
 
 
-_NOT_INHERITED = (TOKEN_ENV, LEARNER_TOKEN_ENV)  # reach a child only through its ``env``
+_NOT_INHERITED = (TOKEN_ENV, LEARNER_TOKEN_ENV, CERT_ENV, KEY_ENV)  # reach a child only through its ``env``
 
 
 def _inherited(environ: dict[str, str]) -> dict[str, str]:

@@ -26,6 +26,7 @@
 ``gate``            credentials and the counters of requests refused at the edge
 ``snapshot``        the status snapshot the actor publishes for ``/status`` and ``/health``
 ``process``         :func:`serve` and the command line (``python -m diloco_async.server``)
+``tls_setup``       the run's TLS files checked before anything starts; the edge's SSL context
 ==================  ===================================================================
 """
 
@@ -36,6 +37,7 @@ from diloco_async.sync.persistence import open_checkpoint, stored_config
 from diloco_async.sync.process import STORAGE_OPTIONS_ENV, TOKEN_ENV, main, serve
 from diloco_async.sync.run_resume import open_run
 from diloco_async.sync.state import Broadcaster, initial_parameters, initial_state, new_run_id
+from diloco_async.sync.tls_setup import check_network, learner_tls_env, operator_tls_env
 
 __all__ = [
     "Synchronizer",
@@ -53,4 +55,7 @@ __all__ = [
     "stored_config",
     "TOKEN_ENV",
     "STORAGE_OPTIONS_ENV",
+    "check_network",
+    "learner_tls_env",
+    "operator_tls_env",
 ]

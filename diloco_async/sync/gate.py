@@ -14,15 +14,22 @@ from collections import Counter
 from collections.abc import Callable
 
 from diloco_async.protocol.auth import FORBIDDEN, UNAUTHENTICATED, Credentials
+from diloco_async.protocol.tls import TLS_REASONS
 from diloco_async.sync.logs import RateLimitedLog
 
-__all__ = ["Gate", "EDGE_REASONS", "BODY_TIMEOUT", "LOG_EVERY_S", "ProtocolErrorFilter", "quiet_protocol_errors"]
+__all__ = ["Gate", "EDGE_REASONS", "BODY_TIMEOUT", "NO_CERTIFICATE", "CERTIFICATE_IDENTITY", "LOG_EVERY_S",
+           "ProtocolErrorFilter", "quiet_protocol_errors"]
 
 log = logging.getLogger("diloco.server")
 
 BODY_TIMEOUT = "body_timeout"
 """Reason: the request's body did not arrive within ``synchronizer.request_body_timeout_s``."""
-EDGE_REASONS = (UNAUTHENTICATED, FORBIDDEN, BODY_TIMEOUT)
+NO_CERTIFICATE = "no_client_certificate"
+"""Reason (mutual TLS): a learner or admin request on a connection without a verified client certificate."""
+CERTIFICATE_IDENTITY = "certificate_identity"
+"""Reason (mutual TLS): the connection's certificate names another learner (or not the operator)."""
+EDGE_REASONS = (UNAUTHENTICATED, FORBIDDEN, BODY_TIMEOUT, NO_CERTIFICATE, CERTIFICATE_IDENTITY,
+                *(f"tls_{r}" for r in TLS_REASONS))
 """The fixed set of reasons counted at the edge."""
 LOG_EVERY_S = 10.0
 """At most one log line per reason in this many seconds."""
@@ -35,13 +42,29 @@ class Gate:
         credentials: checks bearer credentials (:class:`~diloco_async.protocol.auth.Credentials`).
         counts: the counters by reason, shared with the status (written only here).
         clock: monotonic clock in seconds of the log's rate limit.
+        mode: the network mode of this edge's port (``direct`` or ``tls``).
+        by_mode: requests refused (here and by :meth:`bad_request`) by network mode, shared with the status.
+        peers_checked: mutual TLS: learner and admin requests need a verified client certificate
+            naming who they act as (:mod:`diloco_async.protocol.tls`).
     """
 
     def __init__(self, credentials: Credentials, counts: Counter[str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, mode: str = "direct",
+                 by_mode: Counter[str] | None = None, peers_checked: bool = False) -> None:
         self.credentials = credentials
         self.counts = counts
         self.log = RateLimitedLog(log, LOG_EVERY_S, clock)
+        self.mode, self.peers_checked = mode, peers_checked
+        self.by_mode: Counter[str] = by_mode if by_mode is not None else Counter()
+
+    def bad_request(self) -> None:
+        """Count one request refused as malformed (400) under this edge's mode."""
+        self.by_mode[self.mode] += 1
+
+    def refuse_handshake(self, reason: str, detail: str) -> None:
+        """Count one TLS handshake refused for ``reason`` (one of
+        :data:`~diloco_async.protocol.tls.TLS_REASONS`, counted as ``tls_<reason>``) and maybe log it."""
+        self.refuse(f"tls_{reason}", "a TLS client", f"handshake refused: {detail}")
 
     def refuse(self, reason: str, remote: str, detail: str) -> None:
         """Count one refused request under ``reason`` (one of :data:`EDGE_REASONS`) and maybe log it.
@@ -52,6 +75,7 @@ class Gate:
         if reason not in EDGE_REASONS:
             raise ValueError(f"unknown edge reason {reason!r}; known: {', '.join(EDGE_REASONS)}")
         self.counts[reason] += 1
+        self.by_mode[self.mode] += 1
         self.log.note(reason, f"refused request from {remote}: {detail} ({self.counts[reason]} so far)")
 
 

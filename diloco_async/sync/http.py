@@ -22,6 +22,10 @@ received within ``synchronizer.request_body_timeout_s`` gets 408 (``body_timeout
 same way); a connection that sends no complete request within ``synchronizer.idle_timeout_s`` is
 closed. A join beyond ``synchronizer.max_learners`` gets 403 with reason ``learner_cap``.
 
+With mutual TLS (``network.client_ca``, docs/network-modes.md) a learner's route also needs the
+connection's verified certificate to name that learner (``diloco://learner/<id>``; else 401
+``no_client_certificate`` or 403 ``certificate_identity``), an admin route the operator's.
+
 A body or query that does not validate (not UTF-8, not JSON, nested too deep, an integer of more
 than 4300 digits, not an object, a field out of its bounds — see :mod:`diloco_async.protocol.messages`)
 gets 400 with ``{"error": "bad_request: ...", "reason": ...}`` naming the field, counted under
@@ -51,11 +55,12 @@ from pydantic import BaseModel
 
 from diloco_async.protocol.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
 from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest, MetricsQuery
+from diloco_async.protocol.tls import OPERATOR_URI, learner_uri, peer_identity
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest as _BadRequest
 from diloco_async.sync.bodies import decode as _decode
 from diloco_async.sync.bodies import validate as _validate
-from diloco_async.sync.gate import BODY_TIMEOUT, Gate
+from diloco_async.sync.gate import BODY_TIMEOUT, CERTIFICATE_IDENTITY, NO_CERTIFICATE, Gate
 from diloco_async.sync.snapshot import dumps as _dumps
 from diloco_async.sync.state import Broadcaster
 from diloco_async.sync.ws_requests import LearnerSocket
@@ -88,7 +93,8 @@ def _credential(request: web.Request) -> str | None:
 def _denied(request: web.Request, reason: str, detail: str) -> web.HTTPException:
     """The 401/403/408 answer to a request refused at the edge; counted and (rate-limited) logged."""
     request.app[GATE].refuse(reason, request.remote or "?", f"{request.method} {request.path}: {detail}")
-    kind = {UNAUTHENTICATED: web.HTTPUnauthorized, FORBIDDEN: web.HTTPForbidden}.get(reason, web.HTTPRequestTimeout)
+    kind = {UNAUTHENTICATED: web.HTTPUnauthorized, FORBIDDEN: web.HTTPForbidden, NO_CERTIFICATE: web.HTTPUnauthorized,
+            CERTIFICATE_IDENTITY: web.HTTPForbidden}.get(reason, web.HTTPRequestTimeout)
     return kind(text=_dumps({"error": f"{reason}: {detail}", "reason": reason}), content_type="application/json")
 
 
@@ -97,6 +103,33 @@ def _check(request: web.Request, verdict: Verdict, wanted: str) -> None:
     if not verdict.ok:
         who = f"a token of {verdict.role}" if verdict.role else "a credential that matches nothing"
         raise _denied(request, verdict.reason, f"{who} may not act as {wanted}")
+
+
+def _check_peer(request: web.Request, wanted: str | None, who: str) -> None:
+    """Mutual TLS: the connection's verified certificate must name ``wanted`` (None: any identity)."""
+    if not request.app[GATE].peers_checked:
+        return
+    transport = request.transport
+    identity = peer_identity(transport.get_extra_info("peercert") if transport is not None else None)
+    if identity is None:
+        raise _denied(request, NO_CERTIFICATE, f"no client certificate with a diloco:// identity: may not act as {who}")
+    if wanted is not None and identity != wanted:
+        raise _denied(request, CERTIFICATE_IDENTITY, f"its certificate names {identity}, not {wanted}: may not act "
+                                                     f"as {who}")
+
+
+def _check_learner(request: web.Request, learner_id: str) -> None:
+    """The request may act as ``learner_id``: its token (or the run secret) and, with mutual TLS,
+    its certificate both say so."""
+    who = f"learner {learner_id[:64]!r}"
+    _check(request, request.app[GATE].credentials.as_learner(_credential(request), learner_id), who)
+    _check_peer(request, learner_uri(learner_id), who)
+
+
+def _check_admin(request: web.Request) -> None:
+    """The request is the operator's: the run secret and, with mutual TLS, the operator's certificate."""
+    _check(request, request.app[GATE].credentials.as_admin(_credential(request)), "the operator")
+    _check_peer(request, OPERATOR_URI, "the operator")
 
 
 @web.middleware
@@ -109,6 +142,7 @@ async def _auth(request: web.Request, handler):
 
 def _refuse(request: web.Request, bad: _BadRequest) -> web.HTTPBadRequest:
     request.app[SYNC].count_bad_request(bad.reason)
+    request.app[GATE].bad_request()
     log.warning("bad %s request from %s: %s: %s", request.path, request.remote, bad.reason, bad.detail)
     return web.HTTPBadRequest(text=_dumps({"error": f"bad_request: {bad.detail}", "reason": bad.reason}),
                               content_type="application/json")
@@ -139,18 +173,20 @@ async def _parse_as_learner(request: web.Request, model: type[BaseModel]) -> Any
     except ValueError:
         pass
     else:
-        _check(request, creds.as_learner(credential, msg.learner_id), f"learner {msg.learner_id[:64]!r}")
+        _check_learner(request, msg.learner_id)
         return msg
     try:
         doc = _decode(raw)
     except _BadRequest as bad:
         _check(request, creds.as_anyone(credential), "anyone")
+        _check_peer(request, None, "anyone")
         raise _refuse(request, bad) from None
     claimed = doc.get("learner_id") if isinstance(doc, dict) else None
     if isinstance(claimed, str) and claimed:
-        _check(request, creds.as_learner(credential, claimed), f"learner {claimed[:64]!r}")
+        _check_learner(request, claimed)
     else:
         _check(request, creds.as_anyone(credential), "anyone")
+        _check_peer(request, None, "anyone")
     try:
         return _validate(doc, model)
     except _BadRequest as bad:
@@ -174,7 +210,8 @@ async def _ask(request: web.Request, kind: str, body: Any) -> Any:
 
 
 async def _join(request: web.Request) -> web.Response:
-    resp = await _ask(request, "join", await _parse_as_learner(request, JoinRequest))
+    req = await _parse_as_learner(request, JoinRequest)  # its mode is the port's it came on, not what it says
+    resp = await _ask(request, "join", req.model_copy(update={"network_mode": request.app[GATE].mode}))
     return _model_json(resp)
 
 
@@ -241,7 +278,7 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    _check(request, request.app[GATE].credentials.as_admin(_credential(request)), "the operator")
+    _check_admin(request)
     try:
         query = _validate({k: v for k, v in request.query.items() if k == "since"}, MetricsQuery)
     except _BadRequest as bad:
@@ -323,11 +360,10 @@ async def _close_sockets(app: web.Application) -> None:
 
 async def _push(request: web.Request) -> web.WebSocketResponse:
     lid = request.query.get("learner_id", "")
-    creds = request.app[GATE].credentials
     if lid:
-        _check(request, creds.as_learner(_credential(request), lid), f"learner {lid[:64]!r}")
+        _check_learner(request, lid)
     else:
-        _check(request, creds.as_admin(_credential(request)), "the operator")
+        _check_admin(request)
     ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=request.app[SYNC].ctx.sc.client_max_size_bytes)
     await ws.prepare(request)
     app = request.app
@@ -363,17 +399,20 @@ async def _push(request: web.Request) -> web.WebSocketResponse:
 
 async def _checkpoint(request: web.Request) -> web.Response:
     """Write a checkpoint now; answers once it is written (or failed)."""
-    _check(request, request.app[GATE].credentials.as_admin(_credential(request)), "the operator")
+    _check_admin(request)
     result = await _ask(request, "checkpoint", None)
     return _json(result, status=200 if result["ok"] else 500)
 
 
-def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
+def make_app(sync: Synchronizer, run_secret: str, mode: str = "direct", peers_checked: bool = False) -> web.Application:
     """The aiohttp application; handlers check credentials, validate and hand typed messages to the actor.
 
     Args:
         sync: the synchronizer (its ``run_id`` names the run the learner tokens are derived for).
         run_secret: the run's secret (admin credential; learners' tokens derive from it).
+        mode: the network mode of the port it serves (``direct`` or ``tls``): each joining learner's.
+        peers_checked: mutual TLS: learner and admin routes also need the client certificate naming
+            the learner (``diloco://learner/<id>``) or the operator (:mod:`diloco_async.protocol.tls`).
 
     Raises:
         ValueError: an empty ``run_secret``.
@@ -382,7 +421,8 @@ def make_app(sync: Synchronizer, run_secret: str) -> web.Application:
         raise ValueError("the run secret must be a non-empty string")
     app = web.Application(middlewares=[_auth], client_max_size=sync.ctx.sc.client_max_size_bytes)
     app[SYNC] = sync
-    app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections)
+    app[GATE] = Gate(Credentials(run_secret, sync.run_id), sync.report.edge_rejections, mode=mode,
+                     by_mode=sync.report.edge_by_mode, peers_checked=peers_checked)
     app[EVENT_TEXT] = _EventText()
     app[REPLY_BYTES] = _ReplyBytes()
     app[WS_COUNTS] = Counter()

@@ -51,6 +51,7 @@ class LearnerInfo:
     link_s_per_fragment: float | None = None  # network seconds of one fragment's sync, as it reports
     link_budget_s: float | None = None  # seconds of its H/P inner steps
     stop_sent: bool = False
+    network_mode: str = "direct"  # how it reaches this synchronizer (network.mode), as its join came
     reported: bool = False  # sent a heartbeat to this synchronizer process (a restored step may be stale)
     watched: bool = field(default=False, repr=False, compare=False)  # has an entry in the liveness heap
 
@@ -177,6 +178,7 @@ class LearnerRegistry:
                 self.ledgers[req.learner_id].add_badput("stalled", now_s - info.last_seen_s)
             info.last_seen_s = now_s
             info.live = True
+        info.network_mode = req.network_mode
         self._live = None
         self._watch(info)
         return start_step

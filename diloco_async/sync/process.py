@@ -36,10 +36,11 @@ from diloco_async.protocol.client import TOKEN_ENV
 from diloco_async.runtime.heap import limit_heap_retention
 from diloco_async.sync.actor import Stopped, Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors
-from diloco_async.sync.http import make_app, runner_options
+from diloco_async.sync.http import GATE, make_app, runner_options
 from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
 from diloco_async.sync.run_stop import RunStop
+from diloco_async.sync.tls_setup import check_network, edge_context
 from storage import keys
 from storage.checkpoint import Checkpoint, list_checkpoint_seqs
 from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
@@ -210,12 +211,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
         await asyncio.to_thread(_release, lease)
         raise
     quiet_protocol_errors()  # unparseable requests: one rate-limited line, not a traceback each
-    runner = web.AppRunner(make_app(sync, token), **runner_options(sync))
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://{cfg.synchronizer.host}:{port}"
+    runner, url = await _listen(cfg, sync, token)
     log.info("synchronizer run=%s shard %d/%d listening on %s", run_id, shard, sc.shards, url)
     loop = asyncio.get_running_loop()
     _handle_stop_signals(loop, sync)
@@ -244,6 +240,21 @@ def _write_ready(ready_file: str | None, doc: dict) -> None:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         tmp.replace(ready_file)
+
+
+async def _listen(cfg: Config, sync: Synchronizer, token: str) -> tuple[web.AppRunner, str]:
+    """Serve the HTTP edge on ``synchronizer.host:port``: HTTPS when some learner is in ``tls``
+    mode (one scheme per port, docs/network-modes.md), mutual TLS with ``network.client_ca``.
+    Returns the runner and the URL learners use."""
+    tls = cfg.network.serves_tls(cfg.learners.count)
+    app = make_app(sync, token, "tls" if tls else "direct", peers_checked=cfg.network.client_ca is not None)
+    runner = web.AppRunner(app, **runner_options(sync))
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.synchronizer.host, cfg.synchronizer.port,
+                       ssl_context=edge_context(cfg, app[GATE].refuse_handshake))
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"{'https' if tls else 'http'}://{cfg.synchronizer.host}:{port}"
 
 
 def _handle_stop_signals(loop: asyncio.AbstractEventLoop, sync: Synchronizer) -> None:
@@ -405,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             run_id, ckpt = args.run_id, None
         check_shard(args.shard, cfg.synchronizer.shards)
         cfg = _shard_port(cfg, args.shard, args.port)
+        check_network(cfg, learners=False)  # its certificate and key, before the lease (docs/network-modes.md)
         lease, cfg, store, ckpt = _take_lease(args.resume, cfg, store, run_id, ckpt, env_options, args.shard)
         asyncio.run(serve(cfg, store, run_id, token, args.ready_file, resume=ckpt, lease=lease, shard=args.shard))
     except ValueError as err:

@@ -75,6 +75,7 @@ class Reporter:
         # requests refused at the HTTP edge before the actor (unauthenticated, forbidden, body_timeout);
         # written only by the edge (diloco_async.sync.gate), read here for the status and summary
         self.edge_rejections: Counter[str] = Counter()
+        self.edge_by_mode: Counter[str] = Counter()  # the same refusals and the 400s, by network mode
         self.metrics = JsonLinesLog(metrics_tail, prefix=f"diloco-sync-{name}-metrics-", spill_dir=spill_dir)
         self.merge_log = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-merges-", spill_dir=spill_dir)
         self.fates = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-contributions-", spill_dir=spill_dir)

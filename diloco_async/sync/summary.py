@@ -107,7 +107,9 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
         "gc_deleted_objects": c["gc_deleted_objects"],
         "gc_kept_for_reads": c["gc_kept_for_reads"],
         "global_step": table.g,
+        "refused_by_mode": {k: v for k, v in rep.edge_by_mode.items() if v},  # edge refusals and 400s
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
+                           "network_mode": i.network_mode,
                            **reg.ledgers[lid].to_json(),
                            "compute_goodput": reg.ledgers[lid].compute_goodput,
                            "token_goodput": reg.ledgers[lid].token_goodput, **_learner_net(reg, lid),

@@ -18,7 +18,7 @@ def _learner(i: int) -> dict:
     return {"live": i % 3 != 0, "step": 1_234_567, "incarnation": 12, "tokens_processed": 123_456_789_012,
             "contributions": {"merged": 123_456, "late": 12_345, "rejected": 1_234}, "compute_goodput": 0.987654,
             "heartbeat_age_s": 1234.5, "bytes_up_per_token": 1234.56, "bytes_down_per_token": 2345.67,
-            "link_s_per_fragment": 12.345, "link_budget_s": 1.234, "link_bound": i % 2 == 0}
+            "link_s_per_fragment": 12.345, "link_budget_s": 1.234, "link_bound": i % 2 == 0, "network_mode": "tls"}
 
 
 def large_status() -> dict:
@@ -32,6 +32,7 @@ def large_status() -> dict:
         "versions": {str(p): 123_456 for p in range(64)},
         "rejected_by_reason": {r: 123 for r in ("bad_digest", "bad_shape", "non_finite", "norm_bound", "stale")},
         "learners": {lid: _learner(i) for i, lid in enumerate(IDS)},
+        "refused_by_mode": {"tls": 123_456},
         "rounds": [{"fragment": 63, "round": 123_456, "stage": "merging", "open_s": 123.4, "announced": IDS,
                     "verified": IDS[:15]}],
         "recent_merges": [{"fragment": 62, "round": 123_455, "version": 1_234_567, "learners": IDS, "age_s": 1234.5}],
@@ -49,7 +50,8 @@ def test_the_tables_fit_100_columns():
     over = [line for line in text.splitlines() if len(line.rstrip()) > 100]
     assert not over, "\n".join(over)
     for needle in ("learner-255", "bound", "123.5G", "1,024.0 TiB in", "tokens 10% · steps 12% · wall 12%",
-                   "stale 123", "p63: v123456", "merged: v1234567", "1234.5 s ago", "open 123.4 s"):
+                   "stale 123", "p63: v123456", "merged: v1234567", "1234.5 s ago", "open 123.4 s",
+                   "tls 16 · refused tls 123456"):
         assert needle in text, needle
 
 
@@ -60,6 +62,7 @@ def test_wide_shows_what_the_default_leaves_out():
     assert "1234.56 / 2345.67" not in default  # per learner: --wide only (the run's figure is in both)
     assert "link-bound: needs 12.345 s per fragment, has 1.234 s" in wide and "needs" not in default
     assert "ok 12.345 / 1.234 s" in wide
+    assert "lost tls" in wide and "lost tls" not in default  # each learner's network mode
     assert "learner-254, learner-255" in " ".join(wide.split()) and "learner-254," not in default
     assert " 16 " in default.split("open rounds", 1)[1] and " 15 " in default.split("open rounds", 1)[1]
 
