@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -117,6 +117,15 @@ bench-memory-big: data
 bench-poison: data
 	$(PY) -m benchmarks.poison --config $(CONFIG) --out $(BENCH_DIR)/poison.json
 
+## bench-end: the end of a run (issue 44; docs/end-of-run.md): make run's recipe once per END_SEEDS (run.seed),
+## one after the other, with make run's held-out monitor beside it; per seed the final model's loss minus the
+## best periodic eval; bar: the upper end of its 95% t-interval <= 0.01 nats/token (benchmarks/end_of_run.py).
+## Free-running, not replayed. END_SET="--set budget.wall_s=240" shortens each run; about 5 runs of 5-9 minutes.
+END_SEEDS ?= 0,1,2,3,4
+END_SET ?=
+bench-end: data
+	$(PY) -m benchmarks.end_of_run --config $(CONFIG) --seeds $(END_SEEDS) $(END_SET) --out $(BENCH_DIR)/end_of_run.json
+
 ## bench-lora: a LoRA fine-tune of a small pretrained Llama through the system, 3 seeds of 240k tokens
 ##             (benchmarks/lora_quality.py): its held-out loss below the base's, mean over seeds > 0
 ##             (tests/system/test_models_system.py checks only that the adapter alone moved). About 3-10 minutes.
@@ -130,12 +139,12 @@ bench-hf: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.hf_learner
 
 ## bench-paper: the paper's ablations (configs/ablations/*.toml except ci.toml: merge, heterogeneity,
-##              precision, fragmentation, adoption, outer-optimizer), 3 seeds per arm, each (arm, seed) a
+##              precision, fragmentation, adoption, outer-optimizer; and schedules), 3 seeds per arm, each (arm, seed) a
 ##              real run; a table per suite (paper, our mean ± 95% interval, paired difference, verdict),
 ##              then every suite's table from $(ABLATE_DIR)/<suite>/report.md. Resumable: finished runs
 ##              are kept there and not re-run. About 60-90 minutes on 2 cores; exit 1 if a suite failed.
 ABLATE_DIR ?= .local/ablate
-ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer
+ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer schedules
 bench-paper: data
 	@failed=""; for s in $(ABLATE_SUITES); do \
 	  $(VENV)/bin/diloco-async ablate --suite configs/ablations/$$s.toml --out $(ABLATE_DIR)/$$s || failed="$$failed $$s"; \

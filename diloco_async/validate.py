@@ -33,7 +33,11 @@ from typing import Any
 from diloco_async.config.schema import Config, load_config
 
 __all__ = ["Check", "validate_recipe", "resolve_recipe", "recipe_field", "list_recipes", "recipe_description",
-           "probe_store", "scratch_caches"]
+           "probe_store", "scratch_caches", "list_scenarios", "SCENARIO_COMMANDS", "recipe_prerequisites"]
+
+#: the scenario folders of configs/ and the command that runs a file of each
+SCENARIO_COMMANDS = {"chaos": "diloco-async chaos --scenario", "wan": "diloco-async wan --scenario",
+                     "ablations": "diloco-async ablate --suite"}
 
 _CHECKOUT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -43,7 +47,8 @@ class Check:
     """One step of a validation.
 
     Attributes:
-        name: the step (``config``, ``devices``, ``store``, ``data``, ``tokenizer``, ``model``, ``fragments``).
+        name: the step (``config``, ``devices``, ``store``, ``prepare``, ``data``, ``tokenizer``, ``model``,
+            ``fragments``).
         ok: whether it passed.
         detail: what was found (passed) or the error (failed).
         field: the recipe field at fault when it failed (e.g. ``run.store``), else None.
@@ -146,6 +151,35 @@ def list_recipes() -> list[tuple[str, list[str]]]:
             if sections <= set(Config.model_fields):
                 found[entry.name.removesuffix(".toml")] = recipe_description(text)
     return sorted(found.items())
+
+
+def recipe_prerequisites(name_or_path: str) -> list[Any]:
+    """What a recipe (a path or a shipped name) needs before it runs
+    (:func:`~diloco_async.prerequisites.prerequisites`: reads only local folders).
+
+    Raises:
+        FileNotFoundError: no such recipe. ValueError: it does not validate.
+    """
+    from diloco_async.prerequisites import prerequisites
+
+    return prerequisites(load_config(resolve_recipe(name_or_path)))
+
+
+def list_scenarios() -> list[tuple[str, str, list[str]]]:
+    """(folder, file, description paragraphs) of every chaos, WAN and ablation scenario file
+    (:data:`SCENARIO_COMMANDS`), sorted; the file as ``configs/<folder>/<name>.toml`` in a source
+    checkout, else its installed path; a name found in the checkout hides the installed one."""
+    found: dict[tuple[str, str], tuple[str, list[str]]] = {}
+    for root in _recipe_dirs():
+        for kind in SCENARIO_COMMANDS:
+            folder = root / kind
+            if not folder.is_dir():
+                continue
+            for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+                if entry.name.endswith(".toml") and (kind, entry.name) not in found:
+                    shown = f"configs/{kind}/{entry.name}" if root == _CHECKOUT_CONFIGS else str(entry)
+                    found[(kind, entry.name)] = (shown, recipe_description(entry.read_text()))
+    return [(kind, *found[(kind, name)]) for kind, name in sorted(found)]
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -294,6 +328,24 @@ def _model(cfg: Config) -> tuple[Any, str]:
     return (model,), f"{len(params)} trainable tensors, {sum(p.numel() for p in params.values()):,} parameters"
 
 
+def _prerequisites(cfg: Config, scratch: Path | None) -> tuple[Config, str]:
+    """Make what the flow makes before a run starts (:func:`~diloco_async.prerequisites.prepare`:
+    Hub downloads, a missing base model); with a ``scratch`` folder (no ``--fill-caches``) a missing
+    base is built there untrained (0 steps: the same shapes and tokenizer) and read from there."""
+    from diloco_async.prerequisites import prepare
+
+    hf = cfg.model.hf
+    if scratch is not None and hf.pretrain is not None and not Path(str(hf.pretrained)).expanduser().is_dir():
+        base, tok = scratch / "base", cfg.data.tokenizer
+        if Path(tok).parent == Path(str(hf.pretrained)):  # the tokenizer saved with the base
+            tok = str(base / Path(tok).name)
+        hf = hf.model_copy(update={"pretrained": str(base), "pretrain": hf.pretrain.model_copy(update={"steps": 0})})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf}),
+                                     "data": cfg.data.model_copy(update={"tokenizer": tok})})
+    done = prepare(cfg)
+    return cfg, "; ".join(done) if done else "nothing to download or build"
+
+
 def _plan(cfg: Config, model: Any) -> tuple[Any, str]:
     from diloco_async.models.build import plan_of
 
@@ -343,6 +395,10 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
     _step(checks, "store", "run.store", lambda: (None, probe_store(cfg.run.store, options)))
     with tempfile.TemporaryDirectory(prefix="diloco-validate-") as scratch:
         built_cfg = cfg if fill_caches else scratch_caches(cfg, Path(scratch))
+        built_cfg = _step(checks, "prepare", "model.hf.pretrained", _prerequisites, built_cfg,
+                          None if fill_caches else Path(scratch))
+        if built_cfg is None:
+            return checks
         files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, built_cfg)
         if files is not None:
             _step(checks, "tokenizer", "data.tokenizer", _tokens, built_cfg)

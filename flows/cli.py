@@ -8,6 +8,7 @@ import sys
 from flows import interrupts
 from flows.alerts import add_alerts_parser  # constants and argparse only: Prefect is imported when it runs
 from flows.plan_cli import add_plan_parser  # argparse only: the plan's library is imported when it runs
+from flows.recipes_cli import print_recipes  # imports the library when it runs
 from flows.runs_cli import add_runs_parser  # argparse only: the store is opened when it runs
 from flows.wan_cli import add_wan_parser  # argparse only: the flow is imported when the command runs
 
@@ -45,7 +46,9 @@ def _check_config(path: str | None, overrides: list[str]) -> str | None:
     try:
         resolved = str(resolve_recipe(path or "default"))
         if (cfg := load_config(resolved, overrides)).data.source == "urls":
-            resolve_sources(cfg.data)  # a URL matching no file, or only empty ones, is refused here
+            local = [u for u in cfg.data.urls if not u.startswith("hf://")]  # Hub data: the flow fetches it
+            if local:
+                resolve_sources(cfg.data.model_copy(update={"urls": local}))  # a URL matching no file is refused
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -105,29 +108,6 @@ def _validate(args: argparse.Namespace) -> int:
             return 2
         print(f"resolved config: {written}")
     print("valid: no process started, no run created" + (", caches filled" if args.fill_caches else ""))
-    return 0
-
-
-def _recipes(_args: argparse.Namespace) -> int:
-    """Every shipped recipe: its name, then its leading comment block wrapped to the terminal."""
-    import shutil
-    import textwrap
-
-    from diloco_async.validate import list_recipes
-
-    width = max(60, min(shutil.get_terminal_size((100, 24)).columns, 120))
-    indent = " " * 21
-    for i, (name, paragraphs) in enumerate(list_recipes()):
-        lines: list[str] = [""] if i else []
-        for paragraph in paragraphs or ["(no description)"]:
-            if paragraph.startswith(" "):  # a command example: as it is
-                lines.append(indent + "  " + paragraph.strip())
-            else:
-                lines.extend(textwrap.wrap(paragraph, width, initial_indent=indent, subsequent_indent=indent,
-                                           break_on_hyphens=False))
-        first = 1 if i else 0
-        lines[first] = f"{name:<20} " + lines[first][len(indent):]
-        print("\n".join(lines))
     return 0
 
 
@@ -303,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_train.set_defaults(func=_train)
     _add_validate_parser(sub)
-    sub.add_parser("recipes", help="list the shipped recipes with their descriptions").set_defaults(func=_recipes)
+    sub.add_parser("recipes", help="list the shipped recipes with their descriptions and prerequisites, and the "
+                   "chaos, WAN and ablation scenario files").set_defaults(func=print_recipes)
     p_resume = sub.add_parser("resume", help="continue a run from a checkpoint (Prefect flow `resume`)")
     p_resume.add_argument("checkpoint_url",
                           help="{store}/{run_id}/checkpoints/{seq}, or {store}/{run_id} for the newest")

@@ -41,6 +41,7 @@ from diloco_async.data.tokens import open_corpus
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
+from diloco_async.prerequisites import prepare
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_run
@@ -61,6 +62,14 @@ log = logging.getLogger("diloco.flows.train")
 def prepare_corpus(cfg: Config) -> list[str]:
     """Make sure the corpus is on disk (downloads Shakespeare once) before learners start."""
     return corpus_urls(cfg.data)
+
+
+@task(name="prepare-prerequisites")
+def prepare_prerequisites(cfg: Config) -> list[str]:
+    """Download the recipe's Hub model and data once (learners only read the copies) and build a
+    missing base model, before anything else (:func:`diloco_async.prerequisites.prepare`); a Hub
+    id that does not exist fails here, naming it (no retries)."""
+    return prepare(cfg, say=get_run_logger().info)
 
 
 @task(name="prepare-tokens")
@@ -364,6 +373,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     logger = get_run_logger()
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)  # the one parse of the run's recipe: processes get the value
+    prepare_prerequisites(cfg)  # the Hub is asked here, once per run; no learner ever asks it
     model0 = build_run_model(cfg)  # Θ^0, as the synchronizer builds it; a model that cannot be built stops here
     prepare_corpus(cfg)
     prepare_tokens(cfg)
@@ -398,6 +408,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     overrides = list(overrides or [])
     given = resume_config(checkpoint_url, config, overrides, {})  # the one parse of the resume's config
     cfg, store, run_id, ckpt = open_run(checkpoint_url, given, {})
+    prepare_prerequisites(cfg)
     prepare_corpus(cfg)
     prepare_tokens(cfg)
     run = TrainingRun(cfg, run_id=run_id, resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))

@@ -33,7 +33,8 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["PIECE_NBYTES", "PieceHasher", "object_digest", "hash_threads", "set_hash_threads", "usable_cores"]
+__all__ = ["PIECE_NBYTES", "PieceHasher", "object_digest", "digest_of_pieces", "hash_threads", "set_hash_threads",
+           "usable_cores"]
 
 #: size of one hashed piece; part of the format (changing it changes every large object's digest)
 PIECE_NBYTES = 4 << 20
@@ -211,9 +212,15 @@ class PieceHasher:
         self._pieces = list(digests)
         if self._tail_nbytes or not digests:
             digests.append(self._tail.digest())
-        if len(digests) == 1:  # at most one piece: the plain sha256 of the bytes
-            return digests[0].hex()
-        return hashlib.sha256(_TOP_PREFIX + b"".join(digests)).hexdigest()
+        return digest_of_pieces(digests)
+
+
+def digest_of_pieces(piece_digests: list[bytes]) -> str:
+    """The object digest (hex) of an object whose pieces of :data:`PIECE_NBYTES`, in order, have
+    the raw sha256 digests ``piece_digests`` (one piece: that piece's own sha256)."""
+    if len(piece_digests) == 1:  # at most one piece: the plain sha256 of the bytes
+        return piece_digests[0].hex()
+    return hashlib.sha256(_TOP_PREFIX + b"".join(piece_digests)).hexdigest()
 
 
 def object_digest(data: bytes | bytearray | memoryview) -> str:

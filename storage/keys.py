@@ -4,6 +4,7 @@ Every object key of a run is built here, and keys read back from a listing are p
 
     {run_id}/plan.json, config.json
     {run_id}/contrib/p{fragment:03d}/r{round:08d}/{learner}-{nonce}.safetensors
+    {run_id}/contrib/p{fragment:03d}/r{round:08d}/{learner}-{nonce}.rank{r:03d}of{N:03d}.safetensors  (sharded group)
     {run_id}/globals/p{fragment:03d}/v{version:08d}.safetensors
     {run_id}/checkpoints/{seq:08d}/state.safetensors, manifest.json   (synchronizer)
     {run_id}/ddp/checkpoints/{seq:08d}/...                             (data-parallel baseline)
@@ -27,7 +28,8 @@ from __future__ import annotations
 import re
 
 __all__ = ["plan_key", "config_key", "synchronizer_root", "shards_manifest_key",
-           "contributions_prefix", "contribution_round_prefix", "contribution_key", "parse_contribution_key",
+           "contributions_prefix", "contribution_round_prefix", "contribution_key", "contribution_shard_key",
+           "parse_contribution_key",
            "contribution_learner",
            "versions_prefix", "fragment_versions_prefix", "version_key", "parse_version_key",
            "compact_prefix", "compact_key", "parse_compact_key",
@@ -98,6 +100,21 @@ def contribution_key(run_id: str, fragment: int, round_n: int, learner: str, non
     if not nonce or "-" in nonce or "/" in nonce:
         raise ValueError(f"contribution nonce {nonce!r} must be non-empty, without '-' or '/'")
     return f"{contribution_round_prefix(run_id, fragment, round_n)}/{learner}-{nonce}{_CONTRIB_SUFFIX}"
+
+
+def contribution_shard_key(run_id: str, fragment: int, round_n: int, learner: str, nonce: str, rank: int,
+                           world: int) -> str:
+    """Where rank ``rank`` of a sharded learner group of ``world`` ranks puts its shard of the
+    group's contribution ``nonce`` (DESIGN §3.1): ``{learner}-{nonce}.rank{r:03d}of{N:03d}.safetensors``
+    beside the whole contributions of the round.
+
+    Raises:
+        ValueError: as :func:`contribution_key`, or ``rank`` outside ``[0, world)``.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"shard rank {rank} is outside [0, {world})")
+    whole = contribution_key(run_id, fragment, round_n, learner, nonce)
+    return f"{whole[: -len(_CONTRIB_SUFFIX)]}.rank{rank:03d}of{world:03d}{_CONTRIB_SUFFIX}"
 
 
 def parse_contribution_key(run_id: str, key: str) -> tuple[int, int] | None:

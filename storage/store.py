@@ -281,6 +281,16 @@ class ObjectStore:
         """Read an object that carries its own integrity data (a manifest, a plan)."""
         return reader.read_unverified(self._access, key)
 
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object under ``key``, in one ranged request, unchecked:
+        the caller checks them (:mod:`storage.pieces` hashes whole pieces against the object's digest).
+
+        Raises:
+            FileNotFoundError: no object under ``key``.
+        """
+        a = self._access
+        return a.call(f"read {a.where(key)} [{start}, {end})", a.backend.read, a.path(key), start, end)
+
     def get_json(self, key: str) -> Any:
         return json.loads(self.get_unverified(key))
 

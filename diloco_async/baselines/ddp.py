@@ -68,13 +68,13 @@ from diloco_async.config.schema import Config, config_hash
 from diloco_async.data.tokens import Corpus, open_corpus
 from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.inner.workload import (
+    accumulated_step,
     data_generator,
     emulated_delay_s,
     inner_optimizer,
-    inner_step,
     jitter_random,
-    warmup_lr,
 )
+from diloco_async.policy.schedules import InnerSchedule
 from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.runtime.process_clock import process_uptime_s
@@ -213,7 +213,9 @@ class _Rank:
         self.timeline.write("ready", t=time.time(), step=self.step)
         if isinstance(lc.batch_size, list):
             raise ValueError(f"the DDP baseline needs one learners.batch_size for every rank, got {lc.batch_size}")
-        per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context)
+        k = lc.grad_accum_steps  # micro-batches per step; the lr schedule follows the tokens trained
+        per_step = tokens_per_step(self.world, lc.batch_size, cfg.model.context) * k
+        schedule = InnerSchedule.from_config(cfg)
         reason: str | None = None
         while True:
             if a.max_steps is not None and self.step >= a.max_steps:
@@ -223,13 +225,13 @@ class _Rank:
                 self.stop.reason = "stop_at"
             t0 = time.time()
             reduce.compute_t0 = time.perf_counter()
-            x, y = Corpus.sample(shard, lc.batch_size, cfg.model.context, self.gen)
-            loss = inner_step(self.model, self.opt, x, y, lr=warmup_lr(lc.lr, self.step, lc.warmup_steps),
-                              grad_clip=lc.grad_clip, after_backward=reduce)
+            batches = [Corpus.sample(shard, lc.batch_size, cfg.model.context, self.gen) for _ in range(k)]
+            loss = accumulated_step(self.model, self.opt, batches, lr=schedule.lr(self.step, self.tokens_committed),
+                                    grad_clip=lc.grad_clip, after_backward=reduce)
             self.step += 1
             self.tokens_committed += per_step
             self.timeline.write("step", t0=t0, t1=time.time(), wait_s=reduce.wait_s, step=self.step,
-                                tokens=lc.batch_size * cfg.model.context, loss=float(loss))
+                                tokens=k * lc.batch_size * cfg.model.context, loss=float(loss))
             if self.rank == 0 and a.checkpoint_every_steps > 0 and self.step % a.checkpoint_every_steps == 0:
                 self._checkpoint()
             if reduce.by_signal or reduce.by_clock:  # every rank sees the same flags: the same step, the same reason

@@ -63,7 +63,9 @@ class LearnerSetup:
         accelerator: ranks on GPUs: parameters, gradients, moments and activations in device
             memory, base copies in pinned host memory; False: a CPU learner (everything in RAM,
             base copies in local files).
-        batch_per_rank, context: windows of ``context`` tokens per rank per inner step.
+        batch_per_rank, context: windows of ``context`` tokens per rank per micro-batch (what the
+            activations hold).
+        grad_accum_steps: micro-batches per inner step (``learners.grad_accum_steps``).
         precision: ``fp32`` or ``bf16`` (autocast: activations in bf16, the state stays fp32).
         step_s: compute seconds of one inner step (forward, backward, AdamW; no network wait);
             None: no rates, speed-ups or bytes per second.
@@ -77,11 +79,12 @@ class LearnerSetup:
     context: int = 64
     precision: str = "fp32"
     step_s: float | None = None
+    grad_accum_steps: int = 1
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one inner step of one learner (every rank's batch)."""
-        return self.batch_per_rank * self.context * self.devices
+        """Tokens of one inner step of one learner (every rank's micro-batches)."""
+        return self.batch_per_rank * self.context * self.devices * self.grad_accum_steps
 
 
 @dataclass(frozen=True)

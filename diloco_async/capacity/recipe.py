@@ -31,7 +31,7 @@ def inputs_from_config(cfg: Config, *, model: ModelShape | None = None, step_s: 
         learners=LearnerSetup(
             count=lc.count, devices=lc.nproc_per_learner * lc.nnodes, accelerator=any(d != "cpu" for d in devices),
             batch_per_rank=max(lc.batch_size) if isinstance(lc.batch_size, list) else lc.batch_size,
-            context=cfg.model.context, precision=lc.precision, step_s=step_s),
+            context=cfg.model.context, precision=lc.precision, step_s=step_s, grad_accum_steps=lc.grad_accum_steps),
         sync=SyncSetup(
             sync_every=sc.sync_every, fragments=sc.num_fragments, overlap=sc.max_open_rounds, shards=shards,
             codec=lc.codec, download_codec=sc.download_codec, download_block_size=sc.download_block_size,

@@ -8,16 +8,41 @@ reader of ``data.tokenizer`` strings.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["DataConfig", "parse_tokenizer_spec", "BPE_MIN_VOCAB"]
+__all__ = ["DataConfig", "parse_tokenizer_spec", "BPE_MIN_VOCAB", "HubDataUrl", "parse_hub_data_url"]
 
 #: Smallest ``bpe:<vocab>``: the 256 byte symbols, the end-of-text token and at least one merge.
 BPE_MIN_VOCAB = 258
 
 _BPE = re.compile(r"bpe:(\d+)")
+_HUB_DATA = re.compile(r"^hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*?)(?:@(?P<rev>[^/]+))?"
+                       r"(?:/(?P<path>.*))?$")
+
+
+class HubDataUrl(NamedTuple):
+    """A ``hf://datasets/org/name[@revision]/path`` URL (huggingface_hub's fsspec syntax), read."""
+
+    repo_id: str
+    revision: str
+    path: str  # inside the repository, globs allowed; "" for the whole repository
+
+
+def parse_hub_data_url(url: str) -> HubDataUrl | None:
+    """The parts of a Hugging Face Hub dataset URL; None when ``url`` is not ``hf://``.
+
+    Raises:
+        ValueError: an ``hf://`` URL that names no dataset repository (models come through
+            ``model.hf.pretrained``); the message names the URL.
+    """
+    if not url.startswith("hf://"):
+        return None
+    m = _HUB_DATA.match(url)
+    if m is None:
+        raise ValueError(f"data.urls: {url!r} is not a Hub dataset URL: use hf://datasets/org/name[@revision]/path")
+    return HubDataUrl(m.group("repo"), m.group("rev") or "main", (m.group("path") or "").strip("/"))
 
 
 def parse_tokenizer_spec(spec: str) -> tuple[Literal["bytes", "bpe", "file"], int | str | None]:
@@ -57,7 +82,8 @@ class DataConfig(BaseModel):
         "downloaded once into cache_dir). 'urls': the files named by `urls` (fsspec URLs or globs).",
     )
     urls: list[str] = Field(default_factory=list, description="fsspec URLs or globs (file://, memory://, s3://, "
-                            "gs://) of text, JSONL or Parquet files, read in sorted order per URL.")
+                            "gs://, hf://datasets/org/name[@revision]/path: fetched once per run by the flow) of "
+                            "text, JSONL or Parquet files, read in sorted order per URL.")
     format: Literal["auto", "text", "jsonl", "parquet"] = Field(
         "auto", description="File format; 'auto' goes by the name: .jsonl/.json/.ndjson -> jsonl, "
         ".parquet/.pq -> parquet, anything else text (a .gz/.bz2/.xz suffix is decompressed first).",
@@ -80,4 +106,6 @@ class DataConfig(BaseModel):
         if not self.text_field:
             raise ValueError("data.text_field must not be empty")
         parse_tokenizer_spec(self.tokenizer)
+        for url in self.urls:
+            parse_hub_data_url(url)
         return self

@@ -79,7 +79,8 @@ class GuardConfig(BaseModel):
         64, ge=0, description="Steps a learner may report beyond its rate bound: a token bucket per learner that "
         "the rate refills and each heartbeat spends, not renewed per message (nor by a rejoin).")
     max_tokens_per_step: int | None = Field(
-        None, ge=1, description="Most tokens one inner step can process; None = 2 x learners.batch_size x "
+        None, ge=1, description="Most tokens one inner step can process; None = 2 x learners.grad_accum_steps x "
+        "learners.batch_size x "
         "model.context.")
     max_step_time_s: float = Field(
         600.0, gt=0, description="The step time of the grace window is each live learner's step time as the "

@@ -4,8 +4,10 @@
   shaped by ``vocab_size``, ``n_layer``, ``n_head``, ``d_model``, ``tie_embeddings``.
 * ``hf``: a Hugging Face ``transformers`` causal LM, either built from ``[model.hf]``
   ``architecture`` + ``[model.hf.config]`` (random init with the run's seed) or loaded with
-  ``from_pretrained`` from ``model.hf.pretrained`` (a local folder or an fsspec URL, copied once
-  into ``model.hf.cache_dir``). Never the Hugging Face hub.
+  ``from_pretrained`` from ``model.hf.pretrained``: a local folder, an fsspec URL (copied once
+  into ``model.hf.cache_dir``) or a Hugging Face Hub id ``org/name`` (``model.hf.revision``),
+  downloaded once per run by the flow before any process starts; learners only read local copies.
+  ``[model.hf.pretrain]`` builds a local ``pretrained`` folder that is missing (a short pre-training).
 * ``factory``: ``model.factory = "package.module:function"``, called as ``function(model_cfg,
   vocab_size)``; it returns an ``nn.Module`` (see :mod:`diloco_async.models.factory`).
 
@@ -16,18 +18,49 @@ every parameter. ``model.context`` is the window length of every kind.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ModelConfig", "HfModelConfig", "LoraSettings", "MODEL_KINDS"]
+__all__ = ["ModelConfig", "HfModelConfig", "LoraSettings", "PretrainSettings", "MODEL_KINDS", "hub_repo_id"]
 
 MODEL_KINDS = ("byte-gpt", "hf", "factory")
 _FACTORY_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def hub_repo_id(pretrained: str | None) -> str | None:
+    """The Hugging Face Hub repository a ``model.hf.pretrained`` value names, else None: ``hf://org/name``,
+    or ``org/name`` (one slash, the Hub's characters) that is not a local folder (a folder of that name
+    wins, as in ``from_pretrained``). Pure but for that one existence check."""
+    if pretrained is None:
+        return None
+    if pretrained.startswith("hf://"):
+        name = pretrained.removeprefix("hf://").strip("/")
+        return name if _HUB_ID.match(name) else None
+    if _HUB_ID.match(pretrained) and not Path(pretrained).is_dir():
+        return pretrained
+    return None
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class PretrainSettings(_Section):
+    """How a missing local ``model.hf.pretrained`` folder is built: ``architecture`` with ``config``,
+    randomly initialised with ``run.seed``, trained ``steps`` AdamW steps on the recipe's corpus
+    tokenized with ``tokenizer``, then saved there with that tokenizer (``tokenizer.json``)."""
+
+    architecture: str = Field(description="transformers model type of the base (e.g. 'llama').")
+    config: dict[str, Any] = Field(default_factory=dict, description="Fields of its transformers config "
+                                   "(as [model.hf.config]); vocab_size defaults to model.vocab_size.")
+    tokenizer: str = Field("bytes", description="data.tokenizer spec the base is trained with and saved "
+                           "beside it ('bpe:<vocab>' or 'bytes').")
+    steps: int = Field(200, ge=0, le=1_000_000, description="AdamW steps of the pre-training (0: random init).")
+    batch_size: int = Field(16, ge=1, le=4096, description="Windows of model.context tokens per step.")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="AdamW learning rate of the pre-training.")
 
 
 class HfModelConfig(_Section):
@@ -40,10 +73,15 @@ class HfModelConfig(_Section):
         "vocab_size defaults to the tokenizer's; max_position_embeddings (n_positions) to model.context."
     )
     pretrained: str | None = Field(
-        None, description="Local folder or fsspec URL (s3://, gs://, file://) of a save_pretrained model to start "
-        "from; copied once into cache_dir. Never the hub."
+        None, description="Local folder, fsspec URL (s3://, gs://, file://; copied once into cache_dir) or Hugging "
+        "Face Hub id 'org/name' (downloaded once per run by the flow into cache_dir/hub) of a save_pretrained model."
     )
-    cache_dir: str = Field(".local/models", description="Where pretrained models from URLs are cached (by URL).")
+    revision: str | None = Field(None, max_length=256, description="Hub branch, tag or commit of a Hub id "
+                                 "(default 'main'); only with a Hub id in pretrained.")
+    cache_dir: str = Field(".local/models", description="Where pretrained models from URLs (by URL) and the Hub "
+                           "(under hub/, huggingface_hub's layout) are cached.")
+    pretrain: PretrainSettings | None = Field(None, description="Build a missing local pretrained folder by a short "
+                                              "pre-training (see PretrainSettings); only with a local folder.")
 
     @model_validator(mode="after")
     def _one_source(self) -> HfModelConfig:
@@ -53,6 +91,13 @@ class HfModelConfig(_Section):
         if self.pretrained is not None and self.config:
             raise ValueError(f"model.hf.config {sorted(self.config)} cannot change a pretrained model "
                              f"({self.pretrained!r})")
+        hub = hub_repo_id(self.pretrained)
+        if self.revision is not None and hub is None:
+            raise ValueError(f"model.hf.revision={self.revision!r} needs a Hub id ('org/name') in model.hf.pretrained "
+                             f"(got {self.pretrained!r})")
+        if self.pretrain is not None and (self.pretrained is None or hub is not None or "://" in self.pretrained):
+            raise ValueError(f"model.hf.pretrain builds a local folder: model.hf.pretrained must name one "
+                             f"(got {self.pretrained!r})")
         return self
 
 

@@ -16,11 +16,13 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from diloco_async.config import schedules
 from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.network import NetworkConfig
+from diloco_async.config.parallelism import check_parallelism
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.runtime.devices import LearnerDeviceFields
 
@@ -59,9 +61,8 @@ class RunConfig(_Section):
         description="Root URL of the object store (file://, memory://, s3://, gs://). Each run lives "
         "under {store}/{run_id}/. A relative file:// path is taken from the working directory.",
     )
-    storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec storage options (endpoint, profile). Never logged."
-    )
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (endpoint, "
+                                            "profile). Never logged.")
     workdir: str = Field(".local/runs", description="Local folder for process logs of a run.")
     launcher: Literal["local", "deployments"] = Field(
         "local",
@@ -101,17 +102,16 @@ class RunConfig(_Section):
         return self
 
 
-class LearnerConfig(_Section, LearnerDeviceFields):
-    """The learners; device, precision, batch size and process-group keys in :class:`LearnerDeviceFields`."""
+class LearnerConfig(_Section, LearnerDeviceFields, schedules.InnerScheduleFields):
+    """The learners; devices, batch and process group: :class:`LearnerDeviceFields`; lr schedule: ``schedules``."""
 
     count: int = Field(4, ge=1, description="M, the number of learner processes.")
     lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
     weight_decay: float = Field(0.1, ge=0, description="Inner AdamW decoupled weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up of the inner learning rate.")
     grad_clip: float = Field(1.0, gt=0, description="Clip of the global gradient norm of each inner step.")
-    adopt: Literal["overwrite", "mix", "rebase"] = Field(
-        "overwrite", description="How a published version is adopted (DESIGN §3.8)."
-    )
+    adopt: Literal["overwrite", "mix", "rebase"] = Field("overwrite", description="How a published version is "
+                                                         "adopted (DESIGN §3.8).")
     mix_alpha: float = Field(0.5, gt=0, le=1, description="Weight of the global version when adopt='mix'.")
     codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("bf16", description="Wire codec (DESIGN §6).")
     link_codecs: list[Literal["fp32", "bf16", "int8", "int4", "int2"]] = Field(
@@ -155,7 +155,8 @@ class LearnerConfig(_Section, LearnerDeviceFields):
         return data
 
 
-class SynchronizerConfig(_Section):
+class SynchronizerConfig(_Section, schedules.OuterScheduleFields):
+    """The synchronizer; the outer learning-rate schedule's keys in ``schedules.OuterScheduleFields``."""
     host: str = Field("127.0.0.1", description="Address the synchronizer listens on (0.0.0.0: every interface).")
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port.")
     num_fragments: int = Field(4, ge=1, description="P, fragments of the model (<= number of tensors).")
@@ -233,6 +234,8 @@ class SynchronizerConfig(_Section):
         10.0, ge=0, description="On a stop, first open a last round of every fragment so the learners' progress "
         "since their last contribution is merged; wait at most this long for those rounds (0: stop at once)."
     )
+    drain_lookahead: float = Field(0.0, ge=0, le=1, description="Share of the Nesterov look-ahead (eta*mu*b) "
+                                   "a drain's last round takes: 0 plain step -eta*g, 1 full (docs/end-of-run.md).")
     lease_ttl_s: float = Field(30.0, gt=0, description="A run's lease not renewed this long may be taken over "
                                "by another synchronizer (docs/resume-and-fencing.md).")
     lease_renew_s: float = Field(5.0, gt=0, description="Renewal period of the lease; below lease_ttl_s / 2.")
@@ -288,17 +291,17 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.synchronizer.min_quorum > self.learners.count:
-            raise ValueError(
-                f"synchronizer.min_quorum={self.synchronizer.min_quorum} exceeds learners.count={self.learners.count}"
-            )
         sc = self.synchronizer
+        if sc.min_quorum > self.learners.count:
+            raise ValueError(f"synchronizer.min_quorum={sc.min_quorum} exceeds learners.count={self.learners.count}")
         if sc.shards > sc.num_fragments:
             raise ValueError(f"synchronizer.shards={sc.shards} exceeds synchronizer.num_fragments={sc.num_fragments}")
         if not 2 * sc.lease_renew_s < sc.lease_ttl_s:
             raise ValueError(f"synchronizer.lease_renew_s={sc.lease_renew_s} must be below lease_ttl_s / 2 "
                              f"(lease_ttl_s={sc.lease_ttl_s})")
+        schedules.check_schedules(self)
         self.network.check_learners(self.learners.count)
+        check_parallelism(self)
         return self
 
     def public_dict(self) -> dict:
@@ -355,7 +358,7 @@ def _format_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        elif e["type"] == "literal_error":
+        elif e["type"] == "literal_error" or isinstance(e.get("input"), int | float | str):
             msg = f"{msg} (got {e.get('input')!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
@@ -394,6 +397,7 @@ def _training_dict(d: dict) -> dict:
         d.pop(key, None)
     if d.get("synchronizer", {}).get("shards") == 1:  # S = 1 hashes as before shards existed (old runs resume)
         del d["synchronizer"]["shards"]
+    schedules.drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")
@@ -418,6 +422,7 @@ _OPERATIONAL = {
                  "restart_delay_s", "max_restarts"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "read_lease_versions", "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s",
+                     "drain_lookahead",
                      "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
                      "verifies_in_flight"),
     "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",

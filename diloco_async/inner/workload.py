@@ -17,8 +17,10 @@ fixed slice of the batch that one process would draw.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -27,25 +29,33 @@ from diloco_async.config.schema import Config
 from diloco_async.data.tokens import Corpus, open_corpus
 from diloco_async.inner.state import InnerState, capture, restore
 from diloco_async.models import build_run_model, trainable_parameters
+from diloco_async.policy.schedules import InnerSchedule, warmup_lr
 
-__all__ = ["Workload", "inner_optimizer", "inner_step", "warmup_lr", "data_generator", "jitter_random",
+__all__ = ["Workload", "inner_optimizer", "inner_step", "accumulated_step", "warmup_lr", "data_generator",
+           "jitter_random",
            "emulated_delay_s"]
-
-
-def warmup_lr(base_lr: float, step: int, warmup_steps: int) -> float:
-    """Inner learning rate of the step that follows ``step`` done steps: linear warm-up over
-    ``warmup_steps``, ``base_lr * min(1, (step + 1) / max(1, warmup_steps))``. A restarted learner
-    continues its step count, so it does not warm up a second time."""
-    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
 
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
                targets: torch.Tensor, *, lr: float, grad_clip: float,
                after_backward: Callable[[], None] | None = None, amp_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One inner step: set the learning rate, forward and loss (under ``torch.autocast`` with
-    ``amp_dtype`` on the inputs' device, when given), backward, ``after_backward()`` (e.g. a
-    gradient all-reduce), clip the gradient norm to ``grad_clip``, optimizer step. The gradients
-    are zeroed in place, not released: their buffers live across steps, so each step does not
+    """One inner step on one batch: :func:`accumulated_step` with one micro-batch (``inputs``,
+    ``targets``: int64 [B, T]); arguments and result as there."""
+    return accumulated_step(model, optimizer, [(inputs, targets)], lr=lr, grad_clip=grad_clip,
+                            after_backward=after_backward, amp_dtype=amp_dtype)
+
+
+def accumulated_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, lr: float, grad_clip: float,
+                     after_backward: Callable[[], None] | None = None, amp_dtype: torch.dtype | None = None,
+                     no_sync: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
+    """One inner step over ``k = len(micro_batches)`` micro-batches (gradient accumulation,
+    ``learners.grad_accum_steps``): set the learning rate, then for each micro-batch forward and
+    loss (under ``torch.autocast`` with ``amp_dtype`` on the inputs' device, when given) and
+    backward of loss / k, so the gradients add up to those of the mean loss of one batch of all of
+    them; then ``after_backward()`` (e.g. a gradient all-reduce), clip the gradient norm to
+    ``grad_clip``, optimizer step. With k = 1 this is the one-batch step, bit for bit (no division).
+    The gradients are zeroed in place, not released: their buffers live across steps, so each step does not
     allocate and free a model's worth of memory (which the C heap keeps, issue 17 item 3). Parameters,
     gradients and the optimizer state keep their dtype (float32): autocast only lowers the
     precision of the forward's matrix products.
@@ -53,26 +63,41 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
     Args:
         model: has ``loss(inputs, targets)`` returning a scalar loss (nats/token).
         optimizer: the inner optimizer (AdamW) over ``model``'s parameters.
-        inputs, targets: int64 [B, T] token windows and their next tokens.
+        micro_batches: (inputs, targets) pairs, int64 [B, T] token windows and their next tokens
+            (equal B: the mean of the micro-batch means is the batch's mean).
         lr: learning rate of every parameter group for this step.
         grad_clip: max global L2 norm of the gradients.
-        after_backward: called once the gradients are computed, before clipping.
+        after_backward: called once the gradients of every micro-batch are summed, before clipping.
         amp_dtype: autocast dtype (``torch.bfloat16``), or None for plain float32.
+        no_sync: a ``DistributedDataParallel``'s ``no_sync``: the backward of every micro-batch but
+            the last runs under it, so the group all-reduces once per step.
 
     Returns:
-        The loss, a detached 0-dim float32 tensor.
+        The mean loss over the micro-batches, a detached 0-dim float32 tensor.
+
+    Raises:
+        ValueError: no micro-batch.
     """
+    k = len(micro_batches)
+    if k < 1:
+        raise ValueError("accumulated_step needs at least one micro-batch")
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with torch.autocast(inputs.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-        loss = model.loss(inputs, targets)
     optimizer.zero_grad(set_to_none=False)  # the gradients keep their buffers (no allocator churn)
-    loss.backward()
+    total: torch.Tensor | None = None
+    for i, (inputs, targets) in enumerate(micro_batches):
+        quiet = no_sync is not None and i < k - 1
+        with no_sync() if quiet else contextlib.nullcontext():
+            with torch.autocast(inputs.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+                loss = model.loss(inputs, targets)
+            (loss / k if k > 1 else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
     if after_backward is not None:
         after_backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
-    return loss.detach().float()
+    assert total is not None
+    return (total / k if k > 1 else total).float()
 
 
 def inner_optimizer(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -129,7 +154,10 @@ class Workload:
         optimizer: its inner optimizer.
         generator: the window sampler's RNG (part of the inner state).
         batch_size, context: windows per step (of one rank) and tokens per window.
-        lr, warmup_steps, grad_clip: inner learning rate, its linear warm-up, gradient clipping.
+        schedule: the inner learning rate, its warm-up and schedule
+            (:class:`~diloco_async.policy.schedules.InnerSchedule`).
+        grad_clip: max global L2 norm of each step's gradients.
+        grad_accum_steps: micro-batches of ``batch_size`` windows per optimizer step (gradient accumulation).
 
     Attributes:
         device, amp_dtype: where the inner steps run and their autocast dtype (see :meth:`place`).
@@ -137,13 +165,16 @@ class Workload:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator, *,
-                 batch_size: int, context: int, lr: float, warmup_steps: int, grad_clip: float) -> None:
+                 batch_size: int, context: int, schedule: InnerSchedule, grad_clip: float,
+                 grad_accum_steps: int = 1) -> None:
         self.model = model
         self.optimizer = optimizer
         self.generator = generator
         self.params: dict[str, torch.nn.Parameter] = trainable_parameters(model)  # what the plan covers
         self.batch_size, self.context = batch_size, context
-        self.lr, self.warmup_steps, self.grad_clip = lr, warmup_steps, grad_clip
+        self.schedule, self.grad_clip = schedule, grad_clip
+        self.grad_accum_steps = grad_accum_steps
+        self.last_lr = 0.0  # the learning rate of the last step
         self.shard: np.ndarray | None = None
         self.device, self.amp_dtype = torch.device("cpu"), None
         self.rank, self.world = 0, 1
@@ -154,13 +185,14 @@ class Workload:
     def from_config(cls, cfg: Config, index: int, incarnation: int) -> Workload:
         """Learner ``index``'s workload of a run: the recipe's model (``build_run_model``: every
         learner builds the same frozen base), AdamW over its trainable parameters with
-        ``learners.lr``/``weight_decay`` (:func:`inner_optimizer`), and the sampler seeded by
-        (run seed, index, incarnation)."""
+        ``learners.lr``/``weight_decay`` (:func:`inner_optimizer`), the run's inner learning-rate schedule
+        and gradient accumulation, and the sampler seeded by (run seed, index, incarnation)."""
         lc = cfg.learners
         model = build_run_model(cfg)
         opt = inner_optimizer(trainable_parameters(model).values(), lr=lc.lr, weight_decay=lc.weight_decay)
         return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size_of(index),
-                   context=cfg.model.context, lr=lc.lr, warmup_steps=lc.warmup_steps, grad_clip=lc.grad_clip)
+                   context=cfg.model.context, schedule=InnerSchedule.from_config(cfg), grad_clip=lc.grad_clip,
+                   grad_accum_steps=lc.grad_accum_steps)
 
     def place(self, device: torch.device, amp_dtype: torch.dtype | None = None) -> None:
         """Move the model to ``device`` (its parameters stay float32 and keep their identity, so the
@@ -181,8 +213,8 @@ class Workload:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one step of the whole learner trains on: ``world * batch_size * context``."""
-        return self.world * self.batch_size * self.context
+        """Tokens one step of the whole learner trains on: ``grad_accum_steps * world * batch_size * context``."""
+        return self.grad_accum_steps * self.world * self.batch_size * self.context
 
     def load_data(self, cfg: Config, index: int) -> int:
         """Map the tokenized corpus (:func:`~diloco_async.data.tokens.open_corpus`, built once per machine)
@@ -195,23 +227,29 @@ class Workload:
         self.shard = corpus.shard(index, cfg.learners.count)
         return len(self.shard)
 
-    def step(self, step: int) -> float:
-        """One inner step on a batch of the shard, the ``step``-th of this learner (it sets the
-        warm-up); returns the training loss (nats/token).
+    def step(self, step: int, run_tokens: float = 0.0) -> float:
+        """One inner step, the ``step``-th of this learner (it sets the warm-up), at ``run_tokens``
+        tokens processed by the run (the schedule's progress): ``grad_accum_steps`` micro-batches of the
+        shard, each of ``world * batch_size`` windows of which this rank takes its slice, under the
+        group's ``no_sync`` but the last; returns the training loss (nats/token, the mean over them).
 
         Raises:
             RuntimeError: :meth:`load_data` was not called.
         """
         if self.shard is None:
             raise RuntimeError("Workload.step before load_data")
-        b = self.batch_size
-        x, y = Corpus.sample(self.shard, self.world * b, self.context, self.generator)
-        if self.world > 1:
-            x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
-        if self.device.type != "cpu":
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        loss = inner_step(self.train_model, self.optimizer, x, y, lr=warmup_lr(self.lr, step, self.warmup_steps),
-                          grad_clip=self.grad_clip, amp_dtype=self.amp_dtype)
+        b, batches = self.batch_size, []
+        for _ in range(self.grad_accum_steps):
+            x, y = Corpus.sample(self.shard, self.world * b, self.context, self.generator)
+            if self.world > 1:
+                x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
+            if self.device.type != "cpu":
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            batches.append((x, y))
+        no_sync = getattr(self.train_model, "no_sync", None) if self.world > 1 else None
+        self.last_lr = self.schedule.lr(step, run_tokens)
+        loss = accumulated_step(self.train_model, self.optimizer, batches, lr=self.last_lr,
+                                grad_clip=self.grad_clip, amp_dtype=self.amp_dtype, no_sync=no_sync)
         if self.mean_loss is not None:
             loss = self.mean_loss(loss)
         return float(loss)

@@ -6,9 +6,8 @@ pipeline (:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announ
 the push channel's WebSocket while it is open and over HTTP while it is not (before it connects,
 after the synchronizer restarts, until it reconnects): :class:`~diloco_async.protocol.client.SyncClient`,
 one per synchronizer shard behind :class:`~diloco_async.learner.sharded_client.ShardedSyncClient`.
-If the synchronizer is unreachable the learner keeps training and reconnects with exponential
-backoff; after ``give_up_after_s`` without any answer the comms fail with
-:class:`~diloco_async.protocol.client.ProtocolError` (the learner exits 3).
+If the synchronizer is unreachable the learner keeps training and reconnects with backoff; after
+``give_up_after_s`` without an answer: :class:`~diloco_async.protocol.client.ProtocolError` (exit 3).
 """
 
 from __future__ import annotations
@@ -79,6 +78,7 @@ class Comms:
         self._held: dict[int, tuple[int, BaseFile | HeldBase]] = {}  # fragment -> newest value downloaded
         self.base_in_ram = False  # base copies in RAM, not local files: the parameters are on an accelerator
         self.pin_device: torch.device | None = None  # ... a CUDA device: those copies are pinned for it
+        self.defer_reads = False  # a sharded group (fsdp): versions are told, each rank reads its rows itself
         # Downloads (DESIGN §3.8, issue 47): one task per fragment at most, which reads the newest
         # version told (policy/catchup.py: the ones in between are skipped), in the download lane:
         # one version decoded at a time (one fragment's fp32 in flight), beside the uploads, which
@@ -130,6 +130,8 @@ class Comms:
             FileNotFoundError: the version was collected; storage.store.IntegrityError;
             ValueError: not an fp32 version of this fragment's tensors.
         """
+        if self.defer_reads:  # a sharded group: each rank reads its own rows at the step boundary
+            return {}
         t0 = time.monotonic()
         tensors, nbytes = self._fetch_compact(v), v.compact.nbytes if v.compact else 0
         if tensors is None:
@@ -248,6 +250,7 @@ class Comms:
                     for v in sh.join_response.versions:
                         self.told(v)
                     self.epoch = sh.join_response.epoch
+                    sh.run_tokens = sh.join_response.run_tokens  # the run's point on the lr schedule
                     sh.joined.set()
                     log.info("%s joined run %s", self.learner_id, sh.join_response.run_id)
                 resp = HeartbeatResponse.model_validate(await self.client.heartbeat(self.heartbeat_body()))
@@ -268,10 +271,9 @@ class Comms:
                 if silent > self.give_up_after_s:
                     raise ProtocolError(f"synchronizer unreachable for {silent:.0f}s") from err
                 pause_s = backoff.next_pause_s()
-                why = f"{type(err).__name__}: {err}"[:300] if isinstance(err, aiohttp.ClientSSLError) \
-                    else type(err).__name__  # a TLS refusal says why (a certificate the other side refused)
+                why = f"{type(err).__name__}: {err}"[:300] if isinstance(err, aiohttp.ClientSSLError) else ""
                 log.warning("%s synchronizer unreachable (%s); retrying in %.1fs, training continues",
-                            self.learner_id, why, pause_s)
+                            self.learner_id, why or type(err).__name__, pause_s)  # a TLS refusal says why
                 await asyncio.sleep(pause_s)
 
     async def _until_next_heartbeat(self) -> None:
@@ -301,6 +303,7 @@ class Comms:
         if not resp.known:
             log.warning("%s unknown to the synchronizer; rejoining", self.learner_id)
             return False
+        sh.run_tokens = resp.run_tokens
         now = time.monotonic()
         with sh.lock:
             listed = {(r.fragment, r.round_n): r.version for r in resp.open_rounds}

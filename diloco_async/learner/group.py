@@ -14,7 +14,8 @@ on CPU; NCCL for CUDA tensors):
    ``DistributedDataParallel`` broadcasts its parameters;
 3. **each step boundary**: rank 0 broadcasts a :class:`Decision` (stop, step or wait, the
    fragments it adopted) and then the tensors of every adopted fragment, so each rank adopts
-   the same versions at the same inner step. DDP averages the gradients, so the ranks stay
+   the same versions at the same inner step, and the run's tokens it last heard of, so each rank
+   steps with the same learning rate (the schedule's progress). DDP averages the gradients, so the ranks stay
    identical, and the outer gradient rank 0 sends covers the whole group's batch. The token
    count of a step covers every rank (``Workload.tokens_per_step``).
 
@@ -37,10 +38,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco_async.config.schema import Config
 from diloco_async.inner.workload import Workload
+from diloco_async.learner.fsdp import shard_workload
+from diloco_async.learner.fsdp_outer import ContributionOrder, ShardedOuter, ShardedUpload
 from diloco_async.models.transformer import embedding_names
 from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
+from diloco_async.protocol.messages import VersionInfo
 from diloco_async.runtime.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.runtime.parent_death import die_with_parent
+from storage.store import ObjectStore
 
 __all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]
 
@@ -65,11 +70,17 @@ def torchrun_args(lc: LearnerDeviceFields, rdzv_id: str) -> list[str]:
 
 @dataclass
 class Decision:
-    """What every rank does at one step boundary, as rank 0 decided it."""
+    """What every rank does at one step boundary, as rank 0 decided it. A sharded group
+    (``parallelism = "fsdp"``) also names the versions every rank reads its rows of and the
+    contributions every rank puts its shard of; ``uploads`` is what the ranks put (rank 0)."""
 
     stop: bool = False
     step: bool = True  # False: wait (barrier), no inner step this time
     adopted: list[int] = field(default_factory=list)  # fragments whose new values follow
+    run_tokens: float = 0.0  # the run's tokens processed as rank 0 last heard (the lr schedule's progress)
+    versions: list[VersionInfo] = field(default_factory=list)  # fsdp: versions to adopt, in order
+    orders: list[ContributionOrder] = field(default_factory=list)  # fsdp: contributions to take and put
+    uploads: list[ShardedUpload] = field(default_factory=list)  # fsdp, rank 0: the shard refs of each order
 
 
 class DataParallelLoss(DistributedDataParallel):
@@ -105,6 +116,7 @@ class LearnerGroup:
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         self._cpu = torch.device("cpu")
+        self.outer: ShardedOuter | None = None  # parallelism = "fsdp": this rank's side of the outer loop
 
     @classmethod
     def from_env(cls, timeout_s: float) -> LearnerGroup | None:
@@ -148,6 +160,26 @@ class LearnerGroup:
                                forward_sync_buffers=False)
         workload.join_group(self.rank, self.world, ddp, self.mean)
 
+    def shard(self, workload: Workload, cfg: Config, store: ObjectStore, learner_id: str, plan: FragmentPlan) -> None:
+        """``parallelism = "fsdp"``: shard ``workload``'s model over the group (FSDP2,
+        :func:`~diloco_async.learner.fsdp.shard_workload`), make it this rank of the group (its
+        slice of each batch, the loss averaged) and set up :attr:`outer` over the sharded parameters.
+
+        Raises:
+            ValueError: the model cannot be sharded as configured (the parameter is named).
+        """
+        shard_workload(workload, self.rank, self.world, cfg.learners.precision)
+        workload.join_group(self.rank, self.world, workload.model, self.mean)
+        self.outer = ShardedOuter(store, learner_id, self.rank, self.world, plan, workload.params)
+
+    def start_sharded(self, run_id: str | None = None, versions: list[VersionInfo] | None = None) -> None:
+        """Rank 0's run id and starting versions on every rank, and every rank's rows of them adopted."""
+        assert self.outer is not None
+        box = [(run_id, versions) if self.is_leader else None]
+        dist.broadcast_object_list(box, src=0, device=self._cpu)
+        self.outer.run_id, start = box[0]
+        self.outer.adopt(start)
+
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a 0-dim tensor over the ranks (a sum all-reduce; gloo has no average)."""
         out = value.detach().clone()
@@ -156,14 +188,16 @@ class LearnerGroup:
 
     def decide(self, decision: Decision | None, num_fragments: int) -> Decision:
         """Rank 0 sends ``decision``; every rank returns it."""
-        msg = torch.zeros(2 + num_fragments, dtype=torch.int64)
+        msg = torch.zeros(3 + num_fragments, dtype=torch.int64)
         if self.is_leader:
             assert decision is not None
             msg[0], msg[1] = int(decision.stop), int(decision.step)
+            msg[2:3] = torch.tensor([decision.run_tokens], dtype=torch.float64).view(torch.int64)  # its bits
             for p in decision.adopted:
-                msg[2 + p] = 1
+                msg[3 + p] = 1
         dist.broadcast(msg, src=0)
-        return Decision(bool(msg[0]), bool(msg[1]), [p for p in range(num_fragments) if msg[2 + p]])
+        run_tokens = float(msg[2:3].view(torch.float64)[0])
+        return Decision(bool(msg[0]), bool(msg[1]), [p for p in range(num_fragments) if msg[3 + p]], run_tokens)
 
     def share_fragments(self, params: dict[str, torch.nn.Parameter], plan: FragmentPlan, fragments: list[int]) -> None:
         """Broadcast rank 0's values of every tensor of ``fragments`` into each rank's parameters."""
@@ -173,7 +207,16 @@ class LearnerGroup:
                     dist.broadcast(params[name].data, src=0)
 
     def boundary(self, decision: Decision | None, workload: Workload, plan: FragmentPlan) -> Decision:
-        """One step boundary: the decision, then the adopted fragments' values."""
+        """One step boundary: the decision, then the adopted fragments' values. A sharded group:
+        the decision whole, then every rank reads its rows of the versions named and puts its
+        shard of each contribution ordered (in that order: Δ is taken on the adopted base)."""
+        if self.outer is not None:
+            box = [decision if self.is_leader else None]
+            dist.broadcast_object_list(box, src=0, device=self._cpu)
+            d = box[0]
+            self.outer.adopt(d.versions)
+            d.uploads = self.outer.contribute(d.orders)
+            return d
         d = self.decide(decision, plan.num_fragments)
         self.share_fragments(workload.params, plan, d.adopted)
         return d
@@ -209,9 +252,11 @@ def place_workload(workload: Workload, cfg: Config, index: int, local_rank: int 
 
 
 def run_follower(group: LearnerGroup, index: int, incarnation: int,
-                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config) -> int:
+                 make_workload: Callable[[Config, int, int], Workload] = Workload.from_config,
+                 store: ObjectStore | None = None, learner_id: str = "") -> int:
     """The life of a rank other than 0: build the same workload, take rank 0's start, then at
-    every step boundary do what rank 0 decided. Returns 0 when told to stop, 3 when rank 0
+    every step boundary do what rank 0 decided. ``store`` and ``learner_id``: a sharded group's
+    rank reads and writes its own shards there. Returns 0 when told to stop, 3 when rank 0
     could not join."""
     raw = group.share_config()
     if raw is None:
@@ -224,7 +269,12 @@ def run_follower(group: LearnerGroup, index: int, incarnation: int,
                           cfg.synchronizer.num_fragments, embedding_names(workload.model),
                           mode=cfg.synchronizer.fragmentation)
     step = group.share_start(workload)
-    group.wrap(workload)
+    if cfg.learners.parallelism == "fsdp":
+        assert store is not None, "a rank of a sharded group needs the store"
+        group.shard(workload, cfg, store, learner_id, plan)
+        group.start_sharded()
+    else:
+        group.wrap(workload)
     workload.load_data(cfg, index)
     log.info("rank %d/%d of learner %d ready at step %d on %s", group.rank, group.world, index, step,
              workload.device)
@@ -233,5 +283,5 @@ def run_follower(group: LearnerGroup, index: int, incarnation: int,
         if d.stop:
             return 0
         if d.step:
-            workload.step(step)
+            workload.step(step, d.run_tokens)
             step += 1

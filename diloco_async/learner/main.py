@@ -142,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     group = LearnerGroup.from_env(args.group_timeout_s)
     try:
-        if group is not None and not group.is_leader:
-            return run_follower(group, args.index, args.incarnation)
-        return _run_learner(args, token, group)
+        store = _open_store(args)
+        if group is not None and not group.is_leader:  # a sharded group's rank puts and reads its own shards
+            return run_follower(group, args.index, args.incarnation, store=store, learner_id=args.learner_id)
+        return _run_learner(args, token, group, store)
     except ValueError as err:  # e.g. a device that is absent here, named
         log.error("%s: %s", who, err, exc_info=True)
         return 2
@@ -168,7 +169,7 @@ def check_tls_env(learner_id: str, sync_url: str, env: dict | os._Environ, now: 
         check_client_files(env[CERT_ENV], env[KEY_ENV], now, learner_id)
 
 
-def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | None) -> int:
+def _open_store(args: argparse.Namespace) -> ObjectStore:
     options: dict[str, Any] = storage_options_from_env()
     delay_s = link_delay_s_from_env()
     store = ObjectStore(args.store, options)
@@ -176,6 +177,11 @@ def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | Non
         store = LatencyStore(store, delay_s)
         log.info("%s: link latency %.1f ms one way added to every store request and synchronizer exchange",
                  args.learner_id, delay_s * 1000)
+    return store
+
+
+def _run_learner(args: argparse.Namespace, token: str, group: LearnerGroup | None, store: ObjectStore) -> int:
+    delay_s = link_delay_s_from_env()
     tl_dir = os.environ.get(TIMELINE_DIR_ENV)
     recorder = Recorder(os.path.join(tl_dir, f"{args.learner_id}.jsonl") if tl_dir else None, inc=args.incarnation)
     # the process's own start (interpreter and imports included), as the synchronizer's ledger counts it

@@ -112,10 +112,13 @@ class Learner:
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
         self.comms.pin_device = device if device.type == "cuda" else None  # asynchronous copies to the GPU
         plan = self._check_plan(cfg, jr, workload)
-        loop = self._start_point(cfg, jr, workload, plan)
-        if self.group is not None:
-            self.group.share_start(workload, loop.step)
-            self.group.wrap(workload)
+        if self.group is not None and cfg.learners.parallelism == "fsdp":
+            loop = self._start_sharded(cfg, jr, workload, plan)
+        else:
+            loop = self._start_point(cfg, jr, workload, plan)
+            if self.group is not None:
+                self.group.share_start(workload, loop.step)
+                self.group.wrap(workload)
         sh.ready.set()
         shard_tokens = workload.load_data(cfg, self.index)
         log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), CPU subnormals %s, "
@@ -192,6 +195,28 @@ class Learner:
         start = StartPoint(base_tensors, counters, start_step, restored=saved is not None)
         return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
                          group=self.group)
+
+    def _start_sharded(self, cfg: Config, jr: JoinResponse, workload: Workload, plan: FragmentPlan) -> InnerLoop:
+        """A sharded group's start (``parallelism = "fsdp"``, DESIGN §3.1): rank 0's step on every
+        rank, the model sharded, and every rank's rows of the versions named at join (or newer ones
+        told since) read and adopted. The comms thread then only tells of new versions: the ranks
+        read their rows at the step boundary where rank 0 adopts them."""
+        group = self.group
+        assert group is not None
+        group.share_start(workload, jr.start_step)
+        group.shard(workload, cfg, self.store, self.learner_id, plan)
+        self.comms.defer_reads = True
+        self.comms.base_in_ram = True  # each rank's rows of Θ^base (ShardedOuter.base)
+        versions = []
+        for v in jr.versions:
+            newer = self.shared.newest_versions.get(v.fragment)
+            versions.append(newer if newer is not None and newer.version > v.version else v)
+        group.start_sharded(jr.run_id, versions)
+        assert group.outer is not None
+        self.shared.base.update({v.fragment: v.version for v in versions})
+        start = StartPoint(group.outer.base, {}, jr.start_step)
+        return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
+                         group=group)
 
     def _rebase_to_join(self, versions: list[VersionInfo], workload: Workload,
                         base_tensors: dict[int, BaseFile | HeldBase],

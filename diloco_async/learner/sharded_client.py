@@ -7,12 +7,14 @@
 * ``join`` joins every shard; an answer whose ``shards`` differs from the number of URLs, or whose
   ``shard`` is not its URL's position, raises :class:`ShardListMismatch` (the learner exits 2); the
   shards' plans must be equal. The answers merge: versions (disjoint by fragment) concatenated, the
-  run's config and plan of the first, the highest ``start_step``, the epochs joined with ``+``.
+  run's config and plan of the first, the highest ``start_step``, the epochs joined with ``+``, the
+  highest ``run_tokens`` (every shard counts every learner's heartbeats).
 * ``heartbeat`` goes to every shard (each computes the global step from the same heartbeats); the
   answers merge: open rounds and versions concatenated, ``stop`` when every shard that answered
   said stop (the budget stop is the run's: the shards follow the first that stops, DESIGN §2.2; a
-  learner cut off from one shard then still hears it from the others),
-  the epochs joined (an unreachable shard's as it last answered, so it does not look restarted). A
+  learner cut off from one shard then still hears it from the others), the epochs joined (an
+  unreachable shard's as it last answered, so it does not look restarted), the highest
+  ``run_tokens`` (an unreachable shard's as it last answered). A
   shard that answers ``known=False`` is joined again at once (that shard only). A shard that cannot
   be reached is logged, counted (:attr:`ShardedSyncClient.unreachable`) and left out of the answer
   while another answers; when none answers the first error is raised (the comms' retry and give-up
@@ -71,6 +73,7 @@ class ShardedSyncClient:
         self.clients = [SyncClient(u, token, link_delay_s=link_delay_s) for u in self.urls]
         self._join_body: dict | None = None
         self._epochs = [""] * len(self.urls)  # each shard's epoch as last answered
+        self._run_tokens = [0.0] * len(self.urls)  # each shard's run_tokens as last answered
         self.unreachable: Counter[int] = Counter()  #: heartbeats a shard did not answer, by shard
 
     @property
@@ -139,6 +142,8 @@ class ShardedSyncClient:
         merged["start_step"] = max(int(a.get("start_step", 0)) for a in answers)
         self._epochs = [a["epoch"] for a in answers]
         merged["epoch"] = "+".join(self._epochs)
+        self._run_tokens = [float(a.get("run_tokens", 0.0)) for a in answers]
+        merged["run_tokens"] = max(self._run_tokens)
         return merged
 
     async def heartbeat(self, body: dict) -> dict:
@@ -159,6 +164,7 @@ class ShardedSyncClient:
                 self._check(i, await self.clients[i].join(self._join_body))  # that shard only
                 a = await self.clients[i].heartbeat(body)
             self._epochs[i] = a.get("epoch", self._epochs[i])
+            self._run_tokens[i] = float(a.get("run_tokens", self._run_tokens[i]))
             got.append(a)
         if not got:
             raise next(a for a in answers if isinstance(a, BaseException))
@@ -166,7 +172,8 @@ class ShardedSyncClient:
                 "versions": [v for a in got for v in a.get("versions", [])],
                 "stop": all(a.get("stop", False) for a in got),
                 "known": all(a.get("known", True) for a in got),
-                "epoch": "+".join(self._epochs)}  # an unreachable shard's as last answered
+                "epoch": "+".join(self._epochs),  # an unreachable shard's as last answered
+                "run_tokens": max(self._run_tokens)}
 
     async def announce(self, body: dict) -> dict:
         """An announcement to the shard that owns its fragment."""

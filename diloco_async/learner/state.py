@@ -14,6 +14,7 @@ import torch
 from diloco_async.inner.state import InnerState
 from diloco_async.learner.link import LinkMeter
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
+from storage.store import ObjectRef
 
 __all__ = ["LearnerSlot", "SyncEndpoint", "UploadJob", "SpooledState", "Stats", "Shared"]
 
@@ -61,6 +62,7 @@ class UploadJob:
     encoded: dict[str, torch.Tensor] | None = None
     delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
     codec: str | None = None  # its wire codec (a link-bound step-down); None: the uploads' (learners.codec)
+    shards: list[ObjectRef] | None = None  # a sharded group's shard objects, by rank, already put (DESIGN §3.1)
 
 
 @dataclass
@@ -116,6 +118,9 @@ class Shared:
         self.ready = threading.Event()  # plan known: versions can be decoded
         self.epoch_changed = threading.Event()  # the synchronizer restarted
         self.join_response: JoinResponse | None = None
+        # tokens processed by the run as the synchronizer last told (join and heartbeat answers): the
+        # inner lr schedule's progress (policy/schedules.py); written by the comms thread, read whole
+        self.run_tokens = 0.0
         self.fatal: str | None = None
         self.fatal_code = 3  # the exit code of a fatal comms error (2: the shard URLs disagree with the run)
         # (fragment, round) -> (version the round builds on, when heard of)

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -24,12 +25,14 @@ from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.device_copies import to_host_async
+from diloco_async.learner.fsdp_outer import ContributionOrder, ShardedUpload
 from diloco_async.learner.group import Decision, LearnerGroup
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.metrics.timeline import Recorder
 from diloco_async.policy.fragments import FragmentPlan, fragment_offset
+from diloco_async.protocol.messages import VersionInfo
 from diloco_async.runtime.heap import ReleaseWhenItPays, release_free_memory
 
 __all__ = ["InnerLoop", "StartPoint"]
@@ -114,6 +117,9 @@ class InnerLoop:
         self.P, self.H = P, H
         self.progress = [Progress(*counters.get(p, (0, 0, 0.0))) for p in range(P)]
         self.in_flight: dict[int, _InFlight] = {}  # cleared on adoption, or when it will not be merged
+        self.sharded = group is not None and group.outer is not None  # fsdp: the ranks adopt and contribute together
+        self.versions: list[VersionInfo] = []  # sharded: versions every rank adopts at this boundary
+        self.orders: list[ContributionOrder] = []  # sharded: contributions every rank puts its shard of
         self.answered: set[tuple[int, int]] = set()
         self.ema_alpha = cfg.synchronizer.ema_alpha
         self.step = start.step  # a restarted slot continues its step count
@@ -150,12 +156,16 @@ class InnerLoop:
             self._read_outcomes()
             self._answer_rounds()
             blocked = self.lc.barrier and self._barrier_blocked()
+            run_tokens = self.shared.run_tokens  # the run's progress for the lr schedule, as last heard
             if self.group is not None:
-                self.group.boundary(Decision(stop=False, step=not blocked, adopted=adopted), self.workload, self.plan)
+                d = self.group.boundary(Decision(stop=False, step=not blocked, adopted=adopted, run_tokens=run_tokens,
+                                                 versions=self.versions, orders=self.orders), self.workload, self.plan)
+                self.versions, self.orders = [], []
+                self._queue_sharded(d.uploads)
             if blocked:
                 continue  # adopt or answer what arrived, at this step boundary
             self._maybe_save_inner_state()
-            self._inner_step()
+            self._inner_step(run_tokens)
             self._maybe_release_heap(bool(adopted))
         if self.group is not None:
             self.group.boundary(Decision(stop=True, step=False), self.workload, self.plan)
@@ -189,7 +199,9 @@ class InnerLoop:
             snap = self.in_flight.pop(p, None)
             params = self.workload.params
             with torch.no_grad():
-                if self.lc.adopt == "overwrite":  # θ ← Θ^new read from its file one tensor at a time
+                if self.sharded:  # every rank reads its rows at this boundary (LearnerGroup.boundary)
+                    self.versions.append(v)
+                elif self.lc.adopt == "overwrite":  # θ ← Θ^new read from its file one tensor at a time
                     for n in new:
                         _overwrite(params[n], new, n)
                 else:  # mix and rebase on θ's device (the snapshot of rebase is there already)
@@ -199,7 +211,8 @@ class InnerLoop:
                         params[n].copy_(val)
                     del adopted
             self.progress[p] = progress_after_adopt(self.lc.adopt, self.progress[p], snap.progress if snap else None)
-            self.base_tensors[p] = new
+            if not self.sharded:  # sharded: the group's ShardedOuter.base, replaced at this boundary
+                self.base_tensors[p] = new
             with sh.lock:
                 sh.base[p] = v.version
             adopted_now.append(p)
@@ -254,6 +267,9 @@ class InnerLoop:
         step), Δ is encoded here one tensor at a time, so fp32 outer gradients do not pile up in
         the queue. On a GPU, Δ is taken there and its copy to pinned host memory is queued; the
         upload thread waits for it (at most one fp32 Δ per fragment, the model's size, in host memory)."""
+        if self.sharded:
+            self._order_sharded(p, n)
+            return
         params = self.workload.params
         delta: dict[str, torch.Tensor] = {}
         encoded = None
@@ -279,6 +295,33 @@ class InnerLoop:
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
         self.shared.upload_queue.put(job)
+
+    def _order_sharded(self, p: int, n: int) -> None:
+        """A sharded group's contribution to round ``n`` of ``p``: an order for every rank at this
+        boundary (each takes Δ on its rows and puts its shard; :meth:`_queue_sharded` announces)."""
+        prog = self.progress[p]
+        codec = self.shared.upload_codec or self.lc.codec
+        order = ContributionOrder(p, n, self.shared.base[p], codec, uuid.uuid4().hex[:16], prog.steps, prog.tokens,
+                                  prog.compute_s)
+        self.in_flight[p] = _InFlight(n, {}, prog)
+        self.hold.discard(p)
+        self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
+                             update_id=order.update_id)
+        self.orders.append(order)
+
+    def _queue_sharded(self, uploads: list[ShardedUpload]) -> None:
+        """Hand each contribution whose shards every rank put to the comms thread, to announce; one
+        with a shard missing is reported failed (nothing of it is announced)."""
+        for up in uploads:
+            o = up.order
+            if up.shards is None:
+                log.warning("%s fragment %d round %d: a rank could not put its shard; not announced", self.learner_id,
+                            o.fragment, o.round_n)
+                self.shared.outcomes.put((o.fragment, o.round_n, "failed"))
+                continue
+            self.shared.upload_queue.put(UploadJob(o.fragment, o.round_n, o.base_version, o.c_steps, o.c_tokens,
+                                                   o.compute_s, {}, update_id=o.update_id, codec=o.codec,
+                                                   shards=up.shards))
 
     def _barrier_blocked(self) -> bool:
         """Synchronous DiLoCo (``learners.barrier``): wait here when a contribution is in flight,
@@ -351,14 +394,15 @@ class InnerLoop:
 
     # ------------------------------------------------------------------ one inner step --------
 
-    def _inner_step(self) -> None:
+    def _inner_step(self, run_tokens: float) -> None:
         tokens = self.workload.tokens_per_step
         t0 = time.perf_counter()
         t0_unix = time.time()
-        loss = self.workload.step(self.step)
+        loss = self.workload.step(self.step, run_tokens)
         dt = time.perf_counter() - t0
         self.step += 1
-        self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens)
+        self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens,
+                             lr=self.workload.last_lr, run_tokens=run_tokens)
         self.progress = [prog.plus(tokens, dt) for prog in self.progress]
         with self.shared.lock:
             s = self.shared.stats

@@ -29,13 +29,13 @@ from diloco_async.inner.state import InnerState
 from diloco_async.learner.sharded_client import ShardedSyncClient
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.protocol.client import SyncClient
-from diloco_async.protocol.messages import AnnouncementAck
+from diloco_async.protocol.messages import AnnouncementAck, ShardObject, shard_list_digest
 from storage import keys
 from storage.checkpoint import write_state, write_state_file
 from storage.retry import Backoff
 from storage.store import ObjectRef, ObjectStore
 
-__all__ = ["Uploads", "synchronizer_backoff"]
+__all__ = ["Uploads", "synchronizer_backoff", "sharded_ref"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -49,6 +49,13 @@ def synchronizer_backoff() -> Backoff:
     :data:`RETRY_FIRST_S` doubling up to :data:`RETRY_MAX_S`, jittered so that learners cut off
     together (a synchronizer restart) do not come back in step."""
     return Backoff(RETRY_FIRST_S, RETRY_MAX_S)
+
+
+def sharded_ref(shards: list[ObjectRef]) -> ObjectRef:
+    """What a sharded group's announcement names as its object (DESIGN §3.1): shard 0's key, the
+    shards' total size and :func:`~diloco_async.protocol.messages.shard_list_digest` of the list."""
+    listed = [ShardObject(key=r.key, nbytes=r.nbytes, sha256=r.sha256) for r in shards]
+    return ObjectRef(shards[0].key, sum(r.nbytes for r in shards), shard_list_digest(listed))
 
 
 class Uploads:
@@ -151,10 +158,11 @@ class Uploads:
         key = keys.contribution_key(run_id, job.fragment, job.round_n, self.learner_id, job.update_id)
         meta = {"learner": self.learner_id, "fragment": str(job.fragment), "round": str(job.round_n),
                 "base_version": str(job.base_version)}
-        log.info("%s uploading fragment %d round %d (base v%d, %s) to %s", self.learner_id, job.fragment,
-                 job.round_n, job.base_version, self.codec_of(job), key)
-        try:
-            ref = await self._encode_and_put(job, key, meta)  # one upload at a time (this loop)
+        if job.shards is None:
+            log.info("%s uploading fragment %d round %d (base v%d, %s) to %s", self.learner_id, job.fragment,
+                     job.round_n, job.base_version, self.codec_of(job), key)
+        try:  # one upload at a time (this loop); a sharded group's ranks put their shards already
+            ref = sharded_ref(job.shards) if job.shards is not None else await self._encode_and_put(job, key, meta)
         except Exception as err:  # nothing was published under the key (a short one is deleted); nothing is announced
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
                         job.round_n, getattr(err, "reason", type(err).__name__), err)
@@ -166,6 +174,8 @@ class Uploads:
                 "base_version": job.base_version, "c_steps": job.c_steps, "c_tokens": job.c_tokens,
                 "compute_s": job.compute_s, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256,
                 "codec": self.codec_of(job), "update_id": job.update_id}
+        if job.shards is not None:
+            body["shards"] = [r.to_json() for r in job.shards]
         if len(getattr(client, "clients", ())) > 1:  # shards: one that is down must not hold the others' announcements
             task = asyncio.create_task(self._announce_and_report(client, job, body))
             self._announcing.add(task)

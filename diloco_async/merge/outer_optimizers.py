@@ -124,6 +124,13 @@ class DelayedNesterovOuterOptimizer(OuterOptimizer):
         """``N``, outer steps between two momentum updates."""
         return self._period
 
+    def take_back_lookahead(self, share: float) -> dict[str, Tensor]:
+        """Unchanged ``Θ``: DN's look-ahead comes once per period, not with every step, so the last
+        step has none of its own to take back (checks ``share`` as the base class)."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"take_back_lookahead: share must be in [0, 1], got {share}")
+        return dict(self._params)
+
     def _step_tensor(self, name: str, p: Tensor, b: Tensor | None, g: Tensor, require_finite: bool,
                      consume: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
         g = g if scale is None else g * scale

@@ -98,8 +98,14 @@ class OuterOptimizer:
 
     @property
     def lr(self) -> float:
-        """Outer learning rate η."""
+        """Outer learning rate η of the next step (``synchronizer.outer_lr_schedule`` sets it before each)."""
         return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"outer lr must be finite and > 0, got {value}")
+        self._lr = float(value)
 
     @property
     def mu(self) -> float:
@@ -247,6 +253,28 @@ class OuterOptimizer:
         if status == merge_native.STEP_BAD_GRAD:
             raise ValueError(f"outer step: tensor {name!r} has non-finite values (NaN or Inf)")
         return new_p, new_b, status != merge_native.STEP_NOT_FINITE
+
+    def take_back_lookahead(self, share: float) -> dict[str, Tensor]:
+        """Take back ``share`` of the last step's momentum look-ahead: ``Θ ← Θ + share·η·μ·b``
+        (new tensors; ``b`` and the step count stay). With ``share = 1`` the last step becomes a
+        plain outer-gradient step ``Θ − η·g`` from where it started (DESIGN §4.5): the last round of
+        a drain, after which no round follows for the look-ahead to anticipate (issue 44).
+
+        Returns:
+            name → the new value ``Θ`` (the optimizer's own tensors, as :meth:`step_shared`).
+
+        Raises:
+            ValueError: ``share`` outside [0, 1]; the state is then left unchanged.
+        """
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"take_back_lookahead: share must be in [0, 1], got {share}")
+        if self._momentum is None or share == 0.0:
+            return dict(self._params)
+        alpha = share * self._lr * self._mu
+        new = {name: torch.add(p, self._momentum[name], alpha=alpha, out=self._empty_like(p))
+               for name, p in self._params.items()}
+        self._params = new
+        return dict(new)
 
     def params(self) -> dict[str, Tensor]:
         """name → current value ``Θ`` (detached clones, the optimizer's dtype)."""

@@ -189,6 +189,8 @@ def _add_counts(docs: Sequence[Mapping[str, Any]], out: dict[str, Any]) -> None:
             out[key] = max(d[key] for d in docs if d.get(key) is not None)
     out["versions"] = dict(sorted({p: v for d in docs for p, v in (d.get("versions") or {}).items()}.items(),
                                   key=lambda kv: int(kv[0])))
+    if any("outer_lr" in d for d in docs):  # η of each fragment's last outer step: each shard's own fragments
+        out["outer_lr"] = {p: lr for d in docs for p, lr in (d.get("outer_lr") or {}).items()}
     # learners tell every shard what they could not deliver, so the largest any shard heard of, fragment
     # by fragment (the owner may be the shard they cannot reach)
     undeliverable: dict[str, int] = {}

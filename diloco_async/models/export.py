@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from diloco_async.config.model import ModelConfig
+from diloco_async.config.model import ModelConfig, hub_repo_id
 from diloco_async.models.hf import fetch_pretrained, unwrap_hf
 from diloco_async.models.wrapper import CausalLM
 from storage.store import ObjectStore
@@ -66,8 +66,9 @@ def save_final_model(model: nn.Module, cfg: ModelConfig, folder: str | Path, tok
     if cfg.lora is None:
         text = _LOADING_FULL
     elif cfg.hf.pretrained is not None:
+        hub = hub_repo_id(cfg.hf.pretrained)  # a Hub id loads from any host; a local copy only here
         text = _LOADING_LORA.format(base=f"the pretrained model {cfg.hf.pretrained!r}",
-                                    base_path=fetch_pretrained(cfg.hf.pretrained, cfg.hf.cache_dir))
+                                    base_path=hub if hub else fetch_pretrained(cfg.hf.pretrained, cfg.hf.cache_dir))
     else:
         net.get_base_model().save_pretrained(str(folder / "base"))
         text = _LOADING_LORA.format(base="its randomly initialised base, saved in base/",

@@ -3,7 +3,8 @@ optional LoRA adapter (``peft``).
 
 transformers and peft are imported on first use (they take seconds), and only ever read local
 files: a pretrained model named by an fsspec URL is copied once into ``model.hf.cache_dir`` (a
-folder named by the URL's hash) and loaded from there with ``local_files_only``.
+folder named by the URL's hash), one named by a Hub id is found in ``model.hf.cache_dir/hub`` where
+the flow downloaded it (:mod:`diloco_async.runtime.hub`), and either is loaded with ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import fsspec
 import torch
 import torch.nn as nn
 
-from diloco_async.config.model import HfModelConfig, LoraSettings, ModelConfig
+from diloco_async.config.model import HfModelConfig, LoraSettings, ModelConfig, hub_repo_id
 from diloco_async.models.wrapper import CausalLM
+from diloco_async.runtime.hub import cached_snapshot
 
 __all__ = ["build_hf", "fetch_pretrained", "hf_config", "apply_lora", "unwrap_hf"]
 
@@ -31,14 +33,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the hub, whoever imports t
 _MARKER = ".diloco-complete"
 
 
-def fetch_pretrained(url: str, cache_dir: str) -> Path:
-    """The local folder of a pretrained model: ``url`` itself when it is a local folder, else a
-    copy of the folder at the fsspec ``url`` in ``cache_dir/<sha256(url)[:16]>`` (made once; a
-    marker file says the copy is complete).
+def fetch_pretrained(url: str, cache_dir: str, revision: str | None = None) -> Path:
+    """The local folder of a pretrained model: ``url`` itself when it is a local folder; for a Hub
+    id, its snapshot at ``revision`` in ``cache_dir/hub`` (never downloaded here); else a copy of
+    the folder at the fsspec ``url`` in ``cache_dir/<sha256(url)[:16]>`` (made once; a marker file
+    says the copy is complete).
 
     Raises:
-        ValueError: nothing exists at ``url``.
+        ValueError: nothing exists at ``url``, or a Hub id that was not downloaded.
     """
+    repo_id = hub_repo_id(url)
+    if repo_id is not None:
+        try:
+            return cached_snapshot(repo_id, revision, cache_dir)
+        except FileNotFoundError as err:
+            raise ValueError(f"model.hf.pretrained={url!r}: {err}") from None
     local = Path(url.removeprefix("file://")).expanduser()
     if "://" not in url or url.startswith("file://"):
         if not local.is_dir():
@@ -136,7 +145,7 @@ def build_hf(cfg: ModelConfig, vocab_size: int, seed: int) -> CausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if cfg.hf.pretrained is not None:
-            folder = fetch_pretrained(cfg.hf.pretrained, cfg.hf.cache_dir)
+            folder = fetch_pretrained(cfg.hf.pretrained, cfg.hf.cache_dir, cfg.hf.revision)
             net = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
             _check_fits(net.config, vocab_size, cfg.context, f"model.hf.pretrained={cfg.hf.pretrained!r}")
         else:

@@ -86,8 +86,9 @@ def admit_announcement(
     if ann.base_version not in fragment.kept_versions:
         return Admission("rejected", f"too_stale: base version {ann.base_version}, current {fragment.version}, "
                          f"keeping {max_staleness}")
-    if not ann.key.startswith(key_prefix):
-        return Admission("rejected", f"bad_key: key {ann.key!r} is outside this round's prefix")
+    outside = [k for k in [ann.key, *(s.key for s in ann.shards or ())] if not k.startswith(key_prefix)]
+    if outside:
+        return Admission("rejected", f"bad_key: key {outside[0]!r} is outside this round's prefix")
     if ann.codec not in codecs:
         return Admission("rejected", f"bad_codec: {ann.codec}")
     return round_state.announce(ann.learner_id, ann.key, now_s)

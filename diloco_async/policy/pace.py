@@ -241,14 +241,14 @@ class PaceLimits:
 
     @classmethod
     def from_config(cls, cfg: Config) -> PaceLimits:
-        """The ``[guard]`` limits; ``max_tokens_per_step`` unset is 2 · ranks · batch_size · context with the
-        largest per-learner batch size (a step of a learner of ``ranks`` processes trains on that many tokens;
-        the weight c_tokens²/c_steps of a learner that claims the most is then at most 4 times an honest
-        one's)."""
+        """The ``[guard]`` limits; ``max_tokens_per_step`` unset is 2 · ranks · grad_accum_steps · batch_size ·
+        context with the largest per-learner batch size (a step of a learner of ``ranks`` processes trains on
+        that many tokens; the weight c_tokens²/c_steps of a learner that claims the most is then at most 4
+        times an honest one's)."""
         g = cfg.guard
         lc = cfg.learners
         batch = max(lc.batch_size) if isinstance(lc.batch_size, list) else lc.batch_size
-        per_step = g.max_tokens_per_step or 2 * lc.ranks_per_learner * batch * cfg.model.context
+        per_step = g.max_tokens_per_step or 2 * lc.ranks_per_learner * lc.grad_accum_steps * batch * cfg.model.context
         return cls(g.pace_initial_steps_per_s, g.pace_tolerance, g.pace_floor_steps_per_s, g.pace_warmup_s,
                    g.burst_steps, per_step, g.pace_growth)
 

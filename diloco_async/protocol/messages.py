@@ -10,6 +10,7 @@ most 64 characters; keys at most 1024 characters; at most 4096 fragments.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +34,9 @@ __all__ = [
     "SECONDS_MAX",
     "FRAGMENTS_MAX",
     "KEY_MAX_CHARS",
+    "SHARDS_MAX",
+    "ShardObject",
+    "shard_list_digest",
 ]
 
 LEARNER_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -45,6 +49,8 @@ SECONDS_MAX = 1e9
 FRAGMENTS_MAX = 4096
 """Fragment indices lie in [0, FRAGMENTS_MAX); a map by fragment has at most this many entries."""
 KEY_MAX_CHARS = 1024
+#: the most shard objects one announcement names (ranks of a sharded learner group)
+SHARDS_MAX = 1024
 """Longest object key."""
 
 Step = Annotated[int, Field(ge=0, le=STEP_MAX)]
@@ -109,6 +115,9 @@ class JoinResponse(_Msg):
                        "rounds are those of its own fragments, fragment p on shard p mod shards.")
     shards: int = Field(1, ge=1, description="synchronizer.shards: how many shards the run's fragments are divided "
                         "among (1: one synchronizer, as before shards existed).")
+    run_tokens: float = Field(0.0, ge=0, le=COUNT_MAX, description="Tokens processed by the run's learners as the "
+                              "synchronizer counts them for budget.tokens, rounded down to 0.1% of it: the progress "
+                              "of the learning-rate schedule (policy/schedules.py).")
 
 
 class Heartbeat(_Msg):
@@ -158,10 +167,28 @@ class HeartbeatResponse(_Msg):
     stop: bool = False
     known: bool = Field(True, description="False: the synchronizer does not know this learner; rejoin.")
     epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
+    run_tokens: float = Field(0.0, ge=0, le=COUNT_MAX, description="As in the join answer, now.")
+
+
+class ShardObject(_Msg):
+    """One rank's shard of a sharded learner group's contribution: an object of its own (DESIGN §3.1)."""
+
+    key: Key
+    nbytes: Count
+    sha256: Sha256
+
+
+def shard_list_digest(shards: list[ShardObject]) -> str:
+    """The ``sha256`` an announcement of the shard objects ``shards`` carries: the sha256 of one
+    line ``key nbytes sha256`` per shard, in rank order (DESIGN §3.1)."""
+    lines = "".join(f"{s.key} {s.nbytes} {s.sha256}\n" for s in shards)
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 class Announcement(_Msg):
-    """A contribution uploaded and ready: DESIGN §3.4."""
+    """A contribution uploaded and ready: DESIGN §3.4. A sharded learner group (DESIGN §3.1)
+    names its N shard objects in ``shards`` (rank order); ``key`` is then shard 0's, ``nbytes``
+    their total and ``sha256`` :func:`shard_list_digest` of the list."""
 
     learner_id: LearnerId
     fragment: FragmentIndex
@@ -175,6 +202,13 @@ class Announcement(_Msg):
     sha256: Sha256
     codec: Literal[CODECS]  # type: ignore[valid-type]
     update_id: str = Field(pattern=LEARNER_ID_PATTERN)
+    shards: list[ShardObject] | None = Field(None, min_length=1, max_length=SHARDS_MAX,
+                                             description="The shard objects of a sharded group, by rank.")
+
+    def object_keys(self) -> list[str]:
+        """Every key this announcement names: ``key`` and each shard object's (each must lie under
+        the announcing learner's own contribution prefix, DESIGN §10)."""
+        return [self.key, *(s.key for s in self.shards or ())]
 
 
 class AnnouncementAck(_Msg):

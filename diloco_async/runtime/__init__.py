@@ -7,5 +7,6 @@
 :mod:`~diloco_async.runtime.priority` lowers a background thread's priority;
 :mod:`~diloco_async.runtime.heap` tunes the C heap's retention;
 :mod:`~diloco_async.runtime.devices` picks a rank's device and precision;
-:mod:`~diloco_async.runtime.link_delay` adds a region's one-way latency (the WAN harness).
+:mod:`~diloco_async.runtime.link_delay` adds a region's one-way latency (the WAN harness);
+:mod:`~diloco_async.runtime.hub` downloads from the Hugging Face Hub in one child process and finds the copies offline.
 """

@@ -44,6 +44,11 @@ class LearnerDeviceFields(BaseModel):
     nproc_per_learner: int = Field(
         1, ge=1, description="Ranks per node of each learner: >1 runs the learner as a torchrun group with DDP "
         "inside (gloo on CPU, NCCL on CUDA); rank 0 talks to the synchronizer.")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="How a learner group of several ranks holds the model: 'ddp' (every rank the whole model, "
+        "DistributedDataParallel) or 'fsdp' (torch's fully_shard, FSDP2: each rank 1/N of the parameters, "
+        "gradients, AdamW moments and base copies, and of each outer gradient; DESIGN §3.1). fsdp needs "
+        "nproc_per_learner x nnodes >= 2.")
     nnodes: int = Field(1, ge=1, description="Nodes of each learner's torchrun group (multi-node needs rdzv_endpoint).")
     rdzv_endpoint: str = Field("", description="host:port of the c10d rendezvous of a multi-node learner group.")
     group_timeout_s: float = Field(
@@ -75,6 +80,10 @@ class LearnerDeviceFields(BaseModel):
                 raise ValueError(f"learners.device={single[0]!r} is one device, it cannot hold "
                                  f"nproc_per_learner={self.nproc_per_learner} ranks; use 'cuda' (rank r takes "
                                  "cuda:r) or 'cpu'")
+        if self.parallelism == "fsdp" and self.nproc_per_learner * self.nnodes < 2:
+            raise ValueError(f"learners.parallelism='fsdp' with nproc_per_learner={self.nproc_per_learner} x "
+                             f"nnodes={self.nnodes} = 1 rank: one rank cannot shard the model; use 'ddp' or at "
+                             "least 2 ranks")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(f"learners.nnodes={self.nnodes} needs learners.rdzv_endpoint (host:port)")
         return self

@@ -163,7 +163,7 @@ class Synchronizer:
         self.stop_sequence = StopSequence(self.ctx, self.life, self.table, self.registry, self.checkpoints,
                                           self.report, self.push, self.summary)
         self._sweeps = SweepTimer()
-        self._replies = HeartbeatReplies(VersionInfos())
+        self._replies = HeartbeatReplies(VersionInfos(), self.registry.tokens_processed, cfg.budget.tokens)
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
@@ -371,7 +371,7 @@ class Synchronizer:
         return JoinResponse(run_id=self.ctx.run_id, config=cfg.public_dict(), config_hash=config_hash(cfg),
                             plan=self.book.plan.to_json(), schema_hash=self.book.plan.schema_hash,
                             versions=self._replies.versions(self.book), epoch=self.ctx.epoch, start_step=start_step,
-                            shard=self.ctx.shard, shards=self.ctx.sc.shards)
+                            shard=self.ctx.shard, shards=self.ctx.sc.shards, run_tokens=self._replies.run_tokens())
 
     def _on_heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         lid = hb.learner_id

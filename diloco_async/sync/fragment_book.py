@@ -19,6 +19,7 @@ import torch
 
 from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.policy.schedules import OuterSchedule
 from diloco_async.sync.state import FragmentState, Merged, new_fragments
 from storage.store import ObjectStore
 
@@ -91,6 +92,12 @@ class FragmentBook:
     def begin_round(self, f: FragmentState, n: int) -> None:
         """Round ``n`` of ``f`` is in flight; the next one it opens is ``n + 1``."""
         f.busy, f.next_round = True, n + 1
+
+    def set_outer_lr(self, f: FragmentState, schedule: OuterSchedule, run_tokens: int) -> float:
+        """Set η of ``f``'s next outer step (on the actor's task, before the merge's thread starts):
+        the schedule at ``run_tokens``, the tokens processed by the run now; returns it."""
+        f.optimizer.lr = schedule.lr(run_tokens)
+        return f.optimizer.lr
 
     def end_round(self, f: FragmentState) -> None:
         """``f``'s round in flight is over (merged, failed or abandoned)."""

@@ -248,10 +248,11 @@ async def _heartbeat(request: web.Request) -> web.Response:
 
 async def _announce(request: web.Request) -> web.Response:
     ann = await _parse_as_learner(request, Announcement)
-    owner = keys.contribution_learner(request.app[SYNC].run_id, ann.key)
-    if owner != ann.learner_id:
-        raise _denied(request, FORBIDDEN, f"learner {ann.learner_id!r} announced key {ann.key[:200]!r}, which is "
-                                          "not under its own contribution prefix")
+    run_id = request.app[SYNC].run_id
+    for key in ann.object_keys():  # a sharded group's shard objects too
+        if keys.contribution_learner(run_id, key) != ann.learner_id:
+            raise _denied(request, FORBIDDEN, f"learner {ann.learner_id!r} announced key {key[:200]!r}, which is "
+                                              "not under its own contribution prefix")
     resp = await _ask(request, "announce", ann)
     return _model_json(resp)
 

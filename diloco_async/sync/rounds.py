@@ -28,6 +28,7 @@ from diloco_async.policy.rounds import (
     schedule_shift,
     stuck_round_reason,
 )
+from diloco_async.policy.schedules import OuterSchedule
 from diloco_async.policy.shards import shard_of
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
@@ -36,7 +37,6 @@ from diloco_async.sync.guard import UpdateGuard
 from diloco_async.sync.logs import BoundedMap
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from storage import keys
-from storage.store import ObjectRef
 
 if TYPE_CHECKING:
     from diloco_async.sync.context import ActorContext
@@ -90,6 +90,7 @@ class RoundTable:
         self.g: int | None = None  # the global step
         self.schedule_shift_steps = 0  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
         self.guard = UpdateGuard(ctx.cfg.guard, book, report)  # the update guard's memory
+        self.outer_schedule = OuterSchedule.from_config(ctx.cfg)  # η of each fragment's outer steps
 
     def opens_for(self, learner_id: str) -> tuple[tuple[int, int, int], ...]:
         """The rounds open (or in their grace window) that ``learner_id`` has not announced to, as
@@ -136,14 +137,17 @@ class RoundTable:
         for p, n in decision.open_now:
             self.open_round(self.book[p], n, now)
 
-    def open_last_rounds(self, now: float) -> list[str]:
-        """A last round of every fragment that has none in flight (the drain before a stop)."""
+    def open_last_rounds(self, now: float, until_s: float) -> list[str]:
+        """A last round of every fragment that has none in flight (the drain before a stop). Each
+        waits for every live learner until ``until_s`` (the drain's end), not a grace window, and
+        takes ``synchronizer.drain_lookahead`` of the momentum look-ahead (docs/end-of-run.md)."""
         self.waiting.clear()
         opened = []
         for f in self.book:
             if not f.busy:
                 opened.append(f"p{f.p} r{f.next_round}")
                 self.open_round(f, f.next_round, now)
+                self.rounds[(f.p, f.next_round - 1)].drain_until_s = until_s
         return opened
 
     # -- contributions ------------------------------------------------------------------------
@@ -217,12 +221,11 @@ class RoundTable:
         return AnnouncementAck(status="rejected", reason=f"{reason}: {detail}")
 
     async def _verify(self, f: FragmentState, ann: Announcement) -> None:
-        ref = ObjectRef(ann.key, ann.nbytes, ann.sha256)
         delta, norms, norms32, reason = None, {}, {}, "ok"
         try:
             async with self.verify_slots:  # the timeout bounds the fetch, not the wait for a slot
                 delta, norms, norms32 = await asyncio.wait_for(asyncio.to_thread(
-                    work.fetch_and_verify, self.ctx.store, ref, ann.codec, f.shapes, wire.DEFAULT_BLOCK_SIZE),
+                    work.fetch_contribution, self.ctx.store, ann, f.shapes, wire.DEFAULT_BLOCK_SIZE),
                     timeout=self.sc.storage_timeout_s)
         except Exception as err:  # storage errors and bad payloads: counted, never fatal
             reason = work.rejection_reason(err, ann.key, self.sc.storage_timeout_s)
@@ -263,6 +266,8 @@ class RoundTable:
                 continue
             if st.stage is RoundStage.GRACE:
                 why = st.should_merge(now, live_ids)
+                if why is None and rnd.drain_until_s is not None and self.life.stopped:  # nobody contributes now
+                    why = "stopped during the drain"
                 if why is not None:
                     st.start_merge()
                     quorum_wait = (st.quorum_s or now) - st.opened_s
@@ -277,7 +282,9 @@ class RoundTable:
         p, n = st.fragment, st.round_n
         if st.quorum_met():
             quorum_wait = now - st.opened_s
-            if self.sc.grace_enabled:
+            if rnd.drain_until_s is not None:  # the run's last merge of p: every learner's progress, not a quorum's
+                decision = GraceDecision(max(0.0, rnd.drain_until_s - now), "a drain's last round")
+            elif self.sc.grace_enabled:
                 decision = grace_window(
                     step_time_s=self.registry.slowest_step_s(), quorum_wait_s=quorum_wait,
                     sync_time_s=self.book[p].sync_ema.value, tau=self.sc.max_open_rounds,
@@ -341,9 +348,12 @@ class RoundTable:
             contribs = [c for c in rnd.contributions.values() if c.delta is not None]  # the thread's own list
             async with self.merge_slots:
                 directions = self.guard.direction_check(f.p)
+                self.book.set_outer_lr(f, self.outer_schedule, self.registry.tokens_processed())
+                lookahead = 1.0 if rnd.drain_until_s is None else self.sc.drain_lookahead
                 result = await asyncio.to_thread(work.merge_and_publish, self.ctx.store, self.ctx.run_id, f, n,
                                                  contribs, self.sc.merge, directions=directions,
-                                                 publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download))
+                                                 publish=work.PublishSettings(self.ctx.lease_epoch, self.sc.download,
+                                                                              lookahead))
             result.quorum_wait_s = quorum_wait_s
         except Exception as err:
             log.exception("merge of fragment %d round %d failed", f.p, n)

@@ -209,6 +209,7 @@ class Round:
     contributions: dict[str, Contribution] = field(default_factory=dict)
     last_wait_log_s: float = 0.0
     none_pending: asyncio.Event = field(default_factory=asyncio.Event)
+    drain_until_s: float | None = None  # a drain's last round: waits for every live learner until then
 
 
 # Internal messages. A request carries the future the HTTP handler waits on.

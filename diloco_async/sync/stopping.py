@@ -67,7 +67,7 @@ class StopSequence:
             self.life.move(Phase.DRAINING)
             self.life.drain_reason = reason
             self.drain_until_s = now + self.sc.drain_s
-            opened = self.table.open_last_rounds(now)
+            opened = self.table.open_last_rounds(now, self.drain_until_s)
             log.info("stopping (%s): draining, last rounds %s, at most %.0fs", reason, ", ".join(opened) or "-",
                      self.sc.drain_s)
             return

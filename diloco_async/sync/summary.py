@@ -97,6 +97,7 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
         # fragments, and of every fragment as the learners' heartbeats tell it
         "contributions_undeliverable": reg.undeliverable.total({f.p for f in book}),
         "undeliverable_by_fragment": reg.undeliverable.by_fragment(),
+        "outer_lr": {f.p: f.optimizer.lr for f in book},  # η of each fragment's last outer step
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],
         **rep.traffic.figures(),  # since this process started (a resumed run starts them again)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +42,15 @@ from diloco_async.policy.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
-from diloco_async.protocol.messages import CompactInfo
+from diloco_async.protocol.messages import Announcement, CompactInfo
+from diloco_async.sync.shard_objects import fetch_shards
 from diloco_async.sync.state import Contribution, FragmentState, Merged
 from storage import keys
 from storage.checkpoint import safetensors_nbytes, write_safetensors
 from storage.store import IntegrityError, ObjectRef, ObjectStore
 
-__all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "rejection_reason",
+__all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "fetch_contribution",
+           "checked_norms", "rejection_reason",
            "merge_and_publish", "merge_workspace", "VERSION_SKIPS", "PublishSettings"]
 
 log = logging.getLogger("diloco.synchronizer")
@@ -167,8 +169,20 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
     wire.check_header(data, codec, shapes, block_size)
     held, _meta = load_encoded(data, codec, shapes)
     del data
+    tensors, norms, norms32 = checked_norms(held.iter_decoded(), keep=codec == "fp32")
+    return (tensors if codec == "fp32" else held), norms, norms32
+
+
+def checked_norms(decoded: Iterable[tuple[str, torch.Tensor]], keep: bool
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, torch.Tensor]]:
+    """Check each decoded tensor of a contribution for NaN/Inf and take its norms (see
+    :func:`fetch_and_verify`); returns (the tensors when ``keep``, else empty; norms; float32 norms).
+
+    Raises:
+        PayloadError: ``non_finite``, naming every tensor with NaN/Inf elements.
+    """
     tensors, bad, norms, norms32 = {}, {}, {}, {}
-    for name, t in held.iter_decoded():  # one tensor decoded at a time
+    for name, t in decoded:  # one tensor decoded at a time
         bad.update(non_finite_tensors({name: t}))
         n32 = torch.linalg.vector_norm(t) if t.dtype == torch.float32 else None
         if n32 is not None and math.isfinite(n32.item()):
@@ -176,11 +190,27 @@ def fetch_and_verify(store: ObjectStore, ref: ObjectRef, codec: str, shapes: dic
             norms[name] = n32.item()
         else:
             norms.update(tensor_norms({name: t}))
-        if codec == "fp32":
+        if keep:
             tensors[name] = t
     if bad:
         raise wire.PayloadError("non_finite", f"{sum(bad.values())} NaN/Inf elements in {sorted(bad)}")
-    return (tensors if codec == "fp32" else held), norms, norms32
+    return tensors, norms, norms32
+
+
+def fetch_contribution(store: ObjectStore, ann: Announcement, shapes: dict[str, tuple[int, ...]],
+                       block_size: int = wire.DEFAULT_BLOCK_SIZE,
+                       ) -> tuple[dict[str, torch.Tensor] | EncodedTensors, dict[str, float], dict[str, torch.Tensor]]:
+    """:func:`fetch_and_verify` of an announced contribution; a sharded group's (``ann.shards``)
+    is reassembled from its shard objects first (:func:`~diloco_async.sync.shard_objects.fetch_shards`)
+    and held decoded (fp32), its norms those of the whole tensors.
+
+    Raises:
+        as :func:`fetch_and_verify`, and :class:`~diloco_async.sync.shard_objects.ShardError`.
+    """
+    if ann.shards is None:
+        return fetch_and_verify(store, ObjectRef(ann.key, ann.nbytes, ann.sha256), ann.codec, shapes, block_size)
+    whole = fetch_shards(store, ann.shards, ann.sha256, ann.codec, shapes, block_size)
+    return checked_norms(((n, whole[n]) for n in shapes), keep=True)
 
 
 def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
@@ -201,10 +231,13 @@ def rejection_reason(err: BaseException, key: str, timeout_s: float) -> str:
 @dataclass(frozen=True)
 class PublishSettings:
     """How a merged value is published: under the lease epoch ``lease_epoch`` (fencing, 0: none)
-    and, for compressed downloads, as ``download`` = (codec, mode, block size) (``synchronizer.download``)."""
+    and, for compressed downloads, as ``download`` = (codec, mode, block size) (``synchronizer.download``);
+    with ``lookahead`` < 1 (a drain's last round) after taking back ``1 - lookahead`` of the step's
+    momentum look-ahead (``OuterOptimizer.take_back_lookahead``; docs/end-of-run.md)."""
 
     lease_epoch: int = 0
     download: tuple[str, str, int] = ("fp32", "delta", 64)
+    lookahead: float = 1.0
 
 
 def _screen(f: FragmentState, contribs: list[Contribution], directions: DirectionCheck = NO_DIRECTION_CHECK,
@@ -389,6 +422,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
         if new is None:
             return Merged(p, n, False, first, dropped=dropped)
         dropped.append((left_out, f"the round merges without it ({first})"))
+    if publish.lookahead < 1.0:
+        new = f.optimizer.take_back_lookahead(1.0 - publish.lookahead)
     try:
         version, ref, published, compact = _publish(store, run_id, f, new, n, publish)
     except Exception as err:

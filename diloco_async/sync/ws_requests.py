@@ -122,9 +122,10 @@ class LearnerSocket:
             raise _Refusal(403, FORBIDDEN, detail)
         msg = validate(body, KINDS[kind])
         if kind == "announce":
-            owner = keys.contribution_learner(self.sync.run_id, msg.key)
-            if owner != msg.learner_id:
-                detail = (f"learner {msg.learner_id!r} announced key {msg.key[:200]!r}, which is not under its own "
+            key = next((k for k in msg.object_keys()  # a sharded group's shard objects too
+                        if keys.contribution_learner(self.sync.run_id, k) != msg.learner_id), None)
+            if key is not None:
+                detail = (f"learner {msg.learner_id!r} announced key {key[:200]!r}, which is not under its own "
                           "contribution prefix")
                 self.gate.refuse(FORBIDDEN, self.remote, f"GET /ws: {detail}")
                 raise _Refusal(403, FORBIDDEN, detail)

@@ -2,7 +2,8 @@
 
 * equivalence: a 2-rank learner (torchrun, gloo, DDP) with per-rank batch b gives the outer
   gradient of a 1-process learner with batch 2b over the same windows and steps, including an
-  adoption broadcast mid-way;
+  adoption broadcast mid-way; so does one with per-rank batch b/2 and 2 micro-batches accumulated
+  per step (``learners.grad_accum_steps``, DDP's no_sync on the first);
 * a run with ``nproc_per_learner = 2`` (bf16 autocast) trains end to end through the
   synchronizer; SIGKILL of one rank restarts that learner's whole group and merges go on;
 * bf16 autocast on CPU keeps parameters and outer gradients float32;
@@ -70,12 +71,13 @@ def adopted_values(workload: Workload) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=g) * 0.02 for n, p in workload.params.items() if "emb" in n}
 
 
-def group_worker(out: str) -> None:
-    """One rank of the equivalence test's torchrun group (run as a script under torchrun)."""
+def group_worker(out: str, accum: int = 1) -> None:
+    """One rank of the equivalence test's torchrun group (run as a script under torchrun), with
+    ``accum`` micro-batches of PER_RANK_BATCH / accum windows per step."""
     torch.set_num_threads(1)
     group = LearnerGroup.from_env(60.0)
     assert group is not None
-    cfg = small_config(PER_RANK_BATCH)
+    cfg = small_config(PER_RANK_BATCH // accum, f"learners.grad_accum_steps={accum}")
     torch.manual_seed(1 + group.rank)  # different inits: rank 0's reaches the others by the group's broadcasts
     workload = Workload.from_config(cfg, 0, 0)
     place_workload(workload, cfg, 0, group.local_rank)
@@ -99,15 +101,16 @@ def group_worker(out: str) -> None:
     group.close()
 
 
-def test_two_rank_learner_matches_one_process_with_twice_the_batch(tmp_path):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_two_rank_learner_matches_one_process_with_twice_the_batch(tmp_path, accum):
     out = tmp_path / "group.pt"
     # this file runs as a script: the repository, the tests' helpers and the tier folders it imports from
     path = [REPO, REPO / "tests", REPO / "tests" / "contract", REPO / "tests" / "system"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           __file__, "--group-worker", str(out)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           __file__, "--group-worker", str(out), "--accum", str(accum)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     group = torch.load(out)
 
@@ -288,4 +291,6 @@ def test_two_rank_learner_trains_end_to_end_and_a_killed_rank_restarts_its_group
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--group-worker", required=True)
-    group_worker(ap.parse_args().group_worker)
+    ap.add_argument("--accum", type=int, default=1)
+    args = ap.parse_args()
+    group_worker(args.group_worker, args.accum)

@@ -25,6 +25,7 @@ from diloco_async.models import (
     build_run_model,
     trainable_parameters,
 )
+from diloco_async.policy.schedules import InnerSchedule
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
@@ -146,8 +147,8 @@ def test_a_learner_with_another_model_is_refused_at_join_naming_the_tensor(tmp_p
         wider = cfg.model.hf.model_copy(update={"config": dict(cfg.model.hf.config, intermediate_size=96)})
         model = build_model(cfg.model.model_copy(update={"hf": wider}), 256, cfg.run.seed)
         opt = torch.optim.AdamW(trainable_parameters(model).values())
-        return Workload(model, opt, torch.Generator(), batch_size=8, context=32, lr=1e-3, warmup_steps=0,
-                        grad_clip=1.0)
+        return Workload(model, opt, torch.Generator(), batch_size=8, context=32,
+                        schedule=InnerSchedule("constant", 1e-3, 0), grad_clip=1.0)
 
     try:
         url = wait_for_ready_file(ready, sync, timeout_s=120)["url"]

@@ -170,7 +170,7 @@ class _Workload:
     def __init__(self, clock: list[float]) -> None:
         self.clock, self.loaded = clock, 0
 
-    def step(self, step: int) -> float:
+    def step(self, step: int, tokens_merged: float = 0.0) -> float:
         self.clock[0] += 0.2
         return 1.5
 

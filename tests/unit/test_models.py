@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_async.config.model import ModelConfig
+from diloco_async.config.model import HfModelConfig, ModelConfig
 from diloco_async.config.schema import load_config
 from diloco_async.models import (
     CausalLM,
@@ -239,3 +239,46 @@ def test_pretrained_from_an_fsspec_url_is_copied_once_into_the_cache(tmp_path):
     assert build_model(cfg, 256, seed=0).loss(x, y).item() == pytest.approx(base.loss(x, y).item(), abs=1e-6)
     with pytest.raises(ValueError, match=r"model\.hf\.pretrained='memory://nowhere/x': nothing at that URL"):
         build_model(ModelConfig.model_validate({"kind": "hf", "hf": {"pretrained": "memory://nowhere/x"}}), 256, 0)
+
+
+# ------------------------------------------------------------------ the Hugging Face Hub ----------
+
+
+def test_hub_ids_are_told_from_local_folders_and_urls(tmp_path, monkeypatch):
+    from diloco_async.config.model import hub_repo_id
+
+    monkeypatch.chdir(tmp_path)
+    assert hub_repo_id("org/name") == "org/name" and hub_repo_id("hf://org/na.me-2") == "org/na.me-2"
+    for local in (".local/pretrained/llama-cpu", "/abs/folder", "s3://bucket/model", "file:///x/y", "name", None):
+        assert hub_repo_id(local) is None, local
+    (tmp_path / "org" / "name").mkdir(parents=True)  # a folder of that name wins, as in from_pretrained
+    assert hub_repo_id("org/name") is None
+
+
+def test_hub_fields_are_refused_where_they_mean_nothing():
+    with pytest.raises(ValueError, match=r"model\.hf\.revision='v1' needs a Hub id .* \(got '/abs/base'\)"):
+        HfModelConfig(pretrained="/abs/base", revision="v1")
+    with pytest.raises(ValueError, match=r"model\.hf\.pretrain builds a local folder: .*\(got 'org/name'\)"):
+        HfModelConfig.model_validate({"pretrained": "org/name", "pretrain": {"architecture": "llama"}})
+    assert HfModelConfig(pretrained="org/name", revision="v1").revision == "v1"
+
+
+def test_a_hub_id_that_was_not_downloaded_is_refused_naming_it_without_any_request(tmp_path, monkeypatch):
+    """Learners only look the snapshot up (local_files_only): nothing is downloaded there; the
+    endpoint is a closed port, so a request would fail differently."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    cfg = ModelConfig.model_validate({"kind": "hf", "hf": {"pretrained": "org/absent", "cache_dir": str(tmp_path)}})
+    with pytest.raises(ValueError, match=r"model\.hf\.pretrained='org/absent': Hub model 'org/absent' \(revision "
+                                         r"'main'\) is not in .*: the train flow downloads it once"):
+        build_model(cfg, 256, seed=0)
+    assert not list(tmp_path.rglob("*.safetensors"))
+
+
+def test_hub_dataset_urls_parse_like_huggingface_hubs_filesystem():
+    from diloco_async.config.data import DataConfig, HubDataUrl, parse_hub_data_url
+
+    assert parse_hub_data_url("hf://datasets/org/name@v2/data/*.jsonl") == HubDataUrl("org/name", "v2", "data/*.jsonl")
+    assert parse_hub_data_url("hf://datasets/org/name") == HubDataUrl("org/name", "main", "")
+    assert parse_hub_data_url("s3://bucket/x.txt") is None
+    with pytest.raises(ValueError, match=r"data\.urls: 'hf://org/model' is not a Hub dataset URL"):
+        DataConfig(source="urls", urls=["hf://org/model"])

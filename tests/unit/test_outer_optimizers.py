@@ -117,3 +117,45 @@ def test_config_keys_choose_the_optimizer():
         load_config(None, ['synchronizer.outer_optimizer="adam"'])
     with pytest.raises(ValueError, match="synchronizer.outer_momentum_every"):
         load_config(None, ["synchronizer.outer_momentum_every=0"])
+
+
+def test_taking_back_the_whole_lookahead_leaves_a_plain_outer_gradient_step():
+    """A drain's last round (issue 44, docs/end-of-run.md): after Nesterov steps, taking back the
+    whole look-ahead of the last one gives Θ_prev − η·g; half of it is halfway; b is unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    start = {"w": torch.randn(6, 4, generator=gen, dtype=torch.float64), "v": torch.randn(5, generator=gen,
+                                                                                         dtype=torch.float64)}
+    grads = [{k: torch.randn(t.shape, generator=gen, dtype=torch.float64) for k, t in start.items()} for _ in range(3)]
+    for share in (1.0, 0.5):
+        opt = OuterOptimizer(start, lr=0.7, momentum=0.9)
+        for g in grads[:2]:
+            opt.step(g)
+        before = opt.params()
+        opt.step(grads[2])
+        momentum = opt.momentum()
+        got = opt.take_back_lookahead(share)
+        for k in start:
+            want = before[k] - 0.7 * (grads[2][k] + (1 - share) * 0.9 * momentum[k])
+            torch.testing.assert_close(got[k], want)
+            torch.testing.assert_close(opt.params()[k], want)
+            torch.testing.assert_close(opt.momentum()[k], momentum[k])
+        assert opt.steps_taken == 3
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_take_back_lookahead_refuses_a_share_outside_0_1_and_changes_nothing(share):
+    opt = OuterOptimizer({"w": torch.ones(3)}, lr=0.7, momentum=0.9)
+    opt.step({"w": torch.ones(3)})
+    before = opt.params()
+    with pytest.raises(ValueError, match="share must be in"):
+        opt.take_back_lookahead(share)
+    torch.testing.assert_close(opt.params()["w"], before["w"])
+
+
+@pytest.mark.parametrize("name", ["sgd", "delayed-nesterov"])
+def test_take_back_lookahead_leaves_sgd_and_delayed_nesterov_as_they_are(name):
+    """SGD has no look-ahead; DN's comes once per period, not with the last step."""
+    opt = make_outer_optimizer(name, {"w": torch.ones(3)}, lr=0.7, momentum=0.9, period=4)
+    opt.step({"w": torch.full((3,), 0.5)})
+    before = opt.params()
+    torch.testing.assert_close(opt.take_back_lookahead(1.0)["w"], before["w"])

@@ -167,13 +167,23 @@ def test_recipes_resolve_by_name_and_list_with_descriptions(capsys):
     assert "calibration" not in names  # the simulator's calibration is not a training recipe
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
+    recipes_part, _, scenarios_part = out.partition("\nchaos scenario files")
     # one entry per recipe, each with its whole leading comment block, not only its first line
-    assert [line.split()[0] for line in out.splitlines() if line and not line[0].isspace()] == sorted(names)
-    flat = " ".join(out.split())
+    assert [line.split()[0] for line in recipes_part.splitlines() if line and not line[0].isspace()] == sorted(names)
+    flat = " ".join(recipes_part.split())
     assert 'docs/config.md "Config reference" explains each one.' in flat  # the 4th comment line of default.toml
     assert "the final artifact is the adapter plus LOADING.md" in flat  # lora-finetune, lines 3 and 4
     # a command example is kept on a line of its own, not reflowed into the prose
-    assert any(line.strip() == "cp -r <that folder> .local/pretrained/llama-cpu" for line in out.splitlines())
+    assert any(line.strip() == "diloco-async train --recipe lora-finetune" for line in out.splitlines())
+    # each recipe's prerequisites: the LoRA recipe's base is built when missing
+    lora = flat[flat.index("lora-finetune LoRA"):]
+    assert "needs model .local/pretrained/llama-cpu (" in lora and "built when missing (model.hf.pretrain)" in lora
+    assert "needs corpus data/shakespeare (" in flat
+    # then every scenario file of chaos, WAN and ablation runs, with the command that runs it
+    for kind, command in (("chaos", "chaos --scenario"), ("wan", "wan --scenario"), ("ablations", "ablate --suite")):
+        files = sorted(f"configs/{kind}/{p.name}" for p in (ROOT / "configs" / kind).glob("*.toml"))
+        assert files and all(f"\n  {f}\n" in scenarios_part for f in files), kind
+        assert f"(run one with `diloco-async {command} FILE`)" in out
 
 
 def test_pyproject_lists_every_package_and_ships_configs():

@@ -1,0 +1,47 @@
+"""What a learner group sharded with FSDP2 (``learners.parallelism = "fsdp"``) supports yet, checked
+before anything starts (DESIGN §3.1).
+
+A sharded group takes its outer gradients, adopts versions and keeps its base copies shard by
+shard (``diloco_async/learner/fsdp_outer.py``). The features below read or write whole fragments
+on one rank, or the inner state in the one-file layout, and have no sharded path yet: a recipe
+that combines one of them with ``fsdp`` is refused naming the field and its value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["fsdp_conflicts", "check_parallelism"]
+
+
+def fsdp_conflicts(cfg: Any) -> list[str]:
+    """The settings of ``cfg`` (a :class:`~diloco_async.config.schema.Config`) that a sharded
+    learner group cannot serve yet, each as ``"field=value: why"``; empty when none, or with ``ddp``."""
+    lc, sc = cfg.learners, cfg.synchronizer
+    if lc.parallelism != "fsdp":
+        return []
+    out = []
+    if lc.adopt != "overwrite":
+        out.append(f"learners.adopt={lc.adopt!r}: a sharded group adopts by overwrite only (each rank reads its "
+                   "own rows of the published version)")
+    if lc.checkpoint_every_s > 0:
+        out.append(f"learners.checkpoint_every_s={lc.checkpoint_every_s}: inner-state checkpoints of a sharded "
+                   "group (torch.distributed.checkpoint, one writer per rank) are not wired in yet; set it to 0 "
+                   "(a restarted group rejoins from the published versions)")
+    if sc.download_codec != "fp32":
+        out.append(f"synchronizer.download_codec={sc.download_codec!r}: a sharded group reads byte ranges of the "
+                   "fp32 published version; compact downloads are not sharded yet")
+    if lc.barrier:
+        out.append("learners.barrier=true: the synchronous baseline runs with ddp only")
+    return out
+
+
+def check_parallelism(cfg: Any) -> None:
+    """Raise when :func:`fsdp_conflicts` finds any.
+
+    Raises:
+        ValueError: naming every conflicting field and its value.
+    """
+    conflicts = fsdp_conflicts(cfg)
+    if conflicts:
+        raise ValueError("learners.parallelism='fsdp' cannot run with " + "; ".join(conflicts))
