@@ -12,11 +12,13 @@ under a fault schedule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,21 @@ class RunProcesses:
     def synchronizer_running(self) -> bool:
         """Is a synchronizer process (any shard) still running?"""
         return any(h.poll() is None for h in self.shard_syncs or ([self.sync] if self.sync else []))
+
+    def signal_synchronizers(self, signum: int) -> None:
+        """Send ``signum`` to every shard process still running (its clean stop for SIGTERM, SIGINT)."""
+        for handle in self.shard_syncs or ([self.sync] if self.sync else []):
+            if handle.poll() is None:
+                handle.signal_group(signum)
+
+    def pause_while_running(self, pause_s: float) -> None:
+        """Wait ``pause_s`` seconds, less when shard 0 exits meanwhile (at most 0.2 s once it has: another
+        shard may still be stopping)."""
+        if self.sync is None or self.sync.poll() is not None:
+            time.sleep(min(pause_s, 0.2))
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.sync.wait(timeout=pause_s)
 
     def wait_synchronizers(self) -> int | None:
         """Wait until every shard has exited; its exit code (the first non-zero one, in shard order,

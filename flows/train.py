@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -172,9 +171,7 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console,
                     raise
                 get_run_logger().warning("%s: stopping the run cleanly (final checkpoint)",
                                          signal.Signals(sig.signal).name)
-                for shard in run.shard_syncs or [run.sync]:  # the synchronizer's clean stop; its stop reason names it
-                    if shard.poll() is None:
-                        shard.signal_group(sig.signal)
+                run.signal_synchronizers(sig.signal)  # the synchronizer's clean stop; its stop reason names it
     sink.log_points(run.pull_metrics())
 
 
@@ -202,13 +199,7 @@ def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: 
     due = run.supervisor.next_due()
     if due is not None:
         pause = min(pause, max(0.05, due - time.monotonic()))
-    try:
-        if run.sync.poll() is None:
-            run.sync.wait(timeout=pause)
-        else:  # shard 0 is done, another shard still stops
-            time.sleep(min(pause, 0.2))
-    except subprocess.TimeoutExpired:
-        pass
+    run.pause_while_running(pause)
 
 
 @contextmanager

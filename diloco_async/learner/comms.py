@@ -343,8 +343,7 @@ class Comms:
         sh.upload_codec = self.upload_codecs.update(sh.link, bound, need_s, budget_s)
         body.update(bytes_up_by_fragment={str(p): n for p, n in up.items()},
                     bytes_down_by_fragment={str(p): n for p, n in down.items()},
-                    undeliverable_by_fragment={str(p): n for p, n in sh.undeliverable.items()},
-                    link_s_per_fragment=need_s, link_budget_s=budget_s)
+                    undeliverable_by_fragment={**sh.undeliverable}, link_s_per_fragment=need_s, link_budget_s=budget_s)
         return body
 
     async def _push_loop(self) -> None:

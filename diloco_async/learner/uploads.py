@@ -218,8 +218,8 @@ class Uploads:
             log.log(level, "%s fragment %d round %d: %s (%s)", self.learner_id, job.fragment, job.round_n,
                     ack.status, ack.reason)
             return ack.status
-        self.shared.undeliverable[job.fragment] += 1
+        self.shared.undeliverable[str(job.fragment)] += 1
         log.warning("%s fragment %d round %d: announcement not acknowledged within %.0f s (its synchronizer "
                     "unreachable): counted undeliverable, %d of fragment %d so far", self.learner_id, job.fragment,
-                    job.round_n, self.announce_timeout_s, self.shared.undeliverable[job.fragment], job.fragment)
+                    job.round_n, self.announce_timeout_s, self.shared.undeliverable[str(job.fragment)], job.fragment)
         return "failed"
