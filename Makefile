@@ -144,7 +144,7 @@ bench-hf: data
 ##              then every suite's table from $(ABLATE_DIR)/<suite>/report.md. Resumable: finished runs
 ##              are kept there and not re-run. About 60-90 minutes on 2 cores; exit 1 if a suite failed.
 ABLATE_DIR ?= .local/ablate
-ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer schedules
+ABLATE_SUITES ?= merge heterogeneity precision fragmentation adoption outer-optimizer schedules error-feedback
 bench-paper: data
 	@failed=""; for s in $(ABLATE_SUITES); do \
 	  $(VENV)/bin/diloco-async ablate --suite configs/ablations/$$s.toml --out $(ABLATE_DIR)/$$s || failed="$$failed $$s"; \

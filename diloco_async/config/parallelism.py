@@ -33,6 +33,9 @@ def fsdp_conflicts(cfg: Any) -> list[str]:
                    "fp32 published version; compact downloads are not sharded yet")
     if lc.barrier:
         out.append("learners.barrier=true: the synchronous baseline runs with ddp only")
+    if lc.error_feedback:
+        out.append("learners.error_feedback=true: the residual of a sharded group's rows is not kept per rank yet "
+                   "(each rank encodes and puts its own shard)")
     return out
 
 

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from diloco_async.config import schedules
+from diloco_async.config import feedback, schedules
 from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
 from diloco_async.config.guard import GuardConfig
@@ -102,8 +102,8 @@ class RunConfig(_Section):
         return self
 
 
-class LearnerConfig(_Section, LearnerDeviceFields, schedules.InnerScheduleFields):
-    """The learners; devices, batch and process group: :class:`LearnerDeviceFields`; lr schedule: ``schedules``."""
+class LearnerConfig(_Section, LearnerDeviceFields, schedules.InnerScheduleFields, feedback.ErrorFeedbackFields):
+    """The learners; devices, batch, group: :class:`LearnerDeviceFields`; ``schedules``; error ``feedback``."""
 
     count: int = Field(4, ge=1, description="M, the number of learner processes.")
     lr: float = Field(3e-3, gt=0, description="Inner AdamW learning rate.")
@@ -397,6 +397,7 @@ def _training_dict(d: dict) -> dict:
     if d.get("synchronizer", {}).get("shards") == 1:  # S = 1 hashes as before shards existed (old runs resume)
         del d["synchronizer"]["shards"]
     schedules.drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
+    feedback.drop_default_feedback_fields(d)  # so does learners.error_feedback = false
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")

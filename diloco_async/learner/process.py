@@ -23,6 +23,7 @@ from diloco_async.inner.state import InnerState
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.faults import LearnerFaults
+from diloco_async.learner.feedback import ErrorFeedback
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
@@ -174,6 +175,9 @@ class Learner:
         uploads = self.comms.uploads
         uploads.state_prefix = keys.learner_prefix(jr.run_id, self.learner_id)
         saved = latest_state(self.store, uploads.state_prefix) if lc.checkpoint_every_s > 0 else None
+        if lc.error_feedback:
+            self._restore_residuals(saved.tensors if saved is not None else None,
+                                    saved.seq if saved is not None else None)
         uploads.state_seq = max(list_state_seqs(self.store, uploads.state_prefix), default=0)
         counters: dict[int, tuple[int, int, float]] = {}
         start_step = jr.start_step
@@ -195,6 +199,19 @@ class Learner:
         start = StartPoint(base_tensors, counters, start_step, restored=saved is not None)
         return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
                          group=self.group)
+
+    def _restore_residuals(self, saved: dict[str, torch.Tensor] | None, seq: int | None) -> None:
+        """The error-feedback residuals (``learners.error_feedback``) from the saved inner state's
+        tensors (taken out of them); a restart (or resume) that has none starts from zero, logged."""
+        self.shared.feedback = feedback = ErrorFeedback(self.learner_id)
+        n = feedback.restore(saved) if saved is not None else 0
+        if n:
+            log.info("%s restored its error-feedback residuals of %d fragment(s) from checkpoint %d", self.learner_id,
+                     n, seq)
+        elif saved is not None or self.incarnation > 0:
+            log.warning("%s (incarnation %d) has no error-feedback residual to restore (%s): the residuals start "
+                        "at zero, what earlier uploads' codec dropped is lost", self.learner_id, self.incarnation,
+                        f"checkpoint {seq} holds none" if saved is not None else "no saved inner state")
 
     def _start_sharded(self, cfg: Config, jr: JoinResponse, workload: Workload, plan: FragmentPlan) -> InnerLoop:
         """A sharded group's start (``parallelism = "fsdp"``, DESIGN §3.1): rank 0's step on every

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco_async.inner.state import InnerState
+from diloco_async.learner.feedback import ErrorFeedback
 from diloco_async.learner.link import LinkMeter
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
 from storage.store import ObjectRef
@@ -113,6 +114,8 @@ class Shared:
         # the codec of the next contributions: learners.codec, or a step-down of a link-bound learner
         # (UploadCodecs, written by the comms thread; read whole); None: learners.codec
         self.upload_codec: str | None = None
+        # the error-feedback residuals (learners.error_feedback; set with the run's config), else None
+        self.feedback: ErrorFeedback | None = None
         self.stop_event = threading.Event()
         self.joined = threading.Event()
         self.ready = threading.Event()  # plan known: versions can be decoded

@@ -266,7 +266,8 @@ class InnerLoop:
         CPU, when an upload is already waiting (a late learner answers several rounds at one
         step), Δ is encoded here one tensor at a time, so fp32 outer gradients do not pile up in
         the queue. On a GPU, Δ is taken there and its copy to pinned host memory is queued; the
-        upload thread waits for it (at most one fp32 Δ per fragment, the model's size, in host memory)."""
+        upload thread waits for it (at most one fp32 Δ per fragment, the model's size, in host memory).
+        With error feedback Δ is always queued in fp32: the comms thread adds the residual before encoding."""
         if self.sharded:
             self._order_sharded(p, n)
             return
@@ -279,7 +280,7 @@ class InnerLoop:
         with torch.no_grad():
             theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
             # on a GPU, Δ is taken there and copied to the host without a wait (device_copies)
-            if self.shared.upload_queue.empty() or not on_cpu:
+            if self.shared.upload_queue.empty() or not on_cpu or self.shared.feedback is not None:
                 delta = outer_gradient(base, theta)
             else:
                 encoded = encoded_outer_gradient(base, theta, codec)
@@ -384,6 +385,8 @@ class InnerLoop:
         counters = {p: tuple(self.progress[p]) for p in range(self.P)}
         state = self.workload.capture(step=self.step, base_tensors=self.base_tensors,
                                       base_versions=dict(sh.base), counters=counters)
+        if sh.feedback is not None:  # the error-feedback residuals are inner state too (replaced whole, not copied)
+            state.tensors.update(sh.feedback.tensors())
         if self.spool_dir is None:
             remove_dead_spool_folders(self.learner_id)
             self.spool_dir = new_spool_folder(self.learner_id)

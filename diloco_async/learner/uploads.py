@@ -11,6 +11,9 @@ Uploads run one at a time, in the order queued (:meth:`Uploads.run` awaits each)
 buffers never overlap. They do not wait for the downloads, which take their own lane one at a time
 (:class:`~diloco_async.learner.comms.Comms`): a contribution is never queued behind a slow read of
 a version that will be superseded before it is adopted (issue 47; DESIGN §5, learner memory).
+
+With ``learners.error_feedback`` the fragment's residual is added to Δ before encoding and kept
+only for an upload that was put and taken (:mod:`diloco_async.learner.feedback`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Uploads:
         self.state_seq = 0  # the newest inner-state sequence number used
         self._uploading = 0  # contributions taken off the queue and not yet announced (0 or 1)
         self._announcing: set[asyncio.Task] = set()  # with shards: announcements retried beside the uploads
+        #: error feedback: update id -> (the residual its upload left, the one before), until announced
+        self._residuals: dict[str, tuple[dict, dict | None]] = {}
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
@@ -184,18 +189,29 @@ class Uploads:
         await self._announce_and_report(client, job, body)
 
     async def _announce_and_report(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> None:
-        self.shared.outcomes.put((job.fragment, job.round_n, await self._announce(client, job, body)))
+        status = await self._announce(client, job, body)
+        settle = self._residuals.pop(job.update_id, None)
+        if settle is not None and self.shared.feedback is not None:  # error feedback: kept only if taken
+            self.shared.feedback.settle(job.fragment, *settle, status)
+        self.shared.outcomes.put((job.fragment, job.round_n, status))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:
         """Encode ``job``'s outer gradient, free it, and put the bytes under ``key``; returns the ref."""
         if job.delta_ready is not None:  # the copy of Δ from the GPU (training did not wait for it)
             await asyncio.to_thread(job.delta_ready.synchronize)
             job.delta_ready = None
+        residual = None
+        feedback = self.shared.feedback
+        if feedback is not None and job.encoded is None:  # Δ plus the fragment's residual (codec/feedback.py)
+            job.encoded, residual = await asyncio.to_thread(feedback.encode, job.fragment, job.delta,
+                                                            self.codec_of(job))
         data = await asyncio.to_thread(self.encode_payload, job, meta)
         job.delta, job.encoded = {}, None  # the outer gradient is freed before the upload and the announce
         t0 = time.monotonic()
         ref = await asyncio.wait_for(asyncio.to_thread(self.store.put, key, data), self.storage_timeout_s)
         del data
+        if feedback is not None and residual is not None:  # the upload was made: its residual is current
+            self._residuals[job.update_id] = (residual, feedback.put_made(job.fragment, residual))
         self.shared.large_frees.set()  # the outer gradient and its bytes
         self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
         return ref
