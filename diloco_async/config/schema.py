@@ -423,8 +423,7 @@ _OPERATIONAL = {
                      "drain_lookahead",
                      "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
                      "verifies_in_flight"),
-    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
-               "storage_fault_learners", "poison", "nice_after_ready", "unreachable_shard"),
+    "faults": tuple(FaultsConfig.model_fields),  # injected faults test a run, never change what it computes
     "network": tuple(NetworkConfig.model_fields),  # how learners reach the synchronizer, never what they compute
 }
 
