@@ -12,11 +12,13 @@ under a fault schedule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from diloco_async.config.schema import Config
 from diloco_async.inner.optimizers import check_inner_optimizer
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.learner.group import torchrun_args
+from diloco_async.metrics.shards import aggregate_status, run_points, shard_points
 from diloco_async.protocol.auth import check_run_secret, learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, call_blocking, fetch_status
 from diloco_async.protocol.tls import client_context_from_env
@@ -34,7 +37,9 @@ from diloco_async.runtime.procs import Launcher, LocalProcessLauncher, wait_for_
 from diloco_async.runtime.supervisor import Restart, Supervisor
 from diloco_async.sync import check_network, learner_tls_env, new_run_id, operator_tls_env
 from storage import keys
+from storage.checkpoint import Checkpoint, latest_checkpoint
 from storage.options import STORAGE_OPTIONS_ENV
+from storage.run_checkpoints import open_run_checkpoint, write_run_manifest
 from storage.store import ObjectStore
 
 __all__ = ["RunProcesses"]
@@ -101,12 +106,14 @@ class RunProcesses:
         self.sync: Any | None = None
         self.learners: dict[str, Any] = {}  # learner id -> process handle (newest incarnation)
         self.retired: list[Any] = []  # handles of earlier incarnations
-        self.sync_url: str | None = None  # shard 0's: status and metrics come from it (not aggregated yet)
+        self.sync_url: str | None = None  # shard 0's
         self.shard_syncs: list[Any] = []
         self.shard_urls: list[str] = []
+        self.shard_epochs: list[str] = []  # each shard process's epoch (its summary and metrics lie under it)
         tls_env = operator_tls_env(cfg)  # the operator's requests (metrics, status) over HTTPS
         self.operator_ssl = client_context_from_env(tls_env) if tls_env else None
         self.metrics_next = 0
+        self.shard_metrics_next: list[int] = []  # with several shards: the metric stream's cursor of each
         self.finished_cleanly = False
         self.learner_exit_wait_s = 30.0
         self.supervisor = Supervisor(start=self._spawn_learner, restart_delay_s=cfg.learners.restart_delay_s,
@@ -143,7 +150,8 @@ class RunProcesses:
             RuntimeError: one exited before it was ready. TimeoutError: not ready after 120 s.
         """
         shards = self.cfg.synchronizer.shards
-        self.shard_syncs, self.shard_urls = [], []
+        self.shard_syncs, self.shard_urls, self.shard_epochs = [], [], []
+        self.shard_metrics_next = [0] * shards
         for i in range(shards):
             name = "synchronizer" if shards == 1 else f"synchronizer-{i}"
             ready = self.workdir / f"{name}.ready.json"
@@ -154,9 +162,35 @@ class RunProcesses:
             self.sync = self.shard_syncs[0]
             info = wait_for_ready_file(ready, self.shard_syncs[-1])
             self.shard_urls.append(info["url"])
+            self.shard_epochs.append(info["epoch"])
             if i == 0:
                 self.sync_url, self.epoch = info["url"], info["epoch"]
         return str(self.sync_url)
+
+    def synchronizer_running(self) -> bool:
+        """Is a synchronizer process (any shard) still running?"""
+        return any(h.poll() is None for h in self.shard_syncs or ([self.sync] if self.sync else []))
+
+    def signal_synchronizers(self, signum: int) -> None:
+        """Send ``signum`` to every shard process still running (its clean stop for SIGTERM, SIGINT)."""
+        for handle in self.shard_syncs or ([self.sync] if self.sync else []):
+            if handle.poll() is None:
+                handle.signal_group(signum)
+
+    def pause_while_running(self, pause_s: float) -> None:
+        """Wait ``pause_s`` seconds, less when shard 0 exits meanwhile (at most 0.2 s once it has: another
+        shard may still be stopping)."""
+        if self.sync is None or self.sync.poll() is not None:
+            time.sleep(min(pause_s, 0.2))
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.sync.wait(timeout=pause_s)
+
+    def wait_synchronizers(self) -> int | None:
+        """Wait until every shard has exited; its exit code (the first non-zero one, in shard order,
+        with several shards; None when none was started)."""
+        codes = [h.wait() for h in self.shard_syncs or ([self.sync] if self.sync else [])]
+        return next((c for c in codes if c != 0), 0 if codes else None)
 
     def learner_handle(self, index: int, incarnation: int) -> Any:
         """Start the process of learner ``index`` as ``incarnation`` and return its handle: one
@@ -215,42 +249,108 @@ class RunProcesses:
             argv = self._shard_argv(i, ["--resume", f"{self.store.url}/{self.run_id}"], ready, port)
             self.retired.append(handle)
             self.shard_syncs[i] = self.launcher.start(f"synchronizer-{i}", argv, {**self.env, TOKEN_ENV: self.token})
-            wait_for_ready_file(ready, self.shard_syncs[i])
+            self.shard_epochs[i] = wait_for_ready_file(ready, self.shard_syncs[i])["epoch"]
+            self.shard_metrics_next[i] = 0  # a new process: a new metric stream
             if i == 0:
                 self.sync = self.shard_syncs[0]
             restarted.append(i)
         return restarted
 
     def pull_metrics(self) -> list[dict]:
-        """New metric points from the synchronizer; [] when it is not answering."""
+        """New metric points from the synchronizer; [] when it is not answering. With several shards,
+        each shard's new points as the run logs them (:func:`~diloco_async.metrics.shards.shard_points`)
+        and the run's aggregated figures (:func:`~diloco_async.metrics.shards.run_points`)."""
+        if len(self.shard_urls) <= 1:
+            points, self.metrics_next = self._pull_from(str(self.sync_url), self.metrics_next)
+            return points
+        points = []
+        for i, url in enumerate(self.shard_urls):
+            new, self.shard_metrics_next[i] = self._pull_from(url, self.shard_metrics_next[i])
+            points.extend(shard_points(i, new))
+        st = self.status()
+        return points + (run_points(st, int(time.time() * 1000)) if st is not None else [])
+
+    def _pull_from(self, url: str, start: int) -> tuple[list[dict], int]:
         points: list[dict] = []
         while True:
             try:
-                body = call_blocking(self.sync_url, self.token, "metrics", self.metrics_next, request_timeout_s=5.0,
+                body = call_blocking(url, self.token, "metrics", start, request_timeout_s=5.0,
                                      ssl_context=self.operator_ssl)
             except (OSError, ValueError, ProtocolError):
-                return points
+                return points, start
             points.extend(body["metrics"])
-            self.metrics_next = body["next"]
-            if self.metrics_next >= body["total"]:
-                return points
+            start = body["next"]
+            if start >= body["total"]:
+                return points, start
 
     def status(self) -> dict | None:
-        """The synchronizer's ``GET /status``, or None when it is not answering."""
-        try:
-            return fetch_status(self.sync_url, ssl_context=self.operator_ssl)
-        except (OSError, ValueError):
+        """The run's ``GET /status``, or None when no synchronizer answers: the synchronizer's, or
+        with several shards every shard's aggregated (:func:`~diloco_async.metrics.shards.aggregate_status`,
+        with a row per shard; a shard that does not answer is a row marked unreachable)."""
+        docs = []
+        for url in self.shard_urls or [str(self.sync_url)]:
+            try:
+                docs.append(fetch_status(url, ssl_context=self.operator_ssl))
+            except (OSError, ValueError):
+                docs.append(None)
+        if all(d is None for d in docs):
             return None
+        return aggregate_status(docs, self.shard_urls or None)
+
+    def owner_roots(self) -> list[str]:
+        """The key root of each shard's checkpoints and epochs (the run id with one shard)."""
+        shards = self.cfg.synchronizer.shards
+        return [keys.synchronizer_root(self.run_id, i, shards) for i in range(shards)]
+
+    def final_summary(self) -> dict:
+        """The run's summary from the store: the synchronizer's ``summary.json``, or with several
+        shards each shard's (of its newest process) aggregated, with a row per shard.
+
+        Raises:
+            FileNotFoundError: a shard wrote no summary (the message names it).
+        """
+        docs = []
+        for i, (root, epoch) in enumerate(zip(self.owner_roots(), self.shard_epochs or [str(self.epoch)], strict=True)):
+            try:
+                docs.append(self.store.get_json(keys.summary_key(root, epoch)))
+            except FileNotFoundError:
+                raise FileNotFoundError(f"synchronizer shard {i} wrote no summary at "
+                                        f"{keys.summary_key(root, epoch)}") from None
+        return aggregate_status(docs, self.shard_urls if len(docs) > 1 else None)
+
+    def final_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint holding the run's final model (call it once every shard has exited): the
+        newest that verifies, or with several shards a run checkpoint naming each shard's newest,
+        written now (each shard writes one after its own checkpoints, but two shards finishing
+        together may each name the other's previous one) and loaded whole
+        (:meth:`~storage.run_checkpoints.RunCheckpoint.combined`); None when there is none.
+
+        Raises:
+            ValueError: the run checkpoint does not verify (the message names the shard).
+        """
+        shards = self.cfg.synchronizer.shards
+        if shards == 1:
+            return latest_checkpoint(self.store, self.run_id)
+        seq = write_run_manifest(self.store, self.run_id, shards)
+        return None if seq is None else open_run_checkpoint(self.store, self.run_id, shards, seq, load=True).combined()
 
     def remaining_metrics_from_store(self) -> list[dict]:
-        """Metric points the final poll missed, from the synchronizer's metrics.jsonl."""
+        """Metric points the final poll missed, from each shard's metrics.jsonl."""
+        if len(self.shard_urls) <= 1:
+            rest, self.metrics_next = self._rest_of(self.run_id, str(self.epoch), self.metrics_next)
+            return rest
+        points = []
+        for i, (root, epoch) in enumerate(zip(self.owner_roots(), self.shard_epochs, strict=True)):
+            rest, self.shard_metrics_next[i] = self._rest_of(root, epoch, self.shard_metrics_next[i])
+            points.extend(shard_points(i, rest))
+        return points
+
+    def _rest_of(self, root: str, epoch: str, start: int) -> tuple[list[dict], int]:
         try:
-            lines = self.store.get_unverified(keys.metrics_log_key(self.run_id, str(self.epoch))).decode().splitlines()
+            lines = self.store.get_unverified(keys.metrics_log_key(root, epoch)).decode().splitlines()
         except FileNotFoundError:
-            return []
-        rest = [json.loads(line) for line in lines[self.metrics_next:] if line.strip()]
-        self.metrics_next = len(lines)
-        return rest
+            return [], start
+        return [json.loads(line) for line in lines[start:] if line.strip()], len(lines)
 
     def stop_all(self) -> None:
         """Stop every learner and the synchronizer.

@@ -112,7 +112,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from diloco_async.sync import open_checkpoint
+    from diloco_async.sync import open_run
     from diloco_async.validate import resolve_recipe
     from flows.resolve import resume_config
     from storage.options import storage_options_from_env
@@ -123,7 +123,7 @@ def _resume(args: argparse.Namespace) -> int:
         config = str(resolve_recipe(args.config)) if args.config else None
         options = storage_options_from_env()
         given = resume_config(args.checkpoint_url, config, args.set or [], options)
-        open_checkpoint(args.checkpoint_url, given, options)
+        open_run(args.checkpoint_url, given, options)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -294,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="override a field, e.g. --set budget.tokens=12000000 to extend the run")
     p_resume.set_defaults(func=_resume)
     p_status = sub.add_parser("status", help="show a running synchronizer's learners and rounds")
-    p_status.add_argument("sync_url", help="e.g. http://127.0.0.1:40929 (printed by train)")
+    p_status.add_argument("sync_url", help="e.g. http://127.0.0.1:40929 (printed by train); with synchronizer "
+                                          "shards their URLs comma-separated in shard order: the run's figures "
+                                          "aggregated, a row per shard")
     p_status.add_argument("--watch", action="store_true", help="refresh every 2 s until the run ends")
     p_status.add_argument("--wide", action="store_true", help="more columns: each learner's bytes per token and "
                           "link figures, the learner ids of each round (the default fits 100 columns)")

@@ -1,6 +1,8 @@
 """`diloco-async status <sync-url>`: the synchronizer's /status as tables (the run, learners, open
 rounds and recent merges) in 100 columns; ``--wide`` adds what does not fit (bytes per token per
-learner, link figures, the learner ids of each round)."""
+learner, link figures, the learner ids of each round). With synchronizer shards (the shards' URLs
+comma-separated, in shard order) the run's figures aggregated over them
+(:func:`~diloco_async.metrics.shards.aggregate_status`) and a row per shard."""
 
 from __future__ import annotations
 
@@ -13,9 +15,32 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from diloco_async.metrics.shards import aggregate_status
 from diloco_async.protocol.client import fetch_status
 
-__all__ = ["fetch_status", "render_status", "main"]
+__all__ = ["fetch_status", "fetch_run_status", "render_status", "main"]
+
+
+def fetch_run_status(url: str) -> dict:
+    """``GET /status`` of the synchronizer at ``url``, or of every shard of ``url`` = the shards' URLs
+    comma-separated, aggregated (a shard that does not answer is a row marked unreachable).
+
+    Raises:
+        OSError: no shard answered (the message names every URL).
+    """
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if len(urls) == 1:
+        return fetch_status(urls[0])
+    docs, errors = [], []
+    for u in urls:
+        try:
+            docs.append(fetch_status(u))
+        except (OSError, ValueError) as err:
+            docs.append(None)
+            errors.append(f"{u}: {err}")
+    if all(d is None for d in docs):
+        raise OSError("no synchronizer shard answered (" + "; ".join(errors) + ")")
+    return aggregate_status(docs, urls)
 
 
 def budget_progress(st: dict) -> str:
@@ -143,11 +168,33 @@ def _rounds(st: dict, wide: bool) -> Table:
     return table
 
 
+def _shards(st: dict) -> Table:
+    """One row per synchronizer shard: answering or not, phase, merges, how many fragments it owns
+    and their lowest and highest version, contributions late, last checkpoint (each fragment's
+    version is in the run's figures)."""
+    table = _table("synchronizer shards", ["shard", "state", "merges", "fragments", "versions", "late", "checkpoint"],
+                   left=("state",))
+    for row in st["shards"]:
+        if not row.get("reachable"):
+            table.add_row(str(row["shard"]), "[red]not answering[/red]", "-", "-", "-", "-", "-")
+            continue
+        versions = sorted((row.get("versions") or {}).values())
+        span = "-" if not versions else f"v{versions[0]}" if versions[0] == versions[-1] else \
+            f"v{versions[0]}-v{versions[-1]}"
+        table.add_row(str(row["shard"]), str(row.get("phase") or "-"), _count(row.get("merges")), str(len(versions)),
+                      span, _count(row.get("contributions_late")), str(row.get("last_checkpoint_seq") or "-"))
+    return table
+
+
 def render_status(st: dict, wide: bool = False) -> Group:
-    """The run's figures, the learners (with the seconds since each was last heard from) and the
-    open rounds with the last merges, in 100 columns; ``wide`` adds each learner's bytes per token,
-    its link's figures and the learner ids of each round."""
-    return Group(_run_figures(st, wide), "", _learners(st, wide), _rounds(st, wide))
+    """The run's figures, the learners (with the seconds since each was last heard from), the
+    synchronizer shards when there are several, and the open rounds with the last merges, in 100
+    columns; ``wide`` adds each learner's bytes per token, its link's figures and the learner ids
+    of each round."""
+    parts = [_run_figures(st, wide), "", _learners(st, wide)]
+    if st.get("shards"):
+        parts.append(_shards(st))
+    return Group(*parts, _rounds(st, wide))
 
 
 def main(url: str, watch: bool = False, interval_s: float = 2.0, wide: bool = False) -> int:
@@ -159,7 +206,7 @@ def main(url: str, watch: bool = False, interval_s: float = 2.0, wide: bool = Fa
     thread (it sets both handlers)."""
     console = Console()
     try:
-        st = fetch_status(url)
+        st = fetch_run_status(url)
     except OSError as err:
         console.print(f"[red]error:[/red] no answer from {url}/status ({err})")
         return 2
@@ -193,7 +240,7 @@ def _watch(console: Console, url: str, st: dict, interval_s: float, wide: bool) 
         while not st.get("finished"):
             time.sleep(interval_s)
             try:
-                st = fetch_status(url)
+                st = fetch_run_status(url)
             except OSError:
                 console.print("synchronizer gone")
                 return 0

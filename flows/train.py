@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ from diloco_async.models import build_run_model
 from diloco_async.prerequisites import prepare
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.supervisor import Restart
-from diloco_async.sync import open_checkpoint
+from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
 from flows.resolve import resume_config
@@ -52,7 +51,6 @@ from flows.summary import exit_status, report, stopped_by_signal, summary_table,
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
 from storage import keys
-from storage.checkpoint import latest_checkpoint
 
 __all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]
 
@@ -165,7 +163,7 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console,
         bars = (progress.add_task("tokens", total=cfg.budget.tokens, info=""),
                 progress.add_task("merges", total=None, info=""))
         last_print = [0.0]
-        while run.sync is not None and run.sync.poll() is None:
+        while run.sync is not None and run.synchronizer_running():
             try:
                 _watch_once(run, sink, console, progress, bars, last_print, pending)
             except TerminationSignal as sig:
@@ -173,7 +171,7 @@ def _watch(run: TrainingRun, sink: MlflowSink, console: Console,
                     raise
                 get_run_logger().warning("%s: stopping the run cleanly (final checkpoint)",
                                          signal.Signals(sig.signal).name)
-                run.sync.signal_group(sig.signal)  # the synchronizer's clean stop; its stop reason names it
+                run.signal_synchronizers(sig.signal)  # the synchronizer's clean stop; its stop reason names it
     sink.log_points(run.pull_metrics())
 
 
@@ -195,16 +193,13 @@ def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: 
             last_print[0] = time.monotonic()
             print(f"[{st['wall_s']:.0f}s] tokens {st['tokens_processed']}, merges {st['merges']}, "
                   f"live learners {live}, compute goodput {st['compute_goodput']:.3f}", flush=True)
-    if run.sync.poll() is None:  # supervise only while the synchronizer is still running
+    if run.synchronizer_running():  # supervise only while the synchronizer is still running
         _log_restarts(run, sink, run.supervise())
     pause = cfg.tracking.poll_s
     due = run.supervisor.next_due()
     if due is not None:
         pause = min(pause, max(0.05, due - time.monotonic()))
-    try:
-        run.sync.wait(timeout=pause)
-    except subprocess.TimeoutExpired:
-        pass
+    run.pause_while_running(pause)
 
 
 @contextmanager
@@ -250,23 +245,23 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 110)
     t0 = time.monotonic()
     sink.start_children(f"learner-{i}" for i in range(cfg.learners.count))
-    url = run.start_synchronizer()
-    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, url)
+    run.start_synchronizer()
+    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, run.learner_sync_url)
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
     with _heldout_curve(run, sink) as pending:
         _watch(run, sink, console, pending)
-    code = run.sync.wait() if run.sync else None
+    code = run.wait_synchronizers()
     run.finished_cleanly = code == 0
     if code != 0:
-        raise RuntimeError(f"synchronizer exited with code {code}; log: {run.sync.log_path if run.sync else '?'}")
+        raise RuntimeError(f"synchronizer exited with code {code}; logs: {run.workdir / 'logs'}")
     sink.log_points(run.remaining_metrics_from_store())
-    summary = run.store.get_json(keys.summary_key(run.run_id, str(run.epoch)))
+    summary = run.final_summary()
     log_rounds(sink, run.store, run.run_id, str(run.epoch), f"rounds-{run.epoch}.jsonl" if run.resume_url else
                "rounds.jsonl")
     if stopped_by_signal(summary):
         return _interrupted(run, sink, summary, eval_start, t0)
-    ckpt = latest_checkpoint(run.store, run.run_id)
+    ckpt = run.final_checkpoint()
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
     final_model = model_from_checkpoint(cfg, ckpt)
@@ -403,7 +398,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     logger = get_run_logger()
     overrides = list(overrides or [])
     given = resume_config(checkpoint_url, config, overrides, {})  # the one parse of the resume's config
-    cfg, store, run_id, ckpt = open_checkpoint(checkpoint_url, given, {})
+    cfg, store, run_id, ckpt = open_run(checkpoint_url, given, {})
     prepare_prerequisites(cfg)
     prepare_corpus(cfg)
     prepare_tokens(cfg)

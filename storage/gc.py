@@ -14,8 +14,13 @@ Independently of checkpoints, leftovers of writers that died mid-upload (local t
 incomplete S3 multipart uploads: :mod:`storage.orphans`) under the run's prefix are removed once
 older than ``orphan_age_s`` (default 24 h); younger ones may be live uploads and are left alone.
 
-Never deleted: the newest verified checkpoint, any checkpoint newer than it (it may be in
-progress), ``plan.json``/``config.json``, learners' own state, keys this module cannot parse,
+With synchronizer shards (DESIGN §2.2) a shard collects behind the checkpoint of its own that the
+run's newest run checkpoint names (:class:`ShardScope`; storage/run_checkpoints.py), since that is
+what a resume of the whole run restores: its checkpoints under its own root, and under the run's
+root the versions and contributions of its own fragments, the only ones its manifest mentions.
+
+Never deleted: the newest verified checkpoint (a shard's: the one named), any checkpoint newer than
+it (it may be in progress), ``plan.json``/``config.json``, learners' own state, keys this module cannot parse,
 anything of a fragment the manifest does not mention, and the versions (and their compact forms)
 named in ``keep_versions``: those live learners were told to read and may not have finished
 reading (the synchronizer's read leases, :class:`diloco_async.policy.catchup.ReadLeases`). A
@@ -31,16 +36,27 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from storage import keys
-from storage.checkpoint import latest_checkpoint
+from storage.checkpoint import Checkpoint, latest_checkpoint, verify_checkpoint
 from storage.orphans import drop_orphan, find_orphans
-from storage.store import ObjectStore
+from storage.store import IntegrityError, ObjectStore
 
-__all__ = ["GcReport", "collect_garbage", "DEFAULT_ORPHAN_AGE_S"]
+__all__ = ["GcReport", "ShardScope", "collect_garbage", "DEFAULT_ORPHAN_AGE_S"]
 
 log = logging.getLogger("diloco.storage.gc")
 
 #: leftover uploads idle (local) or started (S3) longer ago than this are collected, seconds
 DEFAULT_ORPHAN_AGE_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class ShardScope:
+    """What a synchronizer shard's collection covers: the run whose versions and contributions it
+    collects (``run_id``; the shard's checkpoints lie under ``{run_id}/shards/{I:03d}``), and its
+    checkpoint to collect behind (``behind``, the one the run's newest run checkpoint names; it
+    must verify, else nothing is deleted; checkpoints newer than it are kept)."""
+
+    run_id: str
+    behind: int
 
 
 @dataclass
@@ -81,7 +97,8 @@ class GcReport:
 def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 2, dry_run: bool = False,
                     orphan_age_s: float | None = DEFAULT_ORPHAN_AGE_S,
                     clock: Callable[[], float] = time.time,
-                    keep_versions: Mapping[int, Collection[int]] | None = None) -> GcReport:
+                    keep_versions: Mapping[int, Collection[int]] | None = None,
+                    shard: ShardScope | None = None) -> GcReport:
     """Delete what no resume from the newest verified checkpoint can need, and leftover uploads.
 
     Args:
@@ -92,6 +109,8 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
         orphan_age_s: leftover uploads older than this many seconds are removed (None: none).
         clock: wall-clock seconds since the epoch, for the leftovers' ages.
         keep_versions: fragment -> versions never deleted (with their compact forms), whatever the floor.
+        shard: ``run_id`` is a synchronizer shard's root: collect behind the checkpoint the scope
+            names and in the versions and contributions of the run it names.
 
     Raises:
         ValueError: ``keep_checkpoints`` < 1, or a negative ``orphan_age_s``.
@@ -100,34 +119,16 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
         raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
     if orphan_age_s is not None and orphan_age_s < 0:
         raise ValueError(f"orphan_age_s must be >= 0 seconds, got {orphan_age_s}")
-    newest = latest_checkpoint(store, run_id, load=False)  # its manifest is all gc needs
+    newest = latest_checkpoint(store, run_id, load=False) if shard is None else _verified(store, run_id, shard.behind)
     if newest is None:
         report = GcReport(run_id, None, "no verified checkpoint: nothing deleted but leftover uploads", dry_run)
         _collect_orphans(store, run_id, orphan_age_s, clock, report)
         return report
     report = GcReport(run_id, newest.seq, f"behind verified checkpoint {newest.seq}", dry_run)
     _collect_orphans(store, run_id, orphan_age_s, clock, report)
-    manifest = newest.manifest
-    version_floor = _version_floors(manifest)
-    round_floor = {p: int(n) - 1 for p, n in manifest.get("next_round", {}).items()}
-
-    kept = {str(p): set(vs) for p, vs in (keep_versions or {}).items()}
-    doomed: list[tuple[str, str, int]] = []  # (kind, key, nbytes), in deletion order
-    doomed += _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)
-    for kind, prefix, parse, floors in (
-            ("globals", keys.versions_prefix(run_id), keys.parse_version_key, version_floor),
-            ("compact", keys.compact_prefix(run_id), keys.parse_compact_key, version_floor),
-            ("contrib", keys.contributions_prefix(run_id), keys.parse_contribution_key, round_floor)):
-        for key, nbytes in sorted(store.sizes(prefix).items()):
-            parsed = parse(run_id, key)
-            if parsed is None:
-                continue
-            p, n = str(parsed[0]), parsed[1]
-            if p in floors and n < floors[p]:
-                if kind != "contrib" and n in kept.get(p, ()):
-                    report.kept_for_reads += 1  # a live learner may still be reading it
-                    continue
-                doomed.append((kind, key, nbytes))
+    doomed = _old_checkpoints(store, run_id, newest.seq, keep_checkpoints, report)  # (kind, key, nbytes), in order
+    doomed += _behind_floors(store, run_id if shard is None else shard.run_id, newest.manifest,
+                             {str(p): set(vs) for p, vs in (keep_versions or {}).items()}, report)
 
     for kind, key, nbytes in doomed:
         if not dry_run:
@@ -138,6 +139,39 @@ def collect_garbage(store: ObjectStore, run_id: str, *, keep_checkpoints: int = 
              run_id, report.reason, "would delete" if dry_run else "deleted", report.objects, report.nbytes,
              dict(report.deleted), report.kept_checkpoints, report.kept_for_reads)
     return report
+
+
+def _behind_floors(store: ObjectStore, data: str, manifest: dict, kept: Mapping[str, set[int]],
+                   report: GcReport) -> list[tuple[str, str, int]]:
+    """The versions, compact versions and contributions of run ``data`` behind what ``manifest``
+    still needs, of the fragments it mentions, but not the versions ``kept`` (counted in ``report``)."""
+    version_floor = _version_floors(manifest)
+    round_floor = {p: int(n) - 1 for p, n in manifest.get("next_round", {}).items()}
+    doomed = []
+    for kind, prefix, parse, floors in (
+            ("globals", keys.versions_prefix(data), keys.parse_version_key, version_floor),
+            ("compact", keys.compact_prefix(data), keys.parse_compact_key, version_floor),
+            ("contrib", keys.contributions_prefix(data), keys.parse_contribution_key, round_floor)):
+        for key, nbytes in sorted(store.sizes(prefix).items()):
+            parsed = parse(data, key)
+            if parsed is None:
+                continue
+            p, n = str(parsed[0]), parsed[1]
+            if p in floors and n < floors[p]:
+                if kind != "contrib" and n in kept.get(p, ()):
+                    report.kept_for_reads += 1  # a live learner may still be reading it
+                    continue
+                doomed.append((kind, key, nbytes))
+    return doomed
+
+
+def _verified(store: ObjectStore, run_id: str, seq: int) -> Checkpoint | None:
+    """Checkpoint ``seq`` of ``run_id`` verified (state streamed, not kept), or None (logged)."""
+    try:
+        return verify_checkpoint(store, run_id, seq)
+    except (FileNotFoundError, IntegrityError, ValueError) as err:
+        log.warning("gc %s: checkpoint %d to collect behind does not verify (%s): nothing deleted", run_id, seq, err)
+        return None
 
 
 def _collect_orphans(store: ObjectStore, run_id: str, older_than_s: float | None, clock: Callable[[], float],

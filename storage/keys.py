@@ -35,7 +35,7 @@ __all__ = ["plan_key", "config_key", "synchronizer_root", "shards_manifest_key",
            "compact_prefix", "compact_key", "parse_compact_key",
            "state_folder", "state_file_key", "state_manifest_key", "state_seq_of", "split_state_key",
            "checkpoint_prefix", "checkpoint_state_key", "checkpoint_manifest_key", "checkpoint_url",
-           "split_checkpoint_url", "ddp_checkpoint_prefix", "learner_prefix",
+           "split_checkpoint_url", "run_manifest_key", "run_manifest_seq", "ddp_checkpoint_prefix", "learner_prefix",
            "summary_key", "metrics_log_key", "merge_log_key", "contribution_log_key", "final_model_prefix",
            "lease_prefix", "lease_claim_key", "lease_renewal_key", "lease_released_key", "parse_lease_key"]
 
@@ -254,6 +254,23 @@ def split_checkpoint_url(url: str) -> tuple[str, str, int | None]:
     if not root or not run_id or root.endswith(":/"):
         raise ValueError(f"{url!r} does not name a run ({{root}}/{{run_id}}) or a checkpoint")
     return root, run_id, None
+
+
+_RUN_MANIFEST = re.compile(r"run-(\d{8})\.json$")
+
+
+def run_manifest_key(run_id: str, seq: int) -> str:
+    """``{run_id}/checkpoints/run-{seq:08d}.json``: run checkpoint ``seq`` of a run with several
+    synchronizer shards, naming one checkpoint per shard (storage/run_checkpoints.py)."""
+    return f"{checkpoint_prefix(run_id)}/run-{seq:08d}.json"
+
+
+def run_manifest_seq(run_id: str, key: str) -> int | None:
+    """The sequence number of a run manifest key of ``run_id``, or None for any other key."""
+    if not key.startswith(f"{checkpoint_prefix(run_id)}/"):
+        return None
+    m = _RUN_MANIFEST.fullmatch(key[len(checkpoint_prefix(run_id)) + 1:])
+    return int(m.group(1)) if m else None
 
 
 def ddp_checkpoint_prefix(run_id: str) -> str:

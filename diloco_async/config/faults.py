@@ -49,6 +49,12 @@ class FaultsConfig(BaseModel):
         description="Learner indexes whose store gets storage_faults (e.g. [1]: one learner with slow reads beside "
                     "healthy ones); empty: every learner's.",
     )
+    unreachable_shard: list[int] = Field(
+        default_factory=list,
+        description="Fault injection (a cut route, DESIGN §2.2): per learner index, the synchronizer shard its "
+                    "client cannot hand contributions to (every announcement to it fails as a lost link would; "
+                    "joins and heartbeats pass); missing indexes and -1: every shard reachable.",
+    )
     poison: list[Literal["none", "scale", "sign_flip", "constant"]] = Field(
         default_factory=list,
         description="Fault injection (tests of the update guard): per learner index, the poisoned outer gradients "
@@ -64,6 +70,9 @@ class FaultsConfig(BaseModel):
         negative = [i for i in self.storage_fault_learners if i < 0]
         if negative:
             raise ValueError(f"faults.storage_fault_learners must be learner indexes >= 0, got {negative}")
+        below = [i for i in self.unreachable_shard if i < -1]
+        if below:
+            raise ValueError(f"faults.unreachable_shard must be shard indexes >= 0 (or -1: none), got {below}")
         return self
 
 

@@ -122,6 +122,8 @@ class LearnerConfig(_Section, LearnerDeviceFields, schedules.InnerScheduleFields
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner process.")
     request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one HTTP request.")
     storage_timeout_s: float = Field(60.0, gt=0, description="Timeout of one store call.")
+    announce_timeout_s: float = Field(60.0, ge=1, le=3600, description="Seconds an announcement is retried before "
+                                      "it is given up, counted undeliverable to its fragment's synchronizer (shard).")
     checkpoint_every_s: float = Field(
         30.0, ge=0, description="Period of the learner's own inner-state checkpoints (0: never)."
     )
@@ -413,17 +415,15 @@ _OPERATIONAL = {
     "run": ("workdir", "store", "name", "storage_options", "launcher", "regions", "learner_deployment"),
     "data": ("cache_dir", "token_cache_dir"),
     "model": ("hf.cache_dir",),
-    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "threads", "flush_denormal",
-                 "checkpoint_every_s",
-                 "device", "rdzv_endpoint", "group_timeout_s",
+    "learners": ("heartbeat_s", "request_timeout_s", "storage_timeout_s", "announce_timeout_s", "threads",
+                 "flush_denormal", "checkpoint_every_s", "device", "rdzv_endpoint", "group_timeout_s",
                  "restart_delay_s", "max_restarts"),
     "synchronizer": ("host", "port", "heartbeat_timeout_s", "checkpoint_every_s", "keep_checkpoints",
                      "read_lease_versions", "orphan_age_s", "storage_timeout_s", "client_max_size_bytes", "drain_s",
                      "drain_lookahead",
                      "lease_ttl_s", "lease_renew_s", "max_learners", "request_body_timeout_s", "idle_timeout_s",
                      "verifies_in_flight"),
-    "faults": ("speed_factors", "step_jitter", "control_drop_prob", "control_delay_s", "storage_faults",
-               "storage_fault_learners", "poison", "nice_after_ready"),
+    "faults": tuple(FaultsConfig.model_fields),  # injected faults test a run, never change what it computes
     "network": tuple(NetworkConfig.model_fields),  # how learners reach the synchronizer, never what they compute
 }
 

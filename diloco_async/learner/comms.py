@@ -108,7 +108,7 @@ class Comms:
         period and codec."""
         lc = cfg.learners
         self.store = store
-        self.uploads.configure(store, lc.codec, lc.storage_timeout_s)
+        self.uploads.configure(store, lc.codec, lc.storage_timeout_s, lc.announce_timeout_s)
         self.heartbeat_s = lc.heartbeat_s
         self.sync_every, self.num_fragments = cfg.synchronizer.sync_every, cfg.synchronizer.num_fragments
         # a link-bound learner steps its upload codec down learners.link_codecs (policy/link_bound.py)
@@ -343,7 +343,7 @@ class Comms:
         sh.upload_codec = self.upload_codecs.update(sh.link, bound, need_s, budget_s)
         body.update(bytes_up_by_fragment={str(p): n for p, n in up.items()},
                     bytes_down_by_fragment={str(p): n for p, n in down.items()},
-                    link_s_per_fragment=need_s, link_budget_s=budget_s)
+                    undeliverable_by_fragment={**sh.undeliverable}, link_s_per_fragment=need_s, link_budget_s=budget_s)
         return body
 
     async def _push_loop(self) -> None:

@@ -9,7 +9,8 @@ was given.
   before they are sent (``faults.control_delay_s``, ``control_drop_prob``: :class:`ControlFaults`
   as the :class:`~diloco_async.protocol.client.SyncClient`'s ``before_post``), and outer
   gradients poisoned on send (``faults.poison``: :class:`PoisonedPayloads` as the uploads'
-  ``encode_payload``), to test the update guard (issue 14);
+  ``encode_payload``), to test the update guard (issue 14); every announcement to one synchronizer
+  shard dropped (``faults.unreachable_shard``: :class:`CutRoute`);
 * a **slowed workload**: each inner step of emulated slower or noisier hardware
   (``faults.speed_factors``, ``step_jitter``) and a lower process priority once ready to train
   (``faults.nice_after_ready``): :class:`SlowedWorkload`.
@@ -82,6 +83,22 @@ class ControlFaults:
             await asyncio.sleep(self.rng.expovariate(1.0 / self.delay_s))
         if self.rng.random() < self.drop_prob:
             raise aiohttp.ClientConnectionError(f"chaos: {path} dropped before sending")
+
+
+class CutRoute:
+    """The ``before_post`` of the client of one synchronizer shard whose route is cut for
+    contributions (``faults.unreachable_shard``): every announcement to it fails before it is sent
+    (``aiohttp.ClientConnectionError``, as a lost link would); the joins and heartbeats pass, so the
+    learner joined the run and hears that shard's rounds (a route cut before the join would leave
+    nothing to count)."""
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+
+    async def __call__(self, path: str) -> None:
+        if path.endswith("/announce"):
+            raise aiohttp.ClientConnectionError(f"chaos: the route to synchronizer shard {self.shard} is cut "
+                                                f"({path})")
 
 
 class PoisonedPayloads:
@@ -164,6 +181,11 @@ class LearnerFaults:
         if f.control_delay_s > 0 or f.control_drop_prob > 0:
             rng = random.Random(self.seed * 7919 + self.slot.index * 104729 + self.slot.incarnation)
             comms.client.before_post = ControlFaults(f.control_delay_s, f.control_drop_prob, rng)
+        cut = self._of_index(f.unreachable_shard, -1)
+        shards = getattr(comms.client, "clients", None)
+        if cut >= 0 and shards is not None and cut < len(shards):
+            log.warning("%s: its route to synchronizer shard %d is cut (fault injection)", self.slot.learner_id, cut)
+            shards[cut].before_post = CutRoute(cut)
         mode = self._of_index(f.poison, "none")
         if mode != "none":
             log.warning("%s: sends %s-poisoned outer gradients (fault injection)", self.slot.learner_id, mode)

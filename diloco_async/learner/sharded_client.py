@@ -10,9 +10,11 @@
   run's config and plan of the first, the highest ``start_step``, the epochs joined with ``+``, the
   highest ``run_tokens`` (every shard counts every learner's heartbeats).
 * ``heartbeat`` goes to every shard (each computes the global step from the same heartbeats); the
-  answers merge: open rounds and versions concatenated, ``stop`` when every shard answered stop,
-  the epochs joined (an unreachable shard's as it last answered, so it does not look restarted), the
-  highest ``run_tokens`` (an unreachable shard's as it last answered). A
+  answers merge: open rounds and versions concatenated, ``stop`` when every shard that answered
+  said stop (the budget stop is the run's: the shards follow the first that stops, DESIGN §2.2; a
+  learner cut off from one shard then still hears it from the others), the epochs joined (an
+  unreachable shard's as it last answered, so it does not look restarted), the highest
+  ``run_tokens`` (an unreachable shard's as it last answered). A
   shard that answers ``known=False`` is joined again at once (that shard only). A shard that cannot
   be reached is logged, counted (:attr:`ShardedSyncClient.unreachable`) and left out of the answer
   while another answers; when none answers the first error is raised (the comms' retry and give-up
@@ -168,7 +170,7 @@ class ShardedSyncClient:
             raise next(a for a in answers if isinstance(a, BaseException))
         return {"open_rounds": [r for a in got for r in a.get("open_rounds", [])],
                 "versions": [v for a in got for v in a.get("versions", [])],
-                "stop": all(a.get("stop", False) for a in got) and len(got) == len(self.clients),
+                "stop": all(a.get("stop", False) for a in got),
                 "known": all(a.get("known", True) for a in got),
                 "epoch": "+".join(self._epochs),  # an unreachable shard's as last answered
                 "run_tokens": max(self._run_tokens)}

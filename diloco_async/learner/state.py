@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -129,6 +130,9 @@ class Shared:
         self.open_rounds: dict[tuple[int, int], tuple[int, float]] = {}
         self.base: dict[int, int] = {}  # fragment -> version adopted
         self.newest_versions: dict[int, VersionInfo] = {}  # the newest told of each fragment (join, heartbeat, push)
+        # fragment (as a JSON key) -> contributions whose announcement was given up
+        # (learners.announce_timeout_s), since the process started; reported in heartbeats (comms loop only)
+        self.undeliverable: collections.Counter[str] = collections.Counter()
         # outcomes of our contributions, for the training thread: (fragment, round, status)
         self.outcomes: queue.Queue[tuple[int, int, str]] = queue.Queue()
         self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()

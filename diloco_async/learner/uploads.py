@@ -70,6 +70,7 @@ class Uploads:
         self.shared = shared
         self.codec = "bf16"
         self.storage_timeout_s = 60.0
+        self.announce_timeout_s = 60.0  # learners.announce_timeout_s
         self.state_prefix: str | None = None  # where this slot's inner states go
         self.state_seq = 0  # the newest inner-state sequence number used
         self._uploading = 0  # contributions taken off the queue and not yet announced (0 or 1)
@@ -80,8 +81,10 @@ class Uploads:
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
 
-    def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float) -> None:
+    def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float, announce_timeout_s: float = 60.0
+                  ) -> None:
         self.store, self.codec, self.storage_timeout_s = store, codec, storage_timeout_s
+        self.announce_timeout_s = announce_timeout_s
 
     def encode(self, job: UploadJob, meta: dict[str, str]) -> bytes:
         """``job``'s outer gradient as a wire payload in its codec (:meth:`codec_of`) with ``meta``
@@ -214,10 +217,12 @@ class Uploads:
         return ref
 
     async def _announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> str:
-        """Announce until acknowledged (same update id every time), stopped, or 60 s passed;
-        returns the ack's status, or ``failed``."""
+        """Announce until acknowledged (same update id every time), stopped, or
+        ``announce_timeout_s`` passed; returns the ack's status, or ``failed``: then the
+        contribution is counted undeliverable (``shared.undeliverable``, reported in heartbeats to
+        every synchronizer shard; DESIGN §2.2), never dropped silently."""
         backoff = synchronizer_backoff()
-        deadline = time.monotonic() + 60.0
+        deadline = time.monotonic() + self.announce_timeout_s
         while not self.shared.stop_event.is_set() and time.monotonic() < deadline:
             try:
                 ack = AnnouncementAck.model_validate(await client.announce(body))
@@ -229,4 +234,8 @@ class Uploads:
             log.log(level, "%s fragment %d round %d: %s (%s)", self.learner_id, job.fragment, job.round_n,
                     ack.status, ack.reason)
             return ack.status
+        self.shared.undeliverable[str(job.fragment)] += 1
+        log.warning("%s fragment %d round %d: announcement not acknowledged within %.0f s (its synchronizer "
+                    "unreachable): counted undeliverable, %d of fragment %d so far", self.learner_id, job.fragment,
+                    job.round_n, self.announce_timeout_s, self.shared.undeliverable[str(job.fragment)], job.fragment)
         return "failed"

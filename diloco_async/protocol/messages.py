@@ -139,6 +139,10 @@ class Heartbeat(_Msg):
         default_factory=dict, max_length=FRAGMENTS_MAX, description="bytes_down by fragment.")
     bytes_up_by_fragment: dict[FragmentIndex, Count] = Field(
         default_factory=dict, max_length=FRAGMENTS_MAX, description="bytes_up by fragment.")
+    undeliverable_by_fragment: dict[FragmentIndex, Count] = Field(
+        default_factory=dict, max_length=FRAGMENTS_MAX, description="Contributions of each fragment whose "
+        "announcement this learner gave up (its synchronizer shard unreachable for learners.announce_timeout_s), "
+        "since the process started; told to every shard (DESIGN §2.2).")
     link_s_per_fragment: float | None = Field(
         None, ge=0, le=1e6, description="Seconds of network work (upload + download) one fragment's sync takes.")
     link_budget_s: float | None = Field(

@@ -20,6 +20,7 @@
 ``state``           fragments, rounds, contributions, internal messages, the push channel
 ``work``            blocking work run in threads: fetch and verify, merge and publish
 ``persistence``     initial publish, checkpoint payload, restore (of the components)
+``run_resume``      opening the checkpoint a resume of the whole run continues from (a run checkpoint with shards)
 ``logs``            bounded in-memory logs that spill to local disk; rate-limited log lines
 ``http``            the aiohttp application in front of the actor
 ``gate``            credentials and the counters of requests refused at the edge
@@ -34,6 +35,7 @@ from diloco_async.sync.http import make_app, runner_options
 from diloco_async.sync.lifecycle import Phase
 from diloco_async.sync.persistence import open_checkpoint, stored_config
 from diloco_async.sync.process import STORAGE_OPTIONS_ENV, TOKEN_ENV, main, serve
+from diloco_async.sync.run_resume import open_run
 from diloco_async.sync.state import Broadcaster, initial_parameters, initial_state, new_run_id
 from diloco_async.sync.tls_setup import check_network, learner_tls_env, operator_tls_env
 
@@ -49,6 +51,7 @@ __all__ = [
     "serve",
     "main",
     "open_checkpoint",
+    "open_run",
     "stored_config",
     "TOKEN_ENV",
     "STORAGE_OPTIONS_ENV",

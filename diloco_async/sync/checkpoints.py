@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync.state import CheckpointBook, CheckpointDone
 from storage.checkpoint import write_checkpoint
-from storage.gc import collect_garbage
+from storage.gc import GcReport, ShardScope, collect_garbage
+from storage.run_checkpoints import named_checkpoint, write_run_manifest
 from storage.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -45,6 +46,22 @@ def _write_and_trim(store: ObjectStore, run_id: str, seq: int, tensors: dict, ma
                          consume=True)
     finally:
         release_free_memory()
+
+
+def _collect(ctx: ActorContext, keep_versions: dict[int, set[int]]) -> GcReport | None:
+    """One garbage collection (blocking): behind the newest verified checkpoint, or with several
+    shards behind the checkpoint of this shard that the newest run checkpoint names, in the run's
+    versions and contributions of this shard's fragments (storage/gc.py); None while no run
+    checkpoint names one (nothing to collect behind)."""
+    sc = ctx.sc
+    scope = None
+    if sc.shards > 1:
+        behind = named_checkpoint(ctx.store, ctx.run_id, ctx.shard)
+        if behind is None:
+            return None
+        scope = ShardScope(ctx.run_id, behind)
+    return collect_garbage(ctx.store, ctx.owner_id, keep_checkpoints=sc.keep_checkpoints,
+                           orphan_age_s=sc.orphan_age_s, keep_versions=keep_versions, shard=scope)
 
 
 class Checkpointer:
@@ -87,11 +104,31 @@ class Checkpointer:
         async def write() -> None:
             try:
                 await asyncio.to_thread(_write_and_trim, self.ctx.store, self.ctx.owner_id, seq, tensors, manifest)
+                if self.sc.shards > 1:  # publish, then mark: the run checkpoint naming it comes last
+                    await self._write_run_manifest(seq)
                 await self.ctx.inbox.put(CheckpointDone(seq, True, "written"))
             except Exception as err:
                 await self.ctx.inbox.put(CheckpointDone(seq, False, f"{type(err).__name__}: {err}"))
 
         self.ctx.spawn(write())
+
+    async def _write_run_manifest(self, seq: int) -> None:
+        """With several shards, the run checkpoint naming this shard's checkpoint ``seq`` and each
+        other shard's newest (storage/run_checkpoints.py). A failure is counted
+        (``run_checkpoints_failed``) and logged; the shard's own checkpoint stands (a resume of this
+        shard alone reads it; the next checkpoint writes a run checkpoint again)."""
+        try:
+            run_seq = await asyncio.to_thread(write_run_manifest, self.ctx.store, self.ctx.run_id, self.sc.shards)
+        except Exception as err:
+            self.report.counters["run_checkpoints_failed"] += 1
+            log.warning("run checkpoint naming shard %d's checkpoint %d failed: %s: %s", self.ctx.shard, seq,
+                        type(err).__name__, err)
+            return
+        if run_seq is None:
+            log.info("checkpoint %d of shard %d: no run checkpoint yet (another shard has none)", seq, self.ctx.shard)
+        else:
+            self.report.counters["run_checkpoints"] += 1
+            log.info("run checkpoint %d names shard %d's checkpoint %d", run_seq, self.ctx.shard, seq)
 
     def on_done(self, msg: CheckpointDone) -> None:
         for fut in self.book.done(msg):
@@ -114,9 +151,9 @@ class Checkpointer:
         """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
         but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
-            done = await asyncio.to_thread(collect_garbage, self.ctx.store, self.ctx.owner_id,
-                                             keep_checkpoints=self.sc.keep_checkpoints,
-                                             orphan_age_s=self.sc.orphan_age_s, keep_versions=keep_versions)
+            done = await asyncio.to_thread(_collect, self.ctx, keep_versions)
+            if done is None:
+                return
             self.report.counters["gc_deleted_objects"] += done.objects
             self.report.counters["gc_deleted_bytes"] += done.nbytes
             self.report.counters["gc_kept_for_reads"] += done.kept_for_reads

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.pace import PaceBound, PaceBurst, PaceLimits, PaceMeter, bounded_advance, clamp_step_times
 from diloco_async.protocol.messages import Heartbeat, JoinRequest
+from diloco_async.sync.undeliverable import Undeliverable
 from diloco_async.sync.wire_bytes import WireBytes
 
 __all__ = ["LearnerInfo", "LearnerRegistry"]
@@ -89,6 +90,7 @@ class LearnerRegistry:
         self._provisioned_at_s: float | None = None  # the time the provisioned seconds run to
         self._provisioned_flushed = True
         self.wire = WireBytes()  # bytes on the wire by direction, learner and fragment
+        self.undeliverable = Undeliverable()  # contributions learners gave up announcing (shards)
 
     def __contains__(self, learner_id: object) -> bool:
         return learner_id in self.learners
@@ -234,6 +236,7 @@ class LearnerRegistry:
             info.tokens_seen = tokens
         info.link_s_per_fragment, info.link_budget_s = hb.link_s_per_fragment, hb.link_budget_s
         self.wire.heartbeat(hb.learner_id, hb.incarnation, hb.bytes_down_by_fragment)
+        self.undeliverable.heartbeat(hb.learner_id, hb.incarnation, hb.undeliverable_by_fragment)
         bytes_down = 0
         if hb.bytes_down >= info.bytes_down_seen:
             bytes_down = hb.bytes_down - info.bytes_down_seen

@@ -31,6 +31,7 @@ from diloco_async.sync.state import CheckpointBook, FragmentState
 from diloco_async.sync.work import put_version
 from storage import keys
 from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
+from storage.run_checkpoints import open_run_checkpoint
 from storage.store import IntegrityError, ObjectRef, ObjectStore, object_digest
 
 __all__ = ["publish_initial", "stored_config", "open_checkpoint", "no_such_run", "restore", "checkpoint_payload"]
@@ -118,7 +119,10 @@ def open_checkpoint(url: str, cfg: Config | None, storage_options: dict,
     """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
 
     With ``synchronizer.shards > 1`` the checkpoint is shard ``shard``'s (under
-    :func:`storage.keys.synchronizer_root`); a sequence number in the URL is that shard's.
+    :func:`storage.keys.synchronizer_root`): without a sequence number its newest that verifies (a
+    shard restarted alone); with one, the checkpoint of that shard that run checkpoint ``seq``
+    names (``run-{seq}.json``, verified whole: storage/run_checkpoints.py), so every shard of one
+    resume restores the same run checkpoint.
 
     ``cfg`` is the resolved config of the resume (a recipe or the run's stored config, with the
     user's overrides applied once by the entry point), or None for the run's own ``config.json``
@@ -146,6 +150,10 @@ def open_checkpoint(url: str, cfg: Config | None, storage_options: dict,
             if not store.exists(keys.config_key(run_id)):
                 raise ValueError(no_such_run(store, run_id))
             raise ValueError(f"no verified checkpoint under {root}/{owner}")
+    elif cfg.synchronizer.shards > 1:
+        if not store.exists(keys.config_key(run_id)):
+            raise ValueError(no_such_run(store, run_id))
+        ckpt = open_run_checkpoint(store, run_id, cfg.synchronizer.shards, seq, load=True, only=shard).shards[shard]
     else:
         try:
             ckpt = load_checkpoint(store, owner, seq)
@@ -228,6 +236,7 @@ def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: R
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
     registry.restore(m["ledgers"], m["learners"], ctx.clock(), checkpoint_age_s=time.time() - written_unix_s)
     registry.wire.restore(m.get("wire_bytes", {}))
+    registry.undeliverable.restore(m.get("undeliverable", {}))  # (absent from checkpoints before shards)
     table.g = m.get("global_step")  # until the learners report again (a learner joining starts no lower)
     report.counters.clear()
     report.counters.update(m["counters"])
@@ -342,6 +351,7 @@ def checkpoint_payload(ctx: ActorContext, *, book: FragmentBook, table: RoundTab
         "version_refs": {str(f.p): {str(v): f.refs[v].to_json() for v in f.history} for f in book},
         "global_step": table.g,
         "wire_bytes": registry.wire.to_json(),
+        "undeliverable": registry.undeliverable.to_json(),
         "ledgers": ledgers,
         "learners": learners,
         "counters": dict(counters, checkpoints=counters["checkpoints"] + 1),  # this one included

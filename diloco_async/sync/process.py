@@ -39,6 +39,7 @@ from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import GATE, make_app, runner_options
 from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
+from diloco_async.sync.run_stop import RunStop
 from diloco_async.sync.tls_setup import check_network, edge_context
 from storage import keys
 from storage.checkpoint import Checkpoint, list_checkpoint_seqs
@@ -191,8 +192,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     run's ``lease`` is taken here when not given; it is released after a clean finish.
 
     Writes ``{"url", "run_id", "pid", "epoch", "lease_epoch", "shard", "shards"}`` to ``ready_file`` (atomically)
-    once the server listens. SIGTERM and SIGINT start a clean stop (final checkpoint, learners
-    told to stop).
+    once the server listens. SIGTERM and SIGINT start a clean stop (final checkpoint, learners told).
 
     Raises:
         LeaseHeld: another synchronizer holds the run's lease (nothing was written).
@@ -216,15 +216,15 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     loop = asyncio.get_running_loop()
     _handle_stop_signals(loop, sync)
     _freeze_startup()
-    if ready_file:
-        tmp = Path(ready_file).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
-                                   "lease_epoch": lease.lease_epoch, "shard": shard, "shards": sc.shards}))
-        tmp.replace(ready_file)
+    _write_ready(ready_file, {"url": url, "run_id": run_id, "pid": os.getpid(), "epoch": sync.epoch,
+                              "lease_epoch": lease.lease_epoch, "shard": shard, "shards": sc.shards})
+    run_stop = RunStop(sync) if sc.shards > 1 else None  # the budget stop is the run's (DESIGN §2.2)
     watchers = [loop.create_task(LoopWatch(_watch_period_s(), sync.part_times).run()),
-                loop.create_task(freeze_long_lived())]
+                loop.create_task(freeze_long_lived()), *([loop.create_task(run_stop.run())] if run_stop else [])]
     try:
         summary = await sync.run()
+        if run_stop is not None:
+            await run_stop.finish()
     finally:
         await _cancel(watchers)
         _ignore_stop_signals(loop)
@@ -232,6 +232,14 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
     await asyncio.to_thread(_release, lease)
     log.info("synchronizer run=%s finished: %s", run_id, sync.stop_reason)
     return summary
+
+
+def _write_ready(ready_file: str | None, doc: dict) -> None:
+    """``doc`` as JSON at ``ready_file`` (written beside it, then renamed: atomically); nothing without one."""
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(ready_file)
 
 
 async def _listen(cfg: Config, sync: Synchronizer, token: str) -> tuple[web.AppRunner, str]:

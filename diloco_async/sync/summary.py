@@ -93,6 +93,10 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
         "verifications_dropped": c["verifications_dropped"],
         "duplicates": c["duplicates"],
         "versions": book.versions(),
+        # contributions learners gave up announcing (synchronizer shards: DESIGN §2.2): of this synchronizer's
+        # fragments, and of every fragment as the learners' heartbeats tell it
+        "contributions_undeliverable": reg.undeliverable.total({f.p for f in book}),
+        "undeliverable_by_fragment": reg.undeliverable.by_fragment(),
         "outer_lr": {f.p: f.optimizer.lr for f in book},  # η of each fragment's last outer step
         "bytes_in": c["bytes_in"],
         "bytes_out": c["bytes_out"],
@@ -110,6 +114,7 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
                            **reg.ledgers[lid].to_json(),
                            "compute_goodput": reg.ledgers[lid].compute_goodput,
                            "token_goodput": reg.ledgers[lid].token_goodput, **_learner_net(reg, lid),
+                           "undeliverable": reg.undeliverable.learner_total(lid),
                            **_learner_pace(reg, lid)}
                      for lid, i in reg.learners.items()},
     }

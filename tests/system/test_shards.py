@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -30,12 +31,22 @@ from diloco_async.codec import wire
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config
 from diloco_async.learner.sharded_client import ShardedSyncClient, ShardListMismatch
+from diloco_async.metrics.evaluation import model_from_checkpoint
 from diloco_async.protocol.auth import learner_token
-from diloco_async.protocol.client import LEARNER_TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
+from diloco_async.protocol.client import (
+    LEARNER_TOKEN_ENV,
+    TOKEN_ENV,
+    ProtocolError,
+    call_blocking,
+    fetch_status,
+    request_checkpoint,
+)
 from diloco_async.run import RunProcesses
+from diloco_async.sync import open_run
 from diloco_async.sync.process import EXIT_LEASE_HELD
 from storage import keys
 from storage.checkpoint import list_checkpoint_seqs
+from storage.run_checkpoints import list_run_manifest_seqs
 from storage.store import ObjectStore
 
 from polling import wait_until
@@ -47,11 +58,13 @@ ROUNDS = 3
 class Shards:
     """``len(procs)`` synchronizer processes of one run, one per shard, in shard order."""
 
-    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int) -> None:
-        extra = (*TWO_FRAGMENTS, f"synchronizer.shards={shards}")
+    def __init__(self, tmp: Path, store_url: str, run_id: str, shards: int, extra: tuple[str, ...] = (),
+                 resume: str | None = None) -> None:
+        extra = (*TWO_FRAGMENTS, f"synchronizer.shards={shards}", *extra)
+        which = ["--resume", resume] if resume else ["--run-id", run_id]
         self.procs: list[SyncProcess] = []
         for i in range(shards):
-            self.procs.append(SyncProcess(tmp, store_url, ["--run-id", run_id, "--shard", str(i)], extra=extra))
+            self.procs.append(SyncProcess(tmp, store_url, [*which, "--shard", str(i)], extra=extra))
 
     def owner(self, p: int) -> SyncProcess:
         return self.procs[p % len(self.procs)]
@@ -61,7 +74,7 @@ class Shards:
             proc.stop()
 
 
-def drive(shards: Shards, store: ObjectStore, learner: str = "scripted") -> None:
+def drive(shards: Shards, store: ObjectStore, learner: str = "scripted", rounds: range = range(1, ROUNDS + 1)) -> None:
     """One scripted learner: joins every shard, then for rounds 1..ROUNDS reports step 4r+2 to every
     shard (round r of fragment 0 is due at 4r, of fragment 1 at 4r+2: H = 4, P = 2), contributes a
     fixed outer gradient per (fragment, round) to the fragment's owner and waits for the version."""
@@ -73,7 +86,7 @@ def drive(shards: Shards, store: ObjectStore, learner: str = "scripted") -> None
     assert all(plan == plans[0] for plan in plans)  # every shard serves the whole plan
     run_id = jr["run_id"]
     shapes = [{s["name"]: tuple(s["shape"]) for s in frag} for frag in plans[0]["fragments"]]
-    for r in range(1, ROUNDS + 1):
+    for r in rounds:
         for p in range(2):
             owner = shards.owner(p)
 
@@ -162,6 +175,32 @@ def test_two_shards_publish_the_same_versions_bit_for_bit_as_one(tmp_path):
                 f"{root}/checkpoints/00000001/manifest.json", f"{root}/epochs/{{epoch}}/summary.json"} <= shapes
         manifest = store.get_json(f"two/{root}/checkpoints/00000001/manifest.json")
         assert set(manifest["versions"]) == {str(i)}, manifest["versions"]  # each shard checkpoints its own
+
+
+def test_a_resume_from_one_run_checkpoint_restores_both_shards_bit_for_bit(tmp_path):
+    """S = 1 and S = 2 driven alike, checkpointed and stopped; S = 2 resumed from its newest run
+    checkpoint (each shard from the checkpoint of its own it names), S = 1 from its checkpoint; the
+    same contributions for three more rounds publish the same versions, bit for bit: each shard's
+    values, momentum and rounds were restored exactly (issue 40 item 3)."""
+    store_url = f"file://{tmp_path}/store"
+    store = run(tmp_path, store_url, "one", 1)
+    run(tmp_path, store_url, "two", 2)
+    seq = list_run_manifest_seqs(store, "two")[-1]
+    named = store.get_json(keys.run_manifest_key("two", seq))["checkpoints"]
+    assert {i: e["versions"] for i, e in named.items()} == {"0": {"0": ROUNDS}, "1": {"1": ROUNDS}}
+    more = range(ROUNDS + 1, 2 * ROUNDS + 1)
+    for run_id, shards, url in (("one", 1, f"{store_url}/one"),
+                                ("two", 2, keys.checkpoint_url(store_url, "two", seq))):
+        procs = Shards(tmp_path, store_url, run_id, shards, resume=url)
+        try:
+            if shards == 2:
+                assert [p.status()["resumed_from"] for p in procs.procs] == [named["0"]["seq"], named["1"]["seq"]]
+            drive(procs, store, rounds=more)
+        finally:
+            procs.stop()
+    one, two = version_digests(store, "one"), version_digests(store, "two")
+    assert {(p, v) for p in range(2) for v in more} <= set(one)  # (older ones: collected behind the checkpoints)
+    assert two == one
 
 
 def test_a_second_process_for_a_held_shard_exits_naming_the_holder(tmp_path):
@@ -257,7 +296,42 @@ def test_a_learner_given_the_shards_in_the_wrong_order_exits_2_naming_both(tmp_p
         procs.stop()
 
 
-def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float) -> Config:
+def test_the_budget_stop_is_the_runs_one_shard_decides_and_every_shard_stops(tmp_path):
+    """Only shard 0 hears the steps that spend ``budget.max_steps`` (the scripted learner tells shard 1
+    step 2): shard 0 stops on its budget and publishes the run's stop, shard 1 follows it with that
+    reason; both exit 0 and the store holds one stop (DESIGN §2.2)."""
+    store_url = f"file://{tmp_path}/store"
+    store = ObjectStore(store_url)
+    procs = Shards(tmp_path, store_url, "stop", 2, extra=("budget.max_steps=10",))
+    try:
+        for proc in procs.procs:
+            call_blocking(proc.url, TOKEN, "join", {"learner_id": "scripted", "incarnation": 0})
+
+        def both_exited() -> bool:
+            for proc, step in zip(procs.procs, (12, 2), strict=True):
+                if proc.proc.poll() is None:
+                    try:
+                        call_blocking(proc.url, TOKEN, "heartbeat", {"learner_id": "scripted", "step": step},
+                                      request_timeout_s=5.0)
+                    except (OSError, ProtocolError):
+                        pass  # stopping: the server is closing
+            return all(p.proc.poll() is not None for p in procs.procs)
+        wait_until(both_exited, 120, "both shards to stop", interval_s=0.1)
+        assert [p.proc.returncode for p in procs.procs] == [0, 0]
+    finally:
+        procs.stop()
+    stops = [k for k in store.list("stop/stops") if k.endswith(".json")]
+    assert len(stops) == 1, stops
+    marker = store.get_json(stops[0])
+    assert marker["shard"] == 0 and marker["reason"].startswith("step budget reached"), marker
+    reasons = [store.get_json(next(k for k in store.list(f"stop/shards/{i:03d}/epochs") if k.endswith("summary.json")))
+               for i in range(2)]
+    assert reasons[0]["stop_reason"] == marker["reason"]
+    assert reasons[1]["stop_reason"] == f"{marker['reason']} (the run's stop, decided by synchronizer shard 0)"
+    assert reasons[1]["global_step"] < 10  # shard 1 never saw the budget spent itself
+
+
+def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float, tokens: int | None = None) -> Config:
     """A tiny model, 2 learners, 2 fragments on 2 shards, under ``tmp_path``."""
     return with_fields(Config(), {
         "run.store": f"file://{tmp_path}/store", "run.workdir": f"{tmp_path}/runs",
@@ -266,21 +340,35 @@ def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float) -> Conf
         "learners.count": 2, "learners.batch_size": 2, "learners.heartbeat_s": 0.25,
         "synchronizer.num_fragments": 2, "synchronizer.shards": 2, "synchronizer.sync_every": 8,
         "synchronizer.heartbeat_timeout_s": 10.0, "synchronizer.checkpoint_every_s": checkpoint_every_s,
-        "synchronizer.drain_s": 0.0, "budget.tokens": None, "budget.wall_s": wall_s})
+        "synchronizer.drain_s": 0.0, "budget.tokens": tokens, "budget.wall_s": wall_s})
 
 
 def newest_version(store: ObjectStore, run_id: str, p: int) -> int:
     return max((v for (q, v) in version_digests(store, run_id) if q == p), default=-1)
 
 
-def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finish(tmp_path):
-    cfg = two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=25.0)
+def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resumed_from_one_run_checkpoint(tmp_path):
+    """RunProcesses with S = 2 and two real learners under a token budget: the launcher's status is
+    the run's (a row per shard, every fragment's version, each learner's tokens counted once), the run
+    stops once on the tokens, the final summary aggregates both shards' figures, the run checkpoint
+    names both shards' final checkpoints and holds the whole model, and a resume from it starts every
+    shard from the checkpoint it names (issue 40 item 3; DESIGN §2.2)."""
+    budget = 3000
+    cfg = two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=600.0, tokens=budget)
+    store = ObjectStore(cfg.run.store)
     run = RunProcesses(cfg, run_id="real")
     try:
         run.start_synchronizer()
         assert len(run.shard_syncs) == 2 and run.learner_sync_url == ",".join(run.shard_urls)
         for i in range(2):
             run.start_learner(i)
+
+        st = run.status()  # while the run trains (the shards wait for the learners' first heartbeats)
+        assert st is not None
+        assert [(r["shard"], r["url"], r["reachable"]) for r in st["shards"]] == [
+            (0, run.shard_urls[0], True), (1, run.shard_urls[1], True)]
+        assert set(st["versions"]) == {"0", "1"} and st["merges"] == sum(r["merges"] for r in st["shards"])
+        assert st["tokens_processed"] == sum(led["tokens_processed"] for led in st["learners"].values())
         for shard in run.shard_syncs:
             assert shard.wait(timeout=300) == 0, shard.log_path
         run.finished_cleanly = True
@@ -288,13 +376,93 @@ def test_run_processes_starts_one_synchronizer_per_shard_and_real_learners_finis
             assert handle.wait(timeout=60) == 0, handle.log_path
     finally:
         run.stop_all()
+    shard_docs = [store.get_json(keys.summary_key(root, epoch)) for root, epoch in zip(run.owner_roots(),
+                                                                                      run.shard_epochs, strict=True)]
+    summary = run.final_summary()
+    assert summary["stop_reason"].startswith("token budget reached"), summary["stop_reason"]
+    assert all(d["stop_reason"].startswith("token budget reached") for d in shard_docs)
+    assert len([k for k in store.list("real/stops") if k.endswith(".json")]) == 1  # the run stopped once
+    # each learner's tokens once (as with one synchronizer), not once per shard
+    assert budget <= summary["tokens_processed"] < sum(d["tokens_processed"] for d in shard_docs)
+    assert summary["merges"] == sum(d["merges"] for d in shard_docs) and min(summary["versions"].values()) >= 1
+    assert summary["tokens_merged"] == pytest.approx(sum(d["tokens_merged"] for d in shard_docs))
+    ckpt = run.final_checkpoint()
+    named = store.get_json(keys.run_manifest_key("real", ckpt.seq))["checkpoints"]
+    finals = {str(i): d["last_checkpoint_seq"] for i, d in enumerate(shard_docs)}
+    assert {i: e["seq"] for i, e in named.items()} == finals
+    assert ckpt.manifest["versions"] == summary["versions"]
+    model_from_checkpoint(cfg, ckpt)  # every fragment's tensors: the whole model
+
+    more = with_fields(cfg, {"budget.tokens": 10 * budget})
+    resumed = RunProcesses(more, run_id="real", resume_url=keys.checkpoint_url(store.url, "real", ckpt.seq))
+    try:
+        resumed.start_synchronizer()
+        st = resumed.status()
+        assert [r["resumed_from"] for r in st["shards"]] == [named["0"]["seq"], named["1"]["seq"]]
+        assert st["versions"] == summary["versions"]
+    finally:
+        resumed.stop_all()
+
+    # a run checkpoint naming a shard that never started: refused before anything starts, naming it
+    forged = {**store.get_json(keys.run_manifest_key("real", ckpt.seq)), "seq": 90}
+    forged["checkpoints"]["2"] = dict(forged["checkpoints"]["1"])
+    store.put_json(keys.run_manifest_key("real", 90), forged)
+    url = keys.checkpoint_url(store.url, "real", 90)
+    with pytest.raises(ValueError, match="run checkpoint 90 of run real names synchronizer shard 2, which never "
+                                         r"started: the run has synchronizer\.shards=2"):
+        open_run(url, None, {})
+    refused = subprocess.run([sys.executable, "-m", "diloco_async.server", "--resume", url, "--shard", "1"],
+                             env={**os.environ, TOKEN_ENV: TOKEN}, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "names synchronizer shard 2, which never started" in refused.stderr, \
+        refused.stderr[-2000:]
+
+
+def merged_learners(store: ObjectStore, root: str, epoch: str) -> set[tuple[int, str]]:
+    """(fragment, learner) of every contribution a shard process merged, from its merge log."""
+    lines = store.get_unverified(keys.merge_log_key(root, epoch)).decode().splitlines()
+    return {(m["fragment"], c["learner"]) for m in map(json.loads, filter(None, lines)) for c in m["contributions"]}
+
+
+def test_a_learner_cut_off_from_one_shard_keeps_contributing_to_the_other_and_counts_what_it_could_not_deliver(
+        tmp_path):
+    """learner-1's announcements to shard 1 all fail (faults.unreachable_shard, in its client): its
+    contributions of fragment 0 are merged by shard 0 as usual, those of fragment 1 are given up
+    after learners.announce_timeout_s and counted undeliverable, in the run's status while it runs
+    and in its summary on shard 1's row (DESIGN §2.2). The run is stopped once both were seen."""
+    cfg = with_fields(two_shard_run(tmp_path, checkpoint_every_s=100000.0, wall_s=600.0),
+                      {"faults.unreachable_shard": [-1, 1], "learners.announce_timeout_s": 2.0})
     store = ObjectStore(cfg.run.store)
-    newest = {p: newest_version(store, "real", p) for p in range(2)}
-    assert min(newest.values()) >= 3, newest  # both shards merged real learners' contributions
-    for i in range(2):
-        summaries = [k for k in store.list(f"real/shards/{i:03d}/epochs") if k.endswith("summary.json")]
-        assert summaries, f"shard {i} wrote no summary"
-        assert store.get_json(summaries[0])["merges"] >= 3
+    run = RunProcesses(cfg, run_id="cut")
+    try:
+        run.start_synchronizer()
+        for i in range(2):
+            run.start_learner(i)
+
+        def counted() -> bool:  # however fast the learners train: stop once both have happened
+            st = run.status()
+            return st is not None and st["contributions_undeliverable"] >= 1 and \
+                st["learners"].get("learner-1", {}).get("contributions", {}).get("merged", 0) >= 1
+        wait_until(counted, 300, "learner-1 merged by shard 0 and a contribution counted undeliverable")
+        for shard in run.shard_syncs:
+            shard.signal_group(signal.SIGTERM)  # a clean stop of the run: final checkpoints and summaries
+        for shard in run.shard_syncs:
+            assert shard.wait(timeout=300) == 0, shard.log_path
+        run.finished_cleanly = True
+        for handle in run.learners.values():
+            assert handle.wait(timeout=60) == 0, handle.log_path
+    finally:
+        run.stop_all()
+    merged = [merged_learners(store, root, epoch) for root, epoch in zip(run.owner_roots(), run.shard_epochs,
+                                                                       strict=True)]
+    assert (0, "learner-1") in merged[0] and (1, "learner-0") in merged[1]
+    assert (1, "learner-1") not in merged[1]  # nothing of learner-1 reached shard 1
+    summary = run.final_summary()
+    lost = summary["contributions_undeliverable"]
+    assert lost >= 1 and summary["undeliverable_by_fragment"] == {"1": lost}, summary["undeliverable_by_fragment"]
+    assert [r["contributions_undeliverable"] for r in summary["shards"]] == [0, lost]
+    assert summary["learners"]["learner-1"]["undeliverable"] == lost and \
+        summary["learners"]["learner-0"]["undeliverable"] == 0
+    assert "counted undeliverable" in (run.workdir / "logs" / "learner-1.log").read_text()
 
 
 def test_a_killed_shard_stops_only_its_fragments_and_resumes_on_its_old_port(tmp_path):

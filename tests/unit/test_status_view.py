@@ -74,3 +74,20 @@ def test_the_rounds_table_lists_the_last_merges_when_no_round_is_open():
     rows = [line.split() for line in _text(st).split("open rounds and recent merges", 1)[1].splitlines()]
     assert ["1", "7", "merged:", "v7", "2", "0.4", "s", "ago"] in rows
     assert ["0", "7", "merged:", "v6", "1", "1.9", "s", "ago"] in rows
+
+
+def test_a_sharded_run_shows_a_row_per_shard_within_100_columns():
+    """Two shards' documents aggregated (diloco_async.metrics.shards): the run's figures once, a
+    table of the shards, one not answering; still 100 columns."""
+    from diloco_async.metrics.shards import aggregate_status
+
+    zero, one = large_status(), large_status()
+    zero["versions"] = {str(p): 123_456 for p in range(0, 64, 2)}
+    one["versions"] = {str(p): 654_321 for p in range(1, 64, 2)}
+    st = aggregate_status([zero, one, None], urls=["http://10.0.0.1:8470", "http://10.0.0.2:8471",
+                                                   "http://10.0.0.3:8472"])
+    text = _text(st)
+    assert "synchronizer shards" in text and "not answering" in text and "v654321" in text
+    assert "p0: v123456" in text and "p1: v654321" in text  # the run's versions: every fragment's
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "synchronizer shards" not in _text(large_status())  # one synchronizer: as before
