@@ -49,3 +49,14 @@ async def newer_status(get: Callable[[], Awaitable[dict]], wait_s: float = 5.0) 
             return latest
         await asyncio.sleep(0.02)
     return latest
+
+
+async def client_status(client) -> dict:
+    """``GET /status`` through an aiohttp test ``client`` (200 asserted), from a snapshot newer
+    than the call (:func:`newer_status`)."""
+    async def get() -> dict:
+        r = await client.get("/status")
+        assert r.status == 200
+        return await r.json()
+
+    return await newer_status(get)

@@ -25,7 +25,7 @@ from diloco_async.sync import Synchronizer, make_app
 from storage import keys
 from storage.store import ObjectStore
 
-from polling import await_until, newer_status
+from polling import await_until, client_status
 
 TOKEN = "test-token-end-of-run"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -71,11 +71,7 @@ async def running(cfg, clock):
 
 
 async def status(client) -> dict:
-    async def get() -> dict:
-        r = await client.get("/status")
-        assert r.status == 200
-        return await r.json()
-    return await newer_status(get)
+    return await client_status(client)
 
 
 def round_of(st: dict, n: int) -> dict | None:

@@ -27,7 +27,7 @@ from storage import keys
 from storage.checkpoint import latest_checkpoint
 from storage.store import ObjectStore
 
-from polling import await_until, newer_status
+from polling import await_until, client_status
 
 TOKEN = "test-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -88,13 +88,7 @@ async def running(cfg, **sync_kw):
 
 
 async def status(client) -> dict:
-    """/status from a snapshot newer than the call (it counts every request answered before)."""
-    async def get() -> dict:
-        r = await client.get("/status")
-        assert r.status == 200
-        return await r.json()
-
-    return await newer_status(get)
+    return await client_status(client)
 
 
 async def join_all(client) -> FragmentPlan:
