@@ -143,6 +143,15 @@ def run(tmp: Path, store_url: str, run_id: str, shards: int) -> ObjectStore:
     return store
 
 
+def wait_clean_exit(run) -> None:
+    """Every shard of ``run``, then every learner, exits 0 (a stop already sent or decided)."""
+    for shard in run.shard_syncs:
+        assert shard.wait(timeout=300) == 0, shard.log_path
+    run.finished_cleanly = True
+    for handle in run.learners.values():
+        assert handle.wait(timeout=60) == 0, handle.log_path
+
+
 def test_one_shard_leaves_exactly_todays_keys(tmp_path):
     store_url = f"file://{tmp_path}/store"
     store = run(tmp_path, store_url, "one", 1)
@@ -369,11 +378,7 @@ def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resume
             (0, run.shard_urls[0], True), (1, run.shard_urls[1], True)]
         assert set(st["versions"]) == {"0", "1"} and st["merges"] == sum(r["merges"] for r in st["shards"])
         assert st["tokens_processed"] == sum(led["tokens_processed"] for led in st["learners"].values())
-        for shard in run.shard_syncs:
-            assert shard.wait(timeout=300) == 0, shard.log_path
-        run.finished_cleanly = True
-        for handle in run.learners.values():
-            assert handle.wait(timeout=60) == 0, handle.log_path
+        wait_clean_exit(run)
     finally:
         run.stop_all()
     shard_docs = [store.get_json(keys.summary_key(root, epoch)) for root, epoch in zip(run.owner_roots(),
@@ -445,11 +450,7 @@ def test_a_learner_cut_off_from_one_shard_keeps_contributing_to_the_other_and_co
         wait_until(counted, 300, "learner-1 merged by shard 0 and a contribution counted undeliverable")
         for shard in run.shard_syncs:
             shard.signal_group(signal.SIGTERM)  # a clean stop of the run: final checkpoints and summaries
-        for shard in run.shard_syncs:
-            assert shard.wait(timeout=300) == 0, shard.log_path
-        run.finished_cleanly = True
-        for handle in run.learners.values():
-            assert handle.wait(timeout=60) == 0, handle.log_path
+        wait_clean_exit(run)
     finally:
         run.stop_all()
     merged = [merged_learners(store, root, epoch) for root, epoch in zip(run.owner_roots(), run.shard_epochs,
