@@ -96,6 +96,15 @@ class DataConfig(BaseModel):
     cache_dir: str = Field("data", description="Where the Shakespeare corpus is cached.")
     token_cache_dir: str = Field(".local/tokens", description="Local folder of trained tokenizers and token files, "
                                  "shared by every process of this machine (keyed by content hash).")
+    token_store: str = Field("", description="fsspec URL or folder of the token store: every source shard's token "
+                             "records and manifests, keyed by content (empty: {token_cache_dir}/store).")
+    tokenize_workers: int = Field(2, ge=1, le=64, description="Worker processes that tokenize source shards in "
+                                  "parallel (one shard each at a time; 1: in this process).")
+    tokenize_pool_min_bytes: int = Field(32 << 20, ge=0, description="Source bytes below which the shards are "
+                                         "tokenized in this process (starting workers costs more than it saves).")
+    bpe_sample_bytes: int = Field(128 << 20, ge=1 << 20, le=16 << 30, description="Bytes of the training split a "
+                                  "'bpe:<vocab>' tokenizer is trained on: all of it when smaller, else the same "
+                                  "share of every shard, in whole lines.")
     eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share of the bytes (the tail).")
     eval_batches: int = Field(16, ge=1, description="Held-out windows evaluated = eval_batches x batch_size.")
 

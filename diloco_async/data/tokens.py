@@ -1,13 +1,14 @@
 """Token files: the corpus tokenized once, cached, and memory-mapped by every process.
 
-:func:`open_corpus` reads the configured corpus (:mod:`diloco_async.data.sources`), splits its bytes into
-a training part and a held-out tail (``data.eval_fraction`` of the bytes, moved back to a UTF-8
-character boundary: the same bytes whatever the tokenizer and the learner count), tokenizes both
-with the configured tokenizer (:mod:`diloco_async.data.tokenizer`) and writes them to
-``{token_cache_dir}/tokens/{corpus digest}-{tokenizer digest}-{eval_fraction}/`` (``train.bin``,
-``heldout.bin``, ``meta.json`` last), under a file lock and through a temporary folder renamed
-into place. Every later call, in any process, maps those files read-only (``numpy.memmap``): the
-pages are the OS page cache's, shared by every learner on the machine, never copied.
+:func:`open_corpus` lists the configured corpus's source shards (:mod:`diloco_async.data.sources`),
+has each tokenized on its own into the token store by a pool of workers
+(:mod:`diloco_async.data.store`, :mod:`diloco_async.data.build`) and joins the parts into a training
+file and a held-out tail (``data.eval_fraction`` of the text's bytes, moved back to a UTF-8
+character boundary: the same bytes whatever the tokenizer, the worker count and the learner count):
+``{token_cache_dir}/tokens/{corpus digest}-{tokenizer digest}-{eval_fraction}-v2/`` (``train.bin``,
+``heldout.bin``, ``meta.json`` last), under a file lock and through a temporary folder renamed into
+place. Every later call, in any process, maps those files read-only (``numpy.memmap``): the pages
+are the OS page cache's, shared by every learner on the machine, never copied.
 
 :class:`Corpus` cuts the training tokens into one contiguous shard per learner, samples windows
 from a shard, and gives the fixed held-out windows and the counts that turn nats per token into
@@ -19,11 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +28,13 @@ import torch
 from filelock import FileLock
 
 from diloco_async.config.data import DataConfig, parse_tokenizer_spec
-from diloco_async.data.sources import corpus_bytes, corpus_digest, resolve_sources
-from diloco_async.data.tokenizer import Tokenizer, check_vocab, load_tokenizer, token_dtype
+from diloco_async.data.build import TOKENS_VERSION, StoreBuild
+from diloco_async.data.sources import corpus_digest, resolve_sources
+from diloco_async.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 __all__ = ["Corpus", "HeldoutSplit", "open_corpus", "bits_per_byte", "split_point"]
 
 log = logging.getLogger("diloco.tokens")
-
-_CACHE_VERSION = 1
-
 
 def bits_per_byte(nats_per_token: float, tokens: int, nbytes: int) -> float:
     """Bits per byte of text from a mean loss in nats per token over a split of ``tokens`` tokens
@@ -147,29 +142,6 @@ class Corpus:
         return HeldoutSplit(self.eval_batches(batch_size, n_batches), len(self.heldout), self.heldout_bytes)
 
 
-def _write_tokens(folder: Path, raw: bytes, tok: Tokenizer, eval_fraction: float, digest: str) -> None:
-    """Tokenize both splits into ``folder`` through a temporary sibling folder renamed into place."""
-    cut = split_point(raw, eval_fraction)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".tmp"))
-    try:
-        counts = {}
-        for name, part in (("train", raw[:cut]), ("heldout", raw[cut:])):
-            ids = tok.encode(part)
-            ids.tofile(tmp / f"{name}.bin")
-            counts[name] = len(ids)
-        meta = {"version": _CACHE_VERSION, "corpus_digest": digest, "tokenizer": tok.spec,
-                "tokenizer_digest": tok.digest, "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).str,
-                "eval_fraction": eval_fraction, "train_tokens": counts["train"], "heldout_tokens": counts["heldout"],
-                "train_bytes": cut, "heldout_bytes": len(raw) - cut}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
-        os.rename(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tokenized %d bytes with %s into %d + %d tokens: %s", len(raw), tok.spec, counts["train"],
-             counts["heldout"], folder)
-
-
 def _map(folder: Path) -> tuple[dict, np.ndarray, np.ndarray]:
     meta = json.loads((folder / "meta.json").read_text())
     arrays = [np.memmap(folder / f"{name}.bin", dtype=np.dtype(meta["dtype"]), mode="r",
@@ -197,23 +169,18 @@ def open_corpus(cfg: DataConfig, context: int, model_vocab: int | None = None) -
         check_vocab(256 if kind == "bytes" else int(arg or 0), model_vocab, tokenizer=cfg.tokenizer)
     files = resolve_sources(cfg)
     digest = corpus_digest(files, cfg)
-
-    @cache
-    def raw() -> bytes:
-        return corpus_bytes(files, cfg.text_field)
-
-    def train_text() -> bytes:
-        return raw()[:split_point(raw(), cfg.eval_fraction)]
-
-    tok = load_tokenizer(cfg.tokenizer, cache_dir=cfg.token_cache_dir, corpus_digest=digest,
-                         eval_fraction=cfg.eval_fraction, train_text=train_text)
-    if model_vocab is not None:
-        check_vocab(tok.vocab_size, model_vocab, tokenizer=cfg.tokenizer)
-    folder = Path(cfg.token_cache_dir) / "tokens" / f"{digest[:20]}-{tok.digest[:20]}-{cfg.eval_fraction:g}"
-    if not (folder / "meta.json").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder) + ".lock"):
-            if not (folder / "meta.json").exists():
-                _write_tokens(folder, raw(), tok, cfg.eval_fraction, digest)
+    with StoreBuild(cfg, files) as build:  # starts workers only if something needs tokenizing
+        tok = load_tokenizer(cfg.tokenizer, cache_dir=cfg.token_cache_dir, corpus_digest=digest,
+                             eval_fraction=cfg.eval_fraction, train_text=build.training_sample,
+                             sample_bytes=cfg.bpe_sample_bytes)
+        if model_vocab is not None:
+            check_vocab(tok.vocab_size, model_vocab, tokenizer=cfg.tokenizer)
+        folder = (Path(cfg.token_cache_dir) / "tokens"
+                  / f"{digest[:20]}-{tok.digest[:20]}-{cfg.eval_fraction:g}-v{TOKENS_VERSION}")
+        if not (folder / "meta.json").exists():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(folder) + ".lock"):
+                if not (folder / "meta.json").exists():
+                    build.assemble(folder, tok, digest)
     meta, train, heldout = _map(folder)
     return Corpus(train, heldout, context, tok.vocab_size, meta["heldout_bytes"], tok)
