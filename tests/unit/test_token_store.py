@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -82,8 +81,10 @@ def test_held_out_is_the_same_bytes_wherever_the_cut_falls(tmp_path, eval_fracti
         corpus = open_corpus(cfg, context=8)
         raw, cut = reference(cfg)
         assert corpus.heldout_bytes == len(raw) - cut
-        decode = bytes if tok == "bytes" else (lambda ids: corpus.tokenizer.hf.decode(ids.tolist()).encode())
-        assert decode(corpus.train) == raw[:cut] and decode(corpus.heldout) == raw[cut:], tok
+        hf = corpus.tokenizer.hf
+        train, heldout = ((bytes(a) if hf is None else hf.decode(a.tolist()).encode())
+                          for a in (corpus.train, corpus.heldout))
+        assert train == raw[:cut] and heldout == raw[cut:], tok
 
 
 def test_a_bpe_stream_equals_encoding_the_whole_split_away_from_shard_boundaries(tmp_path):
@@ -183,7 +184,7 @@ def test_a_parquet_file_that_does_not_parse_or_lacks_the_column_is_named(tmp_pat
     with pytest.raises(ValueError, match=r"b.parquet: not a readable parquet file"):
         open_corpus(cfg_for(f"file://{src}/*.parquet", tmp_path / "c"), context=8)
     pq.write_table(pa.table({"body": [prose(2, 30)]}), src / "b.parquet")
-    with pytest.raises(ValueError, match=r"data.text_field='text': no such column in .*b.parquet \(columns: \['body'\]\)"):
+    with pytest.raises(ValueError, match=r"text_field='text': no such column in .*b.parquet \(columns: \['body'\]\)"):
         open_corpus(cfg_for(f"file://{src}/*.parquet", tmp_path / "c"), context=8)
 
 
