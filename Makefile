@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-data ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -211,6 +211,14 @@ bench-wan: data
 MINUTES ?= 20
 bench-sync-memory: data
 	$(PY) -m benchmarks.sync_memory --minutes $(MINUTES)
+
+## bench-data: the token store (issue 45; docs/data-and-models.md "The token store"): tokenization throughput
+##             with 2 workers over 1 (BPE 4096, a 96 MiB synthetic JSONL corpus, 2 interleaved pairs) >= 1.7, and
+##             the peak RSS of tokenizing a 5 GiB corpus within 10% of a 0.5 GiB one (benchmarks/data_bars.py;
+##             corpora from benchmarks/synth_corpus.py, generated under DATA_BENCH_DIR and deleted; ~17 GB free disk).
+DATA_BENCH_DIR ?= /tmp
+bench-data:
+	$(PY) -m benchmarks.data_bars --dir $(DATA_BENCH_DIR)
 
 ## bench-tls: a learner's tokens/s in a run with mutual TLS against the same run in direct mode, TLS_PAIRS
 ##            (default 3) interleaved pairs of TLS_RUN_S (60) seconds each; bar: tls / direct >= 0.98
