@@ -22,8 +22,9 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cached_property, partial
 from pathlib import Path
@@ -101,9 +102,38 @@ def _read_prefix(f: SourceFile, text_field: str, nbytes: int) -> bytes:
     return bytes(out[:nbytes])
 
 
+def _window(f: SourceFile, text_field: str, start: int, stop: int) -> bytes:
+    """Bytes ``[start, stop)`` of a file's document text, streamed: only the window is kept."""
+    out, pos = bytearray(), 0
+    for block in iter_text(f, text_field):
+        if pos + len(block) > start:
+            out += block[max(0, start - pos):max(0, stop - pos)]
+        pos += len(block)
+        if pos >= stop:
+            break
+    return bytes(out)
+
+
 class _Inline(Executor):
-    def map(self, fn: Callable, *iterables: Iterable, timeout: float | None = None, chunksize: int = 1):  # type: ignore[override]
-        return map(fn, *iterables)
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as err:  # noqa: BLE001 - handed to the caller through the future, as a pool does
+            future.set_exception(err)
+        return future
+
+
+def _bounded_map(pool: Executor, fn: Callable, items: Iterable, in_flight: int) -> list:
+    """``[fn(x) for x in items]`` on ``pool``, in order, with at most ``in_flight`` jobs submitted
+    at once (a job carries the tokenizer: thousands of shards must not queue thousands of copies)."""
+    out, pending = [], deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= in_flight:
+            out.append(pending.popleft().result())
+    out.extend(f.result() for f in pending)
+    return out
 
 
 class StoreBuild:
@@ -142,7 +172,8 @@ class StoreBuild:
     @cached_property
     def shards(self) -> list[ShardText]:
         """First pass: every shard measured (in parallel)."""
-        return list(self.pool.map(partial(measure_shard, text_field=self.cfg.text_field), self.files))
+        return _bounded_map(self.pool, partial(measure_shard, text_field=self.cfg.text_field), self.files,
+                            2 * self.workers)
 
     @cached_property
     def layout(self) -> Layout:
@@ -151,8 +182,9 @@ class StoreBuild:
         for i, span in enumerate(spans):
             if span and span[0] < cut < span[1]:
                 local = cut - span[0]
-                head = _read_prefix(self.files[i], self.cfg.text_field, local + 1)
-                while local > 0 and (head[local] & 0xC0) == 0x80:
+                start = max(0, local - 4)  # a UTF-8 character is at most 4 bytes
+                window = _window(self.files[i], self.cfg.text_field, start, local + 1)
+                while local > start and (window[local - start] & 0xC0) == 0x80:
                     local -= 1
                 return Layout(spans, seps, total, span[0] + local, (i, local) if local else None)
         return Layout(spans, seps, total, cut, None)
@@ -181,9 +213,9 @@ class StoreBuild:
     def tokenize(self, tok: Tokenizer) -> list[list[TokenPart]]:
         """Second pass: every shard's parts in the store (in parallel; existing parts are reused)."""
         split = self.layout.split
-        jobs = [ShardJob(f, self.cfg.text_field, s, self.store, tok, split[1] if split and split[0] == i else None)
-                for i, (f, s) in enumerate(zip(self.files, self.shards, strict=True))]
-        return list(self.pool.map(tokenize_shard, jobs))
+        jobs = (ShardJob(f, self.cfg.text_field, s, self.store, tok, split[1] if split and split[0] == i else None)
+                for i, (f, s) in enumerate(zip(self.files, self.shards, strict=True)))
+        return _bounded_map(self.pool, tokenize_shard, jobs, 2 * self.workers)
 
     def assemble(self, folder: Path, tok: Tokenizer, corpus_digest: str) -> dict:
         """Write ``train.bin``, ``heldout.bin`` and ``meta.json`` into ``folder`` (through a temporary
