@@ -8,19 +8,16 @@ import signal
 
 from rich.table import Table
 
-__all__ = ["summary_table", "report", "stopped_by_signal", "exit_status"]
+__all__ = ["summary_rows", "summary_table", "report", "stopped_by_signal", "exit_status"]
 
 
 def _loss(value: float | None) -> str:
     return "not evaluated (stopped by a signal)" if value is None else f"{value:.4f}"
 
 
-def summary_table(summary: dict) -> Table:
-    """The run's figures as a two-column table (a loss not evaluated says so)."""
-    table = Table(title=f"diloco-async run {summary['run_id']}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    rows = [
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The run's figures as (figure, value) rows: the terminal's table and the Prefect artifact's."""
+    return [
         ("eval loss, initial (nats/token)", _loss(summary["eval_loss_initial"])),
         ("eval loss, final (nats/token)", _loss(summary["eval_loss_final"])),
         ("eval loss, initial (bits/byte)", _loss(summary["eval_bits_per_byte_initial"])),
@@ -42,7 +39,14 @@ def summary_table(summary: dict) -> Table:
         ("stop reason", str(summary["stop_reason"])),
         ("MLflow run", summary["mlflow_run_id"]),
     ]
-    for k, v in rows:
+
+
+def summary_table(summary: dict) -> Table:
+    """The run's figures as a two-column table (a loss not evaluated says so)."""
+    table = Table(title=f"diloco-async run {summary['run_id']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in summary_rows(summary):
         table.add_row(k, v)
     return table
 

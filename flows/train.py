@@ -46,6 +46,7 @@ from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
+from flows.links import link_mlflow_run, publish_summary
 from flows.resolve import resume_config
 from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from flows.timeline_report import write_run_timeline
@@ -246,7 +247,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     t0 = time.monotonic()
     sink.start_children(f"learner-{i}" for i in range(cfg.learners.count))
     run.start_synchronizer()
-    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, run.learner_sync_url)
+    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, " ".join(run.shard_urls))
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
     with _heldout_curve(run, sink) as pending:
@@ -328,10 +329,14 @@ def _hf_tokenizer(cfg: Config) -> Any | None:
     return transformers_tokenizer(tok) if tok is not None else None
 
 
-def _with_flow_runs(run: TrainingRun, summary: dict) -> dict:
-    """Add the learner flow runs (deployments launcher) and their final states to a summary."""
+def _with_flow_runs(run: TrainingRun, summary: dict, mlflow_url: str) -> dict:
+    """Add the learner flow runs (deployments launcher) and their final states to a summary; publish
+    it as the flow run's markdown artifact, linked to the MLflow run (:mod:`flows.links`)."""
     if run.deployer is not None:
         summary["learner_flow_runs"] = run.learner_flow_runs()
+    summary["mlflow_run_url"] = mlflow_url
+    publish_summary(summary, mlflow_url)
+    get_run_logger().info("MLflow run %s: %s", summary["mlflow_run_id"], mlflow_url)
     return summary
 
 
@@ -373,6 +378,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
+    mlflow_url = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_initial = evaluate(cfg, model0)
         sink.log_metric("eval/loss", eval_initial[0], 0)
@@ -381,7 +387,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
         sink.log_dict(cfg.public_dict(), "config.json")
         summary = _execute(run, sink, eval_initial, {})
         sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
-    return _with_flow_runs(run, summary)
+    return _with_flow_runs(run, summary, mlflow_url)
 
 
 @flow(name="resume", log_prints=True)
@@ -407,6 +413,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     if not sink.resume(run_id):
         sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),
                    {"diloco.run_id": run_id, "diloco.config_hash": config_hash(cfg), "diloco.store": store.url})
+    mlflow_url = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_start = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
         logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/token, %.4f bits/byte", run_id,
@@ -414,7 +421,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
         incarnations = {int(lid.rsplit("-", 1)[1]) : int(d["incarnation"]) + 1
                         for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
         summary = _execute(run, sink, eval_start, incarnations)
-    return _with_flow_runs(run, summary)
+    return _with_flow_runs(run, summary, mlflow_url)
 
 
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:

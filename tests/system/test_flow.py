@@ -88,6 +88,15 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert len(bpb) == len(curve)  # beside every eval/loss point
     assert [round(m.value, 4) for m in (bpb[0], bpb[-1])] == [round(summary["eval_bits_per_byte_initial"], 4),
                                                                round(summary["eval_bits_per_byte_final"], 4)]
+    # Prefect and MLflow know each other (issue 46 item 4): the MLflow run names the flow run, the flow
+    # run's markdown artifact holds the summary and links the MLflow run's page
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    flow_run_url = run.data.tags["prefect.flow_run_url"]
+    assert flow_run_url.startswith("http") and flow_run_url.endswith(flow_run_id)
+    page = f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert summary["mlflow_run_url"] == "http://127.0.0.1:5000" + page  # a sqlite store: what `make ui` serves
+    markdown = _summary_artifact(summary["run_id"], flow_run_id)
+    assert f"]({summary['mlflow_run_url']})" in markdown and f"| merges | {summary['merges']} |" in markdown
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
             "global_model.safetensors"} <= artifacts
@@ -242,3 +251,15 @@ def test_final_model_is_logged_without_pickle_and_registered(tmp_path, caplog):
     got = mlflow.artifacts.download_artifacts("models:/diloco-test-model/3", dst_path=str(tmp_path / "dl"))
     assert torch.equal(load_file(str(Path(got) / "model.safetensors"))["head.weight"], model.head.weight.detach())
     sink.end()
+
+
+def _summary_artifact(run_id: str, flow_run_id: str) -> str:
+    """The markdown of the flow run's ``diloco-run-<run id>`` artifact (exactly one)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    key = "diloco-run-" + run_id.lower()
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert [(a.type, str(a.flow_run_id)) for a in found] == [("markdown", flow_run_id)], found
+    return str(found[0].data)
