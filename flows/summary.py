@@ -17,8 +17,11 @@ def _loss(value: float | None) -> str:
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The run's figures as (figure, value) rows: the terminal's table and the Prefect artifact's."""
+    resumed = summary.get("eval_loss_run_initial") not in (None, summary["eval_loss_initial"])
     return [
-        ("eval loss, initial (nats/token)", _loss(summary["eval_loss_initial"])),
+        *([("eval loss, at the run's start (nats/token)", _loss(summary["eval_loss_run_initial"]))] if resumed else []),
+        ("eval loss, initial" + (" of this resume" if resumed else "") + " (nats/token)",
+         _loss(summary["eval_loss_initial"])),
         ("eval loss, final (nats/token)", _loss(summary["eval_loss_final"])),
         ("eval loss, initial (bits/byte)", _loss(summary["eval_bits_per_byte_initial"])),
         ("eval loss, final (bits/byte)", _loss(summary["eval_bits_per_byte_final"])),

@@ -162,6 +162,9 @@ def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):
     assert again["merges"] > first["merges"]
     assert min(again["versions"].values()) > min(first["versions"].values())
     assert again["eval_loss_final"] < first["eval_loss_initial"]
+    # the resume's summary shows the run's initial loss beside its own starting point (issue 46 item 3)
+    assert again["eval_loss_run_initial"] == pytest.approx(first["eval_loss_initial"])
+    assert again["eval_loss_initial"] < first["eval_loss_initial"]
     client = MlflowClient(uri)
     assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
     exp = client.get_run(first["mlflow_run_id"]).info.experiment_id

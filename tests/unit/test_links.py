@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from diloco_async.config.tracking import TrackingConfig
 from flows.links import MAKE_UI_URL, mlflow_run_url, publish_summary, summary_markdown
+from flows.summary import summary_rows
 
 SUMMARY = {"run_id": "20261206-191500-ab12cd", "eval_loss_initial": 5.5, "eval_loss_final": None,
            "eval_bits_per_byte_initial": 8.0, "eval_bits_per_byte_final": None, "wall_s": 12.5, "merges": 7,
@@ -41,3 +42,12 @@ def test_the_markdown_links_the_mlflow_run_and_holds_every_row():
 
 def test_outside_a_flow_run_nothing_is_published():
     assert publish_summary(SUMMARY, "http://x") is None
+
+
+def test_a_resumed_run_shows_the_runs_initial_loss_beside_the_resumes():
+    rows = dict(summary_rows({**SUMMARY, "eval_loss_run_initial": 5.5, "eval_loss_initial": 2.25}))
+    assert rows["eval loss, at the run's start (nats/token)"] == "5.5000"
+    assert rows["eval loss, initial of this resume (nats/token)"] == "2.2500"
+    rows = dict(summary_rows({**SUMMARY, "eval_loss_run_initial": 5.5}))  # not a resume: one row
+    assert rows["eval loss, initial (nats/token)"] == "5.5000" and len([k for k in rows if "initial" in k
+                                                                        or "start" in k]) == 2  # nats, bits
