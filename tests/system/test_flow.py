@@ -114,8 +114,10 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     last = {}
     for key in ("goodput/compute", *(f"badput/{c}" for c in BADPUT_CAUSES)):
         history = client.get_metric_history(run.info.run_id, key)
-        assert history, key
-        last[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
+        if history:  # a cause that never occurred has no series (no zeros), e.g. badput/down here
+            assert min(history, key=lambda m: (m.step, m.timestamp)).value > 0, (key, history)  # from its first
+            last[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
+    assert "goodput/compute" in last and "badput/starting" in last, last
     assert sum(last.values()) == pytest.approx(1.0, abs=1e-6), last
     assert last["badput/starting"] > 0  # every learner's first start-up
     # the per-round artifact: which learners went into which round, and what became of them
