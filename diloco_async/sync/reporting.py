@@ -192,8 +192,9 @@ class Reporter:
         the same over the window since the last point (``goodput/compute_rolling``,
         ``goodput/token_rolling``), the uptime so far, and the cumulative badput by cause
         (``badput/<cause>``, shares of the provisioned learner-seconds; with ``goodput/compute``
-        they sum to 1; a cause is logged from its first non-zero share on; ``silent_s`` as :func:`~diloco_async.metrics.goodput.totals`). ``per_learner``:
-        also each learner's ``learner/<id>/compute_goodput`` and ``token_goodput`` (at the end)."""
+        they sum to 1; a cause is logged from its first non-zero share on; ``silent_s`` as
+        :func:`~diloco_async.metrics.goodput.totals`). ``per_learner``: also each learner's
+        ``learner/<id>/compute_goodput`` and ``token_goodput`` (at the end)."""
         tot = totals(ledgers, silent_s)
         self.metric("goodput/compute", tot["compute_goodput"])
         self.metric("goodput/token", tot["token_goodput"])
