@@ -197,7 +197,7 @@ def _parquet_documents(fh, url: str, field: str) -> Iterator[bytes]:
     if field not in names:
         raise ValueError(f"data.text_field={field!r}: no such column in {url} (columns: {names})")
     row = 0
-    for batch in pf.iter_batches(columns=[field]):
+    for batch in pf.iter_batches(batch_size=1024, columns=[field]):  # memory: a row group and 1024 documents
         for value in batch.column(0).to_pylist():
             row += 1
             if not isinstance(value, str):
