@@ -45,7 +45,7 @@ __all__ = ["ShardText", "TokenPart", "ShardJob", "measure_shard", "tokenize_shar
 log = logging.getLogger("diloco.store")
 
 STORE_VERSION = 1
-_READ_BYTES = 16 << 20
+_READ_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
