@@ -138,7 +138,7 @@ def measure_shard(f: SourceFile, text_field: str) -> ShardText:
     except Exception as err:  # noqa: BLE001 - pyarrow/decompressors raise their own types; name the file
         if isinstance(err, ValueError) and f.url in str(err):
             raise
-        raise ValueError(f"{f.url}: not a readable {f.format} file ({type(err).__name__}: {err})") from None
+        raise ValueError(f"not a readable {f.format} file ({type(err).__name__}: {err}): {f.url}") from None
     return ShardText(f.url, digest, nbytes + max(docs - 1, 0), docs)
 
 
@@ -243,7 +243,7 @@ def tokenize_shard(job: ShardJob) -> list[TokenPart]:
         raise ValueError(f"{job.source.url} changed while it was tokenized: {offset} bytes of text, "
                          f"{job.shard.text_bytes} when it was measured")
     parts.append(writers[0].publish(job, job.split_at or 0, offset))
-    log.info("tokenized %s: %s", job.source.url, ", ".join(f"{p.key} {p.tokens} tokens" for p in parts))
+    log.info("tokenized (%s) %s", ", ".join(f"{p.key} {p.tokens} tokens" for p in parts), job.source.url)
     return parts
 
 

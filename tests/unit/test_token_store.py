@@ -181,7 +181,7 @@ def test_a_parquet_file_that_does_not_parse_or_lacks_the_column_is_named(tmp_pat
     src.mkdir()
     pq.write_table(pa.table({"text": [prose(1, 30)] * 3}), src / "a.parquet")
     (src / "b.parquet").write_bytes(b"PAR1 this is not parquet at all " * 10)
-    with pytest.raises(ValueError, match=r"b.parquet: not a readable parquet file"):
+    with pytest.raises(ValueError, match=r"not a readable parquet file .*/b.parquet"):
         open_corpus(cfg_for(f"file://{src}/*.parquet", tmp_path / "c"), context=8)
     pq.write_table(pa.table({"body": [prose(2, 30)]}), src / "b.parquet")
     with pytest.raises(ValueError, match=r"text_field='text': no such column in .*b.parquet \(columns: \['body'\]\)"):
