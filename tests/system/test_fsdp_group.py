@@ -179,7 +179,6 @@ def test_fsdp_group_matches_ddp_group(tmp_path):
     (['learners.parallelism="fsdp"'], ["parallelism='fsdp'", "nproc_per_learner=1"]),
     (['learners.parallelism="fsdp"', "learners.nproc_per_learner=2", "learners.checkpoint_every_s=0",
       'learners.adopt="mix"'], ["learners.adopt='mix'"]),
-    (['learners.parallelism="fsdp"', "learners.nproc_per_learner=2"], ["learners.checkpoint_every_s=30.0"]),
     (['learners.parallelism="fsdp"', "learners.nproc_per_learner=2", "learners.checkpoint_every_s=0",
       'synchronizer.download_codec="int8"'], ["synchronizer.download_codec='int8'"]),
     (['learners.parallelism=["ddp", "fsdp"]'], ["learners.parallelism", "'ddp' or 'fsdp'"]),
