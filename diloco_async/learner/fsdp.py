@@ -16,6 +16,10 @@ tensor), which :func:`rows_of` computes and :func:`shard_workload` checks agains
 parameter's local shard. The names stay the model's own, so the fragment plan, computed on the
 unsharded model, names the same tensors in a DDP and an FSDP learner.
 
+A model built on the meta device (``Workload.from_config``, where every value it holds is a
+trainable parameter) is materialized after ``fully_shard`` with ``to_empty``: each rank allocates
+only its shards, never the whole model, and the versions adopted at start fill them.
+
 On CUDA with ``learners.precision = "bf16"`` the units take a ``MixedPrecisionPolicy`` (bf16
 parameters in the forward and backward, fp32 gradient reduction) instead of autocast.
 """
@@ -98,6 +102,8 @@ def shard_workload(workload: Workload, rank: int, world: int, precision: str = "
     for unit in fsdp_units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if any(p.is_meta for p in model.parameters()):  # built on meta (Workload.from_config): allocate the shards only
+        model.to_empty(device=workload.device)  # their values come from the start's versions (start_sharded)
     if mp is not None:
         workload.amp_dtype = None  # the policy casts the parameters; autocast would cast again
     workload.params = trainable_parameters(model)

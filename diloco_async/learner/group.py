@@ -194,12 +194,16 @@ class LearnerGroup:
         Returns the manifest restored, or None.
 
         Raises:
-            ValueError: the state was saved by a group of another size (both are named).
+            ValueError: the state was saved by a group of another size (both are named); no
+                state and no version of a fragment to start from.
         """
         assert self.outer is not None
         box = [(run_id, versions, saved) if self.is_leader else None]
         dist.broadcast_object_list(box, src=0, device=self._cpu)
         self.outer.run_id, start, saved = box[0]
+        missing = set(range(self.outer.plan.num_fragments)) - {v.fragment for v in start}
+        if missing and saved is None:  # a model built on meta holds no value until it adopts them
+            raise ValueError(f"{self.outer.learner_id}: no version of fragment(s) {sorted(missing)} to start from")
         if saved is not None:
             assert workload is not None, "restoring a sharded inner state needs the workload"
             load_sharded_state(self.outer.store, saved, workload, self.outer, self.outer.learner_id)

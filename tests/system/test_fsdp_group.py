@@ -92,8 +92,10 @@ def group_worker(mode: str, store_url: str, versions_path: str, out: str) -> Non
                     workload.params[n].copy_(t)
         return base
 
-    if mode == "fsdp":
+    if mode == "fsdp":  # built on the meta device: each rank allocates only its shards, v0 fills them
+        assert all(p.is_meta for p in workload.params.values())
         group.shard(workload, cfg, store, "learner-a", plan)
+        assert not any(p.is_meta for p in workload.params.values())
         group.start_sharded(RUN, v0)
     else:
         base = adopt_whole(v0)
