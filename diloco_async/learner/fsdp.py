@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from diloco_async.inner.workload import Workload, inner_optimizer
-from diloco_async.models import trainable_parameters
+from diloco_async.models import build_run_model, trainable_parameters
 
-__all__ = ["fsdp_units", "rows_of", "local_rows", "shard_workload", "local_shards"]
+__all__ = ["fsdp_units", "rows_of", "local_rows", "shard_workload", "local_shards", "check_shardable",
+           "check_sharded_run"]
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -75,6 +77,35 @@ def local_shards(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: p.to_local() if isinstance(p, DTensor) else p for n, p in params.items()}
 
 
+def check_shardable(model: torch.nn.Module) -> None:
+    """Refuse a model that FSDP2 cannot shard on dim 0 as configured.
+
+    Raises:
+        ValueError: a trainable parameter is 0-dim; the message names it.
+    """
+    for name, p in trainable_parameters(model).items():
+        if p.dim() == 0:
+            raise ValueError(f"learners.parallelism='fsdp': parameter {name} is 0-dim, it cannot be sharded on "
+                             "dim 0; use 'ddp' for this model")
+
+
+def check_sharded_run(cfg: Any) -> None:
+    """Before anything starts: with ``learners.parallelism = "fsdp"``, build the run's model on the
+    meta device (no memory; shapes only) and :func:`check_shardable` it.
+
+    Raises:
+        ValueError: as :func:`check_shardable`, also naming ``model.kind``.
+    """
+    if cfg.learners.parallelism != "fsdp":
+        return
+    with torch.device("meta"):
+        model = build_run_model(cfg)
+    try:
+        check_shardable(model)
+    except ValueError as err:
+        raise ValueError(f"model.kind={cfg.model.kind!r}: {err}") from None
+
+
 def _mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolicy | None:
     if device.type == "cuda" and precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -93,10 +124,7 @@ def shard_workload(workload: Workload, rank: int, world: int, precision: str = "
             shard is not the rows :func:`rows_of` names; the message names it.
     """
     model = workload.model
-    for name, p in trainable_parameters(model).items():
-        if p.dim() == 0:
-            raise ValueError(f"learners.parallelism='fsdp': parameter {name} is 0-dim, it cannot be sharded on "
-                             "dim 0; use 'ddp' for this model")
+    check_shardable(model)
     mp = _mixed_precision(workload.device, precision)
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for unit in fsdp_units(model):

@@ -47,7 +47,8 @@ from storage import keys
 from storage.checkpoint import list_state_seqs
 from storage.store import ObjectRef, ObjectStore
 
-__all__ = ["FORMAT", "latest_sharded_state", "save_sharded_state", "load_sharded_state", "check_world"]
+__all__ = ["FORMAT", "latest_sharded_state", "save_sharded_state", "load_sharded_state", "check_world",
+           "check_saved_group_sizes"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -198,6 +199,24 @@ def check_world(manifest: Mapping[str, Any], world: int, where: str) -> None:
                          f"ranks; this group has {world} (learners.nproc_per_learner x learners.nnodes). Start the "
                          f"group with {manifest['world']} ranks, or delete that state to rejoin from the published "
                          "versions")
+
+
+def check_saved_group_sizes(store: ObjectStore, run_id: str, cfg: Any) -> None:
+    """A resumed run (``cfg``: its :class:`~diloco_async.config.schema.Config`) whose learners are
+    sharded and save inner states: refuse, before anything starts, a group size that a learner's
+    newest saved state cannot serve (each learner's group would otherwise fail at its start).
+
+    Raises:
+        ValueError: as :func:`check_world`, for the first such learner.
+    """
+    lc = cfg.learners
+    if lc.parallelism != "fsdp" or lc.checkpoint_every_s <= 0:
+        return
+    for i in range(lc.count):
+        prefix = keys.learner_prefix(run_id, f"learner-{i}")
+        manifest = latest_sharded_state(store, prefix)
+        if manifest is not None:
+            check_world(manifest, lc.nproc_per_learner * lc.nnodes, prefix)
 
 
 class _FetchingReader(dcp.FileSystemReader):
