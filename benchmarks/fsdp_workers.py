@@ -2,7 +2,8 @@
 
 * ``memory``: one sharded learner's life once, on the real code: the model built on the meta
   device and sharded (FSDP2), each rank's rows of v0 read and adopted, ``--steps`` inner steps,
-  every fragment's outer gradient shard put, v1 adopted, the inner state saved (DCP). Each rank
+  every fragment's outer gradient shard put, v1 adopted (a fragment at a time, as a run's
+  versions arrive), the inner state saved (DCP). Each rank
   writes its RSS after ``import torch``, joining the group and one tiny inner step (the baseline,
   as :mod:`benchmarks.memory` takes it) and its peak RSS
   (``ru_maxrss``) after each phase.
@@ -80,7 +81,8 @@ def memory_worker(spec: dict, out: Path) -> None:
     orders = [ContributionOrder(p, 1, 0, "fp32", f"bench{p}", spec["steps"], 1, 1.0) for p in range(plan.num_fragments)]
     group.outer.contribute(orders)
     phases["every fragment's shard put"] = peak_rss_bytes()
-    group.outer.adopt(versions["v1"])
+    for v in versions["v1"]:  # one fragment per step boundary, as a run's versions come (streaming)
+        group.outer.adopt([v])
     phases["v1 adopted"] = peak_rss_bytes()
     meta = state_meta(spec["steps"], {v.fragment: v.version for v in versions["v1"]}, {})
     save_sharded_state(store, keys.learner_prefix(spec["run_id"], LEARNER), 1, workload, group.outer, meta, LEARNER)
