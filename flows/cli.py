@@ -39,16 +39,10 @@ def _set_environment_defaults() -> None:
 def _check_config(path: str | None, overrides: list[str]) -> str | None:
     """Resolve the recipe (a path or a shipped name), validate it and list its corpus URLs before
     anything starts; print the error (no traceback) and return None if bad, else the recipe's path."""
-    from diloco_async.config.schema import load_config
-    from diloco_async.data.sources import resolve_sources
-    from diloco_async.validate import resolve_recipe
+    from diloco_async.api import load_run_config  # the Python API raises the same errors
 
     try:
-        resolved = str(resolve_recipe(path or "default"))
-        if (cfg := load_config(resolved, overrides)).data.source == "urls":
-            local = [u for u in cfg.data.urls if not u.startswith("hf://")]  # Hub data: the flow fetches it
-            if local:
-                resolve_sources(cfg.data.model_copy(update={"urls": local}))  # a URL matching no file is refused
+        resolved = load_run_config(path, overrides)[1]
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

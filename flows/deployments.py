@@ -145,7 +145,8 @@ def _announce_when_listening(ready: Path, done: threading.Event, info: dict[str,
     while not done.is_set():
         if ready.exists():
             info.update(json.loads(ready.read_text()))
-            logger.info("synchronizer of run %s listening on %s (pid %d)", info["run_id"], info["url"], info["pid"])
+            logger.info("synchronizer of run %s, shard %d of %d, listening on %s", info["run_id"], info.get("shard", 0),
+                        info.get("shards", 1), info["url"])
             return
         time.sleep(0.2)
 
@@ -164,8 +165,9 @@ def _synchronizer_config(config: str | None, overrides: list[str], resume_url: s
 @flow(name="synchronizer", log_prints=True)
 def synchronizer(config: str | None = "configs/default.toml", overrides: list[str] | None = None,
                  run_id: str | None = None, resume_url: str | None = None,
-                 ready_file: str | None = None) -> dict:
-    """Run the synchronizer of one run in this flow run's process until its budget is spent.
+                 ready_file: str | None = None, shard: int = 0) -> dict:
+    """Run the synchronizer of one run (or one shard of it) in this flow run's process until its
+    budget is spent.
 
     Learners reach it at ``http://{synchronizer.host}:{synchronizer.port}`` (set a routable host
     and a fixed port when learners run elsewhere); the URL is logged once it listens.
@@ -177,8 +179,11 @@ def synchronizer(config: str | None = "configs/default.toml", overrides: list[st
         overrides: ``section.field=value`` strings.
         run_id: id of a new run (a fresh one when None and not resuming).
         resume_url: continue from ``{store}/{run_id}/checkpoints/{seq}`` or ``{store}/{run_id}``.
-        ready_file: where to write ``{"url", "run_id", "pid", "epoch"}`` once listening
-            (a temporary file when None).
+        ready_file: where to write ``{"url", "run_id", "pid", "epoch", "shard", "shards"}`` once
+            listening (a temporary file when None).
+        shard: with ``synchronizer.shards = S > 1``, which shard (0 .. S-1) this flow run serves: a
+            flow run per shard, each in its own work pool or host, all given the same ``run_id``
+            (or ``resume_url``); shard I listens on ``synchronizer.port + I`` (DESIGN §2.2).
 
     Raises:
         ValueError: ``DILOCO_RUN_TOKEN`` missing, or both ``run_id`` and ``resume_url`` given.
@@ -202,7 +207,7 @@ def synchronizer(config: str | None = "configs/default.toml", overrides: list[st
         run_id = run_id or new_run_id()
         args += ["--run-id", run_id]
     ready = Path(ready_file) if ready_file else folder / "ready.json"
-    args += ["--ready-file", str(ready)]
+    args += ["--ready-file", str(ready), "--shard", str(shard)]
     done = threading.Event()
     info: dict[str, Any] = {}
     threading.Thread(target=_announce_when_listening, args=(ready, done, info, logger), name="sync-ready",
@@ -215,7 +220,8 @@ def synchronizer(config: str | None = "configs/default.toml", overrides: list[st
         raise RuntimeError(f"synchronizer exited with code {code}")
     if not info and ready.exists():
         info.update(json.loads(ready.read_text()))
-    return {"run_id": info.get("run_id", run_id), "url": info.get("url"), "epoch": info.get("epoch")}
+    return {"run_id": info.get("run_id", run_id), "url": info.get("url"), "epoch": info.get("epoch"),
+            "shard": shard}
 
 
 def request_checkpoint(sync_url: str, store_url: str, token: str, storage_options: dict | None = None,

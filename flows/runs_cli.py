@@ -1,5 +1,6 @@
 """``diloco-async runs ls STORE [--verify] [--json]``: a store's runs, each with its status, the
-newest version of each fragment and its checkpoints with their state (:mod:`storage.runs`).
+newest version of each fragment and its checkpoints with their state (:mod:`storage.runs`; a run
+of several synchronizer shards: its run checkpoints, each naming a checkpoint per shard).
 
 Plain text by default: a line per run, then its checkpoints as a table, the one a resume
 continues from marked; ``--json``: ``{"store": URL, "runs": [...]}`` (:meth:`storage.runs.RunInfo.to_json`).
@@ -46,13 +47,16 @@ def format_runs(runs: list, store_url: str) -> str:
     lines = [f"{len(runs)} run(s) in {store_url}"]
     for run in runs:
         reason = f": {run.stop_reason}" if run.stop_reason else ""
+        sharded = f", {run.shards} synchronizer shards (run checkpoints)" if run.shards > 1 else ""
         lines += ["", f"{run.run_id}  {run.status}{reason}",
-                  f"  fragments {len(run.newest_versions)}, newest versions {_versions(run.newest_versions)}"]
+                  f"  fragments {len(run.newest_versions)}, newest versions {_versions(run.newest_versions)}{sharded}"]
         if run.checkpoints:
             rows = [[str(c.seq), c.state, "-" if c.lease_epoch is None else str(c.lease_epoch),
                      "-" if c.global_step is None else str(c.global_step), _versions(c.versions),
+                     *([" ".join(f"s{i}:{q}" for i, q in c.shard_seqs.items()) or "-"] if run.shards > 1 else []),
                      "resume" if c.resume else c.detail[:60]] for c in run.checkpoints]
-            lines += _table(["checkpoint", "state", "lease", "step", "versions", ""], rows)
+            header = ["checkpoint", "state", "lease", "step", "versions", *(["shards"] if run.shards > 1 else []), ""]
+            lines += _table(header, rows)
         else:
             lines.append("  no checkpoint")
         if run.resume_seq is not None and not run.finished:

@@ -8,20 +8,20 @@ import signal
 
 from rich.table import Table
 
-__all__ = ["summary_table", "report", "stopped_by_signal", "exit_status"]
+__all__ = ["summary_rows", "summary_table", "report", "stopped_by_signal", "exit_status"]
 
 
 def _loss(value: float | None) -> str:
     return "not evaluated (stopped by a signal)" if value is None else f"{value:.4f}"
 
 
-def summary_table(summary: dict) -> Table:
-    """The run's figures as a two-column table (a loss not evaluated says so)."""
-    table = Table(title=f"diloco-async run {summary['run_id']}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    rows = [
-        ("eval loss, initial (nats/token)", _loss(summary["eval_loss_initial"])),
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The run's figures as (figure, value) rows: the terminal's table and the Prefect artifact's."""
+    resumed = summary.get("eval_loss_run_initial") not in (None, summary["eval_loss_initial"])
+    return [
+        *([("eval loss, at the run's start (nats/token)", _loss(summary["eval_loss_run_initial"]))] if resumed else []),
+        ("eval loss, initial" + (" of this resume" if resumed else "") + " (nats/token)",
+         _loss(summary["eval_loss_initial"])),
         ("eval loss, final (nats/token)", _loss(summary["eval_loss_final"])),
         ("eval loss, initial (bits/byte)", _loss(summary["eval_bits_per_byte_initial"])),
         ("eval loss, final (bits/byte)", _loss(summary["eval_bits_per_byte_final"])),
@@ -42,7 +42,14 @@ def summary_table(summary: dict) -> Table:
         ("stop reason", str(summary["stop_reason"])),
         ("MLflow run", summary["mlflow_run_id"]),
     ]
-    for k, v in rows:
+
+
+def summary_table(summary: dict) -> Table:
+    """The run's figures as a two-column table (a loss not evaluated says so)."""
+    table = Table(title=f"diloco-async run {summary['run_id']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in summary_rows(summary):
         table.add_row(k, v)
     return table
 

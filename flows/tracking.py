@@ -141,6 +141,17 @@ class MlflowSink:
         log.info("resuming MLflow run %s (%d metric series)", self.run_id, len(self._last_step))
         return True
 
+    def first_value(self, key: str) -> float | None:
+        """The value of metric ``key`` at its lowest step in this run (a resumed run's first held-out
+        loss is the run's initial one); None when it has no point."""
+        history = self.client.get_metric_history(self.run_id, key) if self.run_id else []
+        return min(history, key=lambda m: (m.step, m.timestamp)).value if history else None
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        """Set tags on the run (after :meth:`start` or :meth:`resume`)."""
+        for k, v in tags.items():
+            self._call(self.client.set_tag, self.run_id, k, v)
+
     def _call(self, fn, *args, **kwargs) -> None:
         """``fn(*args, **kwargs)``, tried 3 times with the project's one backoff between (from
         0.2 s, jittered); every failure is counted in ``errors`` and logged, never raised."""

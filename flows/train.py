@@ -46,7 +46,9 @@ from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
+from flows.links import link_mlflow_run
 from flows.resolve import resume_config
+from flows.run_end import finish, interrupted
 from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from flows.timeline_report import write_run_timeline
 from flows.tracking import MlflowSink, flatten_params
@@ -96,6 +98,8 @@ class TrainingRun(RunProcesses):
     def __init__(self, cfg: Config, run_id: str | None = None, resume_url: str | None = None) -> None:
         super().__init__(cfg, run_id=run_id, resume_url=resume_url)
         self.deployer: DeploymentLauncher | None = None
+        self.stopped = False  # stopped by a signal (flows.run_end.interrupted)
+        self.run_initial_loss: float | None = None  # the run's first held-out loss (a resume's is its start)
         if cfg.run.launcher == "deployments":
             from prefect.runtime import flow_run
 
@@ -246,7 +250,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     t0 = time.monotonic()
     sink.start_children(f"learner-{i}" for i in range(cfg.learners.count))
     run.start_synchronizer()
-    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, run.learner_sync_url)
+    logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, " ".join(run.shard_urls))
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
     with _heldout_curve(run, sink) as pending:
@@ -260,7 +264,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     log_rounds(sink, run.store, run.run_id, str(run.epoch), f"rounds-{run.epoch}.jsonl" if run.resume_url else
                "rounds.jsonl")
     if stopped_by_signal(summary):
-        return _interrupted(run, sink, summary, eval_start, t0)
+        return interrupted(run, sink, summary, eval_start, t0)
     ckpt = run.final_checkpoint()
     if ckpt is None:
         raise RuntimeError("no verified checkpoint at the end of the run")
@@ -268,7 +272,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     eval_final, bpb_final = evaluate(cfg, final_model)
     summary.update(eval_loss_initial=eval_start[0], eval_loss_final=eval_final,
                    eval_bits_per_byte_initial=eval_start[1], eval_bits_per_byte_final=bpb_final,
-                   tokenizer=cfg.data.tokenizer,
+                   tokenizer=cfg.data.tokenizer, eval_loss_run_initial=run.run_initial_loss,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
                    checkpoint_seq=ckpt.seq, store_url=run.store.url, logs=str(run.workdir / "logs"),
                    launcher=cfg.run.launcher,
@@ -295,30 +299,9 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     return summary
 
 
-#: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
-#: "stop" take well under a second) before they get SIGTERM
-INTERRUPTED_LEARNER_WAIT_S = 2.0
 MONITOR_STOP_WAIT_S = 3.0
 """At the end, an evaluation pass of the held-out monitor still running after this long is left
 behind (a daemon thread): a Ctrl-C must not wait out a pass on a loaded machine."""
-
-
-def _interrupted(run: TrainingRun, sink: MlflowSink, summary: dict, eval_start: tuple[float, float],
-                 t0: float) -> dict:
-    """The end of a run stopped by a signal: the synchronizer's figures and its final checkpoint,
-    without the final evaluation and the model artifacts (a stop should take seconds; a resume
-    continues from that checkpoint and evaluates at its end)."""
-    summary.update(eval_loss_initial=eval_start[0], eval_loss_final=None, eval_bits_per_byte_initial=eval_start[1],
-                   eval_bits_per_byte_final=None, tokenizer=run.cfg.data.tokenizer, flow_wall_s=time.monotonic() - t0,
-                   mlflow_run_id=sink.run_id, checkpoint_seq=summary.get("last_checkpoint_seq"),
-                   store_url=run.store.url, logs=str(run.workdir / "logs"), launcher=run.cfg.run.launcher,
-                   learner_restarts=len(run.supervisor.restarts))
-    run.learner_exit_wait_s = INTERRUPTED_LEARNER_WAIT_S
-    sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
-    Console(stderr=False, width=None if sys.stdout.isatty() else 110).print(summary_table(summary))
-    get_run_logger().info("run %s stopped (%s) at checkpoint %s after %d merges", run.run_id, summary["stop_reason"],
-                          summary["checkpoint_seq"], summary["merges"])
-    return summary
 
 
 def _hf_tokenizer(cfg: Config) -> Any | None:
@@ -328,22 +311,16 @@ def _hf_tokenizer(cfg: Config) -> Any | None:
     return transformers_tokenizer(tok) if tok is not None else None
 
 
-def _with_flow_runs(run: TrainingRun, summary: dict) -> dict:
-    """Add the learner flow runs (deployments launcher) and their final states to a summary."""
-    if run.deployer is not None:
-        summary["learner_flow_runs"] = run.learner_flow_runs()
-    return summary
-
-
 @contextmanager
 def _stopping(run: TrainingRun, sink: MlflowSink) -> Iterator[None]:
     """Whatever happens inside, stop every process of the run and end the MLflow run: FINISHED,
-    FAILED (an error) or KILLED (cancelled: TerminationSignal, Ctrl-C, SystemExit)."""
+    FAILED (an error) or KILLED (cancelled: TerminationSignal, Ctrl-C, SystemExit; or stopped
+    cleanly by a signal, :func:`flows.run_end.interrupted`)."""
     status = "FAILED"
     sink.start_system_metrics(run.cfg.tracking.system_metrics_s)
     try:
         yield
-        status = "FINISHED"
+        status = "KILLED" if run.stopped else "FINISHED"
     except BaseException as err:
         if not isinstance(err, Exception):
             status = "KILLED"
@@ -373,15 +350,17 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
+    mlflow_url = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_initial = evaluate(cfg, model0)
+        run.run_initial_loss = eval_initial[0]
         sink.log_metric("eval/loss", eval_initial[0], 0)
         sink.log_metric("eval/bits_per_byte", eval_initial[1], 0)
         logger.info("run %s: initial held-out loss %.4f nats/token, %.4f bits/byte", run.run_id, *eval_initial)
         sink.log_dict(cfg.public_dict(), "config.json")
         summary = _execute(run, sink, eval_initial, {})
         sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
-    return _with_flow_runs(run, summary)
+    return finish(run, summary, mlflow_url)
 
 
 @flow(name="resume", log_prints=True)
@@ -407,14 +386,16 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     if not sink.resume(run_id):
         sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),
                    {"diloco.run_id": run_id, "diloco.config_hash": config_hash(cfg), "diloco.store": store.url})
+    mlflow_url = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_start = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
+        run.run_initial_loss = sink.first_value("eval/loss")
         logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/token, %.4f bits/byte", run_id,
                     ckpt.seq, *eval_start)
         incarnations = {int(lid.rsplit("-", 1)[1]) : int(d["incarnation"]) + 1
                         for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
         summary = _execute(run, sink, eval_start, incarnations)
-    return _with_flow_runs(run, summary)
+    return finish(run, summary, mlflow_url)
 
 
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:

@@ -24,6 +24,7 @@ from diloco_async.config.model import ModelConfig
 from diloco_async.config.network import NetworkConfig
 from diloco_async.config.parallelism import check_parallelism
 from diloco_async.config.tomlfile import read_toml
+from diloco_async.config.tracking import TrackingConfig
 from diloco_async.runtime.devices import LearnerDeviceFields
 
 __all__ = [
@@ -250,30 +251,6 @@ class BudgetConfig(_Section):
         if self.tokens is None and self.max_steps is None and self.wall_s is None:
             raise ValueError("budget: set at least one of tokens, max_steps, wall_s")
         return self
-
-
-class TrackingConfig(_Section):
-    mlflow_uri: str = Field("sqlite:///.local/mlflow.db", description="MLflow tracking URI.")
-    experiment: str = Field("diloco-async", description="MLflow experiment the runs are logged to.")
-    artifact_location: str = Field(
-        ".local/store/mlartifacts",
-        description="Artifact root of a new experiment (beside the runs in the default store).",
-    )
-    poll_s: float = Field(2.0, gt=0, description="How often the flow pulls metrics from the synchronizer.")
-    system_metrics_s: float = Field(
-        5.0, ge=0, le=3600, description="Seconds between samples of the flow machine's CPU, memory, disk, "
-        "network (and GPUs, through NVML) in the MLflow run's System metrics; 0: off.")
-    goodput_series_s: float = Field(
-        5.0, gt=0, le=3600, description="Seconds between points of the synchronizer's goodput time series "
-        "(goodput/compute, goodput/token, their rolling windows, goodput/uptime), while merges go on.")
-    eval_every_s: float = Field(
-        10.0, ge=0, le=86400, description="Seconds between evaluations of the newest published global model on "
-        "the held-out windows while the run trains (eval/loss, eval/bits_per_byte; one thread of the flow "
-        "process); 0: only at the start and the end.")
-    register_model: str | None = Field(
-        None, min_length=1, max_length=256, pattern=r"^[^/:]*[^/:\s][^/:]*$",
-        description="Register the final global model under this name in MLflow's model registry "
-        "(a new version per run); None: log it, register nothing. No '/' or ':' (MLflow's rule).")
 
 
 class Config(_Section):

@@ -260,14 +260,14 @@ def shard_points(shard: int, points: Sequence[Mapping[str, Any]]) -> list[dict[s
 def run_points(run: Mapping[str, Any], timestamp_ms: int) -> list[dict[str, Any]]:
     """The run's goodput, badput by cause, merges, tokens and bytes per token as metric points
     (the names one synchronizer logs them under), from an :func:`aggregate_status`; step: the
-    run's merges."""
+    run's merges. A badput cause at 0 is left out (no series of zeros for what never occurred)."""
     step = int(run.get("merges") or 0)
     figures = {"goodput/compute": run.get("compute_goodput"), "goodput/token": run.get("token_goodput"),
                "goodput/uptime": run.get("uptime"), "sync/merges": step,
                "sync/tokens_processed": run.get("tokens_processed"),
                "net/bytes_up_per_token": run.get("bytes_up_per_token"),
                "net/bytes_down_per_token": run.get("bytes_down_per_token"),
-               **{f"badput/{cause}": share for cause, share in (run.get("badput") or {}).items()}}
+               **{f"badput/{cause}": share for cause, share in (run.get("badput") or {}).items() if share}}
     return [{"key": k, "value": float(v), "step": step, "timestamp_ms": timestamp_ms}
             for k, v in figures.items() if v is not None]
 

@@ -81,6 +81,7 @@ class Reporter:
         self.fates = JsonLinesLog(merges_tail, prefix=f"diloco-sync-{name}-contributions-", spill_dir=spill_dir)
         self.merge_gaps = MergeGaps(started_s, UPTIME_MIN_GAP_S)
         self._goodput_before: dict | None = None  # totals at the last goodput_series point
+        self._badput_seen: set[str] = set()  # badput causes logged so far (then logged at every point)
         self._goodput_merges, self._goodput_at_s = 0, started_s  # merges and time of the last goodput point
 
     def metric(self, key: str, value: float, step: int | None = None) -> None:
@@ -191,14 +192,17 @@ class Reporter:
         the same over the window since the last point (``goodput/compute_rolling``,
         ``goodput/token_rolling``), the uptime so far, and the cumulative badput by cause
         (``badput/<cause>``, shares of the provisioned learner-seconds; with ``goodput/compute``
-        they sum to 1; ``silent_s`` as :func:`~diloco_async.metrics.goodput.totals`). ``per_learner``:
-        also each learner's ``learner/<id>/compute_goodput`` and ``token_goodput`` (at the end)."""
+        they sum to 1; a cause is logged from its first non-zero share on; ``silent_s`` as
+        :func:`~diloco_async.metrics.goodput.totals`). ``per_learner``: also each learner's
+        ``learner/<id>/compute_goodput`` and ``token_goodput`` (at the end)."""
         tot = totals(ledgers, silent_s)
         self.metric("goodput/compute", tot["compute_goodput"])
         self.metric("goodput/token", tot["token_goodput"])
         self.metric("goodput/uptime", uptime)
-        for cause, share in tot["badput"].items():
-            self.metric(f"badput/{cause}", share)
+        for cause, share in tot["badput"].items():  # a cause that never occurred is no series of zeros
+            if share > 0 or cause in self._badput_seen:
+                self._badput_seen.add(cause)
+                self.metric(f"badput/{cause}", share)
         if per_learner:
             for lid, led in ledgers.items():
                 self.metric(f"learner/{lid}/compute_goodput", led.compute_goodput)

@@ -100,3 +100,54 @@ def test_runs_ls_of_an_empty_store_and_of_a_bad_url(tmp_path, capsys):
     assert main(["runs", "ls", "ftp://host/x"]) == 2
     err = capsys.readouterr().err
     assert "ftp://host/x" in err and "Traceback" not in err
+
+
+RUN_SHARDED = "20261204-090000-dddddd"
+
+
+def _shard_checkpoint(store: ObjectStore, shard: int, seq: int, version: int) -> None:
+    """Shard ``shard`` of 2 checkpoints its fragment (p = shard) at version ``version``, then marks a
+    run checkpoint as the shard process does (storage.run_checkpoints.write_run_manifest)."""
+    from storage.run_checkpoints import write_run_manifest
+
+    root = keys.synchronizer_root(RUN_SHARDED, shard, 2)
+    tensors = {tensor_key(shard, kind, "w"): torch.full((4,), float(seq)) for kind in ("param", "momentum")}
+    write_checkpoint(store, root, seq, tensors, {"versions": {str(shard): version}, "lease_epoch": 1 + shard,
+                                                 "epoch": "e1", "learners": {}})
+    write_run_manifest(store, RUN_SHARDED, 2)
+
+
+def test_runs_ls_of_a_run_of_two_synchronizer_shards_lists_its_run_checkpoints(tmp_path, capsys):
+    """issue 40: a run of S = 2 shards is listed by its run checkpoints (each naming a checkpoint
+    per shard), the resume one being what `resume` restores; finished once both shards' summaries
+    cover their newest checkpoints; --verify finds a run checkpoint whose shard state is corrupt."""
+    url = f"file://{tmp_path}/store"
+    store = ObjectStore(url)
+    store.put_json(keys.config_key(RUN_SHARDED), {"run": {"name": "s"}, "synchronizer": {"shards": 2}})
+    for p, top in ((0, 6), (1, 5)):
+        store.put(keys.version_key(RUN_SHARDED, p, top), b"version")
+    _shard_checkpoint(store, 0, 1, 3)
+    _shard_checkpoint(store, 1, 1, 2)  # run checkpoint 1: shard 0's 1 and shard 1's 1
+    _shard_checkpoint(store, 0, 2, 6)  # run checkpoint 2: shard 0's 2, shard 1's 1
+    run = {r["run_id"]: r for r in _json(capsys, url)["runs"]}[RUN_SHARDED]
+    assert run["shards"] == 2 and run["status"] == "unfinished"  # no shard summary yet
+    assert [(c["seq"], c["state"], c["resume"], c["shard_seqs"], c["versions"]) for c in run["checkpoints"]] == [
+        (2, "verified", True, {"0": 2, "1": 1}, {"0": 6, "1": 2}),
+        (1, "unverified", False, {"0": 1, "1": 1}, {"0": 3, "1": 2})]
+    for shard, seq, reason in ((0, 2, "token budget reached (the run's)"), (1, 1, "token budget reached (the run's)")):
+        store.put_json(keys.summary_key(keys.synchronizer_root(RUN_SHARDED, shard, 2), "e1"),
+                       {"stop_reason": reason, "last_checkpoint_seq": seq})
+    run = {r["run_id"]: r for r in _json(capsys, url)["runs"]}[RUN_SHARDED]
+    assert (run["status"], run["stop_reason"]) == ("finished", "token budget reached (the run's)")
+    # shard 0's checkpoint 1 corrupted on disk: run checkpoint 1 no longer verifies, 2 still does
+    state = tmp_path / "store" / keys.checkpoint_state_key(keys.synchronizer_root(RUN_SHARDED, 0, 2), 1)
+    state.write_bytes(state.read_bytes()[:-1] + b"\x00")
+    run = {r["run_id"]: r for r in _json(capsys, url, "--verify")["runs"]}[RUN_SHARDED]
+    assert [c["state"] for c in run["checkpoints"]] == ["verified", "corrupt"]
+    assert "synchronizer shard 0" in run["checkpoints"][1]["detail"]
+    assert main(["runs", "ls", url]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["fragments", "2,", "newest", "versions", "p0:v6", "p1:v5,", "2", "synchronizer", "shards", "(run",
+            "checkpoints)"] in lines
+    assert ["checkpoint", "state", "lease", "step", "versions", "shards"] in lines
+    assert ["2", "verified", "2", "-", "p0:v6", "p1:v2", "s0:2", "s1:1", "resume"] in lines

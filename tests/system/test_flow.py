@@ -88,6 +88,15 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     assert len(bpb) == len(curve)  # beside every eval/loss point
     assert [round(m.value, 4) for m in (bpb[0], bpb[-1])] == [round(summary["eval_bits_per_byte_initial"], 4),
                                                                round(summary["eval_bits_per_byte_final"], 4)]
+    # Prefect and MLflow know each other (issue 46 item 4): the MLflow run names the flow run, the flow
+    # run's markdown artifact holds the summary and links the MLflow run's page
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    flow_run_url = run.data.tags["prefect.flow_run_url"]
+    assert flow_run_url.startswith("http") and flow_run_url.endswith(flow_run_id)
+    page = f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert summary["mlflow_run_url"] == "http://127.0.0.1:5000" + page  # a sqlite store: what `make ui` serves
+    markdown = _summary_artifact(summary["run_id"], flow_run_id)
+    assert f"]({summary['mlflow_run_url']})" in markdown and f"| merges | {summary['merges']} |" in markdown
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
             "global_model.safetensors"} <= artifacts
@@ -105,8 +114,10 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     last = {}
     for key in ("goodput/compute", *(f"badput/{c}" for c in BADPUT_CAUSES)):
         history = client.get_metric_history(run.info.run_id, key)
-        assert history, key
-        last[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
+        if history:  # a cause that never occurred has no series (no zeros), e.g. badput/down here
+            assert min(history, key=lambda m: (m.step, m.timestamp)).value > 0, (key, history)  # from its first
+            last[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
+    assert "goodput/compute" in last and "badput/starting" in last, last
     assert sum(last.values()) == pytest.approx(1.0, abs=1e-6), last
     assert last["badput/starting"] > 0  # every learner's first start-up
     # the per-round artifact: which learners went into which round, and what became of them
@@ -153,6 +164,9 @@ def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):
     assert again["merges"] > first["merges"]
     assert min(again["versions"].values()) > min(first["versions"].values())
     assert again["eval_loss_final"] < first["eval_loss_initial"]
+    # the resume's summary shows the run's initial loss beside its own starting point (issue 46 item 3)
+    assert again["eval_loss_run_initial"] == pytest.approx(first["eval_loss_initial"])
+    assert again["eval_loss_initial"] < first["eval_loss_initial"]
     client = MlflowClient(uri)
     assert client.get_run(first["mlflow_run_id"]).info.status == "FINISHED"
     exp = client.get_run(first["mlflow_run_id"]).info.experiment_id
@@ -242,3 +256,15 @@ def test_final_model_is_logged_without_pickle_and_registered(tmp_path, caplog):
     got = mlflow.artifacts.download_artifacts("models:/diloco-test-model/3", dst_path=str(tmp_path / "dl"))
     assert torch.equal(load_file(str(Path(got) / "model.safetensors"))["head.weight"], model.head.weight.detach())
     sink.end()
+
+
+def _summary_artifact(run_id: str, flow_run_id: str) -> str:
+    """The markdown of the flow run's ``diloco-run-<run id>`` artifact (exactly one)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    key = "diloco-run-" + run_id.lower()
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert [(a.type, str(a.flow_run_id)) for a in found] == [("markdown", flow_run_id)], found
+    return str(found[0].data)

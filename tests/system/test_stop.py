@@ -122,7 +122,8 @@ def _interrupt_training(tmp: Path, env: dict[str, str]) -> tuple[str, dict, list
 
 def _flow_run_states(prefect_home: Path) -> list[tuple[str, str]]:
     with sqlite3.connect(prefect_home / "prefect.db") as db:
-        return db.execute("SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id").fetchall()
+        return db.execute("SELECT f.name, r.state_type, r.state_name FROM flow_run r JOIN flow f ON f.id = r.flow_id"
+                          ).fetchall()
 
 
 def test_ctrl_c_on_train_stops_cleanly_and_the_resume_starts_from_every_printed_counter(tmp_path):
@@ -138,7 +139,12 @@ def test_ctrl_c_on_train_stops_cleanly_and_the_resume_starts_from_every_printed_
     assert any(line.startswith("stopped (signal SIGINT) at checkpoint ") for line in last), last
     assert any("prefect.server.api.server:create_app" in " ".join(p.info["cmdline"]) for p in seen)  # its own server
     assert _alive(seen) == []
-    assert _flow_run_states(tmp_path / "prefect") == [("train", "COMPLETED")]
+    # visibly stopped (issue 46 item 3): a Completed state named Stopped, the MLflow run KILLED with its reason
+    assert _flow_run_states(tmp_path / "prefect") == [("train", "COMPLETED", "Stopped")]
+    from mlflow.tracking import MlflowClient
+
+    mlflow_run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(_table_value(text, "MLflow run"))
+    assert (mlflow_run.info.status, mlflow_run.data.tags["diloco.stopped"]) == ("KILLED", "signal SIGINT")
     printed = _printed_counters(text)
     assert printed["merges"] >= before["merges"]
     # where a resume starts: the newest checkpoint, restored as `resume` restores it
@@ -222,11 +228,11 @@ def test_resume_after_ctrl_c_starts_from_every_counter_the_interrupted_run_print
     assert start == printed
     after = _printed_counters(again)  # the resumed run's own summary goes on from there
     assert all(after[k] >= printed[k] for k in printed), (after, printed)
-    # both flow runs ended Completed on the Prefect server they reported to
+    # both flow runs ended Completed, named Stopped, on the Prefect server they reported to
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         ours = [r for r in client.read_flow_runs(limit=200) if str(tmp_path) in json.dumps(r.parameters)]
         names = {r.flow_id: client.read_flow(r.flow_id).name for r in ours}
-    assert sorted((names[r.flow_id], r.state_type.value) for r in ours) == [("resume", "COMPLETED"),
-                                                                             ("train", "COMPLETED")]
+    assert sorted((names[r.flow_id], r.state_type.value, r.state_name) for r in ours) == [
+        ("resume", "COMPLETED", "Stopped"), ("train", "COMPLETED", "Stopped")]

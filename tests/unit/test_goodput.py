@@ -79,3 +79,24 @@ def test_ledger_badput_round_trips_and_silence_counts_as_down():
     assert t["badput"]["starting"] == pytest.approx(4.0 / 200.0)
     assert t["badput"]["other"] == pytest.approx((200.0 - 150.0 - 20.0) / 200.0)
     assert t["compute_goodput"] + sum(t["badput"].values()) == pytest.approx(1.0)
+
+
+def test_a_badput_cause_that_never_occurred_is_not_logged_as_a_series_of_zeros(tmp_path):
+    """issue 46 item 3: only causes with seconds get a series; one that occurs later starts then,
+    and a logged cause stays logged (its share may fall back to 0: ``other`` is what is left)."""
+    from diloco_async.metrics.goodput import LearnerLedger
+    from diloco_async.sync.reporting import Reporter
+
+    rep = Reporter(0.0, "t", spill_dir=tmp_path, clock=lambda: 0.0)
+    led = LearnerLedger(provisioned_s=10.0, useful_s=6.0)
+    led.add_badput("starting", 2.0)
+
+    def logged() -> set[str]:
+        return {p["key"] for p in rep.metrics if p["key"].startswith("badput/")}
+
+    rep.goodput_series({"learner-0": led}, 1.0)
+    assert logged() == {"badput/starting", "badput/other"}  # 2 s other: 10 - 6 - 2
+    led.add_badput("down", 1.0)
+    led.provisioned_s = 11.0
+    rep.goodput_series({"learner-0": led}, 1.0)
+    assert logged() == {"badput/starting", "badput/other", "badput/down"}

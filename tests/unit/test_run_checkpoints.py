@@ -55,23 +55,24 @@ def test_a_run_checkpoint_names_each_shards_newest_checkpoint_once_every_shard_h
     assert set(store.list(keys.checkpoint_prefix(RUN))) == {keys.run_manifest_key(RUN, s) for s in (1, 2)}
 
 
+def _four_writers_at_once(store: ObjectStore, got: list[int | None]) -> None:
+    """Four threads each write the run checkpoint at once; what each got is appended to ``got``."""
+    threads = [threading.Thread(target=lambda: got.append(write_run_manifest(store, RUN, 2))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_shards_writing_at_once_take_distinct_numbers(store):
     checkpoint(store, 0, 1, 0.5)
     checkpoint(store, 1, 1, 1.5)
     got: list[int | None] = []
     checkpoint(store, 0, 2, 0.7)
-    threads = [threading.Thread(target=lambda: got.append(write_run_manifest(store, RUN, 2))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _four_writers_at_once(store, got)
     assert set(got) == {1} and list_run_manifest_seqs(store, RUN) == [1]  # one manifest for one set
     checkpoint(store, 1, 2, 1.7)
-    threads = [threading.Thread(target=lambda: got.append(write_run_manifest(store, RUN, 2))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _four_writers_at_once(store, got)
     assert list_run_manifest_seqs(store, RUN)[-1] in got[4:]
     newest = store.get_json(keys.run_manifest_key(RUN, list_run_manifest_seqs(store, RUN)[-1]))
     assert {s: e["seq"] for s, e in newest["checkpoints"].items()} == {"0": 2, "1": 2}

@@ -1,0 +1,78 @@
+"""Prefect and MLflow, linked (issue 46 item 4).
+
+* The MLflow run of a ``train``/``resume`` flow run carries the flow run's id and UI address as
+  tags (``prefect.flow_run_id``, ``prefect.flow_run_url``): :func:`link_mlflow_run`.
+* The flow run publishes a Prefect markdown artifact (key ``diloco-run-<run id>``) with the
+  summary table and a link to the MLflow run: :func:`publish_summary`.
+* Addresses are printed alone, never followed by punctuation, so a terminal or a UI that makes
+  links of them links the address and nothing else.
+
+The MLflow UI's address is ``tracking.ui_url``, else the tracking server's (an ``http(s)``
+``tracking.mlflow_uri``), else :data:`MAKE_UI_URL` (what ``make ui`` serves over the default
+database).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from diloco_async.config.tracking import TrackingConfig
+from flows.summary import summary_rows
+
+__all__ = ["MAKE_UI_URL", "mlflow_run_url", "prefect_flow_run", "link_mlflow_run", "summary_markdown",
+           "publish_summary"]
+
+log = logging.getLogger("diloco.flows.links")
+
+#: the MLflow UI that ``make ui`` serves (MLFLOW_PORT in the Makefile)
+MAKE_UI_URL = "http://127.0.0.1:5000"
+
+
+def mlflow_run_url(cfg: TrackingConfig, experiment_id: str, run_id: str) -> str:
+    """The UI page of MLflow run ``run_id`` of ``experiment_id`` (see the module docstring for the base)."""
+    base = cfg.ui_url or (cfg.mlflow_uri if cfg.mlflow_uri.startswith(("http://", "https://")) else MAKE_UI_URL)
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def prefect_flow_run() -> tuple[str, str] | None:
+    """(id, UI address) of the Prefect flow run this code runs in; None outside one."""
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    if not run_id:
+        return None
+    return str(run_id), str(flow_run.ui_url or "")
+
+
+def link_mlflow_run(sink, cfg: TrackingConfig) -> str:
+    """Tag ``sink``'s MLflow run with the Prefect flow run it belongs to (a resume's flow run
+    replaces the train's) and return the run's MLflow UI address."""
+    here = prefect_flow_run()
+    if here is not None:
+        sink.set_tags({"prefect.flow_run_id": here[0], "prefect.flow_run_url": here[1]})
+    return mlflow_run_url(cfg, sink.experiment_id, sink.run_id)
+
+
+def summary_markdown(summary: dict, mlflow_url: str) -> str:
+    """The summary table as markdown, headed by the run id and a link to its MLflow run."""
+    lines = [f"# diloco-async run {summary['run_id']}", "", f"MLflow run: [{summary['mlflow_run_id']}]({mlflow_url})",
+             "", "| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in summary_rows(summary)]
+    return "\n".join(lines) + "\n"
+
+
+def publish_summary(summary: dict, mlflow_url: str) -> str | None:
+    """Publish :func:`summary_markdown` as the flow run's markdown artifact ``diloco-run-<run id>``;
+    returns the artifact's id, or None outside a flow run or when the Prefect API refuses (logged:
+    the run's result never depends on it)."""
+    if prefect_flow_run() is None:
+        return None
+    from prefect.artifacts import create_markdown_artifact
+
+    key = "diloco-run-" + "".join(c if c.isalnum() else "-" for c in str(summary["run_id"]).lower())
+    try:
+        return str(create_markdown_artifact(markdown=summary_markdown(summary, mlflow_url), key=key,
+                                            description=f"diloco-async run {summary['run_id']}: summary"))
+    except Exception as err:  # noqa: BLE001 - the API's errors vary by transport; the run is done either way
+        log.warning("no Prefect artifact for run %s: %s", summary["run_id"], err)
+        return None

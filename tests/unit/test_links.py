@@ -1,0 +1,54 @@
+"""flows.links: the MLflow run's address and the summary's markdown (issue 46 item 4)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from diloco_async.config.tracking import TrackingConfig
+from flows.links import MAKE_UI_URL, mlflow_run_url, publish_summary, summary_markdown
+from flows.summary import summary_rows
+
+SUMMARY = {"run_id": "20261206-191500-ab12cd", "eval_loss_initial": 5.5, "eval_loss_final": None,
+           "eval_bits_per_byte_initial": 8.0, "eval_bits_per_byte_final": None, "wall_s": 12.5, "merges": 7,
+           "contributions_merged": 9, "contributions_late": 1, "contributions_rejected": 0,
+           "compute_goodput": 0.5, "token_goodput": 0.75, "uptime": 1.0, "tokens_processed": 1000,
+           "bytes_in": 10, "bytes_out": 20, "stop_reason": "signal SIGINT", "mlflow_run_id": "abc"}
+
+
+@pytest.mark.parametrize("cfg, base", [
+    (TrackingConfig(), MAKE_UI_URL),
+    (TrackingConfig(mlflow_uri="https://mlflow.example.org/"), "https://mlflow.example.org"),
+    (TrackingConfig(mlflow_uri="https://mlflow.example.org", ui_url="http://ui.example.org:8080"),
+     "http://ui.example.org:8080"),
+])
+def test_the_mlflow_run_address_goes_by_ui_url_then_the_server_then_make_ui(cfg, base):
+    assert mlflow_run_url(cfg, "3", "abc") == f"{base}/#/experiments/3/runs/abc"
+
+
+@pytest.mark.parametrize("bad", ["http://127.0.0.1:5000;", "http://x.org.", "ftp://x.org", "http://a b"])
+def test_a_ui_url_with_trailing_punctuation_or_another_scheme_is_refused(bad):
+    with pytest.raises(ValidationError, match="ui_url"):
+        TrackingConfig(ui_url=bad)
+
+
+def test_the_markdown_links_the_mlflow_run_and_holds_every_row():
+    text = summary_markdown(SUMMARY, "http://127.0.0.1:5000/#/experiments/3/runs/abc")
+    assert text.startswith("# diloco-async run 20261206-191500-ab12cd\n")
+    assert "MLflow run: [abc](http://127.0.0.1:5000/#/experiments/3/runs/abc)" in text
+    assert "| eval loss, final (nats/token) | not evaluated (stopped by a signal) |" in text
+    assert "| contributions merged / late / rejected | 9 / 1 / 0 |" in text
+    assert "| stop reason | signal SIGINT |" in text
+
+
+def test_outside_a_flow_run_nothing_is_published():
+    assert publish_summary(SUMMARY, "http://x") is None
+
+
+def test_a_resumed_run_shows_the_runs_initial_loss_beside_the_resumes():
+    rows = dict(summary_rows({**SUMMARY, "eval_loss_run_initial": 5.5, "eval_loss_initial": 2.25}))
+    assert rows["eval loss, at the run's start (nats/token)"] == "5.5000"
+    assert rows["eval loss, initial of this resume (nats/token)"] == "2.2500"
+    rows = dict(summary_rows({**SUMMARY, "eval_loss_run_initial": 5.5}))  # not a resume: one row
+    assert rows["eval loss, initial (nats/token)"] == "5.5000" and len([k for k in rows if "initial" in k
+                                                                        or "start" in k]) == 2  # nats, bits
