@@ -20,18 +20,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fsdp_group import RUN, build, group_config, publish
+from test_fsdp_group import FRAGMENTS, RUN, group_config, publish
 from torch.distributed.tensor import DTensor, Shard
 
 from diloco_async.inner.state import state_meta
+from diloco_async.inner.workload import Workload
 from diloco_async.learner.fsdp_state import check_world, latest_sharded_state, save_sharded_state
 from diloco_async.learner.group import LearnerGroup, place_workload
+from diloco_async.models import plan_of
 from diloco_async.protocol.messages import VersionInfo
 from storage import keys
 from storage.store import ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
 LEARNER, STEPS = "learner-a", 3
+#: byte-GPT (built on the meta device, only its shards allocated) and a 2-layer Llama (built on the
+#: CPU: it has buffers; its decoder layers are the units)
+MODELS = {"byte-gpt": [], "llama": ['model.kind="hf"', 'model.hf.architecture="llama"',
+                                    "model.hf.config={hidden_size=32, intermediate_size=64, num_hidden_layers=2, "
+                                    "num_attention_heads=4, num_key_value_heads=2}"]}
+
+
+def build(parallelism: str, model: str):
+    cfg = group_config(parallelism, *MODELS[model])
+    torch.manual_seed(1)
+    workload = Workload.from_config(cfg, 0, 0)
+    return cfg, workload, plan_of(workload.model, FRAGMENTS)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -52,14 +66,13 @@ def snapshot(group: LearnerGroup, workload) -> dict:
     return out
 
 
-def state_worker(mode: str, store_url: str, versions_path: str, out: str) -> None:
-    """One rank of a 2-rank FSDP2 group: ``save`` adopts v0, trains and saves; ``load`` restores."""
+def state_worker(mode: str, model: str, store_url: str, versions_path: str, out: str) -> None:
+    """One rank of a 2-rank FSDP2 group of ``model``: ``save`` adopts v0, trains and saves; ``load`` restores."""
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     group = LearnerGroup.from_env(120.0)
     assert group is not None
-    cfg = group_config("fsdp")
-    workload, plan = build("fsdp")
+    cfg, workload, plan = build("fsdp", model)
     place_workload(workload, cfg, 0, group.local_rank)
     store = ObjectStore(store_url)
     v0 = [VersionInfo.model_validate(v) for v in json.loads(Path(versions_path).read_text())["v0"]]
@@ -85,29 +98,30 @@ def state_worker(mode: str, store_url: str, versions_path: str, out: str) -> Non
     group.close()
 
 
-def run_group(mode: str, tmp_path: Path, store_url: str, versions_path: Path) -> dict:
+def run_group(mode: str, model: str, tmp_path: Path, store_url: str, versions_path: Path) -> dict:
     out = tmp_path / f"{mode}.pt"
     path = [REPO, REPO / "tests", REPO / "tests" / "system"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           __file__, "--state-worker", mode, store_url, str(versions_path), str(out)], env=env,
+                           __file__, "--state-worker", mode, model, store_url, str(versions_path), str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return {**torch.load(out), "log": proc.stderr}
 
 
-def test_a_sharded_inner_state_restores_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_sharded_inner_state_restores_bit_for_bit(tmp_path, model):
     store_url = f"file://{tmp_path}/store"
     store = ObjectStore(store_url)
-    workload, plan = build("ddp")
+    _, workload, plan = build("ddp", model)
     versions_path = tmp_path / "versions.json"
     versions_path.write_text(json.dumps({"v0": publish(store, workload, plan, 0, seed=11)}))
-    saved = run_group("save", tmp_path, store_url, versions_path)
+    saved = run_group("save", model, tmp_path, store_url, versions_path)
     manifest = latest_sharded_state(store, keys.learner_prefix(RUN, LEARNER))
     assert manifest is not None and manifest["world"] == 2 and manifest["inner"]["step"] == STEPS
     assert set(manifest["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "replicated.pt"}
-    restored = run_group("load", tmp_path, store_url, versions_path)
+    restored = run_group("load", model, tmp_path, store_url, versions_path)
 
     a, b = saved["state"], restored["state"]
     assert set(a) == set(b) == {"param", "exp_avg", "exp_avg_sq", "step", "base", "rng"}
@@ -136,5 +150,5 @@ def test_a_state_saved_by_another_group_size_is_refused_naming_both():
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--state-worker", nargs=4, metavar=("MODE", "STORE", "VERSIONS", "OUT"), required=True)
+    ap.add_argument("--state-worker", nargs=5, metavar=("MODE", "MODEL", "STORE", "VERSIONS", "OUT"), required=True)
     state_worker(*ap.parse_args().state_worker)
