@@ -16,7 +16,7 @@
   docs/log/2026-12-06.md for the command and what was measured.
 
 Usage: python -m benchmarks.fsdp_bars [--only memory|speed] [--d-model 1024] [--n-layer 16] [--steps 2]
-       [--speed-d-model 256] [--speed-n-layer 4] [--run-s 60] [--plain-s 20] [--repeats 1]
+       [--speed-d-model 256] [--speed-n-layer 4] [--run-s 60] [--plain-s 20] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--run-s", type=positive_float, default=60.0)
     ap.add_argument("--plain-s", type=positive_float, default=20.0)
     ap.add_argument("--warmup-steps", type=non_negative_int, default=5)
-    ap.add_argument("--repeats", type=positive_int, default=1)
+    ap.add_argument("--repeats", type=positive_int, default=2, help="(plain, run, plain) measurements of the speed bar")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     bars: list[Bar] = []

@@ -32,6 +32,7 @@ from diloco_async.inner.workload import Workload, inner_step
 from diloco_async.learner.fsdp_outer import ContributionOrder
 from diloco_async.learner.fsdp_state import save_sharded_state
 from diloco_async.learner.group import LearnerGroup, place_workload
+from diloco_async.learner.main import set_up_interpreter
 from diloco_async.models import plan_of
 from diloco_async.models.transformer import ByteGPT
 from diloco_async.protocol.messages import VersionInfo
@@ -48,7 +49,7 @@ def peak_rss_bytes() -> int:
 
 def _group_start(spec: dict):
     """The group, its workload sharded and v0 adopted; and the store, the plan and the versions."""
-    torch.set_num_threads(1)
+    set_up_interpreter()  # a learner rank's: one torch thread, the C heap's thresholds and arenas
     group = LearnerGroup.from_env(600.0)
     assert group is not None
     # the baseline as benchmarks/memory.py takes it: torch and the project imported, and one tiny inner
@@ -77,7 +78,8 @@ def memory_worker(spec: dict, out: Path) -> None:
     phases["built, sharded, v0 adopted"] = peak_rss_bytes()
     for step in range(spec["steps"]):
         workload.step(step)
-    phases[f"{spec['steps']} inner steps"] = peak_rss_bytes()
+        phases[f"inner step {step + 1}"] = peak_rss_bytes()
+        phases[f"RSS now, after step {step + 1}"] = psutil.Process().memory_info().rss
     orders = [ContributionOrder(p, 1, 0, "fp32", f"bench{p}", spec["steps"], 1, 1.0) for p in range(plan.num_fragments)]
     group.outer.contribute(orders)
     phases["every fragment's shard put"] = peak_rss_bytes()
