@@ -35,7 +35,8 @@ from benchmarks.args import description, non_negative_int, positive_float, posit
 from benchmarks.bars import Bar, print_bars
 from benchmarks.hf_learner import in_run_tokens_per_s
 from benchmarks.stats import mean_interval
-from diloco_async.config.schema import load_config
+from diloco_async.config.resolved import with_fields
+from diloco_async.config.schema import Config, load_config
 from diloco_async.models import build_run_model, plan_of
 from diloco_async.protocol.messages import VersionInfo
 from diloco_async.sync.work import put_version
@@ -47,19 +48,18 @@ N = 2
 SPEED_GOAL = 0.95
 
 
-def overrides(d_model: int, n_layer: int, context: int, batch: int, fragments: int) -> list[str]:
+def bench_config(d_model: int, n_layer: int, context: int, batch: int, fragments: int) -> Config:
     """The recipe of both sides: a byte-level transformer, one learner of N FSDP2 ranks."""
-    return [f"model.d_model={d_model}", f"model.n_layer={n_layer}", f"model.n_head={max(1, d_model // 64)}",
-            f"model.context={context}", f"learners.batch_size={batch}", "learners.count=1",
-            f"learners.nproc_per_learner={N}", 'learners.parallelism="fsdp"', "learners.threads=1",
-            f"synchronizer.num_fragments={fragments}", "learners.checkpoint_every_s=0",
-            f"data.cache_dir=\"{REPO / 'data'}\""]
+    return with_fields(load_config(None, []), {
+        "model.d_model": d_model, "model.n_layer": n_layer, "model.n_head": max(1, d_model // 64),
+        "model.context": context, "learners.batch_size": batch, "learners.count": 1, "learners.nproc_per_learner": N,
+        "learners.parallelism": "fsdp", "learners.threads": 1, "synchronizer.num_fragments": fragments,
+        "learners.checkpoint_every_s": 0.0, "data.cache_dir": str(REPO / "data")})
 
 
-def publish(store: ObjectStore, over: list[str]) -> tuple[dict, int, int, int]:
+def publish(store: ObjectStore, cfg: Config) -> tuple[dict, int, int, int]:
     """v0 and v1 of every fragment (the seeded init, twice), built once here; returns the versions
     (JSON), the parameter count, the model's fp32 bytes and the largest fragment's fp32 bytes."""
-    cfg = load_config(None, over)
     model = build_run_model(cfg)
     plan = plan_of(model, cfg.synchronizer.num_fragments, cfg.synchronizer.fragmentation)
     params = dict(model.named_parameters())
@@ -92,14 +92,14 @@ def torchrun(mode: str, spec: dict, tmp: Path) -> Path:
 
 def memory_bars(args, tmp: Path) -> list[Bar]:
     store = ObjectStore(f"file://{tmp}/store-memory")
-    over = overrides(args.d_model, args.n_layer, args.context, args.batch, args.fragments)
-    versions, n_params, model_bytes, largest = publish(store, over)
+    cfg = bench_config(args.d_model, args.n_layer, args.context, args.batch, args.fragments)
+    versions, n_params, model_bytes, largest = publish(store, cfg)
     goal = 6 * model_bytes / N + largest / N
     print(f"memory: byte-GPT {args.d_model} x {args.n_layer}: {n_params / 1e6:.1f}M parameters, "
           f"{model_bytes / 2**20:.0f} MiB fp32, largest fragment {largest / 2**20:.0f} MiB; N = {N}; "
           f"bar {goal / 2**20:.0f} MiB per rank", flush=True)
-    out = torchrun("memory", {"overrides": over, "store": store.url, "versions": versions, "run_id": RUN_ID,
-                              "steps": args.steps}, tmp)
+    out = torchrun("memory", {"config": cfg.model_dump(mode="json"), "store": store.url, "versions": versions,
+                              "run_id": RUN_ID, "steps": args.steps}, tmp)
     bars = [Bar("model parameters (M)", n_params / 1e6, 200.0, detail="the issue's size: >= 200M")]
     for rank in range(N):
         r = json.loads((out / f"rank{rank}.json").read_text())
@@ -114,13 +114,12 @@ def memory_bars(args, tmp: Path) -> list[Bar]:
 
 def speed_bars(args, tmp: Path) -> list[Bar]:
     store = ObjectStore(f"file://{tmp}/store-speed")
-    over = overrides(args.speed_d_model, args.speed_n_layer, args.speed_context, args.speed_batch, args.fragments)
-    versions, n_params, _, _ = publish(store, over)
+    cfg = bench_config(args.speed_d_model, args.speed_n_layer, args.speed_context, args.speed_batch, args.fragments)
+    versions, n_params, _, _ = publish(store, cfg)
     print(f"speed: byte-GPT {args.speed_d_model} x {args.speed_n_layer}: {n_params / 1e6:.1f}M parameters, "
           f"{N} ranks x batch {args.speed_batch} x {args.speed_context} tokens", flush=True)
-    spec = {"overrides": over, "store": store.url, "versions": versions, "run_id": RUN_ID,
+    spec = {"config": cfg.model_dump(mode="json"), "store": store.url, "versions": versions, "run_id": RUN_ID,
             "warmup_steps": args.warmup_steps, "plain_s": args.plain_s}
-    cfg = load_config(None, over)
     ratios = []
     for rep in range(args.repeats):
         before = json.loads((torchrun("plain", spec, tmp) / "plain.json").read_text())["tokens_per_s"]

@@ -11,7 +11,7 @@
   v0; rank 0 writes tokens/s over the timed steps.
 
 Usage (by :mod:`benchmarks.fsdp_bars`): ``torchrun --nproc-per-node 2 -m benchmarks.fsdp_workers
-MODE SPEC_JSON OUT``, SPEC_JSON naming the config overrides, the store, the published versions
+MODE SPEC_JSON OUT``, SPEC_JSON naming the resolved config, the store, the published versions
 and the phase lengths.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from diloco_async.config.schema import ModelConfig, load_config
+from diloco_async.config.schema import Config, ModelConfig
 from diloco_async.inner.state import state_meta
 from diloco_async.inner.workload import Workload, inner_step
 from diloco_async.learner.fsdp_outer import ContributionOrder
@@ -59,7 +59,7 @@ def _group_start(spec: dict):
     inner_step(tiny, torch.optim.AdamW(tiny.parameters()), x, x, lr=1e-3, grad_clip=1.0)
     del tiny
     baseline = psutil.Process().memory_info().rss
-    cfg = load_config(None, spec["overrides"])
+    cfg = Config.model_validate(spec["config"])
     store = ObjectStore(spec["store"])
     versions = {k: [VersionInfo.model_validate(v) for v in vs] for k, vs in spec["versions"].items()}
     workload = Workload.from_config(cfg, 0, 0)
@@ -116,6 +116,12 @@ def plain_worker(spec: dict, out: Path) -> None:
     group.close()
 
 
-if __name__ == "__main__":
-    mode, spec_path, out_dir = sys.argv[1:4]
+def main(argv: list[str]) -> int:
+    """``MODE SPEC_JSON OUT`` (see the module's docstring); one rank's part."""
+    mode, spec_path, out_dir = argv[:3]
     {"memory": memory_worker, "plain": plain_worker}[mode](json.loads(Path(spec_path).read_text()), Path(out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
