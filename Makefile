@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-data ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-data ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -131,6 +131,13 @@ bench-end: data
 ##             (tests/system/test_models_system.py checks only that the adapter alone moved). About 3-10 minutes.
 bench-lora: data
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.lora_quality --out $(BENCH_DIR)/lora_quality.json
+
+## bench-fsdp: learner groups sharded with FSDP2, 2 ranks (benchmarks/fsdp_bars.py): per-rank peak RSS beyond the
+##             interpreter + torch baseline at >= 200M parameters <= 6 x model fp32 / N + largest fragment / N, and
+##             an FSDP2 learner's tokens/s in a run against the same group in a plain loop >= 0.95. About 8 minutes,
+##             6 GB free memory and 8 GB of disk.
+bench-fsdp: data
+	$(PY) -m benchmarks.fsdp_bars
 
 ## bench-hf: tokens/s of one learner running configs/hf-llama-cpu.toml inside a run (synchronizer + 1 learner)
 ##           against the same model in a plain torch loop with the same batch, measured in the same run:

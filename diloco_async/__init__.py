@@ -9,11 +9,15 @@ __version__ = "0.1.0"
 __all__ = ["train", "resume", "__version__"]
 
 
-def __getattr__(name: str):
-    """``diloco_async.train`` and ``diloco_async.resume`` (:mod:`diloco_async.api`), imported on
-    first use so that ``import diloco_async`` stays light."""
-    if name in ("train", "resume"):
-        from diloco_async import api
+def train(*args, **kwargs) -> dict:
+    """:func:`diloco_async.api.train` (imported on the first call: ``import diloco_async`` stays light)."""
+    from diloco_async.api import train as run_train
 
-        return getattr(api, name)
-    raise AttributeError(f"module 'diloco_async' has no attribute {name!r}")
+    return run_train(*args, **kwargs)
+
+
+def resume(*args, **kwargs) -> dict:
+    """:func:`diloco_async.api.resume` (imported on the first call)."""
+    from diloco_async.api import resume as run_resume
+
+    return run_resume(*args, **kwargs)

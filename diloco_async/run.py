@@ -27,6 +27,8 @@ from diloco_async.config.resolved import write_resolved
 from diloco_async.config.schema import Config
 from diloco_async.inner.optimizers import check_inner_optimizer
 from diloco_async.learner import TIMELINE_DIR_ENV
+from diloco_async.learner.fsdp import check_sharded_run
+from diloco_async.learner.fsdp_state import check_saved_group_sizes
 from diloco_async.learner.group import torchrun_args
 from diloco_async.metrics.shards import aggregate_status, run_points, shard_points
 from diloco_async.protocol.auth import check_run_secret, learner_token
@@ -87,18 +89,21 @@ class RunProcesses:
             check_devices(cfg.learners)
         check_network(cfg)  # its TLS files, before anything starts (docs/network-modes.md)
         check_inner_optimizer(cfg)  # learners.optimizer = "muon" needs 2-D hidden weights
+        check_sharded_run(cfg)  # learners.parallelism = "fsdp" needs a model FSDP2 can shard
         self.cfg = cfg
         if run_id is None and resume_url:
             run_id = keys.split_checkpoint_url(resume_url)[1]
         self.run_id = run_id or new_run_id()
         self.resume_url = resume_url
+        self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
+        if resume_url:  # a sharded learner's saved inner state needs a group of its size
+            check_saved_group_sizes(self.store, self.run_id, cfg)
         self.epoch: str | None = None
         given = run_secret or os.environ.get(TOKEN_ENV)
         self.token = check_run_secret(given, TOKEN_ENV) if given else secrets.token_urlsafe(32)
         self.workdir = Path(cfg.run.workdir).resolve() / self.run_id
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_file = write_resolved(cfg, self.workdir)
-        self.store = ObjectStore(cfg.run.store, cfg.run.storage_options)
         self.launcher = launcher if launcher is not None else LocalProcessLauncher(self.workdir / "logs")
         self.env = {"HF_HUB_OFFLINE": "1",  # models and tokenizers: local files only
                     STORAGE_OPTIONS_ENV: json.dumps(cfg.run.storage_options),

@@ -54,8 +54,9 @@ def link_mlflow_run(sink, cfg: TrackingConfig) -> str:
 
 
 def summary_markdown(summary: dict, mlflow_url: str) -> str:
-    """The summary table as markdown, headed by the run id and a link to its MLflow run."""
-    lines = [f"# diloco-async run {summary['run_id']}", "", f"MLflow run: [{summary['mlflow_run_id']}]({mlflow_url})",
+    """The summary table as markdown, headed by the run id and the MLflow run's address (alone at
+    the end of its line: the UI links it, and nothing after it)."""
+    lines = [f"# diloco-async run {summary['run_id']}", "", f"MLflow run `{summary['mlflow_run_id']}`: {mlflow_url}",
              "", "| figure | value |", "|---|---|"]
     lines += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in summary_rows(summary)]
     return "\n".join(lines) + "\n"

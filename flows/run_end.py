@@ -65,6 +65,7 @@ def finish(run: Any, summary: dict, mlflow_url: str) -> Any:
     get_run_logger().info("MLflow run %s: %s", summary["mlflow_run_id"], mlflow_url)
     if not stopped_by_signal(summary):
         return summary
+    # no address in the message: Prefect prints it quoted, and a terminal would link the quote too
     return Completed(name=STOPPED_STATE_NAME, data=summary,
-                     message=f"stopped ({summary['stop_reason']}) at checkpoint {summary['checkpoint_seq']}; "
-                             f"continue with: diloco-async resume {summary['store_url']}/{summary['run_id']}")
+                     message=f"stopped ({summary['stop_reason']}) at checkpoint {summary['checkpoint_seq']} of run "
+                             f"{summary['run_id']}: resumable (diloco-async resume)")

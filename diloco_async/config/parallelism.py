@@ -2,7 +2,8 @@
 before anything starts (DESIGN §3.1).
 
 A sharded group takes its outer gradients, adopts versions and keeps its base copies shard by
-shard (``diloco_async/learner/fsdp_outer.py``). The features below read or write whole fragments
+shard (``diloco_async/learner/fsdp_outer.py``) and saves its inner state with DCP, one writer
+per rank (``fsdp_state.py``). The features below read or write whole fragments
 on one rank, or the inner state in the one-file layout, and have no sharded path yet: a recipe
 that combines one of them with ``fsdp`` is refused naming the field and its value.
 """
@@ -24,10 +25,6 @@ def fsdp_conflicts(cfg: Any) -> list[str]:
     if lc.adopt != "overwrite":
         out.append(f"learners.adopt={lc.adopt!r}: a sharded group adopts by overwrite only (each rank reads its "
                    "own rows of the published version)")
-    if lc.checkpoint_every_s > 0:
-        out.append(f"learners.checkpoint_every_s={lc.checkpoint_every_s}: inner-state checkpoints of a sharded "
-                   "group (torch.distributed.checkpoint, one writer per rank) are not wired in yet; set it to 0 "
-                   "(a restarted group rejoins from the published versions)")
     if sc.download_codec != "fp32":
         out.append(f"synchronizer.download_codec={sc.download_codec!r}: a sharded group reads byte ranges of the "
                    "fp32 published version; compact downloads are not sharded yet")

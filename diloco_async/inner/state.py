@@ -17,7 +17,7 @@ import torch
 
 from diloco_async.inner.base_file import BaseFile
 
-__all__ = ["InnerState", "capture", "restore"]
+__all__ = ["InnerState", "capture", "restore", "state_meta", "parse_meta"]
 
 
 @dataclass
@@ -65,9 +65,20 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer, g
             t[f"base/{p_idx}/{name}"] = (tensors.lazy(name) if isinstance(tensors, BaseFile)
                                          else tensors[name].detach())
     t["rng"] = gen.get_state().clone()
-    meta = {"step": int(step), "base_versions": {str(k): int(v) for k, v in base_versions.items()},
+    return InnerState(t, state_meta(step, base_versions, counters))
+
+
+def state_meta(step: int, base_versions: dict[int, int], counters: dict[int, tuple[int, int, float]]) -> dict:
+    """An inner state's bookkeeping, JSON-ready (:attr:`InnerState.meta`)."""
+    return {"step": int(step), "base_versions": {str(k): int(v) for k, v in base_versions.items()},
             "counters": {str(k): [int(c[0]), int(c[1]), float(c[2])] for k, c in counters.items()}}
-    return InnerState(t, meta)
+
+
+def parse_meta(meta: dict) -> tuple[int, dict[int, int], dict[int, tuple[int, int, float]]]:
+    """(local step, base versions, counters) of :func:`state_meta`'s dict."""
+    versions = {int(k): int(v) for k, v in meta["base_versions"].items()}
+    counters = {int(k): (int(c[0]), int(c[1]), float(c[2])) for k, c in meta["counters"].items()}
+    return int(meta["step"]), versions, counters
 
 
 def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
@@ -103,7 +114,5 @@ def restore(state: InnerState, params: dict[str, torch.nn.Parameter], opt: torch
         if key.startswith("base/"):
             _, p_idx, name = key.split("/", 2)
             base_tensors.setdefault(int(p_idx), {})[name] = value
-    m = state.meta
-    versions = {int(k): int(v) for k, v in m["base_versions"].items()}
-    counters = {int(k): (int(c[0]), int(c[1]), float(c[2])) for k, c in m["counters"].items()}
-    return int(m["step"]), base_tensors, versions, counters
+    step, versions, counters = parse_meta(state.meta)
+    return step, base_tensors, versions, counters

@@ -168,6 +168,23 @@ def emulated_delay_s(dt_s: float, speed: float, jitter: float, rng: random.Rando
     return max(0.0, dt_s * (1.0 / speed - 1.0)) + dt_s * jitter * noise
 
 
+def _model_to_shard(cfg: Config) -> torch.nn.Module | None:
+    """The run's model built on the meta device (no memory) for a group sharded with FSDP2, which
+    allocates only its own shards after ``fully_shard`` (``to_empty``,
+    :func:`diloco_async.learner.fsdp.shard_workload`) and fills them from the versions it adopts at
+    start, or a restored inner state: the model's seeded init would be overwritten whole. Only where
+    every value the model holds is a trainable parameter those fill (no buffer, no frozen
+    parameter) and the model is not a Hugging Face one (whose build reads files and computes
+    buffers); None otherwise (built on the CPU)."""
+    if cfg.model.kind == "hf":
+        return None
+    with torch.device("meta"):
+        model = build_run_model(cfg)
+    if any(True for _ in model.buffers()) or not all(p.requires_grad for p in model.parameters()):
+        return None
+    return model
+
+
 class Workload:
     """A model, its inner optimizer and its data, stepped by the learner's training thread.
 
@@ -210,7 +227,8 @@ class Workload:
         :func:`optimizer_of`) with ``learners.lr``/``weight_decay``, the run's inner learning-rate schedule
         and gradient accumulation, and the sampler seeded by (run seed, index, incarnation)."""
         lc = cfg.learners
-        model = build_run_model(cfg)
+        model = _model_to_shard(cfg) if lc.parallelism == "fsdp" else None
+        model = model if model is not None else build_run_model(cfg)
         opt = optimizer_of(lc.optimizer, model, lr=lc.lr, weight_decay=lc.weight_decay, what=repr(cfg.model.kind))
         return cls(model, opt, data_generator(cfg.run.seed, index, incarnation), batch_size=lc.batch_size_of(index),
                    context=cfg.model.context, schedule=InnerSchedule.from_config(cfg), grad_clip=lc.grad_clip,
@@ -220,7 +238,8 @@ class Workload:
         """Move the model to ``device`` (its parameters stay float32 and keep their identity, so the
         optimizer and ``params`` still refer to them) and run the forward under autocast with
         ``amp_dtype`` (None: float32). Call before the optimizer has state."""
-        self.model.to(device)
+        if not any(p.is_meta for p in self.model.parameters()):  # on meta: allocated where it is sharded
+            self.model.to(device)
         self.device, self.amp_dtype = device, amp_dtype
 
     def join_group(self, rank: int, world: int, train_model: torch.nn.Module,

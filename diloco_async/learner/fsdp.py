@@ -16,6 +16,10 @@ tensor), which :func:`rows_of` computes and :func:`shard_workload` checks agains
 parameter's local shard. The names stay the model's own, so the fragment plan, computed on the
 unsharded model, names the same tensors in a DDP and an FSDP learner.
 
+A model built on the meta device (``Workload.from_config``, where every value it holds is a
+trainable parameter) is materialized after ``fully_shard`` with ``to_empty``: each rank allocates
+only its shards, never the whole model, and the versions adopted at start fill them.
+
 On CUDA with ``learners.precision = "bf16"`` the units take a ``MixedPrecisionPolicy`` (bf16
 parameters in the forward and backward, fp32 gradient reduction) instead of autocast.
 """
@@ -24,15 +28,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from diloco_async.inner.workload import Workload, inner_optimizer
-from diloco_async.models import trainable_parameters
+from diloco_async.models import build_run_model, trainable_parameters
 
-__all__ = ["fsdp_units", "rows_of", "local_rows", "shard_workload", "local_shards"]
+__all__ = ["fsdp_units", "rows_of", "local_rows", "shard_workload", "local_shards", "check_shardable",
+           "check_sharded_run"]
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -71,6 +77,35 @@ def local_shards(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: p.to_local() if isinstance(p, DTensor) else p for n, p in params.items()}
 
 
+def check_shardable(model: torch.nn.Module) -> None:
+    """Refuse a model that FSDP2 cannot shard on dim 0 as configured.
+
+    Raises:
+        ValueError: a trainable parameter is 0-dim; the message names it.
+    """
+    for name, p in trainable_parameters(model).items():
+        if p.dim() == 0:
+            raise ValueError(f"learners.parallelism='fsdp': parameter {name} is 0-dim, it cannot be sharded on "
+                             "dim 0; use 'ddp' for this model")
+
+
+def check_sharded_run(cfg: Any) -> None:
+    """Before anything starts: with ``learners.parallelism = "fsdp"``, build the run's model on the
+    meta device (no memory; shapes only) and :func:`check_shardable` it.
+
+    Raises:
+        ValueError: as :func:`check_shardable`, also naming ``model.kind``.
+    """
+    if cfg.learners.parallelism != "fsdp":
+        return
+    with torch.device("meta"):
+        model = build_run_model(cfg)
+    try:
+        check_shardable(model)
+    except ValueError as err:
+        raise ValueError(f"model.kind={cfg.model.kind!r}: {err}") from None
+
+
 def _mixed_precision(device: torch.device, precision: str) -> MixedPrecisionPolicy | None:
     if device.type == "cuda" and precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -89,15 +124,14 @@ def shard_workload(workload: Workload, rank: int, world: int, precision: str = "
             shard is not the rows :func:`rows_of` names; the message names it.
     """
     model = workload.model
-    for name, p in trainable_parameters(model).items():
-        if p.dim() == 0:
-            raise ValueError(f"learners.parallelism='fsdp': parameter {name} is 0-dim, it cannot be sharded on "
-                             "dim 0; use 'ddp' for this model")
+    check_shardable(model)
     mp = _mixed_precision(workload.device, precision)
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for unit in fsdp_units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if any(p.is_meta for p in model.parameters()):  # built on meta (Workload.from_config): allocate the shards only
+        model.to_empty(device=workload.device)  # their values come from the start's versions (start_sharded)
     if mp is not None:
         workload.amp_dtype = None  # the policy casts the parameters; autocast would cast again
     workload.params = trainable_parameters(model)

@@ -151,9 +151,12 @@ class ShardedOuter:
         self.base: dict[int, dict[str, torch.Tensor]] = {}  # fragment -> this rank's rows of Θ^base (fp32, host)
         self.bytes_read = 0
 
-    def adopt(self, versions: list[VersionInfo]) -> None:
+    def adopt(self, versions: list[VersionInfo], rebase: bool = False) -> None:
         """θ ← Θ^new on this rank's rows of each version's fragment, and Θ^base ← Θ^new; nothing
         is written unless every rank read its rows and the pieces read by all make each version's digest.
+        ``rebase`` (a restored inner state moved onto the versions named at join): θ ← θ + (Θ^new −
+        Θ^base) instead, so the progress since the saved base is kept (as a one-process learner's
+        ``_rebase_to_join``).
 
         Raises:
             IntegrityError, FileNotFoundError, ValueError: on any rank (each rank raises; the group ends).
@@ -179,7 +182,10 @@ class ShardedOuter:
         with torch.no_grad():
             for p, tensors in read.items():
                 for name, t in tensors.items():
-                    self.local[name].copy_(t, non_blocking=True)
+                    if rebase:
+                        self.local[name].add_(t - self.base[p][name])
+                    else:
+                        self.local[name].copy_(t, non_blocking=True)
                 self.base[p] = tensors
 
     def contribute(self, orders: list[ContributionOrder]) -> list[ShardedUpload]:

@@ -40,11 +40,13 @@ from diloco_async.config.schema import Config
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.fsdp import shard_workload
 from diloco_async.learner.fsdp_outer import ContributionOrder, ShardedOuter, ShardedUpload
+from diloco_async.learner.fsdp_state import load_sharded_state, save_sharded_state
 from diloco_async.models.transformer import embedding_names
 from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.protocol.messages import VersionInfo
 from diloco_async.runtime.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.runtime.parent_death import die_with_parent
+from storage import keys
 from storage.store import ObjectStore
 
 __all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]
@@ -92,6 +94,7 @@ class Decision:
     versions: list[VersionInfo] = field(default_factory=list)  # fsdp: versions to adopt, in order
     orders: list[ContributionOrder] = field(default_factory=list)  # fsdp: contributions to take and put
     uploads: list[ShardedUpload] = field(default_factory=list)  # fsdp, rank 0: the shard refs of each order
+    save: dict | None = None  # fsdp: save the inner state now ({"seq", "inner": rank 0's meta})
 
 
 class DataParallelLoss(DistributedDataParallel):
@@ -128,6 +131,7 @@ class LearnerGroup:
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         self._cpu = torch.device("cpu")
         self.outer: ShardedOuter | None = None  # parallelism = "fsdp": this rank's side of the outer loop
+        self.state_seq = 0  # fsdp, rank 0: the newest inner-state sequence number used (its next save: + 1)
 
     @classmethod
     def from_env(cls, timeout_s: float) -> LearnerGroup | None:
@@ -181,13 +185,32 @@ class LearnerGroup:
         workload.join_group(self.rank, self.world, workload.model, self.mean)
         self.outer = ShardedOuter(store, learner_id, self.rank, self.world, plan, workload.params)
 
-    def start_sharded(self, run_id: str | None = None, versions: list[VersionInfo] | None = None) -> None:
-        """Rank 0's run id and starting versions on every rank, and every rank's rows of them adopted."""
+    def start_sharded(self, run_id: str | None = None, versions: list[VersionInfo] | None = None,
+                      saved: dict | None = None, workload: Workload | None = None) -> dict | None:
+        """Rank 0's run id, starting versions and newest saved sharded inner state (its manifest,
+        :func:`~diloco_async.learner.fsdp_state.latest_sharded_state`, or None) on every rank; that
+        state restored (DCP, needs ``workload``), then every rank's rows of the starting versions
+        adopted: overwritten, or rebased onto them where the state was saved on another version.
+        Returns the manifest restored, or None.
+
+        Raises:
+            ValueError: the state was saved by a group of another size (both are named); no
+                state and no version of a fragment to start from.
+        """
         assert self.outer is not None
-        box = [(run_id, versions) if self.is_leader else None]
+        box = [(run_id, versions, saved) if self.is_leader else None]
         dist.broadcast_object_list(box, src=0, device=self._cpu)
-        self.outer.run_id, start = box[0]
-        self.outer.adopt(start)
+        self.outer.run_id, start, saved = box[0]
+        missing = set(range(self.outer.plan.num_fragments)) - {v.fragment for v in start}
+        if missing and saved is None:  # a model built on meta holds no value until it adopts them
+            raise ValueError(f"{self.outer.learner_id}: no version of fragment(s) {sorted(missing)} to start from")
+        if saved is not None:
+            assert workload is not None, "restoring a sharded inner state needs the workload"
+            load_sharded_state(self.outer.store, saved, workload, self.outer, self.outer.learner_id)
+            have = {int(p): int(v) for p, v in saved["inner"]["base_versions"].items()}
+            start = [v for v in start if have.get(v.fragment) != v.version]
+        self.outer.adopt(start, rebase=saved is not None)
+        return saved
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a 0-dim tensor over the ranks (a sum all-reduce; gloo has no average)."""
@@ -218,13 +241,17 @@ class LearnerGroup:
     def boundary(self, decision: Decision | None, workload: Workload, plan: FragmentPlan) -> Decision:
         """One step boundary: the decision, then the adopted fragments' values. A sharded group:
         the decision whole, then every rank reads its rows of the versions named and puts its
-        shard of each contribution ordered (in that order: Δ is taken on the adopted base)."""
+        shard of each contribution ordered (in that order: Δ is taken on the adopted base), and
+        every rank saves its share of the inner state when rank 0 asks (``Decision.save``)."""
         if self.outer is not None:
             box = [decision if self.is_leader else None]
             dist.broadcast_object_list(box, src=0, device=self._cpu)
             d = box[0]
             self.outer.adopt(d.versions)
             d.uploads = self.outer.contribute(d.orders)
+            if d.save is not None:  # after the adoption: the state saved holds the bases just adopted
+                save_sharded_state(self.outer.store, keys.learner_prefix(self.outer.run_id, self.outer.learner_id),
+                                   d.save["seq"], workload, self.outer, d.save["inner"], self.outer.learner_id)
             return d
         d = self.decide(decision, plan.num_fragments)
         self.share_fragments(workload.params, plan, d.adopted)
@@ -281,7 +308,9 @@ def run_follower(group: LearnerGroup, index: int, incarnation: int,
     if cfg.learners.parallelism == "fsdp":
         assert store is not None, "a rank of a sharded group needs the store"
         group.shard(workload, cfg, store, learner_id, plan)
-        group.start_sharded()
+        saved = group.start_sharded(workload=workload)
+        if saved is not None:  # rank 0 continues from max(its join step, the saved step) too
+            step = max(step, int(saved["inner"]["step"]))
     else:
         group.wrap(workload)
     workload.load_data(cfg, index)

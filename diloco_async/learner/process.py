@@ -19,11 +19,12 @@ import torch
 
 from diloco_async.config.schema import Config, config_hash
 from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
-from diloco_async.inner.state import InnerState
+from diloco_async.inner.state import InnerState, parse_meta
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.faults import LearnerFaults
 from diloco_async.learner.feedback import ErrorFeedback
+from diloco_async.learner.fsdp_state import latest_sharded_state
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
@@ -215,9 +216,15 @@ class Learner:
 
     def _start_sharded(self, cfg: Config, jr: JoinResponse, workload: Workload, plan: FragmentPlan) -> InnerLoop:
         """A sharded group's start (``parallelism = "fsdp"``, DESIGN §3.1): rank 0's step on every
-        rank, the model sharded, and every rank's rows of the versions named at join (or newer ones
-        told since) read and adopted. The comms thread then only tells of new versions: the ranks
-        read their rows at the step boundary where rank 0 adopts them."""
+        rank, the model sharded, the group's newest saved inner state restored (DCP,
+        :mod:`~diloco_async.learner.fsdp_state`) when inner states are saved, and every rank's rows
+        of the versions named at join (or newer ones told since) read and adopted (rebased onto
+        them where the saved state's base is older). The comms thread then only tells of new
+        versions: the ranks read their rows at the step boundary where rank 0 adopts them.
+
+        Raises:
+            ValueError: the saved state was written by a group of another size.
+        """
         group = self.group
         assert group is not None
         group.share_start(workload, jr.start_step)
@@ -228,10 +235,20 @@ class Learner:
         for v in jr.versions:
             newer = self.shared.newest_versions.get(v.fragment)
             versions.append(newer if newer is not None and newer.version > v.version else v)
-        group.start_sharded(jr.run_id, versions)
+        prefix = keys.learner_prefix(jr.run_id, self.learner_id)
+        saved = latest_sharded_state(self.store, prefix) if cfg.learners.checkpoint_every_s > 0 else None
+        group.state_seq = max(list_state_seqs(self.store, prefix), default=0)
+        saved = group.start_sharded(jr.run_id, versions, saved, workload)
         assert group.outer is not None
         self.shared.base.update({v.fragment: v.version for v in versions})
-        start = StartPoint(group.outer.base, {}, jr.start_step)
+        step, counters = jr.start_step, {}
+        if saved is not None:
+            local_step, saved_versions, counters = parse_meta(saved["inner"])
+            step = max(step, local_step)
+            self._restored_step = local_step
+            log.info("%s restored its sharded inner state from checkpoint %d (step %d, bases %s)", self.learner_id,
+                     saved["seq"], local_step, saved_versions)
+        start = StartPoint(group.outer.base, counters, step, restored=saved is not None)
         return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
                          group=group)
 

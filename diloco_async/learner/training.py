@@ -23,6 +23,7 @@ import torch
 
 from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile
+from diloco_async.inner.state import state_meta
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.fsdp_outer import ContributionOrder, ShardedUpload
@@ -158,13 +159,16 @@ class InnerLoop:
             blocked = self.lc.barrier and self._barrier_blocked()
             run_tokens = self.shared.run_tokens  # the run's progress for the lr schedule, as last heard
             if self.group is not None:
+                save = self._sharded_save_due() if self.sharded else None
                 d = self.group.boundary(Decision(stop=False, step=not blocked, adopted=adopted, run_tokens=run_tokens,
-                                                 versions=self.versions, orders=self.orders), self.workload, self.plan)
+                                                 versions=self.versions, orders=self.orders, save=save),
+                                        self.workload, self.plan)
                 self.versions, self.orders = [], []
                 self._queue_sharded(d.uploads)
             if blocked:
                 continue  # adopt or answer what arrived, at this step boundary
-            self._maybe_save_inner_state()
+            if not self.sharded:
+                self._maybe_save_inner_state()
             self._inner_step(run_tokens)
             self._maybe_release_heap(bool(adopted))
         if self.group is not None:
@@ -391,6 +395,18 @@ class InnerLoop:
             remove_dead_spool_folders(self.learner_id)
             self.spool_dir = new_spool_folder(self.learner_id)
         self.spooler.start(state, os.path.join(self.spool_dir, f"state-{self.step:010d}.safetensors"))
+
+    def _sharded_save_due(self) -> dict | None:
+        """A sharded group's inner state is saved by every rank at this boundary (DCP, in
+        :meth:`LearnerGroup.boundary`) every ``checkpoint_every_s``: what rank 0 tells them, else None."""
+        every_s = self.lc.checkpoint_every_s
+        if every_s <= 0 or time.monotonic() - self.last_state_s < every_s:
+            return None
+        self.last_state_s = time.monotonic()
+        assert self.group is not None
+        self.group.state_seq += 1
+        counters = {p: tuple(self.progress[p]) for p in range(self.P)}
+        return {"seq": self.group.state_seq, "inner": state_meta(self.step, dict(self.shared.base), counters)}
 
     def _before_optimizer_step(self, *_args) -> None:
         self.spooler.wait_mutable()  # the step mutates the parameters and moments in place

@@ -96,7 +96,7 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
     page = f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert summary["mlflow_run_url"] == "http://127.0.0.1:5000" + page  # a sqlite store: what `make ui` serves
     markdown = _summary_artifact(summary["run_id"], flow_run_id)
-    assert f"]({summary['mlflow_run_url']})" in markdown and f"| merges | {summary['merges']} |" in markdown
+    assert f": {summary['mlflow_run_url']}\n" in markdown and f"| merges | {summary['merges']} |" in markdown
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "config.json", "plan.json", "loss_curve.png", "samples.txt",
             "global_model.safetensors"} <= artifacts

@@ -196,3 +196,46 @@ def test_two_fsdp_learners_train_end_to_end_and_a_killed_rank_restarts_its_group
 
 def store_keys(store_url: str, run_id: str) -> list[str]:
     return ObjectStore(store_url).list(keys.contributions_prefix(run_id))
+
+
+def test_a_killed_fsdp_group_restarts_from_its_dcp_inner_state(tmp_path):
+    """One learner of 2 FSDP2 ranks saves its inner state every second (DCP, one writer per rank);
+    SIGKILL of its rank 1 restarts the group, which restores that state (a step past 0) rather
+    than starting from the published versions alone, and trains on."""
+    recipe = tiny_recipe(tmp_path, learners=1, wall_s=900)
+    cfg = load_config(recipe, [*fsdp_overrides(tmp_path), "learners.checkpoint_every_s=1.0"])
+    run = RunProcesses(cfg)
+    logs = run.workdir / "logs"
+
+    def log_text() -> str:
+        return "".join(p.read_text() for p in sorted(logs.glob("learner-0*.log")))
+    try:
+        url = run.start_synchronizer()
+        handle = run.start_learner(0)
+        wait_until(lambda: run.supervise() or "saved its sharded inner state as checkpoint" in log_text(), 600,
+                   "a sharded inner state", interval_s=0.5)
+        prefix = keys.learner_prefix(run.run_id, "learner-0")
+        saved = ObjectStore(cfg.run.store).list(prefix)
+        assert any(k.endswith("/dcp/__0_0.distcp") for k in saved) and any(k.endswith("/dcp/__1_0.distcp")
+                                                                           for k in saved), saved
+        ranks = wait_until(lambda: ranks_of(handle) if len(ranks_of(handle)) == 2 else None, 30, "ranks")
+        ranks[1].send_signal(signal.SIGKILL)
+        wait_until(lambda: run.supervise() or run.supervisor.restarts, 90, "the group to be restarted")
+
+        def restored_and_trains() -> bool:
+            run.supervise()
+            me = fetch_status(url)["learners"].get("learner-0", {})
+            return ("restored its sharded inner state from checkpoint" in log_text() and me.get("incarnation") == 1
+                    and me.get("live") and me.get("step", 0) > 0)
+        wait_until(restored_and_trains, 300, "the restarted group to restore its state and train", interval_s=0.5)
+    finally:
+        if run.sync is not None:
+            run.sync.signal_group(signal.SIGTERM)
+        run.finished_cleanly = False
+        run.stop_all()
+    text = log_text()
+    restored_step = int(text.split("restored its sharded inner state from checkpoint ")[1].split("(step ")[1]
+                        .split(",")[0])
+    assert restored_step > 0  # continued from the saved state, not from step 0
+    for rank in (0, 1):
+        assert f"rank {rank} restored sharded inner state" in text

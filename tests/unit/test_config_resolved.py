@@ -144,7 +144,7 @@ def test_validate_writes_the_resolved_config_a_run_by_hand_starts_from(tmp_path)
 # -- the source tree: one parser, no override strings built by harnesses -----------------------
 
 #: the resolver (the config package) and the library's own CLI command ``diloco-async validate``
-PARSING_ALLOWED = ("diloco_async/config/", "diloco_async/validate.py")
+PARSING_ALLOWED = ("diloco_async/config/", "diloco_async/validate.py", "diloco_async/api.py")
 #: ``benchmarks/ctrl_c.py`` types ``diloco-async train --set ...`` as a user would (the CLI's own strings)
 OVERRIDES_ALLOWED = ("benchmarks/ctrl_c.py",)
 #: strings shaped like an override that are not one: (file, text; ``\0`` a formatted value)
@@ -213,7 +213,8 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 
 def test_no_recipe_parsing_in_the_library_outside_the_config_package():
     """Processes and harnesses get a :class:`Config`; only the resolver parses a recipe (flows/,
-    benchmarks/ and scripts/ are the entry points that call it, once)."""
+    benchmarks/, scripts/ and the Python API, diloco_async/api.py, are the entry points that call
+    it, once)."""
     found = [hit for path in _sources("diloco_async") if not _rel(path).startswith(PARSING_ALLOWED)
              for hit in recipe_parsing(path)]
     assert found == []

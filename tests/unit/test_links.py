@@ -35,7 +35,7 @@ def test_a_ui_url_with_trailing_punctuation_or_another_scheme_is_refused(bad):
 def test_the_markdown_links_the_mlflow_run_and_holds_every_row():
     text = summary_markdown(SUMMARY, "http://127.0.0.1:5000/#/experiments/3/runs/abc")
     assert text.startswith("# diloco-async run 20261206-191500-ab12cd\n")
-    assert "MLflow run: [abc](http://127.0.0.1:5000/#/experiments/3/runs/abc)" in text
+    assert "MLflow run `abc`: http://127.0.0.1:5000/#/experiments/3/runs/abc\n" in text
     assert "| eval loss, final (nats/token) | not evaluated (stopped by a signal) |" in text
     assert "| contributions merged / late / rejected | 9 / 1 / 0 |" in text
     assert "| stop reason | signal SIGINT |" in text
