@@ -1,7 +1,7 @@
 """The token store (diloco_async/data/store.py, build.py): every source shard tokenized on its own into
 fixed-width records with a manifest, reused by content, checked on read; the held-out tail and the
 training stream the same bytes as the one-``bytes`` reading (sources.corpus_bytes); bad input named.
-In one process (the pool of workers is tests/system/test_token_store.py's)."""
+In one process (the pool of workers is tests/system/test_token_store_s3.py's)."""
 
 from __future__ import annotations
 
