@@ -149,8 +149,9 @@ def resume(checkpoint_url: str, config: str | Path | None = None, overrides: Seq
         RuntimeError: the synchronizer failed.
     """
     from diloco_async.metrics.evaluation import model_from_checkpoint
-    from diloco_async.run import RunProcesses
+    from diloco_async.run import RunProcesses, next_incarnations
     from diloco_async.sync import open_run, stored_config
+    from diloco_async.validate import resolve_recipe
     from storage import keys
     from storage.options import storage_options_from_env
 
@@ -158,14 +159,13 @@ def resume(checkpoint_url: str, config: str | Path | None = None, overrides: Seq
     given = None
     if config is not None or overrides:
         base = stored_config(checkpoint_url, env) if config is None else None
-        path = None if config is None else str(load_run_config(config)[1])
+        path = None if config is None else str(resolve_recipe(str(config)))
         given = load_config(path, list(overrides), base=base)
     cfg, store, run_id, ckpt = open_run(checkpoint_url, given, env)
     _prepare(cfg, log.info)
     eval_start = _evaluate(cfg, model_from_checkpoint(cfg, ckpt))
     run = RunProcesses(cfg, run_id=run_id, resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))
-    incarnations = {int(lid.rsplit("-", 1)[1]): int(d["incarnation"]) + 1
-                    for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
+    incarnations = next_incarnations(ckpt.manifest)
     started = time.monotonic()
     try:
         summary = _run(run, eval_start, on_status, poll_s, incarnations)

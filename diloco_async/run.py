@@ -44,7 +44,14 @@ from storage.options import STORAGE_OPTIONS_ENV
 from storage.run_checkpoints import open_run_checkpoint, write_run_manifest
 from storage.store import ObjectStore
 
-__all__ = ["RunProcesses"]
+__all__ = ["RunProcesses", "next_incarnations"]
+
+
+def next_incarnations(manifest: dict) -> dict[int, int]:
+    """Learner index -> the incarnation a resume starts it as: one past the incarnation the
+    checkpoint ``manifest`` recorded for ``learner-{index}`` (learners of other names are skipped)."""
+    return {int(lid.rsplit("-", 1)[1]): int(d["incarnation"]) + 1
+            for lid, d in manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
 
 log = logging.getLogger("diloco.run")
 

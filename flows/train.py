@@ -41,7 +41,7 @@ from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_f
 from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.prerequisites import prepare
-from diloco_async.run import RunProcesses
+from diloco_async.run import RunProcesses, next_incarnations
 from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
@@ -392,8 +392,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
         run.run_initial_loss = sink.first_value("eval/loss")
         logger.info("run %s: resuming from checkpoint %d, held-out loss %.4f nats/token, %.4f bits/byte", run_id,
                     ckpt.seq, *eval_start)
-        incarnations = {int(lid.rsplit("-", 1)[1]) : int(d["incarnation"]) + 1
-                        for lid, d in ckpt.manifest["learners"].items() if lid.rsplit("-", 1)[-1].isdigit()}
+        incarnations = next_incarnations(ckpt.manifest)
         summary = _execute(run, sink, eval_start, incarnations)
     return finish(run, summary, mlflow_url)
 
