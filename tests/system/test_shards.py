@@ -353,7 +353,10 @@ def two_shard_run(tmp_path, *, checkpoint_every_s: float, wall_s: float, tokens:
 
 
 def newest_version(store: ObjectStore, run_id: str, p: int) -> int:
-    return max((v for (q, v) in version_digests(store, run_id) if q == p), default=-1)
+    """The newest published version of fragment ``p``, from the keys alone: a running shard's garbage
+    collection may delete an older version between a listing and a read of it."""
+    listed = (keys.parse_version_key(run_id, k) for k in store.list(keys.versions_prefix(run_id)))
+    return max((v for pv in listed if pv is not None and pv[0] == p for v in [pv[1]]), default=-1)
 
 
 def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resumed_from_one_run_checkpoint(tmp_path):
@@ -389,7 +392,10 @@ def test_real_learners_on_two_shards_one_run_seen_as_one_stopped_once_and_resume
     assert len([k for k in store.list("real/stops") if k.endswith(".json")]) == 1  # the run stopped once
     # each learner's tokens once (as with one synchronizer), not once per shard
     assert budget <= summary["tokens_processed"] < sum(d["tokens_processed"] for d in shard_docs)
-    assert summary["merges"] == sum(d["merges"] for d in shard_docs) and min(summary["versions"].values()) >= 1
+    # whatever the learners' pace (a loaded machine may spend the budget before a round closes): the
+    # run's merges are the shards' and each fragment's version is its owner's
+    assert summary["merges"] == sum(d["merges"] for d in shard_docs)
+    assert summary["versions"] == {str(p): shard_docs[p % 2]["versions"][str(p)] for p in range(2)}
     # a learner's merged tokens: summed over the shards (each merges its own fragments), capped at the
     # tokens it processed, as for one synchronizer (goodput.LearnerLedger); whatever order the merges took
     ids = {lid for d in shard_docs for lid in d["learners"]}
