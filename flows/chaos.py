@@ -183,7 +183,7 @@ def _log_method(sink: MlflowSink, res: MethodResult, m: Measurement, tl: Timelin
     for lid, a in m.accounting.learners.items():
         sink.log_metric(f"chaos/{lid}/compute_goodput", a.compute_goodput)
     for ln in res.learners:
-        for key in ("compute_share", "merged_share", "tokens_merged"):
+        for key in ("compute_share", "processed_share", "merged_share", "tokens_merged"):
             if ln[key] is not None:
                 sink.log_metric(f"chaos/slot-{ln['slot']}/{key}", float(ln[key]))
     sink.log_artifact(Path(res.timeline_png))
@@ -356,19 +356,21 @@ def _fmt_share(v: float | None) -> str:
 
 def learners_table(name: str, row: dict) -> Table:
     """One method's ``learners`` (:func:`~diloco_async.chaos.measure.learner_shares`) as a table:
-    per slot its speed, what makes it different, its compute share, its merged share of the tokens,
-    their ratio, the tokens it had merged and its contributions by outcome."""
+    per slot its speed, what makes it different, its nominal compute share (speed x time up), its
+    share of the tokens processed, its merged share of the tokens, that over its processed share,
+    the tokens it had merged and its contributions by outcome."""
     t = Table(title=f"{name}, {row['method']}: each learner's merged share of the tokens against its share of "
-                    f"the compute (speed x time up)")
-    for col in ("slot", "speed", "note", "compute share", "merged share", "merged / compute", "tokens merged",
-                "contributions"):
+                    f"the compute (nominal: speed x time up; done: tokens processed)")
+    for col in ("slot", "speed", "note", "nominal share", "processed share", "merged share", "merged / processed",
+                "tokens merged", "contributions"):
         t.add_column(col, justify="left" if col in ("slot", "note", "contributions") else "right")
     for ln in row["learners"]:
         contrib = ", ".join(f"{k} {v}" for k, v in sorted(ln["contributions"].items())) or "none"
         t.add_row(f"slot-{ln['slot']}", f"{ln['speed']:g}", ln.get("note") or ("skipped: " + ln["skipped"]
                                                                              if ln["skipped"] else ""),
-                  _fmt_share(ln["compute_share"]), _fmt_share(ln["merged_share"]),
-                  _fmt_share(ln["merged_over_compute"]), f"{ln['tokens_merged']:.0f}", contrib)
+                  _fmt_share(ln["compute_share"]), _fmt_share(ln.get("processed_share")),
+                  _fmt_share(ln["merged_share"]), _fmt_share(ln.get("merged_over_processed")),
+                  f"{ln['tokens_merged']:.0f}", contrib)
     return t
 
 

@@ -19,7 +19,7 @@ from diloco_async.metrics.timeline import Accounting, Timeline, account
 from diloco_async.models.transformer import ByteGPT
 
 __all__ = ["Snapshot", "Measurement", "goodput_window_start", "uptime_max_gap_s", "initial_model", "eval_curve",
-           "eval_at", "measure", "learner_shares", "speed_weighted_goodput"]
+           "eval_at", "measure", "learner_shares", "processed_shares", "speed_weighted_goodput"]
 
 #: one point of a loss curve: (seconds since the first snapshot, tokens in the model, loss in nats/byte)
 CurvePoint = tuple[float, float, float]
@@ -127,8 +127,10 @@ def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapp
         One dict per slot: ``slot``, ``speed``, ``up_s``, ``compute_share`` (speed x up_s over the sum
         over slots), ``tokens_merged``, ``tokens_processed``, ``merged_share`` (tokens_merged over the
         sum; None when nothing was merged), ``merged_over_compute`` (merged_share / compute_share; None
-        when either is None or the compute share is 0), ``contributions`` (by outcome) and
-        ``skipped`` (the reason, or None).
+        when either is None or the compute share is 0), ``processed_share`` (tokens_processed over
+        the sum: the share of the compute the learner actually did, every step being of the same
+        token count), ``merged_over_processed`` (merged_share / processed_share, None as above),
+        ``contributions`` (by outcome) and ``skipped`` (the reason, or None).
 
     Raises:
         ValueError: ``speeds`` and ``up_s`` differ in length, or a speed or an up-time is negative.
@@ -152,7 +154,22 @@ def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapp
                      "merged_share": m_share,
                      "merged_over_compute": m_share / c_share if m_share is not None and c_share > 0 else None,
                      "contributions": dict(led[i].get("contributions", {})), "skipped": skipped.get(i)})
+    for row, share in zip(rows, processed_shares(rows), strict=True):
+        row["processed_share"] = share
+        row["merged_over_processed"] = (row["merged_share"] / share
+                                        if row["merged_share"] is not None and share else None)
     return rows
+
+
+def processed_shares(rows: Sequence[Mapping]) -> list[float]:
+    """Each slot's share of the tokens processed (``tokens_processed`` of the rows of
+    :func:`learner_shares`, in order): the share of the compute each learner actually did. With
+    emulated speeds on a shared host a slowed learner may get less than its nominal speed x time
+    up (it sleeps a multiple of its measured step time and runs at a lower priority); this share
+    counts what it did. All 0.0 when nothing was processed."""
+    processed = [float(r.get("tokens_processed") or 0.0) for r in rows]
+    total = sum(processed)
+    return [x / total if total > 0 else 0.0 for x in processed]
 
 
 def speed_weighted_goodput(acc: Accounting, speeds: Mapping[str, float]) -> float:

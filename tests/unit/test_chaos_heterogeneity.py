@@ -84,6 +84,11 @@ def test_learner_shares_against_compute_shares():
     assert rows[3]["merged_over_compute"] is None and rows[3]["skipped"] == "needs root" and rows[3]["up_s"] == 0.0
     assert rows[1]["contributions"] == {"late": 2} and rows[2]["contributions"] == {}
     assert rows[0]["tokens_processed"] == 700
+    # what each did: 700, 300, 0, 0 of 1000 processed; merged 600/700 and 100/700 of the merged tokens
+    assert [r["processed_share"] for r in rows] == pytest.approx([0.7, 0.3, 0.0, 0.0])
+    assert rows[0]["merged_over_processed"] == pytest.approx(6 / 7 / 0.7)
+    assert rows[1]["merged_over_processed"] == pytest.approx(1 / 7 / 0.3)
+    assert rows[2]["merged_over_processed"] is None and rows[3]["merged_over_processed"] is None
     nothing = learner_shares([1.0], [10.0], {})
     assert nothing[0]["merged_share"] is None and nothing[0]["merged_over_compute"] is None
     with pytest.raises(ValueError, match="2 speeds but 1 up-times"):
@@ -128,12 +133,19 @@ def test_slot_link_placement_puts_only_the_link_learner_behind_the_link():
     assert link_skip_reason(None) is None and link_skip_reason(sc.at_full_speed().link) is None
 
 
-def _doc(seed: int, full: bool, merged_over: list[float | None], weighted: float, skipped: str | None = None) -> dict:
-    learners = [{"slot": i, "speed": s, "compute_share": 0.25, "merged_share": None if m is None else m * 0.25,
-                 "merged_over_compute": m, "tokens_merged": 100.0 * (m or 0), "note": "", "skipped": None,
-                 "contributions": {}} for i, (s, m) in enumerate(zip([1.0, 0.5, 0.1, 1.0], merged_over, strict=True))]
+def _doc(seed: int, full: bool, merged_over: list[float | None], weighted: float, skipped: str | None = None,
+         processed: list[float] | None = None) -> dict:
+    """A chaos --out document whose slot i merged ``merged_over[i]`` x its share of the tokens processed
+    (``processed``: each slot's tokens processed, 100 each by default; nominal compute shares 0.25)."""
+    processed = list(processed or [100.0] * 4)
     if skipped:
-        learners[3].update(skipped=skipped, merged_over_compute=None, compute_share=0.0)
+        processed[3] = 0.0
+    learners = [{"slot": i, "speed": s, "compute_share": 0.25, "tokens_processed": t,
+                 "merged_share": None if m is None else m * t / sum(processed),
+                 "tokens_merged": 100.0 * (m or 0), "note": "", "skipped": None, "contributions": {}}
+                for i, (s, m, t) in enumerate(zip([1.0, 0.5, 0.1, 1.0], merged_over, processed, strict=True))]
+    if skipped:
+        learners[3].update(skipped=skipped, compute_share=0.0)
     return {"scenario": "heterogeneous", "seed": seed, "full_speed": full,
             "rows": [{"method": "decoupled", "learners": learners, "speed_weighted_compute_goodput": weighted,
                       "token_goodput": 0.9}]}
@@ -155,6 +167,14 @@ def test_het_bars_per_learner_and_goodput_against_the_full_speed_fleet(tmp_path,
     never = bars["slot 3 (1x): merged share / compute share"]
     assert never.value == 0.0 and not never.ok  # a learner that never got merged misses its bar
     assert bars["slot 2 (0.1x): merged share / compute share"].ok
+    assert bars["slot 2 (0.1x): processed share / nominal compute share"].value == pytest.approx(1.0)
+    # a slowed learner that computed half its nominal share: judged on what it computed, and the gap shown
+    (tmp_path / "starved").mkdir()
+    starved = _files(tmp_path / "starved", [_doc(s, False, [1.0, 1.0, 0.9, 1.0], 0.9, processed=[100, 100, 50, 100])
+                                for s in range(3)])
+    slow = {b.figure: b for b in het_bars(starved, full)}
+    assert slow["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(0.9)
+    assert slow["slot 2 (0.1x): processed share / nominal compute share"].value == pytest.approx(50 / 350 / 0.25)
     ratio = bars["compute goodput in compute available / full-speed fleet's"]
     assert ratio.value == pytest.approx(0.85 / 0.95) and not ratio.ok and "mean of 3 runs +- 0.00" in ratio.detail
     assert main(["--het", *het, "--full", *full]) == 1
