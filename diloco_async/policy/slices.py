@@ -194,9 +194,9 @@ class SliceLedger:
     # -- ends of leases -----------------------------------------------------------------------
 
     def release(self, learner: str, slices: Iterable[int]) -> list[int]:
-        """``learner`` is done with ``slices`` (no contribution of it will name them again): trained
-        ones end; the others wait to return (:meth:`sweep`). Slices it does not hold are ignored.
-        Returns the slices whose lease ended or is ending."""
+        """``learner`` is done with ``slices`` (no contribution of it will name them again): their
+        leases end once no contribution in flight names them (:meth:`sweep`; the untrained ones then
+        return to the pool). Slices it does not hold are ignored. Returns the slices whose lease is ending."""
         out = []
         for s in slices:
             lease = self.leases.get(s)
@@ -215,18 +215,13 @@ class SliceLedger:
         return sorted(s for s, lease in self.leases.items() if lease.learner == learner and not lease.releasing)
 
     def _end(self, s: int, lease: SliceLease) -> None:
-        if lease.trained:
-            del self.leases[s]
-            if lease.epoch != self.epoch:  # trained in the last epoch: part of this epoch's pool
-                self._back_to_pool(s, counted=False)
-        else:
-            lease.releasing = True
+        lease.releasing = True  # kept until no contribution in flight names it (sweep), trained or not
 
     def sweep(self, in_flight: Iterable[int]) -> list[int]:
-        """Return to the pool every releasing slice that no contribution in flight names
-        (``in_flight``: the slices named by contributions accepted and not yet merged or thrown
-        away). Returns them; each is counted ``returned``, and ``thrown_away`` when a contribution had
-        named it (training was done on it and discarded)."""
+        """End every releasing lease that no contribution in flight names (``in_flight``: the slices
+        named by contributions accepted and not yet merged or thrown away); its slice returns to the
+        pool unless it was trained, counted ``returned``, and ``thrown_away`` when a contribution had
+        named it (training was done on it and discarded). Returns the slices whose lease ended."""
         busy = set(in_flight)
         done = [s for s, lease in self.leases.items() if lease.releasing and s not in busy]
         for s in done:
