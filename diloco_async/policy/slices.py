@@ -32,7 +32,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["SliceLedger", "SliceLease", "NEVER_REACHED", "LEASED", "TRAINED", "RETURNED", "slice_count"]
+__all__ = ["SliceLedger", "SliceLease", "NEVER_REACHED", "LEASED", "TRAINED", "RETURNED", "slice_count",
+           "slice_header", "header_slices"]
 
 NEVER_REACHED, LEASED, TRAINED, RETURNED = 0, 1, 2, 3
 _STATE_NAMES = {NEVER_REACHED: "never_reached", LEASED: "leased", TRAINED: "trained", RETURNED: "returned"}
@@ -52,6 +53,25 @@ def slice_count(train_tokens: int, slice_tokens: int) -> int:
         raise ValueError(f"data.slice_tokens={slice_tokens} is larger than the {train_tokens} training tokens: "
                          "not one slice")
     return n
+
+
+def slice_header(by_learner: dict[str, list[int]]) -> str:
+    """The ``slices`` entry of a published version's header: the slices each merged learner's
+    contribution named, ``learner:s,s,...`` joined by ``;`` (learners naming none left out); "" for none."""
+    return ";".join(f"{lid}:{','.join(map(str, slices))}" for lid, slices in by_learner.items() if slices)
+
+
+def header_slices(value: str | None) -> dict[str, list[int]]:
+    """:func:`slice_header`'s string read back as learner -> slices (``{}`` for None or "").
+
+    Raises:
+        ValueError: a slice that is not an integer.
+    """
+    out: dict[str, list[int]] = {}
+    for item in filter(None, (value or "").split(";")):
+        learner, _, ids = item.partition(":")
+        out[learner] = [int(s) for s in ids.split(",") if s]
+    return out
 
 
 @dataclass

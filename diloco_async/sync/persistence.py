@@ -21,6 +21,7 @@ from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, config_differences, config_hash
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.policy.shards import assignment
+from diloco_async.policy.slices import header_slices
 from diloco_async.protocol.versions import VersionHistory, read_version
 from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
@@ -323,7 +324,7 @@ def _adopt_published(ctx: ActorContext, f: FragmentState, lease_epoch: int) -> l
         f.version, f.current, f.published, f.compact = v, tensors, tensors, None  # (a residual is dropped)
         f.next_round = max(f.next_round, int(meta.get("round") or 0) + 1)
         kept.append(v)
-        trained += [int(x) for x in (meta.get("slices") or "").split(",") if x]
+        trained += [s for named in header_slices(meta.get("slices")).values() for s in named]
     if not kept:
         return trained
     f.optimizer.load_state(f.current, f.momentum if f.outer_steps > 0 else None, steps_taken=f.outer_steps)

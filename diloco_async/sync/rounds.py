@@ -56,10 +56,10 @@ SETTLED_CAP = 4096
 
 
 def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
-    """A merged contribution in the merge log: who, its counters and its token weight
-    c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
-    return {"learner": learner_id, "c_tokens": ann.c_tokens, "c_steps": ann.c_steps,
-            "token_weight": token_weight(ann.c_tokens, ann.c_steps), "base_version": ann.base_version}
+    """A merged contribution in the merge log: who, its counters, leased slices (if any, DESIGN §5.2) and token
+    weight c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
+    return {"learner": learner_id, "c_tokens": ann.c_tokens, "c_steps": ann.c_steps, "base_version": ann.base_version,
+            "token_weight": token_weight(ann.c_tokens, ann.c_steps), **({"slices": ann.slices} if ann.slices else {})}
 
 
 class RoundTable:

@@ -42,6 +42,7 @@ from diloco_async.policy.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
+from diloco_async.policy.slices import slice_header
 from diloco_async.protocol.messages import Announcement, CompactInfo
 from diloco_async.sync.shard_objects import fetch_shards
 from diloco_async.sync.state import Contribution, FragmentState, Merged
@@ -65,7 +66,7 @@ def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[s
     """Publish version ``v`` of fragment ``p`` (fp32 safetensors, immutable key). The header
     names the fragment, the version, the round it merged and the lease epoch of its publisher
     (a resume uses them to rebuild the published history, docs/resume-and-fencing.md) and, with
-    leases, the slices it trained (``slices``, comma-separated; DESIGN §5.2).
+    leases, the slices it trained (``slices``: :func:`~diloco_async.policy.slices.slice_header`; DESIGN §5.2).
 
     Raises:
         FileExistsError: that version was already published.
@@ -431,8 +432,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     if publish.lookahead < 1.0:
         new = f.optimizer.take_back_lookahead(1.0 - publish.lookahead)
     try:
-        trained = sorted({s for c in kept if factors.get(c.ann.learner_id, 1.0) > 0 for s in c.ann.slices})
-        version, ref, published, compact = _publish(store, run_id, f, new, n, publish, ",".join(map(str, trained)))
+        trained = slice_header({c.ann.learner_id: c.ann.slices for c in kept if factors.get(c.ann.learner_id, 1.0) > 0})
+        version, ref, published, compact = _publish(store, run_id, f, new, n, publish, trained)
     except Exception as err:
         restore()
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)
