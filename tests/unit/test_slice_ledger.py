@@ -198,3 +198,28 @@ def test_any_order_trains_no_slice_twice_and_loses_none(seed: int) -> None:
     states = led.states()
     assert sorted(states["trained"] + states["returned"] + states["never_reached"]) == list(range(40))
     assert states["leased"] == []
+
+
+def test_version_header_names_each_learners_slices() -> None:
+    from diloco_async.policy.slices import header_slices, slice_header
+
+    value = slice_header({"learner-0": [3, 4], "learner-1": [], "learner-2": [9]})
+    assert value == "learner-0:3,4;learner-2:9"
+    assert header_slices(value) == {"learner-0": [3, 4], "learner-2": [9]}
+    assert header_slices(None) == {} and header_slices("") == {} and slice_header({}) == ""
+    with pytest.raises(ValueError):
+        header_slices("learner-0:3,x")
+
+
+def test_a_leased_step_reads_consecutive_windows_of_the_stream() -> None:
+    import numpy as np
+
+    from diloco_async.data.tokens import Corpus
+
+    stream = np.arange(100, dtype=np.uint16)
+    x, y = Corpus.windows(stream, 10, batch_size=3, context=4)
+    assert x.tolist() == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
+    assert y.tolist() == [[11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21, 22]]
+    assert Corpus.windows(stream, 87, 3, 4)[1][-1, -1] == 99
+    with pytest.raises(ValueError, match="windows from token 88"):
+        Corpus.windows(stream, 88, 3, 4)
