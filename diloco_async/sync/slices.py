@@ -11,7 +11,7 @@ method is a no-op (``enabled`` False).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from diloco_async.config.schema import Config
@@ -21,7 +21,7 @@ from diloco_async.protocol.messages import Announcement, LeaseRequest, LeaseResp
 if TYPE_CHECKING:
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.reporting import Reporter
-    from diloco_async.sync.rounds import RoundTable
+    from diloco_async.sync.state import Round
 
 __all__ = ["SliceDesk", "NOT_HELD"]
 
@@ -134,17 +134,17 @@ class SliceDesk:
             if ended:
                 log.info("learner %s %s: its %d lease(s) end %s", learner, why, len(ended), ended[:8])
 
-    def sweep(self, table: RoundTable, stopped: bool, registry: LearnerRegistry) -> None:
+    def sweep(self, rounds: Mapping[tuple[int, int], Round], stopped: bool, registry: LearnerRegistry) -> None:
         """End the leases of holders that ``registry`` no longer has live as the incarnation they
         leased under (heartbeat lapsed, restarted), or of every holder once the run is ``stopped``
         and no round is left (the run's last accounting); then return the ended leases no
-        contribution in flight names."""
+        contribution in flight (in the open ``rounds``, the round table's) names."""
         led = self.ledger
         if led is None:
             return
         for lid in {lease.learner for lease in led.leases.values() if not lease.releasing}:
             info = registry.get(lid)
-            if stopped and not table.rounds:
+            if stopped and not rounds:
                 self.learner_gone(lid, "stopped with the run")
             elif info is None or not info.live:
                 self.learner_gone(lid, "lost")
@@ -152,7 +152,7 @@ class SliceDesk:
                 self.learner_gone(lid, f"restarted as incarnation {info.incarnation}")
         if not led.releasing():
             return
-        in_flight = {s for rnd in table.rounds.values() for c in rnd.contributions.values() for s in c.ann.slices}
+        in_flight = {s for rnd in rounds.values() for c in rnd.contributions.values() for s in c.ann.slices}
         back = led.sweep(in_flight)
         if back:
             self.report.metric("sync/slices_requeued", led.counts["returned"])

@@ -65,11 +65,12 @@ def _ann(lid: str, slices: list[int], c_tokens: int, p: int = 0) -> Announcement
                         slices=slices)
 
 
-def _table(*contribs: Announcement) -> SimpleNamespace:
+def _table(*contribs: Announcement) -> dict:
+    """The open rounds: one holding ``contribs`` (none when there are none)."""
     rnd = Round(RoundState(0, 1, 0.0, 1))
     for ann in contribs:
         rnd.contributions[ann.learner_id] = Contribution(ann)
-    return SimpleNamespace(rounds={(0, 1): rnd} if contribs else {})
+    return {(0, 1): rnd} if contribs else {}
 
 
 def test_lease_requests_release_and_revoke() -> None:
