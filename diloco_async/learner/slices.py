@@ -130,10 +130,15 @@ class SliceFeed:
             gone = set(int(s) for s in resp.get("revoked", ()))
             self.revoked |= gone
             self.queue = deque(h for h in self.queue if h.slice_id not in gone)
+            have = {h.slice_id for h in self.queue} | ({self.hand.slice_id} if self.hand else set()) | self.finished
+            added = 0
             for s, start, tokens in resp.get("slices", ()):
+                if int(s) in have and int(s) not in gone:  # leased to us again (a restarted synchronizer): once
+                    continue
                 self.revoked.discard(int(s))
                 self.queue.append(_InHand(int(s), int(start), int(tokens)))
-            return len(resp.get("slices", ()))
+                added += 1
+            return added
 
     def unsent(self, body: dict) -> None:
         """A request that got no answer: its releases go with the next one."""
