@@ -45,10 +45,12 @@ class SliceDesk:
         ledger: the ledger, or None when ``data.slices`` is off.
         clock: the actor's clock (seconds), for the lease times.
         report: the actor's reporter (counts and metrics).
+        lapse_s: a holder silent this long (``synchronizer.heartbeat_timeout_s``) loses its leases.
     """
 
-    def __init__(self, ledger: SliceLedger | None, clock: Callable[[], float], report: Reporter) -> None:
-        self.ledger, self.clock, self.report = ledger, clock, report
+    def __init__(self, ledger: SliceLedger | None, clock: Callable[[], float], report: Reporter,
+                 lapse_s: float = 10.0) -> None:
+        self.ledger, self.clock, self.report, self.lapse_s = ledger, clock, report, lapse_s
         self.incarnations: dict[str, int] = {}  # the incarnation each holder leased under
 
     @classmethod
@@ -65,7 +67,7 @@ class SliceDesk:
         tokens = train_tokens if train_tokens is not None else training_tokens(cfg)
         n = slice_count(tokens, cfg.data.slice_tokens)
         log.info("slice ledger: %d slices of %d tokens over %d training tokens", n, cfg.data.slice_tokens, tokens)
-        return cls(SliceLedger(n, cfg.data.slice_tokens), clock, report)
+        return cls(SliceLedger(n, cfg.data.slice_tokens), clock, report, cfg.synchronizer.heartbeat_timeout_s)
 
     @property
     def enabled(self) -> bool:
@@ -136,9 +138,11 @@ class SliceDesk:
 
     def sweep(self, rounds: Mapping[tuple[int, int], Round], stopped: bool, registry: LearnerRegistry) -> None:
         """End the leases of holders that ``registry`` no longer has live as the incarnation they
-        leased under (heartbeat lapsed, restarted), or of every holder once the run is ``stopped``
-        and no round is left (the run's last accounting); then return the ended leases no
-        contribution in flight (in the open ``rounds``, the round table's) names."""
+        leased under (silent for ``lapse_s``: heartbeat lapsed; restarted), or of every holder once
+        the run is ``stopped`` and no round is left (the run's last accounting); then return the
+        ended leases no contribution in flight (in the open ``rounds``, the round table's) names.
+        A learner restored from a checkpoint is not live until it heartbeats: its leases wait
+        ``lapse_s`` from the restore for it."""
         led = self.ledger
         if led is None:
             return
@@ -146,7 +150,7 @@ class SliceDesk:
             info = registry.get(lid)
             if stopped and not rounds:
                 self.learner_gone(lid, "stopped with the run")
-            elif info is None or not info.live:
+            elif info is None or (not info.live and self.clock() - info.last_seen_s > self.lapse_s):
                 self.learner_gone(lid, "lost")
             elif info.incarnation != self.incarnations.get(lid, info.incarnation):
                 self.learner_gone(lid, f"restarted as incarnation {info.incarnation}")

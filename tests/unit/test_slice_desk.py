@@ -114,6 +114,10 @@ def test_lost_learner_leases_return_after_its_contributions_settle() -> None:
     named = _ann("a", [0], 10)
     desk.check_announcement(named)
     assert len(reg.mark_lost(1e9, 1.0)) == 2  # a and b silent: lost
+    clock.t = desk.lapse_s - 1.0  # not silent for heartbeat_timeout_s yet (a learner restored from a checkpoint)
+    desk.sweep(_table(named), stopped=False, registry=reg)
+    assert desk.figures()["slices_requeued"] == 0 and desk.figures()["slices_leased_now"] == 3
+    clock.t = desk.lapse_s + 1.0
     desk.sweep(_table(named), stopped=False, registry=reg)
     f = desk.figures()
     assert f["slices_requeued"] == 2 and f["slices_leased_now"] == 1  # 0 waits for a's contribution in flight
