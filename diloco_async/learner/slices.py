@@ -56,6 +56,7 @@ class SliceFeed:
         self.to_release: list[int] = []  # for the next lease request (under lock)
         self.revoked: set[int] = set()  # no longer ours: the synchronizer said so (under lock)
         self.since: list[dict[int, int]] = [{} for _ in range(fragments)]  # per fragment: slice -> tokens
+        self.outstanding: dict[tuple[int, int], list[int]] = {}  # (fragment, round) uploading or announcing -> slices
         self.epoch = 0
         self.starved = 0  # steps skipped for want of a slice
         self.step_tokens = 0  # tokens of one inner step (the training thread's last take)
@@ -88,10 +89,20 @@ class SliceFeed:
         for since in self.since:
             since[slice_id] = since.get(slice_id, 0) + tokens
 
-    def named(self, fragment: int) -> list[int]:
-        """The slices a contribution of ``fragment`` names now (trained since its last adoption, still ours)."""
+    def named(self, fragment: int, round_n: int) -> list[int]:
+        """The slices the contribution of ``fragment`` to round ``round_n`` names (trained since the
+        fragment's last adoption, still ours); none is released until :meth:`settled` hears its fate."""
         with self.lock:
-            return sorted(s for s in self.since[fragment] if s not in self.revoked)
+            named = self.outstanding[(fragment, round_n)] = sorted(s for s in self.since[fragment]
+                                                                   if s not in self.revoked)
+            return named
+
+    def settled(self, fragment: int, round_n: int) -> None:
+        """The synchronizer answered that contribution (or its upload failed): the synchronizer now
+        knows whether it is in a round, so its slices may be handed back once nothing else names them."""
+        with self.lock:
+            if self.outstanding.pop((fragment, round_n), None) is not None:
+                self._releasable()
 
     def adopted(self, fragment: int, progress_kept: bool) -> None:
         """``fragment`` was adopted; unless the adoption kept the progress (``rebase``), its next
@@ -102,7 +113,8 @@ class SliceFeed:
                 self._releasable()
 
     def _releasable(self) -> None:
-        done = [s for s in self.finished if all(s not in since for since in self.since)]
+        busy = {s for named in self.outstanding.values() for s in named}
+        done = [s for s in self.finished if s not in busy and all(s not in since for since in self.since)]
         for s in done:
             self.finished.discard(s)
         self.to_release.extend(done)

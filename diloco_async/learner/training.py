@@ -244,6 +244,8 @@ class InnerLoop:
                 p, n, status = self.shared.outcomes.get_nowait()
             except queue.Empty:
                 break
+            if self.feed is not None:  # its slices may be handed back once nothing else names them
+                self.feed.settled(p, n)
             if status not in ("accepted", "duplicate") and p in self.in_flight and self.in_flight[p].round_n == n:
                 del self.in_flight[p]  # nothing of it will be merged: the progress stays in θ for the next round
                 self.hold.discard(p)
@@ -300,7 +302,7 @@ class InnerLoop:
         self.hold.discard(p)
         job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, copy.tensors,
                         encoded=encoded, delta_ready=copy.event, codec=codec,
-                        slices=self.feed.named(p) if self.feed is not None else [])
+                        slices=self.feed.named(p, n) if self.feed is not None else [])
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
         self.shared.upload_queue.put(job)

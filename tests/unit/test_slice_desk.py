@@ -177,10 +177,14 @@ def test_the_learner_feed_names_hands_back_and_prefetches() -> None:
     assert feed.request_body("a", 0)["want"] == 1  # slice 3 is used up: the next is asked for while 7 trains
     assert feed.take(10) == (7, 700)
     feed.trained(7, 10)
-    assert feed.named(0) == [3, 7] and feed.named(1) == [3, 7]
+    assert feed.named(0, 1) == [3, 7] and feed.named(1, 1) == [3, 7]
+    feed.settled(0, 1)
     feed.adopted(0, progress_kept=False)
-    assert feed.named(0) == [] and feed.to_release == []  # fragment 1's next contribution still names 3
+    assert feed.named(0, 2) == [] and feed.to_release == []  # fragment 1's next contribution still names 3
+    feed.settled(0, 2)
     feed.adopted(1, progress_kept=False)
-    assert feed.to_release == [3]  # finished and named by no fragment any more: handed back
+    assert feed.to_release == []  # fragment 1's contribution naming 3 is not answered yet
+    feed.settled(1, 1)
+    assert feed.to_release == [3]  # finished and named by nothing any more: handed back
     feed.answered({"slices": [], "revoked": [7], "epoch": 1})
     assert feed.take(10) is None and feed.epoch == 1  # 7 is no longer ours
