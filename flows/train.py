@@ -40,6 +40,7 @@ from diloco_async.data.tokens import open_corpus
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
+from diloco_async.policy.slices import slice_count
 from diloco_async.prerequisites import prepare
 from diloco_async.run import RunProcesses, next_incarnations
 from diloco_async.runtime.supervisor import Restart
@@ -79,6 +80,8 @@ def prepare_tokens(cfg: Config) -> dict:
     """Tokenize the corpus once into the token cache (training a BPE first if needed) and check the
     tokenizer against the model, before any process starts; bad data input fails here (no retries)."""
     corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
+    if cfg.data.slices:  # a corpus shorter than one slice is refused here, naming data.slice_tokens
+        slice_count(len(corpus.train), cfg.data.slice_tokens)
     return {"tokenizer": cfg.data.tokenizer, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
             "heldout_tokens": len(corpus.heldout), "heldout_bytes": corpus.heldout_bytes,
             "corpus_manifest": corpus.manifest_url}
