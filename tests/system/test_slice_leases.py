@@ -123,7 +123,10 @@ def test_a_learner_killed_mid_run_trains_no_slice_twice_and_loses_none(tmp_path)
         procs[2].kill()  # SIGKILL: its leases end only when its heartbeat lapses
 
         def lost_or_over() -> bool:
-            return sync.proc.poll() is not None or not fetch_status(url)["learners"]["learner-2"]["live"]
+            try:
+                return sync.proc.poll() is not None or not fetch_status(url)["learners"]["learner-2"]["live"]
+            except OSError:  # it stopped meanwhile
+                return sync.proc.poll() is not None
         wait_until(lost_or_over, 120, "learner-2 lost (or the run over)")
 
         def requeued() -> int | None:  # None: the run is over
