@@ -427,7 +427,8 @@ class InnerLoop:
             return
         t0 = time.perf_counter()
         t0_unix = time.time()
-        loss = self.workload.step(self.step, run_tokens, None if taken is None else taken[1])
+        loss = self.workload.step(self.step, run_tokens) if taken is None else self.workload.step(
+            self.step, run_tokens, taken[1])
         if taken is not None and self.feed is not None:
             self.feed.trained(taken[0], tokens)
         dt = time.perf_counter() - t0
