@@ -125,8 +125,9 @@ class Learner:
                 self.group.wrap(workload)
         sh.ready.set()
         shard_tokens = workload.load_data(cfg, self.index)
-        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), CPU subnormals %s, "
-                 "base copies %s, versions %s", self.learner_id, self.index, cfg.learners.count, shard_tokens,
+        log.info("%s ready: %s of %d tokens, %d parameters on %s (%s, %d rank(s)), CPU subnormals %s, "
+                 "base copies %s, versions %s", self.learner_id, "leased slices" if cfg.data.slices else
+                 f"shard {self.index}/{cfg.learners.count}", shard_tokens,
                  sum(p.numel() for p in workload.params.values()), device, cfg.learners.precision, workload.world,
                  "flushed" if subnormals_flushed else "kept", "in RAM" if self.comms.base_in_ram else "in local files",
                  sh.base)
