@@ -89,7 +89,9 @@ def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: Model
                                             "no samples: the sampler only speaks the bytes tokenizer\n")
         sink.log_artifact(folder / "samples.txt")
         if model_cfg is not None and model_cfg.kind == "hf":
-            hf_dir = save_final_model(model, model_cfg, folder / "hf_model", tokenizer=tokenizer)
+            # the folder's own URL in the store: a LoRA adapter names its base there, not on this machine
+            base_url = f"{store_prefix[0].url.rstrip('/')}/{store_prefix[1]}" if store_prefix is not None else None
+            hf_dir = save_final_model(model, model_cfg, folder / "hf_model", tokenizer=tokenizer, base_url=base_url)
             sink.log_artifacts(hf_dir, "hf_model")
             if store_prefix is not None:
                 upload_folder(store_prefix[0], store_prefix[1], hf_dir)
