@@ -84,17 +84,20 @@ def _as_uri(location: str) -> str:
 
 @contextlib.contextmanager
 def mlflow_server(db: str, artifact_root: str, port: int = 0, startup_timeout_s: float = 90.0,
-                  log_path: Path | None = None) -> Iterator[str]:
+                  log_path: Path | None = None, proxy_artifacts: bool = False) -> Iterator[str]:
     """An ``mlflow server`` on 127.0.0.1 (one worker, job execution off) for the sqlite file
-    ``db``; yields its base URL and stops the whole process group afterwards."""
+    ``db``; yields its base URL and stops the whole process group afterwards. ``artifact_root`` is
+    where it keeps artifacts; new experiments get it as their location, or with
+    ``proxy_artifacts`` the server's proxy ``mlflow-artifacts:/`` (clients upload through it)."""
     port = port or free_port()
     backend = db if "://" in db else "sqlite:///" + str(Path(db).resolve())
     root = _as_uri(artifact_root)
     if root.startswith("file://"):
         Path(urllib.parse.urlparse(root).path).mkdir(parents=True, exist_ok=True)
     exe = Path(sys.executable).with_name("mlflow")
+    default_root = "mlflow-artifacts:/" if proxy_artifacts else root
     cmd = [str(exe) if exe.exists() else "mlflow", "server", "--backend-store-uri", backend,
-           "--default-artifact-root", root, "--artifacts-destination", root,
+           "--default-artifact-root", default_root, "--artifacts-destination", root,
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--allowed-hosts", f"{ALIAS}:{port},127.0.0.1:{port},localhost:{port}",
            "--cors-allowed-origins", f"http://{ALIAS}:{port},http://127.0.0.1:{port},http://localhost:{port}"]
