@@ -10,6 +10,7 @@ tokenizer the greedy continuations of ``tracking.eval_samples`` fixed held-out p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,7 +25,9 @@ from diloco_async.models import build_run_model
 from flows.tracking import MlflowSink
 
 __all__ = ["MONITOR_STOP_WAIT_S", "PROMPT_TOKENS", "hf_tokenizer", "eval_sampler", "samples_artifact",
-           "heldout_curve"]
+           "heldout_curve", "final_samples"]
+
+log = logging.getLogger("diloco.flows.heldout")
 
 MONITOR_STOP_WAIT_S = 3.0
 """At the end, an evaluation pass of the held-out monitor still running after this long is left
@@ -87,3 +90,16 @@ def heldout_curve(cfg: Config, store: Any, run_id: str, sink: MlflowSink) -> Ite
     finally:
         monitor.stop(timeout_s=MONITOR_STOP_WAIT_S)
         sink.log_points(pending())
+
+
+def final_samples(cfg: Config, model: Any, step: int, sink: MlflowSink) -> str | None:
+    """The final model's samples of the same prompts (``samples.txt``), or None when the run has
+    none (see :func:`eval_sampler`) or the generation failed (logged, counted in ``sink.errors``:
+    the run is finished either way)."""
+    try:
+        sampler, prompts = eval_sampler(cfg, heldout_split(cfg))
+        return None if sampler is None else format_samples(step, prompts, sampler(model))
+    except Exception as err:  # noqa: BLE001 - samples are a view of a finished model
+        sink.errors += 1
+        log.warning("no text samples of the final model (%s: %s)", type(err).__name__, err)
+        return None

@@ -44,7 +44,7 @@ from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
-from flows.heldout import heldout_curve, hf_tokenizer
+from flows.heldout import final_samples, heldout_curve, hf_tokenizer
 from flows.links import link_mlflow_run
 from flows.resolve import resume_config
 from flows.run_end import finish, interrupted
@@ -270,7 +270,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
             sink.log_metric(f"net/bytes_{d}_per_token", summary[f"bytes_{d}_per_token"], step)
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
-                                             samples=cfg.data.tokenizer == "bytes", tokenizer=hf_tokenizer(cfg))
+                                             samples=cfg.data.tokenizer == "bytes", tokenizer=hf_tokenizer(cfg),
+                                             sample_text=final_samples(cfg, final_model, step, sink))
     summary["registered_model"] = register_final_model(sink, summary["model_uri"], cfg.tracking.register_model)
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")

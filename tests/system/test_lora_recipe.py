@@ -72,6 +72,8 @@ def _check_samples_and_portable_paths(tmp_path: Path, summary: dict) -> None:
     text = client.download_artifacts(run.info.run_id, samples_artifact(evals[-1]), str(tmp_path / "dl"))
     body = Path(text).read_text()
     assert f"after {evals[-1]} merges" in body and body.count("--- prompt ") == 2, body
+    final = Path(client.download_artifacts(run.info.run_id, "samples.txt", str(tmp_path / "dl"))).read_text()
+    assert f"after {summary['merges']} merges" in final and final.count("--- prompt ") == 2, final
     adapter = json.loads(next((tmp_path / ".local" / "store" / "mlartifacts").rglob("adapter_config.json"))
                          .read_text())
     base_ref = adapter["base_model_name_or_path"]
