@@ -52,7 +52,7 @@ def test_a_store_on_s3_keeps_the_runs_artifacts(s3_endpoint, tmp_path, monkeypat
                       store, s3_endpoint.storage_options)
     payload = _log(sink, tmp_path)
     run = sink.client.get_run(sink.run_id)
-    assert run.info.artifact_uri == f"{store}/mlartifacts/{sink.experiment_id}/{sink.run_id}/artifacts"
+    assert run.info.artifact_uri == f"{store}/mlartifacts/{sink.run_id}/artifacts"
     fs = fsspec.filesystem("s3", **s3_endpoint.storage_options)  # the store, as every host reads it
     base = run.info.artifact_uri.removeprefix("s3://")
     assert fs.cat(f"{base}/figures.json") == payload
