@@ -181,6 +181,8 @@ class Uploads:
                 "codec": self.codec_of(job), "update_id": job.update_id}
         if job.shards is not None:
             body["shards"] = [r.to_json() for r in job.shards]
+        if job.slices:
+            body["slices"] = job.slices
         if len(getattr(client, "clients", ())) > 1:  # shards: one that is down must not hold the others' announcements
             task = asyncio.create_task(self._announce_and_report(client, job, body))
             self._announcing.add(task)

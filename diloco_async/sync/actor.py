@@ -1,23 +1,20 @@
 """The synchronizer actor: one asyncio task owns all global state (DESIGN §2-§4).
 
-HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed messages; the
-actor handles each message without awaiting, so every state change is atomic. Blocking work
-(fetching and verifying contributions, merging and publishing, checkpoints) runs in ``asyncio.to_thread``
-and posts its result back to the inbox. After each message (after each batch of at most :data:`BATCH_MAX`
-messages that were queued already), and at least every 50 ms, :meth:`Synchronizer._advance` moves the
-clock-driven part: liveness, budgets, due rounds, quorum and grace, checkpoints and the
-:class:`~diloco_async.sync.lifecycle.Phase`. The work per message does not grow with the learners
-(issue 17; DESIGN §2.1): the registry keeps liveness, tokens and provisioned seconds incrementally; the
-schedule and the rounds' quorum checks, which look at every live learner, run once the inbox is empty
-(but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of real time) or every
-:data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
+HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed messages; the actor handles
+each message without awaiting, so every state change is atomic. Blocking work (fetching and verifying
+contributions, merging and publishing, checkpoints) runs in ``asyncio.to_thread`` and posts its result back
+to the inbox. After each message (after each batch of at most :data:`BATCH_MAX` messages that were queued
+already), and at least every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness,
+leases, budgets, due rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
+The work per message does not grow with the learners (issue 17; DESIGN §2.1): the registry keeps liveness,
+tokens and provisioned seconds incrementally; the schedule and the rounds' quorum checks, which look at every
+live learner, run once the inbox is empty (but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of
+real time) or every :data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
 
-The actor's state lives in components, each the one owner of its part (issue 40 item 5; the table in
-docs/architecture.md): the fragment book (:class:`~diloco_async.sync.fragment_book.FragmentBook`), the
-round table (:class:`~diloco_async.sync.rounds.RoundTable`), the learner registry, the read leases, the
-reporter, the checkpointer and its checkpoint book, the fence, the lifecycle and the stop sequence; what
-they share and none changes is the :class:`~diloco_async.sync.context.ActorContext`. The actor routes
-messages to them and runs the clock-driven part; persistence and the summary take the components.
+The actor's state lives in components, each the one owner of its part (issue 40 item 5; docs/architecture.md):
+fragment book, round table, learner registry, read leases, slice desk, reporter, checkpointer and its book,
+fence, lifecycle and stop sequence; what they share and none changes is the :class:`ActorContext`
+(:mod:`~diloco_async.sync.context`). The actor routes messages to them and runs the clock-driven part.
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import JsonLinesLog, RateLimitedLog
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundTable
+from diloco_async.sync.slices import SliceDesk
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
@@ -115,18 +113,17 @@ class Synchronizer:
     """The synchronizer of one run: the actor over its components (see the module doc).
 
     Args:
-        cfg: the validated config.
+        cfg, run_id: the validated config; this run's id.
         store: the object store; the run lives under ``{store}/{run_id}/``.
-        run_id: this run's id.
         clock: monotonic clock in seconds (injectable for tests).
-        spill_dir: folder of the metric and merge spill files (default: the temporary folder).
-        tails: the records kept in memory (:class:`MemoryTails`).
-        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write and delete
-            checks it first, and a lost lease ends :meth:`run` at once with :class:`~diloco_async.sync.lease.LeaseLost`
-            (the caller renews it: :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
+        spill_dir, tails: folder of the metric and merge spill files (default: the temporary folder);
+            the records kept in memory (:class:`MemoryTails`).
+        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write and delete checks it
+            first, and a lost lease ends :meth:`run` at once with :class:`~diloco_async.sync.lease.LeaseLost` (the
+            caller renews it: :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
         shard: this synchronizer's shard of ``synchronizer.shards`` (DESIGN §2.2): its fragment book holds
-            :func:`~diloco_async.policy.shards.fragments_of` it; its lease, checkpoints and epochs lie
-            under :attr:`~diloco_async.sync.context.ActorContext.owner_id`.
+            :func:`~diloco_async.policy.shards.fragments_of` it; its lease, checkpoints and epochs lie under
+            :attr:`~diloco_async.sync.context.ActorContext.owner_id`.
 
     Raises:
         ValueError: ``shard`` outside ``[0, synchronizer.shards)``.
@@ -157,9 +154,10 @@ class Synchronizer:
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
+        self.slices = self.table.slices = SliceDesk.build(cfg, clock, self.report)  # the slice ledger's one owner
         self.checkpoints = Checkpointer(self.ctx, self.report, partial(
             persistence.checkpoint_payload, self.ctx, book=self.book, table=self.table, registry=self.registry,
-            report=self.report), gc_keep=self._versions_being_read)
+            report=self.report, slices=self.slices), gc_keep=self._versions_being_read)
         self.stop_sequence = StopSequence(self.ctx, self.life, self.table, self.registry, self.checkpoints,
                                           self.report, self.push, self.summary)
         self._sweeps = SweepTimer()
@@ -208,12 +206,12 @@ class Synchronizer:
     def restore(self, ckpt: Checkpoint) -> None:
         """Continue from a verified checkpoint of this run; see :func:`persistence.restore`."""
         persistence.restore(ckpt, self.ctx, book=self.book, table=self.table, registry=self.registry,
-                            report=self.report, checkpoints=self.checkpoints.book)
+                            report=self.report, checkpoints=self.checkpoints.book, slices=self.slices)
 
     def summary(self) -> dict:
         """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
-        return summary.summary(self.ctx, book=self.book, table=self.table, registry=self.registry,
-                               report=self.report, checkpoints=self.checkpoints.book, life=self.life)
+        return summary.summary(self.ctx, book=self.book, table=self.table, registry=self.registry, report=self.report,
+                               checkpoints=self.checkpoints.book, life=self.life, slices=self.slices)
 
     def status(self) -> dict:
         """The summary, open rounds and lifecycle phase (``GET /status``)."""
@@ -318,7 +316,8 @@ class Synchronizer:
             self.report.answer_metrics(int(msg.body), msg.reply, self._spawn)
             return
         handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self.table.on_announce,
-                   "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
+                   "status": lambda _body: self.status(), "stop": self._on_stop,
+                   "lease": lambda body: self.slices.on_lease(body, self.registry, self.life.running)}[msg.kind]
         try:
             msg.reply.set_result(handler(msg.body))
         except Refused as err:
@@ -436,6 +435,7 @@ class Synchronizer:
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
+        self.slices.sweep(self.table.rounds, self.life.stopped, self.registry)  # lost or restarted: leases end
         self.registry.mark_provisioned(now)  # O(1): the ledgers' readers flush it
 
     def _check_budget(self, now: float) -> None:
