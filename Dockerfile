@@ -14,7 +14,8 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
-    HF_HUB_OFFLINE=1 PREFECT_HOME=/app/.local/prefect HOME=/home/diloco
+    HF_HUB_OFFLINE=1 PREFECT_HOME=/app/.local/prefect HOME=/home/diloco \
+    DILOCO_CHECKOUT=/app
 
 # an unprivileged user with a numeric id (Kubernetes runAsNonRoot can check it)
 RUN groupadd --gid 10001 diloco && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/diloco diloco

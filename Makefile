@@ -280,7 +280,7 @@ ui: setup
 ## ui-screenshot: headless Chromium screenshots of the newest run's page and its metric charts, in
 ##     .local/screenshots (MLFLOW_URL=http://127.0.0.1:5000 to use a running `make ui`; RUN_ID=... for one run)
 ui-screenshot: setup
-	$(PY) scripts/mlflow_screenshot.py --out .local/screenshots --pages overview,model-metrics,system-metrics,learners --expect eval/loss --expect goodput/compute \
+	$(PY) scripts/mlflow_screenshot.py --out .local/screenshots --pages overview,model-metrics,system-metrics,learners,runs --expect eval/loss --expect goodput/compute \
 	    $(if $(MLFLOW_URL),--url $(MLFLOW_URL),--db $(MLFLOW_DB) --artifact-root $(MLFLOW_ARTIFACTS)) \
 	    $(if $(RUN_ID),--run-id $(RUN_ID))
 

@@ -125,7 +125,7 @@ def run_one(suite: Suite, arm: Arm, seed: int, extra: list[str], parent_id: str)
     overrides = arm_overrides(suite, arm, extra)
     cfg = run_config(suite, arm, seed, load_config(s.config, overrides))  # the one parse of this run's recipe
     run = RunProcesses(cfg)
-    sink = MlflowSink(cfg.tracking)
+    sink = MlflowSink(cfg.tracking, cfg.run.store, cfg.run.storage_options)
     sink.start(f"ablate-{s.name}-{arm.name}-s{seed}", flatten_params(cfg.public_dict()),
                {"mlflow.parentRunId": parent_id, "diloco.run_id": run.run_id, "diloco.ablate.suite": s.name,
                 "diloco.ablate.arm": arm.name, "diloco.ablate.seed": str(seed)})
@@ -200,7 +200,7 @@ def ablate(suite: str, overrides: list[str] | None = None, out: str | None = Non
     todo = _plan(sp, done, arms, seeds)
     logger.info("suite %s: %d arms x %d seeds, %d tokens per run; %d runs saved in %s, %d to run",
                 sp.suite.name, len(sp.arms), len(sp.suite.seeds), sp.suite.tokens, len(done), outdir, len(todo))
-    parent = MlflowSink(cfg0.tracking)
+    parent = MlflowSink(cfg0.tracking, cfg0.run.store, cfg0.run.storage_options)
     parent.start(f"ablate-{sp.suite.name}", flatten_params({"suite": sp.model_dump()}),
                  {"diloco.ablate.suite": sp.suite.name, "diloco.ablate.out": str(outdir)})
     status, failed, ran = "FAILED", [], 0

@@ -70,8 +70,9 @@ def text_samples(model: torch.nn.Module, n_bytes: int = 200, seed: int = 0) -> s
 
 def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: ModelConfig | None = None,
                       store_prefix: tuple[ObjectStore, str] | None = None, samples: bool = True,
-                      tokenizer: Any | None = None) -> str:
-    """Log the loss curve, text samples (only when ``samples``: the sampler speaks bytes) and the
+                      tokenizer: Any | None = None, sample_text: str | None = None) -> str:
+    """Log the loss curve, text samples (``sample_text`` when given, e.g. an ``hf`` model's from
+    :func:`flows.heldout.final_samples`; else only when ``samples``: this sampler speaks bytes) and the
     final model to the sink's MLflow run; an ``hf`` model's folder (with ``tokenizer``, a
     transformers tokenizer, when the run has one) also goes to ``store_prefix`` (store, key prefix).
 
@@ -85,11 +86,14 @@ def log_run_artifacts(sink: MlflowSink, model: torch.nn.Module, model_cfg: Model
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         sink.log_artifact(loss_curve_png(sink, folder / "loss_curve.png"))
-        (folder / "samples.txt").write_text(text_samples(model) if samples else
-                                            "no samples: the sampler only speaks the bytes tokenizer\n")
+        if sample_text is None:
+            sample_text = text_samples(model) if samples else "no samples: this run's model has no sampler\n"
+        (folder / "samples.txt").write_text(sample_text)
         sink.log_artifact(folder / "samples.txt")
         if model_cfg is not None and model_cfg.kind == "hf":
-            hf_dir = save_final_model(model, model_cfg, folder / "hf_model", tokenizer=tokenizer)
+            # the folder's own URL in the store: a LoRA adapter names its base there, not on this machine
+            base_url = f"{store_prefix[0].url.rstrip('/')}/{store_prefix[1]}" if store_prefix is not None else None
+            hf_dir = save_final_model(model, model_cfg, folder / "hf_model", tokenizer=tokenizer, base_url=base_url)
             sink.log_artifacts(hf_dir, "hf_model")
             if store_prefix is not None:
                 upload_folder(store_prefix[0], store_prefix[1], hf_dir)

@@ -137,7 +137,7 @@ def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent
     link's placement and the skipped slots."""
     s = sc.scenario
     cfg0 = method_config(sc, method, base)
-    sink = MlflowSink(cfg0.tracking)
+    sink = MlflowSink(cfg0.tracking, cfg0.run.store, cfg0.run.storage_options)
     sink.start(f"chaos-{s.name}-{method}", flatten_params({"scenario": sc.model_dump(), "method": method}),
                {"mlflow.parentRunId": parent.run_id or "", "diloco.chaos.scenario": s.name,
                 "diloco.chaos.method": method})
@@ -342,7 +342,7 @@ def _prepare(cfg: Config) -> list:
 
 def _parent_run(sc: Scenario, cfg: Config) -> tuple[MlflowSink, Path]:
     """The scenario's parent MLflow run, started, and its output folder (made) under the run's workdir."""
-    parent = MlflowSink(cfg.tracking)
+    parent = MlflowSink(cfg.tracking, cfg.run.store, cfg.run.storage_options)
     parent.start(f"chaos-{sc.scenario.name}", flatten_params({"scenario": sc.model_dump()}),
                  {"diloco.chaos.scenario": sc.scenario.name})
     outdir = Path(cfg.run.workdir).resolve() / f"chaos-{sc.scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -19,7 +19,7 @@ from prefect import get_run_logger
 from prefect.states import Completed
 from rich.console import Console
 
-from flows.links import publish_summary
+from flows.links import MlflowLinks, publish_summary
 from flows.summary import stopped_by_signal, summary_table
 
 __all__ = ["INTERRUPTED_LEARNER_WAIT_S", "STOPPED_STATE_NAME", "interrupted", "finish"]
@@ -50,9 +50,10 @@ def interrupted(run: Any, sink: Any, summary: dict, eval_start: tuple[float, flo
     return summary
 
 
-def finish(run: Any, summary: dict, mlflow_url: str) -> Any:
+def finish(run: Any, summary: dict, links: MlflowLinks) -> Any:
     """Add the learner flow runs (deployments launcher) and their final states and the MLflow run's
-    address to a summary, publish it (:func:`flows.links.publish_summary`) and log the address.
+    address to a summary, publish it (:func:`flows.links.publish_summary`) and log the addresses of
+    the run and of the experiment's runs table.
 
     Returns:
         the summary, or after a stop by a signal a Completed state named :data:`STOPPED_STATE_NAME`
@@ -60,9 +61,10 @@ def finish(run: Any, summary: dict, mlflow_url: str) -> Any:
     """
     if run.deployer is not None:
         summary["learner_flow_runs"] = run.learner_flow_runs()
-    summary["mlflow_run_url"] = mlflow_url
-    publish_summary(summary, mlflow_url)
-    get_run_logger().info("MLflow run %s: %s", summary["mlflow_run_id"], mlflow_url)
+    summary["mlflow_run_url"] = links.run_url
+    publish_summary(summary, links.run_url, links.runs_table_url)
+    get_run_logger().info("MLflow run %s: %s", summary["mlflow_run_id"], links.run_url)
+    get_run_logger().info("MLflow runs table (eval loss, goodput, tokens): %s", links.runs_table_url)
     if not stopped_by_signal(summary):
         return summary
     # no address in the message: Prefect prints it quoted, and a terminal would link the quote too

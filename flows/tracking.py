@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -18,9 +19,10 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from diloco_async.config.schema import TrackingConfig
+from flows.mlflow_views import ensure_runs_view, runs_table_path
 from storage.retry import Backoff
 
-__all__ = ["MlflowSink", "flatten_params", "resolve_uri", "learners_chart_path", "EXPERIMENT_KIND_TAG",
+__all__ = ["MlflowSink", "flatten_params", "resolve_uri", "artifact_root", "learners_chart_path", "EXPERIMENT_KIND_TAG",
            "MODEL_TRAINING_KIND", "LEARNERS_CHART_TAG"]
 
 log = logging.getLogger("diloco.tracking")
@@ -48,6 +50,44 @@ def resolve_uri(uri: str) -> str:
     return uri
 
 
+#: store schemes MLflow can keep artifacts in (its S3 and GCS artifact repositories, local files)
+ARTIFACT_SCHEMES = ("file", "s3", "gs")
+#: where artifacts go when neither the config nor a store says (the default store's folder)
+FALLBACK_ARTIFACTS = ".local/store/mlartifacts"
+
+
+def _file_uri(path: str) -> str:
+    return Path(path.removeprefix("file://")).expanduser().resolve().as_uri()
+
+
+def artifact_root(cfg: TrackingConfig, store: str | None = None) -> str | None:
+    """The artifact location of a new experiment, as a URI another host can use (issue 46 item 5):
+
+    * ``tracking.artifact_location`` when set (a plain path becomes a ``file://`` URI);
+    * None with a tracking server (``http(s)://`` ``mlflow_uri``): the server chooses, and an
+      ``mlflow server`` (artifact serving is on by default) answers ``mlflow-artifacts:/...``, its
+      proxy, which every client of the server can read and write;
+    * else ``<store>/mlartifacts`` for a store MLflow can write (``s3://``, ``gs://``, ``file://``):
+      the artifacts sit beside the runs, at the store's URL;
+    * else (``memory://``) :data:`FALLBACK_ARTIFACTS` on this machine.
+    """
+    if cfg.artifact_location:
+        return cfg.artifact_location if "://" in cfg.artifact_location else _file_uri(cfg.artifact_location)
+    if cfg.mlflow_uri.startswith(("http://", "https://")):
+        return None
+    scheme = store.split("://", 1)[0].lower() if store and "://" in store else "file"
+    if store and scheme in ARTIFACT_SCHEMES:
+        root = _file_uri(store) if scheme == "file" else store.rstrip("/")
+        return root.rstrip("/") + "/mlartifacts"
+    return _file_uri(FALLBACK_ARTIFACTS)
+
+
+def _s3_endpoint(storage_options: Mapping[str, Any]) -> str | None:
+    """The S3 endpoint fsspec's storage options name (``endpoint_url``, top level or in ``client_kwargs``)."""
+    client = storage_options.get("client_kwargs") or {}
+    return storage_options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
+
+
 #: the experiment tag MLflow 3's UI reads to choose its layout, and the value for model training
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
@@ -71,17 +111,25 @@ class MlflowSink:
 
     Args:
         cfg: tracking section of the config.
+        store: the run's store URL (``run.store``): a new experiment keeps its artifacts there
+            (:func:`artifact_root`); an existing experiment keeps the location it was created with.
+        storage_options: the store's fsspec options; an S3 endpoint among them becomes MLflow's
+            (``MLFLOW_S3_ENDPOINT_URL`` in this process, unless set), so its artifacts reach the
+            same S3 service. MLflow authenticates with boto3's own credentials (environment, profile).
     """
 
-    def __init__(self, cfg: TrackingConfig) -> None:
+    def __init__(self, cfg: TrackingConfig, store: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         self.uri = resolve_uri(cfg.mlflow_uri)
         self.client = MlflowClient(tracking_uri=self.uri)
+        endpoint = _s3_endpoint(storage_options or {})
+        if endpoint and store and store.lower().startswith("s3://"):
+            os.environ.setdefault("MLFLOW_S3_ENDPOINT_URL", str(endpoint))
         exp = self.client.get_experiment_by_name(cfg.experiment)
         if exp is None:
-            location = cfg.artifact_location
-            if "://" not in location:
-                Path(location).mkdir(parents=True, exist_ok=True)
-                location = Path(location).resolve().as_uri()
+            location = artifact_root(cfg, store)
+            if location is not None and location.startswith("file://"):
+                Path(urllib.parse.unquote(urllib.parse.urlparse(location).path)).mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=location)
         else:
             self.experiment_id = exp.experiment_id
@@ -90,6 +138,8 @@ class MlflowSink:
             self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
         self.run_id: str | None = None
         self.errors = 0
+        # the runs table with eval loss, goodput and tokens as columns (flows/mlflow_views.py)
+        self._call(ensure_runs_view, self.client, self.experiment_id, dict(exp.tags) if exp is not None else {})
         self._last_step: dict[str, int] = {}
         self.children: dict[str, str] = {}  # learner id -> nested MLflow run id
         self._system: Any = None  # the SystemMetricsMonitor while one runs
@@ -121,7 +171,9 @@ class MlflowSink:
         path = learners_chart_path(self.experiment_id, self.run_id)
         self._call(self.client.set_tag, self.run_id, LEARNERS_CHART_TAG, path)
         self._call(self.client.set_tag, self.run_id, "mlflow.note.content",
-                   f"Every learner's `train_loss` on one chart: [the learners' runs, chart view]({path}).")
+                   f"Every learner's `train_loss` on one chart: [the learners' runs, chart view]({path}).\n\n"
+                   f"Every run's eval loss, goodput and tokens side by side: "
+                   f"[the runs table]({runs_table_path(self.experiment_id)}).")
 
     def resume(self, diloco_run_id: str) -> bool:
         """Log into the existing MLflow run of a resumed training run (found by its
@@ -206,6 +258,10 @@ class MlflowSink:
 
     def log_dict(self, obj: Any, name: str) -> None:
         self._call(self.client.log_dict, self.run_id, obj, name)
+
+    def log_text(self, text: str, name: str) -> None:
+        """Log ``text`` as the artifact ``name`` (a path in the run's artifacts, e.g. ``a/b.txt``)."""
+        self._call(self.client.log_text, self.run_id, text, name)
 
     def start_system_metrics(self, interval_s: float) -> None:
         """Sample this machine's CPU, memory, disk and network (and GPUs through NVML, when there

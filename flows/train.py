@@ -35,10 +35,8 @@ from rich.progress import (
 
 from diloco_async.config.schema import Config, config_hash, load_config
 from diloco_async.data.sources import corpus_urls
-from diloco_async.data.tokenizer import transformers_tokenizer
 from diloco_async.data.tokens import open_corpus
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
-from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.policy.slices import slice_count
 from diloco_async.prerequisites import prepare
@@ -47,6 +45,7 @@ from diloco_async.runtime.supervisor import Restart
 from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
+from flows.heldout import final_samples, heldout_curve, hf_tokenizer
 from flows.links import link_mlflow_run
 from flows.provenance import SLICE_FIGURES, log_corpus
 from flows.resolve import resume_config
@@ -211,24 +210,6 @@ def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: 
     run.pause_while_running(pause)
 
 
-@contextmanager
-def _heldout_curve(run: TrainingRun, sink: MlflowSink) -> Iterator[Callable[[], list[dict]]]:
-    """While the run trains, evaluate the newest published global model every
-    ``tracking.eval_every_s`` (:class:`~diloco_async.metrics.heldout_monitor.HeldoutMonitor`, one thread);
-    yields the callable that hands its new ``eval/*`` points over, and logs the rest at the end."""
-    every_s = run.cfg.tracking.eval_every_s
-    if every_s <= 0:
-        yield list
-        return
-    monitor = HeldoutMonitor(build_run_model(run.cfg), heldout_split(run.cfg), run.store, run.run_id, every_s)
-    monitor.start()
-    try:
-        yield monitor.drain
-    finally:
-        monitor.stop(timeout_s=MONITOR_STOP_WAIT_S)
-        sink.log_points(monitor.drain())
-
-
 def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> None:
     """The per-learner goodput timeline of this epoch as a PNG and its accounting as JSON, when
     the learners' records are on this machine (local launcher, or deployments on this host)."""
@@ -258,7 +239,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     logger.info("starting %d learners, synchronizer at %s", cfg.learners.count, " ".join(run.shard_urls))
     for i in range(cfg.learners.count):
         run.start_learner(i, incarnations.get(i, 0))
-    with _heldout_curve(run, sink) as pending:
+    with heldout_curve(cfg, run.store, run.run_id, sink) as pending:
         _watch(run, sink, console, pending)
     code = run.wait_synchronizers()
     run.finished_cleanly = code == 0
@@ -296,7 +277,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
         sink.log_metric(f"data/{key}", summary.get(key, 0), step)
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
-                                             samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))
+                                             samples=cfg.data.tokenizer == "bytes", tokenizer=hf_tokenizer(cfg),
+                                             sample_text=final_samples(cfg, final_model, step, sink))
     summary["registered_model"] = register_final_model(sink, summary["model_uri"], cfg.tracking.register_model)
     _log_goodput_timeline(run, sink, summary)
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
@@ -304,18 +286,6 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     logger.info("run %s finished: eval loss %.4f -> %.4f nats/token, %.4f -> %.4f bits/byte, compute goodput %.3f",
                 run.run_id, eval_start[0], eval_final, eval_start[1], bpb_final, summary["compute_goodput"])
     return summary
-
-
-MONITOR_STOP_WAIT_S = 3.0
-"""At the end, an evaluation pass of the held-out monitor still running after this long is left
-behind (a daemon thread): a Ctrl-C must not wait out a pass on a loaded machine."""
-
-
-def _hf_tokenizer(cfg: Config) -> Any | None:
-    """The run's tokenizer as a transformers tokenizer, saved beside an ``hf`` model (None for
-    bytes, or for another model kind)."""
-    tok = open_corpus(cfg.data, cfg.model.context).tokenizer if cfg.model.kind == "hf" else None
-    return transformers_tokenizer(tok) if tok is not None else None
 
 
 @contextmanager
@@ -353,12 +323,12 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     prepare_corpus(cfg)
     tokens = prepare_tokens(cfg)
     run = TrainingRun(cfg)
-    sink = MlflowSink(cfg.tracking)
+    sink = MlflowSink(cfg.tracking, cfg.run.store, cfg.run.storage_options)
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
     log_corpus(sink, tokens["corpus_manifest"])  # provenance: every source shard and its digest (mlflow.log_input)
-    mlflow_url = link_mlflow_run(sink, cfg.tracking)
+    links = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_initial = evaluate(cfg, model0)
         run.run_initial_loss = eval_initial[0]
@@ -368,7 +338,7 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
         sink.log_dict(cfg.public_dict(), "config.json")
         summary = _execute(run, sink, eval_initial, {})
         sink.log_dict(run.store.get_json(keys.plan_key(run.run_id)), "plan.json")
-    return finish(run, summary, mlflow_url)
+    return finish(run, summary, links)
 
 
 @flow(name="resume", log_prints=True)
@@ -390,11 +360,11 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     prepare_corpus(cfg)
     prepare_tokens(cfg)
     run = TrainingRun(cfg, run_id=run_id, resume_url=keys.checkpoint_url(store.url, run_id, ckpt.seq))
-    sink = MlflowSink(cfg.tracking)
+    sink = MlflowSink(cfg.tracking, cfg.run.store, cfg.run.storage_options)
     if not sink.resume(run_id):
         sink.start(f"{cfg.run.name}-{run_id}", flatten_params(cfg.public_dict()),
                    {"diloco.run_id": run_id, "diloco.config_hash": config_hash(cfg), "diloco.store": store.url})
-    mlflow_url = link_mlflow_run(sink, cfg.tracking)
+    links = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_start = evaluate(cfg, model_from_checkpoint(cfg, ckpt))
         run.run_initial_loss = sink.first_value("eval/loss")
@@ -402,7 +372,7 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
                     ckpt.seq, *eval_start)
         incarnations = next_incarnations(ckpt.manifest)
         summary = _execute(run, sink, eval_start, incarnations)
-    return finish(run, summary, mlflow_url)
+    return finish(run, summary, links)
 
 
 def run_resume_cli(checkpoint_url: str, config: str | None, overrides: list[str]) -> int:

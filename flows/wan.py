@@ -83,7 +83,8 @@ def _run_all(sc: WanScenario, base: Config, chosen: list[str], seed: int | None,
         verified = dict(getattr(place.net, "verified", {}) or {})
         logger.info("links: %s", json.dumps(verified))
         for m in chosen:
-            sink = MlflowSink(wan_config(sc, m, base).tracking)
+            wcfg = wan_config(sc, m, base)
+            sink = MlflowSink(wcfg.tracking, wcfg.run.store, wcfg.run.storage_options)
             sink.start(f"wan-{sc.scenario.name}-{m}", flatten_params({"method": m, "seed": seed, "shaped": shaped}),
                        {"mlflow.parentRunId": parent.run_id or "", "diloco.wan.scenario": sc.scenario.name,
                         "diloco.wan.method": m})
@@ -129,7 +130,7 @@ def wan(scenario: str = "configs/wan/wan-ci.toml", methods: list[str] | None = N
     batches = heldout_batches(cfg)
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    parent = MlflowSink(cfg.tracking)
+    parent = MlflowSink(cfg.tracking, cfg.run.store, cfg.run.storage_options)
     params = flatten_params({"scenario": sc.model_dump(), "seed": seed, "shaped": shaped})
     parent.start(f"wan-{sc.scenario.name}", params, {"diloco.wan.scenario": sc.scenario.name})
     status = "FAILED"

@@ -9,7 +9,8 @@ top-level training run (tag ``diloco.run_id``) of ``--experiment`` (default ``di
 For each page (``overview``: ``#/experiments/<exp>/runs/<run>``; ``model-metrics``: the charts of
 every logged metric, ``.../model-metrics``; ``system-metrics``: CPU, memory, network, disk (and GPU)
 charts, ``.../system-metrics``; ``artifacts``: ``.../artifacts``; ``learners``: the experiment's
-chart view of the run's nested learner runs only, ``train_loss`` of every learner on one chart) it saves
+chart view of the run's nested learner runs only, ``train_loss`` of every learner on one chart; ``runs``:
+the experiment's runs table in the saved view with eval loss, goodput and tokens as columns) it saves
 ``<out>/<run_id>-<page>.png`` and, with ``--dump-dom``, the rendered DOM next to it (``.html``);
 ``--expect NAME`` (repeatable) fails the script unless the overview DOM names the run and every
 NAME (a metric, say). Needs Debian's ``chromium`` (``apt-get install chromium``); nothing else
@@ -46,7 +47,7 @@ from typing import NamedTuple
 EXPERIMENT = "diloco-async"
 ALIAS = "mlflow-ui"  # a host name the MLflow UI does not treat as "local" (no Assistant panel)
 PAGES = {"overview": "", "model-metrics": "/model-metrics", "system-metrics": "/system-metrics",
-         "artifacts": "/artifacts", "learners": None}
+         "artifacts": "/artifacts", "learners": None, "runs": None}
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -83,17 +84,20 @@ def _as_uri(location: str) -> str:
 
 @contextlib.contextmanager
 def mlflow_server(db: str, artifact_root: str, port: int = 0, startup_timeout_s: float = 90.0,
-                  log_path: Path | None = None) -> Iterator[str]:
+                  log_path: Path | None = None, proxy_artifacts: bool = False) -> Iterator[str]:
     """An ``mlflow server`` on 127.0.0.1 (one worker, job execution off) for the sqlite file
-    ``db``; yields its base URL and stops the whole process group afterwards."""
+    ``db``; yields its base URL and stops the whole process group afterwards. ``artifact_root`` is
+    where it keeps artifacts; new experiments get it as their location, or with
+    ``proxy_artifacts`` the server's proxy ``mlflow-artifacts:/`` (clients upload through it)."""
     port = port or free_port()
     backend = db if "://" in db else "sqlite:///" + str(Path(db).resolve())
     root = _as_uri(artifact_root)
     if root.startswith("file://"):
         Path(urllib.parse.urlparse(root).path).mkdir(parents=True, exist_ok=True)
     exe = Path(sys.executable).with_name("mlflow")
+    default_root = "mlflow-artifacts:/" if proxy_artifacts else root
     cmd = [str(exe) if exe.exists() else "mlflow", "server", "--backend-store-uri", backend,
-           "--default-artifact-root", root, "--artifacts-destination", root,
+           "--default-artifact-root", default_root, "--artifacts-destination", root,
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--allowed-hosts", f"{ALIAS}:{port},127.0.0.1:{port},localhost:{port}",
            "--cors-allowed-origins", f"http://{ALIAS}:{port},http://127.0.0.1:{port},http://localhost:{port}"]
@@ -189,12 +193,17 @@ def page_base(base: str) -> tuple[str, str | None]:
 
 
 def page_url(ui: str, run: dict, page: str) -> str:
-    """The UI address of ``page`` (a key of :data:`PAGES`) for ``run``; ``learners`` is the path the
-    MLflow sink links from the run's description (``flows.tracking.learners_chart_path``)."""
+    """The UI address of ``page`` (a key of :data:`PAGES`) for ``run``; ``learners`` and ``runs`` are
+    the paths the MLflow sink links from the run's description (``flows.tracking.learners_chart_path``,
+    ``flows.mlflow_views.runs_table_path``: the experiment's runs table with the training columns)."""
     if page == "learners":
         from flows.tracking import learners_chart_path
 
         return ui + learners_chart_path(run["experiment_id"], run["run_id"])
+    if page == "runs":
+        from flows.mlflow_views import runs_table_path
+
+        return ui + runs_table_path(run["experiment_id"])
     return f"{ui}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}{PAGES[page]}"
 
 
@@ -203,6 +212,8 @@ def _rendered(page: str, run: dict, html: str) -> bool:
     runs instead), and on the chart pages plotted data."""
     if page != "learners" and run["run_name"] and run["run_name"] not in html:
         return False
+    if page == "runs":  # the table drawn with the view's columns
+        return 'col-id="metrics.`' in html and 'role="gridcell"' in html
     return page not in ("model-metrics", "system-metrics", "learners") or "scatterlayer" in html
 
 

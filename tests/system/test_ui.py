@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from diloco_async.config.schema import TrackingConfig
+from flows.mlflow_views import runs_table_path
 from flows.tracking import LEARNERS_CHART_TAG, MlflowSink
 from tests.polling import wait_until
 
@@ -63,6 +64,7 @@ def _log_run(tmp_path: Path) -> tuple[str, str, str, Path]:
             {"key": "goodput/compute", "value": 0.5 + 0.4 * step / 40, "step": step, "timestamp_ms": now + step},
             {"key": "goodput/token", "value": 0.7 + 0.25 * step / 40, "step": step, "timestamp_ms": now + step},
             {"key": "sync/merges", "value": step, "step": step, "timestamp_ms": now + step},
+            {"key": "sync/tokens_processed", "value": 1536 * step, "step": step, "timestamp_ms": now + step},
             {"key": "sync/quorum_size", "value": 1 + step % 2, "step": step, "timestamp_ms": now + step},
             {"key": "learner/learner-0/train_loss", "value": 2.0 + 3.0 * np.exp(-step / 15), "step": step,
              "timestamp_ms": now + step},
@@ -123,6 +125,27 @@ def _vertices(path: str) -> list[tuple[float, float]]:
     return [(float(x), float(y)) for x, y in re.findall(r"[ML]([-\d.]+),([-\d.]+)", path)]
 
 
+def _column_cells(html: str, col_id: str) -> tuple[list[str], list[str]]:
+    """The texts of the header cells and of the body cells of the runs table's column ``col_id``
+    (ag-grid's ``col-id`` attribute), from the rendered DOM."""
+    headers, cells = [], []
+    for m in re.finditer(r'<div\b[^>]*\bcol-id="' + re.escape(col_id) + r'"[^>]*>', html):
+        end = html.find("col-id=", m.end())
+        text = re.sub(r"<[^>]+>", " ", html[m.end():end if end > 0 else len(html)])
+        text = " ".join(text.split())
+        (headers if 'role="columnheader"' in m.group(0) else cells).append(text)
+    return headers, cells
+
+
+def _shows(cells: list[str], value: float) -> bool:
+    """Whether one cell shows ``value`` (as the UI rounds it: within 1%)."""
+    for text in cells:
+        found = re.match(r"^-?[\d,]*\.?\d+", text)
+        if found and abs(float(found.group(0).replace(",", "")) - value) <= 0.01 * abs(value):
+            return True
+    return False
+
+
 def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
     if shutil.which("chromium") is None:
         pytest.skip("chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
@@ -138,7 +161,7 @@ def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
         out = tmp_path / "shots"
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "--url", base, "--out", str(out), "--dump-dom", "--json",
-             "--pages", "overview,model-metrics,system-metrics,learners",
+             "--pages", "overview,model-metrics,system-metrics,learners,runs",
              "--window-size", f"{WINDOW[0]},{WINDOW[1]}", "--expect", "eval/loss", "--expect", "goodput/compute"],
             capture_output=True, text=True, timeout=200, cwd=ROOT)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -149,7 +172,7 @@ def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
     assert result["run_id"] == run_id, "the newest top-level run, not the nested learner run"
     assert result["run_name"] == name and result["missing"] == []
 
-    for page in ("overview", "model-metrics", "system-metrics", "learners"):
+    for page in ("overview", "model-metrics", "system-metrics", "learners", "runs"):
         path = Path(result["screenshots"][page])
         assert _png_size(path) == WINDOW
         colours, ink = _distinct_colours(path)
@@ -182,3 +205,16 @@ def test_mlflow_ui_shows_the_run_with_loss_and_goodput_charts(tmp_path):
     assert "learner-0 (train_loss)" in learners and "learner-1 (train_loss)" in learners
     assert name not in learners, "the parent run is listed among its learners"
     assert len(_lines(_chart(learners, "train_loss"))) == 2, "not one train_loss line per learner"
+
+    # the runs table the run's description and the printed link open: eval loss, goodput and tokens
+    # as columns, with the run's last values (MLflow's default columns are Source, Models, Dataset)
+    assert result["urls"]["runs"].endswith(runs_table_path(run["info"]["experiment_id"]))
+    assert runs_table_path(run["info"]["experiment_id"]) in _tag(run, "mlflow.note.content")
+    table = Path(result["dom"]["runs"]).read_text()
+    assert name in table, "the run is not in the runs table"
+    last = {"eval/loss": 5.5 - 3.4 * (1 - np.exp(-40 / 12)), "goodput/compute": 0.9,
+            "sync/tokens_processed": 1536 * 40}
+    for metric, value in last.items():
+        headers, cells = _column_cells(table, f"metrics.`{metric}`")
+        assert any(metric in h for h in headers), f"no {metric} column header in the runs table: {headers}"
+        assert _shows(cells, value), f"the {metric} column does not show {value:.4g}: {cells}"

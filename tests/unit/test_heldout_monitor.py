@@ -3,6 +3,8 @@ never a half-written object, and evaluates exactly the model they make."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from diloco_async.config.schema import load_config
@@ -83,3 +85,40 @@ def test_a_version_that_does_not_decode_leaves_the_model_unchanged(tmp_path):
     else:
         raise AssertionError("an undecodable version was loaded")
     assert all(torch.equal(before[n], p) for n, p in target.named_parameters())
+
+
+def test_the_sampler_runs_on_the_evaluated_model_and_its_failure_keeps_the_loss(tmp_path):
+    cfg, model, plan, store, split = _setup(tmp_path)
+    _publish(store, plan, model, 0, 0, 1.0)
+    published = dict(_publish(store, plan, model, 1, 0, 0.5))
+    published.update(_publish(store, plan, model, 0, 1, 0.75))  # step 1: past the initial model's step 0
+    holds = []
+
+    def sampler(m):  # the model it is handed holds the published versions
+        params = trainable_parameters(m)
+        holds.append(all(torch.equal(params[n], t) for n, t in published.items()))
+        return [f"sample {len(holds)}", "second"]
+
+    monitor = HeldoutMonitor(build_run_model(cfg), split, store, RUN, every_s=0.01, sampler=sampler)
+    monitor.start()
+    drained: list = []
+    try:
+        deadline = time.monotonic() + 60  # the failure mode only: one pass takes milliseconds
+        while not drained and time.monotonic() < deadline:
+            drained += monitor.drain_samples()
+            time.sleep(0.01)
+    finally:
+        monitor.stop()
+    assert holds == [True]  # one new model, evaluated and sampled once
+    assert drained == [(1, ("sample 1", "second"))]
+    assert monitor.drain_samples() == []  # handed over once
+    assert [p["key"] for p in monitor.drain()] == ["eval/loss", "eval/bits_per_byte", "eval/duration_s"]
+
+    def broken(m):
+        raise RuntimeError("generation failed")
+
+    _publish(store, plan, model, 0, 2, 0.25)
+    failing = HeldoutMonitor(build_run_model(cfg), split, store, RUN, every_s=60.0, sampler=broken)
+    point = failing.evaluate_newest()
+    assert point is not None and point.step == 2 and point.samples == ()
+    assert failing.sample_errors == 1 and failing.errors == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -52,3 +54,21 @@ def test_a_resumed_run_shows_the_runs_initial_loss_beside_the_resumes():
     rows = dict(summary_rows({**SUMMARY, "eval_loss_run_initial": 5.5}))  # not a resume: one row
     assert rows["eval loss, initial (nats/token)"] == "5.5000" and len([k for k in rows if "initial" in k
                                                                         or "start" in k]) == 2  # nats, bits
+
+
+def test_the_runs_table_link_opens_the_saved_view_the_ui_reads():
+    from flows.links import mlflow_runs_table_url
+    from flows.mlflow_views import RUNS_VIEW_ID, runs_view_tag
+
+    url = mlflow_runs_table_url(TrackingConfig(ui_url="http://ui.example.org:8080"), "3")
+    assert url == f"http://ui.example.org:8080/#/experiments/3/runs?viewStateShareKey={RUNS_VIEW_ID}"
+    key, value = runs_view_tag(1_700_000_000_000)
+    assert key == f"mlflow.sharedViewState.{RUNS_VIEW_ID}"
+    # the envelope MLflow 3's UI parses: string name, number createdAt, string state (UI state as JSON)
+    envelope = json.loads(value)
+    assert isinstance(envelope["name"], str) and envelope["createdAt"] == 1_700_000_000_000
+    state = json.loads(envelope["state"])
+    assert {"metrics.`eval/loss`", "metrics.`goodput/compute`", "metrics.`sync/tokens_processed`"} <= set(
+        state["selectedColumns"])
+    text = summary_markdown(SUMMARY, "http://x/#/experiments/3/runs/abc", url)
+    assert f"Every run's eval loss, goodput and tokens: {url}\n" in text
