@@ -26,6 +26,7 @@ from diloco_async.learner.faults import LearnerFaults
 from diloco_async.learner.feedback import ErrorFeedback
 from diloco_async.learner.fsdp_state import latest_sharded_state
 from diloco_async.learner.group import LearnerGroup, place_workload
+from diloco_async.learner.replay import ReplayBoundaries
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.training import InnerLoop, StartPoint
@@ -198,8 +199,11 @@ class Learner:
         else:
             base_tensors = self._load_versions(jr.versions, workload)
         start = StartPoint(base_tensors, counters, start_step, restored=saved is not None)
-        return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
+        loop = InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
                          group=self.group)
+        if cfg.run.schedule == "replay":  # step boundaries in virtual-time order (DESIGN §3.2)
+            loop.replay = ReplayBoundaries(self.comms, cfg.replay.stall_timeout_s + self.comms.give_up_after_s)
+        return loop
 
     def _restore_residuals(self, saved: dict[str, torch.Tensor] | None, seq: int | None) -> None:
         """The error-feedback residuals (``learners.error_feedback``) from the saved inner state's

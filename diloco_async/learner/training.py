@@ -28,6 +28,7 @@ from diloco_async.inner.workload import Workload
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.fsdp_outer import ContributionOrder, ShardedUpload
 from diloco_async.learner.group import Decision, LearnerGroup
+from diloco_async.learner.replay import ReplayBoundaries
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
@@ -110,6 +111,10 @@ class InnerLoop:
                  learner_id: str, start: StartPoint, group: LearnerGroup | None = None) -> None:
         lc = cfg.learners
         self.group = group
+        #: with ``run.schedule = "replay"`` (set by the learner process): each step boundary asks the synchronizer
+        #: for the rounds and versions of its virtual time (:mod:`~diloco_async.learner.replay`); None: free
+        self.replay: ReplayBoundaries | None = None
+        self.replay_rounds: dict[tuple[int, int], tuple[int, float]] = {}  # replay: rounds open at this boundary
         self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
         self.learner_id = learner_id
         self.base_tensors = start.base_tensors
@@ -149,6 +154,11 @@ class InnerLoop:
         with self.shared.lock:
             self.shared.stats.step = self.step
         while not self.shared.stop_event.is_set():
+            if self.replay is not None:  # blocks until the synchronizer answers this boundary's virtual time
+                rounds = self.replay.boundary(self.step)  # its versions queued for adoption, downloaded
+                if rounds is None:
+                    break
+                self.replay_rounds = rounds
             adopted = self._adopt_arrivals()
             if self.shared.epoch_changed.is_set():
                 self.shared.epoch_changed.clear()
@@ -249,7 +259,8 @@ class InnerLoop:
         """Contribute to every open round not answered yet, one contribution in flight per fragment."""
         sh = self.shared
         with sh.lock:
-            rounds = sorted((k, vt[0]) for k, vt in sh.open_rounds.items() if k not in self.answered)
+            told = sh.open_rounds if self.replay is None else self.replay_rounds
+            rounds = sorted((k, vt[0]) for k, vt in told.items() if k not in self.answered)
         for (p, n), round_version in rounds:
             if round_version < sh.base[p]:
                 self.answered.add((p, n))  # that round already published a version we adopted
@@ -284,7 +295,8 @@ class InnerLoop:
         with torch.no_grad():
             theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
             # on a GPU, Δ is taken there and copied to the host without a wait (device_copies)
-            if self.shared.upload_queue.empty() or not on_cpu or self.shared.feedback is not None:
+            # fp32 Δ for the comms thread to encode unless uploads queue up (a replay: always, one code path)
+            if self.shared.upload_queue.empty() or not on_cpu or self.shared.feedback is not None or self.replay:
                 delta = outer_gradient(base, theta)
             else:
                 encoded = encoded_outer_gradient(base, theta, codec)

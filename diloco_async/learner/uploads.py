@@ -80,6 +80,9 @@ class Uploads:
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
+        #: run.schedule = "replay": announcements are not sent but kept for the next step boundary
+        #: (:mod:`diloco_async.learner.replay`), with their jobs, in the order uploaded; None: sent
+        self.replay_outbox: list[tuple[UploadJob, dict]] | None = None
 
     def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float, announce_timeout_s: float = 60.0
                   ) -> None:
@@ -181,6 +184,9 @@ class Uploads:
                 "codec": self.codec_of(job), "update_id": job.update_id}
         if job.shards is not None:
             body["shards"] = [r.to_json() for r in job.shards]
+        if self.replay_outbox is not None:  # announced with the next step boundary
+            self.replay_outbox.append((job, body))
+            return
         if len(getattr(client, "clients", ())) > 1:  # shards: one that is down must not hold the others' announcements
             task = asyncio.create_task(self._announce_and_report(client, job, body))
             self._announcing.add(task)
@@ -188,8 +194,29 @@ class Uploads:
             return
         await self._announce_and_report(client, job, body)
 
+    def take_replay_outbox(self) -> list[tuple[UploadJob, dict]]:
+        """The contributions uploaded and not announced yet (replay), in upload order; the outbox is emptied."""
+        taken = self.replay_outbox or []
+        if self.replay_outbox is not None:
+            self.replay_outbox = []
+        return taken
+
+    def settle_replayed(self, announced: list[tuple[UploadJob, dict]], acks: list[AnnouncementAck]) -> None:
+        """A replayed boundary's answers to the contributions it carried (in order): as :meth:`_announce_and_report`
+        does with one ack (a missing ack: ``failed``)."""
+        for i, (job, _body) in enumerate(announced):
+            status = acks[i].status if i < len(acks) else "failed"
+            level = logging.INFO if status in ("accepted", "duplicate") else logging.WARNING
+            log.log(level, "%s fragment %d round %d: %s (%s; replay)", self.learner_id, job.fragment, job.round_n,
+                    status, acks[i].reason if i < len(acks) else "no answer")
+            self._report(job, status)
+
     async def _announce_and_report(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> None:
-        status = await self._announce(client, job, body)
+        self._report(job, await self._announce(client, job, body))
+
+    def _report(self, job: UploadJob, status: str) -> None:
+        """What became of ``job``'s announcement: its error-feedback residual kept or not, the training
+        thread told."""
         settle = self._residuals.pop(job.update_id, None)
         if settle is not None and self.shared.feedback is not None:  # error feedback: kept only if taken
             self.shared.feedback.settle(job.fragment, *settle, status)

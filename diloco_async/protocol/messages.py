@@ -153,6 +153,10 @@ class Heartbeat(_Msg):
     fetching_versions: dict[FragmentIndex, Step] = Field(
         default_factory=dict, max_length=FRAGMENTS_MAX, description="The version of each fragment it is reading "
         "from the store now (kept from garbage collection until a heartbeat no longer names it).")
+    replay_announcements: list[Announcement] | None = Field(
+        None, max_length=FRAGMENTS_MAX, description="run.schedule='replay' only: this heartbeat is the learner's step "
+        "boundary at local step `step`, held by the synchronizer and answered in virtual-time order (DESIGN §3.2); "
+        "it carries the contributions uploaded since the last boundary. None: an ordinary heartbeat.")
 
 
 class RoundOpen(_Msg):
@@ -168,6 +172,9 @@ class HeartbeatResponse(_Msg):
     known: bool = Field(True, description="False: the synchronizer does not know this learner; rejoin.")
     epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
     run_tokens: float = Field(0.0, ge=0, le=COUNT_MAX, description="As in the join answer, now.")
+    acks: list[AnnouncementAck] | None = Field(None, max_length=FRAGMENTS_MAX, description="Replay only: the answers "
+                                                "to the heartbeat's replay_announcements, in their order.")
+    virtual_s: Seconds | None = Field(None, description="Replay only: the virtual time of the step boundary answered.")
 
 
 class ShardObject(_Msg):
@@ -220,3 +227,7 @@ class MetricsQuery(_Msg):
     """The query of ``GET /metrics``: the number of the first metric point wanted."""
 
     since: Step = 0
+
+
+Heartbeat.model_rebuild()  # replay_announcements names Announcement, defined below it
+HeartbeatResponse.model_rebuild()
