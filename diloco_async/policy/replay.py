@@ -233,10 +233,12 @@ class ReplayScheduler(Generic[T]):
         return min([*self._bound.values(), *(t for t, _ in self._pending.values())], default=math.inf)
 
     def waiting_for(self) -> list[str]:
-        """The running learners whose next event the first pending one waits for (for logs)."""
+        """The running learners the replay waits for: those whose next event could come before the
+        first one held; with none held, the one whose next event comes first."""
         first = min(((t, lid) for lid, (t, _) in self._pending.items()), default=None)
-        if first is None:  # nothing held: every running learner is awaited
-            return sorted(self._bound)
+        if first is None:
+            nxt = min(((bound, lid) for lid, bound in self._bound.items()), default=None)
+            return [] if nxt is None else [nxt[1]]
         return sorted(other for other, bound in self._bound.items() if (bound, other) < first)
 
     def pending_ids(self) -> list[str]:
