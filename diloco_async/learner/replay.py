@@ -33,6 +33,8 @@ log = logging.getLogger("diloco.learner")
 
 #: seconds between two looks at the upload lane while a boundary waits for its contributions' uploads
 UPLOAD_POLL_S = 0.005
+#: seconds between two looks, while a boundary waits for its answer, at whether the comms loop still runs
+STOP_CHECK_S = 0.5
 #: seconds before a boundary not answered (a timeout: it waits for slower learners) is sent again
 RESEND_PAUSE_S = 0.05
 
@@ -62,12 +64,20 @@ class ReplayBoundaries:
         """
         loop = self.comms.loop
         assert loop is not None, "the comms thread is not running"
-        try:
-            resp = asyncio.run_coroutine_threadsafe(self._exchange(step), loop).result()
-        except ProtocolError as err:
-            log.error("%s %s", self.comms.learner_id, err)
-            self.shared.fatal = str(err)
-            resp = None
+        fut = asyncio.run_coroutine_threadsafe(self._exchange(step), loop)
+        resp = None
+        while True:
+            try:
+                resp = fut.result(timeout=STOP_CHECK_S)
+                break
+            except TimeoutError:  # still waiting for the answer; unless the learner is stopping otherwise
+                if self.shared.stop_event.is_set() and not loop.is_running():
+                    fut.cancel()  # the comms loop has ended: nothing will answer
+                    break
+            except ProtocolError as err:
+                log.error("%s %s", self.comms.learner_id, err)
+                self.shared.fatal = str(err)
+                break
         if resp is None or resp.stop:
             self.shared.stop_event.set()
             return None

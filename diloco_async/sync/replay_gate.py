@@ -117,8 +117,14 @@ class ReplayGate:
     # -- requests (from the actor's _on_request) ----------------------------------------------
 
     def joined(self, learner_id: str, start_step: int) -> None:
-        """A learner joined at local step ``start_step``: its first boundary comes at that step's time."""
-        if learner_id not in self.timelines:
+        """A learner joined at local step ``start_step``: its first boundary comes at that step's time. A
+        rejoin (a restart) is let in, counted (``replay_rejoins``) and logged: restarts are not replayed yet."""
+        if learner_id in self.timelines:
+            self.report.count("replay_rejoins")
+            self.last_answer.pop(learner_id, None)
+            log.warning("replay: learner %s joined again (a restart): restarts are not replayed yet, so this run is "
+                        "no longer a replay of its seed", learner_id)
+        else:
             r, f = self.cfg.replay, self.cfg.faults
             steps = VirtualSteps(self.cfg.run.seed, learner_id, r.step_s, tuple(f.speed_factors), f.step_jitter,
                                  r.speed_spread)
@@ -248,5 +254,7 @@ class ReplayGate:
                   "%.0f); they leave the replay and the run stops", waiting, silent_s, self.cfg.replay.stall_timeout_s)
         for lid in waiting:
             self.scheduler.leave(lid)
+            if (info := self.registry.get(lid)) is not None:
+                info.stop_sent = True  # nobody to tell: it left the replay (the stop does not wait for it)
         self._progress_wall_s = self._wall()
         self.hooks.stop(f"replay stalled: {', '.join(waiting)} silent for {silent_s:.0f}s")
