@@ -54,17 +54,18 @@ class ReplayBoundaries:
         self.give_up_after_s = give_up_after_s
         self.virtual_s = 0.0  #: the virtual time of the last boundary answered
 
-    def boundary(self, step: int) -> dict[tuple[int, int], tuple[int, float]] | None:
-        """Boundary ``step`` (blocking): returns the rounds to answer here, as ``shared.open_rounds``
-        maps them, after queueing the versions to adopt in ``shared.adopt_queue`` (downloaded);
-        None when the synchronizer said stop (``stop_event`` is then set).
+    def boundary(self, step: int, owed: int) -> dict[tuple[int, int], tuple[int, float]] | None:
+        """Boundary ``step`` (blocking), carrying the ``owed`` contributions queued for upload at the last
+        boundary: returns the rounds to answer here, as ``shared.open_rounds`` maps them, after queueing
+        the versions to adopt in ``shared.adopt_queue`` (downloaded); None when the synchronizer said
+        stop (``stop_event`` is then set).
 
         No answer within ``give_up_after_s``, or one that does not know this learner: ``shared.fatal``
         is set and so is ``stop_event`` (the learner exits 3).
         """
         loop = self.comms.loop
         assert loop is not None, "the comms thread is not running"
-        fut = asyncio.run_coroutine_threadsafe(self._exchange(step), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._exchange(step, owed), loop)
         resp = None
         while True:
             try:
@@ -90,13 +91,15 @@ class ReplayBoundaries:
                     self.shared.adopt_queue.put((v, self.comms.fetch_version(v)))
         return {(r.fragment, r.round_n): (r.version, 0.0) for r in resp.open_rounds}
 
-    async def _exchange(self, step: int) -> HeartbeatResponse | None:
-        """On the comms loop: the boundary's heartbeat, sent (again) until answered; None: stopped."""
+    async def _exchange(self, step: int, owed: int) -> HeartbeatResponse | None:
+        """On the comms loop: the boundary's heartbeat, once the ``owed`` uploads are done, sent (again)
+        until answered; None: stopped."""
         uploads, sh = self.comms.uploads, self.shared
-        # the last boundary's contributions uploaded (the upload queue is a thread queue: no event to await)
-        while uploads.pending() and not sh.stop_event.is_set():  # noqa: ASYNC110
+        # counted, not read off the queue: a job taken off it is not yet marked as uploading (the upload
+        # queue is a thread queue, with no event to await)
+        while uploads.replay_done() < owed and not sh.stop_event.is_set():  # noqa: ASYNC110
             await asyncio.sleep(UPLOAD_POLL_S)
-        announced = uploads.take_replay_outbox()
+        announced = [(job, b) for job, b in uploads.take_replay_outbox() if b is not None]  # None: upload failed
         body = self.comms.heartbeat_body()
         body.update(step=step, replay_announcements=[b for _, b in announced])
         deadline = time.monotonic() + self.give_up_after_s
@@ -106,6 +109,9 @@ class ReplayBoundaries:
             except (TimeoutError, aiohttp.ClientError, OSError) as err:
                 if isinstance(err, aiohttp.ClientResponseError) and err.status == 503:
                     return None  # the synchronizer has stopped (answers no request any more)
+                if isinstance(err, aiohttp.ClientResponseError) and err.status < 500:  # refused: sent again, alike
+                    raise ProtocolError(f"replay: step boundary {step} refused: HTTP {err.status} {err.message}"
+                                        ) from err
                 if time.monotonic() > deadline:
                     raise ProtocolError(f"replay: no answer to step boundary {step} in {self.give_up_after_s:.0f}s"
                                         ) from err

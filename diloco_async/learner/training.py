@@ -115,6 +115,7 @@ class InnerLoop:
         #: for the rounds and versions of its virtual time (:mod:`~diloco_async.learner.replay`); None: free
         self.replay: ReplayBoundaries | None = None
         self.replay_rounds: dict[tuple[int, int], tuple[int, float]] = {}  # replay: rounds open at this boundary
+        self.replay_owed = 0  # replay: contributions queued since the last boundary, announced with the next
         self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
         self.learner_id = learner_id
         self.base_tensors = start.base_tensors
@@ -155,10 +156,10 @@ class InnerLoop:
             self.shared.stats.step = self.step
         while not self.shared.stop_event.is_set():
             if self.replay is not None:  # blocks until the synchronizer answers this boundary's virtual time
-                rounds = self.replay.boundary(self.step)  # its versions queued for adoption, downloaded
+                rounds = self.replay.boundary(self.step, self.replay_owed)  # versions queued for adoption
                 if rounds is None:
                     break
-                self.replay_rounds = rounds
+                self.replay_rounds, self.replay_owed = rounds, 0
             adopted = self._adopt_arrivals()
             if self.shared.epoch_changed.is_set():
                 self.shared.epoch_changed.clear()
@@ -311,6 +312,7 @@ class InnerLoop:
                         encoded=encoded, delta_ready=copy.event, codec=codec)
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
+        self.replay_owed += 1
         self.shared.upload_queue.put(job)
 
     def _order_sharded(self, p: int, n: int) -> None:

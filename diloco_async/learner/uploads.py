@@ -81,8 +81,9 @@ class Uploads:
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
         #: run.schedule = "replay": announcements are not sent but kept for the next step boundary
-        #: (:mod:`diloco_async.learner.replay`), with their jobs, in the order uploaded; None: sent
-        self.replay_outbox: list[tuple[UploadJob, dict]] | None = None
+        #: (:mod:`diloco_async.learner.replay`), with their jobs, in the order uploaded (a body of None: the
+        #: upload failed, its outcome told already); None: announcements are sent
+        self.replay_outbox: list[tuple[UploadJob, dict | None]] | None = None
 
     def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float, announce_timeout_s: float = 60.0
                   ) -> None:
@@ -175,6 +176,8 @@ class Uploads:
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
                         job.round_n, getattr(err, "reason", type(err).__name__), err)
             self.shared.outcomes.put((job.fragment, job.round_n, "failed"))
+            if self.replay_outbox is not None:  # the boundary waiting for this upload counts it done
+                self.replay_outbox.append((job, None))
             return
         with self.shared.lock:
             self.shared.stats.bytes_up += ref.nbytes
@@ -194,14 +197,18 @@ class Uploads:
             return
         await self._announce_and_report(client, job, body)
 
-    def take_replay_outbox(self) -> list[tuple[UploadJob, dict]]:
-        """The contributions uploaded and not announced yet (replay), in upload order; the outbox is emptied."""
+    def replay_done(self) -> int:
+        """Replay: contributions uploaded (or failed) since the outbox was last taken."""
+        return len(self.replay_outbox or ())
+
+    def take_replay_outbox(self) -> list[tuple[UploadJob, dict | None]]:
+        """The contributions uploaded (or failed) and not announced yet (replay), in upload order; emptied."""
         taken = self.replay_outbox or []
         if self.replay_outbox is not None:
             self.replay_outbox = []
         return taken
 
-    def settle_replayed(self, announced: list[tuple[UploadJob, dict]], acks: list[AnnouncementAck]) -> None:
+    def settle_replayed(self, announced: list[tuple[UploadJob, dict | None]], acks: list[AnnouncementAck]) -> None:
         """A replayed boundary's answers to the contributions it carried (in order): as :meth:`_announce_and_report`
         does with one ack (a missing ack: ``failed``)."""
         for i, (job, _body) in enumerate(announced):
