@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from diloco_async.codec.wire import CODECS
 
@@ -175,6 +175,16 @@ class HeartbeatResponse(_Msg):
     acks: list[AnnouncementAck] | None = Field(None, max_length=FRAGMENTS_MAX, description="Replay only: the answers "
                                                 "to the heartbeat's replay_announcements, in their order.")
     virtual_s: Seconds | None = Field(None, description="Replay only: the virtual time of the step boundary answered.")
+
+    @model_serializer(mode="wrap")
+    def _replay_fields_in_a_replay_only(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Without the replay's fields when unset: the answer of a free run stays as before it had them
+        (a learner of before rejects fields it does not know)."""
+        out = handler(self)
+        for name in ("acks", "virtual_s"):
+            if out.get(name, 0) is None:
+                del out[name]
+        return out
 
 
 class ShardObject(_Msg):
