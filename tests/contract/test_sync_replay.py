@@ -18,12 +18,11 @@ import json
 import random
 
 import torch
+from test_synchronizer import AUTH, running, small_config
 
 from diloco_async.codec import wire
 from diloco_async.policy.fragments import FragmentPlan
 from storage import keys
-
-from test_synchronizer import AUTH, running, small_config
 
 LEARNERS = ["a", "b", "c"]
 TOKENS_PER_STEP = 32
