@@ -155,8 +155,9 @@ class InnerLoop:
         with self.shared.lock:
             self.shared.stats.step = self.step
         while not self.shared.stop_event.is_set():
-            if self.replay is not None:  # blocks until the synchronizer answers this boundary's virtual time
-                rounds = self.replay.boundary(self.step, self.replay_owed)  # versions queued for adoption
+            if self.replay is not None:  # the rounds the last answer named open, answered and uploaded now,
+                self._answer_rounds()  # are announced with this boundary (an upload takes no virtual time)
+                rounds = self.replay.boundary(self.step, self.replay_owed)  # blocks; versions queued for adoption
                 if rounds is None:
                     break
                 self.replay_rounds, self.replay_owed = rounds, 0
@@ -166,7 +167,8 @@ class InnerLoop:
                 self.answered.clear()  # round numbers may be reused by the restarted synchronizer
                 self.in_flight.clear()  # contributions in flight will not be merged
             self._read_outcomes()
-            self._answer_rounds()
+            if self.replay is None:
+                self._answer_rounds()
             blocked = self.lc.barrier and self._barrier_blocked()
             run_tokens = self.shared.run_tokens  # the run's progress for the lr schedule, as last heard
             if self.group is not None:
