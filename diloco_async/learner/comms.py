@@ -117,7 +117,7 @@ class Comms:
         self.shared.upload_codec = None  # learners.codec until the link is measured
         self.client.request_timeout_s = lc.request_timeout_s
         self.replay = cfg.run.schedule == "replay"
-        self.uploads.replay_outbox = [] if self.replay else None  # replay: announced with the next boundary
+        self.uploads.replay_outbox = [] if self.replay else None  # replay: announced with a boundary
 
     def fetch_version(self, v: VersionInfo) -> BaseFile | HeldBase:
         """Download and decode a published version (blocking; verifies size and sha256): its compact

@@ -2,13 +2,13 @@
 
 In a free run the comms thread hears of open rounds and new versions whenever they come, and the
 training thread takes what has arrived at each step boundary, so what a learner computes depends on
-the wall clock. In a replay the training thread asks instead: at each boundary it waits until the
-contributions it answered at the last one are uploaded, sends them with a heartbeat naming its local
-step (``replay_announcements``), and waits for the synchronizer's answer, which comes once every event
-before this boundary's virtual time has been applied
+the wall clock. In a replay the training thread asks instead: at each boundary it answers the rounds
+the last answer named open (Δ taken here), waits until those contributions are uploaded, sends them
+with a heartbeat naming its local step (``replay_announcements``), and waits for the synchronizer's
+answer, which comes once every event before this boundary's virtual time has been applied
 (:class:`~diloco_async.sync.replay_gate.ReplayGate`). The answer names the versions published up to
 that time, which it downloads and adopts before its next step, and the rounds open to it, which it
-answers at this boundary. The comms thread still joins, uploads and sends ordinary heartbeats, but
+answers at its next boundary. The comms thread still joins, uploads and sends ordinary heartbeats, but
 takes in no round, version or stop from them or from the push channel.
 """
 
@@ -55,8 +55,8 @@ class ReplayBoundaries:
         self.virtual_s = 0.0  #: the virtual time of the last boundary answered
 
     def boundary(self, step: int, owed: int) -> dict[tuple[int, int], tuple[int, float]] | None:
-        """Boundary ``step`` (blocking), carrying the ``owed`` contributions queued for upload at the last
-        boundary: returns the rounds to answer here, as ``shared.open_rounds`` maps them, after queueing
+        """Boundary ``step`` (blocking), carrying the ``owed`` contributions just queued for upload: returns
+        the rounds to answer at the next boundary, as ``shared.open_rounds`` maps them, after queueing
         the versions to adopt in ``shared.adopt_queue`` (downloaded); None when the synchronizer said
         stop (``stop_event`` is then set).
 

@@ -114,8 +114,8 @@ class InnerLoop:
         #: with ``run.schedule = "replay"`` (set by the learner process): each step boundary asks the synchronizer
         #: for the rounds and versions of its virtual time (:mod:`~diloco_async.learner.replay`); None: free
         self.replay: ReplayBoundaries | None = None
-        self.replay_rounds: dict[tuple[int, int], tuple[int, float]] = {}  # replay: rounds open at this boundary
-        self.replay_owed = 0  # replay: contributions queued since the last boundary, announced with the next
+        self.replay_rounds: dict[tuple[int, int], tuple[int, float]] = {}  # replay: rounds the last answer named
+        self.replay_owed = 0  # replay: contributions queued at this boundary, announced with it
         self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
         self.learner_id = learner_id
         self.base_tensors = start.base_tensors
