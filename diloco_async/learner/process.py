@@ -111,7 +111,7 @@ class Learner:
         subnormals_flushed = set_cpu_math(cfg.learners.threads, cfg.learners.flush_denormal)
         assert self.faults is not None
         workload = self.make_workload(cfg, self.index, self.incarnation)
-        if cfg.run.schedule != "replay":  # a replay's speeds are virtual (faults.speed_factors): no real slowdown
+        if cfg.run.schedule != "replay":  # a replay draws its speeds on the virtual clock: no real slowdown
             workload = self.faults.wrap_workload(workload)
         device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
