@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-data bench-replay ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -226,6 +226,13 @@ bench-sync-memory: data
 DATA_BENCH_DIR ?= /tmp
 bench-data:
 	$(PY) -m benchmarks.data_bars --dir $(DATA_BENCH_DIR)
+
+## bench-leases: a learner's tokens/s on leased slices (data.slices, DESIGN §5.2) against its fixed shard, LEASE_PAIRS
+##               (default 3) interleaved pairs of LEASE_RUN_S (60) seconds each; bar: leases / shards >= 0.98
+LEASE_PAIRS ?= 3
+LEASE_RUN_S ?= 60
+bench-leases: data
+	$(PY) -m benchmarks.lease_tokens --pairs $(LEASE_PAIRS) --run-s $(LEASE_RUN_S)
 
 ## bench-tls: a learner's tokens/s in a run with mutual TLS against the same run in direct mode, TLS_PAIRS
 ##            (default 3) interleaved pairs of TLS_RUN_S (60) seconds each; bar: tls / direct >= 0.98

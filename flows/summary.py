@@ -34,6 +34,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("token goodput", f"{summary['token_goodput']:.3f}"),
         ("uptime", f"{summary['uptime']:.3f}"),
         ("tokens processed", str(summary["tokens_processed"])),
+        *([("tokens trained / thrown away / re-queued (leased slices)",
+            f"{summary['tokens_trained']} / {summary['tokens_thrown_away']} / {summary['tokens_requeued']}"),
+           ("slices never reached / epoch", f"{summary['slices_never_reached']} / {summary['slices_epoch']}")]
+          if "tokens_trained" in summary else []),
         ("bytes in / out", f"{summary['bytes_in']} / {summary['bytes_out']}"),
         ("peak bytes/s in / out (1 s windows)",
          f"{summary.get('peak_bytes_in_per_s', 0.0):.0f} / {summary.get('peak_bytes_out_per_s', 0.0):.0f}"),

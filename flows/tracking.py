@@ -200,6 +200,10 @@ class MlflowSink:
         """Log every file under ``folder`` (as ``artifact_path/...``)."""
         self._call(self.client.log_artifacts, self.run_id, str(folder), artifact_path)
 
+    def log_inputs(self, datasets: list) -> None:
+        """Record ``datasets`` (``mlflow.entities.DatasetInput``) as the run's inputs (``mlflow.log_input``)."""
+        self._call(self.client.log_inputs, self.run_id, datasets=datasets)
+
     def log_dict(self, obj: Any, name: str) -> None:
         self._call(self.client.log_dict, self.run_id, obj, name)
 

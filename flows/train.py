@@ -40,6 +40,7 @@ from diloco_async.data.tokens import open_corpus
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
+from diloco_async.policy.slices import slice_count
 from diloco_async.prerequisites import prepare
 from diloco_async.run import RunProcesses, next_incarnations
 from diloco_async.runtime.supervisor import Restart
@@ -47,6 +48,7 @@ from diloco_async.sync import open_run
 from flows.artifacts import log_rounds, log_run_artifacts, register_final_model
 from flows.deployments import DeploymentLauncher
 from flows.links import link_mlflow_run
+from flows.provenance import SLICE_FIGURES, log_corpus
 from flows.resolve import resume_config
 from flows.run_end import finish, interrupted
 from flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
@@ -78,8 +80,11 @@ def prepare_tokens(cfg: Config) -> dict:
     """Tokenize the corpus once into the token cache (training a BPE first if needed) and check the
     tokenizer against the model, before any process starts; bad data input fails here (no retries)."""
     corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
+    if cfg.data.slices:  # a corpus shorter than one slice is refused here, naming data.slice_tokens
+        slice_count(len(corpus.train), cfg.data.slice_tokens)
     return {"tokenizer": cfg.data.tokenizer, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
-            "heldout_tokens": len(corpus.heldout), "heldout_bytes": corpus.heldout_bytes}
+            "heldout_tokens": len(corpus.heldout), "heldout_bytes": corpus.heldout_bytes,
+            "corpus_manifest": corpus.manifest_url}
 
 
 @task(name="evaluate")
@@ -287,6 +292,8 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
     for d in ("up", "down"):  # the final figures (the stream carried them through the run)
         if summary.get(f"bytes_{d}_per_token") is not None:
             sink.log_metric(f"net/bytes_{d}_per_token", summary[f"bytes_{d}_per_token"], step)
+    for key in SLICE_FIGURES if cfg.data.slices else ():  # the slice ledger's accounting (DESIGN §5.2)
+        sink.log_metric(f"data/{key}", summary.get(key, 0), step)
     summary["model_uri"] = log_run_artifacts(sink, final_model, cfg.model,
                                              (run.store, keys.final_model_prefix(run.run_id, str(run.epoch))),
                                              samples=cfg.data.tokenizer == "bytes", tokenizer=_hf_tokenizer(cfg))
@@ -344,12 +351,13 @@ def train(config: str | None = "configs/default.toml", overrides: list[str] | No
     prepare_prerequisites(cfg)  # the Hub is asked here, once per run; no learner ever asks it
     model0 = build_run_model(cfg)  # Θ^0, as the synchronizer builds it; a model that cannot be built stops here
     prepare_corpus(cfg)
-    prepare_tokens(cfg)
+    tokens = prepare_tokens(cfg)
     run = TrainingRun(cfg)
     sink = MlflowSink(cfg.tracking)
     sink.start(f"{cfg.run.name}-{run.run_id}", flatten_params(cfg.public_dict()),
                {"diloco.run_id": run.run_id, "diloco.config_hash": config_hash(cfg),
                 "diloco.store": run.store.url})
+    log_corpus(sink, tokens["corpus_manifest"])  # provenance: every source shard and its digest (mlflow.log_input)
     mlflow_url = link_mlflow_run(sink, cfg.tracking)
     with _stopping(run, sink):
         eval_initial = evaluate(cfg, model0)

@@ -107,6 +107,12 @@ class DataConfig(BaseModel):
                                   "share of every shard, in whole lines.")
     eval_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share of the bytes (the tail).")
     eval_batches: int = Field(16, ge=1, description="Held-out windows evaluated = eval_batches x batch_size.")
+    slices: bool = Field(False, description="Lease the training tokens to learners in slices through the "
+                         "synchronizer, each trained at most once per epoch (DESIGN §5.2); false: learner i of M "
+                         "samples windows of the i-th M-th of the training tokens, as before.")
+    slice_tokens: int = Field(1 << 16, ge=1, le=1 << 40, description="Tokens per slice when data.slices is on: "
+                              "at least one inner step of every learner (grad_accum_steps x batch_size x context); "
+                              "a multiple of it wastes nothing (the remainder of a slice is not trained).")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -61,6 +61,8 @@ def replay_conflicts(cfg: Any) -> list[str]:
     if lc.ranks_per_learner > 1:
         out.append(f"learners.nproc_per_learner x nnodes={lc.ranks_per_learner}: learner groups (DDP/FSDP) have "
                    "no replayed step boundary yet")
+    if getattr(cfg.data, "slices", False):
+        out.append("data.slices=true: slice leases are granted in the order their requests arrive (wall clock)")
     if lc.barrier:
         out.append("learners.barrier=true: the synchronous baseline waits on the wall clock")
     if lc.link_codecs:

@@ -24,6 +24,7 @@ from diloco_async.config.model import ModelConfig
 from diloco_async.config.network import NetworkConfig
 from diloco_async.config.parallelism import check_parallelism
 from diloco_async.config.replay import ReplayConfig, check_replay, drop_default_replay_fields
+from diloco_async.config.slices import check_slices, drop_default_slice_fields
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.config.tracking import TrackingConfig
 from diloco_async.runtime.devices import LearnerDeviceFields
@@ -283,6 +284,7 @@ class Config(_Section):
         self.network.check_learners(self.learners.count)
         check_parallelism(self)
         check_replay(self)
+        check_slices(self)
         return self
 
     def public_dict(self) -> dict:
@@ -381,6 +383,7 @@ def _training_dict(d: dict) -> dict:
     schedules.drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
     feedback.drop_default_feedback_fields(d)  # so does learners.error_feedback = false
     drop_default_replay_fields(d)  # and run.schedule = "free" with [replay] at its defaults
+    drop_default_slice_fields(d)  # and data.slices = false
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")

@@ -86,6 +86,8 @@ class Corpus:
         vocab_size: ids lie in ``[0, vocab_size)``.
         heldout_bytes: bytes of text the held-out tokens cover.
         tokenizer: the tokenizer the ids come from.
+        manifest_url: the corpus manifest in the token store (every source shard's URL, sha256, text
+            bytes and token parts; ``corpora/{name}.json``, written last), or "" when unknown.
 
     Raises:
         ValueError: too few tokens for four training windows or one held-out window.
@@ -97,6 +99,7 @@ class Corpus:
     vocab_size: int
     heldout_bytes: int
     tokenizer: Tokenizer | None = None
+    manifest_url: str = ""
 
     def __post_init__(self) -> None:
         if len(self.train) < 4 * (self.context + 1) or len(self.heldout) < self.context + 1:
@@ -127,6 +130,21 @@ class Corpus:
         idx = starts[:, None] + torch.arange(context + 1)[None, :]
         win = torch.from_numpy(np.asarray(shard)[idx.numpy()].astype(np.int64))
         return win[:, :-1], win[:, 1:]
+
+    @staticmethod
+    def windows(stream: np.ndarray, first: int, batch_size: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` consecutive windows of ``stream`` from token ``first`` (window j's inputs are
+        tokens ``first + j * context`` onwards): inputs and next-token targets, int64 [B, T] each.
+        The last target is token ``first + batch_size * context``.
+
+        Raises:
+            ValueError: the windows run past the end of ``stream`` (naming ``first``).
+        """
+        end = first + batch_size * context + 1
+        if first < 0 or end > len(stream):
+            raise ValueError(f"windows from token {first} ({batch_size} x {context}) run past the {len(stream)} tokens")
+        flat = torch.from_numpy(np.asarray(stream[first:end]).astype(np.int64))
+        return flat[:-1].view(batch_size, context), flat[1:].view(batch_size, context)
 
     def eval_batches(self, batch_size: int, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Fixed, evenly spaced held-out windows: the same for every caller."""
@@ -183,4 +201,6 @@ def open_corpus(cfg: DataConfig, context: int, model_vocab: int | None = None) -
                 if not (folder / "meta.json").exists():
                     build.assemble(folder, tok, digest)
     meta, train, heldout = _map(folder)
-    return Corpus(train, heldout, context, tok.vocab_size, meta["heldout_bytes"], tok)
+    store = str(meta.get("store") or "")
+    manifest = f"{store.rstrip('/')}/corpora/{folder.name}.json" if store else ""
+    return Corpus(train, heldout, context, tok.vocab_size, meta["heldout_bytes"], tok, manifest)

@@ -215,6 +215,7 @@ class Workload:
         self.grad_accum_steps = grad_accum_steps
         self.last_lr = 0.0  # the learning rate of the last step
         self.shard: np.ndarray | None = None
+        self.stream: np.ndarray | None = None  # data.slices: the whole training stream, read by leased slice
         self.device, self.amp_dtype = torch.device("cpu"), None
         self.rank, self.world = 0, 1
         self.train_model: torch.nn.Module = model  # what inner_step calls: the model, or its DDP wrapper
@@ -259,29 +260,41 @@ class Workload:
 
     def load_data(self, cfg: Config, index: int) -> int:
         """Map the tokenized corpus (:func:`~diloco_async.data.tokens.open_corpus`, built once per machine)
-        and keep shard ``index`` of ``learners.count``; returns its size in tokens.
+        and keep shard ``index`` of ``learners.count``; returns its size in tokens. With ``data.slices``
+        the whole training stream is kept mapped instead (only the pages of the slices trained are
+        read) and each step names its tokens (:meth:`step`'s ``first_token``).
 
         Raises:
             ValueError: the tokenizer has more tokens than ``model.vocab_size`` (or another data error).
         """
         corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
+        if cfg.data.slices:
+            self.stream = corpus.train
+            return len(self.stream)
         self.shard = corpus.shard(index, cfg.learners.count)
         return len(self.shard)
 
-    def step(self, step: int, run_tokens: float = 0.0) -> float:
+    def step(self, step: int, run_tokens: float = 0.0, first_token: int | None = None) -> float:
         """One inner step, the ``step``-th of this learner (it sets the warm-up), at ``run_tokens``
         tokens processed by the run (the schedule's progress): ``grad_accum_steps`` micro-batches of the
         shard, each of ``world * batch_size`` windows of which this rank takes its slice, under the
         group's ``no_sync`` but the last; returns the training loss (nats/token, the mean over them).
+        With ``first_token`` (leased slices, DESIGN §5.2) the windows are the stream's next
+        :attr:`tokens_per_step` tokens from there, in order, instead of random windows of the shard.
 
         Raises:
-            RuntimeError: :meth:`load_data` was not called.
+            RuntimeError: :meth:`load_data` was not called (or no ``first_token`` with leased slices).
         """
-        if self.shard is None:
-            raise RuntimeError("Workload.step before load_data")
+        if self.shard is None and (self.stream is None or first_token is None):
+            raise RuntimeError("Workload.step before load_data (or without first_token on leased slices)")
         b, batches = self.batch_size, []
-        for _ in range(self.grad_accum_steps):
-            x, y = Corpus.sample(self.shard, self.world * b, self.context, self.generator)
+        for k in range(self.grad_accum_steps):
+            if first_token is not None and self.stream is not None:
+                x, y = Corpus.windows(self.stream, first_token + k * self.world * b * self.context, self.world * b,
+                                      self.context)
+            else:
+                assert self.shard is not None
+                x, y = Corpus.sample(self.shard, self.world * b, self.context, self.generator)
             if self.world > 1:
                 x, y = x[self.rank * b:(self.rank + 1) * b], y[self.rank * b:(self.rank + 1) * b]
             if self.device.type != "cpu":

@@ -28,6 +28,7 @@ from diloco_async.config.schema import Config
 from diloco_async.inner.base_file import BaseFile, HeldBase, keep_base
 from diloco_async.learner.link import UploadCodecs, link_budget_s
 from diloco_async.learner.sharded_client import ShardedSyncClient, ShardListMismatch, split_sync_urls
+from diloco_async.learner.slices import lease_loop
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.uploads import Uploads, synchronizer_backoff
 from diloco_async.policy.catchup import FetchChoice, version_to_fetch
@@ -105,8 +106,7 @@ class Comms:
         self._thread.join(timeout=timeout_s)
 
     def configure(self, cfg: Config, store: ObjectStore) -> None:
-        """Apply the run's config: the store (the learner's, maybe wrapped), timeouts, heartbeat
-        period and codec."""
+        """Apply the run's config: the store (the learner's, maybe wrapped), timeouts, heartbeat period, codec."""
         lc = cfg.learners
         self.store = store
         self.uploads.configure(store, lc.codec, lc.storage_timeout_s, lc.announce_timeout_s)
@@ -204,7 +204,8 @@ class Comms:
         async with self.client:
             tasks = [asyncio.create_task(self._heartbeat_loop()),
                      asyncio.create_task(self.uploads.run(self.client)),
-                     asyncio.create_task(self._push_loop())]
+                     asyncio.create_task(self._push_loop()),
+                     asyncio.create_task(lease_loop(sh, self.client, self.learner_id, self.incarnation))]
             while not sh.stop_event.is_set():
                 await asyncio.sleep(0.05)
                 for t in tasks:
@@ -223,8 +224,7 @@ class Comms:
                 t.cancel()
             await asyncio.gather(*fetchers, return_exceptions=True)
             log.info("%s versions downloaded %d, skipped %d (a newer one was told first), found collected %d",
-                     self.learner_id, self.downloads["downloaded"], self.downloads["skipped"],
-                     self.downloads["collected"])
+                     self.learner_id, *(self.downloads[k] for k in ("downloaded", "skipped", "collected")))
             log.info("%s uploads: codec %s now, %d codec change(s); reads that waited for uploads %d",
                      self.learner_id, self.upload_codecs.codec, self.upload_codecs.changes,
                      self.downloads["waited_for_uploads"])

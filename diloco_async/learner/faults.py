@@ -134,9 +134,10 @@ class SlowedWorkload:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def step(self, step: int, run_tokens: float = 0.0) -> float:
+    def step(self, step: int, run_tokens: float = 0.0, first_token: int | None = None) -> float:
         t0 = time.perf_counter()
-        loss = self.inner.step(step, run_tokens)
+        loss = (self.inner.step(step, run_tokens) if first_token is None  # (leased slices: DESIGN §5.2)
+                else self.inner.step(step, run_tokens, first_token))
         delay_s = emulated_delay_s(time.perf_counter() - t0, self.speed, self.jitter, self.rng)
         if delay_s > 0:
             time.sleep(delay_s)

@@ -28,6 +28,7 @@ from diloco_async.learner.fsdp_state import latest_sharded_state
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.learner.replay import ReplayBoundaries
 from diloco_async.learner.rules import adopt
+from diloco_async.learner.slices import SliceFeed
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
 from diloco_async.learner.training import InnerLoop, StartPoint
 from diloco_async.metrics.timeline import Recorder
@@ -117,6 +118,7 @@ class Learner:
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
         self.comms.pin_device = device if device.type == "cuda" else None  # asynchronous copies to the GPU
         plan = self._check_plan(cfg, jr, workload)
+        sh.slices = SliceFeed(plan.num_fragments) if cfg.data.slices else None  # leased slices (DESIGN §5.2)
         if self.group is not None and cfg.learners.parallelism == "fsdp":
             loop = self._start_sharded(cfg, jr, workload, plan)
         else:
@@ -126,8 +128,9 @@ class Learner:
                 self.group.wrap(workload)
         sh.ready.set()
         shard_tokens = workload.load_data(cfg, self.index)
-        log.info("%s ready: shard %d/%d of %d tokens, %d parameters on %s (%s, %d rank(s)), CPU subnormals %s, "
-                 "base copies %s, versions %s", self.learner_id, self.index, cfg.learners.count, shard_tokens,
+        log.info("%s ready: %s of %d tokens, %d parameters on %s (%s, %d rank(s)), CPU subnormals %s, "
+                 "base copies %s, versions %s", self.learner_id, "leased slices" if cfg.data.slices else
+                 f"shard {self.index}/{cfg.learners.count}", shard_tokens,
                  sum(p.numel() for p in workload.params.values()), device, cfg.learners.precision, workload.world,
                  "flushed" if subnormals_flushed else "kept", "in RAM" if self.comms.base_in_ram else "in local files",
                  sh.base)

@@ -179,6 +179,10 @@ class ShardedSyncClient:
         """An announcement to the shard that owns its fragment."""
         return await self.clients[shard_of(int(body["fragment"]), len(self.clients))].announce(body)
 
+    async def lease(self, body: dict) -> dict:
+        """A lease request, to shard 0 (leases run with one synchronizer: ``config/slices.py``)."""
+        return await self.clients[0].lease(body)
+
     @contextlib.asynccontextmanager
     async def push(self, learner_id: str) -> AsyncIterator[AsyncIterator[dict]]:
         """Every shard's push channel as one stream of events (ends when any channel ends)."""

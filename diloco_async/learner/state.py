@@ -14,6 +14,7 @@ import torch
 from diloco_async.inner.state import InnerState
 from diloco_async.learner.feedback import ErrorFeedback
 from diloco_async.learner.link import LinkMeter
+from diloco_async.learner.slices import SliceFeed
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
 from storage.store import ObjectRef
 
@@ -64,6 +65,7 @@ class UploadJob:
     delta_ready: torch.cuda.Event | None = None  # ``delta`` is read after this event (a copy from a GPU)
     codec: str | None = None  # its wire codec (a link-bound step-down); None: the uploads' (learners.codec)
     shards: list[ObjectRef] | None = None  # a sharded group's shard objects, by rank, already put (DESIGN §3.1)
+    slices: list[int] = field(default_factory=list)  # leased slices its c_tokens came from (DESIGN §5.2)
 
 
 @dataclass
@@ -138,6 +140,7 @@ class Shared:
         self.adopt_queue: queue.Queue[tuple[VersionInfo, dict[str, torch.Tensor]]] = queue.Queue()
         self.upload_queue: queue.Queue[UploadJob | InnerState | SpooledState] = queue.Queue()
         self.state_spooled = threading.Event()  # a spooled inner state waits for its upload
+        self.slices: SliceFeed | None = None  # the leased slices (data.slices; set before ``ready``)
         # fragment-sized buffers were freed on another thread (a download, an upload, a spool): a
         # chance for the training thread to hand the heap's free pages back (InnerLoop.heap_release)
         self.large_frees = threading.Event()

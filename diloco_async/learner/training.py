@@ -124,6 +124,7 @@ class InnerLoop:
         self.P, self.H = P, H
         self.progress = [Progress(*counters.get(p, (0, 0, 0.0))) for p in range(P)]
         self.in_flight: dict[int, _InFlight] = {}  # cleared on adoption, or when it will not be merged
+        self.feed = shared.slices  # data.slices: each step's tokens come from a leased slice (DESIGN §5.2)
         self.sharded = group is not None and group.outer is not None  # fsdp: the ranks adopt and contribute together
         self.versions: list[VersionInfo] = []  # sharded: versions every rank adopts at this boundary
         self.orders: list[ContributionOrder] = []  # sharded: contributions every rank puts its shard of
@@ -228,6 +229,8 @@ class InnerLoop:
                         params[n].copy_(val)
                     del adopted
             self.progress[p] = progress_after_adopt(self.lc.adopt, self.progress[p], snap.progress if snap else None)
+            if self.feed is not None:  # the next contribution of p names only the slices trained from now on
+                self.feed.adopted(p, progress_kept=self.progress[p].steps > 0)
             if not self.sharded:  # sharded: the group's ShardedOuter.base, replaced at this boundary
                 self.base_tensors[p] = new
             with sh.lock:
@@ -254,6 +257,8 @@ class InnerLoop:
                 p, n, status = self.shared.outcomes.get_nowait()
             except queue.Empty:
                 break
+            if self.feed is not None:  # its slices may be handed back once nothing else names them
+                self.feed.settled(p, n)
             if status not in ("accepted", "duplicate") and p in self.in_flight and self.in_flight[p].round_n == n:
                 del self.in_flight[p]  # nothing of it will be merged: the progress stays in θ for the next round
                 self.hold.discard(p)
@@ -311,7 +316,8 @@ class InnerLoop:
         self.in_flight[p] = _InFlight(n, snap, prog)
         self.hold.discard(p)
         job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, copy.tensors,
-                        encoded=encoded, delta_ready=copy.event, codec=codec)
+                        encoded=encoded, delta_ready=copy.event, codec=codec,
+                        slices=self.feed.named(p, n) if self.feed is not None else [])
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
         self.replay_owed += 1
@@ -431,9 +437,16 @@ class InnerLoop:
 
     def _inner_step(self, run_tokens: float) -> None:
         tokens = self.workload.tokens_per_step
+        taken = self.feed.take(tokens) if self.feed is not None else None  # (slice, first token)
+        if self.feed is not None and taken is None:  # no leased slice in hand: the comms thread is asking
+            time.sleep(0.02)
+            return
         t0 = time.perf_counter()
         t0_unix = time.time()
-        loss = self.workload.step(self.step, run_tokens)
+        loss = self.workload.step(self.step, run_tokens) if taken is None else self.workload.step(
+            self.step, run_tokens, taken[1])
+        if taken is not None and self.feed is not None:
+            self.feed.trained(taken[0], tokens)
         dt = time.perf_counter() - t0
         self.step += 1
         self.recorder.record("step", t0=t0_unix, t1=time.time(), step=self.step, tokens=tokens,

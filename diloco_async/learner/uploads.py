@@ -187,6 +187,8 @@ class Uploads:
                 "codec": self.codec_of(job), "update_id": job.update_id}
         if job.shards is not None:
             body["shards"] = [r.to_json() for r in job.shards]
+        if job.slices:
+            body["slices"] = job.slices
         if self.replay_outbox is not None:  # announced with the next step boundary
             self.replay_outbox.append((job, body))
             return

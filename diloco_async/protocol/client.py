@@ -253,6 +253,11 @@ class SyncClient:
         returns an ``AnnouncementAck``."""
         return await self._learner_request("announce", body)
 
+    async def lease(self, body: dict) -> dict:
+        """A ``LeaseRequest`` (over the push channel's socket when open, else ``POST /lease``);
+        returns a ``LeaseResponse`` (DESIGN §5.2)."""
+        return await self._learner_request("lease", body)
+
     async def checkpoint(self) -> dict:
         """``POST /checkpoint``: write a checkpoint now. Returns ``{"ok": True, "seq": n, ...}``, or
         ``{"ok": False, "reason": ...}`` when the synchronizer could not write it (HTTP 500)."""

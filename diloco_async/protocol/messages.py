@@ -27,6 +27,9 @@ __all__ = [
     "HeartbeatResponse",
     "Announcement",
     "AnnouncementAck",
+    "LeaseRequest",
+    "LeaseResponse",
+    "SLICES_MAX",
     "MetricsQuery",
     "LEARNER_ID_PATTERN",
     "STEP_MAX",
@@ -52,6 +55,8 @@ KEY_MAX_CHARS = 1024
 #: the most shard objects one announcement names (ranks of a sharded learner group)
 SHARDS_MAX = 1024
 """Longest object key."""
+#: the most slices one announcement or lease message names (issue 45; DESIGN §5.2)
+SLICES_MAX = 4096
 
 Step = Annotated[int, Field(ge=0, le=STEP_MAX)]
 Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
@@ -60,6 +65,7 @@ FragmentIndex = Annotated[int, Field(ge=0, lt=FRAGMENTS_MAX)]
 LearnerId = Annotated[str, Field(pattern=LEARNER_ID_PATTERN)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Key = Annotated[str, Field(min_length=1, max_length=KEY_MAX_CHARS)]
+SliceId = Annotated[int, Field(ge=0, le=COUNT_MAX)]
 
 
 class _Msg(BaseModel):
@@ -221,6 +227,9 @@ class Announcement(_Msg):
     update_id: str = Field(pattern=LEARNER_ID_PATTERN)
     shards: list[ShardObject] | None = Field(None, min_length=1, max_length=SHARDS_MAX,
                                              description="The shard objects of a sharded group, by rank.")
+    slices: list[SliceId] = Field(default_factory=list, max_length=SLICES_MAX,
+                                  description="With data.slices: the leased slices whose tokens this contribution's "
+                                  "c_tokens counts (trained since the learner last adopted the fragment).")
 
     def object_keys(self) -> list[str]:
         """Every key this announcement names: ``key`` and each shard object's (each must lie under
@@ -231,6 +240,27 @@ class Announcement(_Msg):
 class AnnouncementAck(_Msg):
     status: Literal["accepted", "duplicate", "late", "rejected"]
     reason: str
+
+
+class LeaseRequest(_Msg):
+    """A learner asks for slices of the training tokens and hands back those it is done with (DESIGN §5.2)."""
+
+    learner_id: LearnerId
+    incarnation: Step = 0
+    want: int = Field(ge=0, le=64, description="Slices wanted now.")
+    release: list[SliceId] = Field(default_factory=list, max_length=SLICES_MAX, description="Slices this learner "
+                                   "finished that no contribution of it will name again.")
+    held: list[SliceId] = Field(default_factory=list, max_length=SLICES_MAX, description="Slices it believes it "
+                                "holds; those it does not are answered in ``revoked``.")
+
+
+class LeaseResponse(_Msg):
+    """Slices leased (each ``[slice, first token, tokens]`` of the training tokens), the slices of
+    ``held`` no longer this learner's, and the ledger's epoch."""
+
+    slices: list[tuple[SliceId, Count, Count]] = Field(default_factory=list)
+    revoked: list[SliceId] = Field(default_factory=list)
+    epoch: Step = 0
 
 
 class MetricsQuery(_Msg):

@@ -4,14 +4,15 @@ HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed me
 each message without awaiting, so every state change is atomic. Blocking work (fetch and verify, merge and
 publish, checkpoints) runs in ``asyncio.to_thread`` and posts its result back to the inbox. After each batch
 of at most :data:`BATCH_MAX` queued messages, and at least every 50 ms, :meth:`Synchronizer._advance` moves
-the clock-driven part: liveness, budgets, due rounds, quorum and grace, checkpoints and the
+the clock-driven part: liveness, leases, budgets, due rounds, quorum and grace, checkpoints and the
 :class:`~diloco_async.sync.lifecycle.Phase`; the parts that look at every live learner run once the inbox
 is empty or every :data:`~diloco_async.sync.sweeps.SWEEP_S` (issue 17; DESIGN §2.1). With
 ``run.schedule = "replay"`` the clock is virtual and :class:`~diloco_async.sync.replay_gate.ReplayGate`
 runs that part between the learners' step boundaries, in virtual-time order (DESIGN §3.2).
 
-The state lives in components, each the one owner of its part (docs/architecture.md); what they share
-and none changes is the :class:`~diloco_async.sync.context.ActorContext`."""
+The state lives in components, each the one owner of its part (docs/architecture.md): fragment book, round
+table, learner registry, read leases, slice desk, reporter, checkpointer, fence, lifecycle, stop sequence;
+what they share and none changes is the :class:`~diloco_async.sync.context.ActorContext`."""
 
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lease import Fence, Lease
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import JsonLinesLog, RateLimitedLog
-from diloco_async.sync.replay_gate import ReplayGate, ReplayHooks, quiet_rounds
+from diloco_async.sync.replay_gate import ReplayGate, ReplayHooks, quiet_rounds, replay_deadlines
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundTable
+from diloco_async.sync.slices import SliceDesk
 from diloco_async.sync.snapshot import StatusBoard
 from diloco_async.sync.state import (
     Broadcaster,
@@ -91,9 +93,8 @@ class Synchronizer:
     """The synchronizer of one run: the actor over its components (see the module doc).
 
     Args:
-        cfg: the validated config.
+        cfg, run_id: the validated config; this run's id.
         store: the object store; the run lives under ``{store}/{run_id}/``.
-        run_id: this run's id.
         clock: monotonic clock in seconds (injectable for tests).
         spill_dir: folder of the metric and merge spill files (default: the temporary folder).
         tails: the records kept in memory (:class:`MemoryTails`).
@@ -132,9 +133,10 @@ class Synchronizer:
         del params  # each fragment's optimizer holds its own copy of Θ^0
         release_free_memory()  # Θ^0 and the model it came from are freed: their heap pages go back (issue 17)
         self.table = RoundTable(self.ctx, self.book, self.registry, self.report, self.push, self.life, tails.settled)
+        self.slices = self.table.slices = SliceDesk.build(cfg, clock, self.report)  # the slice ledger's one owner
         self.checkpoints = Checkpointer(self.ctx, self.report, partial(
             persistence.checkpoint_payload, self.ctx, book=self.book, table=self.table, registry=self.registry,
-            report=self.report), gc_keep=self._versions_being_read)
+            report=self.report, slices=self.slices), gc_keep=self._versions_being_read)
         self.stop_sequence = StopSequence(self.ctx, self.life, self.table, self.registry, self.checkpoints,
                                           self.report, self.push, self.summary)
         self._sweeps = SweepTimer()
@@ -142,7 +144,8 @@ class Synchronizer:
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
         self.gate = None if not isinstance(clock, VirtualClock) else ReplayGate(
             cfg, clock, (run_id, self.ctx.epoch), ReplayHooks(
-                self._on_heartbeat, self.table.on_announce, self._reply, self._replay_pass, self._deadlines,
+                self._on_heartbeat, self.table.on_announce, self._reply, self._replay_pass, lambda: replay_deadlines(
+                    self.table.rounds.values(), self.life.phase is Phase.DRAINING, self.stop_sequence.drain_until_s),
                 lambda: quiet_rounds(self.table.rounds.values()), lambda: self.life.stopped, self.stop_sequence.begin),
             registry=self.registry, report=self.report)
 
@@ -188,12 +191,12 @@ class Synchronizer:
     def restore(self, ckpt: Checkpoint) -> None:
         """Continue from a verified checkpoint of this run; see :func:`persistence.restore`."""
         persistence.restore(ckpt, self.ctx, book=self.book, table=self.table, registry=self.registry,
-                            report=self.report, checkpoints=self.checkpoints.book)
+                            report=self.report, checkpoints=self.checkpoints.book, slices=self.slices)
 
     def summary(self) -> dict:
         """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes."""
-        return summary.summary(self.ctx, book=self.book, table=self.table, registry=self.registry,
-                               report=self.report, checkpoints=self.checkpoints.book, life=self.life)
+        return summary.summary(self.ctx, book=self.book, table=self.table, registry=self.registry, report=self.report,
+                               checkpoints=self.checkpoints.book, life=self.life, slices=self.slices)
 
     def status(self) -> dict:
         """The summary, open rounds and lifecycle phase (``GET /status``)."""
@@ -298,7 +301,8 @@ class Synchronizer:
             self.gate.request(msg)
             return
         handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self.table.on_announce,
-                   "status": lambda _body: self.status(), "stop": self._on_stop}[msg.kind]
+                   "status": lambda _body: self.status(), "stop": self._on_stop,
+                   "lease": lambda body: self.slices.on_lease(body, self.registry, self.life.running)}[msg.kind]
         try:
             msg.reply.set_result(handler(msg.body))
         except Refused as err:
@@ -412,10 +416,6 @@ class Synchronizer:
                      stop.check_drain, self._goodput_series, stop.progress):
             self._guarded(part, now)
 
-    def _deadlines(self) -> list[float]:  # replay: when the pass decides without a learner event (grace, drain ends)
-        ends = [r.state.deadline_s for r in self.table.rounds.values() if r.state.deadline_s is not None]
-        return [*ends, self.stop_sequence.drain_until_s] if self.life.phase is Phase.DRAINING else ends
-
     def _versions_being_read(self) -> dict[int, set[int]]:
         """Fragment -> the versions live learners may still be reading (their read leases)."""
         return self.read_leases.keep(self.registry.live_ids(), self.book.versions())
@@ -435,6 +435,7 @@ class Synchronizer:
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
+        self.slices.sweep(self.table.rounds, self.life.stopped, self.registry)  # lost or restarted: leases end
         self.registry.mark_provisioned(now)  # O(1): the ledgers' readers flush it
 
     def _check_budget(self, now: float) -> None:

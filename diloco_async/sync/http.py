@@ -3,8 +3,8 @@
 Routes (JSON bodies, pydantic-validated) and the credential each needs
 (``Authorization: Bearer <credential>``, see :mod:`diloco_async.protocol.auth`):
 
-* ``POST /join``, ``POST /heartbeat``, ``POST /announce`` and the WebSocket ``GET /ws?learner_id=L``
-  (pushes ``round_open``, ``version`` and ``stop`` events, and answers the heartbeats and
+* ``POST /join``, ``/heartbeat``, ``/announce``, ``/lease`` (slices, DESIGN §5.2) and the WebSocket
+  ``GET /ws?learner_id=L`` (pushes ``round_open``, ``version`` and ``stop`` events, and answers the heartbeats and
   announcements learner L sends on it: :mod:`~diloco_async.sync.ws_requests`) — the token of the
   learner named in the body (or the query), or the run secret. An announced object key must lie
   under the announcing learner's own key prefix (:func:`storage.keys.contribution_learner`).
@@ -54,7 +54,7 @@ from aiohttp import WSCloseCode, web
 from pydantic import BaseModel
 
 from diloco_async.protocol.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
-from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest, MetricsQuery
+from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest, LeaseRequest, MetricsQuery
 from diloco_async.protocol.tls import OPERATOR_URI, learner_uri, peer_identity
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest as _BadRequest
@@ -257,6 +257,10 @@ async def _announce(request: web.Request) -> web.Response:
     return _model_json(resp)
 
 
+async def _lease(request: web.Request) -> web.Response:
+    return _model_json(await _ask(request, "lease", await _parse_as_learner(request, LeaseRequest)))
+
+
 def _board(request: web.Request):
     sync = request.app[SYNC]
     if sync.board.doc is None and sync.board.ticked_s is None:  # the actor has not run yet: nothing else
@@ -433,7 +437,7 @@ def make_app(sync: Synchronizer, run_secret: str, mode: str = "direct", peers_ch
     app.on_shutdown.append(_close_sockets)
     app.add_routes([web.post("/join", _join), web.post("/heartbeat", _heartbeat), web.post("/announce", _announce),
                     web.get("/status", _status), web.get("/metrics", _metrics), web.get("/health", _health),
-                    web.get("/ws", _push), web.post("/checkpoint", _checkpoint)])
+                    web.get("/ws", _push), web.post("/checkpoint", _checkpoint), web.post("/lease", _lease)])
     return app
 
 

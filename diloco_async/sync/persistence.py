@@ -21,12 +21,14 @@ from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, config_differences, config_hash
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.policy.shards import assignment
+from diloco_async.policy.slices import header_slices
 from diloco_async.protocol.versions import VersionHistory, read_version
 from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.reporting import Reporter
 from diloco_async.sync.rounds import RoundTable
+from diloco_async.sync.slices import SliceDesk
 from diloco_async.sync.state import CheckpointBook, FragmentState
 from diloco_async.sync.work import put_version
 from storage import keys
@@ -210,7 +212,8 @@ BY_REASON = {"rejected": "rejected_by_reason", "bad_requests": "bad_requests", "
 
 
 def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: RoundTable,
-            registry: LearnerRegistry, report: Reporter, checkpoints: CheckpointBook) -> None:
+            registry: LearnerRegistry, report: Reporter, checkpoints: CheckpointBook,
+            slices: SliceDesk | None = None) -> None:
     """Continue from a verified checkpoint of this run (DESIGN §5), blocking (store reads).
 
     Restores every fragment of ``book`` (the checkpoint may hold more): its value, momentum,
@@ -221,7 +224,8 @@ def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: R
     again) are kept: each one that
     verifies joins the history and the newest becomes the fragment's value, with the checkpoint's
     momentum (:func:`_adopt_published`; docs/resume-and-fencing.md), so learners that adopted them
-    are not stranded.
+    are not stranded. The slice ledger (``slices``, with ``data.slices``) comes back with the slices
+    those later versions' headers name as trained, so none is leased and trained again.
 
     Raises:
         ValueError: the checkpoint belongs to another run, or its config or fragment plan
@@ -230,9 +234,12 @@ def restore(ckpt: Checkpoint, ctx: ActorContext, *, book: FragmentBook, table: R
     _check_compatible(ctx, book, ckpt)
     check_assignment(ctx, book)
     m = ckpt.manifest
+    trained_since: list[int] = []
     for f in book:
         _restore_fragment(ctx.store, f, ckpt)
-        _adopt_published(ctx, f, int(m.get("lease_epoch", 0)))
+        trained_since += _adopt_published(ctx, f, int(m.get("lease_epoch", 0)))
+    if slices is not None:
+        slices.restore(m.get("slices"), trained_since)
     written_unix_s = float(m.get("written_unix_s", time.time()))  # (absent from older checkpoints)
     registry.restore(m["ledgers"], m["learners"], ctx.clock(), checkpoint_age_s=time.time() - written_unix_s)
     registry.wire.restore(m.get("wire_bytes", {}))
@@ -280,7 +287,7 @@ def _restore_fragment(store: ObjectStore, f: FragmentState, ckpt: Checkpoint) ->
         del f.refs[v]
 
 
-def _adopt_published(ctx: ActorContext, f: FragmentState, lease_epoch: int) -> None:
+def _adopt_published(ctx: ActorContext, f: FragmentState, lease_epoch: int) -> list[int]:
     """Keep the versions of ``f`` published after the checkpoint (blocking; store reads).
 
     Each listed version above the checkpoint's is read, decoded and checked (shapes, finite
@@ -288,12 +295,13 @@ def _adopt_published(ctx: ActorContext, f: FragmentState, lease_epoch: int) -> N
     version or checkpoint before it was written by a synchronizer already fenced out and is
     skipped. The kept ones join the history, the newest becomes ``f.current`` and the optimizer's
     parameters; the momentum and outer-step count stay the checkpoint's; the next round follows
-    the newest round a kept version merged. Unreadable versions are skipped (logged).
+    the newest round a kept version merged. Unreadable versions are skipped (logged). Returns the
+    slices the kept versions' headers name as trained (DESIGN §5.2).
     """
     prefix = keys.fragment_versions_prefix(ctx.run_id, f.p)
     listed = sorted({pv[1] for pv in map(partial(keys.parse_version_key, ctx.run_id), ctx.store.list(prefix))
                      if pv is not None and pv[0] == f.p and pv[1] > f.version})
-    floor, kept = lease_epoch, []
+    floor, kept, trained = lease_epoch, [], []
     for v in listed:
         key = keys.version_key(ctx.run_id, f.p, v)
         try:
@@ -316,20 +324,22 @@ def _adopt_published(ctx: ActorContext, f: FragmentState, lease_epoch: int) -> N
         f.version, f.current, f.published, f.compact = v, tensors, tensors, None  # (a residual is dropped)
         f.next_round = max(f.next_round, int(meta.get("round") or 0) + 1)
         kept.append(v)
+        trained += [s for named in header_slices(meta.get("slices")).values() for s in named]
     if not kept:
-        return
+        return trained
     f.optimizer.load_state(f.current, f.momentum if f.outer_steps > 0 else None, steps_taken=f.outer_steps)
     for old in [v for v in f.history if v < f.version - ctx.sc.max_staleness]:
         del f.history[old]
         f.refs.pop(old, None)
     log.warning("fragment %d: versions %s were published after the checkpoint and are kept; version %d is the "
                 "current value (momentum from the checkpoint); next round %d", f.p, kept, f.version, f.next_round)
+    return trained
 
 
 def checkpoint_payload(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registry: LearnerRegistry,
-                       report: Reporter) -> tuple[dict[str, torch.Tensor], dict]:
+                       report: Reporter, slices: SliceDesk | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, manifest) of a checkpoint of the outer state now: every Θ_p and momentum buffer,
-    versions, round counters, version refs, ledgers, learners and counters."""
+    versions, round counters, version refs, ledgers, learners, counters and the slice ledger."""
     tensors: dict[str, torch.Tensor] = {}
     for f in book:
         for name in f.names:
@@ -361,4 +371,6 @@ def checkpoint_payload(ctx: ActorContext, *, book: FragmentBook, table: RoundTab
         "epoch": ctx.epoch,
         "lease_epoch": ctx.lease_epoch,  # a resume prefers the checkpoints of the newest lease epoch
     }
+    if slices is not None and slices.enabled:  # (left out without leases: the manifest stays as before)
+        manifest["slices"] = slices.to_json()
     return tensors, manifest

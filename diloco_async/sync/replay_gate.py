@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from diloco_async.sync.reporting import Reporter
     from diloco_async.sync.state import Merged, Request
 
-__all__ = ["ReplayGate", "ReplayHooks", "quiet_rounds", "REPLAY_ORDER"]
+__all__ = ["ReplayGate", "ReplayHooks", "quiet_rounds", "replay_deadlines", "REPLAY_ORDER"]
 
 log = logging.getLogger("diloco.synchronizer")
 
@@ -77,6 +77,13 @@ def quiet_rounds(rounds: Iterable[Any]) -> bool:
     """No round of ``rounds`` (:class:`~diloco_async.sync.state.Round`) has a contribution being verified
     or a merge running."""
     return not any(r.state.pending_count or r.state.stage is RoundStage.MERGING for r in rounds)
+
+
+def replay_deadlines(rounds: Iterable[Any], draining: bool, drain_until_s: float) -> list[float]:
+    """The virtual times at which the clock-driven pass decides without a learner event: the grace windows'
+    ends of ``rounds`` (:class:`~diloco_async.sync.state.Round`) and, while ``draining``, the drain's end."""
+    ends = [r.state.deadline_s for r in rounds if r.state.deadline_s is not None]
+    return [*ends, drain_until_s] if draining else ends
 
 
 @dataclasses.dataclass

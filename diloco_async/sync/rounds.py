@@ -35,6 +35,7 @@ from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import work
 from diloco_async.sync.guard import UpdateGuard
 from diloco_async.sync.logs import BoundedMap
+from diloco_async.sync.slices import NOT_HELD, SliceDesk
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
 from storage import keys
 
@@ -55,10 +56,10 @@ SETTLED_CAP = 4096
 
 
 def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
-    """A merged contribution in the merge log: who, its counters and its token weight
-    c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
-    return {"learner": learner_id, "c_tokens": ann.c_tokens, "c_steps": ann.c_steps,
-            "token_weight": token_weight(ann.c_tokens, ann.c_steps), "base_version": ann.base_version}
+    """A merged contribution in the merge log: who, its counters, leased slices (if any, DESIGN §5.2) and token
+    weight c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
+    return {"learner": learner_id, "c_tokens": ann.c_tokens, "c_steps": ann.c_steps, "base_version": ann.base_version,
+            "token_weight": token_weight(ann.c_tokens, ann.c_steps), **({"slices": ann.slices} if ann.slices else {})}
 
 
 class RoundTable:
@@ -80,6 +81,7 @@ class RoundTable:
 
     def __init__(self, ctx: ActorContext, book: FragmentBook, registry: LearnerRegistry, report: Reporter,
                  push: Broadcaster, life: Lifecycle, settled_cap: int = SETTLED_CAP) -> None:
+        self.slices = SliceDesk(None, ctx.clock, report)  # the actor's own with data.slices (DESIGN §5.2)
         self.ctx, self.sc = ctx, ctx.sc
         self.book, self.registry, self.report, self.push, self.life = book, registry, report, push, life
         self.rounds: dict[tuple[int, int], Round] = {}
@@ -160,6 +162,9 @@ class RoundTable:
             owner, shards = shard_of(p, self.sc.shards), self.sc.shards
             return self._reject(lid, "bad_fragment", f"fragment {p} belongs to synchronizer shard {owner}, not to "
                                 f"this shard {self.ctx.shard} (synchronizer.shards={shards})", p, n, ann)
+        ann, why = self.slices.check_announcement(ann)  # slices held (refused if not), c_tokens within them
+        if why is not None:
+            return self._reject(lid, NOT_HELD, why, p, n, ann)
         rnd = self.rounds.get((p, n))
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)
@@ -209,6 +214,8 @@ class RoundTable:
             if fate in ("late", "rejected", "abandoned") and f is not None and learner in self.registry.ledgers:
                 self.registry.ledgers[learner].add_badput("thrown_away", ann.compute_s * f.share)
         self.report.fate(rec)
+        if fate == "merged" and ann is not None:  # zero weight: not trained (its slices return with the lease)
+            self.slices.merged(learner, ann.slices)
 
     def _reject(self, learner: str, reason: str, detail: str, p: int = -1, n: int = -1,
                 ann: Announcement | None = None) -> AnnouncementAck:
@@ -388,8 +395,8 @@ class RoundTable:
                 self.registry.ledgers[lid].count("zero_weight")
         if weak:
             self.report.counters["contributions_downweighted"] += len(weak)
-            log.info("fragment %d round %d: merged with less weight for %s (direction factors %s)", f.p,
-                        res.round_n, weak, {lid: round(res.factors[lid], 3) for lid in weak})
+            log.info("fragment %d round %d: merged with less weight for %s (direction factors %s)", f.p, res.round_n,
+                     weak, {lid: round(res.factors[lid], 3) for lid in weak})
         rnd.state.finish()
         self._adopt_merge(f, res, rnd)
         self._report_merge(f, res, rnd)
@@ -423,17 +430,14 @@ class RoundTable:
         rep, c = self.report, self.report.counters
         grace_s = rnd.state.grace.grace_s if rnd.state.grace else 0.0
         staleness = [f.version - 1 - rnd.contributions[lid].ann.base_version for lid in res.merged]
-        rep.metric("sync/merges", c["merges"])
-        rep.metric("sync/quorum_size", len(res.merged))
-        rep.metric("sync/grace_s", grace_s)
-        rep.metric("sync/quorum_wait_s", res.quorum_wait_s)
-        rep.metric("sync/merge_s", res.seconds)
+        for key, value in (("merges", c["merges"]), ("quorum_size", len(res.merged)), ("grace_s", grace_s),
+                           ("quorum_wait_s", res.quorum_wait_s), ("merge_s", res.seconds)):
+            rep.metric(f"sync/{key}", value)
         merged_cosines = [res.cosines[lid] for lid in res.merged if res.cosines.get(lid) is not None]
         if merged_cosines:  # the agreement of the merged outer gradients with the outer momentum
             rep.metric("sync/direction_cosine_min", min(merged_cosines))
-        rep.metric("sync/contributions_merged", c["contributions_merged"])
-        rep.metric("sync/contributions_late", c["contributions_late"])
-        rep.metric("sync/contributions_rejected", c["contributions_rejected"])
+        for key in ("contributions_merged", "contributions_late", "contributions_rejected"):
+            rep.metric(f"sync/{key}", c[key])
         rep.metric("sync/live_learners", len(self.registry.live()))
         rep.net(self.registry, res.merged, self.ctx.clock())
         rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))

@@ -17,6 +17,7 @@ from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lifecycle import Lifecycle
 from diloco_async.sync.reporting import UPTIME_MIN_GAP_S, Reporter
 from diloco_async.sync.rounds import RoundTable
+from diloco_async.sync.slices import SliceDesk
 from diloco_async.sync.state import CheckpointBook
 from diloco_async.sync.wire_bytes import per_token
 
@@ -62,9 +63,11 @@ def _learner_pace(reg: LearnerRegistry, lid: str) -> dict:
 
 
 def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registry: LearnerRegistry,
-            report: Reporter, checkpoints: CheckpointBook, life: Lifecycle) -> dict:
+            report: Reporter, checkpoints: CheckpointBook, life: Lifecycle, slices: SliceDesk | None = None) -> dict:
     """Run figures: goodput (DESIGN §7), merges, rejections by reason, versions, bytes (and the peak
-    bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`)."""
+    bytes per second over 1 s windows, :mod:`diloco_async.sync.traffic`); with ``data.slices``, the
+    slice ledger's accounting (tokens trained, thrown away, re-queued, slices never reached, epoch;
+    :meth:`~diloco_async.policy.slices.SliceLedger.figures`)."""
     now = ctx.clock()
     rep, reg, c = report, registry, report.counters
     reg.flush_provisioned()
@@ -108,6 +111,7 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
         "gc_deleted_objects": c["gc_deleted_objects"],
         "gc_kept_for_reads": c["gc_kept_for_reads"],
         "global_step": table.g,
+        **(slices.figures() if slices is not None else {}),
         "refused_by_mode": {k: v for k, v in rep.edge_by_mode.items() if v},  # edge refusals and 400s
         "learners": {lid: {"live": i.live, "step": i.step, "incarnation": i.incarnation,
                            "network_mode": i.network_mode,

@@ -42,6 +42,7 @@ from diloco_async.policy.guard import (
     sustained_anti_alignment,
     tensor_norms,
 )
+from diloco_async.policy.slices import slice_header
 from diloco_async.protocol.messages import Announcement, CompactInfo
 from diloco_async.sync.shard_objects import fetch_shards
 from diloco_async.sync.state import Contribution, FragmentState, Merged
@@ -61,15 +62,18 @@ VERSION_SKIPS = 4
 
 
 def put_version(store: ObjectStore, run_id: str, p: int, v: int, tensors: dict[str, torch.Tensor], *,
-                lease_epoch: int = 0, round_n: int = 0) -> ObjectRef:
+                lease_epoch: int = 0, round_n: int = 0, slices: str = "") -> ObjectRef:
     """Publish version ``v`` of fragment ``p`` (fp32 safetensors, immutable key). The header
     names the fragment, the version, the round it merged and the lease epoch of its publisher
-    (a resume uses them to rebuild the published history, docs/resume-and-fencing.md).
+    (a resume uses them to rebuild the published history, docs/resume-and-fencing.md) and, with
+    leases, the slices it trained (``slices``: :func:`~diloco_async.policy.slices.slice_header`; DESIGN §5.2).
 
     Raises:
         FileExistsError: that version was already published.
     """
     meta = {"fragment": str(p), "version": str(v), "lease_epoch": str(lease_epoch), "round": str(round_n)}
+    if slices:
+        meta["slices"] = slices
     key = keys.version_key(run_id, p, v)
     if not _streamable(tensors):
         return store.put(key, wire.encode_to_bytes(tensors, "fp32", meta))
@@ -121,7 +125,7 @@ def publish_compact(store: ObjectStore, run_id: str, f: FragmentState, v: int, e
 
 
 def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tensors: dict[str, torch.Tensor], *,
-                         lease_epoch: int, round_n: int) -> tuple[int, ObjectRef]:
+                         lease_epoch: int, round_n: int, slices: str = "") -> tuple[int, ObjectRef]:
     """Publish ``tensors`` as the next version of fragment ``f``: ``f.version + 1``, or the next
     free number when a synchronizer fenced out since wrote that one (logged; at most
     :data:`VERSION_SKIPS` numbers skipped). Returns (version, ref).
@@ -133,7 +137,7 @@ def publish_next_version(store: ObjectStore, run_id: str, f: FragmentState, tens
     for skip in range(VERSION_SKIPS + 1):
         try:
             return v + skip, put_version(store, run_id, f.p, v + skip, tensors, lease_epoch=lease_epoch,
-                                         round_n=round_n)
+                                         round_n=round_n, slices=slices)
         except FileExistsError:
             if skip == VERSION_SKIPS:
                 raise
@@ -347,16 +351,19 @@ def _merge_step(f: FragmentState, anchored: list, weights: list[float], merge_mo
 
 
 def _publish(store: ObjectStore, run_id: str, f: FragmentState, new: dict[str, torch.Tensor], round_n: int,
-             settings: PublishSettings) -> tuple[int, ObjectRef, dict[str, torch.Tensor], CompactInfo | None]:
+             settings: PublishSettings, slices: str = "") -> tuple[int, ObjectRef, dict[str, torch.Tensor],
+                                                                   CompactInfo | None]:
     """Publish the master value ``new``: (version, ref, published value, compact form). With
     compressed downloads the published value is Θ^pub (:mod:`diloco_async.codec.versions`), put
     whole in fp32 and as its compact payload; else ``new`` itself, with no compact form."""
     lease_epoch, download = settings.lease_epoch, settings.download
     if download[0] == "fp32":
-        version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=round_n)
+        version, ref = publish_next_version(store, run_id, f, new, lease_epoch=lease_epoch, round_n=round_n,
+                                            slices=slices)
         return version, ref, new, None
     encoded, published = version_codec.compress_version(new, f.published, *download)
-    version, ref = publish_next_version(store, run_id, f, published, lease_epoch=lease_epoch, round_n=round_n)
+    version, ref = publish_next_version(store, run_id, f, published, lease_epoch=lease_epoch, round_n=round_n,
+                                        slices=slices)
     return version, ref, published, publish_compact(store, run_id, f, version, encoded, published, download)
 
 
@@ -425,7 +432,8 @@ def merge_and_publish(store: ObjectStore, run_id: str, f: FragmentState, round_n
     if publish.lookahead < 1.0:
         new = f.optimizer.take_back_lookahead(1.0 - publish.lookahead)
     try:
-        version, ref, published, compact = _publish(store, run_id, f, new, n, publish)
+        trained = slice_header({c.ann.learner_id: c.ann.slices for c in kept if factors.get(c.ann.learner_id, 1.0) > 0})
+        version, ref, published, compact = _publish(store, run_id, f, new, n, publish, trained)
     except Exception as err:
         restore()
         return Merged(p, n, False, f"{type(err).__name__}: {err}", dropped=dropped)

@@ -2,9 +2,9 @@
 sent as messages on the socket a learner already holds (``GET /ws?learner_id=L``), answered on
 the same socket, instead of one HTTP POST each.
 
-A request is a text message ``{"id": n, "kind": "heartbeat" | "announce", "body": {...}}``
+A request is a text message ``{"id": n, "kind": "heartbeat" | "announce" | "lease", "body": {...}}``
 (``n`` an integer in [0, 2**53), chosen by the learner to match the answer; ``body`` the same
-JSON object ``POST /heartbeat`` or ``POST /announce`` takes). The answer is a text message
+JSON object ``POST /heartbeat``, ``POST /announce`` or ``POST /lease`` takes). The answer is a text message
 ``{"type": "reply", "id": n, "status": 200, "body": {...}}`` (the route's answer), or
 ``{"type": "reply", "id": n, "status": s, "error": "...", "reason": "..."}`` with the status and
 reason the HTTP route would give (``id`` is null when the message named none that could be read).
@@ -33,7 +33,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from diloco_async.protocol.auth import FORBIDDEN
-from diloco_async.protocol.messages import Announcement, Heartbeat
+from diloco_async.protocol.messages import Announcement, Heartbeat, LeaseRequest
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest, decode, validate
 from diloco_async.sync.gate import Gate
@@ -44,7 +44,7 @@ __all__ = ["KINDS", "ID_LIMIT", "LearnerSocket"]
 
 log = logging.getLogger("diloco.server")
 
-KINDS: dict[str, type[BaseModel]] = {"heartbeat": Heartbeat, "announce": Announcement}
+KINDS: dict[str, type[BaseModel]] = {"heartbeat": Heartbeat, "announce": Announcement, "lease": LeaseRequest}
 """The requests a learner may send over its WebSocket, and the model of each body."""
 ID_LIMIT = 2**53  # request ids are integers in [0, ID_LIMIT): exact in every JSON reader
 
