@@ -5,16 +5,16 @@ Reads the files ``diloco-async chaos --scenario configs/chaos/heterogeneous.toml
 one per seed, for the scenario (``--het``) and for its full-speed baseline (``--full``: the same
 command with ``--full-speed``, same seeds), and prints the bars table (benchmarks/bars.py):
 
-* per learner slot: its merged share of the tokens over its share of the compute it did (the
-  share of the tokens processed, :func:`~diloco_async.chaos.measure.processed_shares`; merged tokens
+* per learner slot: its merged share of the tokens over its compute share (``merged_over_compute``
+  of the row's ``learners``: compute share = speed x time up over the sum over slots; merged tokens
   from the synchronizer's per-learner ledger) >= 0.8. That is: its merged tokens >= 0.8 x its
   compute share x the tokens the run merged. A slot skipped in every run (its shaped link needs
   root) is shown with the reason, not judged;
-* shown per slot: its share of the tokens processed over its nominal compute share (speed x time
-  up over the sum over slots). The speeds are emulated on one shared host (a slowed learner sleeps
-  a multiple of its measured step time and runs at a lower priority), so under load a slowed
-  learner computes less than its nominal share; this row says by how much. What the system
-  controls, and the bar judges, is how much of the compute a learner did reaches the model;
+* shown per slot, to tell the two apart where that bar is missed: its merged share over its share
+  of the tokens processed (:func:`~diloco_async.chaos.measure.processed_shares`: of the compute it
+  did, how much reached the model), and its processed share over its compute share (did it compute
+  what its speed allows: a learner the system stalls, or that its emulated speed slows further,
+  reads below 1);
 * the run's compute goodput in compute actually available (useful compute seconds x speed over
   up seconds x speed, ``speed_weighted_compute_goodput``) over the full-speed run's of the same seed
   >= 0.9;
@@ -106,16 +106,18 @@ def het_bars(het_paths: list[str], full_paths: list[str]) -> list[Bar]:
             bars.append(Bar(f"{label}: merged share / compute share", None, MERGED_OVER_COMPUTE_MIN,
                             detail=f"skipped: {lns[0]['skipped']}", shown=True))
             continue
+        value, detail = mean_over_runs([ln["merged_over_compute"] for ln in lns])
+        merged = ", ".join(f"{ln['tokens_merged']:.0f}" for ln in lns)
+        bars.append(Bar(f"{label}: merged share / compute share", value, MERGED_OVER_COMPUTE_MIN,
+                        detail=f"{detail}; compute share {lns[0]['compute_share']:.3f}; tokens merged {merged}"))
         shares = [processed_shares(het[s][1]["learners"])[slot_index] for s in seeds]
         value, detail = mean_over_runs([ln["merged_share"] / sh if ln["merged_share"] is not None and sh else None
                                         for ln, sh in zip(lns, shares, strict=True)])
-        merged = ", ".join(f"{ln['tokens_merged']:.0f}" for ln in lns)
-        bars.append(Bar(f"{label}: merged share / compute share", value, MERGED_OVER_COMPUTE_MIN,
-                        detail=f"{detail}; share of tokens processed {shares[0]:.3f}; tokens merged {merged}"))
+        bars.append(Bar(f"{label}: merged share / processed share", value, 0.0,
+                        detail=f"{detail}; share of tokens processed {shares[0]:.3f}", shown=True))
         value, detail = mean_over_runs([sh / ln["compute_share"] if ln["compute_share"] else None
                                         for ln, sh in zip(lns, shares, strict=True)])
-        bars.append(Bar(f"{label}: processed share / nominal compute share", value, 0.0,
-                        detail=f"{detail}; nominal share {lns[0]['compute_share']:.3f}", shown=True))
+        bars.append(Bar(f"{label}: processed share / compute share", value, 0.0, detail=detail, shown=True))
     ratios = []
     for s in seeds:
         h, f = het[s][1]["speed_weighted_compute_goodput"], full[s][1]["speed_weighted_compute_goodput"]

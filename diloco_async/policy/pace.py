@@ -70,7 +70,12 @@ class PaceMeter:
         steps, heard_s: credited steps and seconds heard since the start (the pace bound's
             measurement: a long memory, so it rises slowly).
         recent_steps, recent_heard_s: the same, each decayed by ``exp(-dt / RECENT_S)`` (the grace
-            window's step time: follows a learner that slowed down within about ``RECENT_S``).
+            window's step time: follows a learner that slowed down within about ``RECENT_S``), taken
+            only at a heartbeat that was credited steps: the seconds of the heartbeats before it that
+            advanced nothing wait in ``stalled_s`` until then, so a learner that stops stepping (a
+            stall, or a learner heartbeating without training) does not raise its step time, and with
+            it the grace window, while it stalls; once it steps again its step time counts them.
+        stalled_s: seconds heard since the last credited heartbeat, not yet in the recent figures.
     """
 
     started: bool = False
@@ -80,6 +85,7 @@ class PaceMeter:
     heard_s: float = 0.0
     recent_steps: float = 0.0
     recent_heard_s: float = 0.0
+    stalled_s: float = 0.0
 
     def rejoined(self) -> PaceMeter:
         """The meter of the slot's next incarnation: the same measurement, its first heartbeat not
@@ -108,9 +114,13 @@ class PaceMeter:
         self.credit -= credited
         self.steps += credited
         self.heard_s += interval_s
-        decay = math.exp(-interval_s / RECENT_S)
+        if credited <= 0:
+            self.stalled_s += interval_s
+            return
+        since_s, self.stalled_s = self.stalled_s + interval_s, 0.0
+        decay = math.exp(-since_s / RECENT_S)
         self.recent_steps = self.recent_steps * decay + credited
-        self.recent_heard_s = self.recent_heard_s * decay + interval_s
+        self.recent_heard_s = self.recent_heard_s * decay + since_s
 
     def steps_per_s(self) -> float | None:
         """The measured pace (steps/s) over the whole measurement; None before any second was heard."""

@@ -129,9 +129,14 @@ class LearnerRegistry:
     def slowest_step_s(self) -> float | None:
         """Step time (s) of the slowest live learner, as the synchronizer measured it from its heartbeats
         (:meth:`~diloco_async.policy.pace.PaceMeter.step_time_s`; a self-reported step time plays no part),
-        or None before any was measured; each clamped by :func:`~diloco_async.policy.pace.clamp_step_times`
-        to a multiple of the live learners' lower median. O(N)."""
-        times = [t for i in self.live() if (t := i.meter.step_time_s()) is not None]
+        or None until more than half of the live learners were measured (while one learner alone, or a
+        minority, is measured, its figures would set the lower median themselves: the initial grace
+        holds instead); each clamped by :func:`~diloco_async.policy.pace.clamp_step_times` to a
+        multiple of the live learners' lower median. O(N)."""
+        live = self.live()
+        times = [t for i in live if (t := i.meter.step_time_s()) is not None]
+        if 2 * len(times) <= len(live):
+            return None
         clamped = clamp_step_times(times, max_s=self.max_step_time_s, multiple=self.step_time_multiple)
         return max(clamped) if clamped else None
 

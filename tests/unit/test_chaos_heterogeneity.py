@@ -142,10 +142,11 @@ def _doc(seed: int, full: bool, merged_over: list[float | None], weighted: float
         processed[3] = 0.0
     learners = [{"slot": i, "speed": s, "compute_share": 0.25, "tokens_processed": t,
                  "merged_share": None if m is None else m * t / sum(processed),
+                 "merged_over_compute": None if m is None else m * t / sum(processed) / 0.25,
                  "tokens_merged": 100.0 * (m or 0), "note": "", "skipped": None, "contributions": {}}
                 for i, (s, m, t) in enumerate(zip([1.0, 0.5, 0.1, 1.0], merged_over, processed, strict=True))]
     if skipped:
-        learners[3].update(skipped=skipped, compute_share=0.0)
+        learners[3].update(skipped=skipped, compute_share=0.0, merged_over_compute=None)
     return {"scenario": "heterogeneous", "seed": seed, "full_speed": full,
             "rows": [{"method": "decoupled", "learners": learners, "speed_weighted_compute_goodput": weighted,
                       "token_goodput": 0.9}]}
@@ -167,14 +168,17 @@ def test_het_bars_per_learner_and_goodput_against_the_full_speed_fleet(tmp_path,
     never = bars["slot 3 (1x): merged share / compute share"]
     assert never.value == 0.0 and not never.ok  # a learner that never got merged misses its bar
     assert bars["slot 2 (0.1x): merged share / compute share"].ok
-    assert bars["slot 2 (0.1x): processed share / nominal compute share"].value == pytest.approx(1.0)
-    # a slowed learner that computed half its nominal share: judged on what it computed, and the gap shown
+    assert bars["slot 2 (0.1x): processed share / compute share"].value == pytest.approx(1.0)
+    # a learner that computed half its compute share (stalled, or slowed past its speed): its bar is
+    # missed, and the shown rows say that what it did compute was merged
     (tmp_path / "starved").mkdir()
     starved = _files(tmp_path / "starved", [_doc(s, False, [1.0, 1.0, 0.9, 1.0], 0.9, processed=[100, 100, 50, 100])
                                 for s in range(3)])
     slow = {b.figure: b for b in het_bars(starved, full)}
-    assert slow["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(0.9)
-    assert slow["slot 2 (0.1x): processed share / nominal compute share"].value == pytest.approx(50 / 350 / 0.25)
+    assert slow["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(0.9 * 50 / 350 / 0.25)
+    assert not slow["slot 2 (0.1x): merged share / compute share"].ok
+    assert slow["slot 2 (0.1x): merged share / processed share"].value == pytest.approx(0.9)
+    assert slow["slot 2 (0.1x): processed share / compute share"].value == pytest.approx(50 / 350 / 0.25)
     ratio = bars["compute goodput in compute available / full-speed fleet's"]
     assert ratio.value == pytest.approx(0.85 / 0.95) and not ratio.ok and "mean of 3 runs +- 0.00" in ratio.detail
     assert main(["--het", *het, "--full", *full]) == 1

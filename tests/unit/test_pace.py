@@ -318,6 +318,44 @@ def test_a_learner_that_really_steps_slowly_is_waited_for_only_within_the_fleets
     assert merged_after_s(reg) <= 8 / 250 + 0.001
 
 
+def test_a_learner_that_stops_stepping_does_not_stretch_the_grace_while_it_stalls():
+    """A learner that steps as the others for FLEET_S / 2, then only heartbeats (a stall, or a liar
+    holding its step): the seconds without a step are not its step time until it steps again, so
+    the round's grace stays the honest fleet's own (it was 8 x theirs before)."""
+    reg = LearnerRegistry(default_limits(), max_step_time_s=600.0, step_time_multiple=8.0)
+    for lid in "abc":
+        reg.join(JoinRequest(learner_id=lid), 0.0, None)
+    for k in range(1, int(FLEET_S / 0.25) + 1):
+        for lid, rate in (("a", 300.0), ("c", 250.0), ("b", 250.0)):
+            step = math.floor(rate * 0.25 * min(k, 40 if lid == "b" else k))
+            reg.heartbeat(Heartbeat(learner_id=lid, step=step, tokens_total=step * 64), 0.25 * k)
+    assert reg.learners["b"].meter.step_time_s() == pytest.approx(1 / 250, rel=0.05)
+    assert reg.learners["b"].meter.stalled_s == pytest.approx(FLEET_S / 2)
+    own = merged_after_s(fleet({"a": (300.0, None), "c": (250.0, None), "b": (250.0, None)}))
+    assert merged_after_s(reg) == own
+    # once it steps again, the stall counts in its step time (decayed over RECENT_S like any other)
+    reg.heartbeat(Heartbeat(learner_id="b", step=2501, tokens_total=2501 * 64), FLEET_S + 0.25)
+    assert reg.learners["b"].meter.stalled_s == 0.0 and reg.learners["b"].meter.step_time_s() > 2 / 250
+
+
+def test_a_minority_of_measured_learners_gives_the_initial_grace():
+    """While only one learner of three was measured (the others have just started), its step time
+    (one step in 10 s) would be the lower median on its own, and 8 x that the cap: the initial
+    grace holds until more than half of the live learners were measured."""
+    reg = LearnerRegistry(default_limits(), max_step_time_s=600.0, step_time_multiple=8.0)
+    for lid in "abc":
+        reg.join(JoinRequest(learner_id=lid), 0.0, None)
+    for k in range(1, int(FLEET_S / 0.25) + 1):
+        step = math.floor(0.1 * 0.25 * k)
+        reg.heartbeat(Heartbeat(learner_id="b", step=step, tokens_total=step * 64), 0.25 * k)
+    for lid in "ac":
+        reg.heartbeat(Heartbeat(learner_id=lid, step=5, tokens_total=5 * 64), FLEET_S)
+    assert reg.learners["b"].meter.step_time_s() > 5.0 and reg.slowest_step_s() is None
+    assert merged_after_s(reg) == pytest.approx(0.5)
+    reg.heartbeat(Heartbeat(learner_id="a", step=80, tokens_total=80 * 64), FLEET_S + 0.25)
+    assert reg.slowest_step_s() == pytest.approx(8 * 0.25 / 75)  # 2 of 3 measured: b clamped to 8 x a's
+
+
 def test_no_measurement_yet_gives_the_initial_grace_whatever_is_claimed():
     reg = LearnerRegistry(default_limits(), max_step_time_s=600.0, step_time_multiple=8.0)
     for lid in "abc":
