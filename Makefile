@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -240,6 +240,13 @@ TLS_PAIRS ?= 3
 TLS_RUN_S ?= 60
 bench-tls: data
 	$(PY) -m benchmarks.tls_tokens --pairs $(TLS_PAIRS) --run-s $(TLS_RUN_S)
+
+## bench-replay: what run.schedule = "replay" costs (docs/replay.md): REPLAY_SEEDS (default 3) seeds of a tiny
+##               recipe, each free, replayed, and replayed again beside a CPU hog; bar: the replays of a seed
+##               publish the same versions; replay / free wall seconds shown
+REPLAY_SEEDS ?= 3
+bench-replay: data
+	$(PY) -m benchmarks.replay_cost --seeds $(REPLAY_SEEDS)
 
 ## bench-fuzz: FUZZ_REQUESTS (default 10,000) seeded valid, boundary and hostile requests on every route of a
 ## live synchronizer, honest scripted learners merging meanwhile: zero 5xx, alive, merging, RSS growth < 10%

@@ -23,6 +23,7 @@ from diloco_async.config.guard import GuardConfig
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.network import NetworkConfig
 from diloco_async.config.parallelism import check_parallelism
+from diloco_async.config.replay import ReplayConfig, check_replay, drop_default_replay_fields
 from diloco_async.config.slices import check_slices, drop_default_slice_fields
 from diloco_async.config.tomlfile import read_toml
 from diloco_async.config.tracking import TrackingConfig
@@ -58,6 +59,8 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     name: str = Field("diloco", description="Human name of the run (MLflow run name prefix).")
     seed: int = Field(0, description="Seed of the model initialisation and the data order.")
+    schedule: Literal["free", "replay"] = Field("free", description="'free': learners and rounds run on the wall "
+                                                "clock; 'replay': on a seeded virtual clock ([replay]; DESIGN §3.2).")
     store: str = Field(
         "file://.local/store",
         description="Root URL of the object store (file://, memory://, s3://, gs://). Each run lives "
@@ -265,6 +268,7 @@ class Config(_Section):
     tracking: TrackingConfig = TrackingConfig()
     faults: FaultsConfig = FaultsConfig()
     network: NetworkConfig = NetworkConfig()
+    replay: ReplayConfig = ReplayConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -279,6 +283,7 @@ class Config(_Section):
         schedules.check_schedules(self)
         self.network.check_learners(self.learners.count)
         check_parallelism(self)
+        check_replay(self)
         check_slices(self)
         return self
 
@@ -377,6 +382,7 @@ def _training_dict(d: dict) -> dict:
         del d["synchronizer"]["shards"]
     schedules.drop_default_schedule_fields(d)  # the schedule keys at their defaults hash as before they existed
     feedback.drop_default_feedback_fields(d)  # so does learners.error_feedback = false
+    drop_default_replay_fields(d)  # and run.schedule = "free" with [replay] at its defaults
     drop_default_slice_fields(d)  # and data.slices = false
     for section, fields in _OPERATIONAL.items():
         for key in fields:

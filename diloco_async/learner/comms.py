@@ -1,13 +1,12 @@
 """The learner's comms thread: an asyncio loop with one synchronizer client (DESIGN §3).
 
-It joins, sends heartbeats (which bring open rounds, new versions and the stop signal), listens on
-the WebSocket push channel, downloads new versions for the training thread, and runs the upload
-pipeline (:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announcements go over
-the push channel's WebSocket while it is open and over HTTP while it is not (before it connects,
-after the synchronizer restarts, until it reconnects): :class:`~diloco_async.protocol.client.SyncClient`,
-one per synchronizer shard behind :class:`~diloco_async.learner.sharded_client.ShardedSyncClient`.
-If the synchronizer is unreachable the learner keeps training and reconnects with backoff; after
-``give_up_after_s`` without an answer: :class:`~diloco_async.protocol.client.ProtocolError` (exit 3).
+It joins, sends heartbeats (which bring open rounds, new versions and the stop signal), listens on the
+WebSocket push channel, downloads new versions for the training thread, and runs the upload pipeline
+(:class:`~diloco_async.learner.uploads.Uploads`). Heartbeats and announcements go over the push channel's
+WebSocket while it is open, else over HTTP (:class:`~diloco_async.protocol.client.SyncClient`, one per
+shard behind :class:`~diloco_async.learner.sharded_client.ShardedSyncClient`). An unreachable synchronizer
+is retried with backoff while training goes on; after ``give_up_after_s``: ``ProtocolError`` (exit 3). In a
+replay (:mod:`~diloco_async.learner.replay`) rounds, versions and the stop come with the step boundaries.
 """
 
 from __future__ import annotations
@@ -96,6 +95,8 @@ class Comms:
         self.upload_codecs = UploadCodecs(learner_id, ["bf16"])  # configure() sets learners.codec's ladder
         shared.link.learner_id = learner_id
         self._bg: set[asyncio.Task] = set()
+        self.replay = False  # run.schedule = "replay" (configure): no rounds, versions or stop taken in here
+        self.loop: asyncio.AbstractEventLoop | None = None  # the comms loop, once running
         self._thread = threading.Thread(target=self._main, name=f"{learner_id}-comms", daemon=True)
 
     def start(self) -> None:
@@ -115,16 +116,16 @@ class Comms:
         self.upload_codecs = UploadCodecs(self.learner_id, [lc.codec, *lc.link_codecs], self.num_fragments)
         self.shared.upload_codec = None  # learners.codec until the link is measured
         self.client.request_timeout_s = lc.request_timeout_s
+        self.replay = cfg.run.schedule == "replay"
+        self.uploads.replay_outbox = [] if self.replay else None  # replay: announced with a boundary
 
     def fetch_version(self, v: VersionInfo) -> BaseFile | HeldBase:
-        """Download and decode a published version (blocking; verifies size and sha256): its
-        compact form when there is one this learner can rebuild exactly (a whole one, or a delta
-        from the version it holds; :mod:`diloco_async.codec.versions`), else the fp32 value
-        streamed into tensors allocated once (:func:`diloco_async.protocol.versions.read_version`). Either
-        way the result is the synchronizer's published value bit for bit, kept in a local file
-        (:class:`~diloco_async.inner.base_file.BaseFile`), not in RAM, unless ``base_in_ram``
-        (:class:`~diloco_async.inner.base_file.HeldBase`, pinned for ``pin_device``). Counts the bytes and seconds
-        (:class:`~diloco_async.learner.link.LinkMeter`).
+        """Download and decode a published version (blocking; verifies size and sha256): its compact
+        form when this learner can rebuild it exactly (whole, or a delta from the version it holds;
+        :mod:`diloco_async.codec.versions`), else the fp32 value streamed into tensors allocated once
+        (:func:`diloco_async.protocol.versions.read_version`): the published value bit for bit, in a local
+        file (:class:`~diloco_async.inner.base_file.BaseFile`), or in RAM if ``base_in_ram`` (``HeldBase``,
+        pinned for ``pin_device``). Counts the bytes and seconds (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:
             FileNotFoundError: the version was collected; storage.store.IntegrityError;
@@ -199,7 +200,7 @@ class Comms:
 
     async def _run(self) -> None:
         sh = self.shared
-        self._wake = asyncio.Event()
+        self._wake, self.loop = asyncio.Event(), asyncio.get_running_loop()
         async with self.client:
             tasks = [asyncio.create_task(self._heartbeat_loop()),
                      asyncio.create_task(self.uploads.run(self.client)),
@@ -288,8 +289,7 @@ class Comms:
         self._wake.clear()
 
     def _on_heartbeat(self, resp: HeartbeatResponse) -> bool:
-        """Take in a heartbeat's answer: epoch, open rounds, versions. False: rejoin (the
-        synchronizer does not know this learner), nothing else taken in."""
+        """Take in a heartbeat's answer: epoch, open rounds, versions. False: rejoin (unknown), nothing taken in."""
         sh = self.shared
         if resp.epoch != self.epoch:
             log.warning("%s: the synchronizer restarted (epoch %s -> %s); resetting round state",
@@ -303,6 +303,8 @@ class Comms:
         if not resp.known:
             log.warning("%s unknown to the synchronizer; rejoining", self.learner_id)
             return False
+        if self.replay:
+            return True  # rounds, versions and the lr schedule's progress come with the step boundaries
         sh.run_tokens = resp.run_tokens
         now = time.monotonic()
         with sh.lock:
@@ -365,7 +367,7 @@ class Comms:
 
     def _on_push(self, event: dict) -> None:
         sh = self.shared
-        kind = event.pop("type", None)
+        kind = None if self.replay else event.pop("type", None)  # replay: all comes with the step boundaries
         if kind == "round_open":
             with sh.lock:
                 sh.open_rounds.setdefault((event["fragment"], event["round_n"]), (event["version"], time.monotonic()))
@@ -376,8 +378,7 @@ class Comms:
             sh.stop_event.set()
 
     def _maybe_download(self, v: VersionInfo) -> None:
-        """Take in a version told of (heartbeat or push) and, if this learner has none of its
-        fragment in flight and holds an older one, start that fragment's download task."""
+        """Take in a version told (heartbeat or push); start its fragment's download task if none is in flight."""
         self.told(v)
         p = v.fragment
         if not self.shared.ready.is_set() or p in self._fetchers:
@@ -397,9 +398,8 @@ class Comms:
         return told, version_to_fetch(told.version if told else None, held, self._gone.get(p, -1))
 
     async def _uploads_first(self) -> None:
-        """A link-bound learner's next read waits for its pending contributions' uploads (at most
-        :data:`UPLOADS_FIRST_MAX_S`; :func:`~diloco_async.policy.link_bound.download_yields`), when
-        it adapts to its link (``learners.link_codecs`` set)."""
+        """With ``learners.link_codecs``, a link-bound learner's next read waits for its pending uploads (at
+        most :data:`UPLOADS_FIRST_MAX_S`; :func:`~diloco_async.policy.link_bound.download_yields`)."""
         if len(self.upload_codecs.ladder) == 1:
             return
         t0 = time.monotonic()
@@ -413,11 +413,10 @@ class Comms:
             self.downloads["waited_for_uploads"] += 1
 
     async def _fetch_newest(self, p: int) -> None:
-        """Download fragment ``p``'s newest version told, and again while a newer one was told
-        meanwhile; each in the download lane, one fragment at a time, the fragments in turn (the
-        lane is first come, first served). A version found collected is not asked for again: the
-        newest told is read instead, at once, or after a heartbeat sent now. Another failure ends
-        the task (logged); the next heartbeat starts it again."""
+        """Download fragment ``p``'s newest version told, again while a newer one was told meanwhile, in
+        the download lane (one fragment at a time, first come first served). A version found collected is
+        not asked for again: the newest told is read, now or after a heartbeat sent now. Another failure
+        ends the task (logged); the next heartbeat starts it again."""
         sh, v = self.shared, None
         try:
             while not sh.stop_event.is_set():

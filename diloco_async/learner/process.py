@@ -26,6 +26,7 @@ from diloco_async.learner.faults import LearnerFaults
 from diloco_async.learner.feedback import ErrorFeedback
 from diloco_async.learner.fsdp_state import latest_sharded_state
 from diloco_async.learner.group import LearnerGroup, place_workload
+from diloco_async.learner.replay import ReplayBoundaries
 from diloco_async.learner.rules import adopt
 from diloco_async.learner.slices import SliceFeed
 from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
@@ -110,7 +111,9 @@ class Learner:
             self.group.share_config(jr.config)
         subnormals_flushed = set_cpu_math(cfg.learners.threads, cfg.learners.flush_denormal)
         assert self.faults is not None
-        workload = self.faults.wrap_workload(self.make_workload(cfg, self.index, self.incarnation))
+        workload = self.make_workload(cfg, self.index, self.incarnation)
+        if cfg.run.schedule != "replay":  # a replay draws its speeds on the virtual clock: no real slowdown
+            workload = self.faults.wrap_workload(workload)
         device = place_workload(workload, cfg, self.index, self.group.local_rank if self.group else 0)
         self.comms.base_in_ram = device.type != "cpu"  # host RAM holds no other copy of the model then
         self.comms.pin_device = device if device.type == "cuda" else None  # asynchronous copies to the GPU
@@ -201,8 +204,11 @@ class Learner:
         else:
             base_tensors = self._load_versions(jr.versions, workload)
         start = StartPoint(base_tensors, counters, start_step, restored=saved is not None)
-        return InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
+        loop = InnerLoop(cfg, self.shared, workload, plan, self.recorder, learner_id=self.learner_id, start=start,
                          group=self.group)
+        if cfg.run.schedule == "replay":  # step boundaries in virtual-time order (DESIGN §3.2)
+            loop.replay = ReplayBoundaries(self.comms, cfg.replay.stall_timeout_s + self.comms.give_up_after_s)
+        return loop
 
     def _restore_residuals(self, saved: dict[str, torch.Tensor] | None, seq: int | None) -> None:
         """The error-feedback residuals (``learners.error_feedback``) from the saved inner state's

@@ -1,12 +1,9 @@
 """The learner's training thread: inner steps that never wait for the network (DESIGN §3).
 
-At each step boundary the loop adopts the versions the comms thread downloaded
-(:func:`~diloco_async.learner.rules.adopt`), reads the outcomes of its contributions, and answers
-open rounds by snapshotting the outer gradient of a fragment
-(:func:`~diloco_async.learner.rules.outer_gradient`) for the comms thread to upload. Then it runs
-one inner step of its :class:`~diloco_async.inner.workload.Workload`. With ``learners.barrier`` it waits
-like synchronous DiLoCo instead.
-"""
+At each step boundary the loop adopts the downloaded versions (:func:`~diloco_async.learner.rules.adopt`),
+reads its contributions' outcomes and answers open rounds with an outer gradient for the comms thread to
+upload; then one inner step. ``learners.barrier``: it waits like synchronous DiLoCo; a replay asks for each
+boundary's rounds and versions (:mod:`~diloco_async.learner.replay`)."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from diloco_async.inner.workload import Workload
 from diloco_async.learner.device_copies import to_host_async
 from diloco_async.learner.fsdp_outer import ContributionOrder, ShardedUpload
 from diloco_async.learner.group import Decision, LearnerGroup
+from diloco_async.learner.replay import ReplayBoundaries
 from diloco_async.learner.rules import Progress, adopt, encoded_outer_gradient, outer_gradient, progress_after_adopt
 from diloco_async.learner.spool import StateSpooler, new_spool_folder, remove_dead_spool_folders
 from diloco_async.learner.state import Shared, UploadJob
@@ -77,9 +75,8 @@ class _InFlight:
 
 
 def _overwrite(param: torch.Tensor, new: Mapping[str, torch.Tensor], name: str) -> None:
-    """θ ← Θ^new of one tensor: read from a base file straight into a CPU parameter (no new
-    tensor, no second copy; the learner stops if the file's bytes are not those written), else
-    copied (from pinned memory to a GPU: queued, not waited for)."""
+    """θ ← Θ^new of one tensor: read from a base file straight into a CPU parameter (no new tensor, no second
+    copy; the learner stops if the bytes are not those written), else copied (to a GPU: queued, not waited)."""
     if isinstance(new, BaseFile) and new.can_read_into(name, param):
         new.read_into(name, param)
     else:
@@ -100,16 +97,17 @@ class InnerLoop:
         group: rank 0's side of the learner's process group, or None for a one-process learner:
             each step boundary's decision and adopted fragments go to the other ranks.
 
-    The parameters live on the workload's device; the base copies Θ^base are float32 in local
-    files (pinned host memory for a GPU); the outer gradients are float32 on CPU (taken on the
-    GPU and copied, :mod:`~diloco_async.learner.device_copies`); the snapshots of ``rebase`` are
-    on the parameters' device.
-    """
+    The parameters live on the workload's device; the base copies Θ^base are float32 in local files
+    (pinned host memory for a GPU); the outer gradients are float32 on CPU (taken on the GPU and copied,
+    :mod:`~diloco_async.learner.device_copies`); the snapshots of ``rebase`` on the parameters' device."""
 
     def __init__(self, cfg: Config, shared: Shared, workload: Workload, plan: FragmentPlan, recorder: Recorder, *,
                  learner_id: str, start: StartPoint, group: LearnerGroup | None = None) -> None:
         lc = cfg.learners
         self.group = group
+        self.replay: ReplayBoundaries | None = None  #: set by the process for a replay (learner/replay.py)
+        self.replay_rounds: dict[tuple[int, int], tuple[int, float]] = {}  # replay: rounds the last answer named
+        self.replay_owed = 0  # replay: contributions queued at this boundary, announced with it
         self.lc, self.shared, self.workload, self.plan, self.recorder = lc, shared, workload, plan, recorder
         self.learner_id = learner_id
         self.base_tensors = start.base_tensors
@@ -150,13 +148,20 @@ class InnerLoop:
         with self.shared.lock:
             self.shared.stats.step = self.step
         while not self.shared.stop_event.is_set():
+            if self.replay is not None:  # the rounds the last answer named, answered now, go with this boundary
+                self._answer_rounds()
+                rounds = self.replay.boundary(self.step, self.replay_owed)  # blocks; versions queued for adoption
+                if rounds is None:
+                    break
+                self.replay_rounds, self.replay_owed = rounds, 0
             adopted = self._adopt_arrivals()
             if self.shared.epoch_changed.is_set():
                 self.shared.epoch_changed.clear()
                 self.answered.clear()  # round numbers may be reused by the restarted synchronizer
                 self.in_flight.clear()  # contributions in flight will not be merged
             self._read_outcomes()
-            self._answer_rounds()
+            if self.replay is None:
+                self._answer_rounds()
             blocked = self.lc.barrier and self._barrier_blocked()
             run_tokens = self.shared.run_tokens  # the run's progress for the lr schedule, as last heard
             if self.group is not None:
@@ -254,7 +259,8 @@ class InnerLoop:
         """Contribute to every open round not answered yet, one contribution in flight per fragment."""
         sh = self.shared
         with sh.lock:
-            rounds = sorted((k, vt[0]) for k, vt in sh.open_rounds.items() if k not in self.answered)
+            told = sh.open_rounds if self.replay is None else self.replay_rounds
+            rounds = sorted((k, vt[0]) for k, vt in told.items() if k not in self.answered)
         for (p, n), round_version in rounds:
             if round_version < sh.base[p]:
                 self.answered.add((p, n))  # that round already published a version we adopted
@@ -269,14 +275,12 @@ class InnerLoop:
             self._contribute(p, n)
 
     def _contribute(self, p: int, n: int) -> None:
-        """Snapshot the outer gradient of fragment ``p`` for round ``n`` and queue its upload.
-        θ is read in place (Δ is the one new fragment-sized tensor); the snapshot θ itself is kept
-        only for the ``rebase`` rule, the one that reads it at adoption (on θ's device). On the
-        CPU, when an upload is already waiting (a late learner answers several rounds at one
-        step), Δ is encoded here one tensor at a time, so fp32 outer gradients do not pile up in
-        the queue. On a GPU, Δ is taken there and its copy to pinned host memory is queued; the
-        upload thread waits for it (at most one fp32 Δ per fragment, the model's size, in host memory).
-        With error feedback Δ is always queued in fp32: the comms thread adds the residual before encoding."""
+        """Snapshot the outer gradient of fragment ``p`` for round ``n`` and queue its upload. θ is read in
+        place (Δ is the one new fragment-sized tensor); θ itself is kept only for ``rebase`` (on θ's device).
+        On the CPU, when an upload is already waiting (a late learner answers several rounds at one step),
+        Δ is encoded here one tensor at a time, so fp32 outer gradients do not pile up in the queue; on a GPU
+        its copy to pinned host memory is queued (the upload thread waits for it). With error feedback, and
+        in a replay, Δ is always queued in fp32 (the comms thread adds the residual before encoding)."""
         if self.sharded:
             self._order_sharded(p, n)
             return
@@ -289,7 +293,7 @@ class InnerLoop:
         with torch.no_grad():
             theta = {name: params[name].detach().to(torch.float32) for name in self.plan.names(p)}
             # on a GPU, Δ is taken there and copied to the host without a wait (device_copies)
-            if self.shared.upload_queue.empty() or not on_cpu or self.shared.feedback is not None:
+            if self.shared.upload_queue.empty() or not on_cpu or self.shared.feedback is not None or self.replay:
                 delta = outer_gradient(base, theta)
             else:
                 encoded = encoded_outer_gradient(base, theta, codec)
@@ -305,6 +309,7 @@ class InnerLoop:
                         slices=self.feed.named(p, n) if self.feed is not None else [])
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=job.update_id)
+        self.replay_owed += 1
         self.shared.upload_queue.put(job)
 
     def _order_sharded(self, p: int, n: int) -> None:
@@ -382,10 +387,9 @@ class InnerLoop:
             sh.stats.blocked_since_s = None
 
     def _maybe_save_inner_state(self) -> None:
-        """Every ``checkpoint_every_s``: capture the inner state between two steps (no copy) and
-        have the spool thread write it to a local file while training goes on
-        (:class:`~diloco_async.learner.spool.StateSpooler`), for the comms thread to upload and
-        delete. Skipped while the previous spool is written or waits for its upload."""
+        """Every ``checkpoint_every_s``: the inner state captured between two steps (no copy), written to a
+        local file by the spool thread (:class:`~diloco_async.learner.spool.StateSpooler`) for the comms thread
+        to upload and delete; skipped while the previous spool is written or waits for its upload."""
         every_s = self.lc.checkpoint_every_s
         sh = self.shared
         if (every_s <= 0 or time.monotonic() - self.last_state_s < every_s or sh.state_spooled.is_set()
@@ -403,8 +407,8 @@ class InnerLoop:
         self.spooler.start(state, os.path.join(self.spool_dir, f"state-{self.step:010d}.safetensors"))
 
     def _sharded_save_due(self) -> dict | None:
-        """A sharded group's inner state is saved by every rank at this boundary (DCP, in
-        :meth:`LearnerGroup.boundary`) every ``checkpoint_every_s``: what rank 0 tells them, else None."""
+        """Every ``checkpoint_every_s``, what rank 0 tells the ranks of a sharded group to save at this boundary
+        (DCP, in :meth:`LearnerGroup.boundary`); else None."""
         every_s = self.lc.checkpoint_every_s
         if every_s <= 0 or time.monotonic() - self.last_state_s < every_s:
             return None

@@ -80,6 +80,10 @@ class Uploads:
         #: the bytes of a contribution (job, safetensors metadata): :meth:`encode` in ``codec``; the
         #: seam a faulty transport wraps (:class:`~diloco_async.learner.faults.PoisonedPayloads`)
         self.encode_payload: Callable[[UploadJob, dict[str, str]], bytes] = self.encode
+        #: run.schedule = "replay": announcements are not sent but kept for the next step boundary
+        #: (:mod:`diloco_async.learner.replay`), with their jobs, in the order uploaded (a body of None: the
+        #: upload failed, its outcome told already); None: announcements are sent
+        self.replay_outbox: list[tuple[UploadJob, dict | None]] | None = None
 
     def configure(self, store: ObjectStore, codec: str, storage_timeout_s: float, announce_timeout_s: float = 60.0
                   ) -> None:
@@ -172,6 +176,8 @@ class Uploads:
             log.warning("%s upload of fragment %d round %d failed (%s): %s", self.learner_id, job.fragment,
                         job.round_n, getattr(err, "reason", type(err).__name__), err)
             self.shared.outcomes.put((job.fragment, job.round_n, "failed"))
+            if self.replay_outbox is not None:  # the boundary waiting for this upload counts it done
+                self.replay_outbox.append((job, None))
             return
         with self.shared.lock:
             self.shared.stats.bytes_up += ref.nbytes
@@ -183,6 +189,9 @@ class Uploads:
             body["shards"] = [r.to_json() for r in job.shards]
         if job.slices:
             body["slices"] = job.slices
+        if self.replay_outbox is not None:  # announced with the next step boundary
+            self.replay_outbox.append((job, body))
+            return
         if len(getattr(client, "clients", ())) > 1:  # shards: one that is down must not hold the others' announcements
             task = asyncio.create_task(self._announce_and_report(client, job, body))
             self._announcing.add(task)
@@ -190,8 +199,33 @@ class Uploads:
             return
         await self._announce_and_report(client, job, body)
 
+    def replay_done(self) -> int:
+        """Replay: contributions uploaded (or failed) since the outbox was last taken."""
+        return len(self.replay_outbox or ())
+
+    def take_replay_outbox(self) -> list[tuple[UploadJob, dict | None]]:
+        """The contributions uploaded (or failed) and not announced yet (replay), in upload order; emptied."""
+        taken = self.replay_outbox or []
+        if self.replay_outbox is not None:
+            self.replay_outbox = []
+        return taken
+
+    def settle_replayed(self, announced: list[tuple[UploadJob, dict | None]], acks: list[AnnouncementAck]) -> None:
+        """A replayed boundary's answers to the contributions it carried (in order): as :meth:`_announce_and_report`
+        does with one ack (a missing ack: ``failed``)."""
+        for i, (job, _body) in enumerate(announced):
+            status = acks[i].status if i < len(acks) else "failed"
+            level = logging.INFO if status in ("accepted", "duplicate") else logging.WARNING
+            log.log(level, "%s fragment %d round %d: %s (%s; replay)", self.learner_id, job.fragment, job.round_n,
+                    status, acks[i].reason if i < len(acks) else "no answer")
+            self._report(job, status)
+
     async def _announce_and_report(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> None:
-        status = await self._announce(client, job, body)
+        self._report(job, await self._announce(client, job, body))
+
+    def _report(self, job: UploadJob, status: str) -> None:
+        """What became of ``job``'s announcement: its error-feedback residual kept or not, the training
+        thread told."""
         settle = self._residuals.pop(job.update_id, None)
         if settle is not None and self.shared.feedback is not None:  # error feedback: kept only if taken
             self.shared.feedback.settle(job.fragment, *settle, status)

@@ -241,6 +241,13 @@ class SyncClient:
         returns a ``HeartbeatResponse``."""
         return await self._learner_request("heartbeat", body)
 
+    async def step_boundary(self, body: dict) -> dict:
+        """A replayed run's step boundary (a ``Heartbeat`` with ``replay_announcements``; DESIGN §3.2), always
+        as ``POST /heartbeat``: the push channel's socket answers its requests one at a time, and a boundary
+        the synchronizer holds there would hold the learner's other heartbeats too. Returns a ``HeartbeatResponse``."""
+        self.sent_by_transport["http"] += 1
+        return await self._request("POST", "/heartbeat", body)
+
     async def announce(self, body: dict) -> dict:
         """An ``Announcement`` (over the push channel's socket when open, else ``POST /announce``);
         returns an ``AnnouncementAck``."""

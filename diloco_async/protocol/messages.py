@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from diloco_async.codec.wire import CODECS
 
@@ -159,6 +159,10 @@ class Heartbeat(_Msg):
     fetching_versions: dict[FragmentIndex, Step] = Field(
         default_factory=dict, max_length=FRAGMENTS_MAX, description="The version of each fragment it is reading "
         "from the store now (kept from garbage collection until a heartbeat no longer names it).")
+    replay_announcements: list[Announcement] | None = Field(
+        None, max_length=FRAGMENTS_MAX, description="run.schedule='replay' only: this heartbeat is the learner's step "
+        "boundary at local step `step`, held by the synchronizer and answered in virtual-time order (DESIGN §3.2); "
+        "it carries the contributions uploaded since the last boundary. None: an ordinary heartbeat.")
 
 
 class RoundOpen(_Msg):
@@ -174,6 +178,19 @@ class HeartbeatResponse(_Msg):
     known: bool = Field(True, description="False: the synchronizer does not know this learner; rejoin.")
     epoch: str = Field(description="Changes whenever the synchronizer (re)starts.")
     run_tokens: float = Field(0.0, ge=0, le=COUNT_MAX, description="As in the join answer, now.")
+    acks: list[AnnouncementAck] | None = Field(None, max_length=FRAGMENTS_MAX, description="Replay only: the answers "
+                                                "to the heartbeat's replay_announcements, in their order.")
+    virtual_s: Seconds | None = Field(None, description="Replay only: the virtual time of the step boundary answered.")
+
+    @model_serializer(mode="wrap")
+    def _replay_fields_in_a_replay_only(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Without the replay's fields when unset: the answer of a free run stays as before it had them
+        (a learner of before rejects fields it does not know)."""
+        out = handler(self)
+        for name in ("acks", "virtual_s"):
+            if out.get(name, 0) is None:
+                del out[name]
+        return out
 
 
 class ShardObject(_Msg):
@@ -250,3 +267,7 @@ class MetricsQuery(_Msg):
     """The query of ``GET /metrics``: the number of the first metric point wanted."""
 
     since: Step = 0
+
+
+Heartbeat.model_rebuild()  # replay_announcements names Announcement, defined below it
+HeartbeatResponse.model_rebuild()

@@ -1,21 +1,18 @@
 """The synchronizer actor: one asyncio task owns all global state (DESIGN §2-§4).
 
 HTTP handlers (:mod:`diloco_async.sync.http`) only validate and enqueue typed messages; the actor handles
-each message without awaiting, so every state change is atomic. Blocking work (fetching and verifying
-contributions, merging and publishing, checkpoints) runs in ``asyncio.to_thread`` and posts its result back
-to the inbox. After each message (after each batch of at most :data:`BATCH_MAX` messages that were queued
-already), and at least every 50 ms, :meth:`Synchronizer._advance` moves the clock-driven part: liveness,
-leases, budgets, due rounds, quorum and grace, checkpoints and the :class:`~diloco_async.sync.lifecycle.Phase`.
-The work per message does not grow with the learners (issue 17; DESIGN §2.1): the registry keeps liveness,
-tokens and provisioned seconds incrementally; the schedule and the rounds' quorum checks, which look at every
-live learner, run once the inbox is empty (but at most every :data:`~diloco_async.sync.sweeps.SWEEP_MIN_S` of
-real time) or every :data:`~diloco_async.sync.sweeps.SWEEP_S` (:class:`~diloco_async.sync.sweeps.SweepTimer`).
+each message without awaiting, so every state change is atomic. Blocking work (fetch and verify, merge and
+publish, checkpoints) runs in ``asyncio.to_thread`` and posts its result back to the inbox. After each batch
+of at most :data:`BATCH_MAX` queued messages, and at least every 50 ms, :meth:`Synchronizer._advance` moves
+the clock-driven part: liveness, leases, budgets, due rounds, quorum and grace, checkpoints and the
+:class:`~diloco_async.sync.lifecycle.Phase`; the parts that look at every live learner run once the inbox
+is empty or every :data:`~diloco_async.sync.sweeps.SWEEP_S` (issue 17; DESIGN §2.1). With
+``run.schedule = "replay"`` the clock is virtual and :class:`~diloco_async.sync.replay_gate.ReplayGate`
+runs that part between the learners' step boundaries, in virtual-time order (DESIGN §3.2).
 
-The actor's state lives in components, each the one owner of its part (issue 40 item 5; docs/architecture.md):
-fragment book, round table, learner registry, read leases, slice desk, reporter, checkpointer and its book,
-fence, lifecycle and stop sequence; what they share and none changes is the :class:`ActorContext`
-(:mod:`~diloco_async.sync.context`). The actor routes messages to them and runs the clock-driven part.
-"""
+The state lives in components, each the one owner of its part (docs/architecture.md): fragment book, round
+table, learner registry, read leases, slice desk, reporter, checkpointer, fence, lifecycle, stop sequence;
+what they share and none changes is the :class:`~diloco_async.sync.context.ActorContext`."""
 
 from __future__ import annotations
 
@@ -34,6 +31,7 @@ from diloco_async.config.schema import Config, config_hash
 from diloco_async.metrics.goodput import LearnerLedger
 from diloco_async.policy.catchup import ReadLeases
 from diloco_async.policy.pace import PaceLimits
+from diloco_async.policy.replay import VirtualClock
 from diloco_async.policy.rounds import budget_stop_reason
 from diloco_async.policy.shards import check_shard, fragments_of
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
@@ -41,11 +39,13 @@ from diloco_async.runtime.heap import release_free_memory
 from diloco_async.sync import persistence, summary
 from diloco_async.sync.checkpoints import Checkpointer
 from diloco_async.sync.context import ActorContext
+from diloco_async.sync.errors import HandlerError, Refused, Stopped
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
 from diloco_async.sync.lease import Fence, Lease
 from diloco_async.sync.lifecycle import Lifecycle, Phase
 from diloco_async.sync.logs import JsonLinesLog, RateLimitedLog
+from diloco_async.sync.replay_gate import ReplayGate, ReplayHooks, quiet_rounds, replay_deadlines
 from diloco_async.sync.reporting import MERGES_TAIL, METRICS_TAIL, Reporter
 from diloco_async.sync.rounds import SETTLED_CAP, RoundTable
 from diloco_async.sync.slices import SliceDesk
@@ -76,26 +76,6 @@ LEARNER_CAP = "learner_cap"
 """Reason: a join of a new learner id beyond ``synchronizer.max_learners``."""
 
 
-class HandlerError(RuntimeError):
-    """The reply to a request whose handling raised inside the actor (the run goes on)."""
-
-
-class Refused(Exception):
-    """The reply to a request the actor refuses on purpose: ``reason`` (e.g. ``learner_cap``), ``detail``."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-
-
-class Stopped(Exception):
-    """A request reached a stopped actor (run over, or fenced): nothing would answer it; HTTP 503 ``stopped``."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(f"the synchronizer has stopped and answers no {kind} request")
-        self.kind = kind
-
-
 def _learner_of(body: Any) -> str:
     return str(getattr(body, "learner_id", "-"))
 
@@ -116,14 +96,12 @@ class Synchronizer:
         cfg, run_id: the validated config; this run's id.
         store: the object store; the run lives under ``{store}/{run_id}/``.
         clock: monotonic clock in seconds (injectable for tests).
-        spill_dir, tails: folder of the metric and merge spill files (default: the temporary folder);
-            the records kept in memory (:class:`MemoryTails`).
-        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`): every write and delete checks it
-            first, and a lost lease ends :meth:`run` at once with :class:`~diloco_async.sync.lease.LeaseLost` (the
-            caller renews it: :meth:`~diloco_async.sync.lease.Lease.start_renewing`). None: no fencing.
-        shard: this synchronizer's shard of ``synchronizer.shards`` (DESIGN §2.2): its fragment book holds
-            :func:`~diloco_async.policy.shards.fragments_of` it; its lease, checkpoints and epochs lie under
-            :attr:`~diloco_async.sync.context.ActorContext.owner_id`.
+        spill_dir: folder of the metric and merge spill files (default: the temporary folder).
+        tails: the records kept in memory (:class:`MemoryTails`).
+        lease: this process's lease on the run (:mod:`~diloco_async.sync.lease`), checked before every write and
+            delete; a lost one ends :meth:`run` with :class:`~diloco_async.sync.lease.LeaseLost`. None: no fencing.
+        shard: this synchronizer's shard (DESIGN §2.2): its book holds :func:`~diloco_async.policy.shards.fragments_of`
+            it; its lease, checkpoints and epochs lie under :attr:`~diloco_async.sync.context.ActorContext.owner_id`.
 
     Raises:
         ValueError: ``shard`` outside ``[0, synchronizer.shards)``.
@@ -133,6 +111,7 @@ class Synchronizer:
                  clock: Callable[[], float] = time.monotonic, *, spill_dir: str | os.PathLike | None = None,
                  tails: MemoryTails = MemoryTails(), lease: Lease | None = None, shard: int = 0) -> None:
         check_shard(shard, cfg.synchronizer.shards)
+        clock = VirtualClock() if cfg.run.schedule == "replay" else clock  # replay: the gate moves it (DESIGN §3.2)
         self.fence = Fence(store, lease)
         self.inbox: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
@@ -163,6 +142,12 @@ class Synchronizer:
         self._sweeps = SweepTimer()
         self._replies = HeartbeatReplies(VersionInfos(), self.registry.tokens_processed, cfg.budget.tokens)
         self.part_times: dict[str, float] = {}  #: longest run (s) of each part (a message by kind) since read
+        self.gate = None if not isinstance(clock, VirtualClock) else ReplayGate(
+            cfg, clock, (run_id, self.ctx.epoch), ReplayHooks(
+                self._on_heartbeat, self.table.on_announce, self._reply, self._replay_pass, lambda: replay_deadlines(
+                    self.table.rounds.values(), self.life.phase is Phase.DRAINING, self.stop_sequence.drain_until_s),
+                lambda: quiet_rounds(self.table.rounds.values()), lambda: self.life.stopped, self.stop_sequence.begin),
+            registry=self.registry, report=self.report)
 
     # -- read-only views (tests and tools read these; the actor writes them) ------------------
 
@@ -222,10 +207,7 @@ class Synchronizer:
 
     async def run(self) -> dict:
         """Run until the budget is spent and the final checkpoint is written; returns the summary.
-
-        Raises:
-            LeaseLost: another synchronizer took the run's lease; nothing was published since.
-        """
+        Raises LeaseLost: another synchronizer took the run's lease; nothing was published since."""
         try:
             while not self.life.ended:
                 # asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as wait_for's inner
@@ -300,7 +282,7 @@ class Synchronizer:
         elif isinstance(msg, Verified):
             self.table.on_verified(msg)
         elif isinstance(msg, Merged):
-            self.table.on_merged(msg)
+            self.table.on_merged(msg if self.gate is None else self.gate.merged(msg))
         elif isinstance(msg, CheckpointDone):
             self.checkpoints.on_done(msg)
         elif isinstance(msg, FinalWritten):
@@ -314,6 +296,9 @@ class Synchronizer:
             return
         if msg.kind == "metrics":
             self.report.answer_metrics(int(msg.body), msg.reply, self._spawn)
+            return
+        if self.gate is not None and msg.kind in ("heartbeat", "announce"):  # replay: in virtual-time order
+            self.gate.request(msg)
             return
         handler = {"join": self._on_join, "heartbeat": self._on_heartbeat, "announce": self.table.on_announce,
                    "status": lambda _body: self.status(), "stop": self._on_stop,
@@ -363,6 +348,8 @@ class Synchronizer:
             raise Refused(LEARNER_CAP, f"the run already has {len(self.registry.learners)} learners "
                                        f"(synchronizer.max_learners={cap})")
         start_step = self.registry.join(req, self.ctx.clock(), self.table.g)
+        if self.gate is not None:
+            self.gate.joined(req.learner_id, start_step)
         self.read_leases.joined(req.learner_id, self.book.versions())  # told below
         log.info("learner %s joined (incarnation %d)", req.learner_id, req.incarnation)
         self.report.metric(f"learner/{req.learner_id}/alive", 1.0)
@@ -393,8 +380,11 @@ class Synchronizer:
                            ("step_time_s", hb.step_time_s), ("link_s_per_fragment", hb.link_s_per_fragment)):
             if value is not None:
                 self.report.metric(f"learner/{lid}/{key}", value, hb.step)
-        opens = () if stop else self.table.opens_for(lid)
         info.stop_sent = info.stop_sent or stop
+        return self._reply(lid, stop)
+
+    def _reply(self, learner_id: str, stop: bool) -> HeartbeatResponse:
+        opens = () if stop else self.table.opens_for(learner_id)
         return self._replies(self.book, opens, stop, self.ctx.epoch)  # shared by learners in the same state
 
     def _on_stop(self, reason: str) -> bool:
@@ -410,10 +400,20 @@ class Synchronizer:
         self._guarded(self._check_lease, now)
         if self.life.phase is Phase.FENCED:
             return
+        if self.gate is not None:  # replay: the gate runs the pass at virtual times (_replay_pass)
+            self._guarded(self.gate.pump, now)
+            return
         swept = (self.table.schedule, self.table.progress_rounds) if self._sweeps.due(now, self.inbox.empty()) else ()
         stop = self.stop_sequence
         for part in (self._liveness, self._check_budget, *swept, stop.check_drain, self._checkpoint_if_due,
                      self._goodput_series, stop.progress):
+            self._guarded(part, now)
+
+    def _replay_pass(self, now: float) -> None:
+        """The clock-driven pass of a replay, at the virtual time ``now`` (no periodic checkpoints)."""
+        stop = self.stop_sequence
+        for part in (self._liveness, self._check_budget, self.table.schedule, self.table.progress_rounds,
+                     stop.check_drain, self._goodput_series, stop.progress):
             self._guarded(part, now)
 
     def _versions_being_read(self) -> dict[int, set[int]]:

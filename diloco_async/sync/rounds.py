@@ -1,8 +1,7 @@
-"""The rounds of the synchronizer actor (DESIGN §3.2-§3.7): schedule and open them, admit and
-verify contributions, close them on quorum and grace, merge and publish, apply the result.
-
-:class:`RoundTable` is the actor's component that owns the rounds and runs them on the actor's task
-only; decisions are :mod:`diloco_async.policy.rounds`'s, blocking work :mod:`diloco_async.sync.work`'s."""
+"""The rounds of the synchronizer actor (DESIGN §3, steps 2-7): schedule and open them, admit and verify
+contributions, close them on quorum and grace, merge and publish, apply the result. :class:`RoundTable` is the
+actor's component that owns the rounds and runs them on the actor's task only; decisions are
+:mod:`diloco_async.policy.rounds`'s, blocking work :mod:`diloco_async.sync.work`'s."""
 
 from __future__ import annotations
 
@@ -87,8 +86,9 @@ class RoundTable:
         self.rounds: dict[tuple[int, int], Round] = {}
         self.waiting: list[tuple[int, int]] = []  # due rounds waiting for a free slot
         self.settled: BoundedMap[tuple[str, int, int], str] = BoundedMap(settled_cap)  # -> the entry's key
-        self.merge_slots = asyncio.Semaphore(self.sc.merges_in_flight)  # merges in worker threads at once
-        self.verify_slots = asyncio.Semaphore(self.sc.verifies_in_flight)  # contributions fetched and checked at once
+        one = ctx.cfg.run.schedule == "replay"  # a replay verifies and merges one at a time, in order (DESIGN §3.2)
+        self.merge_slots, self.verify_slots = (asyncio.Semaphore(1 if one else n)  # worker threads at once
+                                               for n in (self.sc.merges_in_flight, self.sc.verifies_in_flight))
         self.g: int | None = None  # the global step
         self.schedule_shift_steps = 0  # added to g by the schedule after it ran out of reach (policy.schedule_shift)
         self.guard = UpdateGuard(ctx.cfg.guard, book, report)  # the update guard's memory
@@ -412,7 +412,7 @@ class RoundTable:
         self.report.counters["merges"] += 1
         self.report.counters["contributions_merged"] += len(res.merged)
         self.report.merged(self.ctx.clock(), {
-            "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version,
+            "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version, "sha256": res.ref.sha256,
             "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged],
             "contributions": [_merged_contribution(lid, rnd.contributions[lid].ann) for lid in res.merged]})
         for lid in res.merged:
