@@ -21,13 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.args import description, non_negative_int, positive_float, positive_int
-from benchmarks.bars import Bar, print_bars
-from benchmarks.hf_learner import in_run_tokens_per_s
-from benchmarks.stats import mean_interval
+from benchmarks.paired_runs import paired_tokens_per_s
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, load_config
 
@@ -58,27 +55,10 @@ def main(argv: list[str]) -> int:
         modes = lease_modes(load_config(args.config, args.overrides), args.slice_steps)
     except (OSError, ValueError) as err:
         ap.error(str(err))
-    t0 = time.monotonic()
-    ratios, by_mode = [], {"shards": [], "leases": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for pair in range(args.pairs):
-            order = ["shards", "leases"] if pair % 2 == 0 else ["leases", "shards"]
-            got = {}
-            for mode in order:
-                got[mode], steps = in_run_tokens_per_s(modes[mode], Path(tmp) / f"{mode}-{pair}", args.run_s,
-                                                       args.warmup_steps)
-                print(f"[{pair}] {mode:6s} {got[mode]:9.1f} tokens/s over {steps} steps", flush=True)
-                by_mode[mode].append(got[mode])
-            ratios.append(got["leases"] / got["shards"])
-    ratio, half = mean_interval(ratios)
-    shown = ", ".join(f"{r:.3f}" for r in ratios)
-    print(f"({time.monotonic() - t0:.0f} s)")
-    return print_bars([
-        Bar("learner tokens/s, fixed shard (mean)", sum(by_mode["shards"]) / args.pairs, 0.0, shown=True),
-        Bar("learner tokens/s, leased slices (mean)", sum(by_mode["leases"]) / args.pairs, 0.0, shown=True),
-        Bar("learner tokens/s, leases / fixed shard", ratio, GOAL,
-            detail=f"mean of {args.pairs} interleaved pairs +- {half:.3f} (95%): {shown}"),
-    ], title="make bench-leases: bars")
+        return paired_tokens_per_s(modes, {"shards": "fixed shard", "leases": "leased slices"}, tmp=Path(tmp),
+                                   pairs=args.pairs, run_s=args.run_s, warmup_steps=args.warmup_steps, goal=GOAL,
+                                   title="make bench-leases: bars")
 
 
 if __name__ == "__main__":
