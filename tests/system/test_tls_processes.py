@@ -160,16 +160,19 @@ def test_an_mtls_run_trains_and_refuses_every_impostor(tmp_path):
         assert "learner-1" not in [lid for lid, i in st["learners"].items() if i["incarnation"] == 9]
         assert st["refused_by_mode"]["tls"] >= sum(edge.get(r, 0) for r in (
             "tls_not_tls", "tls_unknown_ca", "tls_certificate_expired", "no_client_certificate"))
-        points, since = [], 0
-        while True:  # every page of the metric stream, over HTTPS with the operator's certificate
-            page = call_blocking(url, SECRET, "metrics", since, ssl_context=operator)
-            points += page["metrics"]
-            since = page["next"]
-            if since >= page["total"]:
-                break
-        for i in (0, 1):
-            losses = [p["value"] for p in points if p["key"] == f"learner/learner-{i}/train_loss"]
-            assert len(losses) >= 3 and losses[-1] < losses[0] - 0.5, losses  # the loss falls (ln 256 = 5.5 at first)
+        def losses() -> list[list[float]]:
+            points, since = [], 0
+            while True:  # every page of the metric stream, over HTTPS with the operator's certificate
+                page = call_blocking(url, SECRET, "metrics", since, ssl_context=operator)
+                points += page["metrics"]
+                since = page["next"]
+                if since >= page["total"]:
+                    return [[p["value"] for p in points if p["key"] == f"learner/learner-{i}/train_loss"]
+                            for i in (0, 1)]
+
+        # each learner's loss falls (ln 256 = 5.5 at first), however late the second one joined
+        wait_until(lambda: all(len(ls) >= 3 and ls[-1] < ls[0] - 0.5 for ls in losses()), 240,
+                   "three train_loss points per learner, falling by 0.5", interval_s=0.5)
         # a learner started with the expired certificate stops before it starts, naming the expiry
         expired = start_learner(launcher, tmp_path, "mtls", 0, url, {
             CA_ENV: str(paths["ca"]), CERT_ENV: str(paths["expired_crt"]), KEY_ENV: str(paths["expired_key"])},

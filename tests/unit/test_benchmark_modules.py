@@ -11,7 +11,7 @@ import pytest
 import benchmarks
 
 #: modules that other benchmarks import, not benchmarks themselves
-HELPERS = ("stats", "bars", "args", "sizes", "sync_load_learners", "end_trace")
+HELPERS = ("stats", "bars", "args", "sizes", "sync_load_learners", "end_trace", "paired_runs")
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name not in HELPERS)
 
 
