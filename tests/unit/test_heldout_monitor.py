@@ -3,8 +3,6 @@ never a half-written object, and evaluates exactly the model they make."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from diloco_async.config.schema import load_config
@@ -15,6 +13,7 @@ from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.sync.work import put_version
 from storage import keys
 from storage.store import ObjectStore
+from tests.polling import wait_until
 
 RUN = "run-eval"
 FRAGMENTS = 2
@@ -101,12 +100,8 @@ def test_the_sampler_runs_on_the_evaluated_model_and_its_failure_keeps_the_loss(
 
     monitor = HeldoutMonitor(build_run_model(cfg), split, store, RUN, every_s=0.01, sampler=sampler)
     monitor.start()
-    drained: list = []
-    try:
-        deadline = time.monotonic() + 60  # the failure mode only: one pass takes milliseconds
-        while not drained and time.monotonic() < deadline:
-            drained += monitor.drain_samples()
-            time.sleep(0.01)
+    try:  # 60 s is the failure mode only: one pass takes milliseconds
+        drained = wait_until(monitor.drain_samples, 60, "the monitor's first samples", interval_s=0.01)
     finally:
         monitor.stop()
     assert holds == [True]  # one new model, evaluated and sampled once
