@@ -29,8 +29,6 @@ RUN pip install --index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/si
 
 COPY pyproject.toml README.md prefect.yaml ./
 COPY diloco_async ./diloco_async
-COPY storage ./storage
-COPY flows ./flows
 COPY configs ./configs
 COPY scripts/check_pins.py ./scripts/check_pins.py
 # the package with its recipes (configs/ is the package diloco_recipes), then the checks: every

@@ -200,7 +200,7 @@ bench-het: data
 ## loss at equal tokens, tokens/s shaped / unshaped. About 30 minutes on 2 quiet cores.
 WAN_SCENARIO ?= configs/wan/wan-4-regions.toml
 WAN_BASELINE ?= --set learners.codec=bf16 --set synchronizer.download_codec=fp32
-WAN := $(PY) -m flows.cli wan --scenario $(WAN_SCENARIO)
+WAN := $(PY) -m diloco_async.flows.cli wan --scenario $(WAN_SCENARIO)
 bench-wan: data
 	$(WAN) --out $(BENCH_DIR)/wan-main.json
 	for s in 1 2; do $(WAN) --methods decoupled --seed $$s --out $(BENCH_DIR)/wan-compressed-$$s.json || exit 1; done

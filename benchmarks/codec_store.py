@@ -16,7 +16,7 @@ slows both alike:
   (exclusive create through a temporary file, fsync, link, folder fsync; the object digest
   computed while writing and verified on the read) against raw file I/O of the same bytes in the
   same folder (write, fsync, read back; no hash), as the ratio of throughputs raw time / store
-  time. Goal ≥ 0.8. The digest is sha256 in 4 MiB pieces (:mod:`storage.digest`), hashed on
+  time. Goal ≥ 0.8. The digest is sha256 in 4 MiB pieces (:mod:`diloco_async.storage.digest`), hashed on
   both cores beside the I/O, and the read lands in a buffer advised to take huge pages, so the
   ratio needs the machine's cores free; on a busy machine it falls. Each side's phases are
   printed (raw: write+fsync, read, unlink; store: put, get, delete). A shown row gives the best
@@ -47,7 +47,7 @@ import torch
 from benchmarks.args import description
 from benchmarks.bars import Bar, print_bars
 from diloco_async.codec import wire
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["bars", "main", "bench_codecs", "bench_store"]
 

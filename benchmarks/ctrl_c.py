@@ -186,7 +186,7 @@ def _stopped(term: Terminal, name: str, out: CtrlCTimes) -> float:
 
 def _one_repeat(tmp: Path, out: CtrlCTimes) -> None:
     env = command_env(tmp / "prefect")
-    cli = [sys.executable, "-m", "flows.cli"]
+    cli = [sys.executable, "-m", "diloco_async.flows.cli"]
     train = Terminal([*cli, "train", *train_overrides(tmp)], env)
     try:
         url = _wait(lambda: SYNC_URL.search(train.text()), 300, "the synchronizer's URL", train).group(1)

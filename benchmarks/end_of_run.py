@@ -41,8 +41,8 @@ from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_f
 from diloco_async.metrics.heldout_monitor import HeldoutMonitor
 from diloco_async.models import build_run_model
 from diloco_async.run import RunProcesses
-from storage import keys
-from storage.checkpoint import latest_checkpoint
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint
 
 __all__ = ["run_seed", "gap_bars", "main", "GAP_GOAL_NATS"]
 

@@ -31,8 +31,8 @@ from diloco_async.data.tokens import HeldoutSplit
 from diloco_async.metrics.evaluation import heldout_loss
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.policy.fragments import FragmentPlan
-from storage import keys
-from storage.checkpoint import Checkpoint, tensor_key
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import Checkpoint, tensor_key
 
 __all__ = ["trace_last_merges", "drain_started_s"]
 

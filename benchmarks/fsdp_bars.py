@@ -39,8 +39,8 @@ from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, load_config
 from diloco_async.models import build_run_model, plan_of
 from diloco_async.protocol.messages import VersionInfo
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.work import put_version
-from storage.store import ObjectStore
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_ID = "bench-fsdp"

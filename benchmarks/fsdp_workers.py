@@ -36,8 +36,8 @@ from diloco_async.learner.main import set_up_interpreter
 from diloco_async.models import plan_of
 from diloco_async.models.transformer import ByteGPT
 from diloco_async.protocol.messages import VersionInfo
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 LEARNER = "learner-0"
 

@@ -205,8 +205,8 @@ def run_seed(seed: int, root: Path, args: argparse.Namespace) -> SeedResult:
     from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
     from diloco_async.models import build_run_model
     from diloco_async.run import RunProcesses
-    from storage import keys
-    from storage.checkpoint import latest_checkpoint
+    from diloco_async.storage import keys
+    from diloco_async.storage.checkpoint import latest_checkpoint
 
     t0 = time.monotonic()
     base_dir = root / "base"

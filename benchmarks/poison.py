@@ -35,8 +35,8 @@ from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, load_config
 from diloco_async.metrics.evaluation import heldout_batches, heldout_loss, model_from_checkpoint
 from diloco_async.run import RunProcesses
-from storage import keys
-from storage.checkpoint import latest_checkpoint
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint
 
 __all__ = ["run_once", "published_extremes", "main"]
 

@@ -30,7 +30,7 @@ from benchmarks.stats import mean_interval
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, apply_overrides
 from diloco_async.run import RunProcesses
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 RUN_ID = "replaycost"
 

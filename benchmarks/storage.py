@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 from benchmarks.args import description, positive_int
 from diloco_async.runtime.procs import stop_process
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["bench_storage", "main"]
 

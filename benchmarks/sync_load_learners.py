@@ -23,8 +23,8 @@ from diloco_async.codec import wire
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import ChannelClosed, ProtocolError, RequestChannel
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["LoadSpec", "LoadResult", "RUN_ID", "STEPS_PER_S", "LEARNERS_PER_GENERATOR", "generators_for"]
 

@@ -1,7 +1,7 @@
 """`make bench-sync-memory`: the synchronizer's memory over a long real run (issue 11).
 
 Starts a real run of the default recipe (4 learners, the synchronizer and learners as processes,
-through :class:`flows.train.TrainingRun`, as ``make run`` does, without MLflow), pulls the metric
+through :class:`diloco_async.flows.train.TrainingRun`, as ``make run`` does, without MLflow), pulls the metric
 stream as the flow does, and samples the synchronizer process's RSS (psutil) every ``--interval`` seconds
 for ``--minutes``. Then it stops the run and prints the RSS at the reference minute (5, or a
 quarter of the run when shorter), at the end, their ratio, and one bar:
@@ -26,7 +26,7 @@ import psutil
 from benchmarks.args import description, positive_float
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import load_config
-from flows.train import TrainingRun
+from diloco_async.flows.train import TrainingRun
 
 GOAL_RATIO = 1.10
 

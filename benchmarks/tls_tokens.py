@@ -3,7 +3,7 @@ the same run in ``direct`` mode (plain HTTP), both measured in this process's se
 
 Each pair runs the recipe with one learner twice, ``direct`` and ``tls`` (HTTPS and WSS with a
 run CA, the learner's client certificate checked: ``network.client_ca``; certificates from
-:func:`flows.certs.make_run_certificates`), in alternating order (direct first in even pairs, tls
+:func:`diloco_async.flows.certs.make_run_certificates`), in alternating order (direct first in even pairs, tls
 first in odd ones), so a drift of the machine's load falls on both sides. Tokens/s of each run come
 from the learner's timeline (:func:`benchmarks.hf_learner.in_run_tokens_per_s`: everything between
 two steps, the comms thread's TLS work included, counts against the learner).
@@ -26,7 +26,7 @@ from benchmarks.args import description, non_negative_int, positive_float, posit
 from benchmarks.paired_runs import paired_tokens_per_s
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, load_config
-from flows.certs import make_run_certificates
+from diloco_async.flows.certs import make_run_certificates
 
 GOAL = 0.98
 

@@ -4,7 +4,7 @@ learners, supervised and restarted as there) from a notebook or a script, with n
 and no MLflow, and return the run's summary.
 
 What the flows add on top (flow runs, MLflow runs and artifacts, the held-out curve while it
-trains) is left out: call :func:`flows.train.train` for those. The summary is the synchronizer's
+trains) is left out: call :func:`diloco_async.flows.train.train` for those. The summary is the synchronizer's
 (``summary.json``) with the held-out loss of the model it started from and of the final one
 (``eval_loss_initial``, ``eval_loss_final``, in nats per token, and bits per byte). A
 KeyboardInterrupt (the notebook's stop button) stops the run cleanly as Ctrl-C does: the
@@ -153,10 +153,10 @@ def resume(checkpoint_url: str, config: str | Path | None = None, overrides: Seq
     """
     from diloco_async.metrics.evaluation import model_from_checkpoint
     from diloco_async.run import RunProcesses, next_incarnations
+    from diloco_async.storage import keys
+    from diloco_async.storage.options import storage_options_from_env
     from diloco_async.sync import open_run, stored_config
     from diloco_async.validate import resolve_recipe
-    from storage import keys
-    from storage.options import storage_options_from_env
 
     env = storage_options_from_env()
     given = None

@@ -5,7 +5,7 @@ synchronizer's metric stream.
 shard with ``synchronizer.shards`` > 1, DESIGN §2.2) and waits until it listens, starts learner
 ``i`` as incarnation ``j`` (``python -m diloco_async.learner``) under
 a :class:`~diloco_async.runtime.supervisor.Supervisor`, reads new metric points and the run's status
-over HTTP, and stops everything. The ``train`` flow (``flows/train.py``) adds MLflow, Prefect
+over HTTP, and stops everything. The ``train`` flow (``diloco_async/flows/train.py``) adds MLflow, Prefect
 deployments and the report; the chaos harness (:mod:`diloco_async.chaos.targets`) drives one
 under a fault schedule.
 """
@@ -37,12 +37,12 @@ from diloco_async.protocol.tls import client_context_from_env
 from diloco_async.runtime.devices import check_devices
 from diloco_async.runtime.procs import Launcher, LocalProcessLauncher, wait_for_ready_file
 from diloco_async.runtime.supervisor import Restart, Supervisor
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import Checkpoint, latest_checkpoint
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV
+from diloco_async.storage.run_checkpoints import open_run_checkpoint, write_run_manifest
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import check_network, learner_tls_env, new_run_id, operator_tls_env
-from storage import keys
-from storage.checkpoint import Checkpoint, latest_checkpoint
-from storage.options import STORAGE_OPTIONS_ENV
-from storage.run_checkpoints import open_run_checkpoint, write_run_manifest
-from storage.store import ObjectStore
 
 __all__ = ["RunProcesses", "next_incarnations"]
 
@@ -335,7 +335,7 @@ class RunProcesses:
         newest that verifies, or with several shards a run checkpoint naming each shard's newest,
         written now (each shard writes one after its own checkpoints, but two shards finishing
         together may each name the other's previous one) and loaded whole
-        (:meth:`~storage.run_checkpoints.RunCheckpoint.combined`); None when there is none.
+        (:meth:`~diloco_async.storage.run_checkpoints.RunCheckpoint.combined`); None when there is none.
 
         Raises:
             ValueError: the run checkpoint does not verify (the message names the shard).

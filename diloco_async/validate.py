@@ -202,8 +202,8 @@ def probe_store(url: str, storage_options: dict[str, Any], timeout_s: float = 10
     Raises:
         ValueError: unknown scheme. OSError (or a backend error): unreachable or not writable.
     """
-    from storage.retry import RetryPolicy
-    from storage.store import ObjectStore
+    from diloco_async.storage.retry import RetryPolicy
+    from diloco_async.storage.store import ObjectStore
 
     policy = RetryPolicy(timeout_s=timeout_s, retries=1, deadline_s=2 * timeout_s)
     store = ObjectStore(url, storage_options, policy=policy)

@@ -4,7 +4,7 @@
   works both on GitHub and on the site; the Log section of the nav lists every ``docs/log/*.md``;
 * :func:`on_files` — the generated pages of :mod:`docs_reference` (config reference, module map,
   current figures), the home page (README.md, its links rebased onto docs/) and the log's index;
-* :func:`on_page_markdown` — a link that leaves docs/ (``../flows/cli.py``) keeps working on GitHub
+* :func:`on_page_markdown` — a link that leaves docs/ (``../diloco_async/flows/cli.py``) keeps working on GitHub
   in the source, and on the site becomes a link into ``repo_url`` when mkdocs.yml sets one, else the
   file's path from the repository root as code.
 

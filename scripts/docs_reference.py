@@ -3,8 +3,9 @@ the mkdocs hook (scripts/docs_hooks.py), never committed, so they cannot go stal
 
 * :func:`config_reference` — every field of the recipe's pydantic tree, walked from
   :class:`diloco_async.config.schema.Config`: dotted name, type (with its bounds), default, description;
-* :func:`module_map` — every package of ``diloco_async/``, ``storage/`` and ``flows/`` with the first
-  paragraph of its docstring and its modules' first lines (read with :mod:`ast`, nothing imported);
+* :func:`module_map` — every package of ``diloco_async/`` (``diloco_async/storage/`` and
+  ``diloco_async/flows/`` among them) with the first paragraph of its docstring and its modules'
+  first lines (read with :mod:`ast`, nothing imported);
 * :func:`figures_page` — the "Current figures" table from ``docs/figures.json``, the results file
   ``make bench`` writes through :func:`benchmarks.bars.print_bars`.
 
@@ -31,8 +32,8 @@ __all__ = ["ConfigField", "config_fields", "config_reference", "packages", "modu
            "GENERATED_PAGES", "ROOT", "MAPPED_ROOTS", "FIGURES_FILE"]
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The top-level packages the module map covers.
-MAPPED_ROOTS = ("diloco_async", "storage", "flows")
+#: The top-level packages the module map covers (storage and flows are subpackages of diloco_async).
+MAPPED_ROOTS = ("diloco_async",)
 #: The committed results file `make bench` refreshes (benchmarks/bars.py), read by :func:`figures_page`.
 FIGURES_FILE = ROOT / "docs" / "figures.json"
 

@@ -25,9 +25,9 @@ from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from storage import keys
-from storage.checkpoint import latest_checkpoint
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint
+from diloco_async.storage.store import ObjectStore
 
 TOKEN = "download-codec-run-secret-0123456789abcdef"
 RECIPE = "configs/default.toml"

@@ -37,9 +37,9 @@ ARGS+=(--set 'learners.device="cuda"' --set 'learners.precision="bf16"' --set "l
        --set "run.store=\"file://$OUT/store\"" --set "run.workdir=\"$OUT/runs\""
        --set "tracking.mlflow_uri=\"sqlite:///$OUT/mlflow.db\"" --set "tracking.artifact_location=\"$OUT/mlartifacts\"")
 
-echo "command: $PY -m flows.cli train ${ARGS[*]}"
+echo "command: $PY -m diloco_async.flows.cli train ${ARGS[*]}"
 T0=$(date +%s)
-"$PY" -m flows.cli train "${ARGS[@]}" | tee "$OUT/train.out"
+"$PY" -m diloco_async.flows.cli train "${ARGS[@]}" | tee "$OUT/train.out"
 echo "wall: $(( $(date +%s) - T0 )) s, files in $OUT"
 
 "$PY" - "$OUT" <<'PYEOF'

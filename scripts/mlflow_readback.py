@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from flows.tracking import EXPERIMENT_KIND_TAG, LEARNERS_CHART_TAG, MODEL_TRAINING_KIND
+from diloco_async.flows.tracking import EXPERIMENT_KIND_TAG, LEARNERS_CHART_TAG, MODEL_TRAINING_KIND
 
 SYSTEM_REQUIRED = ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
                    "system/network_receive_megabytes", "system/network_transmit_megabytes")

@@ -194,14 +194,14 @@ def page_base(base: str) -> tuple[str, str | None]:
 
 def page_url(ui: str, run: dict, page: str) -> str:
     """The UI address of ``page`` (a key of :data:`PAGES`) for ``run``; ``learners`` and ``runs`` are
-    the paths the MLflow sink links from the run's description (``flows.tracking.learners_chart_path``,
-    ``flows.mlflow_views.runs_table_path``: the experiment's runs table with the training columns)."""
+    the paths the MLflow sink links from the run's description (``diloco_async.flows.tracking.learners_chart_path``,
+    ``diloco_async.flows.mlflow_views.runs_table_path``: the experiment's runs table with the training columns)."""
     if page == "learners":
-        from flows.tracking import learners_chart_path
+        from diloco_async.flows.tracking import learners_chart_path
 
         return ui + learners_chart_path(run["experiment_id"], run["run_id"])
     if page == "runs":
-        from flows.mlflow_views import runs_table_path
+        from diloco_async.flows.mlflow_views import runs_table_path
 
         return ui + runs_table_path(run["experiment_id"])
     return f"{ui}/#/experiments/{run['experiment_id']}/runs/{run['run_id']}{PAGES[page]}"

@@ -1,5 +1,5 @@
 """The object digest written out from its definition (docs/storage.md), in the plainest way: the
-reference that tests/unit/test_digest.py and the storage contract compare :mod:`storage.digest` with.
+reference that tests/unit/test_digest.py and the storage contract compare :mod:`diloco_async.storage.digest` with.
 Do not edit; changing it changes the format of every stored object over 4 MiB."""
 
 from __future__ import annotations

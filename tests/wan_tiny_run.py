@@ -31,9 +31,9 @@ from tiny_recipe import tiny_recipe_text  # noqa: E402
 from diloco_async.config.schema import load_config  # noqa: E402
 from diloco_async.run import RunProcesses  # noqa: E402
 from diloco_async.runtime.procs import ForkServerLauncher  # noqa: E402
+from diloco_async.storage import keys  # noqa: E402
 from diloco_async.wan.launch import NetnsLauncher, start_moto_server  # noqa: E402
 from diloco_async.wan.netns import LinkSpec, WanNet, enter_netns  # noqa: E402
-from storage import keys  # noqa: E402
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
           "AWS_DEFAULT_REGION": "us-east-1"}

@@ -20,7 +20,7 @@ each all-reduce also waits the ring's latency, ``2 (M - 1) x 2 x delay`` (counte
 
 Checkpoints are ``torchrun``-style: every ``--checkpoint-every-steps`` steps rank 0 writes the
 parameters, the AdamW state, the step and the tokens committed under
-``{run_id}/ddp/checkpoints/{seq:08d}/`` (``storage.checkpoint.write_state``: state file, then the
+``{run_id}/ddp/checkpoints/{seq:08d}/`` (``diloco_async.storage.checkpoint.write_state``: state file, then the
 manifest that names its digest). At start every rank loads the newest verified checkpoint, or
 starts from the seeded model of ``synchronizer.initial_parameters`` (the same Θ^0 as the DiLoCo
 runs). Work done since the last checkpoint is lost when any rank fails: the caller kills the whole
@@ -79,10 +79,10 @@ from diloco_async.policy.schedules import InnerSchedule
 from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
 from diloco_async.runtime.process_clock import process_uptime_s
+from diloco_async.storage.checkpoint import latest_state, list_state_seqs, write_state
+from diloco_async.storage.options import storage_options_from_env
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import initial_parameters
-from storage.checkpoint import latest_state, list_state_seqs, write_state
-from storage.options import storage_options_from_env
-from storage.store import ObjectStore
 
 __all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_PEER_LOST", "EXIT_RENDEZVOUS", "rank_speed", "rank_jitter", "tokens_per_step",
            "main"]

@@ -15,9 +15,9 @@ import torch
 
 from diloco_async.config.schema import Config
 from diloco_async.models.transformer import ByteGPT
-from storage import keys
-from storage.checkpoint import latest_state, list_state_seqs, load_state
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_state, list_state_seqs, load_state
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["DdpCheckpointInfo", "checkpoint_prefix", "param_sha256", "ddp_checkpoints", "select_checkpoint",
            "load_ddp_params", "load_ddp_model", "load_final_ddp_model", "model_from_params"]
@@ -83,7 +83,7 @@ def load_ddp_params(store: ObjectStore, key: str | DdpCheckpointInfo) -> dict[st
 
     Raises:
         FileNotFoundError: no manifest under the key.
-        storage.store.IntegrityError: the state file does not verify.
+        diloco_async.storage.store.IntegrityError: the state file does not verify.
         ValueError: the key names no checkpoint.
     """
     prefix, seq = keys.split_state_key(key.key if isinstance(key, DdpCheckpointInfo) else key)
@@ -111,7 +111,7 @@ def load_ddp_model(cfg: Config, store: ObjectStore, key: str | DdpCheckpointInfo
     """A :class:`ByteGPT` of ``cfg.model`` holding the parameters of one checkpoint.
 
     Raises:
-        FileNotFoundError, storage.store.IntegrityError: see :func:`load_ddp_params`.
+        FileNotFoundError, diloco_async.storage.store.IntegrityError: see :func:`load_ddp_params`.
         ValueError: the checkpoint does not fit ``cfg.model``.
     """
     return model_from_params(cfg, load_ddp_params(store, key))

@@ -23,7 +23,7 @@ from typing import Any
 from diloco_async.config.resolved import write_resolved
 from diloco_async.config.schema import Config
 from diloco_async.runtime.procs import ForkedProcess, LocalProcess, LocalProcessLauncher
-from storage.options import STORAGE_OPTIONS_ENV
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV
 
 __all__ = ["DdpGroup", "RankSchedule", "RankPlacement", "free_port"]
 

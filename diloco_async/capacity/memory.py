@@ -44,7 +44,7 @@ MiB = 1 << 20
 #: the learner's glibc trim threshold: free memory at the top of its heap it may keep
 #: (``diloco_async.learner.main.LEARNER_TRIM_THRESHOLD_BYTES``)
 LEARNER_HEAP_KEPT_BYTES = 64 * MiB
-#: one part of a multipart upload (``storage.store.ObjectStore``'s ``part_nbytes``)
+#: one part of a multipart upload (``diloco_async.storage.store.ObjectStore``'s ``part_nbytes``)
 STORE_PART_BYTES = 16 * MiB
 #: largest fragments' fp32 the merge pool keeps free (``diloco_async.sync.state.MERGE_POOL_FRAGMENTS``)
 MERGE_POOL_FRAGMENTS = 3

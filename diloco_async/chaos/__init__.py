@@ -17,7 +17,7 @@ Hostile and crash testing of one run (issue 14):
 * :mod:`~diloco_async.chaos.kill_matrix`: SIGKILL of learners (some mid-upload) and of the synchronizer
   followed by resume, on a real run, and the checks of what the store holds afterwards.
 
-The Prefect flow, MLflow logging and the table are ``flows/chaos.py``. Importing this package
+The Prefect flow, MLflow logging and the table are ``diloco_async/flows/chaos.py``. Importing this package
 loads only the scenario module (the command line validates a scenario without torch).
 """
 

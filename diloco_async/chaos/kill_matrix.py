@@ -37,7 +37,7 @@ from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.procs import ForkServerLauncher
-from storage import keys
+from diloco_async.storage import keys
 
 __all__ = ["KillMatrix", "KillMatrixResult", "kill_config", "merged_contributions"]
 

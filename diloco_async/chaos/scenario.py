@@ -28,8 +28,8 @@ from diloco_async.config.resolved import (
 )
 from diloco_async.config.schema import Config
 from diloco_async.config.tomlfile import load_toml_model
+from diloco_async.storage.faults import OPS
 from diloco_async.validate import recipe_field
-from storage.faults import OPS
 
 __all__ = ["METHODS", "Scenario", "LinkSlot", "StorageFaults",
            "FaultEvent", "Schedule", "load_scenario", "make_schedule", "method_config",
@@ -75,8 +75,8 @@ class StorageFaults(_Section):
     p_slow: float = Field(0.0, ge=0, le=1, description="Chance a store call takes slow_s longer.")
     slow_s: float = Field(0.05, ge=0, description="Extra seconds of a slow store call.")
     ops: list[Literal[OPS]] | None = Field(  # type: ignore[valid-type]
-        None, description="The store operations the faults hit (storage.faults.OPS; 'read' is one whole read or "
-                          "one chunk of a streamed one); None: every operation.")
+        None, description="The store operations the faults hit (diloco_async.storage.faults.OPS; 'read' is one "
+                          "whole read or one chunk of a streamed one); None: every operation.")
     slots: list[int] = Field(default_factory=list,
                              description="The slots whose store is faulty (e.g. [3]: one learner with slow reads); "
                                          "empty: every slot's.")

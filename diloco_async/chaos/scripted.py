@@ -22,8 +22,8 @@ from diloco_async.codec import wire
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import ProtocolError, SyncClient
-from storage import keys
-from storage.store import ObjectStore, object_digest
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore, object_digest
 
 __all__ = ["ScriptedLearners", "Poisoner", "POISONS", "published_extremes"]
 

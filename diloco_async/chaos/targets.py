@@ -33,9 +33,9 @@ from diloco_async.metrics.run_timeline import fragment_shares, read_merges
 from diloco_async.metrics.timeline import Interval, Step, Timeline, diloco_timeline_steps, read_records
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.procs import ForkServerLauncher
-from storage import keys
-from storage.checkpoint import list_checkpoint_seqs, load_checkpoint
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import list_checkpoint_seqs, load_checkpoint
+from diloco_async.storage.store import ObjectStore
 
 if TYPE_CHECKING:
     from diloco_async.baselines.ddp_group import RankPlacement
@@ -295,8 +295,8 @@ class DdpTarget(ChaosTarget):
     def __init__(self, sc: Scenario, cfg: Config, *, max_steps: int | None = None,
                  placement: RankPlacement | None = None) -> None:
         from diloco_async.baselines.ddp_group import DdpGroup, RankPlacement, RankSchedule
+        from diloco_async.storage.store import ObjectStore
         from diloco_async.sync import new_run_id
-        from storage.store import ObjectStore
 
         super().__init__(sc, cfg)
         self.run_id = new_run_id()

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from diloco_async.codec import wire
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 __all__ = ["DOWNLOAD_CODECS", "DOWNLOAD_MODES", "compress_version", "compact_bytes", "read_compact", "CompactForm",
            "published_digest", "apply_decoded"]
@@ -213,7 +213,7 @@ def read_compact(store: ObjectStore, ref: ObjectRef, shapes: Mapping[str, tuple[
         base: Θ^pub of ``form.base_version``, the version the delta applies to (delta mode).
 
     Raises:
-        FileNotFoundError: collected. storage.store.IntegrityError: size or digest of the payload.
+        FileNotFoundError: collected. diloco_async.storage.store.IntegrityError: size or digest of the payload.
         diloco_async.codec.wire.PayloadError: ``codec_header`` (codec, block size, mode, base version
             other than announced), ``schema``, ``dtype``, ``shape`` (also of the base), ``non_finite``, or
             ``published_digest`` (the rebuilt value is not the synchronizer's).

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 
-#: URL schemes of ``run.store`` (storage.backends.PROTOCOLS and their fsspec aliases)
+#: URL schemes of ``run.store`` (diloco_async.storage.backends.PROTOCOLS and their fsspec aliases)
 STORE_SCHEMES = frozenset({"file", "local", "memory", "s3", "s3a", "gs", "gcs"})
 
 

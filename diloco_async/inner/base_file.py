@@ -211,7 +211,7 @@ class BaseFile(Mapping[str, torch.Tensor]):
 @dataclass(frozen=True)
 class LazyTensor:
     """A tensor of a :class:`BaseFile` not read yet: what a safetensors writer needs to lay it
-    out (shape, dtype, sizes) and :meth:`load` to read it (:func:`storage.checkpoint.spool_state`)."""
+    out (shape, dtype, sizes) and :meth:`load` to read it (:func:`diloco_async.storage.checkpoint.spool_state`)."""
 
     source: BaseFile
     name: str

@@ -43,7 +43,7 @@ def capture(params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer, g
     """The inner state as a flat name → tensor map, **without copies** (issue 17 item 3): the
     parameters, AdamW moments and base copies are the live tensors themselves (detached views),
     so the caller serializes the state before they are mutated in place (e.g. with
-    :func:`storage.checkpoint.spool_state`; a learner's
+    :func:`diloco_async.storage.checkpoint.spool_state`; a learner's
     :class:`~diloco_async.learner.spool.StateSpooler` writes it while training goes on, and the
     optimizer step waits until the parameters and moments are written). Tensors on another device stay there; the
     writer brings them to CPU one at a time. A base held in a local file

@@ -37,7 +37,7 @@ from diloco_async.protocol.client import ProtocolError
 from diloco_async.protocol.messages import HeartbeatResponse, JoinResponse, VersionInfo
 from diloco_async.protocol.versions import read_version
 from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Comms"]
 
@@ -128,7 +128,7 @@ class Comms:
         pinned for ``pin_device``). Counts the bytes and seconds (:class:`~diloco_async.learner.link.LinkMeter`).
 
         Raises:
-            FileNotFoundError: the version was collected; storage.store.IntegrityError;
+            FileNotFoundError: the version was collected; diloco_async.storage.store.IntegrityError;
             ValueError: not an fp32 version of this fragment's tensors.
         """
         if self.defer_reads:  # a sharded group: each rank reads its own rows at the step boundary

@@ -3,8 +3,8 @@
 wraps what a learner is made of, and with no fault configured every wrapper hands back what it
 was given.
 
-* a **faulty store**: :class:`storage.faults.FaultyStore` under the learner's store
-  (``faults.storage_faults``, a seeded :class:`~storage.faults.FaultPlan` schedule);
+* a **faulty store**: :class:`diloco_async.storage.faults.FaultyStore` under the learner's store
+  (``faults.storage_faults``, a seeded :class:`~diloco_async.storage.faults.FaultPlan` schedule);
 * a **faulty client transport**: control messages (heartbeats, announcements) delayed or dropped
   before they are sent (``faults.control_delay_s``, ``control_drop_prob``: :class:`ControlFaults`
   as the :class:`~diloco_async.protocol.client.SyncClient`'s ``before_post``), and outer
@@ -41,8 +41,8 @@ from diloco_async.config.faults import FaultsConfig
 from diloco_async.inner.workload import Workload, emulated_delay_s, jitter_random
 from diloco_async.learner.comms import Comms
 from diloco_async.learner.state import LearnerSlot, UploadJob
-from storage.faults import FaultyStore
-from storage.store import ObjectStore
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["POISON_MODES", "POISON_SCALE", "poison_outer_gradient", "ControlFaults", "PoisonedPayloads",
            "SlowedWorkload", "LearnerFaults"]
@@ -164,7 +164,7 @@ class LearnerFaults:
         return values[index] if index < len(values) else default
 
     def wrap_store(self, store: ObjectStore) -> ObjectStore:
-        """``store``, or a :class:`~storage.faults.FaultyStore` over it (``faults.storage_faults``, for
+        """``store``, or a :class:`~diloco_async.storage.faults.FaultyStore` over it (``faults.storage_faults``, for
         the learner indexes of ``faults.storage_fault_learners``, or every learner when that is empty)."""
         chosen = self.faults.storage_fault_learners
         if not self.faults.storage_faults or (chosen and self.slot.index not in chosen):

@@ -12,7 +12,7 @@ No rank holds a whole fragment. Each rank keeps Θ^base of its own rows of every
 * **adopt** (:meth:`ShardedOuter.adopt`): each rank reads only the byte ranges of its rows of
   the published fp32 version (safetensors: the header gives each tensor's offsets, and a tensor's
   rows ``[a, b)`` are one contiguous range), in whole pieces of the object's digest
-  (:class:`storage.pieces.PieceReader`); the ranks all-gather the digests of the pieces they read,
+  (:class:`diloco_async.storage.pieces.PieceReader`); the ranks all-gather the digests of the pieces they read,
   and each checks that together they make the version's digest before it writes anything.
 """
 
@@ -33,9 +33,9 @@ from diloco_async.codec import wire
 from diloco_async.learner.fsdp import local_rows, local_shards
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.messages import VersionInfo
-from storage import keys
-from storage.pieces import PieceReader, check_pieces, merge_piece_digests
-from storage.store import IntegrityError, ObjectRef, ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.pieces import PieceReader, check_pieces, merge_piece_digests
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["ContributionOrder", "ShardedUpload", "ShardedOuter", "read_own_rows", "shard_payload"]
 
@@ -74,7 +74,7 @@ def read_own_rows(store: ObjectStore, ref: ObjectRef, shapes: Mapping[str, tuple
     """This rank's rows of the fp32 version at ``ref``: name → float32 tensor of shape
     ``(b - a, *shape[1:])`` for rows ``rows[name] = (a, b)``, read in whole pieces with ranged
     reads (the header's pieces too), not checked yet: the reader's piece digests go to
-    :func:`storage.pieces.check_pieces`, with the other ranks'.
+    :func:`diloco_async.storage.pieces.check_pieces`, with the other ranks'.
 
     Raises:
         IntegrityError: a header that does not parse or does not name these fp32 tensors of these

@@ -43,9 +43,9 @@ from torch.distributed.tensor import DTensor, Shard
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.fsdp_outer import ShardedOuter
 from diloco_async.learner.spool import new_spool_folder, remove_dead_spool_folders
-from storage import keys
-from storage.checkpoint import list_state_seqs
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import list_state_seqs
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 __all__ = ["FORMAT", "latest_sharded_state", "save_sharded_state", "load_sharded_state", "check_world",
            "check_saved_group_sizes"]

@@ -46,8 +46,8 @@ from diloco_async.policy.fragments import FragmentPlan, plan_fragments, specs_of
 from diloco_async.protocol.messages import VersionInfo
 from diloco_async.runtime.devices import LearnerDeviceFields, amp_dtype, resolve_device, set_cpu_math
 from diloco_async.runtime.parent_death import die_with_parent
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["Decision", "LearnerGroup", "DataParallelLoss", "torchrun_args", "place_workload", "run_follower"]
 

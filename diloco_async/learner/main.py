@@ -32,10 +32,10 @@ from diloco_async.protocol.tls import CA_ENV, CERT_ENV, KEY_ENV, check_client_fi
 from diloco_async.runtime.heap import limit_heap_retention
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env
 from diloco_async.runtime.process_clock import process_uptime_s
-from storage.digest import set_hash_threads, usable_cores
-from storage.latency import LatencyStore
-from storage.options import storage_options_from_env
-from storage.store import ObjectStore
+from diloco_async.storage.digest import set_hash_threads, usable_cores
+from diloco_async.storage.latency import LatencyStore
+from diloco_async.storage.options import storage_options_from_env
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["TIMELINE_DIR_ENV", "LEARNER_SWITCH_INTERVAL_S", "build_parser", "main", "set_up_interpreter",
            "check_tls_env"]

@@ -38,9 +38,9 @@ from diloco_async.protocol.client import ProtocolError
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
 from diloco_async.runtime.devices import set_cpu_math
 from diloco_async.runtime.process_clock import process_uptime_s
-from storage import keys
-from storage.checkpoint import latest_state, list_state_seqs
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_state, list_state_seqs
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["Learner"]
 
@@ -56,7 +56,7 @@ class Learner:
         endpoint: the synchronizer's base URL, this learner's own token, how long to wait for an
             answer before exiting, and the one-way latency added to each exchange with it
             (:class:`~diloco_async.protocol.client.SyncClient`; the store's is the caller's, e.g. a
-            :class:`~storage.latency.LatencyStore`).
+            :class:`~diloco_async.storage.latency.LatencyStore`).
         store: the run's object store (same root as the synchronizer's).
         recorder: where timeline records go (none written by default).
         make_workload: builds what this learner trains from (run config, index, incarnation);

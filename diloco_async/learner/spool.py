@@ -3,7 +3,7 @@
 The training thread captures its inner state without copies (:func:`diloco_async.inner.state.capture`:
 the live parameters, AdamW moments and base copies) between two steps and hands it to a
 :class:`StateSpooler`, whose thread writes it to a local safetensors file
-(:func:`storage.checkpoint.spool_state`) and then queues it for the comms thread to upload.
+(:func:`diloco_async.storage.checkpoint.spool_state`) and then queues it for the comms thread to upload.
 Writing ~4x the model's fp32 size takes seconds; on the training thread it stalled training for
 all of it. Here the next step's forward and backward run while the file is written, and training
 waits only where the snapshot would otherwise change under the writer:
@@ -39,7 +39,7 @@ from diloco_async.inner.state import InnerState
 from diloco_async.learner.device_copies import DeviceMark, side_stream_after, snapshot_on_device
 from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.runtime.priority import BACKGROUND_NICE, lower_thread_priority
-from storage.checkpoint import spool_state
+from diloco_async.storage.checkpoint import spool_state
 
 __all__ = ["StateSpooler", "MUTABLE_PREFIXES", "new_spool_folder", "remove_dead_spool_folders"]
 

@@ -16,7 +16,7 @@ from diloco_async.learner.feedback import ErrorFeedback
 from diloco_async.learner.link import LinkMeter
 from diloco_async.learner.slices import SliceFeed
 from diloco_async.protocol.messages import JoinResponse, VersionInfo
-from storage.store import ObjectRef
+from diloco_async.storage.store import ObjectRef
 
 __all__ = ["LearnerSlot", "SyncEndpoint", "UploadJob", "SpooledState", "Stats", "Shared"]
 
@@ -71,7 +71,7 @@ class UploadJob:
 @dataclass
 class SpooledState:
     """An inner state the training thread spooled to a local safetensors file
-    (:func:`storage.checkpoint.spool_state`) for the comms thread to upload, then delete."""
+    (:func:`diloco_async.storage.checkpoint.spool_state`) for the comms thread to upload, then delete."""
 
     path: str
     nbytes: int

@@ -3,8 +3,8 @@
 A contribution is encoded, uploaded to an immutable key and only then announced (publish, then
 mark); the announcement is retried with the same update id, so it is merged at most once. The
 learner's own inner-state checkpoints travel the same queue and are written with
-:func:`storage.checkpoint.write_state` (or, spooled to a local file by the spool thread,
-:class:`~diloco_async.learner.spool.StateSpooler`, :func:`storage.checkpoint.write_state_file`);
+:func:`diloco_async.storage.checkpoint.write_state` (or, spooled to a local file by the spool thread,
+:class:`~diloco_async.learner.spool.StateSpooler`, :func:`diloco_async.storage.checkpoint.write_state_file`);
 the newest one is kept (an older one is deleted only once a newer one is complete).
 
 Uploads run one at a time, in the order queued (:meth:`Uploads.run` awaits each), so two uploads'
@@ -33,10 +33,10 @@ from diloco_async.learner.sharded_client import ShardedSyncClient
 from diloco_async.learner.state import Shared, SpooledState, UploadJob
 from diloco_async.protocol.client import SyncClient
 from diloco_async.protocol.messages import AnnouncementAck, ShardObject, shard_list_digest
-from storage import keys
-from storage.checkpoint import write_state, write_state_file
-from storage.retry import Backoff
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import write_state, write_state_file
+from diloco_async.storage.retry import Backoff
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 __all__ = ["Uploads", "synchronizer_backoff", "sharded_ref"]
 
@@ -48,7 +48,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.1, 5.0
 
 def synchronizer_backoff() -> Backoff:
     """The pauses between a learner's tries of the synchronizer (an announcement, a heartbeat, the
-    push channel's reconnect): the project's one :class:`~storage.retry.Backoff`, from
+    push channel's reconnect): the project's one :class:`~diloco_async.storage.retry.Backoff`, from
     :data:`RETRY_FIRST_S` doubling up to :data:`RETRY_MAX_S`, jittered so that learners cut off
     together (a synchronizer restart) do not come back in step."""
     return Backoff(RETRY_FIRST_S, RETRY_MAX_S)

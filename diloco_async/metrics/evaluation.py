@@ -9,7 +9,7 @@ from diloco_async.config.schema import Config
 from diloco_async.data.tokens import HeldoutSplit, open_corpus
 from diloco_async.models import build_run_model, trainable_parameters
 from diloco_async.models.transformer import evaluate_loss
-from storage.checkpoint import Checkpoint
+from diloco_async.storage.checkpoint import Checkpoint
 
 __all__ = ["model_from_checkpoint", "heldout_loss", "heldout_batches", "heldout_split"]
 

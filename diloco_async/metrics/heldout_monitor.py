@@ -29,8 +29,8 @@ from diloco_async.data.tokens import HeldoutSplit
 from diloco_async.models import trainable_parameters
 from diloco_async.models.transformer import evaluate_loss
 from diloco_async.policy.fragments import FragmentPlan
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["newest_versions", "load_versions", "HeldoutMonitor", "EvalPoint"]
 

@@ -7,7 +7,7 @@ timeline: ``starting`` from the slot's first process's start to its first step (
 for every later process), ``down`` from the last record
 of a process that did not stop cleanly to the start of the next one, the steps with the share that
 was merged. The chaos harness knows the exact fault times and builds its own; this is the view
-for runs without a fault driver (``train``, ``resume``). ``flows.timeline_report`` draws it.
+for runs without a fault driver (``train``, ``resume``). ``diloco_async.flows.timeline_report`` draws it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 from diloco_async.config.schema import Config
 from diloco_async.metrics.timeline import Interval, Timeline, diloco_timeline_steps
 from diloco_async.models import build_run_model, plan_of
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["fragment_shares", "read_contributions", "read_merges", "rounds_table", "timeline_from_records"]
 

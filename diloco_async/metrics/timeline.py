@@ -15,7 +15,7 @@ A :class:`Timeline` holds, for every learner slot of one run, what it was doing 
 using the definitions of :mod:`diloco_async.metrics.goodput`. Every slot is provisioned for the whole run,
 so time spent down counts against goodput. All times are seconds on one clock (unix time for
 real runs). Pure: no I/O. :class:`Recorder` appends the learner-side records to a JSON-lines
-file; ``flows.timeline_report.plot_timeline`` draws a timeline.
+file; ``diloco_async.flows.timeline_report.plot_timeline`` draws a timeline.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch.nn as nn
 from diloco_async.config.model import ModelConfig, hub_repo_id
 from diloco_async.models.hf import fetch_pretrained, unwrap_hf
 from diloco_async.models.wrapper import CausalLM
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["save_final_model", "load_saved_model", "upload_folder", "LOADING_FILE"]
 

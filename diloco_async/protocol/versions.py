@@ -19,8 +19,8 @@ from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
 
-from storage.checkpoint import read_safetensors
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage.checkpoint import read_safetensors
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 __all__ = ["read_version", "VersionHistory"]
 
@@ -30,7 +30,7 @@ def read_version(store: ObjectStore, ref: ObjectRef, shapes: Mapping[str, tuple[
     ``shapes``); streamed from the store into tensors allocated once.
 
     Raises:
-        FileNotFoundError: collected. storage.store.IntegrityError: size, digest or layout.
+        FileNotFoundError: collected. diloco_async.storage.store.IntegrityError: size, digest or layout.
         ValueError: not an fp32 version of these tensors.
     """
     tensors, meta = read_safetensors(store, ref, with_metadata=True)

@@ -6,7 +6,7 @@ crosses. Each process adds it to every exchange that crosses that link:
 
 * a learner's synchronizer client (:class:`~diloco_async.protocol.client.SyncClient`): each HTTP request
   and the WebSocket handshake wait one round trip (2 x delay), each pushed message one delay;
-* a learner's object store (:class:`~storage.latency.LatencyStore`): each request one round trip;
+* a learner's object store (:class:`~diloco_async.storage.latency.LatencyStore`): each request one round trip;
 * a DDP rank (:mod:`diloco_async.baselines.ddp`): each gradient all-reduce waits
   :func:`ring_allreduce_latency_s`.
 

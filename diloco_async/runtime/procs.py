@@ -10,7 +10,7 @@ Every process started here leads its own session and process group, with its out
 behind. :class:`LocalProcessLauncher` runs ``python argv...`` as a subprocess;
 :class:`ForkServerLauncher` forks ``-m module`` entry points from a server process that has
 already imported them (a restart then costs a fork, not seconds of imports). Launchers that
-start processes elsewhere (Prefect deployments: ``flows.deployments.DeploymentLauncher``) give
+start processes elsewhere (Prefect deployments: ``diloco_async.flows.deployments.DeploymentLauncher``) give
 handles with the same :class:`ProcessHandle` surface.
 """
 

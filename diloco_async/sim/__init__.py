@@ -2,7 +2,7 @@
 
 ``simulate(Scenario(...), load_calibration())`` answers one question; ``paper_table1_scenarios()``
 and ``heterogeneity_scenarios(cal)`` are the paper's grids. The command line is
-``diloco-async simulate`` (``flows/simulate_cli.py``).
+``diloco-async simulate`` (``diloco_async/flows/simulate_cli.py``).
 """
 
 from diloco_async.sim.calibration import Calibration, load_calibration

@@ -36,6 +36,8 @@ from diloco_async.policy.rounds import budget_stop_reason
 from diloco_async.policy.shards import check_shard, fragments_of
 from diloco_async.protocol.messages import Heartbeat, HeartbeatResponse, JoinRequest, JoinResponse
 from diloco_async.runtime.heap import release_free_memory
+from diloco_async.storage.checkpoint import Checkpoint
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import persistence, summary
 from diloco_async.sync.checkpoints import Checkpointer
 from diloco_async.sync.context import ActorContext
@@ -62,8 +64,6 @@ from diloco_async.sync.state import (
 from diloco_async.sync.stopping import StopSequence
 from diloco_async.sync.sweeps import SWEEP_MIN_S, SweepTimer
 from diloco_async.sync.version_infos import HeartbeatReplies, VersionInfos
-from storage.checkpoint import Checkpoint
-from storage.store import ObjectStore
 
 __all__ = ["Synchronizer", "HandlerError", "Refused", "Stopped", "LEARNER_CAP", "BATCH_MAX"]
 

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from diloco_async.runtime.heap import release_free_memory
+from diloco_async.storage.checkpoint import write_checkpoint
+from diloco_async.storage.gc import GcReport, ShardScope, collect_garbage
+from diloco_async.storage.run_checkpoints import named_checkpoint, write_run_manifest
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.state import CheckpointBook, CheckpointDone
-from storage.checkpoint import write_checkpoint
-from storage.gc import GcReport, ShardScope, collect_garbage
-from storage.run_checkpoints import named_checkpoint, write_run_manifest
-from storage.store import ObjectStore
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ def _write_and_trim(store: ObjectStore, run_id: str, seq: int, tensors: dict, ma
 def _collect(ctx: ActorContext, keep_versions: dict[int, set[int]]) -> GcReport | None:
     """One garbage collection (blocking): behind the newest verified checkpoint, or with several
     shards behind the checkpoint of this shard that the newest run checkpoint names, in the run's
-    versions and contributions of this shard's fragments (storage/gc.py); None while no run
+    versions and contributions of this shard's fragments (diloco_async/storage/gc.py); None while no run
     checkpoint names one (nothing to collect behind)."""
     sc = ctx.sc
     scope = None
@@ -114,7 +114,7 @@ class Checkpointer:
 
     async def _write_run_manifest(self, seq: int) -> None:
         """With several shards, the run checkpoint naming this shard's checkpoint ``seq`` and each
-        other shard's newest (storage/run_checkpoints.py). A failure is counted
+        other shard's newest (diloco_async/storage/run_checkpoints.py). A failure is counted
         (``run_checkpoints_failed``) and logged; the shard's own checkpoint stands (a resume of this
         shard alone reads it; the next checkpoint writes a run checkpoint again)."""
         try:
@@ -148,7 +148,7 @@ class Checkpointer:
             self.ctx.spawn(self._collect_garbage(self.gc_keep()))
 
     async def _collect_garbage(self, keep_versions: dict[int, set[int]]) -> None:
-        """Delete contributions, versions and checkpoints that no resume can need (storage/gc.py),
+        """Delete contributions, versions and checkpoints that no resume can need (diloco_async/storage/gc.py),
         but not ``keep_versions`` (fragment -> versions: the learners' read leases)."""
         try:
             done = await asyncio.to_thread(_collect, self.ctx, keep_versions)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_async.config.schema import Config, SynchronizerConfig
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 __all__ = ["ActorContext"]
 
@@ -59,5 +59,5 @@ class ActorContext:
     def owner_id(self) -> str:
         """The key root of what this synchronizer's lifetime owns (checkpoints, epochs; the lease
         is taken under it too): the run id with one shard, ``{run_id}/shards/{shard:03d}`` with
-        more (:func:`storage.keys.synchronizer_root`)."""
+        more (:func:`diloco_async.storage.keys.synchronizer_root`)."""
         return keys.synchronizer_root(self.run_id, self.shard, self.sc.shards)

@@ -20,8 +20,8 @@ import torch
 from diloco_async.config.schema import SynchronizerConfig
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.policy.schedules import OuterSchedule
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.state import FragmentState, Merged, new_fragments
-from storage.store import ObjectStore
 
 __all__ = ["FragmentBook"]
 

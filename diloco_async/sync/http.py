@@ -7,7 +7,7 @@ Routes (JSON bodies, pydantic-validated) and the credential each needs
   ``GET /ws?learner_id=L`` (pushes ``round_open``, ``version`` and ``stop`` events, and answers the heartbeats and
   announcements learner L sends on it: :mod:`~diloco_async.sync.ws_requests`) — the token of the
   learner named in the body (or the query), or the run secret. An announced object key must lie
-  under the announcing learner's own key prefix (:func:`storage.keys.contribution_learner`).
+  under the announcing learner's own key prefix (:func:`diloco_async.storage.keys.contribution_learner`).
 * ``POST /checkpoint`` (write a checkpoint now; answers when written) and ``GET /metrics?since=N``
   — the run secret only.
 * ``GET /status`` (run figures, learners, open rounds) and ``GET /health`` — open, read-only,
@@ -56,6 +56,7 @@ from pydantic import BaseModel
 from diloco_async.protocol.auth import FORBIDDEN, UNAUTHENTICATED, Credentials, Verdict, bearer_credential
 from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest, LeaseRequest, MetricsQuery
 from diloco_async.protocol.tls import OPERATOR_URI, learner_uri, peer_identity
+from diloco_async.storage import keys
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest as _BadRequest
 from diloco_async.sync.bodies import decode as _decode
@@ -64,7 +65,6 @@ from diloco_async.sync.gate import BODY_TIMEOUT, CERTIFICATE_IDENTITY, NO_CERTIF
 from diloco_async.sync.snapshot import dumps as _dumps
 from diloco_async.sync.state import Broadcaster
 from diloco_async.sync.ws_requests import LearnerSocket
-from storage import keys
 
 __all__ = ["make_app", "runner_options"]
 

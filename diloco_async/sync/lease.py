@@ -1,6 +1,6 @@
 """The synchronizer's lease on its run: fencing of a second synchronizer (issue 14 item 5).
 
-Objects under ``{run_id}/lease/`` (:mod:`storage.keys`), each written with the store's
+Objects under ``{run_id}/lease/`` (:mod:`diloco_async.storage.keys`), each written with the store's
 exclusive create (``FileExistsError`` if the key exists: ``os.link`` on local files,
 ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS, a lock in ``memory://``)::
 
@@ -46,9 +46,9 @@ from typing import Any
 
 import psutil
 
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.lifecycle import Lifecycle, Phase
-from storage import keys
-from storage.store import ObjectStore
 
 __all__ = ["Holder", "Lease", "LeaseHeld", "LeaseLost", "LeaseExpired", "FencedStore", "Fence", "acquire",
            "read_holder"]
@@ -293,7 +293,7 @@ class Lease:
 
 
 class FencedStore:
-    """An :class:`~storage.store.ObjectStore` whose writes and deletes first check a lease.
+    """An :class:`~diloco_async.storage.store.ObjectStore` whose writes and deletes first check a lease.
 
     Reads pass through unchanged. Every ``put``/``put_json``/``put_from_file``/``open_writer``/
     ``delete`` calls :meth:`Lease.check` first and raises what it raises.

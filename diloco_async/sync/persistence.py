@@ -23,6 +23,16 @@ from diloco_async.policy.rounds import budget_spent_at_checkpoint
 from diloco_async.policy.shards import assignment
 from diloco_async.policy.slices import header_slices
 from diloco_async.protocol.versions import VersionHistory, read_version
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import (
+    Checkpoint,
+    latest_checkpoint,
+    list_checkpoint_seqs,
+    load_checkpoint,
+    tensor_key,
+)
+from diloco_async.storage.run_checkpoints import open_run_checkpoint
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore, object_digest
 from diloco_async.sync.context import ActorContext
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.learners import LearnerRegistry
@@ -31,10 +41,6 @@ from diloco_async.sync.rounds import RoundTable
 from diloco_async.sync.slices import SliceDesk
 from diloco_async.sync.state import CheckpointBook, FragmentState
 from diloco_async.sync.work import put_version
-from storage import keys
-from storage.checkpoint import Checkpoint, latest_checkpoint, list_checkpoint_seqs, load_checkpoint, tensor_key
-from storage.run_checkpoints import open_run_checkpoint
-from storage.store import IntegrityError, ObjectRef, ObjectStore, object_digest
 
 __all__ = ["publish_initial", "stored_config", "open_checkpoint", "no_such_run", "restore", "checkpoint_payload"]
 
@@ -121,9 +127,9 @@ def open_checkpoint(url: str, cfg: Config | None, storage_options: dict,
     """Resolve a checkpoint URL into (config, store, run id, verified checkpoint).
 
     With ``synchronizer.shards > 1`` the checkpoint is shard ``shard``'s (under
-    :func:`storage.keys.synchronizer_root`): without a sequence number its newest that verifies (a
+    :func:`diloco_async.storage.keys.synchronizer_root`): without a sequence number its newest that verifies (a
     shard restarted alone); with one, the checkpoint of that shard that run checkpoint ``seq``
-    names (``run-{seq}.json``, verified whole: storage/run_checkpoints.py), so every shard of one
+    names (``run-{seq}.json``, verified whole: diloco_async/storage/run_checkpoints.py), so every shard of one
     resume restores the same run checkpoint.
 
     ``cfg`` is the resolved config of the resume (a recipe or the run's stored config, with the

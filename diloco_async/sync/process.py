@@ -34,6 +34,10 @@ from diloco_async.policy.shards import check_shard
 from diloco_async.protocol.auth import MIN_SECRET_CHARS, check_run_secret
 from diloco_async.protocol.client import TOKEN_ENV
 from diloco_async.runtime.heap import limit_heap_retention
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import Checkpoint, list_checkpoint_seqs
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.actor import Stopped, Synchronizer
 from diloco_async.sync.gate import quiet_protocol_errors
 from diloco_async.sync.http import GATE, make_app, runner_options
@@ -41,10 +45,6 @@ from diloco_async.sync.lease import Lease, LeaseHeld, LeaseLost, acquire
 from diloco_async.sync.persistence import open_checkpoint
 from diloco_async.sync.run_stop import RunStop
 from diloco_async.sync.tls_setup import check_network, edge_context
-from storage import keys
-from storage.checkpoint import Checkpoint, list_checkpoint_seqs
-from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env
-from storage.store import ObjectStore
 
 __all__ = ["serve", "main", "TOKEN_ENV", "STORAGE_OPTIONS_ENV", "EXIT_LEASE_HELD", "EXIT_LEASE_LOST",
            "LoopWatch", "LOOP_WATCH_ENV", "freeze_long_lived", "FREEZE_EVERY_S", "SWEEP_EVERY_S", "GC_THRESHOLDS"]
@@ -185,7 +185,7 @@ async def serve(cfg: Config, store: ObjectStore, run_id: str, token: str, ready_
 
     With ``synchronizer.shards = S > 1`` it owns the fragments of
     :func:`~diloco_async.policy.shards.fragments_of` ``shard``, takes the lease of that shard (under
-    :func:`storage.keys.synchronizer_root`); it listens on ``synchronizer.port`` (0: a free port; the
+    :func:`diloco_async.storage.keys.synchronizer_root`); it listens on ``synchronizer.port`` (0: a free port; the
     command line puts shard ``I`` on the recipe's port + ``I``, or on ``--port``).
 
     With ``resume``, the outer state comes from that verified checkpoint of the same run. The

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from diloco_async.policy.replay import ReplayScheduler, VirtualClock, VirtualSteps, VirtualTimeline
 from diloco_async.policy.rounds import RoundStage
 from diloco_async.protocol.messages import AnnouncementAck, Heartbeat, HeartbeatResponse
+from diloco_async.storage import keys
 from diloco_async.sync.errors import Refused
-from storage import keys
 
 if TYPE_CHECKING:
     from diloco_async.config.schema import Config

@@ -26,10 +26,10 @@ from json.encoder import encode_basestring_ascii as _json_str
 from typing import TYPE_CHECKING, Any
 
 from diloco_async.metrics.goodput import MergeGaps, totals, window_goodput
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.logs import JsonLinesLog
 from diloco_async.sync.traffic import TrafficPeaks
-from storage import keys
-from storage.store import ObjectStore
 
 if TYPE_CHECKING:
     from diloco_async.sync.learners import LearnerRegistry

@@ -31,12 +31,12 @@ from diloco_async.policy.schedules import OuterSchedule
 from diloco_async.policy.shards import shard_of
 from diloco_async.protocol.messages import Announcement, AnnouncementAck, RoundOpen, VersionInfo
 from diloco_async.runtime.heap import release_free_memory
+from diloco_async.storage import keys
 from diloco_async.sync import work
 from diloco_async.sync.guard import UpdateGuard
 from diloco_async.sync.logs import BoundedMap
 from diloco_async.sync.slices import NOT_HELD, SliceDesk
 from diloco_async.sync.state import Contribution, FragmentState, Merged, Round, Verified
-from storage import keys
 
 if TYPE_CHECKING:
     from diloco_async.sync.context import ActorContext

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from diloco_async.config.schema import Config
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import Checkpoint
+from diloco_async.storage.run_checkpoints import latest_run_checkpoint, list_run_manifest_seqs, open_run_checkpoint
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.persistence import open_checkpoint
-from storage import keys
-from storage.checkpoint import Checkpoint
-from storage.run_checkpoints import latest_run_checkpoint, list_run_manifest_seqs, open_run_checkpoint
-from storage.store import ObjectStore
 
 __all__ = ["open_run"]
 
@@ -25,8 +25,8 @@ def open_run(url: str, cfg: Config | None, storage_options: dict) -> tuple[Confi
     """Resolve a checkpoint URL into (config, store, run id, verified checkpoint of the whole run).
 
     With several shards the checkpoint is the run checkpoint's shards' checkpoints as one
-    (:meth:`~storage.run_checkpoints.RunCheckpoint.combined`: every fragment's tensors; ``seq``
-    the run checkpoint's, which :func:`storage.keys.checkpoint_url` makes the URL each shard resumes
+    (:meth:`~diloco_async.storage.run_checkpoints.RunCheckpoint.combined`: every fragment's tensors; ``seq``
+    the run checkpoint's, which :func:`diloco_async.storage.keys.checkpoint_url` makes the URL each shard resumes
     from). Shard 0's checkpoint is checked against the config as by
     :func:`~diloco_async.sync.persistence.open_checkpoint` (each shard checks its own when it starts).
 

@@ -21,7 +21,7 @@ import torch
 from diloco_async.codec import wire
 from diloco_async.codec.held import EncodedTensors
 from diloco_async.protocol.messages import ShardObject, shard_list_digest
-from storage.store import IntegrityError, ObjectRef, ObjectStore
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["ShardError", "fetch_shards", "reassemble"]
 

@@ -26,7 +26,7 @@ from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.policy.rounds import Ema, RoundState
 from diloco_async.protocol.messages import Announcement, CompactInfo
 from diloco_async.protocol.versions import VersionHistory
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 __all__ = [
     "initial_parameters",

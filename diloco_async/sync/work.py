@@ -44,11 +44,11 @@ from diloco_async.policy.guard import (
 )
 from diloco_async.policy.slices import slice_header
 from diloco_async.protocol.messages import Announcement, CompactInfo
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import safetensors_nbytes, write_safetensors
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore
 from diloco_async.sync.shard_objects import fetch_shards
 from diloco_async.sync.state import Contribution, FragmentState, Merged
-from storage import keys
-from storage.checkpoint import safetensors_nbytes, write_safetensors
-from storage.store import IntegrityError, ObjectRef, ObjectStore
 
 __all__ = ["put_version", "publish_next_version", "publish_compact", "fetch_and_verify", "fetch_contribution",
            "checked_norms", "rejection_reason",

@@ -34,11 +34,11 @@ from pydantic import BaseModel
 
 from diloco_async.protocol.auth import FORBIDDEN
 from diloco_async.protocol.messages import Announcement, Heartbeat, LeaseRequest
+from diloco_async.storage import keys
 from diloco_async.sync.actor import HandlerError, Refused, Stopped, Synchronizer
 from diloco_async.sync.bodies import BadRequest, decode, validate
 from diloco_async.sync.gate import Gate
 from diloco_async.sync.snapshot import dumps
-from storage import keys
 
 __all__ = ["KINDS", "ID_LIMIT", "LearnerSocket"]
 

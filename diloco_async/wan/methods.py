@@ -119,8 +119,8 @@ class WanDilocoTarget(DilocoTarget):
         """As the chaos target, from a copy of the run's objects when the store is in the hub
         (not reachable from this namespace; :mod:`diloco_async.wan.hubio`)."""
         if self.place.net is not None:
+            from diloco_async.storage.store import ObjectStore
             from diloco_async.wan.hubio import hub_mirror
-            from storage.store import ObjectStore
 
             dest = hub_mirror(self.place.net, self.place.endpoint_url, f"{self.place.bucket}/{self.prefix}",
                               self.procs.workdir / "store-copy")

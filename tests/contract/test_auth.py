@@ -30,10 +30,10 @@ from diloco_async.codec import wire
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import Credentials, learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app, runner_options
 from diloco_async.sync.logs import RateLimitedLog
-from storage import keys
-from storage.store import ObjectStore
 
 from polling import await_until
 
@@ -292,7 +292,7 @@ async def test_learners_beyond_the_cap_are_refused():
 
 
 def test_token_command_prints_a_learners_token(monkeypatch, capsys):
-    from flows.cli import main
+    from diloco_async.flows.cli import main
 
     monkeypatch.setenv(TOKEN_ENV, SECRET)
     assert main(["token", "--run-id", "r9", "--learner-id", "learner-4"]) == 0

@@ -22,7 +22,7 @@ from test_synchronizer import AUTH, LEARNERS, running, small_config
 
 from diloco_async.codec import wire
 from diloco_async.policy.fragments import FragmentPlan
-from storage import keys
+from diloco_async.storage import keys
 
 from polling import await_until, newer_status
 

@@ -22,8 +22,8 @@ from test_synchronizer import LEARNERS, published, running, small_config
 
 from diloco_async.codec import wire
 from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.storage import keys
 from diloco_async.sync.state import Verified
-from storage import keys
 
 from polling import await_until
 

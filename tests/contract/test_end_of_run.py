@@ -21,9 +21,9 @@ from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
 from diloco_async.merge.core import OuterOptimizer, merge_outer_gradients
 from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app
-from storage import keys
-from storage.store import ObjectStore
 
 from polling import await_until, client_status
 

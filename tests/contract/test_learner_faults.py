@@ -17,11 +17,11 @@ from diloco_async.config.schema import load_config
 from diloco_async.learner import Learner, LearnerSlot, SyncEndpoint
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.auth import learner_token
+from diloco_async.storage import keys
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.retry import RetryPolicy
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app
-from storage import keys
-from storage.faults import FaultyStore
-from storage.retry import RetryPolicy
-from storage.store import ObjectStore
 
 from polling import await_until
 

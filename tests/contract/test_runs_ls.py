@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from flows.cli import main
-from storage import keys
-from storage.checkpoint import tensor_key, write_checkpoint
-from storage.store import ObjectStore
+from diloco_async.flows.cli import main
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import tensor_key, write_checkpoint
+from diloco_async.storage.store import ObjectStore
 
 RUN_DONE, RUN_STOPPED, RUN_ON = "20261201-090000-aaaaaa", "20261202-090000-bbbbbb", "20261203-090000-cccccc"
 
@@ -107,8 +107,8 @@ RUN_SHARDED = "20261204-090000-dddddd"
 
 def _shard_checkpoint(store: ObjectStore, shard: int, seq: int, version: int) -> None:
     """Shard ``shard`` of 2 checkpoints its fragment (p = shard) at version ``version``, then marks a
-    run checkpoint as the shard process does (storage.run_checkpoints.write_run_manifest)."""
-    from storage.run_checkpoints import write_run_manifest
+    run checkpoint as the shard process does (diloco_async.storage.run_checkpoints.write_run_manifest)."""
+    from diloco_async.storage.run_checkpoints import write_run_manifest
 
     root = keys.synchronizer_root(RUN_SHARDED, shard, 2)
     tensors = {tensor_key(shard, kind, "w"): torch.full((4,), float(seq)) for kind in ("param", "momentum")}

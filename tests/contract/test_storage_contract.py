@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from storage.faults import FaultyStore, SimulatedCrash
-from storage.retry import RetryPolicy
-from storage.store import IntegrityError, ObjectRef, ObjectStore
+from diloco_async.storage.faults import FaultyStore, SimulatedCrash
+from diloco_async.storage.retry import RetryPolicy
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore
 from tests.digest_reference import reference_digest
 
 from storage_servers import make_bucket

@@ -1,4 +1,4 @@
-"""Fault injection through the real store (storage/faults.py): transient errors are retried,
+"""Fault injection through the real store (diloco_async/storage/faults.py): transient errors are retried,
 hung calls time out (C08), an error mid-upload publishes nothing (C11), a torn checkpoint is
 skipped (C10), stale listings never hide or spoil an exact key, corrupt reads are caught."""
 
@@ -13,12 +13,12 @@ import uuid
 import pytest
 import torch
 
-from storage import keys
-from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
-from storage.faults import FaultPlan, FaultyStore, SimulatedCrash
-from storage.gc import collect_garbage
-from storage.retry import Backoff, RetryPolicy, call_with_retry, run_with_timeout
-from storage.store import IntegrityError, ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
+from diloco_async.storage.faults import FaultPlan, FaultyStore, SimulatedCrash
+from diloco_async.storage.gc import collect_garbage
+from diloco_async.storage.retry import Backoff, RetryPolicy, call_with_retry, run_with_timeout
+from diloco_async.storage.store import IntegrityError, ObjectStore
 
 from polling import wait_until
 from storage_servers import make_bucket
@@ -87,7 +87,7 @@ def test_transient_errors_in_parts_are_retried(kind, tmp_path):
 def test_an_upload_that_cannot_resend_a_part_restarts_after_the_policys_backoff(tmp_path, monkeypatch):
     """Where a failed part cannot be sent again (GCS resumable uploads), the whole upload starts
     over from the source, after the store's backoff like any other retry (pauses recorded here)."""
-    from storage import writer
+    from diloco_async.storage import writer
 
     pauses: list[float] = []
     monkeypatch.setattr(writer, "time", type("Clock", (), {"sleep": staticmethod(pauses.append)}))
@@ -394,7 +394,7 @@ def _file(tmp_path, data: bytes):
     return path
 
 
-# -- the retry policy on a fake clock (storage/retry.py) -------------------------------------------
+# -- the retry policy on a fake clock (diloco_async/storage/retry.py) -------------------------------------------
 
 
 class FakeClock:

@@ -13,10 +13,10 @@ import uuid
 
 import pytest
 
-from storage.faults import FaultyStore
-from storage.parts import PartLimits
-from storage.retry import RetryPolicy
-from storage.store import IntegrityError, ObjectStore
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.parts import PartLimits
+from diloco_async.storage.retry import RetryPolicy
+from diloco_async.storage.store import IntegrityError, ObjectStore
 
 from storage_servers import make_bucket
 

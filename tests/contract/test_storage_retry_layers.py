@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from storage.retry import RetryPolicy, is_transient
-from storage.store import ObjectStore
+from diloco_async.storage.retry import RetryPolicy, is_transient
+from diloco_async.storage.store import ObjectStore
 
 from storage_servers import S3_ENV
 

@@ -19,10 +19,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from benchmarks.sync_load import _sync_watch
 from diloco_async.config.schema import load_config
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.http import FANOUT, FANOUT_BATCH, _FanOut
 from diloco_async.sync.process import LoopWatch
-from storage.store import ObjectStore
 
 from polling import await_until
 

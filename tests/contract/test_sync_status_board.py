@@ -11,9 +11,9 @@ import uuid
 from aiohttp.test_utils import TestClient, TestServer
 
 from diloco_async.config.schema import load_config
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.snapshot import COST_FACTOR, StatusBoard
-from storage.store import ObjectStore
 
 from polling import await_until
 

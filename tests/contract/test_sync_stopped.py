@@ -12,9 +12,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from test_synchronizer import AUTH, TOKEN, small_config
 
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.actor import Request, Stopped
-from storage.store import ObjectStore
 
 WAIT_S = 30.0  # the failure mode of an answer that never comes
 

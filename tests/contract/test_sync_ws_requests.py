@@ -22,9 +22,9 @@ from test_synchronizer import small_config
 
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import ChannelClosed, ProtocolError, ReplyError, RequestChannel, SyncClient
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app, runner_options
 from diloco_async.sync.http import OPEN_SOCKETS, WS_COUNTS
-from storage.store import ObjectStore
 
 from polling import await_until
 

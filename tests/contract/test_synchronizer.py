@@ -21,11 +21,11 @@ from diloco_async.codec import wire
 from diloco_async.config.schema import load_config
 from diloco_async.merge.core import OuterOptimizer, merge_outer_gradients
 from diloco_async.policy.fragments import FragmentPlan
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, make_app
 from diloco_async.sync.actor import MemoryTails
-from storage import keys
-from storage.checkpoint import latest_checkpoint
-from storage.store import ObjectStore
 
 from polling import await_until, client_status
 
@@ -387,7 +387,7 @@ async def test_metrics_since_reads_points_older_than_the_memory_tail():
 async def test_status_view_renders_a_live_synchronizer():
     from rich.console import Console
 
-    from flows.status_view import render_status
+    from diloco_async.flows.status_view import render_status
 
     async with running(small_config()) as (_sync, client, store):
         plan = await join_all(client)
@@ -408,7 +408,7 @@ async def test_status_lists_the_last_merges_and_the_view_shows_them_in_100_colum
     never caught one open: /status lists the last merges too, and the view shows them."""
     from rich.console import Console
 
-    from flows.status_view import render_status
+    from diloco_async.flows.status_view import render_status
 
     async with running(small_config()) as (_sync, client, store):
         plan = await join_all(client)

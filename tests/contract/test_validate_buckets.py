@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from diloco_async.flows.cli import main
 from diloco_async.validate import validate_recipe
-from flows.cli import main
 
 
 def test_unreachable_bucket_names_run_store(s3_endpoint, capsys):

@@ -24,7 +24,7 @@ def _overrides(tmp: Path) -> list[str]:
 
 
 def test_ci_suite_runs_resumes_and_reports(prefect_server, tmp_path):
-    from flows.ablate import ablate, record_path
+    from diloco_async.flows.ablate import ablate, record_path
 
     out = tmp_path / "out"
     first = ablate(suite=SUITE, overrides=_overrides(tmp_path), out=str(out), seeds=[0])  # as if stopped after seed 0
@@ -65,12 +65,12 @@ def test_ci_suite_runs_resumes_and_reports(prefect_server, tmp_path):
 def test_cli_refuses_a_bad_suite_before_starting_anything(tmp_path, monkeypatch, capsys):
     """Exit status 2 with the reason, before anything starts: one case through a fresh interpreter,
     the other in this process (a second interpreter only paid the imports again)."""
-    from flows import cli, interrupts
+    from diloco_async.flows import cli, interrupts
 
     bad = tmp_path / "bad.toml"
     text = (ROOT / SUITE).read_text().replace('b = "rda"', 'b = "rdaa"', 1)
     bad.write_text(text)
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "ablate", "--suite", str(bad)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "ablate", "--suite", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "names arm 'rdaa'" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr

@@ -26,16 +26,16 @@ def _receiver(seen: list[dict]) -> web.Application:
 
 def _alerts_command(api_url: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": os.environ.get("PREFECT_HOME", ".local/prefect")}
-    return subprocess.run([sys.executable, "-m", "flows.cli", "alerts", *args], env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "alerts", *args], env=env,
+                          capture_output=True, text=True, timeout=180)
 
 
 def test_a_failed_train_or_resume_run_notifies_the_webhook(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
 
-    from flows.alerts import DEFAULT_AUTOMATION_NAME
-    from flows.train import resume, train
+    from diloco_async.flows.alerts import DEFAULT_AUTOMATION_NAME
+    from diloco_async.flows.train import resume, train
 
     api_url = get_current_settings().api.url
     seen: list[dict] = []
@@ -53,7 +53,7 @@ def test_a_failed_train_or_resume_run_notifies_the_webhook(prefect_server, tmp_p
 def _fail_runs_and_wait(api_url: str, seen: list[dict], tmp_path, train, resume) -> dict[str, str]:
     from prefect.client.orchestration import get_client
 
-    from flows.alerts import DEFAULT_AUTOMATION_NAME
+    from diloco_async.flows.alerts import DEFAULT_AUTOMATION_NAME
 
     with serving(_receiver(seen)) as url:
         for verb in ("created", "updated"):  # the second call changes nothing but says so
@@ -83,7 +83,7 @@ def test_alerts_refuses_what_cannot_work(tmp_path):
     bad_url = _alerts_command("http://127.0.0.1:9/api", "--webhook", "ftp://example.invalid/hook")
     assert bad_url.returncode == 2 and "http:// or https://" in bad_url.stderr, bad_url.stderr
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    no_server = subprocess.run([sys.executable, "-m", "flows.cli", "alerts", "--webhook", "http://127.0.0.1:9/h"],
+    no_server = subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "alerts", "--webhook", "http://127.0.0.1:9/h"],
                                env={**env, "PREFECT_HOME": str(tmp_path / "prefect")}, capture_output=True,
                                text=True, timeout=180)
     assert no_server.returncode == 2 and "PREFECT_API_URL is not set" in no_server.stderr, no_server.stderr

@@ -54,7 +54,8 @@ def test_a_bad_config_raises_the_clis_one_line_error_naming_the_field(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     api = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
-    cli = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--set", "learners.count=0"], cwd=ROOT,
+    cli = subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "train", "--set", "learners.count=0"],
+                         cwd=ROOT,
                          env={**env, "PREFECT_HOME": str(tmp_path / "prefect")}, capture_output=True, text=True,
                          timeout=120)
     assert cli.returncode == 2 and cli.stderr.startswith("error: invalid config")

@@ -14,8 +14,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from diloco_async.config.tracking import TrackingConfig
-from flows.mlflow_views import RUNS_VIEW_ID, SHARED_VIEW_TAG_PREFIX
-from flows.tracking import MlflowSink
+from diloco_async.flows.mlflow_views import RUNS_VIEW_ID, SHARED_VIEW_TAG_PREFIX
+from diloco_async.flows.tracking import MlflowSink
 
 from storage_servers import make_bucket
 
@@ -58,7 +58,7 @@ def test_a_store_on_s3_keeps_the_runs_artifacts(s3_endpoint, tmp_path, monkeypat
     assert fs.cat(f"{base}/figures.json") == payload
     assert fs.cat(f"{base}/eval_samples/step-00000003.txt") == b"generated text\n"
     assert not (tmp_path / ".local").exists() and not (tmp_path / "mlartifacts").exists()
-    # the experiment carries the runs table's view (flows/mlflow_views.py)
+    # the experiment carries the runs table's view (diloco_async/flows/mlflow_views.py)
     tags = sink.client.get_experiment(sink.experiment_id).tags
     assert json.loads(json.loads(tags[SHARED_VIEW_TAG_PREFIX + RUNS_VIEW_ID])["state"])["selectedColumns"]
 

@@ -41,7 +41,7 @@ def test_storm_ci_both_targets_one_schedule(prefect_server, tmp_path):
     handling as Decoupled; it runs here in test_straggler_ci_cli_json, all three in `make bench-chaos`)."""
     import matplotlib.image as mpimg
 
-    from flows.chaos import chaos
+    from diloco_async.flows.chaos import chaos
 
     scenario = "configs/chaos/storm-ci.toml"
     sc = load_scenario(scenario)
@@ -106,7 +106,7 @@ def test_straggler_ci_cli_json(prefect_server, tmp_path):
 
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1",
                PREFECT_API_URL=PREFECT_API_URL.value())
-    cmd = [sys.executable, "-m", "flows.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml",
+    cmd = [sys.executable, "-m", "diloco_async.flows.cli", "chaos", "--scenario", "configs/chaos/straggler-ci.toml",
            "--json", "--out", str(tmp_path / "straggler.json")]
     for item in _isolated(tmp_path):
         cmd += ["--set", item]
@@ -136,13 +136,13 @@ def test_chaos_cli_rejects_a_bad_scenario(tmp_path, monkeypatch, capsys):
     """The command line refuses a bad scenario file with exit status 2 and no traceback, before
     anything starts; methods, overrides and fields the harness owns are refused the same way (those
     checked in this process: a fresh interpreter per case only paid torch's import again)."""
-    from flows import cli, interrupts
+    from diloco_async.flows import cli, interrupts
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[scenario]\nname = "x"\nslots = 2\nwall_s = 5\neval_tokens = 1\n[failures]\nmtbf = 1\n')
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"))
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "chaos", "--scenario", str(bad)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "chaos", "--scenario", str(bad)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "failures.mtbf" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "prefect").exists()
     for key, value in cli._ENV_DEFAULTS.items():  # main() sets these in the environment: undone after the test
@@ -181,7 +181,7 @@ def test_heterogeneous_ci_every_learner_in_the_report(prefect_server, tmp_path):
     sc = load_scenario("configs/chaos/heterogeneous-ci.toml")
     env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1",
                PREFECT_API_URL=PREFECT_API_URL.value())
-    cmd = [sys.executable, "-m", "flows.cli", "chaos", "--scenario", "configs/chaos/heterogeneous-ci.toml",
+    cmd = [sys.executable, "-m", "diloco_async.flows.cli", "chaos", "--scenario", "configs/chaos/heterogeneous-ci.toml",
            "--out", str(tmp_path / "het.json")]
     for item in _isolated(tmp_path):
         cmd += ["--set", item]
@@ -226,8 +226,8 @@ def test_heterogeneous_ci_without_root_skips_the_link_slot(prefect_server, tmp_p
     """Where the link cannot be built (here: made to look so), the scenario still runs: the link's
     slot never starts, is left out of the goodput timeline, and every row reports it skipped with the
     reason and a compute share of 0; the full-speed baseline skips the same slot."""
+    from diloco_async.flows.chaos import chaos
     from diloco_async.wan import slot_link
-    from flows.chaos import chaos
 
     monkeypatch.setattr(slot_link, "link_skip_reason",
                         lambda link: None if link is None or not link.shaped else "its link needs root and tc: test")

@@ -14,8 +14,8 @@ from diloco_async.data.tokens import open_corpus
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.models.transformer import ByteGPT
 from diloco_async.run import RunProcesses
+from diloco_async.storage.checkpoint import latest_checkpoint
 from diloco_async.sync import initial_parameters
-from storage.checkpoint import latest_checkpoint
 
 PLAYS = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")
 
@@ -69,7 +69,7 @@ def test_two_learners_train_on_a_bpe_tokenizer(tmp_path):
     (['data.tokenizer="bpe:512"'], ValueError, "data.tokenizer='bpe:512' has 512 tokens but model.vocab_size=256"),
 ])
 def test_the_train_flow_refuses_bad_data_before_anything_starts(prefect_server, tmp_path, bad, error, named):
-    from flows.train import train
+    from diloco_async.flows.train import train
 
     overrides = [f"run.store=file://{tmp_path}/store", f"run.workdir={tmp_path}/runs",
                  f'data.token_cache_dir="{tmp_path}/cache"', f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",

@@ -27,10 +27,10 @@ from diloco_async.config.schema import load_config
 from diloco_async.inner.optimizers import muon_parameter_names
 from diloco_async.inner.workload import data_generator, emulated_delay_s, jitter_random
 from diloco_async.models.transformer import evaluate_loss
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_state
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import initial_parameters
-from storage import keys
-from storage.checkpoint import latest_state
-from storage.store import ObjectStore
 
 from polling import wait_until
 

@@ -363,11 +363,12 @@ def test_killed_learner_flow_run_crashes_and_is_reprovisioned(stack, tmp_path):
                                                                                   "flow/learner_restarts")
     assert [m.value for m in history] == [1.0]
     # the flow runs above ran in this host's checkout, which the deployments do not record
-    # (flows/pull.py): their pull step is resolved on the worker, no path of this checkout in it
+    # (diloco_async/flows/pull.py): their pull step is resolved on the worker, no path of this checkout in it
     with stack.client() as c:
         for name in ("train/train", "learner/region-a", "learner/region-b"):
             steps = c.read_deployment_by_name(name).pull_steps
-            assert steps == [{"flows.pull.set_checkout_directory": {}}] and str(ROOT) not in json.dumps(steps)
+            assert steps == [{"diloco_async.flows.pull.set_checkout_directory": {}}]
+            assert str(ROOT) not in json.dumps(steps)
 
 
 def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
@@ -388,9 +389,9 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
     sync_pids = _pids_with_arg(run_id)
     assert sync_pids and all(before.values()), (before, sync_pids)
     # while it runs: what the scheduled `checkpoint` deployment does, against the live synchronizer
+    from diloco_async.flows.deployments import request_checkpoint
     from diloco_async.protocol.auth import learner_token
     from diloco_async.protocol.client import LEARNER_TOKEN_ENV
-    from flows.deployments import request_checkpoint
 
     learner_env = runs[0].job_variables["env"]  # a learner's flow run gets its own token, not the run secret
     assert TOKEN_ENV not in learner_env
@@ -428,10 +429,10 @@ def test_cancelling_train_flow_run_leaves_no_process(stack, tmp_path):
 
 
 def test_deployments_module_loads_no_torch():
-    """A process worker imports flows.deployments again to run cancellation hooks: only Prefect and
+    """A process worker imports diloco_async.flows.deployments again to run cancellation hooks: only Prefect and
     the light client/options modules may load at import time, never torch."""
-    code = ("import sys, flows.deployments as d; from diloco_async.protocol import client; "
-            "from storage import options; "
+    code = ("import sys, diloco_async.flows.deployments as d; from diloco_async.protocol import client; "
+            "from diloco_async.storage import options; "
             "assert d.TOKEN_ENV is client.TOKEN_ENV and d.STORAGE_OPTIONS_ENV is options.STORAGE_OPTIONS_ENV; "
             "print(sorted(m for m in ('torch', 'diloco_async.sync', 'diloco_async.learner') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

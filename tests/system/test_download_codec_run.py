@@ -21,9 +21,9 @@ from test_integration import TOKEN, learner_env, tiny_recipe
 from diloco_async.protocol.client import TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.protocol.versions import read_version
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from storage import keys
-from storage.checkpoint import latest_checkpoint, latest_state, tensor_key
-from storage.store import ObjectRef, ObjectStore, sha256_hex
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint, latest_state, tensor_key
+from diloco_async.storage.store import ObjectRef, ObjectStore, sha256_hex
 
 from polling import wait_until
 
@@ -37,7 +37,7 @@ def _start_learner(launcher, tmp_path: Path, url: str, i: int):
 def _rendered(status: dict) -> str:
     from rich.console import Console  # the status view (flows/); the library stays free of rich
 
-    from flows.status_view import render_status
+    from diloco_async.flows.status_view import render_status
     console = Console(record=True, width=300)
     console.print(render_status(status))
     return console.export_text()

@@ -18,9 +18,9 @@ from test_integration import TOKEN, learner_env, tiny_recipe
 
 from diloco_async.protocol.client import TOKEN_ENV, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from storage import keys
-from storage.checkpoint import latest_state
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_state
+from diloco_async.storage.store import ObjectStore
 
 from polling import wait_until
 

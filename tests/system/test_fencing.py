@@ -45,13 +45,13 @@ from diloco_async.inner.workload import Workload
 from diloco_async.learner import Learner, LearnerSlot, SyncEndpoint
 from diloco_async.policy.fragments import FragmentPlan
 from diloco_async.protocol.client import TOKEN_ENV, request_checkpoint
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint, list_checkpoint_seqs, write_checkpoint, write_state
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer
 from diloco_async.sync.lease import FencedStore, LeaseExpired, LeaseHeld, LeaseLost, acquire, read_holder
 from diloco_async.sync.process import EXIT_LEASE_HELD, EXIT_LEASE_LOST
-from storage import keys
-from storage.checkpoint import latest_checkpoint, list_checkpoint_seqs, write_checkpoint, write_state
-from storage.options import STORAGE_OPTIONS_ENV
-from storage.store import ObjectStore
 
 from polling import await_until, wait_until
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from diloco_async.flows.train import train
 from diloco_async.metrics.goodput import BADPUT_CAUSES
-from flows.train import train
 
 _spec = importlib.util.spec_from_file_location(
     "mlflow_readback", Path(__file__).resolve().parents[2] / "scripts" / "mlflow_readback.py")
@@ -25,7 +25,7 @@ EXPECTED_METRICS = {
     "sync/contributions_merged", "sync/contributions_late", "sync/contributions_rejected",
     "sync/staleness_versions", "net/bytes_in", "net/bytes_out", "eval/loss", "goodput/compute",
     "goodput/token", "goodput/uptime", "sync/live_learners", "eval/bits_per_byte",
-    "sync/tokens_processed",  # a column of the runs table (flows/mlflow_views.py)
+    "sync/tokens_processed",  # a column of the runs table (diloco_async/flows/mlflow_views.py)
 }
 
 
@@ -142,7 +142,7 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path):
 
 
 def test_resume_flow_continues_the_same_mlflow_run(prefect_server, tmp_path):
-    from flows.train import resume
+    from diloco_async.flows.train import resume
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     common = [f"tracking.mlflow_uri={uri}", f"tracking.artifact_location={tmp_path}/art", "tracking.poll_s=0.5",
@@ -202,10 +202,10 @@ def test_final_model_is_logged_without_pickle_and_registered(tmp_path, caplog):
     import torch
 
     from diloco_async.config.schema import TrackingConfig
+    from diloco_async.flows.artifacts import log_run_artifacts, register_final_model
+    from diloco_async.flows.tracking import MlflowSink
     from diloco_async.models import ModelConfig
     from diloco_async.models.transformer import ByteGPT
-    from flows.artifacts import log_run_artifacts, register_final_model
-    from flows.tracking import MlflowSink
 
     model_cfg = ModelConfig(n_layer=1, d_model=32, n_head=2, context=16)
     torch.manual_seed(0)

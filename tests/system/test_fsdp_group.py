@@ -30,9 +30,9 @@ from diloco_async.models.transformer import embedding_names
 from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.messages import ShardObject, VersionInfo, shard_list_digest
 from diloco_async.protocol.versions import read_version
+from diloco_async.storage.store import ObjectRef, ObjectStore
 from diloco_async.sync.shard_objects import fetch_shards
 from diloco_async.sync.work import put_version
-from storage.store import ObjectRef, ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, FRAGMENTS, RUN = 4, 3, "run-fsdp"

@@ -32,8 +32,8 @@ from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import ProtocolError, call_blocking, fetch_status
 from diloco_async.protocol.messages import ShardObject, shard_list_digest
 from diloco_async.run import RunProcesses
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 from polling import await_until, wait_until
 

@@ -29,8 +29,8 @@ from diloco_async.learner.fsdp_state import check_world, latest_sharded_state, s
 from diloco_async.learner.group import LearnerGroup, place_workload
 from diloco_async.models import plan_of
 from diloco_async.protocol.messages import VersionInfo
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 REPO = Path(__file__).resolve().parents[2]
 LEARNER, STEPS = "learner-a", 3

@@ -85,7 +85,7 @@ eval_every_s = 0
 def _train(tmp: Path, recipe: Path, hub: HubStandIn) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "HF_HUB_OFFLINE"))}
     env.update(HF_ENDPOINT=hub.url, PREFECT_HOME=str(tmp / "prefect"))
-    return run_command([sys.executable, "-m", "flows.cli", "train", "--config", str(recipe)], tmp, env)
+    return run_command([sys.executable, "-m", "diloco_async.flows.cli", "train", "--config", str(recipe)], tmp, env)
 
 
 def run_command(argv: list[str], cwd: Path, env: dict[str, str],

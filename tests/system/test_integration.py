@@ -18,9 +18,9 @@ from tiny_recipe import tiny_recipe_text
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, call_blocking, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from storage import keys
-from storage.checkpoint import latest_checkpoint
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint
+from diloco_async.storage.store import ObjectStore
 
 from polling import wait_until
 

@@ -38,8 +38,8 @@ from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.client import fetch_status
 from diloco_async.run import RunProcesses
 from diloco_async.runtime.devices import check_devices, resolve_device
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 from polling import wait_until
 

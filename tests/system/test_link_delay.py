@@ -14,11 +14,11 @@ from test_client import TOKEN, _app, serving
 
 from diloco_async.protocol.client import SyncClient
 from diloco_async.runtime.link_delay import LINK_DELAY_ENV, link_delay_s_from_env, ring_allreduce_latency_s
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.latency import LatencyStore
+from diloco_async.storage.store import ObjectStore
 from diloco_async.wan.methods import WanPlacement
 from diloco_async.wan.scenario import load_wan_scenario
-from storage.faults import FaultyStore
-from storage.latency import LatencyStore
-from storage.store import ObjectStore
 
 DELAY_S = 0.05
 

@@ -16,8 +16,8 @@ from mlflow.tracking import MlflowClient
 from test_hub import run_command
 
 from diloco_async.config.schema import load_config
+from diloco_async.flows.heldout import samples_artifact
 from diloco_async.prerequisites import prepare, prerequisites
-from flows.heldout import samples_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.timeout(1500)]  # a whole `train` (a temporary Prefect server): the failure mode only
@@ -35,7 +35,7 @@ def test_lora_finetune_runs_on_a_fresh_clone_building_its_base_once(tmp_path, mo
     assert not (tmp_path / ".local").exists()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"))
-    argv = [sys.executable, "-m", "flows.cli", "train", "--recipe", "lora-finetune"]
+    argv = [sys.executable, "-m", "diloco_async.flows.cli", "train", "--recipe", "lora-finetune"]
     done = run_command([*argv, *(a for s in SMALL for a in ("--set", s))], tmp_path, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     base = tmp_path / ".local" / "pretrained" / "llama-cpu"

@@ -29,10 +29,10 @@ from diloco_async.policy.schedules import InnerSchedule
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import initial_state
-from storage import keys
-from storage.checkpoint import latest_checkpoint
-from storage.store import ObjectStore
 
 TOKEN = "models-run-secret-0123456789abcdef"
 LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -168,7 +168,7 @@ def test_train_flow_with_an_hf_model_logs_a_model_that_from_pretrained_loads(pre
     import mlflow
     from transformers import AutoModelForCausalLM
 
-    from flows.train import train
+    from diloco_async.flows.train import train
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = recipe(tmp_path, learners=4, tokens=80_000, model=hf_model_toml(LLAMA))

@@ -16,9 +16,9 @@ from diloco_async.models import build_run_model
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from storage import keys
-from storage.checkpoint import latest_state
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_state
+from diloco_async.storage.store import ObjectStore
 
 from polling import wait_until
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 from resolved_config import resolved_args
 
-from storage import keys
-from storage.options import STORAGE_OPTIONS_ENV
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV
+from diloco_async.storage.store import ObjectStore
 
 from storage_servers import make_bucket
 
@@ -36,8 +36,8 @@ def store_with_runs(request, tmp_path):
 
 def _cli(tmp_path, options: dict, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, STORAGE_OPTIONS_ENV: json.dumps(options), "PREFECT_HOME": str(tmp_path / "prefect")}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize("config", [None, "default"])
@@ -107,10 +107,10 @@ def test_random_secrets_of_the_documented_kinds_are_accepted():
 
 def test_every_entry_point_refuses_a_weak_run_secret(tmp_path, monkeypatch, capsys):
     from diloco_async.config.schema import load_config
+    from diloco_async.flows.cli import main
+    from diloco_async.flows.deployments import _require_token
     from diloco_async.protocol.client import TOKEN_ENV
     from diloco_async.run import RunProcesses
-    from flows.cli import main
-    from flows.deployments import _require_token
 
     secret = "operator-pet-name"
     store = f"file://{tmp_path}/store"

@@ -25,7 +25,7 @@ from diloco_async.config.schema import Config
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import SyncClient, fetch_status
 from diloco_async.run import RunProcesses
-from storage import keys
+from diloco_async.storage import keys
 
 from polling import await_until, wait_until
 

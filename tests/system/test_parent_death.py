@@ -1,5 +1,6 @@
 """Children in sessions of their own die with the command that started them (SIGKILL, OOM killer):
-the temporary Prefect server (flows/prefect_server.py) and any ``python -m diloco_async.runtime.parent_death``."""
+the temporary Prefect server (diloco_async/flows/prefect_server.py) and any
+``python -m diloco_async.runtime.parent_death``."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_the_temporary_prefect_server_stops_when_its_command_is_sigkilled(tmp_pa
         import os, time
         os.environ.pop("PREFECT_API_URL", None)
         from pathlib import Path
-        from flows.prefect_server import temporary_server
+        from diloco_async.flows.prefect_server import temporary_server
         with temporary_server(Path({str(tmp_path / 'server.log')!r})) as srv:
             print("child", srv.server_process.pid, flush=True)
             time.sleep(600)

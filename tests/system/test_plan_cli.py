@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "flows.cli", "plan", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "plan", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # the timeout is the failure mode only
 
 

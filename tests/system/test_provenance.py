@@ -1,5 +1,5 @@
 """Provenance (issue 45 item 3): the MLflow run's dataset inputs name every source shard of the corpus
-with its digest (flows/provenance.py over the token store's corpus manifest), and the token stream."""
+with its digest (diloco_async/flows/provenance.py over the token store's corpus manifest), and the token stream."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from mlflow import MlflowClient
 from diloco_async.config.data import DataConfig
 from diloco_async.config.schema import TrackingConfig
 from diloco_async.data.tokens import open_corpus
-from flows.provenance import DIGEST_CHARS, log_corpus
-from flows.tracking import MlflowSink
+from diloco_async.flows.provenance import DIGEST_CHARS, log_corpus
+from diloco_async.flows.tracking import MlflowSink
 
 
 def test_dataset_inputs_name_every_source_shard_with_its_digest(tmp_path):

@@ -22,8 +22,8 @@ from tiny_recipe import ROOT
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config
 from diloco_async.run import RunProcesses
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 LEARNERS = 2
 TOKENS_PER_STEP = 2 * 16  # batch_size x context

@@ -22,10 +22,10 @@ from resolved_config import resolved_args
 
 from diloco_async.codec import wire
 from diloco_async.protocol.client import TOKEN_ENV, call_blocking, fetch_status, request_checkpoint
-from storage import keys
-from storage.checkpoint import load_checkpoint
-from storage.options import STORAGE_OPTIONS_ENV
-from storage.store import ObjectRef, ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import load_checkpoint
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV
+from diloco_async.storage.store import ObjectRef, ObjectStore
 
 from polling import wait_until
 from storage_servers import make_bucket
@@ -326,7 +326,8 @@ def test_resume_of_a_spent_budget_is_refused_at_once_with_the_override_that_exte
     store = ObjectStore(store_url)
     seq = one_checkpoint(tmp_path, store_url, "runD")  # the learner reports step 4: g = 4 at the checkpoint
     epochs_before = sorted(store.list("runD/epochs"))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "resume", keys.checkpoint_url(store_url, "runD", seq),
+    proc = subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "resume",
+                           keys.checkpoint_url(store_url, "runD", seq),
                            "--set", "budget.max_steps=4"],
                           env={**os.environ, TOKEN_ENV: TOKEN, "PREFECT_HOME": str(tmp_path / "prefect")},
                           capture_output=True, text=True, timeout=60)

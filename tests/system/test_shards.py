@@ -42,12 +42,12 @@ from diloco_async.protocol.client import (
     request_checkpoint,
 )
 from diloco_async.run import RunProcesses
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import list_checkpoint_seqs
+from diloco_async.storage.run_checkpoints import list_run_manifest_seqs
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import open_run
 from diloco_async.sync.process import EXIT_LEASE_HELD
-from storage import keys
-from storage.checkpoint import list_checkpoint_seqs
-from storage.run_checkpoints import list_run_manifest_seqs
-from storage.store import ObjectStore
 
 from polling import wait_until
 

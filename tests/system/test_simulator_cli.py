@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from test_simulator import CALIBRATION, REPO  # noqa: F401, F811 (shared with unit/test_simulator.py; fixtures among them)
 
-from flows.simulate_cli import main as simulate_main
+from diloco_async.flows.simulate_cli import main as simulate_main
 
 
 def test_simulate_command_imports_mlflow_and_matplotlib_only_when_asked() -> None:
     code = (
-        "import sys, diloco_async.sim, flows.simulate_cli; "
+        "import sys, diloco_async.sim, diloco_async.flows.simulate_cli; "
         "bad = [m for m in ('mlflow', 'matplotlib', 'prefect') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -27,8 +27,8 @@ from tiny_recipe import tiny_recipe_text
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 from polling import wait_until
 

@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks.ctrl_c import Terminal, command_env, train_overrides
 from diloco_async.protocol.client import fetch_status
-from storage import keys
+from diloco_async.storage import keys
 
 from polling import wait_until
 
@@ -88,7 +88,7 @@ def _counters(summary: dict) -> dict:
 def _interrupt_training(tmp: Path, env: dict[str, str]) -> tuple[str, dict, list[psutil.Process], int]:
     """``train`` in a terminal, Ctrl-C once it has merged with both learners live: (output, status
     before the Ctrl-C, every process seen under the command, exit code)."""
-    term = Terminal([sys.executable, "-m", "flows.cli", "train", *train_overrides(tmp)], env)
+    term = Terminal([sys.executable, "-m", "diloco_async.flows.cli", "train", *train_overrides(tmp)], env)
     try:
         found = wait_until(lambda: re.search(r"synchronizer at (http://127\.0\.0\.1:\d+)", term.text()) or
                            (term.proc.poll() is not None and f"exited {term.proc.returncode}"), 300,
@@ -171,7 +171,7 @@ async def test_ctrl_c_on_status_watch_in_a_terminal_stops_at_once_with_one_line(
 
     async with running(small_config()) as (_sync, client, _store):
         url = str(client.make_url("")).rstrip("/")
-        term = Terminal([sys.executable, "-m", "flows.cli", "status", url, "--watch"],
+        term = Terminal([sys.executable, "-m", "diloco_async.flows.cli", "status", url, "--watch"],
                         command_env(tmp_path / "prefect"))
         try:
             deadline = time.monotonic() + 120
@@ -205,7 +205,7 @@ def test_resume_after_ctrl_c_starts_from_every_counter_the_interrupted_run_print
     log = tmp_path / "runs" / run_id / "logs" / "synchronizer.log"
     before_resume = log.read_text()
     # `resume` in a terminal too, and Ctrl-C once its synchronizer has restored the checkpoint
-    term = Terminal([sys.executable, "-m", "flows.cli", "resume", url], env)
+    term = Terminal([sys.executable, "-m", "diloco_async.flows.cli", "resume", url], env)
     try:
         resumed = wait_until(lambda: "resumed counts:" in log.read_text()[len(before_resume):]
                              and log.read_text()[len(before_resume):], 240, "the resumed synchronizer", interval_s=0.2)

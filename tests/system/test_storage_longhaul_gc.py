@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from storage.gc import collect_garbage
-from storage.options import STORAGE_OPTIONS_ENV
-from storage.orphans import find_orphans
-from storage.store import ObjectStore
+from diloco_async.storage.gc import collect_garbage
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV
+from diloco_async.storage.orphans import find_orphans
+from diloco_async.storage.store import ObjectStore
 
 from storage_servers import make_bucket
 
@@ -31,8 +31,8 @@ def blob(nbytes: int, seed: int = 0) -> bytes:
 
 _KILLED_WRITER = """
 import sys, time
-from storage.options import storage_options_from_env
-from storage.store import ObjectStore
+from diloco_async.storage.options import storage_options_from_env
+from diloco_async.storage.store import ObjectStore
 store = ObjectStore(sys.argv[1], storage_options_from_env(), part_nbytes=5 << 20, max_concurrency=1)
 w = store.open_writer("run/contrib/p0/r1/A-dead")
 w.write(bytes(11 << 20))  # two parts sent (one at a time: both landed), the upload never finished

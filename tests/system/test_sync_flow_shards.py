@@ -11,13 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from storage import keys
+from diloco_async.storage import keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
 _FLOW = """
 import json, sys
-from flows.deployments import synchronizer
+from diloco_async.flows.deployments import synchronizer
 out = synchronizer(config="configs/default.toml", overrides=json.loads(sys.argv[1]), run_id=sys.argv[2],
                    ready_file=sys.argv[3], shard=int(sys.argv[4]))
 print("RESULT " + json.dumps(out))

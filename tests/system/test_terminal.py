@@ -34,7 +34,7 @@ async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_c
     async with running(small_config()) as (_sync, client, _store):
         url = str(client.make_url("")).rstrip("/")
         proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-m", "flows.cli", "status", url, "--watch",
+            *prefix, sys.executable, "-m", "diloco_async.flows.cli", "status", url, "--watch",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "COLUMNS": "160"})
         try:
             # not a terminal: one table per refresh (2 s apart), not a single one at exit
@@ -56,7 +56,7 @@ async def test_status_watch_to_a_pipe_prints_each_refresh_and_stops_cleanly_on_c
 def test_version_and_top_level_help_speak_to_a_user(capsys):
     import pytest
 
-    from flows.cli import main
+    from diloco_async.flows.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
@@ -75,7 +75,7 @@ def test_prefect_sees_the_embedded_defaults_whatever_the_subcommand_imports():
     for the temporary server) before a subcommand imports a flow module."""
     import subprocess
 
-    probe = ("import sys; from flows.cli import main; main(['recipes']); import flows.train; "
+    probe = ("import sys; from diloco_async.flows.cli import main; main(['recipes']); import diloco_async.flows.train; "
              "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as s; print(s.value())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)

@@ -19,11 +19,11 @@ from forward_proxy import ForwardProxy
 from resolved_config import resolved_args
 from tiny_recipe import tiny_recipe_text
 
+from diloco_async.flows.certs import issue, make_run_certificates
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, ProtocolError, SyncClient, call_blocking
 from diloco_async.protocol.tls import CA_ENV, CERT_ENV, KEY_ENV, client_context, learner_uri
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
-from flows.certs import issue, make_run_certificates
 
 from polling import wait_until
 

@@ -65,7 +65,7 @@ def _overrides(bucket: str, cache: Path) -> list[str]:
 
 
 def test_prepare_tokenizes_s3_shards_in_parallel_and_learners_map_the_result(tmp_path, s3):
-    from flows.train import prepare_tokens
+    from diloco_async.flows.train import prepare_tokens
 
     _upload_corpus(s3)
     overrides = _overrides(s3, tmp_path / "cache")
@@ -101,7 +101,7 @@ def test_prepare_tokenizes_s3_shards_in_parallel_and_learners_map_the_result(tmp
 
 
 def test_a_worker_that_meets_a_bad_line_names_it_and_nothing_is_built(tmp_path, s3):
-    from flows.train import prepare_tokens
+    from diloco_async.flows.train import prepare_tokens
 
     _upload_corpus(s3, bad_line=17)
     cfg = load_config("configs/default.toml", _overrides(s3, tmp_path / "cache"))

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from diloco_async.config.schema import TrackingConfig
-from flows.mlflow_views import runs_table_path
-from flows.tracking import LEARNERS_CHART_TAG, MlflowSink
+from diloco_async.flows.mlflow_views import runs_table_path
+from diloco_async.flows.tracking import LEARNERS_CHART_TAG, MlflowSink
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.timeout(240)]

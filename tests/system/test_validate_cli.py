@@ -23,7 +23,7 @@ def test_validate_default_starts_nothing_and_prints_the_plan(tmp_path):
     (store / "earlier-run" / "manifest.json").write_text("{}")
     before = _files(store)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = psutil.Popen([sys.executable, "-m", "flows.cli", "validate", "configs/default.toml",
+    proc = psutil.Popen([sys.executable, "-m", "diloco_async.flows.cli", "validate", "configs/default.toml",
                          "--set", f"run.store=file://{store}"], cwd=ROOT, env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children: set[int] = set()
@@ -50,7 +50,7 @@ def test_validate_default_starts_nothing_and_prints_the_plan(tmp_path):
 
 def _validate_in(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "flows.cli", "validate", "default",
+    return subprocess.run([sys.executable, "-m", "diloco_async.flows.cli", "validate", "default",
                            "--set", f'data.cache_dir="{ROOT / "data"}"', *extra],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 

@@ -45,7 +45,7 @@ def test_wan_json_on_the_ci_scenario(prefect_server, tmp_path):
            "PREFECT_API_URL": PREFECT_API_URL.value()}
     sets = [f"run.workdir={tmp_path}/runs", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
             f"tracking.artifact_location={tmp_path}/mlartifacts"]
-    argv = [sys.executable, "-m", "flows.cli", "wan", "--scenario", "configs/wan/wan-ci.toml", "--json",
+    argv = [sys.executable, "-m", "diloco_async.flows.cli", "wan", "--scenario", "configs/wan/wan-ci.toml", "--json",
             "--out", str(tmp_path / "report.json"), *[x for s in sets for x in ("--set", s)]]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -20,7 +20,7 @@ from diloco_async.ablation.stats import (
 )
 from diloco_async.ablation.suite import Suite, arm_overrides, figures_of, load_suite, run_config, run_fields
 from diloco_async.config.schema import load_config
-from flows.resolve import check_arms
+from diloco_async.flows.resolve import check_arms
 
 # two-sided 95% (p = 0.975) and 90% (p = 0.95) Student t quantiles from printed tables
 T_TABLE = [(1, 0.975, 12.706), (2, 0.975, 4.303), (3, 0.975, 3.182), (4, 0.975, 2.776), (5, 0.975, 2.571),
@@ -279,7 +279,7 @@ def test_saved_records_are_reused_only_for_the_same_runs_and_figures(tmp_path):
     saved record does not hold (it was reused with the figure missing from the table)."""
     import json
 
-    from flows.ablate import load_records, record_path
+    from diloco_async.flows.ablate import load_records, record_path
 
     suite = load_suite("configs/ablations/merge.toml")
     arm, seed = suite.arms[0], suite.suite.seeds[0]

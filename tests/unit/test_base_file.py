@@ -17,7 +17,7 @@ from diloco_async.inner.state import capture, restore
 from diloco_async.learner.rules import adopt, encoded_outer_gradient, outer_gradient
 from diloco_async.learner.spool import remove_dead_spool_folders
 from diloco_async.runtime.heap import release_free_memory
-from storage.checkpoint import spool_state
+from diloco_async.storage.checkpoint import spool_state
 
 
 def awkward(seed: int = 0) -> dict[str, torch.Tensor]:

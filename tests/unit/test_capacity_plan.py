@@ -175,9 +175,9 @@ def test_wire_bytes_are_the_codecs_own():
 def test_constants_mirror_the_code():
     learner_main = importlib.import_module("diloco_async.learner.main")  # the package exports its main()
     from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES
+    from diloco_async.storage.store import ObjectStore
     from diloco_async.sync import checkpoints as sync_checkpoints
     from diloco_async.sync import state as sync_state
-    from storage.store import ObjectStore
 
     assert capacity_memory.LEARNER_HEAP_KEPT_BYTES == learner_main.LEARNER_TRIM_THRESHOLD_BYTES
     assert capacity_memory.MERGE_POOL_FRAGMENTS == sync_state.MERGE_POOL_FRAGMENTS

@@ -1,10 +1,10 @@
-"""The command's children as its Ctrl-C handling sees them (flows.interrupts.children, on psutil)."""
+"""The command's children as its Ctrl-C handling sees them (diloco_async.flows.interrupts.children, on psutil)."""
 
 from __future__ import annotations
 
 import psutil
 
-from flows.interrupts import children as _children
+from diloco_async.flows.interrupts import children as _children
 
 
 class _Child:

@@ -116,9 +116,9 @@ def test_a_resume_resolves_its_config_once_from_the_recipe_or_the_stored_one():
     override; with a recipe: the recipe with it; neither: None (the stored config as it is)."""
     import time
 
-    from flows.resolve import resume_config
-    from storage import keys
-    from storage.store import ObjectStore
+    from diloco_async.flows.resolve import resume_config
+    from diloco_async.storage import keys
+    from diloco_async.storage.store import ObjectStore
 
     root = f"memory://resume-{time.time_ns()}"
     stored = load_config(None, ["learners.count=2", "synchronizer.outer_lr=0.5"])
@@ -134,8 +134,8 @@ def test_a_resume_resolves_its_config_once_from_the_recipe_or_the_stored_one():
 
 
 def test_validate_writes_the_resolved_config_a_run_by_hand_starts_from(tmp_path):
+    from diloco_async.flows.resolve import write_recipe_resolved
     from diloco_async.validate import resolve_recipe
-    from flows.resolve import write_recipe_resolved
 
     path = write_recipe_resolved("default", ["learners.count=2"], str(tmp_path))
     assert read_resolved(path).model_dump() == load_config(resolve_recipe("default"), ["learners.count=2"]).model_dump()
@@ -144,7 +144,7 @@ def test_validate_writes_the_resolved_config_a_run_by_hand_starts_from(tmp_path)
 # -- the source tree: one parser, no override strings built by harnesses -----------------------
 
 #: the resolver (the config package) and the library's own CLI command ``diloco-async validate``
-PARSING_ALLOWED = ("diloco_async/config/", "diloco_async/validate.py", "diloco_async/api.py")
+PARSING_ALLOWED = ("diloco_async/config/", "diloco_async/validate.py", "diloco_async/api.py", "diloco_async/flows/")
 #: ``benchmarks/ctrl_c.py`` types ``diloco-async train --set ...`` as a user would (the CLI's own strings)
 OVERRIDES_ALLOWED = ("benchmarks/ctrl_c.py",)
 #: strings shaped like an override that are not one: (file, text; ``\0`` a formatted value)
@@ -212,7 +212,7 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 
 
 def test_no_recipe_parsing_in_the_library_outside_the_config_package():
-    """Processes and harnesses get a :class:`Config`; only the resolver parses a recipe (flows/,
+    """Processes and harnesses get a :class:`Config`; only the resolver parses a recipe (diloco_async/flows/,
     benchmarks/, scripts/ and the Python API, diloco_async/api.py, are the entry points that call
     it, once)."""
     found = [hit for path in _sources("diloco_async") if not _rel(path).startswith(PARSING_ALLOWED)
@@ -221,6 +221,6 @@ def test_no_recipe_parsing_in_the_library_outside_the_config_package():
 
 
 def test_no_harness_builds_an_override_string():
-    found = [hit for path in _sources("diloco_async", "flows", "benchmarks")
+    found = [hit for path in _sources("diloco_async", "benchmarks")
              if _rel(path) not in OVERRIDES_ALLOWED for hit in override_strings(path)]
     assert found == []

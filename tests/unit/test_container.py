@@ -126,7 +126,7 @@ def test_the_command_is_the_console_script_and_the_workers_command_is_not_wrappe
     assert not of(name, "ENTRYPOINT"), f"{name}: an ENTRYPOINT would wrap the Prefect worker's command"
     (cmd,) = of(name, "CMD")
     program = json.loads(cmd)[0]
-    assert program in scripts and scripts[program] == "flows.cli:main", (program, scripts)
+    assert program in scripts and scripts[program] == "diloco_async.flows.cli:main", (program, scripts)
 
 
 def test_the_cuda_image_differs_from_the_cpu_image_only_in_torch():

@@ -23,7 +23,7 @@ from diloco_async.learner.rules import adopt, outer_gradient
 from diloco_async.learner.spool import StateSpooler
 from diloco_async.learner.state import Shared, UploadJob
 from diloco_async.learner.uploads import Uploads
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 

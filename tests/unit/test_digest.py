@@ -1,4 +1,4 @@
-"""The object digest (storage/digest.py, issue 17 item 4): equal to its written-out definition
+"""The object digest (diloco_async/storage/digest.py, issue 17 item 4): equal to its written-out definition
 (tests/digest_reference.py) at every size and however the bytes are fed; objects over 4 MiB
 written before it (whole-object sha256 in their ref) still read, and only when the bytes are
 theirs; the read buffer's huge-page hint."""
@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
-from storage import digest, reader
-from storage.digest import PIECE_NBYTES, PieceHasher, object_digest
-from storage.faults import FaultyStore
-from storage.store import IntegrityError, ObjectRef, ObjectStore
+from diloco_async.storage import digest, reader
+from diloco_async.storage.digest import PIECE_NBYTES, PieceHasher, object_digest
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore
 from tests.digest_reference import reference_digest
 
 MiB = 1 << 20

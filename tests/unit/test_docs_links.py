@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import build_parser
+from diloco_async.flows.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is not a package

@@ -141,7 +141,7 @@ class _Client:
 def _uploads(tmp_path, statuses: list[str]):
     from diloco_async.learner.uploads import Uploads
     from diloco_async.protocol.messages import JoinResponse
-    from storage.store import ObjectStore
+    from diloco_async.storage.store import ObjectStore
 
     shared = Shared()
     shared.feedback = ErrorFeedback("a")
@@ -153,7 +153,7 @@ def _uploads(tmp_path, statuses: list[str]):
 
 
 def _get(store, body: dict) -> bytes:
-    from storage.store import ObjectRef
+    from diloco_async.storage.store import ObjectRef
 
     return store.get(ObjectRef(body["key"], body["nbytes"], body["sha256"]))
 
@@ -200,8 +200,8 @@ def test_the_residual_restored_from_a_spooled_inner_state_gives_the_same_next_up
     from diloco_async.learner.training import InnerLoop, StartPoint
     from diloco_async.metrics.timeline import Recorder
     from diloco_async.models import plan_of
-    from storage.checkpoint import latest_state, write_state_file
-    from storage.store import ObjectStore
+    from diloco_async.storage.checkpoint import latest_state, write_state_file
+    from diloco_async.storage.store import ObjectStore
 
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
                              "learners.batch_size=2", "synchronizer.num_fragments=2", "learners.codec=int2",

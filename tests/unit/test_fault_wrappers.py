@@ -27,8 +27,8 @@ from diloco_async.learner.faults import (
     poison_outer_gradient,
 )
 from diloco_async.learner.state import LearnerSlot, UploadJob
-from storage.faults import FaultyStore
-from storage.store import ObjectStore
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.store import ObjectStore
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ from diloco_async.config.schema import load_config
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES
 from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.messages import Announcement
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.fragment_book import FragmentBook
 from diloco_async.sync.state import MERGE_POOL_FRAGMENTS, Contribution
 from diloco_async.sync.work import merge_and_publish
-from storage.store import ObjectStore
 
 
 def _model() -> tuple[dict[str, torch.Tensor], object]:
@@ -101,6 +101,7 @@ def test_persistence_restores_a_book_of_some_fragments_from_a_checkpoint_of_the_
     round table, learner registry, reporter and checkpoint book of its own)."""
     import asyncio
 
+    from diloco_async.storage.checkpoint import latest_checkpoint, write_checkpoint
     from diloco_async.sync import persistence
     from diloco_async.sync.context import ActorContext
     from diloco_async.sync.learners import LearnerRegistry
@@ -108,7 +109,6 @@ def test_persistence_restores_a_book_of_some_fragments_from_a_checkpoint_of_the_
     from diloco_async.sync.reporting import Reporter
     from diloco_async.sync.rounds import RoundTable
     from diloco_async.sync.state import Broadcaster, CheckpointBook, initial_state
-    from storage.checkpoint import latest_checkpoint, write_checkpoint
 
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
                              "synchronizer.num_fragments=2"])

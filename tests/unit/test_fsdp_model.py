@@ -14,8 +14,8 @@ from diloco_async.models.transformer import ByteGPT
 from diloco_async.models.wrapper import CausalLM
 from diloco_async.policy.schedules import InnerSchedule
 from diloco_async.run import RunProcesses
-from storage import keys
-from storage.store import ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
               "num_key_value_heads": 2}

@@ -16,10 +16,10 @@ import torch
 from diloco_async.learner.fsdp import local_rows, rows_of
 from diloco_async.learner.fsdp_outer import read_own_rows, shard_payload
 from diloco_async.protocol.messages import ShardObject, shard_list_digest
+from diloco_async.storage.pieces import check_pieces, merge_piece_digests
+from diloco_async.storage.store import IntegrityError, ObjectStore
 from diloco_async.sync.shard_objects import ShardError, fetch_shards
 from diloco_async.sync.work import put_version, rejection_reason
-from storage.pieces import check_pieces, merge_piece_digests
-from storage.store import IntegrityError, ObjectStore
 
 SHAPES = {"a.weight": (4096, 1024), "b.bias": (3,), "c.weight": (5, 7)}  # 16 MiB and more: 5 pieces of 4 MiB
 

@@ -26,8 +26,8 @@ from diloco_async.policy.guard import (
 )
 from diloco_async.policy.pace import PaceLimits, bounded_advance, clamp_step_times, implausible_contribution
 from diloco_async.policy.rounds import RoundState, schedule_shift, stuck_round_reason
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.work import merge_and_publish
-from storage.store import ObjectStore
 
 SPECS = {"w": (4, 8), "b": (8,)}
 

@@ -10,9 +10,9 @@ from diloco_async.data.tokens import HeldoutSplit
 from diloco_async.metrics.evaluation import heldout_loss
 from diloco_async.metrics.heldout_monitor import HeldoutMonitor, load_versions, newest_versions
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.work import put_version
-from storage import keys
-from storage.store import ObjectStore
 from tests.polling import wait_until
 
 RUN = "run-eval"

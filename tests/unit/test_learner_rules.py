@@ -221,7 +221,7 @@ def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):
 
     from diloco_async.learner.comms import Comms
     from diloco_async.learner.state import LearnerSlot, Shared, SyncEndpoint
-    from storage.store import ObjectStore
+    from diloco_async.storage.store import ObjectStore
 
     shared = Shared()
     comms = Comms(LearnerSlot("a", 0), SyncEndpoint("http://127.0.0.1:9", "token", give_up_after_s=10.0),
@@ -235,7 +235,7 @@ def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):
 
 def test_an_announcement_is_retried_with_the_projects_one_backoff(tmp_path, monkeypatch):
     """A failed announcement is sent again (same body, same update id) after the pauses of
-    :func:`synchronizer_backoff` (storage.retry.Backoff from 0.1 s doubling to 5 s, jittered to
+    :func:`synchronizer_backoff` (diloco_async.storage.retry.Backoff from 0.1 s doubling to 5 s, jittered to
     half or more of each delay), until it is acknowledged; the pauses are recorded, not slept."""
     import asyncio
     import random
@@ -244,8 +244,8 @@ def test_an_announcement_is_retried_with_the_projects_one_backoff(tmp_path, monk
 
     from diloco_async.learner import uploads
     from diloco_async.learner.state import Shared, UploadJob
-    from storage.retry import Backoff
-    from storage.store import ObjectStore
+    from diloco_async.storage.retry import Backoff
+    from diloco_async.storage.store import ObjectStore
 
     class Client:
         def __init__(self) -> None:
@@ -280,7 +280,7 @@ def test_an_announcement_is_retried_with_the_projects_one_backoff(tmp_path, monk
 def test_backoff_doubles_to_its_cap_jittered_and_starts_over_on_reset():
     import random
 
-    from storage.retry import Backoff
+    from diloco_async.storage.retry import Backoff
 
     backoff = Backoff(0.1, 5.0, rng=random.Random(0))
     pauses = [backoff.next_pause_s() for _ in range(8)]

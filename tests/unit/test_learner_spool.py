@@ -15,8 +15,8 @@ from diloco_async.inner.state import InnerState, capture
 from diloco_async.learner.spool import MUTABLE_PREFIXES, StateSpooler
 from diloco_async.learner.state import Shared
 from diloco_async.models.transformer import ByteGPT
-from storage.checkpoint import write_state_file
-from storage.store import ObjectStore
+from diloco_async.storage.checkpoint import write_state_file
+from diloco_async.storage.store import ObjectStore
 
 
 def trained():

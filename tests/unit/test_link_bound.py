@@ -133,7 +133,7 @@ def test_a_contribution_travels_in_its_own_codec(tmp_path):
     from diloco_async.codec import wire
     from diloco_async.learner.state import Shared, UploadJob
     from diloco_async.learner.uploads import Uploads
-    from storage.store import ObjectStore
+    from diloco_async.storage.store import ObjectStore
 
     store = ObjectStore(f"file://{tmp_path}/s")
     up = Uploads("learner-4", 0, store, Shared())

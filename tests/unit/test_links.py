@@ -1,4 +1,4 @@
-"""flows.links: the MLflow run's address and the summary's markdown (issue 46 item 4)."""
+"""diloco_async.flows.links: the MLflow run's address and the summary's markdown (issue 46 item 4)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from diloco_async.config.tracking import TrackingConfig
-from flows.links import MAKE_UI_URL, mlflow_run_url, publish_summary, summary_markdown
-from flows.summary import summary_rows
+from diloco_async.flows.links import MAKE_UI_URL, mlflow_run_url, publish_summary, summary_markdown
+from diloco_async.flows.summary import summary_rows
 
 SUMMARY = {"run_id": "20261206-191500-ab12cd", "eval_loss_initial": 5.5, "eval_loss_final": None,
            "eval_bits_per_byte_initial": 8.0, "eval_bits_per_byte_final": None, "wall_s": 12.5, "merges": 7,
@@ -57,8 +57,8 @@ def test_a_resumed_run_shows_the_runs_initial_loss_beside_the_resumes():
 
 
 def test_the_runs_table_link_opens_the_saved_view_the_ui_reads():
-    from flows.links import mlflow_runs_table_url
-    from flows.mlflow_views import RUNS_VIEW_ID, runs_view_tag
+    from diloco_async.flows.links import mlflow_runs_table_url
+    from diloco_async.flows.mlflow_views import RUNS_VIEW_ID, runs_view_tag
 
     url = mlflow_runs_table_url(TrackingConfig(ui_url="http://ui.example.org:8080"), "3")
     assert url == f"http://ui.example.org:8080/#/experiments/3/runs?viewStateShareKey={RUNS_VIEW_ID}"

@@ -15,7 +15,7 @@ from diloco_async.learner.state import Shared, SpooledState
 from diloco_async.learner.uploads import Uploads
 from diloco_async.models.transformer import ByteGPT
 from diloco_async.protocol.versions import VersionHistory, read_version
-from storage.checkpoint import (
+from diloco_async.storage.checkpoint import (
     list_state_seqs,
     load_state,
     read_safetensors,
@@ -24,7 +24,7 @@ from storage.checkpoint import (
     write_safetensors,
     write_state,
 )
-from storage.store import IntegrityError, ObjectStore
+from diloco_async.storage.store import IntegrityError, ObjectStore
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -142,7 +142,7 @@ def test_streamed_write_state_copies_no_tensor_bytes_to_a_local_file(tmp_path, u
 def test_a_streamed_read_of_a_local_file_holds_small_chunks(tmp_path):
     """A verified streamed read (a checkpoint's check, a spool's download) holds two chunks: of
     part size from S3/GCS/memory, of at most 4 MiB from a local file."""
-    from storage import reader
+    from diloco_async.storage import reader
 
     data = torch.randn(5 << 20).view(torch.uint8).numpy().tobytes()  # 20 MiB
     for root, most in ((f"file://{tmp_path}/s", reader.INTO_CHUNK_NBYTES), (f"memory://rc-{tmp_path.name}", 16 << 20)):

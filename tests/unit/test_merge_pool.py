@@ -19,9 +19,9 @@ from diloco_async.config.schema import load_config
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
 from diloco_async.policy.fragments import plan_fragments, specs_of
 from diloco_async.protocol.messages import Announcement
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync.state import Contribution, new_fragments
 from diloco_async.sync.work import merge_and_publish, merge_workspace
-from storage.store import ObjectStore
 from tests import merge_reference as ref
 
 
@@ -215,8 +215,8 @@ def test_contributions_wait_for_their_merge_as_encoded_and_merge_bit_for_bit_as_
     gives the same version as computing them again."""
     from diloco_async.codec import wire
     from diloco_async.codec.held import EncodedTensors
+    from diloco_async.storage.store import ObjectRef
     from diloco_async.sync.work import fetch_and_verify
-    from storage.store import ObjectRef
 
     torch.manual_seed(2)
     params = {"w": torch.randn(300, 64), "b": torch.randn(64)}

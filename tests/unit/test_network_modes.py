@@ -13,6 +13,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from diloco_async.config.schema import config_hash, load_config
+from diloco_async.flows.certs import issue, make_run_certificates
+from diloco_async.flows.cli import main as cli_main
 from diloco_async.learner.main import check_tls_env
 from diloco_async.protocol.tls import (
     CA_ENV,
@@ -27,8 +29,6 @@ from diloco_async.protocol.tls import (
     peer_identity,
 )
 from diloco_async.sync import check_network, learner_tls_env
-from flows.certs import issue, make_run_certificates
-from flows.cli import main as cli_main
 
 NOW = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.UTC)
 

@@ -17,11 +17,11 @@ from test_models import batch, tiny_hf
 
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.tracking import TrackingConfig
+from diloco_async.flows.pull import CHECKOUT_ENV, checkout_directory
+from diloco_async.flows.tracking import FALLBACK_ARTIFACTS, artifact_root
 from diloco_async.models import CausalLM, build_model, load_saved_model, save_final_model, trainable_parameters
 from diloco_async.models.export import upload_folder
-from flows.pull import CHECKOUT_ENV, checkout_directory
-from flows.tracking import FALLBACK_ARTIFACTS, artifact_root
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_the_deployments_record_no_path_of_this_checkout():
     text = (ROOT / "prefect.yaml").read_text()
     spec = yaml.safe_load(text)
     assert str(ROOT) not in text and "$PWD" not in text
-    assert spec["pull"] == [{"flows.pull.set_checkout_directory": {}}]
+    assert spec["pull"] == [{"diloco_async.flows.pull.set_checkout_directory": {}}]
     for deployment in spec["deployments"]:
         assert "pull" not in deployment, deployment["name"]  # every one uses the top-level step
         assert not Path(deployment["entrypoint"].split(":")[0]).is_absolute()

@@ -1,4 +1,4 @@
-"""Run checkpoints of a sharded synchronizer (storage/run_checkpoints.py; issue 40 item 3): one
+"""Run checkpoints of a sharded synchronizer (diloco_async/storage/run_checkpoints.py; issue 40 item 3): one
 manifest naming one checkpoint per shard with digests, written last; bad ones refused naming the
 shard."""
 
@@ -10,17 +10,17 @@ import uuid
 import pytest
 import torch
 
-from storage import keys
-from storage.checkpoint import tensor_key, write_checkpoint
-from storage.gc import ShardScope, collect_garbage
-from storage.run_checkpoints import (
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import tensor_key, write_checkpoint
+from diloco_async.storage.gc import ShardScope, collect_garbage
+from diloco_async.storage.run_checkpoints import (
     latest_run_checkpoint,
     list_run_manifest_seqs,
     named_checkpoint,
     open_run_checkpoint,
     write_run_manifest,
 )
-from storage.store import ObjectStore
+from diloco_async.storage.store import ObjectStore
 
 RUN = "run"
 

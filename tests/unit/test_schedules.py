@@ -30,11 +30,11 @@ from diloco_async.policy.schedules import (
     wsd_multiplier,
 )
 from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest
+from diloco_async.storage.checkpoint import latest_checkpoint, write_checkpoint
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, persistence
 from diloco_async.sync.state import Contribution
 from diloco_async.sync.work import merge_and_publish
-from storage.checkpoint import latest_checkpoint, write_checkpoint
-from storage.store import ObjectStore
 
 TINY = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8"]
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from diloco_async.flows.simulate_cli import main as simulate_main
 from diloco_async.metrics.goodput import compute_goodput
 from diloco_async.sim import (
     PAPER_TABLE1,
@@ -27,7 +28,6 @@ from diloco_async.sim import (
 from diloco_async.sim import simulator as sim_mod
 from diloco_async.sim.calibration import Calibration, load_calibration
 from diloco_async.sim.draws import make_barrier, sample_max_normal
-from flows.simulate_cli import main as simulate_main
 
 REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = REPO / "configs" / "calibration.toml"

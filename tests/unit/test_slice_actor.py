@@ -12,11 +12,11 @@ import pytest
 
 from diloco_async.config.schema import load_config
 from diloco_async.protocol.messages import Announcement, JoinRequest, LeaseRequest
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer, persistence
 from diloco_async.sync import slices as sync_slices
 from diloco_async.sync.state import Request
-from storage import keys
-from storage.store import ObjectStore
 
 
 class Clock:

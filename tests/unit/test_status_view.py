@@ -1,4 +1,4 @@
-"""``diloco-async status``'s tables (flows/status_view.py) on a /status document as the synchronizer
+"""``diloco-async status``'s tables (diloco_async/flows/status_view.py) on a /status document as the synchronizer
 writes it: they fit 100 columns even with large figures, many learners, a long stop reason and a
 link-bound learner (issue 46: they needed about 150), ``--wide`` shows what the default leaves out,
 and the rounds table lists the last merges (a round is open for a fraction of a second, so the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from flows.status_view import render_status
+from diloco_async.flows.status_view import render_status
 
 IDS = [f"learner-{i}" for i in range(240, 256)]
 

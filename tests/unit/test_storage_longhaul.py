@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from storage.credentials import is_expired_credentials
-from storage.faults import FaultyStore
-from storage.parts import GCS_LIMITS, S3_LIMITS, PartLimits, part_nbytes_for, streaming_part_nbytes
-from storage.retry import RetryPolicy
-from storage.store import ObjectStore
+from diloco_async.storage.credentials import is_expired_credentials
+from diloco_async.storage.faults import FaultyStore
+from diloco_async.storage.parts import GCS_LIMITS, S3_LIMITS, PartLimits, part_nbytes_for, streaming_part_nbytes
+from diloco_async.storage.retry import RetryPolicy
+from diloco_async.storage.store import ObjectStore
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -12,10 +12,10 @@ import uuid
 import pytest
 import torch
 
-from storage import keys
-from storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
-from storage.retry import RetryPolicy
-from storage.store import IntegrityError, ObjectStore
+from diloco_async.storage import keys
+from diloco_async.storage.checkpoint import latest_checkpoint, load_checkpoint, write_checkpoint
+from diloco_async.storage.retry import RetryPolicy
+from diloco_async.storage.store import IntegrityError, ObjectStore
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -88,9 +88,9 @@ def test_checkpoint_refuses_non_finite(store):
     assert store.list("run") == []
 
 
-# -- garbage collection (storage/gc.py) ----------------------------------------------------------
+# -- garbage collection (diloco_async/storage/gc.py) ----------------------------------------------------------
 
-from storage.gc import collect_garbage  # noqa: E402
+from diloco_async.storage.gc import collect_garbage  # noqa: E402
 
 
 def _run_layout(store, run="run"):
@@ -244,9 +244,9 @@ def test_writer_copies_reused_buffers_and_straddles_parts():
         w2.write(b"more")
 
 
-# -- storage options in the environment (storage/options.py) -------------------------------------
+# -- storage options in the environment (diloco_async/storage/options.py) -------------------------------------
 
-from storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: E402
+from diloco_async.storage.options import STORAGE_OPTIONS_ENV, storage_options_from_env  # noqa: E402
 
 
 def test_storage_options_from_env():
@@ -268,7 +268,7 @@ def test_storage_options_from_env_reads_the_process_environment(monkeypatch):
     assert storage_options_from_env() == {}
 
 
-# -- key layout (storage/keys.py) -----------------------------------------------------------------
+# -- key layout (diloco_async/storage/keys.py) -----------------------------------------------------------------
 
 
 def test_keys_layout_and_parsers_round_trip():
@@ -311,7 +311,7 @@ def _big(nbytes: int, seed: int = 0) -> bytes:
 def test_local_large_get_reads_into_bytes_and_verifies(tmp_path):
     """A large local object is read into the ``bytes`` returned, in chunks, and its sha256 is of
     exactly those bytes: a flipped byte on disk or a file of the wrong size is refused."""
-    from storage import reader
+    from diloco_async.storage import reader
 
     store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 * 1024)
     data = _big(3 * reader.INTO_CHUNK_NBYTES + 12345)
@@ -335,7 +335,7 @@ def test_local_large_get_reads_into_bytes_and_verifies(tmp_path):
 def test_local_read_left_hanging_cannot_change_what_get_returned(tmp_path, monkeypatch):
     """A chunk read that times out and lands later (a hung disk) writes into a buffer the store
     has let go of: the bytes already returned, and verified, stay what was verified."""
-    from storage import backends, reader
+    from diloco_async.storage import backends, reader
 
     store = ObjectStore(f"file://{tmp_path}/s", part_nbytes=256 * 1024,
                         policy=RetryPolicy(timeout_s=0.3, retries=2, backoff_s=0.01))

@@ -7,10 +7,10 @@ import uuid
 
 from diloco_async.config.schema import load_config
 from diloco_async.protocol.messages import Announcement, Heartbeat, JoinRequest
+from diloco_async.storage import keys
+from diloco_async.storage.store import ObjectStore
 from diloco_async.sync import Synchronizer
 from diloco_async.sync.version_infos import REPLIES_CAP
-from storage import keys
-from storage.store import ObjectStore
 
 
 def test_replies_are_shared_and_each_learner_hears_its_own_open_rounds():

@@ -118,7 +118,7 @@ def test_plot_timeline_writes_a_png(tmp_path):
     import matplotlib.image as mpimg
     import numpy as np
 
-    from flows.timeline_report import plot_timeline
+    from diloco_async.flows.timeline_report import plot_timeline
 
     tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0),
                                                       Interval("b", "restarting", 20.0, 25.0)],
@@ -131,7 +131,7 @@ def test_plot_timeline_writes_a_png(tmp_path):
 
 
 def test_goodput_subtitle_says_which_number_and_why_it_differs():
-    from flows.timeline_report import goodput_subtitle
+    from diloco_async.flows.timeline_report import goodput_subtitle
 
     # slot b started 20 s late: down here for 20 s, not provisioned at all in the ledger
     tl = Timeline(["a", "b"], 0.0, 100.0, intervals=[Interval("b", "down", 0.0, 20.0),

@@ -9,10 +9,10 @@ import psutil
 import pytest
 
 from diloco_async.config.schema import STORE_SCHEMES
+from diloco_async.flows.cli import main
 from diloco_async.runtime.devices import cuda_device_count, mps_available
+from diloco_async.storage.backends import PROTOCOLS
 from diloco_async.validate import list_recipes, resolve_recipe
-from flows.cli import main
-from storage.backends import PROTOCOLS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,7 +191,7 @@ def test_pyproject_lists_every_package_and_ships_configs():
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
     found = {str(p.parent.relative_to(ROOT)).replace("/", ".")
-             for top in ("diloco_async", "storage", "flows") for p in (ROOT / top).rglob("__init__.py")}
+             for p in (ROOT / "diloco_async").rglob("__init__.py")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
     recipe_dirs = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.toml")}
     mapped = {v for k, v in tool["package-dir"].items() if k.startswith("diloco_recipes")}

@@ -22,7 +22,7 @@ from diloco_async.codec.versions import (
     read_compact,
 )
 from diloco_async.codec.wire import PayloadError
-from storage.store import IntegrityError, ObjectRef, ObjectStore
+from diloco_async.storage.store import IntegrityError, ObjectRef, ObjectStore
 
 SHAPES = {"w": (7, 19), "b": (64,), "s": (), "odd": (3,)}
 QMAX = {"int8": 127, "int4": 7, "int2": 1}
