@@ -40,7 +40,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@$(PYTHON) -c "import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else \
-		'diloco-async needs Python 3.11 (pyproject.toml requires-python); $(PYTHON) is %d.%d: run make PYTHON=python3.11' \
+		'make setup needs Python 3.11 (constraints.txt is the freeze of a 3.11 environment; docs/install.md); $(PYTHON) is %d.%d: run make PYTHON=python3.11' \
 		% sys.version_info[:2])"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt
