@@ -7,7 +7,7 @@ command with ``--full-speed``, same seeds), and prints the bars table (benchmark
 
 * per learner slot: its merged share of the tokens over its share of the compute it had
   (``merged_over_capacity`` of the row's ``learners``: compute = time up x the tokens per second of
-  its own inner steps, emulated slowdown included, :func:`~diloco_async.chaos.measure.step_rates`;
+  its own inner steps, emulated slowdown included, :func:`~diloco_async.chaos.measure.step_stats`;
   merged tokens from the synchronizer's per-learner ledger) >= 0.8. That is: its merged tokens >=
   0.8 x its compute share x the tokens the run merged. A learner the system stalls between steps
   (waiting on a download, refused, idle) keeps its compute share and loses merged share, so the
@@ -17,10 +17,9 @@ command with ``--full-speed``, same seeds), and prints the bars table (benchmark
   an emulated slow learner computes less than its nominal share: it sleeps (1/speed - 1) x its
   measured step time, and its short compute bursts always compete with every full-speed learner,
   while a full-speed learner competes with the slow one only a tenth of the time (docs/chaos.md,
-  "Heterogeneous fleets"). Its measured share over its nominal share is shown too, and so are its
-  tokens processed over what its steps' rate allows in its time up (the share of the time it
-  stepped) and its merged share over its processed share (of what it computed, how much reached
-  the model);
+  "Heterogeneous fleets"). Its measured share over its nominal share is shown too, and so are the
+  share of its time up it spent inside steps and its merged share over its processed share (of
+  what it computed, how much reached the model);
 * the run's compute goodput in compute actually available (useful compute seconds x speed over
   up seconds x speed, ``speed_weighted_compute_goodput``) over the full-speed run's of the same seed
   >= 0.9;
@@ -121,7 +120,7 @@ def het_bars(het_paths: list[str], full_paths: list[str]) -> list[Bar]:
                         detail=f"{detail}; compute share {lns[0]['capacity_share']:.3f}; tokens merged {merged}"))
         for key, name in (("merged_over_compute", "merged share / nominal compute share"),
                           ("capacity_over_compute", "compute share / nominal (speed x time up)"),
-                          ("processed_over_capacity", "tokens processed / its compute in its time up")):
+                          ("stepping_over_up", "share of its time up spent stepping")):
             value, detail = mean_over_runs([ln[key] for ln in lns])
             bars.append(Bar(f"{label}: {name}", value, 0.0, detail=detail, shown=True))
         shares = [processed_shares(het[s][1]["learners"])[slot_index] for s in seeds]

@@ -37,7 +37,7 @@ from prefect.states import Cancelled
 from rich.console import Console
 from rich.table import Table
 
-from diloco_async.chaos.measure import Measurement, learner_shares, measure, speed_weighted_goodput, step_rates
+from diloco_async.chaos.measure import Measurement, learner_shares, measure, speed_weighted_goodput, step_stats
 from diloco_async.chaos.scenario import (
     FaultEvent,
     Scenario,
@@ -148,8 +148,9 @@ def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent
         m = measure(run.timeline, run.snapshots, run.cfg, batches, s.eval_tokens)
         acc = m.accounting
         speeds = sc.speed_factors()
-        shares = [] if method == "ddp" else learner_shares(speeds, _up_s(run.timeline, s.slots), run.ledgers,
-                                                           run.skipped, step_rates(run.timeline.steps, s.slots))
+        tl = run.timeline
+        shares = [] if method == "ddp" else learner_shares(speeds, _up_s(tl, s.slots), run.ledgers, run.skipped,
+                                                           step_stats(tl.steps, s.slots, tl.start_s, tl.end_s))
         weighted = speed_weighted_goodput(acc, {f"slot-{i}": v for i, v in enumerate(speeds)})
         png = outdir / f"timeline-{method}.png"
         plot_timeline(run.timeline, png, mark_s=m.window_start_s,

@@ -98,29 +98,29 @@ def test_learner_shares_against_compute_shares():
 
 
 def test_measured_compute_shares_from_the_steps_rates():
-    from diloco_async.chaos.measure import step_rates
+    from diloco_async.chaos.measure import step_stats
     from diloco_async.metrics.timeline import Step
 
     steps = [Step("slot-0", 0.0, 1.0, 100), Step("slot-0", 1.0, 2.0, 100),  # 100 tokens/s
-             Step("slot-1", 0.0, 4.0, 100),  # 25 tokens/s (an emulated slowdown's sleep counts)
+             Step("slot-1", 0.0, 4.0, 100), Step("slot-1", 9.0, 13.0, 100),  # 25 tokens/s (sleep included)
              Step("learner-9", 0.0, 1.0, 100), Step("slot-7", 0.0, 1.0, 100)]  # not a slot of 3: ignored
-    rates = step_rates(steps, 3)
-    assert rates == [100.0, 25.0, None]
+    stats = step_stats(steps, 3, 0.0, 10.0)
+    assert stats == [(100.0, 2.0), (25.0, 5.0), (None, 0.0)]  # slot 1's second step: 1 s of it inside
     ledgers = {"learner-0": {"tokens_merged": 800.0, "tokens_processed": 1000},
-               "learner-1": {"tokens_merged": 100.0, "tokens_processed": 125}}  # stepped half its 10 s
-    rows = learner_shares([1.0, 0.5, 1.0], [10.0, 10.0, 10.0], ledgers, None, rates)
+               "learner-1": {"tokens_merged": 100.0, "tokens_processed": 125}}
+    rows = learner_shares([1.0, 0.5, 1.0], [10.0, 10.0, 10.0], ledgers, None, stats)
     # compute it had: 1000, 250, 0 tokens (of 1250); merged 800, 100 (of 900)
     assert [r["capacity_tokens"] for r in rows] == pytest.approx([1000.0, 250.0, 0.0])
     assert [r["capacity_share"] for r in rows] == pytest.approx([0.8, 0.2, 0.0])
     assert rows[1]["merged_over_capacity"] == pytest.approx((100 / 900) / 0.2)
-    assert rows[1]["processed_over_capacity"] == pytest.approx(0.5)
+    assert rows[1]["stepping_over_up"] == pytest.approx(0.5) and rows[0]["stepping_over_up"] == pytest.approx(0.2)
     assert rows[1]["capacity_over_compute"] == pytest.approx(0.2 / 0.2)  # nominal: 0.5 of 2.5
-    assert rows[2]["merged_over_capacity"] is None and rows[2]["processed_over_capacity"] is None
+    assert rows[2]["merged_over_capacity"] is None and rows[2]["stepping_over_up"] == 0.0
     assert "capacity_share" not in learner_shares([1.0], [1.0], {})[0]  # no rates: the nominal shares only
     with pytest.raises(ValueError, match="3 slots but 2 step rates"):
-        learner_shares([1.0] * 3, [1.0] * 3, {}, None, [1.0, 1.0])
-    with pytest.raises(ValueError, match="step rates must be >= 0"):
-        learner_shares([1.0], [1.0], {}, None, [-1.0])
+        learner_shares([1.0] * 3, [1.0] * 3, {}, None, [(1.0, 1.0), (1.0, 1.0)])
+    with pytest.raises(ValueError, match="must be >= 0"):
+        learner_shares([1.0], [1.0], {}, None, [(-1.0, 0.0)])
 
 
 def test_speed_weighted_goodput_counts_the_compute_available():
@@ -172,7 +172,8 @@ def _doc(seed: int, full: bool, merged_over: list[float | None], weighted: float
     ledgers = {f"learner-{i}": {"tokens_processed": t, "tokens_merged": (m or 0.0) * t}
                for i, (m, t) in enumerate(zip(merged_over, processed, strict=True))}
     learners = learner_shares([1.0, 0.5, 0.1, 1.0], [100.0] * 4, ledgers, {3: skipped} if skipped else None,
-                              [c / 100.0 if c else None for c in capacity])
+                              [(c / 100.0 if c else None, 100.0 * t / c if c else 0.0)
+                               for c, t in zip(capacity, processed, strict=True)])
     for ln in learners:
         ln["note"] = ""
     return {"scenario": "heterogeneous", "seed": seed, "full_speed": full,
@@ -196,7 +197,7 @@ def test_het_bars_per_learner_and_goodput_against_the_full_speed_fleet(tmp_path,
     never = bars["slot 3 (1x): merged share / compute share"]
     assert never.value == 0.0 and not never.ok  # a learner that never got merged misses its bar
     assert bars["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(90 / 310 / 0.25)
-    assert bars["slot 2 (0.1x): tokens processed / its compute in its time up"].value == pytest.approx(1.0)
+    assert bars["slot 2 (0.1x): share of its time up spent stepping"].value == pytest.approx(1.0)
     # the emulation gave slot 2 as much compute as the others (100 tokens each): 6.5x its nominal share
     assert bars["slot 2 (0.1x): compute share / nominal (speed x time up)"].value == pytest.approx(0.25 / (0.1 / 2.6))
     # a learner the system stalled half its time (its steps' rate allowed 100 tokens, it processed
@@ -209,7 +210,7 @@ def test_het_bars_per_learner_and_goodput_against_the_full_speed_fleet(tmp_path,
     assert slow["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(45 / 345 / 0.25)
     assert not slow["slot 2 (0.1x): merged share / compute share"].ok
     assert slow["slot 2 (0.1x): merged share / processed share"].value == pytest.approx(45 / 345 / (50 / 350))
-    assert slow["slot 2 (0.1x): tokens processed / its compute in its time up"].value == pytest.approx(0.5)
+    assert slow["slot 2 (0.1x): share of its time up spent stepping"].value == pytest.approx(0.5)
     # the same 50 tokens from hardware that steps at half the others' rate, never stalled: met
     (tmp_path / "slower").mkdir()
     slower = _files(tmp_path / "slower", [_doc(s, False, [1.0, 1.0, 0.9, 1.0], 0.9, processed=[100, 100, 50, 100])
