@@ -79,9 +79,10 @@ def wheel_venv(tmp_path_factory) -> tuple[Path, Path]:
     python = venv / "bin" / "python"
     torch = f"torch=={version('torch')}"  # the exact build (2.13.0+cpu): never a CUDA torch from an index
     (tmp / "torch.txt").write_text(torch + "\n")
-    _pip(python, "install", "-q", "--only-binary", ":all:", torch, cwd=tmp)
-    _pip(python, "install", "-q", *(f"{n}=={v}" for n, v in FOREIGN.items()), cwd=tmp)
-    _pip(python, "install", "-q", "-c", str(tmp / "torch.txt"), str(wheel), cwd=tmp)
+    # --no-compile: no .pyc of every file up front (torch alone has thousands); imports compile what they use
+    _pip(python, "install", "-q", "--no-compile", "--only-binary", ":all:", torch, cwd=tmp)
+    _pip(python, "install", "-q", "--no-compile", *(f"{n}=={v}" for n, v in FOREIGN.items()), cwd=tmp)
+    _pip(python, "install", "-q", "--no-compile", "-c", str(tmp / "torch.txt"), str(wheel), cwd=tmp)
     return venv / "bin", wheel
 
 
