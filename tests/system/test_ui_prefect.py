@@ -145,6 +145,21 @@ async def _mlflow_run_page(page: Page, run_id: str) -> tuple[dict[str, str], dic
     return fields, tags
 
 
+async def _artifact_table(page: Page, key: str) -> dict[str, str]:
+    """From a flow run's page: its Artifacts tab, where the one artifact's card names ``key`` and
+    the type markdown, then the artifact's page, where the markdown is drawn; returns its summary
+    table (figure: value), read from the DOM, and leaves the page there."""
+    card = "#artifacts-content a[href*='/artifacts/artifact/']"
+    titles = await page.click_until("#artifacts", f"[...document.querySelectorAll({_js(card)})].map(a => a.innerText)",
+                                    "the flow run's artifact cards")
+    assert len(titles) == 1 and key in titles[0] and "markdown" in titles[0].lower(), titles
+    rows = await page.click_until(card, """(() => { const rows = [...document.querySelectorAll(
+        '.markdown-renderer__table tr')].map(tr => [...tr.children].map(c => c.innerText.trim()));
+        return rows.length > 1 ? rows : null; })()""", "the artifact's summary table")
+    assert rows[0] == ["figure", "value"] and all(len(row) == 2 for row in rows), rows
+    return dict(rows[1:])
+
+
 def _train(servers: Servers, tmp: Path) -> dict:
     """``diloco-async train`` of the small recipe to a budget of 60k tokens, reporting to the module's
     Prefect and MLflow servers; returns the summary line it prints last."""
@@ -164,21 +179,11 @@ async def test_the_flow_runs_artifact_in_the_prefect_ui_links_the_mlflow_run(ser
     # MLflow -> Prefect: the run's tag is the flow run's page on this server
     assert tags["prefect.flow_run_url"].startswith(servers.prefect_ui + "/")
     assert tags["prefect.flow_run_url"].endswith(tags["prefect.flow_run_id"])
-    key = f"diloco-run-{summary['run_id']}"
     async with Chromium(CHROMIUM) as browser:
         page = await _open_flow_run(browser, tags["prefect.flow_run_url"], "Completed")
-        card = "#artifacts-content a[href*='/artifacts/artifact/']"
-        titles = await page.click_until(  # the flow run's Artifacts tab: a card per artifact
-            "#artifacts", f"[...document.querySelectorAll({_js(card)})].map(a => a.innerText)",
-            "the flow run's artifact cards")
-        assert len(titles) == 1 and key in titles[0] and "markdown" in titles[0].lower(), titles
-        # the artifact's page: the markdown rendered, a heading, the links, the summary table
-        rows = await page.click_until(card, """(() => { const rows = [...document.querySelectorAll(
-            '.markdown-renderer__table tr')].map(tr => [...tr.children].map(c => c.innerText.trim()));
-            return rows.length > 1 ? rows : null; })()""", "the artifact's summary table")
-        table = dict(row for row in rows[1:])
-        assert rows[0] == ["figure", "value"] and table["merges"] == str(summary["merges"]), rows
-        assert table["MLflow run"] == info["run_id"] and table["stop reason"].startswith("token budget"), table
+        table = await _artifact_table(page, f"diloco-run-{summary['run_id']}")
+        assert table["merges"] == str(summary["merges"]) and table["MLflow run"] == info["run_id"], table
+        assert table["stop reason"].startswith("token budget"), table
         assert table["eval loss, final (nats/token)"] == f"{summary['eval_loss_final']:.4f}", table
         links = await page.evaluate("[...document.querySelectorAll('.markdown-renderer a')]"
                                     ".map(a => [a.getAttribute('href'), a.innerText.trim()])")
@@ -203,8 +208,11 @@ async def test_a_run_stopped_by_ctrl_c_shows_stopped_in_the_prefect_and_the_mlfl
     async with Chromium(CHROMIUM) as browser:
         page = await _open_flow_run(browser, tags["prefect.flow_run_url"], STOPPED_STATE_NAME)
         badge = await page.evaluate("document.querySelector('.state-badge').className")
+        table = await _artifact_table(page, f"diloco-run-{tags['diloco.run_id']}")  # the summary says so too
         await page.goto(f"{servers.mlflow}/#/experiments/{info['experiment_id']}/runs/{info['run_id']}")
         shown, shown_tags = await _mlflow_run_page(page, info["run_id"])
     assert "state--completed" in badge, badge  # a Completed state named Stopped (flows/run_end.py)
+    assert table["stop reason"] == "signal SIGINT", table
+    assert table["eval loss, final (nats/token)"] == "not evaluated (stopped by a signal)", table
     assert shown["Status"] == "Killed", shown
     assert shown_tags["diloco.stopped"] == "signal SIGINT", shown_tags
