@@ -172,7 +172,8 @@ def verdicts(found: dict, seen: list[dict], leftovers: list[str]) -> list[tuple[
     """(check, value, ok) for every claim of the rehearsal, from its findings (pure)."""
     out = []
     iso = found.get("isolation", {})
-    for host, got in iso.items():
+    for host in (*HOSTS, SYNC):  # a host that was not checked fails
+        got = iso.get(host, {})
         hidden = got.get("hidden", {})
         sealed = bool(hidden) and all(not h["entries"] and h["tmpfs"] and not h["writable"] for h in hidden.values())
         probes = set(got.get("probes", {}).values())
@@ -191,7 +192,8 @@ def verdicts(found: dict, seen: list[dict], leftovers: list[str]) -> list[tuple[
     hosts_seen = sorted({p["host"] for p in seen if p["flow_run_id"]})
     out.append(("every process ran in its machine's namespaces", f"{len(seen)} processes, {len(errors)} outside",
                 not errors and hosts_seen == sorted([*HOSTS, SYNC])))
-    for host, got in found.get("paths", {}).items():
+    for host in HOSTS:
+        got = found.get("paths", {}).get(host, {})
         res = got.get("resolved", [])
         bad = [f"{x['where']}: {x['value']} ({x['error']})" for x in res if x["error"]]
         out.append((f"recorded paths open from {host}", f"{len(res) - len(bad)}/{len(res)}; " + "; ".join(bad[:3]),
