@@ -19,7 +19,8 @@ def sealed(host: str) -> dict:
 
 
 def flow_runs(parent_pool: str, pools: list[str]) -> list[dict]:
-    runs = [{"id": f"{parent_pool}-parent", "learner_id": "", "pool": parent_pool, "run_id": None, "state": "COMPLETED"}]
+    runs = [{"id": f"{parent_pool}-parent", "learner_id": "", "pool": parent_pool, "run_id": None,
+             "state": "COMPLETED"}]
     return runs + [{"id": f"{parent_pool}-l{i}", "learner_id": f"learner-{i}", "pool": pool, "run_id": "run-1",
                     "state": "COMPLETED"} for i, pool in enumerate(pools)]
 
@@ -71,7 +72,8 @@ def test_a_process_outside_its_hosts_namespaces_fails_placement():
     seen[1] = {**seen[1], "mnt": NS["host-b"][0]}  # host-a's learner, in host-b's mounts
     assert failing(found, seen) == ["every process ran in its machine's namespaces"]
     found, seen = good()
-    seen[1] = {**seen[1], "host": "host-b", "mnt": NS["host-b"][0], "net": NS["host-b"][1]}  # its flow run's pool: host-a
+    # in host-b's namespaces and saying so, but its flow run's pool is host-a's
+    seen[1] = {**seen[1], "host": "host-b", "mnt": NS["host-b"][0], "net": NS["host-b"][1]}
     assert failing(found, seen) == ["every process ran in its machine's namespaces"]
 
 
