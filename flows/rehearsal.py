@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the machines' disks and result.json (must not exist)")
     parser.add_argument("--prefix", default="dlh", help="prefix of the namespaces ([a-z][a-z0-9]{0,5})")
     ns = parser.parse_args(argv)
+    if ns.folder.exists() and any(ns.folder.iterdir()):
+        parser.error(f"--folder {str(ns.folder)!r} is not empty: give a new folder")
     reason = refusal()
     if reason is not None:
         print(f"rehearse-hosts refused: {reason}", file=sys.stderr)

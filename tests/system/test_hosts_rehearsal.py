@@ -53,6 +53,13 @@ def test_the_rehearsal_refuses_without_root_naming_why(monkeypatch, capsys):
     assert not Path("/nonexistent/never-made").exists()
 
 
+def test_the_rehearsal_refuses_a_folder_in_use(tmp_path, capsys):
+    (tmp_path / "result.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        rehearsal.main(["--folder", str(tmp_path)])
+    assert exit_.value.code == 2 and f"--folder {str(tmp_path)!r} is not empty" in capsys.readouterr().err
+
+
 def test_hostns_refuses_a_call_without_a_program():
     done = subprocess.run([sys.executable, "-m", "diloco_async.wan.hostns", "some-ns", "--cwd", "/"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
