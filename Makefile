@@ -169,8 +169,9 @@ bench-paper: data
 ## bench-het: the heterogeneous fleet alone (issue 47, configs/chaos/heterogeneous.toml: learners at 1x,
 ## 0.5x and 0.1x speed, one with 3 s store reads, one behind a 4 Mbit/s link, shaped as root, else skipped),
 ## Decoupled DiLoCo 90 s per run, for each of HET_SEEDS the scenario then its --full-speed baseline; then
-## the bars (benchmarks/het_bars.py): every learner's merged share of the tokens >= 0.8 x its compute
-## share, compute goodput in compute available >= 0.9 x the full-speed fleet's. About 15 minutes.
+## the speed factors' control without a synchronizer (benchmarks/speed_emulation.py, shown, ~2 min) and
+## the bars (benchmarks/het_bars.py): every learner's merged share of the tokens >= 0.8 x the share of
+## the compute it had, compute goodput in compute available >= 0.9 x the full-speed fleet's. About 17 minutes.
 BENCH_DIR ?= .local/bench
 HET_SEEDS ?= 0 1 2
 HET_CHAOS := $(VENV)/bin/diloco-async chaos --scenario configs/chaos/heterogeneous.toml
@@ -178,7 +179,7 @@ HET_RUNS = for s in $(HET_SEEDS); do \
 	  $(HET_CHAOS) --set run.seed=$$s --out $(BENCH_DIR)/chaos-het-$$s.json || exit 1; \
 	  $(HET_CHAOS) --set run.seed=$$s --full-speed --out $(BENCH_DIR)/chaos-het-full-$$s.json || exit 1; \
 	done
-HET_BARS = $(PY) -m benchmarks.het_bars --het $(HET_SEEDS:%=$(BENCH_DIR)/chaos-het-%.json) \
+HET_BARS = $(PY) -m benchmarks.speed_emulation --run-s 30 --repeats 3 && $(PY) -m benchmarks.het_bars --het $(HET_SEEDS:%=$(BENCH_DIR)/chaos-het-%.json) \
 	--full $(HET_SEEDS:%=$(BENCH_DIR)/chaos-het-full-%.json)
 bench-chaos: data
 	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/storm.toml --out $(BENCH_DIR)/chaos-storm.json

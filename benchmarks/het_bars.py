@@ -5,16 +5,21 @@ Reads the files ``diloco-async chaos --scenario configs/chaos/heterogeneous.toml
 one per seed, for the scenario (``--het``) and for its full-speed baseline (``--full``: the same
 command with ``--full-speed``, same seeds), and prints the bars table (benchmarks/bars.py):
 
-* per learner slot: its merged share of the tokens over its compute share (``merged_over_compute``
-  of the row's ``learners``: compute share = speed x time up over the sum over slots; merged tokens
-  from the synchronizer's per-learner ledger) >= 0.8. That is: its merged tokens >= 0.8 x its
-  compute share x the tokens the run merged. A slot skipped in every run (its shaped link needs
-  root) is shown with the reason, not judged;
-* shown per slot, to tell the two apart where that bar is missed: its merged share over its share
-  of the tokens processed (:func:`~diloco_async.chaos.measure.processed_shares`: of the compute it
-  did, how much reached the model), and its processed share over its compute share (did it compute
-  what its speed allows: a learner the system stalls, or that its emulated speed slows further,
-  reads below 1);
+* per learner slot: its merged share of the tokens over its share of the compute it had
+  (``merged_over_capacity`` of the row's ``learners``: compute = time up x the tokens per second of
+  its own inner steps, emulated slowdown included, :func:`~diloco_async.chaos.measure.step_stats`;
+  merged tokens from the synchronizer's per-learner ledger) >= 0.8. That is: its merged tokens >=
+  0.8 x its compute share x the tokens the run merged. A learner the system stalls between steps
+  (waiting on a download, refused, idle) keeps its compute share and loses merged share, so the
+  bar catches it. A slot skipped in every run (its shaped link needs root) is shown with the
+  reason, not judged;
+* shown per slot: the same over the *nominal* compute share (speed x time up). On this 2-core host
+  an emulated slow learner computes less than its nominal share: it sleeps (1/speed - 1) x its
+  measured step time, and its short compute bursts always compete with every full-speed learner,
+  while a full-speed learner competes with the slow one only a tenth of the time (docs/chaos.md,
+  "Heterogeneous fleets"). Its measured share over its nominal share is shown too, and so are the
+  share of its time up it spent inside steps and its merged share over its processed share (of
+  what it computed, how much reached the model);
 * the run's compute goodput in compute actually available (useful compute seconds x speed over
   up seconds x speed, ``speed_weighted_compute_goodput``) over the full-speed run's of the same seed
   >= 0.9;
@@ -59,6 +64,9 @@ def _decoupled(path: str) -> tuple[dict, dict]:
         raise ValueError(f"{path}: no 'decoupled' row (methods {sorted(rows)})")
     if not rows["decoupled"].get("learners"):
         raise ValueError(f"{path}: the decoupled row has no per-learner shares ('learners')")
+    if any("capacity_share" not in ln for ln in rows["decoupled"]["learners"]):
+        raise ValueError(f"{path}: the learners have no measured compute share ('capacity_share'): "
+                         "written by an older harness, run the scenario again")
     return doc, rows["decoupled"]
 
 
@@ -106,18 +114,20 @@ def het_bars(het_paths: list[str], full_paths: list[str]) -> list[Bar]:
             bars.append(Bar(f"{label}: merged share / compute share", None, MERGED_OVER_COMPUTE_MIN,
                             detail=f"skipped: {lns[0]['skipped']}", shown=True))
             continue
-        value, detail = mean_over_runs([ln["merged_over_compute"] for ln in lns])
+        value, detail = mean_over_runs([ln["merged_over_capacity"] for ln in lns])
         merged = ", ".join(f"{ln['tokens_merged']:.0f}" for ln in lns)
         bars.append(Bar(f"{label}: merged share / compute share", value, MERGED_OVER_COMPUTE_MIN,
-                        detail=f"{detail}; compute share {lns[0]['compute_share']:.3f}; tokens merged {merged}"))
+                        detail=f"{detail}; compute share {lns[0]['capacity_share']:.3f}; tokens merged {merged}"))
+        for key, name in (("merged_over_compute", "merged share / nominal compute share"),
+                          ("capacity_over_compute", "compute share / nominal (speed x time up)"),
+                          ("stepping_over_up", "share of its time up spent stepping")):
+            value, detail = mean_over_runs([ln[key] for ln in lns])
+            bars.append(Bar(f"{label}: {name}", value, 0.0, detail=detail, shown=True))
         shares = [processed_shares(het[s][1]["learners"])[slot_index] for s in seeds]
         value, detail = mean_over_runs([ln["merged_share"] / sh if ln["merged_share"] is not None and sh else None
                                         for ln, sh in zip(lns, shares, strict=True)])
         bars.append(Bar(f"{label}: merged share / processed share", value, 0.0,
                         detail=f"{detail}; share of tokens processed {shares[0]:.3f}", shown=True))
-        value, detail = mean_over_runs([sh / ln["compute_share"] if ln["compute_share"] else None
-                                        for ln, sh in zip(lns, shares, strict=True)])
-        bars.append(Bar(f"{label}: processed share / compute share", value, 0.0, detail=detail, shown=True))
     ratios = []
     for s in seeds:
         h, f = het[s][1]["speed_weighted_compute_goodput"], full[s][1]["speed_weighted_compute_goodput"]

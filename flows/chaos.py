@@ -37,7 +37,7 @@ from prefect.states import Cancelled
 from rich.console import Console
 from rich.table import Table
 
-from diloco_async.chaos.measure import Measurement, learner_shares, measure, speed_weighted_goodput
+from diloco_async.chaos.measure import Measurement, learner_shares, measure, speed_weighted_goodput, step_stats
 from diloco_async.chaos.scenario import (
     FaultEvent,
     Scenario,
@@ -148,8 +148,9 @@ def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent
         m = measure(run.timeline, run.snapshots, run.cfg, batches, s.eval_tokens)
         acc = m.accounting
         speeds = sc.speed_factors()
-        shares = [] if method == "ddp" else learner_shares(speeds, _up_s(run.timeline, s.slots), run.ledgers,
-                                                           run.skipped)
+        tl = run.timeline
+        shares = [] if method == "ddp" else learner_shares(speeds, _up_s(tl, s.slots), run.ledgers, run.skipped,
+                                                           step_stats(tl.steps, s.slots, tl.start_s, tl.end_s))
         weighted = speed_weighted_goodput(acc, {f"slot-{i}": v for i, v in enumerate(speeds)})
         png = outdir / f"timeline-{method}.png"
         plot_timeline(run.timeline, png, mark_s=m.window_start_s,
@@ -357,19 +358,21 @@ def _fmt_share(v: float | None) -> str:
 def learners_table(name: str, row: dict) -> Table:
     """One method's ``learners`` (:func:`~diloco_async.chaos.measure.learner_shares`) as a table:
     per slot its speed, what makes it different, its nominal compute share (speed x time up), its
-    share of the tokens processed, its merged share of the tokens, that over its processed share,
-    the tokens it had merged and its contributions by outcome."""
+    measured one (time up x its tokens per second inside steps), its share of the tokens processed,
+    its merged share of the tokens, that over its measured compute share and over its processed
+    share, the tokens it had merged and its contributions by outcome."""
     t = Table(title=f"{name}, {row['method']}: each learner's merged share of the tokens against its share of "
-                    f"the compute (nominal: speed x time up; done: tokens processed)")
-    for col in ("slot", "speed", "note", "nominal share", "processed share", "merged share", "merged / processed",
-                "tokens merged", "contributions"):
+                    f"the compute (nominal: speed x time up; measured: time up x step rate; done: tokens processed)")
+    for col in ("slot", "speed", "note", "nominal share", "measured share", "processed share", "merged share",
+                "merged / measured", "merged / processed", "tokens merged", "contributions"):
         t.add_column(col, justify="left" if col in ("slot", "note", "contributions") else "right")
     for ln in row["learners"]:
         contrib = ", ".join(f"{k} {v}" for k, v in sorted(ln["contributions"].items())) or "none"
         t.add_row(f"slot-{ln['slot']}", f"{ln['speed']:g}", ln.get("note") or ("skipped: " + ln["skipped"]
                                                                              if ln["skipped"] else ""),
-                  _fmt_share(ln["compute_share"]), _fmt_share(ln.get("processed_share")),
-                  _fmt_share(ln["merged_share"]), _fmt_share(ln.get("merged_over_processed")),
+                  _fmt_share(ln["compute_share"]), _fmt_share(ln.get("capacity_share")),
+                  _fmt_share(ln.get("processed_share")), _fmt_share(ln["merged_share"]),
+                  _fmt_share(ln.get("merged_over_capacity")), _fmt_share(ln.get("merged_over_processed")),
                   f"{ln['tokens_merged']:.0f}", contrib)
     return t
 

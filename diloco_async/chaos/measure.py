@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from diloco_async.config.schema import Config
 from diloco_async.metrics.evaluation import heldout_loss
-from diloco_async.metrics.timeline import Accounting, Timeline, account
+from diloco_async.metrics.timeline import Accounting, Step, Timeline, account
 from diloco_async.models.transformer import ByteGPT
 
 __all__ = ["Snapshot", "Measurement", "goodput_window_start", "uptime_max_gap_s", "initial_model", "eval_curve",
-           "eval_at", "measure", "learner_shares", "processed_shares", "speed_weighted_goodput"]
+           "eval_at", "measure", "learner_shares", "processed_shares", "step_stats", "speed_weighted_goodput"]
 
 #: one point of a loss curve: (seconds since the first snapshot, tokens in the model, loss in nats/byte)
 CurvePoint = tuple[float, float, float]
@@ -112,7 +112,8 @@ def measure(tl: Timeline, snaps: Sequence[Snapshot], cfg: Config, batches, eval_
 
 
 def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapping[str, Mapping],
-                   skipped: Mapping[int, str] | None = None) -> list[dict]:
+                   skipped: Mapping[int, str] | None = None,
+                   step_stats: Sequence[tuple[float | None, float]] | None = None) -> list[dict]:
     """Each slot's merged share of the tokens against its share of the compute (issue 47).
 
     Args:
@@ -122,6 +123,9 @@ def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapp
             ``tokens_processed``, ``contributions``: :func:`~diloco_async.chaos.targets.read_summary_ledgers`);
             a slot without one merged and processed nothing.
         skipped: slot -> why its learner never ran (its ``up_s`` is taken as 0).
+        step_stats: per slot (:func:`step_stats`), the tokens per second *inside* its inner steps
+            (emulated delay included; None: it never stepped), the rate its hardware as emulated on
+            this host computes at, and the seconds it spent inside steps while up.
 
     Returns:
         One dict per slot: ``slot``, ``speed``, ``up_s``, ``compute_share`` (speed x up_s over the sum
@@ -130,10 +134,16 @@ def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapp
         when either is None or the compute share is 0), ``processed_share`` (tokens_processed over
         the sum: the share of the compute the learner actually did, every step being of the same
         token count), ``merged_over_processed`` (merged_share / processed_share, None as above),
-        ``contributions`` (by outcome) and ``skipped`` (the reason, or None).
+        ``contributions`` (by outcome), ``skipped`` (the reason, or None); with ``step_stats`` also
+        ``capacity_tokens`` (up_s x its step rate: what it could have processed had it never waited
+        between steps), ``capacity_share`` (over the sum), ``merged_over_capacity`` (merged_share /
+        capacity_share: issue 47's bar; a learner stalled between steps reads low), ``capacity_over_compute``
+        (capacity_share / compute_share: how far the emulated speed on a shared host is from the
+        nominal one) and ``stepping_over_up`` (the share of its time up it spent inside steps); each
+        None where undefined.
 
     Raises:
-        ValueError: ``speeds`` and ``up_s`` differ in length, or a speed or an up-time is negative.
+        ValueError: ``speeds`` and ``up_s`` (or ``step_stats``) differ in length, or one is negative.
     """
     skipped = dict(skipped or {})
     if len(speeds) != len(up_s):
@@ -158,7 +168,44 @@ def learner_shares(speeds: Sequence[float], up_s: Sequence[float], ledgers: Mapp
         row["processed_share"] = share
         row["merged_over_processed"] = (row["merged_share"] / share
                                         if row["merged_share"] is not None and share else None)
+    if step_stats is not None:
+        _add_capacity(rows, step_stats)
     return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _add_capacity(rows: list[dict], stats: Sequence[tuple[float | None, float]]) -> None:
+    """The ``capacity_*`` fields and ``stepping_over_up`` of :func:`learner_shares`, in place."""
+    if len(stats) != len(rows):
+        raise ValueError(f"{len(rows)} slots but {len(stats)} step rates")
+    if any((r is not None and r < 0) or sec < 0 for r, sec in stats):
+        raise ValueError(f"step rates and seconds must be >= 0, got {list(stats)}")
+    capacity = [row["up_s"] * (rate or 0.0) for row, (rate, _) in zip(rows, stats, strict=True)]
+    total = sum(capacity)
+    for row, cap, (_, stepping_s) in zip(rows, capacity, stats, strict=True):
+        c_share = cap / total if total > 0 else 0.0
+        row.update(capacity_tokens=cap, capacity_share=c_share,
+                   merged_over_capacity=_ratio(row["merged_share"], c_share),
+                   capacity_over_compute=_ratio(c_share, row["compute_share"]),
+                   stepping_over_up=_ratio(stepping_s, row["up_s"]))
+
+
+def step_stats(steps: Sequence[Step], slots: int, start_s: float, end_s: float) -> list[tuple[float | None, float]]:
+    """Per slot ``slot-i``: the tokens its inner steps processed over the seconds they took (``t1 -
+    t0`` of each :class:`~diloco_async.metrics.timeline.Step`, an emulated slowdown's sleep
+    included; None for a slot that never stepped or whose steps took no time), and the seconds of
+    its steps inside [``start_s``, ``end_s``]."""
+    tokens, seconds, inside = [0.0] * slots, [0.0] * slots, [0.0] * slots
+    for st in steps:
+        i = int(st.learner.rsplit("-", 1)[1]) if st.learner.startswith("slot-") else -1
+        if 0 <= i < slots:
+            tokens[i] += st.tokens
+            seconds[i] += max(0.0, st.t1 - st.t0)
+            inside[i] += max(0.0, min(st.t1, end_s) - max(st.t0, start_s))
+    return [(t / s if s > 0 else None, w) for t, s, w in zip(tokens, seconds, inside, strict=True)]
 
 
 def processed_shares(rows: Sequence[Mapping]) -> list[float]:

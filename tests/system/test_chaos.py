@@ -201,6 +201,12 @@ def test_heterogeneous_ci_every_learner_in_the_report(prefect_server, tmp_path):
     assert by[1]["compute_share"] == pytest.approx(by[0]["compute_share"] / 2, rel=0.05)  # the same time up
     assert by[2]["compute_share"] == pytest.approx(by[0]["compute_share"] / 10, rel=0.05)
     assert sum(ln["merged_share"] or 0.0 for ln in by.values()) == pytest.approx(1.0)
+    # the compute each had, from its own steps' rate: every slot that ran has some, the tenth-speed
+    # slot's steps are slower than the full-speed one's, and each stepped part of its time up
+    assert sum(ln["capacity_share"] for ln in by.values()) == pytest.approx(1.0)
+    assert 0 < by[2]["capacity_share"] < by[0]["capacity_share"], by
+    assert all(0 < ln["stepping_over_up"] <= 1.0 + 1e-9 for ln in by.values() if not ln["skipped"]), \
+        [(i, ln["stepping_over_up"], ln["capacity_tokens"], ln["up_s"]) for i, ln in by.items()]
     assert by[0]["tokens_merged"] > 0 and by[0]["contributions"].get("merged", 0) >= 1
     assert "storage: p_slow 1 x 3 s on read" in by[3]["note"]
     # only learner 3's store is slow: the faulty store is built for it and for no one else

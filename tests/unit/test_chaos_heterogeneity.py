@@ -97,6 +97,32 @@ def test_learner_shares_against_compute_shares():
         learner_shares([1.0], [-1.0], {})
 
 
+def test_measured_compute_shares_from_the_steps_rates():
+    from diloco_async.chaos.measure import step_stats
+    from diloco_async.metrics.timeline import Step
+
+    steps = [Step("slot-0", 0.0, 1.0, 100), Step("slot-0", 1.0, 2.0, 100),  # 100 tokens/s
+             Step("slot-1", 0.0, 4.0, 100), Step("slot-1", 9.0, 13.0, 100),  # 25 tokens/s (sleep included)
+             Step("learner-9", 0.0, 1.0, 100), Step("slot-7", 0.0, 1.0, 100)]  # not a slot of 3: ignored
+    stats = step_stats(steps, 3, 0.0, 10.0)
+    assert stats == [(100.0, 2.0), (25.0, 5.0), (None, 0.0)]  # slot 1's second step: 1 s of it inside
+    ledgers = {"learner-0": {"tokens_merged": 800.0, "tokens_processed": 1000},
+               "learner-1": {"tokens_merged": 100.0, "tokens_processed": 125}}
+    rows = learner_shares([1.0, 0.5, 1.0], [10.0, 10.0, 10.0], ledgers, None, stats)
+    # compute it had: 1000, 250, 0 tokens (of 1250); merged 800, 100 (of 900)
+    assert [r["capacity_tokens"] for r in rows] == pytest.approx([1000.0, 250.0, 0.0])
+    assert [r["capacity_share"] for r in rows] == pytest.approx([0.8, 0.2, 0.0])
+    assert rows[1]["merged_over_capacity"] == pytest.approx((100 / 900) / 0.2)
+    assert rows[1]["stepping_over_up"] == pytest.approx(0.5) and rows[0]["stepping_over_up"] == pytest.approx(0.2)
+    assert rows[1]["capacity_over_compute"] == pytest.approx(0.2 / 0.2)  # nominal: 0.5 of 2.5
+    assert rows[2]["merged_over_capacity"] is None and rows[2]["stepping_over_up"] == 0.0
+    assert "capacity_share" not in learner_shares([1.0], [1.0], {})[0]  # no rates: the nominal shares only
+    with pytest.raises(ValueError, match="3 slots but 2 step rates"):
+        learner_shares([1.0] * 3, [1.0] * 3, {}, None, [(1.0, 1.0), (1.0, 1.0)])
+    with pytest.raises(ValueError, match="must be >= 0"):
+        learner_shares([1.0], [1.0], {}, None, [(-1.0, 0.0)])
+
+
 def test_speed_weighted_goodput_counts_the_compute_available():
     tl = Timeline(["slot-0", "slot-1"], 0.0, 10.0,
                   steps=[Step("slot-0", 0.0, 8.0, 10, useful=1.0), Step("slot-1", 0.0, 10.0, 10, useful=0.0)])
@@ -134,19 +160,22 @@ def test_slot_link_placement_puts_only_the_link_learner_behind_the_link():
 
 
 def _doc(seed: int, full: bool, merged_over: list[float | None], weighted: float, skipped: str | None = None,
-         processed: list[float] | None = None) -> dict:
-    """A chaos --out document whose slot i merged ``merged_over[i]`` x its share of the tokens processed
-    (``processed``: each slot's tokens processed, 100 each by default; nominal compute shares 0.25)."""
+         processed: list[float] | None = None, capacity: list[float] | None = None) -> dict:
+    """A chaos --out document of four slots (speeds 1, 0.5, 0.1, 1; 100 s up each) whose slot i
+    processed ``processed[i]`` tokens (100 by default) and had ``merged_over[i]`` of them merged; its
+    steps ran at ``capacity[i]`` / 100 tokens per second (default: its processed tokens, never
+    stalled). The shares are :func:`learner_shares`'s own."""
     processed = list(processed or [100.0] * 4)
     if skipped:
         processed[3] = 0.0
-    learners = [{"slot": i, "speed": s, "compute_share": 0.25, "tokens_processed": t,
-                 "merged_share": None if m is None else m * t / sum(processed),
-                 "merged_over_compute": None if m is None else m * t / sum(processed) / 0.25,
-                 "tokens_merged": 100.0 * (m or 0), "note": "", "skipped": None, "contributions": {}}
-                for i, (s, m, t) in enumerate(zip([1.0, 0.5, 0.1, 1.0], merged_over, processed, strict=True))]
-    if skipped:
-        learners[3].update(skipped=skipped, compute_share=0.0, merged_over_compute=None)
+    capacity = list(capacity or processed)
+    ledgers = {f"learner-{i}": {"tokens_processed": t, "tokens_merged": (m or 0.0) * t}
+               for i, (m, t) in enumerate(zip(merged_over, processed, strict=True))}
+    learners = learner_shares([1.0, 0.5, 0.1, 1.0], [100.0] * 4, ledgers, {3: skipped} if skipped else None,
+                              [(c / 100.0 if c else None, 100.0 * t / c if c else 0.0)
+                               for c, t in zip(capacity, processed, strict=True)])
+    for ln in learners:
+        ln["note"] = ""
     return {"scenario": "heterogeneous", "seed": seed, "full_speed": full,
             "rows": [{"method": "decoupled", "learners": learners, "speed_weighted_compute_goodput": weighted,
                       "token_goodput": 0.9}]}
@@ -167,24 +196,40 @@ def test_het_bars_per_learner_and_goodput_against_the_full_speed_fleet(tmp_path,
     bars = {b.figure: b for b in het_bars(het, full)}
     never = bars["slot 3 (1x): merged share / compute share"]
     assert never.value == 0.0 and not never.ok  # a learner that never got merged misses its bar
-    assert bars["slot 2 (0.1x): merged share / compute share"].ok
-    assert bars["slot 2 (0.1x): processed share / compute share"].value == pytest.approx(1.0)
-    # a learner that computed half its compute share (stalled, or slowed past its speed): its bar is
-    # missed, and the shown rows say that what it did compute was merged
+    assert bars["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(90 / 310 / 0.25)
+    assert bars["slot 2 (0.1x): share of its time up spent stepping"].value == pytest.approx(1.0)
+    # the emulation gave slot 2 as much compute as the others (100 tokens each): 6.5x its nominal share
+    assert bars["slot 2 (0.1x): compute share / nominal (speed x time up)"].value == pytest.approx(0.25 / (0.1 / 2.6))
+    # a learner the system stalled half its time (its steps' rate allowed 100 tokens, it processed
+    # 50): its bar is missed, and the shown rows say it stepped half its time and what it did compute
+    # was merged
     (tmp_path / "starved").mkdir()
-    starved = _files(tmp_path / "starved", [_doc(s, False, [1.0, 1.0, 0.9, 1.0], 0.9, processed=[100, 100, 50, 100])
-                                for s in range(3)])
+    starved = _files(tmp_path / "starved", [_doc(s, False, [1.0, 1.0, 0.9, 1.0], 0.9, processed=[100, 100, 50, 100],
+                                                 capacity=[100] * 4) for s in range(3)])
     slow = {b.figure: b for b in het_bars(starved, full)}
-    assert slow["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(0.9 * 50 / 350 / 0.25)
+    assert slow["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(45 / 345 / 0.25)
     assert not slow["slot 2 (0.1x): merged share / compute share"].ok
-    assert slow["slot 2 (0.1x): merged share / processed share"].value == pytest.approx(0.9)
-    assert slow["slot 2 (0.1x): processed share / compute share"].value == pytest.approx(50 / 350 / 0.25)
+    assert slow["slot 2 (0.1x): merged share / processed share"].value == pytest.approx(45 / 345 / (50 / 350))
+    assert slow["slot 2 (0.1x): share of its time up spent stepping"].value == pytest.approx(0.5)
+    # the same 50 tokens from hardware that steps at half the others' rate, never stalled: met
+    (tmp_path / "slower").mkdir()
+    slower = _files(tmp_path / "slower", [_doc(s, False, [1.0, 1.0, 0.9, 1.0], 0.9, processed=[100, 100, 50, 100])
+                                          for s in range(3)])
+    fine = {b.figure: b for b in het_bars(slower, full)}
+    assert fine["slot 2 (0.1x): merged share / compute share"].value == pytest.approx(45 / 345 / (50 / 350))
+    assert fine["slot 2 (0.1x): merged share / compute share"].ok
     ratio = bars["compute goodput in compute available / full-speed fleet's"]
     assert ratio.value == pytest.approx(0.85 / 0.95) and not ratio.ok and "mean of 3 runs +- 0.00" in ratio.detail
     assert main(["--het", *het, "--full", *full]) == 1
     out = capsys.readouterr().out
     assert "MISS" in out and "heterogeneous fleet" in out
     good = _files(tmp_path, [_doc(s, False, [1.1, 1.0, 0.9, 0.8], 0.9 - 0.01 * s) for s in range(3)])
+    (tmp_path / "old").mkdir()  # a file of the harness before the measured compute share: refused, not misread
+    old = _doc(0, False, [1.0] * 4, 0.9)
+    for ln in old["rows"][0]["learners"]:
+        del ln["capacity_share"]
+    assert main(["--het", *_files(tmp_path / "old", [old]), "--full", full[0]]) == 2
+    assert "no measured compute share" in capsys.readouterr().err
     assert main(["--het", *good, "--full", *full]) == 0
     assert "MISS" not in capsys.readouterr().out
 
