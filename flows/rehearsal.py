@@ -65,7 +65,7 @@ def train_overrides(r: Rehearsal) -> list[str]:
     MLflow server, the synchronizer on the sync host's address, one learner per host."""
     endpoint = r.storage_options["client_kwargs"]["endpoint_url"]
     return [*TINY, "run.launcher=deployments", "run.regions=['region-a', 'region-b']", f"run.store={r.store}",
-            f'run.storage_options={{client_kwargs={{endpoint_url="{endpoint}"}}}}',
+            f"run.storage_options={{client_kwargs={{endpoint_url={endpoint!r}}}}}",  # a TOML literal string
             f"tracking.mlflow_uri={r.mlflow_uri}",
             "tracking.register_model=diloco-rehearsal", f"synchronizer.host={r.machines[SYNC].addr}",
             f"budget.max_steps={TRAIN_STEPS}"]
