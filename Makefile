@@ -278,11 +278,13 @@ bench-kill: data
 	  --ctrl-c-repeats $(CTRL_C_REPEATS)
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
-##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both
+##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both. The Prefect
+##     UI asks the API at PREFECT_SERVER_API_PORT's port (`--port` alone leaves its page asking 4200)
 ui: setup
 	@mkdir -p $(PREFECT_HOME) $(dir $(MLFLOW_DB)) $(if $(findstring ://,$(MLFLOW_ARTIFACTS)),,$(MLFLOW_ARTIFACTS))
 	@trap 'trap - INT TERM EXIT; kill 0' INT TERM EXIT; \
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > .local/prefect-server.log 2>&1 & \
+	PREFECT_SERVER_API_PORT=$(PREFECT_PORT) $(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) \
+	    > .local/prefect-server.log 2>&1 & \
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
 	    --backend-store-uri sqlite:///$(abspath $(MLFLOW_DB)) \
 	    --default-artifact-root $(MLFLOW_ARTIFACTS_URI) --artifacts-destination $(MLFLOW_ARTIFACTS_URI) \
