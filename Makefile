@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -192,6 +192,14 @@ bench-chaos: data
 bench-het: data
 	$(HET_RUNS)
 	$(HET_BARS)
+
+## rehearse-hosts: a multi-host rehearsal on this machine (needs root: network and mount namespaces;
+##                 refuses with the reason otherwise). Two learner hosts and the synchronizer's host, each
+##                 with its own disk, checkout and Prefect worker; S3 (moto), Prefect and MLflow in a hub.
+##                 `train` on both hosts, `resume` from S3 on the other host, every recorded path opened
+##                 from the other host (docs/multi-host.md). A few minutes; result in .local/rehearse-hosts/.
+rehearse-hosts: data
+	$(PY) -m flows.rehearsal
 
 ## bench-wan: issue 13 over emulated regions (needs root and iproute2 tc): configs/wan/wan-4-regions.toml,
 ## DDP, synchronous and Decoupled DiLoCo over four 7.5 Mbit/s links (DDP capped at 300 s); Decoupled DiLoCo
