@@ -34,7 +34,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -193,6 +193,14 @@ bench-het: data
 	$(HET_RUNS)
 	$(HET_BARS)
 
+## rehearse-hosts: a multi-host rehearsal on this machine (needs root: network and mount namespaces;
+##                 refuses with the reason otherwise). Two learner hosts and the synchronizer's host, each
+##                 with its own disk, checkout and Prefect worker; S3 (moto), Prefect and MLflow in a hub.
+##                 `train` on both hosts, `resume` from S3 on the other host, every recorded path opened
+##                 from the other host (docs/multi-host.md). A few minutes; result in .local/rehearse-hosts/.
+rehearse-hosts: data
+	$(PY) -m diloco_async.flows.rehearsal
+
 ## bench-wan: issue 13 over emulated regions (needs root and iproute2 tc): configs/wan/wan-4-regions.toml,
 ## DDP, synchronous and Decoupled DiLoCo over four 7.5 Mbit/s links (DDP capped at 300 s); Decoupled DiLoCo
 ## again with seeds 1 and 2, then with bf16 uploads and fp32 downloads (seeds 0-2); then tokens/s shaped against
@@ -270,11 +278,13 @@ bench-kill: data
 	  --ctrl-c-repeats $(CTRL_C_REPEATS)
 
 ## ui: MLflow tracking server (sqlite $(MLFLOW_DB), artifacts in the store: $(MLFLOW_ARTIFACTS)) and the
-##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both
+##     Prefect server (database in $(PREFECT_HOME)); prints both addresses; Ctrl-C stops both. The Prefect
+##     UI asks the API at PREFECT_SERVER_API_PORT's port (`--port` alone leaves its page asking 4200)
 ui: setup
 	@mkdir -p $(PREFECT_HOME) $(dir $(MLFLOW_DB)) $(if $(findstring ://,$(MLFLOW_ARTIFACTS)),,$(MLFLOW_ARTIFACTS))
 	@trap 'trap - INT TERM EXIT; kill 0' INT TERM EXIT; \
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > .local/prefect-server.log 2>&1 & \
+	PREFECT_SERVER_API_PORT=$(PREFECT_PORT) $(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) \
+	    > .local/prefect-server.log 2>&1 & \
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
 	    --backend-store-uri sqlite:///$(abspath $(MLFLOW_DB)) \
 	    --default-artifact-root $(MLFLOW_ARTIFACTS_URI) --artifacts-destination $(MLFLOW_ARTIFACTS_URI) \

@@ -9,9 +9,10 @@ command with ``--full-speed``, same seeds), and prints the bars table (benchmark
   (``merged_over_capacity`` of the row's ``learners``: compute = time up x the tokens per second of
   its own inner steps, emulated slowdown included, :func:`~diloco_async.chaos.measure.step_stats`;
   merged tokens from the synchronizer's per-learner ledger) >= 0.8. That is: its merged tokens >=
-  0.8 x its compute share x the tokens the run merged. A learner the system stalls between steps
-  (waiting on a download, refused, idle) keeps its compute share and loses merged share, so the
-  bar catches it. A slot skipped in every run (its shaped link needs root) is shown with the
+  0.8 x its compute share x the tokens the run merged. A learner idle between steps, refused, late
+  or merged at a reduced direction factor keeps its compute share and loses merged share, so the
+  bar catches it; a step made longer (by the system or the host) lowers the compute share itself,
+  which only the shown measured / nominal row reveals. A slot skipped in every run (its shaped link needs root) is shown with the
   reason, not judged;
 * shown per slot: the same over the *nominal* compute share (speed x time up). On this 2-core host
   an emulated slow learner computes less than its nominal share: it sleeps (1/speed - 1) x its

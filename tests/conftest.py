@@ -73,8 +73,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: the system modules with the longest tests (30-50 s each on the 2-core machine), started first so
 #: that the session does not end on one worker running one of them while the other has nothing left
 SLOW_FIRST = ("test_wheel_install", "test_deployments", "test_chaos", "test_wan_cli", "test_ablate", "test_install",
-              "test_models_system",
-              "test_stop", "test_flow", "test_ui", "test_parent_death", "test_poison")
+              "test_models_system", "test_stop", "test_flow", "test_ui", "test_ui_prefect", "test_parent_death",
+              "test_poison")
 
 
 def _run_order(item: pytest.Item) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from diloco_async.config.schema import Config
 from diloco_async.metrics.evaluation import heldout_loss
-from diloco_async.metrics.timeline import Accounting, Step, Timeline, account
+from diloco_async.metrics.timeline import Accounting, Timeline, account
 from diloco_async.models.transformer import ByteGPT
 
 __all__ = ["Snapshot", "Measurement", "goodput_window_start", "uptime_max_gap_s", "initial_model", "eval_curve",
@@ -193,19 +193,25 @@ def _add_capacity(rows: list[dict], stats: Sequence[tuple[float | None, float]])
                    stepping_over_up=_ratio(stepping_s, row["up_s"]))
 
 
-def step_stats(steps: Sequence[Step], slots: int, start_s: float, end_s: float) -> list[tuple[float | None, float]]:
-    """Per slot ``slot-i``: the tokens its inner steps processed over the seconds they took (``t1 -
-    t0`` of each :class:`~diloco_async.metrics.timeline.Step`, an emulated slowdown's sleep
-    included; None for a slot that never stepped or whose steps took no time), and the seconds of
-    its steps inside [``start_s``, ``end_s``]."""
-    tokens, seconds, inside = [0.0] * slots, [0.0] * slots, [0.0] * slots
-    for st in steps:
+def step_stats(tl: Timeline, slots: int) -> list[tuple[float | None, float]]:
+    """Per slot ``slot-i`` of ``tl``: the tokens its inner steps processed over the seconds they
+    ran, both inside the timeline's window and outside the slot's ``down``/``stalled`` intervals
+    (a frozen process does not compute; a step cut by the window counts in proportion), an emulated
+    slowdown's sleep included (None for a slot that never stepped there); and those seconds."""
+    frozen: dict[str, list[tuple[float, float]]] = {}
+    for iv in tl.intervals:
+        if iv.state in ("down", "stalled"):
+            frozen.setdefault(iv.learner, []).append((iv.t0, iv.t1))
+    tokens, seconds = [0.0] * slots, [0.0] * slots
+    for st in tl.steps:
         i = int(st.learner.rsplit("-", 1)[1]) if st.learner.startswith("slot-") else -1
-        if 0 <= i < slots:
-            tokens[i] += st.tokens
-            seconds[i] += max(0.0, st.t1 - st.t0)
-            inside[i] += max(0.0, min(st.t1, end_s) - max(st.t0, start_s))
-    return [(t / s if s > 0 else None, w) for t, s, w in zip(tokens, seconds, inside, strict=True)]
+        t0, t1 = max(st.t0, tl.start_s), min(st.t1, tl.end_s)
+        if not 0 <= i < slots or t1 <= t0:
+            continue
+        tokens[i] += st.tokens * ((t1 - t0) / (st.t1 - st.t0) if st.t1 > st.t0 else 1.0)
+        seconds[i] += max(0.0, t1 - t0 - sum(max(0.0, min(t1, f1) - max(t0, f0))
+                                             for f0, f1 in frozen.get(st.learner, [])))
+    return [(t / s if s > 0 else None, s) for t, s in zip(tokens, seconds, strict=True)]
 
 
 def processed_shares(rows: Sequence[Mapping]) -> list[float]:

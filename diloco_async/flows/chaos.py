@@ -150,7 +150,7 @@ def _run_method(sc: Scenario, method: str, base: Config, events: list[FaultEvent
         speeds = sc.speed_factors()
         tl = run.timeline
         shares = [] if method == "ddp" else learner_shares(speeds, _up_s(tl, s.slots), run.ledgers, run.skipped,
-                                                           step_stats(tl.steps, s.slots, tl.start_s, tl.end_s))
+                                                           step_stats(tl, s.slots))
         weighted = speed_weighted_goodput(acc, {f"slot-{i}": v for i, v in enumerate(speeds)})
         png = outdir / f"timeline-{method}.png"
         plot_timeline(run.timeline, png, mark_s=m.window_start_s,

@@ -1,7 +1,10 @@
 """Prefect and MLflow, linked (issue 46 item 4).
 
 * The MLflow run of a ``train``/``resume`` flow run carries the flow run's id and UI address as
-  tags (``prefect.flow_run_id``, ``prefect.flow_run_url``): :func:`link_mlflow_run`.
+  tags (``prefect.flow_run_id``, ``prefect.flow_run_url``): :func:`link_mlflow_run`. On the
+  temporary server a command starts for itself (no ``PREFECT_API_URL``; no UI, gone when the
+  command exits) the address would be dead: the id is tagged, and ``prefect.server`` says why no
+  address is.
 * The flow run publishes a Prefect markdown artifact (key ``diloco-run-<run id>``) with the
   summary table and a link to the MLflow run: :func:`publish_summary`.
 * The experiment's runs table, with eval loss, goodput and tokens as columns (the saved view of
@@ -23,8 +26,8 @@ from diloco_async.config.tracking import TrackingConfig
 from diloco_async.flows.mlflow_views import runs_table_path
 from diloco_async.flows.summary import summary_rows
 
-__all__ = ["MAKE_UI_URL", "mlflow_run_url", "mlflow_runs_table_url", "MlflowLinks", "prefect_flow_run",
-           "link_mlflow_run", "summary_markdown", "publish_summary"]
+__all__ = ["MAKE_UI_URL", "TEMPORARY_SERVER_TAG", "mlflow_run_url", "mlflow_runs_table_url", "MlflowLinks",
+           "prefect_flow_run", "link_mlflow_run", "summary_markdown", "publish_summary"]
 
 log = logging.getLogger("diloco.flows.links")
 
@@ -65,12 +68,22 @@ class MlflowLinks(NamedTuple):
     runs_table_url: str
 
 
+#: the ``prefect.server`` tag of a run whose flow ran on the command's own temporary server
+TEMPORARY_SERVER_TAG = ("the command's temporary Prefect server (no UI, stopped when the command exited): "
+                        "set PREFECT_API_URL, e.g. to make ui's server, for a flow-run page")
+
+
 def link_mlflow_run(sink, cfg: TrackingConfig) -> MlflowLinks:
     """Tag ``sink``'s MLflow run with the Prefect flow run it belongs to (a resume's flow run
-    replaces the train's) and return the UI addresses of the run and of the runs table."""
+    replaces the train's; its UI address only where a configured server serves it, see the module
+    docstring) and return the UI addresses of the run and of the runs table."""
+    from prefect.settings import PREFECT_API_URL
+
     here = prefect_flow_run()
-    if here is not None:
+    if here is not None and PREFECT_API_URL.value():
         sink.set_tags({"prefect.flow_run_id": here[0], "prefect.flow_run_url": here[1]})
+    elif here is not None:
+        sink.set_tags({"prefect.flow_run_id": here[0], "prefect.server": TEMPORARY_SERVER_TAG})
     return MlflowLinks(mlflow_run_url(cfg, sink.experiment_id, sink.run_id),
                        mlflow_runs_table_url(cfg, sink.experiment_id))
 

@@ -22,13 +22,29 @@ from rich.console import Console
 from diloco_async.flows.links import MlflowLinks, publish_summary
 from diloco_async.flows.summary import stopped_by_signal, summary_table
 
-__all__ = ["INTERRUPTED_LEARNER_WAIT_S", "STOPPED_STATE_NAME", "interrupted", "finish"]
+__all__ = ["INTERRUPTED_LEARNER_WAIT_S", "STOPPED_STATE_NAME", "interrupted", "finish", "run_logs"]
 
 #: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
 #: "stop" take well under a second) before they get SIGTERM
 INTERRUPTED_LEARNER_WAIT_S = 2.0
 #: the name of the Completed state a flow run stopped by a signal ends in
 STOPPED_STATE_NAME = "Stopped"
+
+
+def run_logs(run: Any, sink: Any) -> str:
+    """Where anyone can read the run's process logs (the summary's ``logs``): the run's ``logs/``
+    folder on this host (the synchronizer's log; with the local launcher the learners' too)
+    uploaded as the MLflow run's artifacts ``logs/{epoch}/``, whose URI this returns, so another
+    host opens it (docs/multi-host.md). The local folder's path when there is nothing to upload or
+    the upload failed (counted in ``sink.errors`` and logged by the sink)."""
+    folder = run.workdir / "logs"
+    errors = sink.errors
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return str(folder)
+    sink.log_artifacts(folder, f"logs/{run.epoch}")
+    if sink.errors > errors:
+        return str(folder)
+    return f"{sink.client.get_run(sink.run_id).info.artifact_uri.rstrip('/')}/logs/{run.epoch}"
 
 
 def interrupted(run: Any, sink: Any, summary: dict, eval_start: tuple[float, float], t0: float) -> dict:
@@ -38,7 +54,7 @@ def interrupted(run: Any, sink: Any, summary: dict, eval_start: tuple[float, flo
     summary.update(eval_loss_initial=eval_start[0], eval_loss_final=None, eval_bits_per_byte_initial=eval_start[1],
                    eval_bits_per_byte_final=None, tokenizer=run.cfg.data.tokenizer, flow_wall_s=time.monotonic() - t0,
                    mlflow_run_id=sink.run_id, checkpoint_seq=summary.get("last_checkpoint_seq"),
-                   store_url=run.store.url, logs=str(run.workdir / "logs"), launcher=run.cfg.run.launcher,
+                   store_url=run.store.url, logs=run_logs(run, sink), launcher=run.cfg.run.launcher,
                    learner_restarts=len(run.supervisor.restarts), eval_loss_run_initial=run.run_initial_loss)
     run.learner_exit_wait_s = INTERRUPTED_LEARNER_WAIT_S
     run.stopped = True

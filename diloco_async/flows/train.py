@@ -33,6 +33,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, config_hash, load_config
 from diloco_async.data.sources import corpus_urls
 from diloco_async.data.tokens import open_corpus
@@ -42,10 +43,11 @@ from diloco_async.flows.heldout import final_samples, heldout_curve, hf_tokenize
 from diloco_async.flows.links import link_mlflow_run
 from diloco_async.flows.provenance import SLICE_FIGURES, log_corpus
 from diloco_async.flows.resolve import resume_config
-from diloco_async.flows.run_end import finish, interrupted
+from diloco_async.flows.run_end import finish, interrupted, run_logs
 from diloco_async.flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from diloco_async.flows.timeline_report import write_run_timeline
 from diloco_async.flows.tracking import MlflowSink, flatten_params
+from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.models import build_run_model
 from diloco_async.policy.slices import slice_count
@@ -53,6 +55,7 @@ from diloco_async.prerequisites import prepare
 from diloco_async.run import RunProcesses, next_incarnations
 from diloco_async.runtime.supervisor import Restart
 from diloco_async.storage import keys
+from diloco_async.storage.options import storage_options_from_env
 from diloco_async.sync import open_run
 
 __all__ = ["train", "resume", "run_train_cli", "run_resume_cli", "TrainingRun"]
@@ -94,6 +97,13 @@ def evaluate(cfg: Config, model: torch.nn.Module) -> tuple[float, float]:
     return nats, split.bits_per_byte(nats)
 
 
+def _host_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what names a folder of this host: a learner flow run may run on another host
+    (its worker's), where this run's timeline folder is not (docs/multi-host.md); its learner then
+    keeps no timeline records."""
+    return {k: v for k, v in env.items() if k != TIMELINE_DIR_ENV}
+
+
 class TrainingRun(RunProcesses):
     """The processes of one training run (:class:`~diloco_async.run.RunProcesses`), with learners
     started as flow runs of the ``learner/{region}`` deployments when ``run.launcher =
@@ -110,7 +120,7 @@ class TrainingRun(RunProcesses):
             tags = ["diloco", f"diloco-run:{self.run_id}"]
             if flow_run.id:
                 tags.append(f"train-flow-run:{flow_run.id}")
-            self.deployer = DeploymentLauncher(cfg.run.learner_deployment, cfg.run.regions, self.env, tags)
+            self.deployer = DeploymentLauncher(cfg.run.learner_deployment, cfg.run.regions, _host_env(self.env), tags)
 
     def _log(self, line: str) -> None:
         try:
@@ -128,7 +138,7 @@ class TrainingRun(RunProcesses):
             return super().learner_handle(index, incarnation)
         return self.deployer.start_learner(index, incarnation, {
             "sync_url": self.learner_sync_url, "store_url": self.store.url, "run_id": self.run_id,
-            **self.group_parameters()}, env=self.learner_env(f"learner-{index}"))
+            **self.group_parameters()}, env=_host_env(self.learner_env(f"learner-{index}")))
 
     def group_parameters(self) -> dict[str, Any]:
         """The learner deployment's torchrun-group parameters (``learners.*``), when a learner spans
@@ -212,7 +222,8 @@ def _watch_once(run: TrainingRun, sink: MlflowSink, console: Console, progress: 
 
 def _log_goodput_timeline(run: TrainingRun, sink: MlflowSink, summary: dict) -> None:
     """The per-learner goodput timeline of this epoch as a PNG and its accounting as JSON, when
-    the learners' records are on this machine (local launcher, or deployments on this host)."""
+    the learners' records are on this machine (local launcher; a learner flow run of the deployments
+    launcher may run on another host and keeps none)."""
     png = run.workdir / f"goodput_timeline-{run.epoch}.png"
     try:
         acc = write_run_timeline(run.cfg, run.store, run.run_id, str(run.epoch), run.workdir / "timeline", png,
@@ -260,7 +271,7 @@ def _execute(run: TrainingRun, sink: MlflowSink, eval_start: tuple[float, float]
                    eval_bits_per_byte_initial=eval_start[1], eval_bits_per_byte_final=bpb_final,
                    tokenizer=cfg.data.tokenizer, eval_loss_run_initial=run.run_initial_loss,
                    flow_wall_s=time.monotonic() - t0, mlflow_run_id=sink.run_id,
-                   checkpoint_seq=ckpt.seq, store_url=run.store.url, logs=str(run.workdir / "logs"),
+                   checkpoint_seq=ckpt.seq, store_url=run.store.url, logs=run_logs(run, sink),
                    launcher=cfg.run.launcher,
                    learner_restarts=len(run.supervisor.restarts),
                    restarts=[{"learner": f"learner-{r.index}", "incarnation": r.incarnation, "reason": r.reason}
@@ -354,8 +365,13 @@ def resume(checkpoint_url: str, config: str | None = None, overrides: list[str] 
     """
     logger = get_run_logger()
     overrides = list(overrides or [])
-    given = resume_config(checkpoint_url, config, overrides, {})  # the one parse of the resume's config
-    cfg, store, run_id, ckpt = open_run(checkpoint_url, given, {})
+    # the store's options (an S3 endpoint) as every other entry point takes them: DILOCO_STORAGE_OPTIONS;
+    # the stored config has none (secrets), so they are also the resumed run's when its config names none
+    options = storage_options_from_env()
+    given = resume_config(checkpoint_url, config, overrides, options)  # the one parse of the resume's config
+    cfg, store, run_id, ckpt = open_run(checkpoint_url, given, options)
+    if options and not cfg.run.storage_options:
+        cfg = with_fields(cfg, {"run.storage_options": options})
     prepare_prerequisites(cfg)
     prepare_corpus(cfg)
     prepare_tokens(cfg)

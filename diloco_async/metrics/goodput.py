@@ -187,6 +187,17 @@ class LearnerLedger(Goodputs):
         if seconds > 0:
             self.badput_s[cause] = self.badput_s.get(cause, 0.0) + float(seconds)
 
+    def credit_merge(self, c_tokens: float, compute_s: float, share: float, factor: float = 1.0) -> None:
+        """A merged contribution of ``c_tokens`` tokens and ``compute_s`` seconds to a fragment of
+        ``share`` of the parameters, merged with direction factor ``factor`` (DESIGN §10; clamped to
+        [0, 1]): that part of it counts as useful and merged, the rest as ``thrown_away`` badput (a
+        contribution merged at factor 0 moved nothing). Counted as ``merged``."""
+        w = min(1.0, max(0.0, float(factor)))
+        self.count("merged")
+        self.useful_s += compute_s * share * w
+        self.tokens_merged += c_tokens * share * w
+        self.add_badput("thrown_away", compute_s * share * (1.0 - w))
+
     def to_json(self) -> dict:
         return {
             "provisioned_s": self.provisioned_s,

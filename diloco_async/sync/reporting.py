@@ -5,7 +5,8 @@ the live status (DESIGN §7); the run summary and the status are built by
 Metric points are ``{"key", "value", "step", "timestamp_ms"}`` with units in the key
 (``sync/grace_s``, ``net/bytes_in``); ``GET /metrics?since=N`` serves them by number and the
 flow forwards them to MLflow. Merge records are ``{"t", "fragment", "round", "version", "sha256",
-"update_ids", "contributions"}`` (unix seconds; the sha256 of the version published). Contribution
+"update_ids", "contributions"}`` (unix seconds; the sha256 of the version published; ``update_ids``: the
+contributions that moved the model, direction factor above 0, DESIGN §10). Contribution
 records (:meth:`Reporter.fate`) say what became of every contribution the synchronizer decided on:
 ``{"t", "fragment", "round", "learner", "fate", "reason", "c_tokens", "c_steps", "compute_s", "base_version",
 "staleness_versions"}``. The logs keep

@@ -389,9 +389,8 @@ class RoundTable:
                          res.round_n, rnd.contributions[lid].ann)
         self.guard.record_merge(res)
         weak = [lid for lid in res.merged if res.factors.get(lid, 1.0) < 1.0]
-        for lid in weak:
-            if res.factors[lid] <= 0.0:  # merged with no weight: it moved nothing (counted per learner)
-                self.registry.ledgers[lid].count("zero_weight")
+        for lid in [x for x in weak if res.factors[x] <= 0.0]:  # merged with no weight: it moved nothing
+            self.registry.ledgers[lid].count("zero_weight")
         if weak:
             self.report.counters["contributions_downweighted"] += len(weak)
             log.info("fragment %d round %d: merged with less weight for %s (direction factors %s)", f.p, res.round_n,
@@ -411,19 +410,17 @@ class RoundTable:
             compact=f.compact).model_dump()})
         self.report.counters["merges"] += 1
         self.report.counters["contributions_merged"] += len(res.merged)
+        # its direction factor (DESIGN §10) scales what reached the model; factor 0: not a useful update id
+        factor = {lid: min(1.0, max(0.0, res.factors.get(lid, 1.0))) for lid in res.merged}
         self.report.merged(self.ctx.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version, "sha256": res.ref.sha256,
-            "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged],
+            "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged if factor[lid] > 0],
             "contributions": [_merged_contribution(lid, rnd.contributions[lid].ann) for lid in res.merged]})
         for lid in res.merged:
-            c = rnd.contributions[lid]
-            led = self.registry.ledgers[lid]
-            led.count("merged")
-            led.useful_s += c.ann.compute_s * f.share
-            led.tokens_merged += c.ann.c_tokens * f.share
-            zero = res.factors.get(lid, 1.0) <= 0.0
-            self._decided(lid, f.p, res.round_n, "zero_weight" if zero else "merged",
-                          "direction factor 0" if zero else "", c.ann)
+            ann, w = rnd.contributions[lid].ann, factor[lid]
+            self.registry.ledgers[lid].credit_merge(ann.c_tokens, ann.compute_s, f.share, w)
+            self._decided(lid, f.p, res.round_n, "merged" if w > 0 else "zero_weight",
+                          "" if w > 0 else "direction factor 0", ann)
 
     def _report_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
         rep, c = self.report, self.report.counters

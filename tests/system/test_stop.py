@@ -85,10 +85,13 @@ def _counters(summary: dict) -> dict:
     return out
 
 
-def _interrupt_training(tmp: Path, env: dict[str, str]) -> tuple[str, dict, list[psutil.Process], int]:
-    """``train`` in a terminal, Ctrl-C once it has merged with both learners live: (output, status
-    before the Ctrl-C, every process seen under the command, exit code)."""
-    term = Terminal([sys.executable, "-m", "diloco_async.flows.cli", "train", *train_overrides(tmp)], env)
+def _interrupt_training(tmp: Path, env: dict[str, str], overrides: tuple[str, ...] = ()
+                        ) -> tuple[str, dict, list[psutil.Process], int]:
+    """``train`` in a terminal (with ``--set`` of each of ``overrides`` after the small recipe's),
+    Ctrl-C once it has merged with both learners live: (output, status before the Ctrl-C, every
+    process seen under the command, exit code)."""
+    extra = [a for o in overrides for a in ("--set", o)]
+    term = Terminal([sys.executable, "-m", "diloco_async.flows.cli", "train", *train_overrides(tmp), *extra], env)
     try:
         found = wait_until(lambda: re.search(r"synchronizer at (http://127\.0\.0\.1:\d+)", term.text()) or
                            (term.proc.poll() is not None and f"exited {term.proc.returncode}"), 300,

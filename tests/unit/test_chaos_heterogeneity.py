@@ -99,13 +99,17 @@ def test_learner_shares_against_compute_shares():
 
 def test_measured_compute_shares_from_the_steps_rates():
     from diloco_async.chaos.measure import step_stats
-    from diloco_async.metrics.timeline import Step
+    from diloco_async.metrics.timeline import Interval, Step, Timeline
 
     steps = [Step("slot-0", 0.0, 1.0, 100), Step("slot-0", 1.0, 2.0, 100),  # 100 tokens/s
-             Step("slot-1", 0.0, 4.0, 100), Step("slot-1", 9.0, 13.0, 100),  # 25 tokens/s (sleep included)
+             Step("slot-1", 0.0, 4.0, 100),  # 25 tokens/s (an emulated slowdown's sleep counts)
+             Step("slot-1", 9.0, 13.0, 100),  # cut by the window's end: 1 s and 25 tokens of it count
+             Step("slot-2", 2.0, 6.0, 100),  # frozen 2 s of its 4 s (SIGSTOP): 100 tokens in 2 s of compute
              Step("learner-9", 0.0, 1.0, 100), Step("slot-7", 0.0, 1.0, 100)]  # not a slot of 3: ignored
-    stats = step_stats(steps, 3, 0.0, 10.0)
-    assert stats == [(100.0, 2.0), (25.0, 5.0), (None, 0.0)]  # slot 1's second step: 1 s of it inside
+    tl = Timeline(["slot-0", "slot-1", "slot-2"], 0.0, 10.0, [Interval("slot-2", "stalled", 3.0, 5.0)], steps)
+    stats = step_stats(tl, 3)
+    assert stats == [(100.0, 2.0), (25.0, 5.0), (50.0, 2.0)]
+    stats = stats[:2] + [(None, 0.0)]
     ledgers = {"learner-0": {"tokens_merged": 800.0, "tokens_processed": 1000},
                "learner-1": {"tokens_merged": 100.0, "tokens_processed": 125}}
     rows = learner_shares([1.0, 0.5, 1.0], [10.0, 10.0, 10.0], ledgers, None, stats)

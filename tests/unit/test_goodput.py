@@ -100,3 +100,18 @@ def test_a_badput_cause_that_never_occurred_is_not_logged_as_a_series_of_zeros(t
     led.provisioned_s = 11.0
     rep.goodput_series({"learner-0": led}, 1.0)
     assert logged() == {"badput/starting", "badput/other", "badput/down"}
+
+
+def test_a_merge_credits_what_its_direction_factor_let_through():
+    led = LearnerLedger(provisioned_s=100.0)
+    led.credit_merge(c_tokens=1000, compute_s=10.0, share=0.25)  # whole weight
+    assert (led.tokens_merged, led.useful_s, led.badput_s) == (250.0, 2.5, {})
+    led.credit_merge(c_tokens=1000, compute_s=10.0, share=0.25, factor=0.4)  # down-weighted
+    assert led.tokens_merged == pytest.approx(350.0) and led.useful_s == pytest.approx(3.5)
+    assert led.badput_s == {"thrown_away": pytest.approx(1.5)}
+    led.credit_merge(c_tokens=1000, compute_s=10.0, share=0.25, factor=0.0)  # merged at zero weight: moved nothing
+    led.credit_merge(c_tokens=1000, compute_s=10.0, share=0.25, factor=-3.0)  # clamped to 0
+    assert led.tokens_merged == pytest.approx(350.0) and led.badput_s["thrown_away"] == pytest.approx(6.5)
+    led.credit_merge(c_tokens=1000, compute_s=10.0, share=0.25, factor=7.0)  # clamped to 1
+    assert led.tokens_merged == pytest.approx(600.0)
+    assert led.contributions == {"merged": 5}

@@ -72,3 +72,34 @@ def test_the_runs_table_link_opens_the_saved_view_the_ui_reads():
         state["selectedColumns"])
     text = summary_markdown(SUMMARY, "http://x/#/experiments/3/runs/abc", url)
     assert f"Every run's eval loss, goodput and tokens: {url}\n" in text
+
+
+class _Sink:
+    experiment_id, run_id = "3", "abc"
+
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+
+def test_the_flow_run_address_is_tagged_only_where_a_configured_server_serves_it(monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import diloco_async.flows.links as links
+
+    monkeypatch.setattr(links, "prefect_flow_run", lambda: ("f-1", "http://127.0.0.1:4200/runs/flow-run/f-1"))
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        sink = _Sink()
+        links.link_mlflow_run(sink, TrackingConfig())
+    assert sink.tags == {"prefect.flow_run_id": "f-1", "prefect.flow_run_url": "http://127.0.0.1:4200/runs/flow-run/f-1"}
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # the command's temporary server: no UI
+        sink = _Sink()
+        out = links.link_mlflow_run(sink, TrackingConfig())
+    assert sink.tags == {"prefect.flow_run_id": "f-1", "prefect.server": links.TEMPORARY_SERVER_TAG}
+    assert out.run_url == f"{MAKE_UI_URL}/#/experiments/3/runs/abc"
+    monkeypatch.setattr(links, "prefect_flow_run", lambda: None)  # outside a flow run: no tag at all
+    sink = _Sink()
+    links.link_mlflow_run(sink, TrackingConfig())
+    assert sink.tags == {}
