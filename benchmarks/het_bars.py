@@ -12,8 +12,8 @@ command with ``--full-speed``, same seeds), and prints the bars table (benchmark
   0.8 x its compute share x the tokens the run merged. A learner idle between steps, refused, late
   or merged at a reduced direction factor keeps its compute share and loses merged share, so the
   bar catches it; a step made longer (by the system or the host) lowers the compute share itself,
-  which only the shown measured / nominal row reveals. A slot skipped in every run (its shaped link needs root) is shown with the
-  reason, not judged;
+  which only the shown measured / nominal row reveals. A slot skipped in every run (its shaped link
+  needs root) is shown with the reason, not judged;
 * shown per slot: the same over the *nominal* compute share (speed x time up). On this 2-core host
   an emulated slow learner computes less than its nominal share: it sleeps (1/speed - 1) x its
   measured step time, and its short compute bursts always compete with every full-speed learner,
