@@ -2,22 +2,25 @@
 
 The library holds the merge math, the fragment plan, the policies, the synchronizer and the
 learner. It never imports Prefect or MLflow; ``diloco_async/flows/`` does.
+
+``diloco_async.train`` and ``diloco_async.resume`` are :func:`diloco_async.api.train` and
+:func:`diloco_async.api.resume` themselves (their signatures and docstrings), imported on first
+access (PEP 562), so ``import diloco_async`` stays light.
 """
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and readers see; at run time __getattr__ imports them on first use
+    from diloco_async.api import resume, train
 
 __version__ = "0.1.0"
 
 __all__ = ["train", "resume", "__version__"]
 
 
-def train(*args, **kwargs) -> dict:
-    """:func:`diloco_async.api.train` (imported on the first call: ``import diloco_async`` stays light)."""
-    from diloco_async.api import train as run_train
+def __getattr__(name: str) -> Any:
+    if name in ("train", "resume"):
+        from diloco_async import api
 
-    return run_train(*args, **kwargs)
-
-
-def resume(*args, **kwargs) -> dict:
-    """:func:`diloco_async.api.resume` (imported on the first call)."""
-    from diloco_async.api import resume as run_resume
-
-    return run_resume(*args, **kwargs)
+        return getattr(api, name)
+    raise AttributeError(f"module 'diloco_async' has no attribute {name!r}")

@@ -22,13 +22,16 @@ from rich.console import Console
 from diloco_async.flows.links import MlflowLinks, publish_summary
 from diloco_async.flows.summary import stopped_by_signal, summary_table
 
-__all__ = ["INTERRUPTED_LEARNER_WAIT_S", "STOPPED_STATE_NAME", "interrupted", "finish", "run_logs"]
+__all__ = ["INTERRUPTED_LEARNER_WAIT_S", "STOPPED_STATE_NAME", "STOPPED_TAG", "interrupted", "finish", "run_logs"]
 
 #: after a stop by a signal, how long (s) learners may take to exit on their own (those that heard
 #: "stop" take well under a second) before they get SIGTERM
 INTERRUPTED_LEARNER_WAIT_S = 2.0
 #: the name of the Completed state a flow run stopped by a signal ends in
 STOPPED_STATE_NAME = "Stopped"
+#: the MLflow tag of a run stopped by a signal (its value: the stop reason); cleared when a resume of
+#: it finishes
+STOPPED_TAG = "diloco.stopped"
 
 
 def run_logs(run: Any, sink: Any) -> str:
@@ -58,7 +61,7 @@ def interrupted(run: Any, sink: Any, summary: dict, eval_start: tuple[float, flo
                    learner_restarts=len(run.supervisor.restarts), eval_loss_run_initial=run.run_initial_loss)
     run.learner_exit_wait_s = INTERRUPTED_LEARNER_WAIT_S
     run.stopped = True
-    sink.set_tags({"diloco.stopped": str(summary["stop_reason"])})
+    sink.set_tags({STOPPED_TAG: str(summary["stop_reason"])})
     sink.log_dict(summary, f"summary-{run.epoch}.json" if run.resume_url else "summary.json")
     Console(stderr=False, width=None if sys.stdout.isatty() else 110).print(summary_table(summary))
     get_run_logger().info("run %s stopped (%s) at checkpoint %s after %d merges", run.run_id, summary["stop_reason"],

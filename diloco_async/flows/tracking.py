@@ -204,6 +204,18 @@ class MlflowSink:
         for k, v in tags.items():
             self._call(self.client.set_tag, self.run_id, k, v)
 
+    def clear_tag(self, key: str) -> None:
+        """Delete tag ``key`` of the run if it has it (a resume that finished clears the mark of
+        the stop it resumed from); like every call here, never raises."""
+        try:
+            present = bool(self.run_id) and key in self.client.get_run(self.run_id).data.tags
+        except Exception as err:  # the tracking store must never stop training
+            self.errors += 1
+            log.warning("MLflow call get_run failed: %s", err)
+            return
+        if present:
+            self._call(self.client.delete_tag, self.run_id, key)
+
     def _call(self, fn, *args, **kwargs) -> None:
         """``fn(*args, **kwargs)``, tried 3 times with the project's one backoff between (from
         0.2 s, jittered); every failure is counted in ``errors`` and logged, never raised."""

@@ -43,7 +43,7 @@ from diloco_async.flows.heldout import final_samples, heldout_curve, hf_tokenize
 from diloco_async.flows.links import link_mlflow_run
 from diloco_async.flows.provenance import SLICE_FIGURES, log_corpus
 from diloco_async.flows.resolve import resume_config
-from diloco_async.flows.run_end import finish, interrupted, run_logs
+from diloco_async.flows.run_end import STOPPED_TAG, finish, interrupted, run_logs
 from diloco_async.flows.summary import exit_status, report, stopped_by_signal, summary_table, worker_intent
 from diloco_async.flows.timeline_report import write_run_timeline
 from diloco_async.flows.tracking import MlflowSink, flatten_params
@@ -309,6 +309,8 @@ def _stopping(run: TrainingRun, sink: MlflowSink) -> Iterator[None]:
     try:
         yield
         status = "KILLED" if run.stopped else "FINISHED"
+        if status == "FINISHED" and run.resume_url:  # no longer stopped: the resume finished it
+            sink.clear_tag(STOPPED_TAG)
     except BaseException as err:
         if not isinstance(err, Exception):
             status = "KILLED"

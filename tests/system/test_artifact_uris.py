@@ -77,3 +77,17 @@ def test_a_tracking_server_proxies_the_artifacts(tmp_path, monkeypatch):
         assert Path(got).read_bytes() == payload
     assert not (tmp_path / "store").exists(), "a tracking server's run wrote its artifacts to the flow's disk"
     assert list(served.rglob("figures.json")), "the server did not keep the artifact"
+
+
+def test_a_finished_resume_clears_the_stop_mark_and_clearing_a_missing_tag_is_quiet(tmp_path):
+    """A run stopped by a signal is tagged STOPPED_TAG; a resume of it that finishes clears it
+    (diloco_async.flows.train._stopping), so a FINISHED run never reads as stopped."""
+    from diloco_async.flows.run_end import STOPPED_TAG
+
+    sink = MlflowSink(TrackingConfig(mlflow_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="stops"),
+                      f"file://{tmp_path}/store")
+    sink.start("stopped-then-resumed", {}, {STOPPED_TAG: "signal SIGINT", "keep": "me"})
+    sink.clear_tag(STOPPED_TAG)
+    sink.clear_tag(STOPPED_TAG)  # a run that was never stopped: nothing to clear, no error
+    tags = sink.client.get_run(sink.run_id).data.tags
+    assert STOPPED_TAG not in tags and tags["keep"] == "me" and sink.errors == 0
