@@ -30,9 +30,12 @@ majority against one). Honest learners of a round start from the same values and
 loss's descent direction: on ``make run``'s recipe their cosines sit around 0.3-0.6 and never
 below 0 (measured: minimum 0.09). A sign flip sits near the negative of that, a constant tensor
 near 0. Each contribution's merge weight is multiplied by
-``clamp(cos_i / (direction_fraction · c), 0, 1)``, ``c`` the median of the recent cosines: half
-the usual agreement or more keeps its full weight, less loses weight in proportion, down to none
-at 0. While three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one
+``clamp(cos_i / (direction_fraction · c · min(1, √(t_i/T))), 0, 1)``, ``c`` the median of the
+recent cosines, ``t_i`` its ``c_tokens`` and ``T`` the median ``c_tokens`` behind ``c``: half
+the usual agreement of an outer gradient of its size or more keeps its full weight, less loses
+weight in proportion, down to none at 0. (A slow learner's short outer gradient carries more
+noise for its size and agrees less; judged by the longer ones' agreement it lost about half its
+weight, issue 47. Each recent cosine is brought to the size ``T`` before the median.) While three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one
 pointing away most is taken out of the others' consensus and the rest judged again without it,
 so one flipped update cannot drag an honest one down (with two honest and one flipped, both
 honest cosines sit near 0) and the weights of a round never all fall to zero. What is taken out
@@ -241,26 +244,47 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
     return out
 
 
-def direction_factor(cosine: float | None, reference_cosine: float | None, fraction: float) -> float:
+def direction_factor(cosine: float | None, reference_cosine: float | None, fraction: float,
+                     token_ratio: float = 1.0) -> float:
     """The merge-weight factor in [0, 1] of a contribution with this ``cosine`` to its round:
-    ``clamp(cosine / (fraction · reference_cosine), 0, 1)``; 1 when either is None (nothing to
-    compare with, or the guard is still warming up) or ``fraction`` is 0 (guard off)."""
+    ``clamp(cosine / (fraction · reference_cosine · min(1, √token_ratio)), 0, 1)``; 1 when either
+    is None (nothing to compare with, or the guard is still warming up) or ``fraction`` is 0 (guard off).
+
+    ``token_ratio`` is the contribution's ``c_tokens`` over the median ``c_tokens`` of the
+    contributions behind ``reference_cosine`` (:meth:`DirectionGuard.reference_tokens`): an honest
+    outer gradient of k steps is k mean steps plus √k steps of noise, so its agreement with the
+    others grows like √k where noise dominates (and stays under 1). A short one, from a slow
+    learner, is judged against what an honest one of its size shows, never a longer one's; a
+    longer one is judged as before (never more strictly). Its token weight already scales its pull.
+    """
     if cosine is None or reference_cosine is None or fraction <= 0:
         return 1.0
-    return min(1.0, max(0.0, cosine / (fraction * reference_cosine)))
+    expected = fraction * reference_cosine * min(1.0, math.sqrt(max(token_ratio, 0.0)))
+    if expected <= 0:
+        return 1.0 if cosine > 0 else 0.0
+    return min(1.0, max(0.0, cosine / expected))
 
 
 @dataclass(frozen=True)
 class DirectionCheck:
     """The direction guard's inputs for one round (:mod:`diloco_async.policy.guard`): ``reference``,
     the median recent leave-one-out cosine (None while the guard warms up); ``fraction``
-    (``guard.direction_fraction``; 0 turns the guard off); each learner's recent cosines
-    (``learner_cosines``), of which the last ``memory`` count (``guard.direction_memory``)."""
+    (``guard.direction_fraction``; 0 turns the guard off); ``reference_tokens``, the median
+    ``c_tokens`` of the contributions behind it (a contribution's own is compared with it,
+    :func:`direction_factor`); each learner's recent cosines (``learner_cosines``), of which the
+    last ``memory`` count (``guard.direction_memory``)."""
 
     reference: float | None = None
     fraction: float = 0.0
     learner_cosines: Mapping[str, Sequence[float]] = field(default_factory=dict)
     memory: int = 1
+    reference_tokens: float | None = None  # the median c_tokens behind ``reference`` (None: not known)
+
+    def token_ratio(self, c_tokens: float) -> float:
+        """``c_tokens`` over :attr:`reference_tokens` (1 when that is not known)."""
+        if not self.reference_tokens or self.reference_tokens <= 0:
+            return 1.0
+        return float(c_tokens) / self.reference_tokens
 
 
 #: the direction guard off (fraction 0)
@@ -273,25 +297,34 @@ class DirectionGuard:
 
     def __init__(self, cfg: GuardConfig) -> None:
         self.cfg = cfg
-        self.recent: deque[float] = deque(maxlen=cfg.norm_window)
+        self.recent: deque[tuple[float, float | None]] = deque(maxlen=cfg.norm_window)  # (cosine, c_tokens)
+
+    def reference_tokens(self) -> float | None:
+        """The median ``c_tokens`` of the recent contributions that make the reference (None: none known)."""
+        sizes = [t for _, t in self.recent if t is not None]
+        return float(statistics.median(sizes)) if sizes else None
 
     def reference(self) -> float | None:
-        """The median recent cosine, or None while warming up or while it is under
-        :data:`MIN_REFERENCE_COSINE`."""
+        """The median recent cosine, each brought to the median size first (one of ``t`` tokens,
+        under the median ``T``, divided by √(t/T), at most 1; :func:`direction_factor`), or None
+        while warming up or while it is under :data:`MIN_REFERENCE_COSINE`."""
         if self.cfg.direction_fraction <= 0 or len(self.recent) < self.cfg.direction_warmup:
             return None
-        median = statistics.median(self.recent)
+        size = self.reference_tokens()
+        scaled = [min(1.0, c / min(1.0, math.sqrt(t / size))) if t and size else c for c, t in self.recent]
+        median = statistics.median(scaled)
         return median if median >= MIN_REFERENCE_COSINE else None
 
     def check(self, learners: LearnerDirections) -> DirectionCheck:
         """The inputs of one round's direction guard: this fragment's reference, the learners' records."""
         return DirectionCheck(self.reference(), self.cfg.direction_fraction, learners.snapshot(),
-                              self.cfg.direction_memory)
+                              self.cfg.direction_memory, self.reference_tokens())
 
-    def record(self, cosine: float | None, factor: float) -> None:
-        """Add the cosine of a merged contribution kept at full weight (positive ones only)."""
+    def record(self, cosine: float | None, factor: float, c_tokens: float | None = None) -> None:
+        """Add the cosine of a merged contribution kept at full weight (positive ones only), with
+        its ``c_tokens`` where known."""
         if cosine is not None and cosine > 0 and factor >= 1.0:
-            self.recent.append(float(cosine))
+            self.recent.append((float(cosine), float(c_tokens) if c_tokens and c_tokens > 0 else None))
 
 
 def sustained_anti_alignment(previous: Sequence[float], cosine: float, bound: float, memory: int) -> bool:

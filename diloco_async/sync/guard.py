@@ -11,6 +11,7 @@ Used by the round table, on the actor's task.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from diloco_async.policy.guard import DirectionCheck, DirectionGuard, LearnerDirections, NormGuard
@@ -58,11 +59,11 @@ class UpdateGuard:
         """What the direction guard of a merge of fragment ``p`` starting now needs."""
         return self.directions[p].check(self.learners)
 
-    def record_merge(self, res: Merged) -> None:
-        """The cosines of a merge: the merged ones feed their fragment's guard, every judged one
-        (merged or left out) its learner's record."""
+    def record_merge(self, res: Merged, c_tokens: Mapping[str, int]) -> None:
+        """The cosines of a merge: the merged ones (with their ``c_tokens``) feed their fragment's
+        guard, every judged one (merged or left out) its learner's record."""
         guard = self.directions[res.fragment]
         for lid in res.merged:
-            guard.record(res.cosines.get(lid), res.factors.get(lid, 1.0))
+            guard.record(res.cosines.get(lid), res.factors.get(lid, 1.0), c_tokens.get(lid))
         for lid, cosine in res.cosines.items():
             self.learners.record(lid, cosine)

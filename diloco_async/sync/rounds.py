@@ -387,7 +387,7 @@ class RoundTable:
         for lid, why in dropped.items():  # left out so that the others could merge
             self._reject(lid, _dropped_code(why, "merge_failed"), why.removeprefix("direction_outlier: "), f.p,
                          res.round_n, rnd.contributions[lid].ann)
-        self.guard.record_merge(res)
+        self.guard.record_merge(res, {lid: rnd.contributions[lid].ann.c_tokens for lid in res.merged})
         weak = [lid for lid in res.merged if res.factors.get(lid, 1.0) < 1.0]
         for lid in [x for x in weak if res.factors[x] <= 0.0]:  # merged with no weight: it moved nothing
             self.registry.ledgers[lid].count("zero_weight")

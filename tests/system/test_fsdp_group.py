@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_group import dump_stacks_if_hung, run_torchrun
 
 from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import Workload
@@ -137,9 +136,8 @@ def run_group(mode: str, tmp_path: Path, store_url: str, versions_path: Path) ->
     path = [REPO, REPO / "tests", REPO / "tests" / "system"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           __file__, "--group-worker", mode, store_url, str(versions_path), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(__file__, ["--group-worker", mode, store_url, str(versions_path), str(out)], tmp_path,
+                        timeout_s=600, env=env, name=mode)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return torch.load(out)
 
@@ -193,6 +191,7 @@ def test_bad_parallelism_is_refused_naming_the_value(overrides, named):
 
 
 if __name__ == "__main__":
+    dump_stacks_if_hung()
     ap = argparse.ArgumentParser()
     ap.add_argument("--group-worker", nargs=4, metavar=("MODE", "STORE", "VERSIONS", "OUT"), required=True)
     group_worker(*ap.parse_args().group_worker)

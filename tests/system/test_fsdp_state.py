@@ -14,14 +14,13 @@ import argparse
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_fsdp_group import FRAGMENTS, RUN, group_config, publish
 from torch.distributed.tensor import DTensor, Shard
+from torchrun_group import dump_stacks_if_hung, run_torchrun
 
 from diloco_async.inner.state import state_meta
 from diloco_async.inner.workload import Workload
@@ -103,9 +102,8 @@ def run_group(mode: str, model: str, tmp_path: Path, store_url: str, versions_pa
     path = [REPO, REPO / "tests", REPO / "tests" / "system"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           __file__, "--state-worker", mode, model, store_url, str(versions_path), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(__file__, ["--state-worker", mode, model, store_url, str(versions_path), str(out)], tmp_path,
+                        timeout_s=600, env=env, name=mode)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return {**torch.load(out), "log": proc.stderr}
 
@@ -149,6 +147,7 @@ def test_a_state_saved_by_another_group_size_is_refused_naming_both():
 
 
 if __name__ == "__main__":
+    dump_stacks_if_hung()
     ap = argparse.ArgumentParser()
     ap.add_argument("--state-worker", nargs=5, metavar=("MODE", "MODEL", "STORE", "VERSIONS", "OUT"), required=True)
     state_worker(*ap.parse_args().state_worker)

@@ -18,8 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import pytest
 import torch
 from test_integration import tiny_recipe
 from test_learner_faults import config, run_cluster
+from torchrun_group import dump_stacks_if_hung, run_torchrun
 
 from diloco_async.config.schema import load_config
 from diloco_async.inner.workload import Workload
@@ -109,10 +108,8 @@ def test_two_rank_learner_matches_one_process_with_twice_the_batch(tmp_path, acc
     path = [REPO, REPO / "tests", REPO / "tests" / "contract", REPO / "tests" / "system"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           __file__, "--group-worker", str(out), "--accum", str(accum),
-                           "--optimizer", optimizer], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(__file__, ["--group-worker", str(out), "--accum", str(accum), "--optimizer", optimizer],
+                        tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     group = torch.load(out)
 
@@ -296,4 +293,5 @@ if __name__ == "__main__":
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--optimizer", default="adamw")
     args = ap.parse_args()
+    dump_stacks_if_hung()
     group_worker(args.group_worker, args.accum, args.optimizer)

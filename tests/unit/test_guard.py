@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import safetensors.torch
@@ -14,6 +15,7 @@ from diloco_async.config.guard import GuardConfig
 from diloco_async.config.schema import load_config
 from diloco_async.learner.faults import poison_outer_gradient
 from diloco_async.policy.guard import (
+    NO_DIRECTION_CHECK,
     DirectionCheck,
     DirectionGuard,
     LearnerDirections,
@@ -288,6 +290,42 @@ def test_direction_guard_warms_up_and_keeps_only_whole_positive_cosines():
         g.record(0.05, 1.0)  # learners that hardly agree: the guard does not judge
     assert g.reference() is None
     assert DirectionGuard(GuardConfig(direction_warmup=1, direction_fraction=0.0)).reference() is None
+
+
+def test_a_short_honest_outer_gradient_keeps_its_weight_and_a_short_flip_still_loses_it():
+    """Issue 47: a slow learner's outer gradient of 1 step agrees less with a round of 16-step
+    ones (its noise is a larger part of it); judged against what one of its size shows, it keeps
+    its full weight, while judged against the 16-step reference it lost part of it."""
+    torch.manual_seed(0)
+    trend = torch.randn(20_000)
+
+    def honest(k: int) -> dict[str, torch.Tensor]:  # k steps: k mean steps and √k steps of noise
+        return {"w": k * 0.02 * trend + k ** 0.5 * 0.1 * torch.randn(20_000)}
+
+    steps = [16, 16, 16, 16, 1]
+    raw, weights = [honest(k) for k in steps], [float(k) for k in steps]
+    cos = leave_one_out_cosines(raw, weights)
+    reference = statistics.median(cos[:4])
+    assert cos[4] < 0.5 * reference  # the short one agrees less ...
+    assert direction_factor(cos[4], reference, 0.5) < 0.8  # ... and by the long ones' measure lost weight
+    assert direction_factor(cos[4], reference, 0.5, token_ratio=1 / 16) == 1.0  # by its own size: none
+    flipped = leave_one_out_cosines([*raw[:4], {"w": -raw[4]["w"]}], weights)[4]
+    assert direction_factor(flipped, reference, 0.5, token_ratio=1 / 16) == 0.0
+    assert direction_factor(0.1, 0.4, 0.5, token_ratio=4.0) == direction_factor(0.1, 0.4, 0.5)  # never stricter
+
+
+def test_direction_reference_brings_short_contributions_to_the_median_size():
+    g = DirectionGuard(GuardConfig(direction_warmup=3, norm_window=8))
+    for _ in range(3):
+        g.record(0.4, 1.0, c_tokens=1600)
+    for _ in range(3):
+        g.record(0.1, 1.0, c_tokens=100)  # the median size is 850: 0.1 / √(100/850) = 0.29
+    assert g.reference_tokens() == 850
+    # the median of 0.29 and 0.4, not of 0.1 and 0.4: the short ones do not drag the reference down
+    assert g.reference() == pytest.approx((0.1 * math.sqrt(8.5) + 0.4) / 2)
+    check = g.check(LearnerDirections(1))
+    assert check.reference_tokens == 850 and check.token_ratio(425) == pytest.approx(0.5)
+    assert NO_DIRECTION_CHECK.token_ratio(400) == 1.0
 
 
 def _direction_round():
