@@ -1,6 +1,6 @@
 """What a recipe needs before its processes start, and making it: ``diloco-async recipes`` lists
 it, the ``train`` and ``resume`` flows make it once per run, before the synchronizer or any
-learner starts (docs/recipes.md).
+learner starts (docs/data-and-models.md, "Your own model").
 
 * a Hugging Face Hub model (``model.hf.pretrained = "org/name"``, ``model.hf.revision``) or Hub
   data (``hf://datasets/...`` in ``data.urls``): downloaded by one child process into the

@@ -167,8 +167,9 @@ def recipe_prerequisites(name_or_path: str) -> list[Any]:
 
 def list_scenarios() -> list[tuple[str, str, list[str]]]:
     """(folder, file, description paragraphs) of every chaos, WAN and ablation scenario file
-    (:data:`SCENARIO_COMMANDS`), sorted; the file as ``configs/<folder>/<name>.toml`` in a source
-    checkout, else its installed path; a name found in the checkout hides the installed one."""
+    (:data:`SCENARIO_COMMANDS`), sorted; the file's path relative to the current folder where it
+    is under it (``configs/<folder>/<name>.toml`` from a checkout's root), else absolute (a path
+    that works wherever the command was run); a name found in the checkout hides the installed one."""
     found: dict[tuple[str, str], tuple[str, list[str]]] = {}
     for root in _recipe_dirs():
         for kind in SCENARIO_COMMANDS:
@@ -177,9 +178,16 @@ def list_scenarios() -> list[tuple[str, str, list[str]]]:
                 continue
             for entry in sorted(folder.iterdir(), key=lambda e: e.name):
                 if entry.name.endswith(".toml") and (kind, entry.name) not in found:
-                    shown = f"configs/{kind}/{entry.name}" if root == _CHECKOUT_CONFIGS else str(entry)
-                    found[(kind, entry.name)] = (shown, recipe_description(entry.read_text()))
+                    found[(kind, entry.name)] = (_shown(entry), recipe_description(entry.read_text()))
     return [(kind, *found[(kind, name)]) for kind, name in sorted(found)]
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the current folder where it is under it, else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
 
 
 def _missing_folders(path: Path) -> list[Path]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 __all__ = ["add_runs_parser", "runs_command", "format_runs"]
 
@@ -72,6 +73,8 @@ def runs_command(args: argparse.Namespace) -> int:
 
     try:
         store = ObjectStore(args.store, storage_options_from_env())
+        if store.protocol == "file" and not Path(store.root).is_dir():  # a typo, not an empty store
+            raise FileNotFoundError(f"no folder {store.root}")
         runs = describe_store(store, verify=args.verify)
     except (ValueError, OSError) as err:
         print(f"error: runs ls {args.store!r}: {type(err).__name__}: {err}", file=sys.stderr)

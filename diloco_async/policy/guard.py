@@ -30,13 +30,16 @@ majority against one). Honest learners of a round start from the same values and
 loss's descent direction: on ``make run``'s recipe their cosines sit around 0.3-0.6 and never
 below 0 (measured: minimum 0.09). A sign flip sits near the negative of that, a constant tensor
 near 0. Each contribution's merge weight is multiplied by
-``clamp(cos_i / (direction_fraction · c · min(1, √(t_i/T))), 0, 1)``, ``c`` the median of the
-recent cosines, ``t_i`` its ``c_tokens`` and ``T`` the median ``c_tokens`` behind ``c``: half
-the usual agreement of an outer gradient of its size or more keeps its full weight, less loses
-weight in proportion, down to none at 0. (A slow learner's short outer gradient carries more
-noise for its size and agrees less; judged by the longer ones' agreement it lost about half its
-weight, issue 47. Each recent cosine is brought to the size ``T`` before the median.) While three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one
-pointing away most is taken out of the others' consensus and the rest judged again without it,
+``clamp(cos_i / (direction_fraction · c_i), 0, 1)``, ``c`` the median of the recent cosines
+and ``c_i`` what it would be for an outer gradient of ``t_i`` tokens (its ``c_tokens``) where that
+is fewer than ``T``, the median ``c_tokens`` behind ``c``: ``c_i = 1/√(1 + (1/c² − 1)·T/t_i)``
+(:func:`cosine_at_size`: t tokens of mean direction and √t of noise), else ``c``. Half the usual
+agreement of an outer gradient of its size or more keeps its full weight, less loses weight in
+proportion, down to none at 0. (A slow learner's short outer gradient is more noise for its size
+and agrees less; judged by the longer ones' agreement it lost about half its weight, issue 47.
+Recent cosines of fewer tokens than ``T`` are brought to ``T`` the same way before the median.) While
+three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one pointing
+away most is taken out of the others' consensus and the rest judged again without it,
 so one flipped update cannot drag an honest one down (with two honest and one flipped, both
 honest cosines sit near 0) and the weights of a round never all fall to zero. What is taken out
 is left out of the merge (``direction_outlier``) if it points against the rest as much as honest
@@ -74,7 +77,7 @@ import torch
 from diloco_async.config.guard import GuardConfig
 
 __all__ = ["NormVerdict", "NormGuard", "DirectionGuard", "DirectionCheck", "NO_DIRECTION_CHECK", "LearnerDirections",
-           "leave_one_out_cosines",
+           "leave_one_out_cosines", "cosine_at_size",
            "direction_factor", "sustained_anti_alignment",
            "MIN_REFERENCE_COSINE", "tensor_norms", "non_finite_tensors"]
 
@@ -244,25 +247,37 @@ def leave_one_out_cosines(deltas: Sequence[Mapping[str, torch.Tensor]],
     return out
 
 
+def cosine_at_size(cosine: float, from_tokens: float, to_tokens: float) -> float:
+    """The cosine to its round's consensus that an honest outer gradient of ``to_tokens`` tokens
+    shows where one of ``from_tokens`` shows ``cosine`` (in (0, 1]): with Δ = t·s + √t·n (t tokens,
+    s the mean direction per token, n its noise), cos = 1/√(1 + a/t), a = |n|²/|s|², so
+    ``1/√(1 + (1/cosine² − 1) · from_tokens / to_tokens)``."""
+    c = min(1.0, max(cosine, 1e-6))
+    return 1.0 / math.sqrt(1.0 + (1.0 / (c * c) - 1.0) * from_tokens / to_tokens)
+
+
 def direction_factor(cosine: float | None, reference_cosine: float | None, fraction: float,
                      token_ratio: float = 1.0) -> float:
     """The merge-weight factor in [0, 1] of a contribution with this ``cosine`` to its round:
-    ``clamp(cosine / (fraction · reference_cosine · min(1, √token_ratio)), 0, 1)``; 1 when either
-    is None (nothing to compare with, or the guard is still warming up) or ``fraction`` is 0 (guard off).
+    ``clamp(cosine / (fraction · expected), 0, 1)``, ``expected`` the reference cosine brought to the
+    contribution's size (:func:`cosine_at_size`) when it is smaller than the reference's
+    (``token_ratio`` < 1), else the reference itself; 1 when either cosine is None (nothing to
+    compare with, or the guard is still warming up) or ``fraction`` is 0 (guard off).
 
     ``token_ratio`` is the contribution's ``c_tokens`` over the median ``c_tokens`` of the
-    contributions behind ``reference_cosine`` (:meth:`DirectionGuard.reference_tokens`): an honest
-    outer gradient of k steps is k mean steps plus √k steps of noise, so its agreement with the
-    others grows like √k where noise dominates (and stays under 1). A short one, from a slow
-    learner, is judged against what an honest one of its size shows, never a longer one's; a
-    longer one is judged as before (never more strictly). Its token weight already scales its pull.
+    contributions behind ``reference_cosine`` (:meth:`DirectionCheck.token_ratio`): an outer gradient
+    of few steps, from a slow learner, is more noise for its size and agrees less with the others;
+    it is judged against what an honest one of its size shows. A larger one is judged as before
+    (never more strictly). Its token weight already scales its pull.
     """
     if cosine is None or reference_cosine is None or fraction <= 0:
         return 1.0
-    expected = fraction * reference_cosine * min(1.0, math.sqrt(max(token_ratio, 0.0)))
-    if expected <= 0:
+    expected = reference_cosine
+    if 0 < token_ratio < 1:
+        expected = cosine_at_size(reference_cosine, 1.0, token_ratio)
+    elif token_ratio <= 0:
         return 1.0 if cosine > 0 else 0.0
-    return min(1.0, max(0.0, cosine / expected))
+    return min(1.0, max(0.0, cosine / (fraction * expected)))
 
 
 @dataclass(frozen=True)
@@ -305,13 +320,13 @@ class DirectionGuard:
         return float(statistics.median(sizes)) if sizes else None
 
     def reference(self) -> float | None:
-        """The median recent cosine, each brought to the median size first (one of ``t`` tokens,
-        under the median ``T``, divided by √(t/T), at most 1; :func:`direction_factor`), or None
-        while warming up or while it is under :data:`MIN_REFERENCE_COSINE`."""
+        """The median recent cosine, those of fewer tokens than the median brought to it first
+        (:func:`cosine_at_size`), or None while warming up or while it is under
+        :data:`MIN_REFERENCE_COSINE`."""
         if self.cfg.direction_fraction <= 0 or len(self.recent) < self.cfg.direction_warmup:
             return None
         size = self.reference_tokens()
-        scaled = [min(1.0, c / min(1.0, math.sqrt(t / size))) if t and size else c for c, t in self.recent]
+        scaled = [cosine_at_size(c, t, size) if t and size and t < size else c for c, t in self.recent]
         median = statistics.median(scaled)
         return median if median >= MIN_REFERENCE_COSINE else None
 

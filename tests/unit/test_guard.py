@@ -20,6 +20,7 @@ from diloco_async.policy.guard import (
     DirectionGuard,
     LearnerDirections,
     NormGuard,
+    cosine_at_size,
     direction_factor,
     leave_one_out_cosines,
     non_finite_tensors,
@@ -319,10 +320,12 @@ def test_direction_reference_brings_short_contributions_to_the_median_size():
     for _ in range(3):
         g.record(0.4, 1.0, c_tokens=1600)
     for _ in range(3):
-        g.record(0.1, 1.0, c_tokens=100)  # the median size is 850: 0.1 / √(100/850) = 0.29
+        g.record(0.1, 1.0, c_tokens=100)  # the median size is 850: 0.1 at 100 tokens is 0.28 at 850
     assert g.reference_tokens() == 850
-    # the median of 0.29 and 0.4, not of 0.1 and 0.4: the short ones do not drag the reference down
-    assert g.reference() == pytest.approx((0.1 * math.sqrt(8.5) + 0.4) / 2)
+    at_850 = 1 / math.sqrt(1 + (1 / 0.1 ** 2 - 1) * 100 / 850)
+    assert cosine_at_size(0.1, 100, 850) == pytest.approx(at_850) and 0.28 < at_850 < 0.29
+    # the median of 0.28 and 0.4, not of 0.1 and 0.4: the short ones do not drag the reference down
+    assert g.reference() == pytest.approx((at_850 + 0.4) / 2)
     check = g.check(LearnerDirections(1))
     assert check.reference_tokens == 850 and check.token_ratio(425) == pytest.approx(0.5)
     assert NO_DIRECTION_CHECK.token_ratio(400) == 1.0
