@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= configs/default.toml
+# make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu: torch 2.13.0 from that index first (PyPI's
+# Linux torch is the CUDA build, several GB); empty: pip's own indexes (this machine's carry the CPU wheel)
+TORCH_INDEX ?=
 
 export PREFECT_HOME ?= $(CURDIR)/.local/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -43,6 +46,7 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 		'make setup needs Python 3.11 (constraints.txt is the freeze of a 3.11 environment; docs/install.md); $(PYTHON) is %d.%d: run make PYTHON=python3.11' \
 		% sys.version_info[:2])"
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -c constraints.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@

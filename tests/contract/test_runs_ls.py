@@ -94,9 +94,13 @@ def test_runs_ls_prints_a_table_per_run(store_url, capsys):
     assert f"resume {store_url}/{RUN_DONE}" not in out  # finished: nothing to continue
 
 
-def test_runs_ls_of_an_empty_store_and_of_a_bad_url(tmp_path, capsys):
-    assert main(["runs", "ls", f"file://{tmp_path}/nothing"]) == 0
-    assert capsys.readouterr().out.strip() == f"no run (no folder with a config.json) in file://{tmp_path}/nothing"
+def test_runs_ls_of_an_empty_store_a_missing_folder_and_a_bad_url(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["runs", "ls", f"file://{tmp_path}/empty"]) == 0
+    assert capsys.readouterr().out.strip() == f"no run (no folder with a config.json) in file://{tmp_path}/empty"
+    assert main(["runs", "ls", f"file://{tmp_path}/nothing"]) == 2  # a typo is not an empty store
+    err = capsys.readouterr().err
+    assert f"no folder {tmp_path}/nothing" in err and "Traceback" not in err
     assert main(["runs", "ls", "ftp://host/x"]) == 2
     err = capsys.readouterr().err
     assert "ftp://host/x" in err and "Traceback" not in err
