@@ -19,7 +19,7 @@ from prefect import get_run_logger
 from prefect.states import Completed
 from rich.console import Console
 
-from diloco_async.flows.links import MlflowLinks, publish_summary
+from diloco_async.flows.links import MAKE_UI_URL, MlflowLinks, publish_summary
 from diloco_async.flows.summary import stopped_by_signal, summary_table
 
 __all__ = ["INTERRUPTED_LEARNER_WAIT_S", "STOPPED_STATE_NAME", "STOPPED_TAG", "interrupted", "finish", "run_logs"]
@@ -84,6 +84,9 @@ def finish(run: Any, summary: dict, links: MlflowLinks) -> Any:
     publish_summary(summary, links.run_url, links.runs_table_url)
     get_run_logger().info("MLflow run %s: %s", summary["mlflow_run_id"], links.run_url)
     get_run_logger().info("MLflow runs table (eval loss, goodput, tokens): %s", links.runs_table_url)
+    if links.run_url.startswith(MAKE_UI_URL):  # no tracking server of the run's own: nothing serves them yet
+        get_run_logger().info("these open while `make ui` serves the run's database (outside a checkout: "
+                              "`mlflow server`, docs/install.md)")
     if not stopped_by_signal(summary):
         return summary
     # no address in the message: Prefect prints it quoted, and a terminal would link the quote too
