@@ -29,7 +29,7 @@ EXPECTED_METRICS = {
 }
 
 
-def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path, capfd):
+def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path, caplog):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     overrides = [
         f"run.store=file://{tmp_path}/store", f"run.workdir={tmp_path}/runs",
@@ -96,7 +96,7 @@ def test_train_flow_logs_everything_to_mlflow(prefect_server, tmp_path, capfd):
     assert flow_run_url.startswith("http") and flow_run_url.endswith(flow_run_id)
     page = f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert summary["mlflow_run_url"] == "http://127.0.0.1:5000" + page  # a sqlite store: what `make ui` serves
-    assert "these open while `make ui` serves the run's database" in capfd.readouterr().err  # and it says so
+    assert "these open while `make ui` serves the run's database" in caplog.text  # and it says so
     markdown = _summary_artifact(summary["run_id"], flow_run_id)
     assert f": {summary['mlflow_run_url']}\n" in markdown and f"| merges | {summary['merges']} |" in markdown
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
