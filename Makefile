@@ -237,7 +237,7 @@ bench-sync-memory: data
 ##             the peak RSS of tokenizing a 5 GiB corpus within 10% of a 0.5 GiB one (benchmarks/data_bars.py;
 ##             corpora from benchmarks/synth_corpus.py, generated under DATA_BENCH_DIR and deleted; ~17 GB free disk).
 DATA_BENCH_DIR ?= /tmp
-bench-data:
+bench-data: setup
 	$(PY) -m benchmarks.data_bars --dir $(DATA_BENCH_DIR)
 
 ## bench-leases: a learner's tokens/s on leased slices (data.slices, DESIGN §5.2) against its fixed shard, LEASE_PAIRS

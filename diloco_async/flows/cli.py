@@ -121,6 +121,10 @@ def _resume(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - the store could not be read (no credentials, no route): say so, no trace
+        print(f"error: resume {args.checkpoint_url!r}: cannot read the store ({type(err).__name__}: {err})",
+              file=sys.stderr)
+        return 2
     from diloco_async.flows.train import run_resume_cli
 
     return interrupts.run_flow(run_resume_cli, args.checkpoint_url, config, overrides=args.set or [])
@@ -331,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "simulate":
         return _simulate(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.func in (_train, _resume, _chaos):  # Prefect makes its home at import, but not the folders above it
+        import os
+
+        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     return int(args.func(args) or 0)
 
 

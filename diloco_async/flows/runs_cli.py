@@ -73,10 +73,11 @@ def runs_command(args: argparse.Namespace) -> int:
 
     try:
         store = ObjectStore(args.store, storage_options_from_env())
-        if store.protocol == "file" and not Path(store.root).is_dir():  # a typo, not an empty store
-            raise FileNotFoundError(f"no folder {store.root}")
+        root = Path(store.root)
+        if store.protocol == "file" and not root.is_dir():  # a typo, not an empty store
+            raise FileNotFoundError(f"{root} is a file, not a folder" if root.exists() else f"no folder {root}")
         runs = describe_store(store, verify=args.verify)
-    except (ValueError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - a missing folder, a bad URL, no credentials (botocore's own errors)
         print(f"error: runs ls {args.store!r}: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -101,6 +101,9 @@ def test_runs_ls_of_an_empty_store_a_missing_folder_and_a_bad_url(tmp_path, caps
     assert main(["runs", "ls", f"file://{tmp_path}/nothing"]) == 2  # a typo is not an empty store
     err = capsys.readouterr().err
     assert f"no folder {tmp_path}/nothing" in err and "Traceback" not in err
+    (tmp_path / "afile").write_text("x")
+    assert main(["runs", "ls", f"file://{tmp_path}/afile"]) == 2
+    assert f"{tmp_path}/afile is a file, not a folder" in capsys.readouterr().err
     assert main(["runs", "ls", "ftp://host/x"]) == 2
     err = capsys.readouterr().err
     assert "ftp://host/x" in err and "Traceback" not in err
