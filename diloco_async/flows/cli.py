@@ -36,6 +36,15 @@ def _set_environment_defaults() -> None:
     os.environ["PREFECT_HOME"] = os.path.abspath(os.environ["PREFECT_HOME"])
 
 
+def _make_prefect_home() -> None:
+    """Make ``PREFECT_HOME`` with its parents: Prefect makes its home at import, not the folders
+    above it (a new folder has no ``.local/``), and warns. Called once the command's checks passed,
+    just before the flow's module imports Prefect (a refused command leaves nothing behind)."""
+    import os
+
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+
+
 def _check_config(path: str | None, overrides: list[str]) -> str | None:
     """Resolve the recipe (a path or a shipped name), validate it and list its corpus URLs before
     anything starts; print the error (no traceback) and return None if bad, else the recipe's path."""
@@ -71,6 +80,7 @@ def _train(args: argparse.Namespace) -> int:
     recipe = _check_config(args.config, args.set or [])
     if recipe is None or _weak_secret():
         return 2
+    _make_prefect_home()
     from diloco_async.flows.train import run_train_cli
 
     return interrupts.run_flow(run_train_cli, recipe, overrides=args.set or [])
@@ -125,6 +135,7 @@ def _resume(args: argparse.Namespace) -> int:
         print(f"error: resume {args.checkpoint_url!r}: cannot read the store ({type(err).__name__}: {err})",
               file=sys.stderr)
         return 2
+    _make_prefect_home()
     from diloco_async.flows.train import run_resume_cli
 
     return interrupts.run_flow(run_resume_cli, args.checkpoint_url, config, overrides=args.set or [])
@@ -162,6 +173,7 @@ def _chaos(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    _make_prefect_home()
     from diloco_async.flows.chaos import run_chaos_cli
 
     interrupts.STOP["at_once"] = True
@@ -335,10 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "simulate":
         return _simulate(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.func in (_train, _resume, _chaos):  # Prefect makes its home at import, but not the folders above it
-        import os
-
-        os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     return int(args.func(args) or 0)
 
 
