@@ -307,9 +307,10 @@ class KillMatrix:
         text = (Path(self.result.log_dir) / "synchronizer.log").read_text(errors="replace")
         for p, n, lid in sorted(merged_contributions(text)):
             shapes = {s.name: s.shape for s in plan.fragments[p]}
-            prefix = keys.contribution_round_prefix(run_id, p, n) + f"/{lid}-"
-            for key in [k for k in store.list(keys.contribution_round_prefix(run_id, p, n)) if k.startswith(prefix)]:
-                self.result.merged_checked += 1
-                if not _complete(store.get_unverified(key), codec, shapes, key):
-                    self.result.merged_incomplete.append(key)
+            for r in (n - 1, n) if n > 1 else (n,):  # a late contribution joins the next round (DESIGN §3.5)
+                folder = keys.contribution_round_prefix(run_id, p, r)
+                for key in [k for k in store.list(folder) if k.startswith(f"{folder}/{lid}-")]:
+                    self.result.merged_checked += 1
+                    if not _complete(store.get_unverified(key), codec, shapes, key):
+                        self.result.merged_incomplete.append(key)
         self.result.published_read, self.result.published_non_finite, _ = published_extremes(store, run_id, plan)

@@ -187,6 +187,10 @@ class SynchronizerConfig(_Section, schedules.OuterScheduleFields):
         True, description="False merges as soon as the quorum is met (synchronous baseline uses K=M)."
     )
     max_staleness: int = Field(4, ge=0, description="S, versions kept; older bases are rejected.")
+    fold_late: bool = Field(
+        True, description="A contribution announced after its round closed joins its fragment's next round "
+        "when that one is open, its base is still kept and its learner has not answered it (DESIGN §3.5); "
+        "false answers it late.")
     merge: Literal["rda", "mean"] = Field("rda", description="Merge of outer gradients (DESIGN §4.4).")
     download_codec: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field(
         "fp32", description="Codec of the published versions learners download (diloco_async/codec/versions.py); "

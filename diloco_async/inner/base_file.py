@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-__all__ = ["BaseFile", "BaseFileError", "HeldBase", "LazyTensor", "base_folder", "keep_base", "to_base_file"]
+__all__ = ["BaseFile", "BaseFileError", "HeldBase", "LazyTensor", "base_folder", "keep_base", "overwrite_param",
+           "to_base_file"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -286,3 +287,12 @@ def to_base_file(tensors: Mapping[str, torch.Tensor], learner_id: str) -> BaseFi
     if isinstance(tensors, BaseFile):
         return tensors
     return BaseFile.write(tensors, base_folder(learner_id))
+
+
+def overwrite_param(param: torch.Tensor, new: Mapping[str, torch.Tensor], name: str) -> None:
+    """θ ← Θ^new of one tensor: read from a base file straight into a CPU parameter (no new tensor, no second
+    copy; the learner stops if the bytes are not those written), else copied (to a GPU: queued, not waited)."""
+    if isinstance(new, BaseFile) and new.can_read_into(name, param):
+        new.read_into(name, param)
+    else:
+        param.copy_(new[name], non_blocking=True)

@@ -12,14 +12,14 @@ import os
 import queue
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from diloco_async.config.schema import Config
-from diloco_async.inner.base_file import BaseFile
+from diloco_async.inner.base_file import overwrite_param
 from diloco_async.inner.state import state_meta
 from diloco_async.inner.workload import Workload
 from diloco_async.learner.device_copies import to_host_async
@@ -72,15 +72,6 @@ class _InFlight:
     round_n: int
     params: dict[str, torch.Tensor]
     progress: Progress
-
-
-def _overwrite(param: torch.Tensor, new: Mapping[str, torch.Tensor], name: str) -> None:
-    """θ ← Θ^new of one tensor: read from a base file straight into a CPU parameter (no new tensor, no second
-    copy; the learner stops if the bytes are not those written), else copied (to a GPU: queued, not waited)."""
-    if isinstance(new, BaseFile) and new.can_read_into(name, param):
-        new.read_into(name, param)
-    else:
-        param.copy_(new[name], non_blocking=True)
 
 
 class InnerLoop:
@@ -159,7 +150,6 @@ class InnerLoop:
                 self.shared.epoch_changed.clear()
                 self.answered.clear()  # round numbers may be reused by the restarted synchronizer
                 self.in_flight.clear()  # contributions in flight will not be merged
-            self._read_outcomes()
             if self.replay is None:
                 self._answer_rounds()
             blocked = self.lc.barrier and self._barrier_blocked()
@@ -190,8 +180,9 @@ class InnerLoop:
     # ------------------------------------------------------------------ step boundary ---------
 
     def _adopt_arrivals(self) -> list[int]:
-        """Adopt every downloaded version newer than the base (held ones go back to the queue);
-        returns the fragments adopted."""
+        """Read the outcomes heard (:meth:`_read_outcomes`), then adopt every downloaded version newer than
+        the base (held ones go back to the queue); returns the fragments adopted."""
+        self._read_outcomes()
         sh, deferred, adopted_now = self.shared, [], []
         if not sh.adopt_queue.empty():
             self.spooler.wait_mutable()  # an adoption writes θ in place
@@ -213,7 +204,7 @@ class InnerLoop:
                     self.versions.append(v)
                 elif self.lc.adopt == "overwrite":  # θ ← Θ^new read from its file one tensor at a time
                     for n in new:
-                        _overwrite(params[n], new, n)
+                        overwrite_param(params[n], new, n)
                 else:  # mix and rebase on θ's device (the snapshot of rebase is there already)
                     adopted = adopt(self.lc.adopt, params, new, mix_alpha=self.lc.mix_alpha,
                                     base=self.base_tensors[p], snapshot=snap.params if snap and snap.params else None)
@@ -244,11 +235,20 @@ class InnerLoop:
             self.heap_release.released(self._process.memory_info().rss)
 
     def _read_outcomes(self) -> None:
+        """Outcomes before adoptions at a boundary: a version adopted with the contribution in flight
+        takes it as merged (``rebase`` keeps only the progress since), so a ``late`` one is heard first.
+        ``folded``: the one in flight joined round n of p (DESIGN §3.5), which counts as answered."""
         while True:
             try:
                 p, n, status = self.shared.outcomes.get_nowait()
             except queue.Empty:
                 break
+            if status == "folded":
+                self.answered.add((p, n))
+                self.next_n[p] = max(self.next_n[p], n + 1)
+                if p in self.in_flight and self.in_flight[p].round_n < n:
+                    self.in_flight[p].round_n = n
+                continue
             if self.feed is not None:  # its slices may be handed back once nothing else names them
                 self.feed.settled(p, n)
             if status not in ("accepted", "duplicate") and p in self.in_flight and self.in_flight[p].round_n == n:

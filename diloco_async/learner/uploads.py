@@ -214,22 +214,27 @@ class Uploads:
         """A replayed boundary's answers to the contributions it carried (in order): as :meth:`_announce_and_report`
         does with one ack (a missing ack: ``failed``)."""
         for i, (job, _body) in enumerate(announced):
-            status = acks[i].status if i < len(acks) else "failed"
+            ack = acks[i] if i < len(acks) else None
+            status = ack.status if ack is not None else "failed"
             level = logging.INFO if status in ("accepted", "duplicate") else logging.WARNING
             log.log(level, "%s fragment %d round %d: %s (%s; replay)", self.learner_id, job.fragment, job.round_n,
-                    status, acks[i].reason if i < len(acks) else "no answer")
-            self._report(job, status)
+                    status, ack.reason if ack is not None else "no answer")
+            self._report(job, status, ack.round_n if ack is not None else None)
 
     async def _announce_and_report(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> None:
-        self._report(job, await self._announce(client, job, body))
+        ack = await self._announce(client, job, body)
+        self._report(job, ack.status if ack is not None else "failed", ack.round_n if ack is not None else None)
 
-    def _report(self, job: UploadJob, status: str) -> None:
+    def _report(self, job: UploadJob, status: str, joined_round: int | None = None) -> None:
         """What became of ``job``'s announcement: its error-feedback residual kept or not, the training
-        thread told."""
+        thread told. ``joined_round``: the round it was admitted into when its own had closed (DESIGN §3.5),
+        told as a second outcome ``(fragment, joined_round, "folded")``."""
         settle = self._residuals.pop(job.update_id, None)
         if settle is not None and self.shared.feedback is not None:  # error feedback: kept only if taken
             self.shared.feedback.settle(job.fragment, *settle, status)
         self.shared.outcomes.put((job.fragment, job.round_n, status))
+        if status == "accepted" and joined_round is not None and joined_round != job.round_n:
+            self.shared.outcomes.put((job.fragment, joined_round, "folded"))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:
         """Encode ``job``'s outer gradient, free it, and put the bytes under ``key``; returns the ref."""
@@ -252,9 +257,10 @@ class Uploads:
         self.shared.link.record("up", job.fragment, ref.nbytes, time.monotonic() - t0)
         return ref
 
-    async def _announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob, body: dict) -> str:
+    async def _announce(self, client: SyncClient | ShardedSyncClient, job: UploadJob,
+                        body: dict) -> AnnouncementAck | None:
         """Announce until acknowledged (same update id every time), stopped, or
-        ``announce_timeout_s`` passed; returns the ack's status, or ``failed``: then the
+        ``announce_timeout_s`` passed; returns the ack, or None (``failed``): then the
         contribution is counted undeliverable (``shared.undeliverable``, reported in heartbeats to
         every synchronizer shard; DESIGN §2.2), never dropped silently."""
         backoff = synchronizer_backoff()
@@ -269,9 +275,9 @@ class Uploads:
             level = logging.INFO if ack.status in ("accepted", "duplicate") else logging.WARNING
             log.log(level, "%s fragment %d round %d: %s (%s)", self.learner_id, job.fragment, job.round_n,
                     ack.status, ack.reason)
-            return ack.status
+            return ack
         self.shared.undeliverable[str(job.fragment)] += 1
         log.warning("%s fragment %d round %d: announcement not acknowledged within %.0f s (its synchronizer "
                     "unreachable): counted undeliverable, %d of fragment %d so far", self.learner_id, job.fragment,
                     job.round_n, self.announce_timeout_s, self.shared.undeliverable[str(job.fragment)], job.fragment)
-        return "failed"
+        return None

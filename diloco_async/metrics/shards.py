@@ -19,9 +19,10 @@ from diloco_async.metrics.goodput import OBSERVED_CAUSES, LearnerLedger, badput_
 
 __all__ = ["aggregate_status", "aggregate_learner", "OWNED_COUNTS", "OWNED_BADPUT"]
 
-OWNED_COUNTS = ("merges", "contributions_merged", "contributions_late", "contributions_rejected", "actor_errors",
-                "rounds_abandoned", "contributions_clipped", "contributions_downweighted", "verifications_dropped",
-                "duplicates", "bytes_in", "checkpoints", "gc_deleted_objects", "gc_kept_for_reads", "metrics_total")
+OWNED_COUNTS = ("merges", "contributions_merged", "contributions_late", "contributions_folded",
+                "contributions_rejected", "actor_errors", "rounds_abandoned", "contributions_clipped",
+                "contributions_downweighted", "verifications_dropped", "duplicates", "bytes_in", "checkpoints",
+                "gc_deleted_objects", "gc_kept_for_reads", "metrics_total")
 """Counts each shard keeps of its own fragments or requests: the run's is their sum."""
 OWNED_BY_REASON = ("rejected_by_reason", "bad_requests", "rounds_abandoned_by_reason", "clamped_by_reason")
 """Counts by reason, summed reason by reason."""

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from diloco_async.policy.rounds import DUPLICATE_REASON, Admission, RoundState
+from diloco_async.policy.rounds import DUPLICATE_REASON, Admission, RoundStage, RoundState
 from diloco_async.protocol.messages import Announcement
 
-__all__ = ["AnnouncementRules", "FragmentFacts", "admit_announcement"]
+__all__ = ["AnnouncementRules", "FragmentFacts", "admit_announcement", "folds_into_next"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,21 @@ class FragmentFacts:
     version: int
     next_round: int
     kept_versions: frozenset[int]
+
+
+def folds_into_next(ann: Announcement, next_round: RoundState | None, settled_key: str | None) -> bool:
+    """Whether a late announcement (its round ``ann.round_n`` closed) joins round ``ann.round_n + 1`` of
+    its fragment instead of being answered ``late`` (DESIGN §3.5, ``synchronizer.fold_late``).
+
+    It does when that round is open or in its grace window, its learner has no entry there (no
+    announcement, no refusal) and this key did not settle in the closed round (a replay of a merged
+    contribution stays a duplicate). Only the round right after: garbage collection keeps the
+    contributions of the round before the open one (DESIGN §5), so the folded object is still there.
+    The admission checks then apply to the round it joins (:func:`admit_announcement`; the key may lie
+    under the announced round's prefix).
+    """
+    return (next_round is not None and next_round.stage in (RoundStage.OPEN, RoundStage.GRACE)
+            and ann.learner_id not in next_round.entries and settled_key != ann.key)
 
 
 def admit_announcement(

@@ -240,6 +240,9 @@ class Announcement(_Msg):
 class AnnouncementAck(_Msg):
     status: Literal["accepted", "duplicate", "late", "rejected"]
     reason: str
+    round_n: int | None = Field(None, ge=1, le=STEP_MAX, description="The round it was admitted into when not "
+                                "the one announced: a late contribution folded into its fragment's next round "
+                                "(DESIGN §3.5).")
 
 
 class LeaseRequest(_Msg):

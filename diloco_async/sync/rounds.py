@@ -12,8 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
-from diloco_async.merge.core import token_weight
-from diloco_async.policy.admission import AnnouncementRules, admit_announcement
+from diloco_async.policy.admission import AnnouncementRules, admit_announcement, folds_into_next
 from diloco_async.policy.fragments import fragment_offset
 from diloco_async.policy.pace import implausible_contribution
 from diloco_async.policy.rounds import (
@@ -52,13 +51,6 @@ log = logging.getLogger("diloco.synchronizer")
 
 #: (learner, fragment, round) keys of closed rounds remembered to answer a replay ``duplicate``; older: ``late``
 SETTLED_CAP = 4096
-
-
-def _merged_contribution(learner_id: str, ann: Announcement) -> dict:
-    """A merged contribution in the merge log: who, its counters, leased slices (if any, DESIGN §5.2) and token
-    weight c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
-    return {"learner": learner_id, "c_tokens": ann.c_tokens, "c_steps": ann.c_steps, "base_version": ann.base_version,
-            "token_weight": token_weight(ann.c_tokens, ann.c_steps), **({"slices": ann.slices} if ann.slices else {})}
 
 
 class RoundTable:
@@ -164,7 +156,11 @@ class RoundTable:
         ann, why = self.slices.check_announcement(ann)  # slices held (refused if not), c_tokens within them
         if why is not None:
             return self._reject(lid, NOT_HELD, why, p, n, ann)
-        rnd = self.rounds.get((p, n))
+        announced_n, rnd = n, self.rounds.get((p, n))
+        if rnd is None and f is not None and self.sc.fold_late and n < f.next_round:
+            nxt = self.rounds.get((p, n + 1))  # late: it joins the next round where it may (DESIGN §3.5)
+            if nxt is not None and folds_into_next(ann, nxt.state, self.settled.get((lid, p, n))):
+                ann, n, rnd = ann.model_copy(update={"round_n": n + 1}), n + 1, nxt
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)
         if info is not None and bound is not None and rnd is not None and lid not in rnd.state.entries:
@@ -176,7 +172,7 @@ class RoundTable:
         adm = admit_announcement(
             ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
-            rules=AnnouncementRules(keys.contribution_round_prefix(self.ctx.run_id, p, n) + "/", wire.CODECS,
+            rules=AnnouncementRules(keys.contribution_round_prefix(self.ctx.run_id, p, announced_n) + "/", wire.CODECS,
                                     self.sc.max_staleness))
         if adm.status == "rejected":
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
@@ -195,7 +191,13 @@ class RoundTable:
         rnd.contributions[lid] = Contribution(ann, lr_warmup=first_step < self.ctx.cfg.learners.warmup_steps)
         rnd.none_pending.clear()
         self.ctx.spawn(self._verify(f, ann))
-        return AnnouncementAck(status="accepted", reason=adm.reason)
+        if n == announced_n:
+            return AnnouncementAck(status="accepted", reason=adm.reason)
+        self.report.count("contributions_folded")
+        self.settled[(lid, p, announced_n)] = ann.key  # a replay of it is a duplicate, never folded twice
+        log.info("late contribution learner=%s fragment=%d round=%d joins round %d", lid, p, announced_n, n)
+        return AnnouncementAck(status="accepted", reason=f"{adm.reason}; round {announced_n} had closed",
+                               round_n=n)
 
     def _decided(self, learner: str, p: int, n: int, fate: str, reason: str = "",
                  ann: Announcement | None = None) -> None:
@@ -415,7 +417,7 @@ class RoundTable:
         self.report.merged(self.ctx.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version, "sha256": res.ref.sha256,
             "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged if factor[lid] > 0],
-            "contributions": [_merged_contribution(lid, rnd.contributions[lid].ann) for lid in res.merged]})
+            "contributions": [rnd.contributions[lid].merge_record() for lid in res.merged]})
         for lid in res.merged:
             ann, w = rnd.contributions[lid].ann, factor[lid]
             self.registry.ledgers[lid].credit_merge(ann.c_tokens, ann.compute_s, f.share, w)

@@ -19,7 +19,7 @@ import torch
 from diloco_async.codec.held import EncodedTensors
 from diloco_async.config.schema import Config, SynchronizerConfig
 from diloco_async.merge.buffer_pool import SMALL_SPARE_BYTES, BufferPool
-from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer
+from diloco_async.merge.core import OuterOptimizer, make_outer_optimizer, token_weight
 from diloco_async.models import build_run_model, plan_of, trainable_parameters
 from diloco_async.policy.admission import FragmentFacts
 from diloco_async.policy.fragments import FragmentPlan
@@ -198,6 +198,13 @@ class Contribution:
     scales: dict[str, float] = field(default_factory=dict)  # tensors the guard clipped, name -> factor
     norms: dict[str, torch.Tensor] = field(default_factory=dict)  # Δ's float32 norms from its verification
     lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
+
+    def merge_record(self) -> dict:
+        """This contribution in the merge log: who, its counters, leased slices (if any, DESIGN §5.2) and
+        token weight c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
+        a = self.ann
+        return {"learner": a.learner_id, "c_tokens": a.c_tokens, "c_steps": a.c_steps, "base_version": a.base_version,
+                "token_weight": token_weight(a.c_tokens, a.c_steps), **({"slices": a.slices} if a.slices else {})}
 
 
 @dataclass

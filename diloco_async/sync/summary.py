@@ -83,7 +83,7 @@ def summary(ctx: ActorContext, *, book: FragmentBook, table: RoundTable, registr
         "uptime_max_gap_s": max_gap,
         "merges": c["merges"],
         "contributions_merged": c["contributions_merged"],
-        "contributions_late": c["contributions_late"],
+        "contributions_late": c["contributions_late"], "contributions_folded": c["contributions_folded"],
         "contributions_rejected": c["contributions_rejected"],
         "rejected_by_reason": {**rep.rejected_by_reason, **{k: v for k, v in rep.edge_rejections.items() if v}},
         "bad_requests": dict(rep.bad_requests),

@@ -233,6 +233,54 @@ async def test_replayed_announcement_counted_once():
             assert torch.allclose(got[n], want[n], atol=1e-6)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+async def test_a_contribution_announced_after_its_round_closed_joins_the_next_round(fold):
+    """Learner c's contribution to round 1 arrives once round 1 merged without it and round 2 is
+    open: it is admitted into round 2 and merged there (``synchronizer.fold_late``, DESIGN §3.5),
+    once only; with folding off it is answered late and thrown away."""
+    cfg = small_config(**{"synchronizer.grace_enabled": "false", "synchronizer.fold_late": str(fold).lower()})
+    async with running(cfg) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        for lid, seed in (("a", 1), ("b", 2)):
+            await contribute(client, store, lid, fragment_delta(plan, seed))
+        await wait_version(client, 0, 1)
+        for lid in LEARNERS:  # the global step reaches round 2's due step (H = 4)
+            assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
+
+        async def round_2_open():
+            return round_of(await status(client), 0, 2)
+        await await_until(round_2_open, 30, "round (0, 2) to open")
+        body, ack = await contribute(client, store, "c", fragment_delta(plan, 3))  # announced for round 1
+        if not fold:
+            assert (ack["status"], ack["round_n"]) == ("late", None) and ack["reason"] == "round p0 r1 is closed"
+            st = await status(client)
+            assert st["contributions_late"] == 1 and st["contributions_folded"] == 0
+            assert st["learners"]["c"]["contributions"] == {"late": 1}
+            return
+        assert (ack["status"], ack["round_n"]) == ("accepted", 2) and "round 1 had closed" in ack["reason"]
+        again = await (await client.post("/announce", json=body, headers=AUTH)).json()  # a retry
+        assert (again["status"], again["round_n"]) == ("duplicate", None)
+        da2 = fragment_delta(plan, 4)
+        data = wire.encode_to_bytes(da2, "fp32", {})
+        ref = store.put(keys.contribution_key("run1", 0, 2, "a", uuid.uuid4().hex[:8]), data)
+        a2 = dict(body, learner_id="a", round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes,
+                  sha256=ref.sha256, update_id=uuid.uuid4().hex[:8])
+        assert (await (await client.post("/announce", json=a2, headers=AUTH)).json())["status"] == "accepted"
+
+        async def version_2():
+            st = await status(client)
+            return st if st["versions"]["0"] >= 2 else None
+        st = await await_until(version_2, 30, "fragment 0 to reach version 2")
+        assert st["contributions_folded"] == 1 and st["contributions_late"] == 0 and st["contributions_merged"] == 4
+        assert st["learners"]["c"]["contributions"] == {"merged": 1}
+        merge = next(m for m in st["recent_merges"] if m["round"] == 2)
+        assert sorted(merge["learners"]) == ["a", "c"]
+        replay = await (await client.post("/announce", json=body, headers=AUTH)).json()  # after round 2 merged
+        assert replay["status"] == "duplicate"
+        assert (await status(client))["contributions_merged"] == 4
+
+
 async def test_request_without_token_gets_401_and_is_counted():
     async with running(small_config()) as (_sync, client, _store):
         r = await client.post("/join", json={"learner_id": "a"})

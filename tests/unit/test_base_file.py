@@ -12,7 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 from diloco_async.codec.versions import apply_decoded
-from diloco_async.inner.base_file import BaseFile, BaseFileError, HeldBase, LazyTensor, base_folder, keep_base
+from diloco_async.inner.base_file import (
+    BaseFile,
+    BaseFileError,
+    HeldBase,
+    LazyTensor,
+    base_folder,
+    keep_base,
+    overwrite_param,
+)
 from diloco_async.inner.state import capture, restore
 from diloco_async.learner.rules import adopt, encoded_outer_gradient, outer_gradient
 from diloco_async.learner.spool import remove_dead_spool_folders
@@ -216,8 +224,6 @@ def test_read_into_fills_a_parameter_in_place_and_checks_the_bytes(tmp_path):
 
 
 def test_an_overwrite_adoption_reads_a_base_file_into_the_parameter_without_a_lookup(tmp_path, monkeypatch):
-    from diloco_async.learner.training import _overwrite
-
     new = awkward(8)
     held = BaseFile.write(new, str(tmp_path))
     param = torch.nn.Parameter(torch.zeros(64, 48))
@@ -228,12 +234,12 @@ def test_an_overwrite_adoption_reads_a_base_file_into_the_parameter_without_a_lo
     with monkeypatch.context() as m:
         m.setattr(BaseFile, "__getitem__", no_lookup)
         with torch.no_grad():
-            _overwrite(param, held, "blocks.0.w")
+            overwrite_param(param, held, "blocks.0.w")
     assert torch.equal(bits(param.detach()), bits(new["blocks.0.w"]))
     # a parameter the file cannot be read into (another dtype), or a base in RAM: copied
     half = torch.zeros(64, 48, dtype=torch.bfloat16)
-    _overwrite(half, held, "blocks.0.w")
+    overwrite_param(half, held, "blocks.0.w")
     assert torch.equal(half, new["blocks.0.w"].to(torch.bfloat16))
     in_ram = torch.zeros(48)
-    _overwrite(in_ram, HeldBase(new), "blocks.0.b")
+    overwrite_param(in_ram, HeldBase(new), "blocks.0.b")
     assert torch.equal(bits(in_ram), bits(new["blocks.0.b"]))

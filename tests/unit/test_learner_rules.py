@@ -212,6 +212,53 @@ def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
     assert all(torch.equal(got[n], want[n]) for n in specs)
 
 
+def test_a_late_contribution_keeps_its_progress_and_a_folded_one_answers_its_new_round(tmp_path):
+    """``rebase``: a version adopted at the boundary where the contribution in flight was answered
+    ``late`` keeps all the progress (the outcome is read first); one folded into round 2 (DESIGN §3.5)
+    stays in flight for round 2, which then counts as answered (no second contribution to it)."""
+    from diloco_async.learner.rules import Progress
+    from diloco_async.learner.state import Shared
+    from diloco_async.learner.training import InnerLoop, StartPoint
+    from diloco_async.metrics.timeline import Recorder
+    from diloco_async.models import plan_of
+    from diloco_async.protocol.messages import VersionInfo
+
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
+                             "learners.batch_size=2", "synchronizer.num_fragments=2", "learners.adopt=rebase"])
+    w = Workload.from_config(cfg, index=0, incarnation=0)
+    plan = plan_of(w.model, 2)
+    base = {p: {n: w.params[n].detach().clone() + 0.5 for n in plan.names(p)} for p in range(2)}
+    shared = Shared()
+    shared.base.update({0: 0, 1: 0})
+    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="learner-0", start=StartPoint(base))
+    version = VersionInfo(fragment=0, version=1, key="k", nbytes=1, sha256="0" * 64)
+
+    def boundary_with(outcomes, progress_after_contribution):
+        loop.progress[0] = Progress(4, 400, 2.0)
+        loop._contribute(0, 1)
+        loop.progress[0] = progress_after_contribution
+        for o in outcomes:
+            shared.outcomes.put(o)
+        shared.adopt_queue.put((version, {n: w.params[n].detach().clone() for n in plan.names(0)}))
+        return loop._adopt_arrivals()  # the boundary's first step: outcomes heard, then versions adopted
+
+    assert boundary_with([(0, 1, "late")], Progress(6, 600, 3.0)) == [0]
+    assert loop.progress[0] == Progress(6, 600, 3.0)  # nothing of it merged: all of it goes with the next one
+    shared.base[0], loop.answered = 0, set()
+    with shared.lock:
+        shared.open_rounds[(0, 2)] = (0, 0.0)
+    loop.progress[0] = Progress(4, 400, 2.0)
+    loop._contribute(0, 1)
+    shared.upload_queue.queue.clear()
+    for o in [(0, 1, "accepted"), (0, 2, "folded")]:
+        shared.outcomes.put(o)
+    loop._read_outcomes()
+    assert loop.in_flight[0].round_n == 2 and (0, 2) in loop.answered
+    loop.in_flight.clear()  # even once its version is adopted, round 2 is not answered again
+    loop._answer_rounds()
+    assert shared.upload_queue.empty()
+
+
 def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):
     """A round that keeps the training thread waiting for 10 s must show as blocked in the
     heartbeats sent during it, not only in the first one after it: the synchronizer counts at
@@ -270,7 +317,7 @@ def test_an_announcement_is_retried_with_the_projects_one_backoff(tmp_path, monk
     monkeypatch.setattr(uploads, "synchronizer_backoff", lambda: Backoff(0.1, 5.0, rng=random.Random(1)))
     client, body = Client(), {"update_id": "u1"}
     job = UploadJob(fragment=0, round_n=1, base_version=0, c_steps=1, c_tokens=1, compute_s=0.0, delta={})
-    assert asyncio.run(up._announce(client, job, body)) == "accepted"
+    assert asyncio.run(up._announce(client, job, body)).status == "accepted"
     assert client.bodies == [body] * 8
     same = Backoff(0.1, 5.0, rng=random.Random(1))
     assert paused.pauses == [same.next_pause_s() for _ in range(7)]

@@ -3,7 +3,7 @@
 import pytest
 
 from diloco_async.config.schema import BudgetConfig
-from diloco_async.policy.admission import AnnouncementRules, FragmentFacts, admit_announcement
+from diloco_async.policy.admission import AnnouncementRules, FragmentFacts, admit_announcement, folds_into_next
 from diloco_async.policy.rounds import (
     Ema,
     GraceDecision,
@@ -202,6 +202,31 @@ def test_admission_after_the_round_closed():
     rnd.start_merge()
     merging = admit(announcement(), now_s=0.1, rnd=rnd)
     assert merging.status == "late" and "merging" in merging.reason and rnd.late == ["a"]
+
+
+def test_a_late_announcement_folds_into_the_next_open_round_only():
+    late = announcement()  # for round 1 of fragment 0, which closed
+    nxt = RoundState(0, 2, opened_s=0.0, min_quorum=1)
+    assert folds_into_next(late, nxt, settled_key=None)
+    assert not folds_into_next(late, None, settled_key=None)  # no next round open
+    assert not folds_into_next(late, nxt, settled_key=late.key)  # it settled in round 1: a replay, a duplicate
+    nxt.announce("a", PREFIX + "a-2.safetensors", 0.0)
+    assert not folds_into_next(late, nxt, settled_key=None)  # the learner answered round 2 already
+    other = RoundState(0, 2, opened_s=0.0, min_quorum=1)
+    other.refuse("a", "k", 0.0)
+    assert not folds_into_next(late, other, settled_key=None)  # refused there: its entry stands
+    for stage in ("grace", "merging"):
+        rnd = RoundState(0, 2, opened_s=0.0, min_quorum=1)
+        rnd.announce("b", "kb", 0.0)
+        rnd.settle("b", True)
+        rnd.start_grace(0.0, GraceDecision(0.0, "none"))
+        if stage == "merging":
+            rnd.start_merge()
+        assert folds_into_next(late, rnd, settled_key=None) is (stage == "grace")
+    # folded, the admission checks apply to round 2 with the key under round 1's prefix
+    adm = admit(late.model_copy(update={"round_n": 2}), rnd=RoundState(0, 2, 0.0, 1),
+                fragment=FragmentFacts(version=1, next_round=3, kept_versions=frozenset({0, 1})))
+    assert adm.status == "accepted"
 
 
 # -- due rounds ------------------------------------------------------------------------------
