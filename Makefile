@@ -37,7 +37,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-scale bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -239,6 +239,13 @@ bench-sync-memory: data
 DATA_BENCH_DIR ?= /tmp
 bench-data: setup
 	$(PY) -m benchmarks.data_bars --dir $(DATA_BENCH_DIR)
+
+## bench-scale: synchronizer shards (issue 40; DESIGN §2.2): merged contribution bytes per second with two
+##              synchronizer processes over one, under a merge-bound load of scripted learners speaking the
+##              real protocol (benchmarks/scale.py), SCALE_REPEATS (3) interleaved pairs of 30 s; bar: >= 1.6
+SCALE_REPEATS ?= 3
+bench-scale: setup
+	$(PY) -m benchmarks.scale --repeats $(SCALE_REPEATS)
 
 ## bench-leases: a learner's tokens/s on leased slices (data.slices, DESIGN §5.2) against its fixed shard, LEASE_PAIRS
 ##               (default 3) interleaved pairs of LEASE_RUN_S (60) seconds each; bar: leases / shards >= 0.98
