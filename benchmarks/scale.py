@@ -257,7 +257,7 @@ def run_scale(spec: ScaleSpec) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=description(__doc__))
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=description(__doc__))
     ap.add_argument("--repeats", type=positive_int, default=3, help="pinned runs of each S (default 3)")
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="measured seconds per run (default 30)")
     ap.add_argument("--quick", action="store_true", help="one short run of each S, a small model (a test runs it)")

@@ -107,7 +107,8 @@ def _run_figures(st: dict, wide: bool) -> Table:
             ("progress", f"wall {st['wall_s']:.0f} s · global step {st.get('global_step')} · merges {st['merges']}"),
             ("budget", budget_progress(st)),
             ("contributions", f"{st['contributions_merged']} merged · {st['contributions_late']} late · "
-                              f"{st['contributions_rejected']} rejected"),
+                              f"{st['contributions_rejected']} rejected · {st.get('contributions_folded') or 0} "
+                              "joined a later round"),
             ("rejected by reason", reasons),
             ("goodput", f"compute {st['compute_goodput']:.3f} · token {st['token_goodput']:.3f}"),
             ("traffic", f"{_bytes(st.get('bytes_in'))} in · {_bytes(st.get('bytes_out'))} out"),

@@ -30,6 +30,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("merges", str(summary["merges"])),
         ("contributions merged / late / rejected",
          f"{summary['contributions_merged']} / {summary['contributions_late']} / {summary['contributions_rejected']}"),
+        ("late contributions that joined a later round", str(summary.get("contributions_folded") or 0)),
         ("compute goodput", f"{summary['compute_goodput']:.3f}"),
         ("token goodput", f"{summary['token_goodput']:.3f}"),
         ("uptime", f"{summary['uptime']:.3f}"),
