@@ -37,7 +37,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-scale bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-scale bench-scale-runs bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -246,6 +246,13 @@ bench-data: setup
 SCALE_REPEATS ?= 3
 bench-scale: setup
 	$(PY) -m benchmarks.scale --repeats $(SCALE_REPEATS)
+
+## bench-scale-runs: make run's recipe end to end with real learners on two synchronizer shards against one,
+##                   per SCALE_SEEDS (run.seed); bars: final loss S = 2 / S = 1 within 2%, compute goodput within
+##                   0.05, each |mean| + 95% half-width (benchmarks/scale_runs.py). About 6 runs of 3 minutes.
+SCALE_SEEDS ?= 0,1,2
+bench-scale-runs: data
+	$(PY) -m benchmarks.scale_runs --config $(CONFIG) --seeds $(SCALE_SEEDS)
 
 ## bench-leases: a learner's tokens/s on leased slices (data.slices, DESIGN §5.2) against its fixed shard, LEASE_PAIRS
 ##               (default 3) interleaved pairs of LEASE_RUN_S (60) seconds each; bar: leases / shards >= 0.98

@@ -1,5 +1,5 @@
-"""``make bench-scale`` (issue 40, part a): merged bytes per second of two synchronizer shards
-against one, under a merge-bound load, on this machine.
+"""``make bench-scale`` (issue 40, part a): contribution bytes per second that two synchronizer
+shards take in and merge against one, under a merge-bound load, on this machine.
 
 Each run starts S real synchronizer processes (``python -m diloco_async.sync --shard i``, DESIGN
 §2.2) over one ``file://`` store under ``/dev/shm``, and drives them with L scripted learners
@@ -13,13 +13,16 @@ key: the learners' encoding and upload are not what is measured, the synchronize
 digest check, decode, update guard, RDA merge, outer step and publish are, all for real. No grace
 window (K = L: a round merges once every learner contributed), no checkpoint during the window.
 
-Each shard process is pinned to a core of its own (``os.sched_setaffinity`` before it starts), as
-if on a host of its own: S = 1 has one core, S = 2 two. Unpinned, one synchronizer process already
-keeps both cores of this machine busy (its verification and merge threads: 1.47 cores measured), so
-a second process has little left to add; that ratio is shown, from one pair of runs.
+The bar compares S = 1 and S = 2 on the same two cores (the issue's setting). One synchronizer
+process already keeps about 1.5 of them busy (its verification threads and merge thread beside its
+event loop), so a second process can add at most what is left: the ratio measured is about 1.2, a
+MISS of the 1.6 bar. Shown beside it, one pair with each shard process pinned to a core of its own
+(``os.sched_setaffinity`` before it starts): that is S = 1 on one core against S = 2 on two, hosts
+of their own, not a comparison on equal hardware.
 
-Figure: the contribution bytes the shards merged per second of the measured window (each shard's
-``bytes_in`` from ``/status`` at the window's start and end, summed over shards), for S = 2 over
+Figure: the contribution bytes the shards verified per second of the measured window (each shard's
+``bytes_in`` from ``/status`` at the window's start and end, summed over shards; counted when a
+contribution verifies, before its merge; the learners' acks are printed), for S = 2 over
 S = 1, each the mean of ``--repeats`` runs (3; 95% t-interval shown); the same with S = 1 is the
 baseline measured in the same command. Bar: ratio >= 1.6. The contributions are int8 (decoded by
 the merge, so the merge dominates), and ``max_open_rounds`` is the fragment count, so each shard
@@ -39,6 +42,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,7 +51,6 @@ import time
 import uuid
 from pathlib import Path
 
-import aiohttp
 import psutil
 import torch
 
@@ -56,6 +59,7 @@ from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_over_runs
 from diloco_async.codec import wire
 from diloco_async.protocol.client import TOKEN_ENV, SyncClient, call_blocking, fetch_status
+from diloco_async.runtime.parent_death import guarded_argv
 from diloco_async.storage import keys
 
 __all__ = ["ScaleSpec", "run_scale", "main"]
@@ -78,7 +82,7 @@ class ScaleSpec:
     d_model: int = 512
     fragments: int = 4
     codec: str = "int8"
-    pinned: bool = True
+    pinned: bool = False
     sync_every: int = 24
     steps_per_s: float = 400.0
     tick_s: float = 0.05
@@ -131,7 +135,8 @@ class _Learners:
         asyncio.run(self._all(store_root, t0))
 
     async def _all(self, store_root: Path, t0: float) -> None:
-        await asyncio.gather(*(self._one(lid, store_root, t0) for lid in self.ids))
+        done = await asyncio.gather(*(self._one(lid, store_root, t0) for lid in self.ids), return_exceptions=True)
+        self.errors += [f"{type(e).__name__}: {e}" for e in done if isinstance(e, BaseException)]
 
     async def _one(self, lid: str, store_root: Path, t0: float) -> None:
         sp, answered = self.spec, set()
@@ -148,7 +153,7 @@ class _Learners:
                             if (r["fragment"], r["round_n"]) not in answered:
                                 answered.add((r["fragment"], r["round_n"]))
                                 await self._contribute(client, lid, r, store_root)
-                except (OSError, ValueError, aiohttp.ClientError) as err:
+                except Exception as err:  # any failure ends the run as an error, never as a low rate
                     self.errors.append(f"{lid}: {type(err).__name__}: {err}")
                     return
                 await asyncio.sleep(sp.tick_s)
@@ -189,8 +194,9 @@ def _start_shards(spec: ScaleSpec, work: Path, config: Path, secret: str, procs:
         core = cores[i % len(cores)]
         pin = (lambda core=core: os.sched_setaffinity(0, {core})) if spec.pinned else None
         with open(log, "wb") as fh:
-            procs.append(subprocess.Popen([sys.executable, "-m", "diloco_async.sync", "--run-id", RUN_ID, "--shard",
-                                           str(i), "--ready-file", str(ready), "--resolved-config", str(config)],
+            # a shard gets SIGTERM when this process dies (a kill of the benchmark leaves no shard behind)
+            procs.append(subprocess.Popen([sys.executable, *guarded_argv("diloco_async.sync", [
+                "--run-id", RUN_ID, "--shard", str(i), "--ready-file", str(ready), "--resolved-config", str(config)])],
                                           stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=pin))
         t_start = time.monotonic()
         while not ready.exists():
@@ -245,15 +251,17 @@ def run_scale(spec: ScaleSpec) -> dict:
               f"{', '.join(f'{c:.2f}' for c in cores[:-1])}, scripted learners {cores[-1]:.2f}", flush=True)
         return out
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        finally:  # a second interrupt while the shards stop still removes the folder
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,24 +270,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="measured seconds per run (default 30)")
     ap.add_argument("--quick", action="store_true", help="one short run of each S, a small model (a test runs it)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs run_scale's clean-up
     extra = {"seconds": 4.0, "warmup_s": 3.0, "n_layer": 1, "d_model": 64} if args.quick else {"seconds": args.seconds}
     repeats = 1 if args.quick else args.repeats
     rates: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(repeats):
         for shards in (1, 2):  # interleaved, so a slow spell of the machine touches both
-            rates[shards].append(run_scale(ScaleSpec(shards=shards, **extra))["merged_bytes_per_s"])
-    free = {s: run_scale(ScaleSpec(shards=s, pinned=False, **extra))["merged_bytes_per_s"] for s in (1, 2)}
+            rates[shards].append(run_scale(ScaleSpec(shards=shards, pinned=False, **extra))["merged_bytes_per_s"])
+    pinned = {s: run_scale(ScaleSpec(shards=s, pinned=True, **extra))["merged_bytes_per_s"] for s in (1, 2)}
     ratios = [b / a if a > 0 else None for a, b in zip(rates[1], rates[2], strict=True)]
     one, one_detail = mean_over_runs([r / 1e6 for r in rates[1]], " MB/s", 1)
     two, two_detail = mean_over_runs([r / 1e6 for r in rates[2]], " MB/s", 1)
     ratio, ratio_detail = mean_over_runs(ratios)
     return print_bars([
-        Bar("S = 1, a core per shard: merged MB/s (baseline)", one, 0.0, detail=one_detail, shown=True),
-        Bar("S = 2, a core per shard: merged MB/s", two, 0.0, detail=two_detail, shown=True),
-        Bar("merged bytes per s, S = 2 / S = 1, a core per shard", ratio, GOAL_RATIO, detail=ratio_detail,
+        Bar("S = 1: contribution MB/s verified (baseline)", one, 0.0, detail=one_detail, shown=True),
+        Bar("S = 2: contribution MB/s verified", two, 0.0, detail=two_detail, shown=True),
+        Bar("contribution bytes verified per s, S = 2 / S = 1", ratio, GOAL_RATIO, detail=ratio_detail,
             shown=args.quick),
-        Bar("the same, shards not pinned (shown)", free[2] / free[1] if free[1] > 0 else None, 0.0, shown=True,
-            detail=f"one run: {free[1] / 1e6:.1f} -> {free[2] / 1e6:.1f} MB/s; one process uses both cores"),
+        Bar("the same, each shard on a core of its own (shown)", pinned[2] / pinned[1] if pinned[1] > 0 else None,
+            0.0, shown=True, detail=f"one pair: {pinned[1] / 1e6:.1f} -> {pinned[2] / 1e6:.1f} MB/s; S = 1 gets one "
+            "core, S = 2 two: hosts of their own, not the same two cores"),
     ], title="synchronizer shards (issue 40)")
 
 

@@ -107,6 +107,7 @@ class InnerLoop:
         self.P, self.H = P, H
         self.progress = [Progress(*counters.get(p, (0, 0, 0.0))) for p in range(P)]
         self.in_flight: dict[int, _InFlight] = {}  # cleared on adoption, or when it will not be merged
+        self.unheard: dict[int, int] = {}  # fragment -> round of its contribution whose answer is not heard yet
         self.feed = shared.slices  # data.slices: each step's tokens come from a leased slice (DESIGN §5.2)
         self.sharded = group is not None and group.outer is not None  # fsdp: the ranks adopt and contribute together
         self.versions: list[VersionInfo] = []  # sharded: versions every rank adopts at this boundary
@@ -116,15 +117,13 @@ class InnerLoop:
         self.step = start.step  # a restarted slot continues its step count
         self.offsets = [fragment_offset(p, P, H) for p in range(P)]
         self.next_n = [max(1, -(-(self.step - self.offsets[p]) // H)) for p in range(P)]  # next round each owes
-        # After an inner-state restore, the restored progress on a fragment is contributed (on its
-        # old base, if the synchronizer still keeps it) before a newer version of the fragment is
-        # adopted: an overwrite first would throw that progress away. Held for two rounds at most.
+        # After an inner-state restore, the restored progress on a fragment is contributed (on its old base, if kept)
+        # before a newer version of it is adopted (an overwrite would lose it). Held for two rounds at most.
         self.hold = {p for p in range(P) if restored and self.progress[p].steps >= 1}
         self.hold_until_step = self.step + 2 * H
         self.last_state_s = time.monotonic()
         self.spool_dir: str | None = None  # local folder of spooled inner states (made on first use)
-        # parameters and moments not yet spooled when the optimizer step comes are copied once they
-        # fit in half the parameters' size (a bounded extra peak), rather than waited for
+        # parameters and moments not yet spooled at the optimizer step are copied once they fit in half the params
         param_bytes = sum(t.numel() * t.element_size() for t in workload.params.values())
         self.spooler = StateSpooler(learner_id, shared, copy_budget_bytes=param_bytes // 2)
         # the optimizer's step mutates the parameters and moments in place: not while they are spooled
@@ -150,6 +149,7 @@ class InnerLoop:
                 self.shared.epoch_changed.clear()
                 self.answered.clear()  # round numbers may be reused by the restarted synchronizer
                 self.in_flight.clear()  # contributions in flight will not be merged
+                self.unheard.clear()
             if self.replay is None:
                 self._answer_rounds()
             blocked = self.lc.barrier and self._barrier_blocked()
@@ -176,8 +176,6 @@ class InnerLoop:
                 os.rmdir(self.spool_dir)
             except OSError:
                 pass
-
-    # ------------------------------------------------------------------ step boundary ---------
 
     def _adopt_arrivals(self) -> list[int]:
         """Read the outcomes heard (:meth:`_read_outcomes`), then adopt every downloaded version newer than
@@ -235,9 +233,8 @@ class InnerLoop:
             self.heap_release.released(self._process.memory_info().rss)
 
     def _read_outcomes(self) -> None:
-        """Outcomes before adoptions at a boundary: a version adopted with the contribution in flight
-        takes it as merged (``rebase`` keeps only the progress since), so a ``late`` one is heard first.
-        ``folded``: the one in flight joined round n of p (DESIGN §3.5), which counts as answered."""
+        """Heard before adoptions (an adoption takes the contribution in flight as merged). ``folded``: the one
+        in flight joined round n of p (DESIGN §3.5), which counts as answered."""
         while True:
             try:
                 p, n, status = self.shared.outcomes.get_nowait()
@@ -249,6 +246,8 @@ class InnerLoop:
                 if p in self.in_flight and self.in_flight[p].round_n < n:
                     self.in_flight[p].round_n = n
                 continue
+            if self.unheard.get(p) == n:
+                del self.unheard[p]
             if self.feed is not None:  # its slices may be handed back once nothing else names them
                 self.feed.settled(p, n)
             if status not in ("accepted", "duplicate") and p in self.in_flight and self.in_flight[p].round_n == n:
@@ -268,8 +267,8 @@ class InnerLoop:
                 continue
             if p in self.in_flight and self.in_flight[p].round_n < n and round_version == sh.base[p]:
                 del self.in_flight[p]  # our round closed without a new version (abandoned)
-            if self.progress[p].steps < 1 or p in self.in_flight:
-                continue
+            if self.progress[p].steps < 1 or p in self.in_flight or (p in self.unheard and self.replay is None):
+                continue  # (a late one's answer may name this round as the one it joined)
             self.answered.add((p, n))
             self.next_n[p] = max(self.next_n[p], n + 1)
             self._contribute(p, n)
@@ -302,8 +301,7 @@ class InnerLoop:
             if self.lc.adopt == "rebase":
                 snap = {name: t.clone() if t.data_ptr() == params[name].data_ptr() else t for name, t in theta.items()}
         prog = self.progress[p]
-        self.in_flight[p] = _InFlight(n, snap, prog)
-        self.hold.discard(p)
+        self._leaves(p, n, snap, prog)
         job = UploadJob(p, n, self.shared.base[p], prog.steps, prog.tokens, prog.compute_s, copy.tensors,
                         encoded=encoded, delta_ready=copy.event, codec=codec,
                         slices=self.feed.named(p, n) if self.feed is not None else [])
@@ -312,6 +310,11 @@ class InnerLoop:
         self.replay_owed += 1
         self.shared.upload_queue.put(job)
 
+    def _leaves(self, p: int, n: int, snap: dict[str, torch.Tensor], prog: Progress) -> None:
+        """A contribution of p to round n leaves: in flight until adopted or refused, its answer awaited."""
+        self.in_flight[p], self.unheard[p] = _InFlight(n, snap, prog), n
+        self.hold.discard(p)
+
     def _order_sharded(self, p: int, n: int) -> None:
         """A sharded group's contribution to round ``n`` of ``p``: an order for every rank at this
         boundary (each takes Δ on its rows and puts its shard; :meth:`_queue_sharded` announces)."""
@@ -319,8 +322,7 @@ class InnerLoop:
         codec = self.shared.upload_codec or self.lc.codec
         order = ContributionOrder(p, n, self.shared.base[p], codec, uuid.uuid4().hex[:16], prog.steps, prog.tokens,
                                   prog.compute_s)
-        self.in_flight[p] = _InFlight(n, {}, prog)
-        self.hold.discard(p)
+        self._leaves(p, n, {}, prog)
         self.recorder.record("contribution", fragment=p, round=n, last_step=self.step, c_steps=prog.steps,
                              update_id=order.update_id)
         self.orders.append(order)
@@ -420,8 +422,6 @@ class InnerLoop:
 
     def _before_optimizer_step(self, *_args) -> None:
         self.spooler.wait_mutable()  # the step mutates the parameters and moments in place
-
-    # ------------------------------------------------------------------ one inner step --------
 
     def _inner_step(self, run_tokens: float) -> None:
         tokens = self.workload.tokens_per_step

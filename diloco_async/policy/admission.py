@@ -45,14 +45,15 @@ def folds_into_next(ann: Announcement, next_round: RoundState | None, settled_ke
     its fragment instead of being answered ``late`` (DESIGN §3.5, ``synchronizer.fold_late``).
 
     It does when that round is open or in its grace window, its learner has no entry there (no
-    announcement, no refusal) and this key did not settle in the closed round (a replay of a merged
-    contribution stays a duplicate). Only the round right after: garbage collection keeps the
+    announcement, no refusal) and had none settled in the closed round (``settled_key`` None: a
+    replay of a merged contribution stays a duplicate, and a second contribution to a round the
+    learner already answered stays late). Only the round right after: garbage collection keeps the
     contributions of the round before the open one (DESIGN §5), so the folded object is still there.
     The admission checks then apply to the round it joins (:func:`admit_announcement`; the key may lie
     under the announced round's prefix).
     """
     return (next_round is not None and next_round.stage in (RoundStage.OPEN, RoundStage.GRACE)
-            and ann.learner_id not in next_round.entries and settled_key != ann.key)
+            and ann.learner_id not in next_round.entries and settled_key is None)
 
 
 def admit_announcement(

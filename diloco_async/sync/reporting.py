@@ -34,6 +34,7 @@ from diloco_async.sync.traffic import TrafficPeaks
 
 if TYPE_CHECKING:
     from diloco_async.sync.learners import LearnerRegistry
+    from diloco_async.sync.state import FragmentState, Merged, Round
 
 __all__ = ["Reporter", "write_final", "METRICS_TAIL", "MERGES_TAIL", "UPTIME_MIN_GAP_S", "METRICS_BATCH"]
 
@@ -106,6 +107,26 @@ class Reporter:
         """Count bytes learners downloaded (``bytes_out``) and credit their window."""
         self.counters["bytes_out"] += nbytes
         self.traffic.add_out(nbytes)
+    def merged_round(self, f: FragmentState, res: Merged, rnd: Round, registry: LearnerRegistry, now_s: float) -> None:
+        """The metric points and the log line of round ``res.round_n`` of fragment ``f``, merged and published."""
+        c = self.counters
+        grace_s = rnd.state.grace.grace_s if rnd.state.grace else 0.0
+        staleness = [f.version - 1 - rnd.contributions[lid].ann.base_version for lid in res.merged]
+        for key, value in (("merges", c["merges"]), ("quorum_size", len(res.merged)), ("grace_s", grace_s),
+                           ("quorum_wait_s", res.quorum_wait_s), ("merge_s", res.seconds)):
+            self.metric(f"sync/{key}", value)
+        merged_cosines = [res.cosines[lid] for lid in res.merged if res.cosines.get(lid) is not None]
+        if merged_cosines:  # the agreement of the merged outer gradients with the outer momentum
+            self.metric("sync/direction_cosine_min", min(merged_cosines))
+        for key in ("contributions_merged", "contributions_late", "contributions_folded", "contributions_rejected"):
+            self.metric(f"sync/{key}", c[key])
+        self.metric("sync/live_learners", len(registry.live()))
+        self.net(registry, res.merged, now_s)
+        self.metric("sync/staleness_versions", sum(staleness) / len(staleness))
+        self.metric(f"sync/fragment/{f.p}/version", f.version)
+        log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",
+                 f.p, res.round_n, len(res.merged), ",".join(res.merged), f.version, grace_s, len(rnd.state.late))
+
     def net(self, reg: LearnerRegistry, merged: Collection[str] | None = None, now_s: float = 0.0) -> None:
         """The ``net/...`` metric points: cumulative bytes in and out, and bytes per token up and
         down for the run, each fragment and each learner (:class:`~diloco_async.sync.wire_bytes.WireBytes`).

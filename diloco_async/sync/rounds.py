@@ -156,11 +156,11 @@ class RoundTable:
         ann, why = self.slices.check_announcement(ann)  # slices held (refused if not), c_tokens within them
         if why is not None:
             return self._reject(lid, NOT_HELD, why, p, n, ann)
-        announced_n, rnd = n, self.rounds.get((p, n))
+        announced, announced_n, rnd = ann, n, self.rounds.get((p, n))
         if rnd is None and f is not None and self.sc.fold_late and n < f.next_round:
             nxt = self.rounds.get((p, n + 1))  # late: it joins the next round where it may (DESIGN §3.5)
             if nxt is not None and folds_into_next(ann, nxt.state, self.settled.get((lid, p, n))):
-                ann, n, rnd = ann.model_copy(update={"round_n": n + 1}), n + 1, nxt
+                announced, ann, n, rnd = ann, ann.model_copy(update={"round_n": n + 1}), n + 1, nxt
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)
         if info is not None and bound is not None and rnd is not None and lid not in rnd.state.entries:
@@ -168,12 +168,15 @@ class RoundTable:
                                            since_anchor_s=self.ctx.clock() - info.anchor_s, bound=bound)
             if why is not None:
                 code, _, detail = why.partition(": ")
-                return self._reject(lid, code, detail, p, n, ann)
+                return (self._late(announced, f"round p{p} r{announced_n} is closed; round {n} refused it: {why}")
+                        if n != announced_n else self._reject(lid, code, detail, p, n, ann))
         adm = admit_announcement(
             ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
             round_state=rnd.state if rnd else None, settled_key=self.settled.get((lid, p, n)),
             rules=AnnouncementRules(keys.contribution_round_prefix(self.ctx.run_id, p, announced_n) + "/", wire.CODECS,
                                     self.sc.max_staleness))
+        if adm.status == "rejected" and n != announced_n:  # it stays late, and round n is left alone
+            return self._late(announced, f"round p{p} r{announced_n} is closed; round {n} refused it: {adm.reason}")
         if adm.status == "rejected":
             return self._reject(lid, adm.code, adm.reason.partition(": ")[2], p, n, ann)
         if adm.status == "duplicate":
@@ -181,10 +184,7 @@ class RoundTable:
             log.info("duplicate announcement learner=%s fragment=%d round=%d: not merged again", lid, p, n)
             return AnnouncementAck(status="duplicate", reason=adm.reason)
         if adm.status == "late":
-            self.registry.ledgers[lid].count("late")
-            self.report.count("contributions_late")
-            self._decided(lid, p, n, "late", adm.reason, ann)
-            return AnnouncementAck(status="late", reason=adm.reason)
+            return self._late(ann, adm.reason)
         # its first step = the learner's last reported step - c_steps (a lagging heartbeat only
         # makes this earlier, so more lenient, never stricter)
         first_step = (info.step if info is not None else 0) - ann.c_steps
@@ -198,6 +198,13 @@ class RoundTable:
         log.info("late contribution learner=%s fragment=%d round=%d joins round %d", lid, p, announced_n, n)
         return AnnouncementAck(status="accepted", reason=f"{adm.reason}; round {announced_n} had closed",
                                round_n=n)
+
+    def _late(self, ann: Announcement, reason: str) -> AnnouncementAck:
+        """Answer ``ann`` late (its round closed), counted and charged as thrown away."""
+        self.registry.ledgers[ann.learner_id].count("late")
+        self.report.count("contributions_late")
+        self._decided(ann.learner_id, ann.fragment, ann.round_n, "late", reason, ann)
+        return AnnouncementAck(status="late", reason=reason)
 
     def _decided(self, learner: str, p: int, n: int, fate: str, reason: str = "",
                  ann: Announcement | None = None) -> None:
@@ -399,7 +406,7 @@ class RoundTable:
                      weak, {lid: round(res.factors[lid], 3) for lid in weak})
         rnd.state.finish()
         self._adopt_merge(f, res, rnd)
-        self._report_merge(f, res, rnd)
+        self.report.merged_round(f, res, rnd, self.registry, self.ctx.clock())
 
     def _adopt_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
         """The new version becomes the fragment's value; learners are told; ledgers credited."""
@@ -423,25 +430,6 @@ class RoundTable:
             self.registry.ledgers[lid].credit_merge(ann.c_tokens, ann.compute_s, f.share, w)
             self._decided(lid, f.p, res.round_n, "merged" if w > 0 else "zero_weight",
                           "" if w > 0 else "direction factor 0", ann)
-
-    def _report_merge(self, f: FragmentState, res: Merged, rnd: Round) -> None:
-        rep, c = self.report, self.report.counters
-        grace_s = rnd.state.grace.grace_s if rnd.state.grace else 0.0
-        staleness = [f.version - 1 - rnd.contributions[lid].ann.base_version for lid in res.merged]
-        for key, value in (("merges", c["merges"]), ("quorum_size", len(res.merged)), ("grace_s", grace_s),
-                           ("quorum_wait_s", res.quorum_wait_s), ("merge_s", res.seconds)):
-            rep.metric(f"sync/{key}", value)
-        merged_cosines = [res.cosines[lid] for lid in res.merged if res.cosines.get(lid) is not None]
-        if merged_cosines:  # the agreement of the merged outer gradients with the outer momentum
-            rep.metric("sync/direction_cosine_min", min(merged_cosines))
-        for key in ("contributions_merged", "contributions_late", "contributions_rejected"):
-            rep.metric(f"sync/{key}", c[key])
-        rep.metric("sync/live_learners", len(self.registry.live()))
-        rep.net(self.registry, res.merged, self.ctx.clock())
-        rep.metric("sync/staleness_versions", sum(staleness) / len(staleness))
-        rep.metric(f"sync/fragment/{f.p}/version", f.version)
-        log.info("fragment %d round %d merged %d (%s) -> version %d; grace %.3fs; %d late",
-                 f.p, res.round_n, len(res.merged), ",".join(res.merged), f.version, grace_s, len(rnd.state.late))
 
 
 def _dropped_code(why: str, default: str) -> str:

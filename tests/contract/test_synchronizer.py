@@ -237,7 +237,8 @@ async def test_replayed_announcement_counted_once():
 async def test_a_contribution_announced_after_its_round_closed_joins_the_next_round(fold):
     """Learner c's contribution to round 1 arrives once round 1 merged without it and round 2 is
     open: it is admitted into round 2 and merged there (``synchronizer.fold_late``, DESIGN §3.5),
-    once only; with folding off it is answered late and thrown away."""
+    once only; a second key of a learner whose round-1 contribution merged is not folded (late);
+    with folding off the late one is answered late and thrown away."""
     cfg = small_config(**{"synchronizer.grace_enabled": "false", "synchronizer.fold_late": str(fold).lower()})
     async with running(cfg) as (_sync, client, store):
         plan = await join_all(client)
@@ -261,6 +262,8 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
         assert (ack["status"], ack["round_n"]) == ("accepted", 2) and "round 1 had closed" in ack["reason"]
         again = await (await client.post("/announce", json=body, headers=AUTH)).json()  # a retry
         assert (again["status"], again["round_n"]) == ("duplicate", None)
+        _, second = await contribute(client, store, "a", fragment_delta(plan, 5))  # a's round 1 merged: no 2nd key
+        assert (second["status"], second["round_n"]) == ("late", None), second
         da2 = fragment_delta(plan, 4)
         data = wire.encode_to_bytes(da2, "fp32", {})
         ref = store.put(keys.contribution_key("run1", 0, 2, "a", uuid.uuid4().hex[:8]), data)
@@ -272,13 +275,42 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
             st = await status(client)
             return st if st["versions"]["0"] >= 2 else None
         st = await await_until(version_2, 30, "fragment 0 to reach version 2")
-        assert st["contributions_folded"] == 1 and st["contributions_late"] == 0 and st["contributions_merged"] == 4
+        assert st["contributions_folded"] == 1 and st["contributions_late"] == 1 and st["contributions_merged"] == 4
         assert st["learners"]["c"]["contributions"] == {"merged": 1}
         merge = next(m for m in st["recent_merges"] if m["round"] == 2)
         assert sorted(merge["learners"]) == ["a", "c"]
         replay = await (await client.post("/announce", json=body, headers=AUTH)).json()  # after round 2 merged
         assert replay["status"] == "duplicate"
         assert (await status(client))["contributions_merged"] == 4
+
+
+async def test_a_late_contribution_the_next_round_refuses_stays_late():
+    """Folding never costs the learner its next round: a late contribution whose base round 2 no
+    longer keeps (S = 0) is answered late, as without folding (not refused, which would also close
+    round 2 to that learner), and the learner's own round-2 contribution is then accepted."""
+    cfg = small_config(**{"synchronizer.grace_enabled": "false", "synchronizer.max_staleness": "0"})
+    async with running(cfg) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        await contribute(client, store, "a", fragment_delta(plan, 1))
+        await contribute(client, store, "b", fragment_delta(plan, 2))
+        await wait_version(client, 0, 1)
+        for lid in LEARNERS:
+            assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
+
+        async def round_2_open():
+            return round_of(await status(client), 0, 2)
+        await await_until(round_2_open, 30, "round (0, 2) to open")
+        _, stale = await contribute(client, store, "c", fragment_delta(plan, 3))  # round 1, base 0: not kept
+        assert stale["status"] == "late" and "round 2 refused it: too_stale" in stale["reason"], stale
+        data = wire.encode_to_bytes(fragment_delta(plan, 5), "fp32", {})
+        ref = store.put(keys.contribution_key("run1", 0, 2, "c", uuid.uuid4().hex[:8]), data)
+        own = {"learner_id": "c", "fragment": 0, "round_n": 2, "base_version": 1, "c_steps": 4, "c_tokens": 1000,
+               "compute_s": 1.0, "key": ref.key, "nbytes": ref.nbytes, "sha256": ref.sha256, "codec": "fp32",
+               "update_id": uuid.uuid4().hex[:8]}
+        assert (await (await client.post("/announce", json=own, headers=AUTH)).json())["status"] == "accepted"
+        st = await status(client)
+        assert st["contributions_late"] == 1 and st["contributions_folded"] == 0 and st["rejected_by_reason"] == {}
 
 
 async def test_request_without_token_gets_401_and_is_counted():

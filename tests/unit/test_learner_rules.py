@@ -257,6 +257,22 @@ def test_a_late_contribution_keeps_its_progress_and_a_folded_one_answers_its_new
     loop.in_flight.clear()  # even once its version is adopted, round 2 is not answered again
     loop._answer_rounds()
     assert shared.upload_queue.empty()
+    # round 1's version adopted before the answer to its late contribution is heard: round 2 waits for it
+    loop.answered, loop.progress[0] = set(), Progress(4, 400, 2.0)
+    loop._contribute(0, 1)
+    shared.upload_queue.queue.clear()
+    shared.adopt_queue.put((VersionInfo(fragment=0, version=2, key="k", nbytes=1, sha256="0" * 64),
+                            {n: w.params[n].detach().clone() for n in plan.names(0)}))
+    loop.progress[0] = Progress(6, 600, 3.0)
+    assert loop._adopt_arrivals() == [0] and 0 not in loop.in_flight
+    with shared.lock:
+        shared.open_rounds[(0, 2)] = (2, 0.0)
+    loop._answer_rounds()
+    assert shared.upload_queue.empty() and 0 in loop.unheard  # no second contribution to the round it may join
+    shared.outcomes.put((0, 1, "late"))  # not folded after all: round 2 is answered at the next boundary
+    loop._adopt_arrivals()
+    loop._answer_rounds()
+    assert [(j.fragment, j.round_n) for j in shared.upload_queue.queue] == [(0, 2)]
 
 
 def test_heartbeat_reports_a_long_block_while_it_lasts(tmp_path):

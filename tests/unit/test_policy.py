@@ -210,6 +210,7 @@ def test_a_late_announcement_folds_into_the_next_open_round_only():
     assert folds_into_next(late, nxt, settled_key=None)
     assert not folds_into_next(late, None, settled_key=None)  # no next round open
     assert not folds_into_next(late, nxt, settled_key=late.key)  # it settled in round 1: a replay, a duplicate
+    assert not folds_into_next(late, nxt, settled_key=PREFIX + "a-0.safetensors")  # a answered round 1 already
     nxt.announce("a", PREFIX + "a-2.safetensors", 0.0)
     assert not folds_into_next(late, nxt, settled_key=None)  # the learner answered round 2 already
     other = RoundState(0, 2, opened_s=0.0, min_quorum=1)
