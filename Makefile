@@ -242,7 +242,8 @@ bench-data: setup
 
 ## bench-scale: synchronizer shards (issue 40; DESIGN §2.2): merged contribution bytes per second with two
 ##              synchronizer processes over one, under a merge-bound load of scripted learners speaking the
-##              real protocol (benchmarks/scale.py), SCALE_REPEATS (3) interleaved pairs of 30 s; bar: >= 1.6
+##              real protocol (benchmarks/scale.py), SCALE_REPEATS (3) interleaved pairs of 30 s on the same cores;
+##              bar: >= 1.6 (one pair with a core per shard shown beside it)
 SCALE_REPEATS ?= 3
 bench-scale: setup
 	$(PY) -m benchmarks.scale --repeats $(SCALE_REPEATS)

@@ -246,7 +246,7 @@ def run_scale(spec: ScaleSpec) -> dict:
                "merged_per_s": (m1 - m0) / (w1 - w0), "acks": dict(learners.acks),
                "merged_by_shard": [b[1] - a[1] for a, b in zip(c0, c1, strict=True)],
                "shard_cores": cores[:-1], "learner_cores": cores[-1]}
-        print(f"S = {spec.shards}: {out['merged_bytes_per_s'] / 1e6:.1f} MB/s merged, "
+        print(f"S = {spec.shards}: {out['merged_bytes_per_s'] / 1e6:.1f} MB/s verified, "
               f"{out['merged_per_s']:.1f} contributions/s, acks {out['acks']}; cores busy: shards "
               f"{', '.join(f'{c:.2f}' for c in cores[:-1])}, scripted learners {cores[-1]:.2f}", flush=True)
         return out
