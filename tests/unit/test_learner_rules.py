@@ -182,24 +182,32 @@ def test_outer_gradient_encoded_tensor_by_tensor_is_the_same_payload(codec):
         assert torch.equal(whole[0][n], each[0][n]), n
 
 
-def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
-    """The training thread queues the fp32 Δ when the upload queue is empty (the comms thread
-    encodes it off the training thread), and encodes it itself when an upload already waits:
-    a late learner answering several rounds at one step queues no pile of fp32 outer gradients."""
-    from diloco_async.codec import wire
+def _inner_loop(option: str):
+    """A one-process learner's training loop on a 1-layer model in 2 fragments, base versions 0,
+    with ``option`` (``section.field=value``) set: (workload, plan, base copies, shared state, loop)."""
     from diloco_async.learner.state import Shared
     from diloco_async.learner.training import InnerLoop, StartPoint
     from diloco_async.metrics.timeline import Recorder
     from diloco_async.models import plan_of
 
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
-                             "learners.batch_size=2", "synchronizer.num_fragments=2", "learners.codec=int4"])
+                             "learners.batch_size=2", "synchronizer.num_fragments=2", option])
     w = Workload.from_config(cfg, index=0, incarnation=0)
     plan = plan_of(w.model, 2)
     base = {p: {n: w.params[n].detach().clone() + 0.5 for n in plan.names(p)} for p in range(2)}
     shared = Shared()
     shared.base.update({0: 0, 1: 0})
     loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="learner-0", start=StartPoint(base))
+    return w, plan, base, shared, loop
+
+
+def test_contribution_taken_while_an_upload_waits_is_encoded_at_once(tmp_path):
+    """The training thread queues the fp32 Δ when the upload queue is empty (the comms thread
+    encodes it off the training thread), and encodes it itself when an upload already waits:
+    a late learner answering several rounds at one step queues no pile of fp32 outer gradients."""
+    from diloco_async.codec import wire
+
+    w, plan, base, shared, loop = _inner_loop("learners.codec=int4")
     loop._contribute(0, 1)
     loop._contribute(1, 1)
     first, second = shared.upload_queue.get_nowait(), shared.upload_queue.get_nowait()
@@ -217,20 +225,9 @@ def test_a_late_contribution_keeps_its_progress_and_a_folded_one_answers_its_new
     ``late`` keeps all the progress (the outcome is read first); one folded into round 2 (DESIGN §3.5)
     stays in flight for round 2, which then counts as answered (no second contribution to it)."""
     from diloco_async.learner.rules import Progress
-    from diloco_async.learner.state import Shared
-    from diloco_async.learner.training import InnerLoop, StartPoint
-    from diloco_async.metrics.timeline import Recorder
-    from diloco_async.models import plan_of
     from diloco_async.protocol.messages import VersionInfo
 
-    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.context=8",
-                             "learners.batch_size=2", "synchronizer.num_fragments=2", "learners.adopt=rebase"])
-    w = Workload.from_config(cfg, index=0, incarnation=0)
-    plan = plan_of(w.model, 2)
-    base = {p: {n: w.params[n].detach().clone() + 0.5 for n in plan.names(p)} for p in range(2)}
-    shared = Shared()
-    shared.base.update({0: 0, 1: 0})
-    loop = InnerLoop(cfg, shared, w, plan, Recorder(None), learner_id="learner-0", start=StartPoint(base))
+    w, plan, _base, shared, loop = _inner_loop("learners.adopt=rebase")
     version = VersionInfo(fragment=0, version=1, key="k", nbytes=1, sha256="0" * 64)
 
     def boundary_with(outcomes, progress_after_contribution):
