@@ -199,12 +199,18 @@ class Contribution:
     norms: dict[str, torch.Tensor] = field(default_factory=dict)  # Δ's float32 norms from its verification
     lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
 
-    def merge_record(self) -> dict:
-        """This contribution in the merge log: who, its counters, leased slices (if any, DESIGN §5.2) and
-        token weight c_tokens²/c_steps (DESIGN §4.2), so learners of different batch sizes show their weights."""
+    def merge_record(self, direction_factor: float = 1.0) -> dict:
+        """This contribution in the merge log: who, its counters, its direction factor (DESIGN §10), its
+        token weight c_tokens²/c_steps (DESIGN §4.2, so learners of different batch sizes show their
+        weights) and the leased slices it trained (DESIGN §5.2): ``slices`` when its factor is above 0,
+        ``slices_untrained`` when it merged with no weight (its slices stay untrained, another learner
+        may train them)."""
         a = self.ann
-        return {"learner": a.learner_id, "c_tokens": a.c_tokens, "c_steps": a.c_steps, "base_version": a.base_version,
-                "token_weight": token_weight(a.c_tokens, a.c_steps), **({"slices": a.slices} if a.slices else {})}
+        rec = {"learner": a.learner_id, "c_tokens": a.c_tokens, "c_steps": a.c_steps, "base_version": a.base_version,
+               "token_weight": token_weight(a.c_tokens, a.c_steps), "direction_factor": direction_factor}
+        if a.slices:
+            rec["slices" if direction_factor > 0 else "slices_untrained"] = a.slices
+        return rec
 
 
 @dataclass

@@ -69,7 +69,8 @@ def version_slices(store: ObjectStore, run_id: str) -> dict[int, set[str]]:
 
 
 def merge_log_slices(store: ObjectStore, run_id: str, epoch: str) -> dict[int, set[str]]:
-    """Slice -> the learners whose merged contributions named it, from one lifetime's merge log."""
+    """Slice -> the learners whose merged contributions trained it (``slices``: merged with a direction
+    factor above 0; one merged at factor 0 lists them as ``slices_untrained``), from one lifetime's merge log."""
     out: dict[int, set[str]] = {}
     for line in store.get_unverified(keys.merge_log_key(run_id, epoch)).decode().splitlines():
         for c in json.loads(line)["contributions"]:

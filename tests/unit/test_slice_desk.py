@@ -188,3 +188,15 @@ def test_the_learner_feed_names_hands_back_and_prefetches() -> None:
     assert feed.to_release == [3]  # finished and named by nothing any more: handed back
     feed.answered({"slices": [], "revoked": [7], "epoch": 1})
     assert feed.take(10) is None and feed.epoch == 1  # 7 is no longer ours
+
+
+def test_the_merge_log_names_only_the_slices_a_merge_trained() -> None:
+    """A contribution merged at direction factor 0 moved nothing: its slices stay untrained in the
+    ledger (another learner may lease and train them), so the merge log must not name them as trained."""
+    desk, reg, _report, _clock = _desk()
+    desk.on_lease(LeaseRequest(learner_id="a", want=1), reg, running=True)
+    weighted, unweighted = Contribution(_ann("a", [0], 10)), Contribution(_ann("b", [3], 10))
+    assert weighted.merge_record(0.5)["slices"] == [0] and weighted.merge_record(0.5)["direction_factor"] == 0.5
+    rec = unweighted.merge_record(0.0)
+    assert "slices" not in rec and rec["slices_untrained"] == [3] and rec["direction_factor"] == 0.0
+    assert {"slices", "slices_untrained"}.isdisjoint(Contribution(_ann("a", [], 0)).merge_record())  # named none
