@@ -10,13 +10,13 @@ says what becomes of it: an :class:`~diloco_async.policy.rounds.Admission` (``ad
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Container
 from dataclasses import dataclass
 
 from diloco_async.policy.rounds import DUPLICATE_REASON, Admission, RoundStage, RoundState
 from diloco_async.protocol.messages import Announcement
 
-__all__ = ["AnnouncementRules", "FragmentFacts", "admit_announcement", "folds_into_next"]
+__all__ = ["AnnouncementRules", "FragmentFacts", "admit_announcement", "folds_into_next", "parks_for_next"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,16 @@ def folds_into_next(ann: Announcement, next_round: RoundState | None, settled_ke
     """
     return (next_round is not None and next_round.stage in (RoundStage.OPEN, RoundStage.GRACE)
             and ann.learner_id not in next_round.entries and settled_key is None)
+
+
+def parks_for_next(ann: Announcement, parked: Container[str], settled_key: str | None) -> bool:
+    """Whether a late announcement waits for round ``ann.round_n + 1`` of its fragment, the round that
+    opens next (none is open: round ``ann.round_n`` is merging, or merged and the next one waits for a
+    slot), instead of being answered ``late`` (DESIGN §3.5, ``synchronizer.fold_late``). It does when
+    its learner has none waiting there yet (``parked``: the learners that have) and had none settled in
+    the closed round; the admission checks run at once against a fresh round and again when it opens.
+    """
+    return ann.learner_id not in parked and settled_key is None
 
 
 def admit_announcement(

@@ -21,7 +21,7 @@ from diloco_async.protocol.messages import Announcement, LeaseRequest, LeaseResp
 if TYPE_CHECKING:
     from diloco_async.sync.learners import LearnerRegistry
     from diloco_async.sync.reporting import Reporter
-    from diloco_async.sync.state import Round
+    from diloco_async.sync.state import Contribution, Round
 
 __all__ = ["SliceDesk", "NOT_HELD"]
 
@@ -136,11 +136,13 @@ class SliceDesk:
             if ended:
                 log.info("learner %s %s: its %d lease(s) end %s", learner, why, len(ended), ended[:8])
 
-    def sweep(self, rounds: Mapping[tuple[int, int], Round], stopped: bool, registry: LearnerRegistry) -> None:
+    def sweep(self, rounds: Mapping[tuple[int, int], Round], stopped: bool, registry: LearnerRegistry,
+              waiting: Iterable[Contribution] = ()) -> None:
         """End the leases of holders that ``registry`` no longer has live as the incarnation they
         leased under (silent for ``lapse_s``: heartbeat lapsed; restarted), or of every holder once
         the run is ``stopped`` and no round is left (the run's last accounting); then return the
-        ended leases no contribution in flight (in the open ``rounds``, the round table's) names.
+        ended leases no contribution in flight names (in the open ``rounds``, the round table's, or
+        ``waiting`` for the next round of its fragment to open, DESIGN §3.5).
         A learner restored from a checkpoint is not live until it heartbeats: its leases wait
         ``lapse_s`` from the restore for it."""
         led = self.ledger
@@ -157,6 +159,7 @@ class SliceDesk:
         if not led.releasing():
             return
         in_flight = {s for rnd in rounds.values() for c in rnd.contributions.values() for s in c.ann.slices}
+        in_flight.update(s for c in waiting for s in c.ann.slices)
         back = led.sweep(in_flight)
         if back:
             self.report.metric("sync/slices_requeued", led.counts["returned"])

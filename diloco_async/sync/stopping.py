@@ -85,6 +85,7 @@ class StopSequence:
         phase = self.life.phase
         if phase is Phase.STOPPING:
             self.life.move(Phase.FINAL_CHECKPOINT)
+            self.table.abandon_parked("at_stop")  # waiting for a round that will not open (DESIGN §3.5)
             self.table.slices.sweep(self.table.rounds, True, self.registry)  # every lease ends (DESIGN §5.2)
             # the summary's figures are taken in the same step as the final checkpoint's, so a resume
             # continues every counter from the value the summary reports (learners still heard from

@@ -180,3 +180,31 @@ async def test_a_second_stop_during_the_drain_merges_the_last_round_at_once():
 async def _open(client, n: int) -> dict | None:
     rnd = round_of(await status(client), n)
     return rnd if rnd is not None and rnd["stage"] in ("open", "grace") else None
+
+
+async def test_a_late_contribution_waiting_at_a_stop_joins_the_drains_last_round():
+    """A contribution to round 1 that arrives after round 1 merged waits for round 2 (DESIGN §3.5); a
+    stop then opens round 2 as the drain's last round, and the waiting one is in it and merged."""
+    clock = FakeClock()
+    async with running(config(), clock) as (sync, client, store):
+        for lid in LEARNERS:
+            r = await client.post("/join", json={"learner_id": lid}, headers=AUTH)
+        plan = FragmentPlan.from_json((await r.json())["plan"])
+        first, last = deltas(plan, 1), deltas(plan, 2)
+        await heartbeats(client, 4)
+        await await_until(lambda: _open(client, 1), 30, "round 1 to open")
+        for lid, d in zip(LEARNERS[:2], first[:2], strict=True):
+            await announce(client, store, lid, 1, 0, d)
+        await in_grace(client, 1)
+        clock.now_s += 5.0  # past round 1's grace window: it merges without c
+        await wait_version(client, 1)
+        await announce(client, store, "c", 1, 0, first[2])  # accepted for round 2, which is not open
+        assert round_of(await status(client), 2) is None
+        await asyncio.wait_for(sync.request("stop", "budget spent"), 30)
+        rnd = await await_until(lambda: _open(client, 2), 30, "the drain's last round to open")
+        assert rnd["announced"] == ["c"], rnd
+        for lid, d in zip(LEARNERS[:2], last[:2], strict=True):
+            await announce(client, store, lid, 2, 1, d)
+        st = await wait_version(client, 2)
+        assert st["contributions_merged"] == 5 and st["contributions_folded"] == 1
+        assert st["learners"]["c"]["contributions"] == {"merged": 1}

@@ -284,6 +284,45 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
         assert (await status(client))["contributions_merged"] == 4
 
 
+async def test_a_late_contribution_waits_for_the_round_that_opens_next():
+    """Learner c's contribution to round 1 arrives once round 1 merged and before round 2 opens (the
+    global step is short of its due step): it is accepted for round 2 and waits (DESIGN §3.5), is
+    admitted when round 2 opens, counts toward its quorum and merges there with a's, once only."""
+    cfg = small_config(**{"synchronizer.grace_enabled": "false"})
+    async with running(cfg) as (_sync, client, store):
+        plan = await join_all(client)
+        await open_first_round(client)
+        for lid, seed in (("a", 1), ("b", 2)):
+            await contribute(client, store, lid, fragment_delta(plan, seed))
+        await wait_version(client, 0, 1)
+        assert round_of(await status(client), 0, 2) is None  # due at step 8; the learners are at 4
+        body, ack = await contribute(client, store, "c", fragment_delta(plan, 3))  # announced for round 1
+        assert (ack["status"], ack["round_n"]) == ("accepted", 2) and "round 1 had closed" in ack["reason"], ack
+        again = await (await client.post("/announce", json=body, headers=AUTH)).json()  # a retry while it waits
+        assert again["status"] == "duplicate", again
+        st = await status(client)
+        assert st["contributions_folded"] == 1 and st["contributions_late"] == 0 and round_of(st, 0, 2) is None
+        for lid in LEARNERS:
+            assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
+
+        async def round_2_open():
+            return round_of(await status(client), 0, 2)
+        assert (await await_until(round_2_open, 30, "round (0, 2) to open"))["announced"] == ["c"]
+        ref = store.put(keys.contribution_key("run1", 0, 2, "a", uuid.uuid4().hex[:8]),
+                        wire.encode_to_bytes(fragment_delta(plan, 4), "fp32", {}))
+        a2 = dict(body, learner_id="a", round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes,
+                  sha256=ref.sha256, update_id=uuid.uuid4().hex[:8])
+        assert (await (await client.post("/announce", json=a2, headers=AUTH)).json())["status"] == "accepted"
+
+        async def version_2():
+            st = await status(client)
+            return st if st["versions"]["0"] >= 2 else None
+        st = await await_until(version_2, 30, "fragment 0 to reach version 2")
+        merge = next(m for m in st["recent_merges"] if m["round"] == 2)
+        assert sorted(merge["learners"]) == ["a", "c"] and st["contributions_merged"] == 4
+        assert st["learners"]["c"]["contributions"] == {"merged": 1} and st["contributions_late"] == 0
+
+
 async def test_a_late_contribution_the_next_round_refuses_stays_late():
     """Folding never costs the learner its next round: a late contribution whose base round 2 no
     longer keeps (S = 0) is answered late, as without folding (not refused, which would also close

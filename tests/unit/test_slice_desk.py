@@ -200,3 +200,18 @@ def test_the_merge_log_names_only_the_slices_a_merge_trained() -> None:
     rec = unweighted.merge_record(0.0)
     assert "slices" not in rec and rec["slices_untrained"] == [3] and rec["direction_factor"] == 0.0
     assert {"slices", "slices_untrained"}.isdisjoint(Contribution(_ann("a", [], 0)).merge_record())  # named none
+
+
+def test_a_contribution_waiting_for_its_next_round_keeps_its_slices_leased() -> None:
+    """A late contribution waiting for the round that opens next (DESIGN §3.5) may still be merged:
+    the lease of a slice it names does not end while it waits, whatever happened to its learner."""
+    desk, reg, _report, clock = _desk()
+    desk.on_lease(LeaseRequest(learner_id="a", want=1), reg, running=True)
+    waiting = _ann("a", [0], 10)
+    desk.check_announcement(waiting)
+    reg.mark_lost(1e9, 1.0)
+    clock.t = desk.lapse_s + 1.0
+    desk.sweep(_table(), stopped=False, registry=reg, waiting=[Contribution(waiting)])
+    assert desk.figures()["slices_requeued"] == 0 and desk.figures()["slices_leased_now"] == 1
+    desk.sweep(_table(), stopped=False, registry=reg)  # it was merged or abandoned meanwhile
+    assert desk.figures()["slices_requeued"] == 1

@@ -1,0 +1,69 @@
+"""Late contributions at the synchronizer (DESIGN §3.5, ``synchronizer.fold_late``): the round a
+contribution announced after its round closed joins instead, and those waiting for that round to open.
+
+A component of the :class:`~diloco_async.sync.rounds.RoundTable`, on the actor's task only. The
+decisions are :func:`~diloco_async.policy.admission.folds_into_next` and
+:func:`~diloco_async.policy.admission.parks_for_next` (pure); this class holds the waiting ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from diloco_async.policy.admission import folds_into_next, parks_for_next
+from diloco_async.policy.rounds import RoundStage
+from diloco_async.protocol.messages import Announcement
+from diloco_async.sync.state import Contribution, FragmentState, Round
+
+__all__ = ["LateDesk"]
+
+
+class LateDesk:
+    """Where late contributions go (see the module docstring).
+
+    Args:
+        enabled: ``synchronizer.fold_late``; off, every late contribution is answered ``late``.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.parked: dict[tuple[int, int], dict[str, Contribution]] = {}  # (p, n) -> learner -> waiting for it
+
+    def joins(self, ann: Announcement, f: FragmentState | None, rnd: Round | None,
+              rounds: Mapping[tuple[int, int], Round], settled_key: str | None) -> int | None:
+        """The round ``ann`` joins instead of being answered ``late``, or None (not late, or it stays late).
+
+        Its round n (``rnd``: the round table's, None once gone) closed: gone, or merging without it.
+        It joins round n + 1 when that round is open and takes it (:func:`folds_into_next`), or when
+        round n + 1 is the one fragment ``f`` opens next and it may wait for it (:func:`parks_for_next`).
+        ``settled_key``: the key its learner had settled in round n, if any."""
+        lid, p, n = ann.learner_id, ann.fragment, ann.round_n
+        if not self.enabled or f is None or n >= f.next_round:
+            return None
+        if rnd is not None and (rnd.state.stage is not RoundStage.MERGING or lid in rnd.state.entries):
+            return None
+        nxt = rounds.get((p, n + 1))
+        if nxt is not None:
+            return n + 1 if folds_into_next(ann, nxt.state, settled_key) else None
+        opens_next = f.next_round == n + 1
+        return n + 1 if opens_next and parks_for_next(ann, self.parked.get((p, n + 1), {}), settled_key) else None
+
+    def park(self, contrib: Contribution) -> None:
+        """``contrib`` (its announcement already names the round it joins) waits for that round."""
+        ann = contrib.ann
+        self.parked.setdefault((ann.fragment, ann.round_n), {})[ann.learner_id] = contrib
+
+    def take(self, p: int, n: int) -> list[Contribution]:
+        """The contributions waiting for round ``n`` of fragment ``p`` (it opens now); none wait after."""
+        return list(self.parked.pop((p, n), {}).values())
+
+    def take_all(self) -> list[Contribution]:
+        """Every waiting contribution (their rounds will not open); none wait after."""
+        out = [c for waiting in self.parked.values() for c in waiting.values()]
+        self.parked.clear()
+        return out
+
+    def waiting(self) -> Iterator[Contribution]:
+        """The contributions waiting now (their slices are in flight, DESIGN §5.2)."""
+        for waiting in self.parked.values():
+            yield from waiting.values()

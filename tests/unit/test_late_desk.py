@@ -1,0 +1,50 @@
+"""Where a late contribution goes (diloco_async/sync/late.py, ``synchronizer.fold_late``; DESIGN §3.5):
+into round n + 1 when it is open, waiting for it when it opens next (round n merging, or merged and
+round n + 1 not opened yet), late otherwise; the waiting ones are taken when their round opens."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from diloco_async.policy.rounds import GraceDecision, RoundState
+from diloco_async.protocol.messages import Announcement
+from diloco_async.sync.late import LateDesk
+from diloco_async.sync.state import Contribution, Round
+
+
+def _ann(lid: str = "a", n: int = 1) -> Announcement:
+    return Announcement(learner_id=lid, fragment=0, round_n=n, base_version=0, c_steps=4, c_tokens=100,
+                        compute_s=1.0, key=f"run1/contrib/p000/r{n:08d}/{lid}", nbytes=10, sha256="0" * 64,
+                        codec="fp32", update_id=f"u{lid}{n}", slices=[7])
+
+
+def _merging(*learners: str) -> Round:
+    rnd = Round(RoundState(0, 1, opened_s=0.0, min_quorum=1))
+    for lid in learners:
+        rnd.state.announce(lid, f"k{lid}", 0.0)
+        rnd.state.settle(lid, True)
+    rnd.state.start_grace(0.0, GraceDecision(0.0, "none"))
+    rnd.state.start_merge()
+    return rnd
+
+
+def test_a_late_contribution_waits_for_the_round_that_opens_next() -> None:
+    desk, f = LateDesk(enabled=True), SimpleNamespace(next_round=2)  # round 1 is the last one opened
+    merging = _merging("b")
+    assert desk.joins(_ann("a"), f, merging, {(0, 1): merging}, None) == 2  # round 1 merging without it
+    assert desk.joins(_ann("b"), f, merging, {(0, 1): merging}, None) is None  # b is in round 1: late there
+    assert desk.joins(_ann("a"), f, None, {}, None) == 2  # round 1 merged, round 2 not open yet
+    assert desk.joins(_ann("a"), f, None, {}, "run1/contrib/p000/r00000001/a") is None  # settled in round 1
+    assert desk.joins(_ann("a", n=2), f, None, {}, None) is None  # round 2 never opened: not late
+    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {}, None) is None  # round 2 merging: too old
+    assert LateDesk(enabled=False).joins(_ann("a"), f, None, {}, None) is None
+    open2 = Round(RoundState(0, 2, opened_s=0.0, min_quorum=1))
+    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {(0, 2): open2}, None) == 2  # open: folds in
+    waiting = Contribution(_ann("a").model_copy(update={"round_n": 2}))
+    desk.park(waiting)
+    assert desk.joins(_ann("a"), f, None, {}, None) is None  # one waits for round 2 already
+    assert desk.joins(_ann("c"), f, None, {}, None) == 2
+    assert [c.ann.slices for c in desk.waiting()] == [[7]]  # its slices are in flight
+    assert desk.take(0, 3) == [] and desk.take(0, 2) == [waiting] and desk.take(0, 2) == []
+    desk.park(waiting)
+    assert desk.take_all() == [waiting] and list(desk.waiting()) == []
