@@ -116,7 +116,7 @@ class Reporter:
                            ("quorum_wait_s", res.quorum_wait_s), ("merge_s", res.seconds)):
             self.metric(f"sync/{key}", value)
         merged_cosines = [res.cosines[lid] for lid in res.merged if res.cosines.get(lid) is not None]
-        if merged_cosines:  # the agreement of the merged outer gradients with the outer momentum
+        if merged_cosines:  # the least agreement of a merged outer gradient with the rest of its round
             self.metric("sync/direction_cosine_min", min(merged_cosines))
         for key in ("contributions_merged", "contributions_late", "contributions_folded", "contributions_rejected"):
             self.metric(f"sync/{key}", c[key])

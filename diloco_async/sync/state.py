@@ -199,15 +199,17 @@ class Contribution:
     norms: dict[str, torch.Tensor] = field(default_factory=dict)  # Δ's float32 norms from its verification
     lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
 
-    def merge_record(self, direction_factor: float = 1.0) -> dict:
+    def merge_record(self, direction_factor: float = 1.0, direction_cosine: float | None = None) -> dict:
         """This contribution in the merge log: who, its counters, its direction factor (DESIGN §10), its
         token weight c_tokens²/c_steps (DESIGN §4.2, so learners of different batch sizes show their
-        weights) and the leased slices it trained (DESIGN §5.2): ``slices`` when its factor is above 0,
+        weights), its leave-one-out cosine to the rest of its round (when judged) and the leased
+        slices it trained (DESIGN §5.2): ``slices`` when its factor is above 0,
         ``slices_untrained`` when it merged with no weight (its slices stay untrained, another learner
         may train them)."""
         a = self.ann
         rec = {"learner": a.learner_id, "c_tokens": a.c_tokens, "c_steps": a.c_steps, "base_version": a.base_version,
-               "token_weight": token_weight(a.c_tokens, a.c_steps), "direction_factor": direction_factor}
+               "token_weight": token_weight(a.c_tokens, a.c_steps), "direction_factor": direction_factor,
+               "direction_cosine": direction_cosine}
         if a.slices:
             rec["slices" if direction_factor > 0 else "slices_untrained"] = a.slices
         return rec
@@ -266,7 +268,7 @@ class Merged:
     quorum_wait_s: float = 0.0
     outer_steps: int = 0
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (learner, why) left out of the merge
-    cosines: dict[str, float | None] = field(default_factory=dict)  # learner -> cosine to the momentum
+    cosines: dict[str, float | None] = field(default_factory=dict)  # learner -> leave-one-out cosine to its round
     factors: dict[str, float] = field(default_factory=dict)  # learner -> direction factor of its weight
 
 
