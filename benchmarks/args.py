@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["description", "non_negative_int", "positive_float", "positive_int"]
+__all__ = ["description", "non_negative_float", "non_negative_int", "positive_float", "positive_int"]
 
 
 def description(doc: str | None) -> str:
@@ -48,4 +48,12 @@ def positive_float(text: str) -> float:
     value = _number(text, float)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (seconds, where 0 turns a part off)."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value

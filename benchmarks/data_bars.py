@@ -12,15 +12,23 @@ and peak memory of tokenization for a small and a ten times larger corpus.
   (64 and 256 MB shards by default: a worker's memory does not depend on the shard either), 2
   workers, the bytes tokenizer (a BPE over 5 GB takes hours on two cores). Bar: the large over the
   small within 10% (<= 1.10 and >= 0.90).
+* A learner's memory (issue 45 item 4): on each of those two token stores, a real run of
+  ``configs/default.toml`` (one synchronizer, one learner process, leased slices of 16 inner steps,
+  ``--learner-s`` seconds) and the peak RSS of the learner's process tree, sampled every 100 ms. The
+  learner maps the training tokens and reads only the pages of the slices it leases (and the
+  held-out windows), so its memory must not follow the corpus. Bar: the large over the small within
+  10%, both sides; its tokens trained are shown.
 
 Every build runs in a fresh child process (``--child``); corpora are generated into a temporary
 folder under ``--dir`` and deleted after. Usage:
-python -m benchmarks.data_bars [--quick] [--bpe-mb 96] [--repeats 2] [--small-mb 512] [--large-mb 5120] [--dir /tmp]
+python -m benchmarks.data_bars [--quick] [--bpe-mb 96] [--repeats 2] [--small-mb 512] [--large-mb 5120]
+    [--learner-s 60] [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.args import description, positive_int
+from benchmarks.args import description, non_negative_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.synth_corpus import write_corpus
 
@@ -55,8 +63,9 @@ def _child(spec: dict) -> None:
     print(json.dumps({"seconds": time.perf_counter() - start, "train_tokens": len(corpus.train)}), flush=True)
 
 
-def _build(urls: str, cache: Path, tokenizer: str, workers: int) -> dict:
-    """Run one cold build in a child process; its seconds and the peak RSS of its process tree (bytes)."""
+def _build(urls: str, cache: Path, tokenizer: str, workers: int, keep: bool = False) -> dict:
+    """Run one cold build in a child process; its seconds and the peak RSS of its process tree (bytes).
+    The token cache is deleted after unless ``keep``."""
     spec = {"urls": urls, "cache": str(cache), "tokenizer": tokenizer, "workers": workers}
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}  # a worker is one core
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.data_bars", "--child", json.dumps(spec)], cwd=_ROOT,
@@ -72,8 +81,61 @@ def _build(urls: str, cache: Path, tokenizer: str, workers: int) -> dict:
     out = proc.stdout.read() if proc.stdout else ""
     if proc.returncode != 0:
         raise RuntimeError(f"build with {workers} worker(s) of {urls} failed with status {proc.returncode}")
-    shutil.rmtree(cache, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(cache, ignore_errors=True)
     return {**json.loads(out.strip().splitlines()[-1]), "peak_rss": peak}
+
+
+def _tree_rss(root: psutil.Process) -> int:
+    """The RSS of ``root`` and its descendants now (bytes; 0 once it is gone)."""
+    try:
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def learner_peak_rss(urls: str, cache: Path, work: Path, seconds: float) -> dict:
+    """A real run on the token store ``cache`` (built from ``urls``) with leased slices: one
+    synchronizer and one learner for ``seconds``; the learner's peak RSS (bytes, its process tree
+    sampled every 100 ms) and the tokens the run trained (the slice ledger's).
+
+    Raises:
+        RuntimeError: the learner trained nothing (its log's tail in the message).
+    """
+    from diloco_async.config.schema import load_config
+    from diloco_async.run import RunProcesses
+
+    recipe = _ROOT / "configs/default.toml"
+    base = load_config(recipe, [])
+    step_tokens = base.learners.grad_accum_steps * base.learners.batch_size_of(0) * base.model.context
+    cfg = load_config(recipe, [  # slices of 16 inner steps
+        "data.source=urls", f'data.urls=["{urls}"]', f"data.token_cache_dir={cache}", "data.slices=true",
+        f"data.slice_tokens={16 * step_tokens}", "learners.checkpoint_every_s=0", "learners.count=1",
+        "synchronizer.min_quorum=1", f"budget.wall_s={seconds}", "budget.tokens=1000000000000",
+        f"run.store=file://{work}/store", f"run.workdir={work}/runs"])
+    run = RunProcesses(cfg)
+    peak = 0
+    try:
+        run.start_synchronizer()
+        learner = psutil.Process(run.start_learner(0).proc.pid)
+        deadline = time.monotonic() + seconds + 180
+        while run.sync is not None and run.sync.poll() is None and time.monotonic() < deadline:
+            peak = max(peak, _tree_rss(learner))
+            time.sleep(0.1)
+    finally:
+        run.stop_all()
+    summary = run.final_summary()
+    trained = summary.get("tokens_trained", 0)
+    if not trained:
+        tail = "".join(log.read_text(errors="replace")[-2000:] for log in sorted((run.workdir / "logs").glob("*.log")))
+        raise RuntimeError(f"the learner trained no slice on {urls}; logs in {run.workdir / 'logs'}:\n{tail}")
+    shutil.rmtree(work, ignore_errors=True)
+    return {"peak_rss": peak, "tokens_trained": trained}
 
 
 def _bpe_tokenizer(corpus: Path, out: Path) -> str:
@@ -109,8 +171,8 @@ def throughput_bar(work: Path, corpus_mb: int, repeats: int) -> list[Bar]:
             Bar("tokenization MiB/s, 1 worker (BPE 4096)", sum(rates[1]) / repeats / 2**20, 0, "min", shown=True)]
 
 
-def memory_bars(work: Path, small_mb: int, large_mb: int) -> list[Bar]:
-    peaks = {}
+def memory_bars(work: Path, small_mb: int, large_mb: int, learner_s: float = 0.0) -> list[Bar]:
+    peaks, learners = {}, {}
     for total_mb, shard_mb in ((small_mb, max(1, small_mb // 8)), (large_mb, max(1, large_mb // 20))):
         corpus = work / f"rss-{total_mb}"
         t0 = time.perf_counter()
@@ -118,17 +180,34 @@ def memory_bars(work: Path, small_mb: int, large_mb: int) -> list[Bar]:
         size = sum(p.stat().st_size for p in paths)
         print(f"generated {size / 2**20:.0f} MiB in {len(paths)} shards in {time.perf_counter() - t0:.0f} s",
               flush=True)
-        r = _build(f"file://{corpus}/*.jsonl", work / f"cache-rss-{total_mb}", "bytes", 2)
-        shutil.rmtree(corpus, ignore_errors=True)
+        urls, cache = f"file://{corpus}/*.jsonl", work / f"cache-rss-{total_mb}"
+        r = _build(urls, cache, "bytes", 2, keep=learner_s > 0)
         peaks[total_mb] = r["peak_rss"]
         print(f"{size / 2**20:.0f} MiB: built in {r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**20:.0f} MiB "
               f"(build and workers)", flush=True)
+        if learner_s > 0:
+            learners[total_mb] = learner_peak_rss(urls, cache, work / f"run-{total_mb}", learner_s)
+            print(f"{size / 2**20:.0f} MiB: a learner on leased slices for {learner_s:.0f} s: peak RSS "
+                  f"{learners[total_mb]['peak_rss'] / 2**20:.0f} MiB, {learners[total_mb]['tokens_trained']} tokens "
+                  "trained", flush=True)
+        shutil.rmtree(corpus, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
     ratio = peaks[large_mb] / peaks[small_mb]
     detail = (f"{peaks[small_mb] / 2**20:.0f} MiB for {small_mb} MiB, {peaks[large_mb] / 2**20:.0f} MiB for {large_mb} "
               "MiB; bytes tokenizer, 2 workers")
     figure = f"peak RSS of tokenization, {large_mb} / {small_mb} MiB corpus"
-    return [Bar(figure, ratio, 1 + RSS_TOLERANCE, "max", detail),
+    bars = [Bar(figure, ratio, 1 + RSS_TOLERANCE, "max", detail),
             Bar(f"{figure} (lower side)", ratio, 1 - RSS_TOLERANCE, "min")]
+    if learners:
+        small, large = learners[small_mb], learners[large_mb]
+        figure = f"peak RSS of a learner on leased slices, {large_mb} / {small_mb} MiB corpus"
+        detail = (f"{small['peak_rss'] / 2**20:.0f} MiB ({small['tokens_trained']} tokens trained) for {small_mb} "
+                  f"MiB, {large['peak_rss'] / 2**20:.0f} MiB ({large['tokens_trained']}) for {large_mb} MiB; "
+                  f"{learner_s:.0f} s")
+        ratio = large["peak_rss"] / small["peak_rss"]
+        bars += [Bar(figure, ratio, 1 + RSS_TOLERANCE, "max", detail),
+                 Bar(f"{figure} (lower side)", ratio, 1 - RSS_TOLERANCE, "min")]
+    return bars
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--small-mb", type=positive_int, default=512)
     ap.add_argument("--large-mb", type=positive_int, default=5120)
+    ap.add_argument("--learner-s", type=non_negative_float, default=60.0,
+                    help="seconds of the learner run on each memory corpus (0: no learner row)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--only", choices=["throughput", "memory"])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -146,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         _child(json.loads(args.child))
         return 0
     if args.quick:
-        args.bpe_mb, args.repeats, args.small_mb, args.large_mb = 8, 1, 16, 64
+        args.bpe_mb, args.repeats, args.small_mb, args.large_mb, args.learner_s = 8, 1, 16, 64, 15.0
     bars: list[Bar] = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-data-") as tmp:
         if args.only in (None, "throughput"):
             bars += throughput_bar(Path(tmp), args.bpe_mb, args.repeats)
         if args.only in (None, "memory"):
-            bars += memory_bars(Path(tmp), args.small_mb, args.large_mb)
+            bars += memory_bars(Path(tmp), args.small_mb, args.large_mb, args.learner_s)
     return print_bars(bars, title="token store bars (make bench-data)")
 
 

@@ -21,7 +21,9 @@
   apply).
 * ``announce`` goes to the owner of the contribution's fragment (:func:`~diloco_async.policy.shards.shard_of`).
 * ``push`` opens every shard's channel and hands on their events as one stream; it ends (the comms
-  reconnect) when any of them ends.
+  reconnect) when any of them ends. A ``stop`` event is handed on once every shard has sent one: the
+  shards drain their own last rounds, and one whose drain ended first would otherwise stop the
+  learner before it answered another's (which then waited out its whole drain, issue 40 part c).
 
 With one URL it behaves as the one client it wraps.
 """
@@ -185,7 +187,10 @@ class ShardedSyncClient:
 
     @contextlib.asynccontextmanager
     async def push(self, learner_id: str) -> AsyncIterator[AsyncIterator[dict]]:
-        """Every shard's push channel as one stream of events (ends when any channel ends)."""
+        """Every shard's push channel as one stream of events (ends when the channel of a shard that
+        has not stopped ends). A ``stop`` is handed on once every shard has sent its own: a shard
+        whose drain ended first must not stop the learner while another shard's last rounds still
+        wait for it."""
         if len(self.clients) == 1:
             async with self.clients[0].push(learner_id) as events:
                 yield events
@@ -195,17 +200,29 @@ class ShardedSyncClient:
             queue: asyncio.Queue[Any] = asyncio.Queue()
             done = object()
 
-            async def pump(events: AsyncIterator[dict]) -> None:
+            async def pump(i: int, events: AsyncIterator[dict]) -> None:
                 try:
                     async for event in events:
-                        await queue.put(event)
+                        await queue.put((i, event))
                 finally:
-                    await queue.put(done)
+                    await queue.put((i, done))
 
-            tasks = [asyncio.create_task(pump(s)) for s in streams]
+            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
 
             async def merged() -> AsyncIterator[dict]:
-                while (event := await queue.get()) is not done:
+                stopped: set[int] = set()
+                while True:
+                    i, event = await queue.get()
+                    if event is done:
+                        if i in stopped:  # a shard that stopped and exited: the others' channels go on
+                            continue
+                        return
+                    if event.get("type") == "stop":
+                        stopped.add(i)
+                        if len(stopped) < len(streams):
+                            log.info("synchronizer shard %d stopped (%s); waiting for the other shards' stops",
+                                     i, event.get("reason"))
+                            continue
                     yield event
 
             try:

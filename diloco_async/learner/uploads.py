@@ -233,7 +233,7 @@ class Uploads:
         if settle is not None and self.shared.feedback is not None:  # error feedback: kept only if taken
             self.shared.feedback.settle(job.fragment, *settle, status)
         self.shared.outcomes.put((job.fragment, job.round_n, status))
-        if status == "accepted" and joined_round is not None and joined_round != job.round_n:
+        if status in ("accepted", "duplicate") and joined_round is not None and joined_round != job.round_n:
             self.shared.outcomes.put((job.fragment, joined_round, "folded"))
 
     async def _encode_and_put(self, job: UploadJob, key: str, meta: dict[str, str]) -> ObjectRef:

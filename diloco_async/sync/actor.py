@@ -435,7 +435,7 @@ class Synchronizer:
             log.warning("learner %s lost (silent for %.1fs)", info.learner_id, now - info.last_seen_s)
             self.report.metric(f"learner/{info.learner_id}/alive", 0.0)
             self.report.metric("sync/live_learners", len(self.registry.live()))
-        self.slices.sweep(self.table.rounds, self.life.stopped, self.registry, self.table.late.waiting())
+        self.slices.sweep(self.table.rounds, self.life.stopped, self.registry, self.table.late.waiting_contributions())
         self.registry.mark_provisioned(now)  # O(1): the ledgers' readers flush it
 
     def _check_budget(self, now: float) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
 from diloco_async.policy.admission import AnnouncementRules, admit_announcement
 from diloco_async.policy.pace import implausible_contribution
-from diloco_async.policy.rounds import RoundState
+from diloco_async.policy.rounds import DUPLICATE_REASON, RoundStage, RoundState
 from diloco_async.policy.shards import shard_of
 from diloco_async.protocol.messages import Announcement, AnnouncementAck
 from diloco_async.storage import keys
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from diloco_async.sync.guard import UpdateGuard
     from diloco_async.sync.late import LateDesk
     from diloco_async.sync.learners import LearnerRegistry
+    from diloco_async.sync.lifecycle import Lifecycle
     from diloco_async.sync.logs import BoundedMap
     from diloco_async.sync.reporting import Reporter
     from diloco_async.sync.slices import SliceDesk
@@ -54,6 +56,7 @@ class ContributionDesk:
     settled: BoundedMap[tuple[str, int, int], str]
     slices: SliceDesk
     late: LateDesk
+    life: Lifecycle
     guard: UpdateGuard
     verify_slots: asyncio.Semaphore
 
@@ -67,13 +70,19 @@ class ContributionDesk:
         ann, why = self.slices.check_announcement(ann)  # slices held (refused if not), c_tokens within them
         if why is not None:
             return self._reject(lid, NOT_HELD, why, p, n, ann)
+        if (joined := self.late.joined_round(ann, self.settled.get((lid, p, n)))) is not None:
+            self.report.count("duplicates")  # a retry of one that joined a later round: it learns which
+            return AnnouncementAck(status="duplicate", reason=DUPLICATE_REASON, round_n=joined)
         announced, announced_n, rnd = ann, n, self.rounds.get((p, n))
-        joins = self.late.joins(ann, f, rnd, self.rounds, self.settled.get((lid, p, n)))  # DESIGN §3.5
+        merging = rnd is not None and rnd.state.stage is RoundStage.MERGING
+        joins = self.late.joins(ann, f, rnd, self.rounds, self.settled.get((lid, p, n)),  # DESIGN §3.5
+                                may_wait=self.life.running)
         if joins is not None:
             ann, n, rnd = ann.model_copy(update={"round_n": joins}), joins, self.rounds.get((p, joins))
         info = self.registry.get(lid)
         bound = self.registry.pace_bound(lid)
-        if info is not None and bound is not None and lid not in (rnd.state.entries if rnd else ()):
+        if (info is not None and bound is not None and (rnd is not None or joins is not None)
+                and lid not in (rnd.state.entries if rnd else ())):
             why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
                                            since_anchor_s=self.ctx.clock() - info.anchor_s, bound=bound)
             if why is not None:
@@ -81,8 +90,12 @@ class ContributionDesk:
                 return (self._late(announced, f"round p{p} r{announced_n} is closed; round {n} refused it: {why}")
                         if n != announced_n else self._reject(lid, code, detail, p, n, ann))
         parked = rnd is None and joins is not None  # it waits for round n, which opens next
+        facts = f.facts() if f else None
+        if parked and merging and facts is not None:  # checked against the bases kept once that merge published
+            oldest = facts.version + 1 - self.sc.max_staleness
+            facts = replace(facts, kept_versions=frozenset(v for v in facts.kept_versions if v >= oldest))
         adm = admit_announcement(
-            ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=f.facts() if f else None,
+            ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=facts,
             round_state=RoundState(p, n, self.ctx.clock(), 1) if parked else rnd.state if rnd else None,
             settled_key=self.settled.get((lid, p, n)), rules=self._rules(p, announced_n))
         if adm.status == "rejected" and n != announced_n:  # it stays late, and round n is left alone
@@ -107,6 +120,7 @@ class ContributionDesk:
             return AnnouncementAck(status="accepted", reason=adm.reason)
         self.report.count("contributions_folded")
         self.settled[(lid, p, announced_n)] = ann.key  # a replay of it is a duplicate, never folded twice
+        self.late.joined[(lid, p, announced_n)] = n
         log.info("late contribution learner=%s fragment=%d round=%d %s round %d", lid, p, announced_n,
                  "waits for" if parked else "joins", n)
         return AnnouncementAck(status="accepted", reason=f"{adm.reason}; round {announced_n} had closed",
@@ -120,9 +134,15 @@ class ContributionDesk:
 
     def _admit_parked(self, f: FragmentState, rnd: Round, now: float) -> None:
         """The contributions waiting for ``rnd`` (just opened) are admitted into it, checked again (a
-        base version collected meanwhile, say); one refused now is counted as rejected."""
+        base version collected meanwhile, say); one refused now is counted as rejected. Those that
+        waited for an earlier round of the fragment, which the schedule skipped, are abandoned (their
+        objects lie under a round that garbage collection may already have taken)."""
         p, n = rnd.state.fragment, rnd.state.round_n
-        for contrib in self.late.take(p, n):
+        waiting, skipped = self.late.take(p, n)
+        for c in skipped:
+            self._decided(c.ann.learner_id, p, c.ann.round_n, "abandoned",
+                          f"round {c.ann.round_n} was skipped (round {n} opened)", c.ann)
+        for contrib in waiting:
             ann = contrib.ann
             adm = admit_announcement(ann, now_s=now, learner_known=ann.learner_id in self.registry,
                                      fragment=f.facts(), round_state=rnd.state, settled_key=None,
@@ -133,7 +153,8 @@ class ContributionDesk:
                 self._reject(ann.learner_id, adm.code or adm.status, adm.reason.partition(": ")[2], p, n, ann)
 
     def abandon_parked(self, reason: str) -> None:
-        """The contributions still waiting for a round that will not open (the run stopped): abandoned."""
+        """The contributions still waiting for a round that will not open (the run stopped: none is
+        parked after the stop, so the final accounting sees each): abandoned."""
         for c in self.late.take_all():
             self._decided(c.ann.learner_id, c.ann.fragment, c.ann.round_n, "abandoned",
                           f"{reason}: round {c.ann.round_n} never opened", c.ann)

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from diloco_async.policy.admission import folds_into_next, parks_for_next
 from diloco_async.policy.rounds import RoundStage
 from diloco_async.protocol.messages import Announcement
+from diloco_async.sync.logs import BoundedMap
 from diloco_async.sync.state import Contribution, FragmentState, Round
 
 __all__ = ["LateDesk"]
@@ -25,18 +26,21 @@ class LateDesk:
         enabled: ``synchronizer.fold_late``; off, every late contribution is answered ``late``.
     """
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, joined_cap: int = 4096) -> None:
         self.enabled = enabled
         self.parked: dict[tuple[int, int], dict[str, Contribution]] = {}  # (p, n) -> learner -> waiting for it
+        # (learner, fragment, announced round) -> the round it joined, for the ack of a retry
+        self.joined: BoundedMap[tuple[str, int, int], int] = BoundedMap(joined_cap)
 
     def joins(self, ann: Announcement, f: FragmentState | None, rnd: Round | None,
-              rounds: Mapping[tuple[int, int], Round], settled_key: str | None) -> int | None:
+              rounds: Mapping[tuple[int, int], Round], settled_key: str | None, may_wait: bool) -> int | None:
         """The round ``ann`` joins instead of being answered ``late``, or None (not late, or it stays late).
 
         Its round n (``rnd``: the round table's, None once gone) closed: gone, or merging without it.
         It joins round n + 1 when that round is open and takes it (:func:`folds_into_next`), or when
-        round n + 1 is the one fragment ``f`` opens next and it may wait for it (:func:`parks_for_next`).
-        ``settled_key``: the key its learner had settled in round n, if any."""
+        round n + 1 is the one fragment ``f`` opens next, ``may_wait`` (the run is running: no round
+        opens once it stops) and it may wait for it (:func:`parks_for_next`). ``settled_key``: the key
+        its learner had settled in round n, if any."""
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
         if not self.enabled or f is None or n >= f.next_round:
             return None
@@ -45,17 +49,26 @@ class LateDesk:
         nxt = rounds.get((p, n + 1))
         if nxt is not None:
             return n + 1 if folds_into_next(ann, nxt.state, settled_key) else None
-        opens_next = f.next_round == n + 1
+        opens_next = may_wait and f.next_round == n + 1
         return n + 1 if opens_next and parks_for_next(ann, self.parked.get((p, n + 1), {}), settled_key) else None
+
+    def joined_round(self, ann: Announcement, settled_key: str | None) -> int | None:
+        """The round a repeat of ``ann`` joined (it was folded or waits), or None: a retry whose first
+        answer was lost learns it too."""
+        if settled_key != ann.key:
+            return None
+        return self.joined.get((ann.learner_id, ann.fragment, ann.round_n))
 
     def park(self, contrib: Contribution) -> None:
         """``contrib`` (its announcement already names the round it joins) waits for that round."""
         ann = contrib.ann
         self.parked.setdefault((ann.fragment, ann.round_n), {})[ann.learner_id] = contrib
 
-    def take(self, p: int, n: int) -> list[Contribution]:
-        """The contributions waiting for round ``n`` of fragment ``p`` (it opens now); none wait after."""
-        return list(self.parked.pop((p, n), {}).values())
+    def take(self, p: int, n: int) -> tuple[list[Contribution], list[Contribution]]:
+        """Round ``n`` of fragment ``p`` opens: (the contributions waiting for it, those waiting for an
+        earlier round of ``p``, which the schedule skipped: it never opens). None of them waits after."""
+        skipped = [c for m in sorted(m for q, m in self.parked if q == p and m < n) for c in self.take(p, m)[0]]
+        return list(self.parked.pop((p, n), {}).values()), skipped
 
     def take_all(self) -> list[Contribution]:
         """Every waiting contribution (their rounds will not open); none wait after."""
@@ -63,7 +76,7 @@ class LateDesk:
         self.parked.clear()
         return out
 
-    def waiting(self) -> Iterator[Contribution]:
+    def waiting_contributions(self) -> Iterator[Contribution]:
         """The contributions waiting now (their slices are in flight, DESIGN §5.2)."""
         for waiting in self.parked.values():
             yield from waiting.values()

@@ -296,17 +296,13 @@ class RoundTable(ContributionDesk):
         self.report.merged(self.ctx.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version, "sha256": res.ref.sha256,
             "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged if factor[lid] > 0],
-            "contributions": [rnd.contributions[lid].merge_record(round(factor[lid], 6), _rounded(res.cosines.get(lid)))
+            "contributions": [rnd.contributions[lid].merge_record(factor[lid], res.cosines.get(lid))
                               for lid in res.merged]})
         for lid in res.merged:
             ann, w = rnd.contributions[lid].ann, factor[lid]
             self.registry.ledgers[lid].credit_merge(ann.c_tokens, ann.compute_s, f.share, w)
             self._decided(lid, f.p, res.round_n, "merged" if w > 0 else "zero_weight",
                           "" if w > 0 else "direction factor 0", ann)
-
-
-def _rounded(x: float | None) -> float | None:
-    return None if x is None else round(x, 6)
 
 
 def _dropped_code(why: str, default: str) -> str:

@@ -208,8 +208,8 @@ class Contribution:
         may train them)."""
         a = self.ann
         rec = {"learner": a.learner_id, "c_tokens": a.c_tokens, "c_steps": a.c_steps, "base_version": a.base_version,
-               "token_weight": token_weight(a.c_tokens, a.c_steps), "direction_factor": direction_factor,
-               "direction_cosine": direction_cosine}
+               "token_weight": token_weight(a.c_tokens, a.c_steps), "direction_factor": round(direction_factor, 6),
+               "direction_cosine": None if direction_cosine is None else round(direction_cosine, 6)}
         if a.slices:
             rec["slices" if direction_factor > 0 else "slices_untrained"] = a.slices
         return rec

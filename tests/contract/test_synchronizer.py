@@ -260,8 +260,8 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
             assert st["learners"]["c"]["contributions"] == {"late": 1}
             return
         assert (ack["status"], ack["round_n"]) == ("accepted", 2) and "round 1 had closed" in ack["reason"]
-        again = await (await client.post("/announce", json=body, headers=AUTH)).json()  # a retry
-        assert (again["status"], again["round_n"]) == ("duplicate", None)
+        again = await (await client.post("/announce", json=body, headers=AUTH)).json()  # a retry (first ack lost)
+        assert (again["status"], again["round_n"]) == ("duplicate", 2)  # it learns the round it joined
         _, second = await contribute(client, store, "a", fragment_delta(plan, 5))  # a's round 1 merged: no 2nd key
         assert (second["status"], second["round_n"]) == ("late", None), second
         da2 = fragment_delta(plan, 4)
@@ -299,7 +299,7 @@ async def test_a_late_contribution_waits_for_the_round_that_opens_next():
         body, ack = await contribute(client, store, "c", fragment_delta(plan, 3))  # announced for round 1
         assert (ack["status"], ack["round_n"]) == ("accepted", 2) and "round 1 had closed" in ack["reason"], ack
         again = await (await client.post("/announce", json=body, headers=AUTH)).json()  # a retry while it waits
-        assert again["status"] == "duplicate", again
+        assert (again["status"], again["round_n"]) == ("duplicate", 2), again
         st = await status(client)
         assert st["contributions_folded"] == 1 and st["contributions_late"] == 0 and round_of(st, 0, 2) is None
         for lid in LEARNERS:

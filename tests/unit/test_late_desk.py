@@ -1,6 +1,7 @@
 """Where a late contribution goes (diloco_async/sync/late.py, ``synchronizer.fold_late``; DESIGN §3.5):
 into round n + 1 when it is open, waiting for it when it opens next (round n merging, or merged and
-round n + 1 not opened yet), late otherwise; the waiting ones are taken when their round opens."""
+round n + 1 not opened yet) while the run runs, late otherwise; the waiting ones are taken when their
+round opens, and those of a round the schedule skipped come out then too."""
 
 from __future__ import annotations
 
@@ -31,20 +32,26 @@ def _merging(*learners: str) -> Round:
 def test_a_late_contribution_waits_for_the_round_that_opens_next() -> None:
     desk, f = LateDesk(enabled=True), SimpleNamespace(next_round=2)  # round 1 is the last one opened
     merging = _merging("b")
-    assert desk.joins(_ann("a"), f, merging, {(0, 1): merging}, None) == 2  # round 1 merging without it
-    assert desk.joins(_ann("b"), f, merging, {(0, 1): merging}, None) is None  # b is in round 1: late there
-    assert desk.joins(_ann("a"), f, None, {}, None) == 2  # round 1 merged, round 2 not open yet
-    assert desk.joins(_ann("a"), f, None, {}, "run1/contrib/p000/r00000001/a") is None  # settled in round 1
-    assert desk.joins(_ann("a", n=2), f, None, {}, None) is None  # round 2 never opened: not late
-    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {}, None) is None  # round 2 merging: too old
-    assert LateDesk(enabled=False).joins(_ann("a"), f, None, {}, None) is None
+    assert desk.joins(_ann("a"), f, merging, {(0, 1): merging}, None, True) == 2  # round 1 merging without it
+    assert desk.joins(_ann("b"), f, merging, {(0, 1): merging}, None, True) is None  # b is in round 1: late there
+    assert desk.joins(_ann("a"), f, None, {}, None, True) == 2  # round 1 merged, round 2 not open yet
+    assert desk.joins(_ann("a"), f, None, {}, None, False) is None  # the run stopped: no round opens, it is late
+    assert desk.joins(_ann("a"), f, None, {}, "run1/contrib/p000/r00000001/a", True) is None  # settled in round 1
+    assert desk.joins(_ann("a", n=2), f, None, {}, None, True) is None  # round 2 never opened: not late
+    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {}, None, True) is None  # round 2 came and went
+    assert LateDesk(enabled=False).joins(_ann("a"), f, None, {}, None, True) is None
     open2 = Round(RoundState(0, 2, opened_s=0.0, min_quorum=1))
-    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {(0, 2): open2}, None) == 2  # open: folds in
+    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {(0, 2): open2}, None, False) == 2  # open: folds in
     waiting = Contribution(_ann("a").model_copy(update={"round_n": 2}))
     desk.park(waiting)
-    assert desk.joins(_ann("a"), f, None, {}, None) is None  # one waits for round 2 already
-    assert desk.joins(_ann("c"), f, None, {}, None) == 2
-    assert [c.ann.slices for c in desk.waiting()] == [[7]]  # its slices are in flight
-    assert desk.take(0, 3) == [] and desk.take(0, 2) == [waiting] and desk.take(0, 2) == []
+    assert desk.joins(_ann("a"), f, None, {}, None, True) is None  # one waits for round 2 already
+    assert desk.joins(_ann("c"), f, None, {}, None, True) == 2
+    assert [c.ann.slices for c in desk.waiting_contributions()] == [[7]]  # its slices are in flight
+    assert desk.take(1, 2) == ([], []) and desk.take(0, 2) == ([waiting], []) and desk.take(0, 2) == ([], [])
     desk.park(waiting)
-    assert desk.take_all() == [waiting] and list(desk.waiting()) == []
+    assert desk.take(0, 3) == ([], [waiting])  # round 2 was skipped: it never opens
+    desk.park(waiting)
+    assert desk.take_all() == [waiting] and list(desk.waiting_contributions()) == []
+    desk.joined[("a", 0, 1)] = 2  # a retry of the one that joined round 2 learns that round
+    assert desk.joined_round(_ann("a"), settled_key=_ann("a").key) == 2
+    assert desk.joined_round(_ann("a"), settled_key="another key") is None

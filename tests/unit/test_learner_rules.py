@@ -351,3 +351,22 @@ def test_backoff_doubles_to_its_cap_jittered_and_starts_over_on_reset():
     assert 0.05 <= backoff.next_pause_s() <= 0.1
     with pytest.raises(ValueError, match="backoff delays must be >= 0"):
         Backoff(-1.0, 5.0)
+
+
+def test_an_ack_naming_another_round_tells_the_training_thread_it_was_folded(tmp_path):
+    """An announcement acknowledged for a later round (DESIGN §3.5), ``accepted`` or, for a retry
+    whose first answer was lost, ``duplicate``, reaches the training thread as its own outcome then
+    ``folded`` into that round; one answered for its own round, or late, as that outcome alone."""
+    from diloco_async.learner import uploads
+    from diloco_async.learner.state import Shared, UploadJob
+    from diloco_async.storage.store import ObjectStore
+
+    up = uploads.Uploads("a", 0, ObjectStore(f"file://{tmp_path}/s"), Shared())
+    job = UploadJob(fragment=0, round_n=1, base_version=0, c_steps=1, c_tokens=1, compute_s=0.0, delta={})
+    for status, joined in [("accepted", 2), ("duplicate", 2), ("accepted", 1), ("late", None), ("duplicate", None)]:
+        up._report(job, status, joined)
+    told = []
+    while not up.shared.outcomes.empty():
+        told.append(up.shared.outcomes.get_nowait())
+    assert told == [(0, 1, "accepted"), (0, 2, "folded"), (0, 1, "duplicate"), (0, 2, "folded"),
+                    (0, 1, "accepted"), (0, 1, "late"), (0, 1, "duplicate")]
