@@ -234,8 +234,9 @@ bench-sync-memory: data
 
 ## bench-data: the token store (issue 45; docs/data-and-models.md "The token store"): tokenization throughput
 ##             with 2 workers over 1 (BPE 4096, a 96 MiB synthetic JSONL corpus, 2 interleaved pairs) >= 1.7, and
-##             the peak RSS of tokenizing a 5 GiB corpus within 10% of a 0.5 GiB one (benchmarks/data_bars.py;
-##             corpora from benchmarks/synth_corpus.py, generated under DATA_BENCH_DIR and deleted; ~17 GB free disk).
+##             the peak RSS of tokenizing a 5 GiB corpus within 10% of a 0.5 GiB one, and of a learner training
+##             leased slices of each for 60 s (benchmarks/data_bars.py; corpora from benchmarks/synth_corpus.py,
+##             generated under DATA_BENCH_DIR and deleted; ~17 GB free disk).
 DATA_BENCH_DIR ?= /tmp
 bench-data: setup
 	$(PY) -m benchmarks.data_bars --dir $(DATA_BENCH_DIR)

@@ -107,17 +107,17 @@ def learner_peak_rss(urls: str, cache: Path, work: Path, seconds: float) -> dict
     Raises:
         RuntimeError: the learner trained nothing (its log's tail in the message).
     """
+    from diloco_async.config.resolved import with_fields
     from diloco_async.config.schema import load_config
     from diloco_async.run import RunProcesses
 
-    recipe = _ROOT / "configs/default.toml"
-    base = load_config(recipe, [])
+    base = load_config(_ROOT / "configs/default.toml", [])
     step_tokens = base.learners.grad_accum_steps * base.learners.batch_size_of(0) * base.model.context
-    cfg = load_config(recipe, [  # slices of 16 inner steps
-        "data.source=urls", f'data.urls=["{urls}"]', f"data.token_cache_dir={cache}", "data.slices=true",
-        f"data.slice_tokens={16 * step_tokens}", "learners.checkpoint_every_s=0", "learners.count=1",
-        "synchronizer.min_quorum=1", f"budget.wall_s={seconds}", "budget.tokens=1000000000000",
-        f"run.store=file://{work}/store", f"run.workdir={work}/runs"])
+    cfg = with_fields(base, {  # slices of 16 inner steps
+        "data.source": "urls", "data.urls": [urls], "data.token_cache_dir": str(cache), "data.slices": True,
+        "data.slice_tokens": 16 * step_tokens, "learners.checkpoint_every_s": 0.0, "learners.count": 1,
+        "synchronizer.min_quorum": 1, "budget.wall_s": float(seconds), "budget.tokens": 10**12,
+        "run.store": f"file://{work}/store", "run.workdir": f"{work}/runs"})
     run = RunProcesses(cfg)
     peak = 0
     try:

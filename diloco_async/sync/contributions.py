@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from diloco_async.codec import wire
-from diloco_async.policy.admission import AnnouncementRules, admit_announcement
+from diloco_async.policy.admission import AnnouncementRules, FragmentFacts, admit_announcement
 from diloco_async.policy.pace import implausible_contribution
 from diloco_async.policy.rounds import DUPLICATE_REASON, RoundStage, RoundState
 from diloco_async.policy.shards import shard_of
@@ -80,22 +80,14 @@ class ContributionDesk:
         if joins is not None:
             ann, n, rnd = ann.model_copy(update={"round_n": joins}), joins, self.rounds.get((p, joins))
         info = self.registry.get(lid)
-        bound = self.registry.pace_bound(lid)
-        if (info is not None and bound is not None and (rnd is not None or joins is not None)
-                and lid not in (rnd.state.entries if rnd else ())):
-            why = implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
-                                           since_anchor_s=self.ctx.clock() - info.anchor_s, bound=bound)
-            if why is not None:
-                code, _, detail = why.partition(": ")
-                return (self._late(announced, f"round p{p} r{announced_n} is closed; round {n} refused it: {why}")
-                        if n != announced_n else self._reject(lid, code, detail, p, n, ann))
+        if (rnd is not None or joins is not None) and (why := self._implausible(ann, rnd)) is not None:
+            code, _, detail = why.partition(": ")
+            return (self._late(announced, f"round p{p} r{announced_n} is closed; round {n} refused it: {why}")
+                    if n != announced_n else self._reject(lid, code, detail, p, n, ann))
         parked = rnd is None and joins is not None  # it waits for round n, which opens next
-        facts = f.facts() if f else None
-        if parked and merging and facts is not None:  # checked against the bases kept once that merge published
-            oldest = facts.version + 1 - self.sc.max_staleness
-            facts = replace(facts, kept_versions=frozenset(v for v in facts.kept_versions if v >= oldest))
         adm = admit_announcement(
-            ann, now_s=self.ctx.clock(), learner_known=lid in self.registry, fragment=facts,
+            ann, now_s=self.ctx.clock(), learner_known=lid in self.registry,
+            fragment=self._facts(f, after_merge=parked and merging),
             round_state=RoundState(p, n, self.ctx.clock(), 1) if parked else rnd.state if rnd else None,
             settled_key=self.settled.get((lid, p, n)), rules=self._rules(p, announced_n))
         if adm.status == "rejected" and n != announced_n:  # it stays late, and round n is left alone
@@ -125,6 +117,26 @@ class ContributionDesk:
                  "waits for" if parked else "joins", n)
         return AnnouncementAck(status="accepted", reason=f"{adm.reason}; round {announced_n} had closed",
                                round_n=n)
+
+    def _implausible(self, ann: Announcement, rnd: Round | None) -> str | None:
+        """The pace guard's refusal of ``ann`` into ``rnd`` (None: a round it waits for), or None
+        (DESIGN §10): only for a learner with no entry there yet, and a known pace."""
+        info, bound = self.registry.get(ann.learner_id), self.registry.pace_bound(ann.learner_id)
+        if info is None or bound is None or ann.learner_id in (rnd.state.entries if rnd else ()):
+            return None
+        return implausible_contribution(c_steps=ann.c_steps, c_tokens=ann.c_tokens, learner_step=info.step,
+                                        since_anchor_s=self.ctx.clock() - info.anchor_s, bound=bound)
+
+    def _facts(self, f: FragmentState | None, after_merge: bool) -> FragmentFacts | None:
+        """What admission needs of ``f``; ``after_merge``: as it will be once its round merging now has
+        published (a contribution waiting for the next round is checked against the bases kept then)."""
+        if f is None:
+            return None
+        facts = f.facts()
+        if after_merge:
+            oldest = facts.version + 1 - self.sc.max_staleness
+            facts = replace(facts, kept_versions=frozenset(v for v in facts.kept_versions if v >= oldest))
+        return facts
 
     def _admitted(self, f: FragmentState, rnd: Round, contrib: Contribution) -> None:
         """``contrib`` is in ``rnd``: fetched and checked on a thread (:meth:`_verify`)."""

@@ -41,7 +41,7 @@ def test_a_late_contribution_waits_for_the_round_that_opens_next() -> None:
     assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {}, None, True) is None  # round 2 came and went
     assert LateDesk(enabled=False).joins(_ann("a"), f, None, {}, None, True) is None
     open2 = Round(RoundState(0, 2, opened_s=0.0, min_quorum=1))
-    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {(0, 2): open2}, None, False) == 2  # open: folds in
+    assert desk.joins(_ann("a"), SimpleNamespace(next_round=3), None, {(0, 2): open2}, None, False) == 2  # folds in
     waiting = Contribution(_ann("a").model_copy(update={"round_n": 2}))
     desk.park(waiting)
     assert desk.joins(_ann("a"), f, None, {}, None, True) is None  # one waits for round 2 already
