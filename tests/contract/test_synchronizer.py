@@ -233,6 +233,32 @@ async def test_replayed_announcement_counted_once():
             assert torch.allclose(got[n], want[n], atol=1e-6)
 
 
+async def round_1_merged_from_a_and_b(client, store) -> FragmentPlan:
+    """Every learner joined, round 1 of fragment 0 opened and merged from a's and b's contributions
+    (version 1); c has not announced. Returns the plan."""
+    plan = await join_all(client)
+    await open_first_round(client)
+    for lid, seed in (("a", 1), ("b", 2)):
+        await contribute(client, store, lid, fragment_delta(plan, seed))
+    await wait_version(client, 0, 1)
+    return plan
+
+
+async def a_contributes_to_round_2(client, store, plan: FragmentPlan, body: dict) -> dict:
+    """Learner a's own contribution to round 2 of fragment 0 (base version 1; ``body`` another
+    announcement to copy), accepted; then the status once fragment 0 reached version 2."""
+    ref = store.put(keys.contribution_key("run1", 0, 2, "a", uuid.uuid4().hex[:8]),
+                    wire.encode_to_bytes(fragment_delta(plan, 4), "fp32", {}))
+    a2 = dict(body, learner_id="a", round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes,
+              sha256=ref.sha256, update_id=uuid.uuid4().hex[:8])
+    assert (await (await client.post("/announce", json=a2, headers=AUTH)).json())["status"] == "accepted"
+
+    async def version_2():
+        st = await status(client)
+        return st if st["versions"]["0"] >= 2 else None
+    return await await_until(version_2, 30, "fragment 0 to reach version 2")
+
+
 @pytest.mark.parametrize("fold", [True, False])
 async def test_a_contribution_announced_after_its_round_closed_joins_the_next_round(fold):
     """Learner c's contribution to round 1 arrives once round 1 merged without it and round 2 is
@@ -241,11 +267,7 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
     with folding off the late one is answered late and thrown away."""
     cfg = small_config(**{"synchronizer.grace_enabled": "false", "synchronizer.fold_late": str(fold).lower()})
     async with running(cfg) as (_sync, client, store):
-        plan = await join_all(client)
-        await open_first_round(client)
-        for lid, seed in (("a", 1), ("b", 2)):
-            await contribute(client, store, lid, fragment_delta(plan, seed))
-        await wait_version(client, 0, 1)
+        plan = await round_1_merged_from_a_and_b(client, store)
         for lid in LEARNERS:  # the global step reaches round 2's due step (H = 4)
             assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
 
@@ -264,17 +286,7 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
         assert (again["status"], again["round_n"]) == ("duplicate", 2)  # it learns the round it joined
         _, second = await contribute(client, store, "a", fragment_delta(plan, 5))  # a's round 1 merged: no 2nd key
         assert (second["status"], second["round_n"]) == ("late", None), second
-        da2 = fragment_delta(plan, 4)
-        data = wire.encode_to_bytes(da2, "fp32", {})
-        ref = store.put(keys.contribution_key("run1", 0, 2, "a", uuid.uuid4().hex[:8]), data)
-        a2 = dict(body, learner_id="a", round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes,
-                  sha256=ref.sha256, update_id=uuid.uuid4().hex[:8])
-        assert (await (await client.post("/announce", json=a2, headers=AUTH)).json())["status"] == "accepted"
-
-        async def version_2():
-            st = await status(client)
-            return st if st["versions"]["0"] >= 2 else None
-        st = await await_until(version_2, 30, "fragment 0 to reach version 2")
+        st = await a_contributes_to_round_2(client, store, plan, body)
         assert st["contributions_folded"] == 1 and st["contributions_late"] == 1 and st["contributions_merged"] == 4
         assert st["learners"]["c"]["contributions"] == {"merged": 1}
         merge = next(m for m in st["recent_merges"] if m["round"] == 2)
@@ -290,11 +302,7 @@ async def test_a_late_contribution_waits_for_the_round_that_opens_next():
     admitted when round 2 opens, counts toward its quorum and merges there with a's, once only."""
     cfg = small_config(**{"synchronizer.grace_enabled": "false"})
     async with running(cfg) as (_sync, client, store):
-        plan = await join_all(client)
-        await open_first_round(client)
-        for lid, seed in (("a", 1), ("b", 2)):
-            await contribute(client, store, lid, fragment_delta(plan, seed))
-        await wait_version(client, 0, 1)
+        plan = await round_1_merged_from_a_and_b(client, store)
         assert round_of(await status(client), 0, 2) is None  # due at step 8; the learners are at 4
         body, ack = await contribute(client, store, "c", fragment_delta(plan, 3))  # announced for round 1
         assert (ack["status"], ack["round_n"]) == ("accepted", 2) and "round 1 had closed" in ack["reason"], ack
@@ -308,16 +316,7 @@ async def test_a_late_contribution_waits_for_the_round_that_opens_next():
         async def round_2_open():
             return round_of(await status(client), 0, 2)
         assert (await await_until(round_2_open, 30, "round (0, 2) to open"))["announced"] == ["c"]
-        ref = store.put(keys.contribution_key("run1", 0, 2, "a", uuid.uuid4().hex[:8]),
-                        wire.encode_to_bytes(fragment_delta(plan, 4), "fp32", {}))
-        a2 = dict(body, learner_id="a", round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes,
-                  sha256=ref.sha256, update_id=uuid.uuid4().hex[:8])
-        assert (await (await client.post("/announce", json=a2, headers=AUTH)).json())["status"] == "accepted"
-
-        async def version_2():
-            st = await status(client)
-            return st if st["versions"]["0"] >= 2 else None
-        st = await await_until(version_2, 30, "fragment 0 to reach version 2")
+        st = await a_contributes_to_round_2(client, store, plan, body)
         merge = next(m for m in st["recent_merges"] if m["round"] == 2)
         assert sorted(merge["learners"]) == ["a", "c"] and st["contributions_merged"] == 4
         assert st["learners"]["c"]["contributions"] == {"merged": 1} and st["contributions_late"] == 0
@@ -329,11 +328,7 @@ async def test_a_late_contribution_the_next_round_refuses_stays_late():
     round 2 to that learner), and the learner's own round-2 contribution is then accepted."""
     cfg = small_config(**{"synchronizer.grace_enabled": "false", "synchronizer.max_staleness": "0"})
     async with running(cfg) as (_sync, client, store):
-        plan = await join_all(client)
-        await open_first_round(client)
-        await contribute(client, store, "a", fragment_delta(plan, 1))
-        await contribute(client, store, "b", fragment_delta(plan, 2))
-        await wait_version(client, 0, 1)
+        plan = await round_1_merged_from_a_and_b(client, store)
         for lid in LEARNERS:
             assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
 
