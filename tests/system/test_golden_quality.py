@@ -29,8 +29,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: the final held-out loss (nats/token) of the run below, pinned when the test was written
-GOLDEN_LOSS = 2.515054
+#: the final held-out loss (nats/token) of the run below: 2.515054 when the test was written; 2.451109
+#: since a late contribution waits for its fragment's next round instead of being thrown away (issue
+#: 47, DESIGN §3; the same code with waiting turned off still gives 2.515054)
+GOLDEN_LOSS = 2.451109
 #: how far the final loss may move before the test fails (nats/token)
 TOLERANCE_NATS = 0.005
 
