@@ -356,14 +356,17 @@ def _direction_round():
     return f, [contribution(k, v) for k, v in deltas.items()]
 
 
-def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
+@pytest.mark.parametrize("weight_fraction", [None, GuardConfig().direction_weight_fraction])
+def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant(weight_fraction):
     """merge_and_publish with a warm direction guard judging each round alone (direction_memory
     1): a learner sending the negative of its own outer gradient is dropped as a
     direction_outlier, one sending a constant tensor of the usual norm keeps little or no weight,
-    the honest ones keep theirs."""
+    the honest ones keep theirs; with the weight ramp at the anti-aligned bound's fraction (0.5)
+    and at the default's (0.3)."""
     f, contribs = _direction_round()
     res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2, contribs, "rda",
-                            directions=DirectionCheck(reference=0.5, fraction=0.5, memory=1))
+                            directions=DirectionCheck(reference=0.5, fraction=0.5, memory=1,
+                                                      weight_fraction=weight_fraction))
     assert res.ok, res.reason
     dropped = dict(res.dropped)
     assert dropped["flip"].startswith("direction_outlier: cosine -")
@@ -371,6 +374,50 @@ def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant():
     assert res.factors["a"] == res.factors["b"] == res.factors["c"] == 1.0, res.cosines
     assert res.factors["const"] < 0.3 and "const" not in dropped  # about 0 agreement: little or no weight
     assert abs(res.cosines["const"]) < 0.25, res.cosines
+
+
+def test_the_weight_ramp_and_the_anti_aligned_bound_have_their_own_fractions():
+    """guard.direction_weight_fraction sets where the weight ramp ends (issue 47: at 0.5 it took
+    8-27% of honest full-speed learners' contributions' weight on the heterogeneous fleet), while
+    guard.direction_fraction still sets the anti-aligned bound and turns the guard off."""
+    cfg = GuardConfig()
+    assert (cfg.direction_fraction, cfg.direction_weight_fraction) == (0.5, 0.3)
+    guard = DirectionGuard(GuardConfig(direction_warmup=1))
+    guard.record(0.5, 1.0, 100)
+    check = guard.check(LearnerDirections(4))
+    assert (check.reference, check.fraction, check.weight()) == (0.5, 0.5, 0.3)
+    assert direction_factor(0.16, check.reference, check.weight()) == 1.0  # 0.32 of the usual: full weight
+    assert direction_factor(0.16, check.reference, check.fraction) == pytest.approx(0.64)  # the old ramp
+    assert direction_factor(0.06, check.reference, check.weight()) == pytest.approx(0.4)
+    assert direction_factor(-0.01, check.reference, check.weight()) == 0.0
+    assert DirectionCheck(reference=0.5, fraction=0.5).weight() == 0.5  # no weight fraction given: the same
+    assert DirectionCheck(reference=0.5, fraction=0.0, weight_fraction=0.3).weight() == 0.0  # guard off
+    assert direction_factor(0.01, 0.5, DirectionCheck(fraction=0.5, weight_fraction=0.0).weight()) == 1.0
+
+
+@pytest.mark.parametrize("weight_fraction", [None, 0.3])
+def test_merge_weighs_a_weakly_agreeing_contribution_by_the_weight_ramp(weight_fraction):
+    """A contribution that agrees weakly with its round (a fifth of the shared trend under its
+    noise: cosine about 0.17 against a usual 0.5) loses weight on a ramp up to 0.5 of the usual
+    agreement and keeps it all on one up to 0.3 (merge_and_publish uses DirectionCheck.weight)."""
+    from diloco_async.sync.state import Contribution
+
+    f, contribs = _direction_round()
+    honest = [c for c in contribs if c.ann.learner_id in ("a", "b", "c")]
+    trend = sum(c.delta["w"] for c in honest) / 3
+    torch.manual_seed(1)
+    weak = 0.2 * trend + torch.randn(64, 32) * float(trend.pow(2).mean().sqrt())
+    weak_ann = honest[0].ann.model_copy(update={"learner_id": "weak", "key": "k/weak", "update_id": "u-weak"})
+    res = merge_and_publish(ObjectStore(f"memory://dirw-{id(f)}"), "r", f, 2,
+                            [*honest, Contribution(weak_ann, {"w": weak})], "rda",
+                            directions=DirectionCheck(reference=0.5, fraction=0.5, memory=1,
+                                                      weight_fraction=weight_fraction))
+    assert res.ok, res.reason
+    cosine = res.cosines["weak"]
+    assert 0.15 < cosine < 0.25, res.cosines
+    ramp = 0.5 if weight_fraction is None else weight_fraction
+    assert res.factors["weak"] == pytest.approx(min(1.0, cosine / (ramp * 0.5)))
+    assert (res.factors["weak"] == 1.0) == (weight_fraction == 0.3)
 
 
 def test_norm_guard_bound_scales_with_the_steps_a_contribution_covers():
