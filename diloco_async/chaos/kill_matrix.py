@@ -43,7 +43,7 @@ __all__ = ["KillMatrix", "KillMatrixResult", "kill_config", "merged_contribution
 
 log = logging.getLogger("diloco.chaos.kills")
 
-_UPLOADING = re.compile(r"(learner-\d+) uploading fragment (\d+) round (\d+) \(base v\d+\) to (\S+)")
+_UPLOADING = re.compile(r"(learner-\d+) uploading fragment (\d+) round (\d+) \(base v\d+[^)]*\) to (\S+)")
 _MERGED = re.compile(r"fragment (\d+) round (\d+) merged \d+ \(([^)]*)\) -> version (\d+)")
 
 
