@@ -143,18 +143,24 @@ class KillMatrix:
         learners: learner processes. upload_hold_s: how long every upload is held in flight.
         checkpoint_every_s: the synchronizer's checkpoint period; each synchronizer kill comes
             0.5 s to 1.2 periods after the previous restart.
+        fields: config fields set over :func:`kill_config`'s (``with_fields`` typed values), e.g. a
+            token budget and leased slices for :meth:`run_to_budget`.
+        fork_server: start the processes as forks of a server that imported their modules once
+            (a restart costs a fork; the server lives as long as this process), else as subprocesses.
     """
 
     def __init__(self, workdir: str | Path, seed: int = 14, learners: int = 3, upload_hold_s: float = 1.5,
-                 checkpoint_every_s: float = 10.0) -> None:
+                 checkpoint_every_s: float = 10.0, fields: dict | None = None, fork_server: bool = True) -> None:
         self.workdir = Path(workdir).resolve()
         self.rng = random.Random(seed)
         self.upload_hold_s = upload_hold_s
         self.checkpoint_every_s = checkpoint_every_s
         self.resume_limit_s = 120.0  # a resume that does not listen within this is a failed resume
-        self.run_procs = RunProcesses(kill_config(self.workdir, learners, upload_hold_s, _free_port(),
-                                                  checkpoint_every_s))
-        self.run_procs.launcher = ForkServerLauncher(self.run_procs.workdir / "logs", PRELOAD)
+        cfg = kill_config(self.workdir, learners, upload_hold_s, _free_port(), checkpoint_every_s)
+        self.run_procs = RunProcesses(with_fields(cfg, fields) if fields else cfg)
+        if fork_server:  # else subprocesses (RunProcesses' default): nothing outlives the run in this process
+            self.run_procs.launcher = ForkServerLauncher(self.run_procs.workdir / "logs", PRELOAD)
+        self.run_procs.env["PYTHONUNBUFFERED"] = "1"  # each upload's log line is read as it is written
         self.learners = learners
         self.result = KillMatrixResult(log_dir=str(self.run_procs.workdir / "logs"))
         self._offsets: dict[str, int] = {}
@@ -216,7 +222,7 @@ class KillMatrix:
         mid_target = round(kills * mid_upload_share)
         next_random = time.monotonic() + self.rng.uniform(0.5, 4.0)
         pending: list[tuple[str, str]] = []
-        while self.result.learner_kills < kills:
+        while self.result.learner_kills < kills and self.run_procs.sync.poll() is None:  # (a budget may end it)
             self._tick(0.05)
             uploads = self._new_uploads()
             if self.result.mid_upload_kills < mid_target and uploads:
@@ -296,6 +302,35 @@ class KillMatrix:
         finally:
             procs.stop_all()
         self._check_store()
+        self.result.elapsed_s = time.monotonic() - t0
+        return self.result
+
+    def run_to_budget(self, learner_kills: int, timeout_s: float = 900.0,
+                      mid_upload_share: float = 0.4) -> KillMatrixResult:
+        """Start the run, apply ``learner_kills`` learner SIGKILLs (a ``mid_upload_share`` of them in
+        an upload window), then restart the dead learners until the run stops on its own (its
+        budget, set through ``fields``); no synchronizer kill, nothing checked in the store.
+
+        Raises:
+            RuntimeError: no merge within 180 s of the start. TimeoutError: the run still going
+            after ``timeout_s``.
+        """
+        t0 = time.monotonic()
+        procs = self.run_procs
+        try:
+            procs.start_synchronizer()
+            for i in range(self.learners):
+                procs.start_learner(i)
+            if self._wait_merge(0, 180.0) is None:
+                raise RuntimeError(f"no merge within 180 s of the start; logs in {self.result.log_dir}")
+            self._kill_learners(learner_kills, mid_upload_share)
+            while procs.sync.poll() is None:
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(f"the run did not stop within {timeout_s:g} s; logs in {self.result.log_dir}")
+                self._tick(0.2)
+            procs.finished_cleanly = procs.sync.poll() == 0
+        finally:
+            procs.stop_all()
         self.result.elapsed_s = time.monotonic() - t0
         return self.result
 
