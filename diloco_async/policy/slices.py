@@ -16,9 +16,15 @@ fragments may still name it, until the holder releases it or is lost. A lease th
 contribution naming it is still in a round (not merged, not thrown away yet) is *releasing*: it
 returns only once :meth:`SliceLedger.sweep` is told that no contribution in flight names it, so a
 slice is never leased again while a merge could still make it trained. When a lease is asked for and
-the pool is empty (nothing fresh, nothing returned), the epoch counter moves on and every trained
-slice is available again (a slice still leased then is resolved in its own epoch and then joins the
-new pool).
+the pool is empty (nothing fresh, nothing returned), the epoch counter moves on and every slice is
+available again, except those still held: each joins the new pool when its lease ends. A slice
+still held from an earlier epoch is that epoch's: trained there if a merge names it; if its lease
+ends untrained (thrown away) the earlier epoch *owes* it, and it is leased again under that epoch,
+before anything else, until a merge trains it there (an epoch that ends while a slice is held under
+an older one owes it too). So every epoch trains each of its slices
+exactly once, the last few perhaps after the counter moved on (learners never wait for them: a
+learner with nothing to train contributes nothing, and rounds that wait for its steps would wait
+for ever).
 
 Pure: no I/O; times come from the caller's clock. :meth:`SliceLedger.to_json` and
 :meth:`SliceLedger.from_json` carry it through the synchronizer's checkpoints.
@@ -114,15 +120,18 @@ class SliceLedger:
         self.state = bytearray(n_slices)  # one of NEVER_REACHED, LEASED, TRAINED, RETURNED, per slice
         self.cursor = 0  # fresh slices start here
         self.requeue: deque[int] = deque()  # returned slices, leased before fresh ones
+        self.owed: list[tuple[int, int]] = []  # (slice, earlier epoch) thrown away there: leased first, under it
+        self._owed_now: dict[int, int] = {}  # the one being leased (lease's scratch)
         self.leases: dict[int, SliceLease] = {}
         self.counts: Counter[str] = Counter()  # leased, trained, returned, thrown_away, trained_twice, ...
 
     # -- leasing ------------------------------------------------------------------------------
 
     def lease(self, learner: str, want: int, now_s: float) -> list[int]:
-        """Up to ``want`` slices for ``learner``: returned ones first, then fresh ones in stream order;
-        when the pool is empty, the next epoch starts (every trained slice available again). Fewer
-        (possibly none) when every slice is leased.
+        """Up to ``want`` slices for ``learner``: those an earlier epoch owes first (leased under that
+        epoch), then returned ones, then fresh ones in stream order; when the pool is empty, the next
+        epoch starts (every slice not held available again). Fewer (possibly none) when every slice is
+        leased.
 
         Raises:
             ValueError: ``want`` negative.
@@ -136,13 +145,20 @@ class SliceLedger:
                 s = self._next_available()
             if s is None:
                 break
-            self.state[s] = LEASED
-            self.leases[s] = SliceLease(learner, now_s, self.epoch)
+            epoch = self._owed_now.pop(s, self.epoch)
+            if epoch == self.epoch:
+                self.state[s] = LEASED
+            self.leases[s] = SliceLease(learner, now_s, epoch)
             self.counts["leased"] += 1
             out.append(s)
         return out
 
     def _next_available(self) -> int | None:
+        for i, (s, epoch) in enumerate(self.owed):  # an earlier epoch's first
+            if s not in self.leases:
+                del self.owed[i]
+                self._owed_now[s] = epoch
+                return s
         while self.requeue:
             s = self.requeue.popleft()
             if self.state[s] in (RETURNED, NEVER_REACHED) and s not in self.leases:
@@ -158,16 +174,16 @@ class SliceLedger:
         """The next epoch, when some slice was trained; False when there is nothing to refill with."""
         if TRAINED not in self.state:
             return False
+        for s, lease in self.leases.items():  # held under an earlier epoch all this one: this one owes it too
+            if lease.epoch < self.epoch:
+                self.owed.append((s, self.epoch))
+                self.counts["owed"] += 1
         self.epoch += 1
         self.counts["epochs_refilled"] += 1
         self.cursor = 0
         self.requeue.clear()
-        for s in range(self.n_slices):
-            if self.state[s] == TRAINED and s not in self.leases:
-                self.state[s] = NEVER_REACHED
-        for s, lease in self.leases.items():  # held from the last epoch: their fate stays that epoch's
-            if lease.trained:
-                self.state[s] = TRAINED
+        for s in range(self.n_slices):  # held ones stay their epoch's until their lease ends (sweep)
+            self.state[s] = LEASED if s in self.leases else NEVER_REACHED
         return True
 
     # -- contributions ------------------------------------------------------------------------
@@ -252,6 +268,9 @@ class SliceLedger:
                 continue
             if lease.named:
                 self.counts["thrown_away"] += 1
+            if lease.epoch != self.epoch:  # its epoch still owes it (and this one has not trained it either)
+                self.owed.append((s, lease.epoch))
+                self.counts["owed"] += 1
             self._back_to_pool(s, counted=True)
         return done
 
@@ -302,7 +321,7 @@ class SliceLedger:
     def figures(self) -> dict:
         """The accounting of summary.json and ``/status``: slices and tokens trained (merged), thrown
         away (trained on, never merged, returned), re-queued (returned to the pool), the slices of
-        this epoch never reached, leased now, and the epoch."""
+        this epoch never reached, leased now, the epoch, and the slices earlier epochs still owe."""
         n = self.slice_tokens
         c = self.counts
         return {"slice_tokens": n, "slices": self.n_slices, "slices_epoch": self.epoch,
@@ -311,14 +330,15 @@ class SliceLedger:
                 "slices_requeued": c["returned"], "tokens_requeued": c["returned"] * n,
                 "slices_never_reached": self.state.count(NEVER_REACHED),
                 "slices_leased_now": len(self.leases), "slices_leased_total": c["leased"],
-                "slices_trained_twice": c["trained_twice"], "slices_merged_not_held": c["merged_not_held"]}
+                "slices_trained_twice": c["trained_twice"], "slices_merged_not_held": c["merged_not_held"],
+                "slices_owed": len(self.owed)}
 
     def to_json(self) -> dict:
         """Plain data (JSON) that :meth:`from_json` reads back: states (zlib + base64), cursor,
-        re-queue, leases, counts, epoch."""
+        re-queue, the slices earlier epochs owe, leases, counts, epoch."""
         return {"n_slices": self.n_slices, "slice_tokens": self.slice_tokens, "epoch": self.epoch,
                 "cursor": self.cursor, "state": base64.b64encode(zlib.compress(bytes(self.state))).decode(),
-                "requeue": list(self.requeue),
+                "requeue": list(self.requeue), "owed": [list(debt) for debt in self.owed],
                 "leases": {str(s): [ls.learner, ls.at_s, ls.epoch, ls.named, ls.trained, ls.releasing]
                            for s, ls in self.leases.items()},
                 "counts": dict(self.counts)}
@@ -337,6 +357,7 @@ class SliceLedger:
         ledger.state = bytearray(state)
         ledger.epoch, ledger.cursor = int(doc["epoch"]), int(doc["cursor"])
         ledger.requeue = deque(int(s) for s in doc["requeue"])
+        ledger.owed = [(int(s), int(e)) for s, e in doc.get("owed", [])]  # (absent from older checkpoints)
         for key, (learner, at_s, epoch, named, trained, releasing) in doc["leases"].items():
             s = int(key)
             if not 0 <= s < ledger.n_slices:

@@ -296,8 +296,9 @@ class RoundTable(ContributionDesk):
         self.report.merged(self.ctx.clock(), {
             "t": time.time(), "fragment": f.p, "round": res.round_n, "version": f.version, "sha256": res.ref.sha256,
             "update_ids": [rnd.contributions[lid].ann.update_id for lid in res.merged if factor[lid] > 0],
-            "contributions": [rnd.contributions[lid].merge_record(factor[lid], res.cosines.get(lid))
-                              for lid in res.merged]})
+            "contributions": [rnd.contributions[lid].merge_record(
+                factor[lid], res.cosines.get(lid), self.slices.lease_epochs(rnd.contributions[lid].ann.slices))
+                for lid in res.merged]})
         for lid in res.merged:
             ann, w = rnd.contributions[lid].ann, factor[lid]
             self.registry.ledgers[lid].credit_merge(ann.c_tokens, ann.compute_s, f.share, w)

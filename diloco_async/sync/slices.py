@@ -127,6 +127,14 @@ class SliceDesk:
         if led is not None and led.merged(learner, slices):
             self.report.metric("sync/tokens_trained", led.counts["trained"] * led.slice_tokens)
 
+    def lease_epochs(self, slices: Iterable[int]) -> list[int] | None:
+        """The ledger epoch each of ``slices`` is leased in (the current epoch for one not leased),
+        for the merge log; None when leases are off."""
+        led = self.ledger
+        if led is None:
+            return None
+        return [lease.epoch if (lease := led.leases.get(s)) is not None else led.epoch for s in slices]
+
     # -- ends of leases -----------------------------------------------------------------------
 
     def learner_gone(self, learner: str, why: str) -> None:

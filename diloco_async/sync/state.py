@@ -199,19 +199,23 @@ class Contribution:
     norms: dict[str, torch.Tensor] = field(default_factory=dict)  # Δ's float32 norms from its verification
     lr_warmup: bool = False  # its inner steps began inside the learner's learning-rate warm-up
 
-    def merge_record(self, direction_factor: float = 1.0, direction_cosine: float | None = None) -> dict:
+    def merge_record(self, direction_factor: float = 1.0, direction_cosine: float | None = None,
+                     slice_epochs: list[int] | None = None) -> dict:
         """This contribution in the merge log: who, its counters, its direction factor (DESIGN §10), its
         token weight c_tokens²/c_steps (DESIGN §4.2, so learners of different batch sizes show their
         weights), its leave-one-out cosine to the rest of its round (when judged) and the leased
         slices it trained (DESIGN §5.2): ``slices`` when its factor is above 0,
         ``slices_untrained`` when it merged with no weight (its slices stay untrained, another learner
-        may train them)."""
+        may train them), and ``slice_epochs``, the ledger epoch each was leased in (given by the
+        caller)."""
         a = self.ann
         rec = {"learner": a.learner_id, "c_tokens": a.c_tokens, "c_steps": a.c_steps, "base_version": a.base_version,
                "token_weight": token_weight(a.c_tokens, a.c_steps), "direction_factor": round(direction_factor, 6),
                "direction_cosine": None if direction_cosine is None else round(direction_cosine, 6)}
         if a.slices:
             rec["slices" if direction_factor > 0 else "slices_untrained"] = a.slices
+            if slice_epochs is not None:
+                rec["slice_epochs"] = slice_epochs
         return rec
 
 

@@ -202,6 +202,23 @@ def test_the_merge_log_names_only_the_slices_a_merge_trained() -> None:
     assert {"slices", "slices_untrained"}.isdisjoint(Contribution(_ann("a", [], 0)).merge_record())  # named none
 
 
+def test_the_merge_log_names_the_epoch_each_slice_was_leased_in() -> None:
+    """Across an epoch's end a learner may still hold a slice of the last epoch (trained there): the
+    merge log says which epoch each named slice belongs to, so that a slice trained once per epoch is
+    not read as trained twice."""
+    desk, reg, _report, _clock = _desk(n_slices=2)
+    desk.on_lease(LeaseRequest(learner_id="a", want=2), reg, running=True)
+    desk.merged("a", [0, 1])
+    desk.ledger.release("a", [0])
+    desk.ledger.sweep([])
+    assert desk.on_lease(LeaseRequest(learner_id="b", want=1), reg, running=True).epoch == 1  # b leases 0 again
+    assert desk.lease_epochs([0, 1]) == [1, 0]  # 0: b's lease of epoch 1; 1: a's of epoch 0
+    assert Contribution(_ann("a", [1], 10)).merge_record(1.0, None, [0])["slice_epochs"] == [0]
+    assert "slice_epochs" not in Contribution(_ann("a", [1], 10)).merge_record(1.0)
+    off = SliceDesk(None, lambda: 0.0, _report)
+    assert off.lease_epochs([0]) is None
+
+
 def test_a_contribution_waiting_for_its_next_round_keeps_its_slices_leased() -> None:
     """A late contribution waiting for the round that opens next (DESIGN §3.5) may still be merged:
     the lease of a slice it names does not end while it waits, whatever happened to its learner."""

@@ -121,6 +121,35 @@ def test_pool_exhausted_starts_the_next_epoch() -> None:
     assert led.counts["trained_twice"] == 0
 
 
+def test_a_slice_thrown_away_after_its_epoch_ended_is_trained_in_that_epoch() -> None:
+    """Epoch 0 ends (the pool is empty) while a holds slice 2 untrained; a is lost after naming it.
+    Epoch 0 owes slice 2: it is leased again under epoch 0, before anything else, and trained there;
+    only then does it join epoch 1's pool. Each epoch trains each of its slices exactly once."""
+    led = SliceLedger(3, 10)
+    led.lease("a", 3, 0.0)
+    led.merged("a", [0, 1])
+    led.release("a", [0, 1])
+    led.sweep([])
+    assert led.lease("b", 1, 0.0) == [0] and led.epoch == 1
+    led.named("a", [2])
+    led.learner_lost("a")
+    led.sweep([])
+    assert led.owed == [(2, 0)] and led.figures()["slices_owed"] == 1 and led.counts["thrown_away"] == 1
+    assert led.lease("b", 1, 0.0) == [2] and led.leases[2].epoch == 0 and led.owed == []  # epoch 0's, first
+    assert led.merged("b", [2]) == [2] and led.state[2] == RETURNED  # epoch 1 has not trained it
+    assert led.lease("c", 3, 0.0) == [1]  # 2 is still b's
+    led.release("b", [2])
+    led.sweep([])
+    assert led.lease("c", 1, 0.0) == [2] and led.leases[2].epoch == 1
+    assert led.counts["trained"] == 3 and led.counts["trained_twice"] == 0
+    doc = json.loads(json.dumps(led.to_json()))
+    led.named("c", [2])
+    led.learner_lost("c")  # thrown away in epoch 1, now the current one: not owed, returned
+    led.sweep([])
+    assert led.owed == [] and led.state[2] == RETURNED
+    assert SliceLedger.from_json({**doc, "owed": [[1, 0]]}).owed == [(1, 0)]
+
+
 def test_mark_trained_from_versions_after_a_checkpoint() -> None:
     led = SliceLedger(4, 10)
     led.lease("a", 2, 0.0)
@@ -159,7 +188,8 @@ def test_any_order_trains_no_slice_twice_and_loses_none(seed: int) -> None:
     """Random leases, namings, merges (of contributions in flight), releases and losses by four
     learners: whatever the order, within an epoch a slice is trained at most once, is held by at
     most one learner, and at the end (every lease ended, nothing in flight) each slice is exactly
-    one of trained, returned or never reached."""
+    one of trained, returned or never reached, and each slice of an earlier epoch was trained in it
+    or is still owed by it."""
     rng = random.Random(seed)
     led = SliceLedger(40, 16)
     in_flight: list[tuple[str, list[int]]] = []
@@ -198,6 +228,10 @@ def test_any_order_trains_no_slice_twice_and_loses_none(seed: int) -> None:
     states = led.states()
     assert sorted(states["trained"] + states["returned"] + states["never_reached"]) == list(range(40))
     assert states["leased"] == []
+    assert led.epoch >= 1
+    for e in range(led.epoch):
+        trained, owed = {s for s, ee in trained_by_epoch if ee == e}, [s for s, ee in led.owed if ee == e]
+        assert sorted([*trained, *owed]) == list(range(40)), f"epoch {e}: a slice neither trained nor owed"
 
 
 def test_version_header_names_each_learners_slices() -> None:
