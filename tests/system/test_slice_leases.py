@@ -23,7 +23,8 @@ from pathlib import Path
 from resolved_config import resolved_args
 from tiny_recipe import tiny_recipe_text
 
-from diloco_async.policy.slices import SliceLedger, header_slices
+from diloco_async.chaos.exactly_once import merge_log_slices, version_slices
+from diloco_async.policy.slices import SliceLedger
 from diloco_async.protocol.auth import learner_token
 from diloco_async.protocol.client import LEARNER_TOKEN_ENV, TOKEN_ENV, fetch_status
 from diloco_async.runtime.procs import LocalProcessLauncher, wait_for_ready_file
@@ -53,30 +54,6 @@ def start_learner(launcher: LocalProcessLauncher, tmp_path: Path, run_id: str, i
     return launcher.start(lid, ["-m", "diloco_async.learner", "--learner-id", lid, "--index", str(i),
                                 "--sync-url", url, "--store", f"file://{tmp_path}/store"],
                           {LEARNER_TOKEN_ENV: learner_token(TOKEN, run_id, lid)})
-
-
-def version_slices(store: ObjectStore, run_id: str) -> dict[int, set[str]]:
-    """Slice -> the learners whose merged contributions named it, from every published version's header."""
-    out: dict[int, set[str]] = {}
-    for key in store.list(keys.versions_prefix(run_id)):
-        data = store.get_unverified(key)
-        n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + n]).get("__metadata__", {})
-        for learner, slices in header_slices(meta.get("slices")).items():
-            for s in slices:
-                out.setdefault(s, set()).add(learner)
-    return out
-
-
-def merge_log_slices(store: ObjectStore, run_id: str, epoch: str) -> dict[int, set[str]]:
-    """Slice -> the learners whose merged contributions trained it (``slices``: merged with a direction
-    factor above 0; one merged at factor 0 lists them as ``slices_untrained``), from one lifetime's merge log."""
-    out: dict[int, set[str]] = {}
-    for line in store.get_unverified(keys.merge_log_key(run_id, epoch)).decode().splitlines():
-        for c in json.loads(line)["contributions"]:
-            for s in c.get("slices", []):
-                out.setdefault(s, set()).add(c["learner"])
-    return out
 
 
 def check_ledger(store: ObjectStore, run_id: str, summary: dict, merged_by: dict[int, set[str]]) -> dict:
