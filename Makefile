@@ -37,7 +37,7 @@ for url in sys.argv[1:]:
 endef
 export WAIT_HTTP
 
-.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-scale bench-scale-runs bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
+.PHONY: setup data run docs test test-unit test-contract test-system bench bench-paper bench-memory-big bench-hf bench-fsdp bench-lora bench-poison bench-end bench-chaos bench-exactly-once bench-het bench-wan bench-sync-memory bench-fuzz bench-kill bench-tls bench-leases bench-data bench-scale bench-scale-runs bench-replay rehearse-hosts ui ui-screenshot mlflow-check clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -169,14 +169,25 @@ bench-paper: data
 ## slot at half speed): DDP, synchronous and Decoupled DiLoCo, 5 minutes each; then failure-free
 ## (5 minutes each) and one half-speed learner (K = M against K = 1, 90 s each); then the
 ## heterogeneous fleet (bench-het's runs, about 15 minutes); then the bars as ratios
-## (benchmarks/chaos_bars.py, benchmarks/het_bars.py; exit 1 if either misses). About 55 minutes.
+## (benchmarks/chaos_bars.py, benchmarks/het_bars.py); then bench-exactly-once's row (exit 1 if any misses).
+## About 60 minutes.
 ## bench-het: the heterogeneous fleet alone (issue 47, configs/chaos/heterogeneous.toml: learners at 1x,
 ## 0.5x and 0.1x speed, one with 3 s store reads, one behind a 4 Mbit/s link, shaped as root, else skipped),
 ## Decoupled DiLoCo 90 s per run, for each of HET_SEEDS the scenario then its --full-speed baseline; then
 ## the speed factors' control without a synchronizer (benchmarks/speed_emulation.py, shown, ~2 min) and
 ## the bars (benchmarks/het_bars.py): every learner's merged share of the tokens >= 0.8 x the share of
 ## the compute it had, compute goodput in compute available >= 0.9 x the full-speed fleet's. About 17 minutes.
+## bench-exactly-once: leased slices under EXACTLY_ONCE_KILLS (default 20) learner SIGKILLs, some mid-upload,
+##                     on a corpus of EXACTLY_ONCE_SLICES (64) slices with a budget of EXACTLY_ONCE_EPOCHS (10)
+##                     corpora (benchmarks/exactly_once.py, issue 45): no slice trained twice in an epoch, none
+##                     lost, the summary agrees with the merge log, >= 1 kill confirmed mid-upload, >= 1 epoch
+##                     with every slice trained in it. A few minutes.
 BENCH_DIR ?= .local/bench
+EXACTLY_ONCE_KILLS ?= 20
+EXACTLY_ONCE_SLICES ?= 64
+EXACTLY_ONCE_EPOCHS ?= 10
+EXACTLY_ONCE = $(PY) -m benchmarks.exactly_once --learner-kills $(EXACTLY_ONCE_KILLS) --slices $(EXACTLY_ONCE_SLICES) \
+	--epochs $(EXACTLY_ONCE_EPOCHS)
 HET_SEEDS ?= 0 1 2
 HET_CHAOS := $(VENV)/bin/diloco-async chaos --scenario configs/chaos/heterogeneous.toml
 HET_RUNS = for s in $(HET_SEEDS); do \
@@ -191,7 +202,10 @@ bench-chaos: data
 	$(VENV)/bin/diloco-async chaos --scenario configs/chaos/straggler.toml --out $(BENCH_DIR)/chaos-straggler.json
 	$(HET_RUNS)
 	status=0; $(PY) -m benchmarks.chaos_bars $(BENCH_DIR)/chaos-storm.json $(BENCH_DIR)/chaos-failure-free.json \
-		$(BENCH_DIR)/chaos-straggler.json || status=1; $(HET_BARS) || status=1; exit $$status
+		$(BENCH_DIR)/chaos-straggler.json || status=1; $(HET_BARS) || status=1; $(EXACTLY_ONCE) || status=1; exit $$status
+
+bench-exactly-once: data
+	$(EXACTLY_ONCE)
 
 bench-het: data
 	$(HET_RUNS)

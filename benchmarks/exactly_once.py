@@ -1,0 +1,76 @@
+"""`make bench-exactly-once` (a row of `make bench-chaos`): leased slices trained exactly once under
+learner SIGKILLs (issue 45, "Data at scale").
+
+Runs :func:`diloco_async.chaos.exactly_once.run_exactly_once`: three real learners on leased slices
+(``data.slices``) of a corpus of ``--slices`` slices cut from Shakespeare, ``--learner-kills``
+SIGKILLs (40 % of them inside an upload, held in flight by the store's fault layer; the rest at
+random moments; each killed learner restarted), and a token budget of ``--epochs`` times the
+corpus, so that the slices run out, the epoch moves on, and the budget ends inside a later epoch.
+Then reads the merge log, the ledger and the summary, prints the counts and one bar per figure:
+
+* slices trained twice (one epoch, two leases) == 0; slices lost == 0;
+* summary counters that disagree with the merge log and the ledger == 0;
+* learner SIGKILLs >= ``--learner-kills``, of them confirmed mid-upload (key never published) >= 1;
+* epochs complete (every slice trained in it, once) >= 1; slices of the last epoch never reached
+  or back in the pool >= 1 (the budget ended before that epoch's corpus did).
+
+Exit status 1 when a bar is missed, 0 otherwise.
+
+Usage: python -m benchmarks.exactly_once [--learner-kills 20] [--slices 64] [--epochs 10] [--seed 45] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.args import description, positive_float, positive_int
+from benchmarks.bars import Bar, print_bars
+from diloco_async.chaos.exactly_once import SLICE_TOKENS, run_exactly_once, small_corpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.exactly_once", description=description(__doc__))
+    ap.add_argument("--learner-kills", type=positive_int, default=20)
+    ap.add_argument("--slices", type=positive_int, default=64, help="slices of the corpus (1024 tokens each)")
+    ap.add_argument("--epochs", type=positive_float, default=10.0, help="the token budget, in corpora")
+    ap.add_argument("--seed", type=int, default=45)
+    ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("diloco.supervisor").setLevel(logging.ERROR)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-exactly-once-"))
+    try:
+        corpus = small_corpus(workdir / "corpus", args.slices)
+        budget = int(args.epochs * args.slices * SLICE_TOKENS)
+        res, acc = run_exactly_once(workdir, args.learner_kills, budget, corpus, seed=args.seed)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\n{res.elapsed_s:.0f} s; learner kills {res.learner_kills} ({res.mid_upload_kills} in an upload window, "
+          f"{res.mid_upload_confirmed} confirmed: key never published), restarts {res.learner_restarts}; "
+          f"{acc.stop_reason}")
+    print(f"slices {acc.slices}, epoch at the end {acc.epoch} ({acc.epochs_complete} complete, short: "
+          f"{acc.epochs_short or 'none'}, still owed {acc.owed}); (slice, epoch) trained once {acc.trained_once}, "
+          f"twice {acc.trained_twice}; thrown away {acc.thrown_away}, re-queued {acc.requeued}; last epoch: trained "
+          f"{acc.trained_now}, back in the pool {acc.returned}, never reached {acc.never_reached}; lost {acc.lost}")
+    for line in acc.disagreements:
+        print(f"disagreement: {line}")
+    bars = [
+        Bar("slices trained twice (one epoch, two leases)", acc.trained_twice, 0, "max"),
+        Bar("slices lost", acc.lost, 0, "max"),
+        Bar("summary counters disagreeing with the store", len(acc.disagreements), 0, "max"),
+        Bar("learner SIGKILLs", res.learner_kills, args.learner_kills),
+        Bar("  of them mid-upload (key never published)", res.mid_upload_confirmed, 1),
+        Bar("epochs with every slice trained in it, once", acc.epochs_complete, 1),
+        Bar("last epoch's slices not trained when the budget ended", acc.returned + acc.never_reached, 1),
+    ]
+    return print_bars(bars, title="exactly once, under chaos")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
