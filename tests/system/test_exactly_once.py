@@ -53,7 +53,7 @@ def test_learner_kills_mid_upload_train_no_slice_twice_and_lose_none(tmp_path):
 def test_a_full_epoch_under_kills_trains_every_slice_once_before_the_next(tmp_path):
     corpus = small_corpus(tmp_path / "corpus", slices=16)
     res, acc = run_exactly_once(tmp_path, learner_kills=2, budget_tokens=48 * SLICE_TOKENS, corpus_url=corpus,
-                                timeout_s=300, mid_upload_share=0.5, fork_server=False)
+                                timeout_s=300, mid_upload_share=1.0, fork_server=False)
     print(f"\nexactly once, full epoch: kills {res.learner_kills} ({res.mid_upload_confirmed} confirmed "
           f"mid-upload), {acc.counts()}")
     assert acc.slices == 16
