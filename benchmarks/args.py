@@ -5,7 +5,10 @@ of failing deep inside a run or measuring nothing and reporting a miss."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import tempfile
+from pathlib import Path
 
 __all__ = ["description", "non_negative_float", "non_negative_int", "positive_float", "positive_int"]
 
@@ -57,3 +60,16 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def workdir_or_temp(workdir: str | None, prefix: str) -> Path:
+    """``workdir`` as a path, or a new temporary folder named ``prefix…`` when it is None (the
+    caller removes that one)."""
+    return Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def chaos_logging() -> None:
+    """INFO logs with times for a benchmark that drives real processes (kills, restarts), without
+    the supervisor's own restart errors."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("diloco.supervisor").setLevel(logging.ERROR)

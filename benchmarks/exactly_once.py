@@ -22,13 +22,10 @@ Usage: python -m benchmarks.exactly_once [--learner-kills 20] [--slices 64] [--e
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 
-from benchmarks.args import description, positive_float, positive_int
+from benchmarks.args import chaos_logging, description, positive_float, positive_int, workdir_or_temp
 from benchmarks.bars import Bar, print_bars
 from diloco_async.chaos.exactly_once import SLICE_TOKENS, run_exactly_once, small_corpus
 
@@ -41,9 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=45)
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("diloco.supervisor").setLevel(logging.ERROR)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-exactly-once-"))
+    chaos_logging()
+    workdir = workdir_or_temp(args.workdir, "bench-exactly-once-")
     try:
         corpus = small_corpus(workdir / "corpus", args.slices)
         budget = int(args.epochs * args.slices * SLICE_TOKENS)

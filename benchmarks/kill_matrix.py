@@ -23,13 +23,10 @@ Usage: python -m benchmarks.kill_matrix [--learner-kills 50] [--sync-kills 20] [
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
-import tempfile
-from pathlib import Path
 
-from benchmarks.args import description, non_negative_int
+from benchmarks.args import chaos_logging, description, non_negative_int, workdir_or_temp
 from benchmarks.ctrl_c import ctrl_c_bars, measure_ctrl_c
 from benchmarks.fuzz import print_bars
 from diloco_async.chaos.kill_matrix import KillMatrix
@@ -46,9 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="repeats of the Ctrl-C stops after the kills (benchmarks/ctrl_c.py; 0: none)")
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("diloco.supervisor").setLevel(logging.ERROR)
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-kill-"))
+    chaos_logging()
+    workdir = workdir_or_temp(args.workdir, "bench-kill-")
     try:
         res = KillMatrix(workdir, args.seed, args.learners,
                          checkpoint_every_s=args.checkpoint_every).run(args.learner_kills, args.sync_kills)

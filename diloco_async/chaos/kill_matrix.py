@@ -278,6 +278,14 @@ class KillMatrix:
 
     # -- the run -------------------------------------------------------------------------------
 
+    def _start(self) -> None:
+        """Start the synchronizer and every learner; wait for the first merge (RuntimeError after 180 s)."""
+        self.run_procs.start_synchronizer()
+        for i in range(self.learners):
+            self.run_procs.start_learner(i)
+        if self._wait_merge(0, 180.0) is None:
+            raise RuntimeError(f"no merge within 180 s of the start; logs in {self.result.log_dir}")
+
     def run(self, learner_kills: int, sync_kills: int) -> KillMatrixResult:
         """Start the run, apply the kills, stop it and check the store.
 
@@ -287,11 +295,7 @@ class KillMatrix:
         t0 = time.monotonic()
         procs = self.run_procs
         try:
-            procs.start_synchronizer()
-            for i in range(self.learners):
-                procs.start_learner(i)
-            if self._wait_merge(0, 180.0) is None:
-                raise RuntimeError(f"no merge within 180 s of the start; logs in {self.result.log_dir}")
+            self._start()
             self._kill_learners(learner_kills)
             for _ in range(sync_kills):
                 self._kill_and_resume_sync()
@@ -318,11 +322,7 @@ class KillMatrix:
         t0 = time.monotonic()
         procs = self.run_procs
         try:
-            procs.start_synchronizer()
-            for i in range(self.learners):
-                procs.start_learner(i)
-            if self._wait_merge(0, 180.0) is None:
-                raise RuntimeError(f"no merge within 180 s of the start; logs in {self.result.log_dir}")
+            self._start()
             self._kill_learners(learner_kills, mid_upload_share)
             while procs.sync.poll() is None:
                 if time.monotonic() - t0 > timeout_s:
