@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["GuardConfig", "REMOVED_GUARD_KEYS"]
+__all__ = ["GuardConfig", "REMOVED_GUARD_KEYS", "weight_ramp_as_stored", "drop_old_weight_ramp"]
 
 #: keys a ``[guard]`` table may no longer set, with what replaced them (issue 47)
 REMOVED_GUARD_KEYS = {
@@ -50,7 +50,9 @@ class GuardConfig(BaseModel):
         0.3, ge=0, le=1, description="Direction guard: a contribution whose leave-one-out cosine is under this "
         "fraction of the usual cosine of an outer gradient of its size loses merge weight in proportion, down to "
         "none at 0 (0: no contribution with a positive cosine loses weight). At 0.5, honest full-speed learners "
-        "of the heterogeneous fleet lost 1-8% of their tokens and a tenth-speed learner 20-32% (issue 47).")
+        "of the heterogeneous fleet lost 1-10% of their tokens and a tenth-speed learner 20-32% (issue 47). "
+        "Not used while direction_fraction is 0 (guard off). A run stored before this field existed resumes "
+        "with it equal to direction_fraction, as it was trained.")
     direction_warmup: int = Field(
         3, ge=1, description="Positive cosines of merged contributions per fragment before the direction guard "
         "applies.")
@@ -107,3 +109,24 @@ class GuardConfig(BaseModel):
             if removed:
                 raise ValueError("; ".join(removed))
         return data
+
+
+def weight_ramp_as_stored(d: dict) -> dict:
+    """A run's stored config (plain data) from before ``guard.direction_weight_fraction`` existed
+    (issue 47): its weight ramp ended at ``guard.direction_fraction``, so it is given that value and
+    a resumed run computes as it did. Changes ``d`` in place and returns it."""
+    guard = d.get("guard")
+    if isinstance(guard, dict) and "direction_weight_fraction" not in guard:
+        guard["direction_weight_fraction"] = guard.get("direction_fraction",
+                                                       GuardConfig.model_fields["direction_fraction"].default)
+    return d
+
+
+def drop_old_weight_ramp(d: dict) -> dict:
+    """A public config dict for the config hash: ``guard.direction_weight_fraction`` equal to
+    ``guard.direction_fraction`` (the ramp before the field existed) is left out, so runs
+    checkpointed before it hash as before and resume. Changes ``d`` in place and returns it."""
+    guard = d.get("guard")
+    if isinstance(guard, dict) and guard.get("direction_weight_fraction") == guard.get("direction_fraction"):
+        guard.pop("direction_weight_fraction", None)
+    return d

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from diloco_async.config import feedback, schedules
 from diloco_async.config.data import DataConfig
 from diloco_async.config.faults import FaultsConfig, moved_keys_message
-from diloco_async.config.guard import GuardConfig
+from diloco_async.config.guard import GuardConfig, drop_old_weight_ramp, weight_ramp_as_stored
 from diloco_async.config.model import ModelConfig
 from diloco_async.config.network import NetworkConfig
 from diloco_async.config.parallelism import check_parallelism
@@ -362,7 +362,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         ValueError: the recipe is not valid TOML (the message names the file and the line), or a
             field is unknown or invalid (the message names every offending field).
     """
-    raw: dict = dict(base or {})
+    raw: dict = {} if base is None else weight_ramp_as_stored(json.loads(json.dumps(base)))
     source = "(defaults)" if base is None else "(stored config)"
     if path is not None:
         source = str(path)
@@ -388,6 +388,7 @@ def _training_dict(d: dict) -> dict:
     feedback.drop_default_feedback_fields(d)  # so does learners.error_feedback = false
     drop_default_replay_fields(d)  # and run.schedule = "free" with [replay] at its defaults
     drop_default_slice_fields(d)  # and data.slices = false
+    drop_old_weight_ramp(d)  # and the guard's weight ramp at direction_fraction, as before it had its own field
     for section, fields in _OPERATIONAL.items():
         for key in fields:
             *parents, leaf = key.split(".")

@@ -40,7 +40,7 @@ and agrees less; judged by the longer ones' agreement it lost about half its wei
 Recent cosines of fewer tokens than ``T`` are brought to ``T`` the same way before the median.
 Honest cosines spread widely: replayed on the merge logs of three runs of the heterogeneous fleet
 (H = 24), a ramp up to 0.5·c cut the weight of 16-27% of the full-speed learners' contributions,
-1-8% of their tokens, and 20-32% of a tenth-speed learner's tokens; up to 0.3·c, 1-9% of their
+1-10% of their tokens, and 20-32% of a tenth-speed learner's tokens; up to 0.3·c, 1-9% of their
 contributions, at most 4% of their tokens, and 9-19% of the slow learner's. A sign flip or a
 constant tensor sits at or under 0 either way, issue 47.) While
 three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one pointing

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from diloco_async.codec import wire
+from diloco_async.config.guard import weight_ramp_as_stored
 from diloco_async.config.resolved import with_fields
 from diloco_async.config.schema import Config, config_differences, config_hash
 from diloco_async.policy.rounds import budget_spent_at_checkpoint
@@ -147,7 +148,7 @@ def open_checkpoint(url: str, cfg: Config | None, storage_options: dict,
     if cfg is None:
         raw = stored_config(url, storage_options)
         raw["run"]["store"] = root
-        cfg = Config.model_validate(raw)
+        cfg = Config.model_validate(weight_ramp_as_stored(raw))  # a run stored before the field resumes as trained
     elif cfg.run.store != root:
         cfg = with_fields(cfg, {"run.store": root})
     store = ObjectStore(root, {**cfg.run.storage_options, **storage_options})

@@ -377,8 +377,8 @@ def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant(weight_fractio
 
 
 def test_the_weight_ramp_and_the_anti_aligned_bound_have_their_own_fractions():
-    """guard.direction_weight_fraction sets where the weight ramp ends (issue 47: at 0.5 it took
-    8-27% of honest full-speed learners' contributions' weight on the heterogeneous fleet), while
+    """guard.direction_weight_fraction sets where the weight ramp ends (issue 47: at 0.5 it cut the
+    weight of 16-27% of honest full-speed learners' contributions on the heterogeneous fleet), while
     guard.direction_fraction still sets the anti-aligned bound and turns the guard off."""
     cfg = GuardConfig()
     assert (cfg.direction_fraction, cfg.direction_weight_fraction) == (0.5, 0.3)
@@ -418,6 +418,28 @@ def test_merge_weighs_a_weakly_agreeing_contribution_by_the_weight_ramp(weight_f
     ramp = 0.5 if weight_fraction is None else weight_fraction
     assert res.factors["weak"] == pytest.approx(min(1.0, cosine / (ramp * 0.5)))
     assert (res.factors["weak"] == 1.0) == (weight_fraction == 0.3)
+
+
+def test_a_run_stored_before_the_weight_ramp_had_its_own_field_resumes_as_it_was_trained():
+    """A stored config.json without guard.direction_weight_fraction (runs before b578543) loads with
+    the ramp at direction_fraction, as it was trained, and hashes as it did then, so its checkpoints
+    verify; a new run at the default 0.3 hashes differently."""
+    import hashlib
+    import json
+
+    from diloco_async.config.schema import Config, _training_dict, config_hash
+
+    old = Config().public_dict()
+    del old["guard"]["direction_weight_fraction"]
+    canonical = json.dumps(_training_dict(old), sort_keys=True, separators=(",", ":"))
+    hash_then = hashlib.sha256(canonical.encode()).hexdigest()
+    resumed = load_config(None, [], base=old)
+    assert resumed.guard.direction_weight_fraction == resumed.guard.direction_fraction == 0.5
+    assert config_hash(resumed) == hash_then
+    assert "direction_weight_fraction" not in old["guard"]  # the caller's dict is left as it was
+    assert config_hash(Config()) != hash_then  # the new default (0.3) computes differently
+    again = load_config(None, ["guard.direction_weight_fraction=0.3"], base=old)  # an override still applies
+    assert again.guard.direction_weight_fraction == 0.3 and config_hash(again) == config_hash(Config())
 
 
 def test_norm_guard_bound_scales_with_the_steps_a_contribution_covers():
