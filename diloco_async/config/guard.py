@@ -47,12 +47,18 @@ class GuardConfig(BaseModel):
         "its round is at or under minus this fraction of the recent median cosine is anti-aligned (see "
         "direction_memory). 0 turns the direction guard off.")
     direction_weight_fraction: float = Field(
-        0.3, ge=0, le=1, description="Direction guard: a contribution whose leave-one-out cosine is under this "
+        0.5, ge=0, le=1, description="Direction guard: a contribution whose leave-one-out cosine is under this "
         "fraction of the usual cosine of an outer gradient of its size loses merge weight in proportion, down to "
-        "none at 0 (0: no contribution with a positive cosine loses weight). At 0.5, honest full-speed learners "
-        "of the heterogeneous fleet lost 1-10% of their tokens and a tenth-speed learner 20-32% (issue 47). "
-        "Not used while direction_fraction is 0 (guard off). A run stored before this field existed resumes "
-        "with it equal to direction_fraction, as it was trained.")
+        "none at 0 (0: no contribution with a positive cosine loses weight); for a contribution smaller than "
+        "the usual, see direction_weight_size_power. Not used while direction_fraction is 0 (guard off). A run "
+        "stored before this field existed resumes with it equal to direction_fraction, as it was trained.")
+    direction_weight_size_power: float = Field(
+        0.5, ge=0, le=2, description="Direction guard: a contribution of t c_tokens, fewer than the median T "
+        "behind the usual cosine, loses weight under direction_weight_fraction x (t/T)^this of the usual cosine "
+        "of its size: a short outer gradient's cosine spreads wider around what is usual for its size (on the "
+        "heterogeneous fleet a tenth-speed learner's tenth percentile sat at 0.02-0.19 of it, full-speed "
+        "learners' at 0.19-0.58; issue 47). 0: one fraction for every size. A run stored before this field "
+        "existed resumes with 0, as it was trained.")
     direction_warmup: int = Field(
         3, ge=1, description="Positive cosines of merged contributions per fragment before the direction guard "
         "applies.")
@@ -112,21 +118,28 @@ class GuardConfig(BaseModel):
 
 
 def weight_ramp_as_stored(d: dict) -> dict:
-    """A run's stored config (plain data) from before ``guard.direction_weight_fraction`` existed
-    (issue 47): its weight ramp ended at ``guard.direction_fraction``, so it is given that value and
+    """A run's stored config (plain data) from before ``guard.direction_weight_fraction`` or
+    ``guard.direction_weight_size_power`` existed (issue 47): its weight ramp ended at
+    ``guard.direction_fraction`` for every size, so it is given that fraction and the power 0, and
     a resumed run computes as it did. Changes ``d`` in place and returns it."""
     guard = d.get("guard")
-    if isinstance(guard, dict) and "direction_weight_fraction" not in guard:
-        guard["direction_weight_fraction"] = guard.get("direction_fraction",
-                                                       GuardConfig.model_fields["direction_fraction"].default)
+    if isinstance(guard, dict):
+        if "direction_weight_fraction" not in guard:
+            guard["direction_weight_fraction"] = guard.get("direction_fraction",
+                                                           GuardConfig.model_fields["direction_fraction"].default)
+        guard.setdefault("direction_weight_size_power", 0.0)
     return d
 
 
 def drop_old_weight_ramp(d: dict) -> dict:
     """A public config dict for the config hash: ``guard.direction_weight_fraction`` equal to
-    ``guard.direction_fraction`` (the ramp before the field existed) is left out, so runs
-    checkpointed before it hash as before and resume. Changes ``d`` in place and returns it."""
+    ``guard.direction_fraction`` and ``guard.direction_weight_size_power`` 0 (the ramp before
+    those fields existed) are left out, so runs checkpointed before them hash as before and resume.
+    Changes ``d`` in place and returns it."""
     guard = d.get("guard")
-    if isinstance(guard, dict) and guard.get("direction_weight_fraction") == guard.get("direction_fraction"):
-        guard.pop("direction_weight_fraction", None)
+    if isinstance(guard, dict):
+        if guard.get("direction_weight_fraction") == guard.get("direction_fraction"):
+            guard.pop("direction_weight_fraction", None)
+        if guard.get("direction_weight_size_power") == 0:
+            guard.pop("direction_weight_size_power", None)
     return d

@@ -30,18 +30,22 @@ majority against one). Honest learners of a round start from the same values and
 loss's descent direction: on ``make run``'s recipe their cosines sit around 0.3-0.6 and never
 below 0 (measured: minimum 0.09). A sign flip sits near the negative of that, a constant tensor
 near 0. Each contribution's merge weight is multiplied by
-``clamp(cos_i / (direction_weight_fraction · c_i), 0, 1)``, ``c`` the median of the recent cosines
+``clamp(cos_i / (f_i · c_i), 0, 1)``, ``c`` the median of the recent cosines
 and ``c_i`` what it would be for an outer gradient of ``t_i`` tokens (its ``c_tokens``) where that
 is fewer than ``T``, the median ``c_tokens`` behind ``c``: ``c_i = 1/√(1 + (1/c² − 1)·T/t_i)``
-(:func:`cosine_at_size`: t tokens of mean direction and √t of noise), else ``c``. 0.3 of the usual
-agreement of an outer gradient of its size or more keeps its full weight, less loses weight in
-proportion, down to none at 0. (A slow learner's short outer gradient is more noise for its size
-and agrees less; judged by the longer ones' agreement it lost about half its weight, issue 47.
-Recent cosines of fewer tokens than ``T`` are brought to ``T`` the same way before the median.
-Honest cosines spread widely: replayed on the merge logs of three runs of the heterogeneous fleet
-(H = 24), a ramp up to 0.5·c cut the weight of 16-27% of the full-speed learners' contributions,
-1-10% of their tokens, and 20-32% of a tenth-speed learner's tokens; up to 0.3·c, 1-9% of their
-contributions, at most 4% of their tokens, and 9-19% of the slow learner's. A sign flip or a
+(:func:`cosine_at_size`: t tokens of mean direction and √t of noise), else ``c``; ``f_i`` is
+``direction_weight_fraction`` (0.5), times ``(t_i/T)^direction_weight_size_power`` (power 0.5)
+where ``t_i < T``. Half the usual agreement of an outer gradient of its size or more keeps its full
+weight, less loses weight in proportion, down to none at 0; a smaller outer gradient keeps it
+further down. (A slow learner's short outer gradient is more noise for its size and agrees less:
+judged by the longer ones' agreement it lost about half its weight, issue 47. Recent cosines of
+fewer tokens than ``T`` are brought to ``T`` the same way before the median. Its cosine also
+spreads wider around what is usual for its size: replayed on six merge logs of the heterogeneous
+fleet, a tenth-speed learner's tenth percentile sat at 0.02-0.19 of it, the full-speed learners'
+at 0.19-0.58. A ramp up to 0.5 for every size cut 20-32% of the slow learner's tokens, one up
+to 0.3 cut 9-19% but also made the failure-free run's model worse (its gap to DDP at equal
+tokens 1.031 against 1.023-1.025); the size power keeps 0.5 for the full-speed learners and
+lowers it to about 0.2 for the slow one (0.11-0.17 of the usual tokens). A sign flip or a
 constant tensor sits at or under 0 either way, issue 47.) While
 three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one pointing
 away most is taken out of the others' consensus and the rest judged again without it,
@@ -302,13 +306,20 @@ class DirectionCheck:
     memory: int = 1
     reference_tokens: float | None = None  # the median c_tokens behind ``reference`` (None: not known)
     weight_fraction: float | None = None  # the weight ramp's fraction (None: ``fraction``)
+    size_power: float = 0.0  # ``guard.direction_weight_size_power`` (0: one ramp for every size)
 
-    def weight(self) -> float:
-        """The fraction of the usual cosine under which a contribution loses weight
-        (``guard.direction_weight_fraction``; :func:`direction_factor`); 0 while the guard is off."""
+    def weight(self, token_ratio: float = 1.0) -> float:
+        """The fraction of the usual cosine of its size under which a contribution of ``token_ratio``
+        (:meth:`token_ratio`) loses weight (:func:`direction_factor`): ``guard.direction_weight_fraction``,
+        times ``token_ratio ** guard.direction_weight_size_power`` when the ratio is in (0, 1)
+        (a short outer gradient's cosine spreads wider around what is usual for its size, issue 47);
+        0 while the guard is off."""
         if self.fraction <= 0:
             return 0.0
-        return self.fraction if self.weight_fraction is None else self.weight_fraction
+        ramp = self.fraction if self.weight_fraction is None else self.weight_fraction
+        if 0 < token_ratio < 1 and self.size_power > 0:
+            ramp *= token_ratio ** self.size_power
+        return ramp
 
     def token_ratio(self, c_tokens: float) -> float:
         """``c_tokens`` over :attr:`reference_tokens` (1 when that is not known)."""
@@ -348,7 +359,8 @@ class DirectionGuard:
     def check(self, learners: LearnerDirections) -> DirectionCheck:
         """The inputs of one round's direction guard: this fragment's reference, the learners' records."""
         return DirectionCheck(self.reference(), self.cfg.direction_fraction, learners.snapshot(),
-                              self.cfg.direction_memory, self.reference_tokens(), self.cfg.direction_weight_fraction)
+                              self.cfg.direction_memory, self.reference_tokens(), self.cfg.direction_weight_fraction,
+                              self.cfg.direction_weight_size_power)
 
     def record(self, cosine: float | None, factor: float, c_tokens: float | None = None) -> None:
         """Add the cosine of a merged contribution kept at full weight (positive ones only), with

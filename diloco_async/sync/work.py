@@ -314,7 +314,7 @@ def _judge_directions(kept: list, weights: list, anchored: list, raw: list, drop
         cos = leave_one_out_cosines(raw, weights) if fraction > 0 else [None] * len(kept)
         cosines.update(zip(ids, cos, strict=True))
         ratios = [directions.token_ratio(c.ann.c_tokens) for c in kept]
-        factors.update((i, direction_factor(x, reference, directions.weight(), r))
+        factors.update((i, direction_factor(x, reference, directions.weight(r), r))
                        for i, x, r in zip(ids, cos, ratios, strict=True))
         away = [i for i, x in enumerate(cos) if x is not None and x <= 0]  # also while warming up
         if not away:  # (fewer than 3 have no cosines, so the loop ends with 2 at least)

@@ -356,13 +356,13 @@ def _direction_round():
     return f, [contribution(k, v) for k, v in deltas.items()]
 
 
-@pytest.mark.parametrize("weight_fraction", [None, GuardConfig().direction_weight_fraction])
+@pytest.mark.parametrize("weight_fraction", [None, 0.3])
 def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant(weight_fraction):
     """merge_and_publish with a warm direction guard judging each round alone (direction_memory
     1): a learner sending the negative of its own outer gradient is dropped as a
     direction_outlier, one sending a constant tensor of the usual norm keeps little or no weight,
     the honest ones keep theirs; with the weight ramp at the anti-aligned bound's fraction (0.5)
-    and at the default's (0.3)."""
+    and at 0.3."""
     f, contribs = _direction_round()
     res = merge_and_publish(ObjectStore(f"memory://dir-{id(f)}"), "r", f, 2, contribs, "rda",
                             directions=DirectionCheck(reference=0.5, fraction=0.5, memory=1,
@@ -377,15 +377,18 @@ def test_merge_leaves_out_a_sign_flip_and_weights_down_a_constant(weight_fractio
 
 
 def test_the_weight_ramp_and_the_anti_aligned_bound_have_their_own_fractions():
-    """guard.direction_weight_fraction sets where the weight ramp ends (issue 47: at 0.5 it cut the
-    weight of 16-27% of honest full-speed learners' contributions on the heterogeneous fleet), while
-    guard.direction_fraction still sets the anti-aligned bound and turns the guard off."""
+    """guard.direction_weight_fraction sets where the weight ramp ends for a contribution of the usual
+    size, guard.direction_weight_size_power lowers it for a smaller one (issue 47: at 0.5 for every
+    size the ramp cut 20-32% of a tenth-speed learner's tokens), while guard.direction_fraction
+    still sets the anti-aligned bound and turns the guard off."""
     cfg = GuardConfig()
-    assert (cfg.direction_fraction, cfg.direction_weight_fraction) == (0.5, 0.3)
-    guard = DirectionGuard(GuardConfig(direction_warmup=1))
+    assert (cfg.direction_fraction, cfg.direction_weight_fraction, cfg.direction_weight_size_power) == (0.5, 0.5, 0.5)
+    guard = DirectionGuard(GuardConfig(direction_warmup=1, direction_weight_fraction=0.3,
+                                       direction_weight_size_power=0.0))
     guard.record(0.5, 1.0, 100)
     check = guard.check(LearnerDirections(4))
     assert (check.reference, check.fraction, check.weight()) == (0.5, 0.5, 0.3)
+    assert check.weight(0.25) == 0.3  # power 0: one fraction for every size
     assert direction_factor(0.16, check.reference, check.weight()) == 1.0  # 0.32 of the usual: full weight
     assert direction_factor(0.16, check.reference, check.fraction) == pytest.approx(0.64)  # the old ramp
     assert direction_factor(0.06, check.reference, check.weight()) == pytest.approx(0.4)
@@ -393,6 +396,25 @@ def test_the_weight_ramp_and_the_anti_aligned_bound_have_their_own_fractions():
     assert DirectionCheck(reference=0.5, fraction=0.5).weight() == 0.5  # no weight fraction given: the same
     assert DirectionCheck(reference=0.5, fraction=0.0, weight_fraction=0.3).weight() == 0.0  # guard off
     assert direction_factor(0.01, 0.5, DirectionCheck(fraction=0.5, weight_fraction=0.0).weight()) == 1.0
+
+
+def test_a_smaller_contribution_loses_weight_only_further_under_its_usual_cosine():
+    """With guard.direction_weight_size_power p, a contribution of a quarter of the usual c_tokens
+    loses weight under 0.5 x 0.25^p of the cosine usual for its size (cosine_at_size), one of the
+    usual size or more under 0.5; the default p = 0.5 halves the fraction at a quarter."""
+    guard = DirectionGuard(GuardConfig(direction_warmup=1))
+    guard.record(0.5, 1.0, 100)
+    check = guard.check(LearnerDirections(4))
+    assert check.size_power == 0.5 and check.reference_tokens == 100
+    r = check.token_ratio(25)
+    assert r == 0.25 and check.weight(r) == pytest.approx(0.25) and check.weight(check.token_ratio(400)) == 0.5
+    usual = cosine_at_size(0.5, 1.0, 0.25)  # what an honest quarter-size outer gradient shows: about 0.28
+    assert 0.27 < usual < 0.28
+    cos = 0.2 * usual  # a fifth of its usual agreement
+    assert direction_factor(cos, check.reference, check.weight(r), r) == pytest.approx(0.8)  # 0.2 / 0.25
+    assert direction_factor(cos, check.reference, 0.5, r) == pytest.approx(0.4)  # one fraction for all: 0.2 / 0.5
+    assert direction_factor(0.2 * 0.5, check.reference, check.weight(1.0), 1.0) == pytest.approx(0.4)
+    assert direction_factor(-0.01, check.reference, check.weight(r), r) == 0.0  # pointing away: none
 
 
 @pytest.mark.parametrize("weight_fraction", [None, 0.3])
@@ -420,26 +442,63 @@ def test_merge_weighs_a_weakly_agreeing_contribution_by_the_weight_ramp(weight_f
     assert (res.factors["weak"] == 1.0) == (weight_fraction == 0.3)
 
 
+@pytest.mark.parametrize("size_power", [0.0, 0.5])
+def test_merge_judges_a_smaller_contribution_by_the_ramp_of_its_size(size_power):
+    """A weakly agreeing contribution of a quarter of the usual c_tokens is judged against the
+    cosine usual for its size, under 0.5 x 0.25^size_power of it (merge_and_publish passes each
+    contribution's token ratio to DirectionCheck.weight)."""
+    from diloco_async.sync.state import Contribution
+
+    f, contribs = _direction_round()
+    honest = [c for c in contribs if c.ann.learner_id in ("a", "b", "c")]
+    trend = sum(c.delta["w"] for c in honest) / 3
+    torch.manual_seed(2)
+    weak = 0.04 * trend + torch.randn(64, 32) * float(trend.pow(2).mean().sqrt())
+    usual_tokens = honest[0].ann.c_tokens
+    weak_ann = honest[0].ann.model_copy(update={"learner_id": "weak", "key": "k/weak", "update_id": "u-weak",
+                                                "c_tokens": usual_tokens // 4})
+    res = merge_and_publish(ObjectStore(f"memory://dirs-{id(f)}-{size_power}"), "r", f, 2,
+                            [*honest, Contribution(weak_ann, {"w": weak})], "rda",
+                            directions=DirectionCheck(reference=0.5, fraction=0.5, memory=1,
+                                                      reference_tokens=usual_tokens, size_power=size_power))
+    assert res.ok, res.reason
+    cosine = res.cosines["weak"]
+    usual = cosine_at_size(0.5, 1.0, 0.25)
+    assert 0 < cosine < 0.5 * 0.5 * usual, res.cosines  # under both ramps
+    ramp = 0.5 * 0.25 ** size_power
+    assert res.factors["weak"] == pytest.approx(cosine / (ramp * usual))
+    assert res.factors["a"] == res.factors["b"] == res.factors["c"] == 1.0, res.cosines
+
+
 def test_a_run_stored_before_the_weight_ramp_had_its_own_field_resumes_as_it_was_trained():
     """A stored config.json without guard.direction_weight_fraction (runs before b578543) loads with
-    the ramp at direction_fraction, as it was trained, and hashes as it did then, so its checkpoints
-    verify; a new run at the default 0.3 hashes differently."""
+    the ramp at direction_fraction for every size, as it was trained, and hashes as it did then, so
+    its checkpoints verify; one stored with the fraction but without guard.direction_weight_size_power
+    loads with power 0; a new run at the defaults (power 0.5) hashes differently."""
     import hashlib
     import json
 
     from diloco_async.config.schema import Config, _training_dict, config_hash
 
     old = Config().public_dict()
-    del old["guard"]["direction_weight_fraction"]
+    del old["guard"]["direction_weight_fraction"], old["guard"]["direction_weight_size_power"]
     canonical = json.dumps(_training_dict(old), sort_keys=True, separators=(",", ":"))
     hash_then = hashlib.sha256(canonical.encode()).hexdigest()
     resumed = load_config(None, [], base=old)
     assert resumed.guard.direction_weight_fraction == resumed.guard.direction_fraction == 0.5
+    assert resumed.guard.direction_weight_size_power == 0.0
     assert config_hash(resumed) == hash_then
     assert "direction_weight_fraction" not in old["guard"]  # the caller's dict is left as it was
-    assert config_hash(Config()) != hash_then  # the new default (0.3) computes differently
-    again = load_config(None, ["guard.direction_weight_fraction=0.3"], base=old)  # an override still applies
-    assert again.guard.direction_weight_fraction == 0.3 and config_hash(again) == config_hash(Config())
+    assert config_hash(Config()) != hash_then  # the new default (power 0.5) computes differently
+    again = load_config(None, ["guard.direction_weight_size_power=0.5"], base=old)  # an override still applies
+    assert again.guard.direction_weight_size_power == 0.5 and config_hash(again) == config_hash(Config())
+    between = Config().public_dict()  # stored with the fraction (0.3 then) but before the power
+    between["guard"]["direction_weight_fraction"] = 0.3
+    del between["guard"]["direction_weight_size_power"]
+    canonical = json.dumps(_training_dict(between), sort_keys=True, separators=(",", ":"))
+    from_then = load_config(None, [], base=between)
+    assert (from_then.guard.direction_weight_fraction, from_then.guard.direction_weight_size_power) == (0.3, 0.0)
+    assert config_hash(from_then) == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def test_norm_guard_bound_scales_with_the_steps_a_contribution_covers():
