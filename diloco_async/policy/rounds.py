@@ -106,18 +106,21 @@ def schedule_rounds(
     next_rounds: Sequence[int] | Mapping[int, int],
     busy: Collection[int],
     waiting: Sequence[tuple[int, int]],
-    open_count: int,
-    max_open_rounds: int,
+    free_slots: int,
     sync_every: int,
     num_fragments: int | None = None,
+    awaited: Collection[int] = (),
 ) -> ScheduleDecision:
     """Which rounds become due at global step ``g`` and which of them open now (DESIGN §3.2).
 
     Fragment p (offset o_p = floor(p·H/P), P = ``len(next_rounds)``) has its round
     ``next_rounds[p]`` due when g ≥ o_p + n·H. A fragment with a round in flight (``busy``) or
     already ``waiting`` is skipped. When the learners ran ahead (slow merges, a resume) the newest
-    due round is queued instead of every missed one. Due rounds are ordered by due step, then
-    fragment, and open while fewer than τ = ``max_open_rounds`` rounds are open.
+    due round is queued instead of every missed one, except for a fragment in ``awaited``: late
+    contributions wait for its next round (DESIGN §3.5), which is queued (or a waiting one renumbered)
+    under that number, so that they join it instead of being abandoned with a skipped round. Due
+    rounds are ordered by due step, then fragment, and the first ``free_slots`` open (τ =
+    ``synchronizer.max_open_rounds`` less the rounds open now).
 
     Args:
         g: the global step (:func:`global_step`).
@@ -125,26 +128,25 @@ def schedule_rounds(
             round when the synchronizer (a shard, DESIGN §2.2) schedules only some of the fragments.
         busy: fragments with a round open or merging.
         waiting: rounds already due and waiting for a free slot.
-        open_count: rounds open now.
-        max_open_rounds: τ (≥ 1).
+        free_slots: rounds that may open now (τ less the rounds open; 0 or less: none).
         sync_every: H, inner steps between two rounds of one fragment.
         num_fragments: P of the offsets (None: ``len(next_rounds)``).
+        awaited: fragments whose next round has late contributions waiting for it.
     """
     num = len(next_rounds) if num_fragments is None else num_fragments
-    rounds = next_rounds.items() if isinstance(next_rounds, Mapping) else enumerate(next_rounds)
-    queue = list(waiting)
+    rounds = dict(next_rounds.items() if isinstance(next_rounds, Mapping) else enumerate(next_rounds))
+    queue = [(p, rounds[p]) if p in awaited and p in rounds else (p, m) for p, m in waiting]
     queued = {p for p, _ in queue}
     newly = 0
-    for p, n in rounds:
+    for p, n in rounds.items():
         off = fragment_offset(p, num, sync_every)
         if p not in busy and p not in queued and g >= round_due_step(off, n, sync_every):
-            queue.append((p, max(n, (g - off) // sync_every)))
+            queue.append((p, n if p in awaited else max(n, (g - off) // sync_every)))
             newly += 1
     queue.sort(key=lambda pn: (round_due_step(fragment_offset(pn[0], num, sync_every), pn[1], sync_every), pn[0]))
-    free = max(0, max_open_rounds - open_count)
+    free = max(0, free_slots)
     open_now, rest = tuple(queue[:free]), tuple(queue[free:])
-    reason = (f"g={g}: {newly} newly due, {len(open_now)} opened, {len(rest)} waiting "
-              f"({open_count}/{max_open_rounds} open before)")
+    reason = f"g={g}: {newly} newly due, {len(open_now)} opened, {len(rest)} waiting ({free} free slots before)"
     return ScheduleDecision(open_now, rest, reason)
 
 

@@ -70,6 +70,11 @@ class LateDesk:
         skipped = [c for m in sorted(m for q, m in self.parked if q == p and m < n) for c in self.take(p, m)[0]]
         return list(self.parked.pop((p, n), {}).values()), skipped
 
+    def awaited(self, next_rounds: Mapping[int, int]) -> set[int]:
+        """The fragments whose next round (``next_rounds``: fragment -> its number) has contributions
+        waiting for it: the schedule opens that round under its number (:func:`schedule_rounds`)."""
+        return {p for (p, n), waiting in self.parked.items() if waiting and next_rounds.get(p) == n}
+
     def take_all(self) -> list[Contribution]:
         """Every waiting contribution (their rounds will not open); none wait after."""
         out = [c for waiting in self.parked.values() for c in waiting.values()]

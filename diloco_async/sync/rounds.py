@@ -125,8 +125,9 @@ class RoundTable(ContributionDesk):
             log.warning("schedule out of reach of the live learners: %s", why)
         decision = schedule_rounds(g=g + shift, next_rounds={f.p: f.next_round for f in self.book},
                                    busy={f.p for f in self.book if f.busy}, waiting=self.waiting,
-                                   open_count=len(self.rounds), max_open_rounds=self.sc.max_open_rounds,
-                                   sync_every=self.sc.sync_every, num_fragments=num)
+                                   free_slots=self.sc.max_open_rounds - len(self.rounds),
+                                   sync_every=self.sc.sync_every, num_fragments=num,
+                                   awaited=self.late.awaited({f.p: f.next_round for f in self.book}))
         self.waiting = list(decision.waiting)
         for p, n in decision.open_now:
             self.open_round(self.book[p], n, now)

@@ -296,10 +296,13 @@ async def test_a_contribution_announced_after_its_round_closed_joins_the_next_ro
         assert (await status(client))["contributions_merged"] == 4
 
 
-async def test_a_late_contribution_waits_for_the_round_that_opens_next():
+@pytest.mark.parametrize("step", [8, 40])
+async def test_a_late_contribution_waits_for_the_round_that_opens_next(step):
     """Learner c's contribution to round 1 arrives once round 1 merged and before round 2 opens (the
     global step is short of its due step): it is accepted for round 2 and waits (DESIGN §3.5), is
-    admitted when round 2 opens, counts toward its quorum and merges there with a's, once only."""
+    admitted when round 2 opens, counts toward its quorum and merges there with a's, once only. When
+    the learners then run far ahead (step 40: round 10 is due), round 2 still opens under its number,
+    not round 10, which would leave c's abandoned with a skipped round."""
     cfg = small_config(**{"synchronizer.grace_enabled": "false"})
     async with running(cfg) as (_sync, client, store):
         plan = await round_1_merged_from_a_and_b(client, store)
@@ -311,7 +314,7 @@ async def test_a_late_contribution_waits_for_the_round_that_opens_next():
         st = await status(client)
         assert st["contributions_folded"] == 1 and st["contributions_late"] == 0 and round_of(st, 0, 2) is None
         for lid in LEARNERS:
-            assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
+            assert (await client.post("/heartbeat", json={"learner_id": lid, "step": step}, headers=AUTH)).status == 200
 
         async def round_2_open():
             return round_of(await status(client), 0, 2)

@@ -47,6 +47,8 @@ def test_a_late_contribution_waits_for_the_round_that_opens_next() -> None:
     assert desk.joins(_ann("a"), f, None, {}, None, True) is None  # one waits for round 2 already
     assert desk.joins(_ann("c"), f, None, {}, None, True) == 2
     assert [c.ann.slices for c in desk.waiting_contributions()] == [[7]]  # its slices are in flight
+    assert desk.awaited({0: 2, 1: 2}) == {0}  # the schedule opens round 2 of fragment 0 under its number
+    assert desk.awaited({0: 3}) == set()  # (round 2 is no longer the next one: nothing to keep)
     assert desk.take(1, 2) == ([], []) and desk.take(0, 2) == ([waiting], []) and desk.take(0, 2) == ([], [])
     desk.park(waiting)
     assert desk.take(0, 3) == ([], [waiting])  # round 2 was skipped: it never opens

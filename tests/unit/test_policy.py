@@ -234,7 +234,7 @@ def test_a_late_announcement_folds_into_the_next_open_round_only():
 
 def schedule(g, next_rounds, busy=(), waiting=(), open_count=0, tau=2, h=4):
     return schedule_rounds(g=g, next_rounds=next_rounds, busy=set(busy), waiting=list(waiting),
-                           open_count=open_count, max_open_rounds=tau, sync_every=h)
+                           free_slots=tau - open_count, sync_every=h)
 
 
 def test_schedule_follows_the_fragment_offsets():
@@ -257,6 +257,19 @@ def test_schedule_orders_by_due_step_and_waits_for_a_free_slot():
 def test_schedule_skips_ahead_to_the_newest_due_round():
     # the learners ran ahead to g = 40: fragment 0 opens round 10, not round 1
     assert schedule(40, [1, 1], tau=2).open_now == ((1, 9), (0, 10))
+
+
+def test_schedule_keeps_the_number_of_a_round_late_contributions_wait_for():
+    # late contributions wait for round 3 of fragment 0 (DESIGN §3.5): it opens as round 3, not 10,
+    # so that they join it instead of being abandoned with a skipped round; fragment 1 skips ahead
+    d = schedule_rounds(g=40, next_rounds=[3, 1], busy=set(), waiting=[], free_slots=2,
+                        sync_every=4, awaited={0})
+    assert d.open_now == ((0, 3), (1, 9))
+    # a round already queued under a newer number is renumbered when contributions start waiting
+    d = schedule_rounds(g=40, next_rounds=[3, 1], busy=set(), waiting=[(0, 10)], free_slots=0,
+                        sync_every=4, awaited={0})
+    assert d.open_now == () and d.waiting == ((0, 3), (1, 9))
+    assert schedule(40, [3, 1], busy=[0]).open_now == ((1, 9),)  # a busy fragment waits either way
 
 
 def test_budget_stop_reason():

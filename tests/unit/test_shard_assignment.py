@@ -63,9 +63,9 @@ def test_shards_is_a_training_field_and_s1_hashes_as_before_shards_existed():
 
 
 def test_a_shard_schedules_its_own_fragments_at_the_whole_plans_offsets():
-    full = schedule_rounds(g=5, next_rounds=[1, 1, 1, 1], busy=(), waiting=(), open_count=0, max_open_rounds=4,
+    full = schedule_rounds(g=5, next_rounds=[1, 1, 1, 1], busy=(), waiting=(), free_slots=4,
                            sync_every=4)
-    mine = schedule_rounds(g=5, next_rounds={1: 1, 3: 1}, busy=(), waiting=(), open_count=0, max_open_rounds=4,
+    mine = schedule_rounds(g=5, next_rounds={1: 1, 3: 1}, busy=(), waiting=(), free_slots=4,
                            sync_every=4, num_fragments=4)
     # offsets floor(p * 4 / 4) = p: at g = 5 fragments 0 and 1 are due (round 1 at 4 + p); fragment 1 at
     # the offset of a 2-fragment plan (2) would not be
