@@ -178,14 +178,14 @@ bench-paper: data
 ## the bars (benchmarks/het_bars.py): every learner's merged share of the tokens >= 0.8 x the share of
 ## the compute it had, compute goodput in compute available >= 0.9 x the full-speed fleet's. About 17 minutes.
 ## bench-exactly-once: leased slices under EXACTLY_ONCE_KILLS (default 20) learner SIGKILLs, some mid-upload,
-##                     on a corpus of EXACTLY_ONCE_SLICES (64) slices with a budget of EXACTLY_ONCE_EPOCHS (10)
-##                     corpora (benchmarks/exactly_once.py, issue 45): no slice trained twice in an epoch, none
+##                     on a corpus of EXACTLY_ONCE_SLICES (256) slices with a budget of EXACTLY_ONCE_EPOCHS (3)
+##                     corpora, learners at speed 0.03 (benchmarks/exactly_once.py, issue 45): no slice trained twice in an epoch, none
 ##                     lost, the summary agrees with the merge log, >= 1 kill confirmed mid-upload, >= 1 epoch
 ##                     with every slice trained in it. A few minutes.
 BENCH_DIR ?= .local/bench
 EXACTLY_ONCE_KILLS ?= 20
-EXACTLY_ONCE_SLICES ?= 64
-EXACTLY_ONCE_EPOCHS ?= 10
+EXACTLY_ONCE_SLICES ?= 256
+EXACTLY_ONCE_EPOCHS ?= 3
 EXACTLY_ONCE = $(PY) -m benchmarks.exactly_once --learner-kills $(EXACTLY_ONCE_KILLS) --slices $(EXACTLY_ONCE_SLICES) \
 	--epochs $(EXACTLY_ONCE_EPOCHS)
 HET_SEEDS ?= 0 1 2

@@ -163,12 +163,12 @@ def small_corpus(folder: Path, slices: int, slice_tokens: int = SLICE_TOKENS, ev
 
 
 def exactly_once_fields(workdir: Path, budget_tokens: int, corpus_url: str | None = None,
-                        slice_tokens: int = SLICE_TOKENS, learners: int = 3) -> dict:
+                        slice_tokens: int = SLICE_TOKENS, learners: int = 3, speed: float = SPEED) -> dict:
     """The fields over the kill matrix's config: leased slices, a token budget, no wall budget,
-    learners at :data:`SPEED`; on
+    learners at ``speed`` (``faults.speed_factors``); on
     ``corpus_url`` (a small text, tokens cached under ``workdir``) instead of Shakespeare when given."""
     fields: dict = {"data.slices": True, "data.slice_tokens": slice_tokens, "budget.tokens": budget_tokens,
-                    "budget.wall_s": None, "faults.speed_factors": [SPEED] * learners}
+                    "budget.wall_s": None, "faults.speed_factors": [speed] * learners}
     if corpus_url:
         fields |= {"data.source": "urls", "data.urls": [corpus_url], "data.token_cache_dir": str(workdir / "tokens")}
     return fields
@@ -176,9 +176,10 @@ def exactly_once_fields(workdir: Path, budget_tokens: int, corpus_url: str | Non
 
 def run_exactly_once(workdir: Path, learner_kills: int, budget_tokens: int, corpus_url: str | None = None, *,
                      seed: int = 45, timeout_s: float = 900.0, mid_upload_share: float = 0.4,
-                     fork_server: bool = True) -> tuple[KillMatrixResult, SliceAccount]:
-    """One run of three learners (module docstring) and its account (``fork_server``: :class:`KillMatrix`'s)."""
-    fields = exactly_once_fields(workdir, budget_tokens, corpus_url, learners=3)
+                     fork_server: bool = True, speed: float = SPEED) -> tuple[KillMatrixResult, SliceAccount]:
+    """One run of three learners at ``speed`` (module docstring) and its account (``fork_server``:
+    :class:`KillMatrix`'s)."""
+    fields = exactly_once_fields(workdir, budget_tokens, corpus_url, learners=3, speed=speed)
     kills = KillMatrix(workdir, seed, 3, fields=fields, fork_server=fork_server)
     res = kills.run_to_budget(learner_kills, timeout_s, mid_upload_share)
     procs = kills.run_procs
