@@ -28,7 +28,7 @@ import sys
 
 from benchmarks.args import chaos_logging, description, positive_float, positive_int, workdir_or_temp
 from benchmarks.bars import Bar, print_bars
-from diloco_async.chaos.exactly_once import SLICE_TOKENS, run_exactly_once, small_corpus
+from diloco_async.chaos.exactly_once import SLICE_TOKENS, exactly_once_fields, run_exactly_once, small_corpus
 
 #: the learners' emulated speed: at the tests' 0.1 a learner trains about 5 slices a second and holds
 #: every slice it trained until each fragment's next contribution named it, so 3 learners held most of
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         corpus = small_corpus(workdir / "corpus", args.slices)
         budget = int(args.epochs * args.slices * SLICE_TOKENS)
-        res, acc = run_exactly_once(workdir, args.learner_kills, budget, corpus, seed=args.seed, speed=args.speed)
+        fields = exactly_once_fields(workdir, budget, corpus, speed=args.speed)
+        res, acc = run_exactly_once(workdir, args.learner_kills, fields, seed=args.seed)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -174,12 +174,10 @@ def exactly_once_fields(workdir: Path, budget_tokens: int, corpus_url: str | Non
     return fields
 
 
-def run_exactly_once(workdir: Path, learner_kills: int, budget_tokens: int, corpus_url: str | None = None, *,
-                     seed: int = 45, timeout_s: float = 900.0, mid_upload_share: float = 0.4,
-                     fork_server: bool = True, speed: float = SPEED) -> tuple[KillMatrixResult, SliceAccount]:
-    """One run of three learners at ``speed`` (module docstring) and its account (``fork_server``:
-    :class:`KillMatrix`'s)."""
-    fields = exactly_once_fields(workdir, budget_tokens, corpus_url, learners=3, speed=speed)
+def run_exactly_once(workdir: Path, learner_kills: int, fields: dict, *, seed: int = 45, timeout_s: float = 900.0,
+                     mid_upload_share: float = 0.4, fork_server: bool = True) -> tuple[KillMatrixResult, SliceAccount]:
+    """One run of three learners (module docstring) with ``fields`` (:func:`exactly_once_fields`, for
+    3 learners) and its account (``fork_server``: :class:`KillMatrix`'s)."""
     kills = KillMatrix(workdir, seed, 3, fields=fields, fork_server=fork_server)
     res = kills.run_to_budget(learner_kills, timeout_s, mid_upload_share)
     procs = kills.run_procs

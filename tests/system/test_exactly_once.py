@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from diloco_async.chaos.exactly_once import (
     SLICE_TOKENS,
+    exactly_once_fields,
     merge_log_slices,
     run_exactly_once,
     small_corpus,
@@ -39,7 +40,7 @@ def _check(res, acc) -> None:
 
 
 def test_learner_kills_mid_upload_train_no_slice_twice_and_lose_none(tmp_path):
-    res, acc = run_exactly_once(tmp_path, learner_kills=3, budget_tokens=64 * SLICE_TOKENS, timeout_s=300,
+    res, acc = run_exactly_once(tmp_path, 3, exactly_once_fields(tmp_path, 64 * SLICE_TOKENS), timeout_s=300,
                                 mid_upload_share=0.67, fork_server=False)
     print(f"\nexactly once, Shakespeare: kills {res.learner_kills} ({res.mid_upload_confirmed} confirmed "
           f"mid-upload), {acc.counts()}")
@@ -54,7 +55,7 @@ def test_learner_kills_mid_upload_train_no_slice_twice_and_lose_none(tmp_path):
 
 def test_past_the_first_epoch_under_kills_no_slice_is_trained_twice_or_lost(tmp_path):
     corpus = small_corpus(tmp_path / "corpus", slices=16)
-    res, acc = run_exactly_once(tmp_path, learner_kills=2, budget_tokens=48 * SLICE_TOKENS, corpus_url=corpus,
+    res, acc = run_exactly_once(tmp_path, 2, exactly_once_fields(tmp_path, 48 * SLICE_TOKENS, corpus),
                                 timeout_s=300, mid_upload_share=1.0, fork_server=False)
     print(f"\nexactly once, full epoch: kills {res.learner_kills} ({res.mid_upload_confirmed} confirmed "
           f"mid-upload), {acc.counts()}")
