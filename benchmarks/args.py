@@ -54,6 +54,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def speed_factor(text: str) -> float:
+    """A number in (0, 1]: an emulated learner's speed (``faults.speed_factors``)."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"a speed factor is at most 1 (full speed), got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (seconds, where 0 turns a part off)."""
     value = _number(text, float)

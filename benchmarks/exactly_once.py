@@ -26,7 +26,7 @@ import argparse
 import shutil
 import sys
 
-from benchmarks.args import chaos_logging, description, positive_float, positive_int, workdir_or_temp
+from benchmarks.args import chaos_logging, description, positive_float, positive_int, speed_factor, workdir_or_temp
 from benchmarks.bars import Bar, print_bars
 from diloco_async.chaos.exactly_once import SLICE_TOKENS, exactly_once_fields, run_exactly_once, small_corpus
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slices", type=positive_int, default=256, help="slices of the corpus (1024 tokens each)")
     ap.add_argument("--epochs", type=positive_float, default=3.0, help="the token budget, in corpora")
     ap.add_argument("--seed", type=int, default=45)
-    ap.add_argument("--speed", type=positive_float, default=BENCH_SPEED,
+    ap.add_argument("--speed", type=speed_factor, default=BENCH_SPEED,
                     help="the learners' emulated speed (faults.speed_factors; default %(default)s)")
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)

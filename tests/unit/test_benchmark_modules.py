@@ -104,6 +104,17 @@ def test_positive_float_refuses_zero_negative_and_non_finite():
             positive_float(value)
 
 
+def test_a_speed_factor_is_in_zero_to_one():
+    import argparse
+
+    from benchmarks.args import speed_factor
+
+    assert speed_factor("0.03") == 0.03 and speed_factor("1") == 1.0
+    for value in ("0", "2", "-0.5", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            speed_factor(value)
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_benchmark_help_describes_it_in_a_whole_sentence(name):
     """`--help` showed the docstring's first line, which for hf_learner stopped mid-sentence
