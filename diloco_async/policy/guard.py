@@ -43,9 +43,9 @@ fewer tokens than ``T`` are brought to ``T`` the same way before the median. Its
 spreads wider around what is usual for its size: replayed on six merge logs of the heterogeneous
 fleet, a tenth-speed learner's tenth percentile sat at 0.02-0.19 of it, the full-speed learners'
 at 0.19-0.58. A ramp up to 0.5 for every size cut 20-32% of the slow learner's tokens, one up
-to 0.3 cut 9-19% but also made the failure-free run's model worse (its gap to DDP at equal
-tokens 1.031 against 1.023-1.025); the size power keeps 0.5 for the full-speed learners and
-lowers it to about 0.2 for the slow one (0.11-0.17 of the usual tokens). A sign flip or a
+to 0.3 for every size 9-19% but also weighted in the full-speed learners' weakest contributions;
+the size power keeps 0.5 for the full-speed learners and lowers it to about 0.2 for the slow one
+(0.11-0.17 of the usual tokens): bench-het 0.96 for it, against 0.92 at 0.3. A sign flip or a
 constant tensor sits at or under 0 either way, issue 47.) While
 three or more are judged and one points away from the rest (``cos_i ≤ 0``), the one pointing
 away most is taken out of the others' consensus and the rest judged again without it,
