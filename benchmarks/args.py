@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["description", "non_negative_float", "non_negative_int", "positive_float", "positive_int"]
+__all__ = ["description", "exit_on_sigterm", "non_negative_float", "non_negative_int", "positive_float",
+           "positive_int"]
 
 
 def description(doc: str | None) -> str:
@@ -74,6 +77,13 @@ def workdir_or_temp(workdir: str | None, prefix: str) -> Path:
     """``workdir`` as a path, or a new temporary folder named ``prefix…`` when it is None (the
     caller removes that one)."""
     return Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM to this benchmark exits through ``SystemExit(143)``, so the clean-up of the run it
+    drives (its ``finally`` blocks stop every process they started) runs; Python's default would end
+    this process alone and leave the synchronizer and learners running."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def chaos_logging() -> None:

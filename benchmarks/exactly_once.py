@@ -26,9 +26,23 @@ import argparse
 import shutil
 import sys
 
-from benchmarks.args import chaos_logging, description, positive_float, positive_int, speed_factor, workdir_or_temp
+from benchmarks.args import (
+    chaos_logging,
+    description,
+    exit_on_sigterm,
+    positive_float,
+    positive_int,
+    speed_factor,
+    workdir_or_temp,
+)
 from benchmarks.bars import Bar, print_bars
-from diloco_async.chaos.exactly_once import SLICE_TOKENS, exactly_once_fields, run_exactly_once, small_corpus
+from diloco_async.chaos.exactly_once import (
+    SLICE_TOKENS,
+    exactly_once_fields,
+    run_exactly_once,
+    shakespeare_slices,
+    small_corpus,
+)
 
 #: the learners' emulated speed: at the tests' 0.1 a learner trains about 5 slices a second and holds
 #: every slice it trained until each fragment's next contribution named it, so 3 learners held most of
@@ -48,13 +62,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the learners' emulated speed (faults.speed_factors; default %(default)s)")
     ap.add_argument("--workdir", default=None, help="store and logs (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
+    if args.epochs <= 1:  # the complete-epoch bar needs the budget to go past the first epoch
+        ap.error(f"argument --epochs: the budget must reach past the first epoch (more than 1), got {args.epochs:g}")
+    if args.slices > (most := shakespeare_slices()):
+        ap.error(f"argument --slices: the bundled Shakespeare holds {most} slices of {SLICE_TOKENS} tokens, "
+                 f"got {args.slices}")
     chaos_logging()
+    exit_on_sigterm()
     workdir = workdir_or_temp(args.workdir, "bench-exactly-once-")
     try:
         corpus = small_corpus(workdir / "corpus", args.slices)
         budget = int(args.epochs * args.slices * SLICE_TOKENS)
         fields = exactly_once_fields(workdir, budget, corpus, speed=args.speed)
         res, acc = run_exactly_once(workdir, args.learner_kills, fields, seed=args.seed)
+    except ValueError as err:  # refused before any process started: too few slices for the learners
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
+        return 2
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -42,7 +42,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from benchmarks.args import description, positive_float, positive_int
+from benchmarks.args import description, exit_on_sigterm, positive_float, positive_int
 from benchmarks.bars import Bar, print_bars
 from benchmarks.stats import mean_over_runs
 from diloco_async.codec import wire
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=positive_float, default=30.0, help="measured seconds per run (default 30)")
     ap.add_argument("--quick", action="store_true", help="one short run of each S, a small model (a test runs it)")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs run_scale's clean-up
+    exit_on_sigterm()  # a kill runs run_scale's clean-up
     extra = {"seconds": 4.0, "warmup_s": 3.0, "n_layer": 1, "d_model": 64} if args.quick else {"seconds": args.seconds}
     repeats = 1 if args.quick else args.repeats
     rates: dict[int, list[float]] = {1: [], 2: []}

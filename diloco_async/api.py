@@ -63,14 +63,14 @@ def _prepare(cfg: Config, say: Callable[[str], None]) -> None:
     """What the flows' prepare tasks do: Hub downloads and base models, the corpus, the token cache."""
     from diloco_async.data.sources import corpus_urls
     from diloco_async.data.tokens import open_corpus
-    from diloco_async.policy.slices import slice_count
+    from diloco_async.policy.slices import check_corpus_slices
     from diloco_async.prerequisites import prepare
 
     prepare(cfg, say=say)
     corpus_urls(cfg.data)
     corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
-    if cfg.data.slices:  # a corpus shorter than one slice is refused here, naming data.slice_tokens
-        slice_count(len(corpus.train), cfg.data.slice_tokens)
+    if cfg.data.slices:  # too few slices for the learners is refused here, naming data.slice_tokens
+        check_corpus_slices(cfg, len(corpus.train))
 
 
 def _run(run: Any, eval_start: tuple[float, float], on_status: Callable[[dict], None] | None,

@@ -325,6 +325,16 @@ def _tokens(cfg: Config) -> tuple[Any, str]:
                     f"{len(corpus.heldout):,} held-out tokens")
 
 
+def _slices(cfg: Config, corpus: Any) -> tuple[Any, str]:
+    """The leased slices of ``corpus`` (``data.slices``), checked as ``train`` checks them
+    (:func:`~diloco_async.policy.slices.check_corpus_slices`, same message)."""
+    from diloco_async.policy.slices import check_corpus_slices, slices_needed
+
+    n = check_corpus_slices(cfg, len(corpus.train))
+    need = slices_needed(cfg)
+    return n, f"{n} slices of {cfg.data.slice_tokens} tokens (at least {need} for {cfg.learners.count} learners)"
+
+
 def _model(cfg: Config) -> tuple[Any, str]:
     import torch
 
@@ -408,8 +418,9 @@ def validate_recipe(recipe: str | None, overrides: list[str] | None = None,
         if built_cfg is None:
             return checks
         files = _step(checks, "data", "data.urls" if cfg.data.source == "urls" else "data.source", _data, built_cfg)
-        if files is not None:
-            _step(checks, "tokenizer", "data.tokenizer", _tokens, built_cfg)
+        corpus = None if files is None else _step(checks, "tokenizer", "data.tokenizer", _tokens, built_cfg)
+        if corpus is not None and cfg.data.slices:
+            _step(checks, "slices", "data.slice_tokens", _slices, built_cfg, corpus)
         built = _step(checks, "model", "model", _model, built_cfg)
         if built is not None:
             _step(checks, "fragments", "synchronizer.num_fragments", _plan, cfg, *built)

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco_async.chaos.kill_matrix import KillMatrix, KillMatrixResult
-from diloco_async.policy.slices import SliceLedger, header_slices
+from diloco_async.data.tokens import open_corpus
+from diloco_async.policy.slices import SliceLedger, check_corpus_slices, header_slices
 from diloco_async.storage import keys
 from diloco_async.storage.checkpoint import latest_checkpoint
 from diloco_async.storage.store import ObjectStore
 
 __all__ = ["SliceAccount", "account", "exactly_once_fields", "merge_log_epochs", "merge_log_slices",
-           "run_exactly_once", "small_corpus", "version_slices"]
+           "run_exactly_once", "shakespeare_slices", "small_corpus", "version_slices"]
 
 #: tokens per slice: 4 inner steps of the kill matrix's learners (8 windows of 32 tokens)
 SLICE_TOKENS = 1024
@@ -149,13 +150,35 @@ def account(store: ObjectStore, run_id: str, epoch: str) -> SliceAccount:
         stop_reason=str(summary.get("stop_reason", "")), run_id=run_id, lifetime=epoch)
 
 
-def small_corpus(folder: Path, slices: int, slice_tokens: int = SLICE_TOKENS, eval_fraction: float = 0.05) -> str:
-    """A ``file://`` URL of a text cut from the bundled Shakespeare (``data/``) whose training split
-    (bytes tokenizer) holds ``slices`` slices of ``slice_tokens`` tokens and a little more."""
+def _shakespeare() -> bytes:
     from diloco_async.data.sources import ensure_shakespeare  # the corpus only for a small run
 
-    text = b"".join(p.read_bytes() for p in sorted(ensure_shakespeare(Path("data").resolve()).glob("*.txt")))
-    size = math.ceil((slices * slice_tokens + slice_tokens // 2) / (1 - eval_fraction))
+    return b"".join(p.read_bytes() for p in sorted(ensure_shakespeare(Path("data").resolve()).glob("*.txt")))
+
+
+def _corpus_bytes(slices: int, slice_tokens: int, eval_fraction: float) -> int:
+    """Bytes of a text whose training split (bytes tokenizer) holds ``slices`` slices and half one more."""
+    return math.ceil((slices * slice_tokens + slice_tokens // 2) / (1 - eval_fraction))
+
+
+def shakespeare_slices(slice_tokens: int = SLICE_TOKENS, eval_fraction: float = 0.05) -> int:
+    """The most slices of ``slice_tokens`` tokens :func:`small_corpus` can cut from the bundled Shakespeare."""
+    n = len(_shakespeare())
+    return max(s for s in range(n // slice_tokens + 1) if _corpus_bytes(s, slice_tokens, eval_fraction) <= n)
+
+
+def small_corpus(folder: Path, slices: int, slice_tokens: int = SLICE_TOKENS, eval_fraction: float = 0.05) -> str:
+    """A ``file://`` URL of a text cut from the bundled Shakespeare (``data/``) whose training split
+    (bytes tokenizer) holds ``slices`` slices of ``slice_tokens`` tokens and a little more.
+
+    Raises:
+        ValueError: Shakespeare is too short for ``slices`` slices (naming the most it holds).
+    """
+    text = _shakespeare()
+    size = _corpus_bytes(slices, slice_tokens, eval_fraction)
+    if size > len(text):
+        raise ValueError(f"{slices} slices of {slice_tokens} tokens need {size:,} bytes; the bundled Shakespeare "
+                         f"has {len(text):,} ({shakespeare_slices(slice_tokens, eval_fraction)} slices at most)")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "corpus.txt"
     path.write_bytes(text[:size])
@@ -177,8 +200,14 @@ def exactly_once_fields(workdir: Path, budget_tokens: int, corpus_url: str | Non
 def run_exactly_once(workdir: Path, learner_kills: int, fields: dict, *, seed: int = 45, timeout_s: float = 900.0,
                      mid_upload_share: float = 0.4, fork_server: bool = True) -> tuple[KillMatrixResult, SliceAccount]:
     """One run of three learners (module docstring) with ``fields`` (:func:`exactly_once_fields`, for
-    3 learners) and its account (``fork_server``: :class:`KillMatrix`'s)."""
+    3 learners) and its account (``fork_server``: :class:`KillMatrix`'s).
+
+    Raises:
+        ValueError: before any process starts, a corpus of too few slices for the learners
+            (:func:`~diloco_async.policy.slices.check_corpus_slices`)."""
     kills = KillMatrix(workdir, seed, 3, fields=fields, fork_server=fork_server)
+    cfg = kills.run_procs.cfg  # too few slices for the learners is refused before anything starts, as train does
+    check_corpus_slices(cfg, len(open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size).train))
     res = kills.run_to_budget(learner_kills, timeout_s, mid_upload_share)
     procs = kills.run_procs
     return res, account(procs.store, procs.run_id, str(procs.epoch))

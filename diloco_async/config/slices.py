@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["slice_conflicts", "check_slices", "drop_default_slice_fields"]
+__all__ = ["slice_conflicts", "check_slices", "drop_default_slice_fields", "step_tokens"]
+
+
+def step_tokens(cfg: Any) -> int:
+    """Tokens of one inner step of ``cfg``'s learner with the largest batch (``grad_accum_steps x
+    batch_size x context``)."""
+    lc = cfg.learners
+    return max(lc.grad_accum_steps * lc.batch_size_of(i) * cfg.model.context for i in range(lc.count))
 
 
 def slice_conflicts(cfg: Any) -> list[str]:
@@ -23,7 +30,7 @@ def slice_conflicts(cfg: Any) -> list[str]:
     if not d.slices:
         return []
     out = []
-    per_step = max(lc.grad_accum_steps * lc.batch_size_of(i) * cfg.model.context for i in range(lc.count))
+    per_step = step_tokens(cfg)
     if d.slice_tokens < per_step:
         out.append(f"data.slice_tokens={d.slice_tokens}: smaller than one batch of a learner "
                    f"(grad_accum_steps x batch_size x context = {per_step} tokens)")

@@ -50,7 +50,7 @@ from diloco_async.flows.tracking import MlflowSink, flatten_params
 from diloco_async.learner import TIMELINE_DIR_ENV
 from diloco_async.metrics.evaluation import heldout_loss, heldout_split, model_from_checkpoint
 from diloco_async.models import build_run_model
-from diloco_async.policy.slices import slice_count
+from diloco_async.policy.slices import check_corpus_slices
 from diloco_async.prerequisites import prepare
 from diloco_async.run import RunProcesses, next_incarnations
 from diloco_async.runtime.supervisor import Restart
@@ -82,8 +82,8 @@ def prepare_tokens(cfg: Config) -> dict:
     """Tokenize the corpus once into the token cache (training a BPE first if needed) and check the
     tokenizer against the model, before any process starts; bad data input fails here (no retries)."""
     corpus = open_corpus(cfg.data, cfg.model.context, model_vocab=cfg.model.vocab_size)
-    if cfg.data.slices:  # a corpus shorter than one slice is refused here, naming data.slice_tokens
-        slice_count(len(corpus.train), cfg.data.slice_tokens)
+    if cfg.data.slices:  # too few slices for the learners is refused here, naming data.slice_tokens
+        check_corpus_slices(cfg, len(corpus.train))
     return {"tokenizer": cfg.data.tokenizer, "vocab_size": corpus.vocab_size, "train_tokens": len(corpus.train),
             "heldout_tokens": len(corpus.heldout), "heldout_bytes": corpus.heldout_bytes,
             "corpus_manifest": corpus.manifest_url}

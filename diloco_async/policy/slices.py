@@ -37,9 +37,12 @@ import zlib
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from diloco_async.config.slices import step_tokens
 
 __all__ = ["SliceLedger", "SliceLease", "NEVER_REACHED", "LEASED", "TRAINED", "RETURNED", "slice_count",
-           "slice_header", "header_slices"]
+           "slice_header", "header_slices", "slices_needed", "check_corpus_slices"]
 
 NEVER_REACHED, LEASED, TRAINED, RETURNED = 0, 1, 2, 3
 _STATE_NAMES = {NEVER_REACHED: "never_reached", LEASED: "leased", TRAINED: "trained", RETURNED: "returned"}
@@ -58,6 +61,46 @@ def slice_count(train_tokens: int, slice_tokens: int) -> int:
     if n < 1:
         raise ValueError(f"data.slice_tokens={slice_tokens} is larger than the {train_tokens} training tokens: "
                          "not one slice")
+    return n
+
+
+#: slices a learner holds besides those it finished: the one in hand and the next
+#: (:data:`diloco_async.learner.slices.PREFETCH_SLICES` + 1)
+SLICES_BESIDE_FINISHED = 2
+
+
+def slices_needed(cfg: Any) -> int:
+    """The fewest slices a corpus must hold for ``cfg``'s learners (a
+    :class:`~diloco_async.config.schema.Config`): with fewer, they can hold every slice at once. A
+    finished slice is handed back only once each fragment's next contribution named it, and the
+    last fragment's first round opens after ``synchronizer.sync_every`` inner steps: so each learner
+    holds the slices of that many steps (in whole slices), and :data:`SLICES_BESIDE_FINISHED` more.
+    This is a floor, not a guarantee: with slow merges the learners can hold more (a finished
+    slice waits for contributions in flight too)."""
+    h_tokens = cfg.synchronizer.sync_every * step_tokens(cfg)
+    finished = -(-h_tokens // cfg.data.slice_tokens)
+    return cfg.learners.count * (finished + SLICES_BESIDE_FINISHED)
+
+
+def check_corpus_slices(cfg: Any, train_tokens: int) -> int:
+    """The slices of ``train_tokens`` training tokens under ``cfg`` (``data.slices`` on), checked
+    before anything starts: with fewer than :func:`slices_needed` the learners could hold every
+    slice, none would have one to step on, no round would open and nothing merged would let the next
+    epoch start (the run would stall without a word).
+
+    Raises:
+        ValueError: not one slice, or fewer than :func:`slices_needed`, naming ``data.slice_tokens``,
+            the corpus's tokens, the learners, the minimum and the largest slice that would do.
+    """
+    n = slice_count(train_tokens, cfg.data.slice_tokens)
+    need = slices_needed(cfg)
+    if n < need:
+        raise ValueError(
+            f"data.slice_tokens={cfg.data.slice_tokens}: the {train_tokens:,} training tokens make {n} slices, "
+            f"fewer than the {need} that {cfg.learners.count} learners can hold at once (each holds the slices "
+            f"of synchronizer.sync_every={cfg.synchronizer.sync_every} steps of {step_tokens(cfg)} tokens until "
+            f"every fragment's contribution named them, and {SLICES_BESIDE_FINISHED} more): every slice could be "
+            f"held with none left to train, and the run would stall. Use smaller slices, more data or fewer learners")
     return n
 
 

@@ -8,7 +8,19 @@ import random
 
 import pytest
 
-from diloco_async.policy.slices import LEASED, NEVER_REACHED, RETURNED, TRAINED, SliceLedger, slice_count
+from diloco_async.config.schema import load_config
+from diloco_async.learner.slices import PREFETCH_SLICES
+from diloco_async.policy.slices import (
+    LEASED,
+    NEVER_REACHED,
+    RETURNED,
+    SLICES_BESIDE_FINISHED,
+    TRAINED,
+    SliceLedger,
+    check_corpus_slices,
+    slice_count,
+    slices_needed,
+)
 
 
 class Clock:
@@ -35,6 +47,24 @@ def test_slice_count_and_bad_sizes() -> None:
         SliceLedger(3, 10).lease("a", -1, 0.0)
     with pytest.raises(ValueError, match="slice 3 outside"):
         SliceLedger(3, 10).tokens_of(3)
+
+
+def test_a_corpus_the_learners_could_hold_whole_is_refused() -> None:
+    """3 learners of 8 x 32 tokens a step, H = 8: each holds the 2 slices of 1,024 tokens it trains
+    over H steps until every fragment's contribution named them, and the one in hand and the next:
+    12 slices. With 11 every slice could be held with none left to step on (the run stalled without
+    a word, a new-user helper found), so it is refused before anything starts."""
+    cfg = load_config(None, ["data.slices=true", "learners.checkpoint_every_s=0", "learners.count=3",
+                             "learners.batch_size=8", "model.context=32", "synchronizer.sync_every=8",
+                             "data.slice_tokens=1024"])
+    assert SLICES_BESIDE_FINISHED == PREFETCH_SLICES + 1  # the one in hand and those the learner leases ahead
+    assert slices_needed(cfg) == 3 * (2 + 2)
+    assert check_corpus_slices(cfg, 12 * 1024 + 1) == 12
+    with pytest.raises(ValueError, match=r"data.slice_tokens=1024: the 12,288 training tokens make 11 slices, "
+                                         r"fewer than the 12 that 3 learners can hold at once"):
+        check_corpus_slices(cfg, 12 * 1024)
+    with pytest.raises(ValueError, match="data.slice_tokens=1024 is larger than the 1000 training tokens"):
+        check_corpus_slices(cfg, 1000)
 
 
 def test_leases_fresh_slices_in_stream_order_then_none() -> None:

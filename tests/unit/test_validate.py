@@ -34,6 +34,10 @@ def _broken_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "quorum above learners": (["synchronizer.min_quorum=9"], "synchronizer.min_quorum"),
         "more fragments than tensors": (["synchronizer.num_fragments=99"], "synchronizer.num_fragments"),
         "heads do not divide": (["model.n_head=5"], "model.d_model"),
+        "slice larger than the corpus": (["data.slices=true", "learners.checkpoint_every_s=0",
+                                          "data.slice_tokens=1000000000"], "data.slice_tokens"),
+        "fewer slices than the learners hold": (["data.slices=true", "learners.checkpoint_every_s=0",
+                                                 "data.slice_tokens=500000"], "data.slice_tokens"),
     }
 
 
