@@ -56,14 +56,24 @@ def folds_into_next(ann: Announcement, next_round: RoundState | None, settled_ke
             and ann.learner_id not in next_round.entries and settled_key is None)
 
 
-def parks_for_next(ann: Announcement, parked: Container[str], settled_key: str | None) -> bool:
+def parks_for_next(ann: Announcement, parked: Container[str], settled_key: str | None,
+                   progress_kept: bool = False, late_before: bool = True) -> bool:
     """Whether a late announcement waits for round ``ann.round_n + 1`` of its fragment, the round that
     opens next (none is open: round ``ann.round_n`` is merging, or merged and the next one waits for a
     slot), instead of being answered ``late`` (DESIGN §3.5, ``synchronizer.fold_late``). It does when
     its learner has none waiting there yet (``parked``: the learners that have) and had none settled in
     the closed round; the admission checks run at once against a fresh round and again when it opens.
+
+    A learner that keeps its progress on adoption (``progress_kept``: ``learners.adopt = "rebase"``)
+    still holds the progress of a contribution answered ``late`` in θ, and its next contribution
+    carries it, measured from the newer version. Merged a round later instead, the waiting outer
+    gradient is measured from an older base than the rest of its round (its anchored value also
+    takes back the outer step published since). So such a learner's contribution waits only when
+    its previous one to this fragment was late too (``late_before``): one late every time, a slow
+    learner, would otherwise never be merged. One that overwrites on adoption would lose that
+    progress: its contribution waits whenever it may.
     """
-    return ann.learner_id not in parked and settled_key is None
+    return ann.learner_id not in parked and settled_key is None and (late_before or not progress_kept)
 
 
 def admit_announcement(

@@ -109,6 +109,7 @@ class ContributionDesk:
         else:
             self._admitted(f, rnd, contrib)
         if n == announced_n:
+            self.late.answered(lid, p, late=False)
             return AnnouncementAck(status="accepted", reason=adm.reason)
         self.report.count("contributions_folded")
         self.settled[(lid, p, announced_n)] = ann.key  # a replay of it is a duplicate, never folded twice
@@ -180,6 +181,7 @@ class ContributionDesk:
         """Answer ``ann`` late (its round closed), counted and charged as thrown away."""
         self.registry.ledgers[ann.learner_id].count("late")
         self.report.count("contributions_late")
+        self.late.answered(ann.learner_id, ann.fragment, late=True)
         self._decided(ann.learner_id, ann.fragment, ann.round_n, "late", reason, ann)
         return AnnouncementAck(status="late", reason=reason)
 

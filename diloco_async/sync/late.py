@@ -24,13 +24,25 @@ class LateDesk:
 
     Args:
         enabled: ``synchronizer.fold_late``; off, every late contribution is answered ``late``.
+        joined_cap: how many (learner, fragment, round) -> joined round answers are kept for retries.
+        progress_kept: the learners keep their progress on adoption (``learners.adopt = "rebase"``).
     """
 
-    def __init__(self, enabled: bool, joined_cap: int = 4096) -> None:
+    def __init__(self, enabled: bool, joined_cap: int = 4096, progress_kept: bool = False) -> None:
         self.enabled = enabled
+        self.progress_kept = progress_kept  # learners.adopt = "rebase" (parks_for_next)
         self.parked: dict[tuple[int, int], dict[str, Contribution]] = {}  # (p, n) -> learner -> waiting for it
         # (learner, fragment, announced round) -> the round it joined, for the ack of a retry
         self.joined: BoundedMap[tuple[str, int, int], int] = BoundedMap(joined_cap)
+        self.late_last: set[tuple[str, int]] = set()  # (learner, fragment) whose last contribution was answered late
+
+    def answered(self, learner: str, p: int, late: bool) -> None:
+        """``learner``'s contribution to fragment ``p`` was answered ``late`` (``late``), or taken into
+        its round on time: whether its next late one may wait (:func:`parks_for_next`)."""
+        if late:
+            self.late_last.add((learner, p))
+        else:
+            self.late_last.discard((learner, p))
 
     def joins(self, ann: Announcement, f: FragmentState | None, rnd: Round | None,
               rounds: Mapping[tuple[int, int], Round], settled_key: str | None, may_wait: bool) -> int | None:
@@ -39,8 +51,9 @@ class LateDesk:
         Its round n (``rnd``: the round table's, None once gone) closed: gone, or merging without it.
         It joins round n + 1 when that round is open and takes it (:func:`folds_into_next`), or when
         round n + 1 is the one fragment ``f`` opens next, ``may_wait`` (the run is running: no round
-        opens once it stops) and it may wait for it (:func:`parks_for_next`). ``settled_key``: the key
-        its learner had settled in round n, if any."""
+        opens once it stops) and it may wait for it (:func:`parks_for_next`: with progress kept on
+        adoption, only when its previous contribution to the fragment was late too). ``settled_key``:
+        the key its learner had settled in round n, if any."""
         lid, p, n = ann.learner_id, ann.fragment, ann.round_n
         if not self.enabled or f is None or n >= f.next_round:
             return None
@@ -50,7 +63,8 @@ class LateDesk:
         if nxt is not None:
             return n + 1 if folds_into_next(ann, nxt.state, settled_key) else None
         opens_next = may_wait and f.next_round == n + 1
-        return n + 1 if opens_next and parks_for_next(ann, self.parked.get((p, n + 1), {}), settled_key) else None
+        return n + 1 if opens_next and parks_for_next(ann, self.parked.get((p, n + 1), {}), settled_key,
+                                                      self.progress_kept, (lid, p) in self.late_last) else None
 
     def joined_round(self, ann: Announcement, settled_key: str | None) -> int | None:
         """The round a repeat of ``ann`` joined (it was folded or waits), or None: a retry whose first

@@ -74,7 +74,7 @@ class RoundTable(ContributionDesk):
         self.ctx, self.sc = ctx, ctx.sc
         self.book, self.registry, self.report, self.push, self.life = book, registry, report, push, life
         self.rounds: dict[tuple[int, int], Round] = {}
-        self.late = LateDesk(self.sc.fold_late)  # late contributions: the round each joins (DESIGN §3.5)
+        self.late = LateDesk(self.sc.fold_late, progress_kept=ctx.cfg.learners.adopt == "rebase")  # DESIGN §3.5
         self.waiting: list[tuple[int, int]] = []  # due rounds waiting for a free slot
         self.settled: BoundedMap[tuple[str, int, int], str] = BoundedMap(settled_cap)  # -> the entry's key
         one = ctx.cfg.run.schedule == "replay"  # a replay verifies and merges one at a time, in order (DESIGN §3.2)

@@ -325,6 +325,40 @@ async def test_a_late_contribution_waits_for_the_round_that_opens_next(step):
         assert st["learners"]["c"]["contributions"] == {"merged": 1} and st["contributions_late"] == 0
 
 
+async def test_a_rebasing_learners_late_contribution_waits_only_after_a_late_one():
+    """With ``learners.adopt = "rebase"`` a learner keeps the progress of a contribution answered late
+    in θ and its next contribution carries it, measured from the newer version: so c's first late
+    contribution (round 1, merged without it) is answered late instead of waiting for round 2,
+    where it would be merged against a base one version older than the rest. Its next one, late
+    again (round 2 merged without it), waits for round 3: a learner late every time would
+    otherwise never be merged (DESIGN §3.5)."""
+    cfg = small_config(**{"synchronizer.grace_enabled": "false", "learners.adopt": '"rebase"'})
+    async with running(cfg) as (_sync, client, store):
+        plan = await round_1_merged_from_a_and_b(client, store)
+        body, ack = await contribute(client, store, "c", fragment_delta(plan, 3))  # round 2 not open yet
+        assert ack["status"] == "late" and "closed" in ack["reason"], ack
+        for lid in LEARNERS:
+            assert (await client.post("/heartbeat", json={"learner_id": lid, "step": 8}, headers=AUTH)).status == 200
+
+        async def round_2_open():
+            return round_of(await status(client), 0, 2)
+        await await_until(round_2_open, 30, "round (0, 2) to open")
+        ref = store.put(keys.contribution_key("run1", 0, 2, "b", uuid.uuid4().hex[:8]),
+                        wire.encode_to_bytes(fragment_delta(plan, 6), "fp32", {}))
+        b2 = dict(body, learner_id="b", round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes, sha256=ref.sha256,
+                  update_id=uuid.uuid4().hex[:8])
+        assert (await (await client.post("/announce", json=b2, headers=AUTH)).json())["status"] == "accepted"
+        await a_contributes_to_round_2(client, store, plan, body)  # the quorum of 2: round 2 merges without c
+        ref = store.put(keys.contribution_key("run1", 0, 2, "c", uuid.uuid4().hex[:8]),
+                        wire.encode_to_bytes(fragment_delta(plan, 5), "fp32", {}))
+        c2 = dict(body, round_n=2, base_version=1, key=ref.key, nbytes=ref.nbytes, sha256=ref.sha256,
+                  update_id=uuid.uuid4().hex[:8])
+        again = await (await client.post("/announce", json=c2, headers=AUTH)).json()
+        assert (again["status"], again["round_n"]) == ("accepted", 3) and "round 2 had closed" in again["reason"], again
+        st = await status(client)
+        assert st["contributions_late"] == 1 and st["contributions_folded"] == 1, st
+
+
 async def test_a_late_contribution_the_next_round_refuses_stays_late():
     """Folding never costs the learner its next round: a late contribution whose base round 2 no
     longer keeps (S = 0) is answered late, as without folding (not refused, which would also close

@@ -57,3 +57,19 @@ def test_a_late_contribution_waits_for_the_round_that_opens_next() -> None:
     desk.joined[("a", 0, 1)] = 2  # a retry of the one that joined round 2 learns that round
     assert desk.joined_round(_ann("a"), settled_key=_ann("a").key) == 2
     assert desk.joined_round(_ann("a"), settled_key="another key") is None
+
+
+def test_a_rebasing_learners_late_contribution_waits_only_when_its_last_one_was_late() -> None:
+    """With progress kept on adoption (``learners.adopt = "rebase"``) a late contribution waits only
+    when its learner's previous one to the fragment was answered late too; one taken on time
+    resets that. Without it (overwrite) every late one may wait, as before."""
+    f = SimpleNamespace(next_round=2)
+    rebasing = LateDesk(enabled=True, progress_kept=True)
+    assert rebasing.joins(_ann("a"), f, None, {}, None, True) is None  # its progress stays in θ: late
+    rebasing.answered("a", 0, late=True)
+    assert rebasing.joins(_ann("a"), f, None, {}, None, True) == 2  # late twice running: it waits
+    assert rebasing.joins(_ann("b"), f, None, {}, None, True) is None  # another learner's record is its own
+    rebasing.answered("a", 1, late=True)
+    rebasing.answered("a", 0, late=False)  # taken on time since
+    assert rebasing.joins(_ann("a"), f, None, {}, None, True) is None
+    assert LateDesk(enabled=True).joins(_ann("a"), f, None, {}, None, True) == 2  # overwriting learners wait
