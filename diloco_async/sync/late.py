@@ -38,7 +38,8 @@ class LateDesk:
 
     def answered(self, learner: str, p: int, late: bool) -> None:
         """``learner``'s contribution to fragment ``p`` was answered ``late`` (``late``), or taken into
-        its round on time: whether its next late one may wait (:func:`parks_for_next`)."""
+        its round on time: whether its next late one may wait (:func:`parks_for_next`). One that
+        waited or was folded leaves the record as it was (a learner late every time keeps waiting)."""
         if late:
             self.late_last.add((learner, p))
         else:
